@@ -1,0 +1,258 @@
+"""The ``fairgate`` command line: simulate, sweep and replay (typer + rich).
+
+Every error a user can cause (a bad file, key, value or option) prints one line naming the file and
+key or line, and exits with code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fairgate.core.policies.factory import POLICY_NAMES
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="GPU-time fair scheduling for multi-tenant LLM inference.")
+_WIDTH = None if sys.stdout.isatty() else 140  # tables stay whole when piped or captured
+console = Console(width=_WIDTH)
+error_console = Console(stderr=True, width=_WIDTH)
+T = TypeVar("T")
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the message names the option."""
+
+
+def _fail(message: str) -> typer.Exit:
+    error_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=2)
+
+
+def _guard(action: Callable[[], T]) -> T:
+    """Run ``action``, turning user errors into one line on stderr and exit code 2."""
+    from fairgate.sim.scenario import ScenarioError
+    from fairgate.sim.traces import TraceError
+
+    try:
+        return action()
+    except (ScenarioError, TraceError, UsageError) as exc:
+        raise _fail(str(exc)) from None
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"1-5"``, ``"1,3,7"`` or ``"4"`` -> seeds. Raises ``UsageError``."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        low, sep, high = part.partition("-") if "-" in part.lstrip("-") else (part, "", "")
+        try:
+            first, last = int(low), int(high) if sep else int(low)
+        except ValueError:
+            raise UsageError(f"--seeds {text!r}: expected N, N-M or a comma list such as 1,2,5") from None
+        if last < first:
+            raise UsageError(f"--seeds {text!r}: range {part!r} runs backwards")
+        seeds.extend(range(first, last + 1))
+    if not seeds or len(seeds) > 1000:
+        raise UsageError(f"--seeds {text!r}: give between 1 and 1000 seeds")
+    return seeds
+
+
+def parse_flood(items: list[str]) -> dict[str, float]:
+    """``["agent=4"]`` -> ``{"agent": 4.0}``. Raises ``UsageError``."""
+    flood: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = float("nan")
+        if not sep or not name or not factor > 0:
+            raise UsageError(f"--flood {item!r}: expected TENANT=MULTIPLIER with a multiplier > 0, e.g. agent=4")
+        flood[name] = factor
+    return flood
+
+
+def parse_policies(text: str) -> list[str]:
+    """``all`` or a comma list of policy names. Raises ``UsageError``."""
+    if text == "all":
+        return list(POLICY_NAMES)
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    for name in names:
+        if name not in POLICY_NAMES:
+            raise UsageError(f"--policy {name!r}: unknown policy; choose all or one of {', '.join(POLICY_NAMES)}")
+    if not names:
+        raise UsageError("--policy: give a policy name or all")
+    return names
+
+
+def _emit_json(document: dict[str, Any], target: str) -> None:
+    from fairgate.sim.report import dumps
+
+    text = dumps(document)
+    if target == "-":
+        sys.stdout.write(text + "\n")
+        return
+    try:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        Path(target).write_text(text + "\n")
+    except OSError as exc:
+        raise UsageError(f"--json {target}: cannot write: {exc.strerror or exc}") from None
+    error_console.print(f"wrote {target}")
+
+
+def _plot_dir(target: str) -> Path:
+    path = Path(target)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--plot {target}: exists and is not a directory")
+    return path
+
+
+Policy = Annotated[str, typer.Option("--policy", "-p", help="A policy name, a comma list, or all.")]
+JsonOut = Annotated[str | None, typer.Option("--json", help="Write JSON results to PATH, or - for stdout.")]
+PlotDir = Annotated[str | None, typer.Option("--plot", help="Write PNG plots into DIR.")]
+
+
+@app.command()
+def simulate(
+    scenario: Annotated[Path, typer.Argument(help="Scenario TOML file.")],
+    policy: Policy = "all",
+    seeds: Annotated[str, typer.Option(help="Workload seeds: N, N-M or a comma list.")] = "",
+    flood: Annotated[list[str], typer.Option(help="TENANT=MULTIPLIER on its offered load (repeatable).")] = [],  # noqa: B006
+    set_: Annotated[list[str], typer.Option("--set", help="Override a scenario key: KEY=VALUE (repeatable).")] = [],  # noqa: B006
+    engine: Annotated[str, typer.Option(help="compressed (fast) or reference (every iteration).")] = "compressed",
+    json_out: JsonOut = None,
+    plot: PlotDir = None,
+) -> None:
+    """Simulate a scenario's tenants on continuous-batching replicas under one or all policies."""
+    from fairgate.sim.experiment import ENGINES, run_policy
+    from fairgate.sim.plots import share_over_time
+    from fairgate.sim.report import print_table, results_json
+    from fairgate.sim.scenario import load_scenario
+
+    def run() -> None:
+        if engine not in ENGINES:
+            raise UsageError(f"--engine {engine!r}: choose compressed or reference")
+        policies = parse_policies(policy)
+        floods = parse_flood(flood)
+        loaded = load_scenario(scenario, set_)
+        names = [t.name for t in loaded.tenants]
+        for name in floods:
+            if name not in names:
+                raise UsageError(f"--flood {name}: no such tenant in {scenario} (tenants: {', '.join(names)})")
+        seed_list = parse_seeds(seeds) if seeds else [loaded.config.run.seed]
+        plot_dir = _plot_dir(plot) if plot else None
+        results = [run_policy(loaded, p, seed_list, floods, engine) for p in policies]
+        title = (f"{scenario}  seeds {seed_list[0]}..{seed_list[-1]} ({len(seed_list)})"
+                 + (f"  flood {floods}" if floods else ""))
+        print_table(error_console if json_out == "-" else console, title, results)
+        if json_out:
+            _emit_json(results_json(str(scenario), results, {"seeds": seed_list, "flood": floods}), json_out)
+        if plot_dir:
+            path = share_over_time(results, plot_dir / f"{loaded.name}_shares.png", title)
+            error_console.print(f"wrote {path}")
+
+    _guard(run)
+
+
+@app.command()
+def sweep(
+    scenario: Annotated[Path, typer.Argument(help="Scenario TOML file.")],
+    grid: Annotated[Path, typer.Option(help="Grid TOML file (axes to sweep).")],
+    jobs: Annotated[int, typer.Option(min=1, max=64, help="Worker processes.")] = 2,
+    json_out: JsonOut = None,
+    plot: PlotDir = None,
+) -> None:
+    """Run every configuration of a grid for each policy; report the worst max/min per policy."""
+    from statistics import fmean
+
+    from rich.table import Table
+
+    from fairgate.sim.plots import ratio_against
+    from fairgate.sim.scenario import load_raw
+    from fairgate.sim.sweep import configurations, load_grid, run_sweep
+
+    def run() -> None:
+        grid_config = load_grid(grid)
+        data = load_raw(scenario)
+        configs = configurations(grid_config, grid, scenario, data)
+        plot_dir = _plot_dir(plot) if plot else None
+        policies = grid_config.policy_names()
+        with Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=error_console, transient=False) as bar:
+            task = bar.add_task("configurations", total=len(configs))
+            result = run_sweep(grid_config, configs, scenario, jobs, lambda n: bar.advance(task, n))
+        table = Table(title=f"{len(configs):,} configurations x {len(policies)} policies "
+                            f"({len(grid_config.seeds)} seed(s) each)", title_justify="left")
+        for column in ("policy", "worst max/min", "mean max/min", "worst at"):
+            table.add_column(column)
+        for name in policies:
+            worst, where = result.worst(name)
+            table.add_row(name, f"{worst:.3f}", f"{fmean(result.ratios[name]):.3f}",
+                          ", ".join(f"{k}={v}" for k, v in where.items()))
+        (error_console if json_out == "-" else console).print(table)
+        if json_out:
+            _emit_json({"scenario": str(scenario), "grid": str(grid), **result.to_json()}, json_out)
+        if plot_dir:
+            for axis in grid_config.axis:
+                ratios = {p: result.by_axis(axis.key, p) for p in policies}
+                reduce_note = "" if len(grid_config.axis) == 1 else " (mean over the other axes)"
+                name = axis.key.replace("*", "all").replace(".", "_")
+                path = ratio_against(axis.values, ratios, plot_dir / f"sweep_{name}.png", axis.key,
+                                     f"{scenario.name}: max/min GPU share vs {axis.key}{reduce_note}")
+                error_console.print(f"wrote {path}")
+
+    _guard(run)
+
+
+@app.command()
+def replay(
+    traces: Annotated[list[Path], typer.Argument(help="Trace CSV files (NAME=PATH names the tenant).")],
+    format_: Annotated[str, typer.Option("--format", help="azure or burstgpt.")],
+    scenario: Annotated[Path, typer.Option(help="Scenario TOML with the replica and policy parameters.")],
+    tenant_by: Annotated[str, typer.Option(help="file, a column name (e.g. Model), or hash:N.")] = "file",
+    policy: Policy = "all",
+    speedup: Annotated[float, typer.Option(help="Divide trace time by this.")] = 1.0,
+    start: Annotated[float, typer.Option(help="Window start, s of trace time.")] = 0.0,
+    duration: Annotated[float | None, typer.Option(help="Window length, s of trace time (default: all).")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="Override a scenario key: KEY=VALUE.")] = [],  # noqa: B006
+    json_out: JsonOut = None,
+    plot: PlotDir = None,
+) -> None:
+    """Replay real request traces through one or all policies on a scenario's replicas."""
+    from fairgate.sim.experiment import run_workload
+    from fairgate.sim.plots import share_over_time
+    from fairgate.sim.report import print_table, results_json
+    from fairgate.sim.scenario import load_scenario
+    from fairgate.sim.traces import trace_workload
+
+    def run() -> None:
+        if format_ not in ("azure", "burstgpt"):
+            raise UsageError(f"--format {format_!r}: choose azure or burstgpt")
+        policies = parse_policies(policy)
+        loaded = load_scenario(scenario, set_, require_tenants=False)
+        plot_dir = _plot_dir(plot) if plot else None
+        workload, summary = trace_workload([str(t) for t in traces], format_, tenant_by, speedup, start, duration)
+        error_console.print(f"replaying {len(workload):,} requests of {len(workload.tenants)} tenant(s) over "
+                            f"{workload.duration_ns / 1e9:,.0f} s on {loaded.replicas} replica(s); "
+                            f"skipped {summary.skipped_failed} failed rows (0 output tokens)")
+        results = [run_workload(loaded, workload, p) for p in policies]
+        title = f"replay {', '.join(t.name for t in traces)} ({format_}, tenants by {tenant_by})"
+        print_table(error_console if json_out == "-" else console, title, results)
+        if json_out:
+            _emit_json(results_json(str(scenario), results, {"traces": [str(t) for t in traces]}), json_out)
+        if plot_dir:
+            stem = "_".join(t.stem for t in traces)[:80]
+            path = share_over_time(results, plot_dir / f"replay_{stem}_shares.png", title)
+            error_console.print(f"wrote {path}")
+
+    _guard(run)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,1 @@
+"""The scheduling policies and the factory that builds one by name."""

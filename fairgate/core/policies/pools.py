@@ -1,0 +1,63 @@
+"""Priority pools: interactive before batch before eval, each pool with its own fair policy.
+
+Source: seed 003 ("Interactive, batch, and evaluation tasks should be divided into priority pools;
+batch tasks can utilize idle capacity, but yield resources when interactive traffic resumes";
+"prioritize scheduling at the queuing stage" rather than preempting). A lower pool is asked only when
+every higher pool is empty or holds its requests; nothing running is preempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from fairgate.core.policy import Policy
+from fairgate.core.request import PRIORITIES, Request, RunningView
+
+
+class PriorityPools:
+    """Routes each tenant to its pool's policy; picks from the highest pool that yields a request.
+
+    Args:
+        priority_of: tenant -> pool name (one of ``PRIORITIES``).
+        make_pool: builds the policy for one pool (called once per pool in use).
+
+    Raises:
+        ValueError: a tenant names an unknown pool.
+    """
+
+    def __init__(self, priority_of: Mapping[str, str], make_pool: Callable[[], Policy]) -> None:
+        for tenant, priority in priority_of.items():
+            if priority not in PRIORITIES:
+                raise ValueError(f"tenant {tenant!r}: priority must be one of {PRIORITIES}, got {priority!r}")
+        self._priority_of = dict(priority_of)
+        used = [p for p in PRIORITIES if p in set(priority_of.values())] or [PRIORITIES[0]]
+        self._pools: dict[str, Policy] = {p: make_pool() for p in used}
+        self._ordered = [self._pools[p] for p in used]
+        self.name = self._ordered[0].name
+
+    def _pool(self, tenant: str) -> Policy:
+        return self._pools.get(self._priority_of.get(tenant, PRIORITIES[0]), self._ordered[0])
+
+    def enqueue(self, request: Request, now_ms: float) -> None:
+        self._pool(request.tenant).enqueue(request, now_ms)
+
+    def pick(self, now_ms: float, running: RunningView) -> Request | None:
+        for pool in self._ordered:
+            if pool.queued():
+                request = pool.pick(now_ms, running)
+                if request is not None:
+                    return request
+        return None
+
+    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> None:
+        self._pool(tenant).charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size)
+
+    def finish(self, request: Request, now_ms: float) -> None:
+        self._pool(request.tenant).finish(request, now_ms)
+
+    def wake_at(self, now_ms: float) -> float | None:
+        times = [t for t in (pool.wake_at(now_ms) for pool in self._ordered) if t is not None]
+        return min(times) if times else None
+
+    def queued(self) -> int:
+        return sum(pool.queued() for pool in self._ordered)

@@ -1,0 +1,132 @@
+"""Policies that hold requests back: per-tenant request and token quotas, and a per-tenant slot cap.
+
+All three choose first-come-first-served among the tenants they let through, so the only thing they
+change relative to FCFS is the limit (seed 002's "equal requests/min quota" and "slot cap" rows).
+"""
+
+from __future__ import annotations
+
+from fairgate.core.policy import QueuedPolicy
+from fairgate.core.ratelimit import TokenBucket
+from fairgate.core.request import RunningView
+
+_MS_PER_MINUTE = 60_000.0
+_EPSILON = 1e-9  # tolerance on bucket levels, so a wake-up computed in float is never a near miss
+
+
+class RequestQuota(QueuedPolicy):
+    """Each tenant may start ``requests_per_minute`` requests per minute (token bucket, capped burst).
+
+    Source: seed 002, "equal requests/min quota" (100 requests/min per tenant: max/min 6.87).
+
+    Args:
+        requests_per_minute: sustained admission rate per tenant (> 0).
+        burst_requests: bucket capacity per tenant (>= 1).
+    """
+
+    name = "request_quota"
+
+    def __init__(self, requests_per_minute: float, burst_requests: float = 1.0) -> None:
+        super().__init__()
+        if not requests_per_minute > 0:
+            raise ValueError(f"requests_per_minute must be > 0, got {requests_per_minute}")
+        if not burst_requests >= 1:
+            raise ValueError(f"burst_requests must be >= 1, got {burst_requests}")
+        self._rate_per_ms = requests_per_minute / _MS_PER_MINUTE
+        self._burst = float(burst_requests)
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def _bucket(self, tenant: str) -> TokenBucket:
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = TokenBucket(self._rate_per_ms, self._burst)
+        return bucket
+
+    def _select(self, now_ms: float, running: RunningView) -> str | None:
+        eligible = [t for t in self._queues if self._bucket(t).available(now_ms) >= 1.0 - _EPSILON]
+        return self._earliest(eligible) if eligible else None
+
+    def _on_pick(self, request, now_ms: float) -> None:  # type: ignore[no-untyped-def]
+        self._bucket(request.tenant).spend(1.0, now_ms)
+
+    def wake_at(self, now_ms: float) -> float | None:
+        if not self._queues:
+            return None
+        return min(self._bucket(t).ready_at(1.0 - _EPSILON, now_ms) for t in self._queues)
+
+
+class TokenQuota(QueuedPolicy):
+    """Each tenant may spend ``tokens_per_minute`` tokens (prompt + generated) per minute.
+
+    Prompt tokens are booked at admission, output tokens as they are generated (the bucket may go
+    into debt, since output length is unknown at admission). A tenant's head request is admitted once
+    its bucket holds the request's prompt tokens (capped at the burst).
+
+    Source: token-per-minute limits of hosted LLM APIs; the token bucket of ``core.ratelimit``.
+
+    Args:
+        tokens_per_minute: sustained rate per tenant (> 0).
+        burst_tokens: bucket capacity per tenant (> 0); default ten seconds' worth
+            (``tokens_per_minute / 6``), so unused quota never piles up.
+    """
+
+    name = "token_quota"
+
+    def __init__(self, tokens_per_minute: float, burst_tokens: float | None = None) -> None:
+        super().__init__()
+        if not tokens_per_minute > 0:
+            raise ValueError(f"tokens_per_minute must be > 0, got {tokens_per_minute}")
+        burst = tokens_per_minute / 6.0 if burst_tokens is None else float(burst_tokens)
+        if not burst > 0:
+            raise ValueError(f"burst_tokens must be > 0, got {burst_tokens}")
+        self._rate_per_ms = tokens_per_minute / _MS_PER_MINUTE
+        self._burst = burst
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def _bucket(self, tenant: str) -> TokenBucket:
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = TokenBucket(self._rate_per_ms, self._burst)
+        return bucket
+
+    def _need(self, tenant: str) -> float:
+        return min(float(self._queues[tenant][0].prompt_tokens), self._burst) - _EPSILON
+
+    def _select(self, now_ms: float, running: RunningView) -> str | None:
+        eligible = [t for t in self._queues if self._bucket(t).available(now_ms) >= self._need(t)]
+        return self._earliest(eligible) if eligible else None
+
+    def _on_pick(self, request, now_ms: float) -> None:  # type: ignore[no-untyped-def]
+        self._bucket(request.tenant).spend(request.prompt_tokens, now_ms)
+
+    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> None:
+        # Prompt tokens were taken at pick time; generated tokens are booked as they come.
+        self._bucket(tenant).book(output_tokens)
+
+    def wake_at(self, now_ms: float) -> float | None:
+        if not self._queues:
+            return None
+        return min(self._bucket(t).ready_at(self._need(t), now_ms) for t in self._queues)
+
+
+class SlotCap(QueuedPolicy):
+    """No tenant may hold more than ``max_running`` running sequences; FCFS among the rest.
+
+    Source: seed 002, "slot cap" (``max_batch / n`` = 6 per tenant: decode splits evenly, but prefill,
+    31.3 % of the machine, is uncapped, and the split scores 1.92).
+
+    Args:
+        max_running: running sequences allowed per tenant, across all replicas (>= 1).
+    """
+
+    name = "slot_cap"
+
+    def __init__(self, max_running: int) -> None:
+        super().__init__()
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            raise ValueError(f"max_running must be an integer >= 1, got {max_running!r}")
+        self._max_running = max_running
+
+    def _select(self, now_ms: float, running: RunningView) -> str | None:
+        eligible = [t for t in self._queues if running.running(t) < self._max_running]
+        return self._earliest(eligible) if eligible else None

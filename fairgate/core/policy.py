@@ -1,0 +1,125 @@
+"""The ``Policy`` protocol: one object decides who runs next, for the simulator and the gateway alike.
+
+Both drivers call the same methods in the same order (``shared/DESIGN.md``, "One policy object, two
+drivers"): ``enqueue`` when a request is handed over, ``pick`` whenever a slot is free (repeatedly, until
+it returns ``None`` or the slots are full), ``charge`` as work is spent (the prefill right after a
+request is picked, decode as iterations complete), ``finish`` when a request leaves its slot.
+
+Contract every policy keeps, on which the event-compressed engine relies:
+- ``pick`` returning ``None`` changes no state, and keeps returning ``None`` until the next ``enqueue``,
+  ``finish``, or until ``now_ms >= wake_at(now_ms)``; ``wake_at`` never overshoots the true time a held
+  request becomes eligible when nothing else happens.
+- ``pick`` returns ``None`` only for requests that are held (a quota, a cap); with a non-empty queue a
+  work-conserving policy always returns a request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol, runtime_checkable
+
+from fairgate.core.request import Request, RunningView
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the drivers need from a scheduling policy (see the module docstring for the contract)."""
+
+    name: str
+
+    def enqueue(self, request: Request, now_ms: float) -> None:
+        """Queue ``request`` (its tenant's queue); ``now_ms`` is the hand-over time."""
+
+    def pick(self, now_ms: float, running: RunningView) -> Request | None:
+        """The request to admit into a free slot now, removed from its queue; ``None``: hold the slot."""
+
+    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> None:
+        """Book work spent by ``tenant``: GPU ms, prompt tokens prefilled, output tokens generated.
+
+        ``batch_size`` is the number of running sequences the work was done at.
+        """
+
+    def finish(self, request: Request, now_ms: float) -> None:
+        """``request`` left its slot (finished, cancelled or failed)."""
+
+    def wake_at(self, now_ms: float) -> float | None:
+        """When a held request may become eligible (ms), or ``None`` if nothing is held by time."""
+
+    def queued(self) -> int:
+        """Requests waiting in this policy's queues."""
+
+
+class QueuedPolicy:
+    """Base for policies with one FIFO queue per tenant; subclasses choose the tenant to serve.
+
+    Subclasses implement ``_select(now_ms, running) -> tenant | None`` and may override the hooks
+    ``_on_backlogged`` (a tenant's queue became non-empty) and ``_on_idle`` (it became empty).
+    """
+
+    name = "queued"
+
+    def __init__(self) -> None:
+        # Only tenants with a non-empty queue are keys here, in the order they became backlogged.
+        self._queues: dict[str, deque[Request]] = {}
+        self._queued = 0
+
+    # --- protocol ------------------------------------------------------------------------------
+    def enqueue(self, request: Request, now_ms: float) -> None:
+        queue = self._queues.get(request.tenant)
+        if queue is None:
+            self._on_backlogged(request.tenant, now_ms)
+            queue = self._queues[request.tenant] = deque()
+        queue.append(request)
+        self._queued += 1
+
+    def pick(self, now_ms: float, running: RunningView) -> Request | None:
+        if not self._queued:
+            return None
+        tenant = self._select(now_ms, running)
+        if tenant is None:
+            return None
+        queue = self._queues[tenant]
+        request = queue.popleft()
+        self._queued -= 1
+        if not queue:
+            del self._queues[tenant]
+            self._on_idle(tenant, now_ms)
+        self._on_pick(request, now_ms)
+        return request
+
+    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> None:
+        return None
+
+    def finish(self, request: Request, now_ms: float) -> None:
+        return None
+
+    def wake_at(self, now_ms: float) -> float | None:
+        return None
+
+    def queued(self) -> int:
+        return self._queued
+
+    # --- for subclasses -------------------------------------------------------------------------
+    def _select(self, now_ms: float, running: RunningView) -> str | None:
+        raise NotImplementedError  # abstract: every concrete policy defines its choice
+
+    def _on_backlogged(self, tenant: str, now_ms: float) -> None:
+        return None
+
+    def _on_idle(self, tenant: str, now_ms: float) -> None:
+        return None
+
+    def _on_pick(self, request: Request, now_ms: float) -> None:
+        return None
+
+    def _earliest(self, tenants: object = None) -> str | None:
+        """The tenant whose head request arrived first (ties: lower request id), among ``tenants``
+        (an iterable of backlogged tenants; default all backlogged)."""
+        best: str | None = None
+        best_key: tuple[float, int] | None = None
+        for tenant in self._queues if tenants is None else tenants:  # type: ignore[union-attr]
+            head = self._queues[tenant][0]
+            key = (head.arrival_ms, head.request_id)
+            if best_key is None or key < best_key:
+                best, best_key = tenant, key
+        return best

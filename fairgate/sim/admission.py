@@ -1,0 +1,109 @@
+"""The admission step both engines share: hand arrivals to the policy, pick into free slots, book prefill.
+
+Arrivals are handed to the policy lazily, at the next scheduling point (a replica boundary with a
+free slot, or an idle replica) rather than at their arrival instant: no decision is made between the
+two, and it lets the event-compressed engine skip the iterations in between. ``Request.arrival_ms``
+keeps the true arrival time, so FCFS order is unaffected.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fairgate.core.cost import NS_PER_MS, CostModel
+from fairgate.core.policy import Policy
+from fairgate.core.request import Request, RunningView
+from fairgate.sim.result import SimResult
+from fairgate.sim.workload import Workload
+
+
+class Admission:
+    """Owns the policy-facing side of a run: delivery, picks, the running view, finishes."""
+
+    def __init__(self, workload: Workload, policy: Policy, cost: CostModel, result: SimResult) -> None:
+        self.workload = workload
+        self.policy = policy
+        self.cost = cost
+        self.result = result
+        self.view = RunningView()
+        self.delivered = 0  # requests [0, delivered) have been handed to the policy
+        self.requests: list[Request | None] = [None] * len(workload)
+        self.finished = 0  # requests that left their slot
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever the policy's state may have changed (a delivery, an admission, a finish)."""
+        return self.delivered + len(self.result.admissions) + self.finished
+
+    def has_undelivered_until(self, t_ns: int) -> bool:
+        """Has a request arrived by ``t_ns`` that the policy has not seen yet?"""
+        return self.delivered < len(self.workload) and self.workload.arrival_ns[self.delivered] <= t_ns
+
+    def next_undelivered_ns(self) -> int | None:
+        """Arrival time of the first request not yet handed to the policy."""
+        return self.workload.arrival_ns[self.delivered] if self.delivered < len(self.workload) else None
+
+    def deliver(self, t_ns: int) -> None:
+        """Hand every request that arrived by ``t_ns`` to the policy, in arrival order."""
+        workload, now_ms = self.workload, t_ns / NS_PER_MS
+        arrival_ns, n = workload.arrival_ns, len(workload)
+        while self.delivered < n and arrival_ns[self.delivered] <= t_ns:
+            i = self.delivered
+            request = Request(i, workload.tenants[workload.tenant_index[i]], workload.prompt_tokens[i],
+                              arrival_ns[i] / NS_PER_MS)
+            self.requests[i] = request
+            self.policy.enqueue(request, now_ms)
+            self.delivered += 1
+
+    def admit(self, t_ns: int, replica: int, free_slots: int, running_now: int) -> list[int]:
+        """Fill up to ``free_slots`` slots of ``replica`` at ``t_ns``; returns the admitted request ids.
+
+        Arrivals are handed over only when a slot is free (a full replica makes no decision). Books each
+        admitted request's prefill (GPU ms and prompt tokens) with the policy and in the result, as the
+        request is picked.
+        """
+        if free_slots <= 0:
+            return []
+        self.deliver(t_ns)
+        policy, result, workload, view = self.policy, self.result, self.workload, self.view
+        now_ms = t_ns / NS_PER_MS
+        admitted: list[int] = []
+        while free_slots > 0 and policy.queued():
+            request = policy.pick(now_ms, view)
+            if request is None:
+                break
+            i, tenant = request.request_id, request.tenant
+            view.by_tenant[tenant] = view.by_tenant.get(tenant, 0) + 1
+            prefill_ms = self.cost.prefill_ns(request.prompt_tokens) / NS_PER_MS
+            policy.charge(tenant, prefill_ms, request.prompt_tokens, 0, running_now + len(admitted) + 1)
+            k = workload.tenant_index[i]
+            result.tenant_gpu_ms[k] += prefill_ms
+            result.tenant_prefill_ms[k] += prefill_ms
+            result.request_gpu_ms[i] += prefill_ms
+            result.admit_ns[i] = t_ns
+            result.admissions.append((i, replica, t_ns))
+            admitted.append(i)
+            free_slots -= 1
+        return admitted
+
+    def finish(self, request_id: int, t_ns: int) -> None:
+        """Request ``request_id`` generated its last token at the boundary ``t_ns``."""
+        request = self.requests[request_id]
+        assert request is not None
+        self.view.by_tenant[request.tenant] -= 1
+        self.finished += 1
+        self.result.finish_ns[request_id] = t_ns
+        self.policy.finish(request, t_ns / NS_PER_MS)
+
+    def wake_ns(self, t_ns: int) -> int | None:
+        """When a held request may become eligible (integer ns, > ``t_ns``), or ``None``."""
+        if not self.policy.queued():
+            return None
+        wake_ms = self.policy.wake_at(t_ns / NS_PER_MS)
+        if wake_ms is None:
+            return None
+        return max(math.ceil(wake_ms * NS_PER_MS), t_ns + 1)
+
+    def sample(self, t_ns: int) -> None:
+        """Append a timeline point (cumulative GPU ms per tenant) at ``t_ns``."""
+        self.result.timeline.append((t_ns, list(self.result.tenant_gpu_ms)))

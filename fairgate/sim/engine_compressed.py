@@ -1,0 +1,203 @@
+"""The event-compressed engine: same results as ``engine_reference``, without visiting every iteration.
+
+Between two scheduling events a replica's batch is constant, so every iteration there lasts
+``dt = iter_base + iter_slope * B`` and charges each running sequence ``dt / B``. The engine keeps, per
+replica, a *segment*: the head iteration started at the last event (with its prefill), then identical
+decode iterations. It jumps straight to the next boundary where something can change:
+
+- a sequence finishes (its finishing iteration index is known at admission: N output tokens, N
+  iterations);
+- a slot is free and a request the policy has not seen arrives, a held request may wake up, or the
+  policy's state changed since this replica last asked it (another replica admitted or finished);
+- the run's end.
+
+Charges of skipped iterations are booked in bulk (``k`` iterations x ``n`` sequences of a tenant) just
+before anything reads them, so the policy sees the same counters at every decision. Time is integer
+ns, so boundaries computed as ``head + k * dt`` equal the reference's repeated additions exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from fairgate.core.cost import NS_PER_MS, CostModel
+from fairgate.core.policy import Policy
+from fairgate.sim.admission import Admission
+from fairgate.sim.engine_reference import SAMPLE_EVERY_NS
+from fairgate.sim.result import SimResult
+from fairgate.sim.workload import Workload
+
+
+class _Replica:
+    """One replica's segment (see module docstring)."""
+
+    __slots__ = ("index", "busy", "stopped", "size", "dt", "per_sequence_ms", "head_end", "head_iteration",
+                 "accounted_end", "accounted_iterations", "slot_charge_ms", "tenant_running", "finishes",
+                 "epoch_seen")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.busy = False
+        self.stopped = False
+        self.size = 0  # running sequences (B)
+        self.dt = 0  # decode-only iteration time at B, ns
+        self.per_sequence_ms = 0.0
+        self.head_end = 0  # end of the segment's first iteration, ns
+        self.head_iteration = 0  # index of that iteration on this replica (1-based)
+        self.accounted_end = 0  # end of the last iteration whose charges are booked, ns
+        self.accounted_iterations = 0
+        self.slot_charge_ms = 0.0  # cumulative charge of one slot over the booked iterations
+        self.tenant_running: dict[int, int] = {}  # tenant index -> running sequences here
+        self.finishes: list[tuple[int, int]] = []  # heap of (finishing iteration, request id)
+        self.epoch_seen = -1
+
+    def boundary_at_or_after(self, t: int) -> int:
+        if t <= self.head_end:
+            return self.head_end
+        return self.head_end - (-(t - self.head_end) // self.dt) * self.dt
+
+    def is_boundary(self, t: int) -> bool:
+        return t == self.head_end or (t > self.head_end and (t - self.head_end) % self.dt == 0)
+
+
+def run_compressed(workload: Workload, cost: CostModel, policy: Policy, replicas: int = 1) -> SimResult:
+    """Simulate ``workload`` like ``run_reference`` does, jumping over uneventful iterations.
+
+    Returns:
+        The run's ``SimResult``, equal to the reference engine's (decisions and times exactly,
+        charges to float rounding).
+    """
+    workload.check()
+    result = SimResult.empty(workload, replicas)
+    admission = Admission(workload, policy, cost, result)
+    duration_ns = workload.duration_ns
+    tenants, tenant_index = workload.tenants, workload.tenant_index
+    prompt_tokens, output_tokens = workload.prompt_tokens, workload.output_tokens
+    tenant_gpu_ms, tenant_decode_tokens = result.tenant_gpu_ms, result.tenant_decode_tokens
+    reps = [_Replica(r) for r in range(replicas)]
+    admitted_iteration = [0] * len(workload)  # iterations booked on its replica before it joined
+    slot_charge_at_admit = [0.0] * len(workload)
+    max_batch = cost.max_batch
+
+    def book(rep: _Replica, upto: int, inclusive: bool) -> None:
+        """Book every iteration of ``rep`` ending before ``upto`` (or at it, if ``inclusive``)."""
+        if not rep.busy:
+            return
+        first = rep.head_end if rep.accounted_iterations < rep.head_iteration else rep.accounted_end + rep.dt
+        if upto < first or (upto == first and not inclusive):
+            return
+        span = upto - first
+        k = span // rep.dt + 1
+        if not inclusive and span % rep.dt == 0:
+            k -= 1
+        size, per = rep.size, rep.per_sequence_ms
+        for k_tenant, running in rep.tenant_running.items():
+            tokens = k * running
+            ms = tokens * per
+            policy.charge(tenants[k_tenant], ms, 0, tokens, size)
+            tenant_gpu_ms[k_tenant] += ms
+            tenant_decode_tokens[k_tenant] += tokens
+        rep.slot_charge_ms += k * per
+        rep.accounted_iterations += k
+        rep.accounted_end = first + (k - 1) * rep.dt
+        result.busy_ns[rep.index] += k * rep.dt
+        result.iterations[rep.index] += k
+
+    def finish_due(rep: _Replica, t: int) -> None:
+        finishes = rep.finishes
+        while finishes and finishes[0][0] == rep.accounted_iterations:
+            _, i = heapq.heappop(finishes)
+            settle_request(rep, i)
+            k_tenant = tenant_index[i]
+            left = rep.tenant_running[k_tenant] - 1
+            if left:
+                rep.tenant_running[k_tenant] = left
+            else:
+                del rep.tenant_running[k_tenant]
+            rep.size -= 1
+            admission.finish(i, t)
+        assert not finishes or finishes[0][0] > rep.accounted_iterations, "a finish was skipped"
+
+    def settle_request(rep: _Replica, i: int) -> None:
+        result.request_gpu_ms[i] += rep.slot_charge_ms - slot_charge_at_admit[i]
+        result.generated_tokens[i] = rep.accounted_iterations - admitted_iteration[i]
+
+    def admit_and_start(rep: _Replica, t: int) -> None:
+        admitted = admission.admit(t, rep.index, max_batch - rep.size, rep.size)
+        rep.epoch_seen = admission.epoch
+        prefill_tokens = 0
+        for i in admitted:
+            k_tenant = tenant_index[i]
+            rep.tenant_running[k_tenant] = rep.tenant_running.get(k_tenant, 0) + 1
+            prefill_tokens += prompt_tokens[i]
+            admitted_iteration[i] = rep.accounted_iterations
+            slot_charge_at_admit[i] = rep.slot_charge_ms
+            heapq.heappush(rep.finishes, (rep.accounted_iterations + output_tokens[i], i))
+        rep.size += len(admitted)
+        if rep.size == 0:
+            rep.busy = False
+            return
+        rep.busy = True
+        rep.dt = cost.decode_ns(rep.size)
+        rep.per_sequence_ms = rep.dt / rep.size / NS_PER_MS
+        prefill_ns = cost.prefill_ns(prefill_tokens)
+        rep.head_end = t + rep.dt + prefill_ns
+        rep.head_iteration = rep.accounted_iterations + 1
+        rep.accounted_end = t
+        result.busy_ns[rep.index] += prefill_ns
+        for i in admitted:
+            result.first_token_ns[i] = rep.head_end
+
+    def next_event(rep: _Replica, now: int, wake: int | None) -> int:
+        dt, head_end, head_iteration = rep.dt, rep.head_end, rep.head_iteration
+        best = rep.boundary_at_or_after(duration_ns)
+        if rep.finishes:
+            best = min(best, head_end + (rep.finishes[0][0] - head_iteration) * dt)
+        if rep.size < max_batch:
+            arrival = admission.next_undelivered_ns()
+            if arrival is not None:
+                best = min(best, rep.boundary_at_or_after(max(arrival, now + 1)))
+            if policy.queued():
+                if rep.epoch_seen != admission.epoch:
+                    best = min(best, rep.boundary_at_or_after(now + 1))
+                if wake is not None:
+                    best = min(best, rep.boundary_at_or_after(max(wake, now + 1)))
+        return best
+
+    now = -1
+    wake: int | None = None
+    next_sample = 0
+    while True:
+        candidates = [next_event(rep, now, wake) for rep in reps if rep.busy]
+        if any(not rep.busy and not rep.stopped for rep in reps):
+            arrival = admission.next_undelivered_ns()
+            if arrival is not None:
+                candidates.append(max(arrival, now + 1))
+            if wake is not None and wake < duration_ns:
+                candidates.append(wake)
+        if not candidates:
+            break
+        now = min(candidates)
+        for rep in reps:
+            book(rep, now, inclusive=False)
+        for rep in reps:
+            if rep.busy and rep.is_boundary(now):
+                book(rep, now, inclusive=True)
+                finish_due(rep, now)
+                if now < duration_ns:
+                    admit_and_start(rep, now)
+                else:
+                    rep.busy, rep.stopped = False, True
+        if now < duration_ns:
+            for rep in reps:
+                if not rep.busy and not rep.stopped and (admission.has_undelivered_until(now) or policy.queued()):
+                    admit_and_start(rep, now)
+        wake = admission.wake_ns(now)
+        if now >= next_sample:
+            admission.sample(now)
+            next_sample = now + SAMPLE_EVERY_NS
+    for rep in reps:
+        for _, i in rep.finishes:
+            settle_request(rep, i)
+    admission.sample(max(now, 0))
+    return result

@@ -1,0 +1,44 @@
+"""A workload: the requests a simulation replays, in arrival order.
+
+Plain columns (Python lists, for fast scalar access in the engines): request ``i`` arrives at
+``arrival_ns[i]`` for tenant ``tenants[tenant_index[i]]`` with ``prompt_tokens[i]`` to prefill and will
+generate ``output_tokens[i]`` tokens (known to the simulator, never to a policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Workload:
+    """Requests sorted by arrival time (ties keep index order).
+
+    Attributes:
+        tenants: tenant names; ``tenant_index`` points into it.
+        arrival_ns: arrival times, integer ns from the start of the run.
+        tenant_index: tenant of each request.
+        prompt_tokens: prompt tokens of each request (>= 0).
+        output_tokens: tokens each request generates (>= 1).
+        duration_ns: arrivals lie in ``[0, duration_ns)``; no iteration starts at or after it.
+    """
+
+    tenants: list[str]
+    arrival_ns: list[int] = field(default_factory=list)
+    tenant_index: list[int] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    duration_ns: int = 0
+
+    def __len__(self) -> int:
+        return len(self.arrival_ns)
+
+    def check(self) -> None:
+        """Assert the invariants above (programmer errors, not user input)."""
+        n = len(self.arrival_ns)
+        assert len(self.tenant_index) == len(self.prompt_tokens) == len(self.output_tokens) == n
+        assert all(a <= b for a, b in zip(self.arrival_ns, self.arrival_ns[1:])), "arrivals not sorted"
+        assert all(0 <= i < len(self.tenants) for i in self.tenant_index)
+        assert all(p >= 0 for p in self.prompt_tokens)
+        assert all(o >= 1 for o in self.output_tokens)
+        assert self.duration_ns > 0

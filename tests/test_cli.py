@@ -1,0 +1,126 @@
+"""The command line, run as a user runs it: a real subprocess, real files, exit codes and messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = REPO / "scenarios" / "seed.toml"
+
+
+def fairgate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fairgate", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def bad(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    return path
+
+
+SEED_TEXT = SEED.read_text()
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda s: s.replace("max_batch = 24", "max_batch = 0"), "replica.max_batch"),
+    (lambda s: s.replace("max_batch = 24", "max_bach = 24"), "replica.max_bach: unknown key"),
+    (lambda s: s.replace("duration_s = 120", 'duration_s = "long"'), "run.duration_s"),
+    (lambda s: s.replace("mean = 23.7", "mean = -2"), "tenant[0].output.mean"),
+    (lambda s: s.replace('dist = "lognormal", mean = 23.7', 'dist = "gamma", mean = 23.7'), "tenant[0].output"),
+    (lambda s: s.replace("offered_ms_per_s = 750", "offered_ms_per_s = -1", 1), "tenant[0].offered_ms_per_s"),
+    (lambda s: s.split("[[tenant]]")[0], "no tenants"),
+    (lambda s: s + "\n[bogus]\nx = 1\n", "bogus: unknown key"),
+    (lambda s: s.replace("[run]", "[run"), "not valid TOML"),
+])
+def test_bad_scenario_is_one_line_exit_2(tmp_path, edit, expected):
+    path = bad(tmp_path, edit(SEED_TEXT))
+    done = fairgate("simulate", str(path), "--policy", "fcfs")
+    assert done.returncode == 2, done.stderr
+    assert expected in done.stderr and str(path) in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--policy", "fifo"], "--policy 'fifo': unknown policy"),
+    (["--seeds", "5-1"], "runs backwards"),
+    (["--seeds", "x"], "--seeds 'x'"),
+    (["--flood", "agent"], "--flood 'agent'"),
+    (["--flood", "nobody=2"], "no such tenant"),
+    (["--set", "replica.max_batch"], "expected KEY=VALUE"),
+    (["--set", "tenant.nobody.weight=2"], "no tenant named 'nobody'"),
+    (["--engine", "turbo"], "--engine 'turbo'"),
+])
+def test_bad_options_exit_2(args, expected):
+    done = fairgate("simulate", str(SEED), "--policy", "fcfs", *args) if args[0] != "--policy" else \
+        fairgate("simulate", str(SEED), *args)
+    assert done.returncode == 2, done.stderr
+    assert expected in done.stderr and "Traceback" not in done.stderr
+
+
+def test_missing_scenario_file(tmp_path):
+    done = fairgate("simulate", str(tmp_path / "nope.toml"))
+    assert done.returncode == 2 and "file not found" in done.stderr
+
+
+def test_simulate_json_and_plot(tmp_path):
+    out = tmp_path / "out.json"
+    done = fairgate("simulate", str(SEED), "--policy", "fcfs,gpu_fair", "--seeds", "1-2", "--set",
+                    "run.duration_s=30", "--json", str(out), "--plot", str(tmp_path / "plots"))
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    assert document["scenario"].endswith("seed.toml")
+    policies = {r["policy"]: r for r in document["results"]}
+    assert set(policies) == {"fcfs", "gpu_fair"}
+    gpu_fair = policies["gpu_fair"]
+    assert gpu_fair["busy_ms"] == pytest.approx(gpu_fair["charged_ms"], rel=1e-9)
+    assert len(gpu_fair["per_seed"]) == 2 and gpu_fair["max_min_ratio"] < 1.05
+    tenant = gpu_fair["tenants"][0]
+    assert set(tenant) == {"name", "gpu_ms", "gpu_share", "prefill_ms", "decode_tokens", "requests_finished",
+                           "mean_output_tokens", "ttft_ms"}
+    assert sum(t["gpu_share"] for t in gpu_fair["tenants"]) == pytest.approx(1.0)
+    assert (tmp_path / "plots" / "seed_shares.png").stat().st_size > 10_000
+    assert "max/min" in done.stdout
+
+
+def test_json_to_stdout_is_pure_json():
+    done = fairgate("simulate", str(SEED), "--policy", "vtc", "--set", "run.duration_s=10", "--json", "-")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["results"][0]["policy"] == "vtc"
+
+
+def test_sweep_small_grid(tmp_path):
+    grid = tmp_path / "grid.toml"
+    grid.write_text('policies = ["fcfs", "gpu_fair"]\nlong_tenants = ["agent"]\n'
+                    '[[axis]]\nkey = "flood.agent"\nvalues = [1, 4]\n'
+                    '[[axis]]\nkey = "spread"\nvalues = [1, 2]\n'
+                    '[[axis]]\nkey = "run.duration_s"\nvalues = [20]\n')
+    out = tmp_path / "sweep.json"
+    done = fairgate("sweep", str(SEED), "--grid", str(grid), "--jobs", "2", "--json", str(out),
+                    "--plot", str(tmp_path / "p"))
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    assert len(document["configurations"]) == 4
+    assert document["policies"]["gpu_fair"]["worst_max_min_ratio"] < 1.2  # 20 s runs: long outputs still in flight
+    assert document["policies"]["fcfs"]["worst_max_min_ratio"] > 3.0
+    assert (tmp_path / "p" / "sweep_flood_agent.png").exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('[[axis]]\nkey = "flood.nobody"\nvalues = [1]\n', "no tenant 'nobody'"),
+    ('[[axis]]\nkey = "replica.max_batch"\nvalues = [0]\n', "replica.max_batch"),
+    ('policies = ["fifo"]\n[[axis]]\nkey = "spread"\nvalues = [1]\n', "unknown policy"),
+    ('[[axis]]\nkey = "spread"\nvalues = [1]\n', "long_tenants"),
+    ('colour = 1\n[[axis]]\nkey = "spread"\nvalues = [1]\n', "colour: unknown key"),
+])
+def test_bad_grid_exit_2(tmp_path, text, expected):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(text)
+    done = fairgate("sweep", str(SEED), "--grid", str(grid))
+    assert done.returncode == 2, done.stderr
+    assert expected in done.stderr and str(grid) in done.stderr and "Traceback" not in done.stderr
