@@ -97,11 +97,15 @@ def _emit_json(document: dict[str, Any], target: str) -> None:
     if target == "-":
         sys.stdout.write(text + "\n")
         return
+    _write_text(target, text + "\n", "--json")
+
+
+def _write_text(target: str, text: str, option: str) -> None:
     try:
         Path(target).parent.mkdir(parents=True, exist_ok=True)
-        Path(target).write_text(text + "\n")
+        Path(target).write_text(text)
     except OSError as exc:
-        raise UsageError(f"--json {target}: cannot write: {exc.strerror or exc}") from None
+        raise UsageError(f"{option} {target}: cannot write: {exc.strerror or exc}") from None
     error_console.print(f"wrote {target}")
 
 
@@ -127,11 +131,12 @@ def simulate(
     engine: Annotated[str, typer.Option(help="compressed (fast) or reference (every iteration).")] = "compressed",
     json_out: JsonOut = None,
     plot: PlotDir = None,
+    markdown: Annotated[str | None, typer.Option(help="Write a Markdown share table to PATH.")] = None,
 ) -> None:
     """Simulate a scenario's tenants on continuous-batching replicas under one or all policies."""
     from fairgate.sim.experiment import ENGINES, run_policy
     from fairgate.sim.plots import share_over_time
-    from fairgate.sim.report import print_table, results_json
+    from fairgate.sim.report import print_table, results_json, shares_markdown
     from fairgate.sim.scenario import load_scenario
 
     def run() -> None:
@@ -155,6 +160,8 @@ def simulate(
         if plot_dir:
             path = share_over_time(results, plot_dir / f"{loaded.name}_shares.png", title)
             error_console.print(f"wrote {path}")
+        if markdown:
+            _write_text(markdown, shares_markdown(results) + "\n", "--markdown")
 
     _guard(run)
 

@@ -27,7 +27,7 @@ class Admission:
         self.result = result
         self.view = RunningView()
         self.delivered = 0  # requests [0, delivered) have been handed to the policy
-        self.requests: list[Request | None] = [None] * len(workload)
+        self.requests: list[Request] = workload.requests()
         self.finished = 0  # requests that left their slot
 
     @property
@@ -45,15 +45,13 @@ class Admission:
 
     def deliver(self, t_ns: int) -> None:
         """Hand every request that arrived by ``t_ns`` to the policy, in arrival order."""
-        workload, now_ms = self.workload, t_ns / NS_PER_MS
-        arrival_ns, n = workload.arrival_ns, len(workload)
-        while self.delivered < n and arrival_ns[self.delivered] <= t_ns:
-            i = self.delivered
-            request = Request(i, workload.tenants[workload.tenant_index[i]], workload.prompt_tokens[i],
-                              arrival_ns[i] / NS_PER_MS)
-            self.requests[i] = request
-            self.policy.enqueue(request, now_ms)
-            self.delivered += 1
+        now_ms = t_ns / NS_PER_MS
+        arrival_ns, n, requests, enqueue = self.workload.arrival_ns, len(self.workload), self.requests, self.policy.enqueue
+        delivered = self.delivered
+        while delivered < n and arrival_ns[delivered] <= t_ns:
+            enqueue(requests[delivered], now_ms)
+            delivered += 1
+        self.delivered = delivered
 
     def admit(self, t_ns: int, replica: int, free_slots: int, running_now: int) -> list[int]:
         """Fill up to ``free_slots`` slots of ``replica`` at ``t_ns``; returns the admitted request ids.
@@ -89,7 +87,6 @@ class Admission:
     def finish(self, request_id: int, t_ns: int) -> None:
         """Request ``request_id`` generated its last token at the boundary ``t_ns``."""
         request = self.requests[request_id]
-        assert request is not None
         self.view.by_tenant[request.tenant] -= 1
         self.finished += 1
         self.result.finish_ns[request_id] = t_ns

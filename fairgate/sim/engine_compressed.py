@@ -178,16 +178,19 @@ def run_compressed(workload: Workload, cost: CostModel, policy: Policy, replicas
         if not candidates:
             break
         now = min(candidates)
+        at_boundary = [rep for rep in reps if rep.busy and rep.is_boundary(now)]
         for rep in reps:
-            book(rep, now, inclusive=False)
-        for rep in reps:
-            if rep.busy and rep.is_boundary(now):
-                book(rep, now, inclusive=True)
-                finish_due(rep, now)
-                if now < duration_ns:
-                    admit_and_start(rep, now)
-                else:
-                    rep.busy, rep.stopped = False, True
+            # A lone replica at its boundary books everything up to it in one go below; otherwise
+            # iterations before `now` must be booked before any replica picks at `now`.
+            if len(at_boundary) != 1 or rep is not at_boundary[0]:
+                book(rep, now, inclusive=False)
+        for rep in at_boundary:
+            book(rep, now, inclusive=True)
+            finish_due(rep, now)
+            if now < duration_ns:
+                admit_and_start(rep, now)
+            else:
+                rep.busy, rep.stopped = False, True
         if now < duration_ns:
             for rep in reps:
                 if not rep.busy and not rep.stopped and (admission.has_undelivered_until(now) or policy.queued()):

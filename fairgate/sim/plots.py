@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import ScalarFormatter  # noqa: E402
 
 from fairgate.sim.experiment import PolicyStats  # noqa: E402
 
@@ -49,6 +50,8 @@ def ratio_against(values: Sequence[float], ratios: Mapping[str, Sequence[float]]
     for policy, ys in ratios.items():
         axis.plot(values, ys, marker="o", ms=3.5, lw=1.4, label=policy)
     axis.set_yscale("log")
+    axis.yaxis.set_major_formatter(ScalarFormatter())
+    axis.yaxis.set_minor_formatter(ScalarFormatter())
     axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
     axis.set_title(title, fontsize=11)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fairgate.core.request import Request
+
 
 @dataclass
 class Workload:
@@ -32,6 +34,15 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.arrival_ns)
+
+    def requests(self) -> list[Request]:
+        """The requests as a policy sees them (made once; policies never change a ``Request``)."""
+        cached: list[Request] | None = self.__dict__.get("_requests")
+        if cached is None or len(cached) != len(self.arrival_ns):
+            tenants, tenant_index, prompt = self.tenants, self.tenant_index, self.prompt_tokens
+            cached = [Request(i, tenants[tenant_index[i]], prompt[i], t / 1e6) for i, t in enumerate(self.arrival_ns)]
+            self.__dict__["_requests"] = cached
+        return cached
 
     def check(self) -> None:
         """Assert the invariants above (programmer errors, not user input)."""
