@@ -1,0 +1,159 @@
+"""The async ``Ledger`` interface every backend implements, and what they share."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from fairgate.ledger.config import Limits, Quotas
+from fairgate.ledger.model import InvalidUsage, Reservation, TenantUsage, UnknownTenant, Usage
+
+# An execution registry: is the request behind this reservation still running?
+IsRunning = Callable[[Reservation], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One row of the usage event log: what a call billed (deltas of the cumulative billed usage)."""
+
+    seq: int
+    tenant: str
+    reservation_id: str
+    kind: str  # reserve | settle | settle_final | cancel | expire
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    gpu_ms: float
+    overage_gpu_ms: float
+    at_ms: float
+
+
+def tenant_tag(tenant: str) -> str:
+    """A stable 16-hex-digit hash of the tenant (used in ids, Redis hash slots and metric labels)."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:16]
+
+
+def new_reservation_id(tenant: str) -> str:
+    """``<tenant tag>-<random 32 hex>``: the tag lets a sharded backend find the tenant from the id."""
+    return f"{tenant_tag(tenant)}-{uuid.uuid4().hex}"
+
+
+def check_request_id(request_id: object) -> str:
+    if not isinstance(request_id, str) or not request_id or len(request_id) > 200:
+        raise InvalidUsage(f"request_id must be a non-empty string of at most 200 characters, got {request_id!r}")
+    return request_id
+
+
+class Ledger(ABC):
+    """Reserve / settle / cancel with idempotency, on one backend (``connect`` picks it by URL).
+
+    All amounts are cumulative where they describe usage: ``settle(..., input_tokens=100,
+    output_tokens=40, ...)`` means 100 and 40 *so far*, so a repeated call changes nothing.
+    """
+
+    def __init__(self, quotas: Quotas) -> None:
+        self.quotas = quotas
+
+    def limits(self, tenant: str, model_class: str) -> Limits:
+        """The tenant's limits for ``model_class``. Raises ``UnknownTenant``."""
+        try:
+            return self.quotas.tenant(tenant).for_model_class(model_class)
+        except KeyError:
+            raise UnknownTenant(f"tenant {tenant!r} has no quota configuration") from None
+
+    @abstractmethod
+    async def reserve(self, tenant: str, request_id: str, input_tokens: int, max_output_tokens: int,
+                      gpu_ms_estimate: float = 0.0, model_class: str = "default", run_id: str | None = None,
+                      tool_round: bool = False) -> Reservation:
+        """Reserve every dimension for one request, atomically, once per ``(tenant, request_id)``.
+
+        The same ``request_id`` with the same arguments returns the original reservation (whatever its
+        status now) and deducts nothing; with other arguments raises ``IdempotencyConflict``.
+
+        Raises:
+            QuotaExceeded, IdempotencyConflict, InvalidUsage, UnknownTenant, LedgerUnavailable.
+        """
+
+    @abstractmethod
+    async def settle(self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float,
+                     final: bool = False) -> Reservation:
+        """Bill cumulative usage; ``final`` closes the reservation and releases the unused remainder.
+
+        A final settle repeated with the same amounts returns the same reservation.
+
+        Raises:
+            ReservationNotFound, ReservationFinal, InvalidUsage, SettlementFrozen, LedgerUnavailable.
+        """
+
+    @abstractmethod
+    async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
+        """Close the reservation billing ``consumed`` (prompt and tokens generated so far), releasing the rest.
+
+        Raises:
+            ReservationNotFound, ReservationFinal, InvalidUsage, SettlementFrozen, LedgerUnavailable.
+        """
+
+    @abstractmethod
+    async def get(self, reservation_id: str) -> Reservation:
+        """The reservation. Raises ``ReservationNotFound``."""
+
+    @abstractmethod
+    async def usage(self, tenant: str, window_s: float) -> TenantUsage:
+        """The tenant's billed usage over the last ``window_s`` seconds, and its open reservations."""
+
+    @abstractmethod
+    async def reservations(self, tenant: str | None = None, status: str | None = None) -> list[Reservation]:
+        """Reservations, optionally of one tenant and/or status."""
+
+    @abstractmethod
+    async def events(self, tenant: str | None = None) -> list[Event]:
+        """The usage event log in order, optionally of one tenant."""
+
+    @abstractmethod
+    async def heartbeat(self, reservation_id: str) -> None:
+        """Record that the request behind ``reservation_id`` is running now (the default registry)."""
+
+    @abstractmethod
+    async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
+        """One sweeper pass: for each open reservation past its TTL, ask ``is_running`` (default: a
+        heartbeat within the TTL); extend the running ones by a TTL, expire the others (billing what was
+        settled so far). Returns the reservations expired."""
+
+    @abstractmethod
+    async def freeze(self, tenant: str, reason: str) -> None:
+        """Stop automatic settlement for ``tenant`` (reconciliation found a difference)."""
+
+    @abstractmethod
+    async def unfreeze(self, tenant: str) -> None:
+        """Resume automatic settlement for ``tenant``."""
+
+    @abstractmethod
+    async def frozen(self) -> dict[str, str]:
+        """Frozen tenants and why."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
+
+    async def __aenter__(self) -> Ledger:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def usage_from_events(tenant: str, window_s: float, events: list[Event], open_count: int,
+                      by_status: dict[str, int]) -> TenantUsage:
+    """Sum an event list into a ``TenantUsage``."""
+    return TenantUsage(
+        tenant=tenant, window_s=window_s,
+        requests=sum(e.requests for e in events),
+        input_tokens=sum(e.input_tokens for e in events),
+        output_tokens=sum(e.output_tokens for e in events),
+        gpu_ms=sum(e.gpu_ms for e in events),
+        overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
+        open_reservations=open_count, by_status=by_status,
+    )

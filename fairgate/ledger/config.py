@@ -1,0 +1,254 @@
+"""The quota vector and tiers, loaded from TOML and validated (seed 003, "Quota is a resource vector").
+
+```toml
+[tiers.free]
+on_ledger_unavailable = "reject"          # or "emergency"
+[tiers.paid]
+on_ledger_unavailable = "emergency"
+emergency = { requests = 20, tokens = 20000, seconds = 60 }   # local budget while the ledger is down
+
+[defaults]                                # limits every tenant gets unless it overrides them
+requests_per_minute = 600
+requests_burst = 20                       # bucket capacity; unused quota never accumulates beyond it
+input_tokens_per_minute = 200000
+input_tokens_burst = 40000
+output_tokens_per_minute = 100000
+output_tokens_burst = 20000
+max_concurrent = 16                       # active sequences; does not accumulate
+max_queued = 64
+gpu_seconds = 3600                        # per gpu_window_s
+gpu_window_s = 86400
+gpu_seconds_total = 100000                # optional lifetime budget
+max_model_calls = 50                      # per agent run (run_id)
+max_tool_rounds = 20
+max_tokens = 200000
+reservation_ttl_s = 600
+
+[tenants.acme]
+tier = "paid"
+weight = 2.0
+limits = { max_concurrent = 32 }          # overrides of [defaults]
+[tenants.acme.model_class.large]          # per model class, over the tenant's limits
+gpu_seconds = 1800
+```
+
+Every key is checked: an unknown key, a negative limit, a burst below the largest single request it must
+admit (``requests_burst < 1``, ``*_tokens_burst`` below ``max_tokens_per_request``) raise ``QuotaConfigError``
+naming the file and key.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class QuotaConfigError(ValueError):
+    """An invalid quota configuration; ``str()`` is one line naming the file and key."""
+
+
+Positive = Annotated[float, Field(gt=0)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LimitsConfig(_Strict):
+    requests_per_minute: Positive | None = None
+    requests_burst: Annotated[float, Field(ge=1)] | None = None
+    input_tokens_per_minute: Positive | None = None
+    input_tokens_burst: Positive | None = None
+    output_tokens_per_minute: Positive | None = None
+    output_tokens_burst: Positive | None = None
+    max_tokens_per_request: Annotated[int, Field(ge=1)] | None = None
+    max_concurrent: Count | None = None
+    max_queued: Count | None = None
+    gpu_seconds: Annotated[float, Field(ge=0)] | None = None
+    gpu_window_s: Positive | None = None
+    gpu_seconds_total: Annotated[float, Field(ge=0)] | None = None
+    max_model_calls: Count | None = None
+    max_tool_rounds: Count | None = None
+    max_tokens: Count | None = None
+    reservation_ttl_s: Positive | None = None
+
+
+class EmergencyConfig(_Strict):
+    requests: Annotated[int, Field(ge=0, le=1_000_000)]
+    tokens: Annotated[int, Field(ge=0)]
+    seconds: Annotated[float, Field(gt=0, le=86_400)]
+
+
+class TierConfig(_Strict):
+    on_ledger_unavailable: Literal["reject", "emergency"] = "reject"
+    emergency: EmergencyConfig | None = None
+
+    @model_validator(mode="after")
+    def _emergency_needs_budget(self) -> TierConfig:
+        if self.on_ledger_unavailable == "emergency" and self.emergency is None:
+            raise ValueError("on_ledger_unavailable = 'emergency' needs an emergency = {requests, tokens, seconds} budget")
+        return self
+
+
+class TenantConfig(_Strict):
+    tier: str = "default"
+    weight: Positive = 1.0
+    priority: Literal["interactive", "batch", "eval"] = "interactive"
+    limits: LimitsConfig = LimitsConfig()
+    model_class: dict[str, LimitsConfig] = Field(default_factory=dict)
+
+
+class QuotaFile(_Strict):
+    tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"default": TierConfig()})
+    defaults: LimitsConfig = LimitsConfig()
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_tiers(self) -> QuotaFile:
+        for name, tenant in self.tenants.items():
+            if tenant.tier not in self.tiers:
+                raise ValueError(f"tenant {name!r}: unknown tier {tenant.tier!r} (tiers: {', '.join(self.tiers)})")
+        return self
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The effective quota vector of one tenant and model class. ``None``: no limit on that dimension.
+
+    Rates are per minute; bursts are bucket capacities (default: one minute's worth); GPU budgets are
+    seconds; run limits apply per agent run (``run_id``).
+    """
+
+    requests_per_minute: float | None = None
+    requests_burst: float | None = None
+    input_tokens_per_minute: float | None = None
+    input_tokens_burst: float | None = None
+    output_tokens_per_minute: float | None = None
+    output_tokens_burst: float | None = None
+    max_tokens_per_request: int | None = None
+    max_concurrent: int | None = None
+    max_queued: int | None = None
+    gpu_seconds: float | None = None
+    gpu_window_s: float = 86_400.0
+    gpu_seconds_total: float | None = None
+    max_model_calls: int | None = None
+    max_tool_rounds: int | None = None
+    max_tokens: int | None = None
+    reservation_ttl_s: float = 600.0
+
+    def burst(self, dimension: str) -> float | None:
+        """Bucket capacity of ``requests``, ``input_tokens`` or ``output_tokens`` (None: unlimited)."""
+        rate = getattr(self, f"{dimension}_per_minute")
+        if rate is None:
+            return None
+        burst = getattr(self, f"{dimension}_burst")
+        return float(burst) if burst is not None else float(rate)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """What a tier does when the ledger cannot be reached."""
+
+    name: str
+    on_ledger_unavailable: Literal["reject", "emergency"] = "reject"
+    emergency_requests: int = 0
+    emergency_tokens: int = 0
+    emergency_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """A tenant's tier, weight, priority pool and limits (per model class)."""
+
+    name: str
+    tier: Tier
+    weight: float
+    priority: str
+    limits: Limits
+    by_model_class: dict[str, Limits]
+
+    def for_model_class(self, model_class: str) -> Limits:
+        return self.by_model_class.get(model_class, self.limits)
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """All tenants' quotas. ``tenant(name)`` raises ``KeyError`` for an unknown tenant."""
+
+    tenants: dict[str, TenantQuota]
+    tiers: dict[str, Tier]
+
+    def tenant(self, name: str) -> TenantQuota:
+        return self.tenants[name]
+
+
+def _merge(base: Limits, override: LimitsConfig) -> Limits:
+    values = {k: v for k, v in override.model_dump().items() if v is not None}
+    return replace(base, **values)
+
+
+def _check_bursts(limits: Limits, where: str) -> None:
+    largest = limits.max_tokens_per_request
+    for dimension in ("input_tokens", "output_tokens"):
+        burst = limits.burst(dimension)
+        if burst is not None and largest is not None and burst < largest:
+            raise QuotaConfigError(f"{where}.{dimension}_burst: {burst:g} is below max_tokens_per_request "
+                                   f"({largest}): a request of that size could never be admitted")
+
+
+def quotas_from_dict(data: dict[str, Any], source: str = "<quotas>") -> Quotas:
+    """Validate a parsed quota document.
+
+    Raises:
+        QuotaConfigError: unknown key, wrong type, negative limit, burst below the per-request maximum.
+    """
+    try:
+        parsed = QuotaFile.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        location = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+        raise QuotaConfigError(f"{source}: {location}: {message}") from None
+    tiers = {}
+    for name, tier in parsed.tiers.items():
+        budget = tier.emergency
+        tiers[name] = Tier(name, tier.on_ledger_unavailable, budget.requests if budget else 0,
+                           budget.tokens if budget else 0, budget.seconds if budget else 0.0)
+    defaults = _merge(Limits(), parsed.defaults)
+    _check_bursts(defaults, f"{source}: defaults")
+    tenants = {}
+    for name, tenant in parsed.tenants.items():
+        limits = _merge(defaults, tenant.limits)
+        _check_bursts(limits, f"{source}: tenants.{name}.limits")
+        by_class = {}
+        for model_class, override in tenant.model_class.items():
+            by_class[model_class] = _merge(limits, override)
+            _check_bursts(by_class[model_class], f"{source}: tenants.{name}.model_class.{model_class}")
+        tenants[name] = TenantQuota(name, tiers[tenant.tier], tenant.weight, tenant.priority, limits, by_class)
+    return Quotas(tenants, tiers)
+
+
+def load_quotas(path: str | Path) -> Quotas:
+    """Read and validate a quota TOML file.
+
+    Raises:
+        QuotaConfigError: missing file, bad TOML, or any invalid key or value (named with the file).
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise QuotaConfigError(f"{path}: file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise QuotaConfigError(f"{path}: not valid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QuotaConfigError(f"{path}: cannot read: {exc}") from None
+    return quotas_from_dict(data, str(path))
+
+
+LIMIT_FIELDS = tuple(f.name for f in fields(Limits))

@@ -1,0 +1,130 @@
+"""Plain data of the ledger: reservations, usage, and the typed errors.
+
+Error tree (``LedgerError`` is the base of all):
+
+- ``QuotaExceeded`` - a dimension would go over its limit; nothing was reserved.
+- ``IdempotencyConflict`` - the request id was used before with other arguments.
+- ``ReservationNotFound`` - no reservation with that id.
+- ``ReservationFinal`` - the reservation was settled, cancelled or expired already (with other values).
+- ``InvalidUsage`` - negative, non-integer or impossible amounts (e.g. output above the reservation).
+- ``SettlementFrozen`` - reconciliation froze automatic settlement for the tenant.
+- ``UnknownTenant`` - the tenant has no quota configuration.
+- ``LedgerUnavailable`` - the backend cannot be reached (the caller applies the tier's policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Status = Literal["open", "settled", "cancelled", "expired"]
+
+
+class LedgerError(Exception):
+    """Base of every ledger error."""
+
+
+class QuotaExceeded(LedgerError):
+    """``dimension`` would exceed its limit. ``retry_after_s`` is when it frees (None: not by waiting)."""
+
+    def __init__(self, tenant: str, dimension: str, retry_after_s: float | None, limit: float | None = None,
+                 remaining: float | None = None) -> None:
+        self.tenant, self.dimension, self.retry_after_s = tenant, dimension, retry_after_s
+        self.limit, self.remaining = limit, remaining
+        when = "not by waiting" if retry_after_s is None else f"retry after {retry_after_s:.3f} s"
+        super().__init__(f"tenant {tenant!r}: quota {dimension} exceeded ({when})")
+
+
+class IdempotencyConflict(LedgerError):
+    """The same request id was reserved before with different arguments."""
+
+
+class ReservationNotFound(LedgerError):
+    """No reservation with that id."""
+
+
+class ReservationFinal(LedgerError):
+    """The reservation is final already and the call asks for something else."""
+
+
+class InvalidUsage(LedgerError, ValueError):
+    """Amounts that cannot be booked (negative, non-integer, output above the reservation, decreasing)."""
+
+
+class SettlementFrozen(LedgerError):
+    """Automatic settlement is frozen for the tenant until an operator reviews the reconciliation."""
+
+
+class UnknownTenant(LedgerError, KeyError):
+    """The tenant has no quota configuration."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "unknown tenant"
+
+
+class LedgerUnavailable(LedgerError):
+    """The backend could not be reached or did not answer."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Billed totals so far: the cumulative amounts a settlement or cancel reports."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    gpu_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A reservation and what has been billed against it.
+
+    Attributes:
+        id: reservation id (contains the tenant's hash, so a backend can find its shard).
+        tenant / request_id / model_class / run_id: what was reserved, for whom.
+        input_tokens / max_output_tokens / gpu_ms_estimate: the admitted (reserved) units.
+        status: ``open`` until a final settle (``settled``), a cancel (``cancelled``) or expiry (``expired``).
+        billed: cumulative usage billed so far.
+        overage_gpu_ms: GPU ms billed above the estimate (booked, never dropped).
+        created_ms / expires_at_ms / final_ms: ledger-clock times, ms since the epoch.
+    """
+
+    id: str
+    tenant: str
+    request_id: str
+    model_class: str
+    run_id: str | None
+    tool_round: bool
+    input_tokens: int
+    max_output_tokens: int
+    gpu_ms_estimate: float
+    status: Status
+    billed: Usage
+    overage_gpu_ms: float
+    created_ms: float
+    expires_at_ms: float
+    final_ms: float | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.status != "open"
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """A tenant's usage over a window, from the event log.
+
+    Attributes:
+        requests: reservations made; input/output tokens and GPU ms billed; overage GPU ms;
+        open_reservations: reservations still open now; rejections are counted by the gateway.
+    """
+
+    tenant: str
+    window_s: float
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    gpu_ms: float = 0.0
+    overage_gpu_ms: float = 0.0
+    open_reservations: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,122 @@
+"""The ledger on PostgreSQL (psycopg 3, async pool): one transaction per call, a per-tenant advisory lock.
+
+``pg_advisory_xact_lock(hash(tenant))`` serialises every call on a tenant across all gateway processes
+(limits are global, not per process); the clock is the server's ``clock_timestamp()``, so processes with
+different clocks agree. Tables live in the schema named by the URL's ``schema`` parameter (default
+``public``), created if missing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
+
+import psycopg
+from psycopg import sql as pgsql
+from psycopg_pool import AsyncConnectionPool
+
+from fairgate.ledger.config import Quotas
+from fairgate.ledger.model import LedgerUnavailable
+from fairgate.ledger.sql import TABLES, SqlLedger, Tx
+
+_NAMED = re.compile(r"(?<!:):([a-z_]+)")
+_SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def _convert(sql: str) -> str:
+    return _NAMED.sub(r"%(\1)s", sql)
+
+
+class _PgTx:
+    def __init__(self, cursor: psycopg.AsyncCursor[Any]) -> None:
+        self._cursor = cursor
+
+    async def fetchone(self, sql: str, params: dict[str, Any] | None = None) -> tuple[Any, ...] | None:
+        await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
+        return await self._cursor.fetchone()
+
+    async def fetchall(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
+        return await self._cursor.fetchall()
+
+    async def execute(self, sql: str, params: dict[str, Any] | None = None) -> None:
+        await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
+
+
+class PostgresLedger(SqlLedger):
+    """Ledger on PostgreSQL. Build with ``await PostgresLedger.open(url, quotas)``."""
+
+    def __init__(self, pool: AsyncConnectionPool, schema: str, quotas: Quotas,
+                 clock: Callable[[], float] | None) -> None:
+        super().__init__(quotas)
+        self._pool = pool
+        self.schema = schema
+        self._clock = clock
+
+    @classmethod
+    async def open(cls, url: str, quotas: Quotas, clock: Callable[[], float] | None = None,
+                   max_connections: int = 8) -> PostgresLedger:
+        """Connect, create the schema and tables if missing.
+
+        Raises:
+            ValueError: a bad ``schema`` name. LedgerUnavailable: the server cannot be reached.
+        """
+        parts = urlparse(url)
+        query = dict(parse_qsl(parts.query))
+        schema = query.pop("schema", "public")
+        if not _SCHEMA.match(schema):
+            raise ValueError(f"ledger URL: schema {schema!r} must match {_SCHEMA.pattern}")
+        dsn = urlunparse(parts._replace(scheme="postgresql", query=urlencode(query)))
+
+        async def configure(connection: psycopg.AsyncConnection[Any]) -> None:
+            await connection.execute(pgsql.SQL("SET search_path TO {}").format(pgsql.Identifier(schema)))
+            await connection.commit()
+
+        pool = AsyncConnectionPool(dsn, min_size=1, max_size=max_connections, open=False, configure=configure,
+                                   timeout=10.0)
+        try:
+            await pool.open(wait=True, timeout=10.0)
+            async with pool.connection() as connection:
+                await connection.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(pgsql.Identifier(schema)))
+                await connection.execute("SELECT pg_advisory_xact_lock(4242)")  # one creator at a time
+                for statement in TABLES.format(real="DOUBLE PRECISION", serial="BIGSERIAL PRIMARY KEY").split(";"):
+                    if statement.strip():
+                        await connection.execute(statement)  # type: ignore[call-overload]
+        except (psycopg.Error, OSError) as exc:
+            await pool.close()
+            raise LedgerUnavailable(f"postgres ledger: {exc}") from None
+        except Exception:
+            await pool.close()
+            raise
+        return cls(pool, schema, quotas, clock)
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Tx]:
+        try:
+            async with self._pool.connection() as connection, connection.transaction(), connection.cursor() as cursor:
+                yield _PgTx(cursor)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            raise LedgerUnavailable(f"postgres ledger: {exc}") from None
+        except TimeoutError as exc:
+            raise LedgerUnavailable(f"postgres ledger: no connection within the pool timeout ({exc})") from None
+
+    async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
+        await tx.execute("SELECT pg_advisory_xact_lock(hashtextextended(:tenant, 0))", {"tenant": tenant})
+
+    async def _now_ms(self, tx: Tx) -> float:
+        if self._clock is not None:
+            return float(self._clock())
+        row = await tx.fetchone("SELECT extract(epoch from clock_timestamp()) * 1000")
+        assert row is not None
+        return float(row[0])
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    async def drop_schema(self) -> None:
+        """Drop this ledger's schema and everything in it (tests)."""
+        async with self._pool.connection() as connection:
+            await connection.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(self.schema)))

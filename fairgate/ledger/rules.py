@@ -1,0 +1,240 @@
+"""The ledger's semantics as pure functions over plain state (no I/O, no clock: ``now_ms`` is passed in).
+
+SQLite and PostgreSQL run these inside one transaction per call; the Redis backend's Lua scripts
+implement the same rules (``redis_scripts.lua``) and the conformance suite holds all three to them.
+
+Semantics (``shared/DESIGN.md`` "Ledger semantics"; seed 003; two-phase transfers as in TigerBeetle,
+idempotency keys as in Stripe's API):
+
+- ``reserve`` checks every dimension of the quota vector and, only if all fit, deducts them all.
+- While a reservation is open the account *holds* ``max(estimate, billed)`` of each dimension: GPU time
+  billed above the estimate is booked at once as overage, never dropped.
+- The final settlement (or cancel, or expiry) replaces what is held by what was billed: the unused
+  remainder returns to the buckets, the concurrency slot is released.
+- Token buckets refill continuously up to their burst; elapsed time is never negative (a clock behind
+  the last update reads as no time passed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fairgate.ledger.config import Limits
+from fairgate.ledger.model import InvalidUsage, QuotaExceeded, Reservation, Usage
+
+MS_PER_MINUTE = 60_000.0
+CONCURRENCY_RETRY_S = 1.0  # a slot frees when some request ends: unknown, so suggest a short wait
+
+
+@dataclass
+class Account:
+    """Balances of one tenant and model class. Bucket levels are in units (requests, tokens)."""
+
+    requests_level: float | None = None  # None: not yet initialised (starts full)
+    requests_updated_ms: float = 0.0
+    input_level: float | None = None
+    input_updated_ms: float = 0.0
+    output_level: float | None = None
+    output_updated_ms: float = 0.0
+    concurrent: int = 0
+    gpu_window_start_ms: float = 0.0
+    gpu_window_used_ms: float = 0.0
+    gpu_total_used_ms: float = 0.0
+
+
+@dataclass
+class RunUsage:
+    """Counters of one agent run."""
+
+    model_calls: int = 0
+    tool_rounds: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ReserveArgs:
+    """The arguments that identify a reservation (a retry must repeat them exactly)."""
+
+    tenant: str
+    request_id: str
+    input_tokens: int
+    max_output_tokens: int
+    gpu_ms_estimate: float
+    model_class: str
+    run_id: str | None
+    tool_round: bool
+
+    def fingerprint(self) -> tuple[object, ...]:
+        return (self.input_tokens, self.max_output_tokens, float(self.gpu_ms_estimate), self.model_class,
+                self.run_id, self.tool_round)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one call billed (event log row): differences of the cumulative billed usage."""
+
+    kind: str  # reserve | settle | settle_final | cancel | expire
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    gpu_ms: float = 0.0
+    overage_gpu_ms: float = 0.0
+
+
+def check_amounts(input_tokens: object, output_tokens: object, gpu_ms: object, what: str) -> None:
+    """Raise ``InvalidUsage`` unless the token counts are ints >= 0 and ``gpu_ms`` a finite number >= 0."""
+    for name, value in (("input_tokens", input_tokens), (f"{'max_' if what == 'reserve' else ''}output_tokens",
+                                                         output_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidUsage(f"{what}: {name} must be an integer >= 0, got {value!r}")
+    if isinstance(gpu_ms, bool) or not isinstance(gpu_ms, int | float) or not (0 <= gpu_ms < float("inf")):
+        raise InvalidUsage(f"{what}: gpu_ms must be a finite number >= 0, got {gpu_ms!r}")
+
+
+def _refill(level: float | None, updated_ms: float, now_ms: float, rate_per_minute: float,
+            burst: float) -> tuple[float, float]:
+    if level is None:
+        return burst, now_ms
+    elapsed = max(0.0, now_ms - updated_ms)
+    return min(burst, level + elapsed * rate_per_minute / MS_PER_MINUTE), max(updated_ms, now_ms)
+
+
+def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
+    """The account with buckets refilled and the GPU window rolled forward to ``now_ms``."""
+    out = replace(account)
+    for dimension, prefix in (("requests", "requests"), ("input_tokens", "input"), ("output_tokens", "output")):
+        rate = getattr(limits, f"{dimension}_per_minute")
+        if rate is None:
+            continue
+        level, updated = _refill(getattr(out, f"{prefix}_level"), getattr(out, f"{prefix}_updated_ms"), now_ms,
+                                 rate, limits.burst(dimension) or 0.0)
+        setattr(out, f"{prefix}_level", level)
+        setattr(out, f"{prefix}_updated_ms", updated)
+    window_ms = limits.gpu_window_s * 1000.0
+    if now_ms >= out.gpu_window_start_ms + window_ms:
+        # Windows are aligned to multiples of their length since the epoch; open reservations' holds
+        # stay booked in the window they were made in.
+        out.gpu_window_start_ms = now_ms - (now_ms % window_ms)
+        out.gpu_window_used_ms = 0.0
+    return out
+
+
+def _bucket_wait_s(level: float, need: float, rate_per_minute: float) -> float:
+    return max(0.0, (need - level) / rate_per_minute * 60.0)
+
+
+def reserve(account: Account, run: RunUsage | None, limits: Limits, args: ReserveArgs,
+            now_ms: float) -> tuple[Account, RunUsage | None]:
+    """Admit ``args`` against every dimension, atomically: returns the new account and run counters.
+
+    Raises:
+        InvalidUsage: negative or non-integer amounts.
+        QuotaExceeded: the first dimension (in the order checked) that does not fit.
+    """
+    check_amounts(args.input_tokens, args.max_output_tokens, args.gpu_ms_estimate, "reserve")
+    acc = refreshed(account, limits, now_ms)
+    tenant = args.tenant
+    tokens = args.input_tokens + args.max_output_tokens
+    if limits.max_tokens_per_request is not None and tokens > limits.max_tokens_per_request:
+        raise QuotaExceeded(tenant, "max_tokens_per_request", None, limits.max_tokens_per_request, 0)
+    if limits.requests_per_minute is not None:
+        assert acc.requests_level is not None
+        if acc.requests_level < 1.0:
+            raise QuotaExceeded(tenant, "requests_per_minute",
+                                _bucket_wait_s(acc.requests_level, 1.0, limits.requests_per_minute),
+                                limits.requests_per_minute, acc.requests_level)
+    for dimension, prefix, need in (("input_tokens", "input", args.input_tokens),
+                                    ("output_tokens", "output", args.max_output_tokens)):
+        rate = getattr(limits, f"{dimension}_per_minute")
+        if rate is None:
+            continue
+        level = getattr(acc, f"{prefix}_level")
+        burst = limits.burst(dimension) or 0.0
+        if need > burst:
+            raise QuotaExceeded(tenant, f"{dimension}_per_minute", None, rate, level)
+        if level < need:
+            raise QuotaExceeded(tenant, f"{dimension}_per_minute", _bucket_wait_s(level, need, rate), rate, level)
+    if limits.max_concurrent is not None and acc.concurrent >= limits.max_concurrent:
+        raise QuotaExceeded(tenant, "max_concurrent", CONCURRENCY_RETRY_S, limits.max_concurrent, 0)
+    estimate = float(args.gpu_ms_estimate)
+    if limits.gpu_seconds is not None and acc.gpu_window_used_ms + estimate > limits.gpu_seconds * 1000.0:
+        window_end_ms = acc.gpu_window_start_ms + limits.gpu_window_s * 1000.0
+        retry = max(0.0, (window_end_ms - now_ms) / 1000.0) if estimate <= limits.gpu_seconds * 1000.0 else None
+        raise QuotaExceeded(tenant, "gpu_seconds", retry, limits.gpu_seconds,
+                            max(0.0, limits.gpu_seconds - acc.gpu_window_used_ms / 1000.0))
+    if limits.gpu_seconds_total is not None and acc.gpu_total_used_ms + estimate > limits.gpu_seconds_total * 1000.0:
+        raise QuotaExceeded(tenant, "gpu_seconds_total", None, limits.gpu_seconds_total,
+                            max(0.0, limits.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0))
+    new_run = None
+    if args.run_id is not None:
+        run = run or RunUsage()
+        if limits.max_model_calls is not None and run.model_calls + 1 > limits.max_model_calls:
+            raise QuotaExceeded(tenant, "max_model_calls", None, limits.max_model_calls, 0)
+        if args.tool_round and limits.max_tool_rounds is not None and run.tool_rounds + 1 > limits.max_tool_rounds:
+            raise QuotaExceeded(tenant, "max_tool_rounds", None, limits.max_tool_rounds, 0)
+        if limits.max_tokens is not None and run.tokens + tokens > limits.max_tokens:
+            raise QuotaExceeded(tenant, "max_tokens", None, limits.max_tokens, max(0, limits.max_tokens - run.tokens))
+        new_run = RunUsage(run.model_calls + 1, run.tool_rounds + (1 if args.tool_round else 0), run.tokens + tokens)
+    if acc.requests_level is not None:
+        acc.requests_level -= 1.0
+    if acc.input_level is not None:
+        acc.input_level -= args.input_tokens
+    if acc.output_level is not None:
+        acc.output_level -= args.max_output_tokens
+    acc.concurrent += 1
+    acc.gpu_window_used_ms += estimate
+    acc.gpu_total_used_ms += estimate
+    return acc, new_run
+
+
+def _held(r: Reservation, billed: Usage, final: bool) -> tuple[int, int, float]:
+    """Input tokens, output tokens and GPU ms the account holds for ``r`` given ``billed``."""
+    if final:
+        return billed.input_tokens, billed.output_tokens, billed.gpu_ms
+    return (max(r.input_tokens, billed.input_tokens), r.max_output_tokens, max(r.gpu_ms_estimate, billed.gpu_ms))
+
+
+def settle(reservation: Reservation, account: Account, run: RunUsage | None, limits: Limits, billed: Usage,
+           final: bool, now_ms: float, kind: str) -> tuple[Reservation, Account, RunUsage | None, Delta]:
+    """Bill cumulative usage ``billed`` against an open reservation (``final``: close it).
+
+    ``kind`` is ``settle``, ``cancel`` or ``expire`` (the status a final call leaves).
+
+    Raises:
+        InvalidUsage: amounts negative, below what was billed before, or output above the reservation.
+    """
+    r = reservation
+    assert not r.is_final
+    check_amounts(billed.input_tokens, billed.output_tokens, billed.gpu_ms, kind)
+    before = r.billed
+    if billed.output_tokens > r.max_output_tokens:
+        raise InvalidUsage(f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
+                           f"max_output_tokens {r.max_output_tokens}")
+    for name in ("input_tokens", "output_tokens", "gpu_ms"):
+        if getattr(billed, name) < getattr(before, name):
+            raise InvalidUsage(f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
+                               f"({getattr(before, name)}); amounts are cumulative")
+    acc = refreshed(account, limits, now_ms)
+    old_in, old_out, old_gpu = _held(r, before, False)
+    new_in, new_out, new_gpu = _held(r, billed, final)
+    # Buckets get back (or pay) the difference between what is held now and before, capped at the burst.
+    for dimension, prefix, diff in (("input_tokens", "input", old_in - new_in),
+                                    ("output_tokens", "output", old_out - new_out)):
+        level = getattr(acc, f"{prefix}_level")
+        if level is not None and diff:
+            setattr(acc, f"{prefix}_level", min(limits.burst(dimension) or 0.0, level + diff))
+    acc.gpu_window_used_ms = max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
+    acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
+    if final:
+        acc.concurrent = max(0, acc.concurrent - 1)
+    new_run = run
+    if run is not None and r.run_id is not None:
+        new_run = replace(run, tokens=max(0, run.tokens + (new_in + new_out) - (old_in + old_out)))
+    overage = max(0.0, billed.gpu_ms - r.gpu_ms_estimate)
+    status = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}[kind] if final else "open"
+    updated = replace(r, billed=billed, overage_gpu_ms=overage, status=status, final_ms=now_ms if final else None)
+    delta = Delta(kind=("settle_final" if kind == "settle" else kind) if final else "settle",
+                  input_tokens=billed.input_tokens - before.input_tokens,
+                  output_tokens=billed.output_tokens - before.output_tokens,
+                  gpu_ms=billed.gpu_ms - before.gpu_ms, overage_gpu_ms=overage - r.overage_gpu_ms)
+    return updated, acc, new_run, delta

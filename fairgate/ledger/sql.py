@@ -1,0 +1,336 @@
+"""The ledger on a SQL database: the rules of ``rules.py`` applied inside one transaction per call.
+
+Dialects (``sqlite.py``, ``postgres.py``) supply the transaction, the tenant lock and the clock; the
+statements here use ``:name`` placeholders (rewritten for psycopg).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import asdict
+from typing import Any, Protocol
+
+from fairgate.ledger import rules
+from fairgate.ledger.base import Event, IsRunning, Ledger, check_request_id, new_reservation_id, usage_from_events
+from fairgate.ledger.model import (
+    IdempotencyConflict,
+    InvalidUsage,
+    Reservation,
+    ReservationFinal,
+    ReservationNotFound,
+    SettlementFrozen,
+    TenantUsage,
+    Usage,
+)
+
+TABLES = """
+CREATE TABLE IF NOT EXISTS fg_accounts (
+  tenant TEXT NOT NULL, model_class TEXT NOT NULL,
+  requests_level {real}, requests_updated_ms {real} NOT NULL,
+  input_level {real}, input_updated_ms {real} NOT NULL,
+  output_level {real}, output_updated_ms {real} NOT NULL,
+  concurrent INTEGER NOT NULL,
+  gpu_window_start_ms {real} NOT NULL, gpu_window_used_ms {real} NOT NULL, gpu_total_used_ms {real} NOT NULL,
+  PRIMARY KEY (tenant, model_class));
+CREATE TABLE IF NOT EXISTS fg_runs (
+  tenant TEXT NOT NULL, run_id TEXT NOT NULL,
+  model_calls INTEGER NOT NULL, tool_rounds INTEGER NOT NULL, tokens BIGINT NOT NULL,
+  PRIMARY KEY (tenant, run_id));
+CREATE TABLE IF NOT EXISTS fg_reservations (
+  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, request_id TEXT NOT NULL, model_class TEXT NOT NULL,
+  run_id TEXT, tool_round INTEGER NOT NULL,
+  input_tokens BIGINT NOT NULL, max_output_tokens BIGINT NOT NULL, gpu_ms_estimate {real} NOT NULL,
+  status TEXT NOT NULL,
+  billed_input_tokens BIGINT NOT NULL, billed_output_tokens BIGINT NOT NULL, billed_gpu_ms {real} NOT NULL,
+  overage_gpu_ms {real} NOT NULL, created_ms {real} NOT NULL, expires_at_ms {real} NOT NULL, final_ms {real},
+  UNIQUE (tenant, request_id));
+CREATE INDEX IF NOT EXISTS fg_reservations_open ON fg_reservations (status, expires_at_ms);
+CREATE TABLE IF NOT EXISTS fg_events (
+  seq {serial}, tenant TEXT NOT NULL, reservation_id TEXT NOT NULL, kind TEXT NOT NULL,
+  requests INTEGER NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+  gpu_ms {real} NOT NULL, overage_gpu_ms {real} NOT NULL, at_ms {real} NOT NULL);
+CREATE INDEX IF NOT EXISTS fg_events_tenant ON fg_events (tenant, at_ms);
+CREATE TABLE IF NOT EXISTS fg_frozen (tenant TEXT PRIMARY KEY, reason TEXT NOT NULL, at_ms {real} NOT NULL);
+CREATE TABLE IF NOT EXISTS fg_heartbeats (reservation_id TEXT PRIMARY KEY, beat_ms {real} NOT NULL);
+"""
+
+_RESERVATION_COLUMNS = ("id, tenant, request_id, model_class, run_id, tool_round, input_tokens, max_output_tokens, "
+                        "gpu_ms_estimate, status, billed_input_tokens, billed_output_tokens, billed_gpu_ms, "
+                        "overage_gpu_ms, created_ms, expires_at_ms, final_ms")
+_ACCOUNT_FIELDS = tuple(asdict(rules.Account()).keys())
+
+
+class Tx(Protocol):
+    """One open transaction."""
+
+    async def fetchone(self, sql: str, params: dict[str, Any] | None = None) -> tuple[Any, ...] | None: ...
+    async def fetchall(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]: ...
+    async def execute(self, sql: str, params: dict[str, Any] | None = None) -> None: ...
+
+
+def _reservation(row: tuple[Any, ...]) -> Reservation:
+    (rid, tenant, request_id, model_class, run_id, tool_round, input_tokens, max_output_tokens, estimate, status,
+     billed_in, billed_out, billed_gpu, overage, created, expires, final) = row
+    return Reservation(
+        id=rid, tenant=tenant, request_id=request_id, model_class=model_class, run_id=run_id,
+        tool_round=bool(tool_round), input_tokens=int(input_tokens), max_output_tokens=int(max_output_tokens),
+        gpu_ms_estimate=float(estimate), status=status,
+        billed=Usage(int(billed_in), int(billed_out), float(billed_gpu)), overage_gpu_ms=float(overage),
+        created_ms=float(created), expires_at_ms=float(expires), final_ms=None if final is None else float(final))
+
+
+def _reservation_params(r: Reservation) -> dict[str, Any]:
+    return {"id": r.id, "tenant": r.tenant, "request_id": r.request_id, "model_class": r.model_class,
+            "run_id": r.run_id, "tool_round": int(r.tool_round), "input_tokens": r.input_tokens,
+            "max_output_tokens": r.max_output_tokens, "gpu_ms_estimate": r.gpu_ms_estimate, "status": r.status,
+            "billed_input_tokens": r.billed.input_tokens, "billed_output_tokens": r.billed.output_tokens,
+            "billed_gpu_ms": r.billed.gpu_ms, "overage_gpu_ms": r.overage_gpu_ms, "created_ms": r.created_ms,
+            "expires_at_ms": r.expires_at_ms, "final_ms": r.final_ms}
+
+
+class SqlLedger(Ledger):
+    """``Ledger`` over SQL; subclasses provide ``_transaction``, ``_lock_tenant`` and ``_now_ms``."""
+
+    @abstractmethod
+    def _transaction(self) -> AbstractAsyncContextManager[Tx]:
+        """A write transaction (committed on success, rolled back on error)."""
+
+    @abstractmethod
+    async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
+        """Serialise this transaction with every other one on ``tenant``."""
+
+    @abstractmethod
+    async def _now_ms(self, tx: Tx) -> float:
+        """The ledger clock, ms since the epoch."""
+
+    # --- state ---------------------------------------------------------------------------------
+    async def _account(self, tx: Tx, tenant: str, model_class: str) -> rules.Account:
+        row = await tx.fetchone(f"SELECT {', '.join(_ACCOUNT_FIELDS)} FROM fg_accounts "
+                                "WHERE tenant = :tenant AND model_class = :model_class",
+                                {"tenant": tenant, "model_class": model_class})
+        return rules.Account() if row is None else rules.Account(*row)
+
+    async def _save_account(self, tx: Tx, tenant: str, model_class: str, account: rules.Account) -> None:
+        values = asdict(account)
+        names = ", ".join(_ACCOUNT_FIELDS)
+        placeholders = ", ".join(f":{f}" for f in _ACCOUNT_FIELDS)
+        updates = ", ".join(f"{f} = excluded.{f}" for f in _ACCOUNT_FIELDS)
+        await tx.execute(f"INSERT INTO fg_accounts (tenant, model_class, {names}) VALUES (:tenant, :model_class, "
+                         f"{placeholders}) ON CONFLICT (tenant, model_class) DO UPDATE SET {updates}",
+                         {"tenant": tenant, "model_class": model_class, **values})
+
+    async def _run(self, tx: Tx, tenant: str, run_id: str | None) -> rules.RunUsage | None:
+        if run_id is None:
+            return None
+        row = await tx.fetchone("SELECT model_calls, tool_rounds, tokens FROM fg_runs WHERE tenant = :tenant "
+                                "AND run_id = :run_id", {"tenant": tenant, "run_id": run_id})
+        return rules.RunUsage(*row) if row else rules.RunUsage()
+
+    async def _save_run(self, tx: Tx, tenant: str, run_id: str | None, run: rules.RunUsage | None) -> None:
+        if run_id is None or run is None:
+            return
+        await tx.execute("INSERT INTO fg_runs (tenant, run_id, model_calls, tool_rounds, tokens) VALUES (:tenant, "
+                         ":run_id, :model_calls, :tool_rounds, :tokens) ON CONFLICT (tenant, run_id) DO UPDATE SET "
+                         "model_calls = excluded.model_calls, tool_rounds = excluded.tool_rounds, "
+                         "tokens = excluded.tokens",
+                         {"tenant": tenant, "run_id": run_id, **asdict(run)})
+
+    async def _event(self, tx: Tx, r: Reservation, delta: rules.Delta, now_ms: float) -> None:
+        await tx.execute("INSERT INTO fg_events (tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
+                         "gpu_ms, overage_gpu_ms, at_ms) VALUES (:tenant, :rid, :kind, :requests, :input_tokens, "
+                         ":output_tokens, :gpu_ms, :overage_gpu_ms, :at_ms)",
+                         {"tenant": r.tenant, "rid": r.id, **asdict(delta), "at_ms": now_ms})
+
+    async def _load(self, tx: Tx, reservation_id: str, lock: bool) -> Reservation:
+        if not isinstance(reservation_id, str) or not reservation_id:
+            raise InvalidUsage(f"reservation_id must be a non-empty string, got {reservation_id!r}")
+        row = await tx.fetchone(f"SELECT {_RESERVATION_COLUMNS} FROM fg_reservations WHERE id = :id",
+                                {"id": reservation_id})
+        if row is None:
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+        r = _reservation(row)
+        if lock:
+            await self._lock_tenant(tx, r.tenant)
+            row = await tx.fetchone(f"SELECT {_RESERVATION_COLUMNS} FROM fg_reservations WHERE id = :id",
+                                    {"id": reservation_id})
+            assert row is not None
+            r = _reservation(row)
+        return r
+
+    async def _update_reservation(self, tx: Tx, r: Reservation) -> None:
+        await tx.execute("UPDATE fg_reservations SET status = :status, billed_input_tokens = :billed_input_tokens, "
+                         "billed_output_tokens = :billed_output_tokens, billed_gpu_ms = :billed_gpu_ms, "
+                         "overage_gpu_ms = :overage_gpu_ms, expires_at_ms = :expires_at_ms, final_ms = :final_ms "
+                         "WHERE id = :id", _reservation_params(r))
+
+    # --- API ------------------------------------------------------------------------------------
+    async def reserve(self, tenant: str, request_id: str, input_tokens: int, max_output_tokens: int,
+                      gpu_ms_estimate: float = 0.0, model_class: str = "default", run_id: str | None = None,
+                      tool_round: bool = False) -> Reservation:
+        check_request_id(request_id)
+        limits = self.limits(tenant, model_class)
+        args = rules.ReserveArgs(tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class,
+                                 run_id, bool(tool_round))
+        rules.check_amounts(input_tokens, max_output_tokens, gpu_ms_estimate, "reserve")
+        async with self._transaction() as tx:
+            await self._lock_tenant(tx, tenant)
+            row = await tx.fetchone(f"SELECT {_RESERVATION_COLUMNS} FROM fg_reservations WHERE tenant = :tenant "
+                                    "AND request_id = :request_id", {"tenant": tenant, "request_id": request_id})
+            if row is not None:
+                existing = _reservation(row)
+                if rules.ReserveArgs(tenant, request_id, existing.input_tokens, existing.max_output_tokens,
+                                     existing.gpu_ms_estimate, existing.model_class, existing.run_id,
+                                     existing.tool_round).fingerprint() != args.fingerprint():
+                    raise IdempotencyConflict(f"request id {request_id!r} of tenant {tenant!r} was reserved with "
+                                              "other arguments")
+                return existing
+            now_ms = await self._now_ms(tx)
+            account = await self._account(tx, tenant, model_class)
+            run = await self._run(tx, tenant, run_id)
+            account, run = rules.reserve(account, run, limits, args, now_ms)
+            r = Reservation(id=new_reservation_id(tenant), tenant=tenant, request_id=request_id,
+                            model_class=model_class, run_id=run_id, tool_round=bool(tool_round),
+                            input_tokens=input_tokens, max_output_tokens=max_output_tokens,
+                            gpu_ms_estimate=float(gpu_ms_estimate), status="open", billed=Usage(),
+                            overage_gpu_ms=0.0, created_ms=now_ms,
+                            expires_at_ms=now_ms + limits.reservation_ttl_s * 1000.0)
+            await tx.execute(f"INSERT INTO fg_reservations ({_RESERVATION_COLUMNS}) VALUES "
+                             f"({', '.join(':' + c.strip() for c in _RESERVATION_COLUMNS.split(','))})",
+                             _reservation_params(r))
+            await self._save_account(tx, tenant, model_class, account)
+            await self._save_run(tx, tenant, run_id, run)
+            await self._event(tx, r, rules.Delta("reserve", requests=1), now_ms)
+            return r
+
+    async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str,
+                     check_frozen: bool = True) -> Reservation:
+        async with self._transaction() as tx:
+            r = await self._load(tx, reservation_id, lock=True)
+            if r.is_final:
+                if final and kind == {"settled": "settle", "cancelled": "cancel", "expired": "expire"}[r.status] \
+                        and r.billed == billed:
+                    return r  # the same final call, repeated
+                raise ReservationFinal(f"reservation {reservation_id!r} is {r.status} already")
+            if check_frozen and await tx.fetchone("SELECT 1 FROM fg_frozen WHERE tenant = :tenant",
+                                                  {"tenant": r.tenant}):
+                raise SettlementFrozen(f"automatic settlement is frozen for tenant {r.tenant!r}")
+            now_ms = await self._now_ms(tx)
+            limits = self.limits(r.tenant, r.model_class)
+            account = await self._account(tx, r.tenant, r.model_class)
+            run = await self._run(tx, r.tenant, r.run_id)
+            if r.billed == billed and not final:
+                return r  # a repeated partial settlement: nothing new
+            updated, account, run, delta = rules.settle(r, account, run, limits, billed, final, now_ms, kind)
+            await self._update_reservation(tx, updated)
+            await self._save_account(tx, r.tenant, r.model_class, account)
+            await self._save_run(tx, r.tenant, r.run_id, run)
+            await self._event(tx, updated, delta, now_ms)
+            if final:
+                await tx.execute("DELETE FROM fg_heartbeats WHERE reservation_id = :id", {"id": r.id})
+            return updated
+
+    async def settle(self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float,
+                     final: bool = False) -> Reservation:
+        rules.check_amounts(input_tokens, output_tokens, gpu_ms, "settle")
+        return await self._close(reservation_id, Usage(input_tokens, output_tokens, float(gpu_ms)), final, "settle")
+
+    async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
+        if not isinstance(consumed, Usage):
+            raise InvalidUsage(f"cancel: consumed must be a Usage, got {consumed!r}")
+        rules.check_amounts(consumed.input_tokens, consumed.output_tokens, consumed.gpu_ms, "cancel")
+        return await self._close(reservation_id, Usage(consumed.input_tokens, consumed.output_tokens,
+                                                       float(consumed.gpu_ms)), True, "cancel")
+
+    async def get(self, reservation_id: str) -> Reservation:
+        async with self._transaction() as tx:
+            return await self._load(tx, reservation_id, lock=False)
+
+    async def reservations(self, tenant: str | None = None, status: str | None = None) -> list[Reservation]:
+        async with self._transaction() as tx:
+            rows = await tx.fetchall(f"SELECT {_RESERVATION_COLUMNS} FROM fg_reservations WHERE "
+                                     "(CAST(:tenant AS TEXT) IS NULL OR tenant = :tenant) AND (CAST(:status AS TEXT) IS NULL OR status = :status) "
+                                     "ORDER BY created_ms, id", {"tenant": tenant, "status": status})
+        return [_reservation(row) for row in rows]
+
+    async def events(self, tenant: str | None = None) -> list[Event]:
+        async with self._transaction() as tx:
+            rows = await tx.fetchall("SELECT seq, tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
+                                     "gpu_ms, overage_gpu_ms, at_ms FROM fg_events WHERE (CAST(:tenant AS TEXT) IS NULL OR "
+                                     "tenant = :tenant) ORDER BY seq", {"tenant": tenant})
+        return [Event(int(a), b, c, d, int(e), int(f), int(g), float(h), float(i), float(j))
+                for a, b, c, d, e, f, g, h, i, j in rows]
+
+    async def usage(self, tenant: str, window_s: float) -> TenantUsage:
+        if not (isinstance(window_s, int | float) and window_s > 0):
+            raise InvalidUsage(f"usage: window_s must be > 0, got {window_s!r}")
+        async with self._transaction() as tx:
+            now_ms = await self._now_ms(tx)
+            rows = await tx.fetchall("SELECT seq, tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
+                                     "gpu_ms, overage_gpu_ms, at_ms FROM fg_events WHERE tenant = :tenant AND "
+                                     "at_ms >= :since ORDER BY seq", {"tenant": tenant, "since": now_ms - window_s * 1e3})
+            statuses = await tx.fetchall("SELECT status, COUNT(*) FROM fg_reservations WHERE tenant = :tenant "
+                                         "GROUP BY status", {"tenant": tenant})
+        events = [Event(int(a), b, c, d, int(e), int(f), int(g), float(h), float(i), float(j))
+                  for a, b, c, d, e, f, g, h, i, j in rows]
+        by_status = {s: int(n) for s, n in statuses}
+        return usage_from_events(tenant, window_s, events, by_status.get("open", 0), by_status)
+
+    async def heartbeat(self, reservation_id: str) -> None:
+        async with self._transaction() as tx:
+            r = await self._load(tx, reservation_id, lock=False)
+            if r.is_final:
+                return
+            now_ms = await self._now_ms(tx)
+            await tx.execute("INSERT INTO fg_heartbeats (reservation_id, beat_ms) VALUES (:id, :now) ON CONFLICT "
+                             "(reservation_id) DO UPDATE SET beat_ms = excluded.beat_ms", {"id": r.id, "now": now_ms})
+
+    async def _heartbeat_running(self, r: Reservation) -> bool:
+        async with self._transaction() as tx:
+            now_ms = await self._now_ms(tx)
+            row = await tx.fetchone("SELECT beat_ms FROM fg_heartbeats WHERE reservation_id = :id", {"id": r.id})
+        ttl_ms = self.limits(r.tenant, r.model_class).reservation_ttl_s * 1000.0
+        return row is not None and now_ms - float(row[0]) <= ttl_ms
+
+    async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
+        check = is_running or self._heartbeat_running
+        async with self._transaction() as tx:
+            now_ms = await self._now_ms(tx)
+            rows = await tx.fetchall(f"SELECT {_RESERVATION_COLUMNS} FROM fg_reservations WHERE status = 'open' AND "
+                                     "expires_at_ms <= :now AND tenant NOT IN (SELECT tenant FROM fg_frozen) "
+                                     "ORDER BY expires_at_ms", {"now": now_ms})
+        expired = []
+        for r in map(_reservation, rows):
+            if await check(r):
+                async with self._transaction() as tx:
+                    now_ms = await self._now_ms(tx)
+                    ttl_ms = self.limits(r.tenant, r.model_class).reservation_ttl_s * 1000.0
+                    await tx.execute("UPDATE fg_reservations SET expires_at_ms = :at WHERE id = :id AND "
+                                     "status = 'open'", {"at": now_ms + ttl_ms, "id": r.id})
+                continue
+            try:
+                current = await self.get(r.id)
+                expired.append(await self._close(r.id, current.billed, True, "expire"))
+            except ReservationFinal:
+                continue  # settled meanwhile
+        return expired
+
+    async def freeze(self, tenant: str, reason: str) -> None:
+        async with self._transaction() as tx:
+            now_ms = await self._now_ms(tx)
+            await tx.execute("INSERT INTO fg_frozen (tenant, reason, at_ms) VALUES (:tenant, :reason, :now) ON CONFLICT "
+                             "(tenant) DO UPDATE SET reason = excluded.reason, at_ms = excluded.at_ms",
+                             {"tenant": tenant, "reason": reason, "now": now_ms})
+
+    async def unfreeze(self, tenant: str) -> None:
+        async with self._transaction() as tx:
+            await tx.execute("DELETE FROM fg_frozen WHERE tenant = :tenant", {"tenant": tenant})
+
+    async def frozen(self) -> dict[str, str]:
+        async with self._transaction() as tx:
+            rows = await tx.fetchall("SELECT tenant, reason FROM fg_frozen ORDER BY tenant")
+        return {t: reason for t, reason in rows}
+
+
+__all__ = ["TABLES", "AsyncIterator", "SqlLedger", "Tx"]

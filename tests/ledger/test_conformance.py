@@ -1,0 +1,303 @@
+"""One conformance suite, run against every backend (SQLite file, PostgreSQL, Redis): the ledger's semantics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fairgate.ledger import (
+    IdempotencyConflict,
+    InvalidUsage,
+    QuotaExceeded,
+    ReservationFinal,
+    ReservationNotFound,
+    SettlementFrozen,
+    UnknownTenant,
+    Usage,
+)
+
+QUOTAS = {
+    "defaults": {
+        "requests_per_minute": 60, "requests_burst": 5,
+        "input_tokens_per_minute": 6000, "input_tokens_burst": 3000,
+        "output_tokens_per_minute": 6000, "output_tokens_burst": 2000,
+        "max_concurrent": 3, "gpu_seconds": 10, "gpu_window_s": 3600, "gpu_seconds_total": 25,
+        "max_model_calls": 3, "max_tool_rounds": 1, "max_tokens": 2500, "reservation_ttl_s": 60,
+    },
+    "tenants": {"a": {}, "b": {}, "big": {"model_class": {"large": {"max_concurrent": 1}}}},
+}
+
+
+async def test_reserve_settle_releases_the_remainder(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    r = await ledger.reserve("a", "r1", 1000, 1500, 2000.0)
+    assert (r.status, r.input_tokens, r.max_output_tokens, r.gpu_ms_estimate) == ("open", 1000, 1500, 2000.0)
+    assert r.expires_at_ms == clock.now_ms + 60_000
+    # 1,500 output tokens held: 600 more do not fit the 2,000 burst...
+    with pytest.raises(QuotaExceeded) as excinfo:
+        await ledger.reserve("a", "r2", 10, 600, 0.0)
+    assert excinfo.value.dimension == "output_tokens_per_minute" and excinfo.value.retry_after_s > 0
+    # ...until the final settlement returns what was not generated.
+    await ledger.settle(r.id, 1000, 30, 500.0)  # partial: still held
+    with pytest.raises(QuotaExceeded):
+        await ledger.reserve("a", "r2", 10, 600, 0.0)
+    done = await ledger.settle(r.id, 1000, 40, 900.0, final=True)
+    assert done.status == "settled" and done.billed == Usage(1000, 40, 900.0) and done.final_ms == clock.now_ms
+    assert (await ledger.reserve("a", "r2", 10, 600, 0.0)).status == "open"
+
+
+async def test_same_request_id_is_deducted_once(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    first = await ledger.reserve("a", "same", 10, 10, 1.0)
+    again = await ledger.reserve("a", "same", 10, 10, 1.0)
+    assert again == first
+    await ledger.reserve("a", "x", 10, 10, 1.0)
+    await ledger.reserve("a", "y", 10, 10, 1.0)  # 3 concurrent: "same" counted once
+    with pytest.raises(QuotaExceeded, match="max_concurrent"):
+        await ledger.reserve("a", "z", 10, 10, 1.0)
+    assert [e.kind for e in await ledger.events("a")].count("reserve") == 3
+    # Settled, the retry still returns the original (final) result and deducts nothing.
+    await ledger.settle(first.id, 10, 5, 1.0, final=True)
+    assert (await ledger.reserve("a", "same", 10, 10, 1.0)).status == "settled"
+
+
+async def test_same_request_id_other_arguments_conflicts(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    await ledger.reserve("a", "r", 10, 10, 1.0)
+    with pytest.raises(IdempotencyConflict):
+        await ledger.reserve("a", "r", 10, 11, 1.0)
+    # Request ids are per tenant: another tenant may use the same one.
+    assert (await ledger.reserve("b", "r", 10, 11, 1.0)).tenant == "b"
+
+
+async def test_concurrent_reserves_on_one_balance_never_overshoot(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    results = await asyncio.gather(*(ledger.reserve("a", f"c{i}", 1, 1, 0.0) for i in range(20)),
+                                   return_exceptions=True)
+    admitted = [r for r in results if not isinstance(r, Exception)]
+    rejected = [r for r in results if isinstance(r, QuotaExceeded)]
+    assert len(admitted) == 3 and len(rejected) == 17
+
+
+async def test_final_settle_once_repeats_return_the_same(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    r = await ledger.reserve("a", "r", 100, 100, 100.0)
+    first = await ledger.settle(r.id, 100, 50, 80.0, final=True)
+    assert await ledger.settle(r.id, 100, 50, 80.0, final=True) == first
+    with pytest.raises(ReservationFinal):
+        await ledger.settle(r.id, 100, 60, 80.0, final=True)
+    with pytest.raises(ReservationFinal):
+        await ledger.settle(r.id, 100, 60, 80.0)
+    with pytest.raises(ReservationFinal):
+        await ledger.cancel(r.id, Usage(100, 50, 80.0))
+    usage = await ledger.usage("a", 3600)
+    assert (usage.input_tokens, usage.output_tokens, usage.gpu_ms) == (100, 50, 80.0)  # counted once
+
+
+async def test_repeated_partial_settlement_changes_nothing(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    r = await ledger.reserve("a", "r", 100, 100, 100.0)
+    await ledger.settle(r.id, 100, 20, 30.0)
+    await ledger.settle(r.id, 100, 20, 30.0)
+    assert [e.kind for e in await ledger.events("a")] == ["reserve", "settle"]
+    with pytest.raises(InvalidUsage, match="cumulative"):
+        await ledger.settle(r.id, 100, 10, 30.0)
+
+
+async def test_gpu_overage_is_booked_not_dropped(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    r = await ledger.reserve("a", "r", 10, 10, 1000.0)
+    done = await ledger.settle(r.id, 10, 10, 9500.0, final=True)
+    assert done.overage_gpu_ms == 8500.0
+    assert (await ledger.usage("a", 3600)).overage_gpu_ms == 8500.0
+    # 9.5 s of the 10 s window are used: a 1 s estimate no longer fits, and says when the window ends.
+    with pytest.raises(QuotaExceeded) as excinfo:
+        await ledger.reserve("a", "r2", 10, 10, 1000.0)
+    assert excinfo.value.dimension == "gpu_seconds" and 0 < excinfo.value.retry_after_s <= 3600
+    # Overage mid-stream is booked at once, before the final settlement.
+    r3 = await ledger.reserve("b", "r3", 10, 10, 100.0)
+    await ledger.settle(r3.id, 10, 5, 9950.0)
+    with pytest.raises(QuotaExceeded, match="gpu_seconds"):
+        await ledger.reserve("b", "r4", 10, 10, 100.0)
+
+
+async def test_gpu_window_resets_but_total_budget_does_not(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    for i in range(2):
+        r = await ledger.reserve("a", f"w{i}", 1, 1, 9000.0)
+        await ledger.settle(r.id, 1, 1, 9000.0, final=True)
+        clock.advance(3600)
+    r = await ledger.reserve("a", "w2", 1, 1, 6000.0)  # 18 s + 6 s <= 25 s total
+    await ledger.settle(r.id, 1, 1, 6000.0, final=True)
+    clock.advance(3600)
+    with pytest.raises(QuotaExceeded) as excinfo:
+        await ledger.reserve("a", "w3", 1, 1, 2000.0)
+    assert excinfo.value.dimension == "gpu_seconds_total" and excinfo.value.retry_after_s is None
+
+
+async def test_cancel_bills_what_was_consumed_and_frees_the_slot(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    reservations = [await ledger.reserve("a", f"k{i}", 100, 500, 300.0) for i in range(3)]
+    for i, r in enumerate(reservations):
+        cancelled = await ledger.cancel(r.id, Usage(100, 7 * i, 20.0))
+        assert cancelled.status == "cancelled" and cancelled.billed == Usage(100, 7 * i, 20.0)
+    # The slots came back (a counter that only goes up when clients cancel would refuse these).
+    clock.advance(5)  # (and the request bucket refills)
+    for i in range(3):
+        await ledger.reserve("a", f"again{i}", 1, 1, 0.0)
+    usage = await ledger.usage("a", 3600)
+    assert (usage.input_tokens, usage.output_tokens) == (300, 21)  # input tokens are billed too
+    assert usage.by_status == {"cancelled": 3, "open": 3}
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda L, rid: L.settle(rid, 10, 101, 1.0), "above the reservation"),
+    (lambda L, rid: L.settle(rid, -1, 1, 1.0), "input_tokens"),
+    (lambda L, rid: L.settle(rid, 1.5, 1, 1.0), "input_tokens"),
+    (lambda L, rid: L.settle(rid, 1, 1, -3.0), "gpu_ms"),
+    (lambda L, rid: L.settle(rid, 1, 1, float("nan")), "gpu_ms"),
+    (lambda L, rid: L.cancel(rid, Usage(1, -2, 0.0)), "output_tokens"),
+])
+async def test_bad_amounts_change_nothing(open_ledger, clock, call, match):
+    ledger = await open_ledger(QUOTAS, clock)
+    r = await ledger.reserve("a", "r", 10, 100, 1.0)
+    with pytest.raises(InvalidUsage, match=match):
+        await call(ledger, r.id)
+    assert await ledger.get(r.id) == r
+    assert len(await ledger.events()) == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    ((-1, 10, 1.0), "input_tokens"), ((1, "10", 1.0), "output_tokens"), ((1, 10, -1.0), "gpu_ms"),
+    ((True, 10, 1.0), "input_tokens"),
+])
+async def test_bad_reserve_changes_nothing(open_ledger, clock, args, match):
+    ledger = await open_ledger(QUOTAS, clock)
+    with pytest.raises(InvalidUsage, match=match):
+        await ledger.reserve("a", "r", *args)
+    assert await ledger.events() == [] and await ledger.reservations() == []
+
+
+async def test_unknown_reservation_and_tenant(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    with pytest.raises(ReservationNotFound):
+        await ledger.settle("ca978112ca1bbdca-00000000000000000000000000000000", 1, 1, 1.0)
+    with pytest.raises(ReservationNotFound):
+        await ledger.get("nope")
+    with pytest.raises(UnknownTenant):
+        await ledger.reserve("mallory", "r", 1, 1, 0.0)
+
+
+async def test_bucket_burst_is_capped_after_idle_time(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    clock.advance(30 * 86_400)  # a month idle banks no more than the burst of 5 requests
+    for i in range(5):
+        r = await ledger.reserve("b", f"b{i}", 1, 1, 0.0)
+        await ledger.settle(r.id, 1, 1, 0.0, final=True)
+    with pytest.raises(QuotaExceeded) as excinfo:
+        await ledger.reserve("b", "b5", 1, 1, 0.0)
+    assert excinfo.value.dimension == "requests_per_minute"
+    assert excinfo.value.retry_after_s == pytest.approx(1.0, abs=0.01)  # 60/min: one a second
+    clock.advance(1.0)
+    await ledger.reserve("b", "b5", 1, 1, 0.0)
+
+
+async def test_clock_running_backwards_grants_nothing(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    for i in range(5):
+        r = await ledger.reserve("a", f"t{i}", 1, 1, 0.0)
+        await ledger.settle(r.id, 1, 1, 0.0, final=True)
+    clock.advance(-120.0)  # another process's clock, two minutes behind
+    with pytest.raises(QuotaExceeded, match="requests_per_minute"):
+        await ledger.reserve("a", "t5", 1, 1, 0.0)
+    clock.advance(120.0 + 1.0)
+    await ledger.reserve("a", "t5", 1, 1, 0.0)
+
+
+async def test_agent_run_limits(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    r1 = await ledger.reserve("a", "m1", 100, 400, 0.0, run_id="run-1")
+    await ledger.settle(r1.id, 100, 50, 0.0, final=True)  # the run holds 150 tokens, not 500
+    await ledger.reserve("a", "m2", 100, 400, 0.0, run_id="run-1", tool_round=True)
+    with pytest.raises(QuotaExceeded, match="max_tool_rounds"):
+        await ledger.reserve("a", "m3", 100, 400, 0.0, run_id="run-1", tool_round=True)
+    with pytest.raises(QuotaExceeded, match="max_tokens"):
+        await ledger.reserve("a", "m3", 500, 1500, 0.0, run_id="run-1")
+    await ledger.reserve("a", "m3", 100, 100, 0.0, run_id="run-1")
+    with pytest.raises(QuotaExceeded, match="max_model_calls"):
+        await ledger.reserve("a", "m4", 1, 1, 0.0, run_id="run-1")
+    await ledger.reserve("a", "m4", 1, 1, 0.0, run_id="run-2")  # another run has its own counters
+
+
+async def test_limits_per_model_class(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    await ledger.reserve("big", "l1", 1, 1, 0.0, model_class="large")
+    with pytest.raises(QuotaExceeded, match="max_concurrent"):
+        await ledger.reserve("big", "l2", 1, 1, 0.0, model_class="large")
+    await ledger.reserve("big", "s1", 1, 1, 0.0)  # the default class has its own balance
+
+
+async def test_expiry_waits_for_the_execution_registry(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    running = await ledger.reserve("a", "long", 100, 100, 10.0)
+    dead = await ledger.reserve("a", "dead", 100, 100, 10.0)
+    await ledger.settle(dead.id, 100, 5, 4.0)
+    clock.advance(59)
+    assert await ledger.expire_due(lambda r: _const(False)) == []  # not due yet
+    clock.advance(2)
+    alive = {running.id}
+    expired = await ledger.expire_due(lambda r: _const(r.id in alive))
+    assert [r.id for r in expired] == [dead.id]
+    assert expired[0].status == "expired" and expired[0].billed == Usage(100, 5, 4.0)
+    extended = await ledger.get(running.id)
+    assert extended.status == "open" and extended.expires_at_ms == clock.now_ms + 60_000
+    alive.clear()
+    clock.advance(61)
+    assert [r.id for r in await ledger.expire_due(lambda r: _const(False))] == [running.id]
+    assert (await ledger.usage("a", 3600)).open_reservations == 0
+
+
+async def test_default_registry_is_the_heartbeat(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    r = await ledger.reserve("a", "hb", 1, 1, 0.0)
+    clock.advance(50)
+    await ledger.heartbeat(r.id)
+    clock.advance(20)
+    assert await ledger.expire_due() == []  # beat 20 s ago, within the TTL: extended
+    clock.advance(120)
+    assert [x.id for x in await ledger.expire_due()] == [r.id]
+
+
+async def test_frozen_tenant_cannot_settle_automatically(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    r = await ledger.reserve("a", "f", 1, 10, 0.0)
+    await ledger.freeze("a", "reservations and events differ by 12 tokens")
+    assert await ledger.frozen() == {"a": "reservations and events differ by 12 tokens"}
+    with pytest.raises(SettlementFrozen):
+        await ledger.settle(r.id, 1, 5, 0.0, final=True)
+    clock.advance(3600)
+    assert await ledger.expire_due(lambda r: _const(False)) == []  # frozen: left for the operator
+    await ledger.unfreeze("a")
+    assert (await ledger.settle(r.id, 1, 5, 0.0, final=True)).status == "settled"
+
+
+async def test_usage_is_per_tenant_and_matches_the_event_log(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    ra = await ledger.reserve("a", "u", 10, 20, 5.0)
+    rb = await ledger.reserve("b", "u", 30, 40, 7.0)
+    await ledger.settle(ra.id, 10, 20, 5.0, final=True)
+    await ledger.settle(rb.id, 30, 33, 7.0, final=True)
+    a, b = await ledger.usage("a", 60), await ledger.usage("b", 60)
+    assert (a.requests, a.input_tokens, a.output_tokens, a.gpu_ms) == (1, 10, 20, 5.0)
+    assert (b.requests, b.input_tokens, b.output_tokens, b.gpu_ms) == (1, 30, 33, 7.0)
+    events = await ledger.events()
+    assert sum(e.output_tokens for e in events) == 53
+    clock.advance(120)
+    assert (await ledger.usage("a", 60)).requests == 0  # outside the window
+
+
+def _const(value: bool):  # type: ignore[no-untyped-def]
+    async def answer() -> bool:
+        return value
+    return answer()
