@@ -207,7 +207,7 @@ def sweep(
         if plot_dir:
             for axis in grid_config.axis:
                 ratios = {p: result.by_axis(axis.key, p) for p in policies}
-                reduce_note = "" if len(grid_config.axis) == 1 else " (mean over the other axes)"
+                reduce_note = "" if len(grid_config.axis) == 1 else "\n(mean over the other axes)"
                 name = axis.key.replace("*", "all").replace(".", "_")
                 path = ratio_against(axis.values, ratios, plot_dir / f"sweep_{name}.png", axis.key,
                                      f"{scenario.name}: max/min GPU share vs {axis.key}{reduce_note}")

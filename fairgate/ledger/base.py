@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fairgate.ledger.config import Limits, Quotas
+from fairgate.ledger.rules import Account
 from fairgate.ledger.model import InvalidUsage, Reservation, TenantUsage, UnknownTenant, Usage
 
 # An execution registry: is the request behind this reservation still running?
@@ -95,6 +96,10 @@ class Ledger(ABC):
         Raises:
             ReservationNotFound, ReservationFinal, InvalidUsage, SettlementFrozen, LedgerUnavailable.
         """
+
+    @abstractmethod
+    async def account(self, tenant: str, model_class: str = "default") -> Account:
+        """The balances held for ``tenant`` and ``model_class`` now (as last written; buckets not refilled)."""
 
     @abstractmethod
     async def get(self, reservation_id: str) -> Reservation:

@@ -60,6 +60,9 @@ _RESERVATION_COLUMNS = ("id, tenant, request_id, model_class, run_id, tool_round
                         "gpu_ms_estimate, status, billed_input_tokens, billed_output_tokens, billed_gpu_ms, "
                         "overage_gpu_ms, created_ms, expires_at_ms, final_ms")
 _ACCOUNT_FIELDS = tuple(asdict(rules.Account()).keys())
+_SAVE_ACCOUNT = (f"INSERT INTO fg_accounts (tenant, model_class, {', '.join(_ACCOUNT_FIELDS)}) VALUES (:tenant, "
+                 f":model_class, {', '.join(':' + f for f in _ACCOUNT_FIELDS)}) ON CONFLICT (tenant, model_class) "
+                 f"DO UPDATE SET {', '.join(f'{f} = excluded.{f}' for f in _ACCOUNT_FIELDS)}")
 
 
 class Tx(Protocol):
@@ -113,13 +116,8 @@ class SqlLedger(Ledger):
         return rules.Account() if row is None else rules.Account(*row)
 
     async def _save_account(self, tx: Tx, tenant: str, model_class: str, account: rules.Account) -> None:
-        values = asdict(account)
-        names = ", ".join(_ACCOUNT_FIELDS)
-        placeholders = ", ".join(f":{f}" for f in _ACCOUNT_FIELDS)
-        updates = ", ".join(f"{f} = excluded.{f}" for f in _ACCOUNT_FIELDS)
-        await tx.execute(f"INSERT INTO fg_accounts (tenant, model_class, {names}) VALUES (:tenant, :model_class, "
-                         f"{placeholders}) ON CONFLICT (tenant, model_class) DO UPDATE SET {updates}",
-                         {"tenant": tenant, "model_class": model_class, **values})
+        values = {name: getattr(account, name) for name in _ACCOUNT_FIELDS}
+        await tx.execute(_SAVE_ACCOUNT, {"tenant": tenant, "model_class": model_class, **values})
 
     async def _run(self, tx: Tx, tenant: str, run_id: str | None) -> rules.RunUsage | None:
         if run_id is None:
@@ -141,7 +139,9 @@ class SqlLedger(Ledger):
         await tx.execute("INSERT INTO fg_events (tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
                          "gpu_ms, overage_gpu_ms, at_ms) VALUES (:tenant, :rid, :kind, :requests, :input_tokens, "
                          ":output_tokens, :gpu_ms, :overage_gpu_ms, :at_ms)",
-                         {"tenant": r.tenant, "rid": r.id, **asdict(delta), "at_ms": now_ms})
+                         {"tenant": r.tenant, "rid": r.id, "kind": delta.kind, "requests": delta.requests,
+                          "input_tokens": delta.input_tokens, "output_tokens": delta.output_tokens,
+                          "gpu_ms": delta.gpu_ms, "overage_gpu_ms": delta.overage_gpu_ms, "at_ms": now_ms})
 
     async def _load(self, tx: Tx, reservation_id: str, lock: bool) -> Reservation:
         if not isinstance(reservation_id, str) or not reservation_id:
@@ -227,8 +227,6 @@ class SqlLedger(Ledger):
             await self._save_account(tx, r.tenant, r.model_class, account)
             await self._save_run(tx, r.tenant, r.run_id, run)
             await self._event(tx, updated, delta, now_ms)
-            if final:
-                await tx.execute("DELETE FROM fg_heartbeats WHERE reservation_id = :id", {"id": r.id})
             return updated
 
     async def settle(self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float,
@@ -242,6 +240,10 @@ class SqlLedger(Ledger):
         rules.check_amounts(consumed.input_tokens, consumed.output_tokens, consumed.gpu_ms, "cancel")
         return await self._close(reservation_id, Usage(consumed.input_tokens, consumed.output_tokens,
                                                        float(consumed.gpu_ms)), True, "cancel")
+
+    async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
+        async with self._transaction() as tx:
+            return await self._account(tx, tenant, model_class)
 
     async def get(self, reservation_id: str) -> Reservation:
         async with self._transaction() as tx:
@@ -297,6 +299,8 @@ class SqlLedger(Ledger):
         check = is_running or self._heartbeat_running
         async with self._transaction() as tx:
             now_ms = await self._now_ms(tx)
+            await tx.execute("DELETE FROM fg_heartbeats WHERE reservation_id IN (SELECT id FROM fg_reservations "
+                             "WHERE status <> 'open')")
             rows = await tx.fetchall(f"SELECT {_RESERVATION_COLUMNS} FROM fg_reservations WHERE status = 'open' AND "
                                      "expires_at_ms <= :now AND tenant NOT IN (SELECT tenant FROM fg_frozen) "
                                      "ORDER BY expires_at_ms", {"now": now_ms})

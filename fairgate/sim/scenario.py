@@ -226,7 +226,8 @@ def _message(path: Path | str, error: ValidationError) -> str:
         message = "unknown key"
     elif first["type"] == "missing":
         message = "missing required key"
-    extra = f" (and {len(telling) - 1} more problems)" if len(telling) > 1 else ""
+    more = len(telling) - 1
+    extra = f" (and {more} more problem{'s' if more > 1 else ''} after fixing this)" if more else ""
     return f"{path}: {location}: {message}{extra}"
 
 
