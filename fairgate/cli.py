@@ -262,4 +262,7 @@ def replay(
 
 def main() -> None:
     """Console-script entry point."""
+    from fairgate.cli_ledger import ledger_app
+
+    app.add_typer(ledger_app, name="ledger")
     app()

@@ -3,7 +3,8 @@
 ``pg_advisory_xact_lock(hash(tenant))`` serialises every call on a tenant across all gateway processes
 (limits are global, not per process); the clock is the server's ``clock_timestamp()``, so processes with
 different clocks agree. Tables live in the schema named by the URL's ``schema`` parameter (default
-``public``), created if missing.
+``public``), created if missing. ``timeout_s`` (default 2) bounds how long a call waits for a connection
+before raising ``LedgerUnavailable``: on the request path an outage must be noticed fast.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import psycopg
 from psycopg import sql as pgsql
+import psycopg_pool
 from psycopg_pool import AsyncConnectionPool
 
 from fairgate.ledger.config import Quotas
@@ -69,6 +71,12 @@ class PostgresLedger(SqlLedger):
         schema = query.pop("schema", "public")
         if not _SCHEMA.match(schema):
             raise ValueError(f"ledger URL: schema {schema!r} must match {_SCHEMA.pattern}")
+        try:
+            timeout_s = float(query.pop("timeout_s", "2"))
+        except ValueError:
+            timeout_s = float("nan")
+        if not 0 < timeout_s <= 600:
+            raise ValueError("ledger URL: timeout_s must be a number of seconds in (0, 600]")
         dsn = urlunparse(parts._replace(scheme="postgresql", query=urlencode(query)))
 
         async def configure(connection: psycopg.AsyncConnection[Any]) -> None:
@@ -76,9 +84,9 @@ class PostgresLedger(SqlLedger):
             await connection.commit()
 
         pool = AsyncConnectionPool(dsn, min_size=1, max_size=max_connections, open=False, configure=configure,
-                                   timeout=10.0)
+                                   timeout=timeout_s, kwargs={"connect_timeout": max(1, round(timeout_s))})
         try:
-            await pool.open(wait=True, timeout=10.0)
+            await pool.open(wait=True, timeout=max(timeout_s, 5.0))
             async with pool.connection() as connection:
                 await connection.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(pgsql.Identifier(schema)))
                 await connection.execute("SELECT pg_advisory_xact_lock(4242)")  # one creator at a time
@@ -100,7 +108,7 @@ class PostgresLedger(SqlLedger):
                 yield _PgTx(cursor)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise LedgerUnavailable(f"postgres ledger: {exc}") from None
-        except TimeoutError as exc:
+        except (TimeoutError, psycopg_pool.PoolTimeout) as exc:
             raise LedgerUnavailable(f"postgres ledger: no connection within the pool timeout ({exc})") from None
 
     async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
@@ -118,5 +126,5 @@ class PostgresLedger(SqlLedger):
 
     async def drop_schema(self) -> None:
         """Drop this ledger's schema and everything in it (tests)."""
-        async with self._pool.connection() as connection:
+        async with self._pool.connection(timeout=30.0) as connection:
             await connection.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(self.schema)))

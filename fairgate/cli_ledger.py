@@ -1,0 +1,114 @@
+"""``fairgate ledger ...``: operator commands on a quota ledger (reconcile, sweep, freeze, unfreeze, usage)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+ledger_app = typer.Typer(no_args_is_help=True, help="Operate a quota ledger (sqlite:///…, postgresql://…, redis://…).")
+console = Console(width=None if sys.stdout.isatty() else 140)
+errors = Console(stderr=True)
+T = TypeVar("T")
+
+LedgerUrl = Annotated[str, typer.Option("--ledger", help="Ledger URL: sqlite:///path.db, postgresql://…, redis://…")]
+QuotasPath = Annotated[str, typer.Option("--quotas", help="Quota configuration TOML.")]
+
+
+def _run(work: Callable[[Any], Awaitable[T]], url: str, quotas: str) -> T:
+    """Open the ledger, run ``work(ledger)``, close it; user errors -> one line, exit 2."""
+    from fairgate.ledger import LedgerError, QuotaConfigError, connect
+    from fairgate.ledger.reconcile import MeteredError
+
+    async def go() -> T:
+        ledger = await connect(url, quotas)
+        try:
+            return await work(ledger)
+        finally:
+            await ledger.close()
+
+    try:
+        return asyncio.run(go())
+    except (QuotaConfigError, MeteredError, LedgerError, ValueError) as exc:
+        errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+@ledger_app.command()
+def reconcile(
+    ledger: LedgerUrl, quotas: QuotasPath,
+    metered: Annotated[str | None, typer.Option(help="Metered usage CSV: tenant,input_tokens,output_tokens,gpu_ms.")] = None,
+    threshold: Annotated[float, typer.Option(min=0.0, max=1.0, help="Relative difference allowed vs metered.")] = 0.01,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report only; freeze nobody.")] = False,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write the report as JSON to PATH or -.")] = None,
+) -> None:
+    """Compare reservations, the event log and a metered export; freeze and alert on differences.
+
+    Exit code 0 when everything agrees, 1 when a difference was found, 2 on bad input.
+    """
+    from fairgate.ledger.reconcile import read_metered
+    from fairgate.ledger.reconcile import reconcile as run_reconcile
+
+    async def work(opened: Any) -> Any:
+        return await run_reconcile(opened, read_metered(metered) if metered else None, threshold, not dry_run)
+
+    report = _run(work, ledger, quotas)
+    table = Table(title="reconciliation", title_justify="left")
+    for column in ("tenant", "billed in/out tokens", "billed GPU s", "open", "differences"):
+        table.add_column(column)
+    for t in report.tenants:
+        table.add_row(t.tenant, f"{t.events.input_tokens:,}/{t.events.output_tokens:,}", f"{t.events.gpu_ms / 1e3:,.1f}",
+                      str(t.open_reservations), "; ".join(t.differences) or "-")
+    (errors if json_out == "-" else console).print(table)
+    if json_out:
+        text = json.dumps(report.to_json(), indent=2)
+        if json_out == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            with open(json_out, "w") as handle:
+                handle.write(text + "\n")
+    if report.frozen:
+        errors.print(f"froze automatic settlement for: {', '.join(report.frozen)}")
+    raise typer.Exit(0 if report.clean else 1)
+
+
+@ledger_app.command()
+def sweep(ledger: LedgerUrl, quotas: QuotasPath) -> None:
+    """One expiry pass: extend reservations whose request still heartbeats, expire the others."""
+
+    async def work(opened: Any) -> Any:
+        return await opened.expire_due()
+
+    expired = _run(work, ledger, quotas)
+    console.print(f"expired {len(expired)} reservation(s)")
+
+
+@ledger_app.command()
+def unfreeze(tenant: Annotated[str, typer.Argument()], ledger: LedgerUrl, quotas: QuotasPath) -> None:
+    """Resume automatic settlement for TENANT after review."""
+
+    async def work(opened: Any) -> Any:
+        before = await opened.frozen()
+        await opened.unfreeze(tenant)
+        return before
+
+    before = _run(work, ledger, quotas)
+    console.print(f"{tenant}: " + ("unfrozen" if tenant in before else "was not frozen"))
+
+
+@ledger_app.command()
+def usage(tenant: Annotated[str, typer.Argument()], ledger: LedgerUrl, quotas: QuotasPath,
+          window_s: Annotated[float, typer.Option(min=1e-3, help="Window, seconds.")] = 86_400.0) -> None:
+    """A tenant's billed usage over the last WINDOW_S seconds, as JSON."""
+    from dataclasses import asdict
+
+    async def work(opened: Any) -> Any:
+        return await opened.usage(tenant, window_s)
+
+    sys.stdout.write(json.dumps(asdict(_run(work, ledger, quotas)), indent=2) + "\n")

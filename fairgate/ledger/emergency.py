@@ -1,0 +1,236 @@
+"""What a tier does when the ledger cannot be reached: ``reject``, or a small, bounded local ``emergency`` budget.
+
+Seed 003: "free sandboxes can reject new requests, and critical paid tenants can use small local emergency
+quotas, but you must never fail-open indefinitely". ``ResilientLedger`` wraps a ``Ledger``:
+
+- ``reject`` tiers: ``LedgerUnavailable`` goes to the caller (the gateway answers 503 with Retry-After).
+- ``emergency`` tiers: a grant from this process's local budget per tenant, bounded in requests, tokens
+  (prompt + max output) and time (grants only within ``seconds`` of the outage's first grant). Past any
+  bound: ``LedgerUnavailable``. Each grant, and every settlement or cancel that could not reach the ledger,
+  is written to a journal (JSON lines, appended and flushed before the call returns).
+- ``recover()`` replays the journal into the ledger once it answers again: each grant is reserved under
+  its original request id (idempotent, so a replay interrupted half-way can run again) and closed with
+  the usage recorded; pending settlements are applied. The local budgets reset.
+
+The budget is per process: with N gateway processes an outage grants at most N times the tier's budget,
+still bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fairgate.ledger.base import Ledger
+from fairgate.ledger.model import (
+    LedgerError,
+    LedgerUnavailable,
+    Reservation,
+    ReservationFinal,
+    Usage,
+)
+
+EMERGENCY_PREFIX = "emg-"
+
+
+@dataclass
+class _Budget:
+    started_ms: float
+    requests: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class RecoveryReport:
+    """What ``recover`` replayed: grants reserved and closed, settlements applied, and failures left."""
+
+    grants_settled: int = 0
+    settlements_applied: int = 0
+    left: list[str] = field(default_factory=list)
+
+
+class ResilientLedger:
+    """A ``Ledger`` front that applies each tier's ``on_ledger_unavailable`` (see module docstring).
+
+    Args:
+        ledger: the real ledger.
+        journal: JSON-lines file of emergency grants and pending settlements (created if missing).
+        clock: ms, monotonic within the process (default ``time.monotonic``).
+    """
+
+    def __init__(self, ledger: Ledger, journal: str | Path, clock: Callable[[], float] | None = None) -> None:
+        self.ledger = ledger
+        self.journal = Path(journal)
+        self.journal.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock or (lambda: time.monotonic() * 1000.0)
+        self._budgets: dict[str, _Budget] = {}
+        self._grants: dict[str, dict[str, Any]] = {}
+        for record in self._read_journal():
+            if record["type"] == "grant":
+                self._grants[record["id"]] = record
+
+    # --- journal ----------------------------------------------------------------------------------
+    def _append(self, record: dict[str, Any]) -> None:
+        with self.journal.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+
+    def _read_journal(self) -> list[dict[str, Any]]:
+        if not self.journal.exists():
+            return []
+        return [json.loads(line) for line in self.journal.read_text().splitlines() if line.strip()]
+
+    # --- API ----------------------------------------------------------------------------------------
+    async def reserve(self, tenant: str, request_id: str, input_tokens: int, max_output_tokens: int,
+                      gpu_ms_estimate: float = 0.0, model_class: str = "default", run_id: str | None = None,
+                      tool_round: bool = False) -> Reservation:
+        """``Ledger.reserve``; when the ledger is down, the tenant's tier decides (module docstring).
+
+        Raises:
+            LedgerUnavailable: a ``reject`` tier, or an emergency budget exhausted or expired; and every
+                error ``Ledger.reserve`` raises.
+        """
+        try:
+            return await self.ledger.reserve(tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate,
+                                             model_class, run_id, tool_round)
+        except LedgerUnavailable:
+            limits = self.ledger.limits(tenant, model_class)  # UnknownTenant before any grant
+            tier = self.ledger.quotas.tenant(tenant).tier
+            if tier.on_ledger_unavailable != "emergency":
+                raise
+            for record in self._grants.values():
+                if record["tenant"] == tenant and record["request_id"] == request_id:
+                    return self._grant_reservation(record)  # a retry of a granted request
+            now = self._clock()
+            budget = self._budgets.setdefault(tenant, _Budget(started_ms=now))
+            tokens = input_tokens + max_output_tokens
+            if now - budget.started_ms > tier.emergency_seconds * 1000.0:
+                raise LedgerUnavailable(f"ledger unavailable and tenant {tenant!r}'s emergency window of "
+                                        f"{tier.emergency_seconds:g} s is over") from None
+            if budget.requests + 1 > tier.emergency_requests or budget.tokens + tokens > tier.emergency_tokens:
+                raise LedgerUnavailable(f"ledger unavailable and tenant {tenant!r}'s emergency budget is "
+                                        "spent") from None
+            budget.requests += 1
+            budget.tokens += tokens
+            record = {"type": "grant", "id": f"{EMERGENCY_PREFIX}{uuid.uuid4().hex}", "tenant": tenant,
+                      "request_id": request_id, "input_tokens": input_tokens, "max_output_tokens": max_output_tokens,
+                      "gpu_ms_estimate": float(gpu_ms_estimate), "model_class": model_class, "run_id": run_id,
+                      "tool_round": tool_round, "at_ms": time.time() * 1000.0,
+                      "ttl_ms": limits.reservation_ttl_s * 1000.0, "usage": None, "status": "open"}
+            self._append(record)
+            self._grants[record["id"]] = record
+            return self._grant_reservation(record)
+
+    def _grant_reservation(self, record: dict[str, Any]) -> Reservation:
+        usage = Usage(*record["usage"]) if record["usage"] else Usage()
+        return Reservation(
+            id=record["id"], tenant=record["tenant"], request_id=record["request_id"],
+            model_class=record["model_class"], run_id=record["run_id"], tool_round=record["tool_round"],
+            input_tokens=record["input_tokens"], max_output_tokens=record["max_output_tokens"],
+            gpu_ms_estimate=record["gpu_ms_estimate"], status=record["status"], billed=usage,
+            overage_gpu_ms=max(0.0, usage.gpu_ms - record["gpu_ms_estimate"]), created_ms=record["at_ms"],
+            expires_at_ms=record["at_ms"] + record["ttl_ms"])
+
+    async def _close(self, reservation_id: str, usage: Usage, final: bool, kind: str) -> Reservation:
+        grant = self._grants.get(reservation_id)
+        if grant is not None:
+            if grant["status"] != "open":
+                raise ReservationFinal(f"emergency grant {reservation_id!r} is {grant['status']} already")
+            grant["usage"] = [usage.input_tokens, usage.output_tokens, usage.gpu_ms]
+            if final:
+                grant["status"] = "settled" if kind == "settle" else "cancelled"
+            self._append({"type": "grant_usage", "id": reservation_id, "usage": grant["usage"],
+                          "status": grant["status"]})
+            return self._grant_reservation(grant)
+        try:
+            if kind == "cancel":
+                return await self.ledger.cancel(reservation_id, usage)
+            return await self.ledger.settle(reservation_id, usage.input_tokens, usage.output_tokens, usage.gpu_ms,
+                                            final)
+        except LedgerUnavailable:
+            # Usage must not be lost: keep it for recover(). The caller learns the ledger is down.
+            self._append({"type": "pending", "id": reservation_id, "kind": kind, "final": final,
+                          "usage": [usage.input_tokens, usage.output_tokens, usage.gpu_ms]})
+            raise
+
+    async def settle(self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float,
+                     final: bool = False) -> Reservation:
+        """``Ledger.settle``; usage of an emergency grant, or one the ledger cannot take now, is journalled."""
+        return await self._close(reservation_id, Usage(input_tokens, output_tokens, float(gpu_ms)), final, "settle")
+
+    async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
+        """``Ledger.cancel``; journalled like ``settle`` when the ledger cannot take it."""
+        return await self._close(reservation_id, consumed, True, "cancel")
+
+    def outstanding(self) -> int:
+        """Journal records not yet replayed into the ledger."""
+        return len(self._read_journal())
+
+    async def recover(self) -> RecoveryReport:
+        """Replay the journal into the ledger (see module docstring); rewrite it with what is left.
+
+        Raises:
+            LedgerUnavailable: the ledger is still down (the journal is kept whole).
+        """
+        report = RecoveryReport()
+        records = self._read_journal()
+        grants: dict[str, dict[str, Any]] = {}
+        pending: list[dict[str, Any]] = []
+        for record in records:
+            if record["type"] == "grant":
+                grants[record["id"]] = dict(record)
+            elif record["type"] == "grant_usage":
+                grants[record["id"]].update(usage=record["usage"], status=record["status"])
+            else:
+                pending.append(record)
+        left: list[dict[str, Any]] = []
+        for grant in grants.values():
+            try:
+                r = await self.ledger.reserve(grant["tenant"], grant["request_id"], grant["input_tokens"],
+                                              grant["max_output_tokens"], grant["gpu_ms_estimate"],
+                                              grant["model_class"], grant["run_id"], grant["tool_round"])
+            except LedgerUnavailable:
+                raise
+            except LedgerError as exc:
+                # Over quota now that it is counted: the grant was still given; book it as usage anyway
+                # would break the ledger's invariants, so it is reported for the operator.
+                report.left.append(f"grant {grant['id']} ({grant['tenant']}/{grant['request_id']}): {exc}")
+                left.append(grant)
+                continue
+            usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
+            if not r.is_final:
+                if grant["status"] == "open":
+                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
+                    left.append(grant)  # still running: keep it, settle again at the next recover
+                    continue
+                if grant["status"] == "cancelled":
+                    await self.ledger.cancel(r.id, usage)
+                else:
+                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
+            report.grants_settled += 1
+        for record in pending:
+            usage = Usage(*record["usage"])
+            try:
+                if record["kind"] == "cancel":
+                    await self.ledger.cancel(record["id"], usage)
+                else:
+                    await self.ledger.settle(record["id"], usage.input_tokens, usage.output_tokens, usage.gpu_ms,
+                                             record["final"])
+                report.settlements_applied += 1
+            except LedgerUnavailable:
+                raise
+            except ReservationFinal:
+                report.settlements_applied += 1  # applied before (a replay of the replay)
+            except LedgerError as exc:
+                report.left.append(f"settlement of {record['id']}: {exc}")
+        tmp = self.journal.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(g) + "\n" for g in left))
+        tmp.replace(self.journal)
+        self._grants = {g["id"]: g for g in left}
+        self._budgets.clear()
+        return report

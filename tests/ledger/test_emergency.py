@@ -1,0 +1,93 @@
+"""The ledger goes away mid-load (a real cut between the client and PostgreSQL): reject tiers get
+LedgerUnavailable, emergency tiers stay within their local budget, and after recovery every grant and
+every journalled settlement is in the ledger, reconciling exactly."""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlparse
+
+import pytest
+
+from fairgate.ledger import LedgerUnavailable, Usage, connect, quotas_from_dict
+from fairgate.ledger.emergency import ResilientLedger
+from tests.support.proxy import CuttableProxy
+
+QUOTAS = {
+    "tiers": {"free": {"on_ledger_unavailable": "reject"},
+              "critical": {"on_ledger_unavailable": "emergency",
+                           "emergency": {"requests": 3, "tokens": 1000, "seconds": 30}}},
+    "defaults": {"max_concurrent": 50},
+    "tenants": {"sandbox": {"tier": "free"}, "bank": {"tier": "critical"}},
+}
+
+
+@pytest.fixture
+async def cut_ledger(postgres_url, tmp_path):  # type: ignore[no-untyped-def]
+    parts = urlparse(postgres_url)
+    proxy = await CuttableProxy(parts.hostname or "127.0.0.1", parts.port or 5432).start()
+    token = f"fge_{tmp_path.name[-12:].replace('-', '_').lower()}"
+    url = f"{parts.scheme}://{parts.username or 'postgres'}@127.0.0.1:{proxy.port}{parts.path}?schema={token}"
+    ledger = await connect(url, quotas_from_dict(QUOTAS))
+    yield ledger, proxy, tmp_path / "journal.jsonl"
+    proxy.restore()
+    await ledger.drop_schema()
+    await ledger.close()
+    await proxy.close()
+
+
+async def test_outage_reject_and_emergency_then_recover(cut_ledger):
+    ledger, proxy, journal = cut_ledger
+    front = ResilientLedger(ledger, journal)
+    before = await front.reserve("bank", "b0", 100, 100, 10.0)  # placed before the outage
+    proxy.cut()
+    with pytest.raises(LedgerUnavailable):
+        await front.reserve("sandbox", "s1", 10, 10, 1.0)  # reject tier: 503 upstream of here
+    grants = [await front.reserve("bank", f"b{i}", 100, 200, 10.0) for i in (1, 2, 3)]
+    assert all(g.id.startswith("emg-") for g in grants)
+    with pytest.raises(LedgerUnavailable, match="budget"):
+        await front.reserve("bank", "b4", 10, 10, 1.0)  # 3 requests granted: bounded
+    assert (await front.reserve("bank", "b2", 100, 200, 10.0)).id == grants[1].id  # a retry, not a new grant
+    await front.settle(grants[0].id, 100, 150, 12.0, final=True)
+    await front.cancel(grants[1].id, Usage(100, 20, 3.0))
+    await front.settle(grants[2].id, 100, 40, 5.0)  # still streaming when the ledger returns
+    with pytest.raises(LedgerUnavailable):
+        await front.settle(before.id, 100, 60, 9.0, final=True)  # journalled, not lost
+    proxy.restore()
+    await asyncio.sleep(0.1)
+    report = await _recover_when_back(front)
+    assert (report.grants_settled, report.settlements_applied, report.left) == (2, 1, [])
+    rows = {r.request_id: r for r in await ledger.reservations("bank")}
+    assert rows["b0"].status == "settled" and rows["b0"].billed == Usage(100, 60, 9.0)
+    assert rows["b1"].status == "settled" and rows["b1"].billed == Usage(100, 150, 12.0)
+    assert rows["b2"].status == "cancelled" and rows["b2"].billed == Usage(100, 20, 3.0)
+    assert rows["b3"].status == "open" and rows["b3"].billed == Usage(100, 40, 5.0)
+    assert "b4" not in rows and not await ledger.reservations("sandbox")
+    # Totals reconcile: the event log equals the reservations' billed usage.
+    events = await ledger.events("bank")
+    assert sum(e.output_tokens for e in events) == sum(r.billed.output_tokens for r in rows.values())
+    # The grant still open is settled by the next recovery; then the journal is empty.
+    await front.settle(grants[2].id, 100, 90, 8.0, final=True)
+    report = await front.recover()
+    assert report.grants_settled == 1 and front.outstanding() == 0
+    assert (await ledger.get(rows["b3"].id)).billed == Usage(100, 90, 8.0)
+
+
+async def test_emergency_window_is_bounded_in_time(cut_ledger):
+    ledger, proxy, journal = cut_ledger
+    now = [0.0]
+    front = ResilientLedger(ledger, journal, clock=lambda: now[0])
+    proxy.cut()
+    await front.reserve("bank", "t1", 10, 10, 1.0)
+    now[0] += 31_000.0
+    with pytest.raises(LedgerUnavailable, match="window"):
+        await front.reserve("bank", "t2", 10, 10, 1.0)
+
+
+async def _recover_when_back(front: ResilientLedger):  # type: ignore[no-untyped-def]
+    for _ in range(50):  # the pool reconnects on its own schedule
+        try:
+            return await front.recover()
+        except LedgerUnavailable:
+            await asyncio.sleep(0.2)
+    return await front.recover()
