@@ -20,6 +20,7 @@ from psycopg import sql as pgsql
 import psycopg_pool
 from psycopg_pool import AsyncConnectionPool
 
+from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import Quotas
 from fairgate.ledger.model import LedgerUnavailable
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx
@@ -33,8 +34,18 @@ def _convert(sql: str) -> str:
 
 
 class _PgTx:
-    def __init__(self, cursor: psycopg.AsyncCursor[Any]) -> None:
+    def __init__(self, cursor: psycopg.AsyncCursor[Any], connection: psycopg.AsyncConnection[Any]) -> None:
         self._cursor = cursor
+        self._connection = connection
+
+    async def batch(self, statements: list[tuple[str, dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
+        """All statements in one round trip (libpq pipeline mode), then every statement's rows."""
+        async with self._connection.pipeline() as pipeline:
+            cursors = [self._connection.cursor() for _ in statements]
+            for cursor, (sql, params) in zip(cursors, statements):
+                await cursor.execute(_convert(sql), params)  # type: ignore[arg-type]
+            await pipeline.sync()
+            return [await c.fetchall() if c.description is not None else [] for c in cursors]
 
     async def fetchone(self, sql: str, params: dict[str, Any] | None = None) -> tuple[Any, ...] | None:
         await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
@@ -105,14 +116,23 @@ class PostgresLedger(SqlLedger):
     async def _transaction(self) -> AsyncIterator[Tx]:
         try:
             async with self._pool.connection() as connection, connection.transaction(), connection.cursor() as cursor:
-                yield _PgTx(cursor)
+                yield _PgTx(cursor, connection)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise LedgerUnavailable(f"postgres ledger: {exc}") from None
         except (TimeoutError, psycopg_pool.PoolTimeout) as exc:
             raise LedgerUnavailable(f"postgres ledger: no connection within the pool timeout ({exc})") from None
 
     async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
-        await tx.execute("SELECT pg_advisory_xact_lock(hashtextextended(:tenant, 0))", {"tenant": tenant})
+        statement = self._lock_statement(tenant_tag(tenant))
+        assert statement is not None
+        await tx.execute(*statement)
+
+    def _lock_statement(self, tag: str) -> tuple[str, dict[str, Any]] | None:
+        # The tenant tag's 64 bits, as the signed bigint the advisory lock takes.
+        return "SELECT pg_advisory_xact_lock(:key)", {"key": int(tag, 16) - (1 << 63)}
+
+    def _now_statement(self) -> tuple[str, dict[str, Any]] | None:
+        return None if self._clock is not None else ("SELECT extract(epoch from clock_timestamp()) * 1000", {})
 
     async def _now_ms(self, tx: Tx) -> float:
         if self._clock is not None:

@@ -13,7 +13,15 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 from fairgate.ledger import rules
-from fairgate.ledger.base import Event, IsRunning, Ledger, check_request_id, new_reservation_id, usage_from_events
+from fairgate.ledger.base import (
+    Event,
+    IsRunning,
+    Ledger,
+    check_request_id,
+    new_reservation_id,
+    tenant_tag,
+    usage_from_events,
+)
 from fairgate.ledger.model import (
     IdempotencyConflict,
     InvalidUsage,
@@ -60,6 +68,27 @@ _RESERVATION_COLUMNS = ("id, tenant, request_id, model_class, run_id, tool_round
                         "gpu_ms_estimate, status, billed_input_tokens, billed_output_tokens, billed_gpu_ms, "
                         "overage_gpu_ms, created_ms, expires_at_ms, final_ms")
 _ACCOUNT_FIELDS = tuple(asdict(rules.Account()).keys())
+_RESERVATION_FIELDS = tuple(c.strip() for c in _RESERVATION_COLUMNS.split(","))
+_INSERT_RESERVATION = (f"INSERT INTO fg_reservations ({_RESERVATION_COLUMNS}) VALUES "
+                       f"({', '.join(':' + c for c in _RESERVATION_FIELDS)})")
+_UPDATE_RESERVATION = ("UPDATE fg_reservations SET status = :status, billed_input_tokens = :billed_input_tokens, "
+                       "billed_output_tokens = :billed_output_tokens, billed_gpu_ms = :billed_gpu_ms, "
+                       "overage_gpu_ms = :overage_gpu_ms, expires_at_ms = :expires_at_ms, final_ms = :final_ms "
+                       "WHERE id = :id")
+_INSERT_EVENT = ("INSERT INTO fg_events (tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
+                 "gpu_ms, overage_gpu_ms, at_ms) VALUES (:tenant, :rid, :kind, :requests, :input_tokens, "
+                 ":output_tokens, :gpu_ms, :overage_gpu_ms, :at_ms)")
+_SAVE_RUN = ("INSERT INTO fg_runs (tenant, run_id, model_calls, tool_rounds, tokens) VALUES (:tenant, :run_id, "
+             ":model_calls, :tool_rounds, :tokens) ON CONFLICT (tenant, run_id) DO UPDATE SET "
+             "model_calls = excluded.model_calls, tool_rounds = excluded.tool_rounds, tokens = excluded.tokens")
+# One read for a settle/cancel/expire: the reservation, whether its tenant is frozen, its account and run.
+_LOAD_FOR_CLOSE = (
+    "SELECT " + ", ".join(f"r.{c}" for c in _RESERVATION_FIELDS)
+    + ", f.tenant, a.tenant, " + ", ".join(f"a.{c}" for c in _ACCOUNT_FIELDS)
+    + ", u.model_calls, u.tool_rounds, u.tokens FROM fg_reservations r"
+    " LEFT JOIN fg_frozen f ON f.tenant = r.tenant"
+    " LEFT JOIN fg_accounts a ON a.tenant = r.tenant AND a.model_class = r.model_class"
+    " LEFT JOIN fg_runs u ON u.tenant = r.tenant AND u.run_id = r.run_id WHERE r.id = :id")
 _SAVE_ACCOUNT = (f"INSERT INTO fg_accounts (tenant, model_class, {', '.join(_ACCOUNT_FIELDS)}) VALUES (:tenant, "
                  f":model_class, {', '.join(':' + f for f in _ACCOUNT_FIELDS)}) ON CONFLICT (tenant, model_class) "
                  f"DO UPDATE SET {', '.join(f'{f} = excluded.{f}' for f in _ACCOUNT_FIELDS)}")
@@ -71,6 +100,19 @@ class Tx(Protocol):
     async def fetchone(self, sql: str, params: dict[str, Any] | None = None) -> tuple[Any, ...] | None: ...
     async def fetchall(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]: ...
     async def execute(self, sql: str, params: dict[str, Any] | None = None) -> None: ...
+    async def batch(self, statements: list[tuple[str, dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
+        """Run ``statements`` in order, in one round trip where the driver can; every statement's rows."""
+        ...
+
+
+def _tag_of(reservation_id: object) -> str:
+    """The tenant tag a reservation id starts with. Raises ``ReservationNotFound`` for a malformed id."""
+    if not isinstance(reservation_id, str) or not reservation_id:
+        raise InvalidUsage(f"reservation_id must be a non-empty string, got {reservation_id!r}")
+    tag = reservation_id.split("-", 1)[0]
+    if len(tag) != 16 or any(c not in "0123456789abcdef" for c in tag):
+        raise ReservationNotFound(f"no reservation {reservation_id!r}")
+    return tag
 
 
 def _reservation(row: tuple[Any, ...]) -> Reservation:
@@ -108,6 +150,14 @@ class SqlLedger(Ledger):
     async def _now_ms(self, tx: Tx) -> float:
         """The ledger clock, ms since the epoch."""
 
+    def _lock_statement(self, tag: str) -> tuple[str, dict[str, Any]] | None:
+        """A statement that takes the tenant lock for tenant tag ``tag`` (None: the transaction is enough)."""
+        return None
+
+    def _now_statement(self) -> tuple[str, dict[str, Any]] | None:
+        """A statement returning the clock (ms) as its one value (None: ``_now_ms`` needs no query)."""
+        return None
+
     # --- state ---------------------------------------------------------------------------------
     async def _account(self, tx: Tx, tenant: str, model_class: str) -> rules.Account:
         row = await tx.fetchone(f"SELECT {', '.join(_ACCOUNT_FIELDS)} FROM fg_accounts "
@@ -134,6 +184,22 @@ class SqlLedger(Ledger):
                          "model_calls = excluded.model_calls, tool_rounds = excluded.tool_rounds, "
                          "tokens = excluded.tokens",
                          {"tenant": tenant, "run_id": run_id, **asdict(run)})
+
+    @staticmethod
+    def _account_write(tenant: str, model_class: str, account: rules.Account) -> tuple[str, dict[str, Any]]:
+        values = {name: getattr(account, name) for name in _ACCOUNT_FIELDS}
+        return _SAVE_ACCOUNT, {"tenant": tenant, "model_class": model_class, **values}
+
+    @staticmethod
+    def _run_write(tenant: str, run_id: str, run: rules.RunUsage) -> tuple[str, dict[str, Any]]:
+        return _SAVE_RUN, {"tenant": tenant, "run_id": run_id, "model_calls": run.model_calls,
+                           "tool_rounds": run.tool_rounds, "tokens": run.tokens}
+
+    @staticmethod
+    def _event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> tuple[str, dict[str, Any]]:
+        return _INSERT_EVENT, {"tenant": r.tenant, "rid": r.id, "kind": delta.kind, "requests": delta.requests,
+                               "input_tokens": delta.input_tokens, "output_tokens": delta.output_tokens,
+                               "gpu_ms": delta.gpu_ms, "overage_gpu_ms": delta.overage_gpu_ms, "at_ms": now_ms}
 
     async def _event(self, tx: Tx, r: Reservation, delta: rules.Delta, now_ms: float) -> None:
         await tx.execute("INSERT INTO fg_events (tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
@@ -174,21 +240,33 @@ class SqlLedger(Ledger):
         args = rules.ReserveArgs(tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class,
                                  run_id, bool(tool_round))
         rules.check_amounts(input_tokens, max_output_tokens, gpu_ms_estimate, "reserve")
+        lock, clock = self._lock_statement(tenant_tag(tenant)), self._now_statement()
+        reads: list[tuple[str, dict[str, Any]]] = [s for s in (lock,) if s is not None]
+        reads.append((f"SELECT {_RESERVATION_COLUMNS} FROM fg_reservations WHERE tenant = :tenant AND "
+                      "request_id = :request_id", {"tenant": tenant, "request_id": request_id}))
+        reads.append((f"SELECT {', '.join(_ACCOUNT_FIELDS)} FROM fg_accounts WHERE tenant = :tenant AND "
+                      "model_class = :model_class", {"tenant": tenant, "model_class": model_class}))
+        if run_id is not None:
+            reads.append(("SELECT model_calls, tool_rounds, tokens FROM fg_runs WHERE tenant = :tenant AND "
+                          "run_id = :run_id", {"tenant": tenant, "run_id": run_id}))
+        if clock is not None:
+            reads.append(clock)
         async with self._transaction() as tx:
-            await self._lock_tenant(tx, tenant)
-            row = await tx.fetchone(f"SELECT {_RESERVATION_COLUMNS} FROM fg_reservations WHERE tenant = :tenant "
-                                    "AND request_id = :request_id", {"tenant": tenant, "request_id": request_id})
-            if row is not None:
-                existing = _reservation(row)
+            rows = await tx.batch(reads)
+            rows = rows[1:] if lock is not None else rows
+            existing_rows, account_rows = rows[0], rows[1]
+            run_rows = rows[2] if run_id is not None else []
+            if existing_rows:
+                existing = _reservation(existing_rows[0])
                 if rules.ReserveArgs(tenant, request_id, existing.input_tokens, existing.max_output_tokens,
                                      existing.gpu_ms_estimate, existing.model_class, existing.run_id,
                                      existing.tool_round).fingerprint() != args.fingerprint():
                     raise IdempotencyConflict(f"request id {request_id!r} of tenant {tenant!r} was reserved with "
                                               "other arguments")
                 return existing
-            now_ms = await self._now_ms(tx)
-            account = await self._account(tx, tenant, model_class)
-            run = await self._run(tx, tenant, run_id)
+            now_ms = float(rows[-1][0][0]) if clock is not None else await self._now_ms(tx)
+            account = rules.Account(*account_rows[0]) if account_rows else rules.Account()
+            run = None if run_id is None else (rules.RunUsage(*run_rows[0]) if run_rows else rules.RunUsage())
             account, run = rules.reserve(account, run, limits, args, now_ms)
             r = Reservation(id=new_reservation_id(tenant), tenant=tenant, request_id=request_id,
                             model_class=model_class, run_id=run_id, tool_round=bool(tool_round),
@@ -196,37 +274,55 @@ class SqlLedger(Ledger):
                             gpu_ms_estimate=float(gpu_ms_estimate), status="open", billed=Usage(),
                             overage_gpu_ms=0.0, created_ms=now_ms,
                             expires_at_ms=now_ms + limits.reservation_ttl_s * 1000.0)
-            await tx.execute(f"INSERT INTO fg_reservations ({_RESERVATION_COLUMNS}) VALUES "
-                             f"({', '.join(':' + c.strip() for c in _RESERVATION_COLUMNS.split(','))})",
-                             _reservation_params(r))
-            await self._save_account(tx, tenant, model_class, account)
-            await self._save_run(tx, tenant, run_id, run)
-            await self._event(tx, r, rules.Delta("reserve", requests=1), now_ms)
+            writes = [(_INSERT_RESERVATION, _reservation_params(r)),
+                      self._account_write(tenant, model_class, account),
+                      self._event_write(r, rules.Delta("reserve", requests=1), now_ms)]
+            if run_id is not None and run is not None:
+                writes.append(self._run_write(tenant, run_id, run))
+            await tx.batch(writes)
             return r
 
     async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str,
                      check_frozen: bool = True) -> Reservation:
+        tag = _tag_of(reservation_id)
+        lock, clock = self._lock_statement(tag), self._now_statement()
+        reads: list[tuple[str, dict[str, Any]]] = [s for s in (lock,) if s is not None]
+        reads.append((_LOAD_FOR_CLOSE, {"id": reservation_id}))
+        if clock is not None:
+            reads.append(clock)
         async with self._transaction() as tx:
-            r = await self._load(tx, reservation_id, lock=True)
+            rows = await tx.batch(reads)
+            rows = rows[1:] if lock is not None else rows
+            if not rows[0]:
+                raise ReservationNotFound(f"no reservation {reservation_id!r}")
+            row = rows[0][0]
+            n = len(_RESERVATION_FIELDS)
+            r = _reservation(row[:n])
+            frozen, has_account = bool(row[n]), row[n + 1] is not None
+            account_values = row[n + 2:n + 2 + len(_ACCOUNT_FIELDS)]
+            run_values = row[n + 2 + len(_ACCOUNT_FIELDS):]
             if r.is_final:
                 if final and kind == {"settled": "settle", "cancelled": "cancel", "expired": "expire"}[r.status] \
                         and r.billed == billed:
                     return r  # the same final call, repeated
                 raise ReservationFinal(f"reservation {reservation_id!r} is {r.status} already")
-            if check_frozen and await tx.fetchone("SELECT 1 FROM fg_frozen WHERE tenant = :tenant",
-                                                  {"tenant": r.tenant}):
+            if check_frozen and frozen:
                 raise SettlementFrozen(f"automatic settlement is frozen for tenant {r.tenant!r}")
-            now_ms = await self._now_ms(tx)
-            limits = self.limits(r.tenant, r.model_class)
-            account = await self._account(tx, r.tenant, r.model_class)
-            run = await self._run(tx, r.tenant, r.run_id)
             if r.billed == billed and not final:
                 return r  # a repeated partial settlement: nothing new
+            now_ms = float(rows[-1][0][0]) if clock is not None else await self._now_ms(tx)
+            limits = self.limits(r.tenant, r.model_class)
+            account = rules.Account(*account_values) if has_account else rules.Account()
+            run = None
+            if r.run_id is not None:
+                run = rules.RunUsage(*run_values) if run_values[0] is not None else rules.RunUsage()
             updated, account, run, delta = rules.settle(r, account, run, limits, billed, final, now_ms, kind)
-            await self._update_reservation(tx, updated)
-            await self._save_account(tx, r.tenant, r.model_class, account)
-            await self._save_run(tx, r.tenant, r.run_id, run)
-            await self._event(tx, updated, delta, now_ms)
+            writes = [(_UPDATE_RESERVATION, _reservation_params(updated)),
+                      self._account_write(r.tenant, r.model_class, account),
+                      self._event_write(updated, delta, now_ms)]
+            if r.run_id is not None and run is not None:
+                writes.append(self._run_write(r.tenant, r.run_id, run))
+            await tx.batch(writes)
             return updated
 
     async def settle(self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float,

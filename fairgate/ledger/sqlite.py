@@ -34,6 +34,10 @@ class _SqliteTx:
     async def execute(self, sql: str, params: dict[str, Any] | None = None) -> None:
         self._c.execute(sql, params or {})
 
+    async def batch(self, statements: list[tuple[str, dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
+        execute = self._c.execute
+        return [execute(sql, params).fetchall() for sql, params in statements]
+
 
 class SqliteLedger(SqlLedger):
     """Ledger on the SQLite file at ``path`` (created with its tables if missing).
