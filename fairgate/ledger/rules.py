@@ -1,7 +1,7 @@
 """The ledger's semantics as pure functions over plain state (no I/O, no clock: ``now_ms`` is passed in).
 
 SQLite and PostgreSQL run these inside one transaction per call; the Redis backend's Lua scripts
-implement the same rules (``redis_scripts.lua``) and the conformance suite holds all three to them.
+implement the same rules (in ``redis.py``) and the conformance suite holds all three to them.
 
 Semantics (``shared/DESIGN.md`` "Ledger semantics"; seed 003; two-phase transfers as in TigerBeetle,
 idempotency keys as in Stripe's API):

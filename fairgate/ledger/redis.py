@@ -1,0 +1,872 @@
+"""The ledger on Redis (redis-py asyncio): the rules of ``rules.py`` as Lua scripts, one EVALSHA per call.
+
+Every mutating call (reserve, settle, cancel, expiry, extension, heartbeat, freeze) is a single Lua
+script, so it reads and writes a tenant's balances atomically: concurrent callers in any number of
+processes never both read the same balance. The scripts implement the arithmetic and the check order
+of ``rules.reserve`` / ``rules.settle`` / ``rules.refreshed`` line by line (Lua numbers are IEEE doubles
+like Python floats; every number is stored as a ``%.17g`` string so it round-trips exactly). The clock
+is the server's ``TIME`` read inside the script, so gateway processes with different clocks agree;
+a ``clock`` passed to ``open`` (tests) is sent as an argument instead.
+
+URL: ``redis://host:6379/0?prefix=NAME`` (``rediss://`` for TLS). ``prefix`` (default ``fairgate``)
+must match ``[A-Za-z0-9_.-]{1,64}``; ``retention_days`` (default 35) sets the key TTL below. Other
+query parameters (``socket_timeout=...``) go to redis-py.
+
+Key layout (``P`` = prefix, ``T`` = ``tenant_tag(tenant)``, 16 hex digits). Every key of a tenant
+contains the hash tag ``{P:T}``, so all of them live in one cluster hash slot and one script can touch
+them all; a reservation id starts with ``T``, so the slot is known from the id alone.
+
+==========================  ======  =====================================================================
+key                         type    content
+==========================  ======  =====================================================================
+``{P:T}:accounts``          hash    model class -> JSON of ``rules.Account`` (numbers as strings;
+                                    an uninitialised bucket level is absent)
+``{P:T}:runs``              hash    run id -> JSON ``{model_calls, tool_rounds, tokens}``
+``{P:T}:res``               hash    reservation id -> JSON of the reservation (numbers as strings)
+``{P:T}:reqs``              hash    request id -> reservation id (idempotency index)
+``{P:T}:open``              zset    open reservation ids, scored by ``expires_at_ms`` (the sweeper)
+``{P:T}:status``            hash    status -> number of reservations (``usage().by_status``)
+``{P:T}:events``            zset    the event log: JSON ``[seq, kind, id, requests, input, output,
+                                    gpu_ms, overage_gpu_ms, at_ms]`` scored by ``at_ms``
+``{P:T}:seq``               string  the tenant's event sequence (INCR)
+``{P:T}:hb``                hash    reservation id -> last heartbeat ms (open reservations only)
+``{P:T}:frozen``            hash    ``tenant``, ``reason``, ``at_ms`` while settlement is frozen
+``P:tenants``               hash    tenant tag -> tenant name: the registry ``events()``,
+                                    ``reservations()``, ``expire_due()`` and ``frozen()`` iterate over
+                                    (the one key outside a tenant's slot; written by its own script)
+==========================  ======  =====================================================================
+
+TTL: every key carries a retention TTL (default 35 days). Each write sets the TTL of the key written in
+the same script call, and every tenant script that writes refreshes the TTL of all ten of the tenant's
+keys, so a tenant's state lives as a whole while it is written at least once per retention period and
+then expires as a whole (an idle tenant's history, freeze and open reservations included). The
+registry's TTL is refreshed whenever a process registers a tenant (at most every
+``REGISTER_EVERY_S`` per tenant and process, on reserve and freeze). As with the SQL backends, an
+active tenant's event log and reservation hash are never trimmed.
+
+Differences from the SQL backends: ``Event.seq`` is a per-tenant sequence (not ledger-wide), and
+``events()`` over all tenants merges the tenants' logs by ``at_ms`` (each tenant's own order kept);
+the expiry script closes a reservation only if it is still due and its tenant not frozen (a reservation
+extended or frozen by someone else meanwhile is skipped rather than raising).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis.exceptions
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from fairgate.ledger import rules
+from fairgate.ledger.base import Event, IsRunning, Ledger, check_request_id, new_reservation_id, tenant_tag
+from fairgate.ledger.config import Limits, Quotas
+from fairgate.ledger.model import (
+    IdempotencyConflict,
+    InvalidUsage,
+    LedgerUnavailable,
+    QuotaExceeded,
+    Reservation,
+    ReservationFinal,
+    ReservationNotFound,
+    SettlementFrozen,
+    TenantUsage,
+    UnknownTenant,
+    Usage,
+)
+
+DEFAULT_PREFIX = "fairgate"
+DEFAULT_RETENTION_DAYS = 35.0
+REGISTER_EVERY_S = 600.0  # how often a process re-registers a tenant (refreshing the registry's TTL)
+_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_RESERVATION_ID = re.compile(r"^([0-9a-f]{16})-")
+# The tenant keys, in the order of the scripts' KEYS (see the table in the module docstring).
+TENANT_KEYS = ("accounts", "runs", "res", "reqs", "open", "status", "events", "seq", "hb", "frozen")
+_STATUS_OF_KIND = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}
+# Server errors that mean "cannot serve now" rather than a bug.
+_UNAVAILABLE_REPLIES = ("OOM", "READONLY", "MASTERDOWN", "LOADING", "BUSY", "CLUSTERDOWN", "TRYAGAIN",
+                        "NOREPLICAS", "MISCONF")
+_LIMIT_NAMES = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
+                "max_tokens_per_request", "max_concurrent", "gpu_seconds", "gpu_window_s", "gpu_seconds_total",
+                "max_model_calls", "max_tool_rounds", "max_tokens", "reservation_ttl_s")
+_INT_REMAINING = {"max_tokens_per_request", "max_concurrent", "max_model_calls", "max_tool_rounds", "max_tokens"}
+
+# --- Lua -----------------------------------------------------------------------------------------
+# ARGV[1] is now in ms ("" = the server's TIME), ARGV[2] the retention TTL in ms; KEYS are TENANT_KEYS.
+_PRELUDE = r"""
+if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes (Redis < 5)
+local ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local RETENTION_MS = ARGV[2]
+local MS_PER_MINUTE = 60000.0
+
+local function fmt(x) return string.format('%.17g', x) end
+local function num(s) if s == nil or s == false or s == '' then return nil end return tonumber(s) end
+
+local function now_ms()
+  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000.0 + tonumber(t[2]) / 1000.0
+end
+
+-- Every write sets the TTL of the key it wrote, in the same breath; touch_all refreshes all of them.
+local function expire(key) redis.call('PEXPIRE', key, RETENTION_MS) end
+local function hset(key, field, value) redis.call('HSET', key, field, value); expire(key) end
+local function touch_all() for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], RETENTION_MS) end end
+
+local ACCOUNT_FIELDS = {'requests_level', 'requests_updated_ms', 'input_level', 'input_updated_ms',
+  'output_level', 'output_updated_ms', 'concurrent', 'gpu_window_start_ms', 'gpu_window_used_ms',
+  'gpu_total_used_ms'}
+
+local function load_account(model_class)
+  local acc = {requests_updated_ms = 0.0, input_updated_ms = 0.0, output_updated_ms = 0.0, concurrent = 0,
+               gpu_window_start_ms = 0.0, gpu_window_used_ms = 0.0, gpu_total_used_ms = 0.0}
+  local raw = redis.call('HGET', ACCOUNTS, model_class)
+  if raw then
+    local stored = cjson.decode(raw)
+    for _, f in ipairs(ACCOUNT_FIELDS) do
+      local v = num(stored[f])
+      if v ~= nil then acc[f] = v end
+    end
+  end
+  return acc
+end
+
+local function save_account(model_class, acc)
+  local out = {}
+  for _, f in ipairs(ACCOUNT_FIELDS) do
+    if acc[f] ~= nil then out[f] = fmt(acc[f]) end
+  end
+  hset(ACCOUNTS, model_class, cjson.encode(out))
+end
+
+local function load_run(run_id)
+  local run = {model_calls = 0, tool_rounds = 0, tokens = 0}
+  local raw = redis.call('HGET', RUNS, run_id)
+  if raw then
+    local stored = cjson.decode(raw)
+    run.model_calls, run.tool_rounds, run.tokens =
+      tonumber(stored.model_calls), tonumber(stored.tool_rounds), tonumber(stored.tokens)
+  end
+  return run
+end
+
+local function save_run(run_id, run)
+  hset(RUNS, run_id, cjson.encode({model_calls = fmt(run.model_calls), tool_rounds = fmt(run.tool_rounds),
+                                   tokens = fmt(run.tokens)}))
+end
+
+-- Limits arrive as a JSON object of number strings (absent = no limit; *_burst is Limits.burst()).
+local function decode_limits(spec)
+  local lim = {}
+  for k, v in pairs(spec) do lim[k] = tonumber(v) end
+  return lim
+end
+
+-- rules.refreshed: refill the buckets, roll the GPU window forward.
+local BUCKETS = {{'requests', 'requests'}, {'input_tokens', 'input'}, {'output_tokens', 'output'}}
+local function refresh(acc, lim, now)
+  for _, b in ipairs(BUCKETS) do
+    local rate = lim[b[1] .. '_per_minute']
+    if rate ~= nil then
+      local burst = lim[b[1] .. '_burst'] or 0.0
+      local lk, uk = b[2] .. '_level', b[2] .. '_updated_ms'
+      if acc[lk] == nil then
+        acc[lk], acc[uk] = burst, now
+      else
+        local elapsed = math.max(0.0, now - acc[uk])
+        acc[lk] = math.min(burst, acc[lk] + elapsed * rate / MS_PER_MINUTE)
+        acc[uk] = math.max(acc[uk], now)
+      end
+    end
+  end
+  local window_ms = lim.gpu_window_s * 1000.0
+  if now >= acc.gpu_window_start_ms + window_ms then
+    acc.gpu_window_start_ms = now - math.fmod(now, window_ms)  -- Python's % for positive operands
+    acc.gpu_window_used_ms = 0.0
+  end
+end
+
+local function add_event(rid, kind, requests, d_in, d_out, d_gpu, d_over, now)
+  local seq = redis.call('INCR', SEQ)
+  expire(SEQ)
+  local member = cjson.encode({fmt(seq), kind, rid, fmt(requests), fmt(d_in), fmt(d_out), fmt(d_gpu),
+                               fmt(d_over), fmt(now)})
+  redis.call('ZADD', EVENTS, fmt(now), member)
+  expire(EVENTS)
+end
+
+local function count_status(status, by)
+  redis.call('HINCRBY', STATUS, status, by)
+  expire(STATUS)
+end
+"""
+
+# ARGV[3..]: tenant, request_id, reservation id, input_tokens, max_output_tokens, gpu_ms_estimate,
+# model_class, run_id, has_run (1/0), tool_round (1/0), limits JSON.
+# -> {'existing', json} | {'ok', json} | {'quota', dimension, retry_after_s or '', remaining}
+_RESERVE = _PRELUDE + r"""
+local tenant, request_id, rid = ARGV[3], ARGV[4], ARGV[5]
+local input_tokens, max_output, estimate = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local model_class, run_id, has_run, tool_round = ARGV[9], ARGV[10], ARGV[11] == '1', ARGV[12] == '1'
+local lim = decode_limits(cjson.decode(ARGV[13]))
+
+local existing = redis.call('HGET', REQS, request_id)
+if existing then
+  local raw = redis.call('HGET', RES, existing)
+  if raw then return {'existing', raw} end
+end
+
+local now = now_ms()
+local acc = load_account(model_class)
+refresh(acc, lim, now)
+local function quota(dimension, retry, remaining)
+  local r = ''
+  if retry ~= nil then r = fmt(retry) end
+  return {'quota', dimension, r, fmt(remaining)}
+end
+local function wait_s(level, need, rate) return math.max(0.0, (need - level) / rate * 60.0) end
+
+-- rules.reserve, in its order of checks.
+local tokens = input_tokens + max_output
+if lim.max_tokens_per_request ~= nil and tokens > lim.max_tokens_per_request then
+  return quota('max_tokens_per_request', nil, 0)
+end
+if lim.requests_per_minute ~= nil and acc.requests_level < 1.0 then
+  return quota('requests_per_minute', wait_s(acc.requests_level, 1.0, lim.requests_per_minute), acc.requests_level)
+end
+for _, d in ipairs({{'input_tokens', 'input', input_tokens}, {'output_tokens', 'output', max_output}}) do
+  local rate = lim[d[1] .. '_per_minute']
+  if rate ~= nil then
+    local level, burst, need = acc[d[2] .. '_level'], lim[d[1] .. '_burst'] or 0.0, d[3]
+    if need > burst then return quota(d[1] .. '_per_minute', nil, level) end
+    if level < need then return quota(d[1] .. '_per_minute', wait_s(level, need, rate), level) end
+  end
+end
+if lim.max_concurrent ~= nil and acc.concurrent >= lim.max_concurrent then
+  return quota('max_concurrent', 1.0, 0)
+end
+if lim.gpu_seconds ~= nil and acc.gpu_window_used_ms + estimate > lim.gpu_seconds * 1000.0 then
+  local window_end_ms = acc.gpu_window_start_ms + lim.gpu_window_s * 1000.0
+  local retry = nil
+  if estimate <= lim.gpu_seconds * 1000.0 then retry = math.max(0.0, (window_end_ms - now) / 1000.0) end
+  return quota('gpu_seconds', retry, math.max(0.0, lim.gpu_seconds - acc.gpu_window_used_ms / 1000.0))
+end
+if lim.gpu_seconds_total ~= nil and acc.gpu_total_used_ms + estimate > lim.gpu_seconds_total * 1000.0 then
+  return quota('gpu_seconds_total', nil, math.max(0.0, lim.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0))
+end
+local run = nil
+if has_run then
+  run = load_run(run_id)
+  if lim.max_model_calls ~= nil and run.model_calls + 1 > lim.max_model_calls then
+    return quota('max_model_calls', nil, 0)
+  end
+  if tool_round and lim.max_tool_rounds ~= nil and run.tool_rounds + 1 > lim.max_tool_rounds then
+    return quota('max_tool_rounds', nil, 0)
+  end
+  if lim.max_tokens ~= nil and run.tokens + tokens > lim.max_tokens then
+    return quota('max_tokens', nil, math.max(0, lim.max_tokens - run.tokens))
+  end
+  run.model_calls = run.model_calls + 1
+  if tool_round then run.tool_rounds = run.tool_rounds + 1 end
+  run.tokens = run.tokens + tokens
+end
+if acc.requests_level ~= nil then acc.requests_level = acc.requests_level - 1.0 end
+if acc.input_level ~= nil then acc.input_level = acc.input_level - input_tokens end
+if acc.output_level ~= nil then acc.output_level = acc.output_level - max_output end
+acc.concurrent = acc.concurrent + 1
+acc.gpu_window_used_ms = acc.gpu_window_used_ms + estimate
+acc.gpu_total_used_ms = acc.gpu_total_used_ms + estimate
+
+-- All checks passed: write (nothing was written before this point).
+local expires = now + lim.reservation_ttl_s * 1000.0
+local record = {id = rid, tenant = tenant, request_id = request_id, model_class = model_class,
+  tool_round = tool_round and '1' or '0', input_tokens = fmt(input_tokens), max_output_tokens = fmt(max_output),
+  gpu_ms_estimate = fmt(estimate), status = 'open', billed_input_tokens = '0', billed_output_tokens = '0',
+  billed_gpu_ms = '0', overage_gpu_ms = '0', created_ms = fmt(now), expires_at_ms = fmt(expires)}
+if has_run then record.run_id = run_id end
+local raw = cjson.encode(record)
+hset(RES, rid, raw)
+hset(REQS, request_id, rid)
+redis.call('ZADD', OPEN, fmt(expires), rid)
+expire(OPEN)
+count_status('open', 1)
+save_account(model_class, acc)
+if run ~= nil then save_run(run_id, run) end
+add_event(rid, 'reserve', 1, 0, 0, 0.0, 0.0, now)
+touch_all()
+return {'ok', raw}
+"""
+
+# ARGV[3..]: reservation id, kind (settle|cancel|expire), final (1/0), input_tokens, output_tokens, gpu_ms
+# (ignored for expire: the billed amounts so far), check frozen (1/0), the tenant's limits JSON
+# {"base": {...}, "classes": {model_class: {...}}} or "" (tenant not configured).
+# -> {'not_found'} | {'final', json} | {'frozen', json} | {'unknown_tenant', json} | {'not_due', json}
+#    | {'unchanged', json} | {'above', json} | {'below', name, json} | {'ok', json}
+_CLOSE = _PRELUDE + r"""
+local rid, kind, final = ARGV[3], ARGV[4], ARGV[5] == '1'
+local raw = redis.call('HGET', RES, rid)
+if not raw then return {'not_found'} end
+local r = cjson.decode(raw)
+if r.status ~= 'open' then return {'final', raw} end
+if ARGV[9] == '1' and redis.call('EXISTS', FROZEN) == 1 then return {'frozen', raw} end
+local now = now_ms()
+local before_in, before_out, before_gpu =
+  tonumber(r.billed_input_tokens), tonumber(r.billed_output_tokens), tonumber(r.billed_gpu_ms)
+local b_in, b_out, b_gpu
+if kind == 'expire' then
+  if tonumber(r.expires_at_ms) > now then return {'not_due', raw} end
+  b_in, b_out, b_gpu = before_in, before_out, before_gpu
+else
+  b_in, b_out, b_gpu = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+end
+if (not final) and b_in == before_in and b_out == before_out and b_gpu == before_gpu then
+  return {'unchanged', raw}  -- a repeated partial settlement: nothing new
+end
+if ARGV[10] == '' then return {'unknown_tenant', raw} end
+local limits = cjson.decode(ARGV[10])
+local spec = limits.base
+if type(limits.classes) == 'table' and limits.classes[r.model_class] ~= nil then spec = limits.classes[r.model_class] end
+local lim = decode_limits(spec)
+
+-- rules.settle
+local r_in, r_max_out, r_est = tonumber(r.input_tokens), tonumber(r.max_output_tokens), tonumber(r.gpu_ms_estimate)
+if b_out > r_max_out then return {'above', raw} end
+if b_in < before_in then return {'below', 'input_tokens', raw} end
+if b_out < before_out then return {'below', 'output_tokens', raw} end
+if b_gpu < before_gpu then return {'below', 'gpu_ms', raw} end
+local acc = load_account(r.model_class)
+refresh(acc, lim, now)
+local old_in, old_out, old_gpu = math.max(r_in, before_in), r_max_out, math.max(r_est, before_gpu)
+local new_in, new_out, new_gpu
+if final then
+  new_in, new_out, new_gpu = b_in, b_out, b_gpu
+else
+  new_in, new_out, new_gpu = math.max(r_in, b_in), r_max_out, math.max(r_est, b_gpu)
+end
+for _, d in ipairs({{'input_tokens', 'input', old_in - new_in}, {'output_tokens', 'output', old_out - new_out}}) do
+  local key = d[2] .. '_level'
+  if acc[key] ~= nil and d[3] ~= 0 then
+    acc[key] = math.min(lim[d[1] .. '_burst'] or 0.0, acc[key] + d[3])
+  end
+end
+acc.gpu_window_used_ms = math.max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
+acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
+if final then acc.concurrent = math.max(0, acc.concurrent - 1) end
+local run = nil
+if r.run_id ~= nil then
+  run = load_run(r.run_id)
+  run.tokens = math.max(0, run.tokens + (new_in + new_out) - (old_in + old_out))
+end
+local overage = math.max(0.0, b_gpu - r_est)
+local old_overage = tonumber(r.overage_gpu_ms)
+local status, event_kind = 'open', 'settle'
+if final then
+  status = ({settle = 'settled', cancel = 'cancelled', expire = 'expired'})[kind]
+  event_kind = kind
+  if kind == 'settle' then event_kind = 'settle_final' end
+end
+r.billed_input_tokens, r.billed_output_tokens, r.billed_gpu_ms = fmt(b_in), fmt(b_out), fmt(b_gpu)
+r.overage_gpu_ms, r.status = fmt(overage), status
+if final then r.final_ms = fmt(now) end
+
+local out = cjson.encode(r)
+hset(RES, rid, out)
+save_account(r.model_class, acc)
+if run ~= nil then save_run(r.run_id, run) end
+add_event(rid, event_kind, 0, b_in - before_in, b_out - before_out, b_gpu - before_gpu, overage - old_overage, now)
+if final then
+  redis.call('ZREM', OPEN, rid)
+  count_status('open', -1)
+  count_status(status, 1)
+  redis.call('HDEL', HB, rid)
+end
+touch_all()
+return {'ok', out}
+"""
+
+# ARGV[3..]: reservation id, reservation_ttl_s. Extends an open reservation to now + TTL.
+_EXTEND = _PRELUDE + r"""
+local rid, ttl_s = ARGV[3], tonumber(ARGV[4])
+local raw = redis.call('HGET', RES, rid)
+if not raw then return {'not_found'} end
+local r = cjson.decode(raw)
+if r.status ~= 'open' then return {'final', raw} end
+local expires = now_ms() + ttl_s * 1000.0
+r.expires_at_ms = fmt(expires)
+local out = cjson.encode(r)
+hset(RES, rid, out)
+redis.call('ZADD', OPEN, fmt(expires), rid)
+expire(OPEN)
+touch_all()
+return {'ok', out}
+"""
+
+# ARGV[3]: reservation id. Records a heartbeat if the reservation is open.
+_HEARTBEAT = _PRELUDE + r"""
+local rid = ARGV[3]
+local raw = redis.call('HGET', RES, rid)
+if not raw then return {'not_found'} end
+if cjson.decode(raw).status ~= 'open' then return {'final'} end
+hset(HB, rid, fmt(now_ms()))
+touch_all()
+return {'ok'}
+"""
+
+# ARGV[3..]: tenant, reason.
+_FREEZE = _PRELUDE + r"""
+redis.call('HSET', FROZEN, 'tenant', ARGV[3], 'reason', ARGV[4], 'at_ms', fmt(now_ms()))
+expire(FROZEN)
+touch_all()
+return {'ok'}
+"""
+
+# Read-only. ARGV[3]: window_s. -> {events in [now - window, +inf), flat status counts}
+_USAGE = _PRELUDE + r"""
+local since = now_ms() - tonumber(ARGV[3]) * 1000.0
+return {redis.call('ZRANGEBYSCORE', EVENTS, fmt(since), '+inf'), redis.call('HGETALL', STATUS)}
+"""
+
+# Read-only. -> the open reservations due (expires_at_ms <= now), none if the tenant is frozen.
+_DUE = _PRELUDE + r"""
+if redis.call('EXISTS', FROZEN) == 1 then return {} end
+local out = {}
+for _, rid in ipairs(redis.call('ZRANGEBYSCORE', OPEN, '-inf', fmt(now_ms()))) do
+  local raw = redis.call('HGET', RES, rid)
+  if raw then out[#out + 1] = raw end
+end
+return out
+"""
+
+# Read-only. ARGV[3]: reservation id. -> {last heartbeat ms or '', now}
+_BEAT = _PRELUDE + r"""
+local beat = redis.call('HGET', HB, ARGV[3])
+return {beat or '', fmt(now_ms())}
+"""
+
+# KEYS[1] = P:tenants; ARGV: tag, tenant, retention ms.
+_REGISTER = r"""
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+# --- Python side ---------------------------------------------------------------------------------
+def _number(value: float | int) -> str:
+    """A number as a string that Lua's ``tonumber`` reads back exactly."""
+    return repr(float(value)) if isinstance(value, float) else str(int(value))
+
+
+def _int(text: str) -> int:
+    return int(text) if text.lstrip("-").isdigit() else int(float(text))
+
+
+def _limits_spec(limits: Limits) -> dict[str, str]:
+    spec = {name: _number(getattr(limits, name)) for name in _LIMIT_NAMES if getattr(limits, name) is not None}
+    for dimension in ("requests", "input_tokens", "output_tokens"):
+        burst = limits.burst(dimension)
+        if burst is not None:
+            spec[f"{dimension}_burst"] = _number(burst)
+    return spec
+
+
+def _reservation(raw: str) -> Reservation:
+    d = json.loads(raw)
+    final_ms = d.get("final_ms")
+    return Reservation(
+        id=d["id"], tenant=d["tenant"], request_id=d["request_id"], model_class=d["model_class"],
+        run_id=d.get("run_id"), tool_round=d["tool_round"] == "1", input_tokens=_int(d["input_tokens"]),
+        max_output_tokens=_int(d["max_output_tokens"]), gpu_ms_estimate=float(d["gpu_ms_estimate"]),
+        status=d["status"],
+        billed=Usage(_int(d["billed_input_tokens"]), _int(d["billed_output_tokens"]), float(d["billed_gpu_ms"])),
+        overage_gpu_ms=float(d["overage_gpu_ms"]), created_ms=float(d["created_ms"]),
+        expires_at_ms=float(d["expires_at_ms"]), final_ms=None if final_ms is None else float(final_ms))
+
+
+def _event(tenant: str, raw: str) -> Event:
+    seq, kind, rid, requests, input_tokens, output_tokens, gpu_ms, overage, at_ms = json.loads(raw)
+    return Event(seq=_int(seq), tenant=tenant, reservation_id=rid, kind=kind, requests=_int(requests),
+                 input_tokens=_int(input_tokens), output_tokens=_int(output_tokens), gpu_ms=float(gpu_ms),
+                 overage_gpu_ms=float(overage), at_ms=float(at_ms))
+
+
+@contextmanager
+def _unavailable() -> Iterator[None]:
+    """Map connection failures (and a server that cannot serve now) to ``LedgerUnavailable``."""
+    try:
+        yield
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        raise LedgerUnavailable(f"redis ledger: {exc}") from None
+    except redis.exceptions.ResponseError as exc:
+        if str(exc).startswith(_UNAVAILABLE_REPLIES):
+            raise LedgerUnavailable(f"redis ledger: {exc}") from None
+        raise
+
+
+class RedisLedger(Ledger):
+    """Ledger on Redis. Build with ``await RedisLedger.open(url, quotas)`` (see the module docstring).
+
+    All times are ms since the epoch on the ledger clock (the server's ``TIME``, or ``clock``).
+    """
+
+    def __init__(self, client: Redis, prefix: str, quotas: Quotas, clock: Callable[[], float] | None,
+                 retention_s: float) -> None:
+        super().__init__(quotas)
+        self._client = client
+        self.prefix = prefix
+        self.retention_ms = int(retention_s * 1000)
+        self._clock = clock
+        self._registered: dict[str, float] = {}  # tenant -> time.monotonic() of the last registration
+        self._tenant_by_tag = {tenant_tag(name): name for name in quotas.tenants}
+        self._limits_json = {
+            tenant_tag(name): json.dumps({"base": _limits_spec(t.limits),
+                                          "classes": {mc: _limits_spec(lim) for mc, lim in t.by_model_class.items()}})
+            for name, t in quotas.tenants.items()}
+        self._reserve = client.register_script(_RESERVE)
+        self._close_script = client.register_script(_CLOSE)
+        self._extend = client.register_script(_EXTEND)
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._freeze = client.register_script(_FREEZE)
+        self._usage = client.register_script(_USAGE)
+        self._due = client.register_script(_DUE)
+        self._beat = client.register_script(_BEAT)
+        self._register = client.register_script(_REGISTER)
+
+    @classmethod
+    async def open(cls, url: str, quotas: Quotas, clock: Callable[[], float] | None = None,
+                   max_connections: int = 64) -> RedisLedger:
+        """Connect to the server named by ``url`` (``redis://host:port/db?prefix=NAME&retention_days=35``).
+
+        Args:
+            clock: ms since the epoch, replacing the server's ``TIME`` (tests).
+            max_connections: connections in the pool; a call waits up to 10 s for a free one.
+
+        Raises:
+            ValueError: a bad ``prefix`` or ``retention_days``. LedgerUnavailable: the server cannot be reached.
+        """
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        prefix = query.pop("prefix", DEFAULT_PREFIX)
+        if not _PREFIX.match(prefix):
+            raise ValueError(f"ledger URL: prefix {prefix!r} must match {_PREFIX.pattern}")
+        retention = query.pop("retention_days", str(DEFAULT_RETENTION_DAYS))
+        try:
+            retention_days = float(retention)
+        except ValueError:
+            retention_days = float("nan")
+        if not 1.0 <= retention_days <= 3650.0:
+            raise ValueError(f"ledger URL: retention_days {retention!r} must be a number of days in [1, 3650]")
+        pool = BlockingConnectionPool.from_url(
+            urlunsplit(parts._replace(query=urlencode(query))), max_connections=max_connections, timeout=10.0,
+            decode_responses=True, socket_connect_timeout=5.0, socket_timeout=10.0,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2))
+        client = Redis.from_pool(pool)
+        ledger = cls(client, prefix, quotas, clock, retention_days * 86_400.0)
+        try:
+            with _unavailable():
+                await client.ping()
+                for script in (_RESERVE, _CLOSE, _EXTEND, _HEARTBEAT, _FREEZE, _USAGE, _DUE, _BEAT, _REGISTER):
+                    await client.script_load(script)
+        except BaseException:
+            await client.aclose()
+            raise
+        return ledger
+
+    # --- keys and plumbing -----------------------------------------------------------------------
+    def _keys(self, tag: str) -> list[str]:
+        """The tenant's keys (TENANT_KEYS order), all in the hash slot of ``{prefix:tag}``."""
+        return [f"{{{self.prefix}:{tag}}}:{name}" for name in TENANT_KEYS]
+
+    @property
+    def _tenants_key(self) -> str:
+        return f"{self.prefix}:tenants"
+
+    def _head(self) -> list[str]:
+        """ARGV[1..2]: the clock (empty: the server's TIME) and the retention TTL in ms."""
+        return ["" if self._clock is None else _number(float(self._clock())), str(self.retention_ms)]
+
+    @staticmethod
+    def _tag_of(reservation_id: object) -> str | None:
+        """The tenant tag a reservation id starts with (None: not an id this ledger makes)."""
+        if not isinstance(reservation_id, str) or not reservation_id:
+            raise InvalidUsage(f"reservation_id must be a non-empty string, got {reservation_id!r}")
+        match = _RESERVATION_ID.match(reservation_id)
+        return match.group(1) if match else None
+
+    async def _ensure_registered(self, tenant: str) -> None:
+        last = self._registered.get(tenant)
+        if last is not None and time.monotonic() - last < REGISTER_EVERY_S:
+            return
+        await self._register(keys=[self._tenants_key], args=[tenant_tag(tenant), tenant, str(self.retention_ms)])
+        self._registered[tenant] = time.monotonic()
+
+    async def _tenants(self) -> dict[str, str]:
+        """Registered tenants: tag -> name."""
+        return dict(await self._client.hgetall(self._tenants_key))
+
+    # --- API --------------------------------------------------------------------------------------
+    async def reserve(self, tenant: str, request_id: str, input_tokens: int, max_output_tokens: int,
+                      gpu_ms_estimate: float = 0.0, model_class: str = "default", run_id: str | None = None,
+                      tool_round: bool = False) -> Reservation:
+        """Reserve every dimension (tokens, requests, GPU ms, concurrency, run limits) in one script.
+
+        See ``Ledger.reserve``. Amounts: tokens (ints), ``gpu_ms_estimate`` in ms.
+
+        Raises:
+            QuotaExceeded, IdempotencyConflict, InvalidUsage, UnknownTenant, LedgerUnavailable.
+        """
+        check_request_id(request_id)
+        limits = self.limits(tenant, model_class)
+        args = rules.ReserveArgs(tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class,
+                                 run_id, bool(tool_round))
+        rules.check_amounts(input_tokens, max_output_tokens, gpu_ms_estimate, "reserve")
+        if run_id is not None and not isinstance(run_id, str):
+            raise InvalidUsage(f"reserve: run_id must be a string or None, got {run_id!r}")
+        tag = tenant_tag(tenant)
+        with _unavailable():
+            await self._ensure_registered(tenant)
+            reply = await self._reserve(keys=self._keys(tag), args=[
+                *self._head(), tenant, request_id, new_reservation_id(tenant), str(input_tokens),
+                str(max_output_tokens), _number(float(gpu_ms_estimate)), model_class, run_id or "",
+                "0" if run_id is None else "1", "1" if tool_round else "0", json.dumps(_limits_spec(limits))])
+        code = reply[0]
+        if code == "quota":
+            dimension, retry, remaining = reply[1], reply[2], float(reply[3])
+            raise QuotaExceeded(tenant, dimension, None if retry == "" else float(retry), getattr(limits, dimension),
+                                int(remaining) if dimension in _INT_REMAINING else remaining)
+        r = _reservation(reply[1])
+        if code == "existing":
+            if rules.ReserveArgs(tenant, request_id, r.input_tokens, r.max_output_tokens, r.gpu_ms_estimate,
+                                 r.model_class, r.run_id, r.tool_round).fingerprint() != args.fingerprint():
+                raise IdempotencyConflict(f"request id {request_id!r} of tenant {tenant!r} was reserved with "
+                                          "other arguments")
+        return r
+
+    async def _close_call(self, reservation_id: str, kind: str, final: bool, billed: Usage | None,
+                          check_frozen: bool = True) -> list[Any]:
+        tag = self._tag_of(reservation_id)
+        if tag is None:
+            return ["not_found"]
+        amounts = ["", "", ""] if billed is None else [
+            str(billed.input_tokens), str(billed.output_tokens), _number(float(billed.gpu_ms))]
+        with _unavailable():
+            reply: list[Any] = await self._close_script(keys=self._keys(tag), args=[
+                *self._head(), reservation_id, kind, "1" if final else "0", *amounts, "1" if check_frozen else "0",
+                self._limits_json.get(tag, "")])
+        return reply
+
+    async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str) -> Reservation:
+        reply = await self._close_call(reservation_id, kind, final, billed)
+        code = reply[0]
+        if code == "not_found":
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+        r = _reservation(reply[-1])
+        if code == "final":
+            if final and _STATUS_OF_KIND[kind] == r.status and r.billed == billed:
+                return r  # the same final call, repeated
+            raise ReservationFinal(f"reservation {reservation_id!r} is {r.status} already")
+        if code == "frozen":
+            raise SettlementFrozen(f"automatic settlement is frozen for tenant {r.tenant!r}")
+        if code == "unknown_tenant":
+            raise UnknownTenant(f"tenant {r.tenant!r} has no quota configuration")
+        if code == "above":
+            raise InvalidUsage(f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
+                               f"max_output_tokens {r.max_output_tokens}")
+        if code == "below":
+            name = reply[1]
+            raise InvalidUsage(f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
+                               f"({getattr(r.billed, name)}); amounts are cumulative")
+        return r  # ok | unchanged
+
+    async def settle(self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float,
+                     final: bool = False) -> Reservation:
+        """Bill cumulative usage (tokens, GPU ms) in one script; ``final`` closes and releases the rest.
+
+        Raises:
+            ReservationNotFound, ReservationFinal, InvalidUsage, SettlementFrozen, UnknownTenant, LedgerUnavailable.
+        """
+        rules.check_amounts(input_tokens, output_tokens, gpu_ms, "settle")
+        return await self._close(reservation_id, Usage(input_tokens, output_tokens, float(gpu_ms)), final, "settle")
+
+    async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
+        """Close the reservation billing ``consumed`` (cumulative tokens, GPU ms), releasing the rest.
+
+        Raises:
+            ReservationNotFound, ReservationFinal, InvalidUsage, SettlementFrozen, UnknownTenant, LedgerUnavailable.
+        """
+        if not isinstance(consumed, Usage):
+            raise InvalidUsage(f"cancel: consumed must be a Usage, got {consumed!r}")
+        rules.check_amounts(consumed.input_tokens, consumed.output_tokens, consumed.gpu_ms, "cancel")
+        return await self._close(reservation_id, Usage(consumed.input_tokens, consumed.output_tokens,
+                                                       float(consumed.gpu_ms)), True, "cancel")
+
+    async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
+        """The balances held for ``tenant`` and ``model_class`` as last written (buckets not refilled).
+
+        Raises:
+            LedgerUnavailable.
+        """
+        with _unavailable():
+            raw = await self._client.hget(self._keys(tenant_tag(tenant))[0], model_class)
+        if raw is None:
+            return rules.Account()
+        stored = json.loads(raw)
+        values: dict[str, Any] = {name: float(text) for name, text in stored.items()}
+        values["concurrent"] = _int(stored.get("concurrent", "0"))
+        return rules.Account(**values)
+
+    async def get(self, reservation_id: str) -> Reservation:
+        """The reservation. Raises ``ReservationNotFound``, ``InvalidUsage`` (not a string), ``LedgerUnavailable``."""
+        tag = self._tag_of(reservation_id)
+        raw = None
+        if tag is not None:
+            with _unavailable():
+                raw = await self._client.hget(self._keys(tag)[2], reservation_id)
+        if raw is None:
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+        return _reservation(raw)
+
+    async def usage(self, tenant: str, window_s: float) -> TenantUsage:
+        """The tenant's billed usage over the last ``window_s`` seconds (from the event log) and its
+        reservations by status. Raises ``InvalidUsage`` (window not > 0), ``LedgerUnavailable``."""
+        if not (isinstance(window_s, int | float) and window_s > 0):
+            raise InvalidUsage(f"usage: window_s must be > 0, got {window_s!r}")
+        with _unavailable():
+            events_raw, flat = await self._usage(keys=self._keys(tenant_tag(tenant)),
+                                                 args=[*self._head(), _number(window_s)])
+        events = sorted((_event(tenant, raw) for raw in events_raw), key=lambda e: e.seq)
+        by_status = {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2) if int(flat[i + 1]) > 0}
+        return TenantUsage(
+            tenant=tenant, window_s=window_s, requests=sum(e.requests for e in events),
+            input_tokens=sum(e.input_tokens for e in events), output_tokens=sum(e.output_tokens for e in events),
+            gpu_ms=sum(e.gpu_ms for e in events), overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
+            open_reservations=by_status.get("open", 0), by_status=by_status)
+
+    async def reservations(self, tenant: str | None = None, status: str | None = None) -> list[Reservation]:
+        """Reservations ordered by ``created_ms`` then id, optionally of one tenant and/or status.
+
+        Raises:
+            LedgerUnavailable.
+        """
+        with _unavailable():
+            tags = [tenant_tag(tenant)] if tenant is not None else sorted(await self._tenants())
+            found: list[Reservation] = []
+            for tag in tags:
+                found.extend(_reservation(raw) for raw in await self._client.hvals(self._keys(tag)[2]))
+        return sorted((r for r in found if status is None or r.status == status), key=lambda r: (r.created_ms, r.id))
+
+    async def events(self, tenant: str | None = None) -> list[Event]:
+        """The event log in order: one tenant's by its sequence; all tenants' merged by ``at_ms``
+        (each tenant's own order kept; ``seq`` is per tenant). Raises ``LedgerUnavailable``."""
+        with _unavailable():
+            tenants = {tenant_tag(tenant): tenant} if tenant is not None else await self._tenants()
+            logs = []
+            for tag in sorted(tenants):
+                raws = await self._client.zrange(self._keys(tag)[6], 0, -1)
+                logs.append(sorted((_event(tenants[tag], raw) for raw in raws), key=lambda e: e.seq))
+        if len(logs) == 1:
+            return logs[0]
+        return list(heapq.merge(*logs, key=lambda e: e.at_ms))
+
+    async def heartbeat(self, reservation_id: str) -> None:
+        """Record that the request behind ``reservation_id`` is running now (no-op once final).
+
+        Raises:
+            ReservationNotFound, InvalidUsage (not a string), LedgerUnavailable.
+        """
+        tag = self._tag_of(reservation_id)
+        reply = ["not_found"]
+        if tag is not None:
+            with _unavailable():
+                reply = await self._heartbeat(keys=self._keys(tag), args=[*self._head(), reservation_id])
+        if reply[0] == "not_found":
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+
+    async def _heartbeat_running(self, r: Reservation) -> bool:
+        ttl_ms = self.limits(r.tenant, r.model_class).reservation_ttl_s * 1000.0
+        with _unavailable():
+            beat, now = await self._beat(keys=self._keys(tenant_tag(r.tenant)), args=[*self._head(), r.id])
+        return beat != "" and float(now) - float(beat) <= ttl_ms
+
+    async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
+        """One sweeper pass over every registered tenant that is not frozen: open reservations past
+        ``expires_at_ms`` are extended by their TTL if ``is_running`` (default: a heartbeat within the TTL)
+        says so, otherwise expired (billing what was settled so far), each in one script.
+
+        Returns the reservations expired. Raises ``UnknownTenant`` (a tenant no longer configured),
+        ``LedgerUnavailable``.
+        """
+        check = is_running or self._heartbeat_running
+        with _unavailable():
+            due: list[Reservation] = []
+            for tag in sorted(await self._tenants()):
+                due.extend(_reservation(raw) for raw in await self._due(keys=self._keys(tag), args=self._head()))
+        due.sort(key=lambda r: (r.expires_at_ms, r.created_ms, r.id))
+        expired = []
+        for r in due:
+            if await check(r):
+                ttl_s = self.limits(r.tenant, r.model_class).reservation_ttl_s
+                with _unavailable():
+                    await self._extend(keys=self._keys(tenant_tag(r.tenant)),
+                                       args=[*self._head(), r.id, _number(float(ttl_s))])
+                continue
+            reply = await self._close_call(r.id, "expire", True, None)
+            code = reply[0]
+            if code == "ok" or (code == "final" and _reservation(reply[-1]).status == "expired"):
+                expired.append(_reservation(reply[-1]))
+            elif code == "unknown_tenant":
+                raise UnknownTenant(f"tenant {r.tenant!r} has no quota configuration")
+            # final (settled or cancelled meanwhile), not_due (extended meanwhile), frozen, not_found: skip
+        return expired
+
+    async def freeze(self, tenant: str, reason: str) -> None:
+        """Stop automatic settlement for ``tenant`` (settle/cancel raise ``SettlementFrozen``, the sweeper
+        skips it). Raises ``LedgerUnavailable``."""
+        with _unavailable():
+            await self._ensure_registered(tenant)
+            await self._freeze(keys=self._keys(tenant_tag(tenant)), args=[*self._head(), tenant, reason])
+
+    async def unfreeze(self, tenant: str) -> None:
+        """Resume automatic settlement for ``tenant``. Raises ``LedgerUnavailable``."""
+        with _unavailable():
+            await self._client.delete(self._keys(tenant_tag(tenant))[9])
+
+    async def frozen(self) -> dict[str, str]:
+        """Frozen tenants and why, by tenant name. Raises ``LedgerUnavailable``."""
+        with _unavailable():
+            found = {}
+            for tag, name in (await self._tenants()).items():
+                reason = await self._client.hget(self._keys(tag)[9], "reason")
+                if reason is not None:
+                    found[name] = reason
+        return dict(sorted(found.items()))
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
+
+    async def drop_keys(self) -> None:
+        """Delete every key of this ledger's prefix (tests). Raises ``LedgerUnavailable``."""
+        with _unavailable():
+            for pattern in (f"{{{self.prefix}:*", f"{self.prefix}:*"):
+                batch: list[str] = []
+                async for key in self._client.scan_iter(match=pattern, count=500):
+                    batch.append(key)
+                    if len(batch) >= 500:
+                        await self._client.delete(*batch)
+                        batch = []
+                if batch:
+                    await self._client.delete(*batch)
+        self._registered.clear()
+
+
+__all__ = ["DEFAULT_PREFIX", "DEFAULT_RETENTION_DAYS", "TENANT_KEYS", "RedisLedger"]

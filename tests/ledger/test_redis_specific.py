@@ -1,0 +1,331 @@
+"""Redis-only properties of the ledger: TTLs on every key, one hash slot per tenant, connection errors,
+URL validation, the server clock, atomicity across clients, and exact agreement with the SQL backends
+(the Lua scripts must do the arithmetic of ``rules.py`` bit for bit)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.crc import key_slot
+
+from fairgate.ledger import (
+    LedgerError,
+    LedgerUnavailable,
+    QuotaExceeded,
+    Quotas,
+    Usage,
+    connect,
+    quotas_from_dict,
+)
+from fairgate.ledger.base import tenant_tag
+from fairgate.ledger.redis import TENANT_KEYS, RedisLedger
+
+QUOTAS = quotas_from_dict({
+    "defaults": {
+        "requests_per_minute": 120, "requests_burst": 6,
+        "input_tokens_per_minute": 3000, "input_tokens_burst": 1500,
+        "output_tokens_per_minute": 3000, "output_tokens_burst": 1200,
+        "max_tokens_per_request": 1200, "max_concurrent": 4, "gpu_seconds": 5, "gpu_window_s": 120,
+        "gpu_seconds_total": 30, "max_model_calls": 4, "max_tool_rounds": 2, "max_tokens": 3000,
+        "reservation_ttl_s": 20,
+    },
+    "tenants": {"a": {}, "b": {"model_class": {"large": {"max_concurrent": 1, "gpu_seconds": 2}}}},
+})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_ms = 1_700_000_000_000.0
+
+    def __call__(self) -> float:
+        return self.now_ms
+
+
+@pytest.fixture
+async def redis_ledger(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
+    """``await redis_ledger(clock=None, prefix=None, quotas=QUOTAS)``: a ledger on a fresh prefix; keys dropped after."""
+    opened: list[RedisLedger] = []
+    default_prefix = f"fgt_{uuid.uuid4().hex[:12]}"
+
+    async def make(clock: Callable[[], float] | None = None, prefix: str | None = None,
+                   quotas: Quotas = QUOTAS) -> RedisLedger:
+        ledger = await connect(f"{redis_url}?prefix={prefix or default_prefix}", quotas, clock)
+        assert isinstance(ledger, RedisLedger)
+        opened.append(ledger)
+        return ledger
+
+    yield make
+    for ledger in opened:
+        await ledger.drop_keys()
+        await ledger.close()
+
+
+async def _keys_of(ledger: RedisLedger, client: Redis) -> list[str]:
+    keys = [k async for k in client.scan_iter(match=f"{{{ledger.prefix}:*")]
+    return keys + [k async for k in client.scan_iter(match=f"{ledger.prefix}:*")]
+
+
+async def _mixed_operations(ledger: RedisLedger, clock: Clock) -> None:
+    r1 = await ledger.reserve("a", "r1", 100, 200, 500.0, run_id="run-1", tool_round=True)
+    r2 = await ledger.reserve("a", "r2", 100, 200, 500.0)
+    r3 = await ledger.reserve("b", "r3", 10, 20, 50.0, model_class="large")
+    await ledger.reserve("a", "r1", 100, 200, 500.0, run_id="run-1", tool_round=True)  # idempotent retry
+    await ledger.settle(r1.id, 100, 50, 300.0)
+    await ledger.heartbeat(r2.id)
+    await ledger.settle(r1.id, 100, 80, 400.0, final=True)
+    await ledger.cancel(r3.id, Usage(10, 5, 10.0))
+    for failing in (ledger.reserve("b", "big", 5000, 1, 0.0),            # quota: nothing written
+                    ledger.settle(r2.id, 100, 999, 1.0),                  # invalid: nothing written
+                    ledger.settle(r1.id, 100, 1, 1.0, final=True)):       # final already
+        with pytest.raises(LedgerError):
+            await failing
+    await ledger.freeze("b", "reconciliation")
+    await ledger.unfreeze("b")
+    await ledger.freeze("a", "reconciliation")
+    await ledger.unfreeze("a")
+    clock.now_ms += 30_000
+    await ledger.expire_due(lambda r: _const(False))
+    await ledger.usage("a", 3600)
+
+
+async def test_every_key_has_a_ttl_after_mixed_operations(redis_ledger, redis_url):
+    clock = Clock()
+    ledger = await redis_ledger(clock)
+    await _mixed_operations(ledger, clock)
+    await ledger.freeze("b", "left frozen")  # the frozen key exists at the end too
+    await ledger.heartbeat((await ledger.reserve("a", "still-open", 1, 1, 0.0)).id)  # and open, hb
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        keys = await _keys_of(ledger, client)
+        suffixes = {k.rsplit(":", 1)[1] for k in keys}
+        assert set(TENANT_KEYS) <= suffixes
+        assert f"{ledger.prefix}:tenants" in keys
+        ttls = {k: await client.pttl(k) for k in keys}
+    without = {k: ttl for k, ttl in ttls.items() if ttl <= 0}
+    assert not without, f"keys left without a TTL: {without}"
+    # The TTL is the retention (35 days by default), refreshed on write.
+    assert all(35 * 86_400_000 - 600_000 < ttl <= 35 * 86_400_000 for ttl in ttls.values())
+
+
+async def test_retention_days_from_the_url(redis_url):
+    prefix = f"fgt_{uuid.uuid4().hex[:12]}"
+    ledger = await connect(f"{redis_url}?prefix={prefix}&retention_days=2", QUOTAS)
+    assert isinstance(ledger, RedisLedger)
+    try:
+        r = await ledger.reserve("a", "x", 1, 1, 0.0)
+        await ledger.heartbeat(r.id)
+        async with Redis.from_url(redis_url, decode_responses=True) as client:
+            ttls = [await client.pttl(k) for k in await _keys_of(ledger, client)]
+        assert ttls and all(2 * 86_400_000 - 600_000 < ttl <= 2 * 86_400_000 for ttl in ttls)
+    finally:
+        await ledger.drop_keys()
+        await ledger.close()
+
+
+async def test_all_keys_of_a_tenant_share_one_hash_slot(redis_ledger, redis_url):
+    clock = Clock()
+    ledger = await redis_ledger(clock)
+    await _mixed_operations(ledger, clock)
+    r = await ledger.reserve("b", "open-one", 1, 1, 0.0)
+    await ledger.heartbeat(r.id)
+    assert r.id.startswith(tenant_tag("b") + "-")
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        keys = await _keys_of(ledger, client)
+    for tenant in ("a", "b"):
+        tag = f"{{{ledger.prefix}:{tenant_tag(tenant)}}}"
+        mine = [k for k in keys if k.startswith(tag)]
+        assert len(mine) >= 7
+        assert {key_slot(k.encode()) for k in mine} == {key_slot(tag.encode())}
+    # Every key is either a tenant's (in its slot) or the one registry key.
+    assert [k for k in keys if not k.startswith(f"{{{ledger.prefix}:")] == [f"{ledger.prefix}:tenants"]
+
+
+async def test_unreachable_server_raises_ledger_unavailable():
+    started = time.monotonic()
+    with pytest.raises(LedgerUnavailable):
+        await connect("redis://127.0.0.1:1/0?prefix=fgt_unreachable", QUOTAS)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("query", ["prefix=a:b", "prefix=x*", "prefix=", "prefix={t}", "retention_days=0",
+                                   "retention_days=soon"])
+async def test_bad_url_parameters_are_rejected(redis_url, query):
+    with pytest.raises(ValueError):
+        await connect(f"{redis_url}?{query}", QUOTAS)
+
+
+async def test_server_clock_is_used_without_a_clock(redis_ledger):
+    ledger = await redis_ledger()
+    before = time.time() * 1000.0
+    r = await ledger.reserve("a", "t", 10, 10, 1.0)
+    after = time.time() * 1000.0
+    assert before - 5_000 < r.created_ms < after + 5_000  # the server's TIME, same machine
+    assert r.expires_at_ms == r.created_ms + 20_000
+    done = await ledger.settle(r.id, 10, 5, 1.0, final=True)
+    assert done.final_ms is not None and done.final_ms >= r.created_ms
+    assert [e.kind for e in await ledger.events("a")] == ["reserve", "settle_final"]
+
+
+async def test_two_clients_never_both_take_the_last_slot(redis_ledger):
+    clock = Clock()
+    first, second = await redis_ledger(clock), await redis_ledger(clock)  # separate connection pools
+    calls = [(first if i % 2 else second).reserve("a", f"c{i}", 1, 1, 0.0) for i in range(30)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert sum(not isinstance(r, Exception) for r in results) == 4  # max_concurrent
+    assert all(isinstance(r, QuotaExceeded) for r in results if isinstance(r, Exception))
+    assert (await first.account("a")).concurrent == 4
+
+
+async def test_events_of_all_tenants_keep_each_tenants_order(redis_ledger):
+    clock = Clock()
+    ledger = await redis_ledger(clock)
+    ra = await ledger.reserve("a", "x", 1, 1, 0.0)
+    clock.now_ms += 1000
+    rb = await ledger.reserve("b", "x", 1, 1, 0.0)
+    clock.now_ms -= 5000  # a clock behind: a's settlement is logged "before" both reserves
+    await ledger.settle(ra.id, 1, 1, 0.0, final=True)
+    events = await ledger.events()
+    assert [(e.tenant, e.kind) for e in events if e.tenant == "a"] == [("a", "reserve"), ("a", "settle_final")]
+    assert {e.reservation_id for e in events} == {ra.id, rb.id} and len(events) == 3
+
+
+# --- the Lua scripts against rules.py, through the SQLite backend --------------------------------
+# Tenant "a" is bound by its buckets (requests, tokens, GPU budgets), "b" by concurrency and runs.
+DIFF_QUOTAS = quotas_from_dict({
+    "defaults": {
+        "requests_per_minute": 8, "requests_burst": 3,
+        "input_tokens_per_minute": 900, "input_tokens_burst": 1300,
+        "output_tokens_per_minute": 700, "output_tokens_burst": 1200,
+        "max_tokens_per_request": 1200, "max_concurrent": 20, "gpu_seconds": 6.5, "gpu_window_s": 90,
+        "gpu_seconds_total": 22, "max_model_calls": 3, "max_tool_rounds": 2, "max_tokens": 1500,
+        "reservation_ttl_s": 20,
+    },
+    "tenants": {"a": {}, "b": {"limits": {"requests_per_minute": 600, "requests_burst": 50, "max_concurrent": 3,
+                                          "input_tokens_per_minute": 60000, "output_tokens_per_minute": 60000,
+                                          "gpu_seconds": 40, "gpu_seconds_total": 400},
+                               "model_class": {"large": {"max_concurrent": 1, "gpu_seconds": 2}}}},
+})
+
+
+def _tie_groups(events: list[Any]) -> list[Any]:
+    """Consecutive events at the same ``at_ms`` as sorted groups (one sweep expires ties in any order)."""
+    groups: list[list[Any]] = []
+    for e in events:
+        if groups and groups[-1][0][-1] == e[-1]:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    return [sorted(g) for g in groups]
+
+
+def _normal(r: Any) -> Any:
+    return (r.tenant, r.request_id, r.model_class, r.run_id, r.tool_round, r.input_tokens, r.max_output_tokens,
+            r.gpu_ms_estimate, r.status, r.billed, r.overage_gpu_ms, r.created_ms, r.expires_at_ms, r.final_ms)
+
+
+def _outcome(result: Any) -> Any:
+    if isinstance(result, QuotaExceeded):
+        return ("QuotaExceeded", result.dimension, result.retry_after_s, result.limit, result.remaining)
+    if isinstance(result, BaseException):
+        return (type(result).__name__, re.sub(r"[0-9a-f]{16}-[0-9a-f]{32}", "<id>", str(result)))
+    if isinstance(result, list):
+        return sorted(_normal(r) for r in result)
+    return None if result is None else _normal(result)
+
+
+@pytest.mark.parametrize("seed", [20240601, 7, 11])
+async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_ledger, tmp_path, seed):
+    clock = Clock()
+    ledgers = {"redis": await redis_ledger(clock, quotas=DIFF_QUOTAS),
+               "sqlite": await connect(f"sqlite:///{tmp_path}/diff.db", DIFF_QUOTAS, clock)}
+    ids: dict[str, dict[tuple[str, str], str]] = {name: {} for name in ledgers}
+    rng = random.Random(seed)
+    try:
+        for step in range(500):
+            clock.now_ms += rng.uniform(-2_000, 4_000) if rng.random() < 0.05 else rng.uniform(0, 4_000)
+            roll = rng.random()
+            known = sorted(ids["sqlite"])
+            outcomes = {}
+            if roll < 0.45 or not known:
+                tenant = rng.choice(("a", "b"))
+                request_id = f"q{rng.randrange(300)}"
+                h = zlib.crc32(f"{tenant}/{request_id}".encode())
+                args = (tenant, request_id, h % 700, (h >> 10) % 600, float((h >> 20) % 2000) + 0.1 * (h % 7))
+                if rng.random() < 0.1:
+                    args = (tenant, request_id, args[2] + 1, args[3], args[4])  # an IdempotencyConflict
+                kwargs = {"model_class": "large" if h % 5 == 0 else "default",
+                          "run_id": None if h % 3 == 0 else f"run-{h % 41}", "tool_round": bool(h % 2)}
+                for name, ledger in ledgers.items():
+                    try:
+                        r = await ledger.reserve(*args, **kwargs)
+                        ids[name][(r.tenant, r.request_id)] = r.id
+                        outcomes[name] = _outcome(r)
+                    except LedgerError as exc:
+                        outcomes[name] = _outcome(exc)
+            elif roll < 0.9:
+                key = rng.choice(known)
+                current = await ledgers["sqlite"].get(ids["sqlite"][key])
+                grow = rng.random() < 0.9
+                amounts = (current.billed.input_tokens + (rng.randrange(50) if grow else -1),
+                           min(current.max_output_tokens + (1 if rng.random() < 0.05 else 0),
+                               current.billed.output_tokens + rng.randrange(80)),
+                           current.billed.gpu_ms + rng.uniform(0, 1500))
+                final = rng.random() < 0.5
+                use_cancel = rng.random() < 0.3
+                for name, ledger in ledgers.items():
+                    rid = ids[name][key]
+                    try:
+                        if use_cancel:
+                            outcomes[name] = _outcome(await ledger.cancel(rid, Usage(*amounts)))
+                        else:
+                            outcomes[name] = _outcome(await ledger.settle(rid, *amounts, final=final))
+                    except LedgerError as exc:
+                        outcomes[name] = _outcome(exc)
+            elif roll < 0.95:
+                alive = {k for k in known if zlib.crc32(f"{k}{step}".encode()) % 3 == 0}
+                for name, ledger in ledgers.items():
+                    outcomes[name] = _outcome(await ledger.expire_due(
+                        lambda r: _const((r.tenant, r.request_id) in alive)))
+            elif roll < 0.975:
+                key = rng.choice(known)
+                for name, ledger in ledgers.items():
+                    await ledger.heartbeat(ids[name][key])
+                    outcomes[name] = _outcome(await ledger.expire_due())
+            else:
+                tenant, freeze = rng.choice(("a", "b")), rng.random() < 0.5
+                for name, ledger in ledgers.items():
+                    await (ledger.freeze(tenant, "diff") if freeze else ledger.unfreeze(tenant))
+                    outcomes[name] = await ledger.frozen()
+            assert outcomes["redis"] == outcomes["sqlite"], f"step {step}"
+
+        for tenant in ("a", "b"):
+            redis_events, sql_events = [await ledgers[n].events(tenant) for n in ("redis", "sqlite")]
+            back = {name: {rid: key for key, rid in ids[name].items()} for name in ids}
+            assert (_tie_groups([(back["redis"][e.reservation_id], e.kind, e.requests, e.input_tokens, e.output_tokens,
+                                  e.gpu_ms, e.overage_gpu_ms, e.at_ms) for e in redis_events])
+                    == _tie_groups([(back["sqlite"][e.reservation_id], e.kind, e.requests, e.input_tokens,
+                                     e.output_tokens, e.gpu_ms, e.overage_gpu_ms, e.at_ms) for e in sql_events]))
+            usage = [await ledgers[n].usage(tenant, 600) for n in ("redis", "sqlite")]
+            assert usage[0] == usage[1]
+            for model_class in ("default", "large"):
+                accounts = [await ledgers[n].account(tenant, model_class) for n in ("redis", "sqlite")]
+                assert accounts[0] == accounts[1]
+        assert _outcome(await ledgers["redis"].reservations()) == _outcome(await ledgers["sqlite"].reservations())
+        statuses = {r.status for r in await ledgers["sqlite"].reservations()}
+        assert {"settled", "cancelled", "expired"} <= statuses, "the sequence exercised too little"
+    finally:
+        await ledgers["sqlite"].close()
+
+
+def _const(value: bool):  # type: ignore[no-untyped-def]
+    async def answer() -> bool:
+        return value
+    return answer()
