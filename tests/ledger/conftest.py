@@ -4,25 +4,26 @@ PostgreSQL and Redis: ``$FAIRGATE_TEST_POSTGRES_URL`` / ``$FAIRGATE_TEST_REDIS_U
 on 127.0.0.1:5432, database ``test``, and 127.0.0.1:6379). Where none answers (a fresh machine), a
 throwaway server is started from the installed binaries by pytest-postgresql / pytest-redis (Debian
 packages ``postgresql`` and ``redis-server``). Each test gets a fresh schema / key prefix, dropped after.
-These tests are never skipped: a backend that cannot be reached fails them.
+These tests are never skipped: a backend that cannot be reached fails them. (pytest-postgresql's own
+launcher refuses to run as root, so ``tests/support/throwaway_postgres.py`` starts PostgreSQL as the
+``postgres`` user instead.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import glob
 import os
 import shutil
 import socket
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from urllib.parse import urlparse
 
 import pytest
-from pytest_postgresql import factories as pg_factories
 from pytest_redis import factories as redis_factories
 
 from fairgate.ledger import Ledger, Quotas, connect, quotas_from_dict
+from tests.support.throwaway_postgres import throwaway_postgres
 
 BACKENDS = ("sqlite", "postgres", "redis")
 
@@ -36,24 +37,17 @@ def _answers(url: str, default_port: int) -> bool:
         return False
 
 
-def _pg_ctl() -> str:
-    found = shutil.which("pg_ctl") or next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))), None)
-    assert found, "no PostgreSQL server answers and no pg_ctl is installed (apt-get install postgresql)"
-    return found
-
-
-postgresql_throwaway = pg_factories.postgresql_proc(executable=_pg_ctl() if shutil.which("pg_ctl") or glob.glob(
-    "/usr/lib/postgresql/*/bin/pg_ctl") else "pg_ctl", port=None)
 redis_throwaway = redis_factories.redis_proc(executable=shutil.which("redis-server") or "redis-server", port=None)
 
 
 @pytest.fixture(scope="session")
-def postgres_url(request: pytest.FixtureRequest) -> str:
+def postgres_url() -> Iterator[str]:
     url = os.environ.get("FAIRGATE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
     if _answers(url, 5432):
-        return url
-    proc = request.getfixturevalue("postgresql_throwaway")
-    return f"postgresql://{proc.user}@{proc.host}:{proc.port}/{proc.dbname}"
+        yield url
+        return
+    with throwaway_postgres() as throwaway:
+        yield throwaway
 
 
 @pytest.fixture(scope="session")
