@@ -30,24 +30,30 @@ class UsageError(ValueError):
 
 
 def _fail(message: str) -> typer.Exit:
-    error_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    # User text (file names, keys, values) is printed as it is: no markup, no emoji codes.
+    error_console.print(f"error: {message}", markup=False, emoji=False, highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
+
+
+def _note(message: str) -> None:
+    error_console.print(message, markup=False, emoji=False, highlight=False, soft_wrap=True)
 
 
 def _guard(action: Callable[[], T]) -> T:
     """Run ``action``, turning user errors into one line on stderr and exit code 2."""
+    from fairgate.sim.generate import WorkloadError
     from fairgate.sim.scenario import ScenarioError
     from fairgate.sim.traces import TraceError
 
     try:
         return action()
-    except (ScenarioError, TraceError, UsageError) as exc:
+    except (ScenarioError, TraceError, UsageError, WorkloadError) as exc:
         raise _fail(str(exc)) from None
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``"1-5"``, ``"1,3,7"`` or ``"4"`` -> seeds. Raises ``UsageError``."""
-    seeds: list[int] = []
+    """``"1-5"``, ``"1,3,7"`` or ``"4"`` -> seeds (0 .. 2**32-1, at most 1000). Raises ``UsageError``."""
+    spans: list[tuple[int, int]] = []
     for part in (p.strip() for p in text.split(",")):
         low, sep, high = part.partition("-") if "-" in part.lstrip("-") else (part, "", "")
         try:
@@ -56,9 +62,14 @@ def parse_seeds(text: str) -> list[int]:
             raise UsageError(f"--seeds {text!r}: expected N, N-M or a comma list such as 1,2,5") from None
         if last < first:
             raise UsageError(f"--seeds {text!r}: range {part!r} runs backwards")
-        seeds.extend(range(first, last + 1))
-    if not seeds or len(seeds) > 1000:
+        if first < 0 or last > 2**32 - 1:
+            raise UsageError(f"--seeds {text!r}: seeds are whole numbers from 0 to {2**32 - 1}")
+        spans.append((first, last))
+    if sum(last - first + 1 for first, last in spans) > 1000:
         raise UsageError(f"--seeds {text!r}: give between 1 and 1000 seeds")
+    seeds = [seed for first, last in spans for seed in range(first, last + 1)]
+    if len(set(seeds)) != len(seeds):
+        raise UsageError(f"--seeds {text!r}: a seed is listed twice")
     return seeds
 
 
@@ -71,8 +82,11 @@ def parse_flood(items: list[str]) -> dict[str, float]:
             factor = float(value)
         except ValueError:
             factor = float("nan")
-        if not sep or not name or not factor > 0:
-            raise UsageError(f"--flood {item!r}: expected TENANT=MULTIPLIER with a multiplier > 0, e.g. agent=4")
+        if not sep or not name or not 0 < factor <= 1000:
+            raise UsageError(f"--flood {item!r}: expected TENANT=MULTIPLIER with a multiplier in (0, 1000], "
+                             "e.g. agent=4")
+        if name in flood:
+            raise UsageError(f"--flood {item!r}: tenant {name!r} is flooded twice")
         flood[name] = factor
     return flood
 
@@ -82,6 +96,8 @@ def parse_policies(text: str) -> list[str]:
     if text == "all":
         return list(POLICY_NAMES)
     names = [p.strip() for p in text.split(",") if p.strip()]
+    if len(set(names)) != len(names):
+        raise UsageError(f"--policy {text!r}: a policy is listed twice")
     for name in names:
         if name not in POLICY_NAMES:
             raise UsageError(f"--policy {name!r}: unknown policy; choose all or one of {', '.join(POLICY_NAMES)}")
@@ -106,14 +122,37 @@ def _write_text(target: str, text: str, option: str) -> None:
         Path(target).write_text(text)
     except OSError as exc:
         raise UsageError(f"{option} {target}: cannot write: {exc.strerror or exc}") from None
-    error_console.print(f"wrote {target}")
+    _note(f"wrote {target}")
 
 
 def _plot_dir(target: str) -> Path:
+    """Check (and create) a ``--plot`` directory before any work is done."""
+    if not target.strip():
+        raise UsageError("--plot: give a directory")
     path = Path(target)
     if path.exists() and not path.is_dir():
         raise UsageError(f"--plot {target}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--plot {target}: cannot create the directory: {exc.strerror or exc}") from None
     return path
+
+
+def _check_output(target: str | None, option: str) -> None:
+    """Fail fast, before any work, on an output file that cannot be written."""
+    if target is None or target == "-":
+        return
+    if not target.strip():
+        raise UsageError(f"{option}: give a file path, or - for stdout")
+    path = Path(target)
+    if path.is_dir():
+        raise UsageError(f"{option} {target}: is a directory")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{option} {target}: {parent} is a file, not a directory")
+            break
 
 
 Policy = Annotated[str, typer.Option("--policy", "-p", help="A policy name, a comma list, or all.")]
@@ -125,7 +164,7 @@ PlotDir = Annotated[str | None, typer.Option("--plot", help="Write PNG plots int
 def simulate(
     scenario: Annotated[Path, typer.Argument(help="Scenario TOML file.")],
     policy: Policy = "all",
-    seeds: Annotated[str, typer.Option(help="Workload seeds: N, N-M or a comma list.")] = "",
+    seeds: Annotated[str | None, typer.Option(help="Workload seeds: N, N-M or a comma list.")] = None,
     flood: Annotated[list[str], typer.Option(help="TENANT=MULTIPLIER on its offered load (repeatable).")] = [],  # noqa: B006
     set_: Annotated[list[str], typer.Option("--set", help="Override a scenario key: KEY=VALUE (repeatable).")] = [],  # noqa: B006
     engine: Annotated[str, typer.Option(help="compressed (fast) or reference (every iteration).")] = "compressed",
@@ -144,13 +183,15 @@ def simulate(
             raise UsageError(f"--engine {engine!r}: choose compressed or reference")
         policies = parse_policies(policy)
         floods = parse_flood(flood)
+        _check_output(json_out, "--json")
+        _check_output(markdown, "--markdown")
         loaded = load_scenario(scenario, set_)
         names = [t.name for t in loaded.tenants]
         for name in floods:
             if name not in names:
                 raise UsageError(f"--flood {name}: no such tenant in {scenario} (tenants: {', '.join(names)})")
-        seed_list = parse_seeds(seeds) if seeds else [loaded.config.run.seed]
-        plot_dir = _plot_dir(plot) if plot else None
+        seed_list = parse_seeds(seeds) if seeds is not None else [loaded.config.run.seed]
+        plot_dir = _plot_dir(plot) if plot is not None else None
         results = [run_policy(loaded, p, seed_list, floods, engine) for p in policies]
         title = (f"{scenario}  seeds {seed_list[0]}..{seed_list[-1]} ({len(seed_list)})"
                  + (f"  flood {floods}" if floods else ""))
@@ -159,7 +200,7 @@ def simulate(
             _emit_json(results_json(str(scenario), results, {"seeds": seed_list, "flood": floods}), json_out)
         if plot_dir:
             path = share_over_time(results, plot_dir / f"{loaded.name}_shares.png", title)
-            error_console.print(f"wrote {path}")
+            _note(f"wrote {path}")
         if markdown:
             _write_text(markdown, shares_markdown(results) + "\n", "--markdown")
 
@@ -177,6 +218,7 @@ def sweep(
     """Run every configuration of a grid for each policy; report the worst max/min per policy."""
     from statistics import fmean
 
+    from rich.markup import escape
     from rich.table import Table
 
     from fairgate.sim.plots import ratio_against
@@ -184,10 +226,11 @@ def sweep(
     from fairgate.sim.sweep import configurations, load_grid, run_sweep
 
     def run() -> None:
+        _check_output(json_out, "--json")
         grid_config = load_grid(grid)
         data = load_raw(scenario)
         configs = configurations(grid_config, grid, scenario, data)
-        plot_dir = _plot_dir(plot) if plot else None
+        plot_dir = _plot_dir(plot) if plot is not None else None
         policies = grid_config.policy_names()
         with Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=error_console, transient=False) as bar:
@@ -200,7 +243,7 @@ def sweep(
         for name in policies:
             worst, where = result.worst(name)
             table.add_row(name, f"{worst:.3f}", f"{fmean(result.ratios[name]):.3f}",
-                          ", ".join(f"{k}={v}" for k, v in where.items()))
+                          escape(", ".join(f"{k}={v}" for k, v in where.items())))
         (error_console if json_out == "-" else console).print(table)
         if json_out:
             _emit_json({"scenario": str(scenario), "grid": str(grid), **result.to_json()}, json_out)
@@ -211,7 +254,7 @@ def sweep(
                 name = axis.key.replace("*", "all").replace(".", "_")
                 path = ratio_against(axis.values, ratios, plot_dir / f"sweep_{name}.png", axis.key,
                                      f"{scenario.name}: max/min GPU share vs {axis.key}{reduce_note}")
-                error_console.print(f"wrote {path}")
+                _note(f"wrote {path}")
 
     _guard(run)
 
@@ -241,10 +284,15 @@ def replay(
         if format_ not in ("azure", "burstgpt"):
             raise UsageError(f"--format {format_!r}: choose azure or burstgpt")
         policies = parse_policies(policy)
+        _check_output(json_out, "--json")
         loaded = load_scenario(scenario, set_, require_tenants=False)
-        plot_dir = _plot_dir(plot) if plot else None
+        plot_dir = _plot_dir(plot) if plot is not None else None
         workload, summary = trace_workload([str(t) for t in traces], format_, tenant_by, speedup, start, duration)
-        error_console.print(f"replaying {len(workload):,} requests of {len(workload.tenants)} tenant(s) over "
+        unused = sorted(set(loaded.shares) - set(workload.tenants))
+        if unused:
+            _note(f"note: scenario tenants not in the trace are ignored: {', '.join(unused)} "
+                  f"(trace tenants: {', '.join(workload.tenants)})")
+        _note(f"replaying {len(workload):,} requests of {len(workload.tenants)} tenant(s) over "
                             f"{workload.duration_ns / 1e9:,.0f} s on {loaded.replicas} replica(s); "
                             f"skipped {summary.skipped_failed} failed rows (0 output tokens)")
         results = [run_workload(loaded, workload, p) for p in policies]
@@ -255,7 +303,7 @@ def replay(
         if plot_dir:
             stem = "_".join(t.stem for t in traces)[:80]
             path = share_over_time(results, plot_dir / f"replay_{stem}_shares.png", title)
-            error_console.print(f"wrote {path}")
+            _note(f"wrote {path}")
 
     _guard(run)
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 ledger_app = typer.Typer(no_args_is_help=True, help="Operate a quota ledger (sqlite:///…, postgresql://…, redis://…).")
@@ -36,7 +37,7 @@ def _run(work: Callable[[Any], Awaitable[T]], url: str, quotas: str) -> T:
     try:
         return asyncio.run(go())
     except (QuotaConfigError, MeteredError, LedgerError, ValueError) as exc:
-        errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        errors.print(f"error: {exc}", markup=False, emoji=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -63,8 +64,8 @@ def reconcile(
     for column in ("tenant", "billed in/out tokens", "billed GPU s", "open", "differences"):
         table.add_column(column)
     for t in report.tenants:
-        table.add_row(t.tenant, f"{t.events.input_tokens:,}/{t.events.output_tokens:,}", f"{t.events.gpu_ms / 1e3:,.1f}",
-                      str(t.open_reservations), "; ".join(t.differences) or "-")
+        table.add_row(escape(t.tenant), f"{t.events.input_tokens:,}/{t.events.output_tokens:,}",
+                      f"{t.events.gpu_ms / 1e3:,.1f}", str(t.open_reservations), escape("; ".join(t.differences) or "-"))
     (errors if json_out == "-" else console).print(table)
     if json_out:
         text = json.dumps(report.to_json(), indent=2)
@@ -74,7 +75,7 @@ def reconcile(
             with open(json_out, "w") as handle:
                 handle.write(text + "\n")
     if report.frozen:
-        errors.print(f"froze automatic settlement for: {', '.join(report.frozen)}")
+        errors.print(f"froze automatic settlement for: {', '.join(report.frozen)}", markup=False, emoji=False)
     raise typer.Exit(0 if report.clean else 1)
 
 
@@ -99,7 +100,7 @@ def unfreeze(tenant: Annotated[str, typer.Argument()], ledger: LedgerUrl, quotas
         return before
 
     before = _run(work, ledger, quotas)
-    console.print(f"{tenant}: " + ("unfrozen" if tenant in before else "was not frozen"))
+    console.print(f"{tenant}: " + ("unfrozen" if tenant in before else "was not frozen"), markup=False)
 
 
 @ledger_app.command()

@@ -17,6 +17,14 @@ from fairgate.sim.distributions import Distribution
 from fairgate.sim.workload import Workload
 
 
+MAX_REQUESTS = 5_000_000  # per workload: beyond this a run would take hours and gigabytes
+MAX_FLOOD = 1000.0
+
+
+class WorkloadError(ValueError):
+    """The workload cannot be built as asked (no load at all, or too large to simulate)."""
+
+
 @dataclass(frozen=True)
 class TenantLoad:
     """One synthetic tenant.
@@ -45,6 +53,29 @@ def arrival_rate_per_s(cost: CostModel, tenant: TenantLoad) -> float:
     return tenant.offered_ms_per_s / request_cost_ms(cost, tenant)
 
 
+def check_workload_size(cost: CostModel, tenants: list[TenantLoad], duration_s: float,
+                        flood: dict[str, float] | None = None) -> None:
+    """Refuse a workload that is empty or too large to simulate, before building it.
+
+    Raises:
+        WorkloadError: ``flood`` names an unknown tenant or a multiplier outside (0, MAX_FLOOD]; no tenant
+            offers load; or more than ``MAX_REQUESTS`` requests would be generated.
+    """
+    flood = flood or {}
+    names = [t.name for t in tenants]
+    for name, factor in flood.items():
+        if name not in names:
+            raise WorkloadError(f"flood names unknown tenant {name!r}; tenants are {', '.join(names)}")
+        if not 0 < factor <= MAX_FLOOD:
+            raise WorkloadError(f"flood multiplier for {name!r} must be in (0, {MAX_FLOOD:g}], got {factor}")
+    expected = sum(arrival_rate_per_s(cost, t) * flood.get(t.name, 1.0) for t in tenants) * duration_s
+    if expected <= 0:
+        raise WorkloadError("no tenant offers any load (offered_ms_per_s is 0 for every tenant)")
+    if expected > MAX_REQUESTS:
+        raise WorkloadError(f"the workload would have about {expected:,.0f} requests (at most {MAX_REQUESTS:,}): "
+                            "shorten run.duration_s or lower offered_ms_per_s / --flood")
+
+
 def poisson_workload(cost: CostModel, tenants: list[TenantLoad], duration_s: float, seed: int,
                      flood: dict[str, float] | None = None) -> Workload:
     """Poisson arrivals for every tenant over ``[0, duration_s)``, merged in time order.
@@ -53,15 +84,11 @@ def poisson_workload(cost: CostModel, tenants: list[TenantLoad], duration_s: flo
         flood: tenant -> multiplier of its offered load (seed 002's floods).
 
     Raises:
-        ValueError: ``flood`` names an unknown tenant or a multiplier that is not > 0.
+        WorkloadError: see ``check_workload_size``.
     """
+    check_workload_size(cost, tenants, duration_s, flood)
     flood = flood or {}
     names = [t.name for t in tenants]
-    for name, factor in flood.items():
-        if name not in names:
-            raise ValueError(f"flood names unknown tenant {name!r}; tenants are {', '.join(names)}")
-        if not factor > 0:
-            raise ValueError(f"flood multiplier for {name!r} must be > 0, got {factor}")
     duration_ns = round(duration_s * 1e9)
     columns: list[tuple[np.ndarray, int, list[int], list[int]]] = []
     for k, tenant in enumerate(tenants):
@@ -105,4 +132,5 @@ def merge(names: list[str], columns: list[tuple[np.ndarray, int, list[int], list
     )
 
 
-__all__ = ["NS_PER_MS", "TenantLoad", "arrival_rate_per_s", "merge", "poisson_workload", "request_cost_ms"]
+__all__ = ["check_workload_size", "MAX_FLOOD", "MAX_REQUESTS", "NS_PER_MS", "TenantLoad", "WorkloadError", "arrival_rate_per_s", "merge",
+           "poisson_workload", "request_cost_ms"]

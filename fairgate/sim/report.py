@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fairgate.sim.experiment import PolicyStats
@@ -43,7 +44,7 @@ def _ms(value: float) -> str:
 def policy_table(title: str, results: Sequence[PolicyStats]) -> Table:
     """Per policy and tenant: GPU share %, decode tokens, mean output tokens, TTFT p50/p99; per policy
     max/min, Jain's index, total decode tokens and prefill fraction."""
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")
     for column, justify in [("policy", "left"), ("tenant", "left"), ("GPU share %", "right"),
                             ("decode tokens", "right"), ("mean out tok", "right"), ("TTFT p50 ms", "right"),
                             ("TTFT p99 ms", "right"), ("max/min", "right"), ("Jain", "right"), ("prefill %", "right")]:
@@ -52,7 +53,7 @@ def policy_table(title: str, results: Sequence[PolicyStats]) -> Table:
         run = stats.mean
         for k, tenant in enumerate(run.tenants):
             table.add_row(
-                run.policy if k == 0 else "", tenant.name, f"{tenant.gpu_share * 100:.1f}",
+                run.policy if k == 0 else "", escape(tenant.name), f"{tenant.gpu_share * 100:.1f}",
                 f"{tenant.decode_tokens:,.0f}", f"{tenant.mean_output_tokens:.1f}",
                 _ms(tenant.ttft_ms["p50"]), _ms(tenant.ttft_ms["p99"]), "", "", "",
             )

@@ -33,37 +33,47 @@ class ScenarioError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+    # strict: "24" or true where a number belongs is an error, not a conversion; floats must be finite.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+def _range(low: float, high: float, *, low_open: bool = False) -> object:
+    return Field(gt=low, le=high) if low_open else Field(ge=low, le=high)
+
+
+# Bounds keep every run finite and every number representable: times are integer ns (a cost below
+# 1 us would round towards 0), a run is at most a day of virtual time, a request at most 10M tokens.
+MAX_TOKENS = 10_000_000
 
 
 class ReplicaConfig(_Strict):
-    iter_base_ms: Annotated[float, Field(gt=0)]
-    iter_slope_ms: Annotated[float, Field(ge=0)]
-    prefill_ms_per_token: Annotated[float, Field(ge=0)]
+    iter_base_ms: Annotated[float, _range(0.001, 1e6)]
+    iter_slope_ms: Annotated[float, _range(0.0, 1e5)]
+    prefill_ms_per_token: Annotated[float, _range(0.0, 1e4)]
     max_batch: Annotated[int, Field(ge=1, le=100_000)]
     replicas: Annotated[int, Field(ge=1, le=1_000)] = 1
 
 
 class RunConfig(_Strict):
-    duration_s: Annotated[float, Field(gt=0, le=30 * 86_400)]
-    seed: int = 1
+    duration_s: Annotated[float, _range(0.0, 86_400.0, low_open=True)]
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 1
 
 
 class FixedDist(_Strict):
     dist: Literal["fixed"]
-    value: Annotated[int, Field(ge=0)]
+    value: Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 
 
 class LogNormalDist(_Strict):
     dist: Literal["lognormal"]
-    mean: Annotated[float, Field(gt=0)]
-    cv: Annotated[float, Field(ge=0)]
+    mean: Annotated[float, _range(0.0, 1e6, low_open=True)]
+    cv: Annotated[float, _range(0.0, 10.0)]
 
 
 class EmpiricalDist(_Strict):
     dist: Literal["empirical"]
-    trace: str  # path, relative to the scenario file
-    column: str
+    trace: Annotated[str, Field(min_length=1)]  # path, relative to the scenario file
+    column: Annotated[str, Field(min_length=1)]
     format: Literal["azure", "burstgpt"] = "azure"
 
 
@@ -71,35 +81,35 @@ DistConfig = Annotated[FixedDist | LogNormalDist | EmpiricalDist, Field(discrimi
 
 
 class TenantConfig(_Strict):
-    name: Annotated[str, Field(min_length=1, max_length=200)]
-    prompt_tokens: Annotated[int, Field(ge=0)] | DistConfig
-    output: Annotated[int, Field(ge=1)] | DistConfig
-    offered_ms_per_s: Annotated[float, Field(ge=0)]
-    weight: Annotated[float, Field(gt=0)] = 1.0
+    name: Annotated[str, Field(min_length=1, max_length=200, pattern=r"\S")]
+    prompt_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | DistConfig
+    output: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | DistConfig
+    offered_ms_per_s: Annotated[float, _range(0.0, 1e6)]
+    weight: Annotated[float, _range(1e-6, 1e6)] = 1.0
     priority: Literal["interactive", "batch", "eval"] = "interactive"
 
 
 class RequestQuotaParams(_Strict):
-    requests_per_minute: Annotated[float, Field(gt=0)]
-    burst_requests: Annotated[float, Field(ge=1)] = 1.0
+    requests_per_minute: Annotated[float, _range(1e-3, 1e9)]
+    burst_requests: Annotated[float, _range(1.0, 1e9)] = 1.0
 
 
 class TokenQuotaParams(_Strict):
-    tokens_per_minute: Annotated[float, Field(gt=0)]
-    burst_tokens: Annotated[float, Field(gt=0)] | None = None
+    tokens_per_minute: Annotated[float, _range(1e-3, 1e12)]
+    burst_tokens: Annotated[float, _range(1.0, 1e12)] | None = None
 
 
 class SlotCapParams(_Strict):
-    max_running: Annotated[int, Field(ge=1)]
+    max_running: Annotated[int, Field(ge=1, le=100_000_000)]
 
 
 class VTCParams(_Strict):
-    input_weight: Annotated[float, Field(ge=0)] = 1.0
-    output_weight: Annotated[float, Field(ge=0)] = 2.0
+    input_weight: Annotated[float, _range(0.0, 1e6)] = 1.0
+    output_weight: Annotated[float, _range(0.0, 1e6)] = 2.0
 
 
 class DRRParams(_Strict):
-    quantum_ms: Annotated[float, Field(gt=0)] = 50.0
+    quantum_ms: Annotated[float, _range(0.01, 1e6)] = 50.0
 
 
 class _Empty(_Strict):
@@ -126,11 +136,11 @@ class ScenarioConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_tenants(self) -> ScenarioConfig:
-        seen: set[str] = set()
-        for t in self.tenant:
+        seen: dict[str, int] = {}
+        for i, t in enumerate(self.tenant):
             if t.name in seen:
-                raise ValueError(f"tenant name {t.name!r} appears twice")
-            seen.add(t.name)
+                raise ValueError(f"tenant[{i}].name: {t.name!r} is also tenant[{seen[t.name]}]'s name")
+            seen[t.name] = i
         return self
 
 
@@ -165,6 +175,8 @@ class Scenario:
         if isinstance(value, int):
             return Fixed(value)
         if isinstance(value, FixedDist):
+            if key.endswith(".output") and value.value < 1:
+                raise ScenarioError(f"{self.path}: {key}.value: a request generates at least 1 output token")
             return Fixed(value.value)
         if isinstance(value, LogNormalDist):
             return LogNormal(value.mean, value.cv)
@@ -178,11 +190,18 @@ class Scenario:
         column = value.column
         if rows and column not in rows[0].fields:
             raise ScenarioError(f"{self.path}: {key}.column: {trace.name} has no column {column!r}")
-        try:
-            values = [int(float(row.fields[column])) for row in rows]
-        except ValueError:
-            raise ScenarioError(f"{self.path}: {key}.column: {column!r} is not numeric in {trace.name}") from None
-        return Empirical.of([v for v in values if v > 0] or values, str(trace))
+        values = []
+        for line, row in enumerate(rows, start=2):
+            text = row.fields[column].strip()
+            if not text.isdigit() or int(text) > MAX_TOKENS:
+                raise ScenarioError(f"{self.path}: {key}.column: {trace.name} line {line}: {column!r} is "
+                                    f"{text!r}, not a whole number of tokens from 0 to {MAX_TOKENS:,}")
+            values.append(int(text))
+        minimum = 1 if key.endswith(".output") else 0
+        kept = [v for v in values if v >= minimum]
+        if not kept:
+            raise ScenarioError(f"{self.path}: {key}.column: {column!r} of {trace.name} has no value >= {minimum}")
+        return Empirical.of(kept, str(trace))
 
     def policy_spec(self, name: str) -> PolicySpec:
         """The ``PolicySpec`` for policy ``name`` with this scenario's parameters."""
@@ -221,7 +240,11 @@ def _message(path: Path | str, error: ValidationError) -> str:
     unknown = [e for e in telling if e["type"] == "extra_forbidden"]
     first = unknown[0] if unknown else max(telling, key=lambda e: len(_format_location(tuple(e["loc"]))))
     location = _format_location(tuple(first["loc"]))
-    message = first["msg"]
+    if location == "(top level)" and first["msg"].startswith("Value error, tenant["):
+        return f"{path}: {first['msg'][len('Value error, '):]}"
+    message = first["msg"].replace(" or instance of _Empty", "").replace("Value error, ", "")
+    if first["type"] == "string_pattern_mismatch":
+        message = "must contain a character other than spaces"
     if first["type"] == "extra_forbidden":
         message = "unknown key"
     elif first["type"] == "missing":
@@ -283,6 +306,10 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         ScenarioError: the file is missing, unreadable or not TOML.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise ScenarioError(f"{path}: not a regular file")
+    if path.is_file() and path.stat().st_size > 10 * 1024 * 1024:
+        raise ScenarioError(f"{path}: larger than 10 MiB; not a scenario")
     try:
         with path.open("rb") as handle:
             return tomllib.load(handle)
@@ -326,7 +353,12 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None, require_
     data = load_raw(path)
     for assignment in overrides or []:
         apply_override(data, assignment)
-    return build_scenario(path, data, require_tenants)
+    try:
+        return build_scenario(path, data, require_tenants)
+    except ScenarioError as exc:
+        if overrides:
+            raise ScenarioError(f"{exc} (with --set {' --set '.join(overrides)})") from None
+        raise
 
 
 __all__ = ["PRIORITIES", "Scenario", "ScenarioError", "apply_override", "build_scenario", "load_raw",

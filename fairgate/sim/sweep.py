@@ -34,26 +34,30 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fairgate.core.policies.factory import POLICY_NAMES
 from fairgate.sim.experiment import run_policy
-from fairgate.sim.generate import poisson_workload
+from fairgate.sim.generate import MAX_FLOOD, WorkloadError, check_workload_size, poisson_workload
 from fairgate.sim.scenario import ScenarioError, _message, build_scenario, load_raw, set_key
 
 
+MAX_CONFIGURATIONS = 100_000
+
+
 class AxisConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     key: str = Field(min_length=1)
-    values: list[Any] = Field(min_length=1)
+    values: list[Any] = Field(min_length=1, max_length=10_000)
 
 
 class GridConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     policies: Literal["all"] | list[str] = "all"
-    seeds: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    seeds: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] = Field(default_factory=lambda: [1], min_length=1,
+                                                                    max_length=1000)
     long_tenants: list[str] = Field(default_factory=list)
     slot_cap: Literal["scenario", "fair_share"] = "scenario"
     axis: list[AxisConfig] = Field(min_length=1)
@@ -62,9 +66,34 @@ class GridConfig(BaseModel):
     @classmethod
     def _known(cls, value: Literal["all"] | list[str]) -> Literal["all"] | list[str]:
         if isinstance(value, list):
+            if not value:
+                raise ValueError('give at least one policy, or "all"')
             for name in value:
                 if name not in POLICY_NAMES:
                     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+            if len(set(value)) != len(value):
+                raise ValueError("a policy is listed twice")
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError("a seed is listed twice")
+        return value
+
+    @field_validator("axis")
+    @classmethod
+    def _distinct_axes(cls, value: list[AxisConfig]) -> list[AxisConfig]:
+        keys = [a.key for a in value]
+        for key in keys:
+            if keys.count(key) > 1:
+                raise ValueError(f"axis {key!r} appears twice")
+        size = 1
+        for axis in value:
+            size *= len(axis.values)
+        if size > MAX_CONFIGURATIONS:
+            raise ValueError(f"the grid has {size:,} configurations (at most {MAX_CONFIGURATIONS:,})")
         return value
 
     def policy_names(self) -> list[str]:
@@ -154,12 +183,12 @@ def configurations(grid: GridConfig, grid_path: str | Path, scenario_path: str |
         for key, value in values.items():
             where = f"{grid_path}: axis {key!r} value {value!r}"
             if key.startswith("flood."):
-                if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                    raise ScenarioError(f"{where}: a flood multiplier must be a number > 0")
+                if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= MAX_FLOOD:
+                    raise ScenarioError(f"{where}: a flood multiplier must be a number in (0, {MAX_FLOOD:g}]")
                 flood[key.split(".", 1)[1]] = float(value)
             elif key == "spread":
-                if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                    raise ScenarioError(f"{where}: a spread multiplier must be a number > 0")
+                if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1000:
+                    raise ScenarioError(f"{where}: a spread multiplier must be a number in (0, 1000]")
                 for tenant in data.get("tenant", []):
                     if tenant.get("name") in grid.long_tenants:
                         output = tenant.get("output")
@@ -174,8 +203,10 @@ def configurations(grid: GridConfig, grid_path: str | Path, scenario_path: str |
         if grid.slot_cap == "fair_share":
             data.setdefault("policy", {}).pop("slot_cap", None)
         try:
-            build_scenario(scenario_path, data)
-        except ScenarioError as exc:
+            built = build_scenario(scenario_path, data)
+            # Fail here, not in a worker an hour later, on a configuration too large to simulate.
+            check_workload_size(built.cost, built.tenants, built.config.run.duration_s, flood)
+        except (ScenarioError, WorkloadError) as exc:
             raise ScenarioError(f"{grid_path}: configuration {values}: {exc}") from None
         out.append(Configuration(index, values, data, flood))
     return out

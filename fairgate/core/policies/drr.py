@@ -11,6 +11,7 @@ forfeits a positive deficit (no banking) but keeps a debt.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping
 
@@ -60,16 +61,28 @@ class DeficitRoundRobin(QueuedPolicy):
 
     def _select(self, now_ms: float, running: RunningView) -> str | None:
         turns, deficits = self._turns, self.deficits
-        # Every pass either finds a tenant in credit or gives each one a quantum: bounded by the
-        # deepest debt over the smallest quantum.
-        while True:
-            for _ in range(len(turns)):
-                tenant = turns[0]
-                if deficits[tenant] > _TOLERANCE_MS:
-                    return tenant
-                turns.rotate(-1)
-                following = turns[0]
-                deficits[following] += self._quantum_ms * self._weights.get(following, 1.0)
+        front = turns[0]
+        if deficits[front] > _TOLERANCE_MS:
+            return front
+        # Walk the rotation: the tenant at position i (>= 1) gets a quantum on each visit, at steps
+        # i, i + n, i + 2n, ...; the front one at steps n, 2n, ... The first visit that leaves a tenant in
+        # credit serves it. Computed in O(n) rather than looping round by round (a deep debt over a small
+        # quantum would take millions of rounds).
+        n = len(turns)
+        best_step, best_position = -1, 0
+        for position, tenant in enumerate(turns):
+            quantum = self._quantum_ms * self._weights.get(tenant, 1.0)
+            visits = max(1, math.ceil((_TOLERANCE_MS - deficits[tenant]) / quantum))
+            while deficits[tenant] + visits * quantum <= _TOLERANCE_MS:  # float rounding of the division
+                visits += 1
+            step = (visits - 1) * n + position if position else visits * n
+            if best_step < 0 or step < best_step:
+                best_step, best_position = step, position
+        for position, tenant in enumerate(turns):
+            visits = best_step // n if position == 0 else (best_step - position) // n + 1 if best_step >= position else 0
+            deficits[tenant] += visits * self._quantum_ms * self._weights.get(tenant, 1.0)
+        turns.rotate(-best_position)
+        return turns[0]
 
     def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> None:
         if tenant in self.deficits:
