@@ -53,7 +53,9 @@ class QueuedPolicy:
     """Base for policies with one FIFO queue per tenant; subclasses choose the tenant to serve.
 
     Subclasses implement ``_select(now_ms, running) -> tenant | None`` and may override the hooks
-    ``_on_backlogged`` (a tenant's queue became non-empty) and ``_on_idle`` (it became empty).
+    ``_on_backlogged`` (a tenant's queue became non-empty), ``_on_idle`` (it became empty), ``_on_pick``
+    and ``_on_inactive`` (nothing queued and nothing running). The base counts requests in flight per
+    tenant from ``pick`` and ``finish``.
     """
 
     name = "queued"
@@ -62,6 +64,7 @@ class QueuedPolicy:
         # Only tenants with a non-empty queue are keys here, in the order they became backlogged.
         self._queues: dict[str, deque[Request]] = {}
         self._queued = 0
+        self._in_flight: dict[str, int] = {}  # picked and not yet finished, per tenant
 
     # --- protocol ------------------------------------------------------------------------------
     def enqueue(self, request: Request, now_ms: float) -> None:
@@ -84,6 +87,7 @@ class QueuedPolicy:
         if not queue:
             del self._queues[tenant]
             self._on_idle(tenant, now_ms)
+        self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
         self._on_pick(request, now_ms)
         return request
 
@@ -91,7 +95,10 @@ class QueuedPolicy:
         return None
 
     def finish(self, request: Request, now_ms: float) -> None:
-        return None
+        left = self._in_flight[request.tenant] - 1
+        self._in_flight[request.tenant] = left
+        if not left and request.tenant not in self._queues:
+            self._on_inactive(request.tenant, now_ms)
 
     def wake_at(self, now_ms: float) -> float | None:
         return None
@@ -107,7 +114,16 @@ class QueuedPolicy:
         return None
 
     def _on_idle(self, tenant: str, now_ms: float) -> None:
+        """The tenant's queue emptied (it may still have requests running)."""
         return None
+
+    def _on_inactive(self, tenant: str, now_ms: float) -> None:
+        """The tenant has nothing queued and nothing running any more."""
+        return None
+
+    def _running(self, tenant: str) -> int:
+        """Requests of ``tenant`` picked and not yet finished."""
+        return self._in_flight.get(tenant, 0)
 
     def _on_pick(self, request: Request, now_ms: float) -> None:
         return None

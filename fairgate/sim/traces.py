@@ -17,6 +17,18 @@ Two formats are understood (both are CSV files with a header row, UTF-8, an opti
     ``Timestamp`` is seconds (integer or decimal) on the trace's own clock. Input = ``Request tokens``,
     output = ``Response tokens``.
 
+Limits (each violation is a :class:`TraceError`, never a silent clamp):
+
+- a token count above :data:`MAX_TOKENS_PER_REQUEST` (10,000,000);
+- a BurstGPT ``Timestamp`` outside ``[0, MAX_BURSTGPT_SECONDS]`` (1e11 s, ~3,170 years); Azure
+  times are limited to the years 1..9999 by their format;
+- a file that is not a regular file (FIFO, device, directory) or is larger than
+  :data:`MAX_TRACE_BYTES` (2 GiB); a header that names a column twice;
+- in :func:`trace_workload`: ``speedup`` outside ``[MIN_SPEEDUP, MAX_SPEEDUP]`` (0.001 .. 1e6),
+  ``start_s`` or ``duration_s`` above :data:`MAX_WINDOW_SECONDS` (1e10), ``hash:N`` with N above
+  :data:`MAX_HASH_TENANTS` (10,000), and a replay (the window divided by ``speedup``) longer than
+  :data:`MAX_REPLAY_SECONDS` (10 years of 365.25 days), which keeps every arrival well inside int64 ns.
+
 Rows whose output token count is 0 are failed requests (BurstGPT logs them: 1,538 in the first week
 of ``BurstGPT_1``). :func:`read_trace` returns them; :func:`trace_workload` skips them and reports how
 many it skipped in :class:`TraceSummary`.
@@ -30,13 +42,17 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
+import os
 import re
+import stat
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from decimal import ROUND_HALF_EVEN, Decimal, DecimalException
 from functools import lru_cache
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -45,13 +61,32 @@ from fairgate.sim.workload import Workload
 
 NS_PER_S = 1_000_000_000
 
+MAX_TOKENS_PER_REQUEST = 10_000_000
+"""Largest prompt or output token count accepted in a trace row (far above any real model's context)."""
+MAX_BURSTGPT_SECONDS = 10**11
+"""Largest BurstGPT ``Timestamp`` in seconds (BurstGPT's clock starts near 0; 1e11 s is ~3,170 years)."""
+MAX_TRACE_BYTES = 2 * 1024**3
+"""Largest trace file read (2 GiB)."""
+MIN_SPEEDUP = 1e-3
+MAX_SPEEDUP = 1e6
+"""Bounds of ``speedup`` (CLI ``--speedup``)."""
+MAX_WINDOW_SECONDS = 1e10
+"""Largest ``start_s`` / ``duration_s`` (CLI ``--start`` / ``--duration``), in trace seconds."""
+MAX_HASH_TENANTS = 10_000
+"""Largest N in ``tenant_by="hash:N"`` (CLI ``--tenant-by hash:N``)."""
+MAX_REPLAY_SECONDS = 10 * 36525 * 86400 // 100
+"""Longest replay (the kept window divided by ``speedup``): 10 years of 365.25 days, 315,576,000 s."""
+_MAX_REPLAY_NS = MAX_REPLAY_SECONDS * NS_PER_S
+
 
 class TraceError(ValueError):
     """Bad trace input or bad loader arguments.
 
     ``str()`` is a one-line message that names the file and the line (``<file>: line N: <problem>``)
     or the column (``<file>: missing column 'X' (has: a, b, c)``) where that applies; errors in the
-    arguments alone (``speedup``, ``start_s``, ...) name the argument instead.
+    arguments alone name the argument by its ``fairgate replay`` option, which passes it straight
+    through: ``--speedup`` (``speedup``), ``--start`` (``start_s``), ``--duration`` (``duration_s``),
+    ``--tenant-by`` (``tenant_by``), e.g. ``--speedup 1e-300: must be between 0.001 and 1000000``.
     """
 
 
@@ -122,8 +157,14 @@ def _epoch_seconds(whole: str, tz: str | None) -> int:
     else:
         sign = -1 if tz[0] == "-" else 1
         digits = tz[1:].replace(":", "")
-        dt = dt.replace(tzinfo=timezone(sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))))
-    return (dt - _EPOCH) // _ONE_S
+        hours, minutes = int(digits[:2]), int(digits[2:])
+        if hours > 23 or minutes > 59:
+            raise ValueError(f"bad UTC offset {tz}")
+        dt = dt.replace(tzinfo=timezone(sign * timedelta(hours=hours, minutes=minutes)))
+    try:
+        return (dt - _EPOCH) // _ONE_S
+    except OverflowError:
+        raise ValueError("time out of range") from None
 
 
 def _wall_clock_ns(text: str) -> int:
@@ -138,14 +179,20 @@ def _wall_clock_ns(text: str) -> int:
 
 
 def _seconds_ns(text: str) -> int:
-    """Decimal seconds (``5``, ``19440110.0``, ``1.5e3``) -> integer ns, rounded half to even."""
+    """Decimal seconds (``5``, ``19440110.0``, ``1.5e3``) in ``[0, MAX_BURSTGPT_SECONDS]`` -> integer ns,
+    rounded half to even."""
     try:
         value = Decimal(text)
-    except InvalidOperation:
+    except (DecimalException, ValueError):
         raise ValueError("not a number of seconds") from None
     if not value.is_finite():
         raise ValueError("not a finite number of seconds")
-    return int((value * NS_PER_S).to_integral_value(ROUND_HALF_EVEN))
+    if not 0 <= value <= MAX_BURSTGPT_SECONDS:
+        raise ValueError(f"outside 0 .. {MAX_BURSTGPT_SECONDS:.0e} seconds".replace("e+", "e"))
+    try:
+        return int((value * NS_PER_S).to_integral_value(ROUND_HALF_EVEN))
+    except DecimalException:  # Overflow, InvalidOperation: not reachable after the range check
+        raise ValueError("not a representable number of seconds") from None
 
 
 @dataclass(frozen=True)
@@ -181,19 +228,31 @@ def _one_line(value: str, limit: int = 40) -> str:
     return repr(text)
 
 
+def _printable(text: str, limit: int = 300) -> str:
+    """``text`` for a one-line message: escaped (as by ``repr``) if it has line breaks or other
+    unprintable characters, and cut to ``limit`` characters."""
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _tokens(text: str) -> int:
     try:
         n = int(text)
-    except ValueError:
+    except ValueError:  # also raised for more than 4,300 digits: float() below then gives inf
         try:
             x = float(text)
         except ValueError:
             raise ValueError("not a number") from None
-        if not (math.isfinite(x) and x.is_integer()):
+        if math.isinf(x):
+            raise ValueError("negative" if x < 0 else f"above the cap of {MAX_TOKENS_PER_REQUEST}") from None
+        if not x.is_integer():
             raise ValueError("not a whole number") from None
         n = int(x)
     if n < 0:
         raise ValueError("negative")
+    if n > MAX_TOKENS_PER_REQUEST:
+        raise ValueError(f"above the cap of {MAX_TOKENS_PER_REQUEST}")
     return n
 
 
@@ -204,12 +263,40 @@ def _format(fmt: str, where: str) -> _Format:
         raise TraceError(f"{where}unknown trace format {fmt!r} (known: {', '.join(FORMATS)})") from None
 
 
-def _parse(path: Path, fmt: _Format) -> _Parsed:
-    label = str(path)
-    if not path.exists():
-        raise TraceError(f"{label}: file not found")
+def _open_text(path: Path, label: str) -> TextIO:
+    """Open a regular file of at most ``MAX_TRACE_BYTES`` as UTF-8 text (BOM dropped, newlines kept).
+
+    The file is opened non-blocking and checked with ``fstat`` on the open descriptor, so a FIFO (which
+    would block ``open``) or a device such as ``/dev/zero`` (which never ends) is refused, even if it
+    replaced a regular file after the first check."""
     try:
-        with path.open(newline="", encoding="utf-8-sig") as f:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise TraceError(f"{label}: file not found") from None
+    except (OSError, ValueError) as e:
+        raise TraceError(f"{label}: cannot read ({_printable(getattr(e, 'strerror', None) or str(e))})") from None
+    if not stat.S_ISREG(st.st_mode):  # what Path.is_file() checks
+        raise TraceError(f"{label}: not a regular file")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except (OSError, ValueError) as e:
+        raise TraceError(f"{label}: cannot read ({_printable(getattr(e, 'strerror', None) or str(e))})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TraceError(f"{label}: not a regular file")
+        if st.st_size > MAX_TRACE_BYTES:
+            raise TraceError(f"{label}: too large ({st.st_size:,} bytes; the cap is {MAX_TRACE_BYTES // 1024**3} GiB)")
+        return open(fd, newline="", encoding="utf-8-sig")  # noqa: SIM115 - closed by the caller
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _parse(path: Path, fmt: _Format) -> _Parsed:
+    label = _printable(str(path), limit=1000)
+    try:
+        with _open_text(path, label) as f:
             reader = csv.reader(f)
             try:
                 header_row = next(reader, None)
@@ -218,10 +305,12 @@ def _parse(path: Path, fmt: _Format) -> _Parsed:
                 header = [h.strip() for h in header_row]
                 index: dict[str, int] = {}
                 for k, name in enumerate(header):
-                    index.setdefault(name, k)
+                    if name in index:
+                        raise TraceError(f"{label}: duplicate column {_printable(repr(name), 80)} in the header")
+                    index[name] = k
                 for col in (fmt.time, fmt.prompt, fmt.output):
                     if col not in index:
-                        raise TraceError(f"{label}: missing column {col!r} (has: {', '.join(header)})")
+                        raise TraceError(f"{label}: missing column {col!r} (has: {_printable(', '.join(header))})")
                 it, ip, io = index[fmt.time], index[fmt.prompt], index[fmt.output]
                 width = len(header)
                 parsed = _Parsed(label, header, [], [], [], [], [])
@@ -253,11 +342,13 @@ def _parse(path: Path, fmt: _Format) -> _Parsed:
                     parsed.outputs.append(o)
                     parsed.raw.append(row)
             except csv.Error as e:
-                raise TraceError(f"{label}: line {reader.line_num}: malformed CSV ({e})") from None
+                raise TraceError(f"{label}: line {reader.line_num}: malformed CSV ({_printable(str(e))})") from None
     except UnicodeDecodeError:
         raise TraceError(f"{label}: not UTF-8 text") from None
     except OSError as e:
-        raise TraceError(f"{label}: cannot read ({e.strerror or e})") from None
+        raise TraceError(f"{label}: cannot read ({_printable(e.strerror or str(e))})") from None
+    except MemoryError:
+        raise TraceError(f"{label}: out of memory while reading") from None
     if not parsed.times_ns:
         raise TraceError(f"{label}: no data rows (header only)")
     return parsed
@@ -277,12 +368,16 @@ def read_trace(path: str | Path, fmt: str) -> list[TraceRow]:
         Failed requests (0 output tokens) are included.
 
     Raises:
-        TraceError: unknown format; file not found or unreadable; missing column; a row with the wrong
-            number of fields, an unparseable timestamp, or a non-numeric, fractional or negative token
-            count (message names the file, line and column); no data rows.
+        TraceError: unknown format; file not found, unreadable, not a regular file or larger than 2 GiB;
+            missing or duplicate column; a row with the wrong number of fields, an unparseable or
+            out-of-range timestamp, or a non-numeric, fractional, negative or too large (above
+            ``MAX_TOKENS_PER_REQUEST``) token count (message names the file, line and column); no data
+            rows.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TraceError(f"read_trace: the trace file must be a str or Path, got {_arg_text(path)}")
     p = Path(path)
-    spec = _format(fmt, f"{p}: ")
+    spec = _format(fmt, f"{_printable(str(p), 1000)}: ")
     parsed = _parse(p, spec)
     t0 = min(parsed.times_ns)
     order = sorted(range(len(parsed.times_ns)), key=parsed.times_ns.__getitem__)
@@ -310,14 +405,40 @@ def _hash_bucket(file_name: str, row: int, n: int) -> int:
     return int.from_bytes(digest[:8], "big") % n
 
 
-def _number(name: str, value: object, want: str, ok: Callable[[float], bool]) -> float:
+def _arg_text(value: object) -> str:
+    """An argument's value as the user wrote it, for a message (``1e-300``, ``0``, ``'abc'``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value) if value.bit_length() < 128 else f"<{value.bit_length()}-bit integer>"
+    if isinstance(value, float):
+        return repr(float(value))
+    return _printable(repr(value), 60)
+
+
+def _option(option: str, value: object, low: float, high: float, low_open: bool, want: str) -> float:
+    """``value`` as a float in ``[low, high]`` (``(low, high]`` if ``low_open``), else TraceError
+    ``<option> <value>: must be <want>``."""
     try:
         x = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         x = math.nan
-    if isinstance(value, bool) or not math.isfinite(x) or not ok(x):
-        raise TraceError(f"trace_workload: {name} must be {want}, got {value!r}")
+    if isinstance(value, bool) or not (low < x <= high if low_open else low <= x <= high):  # False for nan
+        raise TraceError(f"{option} {_arg_text(value)}: must be {want}")
     return x
+
+
+def _tenant_value(text: str) -> str:
+    """A tenant name from a column value: surrounding whitespace stripped; a value with nothing
+    visible (empty, whitespace, control or invisible format characters such as a zero-width space
+    or a BOM) becomes ``(none)``."""
+    value = text.strip()
+    if all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf") for ch in value):
+        return "(none)"
+    return value
+
+
+def _years(seconds: float) -> str:
+    years = seconds / (MAX_REPLAY_SECONDS / 10)
+    return f"{years:,.0f} years" if years >= 100 else f"{years:.3g} years"
 
 
 def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file", speedup: float = 1.0,
@@ -335,21 +456,23 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
             - ``"file"``: one tenant per file, named after the file stem (``azure_llm_2023_code``) or
               the given ``NAME``; tenants in the order of ``paths``. Each file's times are relative to
               its own earliest row, so files replay side by side from time 0.
-            - ``"hash:N"`` (N >= 1): tenants ``t0`` .. ``t{N-1}`` (all listed, in that order); row ``i``
+            - ``"hash:N"`` (1 <= N <= 10,000): tenants ``t0`` .. ``t{N-1}`` (all listed, in that order); row ``i``
               (0-based position among the file's data rows, in file order, failed rows included) of
               file ``F`` (base name, e.g. ``azure_llm_2023_code.csv``) goes to tenant
               ``int.from_bytes(sha256(f"{F}:{i}")[:8], "big") % N`` -- stable across runs, machines,
               windows and ``PYTHONHASHSEED``.
             - anything else: a column name (e.g. ``Model`` -> tenants ``ChatGPT``, ``GPT-4``); tenants
-              are the distinct values (surrounding whitespace stripped; an empty value becomes
-              ``(none)``) of the kept requests, sorted by name.
+              are the distinct values (surrounding whitespace stripped; a value with nothing visible --
+              empty, only whitespace, control or invisible format characters such as a zero-width
+              space -- becomes ``(none)``) of the kept requests, sorted by name.
 
             With ``"hash:N"`` or a column, all files share one clock (their raw timestamps are taken to
             be comparable, as for the two Azure 2023 files): times are relative to the earliest row
             over all files.
-        speedup: replay speed factor (> 0); 2.0 replays the trace twice as fast.
-        start_s: start of the window in trace seconds (>= 0) from time 0 defined above.
-        duration_s: length of the window in trace seconds (> 0), or None for "to the end of the trace".
+        speedup: replay speed factor, 0.001 .. 1e6; 2.0 replays the trace twice as fast.
+        start_s: start of the window in trace seconds (0 .. 1e10) from time 0 defined above.
+        duration_s: length of the window in trace seconds (> 0, at most 1e10), or None for "to the end
+            of the trace".
 
     Rows with ``start_s <= time_s < start_s + duration_s`` are kept, shifted so the window starts at 0
     and divided by ``speedup``; arrivals are rounded to whole ns. Rows with 0 output tokens (failed
@@ -358,7 +481,11 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
     ``Workload.duration_ns`` is ``round(duration_s * 1e9 / speedup)``; with ``duration_s=None`` it is
     the time from ``start_s`` to the latest row of the trace (failed rows included), divided by
     ``speedup``, plus 1 ns, so that the last row lies inside ``[0, duration_ns)``. In both cases it is
-    raised, if needed, to one past the last arrival (rounding can otherwise collide).
+    raised, if needed, to one past the last arrival (rounding can otherwise collide). The replay
+    (``duration_s / speedup``, or with ``duration_s=None`` the time from ``start_s`` to the latest row
+    divided by ``speedup``) may last at most :data:`MAX_REPLAY_SECONDS` (10 years); a longer one is an
+    error (with ``duration_s=None`` the message names the latest row, which is often a bad timestamp),
+    never an int64 overflow.
 
     Returns:
         ``(workload, summary)``: the requests sorted by arrival (ties by tenant index, then file order),
@@ -368,42 +495,57 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
         TraceError: any :func:`read_trace` error; unknown format; no paths; bad ``NAME=PATH`` (empty
             name, two files with the same tenant name, or a name with a ``tenant_by`` other than
             ``"file"``); a ``tenant_by`` column missing from a file (message lists its columns); bad
-            ``hash:N``; ``speedup <= 0``; ``start_s < 0``; ``duration_s <= 0``; non-finite numbers; no
-            requests in the window (message names the files and the window).
+            ``hash:N`` (N not in 1 .. 10,000); ``speedup``, ``start_s`` or ``duration_s`` out of the
+            bounds above or not finite (messages name them ``--speedup``, ``--start``, ``--duration``,
+            ``--tenant-by``, as the CLI options); a replay longer than 10 years; no requests in the
+            window (message names the files and the window).
     """
     # --- arguments -----------------------------------------------------------------------------
     spec = _format(fmt, "trace_workload: ")
-    speedup = _number("speedup", speedup, "a finite number > 0", lambda x: x > 0)
-    start_s = _number("start_s", start_s, "a finite number >= 0", lambda x: x >= 0)
+    speedup = _option("--speedup", speedup, MIN_SPEEDUP, MAX_SPEEDUP, False, "between 0.001 and 1000000")
+    start_s = _option("--start", start_s, 0.0, MAX_WINDOW_SECONDS, False,
+                      "between 0 and 1e10 (seconds of trace time)")
     if duration_s is not None:
-        duration_s = _number("duration_s", duration_s, "a finite number > 0 or None", lambda x: x > 0)
-    if isinstance(paths, (str, Path)):
+        duration_s = _option("--duration", duration_s, 0.0, MAX_WINDOW_SECONDS, True,
+                             "above 0 and at most 1e10 (seconds of trace time)")
+    if not isinstance(tenant_by, str):
+        raise TraceError(f"--tenant-by {_arg_text(tenant_by)}: must be file, a column name or hash:N")
+    if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    try:
+        paths = list(paths)
+    except TypeError:
+        raise TraceError(f"trace_workload: paths must be a list of files, got {_arg_text(paths)}") from None
     if not paths:
         raise TraceError("trace_workload: no trace files given")
+    for item in paths:
+        if not isinstance(item, (str, os.PathLike)):
+            raise TraceError(f"trace_workload: a trace file must be a str or Path, got {_arg_text(item)}")
     hash_n: int | None = None
     if tenant_by.startswith("hash:"):
         text = tenant_by[len("hash:"):]
-        if not (text.isascii() and text.isdigit()) or int(text) < 1:
-            raise TraceError(f"trace_workload: tenant_by {tenant_by!r}: N in 'hash:N' must be an integer >= 1")
+        if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_HASH_TENANTS):
+            raise TraceError(f"--tenant-by {_printable(repr(tenant_by), 60)}: N in hash:N must be a whole number "
+                             f"from 1 to {MAX_HASH_TENANTS}")
         hash_n = int(text)
 
     named = [_split_named(item) for item in paths]
     for (name, path), item in zip(named, paths):
         if name is not None:
+            shown = _printable(str(item), 1000)
             if tenant_by != "file":
-                raise TraceError(f"{item}: NAME=PATH names a tenant, which needs tenant_by='file' "
-                                 f"(got tenant_by={tenant_by!r})")
+                raise TraceError(f"{shown}: NAME=PATH names a tenant, which needs --tenant-by file "
+                                 f"(got --tenant-by {_printable(repr(tenant_by), 60)})")
             if not name.strip():
-                raise TraceError(f"{item}: empty tenant name in NAME=PATH")
+                raise TraceError(f"{shown}: empty tenant name in NAME=PATH")
 
     # --- read ----------------------------------------------------------------------------------
     files = [_parse(path, spec) for _, path in named]
     if tenant_by != "file" and hash_n is None:
         for parsed in files:
             if tenant_by not in parsed.header:
-                raise TraceError(f"{parsed.label}: tenant_by column {tenant_by!r} not found "
-                                 f"(has: {', '.join(parsed.header)})")
+                raise TraceError(f"{parsed.label}: --tenant-by column {_printable(repr(tenant_by), 60)} not found "
+                                 f"(has: {_printable(', '.join(parsed.header))})")
 
     # --- tenants of every row ------------------------------------------------------------------
     per_file_tenant: list[list[str]] = []
@@ -412,7 +554,7 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
         for (name, path), parsed in zip(named, files):
             tenant = name.strip() if name is not None else path.stem
             if tenant in names:
-                raise TraceError(f"{parsed.label}: tenant name {tenant!r} is used by two files; "
+                raise TraceError(f"{parsed.label}: tenant name {_printable(repr(tenant), 60)} is used by two files; "
                                  f"name them with NAME=PATH")
             names.append(tenant)
             per_file_tenant.append([tenant] * len(parsed.times_ns))
@@ -427,7 +569,7 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
             names = []  # filled from the kept rows below
             for parsed in files:
                 col = parsed.header.index(tenant_by)
-                per_file_tenant.append([row[col].strip() or "(none)" for row in parsed.raw])
+                per_file_tenant.append([_tenant_value(row[col]) for row in parsed.raw])
         origin = min(min(parsed.times_ns) for parsed in files)
         origins = [origin] * len(files)
 
@@ -440,12 +582,14 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
     kept_o: list[int] = []
     failed = 0
     last_rel = 0
-    for parsed, origin, tenants_of in zip(files, origins, per_file_tenant):
+    last_at = (0, 0)  # (file, row) of the latest row
+    for f, (parsed, origin, tenants_of) in enumerate(zip(files, origins, per_file_tenant)):
         outputs, prompts = parsed.outputs, parsed.prompts
         for i, t in enumerate(parsed.times_ns):
             rel = t - origin
             if rel > last_rel:
                 last_rel = rel
+                last_at = (f, i)
             if rel < start_ns or (end_ns is not None and rel >= end_ns):
                 continue
             if outputs[i] == 0:
@@ -464,15 +608,41 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
         names = sorted(set(kept_tenant))
     index_of = {name: k for k, name in enumerate(names)}
 
-    # --- build ---------------------------------------------------------------------------------
-    rel_ns = np.asarray(kept_t, dtype=np.int64)
-    arrival = np.rint(rel_ns / speedup).astype(np.int64) if speedup != 1 else rel_ns
-    last_arrival = int(arrival.max())
+    # --- replay length (checked before anything goes into int64) --------------------------------
     if duration_s is None:
-        window_ns = last_rel - start_ns
-        duration_ns = round(window_ns / speedup) + 1
+        replay_ns = (last_rel - start_ns) / speedup
+        if replay_ns > _MAX_REPLAY_NS:
+            f, i = last_at
+            parsed = files[f]
+            ts = parsed.raw[i][parsed.header.index(spec.time)]
+            oi = min(range(len(parsed.times_ns)), key=parsed.times_ns.__getitem__)
+            of = f
+            if tenant_by != "file":  # shared clock: the earliest row over all files
+                of = min(range(len(files)), key=lambda k: min(files[k].times_ns))
+                oi = min(range(len(files[of].times_ns)), key=files[of].times_ns.__getitem__)
+            first = files[of]
+            where = f"line {first.lines[oi]}" if of == f else f"{first.label} line {first.lines[oi]}"
+            raise TraceError(
+                f"{parsed.label}: line {parsed.lines[i]}: column {spec.time!r}: timestamp {_one_line(ts)} is "
+                f"{_years(last_rel / NS_PER_S)} after the earliest row ({where}); replaying from --start "
+                f"{start_s:g} to it at --speedup {speedup:g} would take {_years(replay_ns / NS_PER_S)}, "
+                f"above the cap of 10 years (use --duration, or fix the timestamp)")
+        duration_ns = round(replay_ns) + 1
     else:
-        duration_ns = round(round(duration_s * NS_PER_S) / speedup)
+        replay_ns = round(duration_s * NS_PER_S) / speedup
+        if replay_ns > _MAX_REPLAY_NS:
+            raise TraceError(f"--duration {duration_s:g} at --speedup {speedup:g} is "
+                             f"{_years(replay_ns / NS_PER_S)} of replay, above the cap of 10 years")
+        duration_ns = round(replay_ns)
+
+    # --- build ---------------------------------------------------------------------------------
+    # Every kept time is inside the window, so every arrival is at most ~10 years in ns: int64 is safe.
+    # Trace times before ``speedup`` may not fit in int64 (speedup up to 1e6), hence float64 here.
+    if speedup == 1:
+        arrival = np.asarray(kept_t, dtype=np.int64)
+    else:
+        arrival = np.rint(np.asarray(kept_t, dtype=np.float64) / speedup).astype(np.int64)
+    last_arrival = int(arrival.max())
     duration_ns = max(duration_ns, last_arrival + 1, 1)
 
     tenant_idx = np.fromiter((index_of[t] for t in kept_tenant), dtype=np.int64, count=len(kept_tenant))
@@ -492,7 +662,7 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
         requests={name: int(counts[k]) for k, name in enumerate(names)},
         skipped_failed=failed,
         rows_read=sum(len(parsed.times_ns) for parsed in files),
-        span_s=float(rel_ns.max() - rel_ns.min()) / NS_PER_S,
+        span_s=(max(kept_t) - min(kept_t)) / NS_PER_S,
         duration_s=duration_ns / NS_PER_S,
         mean_prompt_tokens=float(prompt.mean()),
         mean_output_tokens=float(output.mean()),
@@ -500,4 +670,6 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
     return workload, summary
 
 
-__all__ = ["FORMATS", "TraceError", "TraceRow", "TraceSummary", "read_trace", "trace_workload"]
+__all__ = ["FORMATS", "MAX_BURSTGPT_SECONDS", "MAX_HASH_TENANTS", "MAX_REPLAY_SECONDS", "MAX_SPEEDUP",
+           "MAX_TOKENS_PER_REQUEST", "MAX_TRACE_BYTES", "MAX_WINDOW_SECONDS", "MIN_SPEEDUP", "TraceError",
+           "TraceRow", "TraceSummary", "read_trace", "trace_workload"]

@@ -256,9 +256,9 @@ def test_empty_column_value_and_ties(tmp_path: Path) -> None:
 
 
 def test_window_rounding_keeps_arrivals_inside_duration(tmp_path: Path) -> None:
-    path = burst_csv(tmp_path, "r.csv", ["0,m,1,1,2,x", "0.999999999,m,1,1,2,x"])
-    w, _ = trace_workload([path], "burstgpt", speedup=1e9, duration_s=1.0)
-    assert w.arrival_ns == [0, 1] and w.duration_ns == 2  # 1 s / 1e9 = 1 ns, raised to last arrival + 1
+    path = burst_csv(tmp_path, "r.csv", ["0,m,1,1,2,x", "0.000999999,m,1,1,2,x"])
+    w, _ = trace_workload([path], "burstgpt", speedup=1e6, duration_s=0.001)
+    assert w.arrival_ns == [0, 1] and w.duration_ns == 2  # 1 ms / 1e6 = 1 ns, raised to last arrival + 1
     w.check()
 
 
@@ -350,7 +350,7 @@ def test_empty_trace(tmp_path: Path) -> None:
 def test_unreadable_file(tmp_path: Path) -> None:
     folder = tmp_path / "dir.csv"
     folder.mkdir()
-    assert raises(read_trace, folder, "azure").startswith(f"{folder}: cannot read")
+    assert raises(read_trace, folder, "azure") == f"{folder}: not a regular file"
     binary = tmp_path / "bin.csv"
     binary.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n\xff\xfe,1,1\n")
     assert raises(read_trace, binary, "azure") == f"{binary}: not UTF-8 text"
@@ -370,25 +370,55 @@ def test_empty_window(tmp_path: Path) -> None:
 def test_unknown_tenant_column(tmp_path: Path) -> None:
     path = burst_csv(tmp_path, "t.csv", ["0,m,1,1,2,x"])
     assert raises(trace_workload, [path], "burstgpt", tenant_by="model") == \
-        f"{path}: tenant_by column 'model' not found (has: Timestamp, Model, Request tokens, Response tokens, " \
+        f"{path}: --tenant-by column 'model' not found (has: Timestamp, Model, Request tokens, Response tokens, " \
         f"Total tokens, Log Type)"
 
 
-@pytest.mark.parametrize("spec", ["hash:", "hash:0", "hash:-1", "hash:x", "hash:2.5", "hash: 3"])
+@pytest.mark.parametrize("spec", ["hash:", "hash:0", "hash:-1", "hash:x", "hash:2.5", "hash: 3", "hash:10001",
+                                  "hash:100000000", "hash:" + "9" * 5000])
 def test_bad_hash_spec(tmp_path: Path, spec: str) -> None:
+    import time
+
     path = burst_csv(tmp_path, "h.csv", ["0,m,1,1,2,x"])
-    assert raises(trace_workload, [path], "burstgpt", tenant_by=spec) == \
-        f"trace_workload: tenant_by {spec!r}: N in 'hash:N' must be an integer >= 1"
+    t = time.perf_counter()
+    message = raises(trace_workload, [path], "burstgpt", tenant_by=spec)
+    assert time.perf_counter() - t < 1.0  # hash:100000000 used to build 1e8 tenants (> 60 s)
+    shown = repr(spec) if len(repr(spec)) <= 60 else repr(spec)[:60] + "..."
+    assert message == f"--tenant-by {shown}: N in hash:N must be a whole number from 1 to 10000"
+
+
+def test_hash_spec_at_the_cap(tmp_path: Path) -> None:
+    path = burst_csv(tmp_path, "h.csv", ["0,m,1,1,2,x", "1,m,1,1,2,x"])
+    w, s = trace_workload([path], "burstgpt", tenant_by="hash:10000")
+    assert len(w.tenants) == 10_000 and w.tenants[-1] == "t9999" and s.total_requests == 2
+
+
+SPEEDUP_RANGE = "must be between 0.001 and 1000000"
+START_RANGE = "must be between 0 and 1e10 (seconds of trace time)"
+DURATION_RANGE = "must be above 0 and at most 1e10 (seconds of trace time)"
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"speedup": 0}, "trace_workload: speedup must be a finite number > 0, got 0"),
-    ({"speedup": -2.0}, "trace_workload: speedup must be a finite number > 0, got -2.0"),
-    ({"speedup": float("nan")}, "trace_workload: speedup must be a finite number > 0, got nan"),
-    ({"start_s": -1.0}, "trace_workload: start_s must be a finite number >= 0, got -1.0"),
-    ({"duration_s": 0.0}, "trace_workload: duration_s must be a finite number > 0 or None, got 0.0"),
-    ({"duration_s": -5}, "trace_workload: duration_s must be a finite number > 0 or None, got -5"),
-    ({"duration_s": float("inf")}, "trace_workload: duration_s must be a finite number > 0 or None, got inf"),
+    ({"speedup": 0}, f"--speedup 0: {SPEEDUP_RANGE}"),
+    ({"speedup": -2.0}, f"--speedup -2.0: {SPEEDUP_RANGE}"),
+    ({"speedup": float("nan")}, f"--speedup nan: {SPEEDUP_RANGE}"),
+    ({"speedup": float("inf")}, f"--speedup inf: {SPEEDUP_RANGE}"),
+    ({"speedup": 1e-300}, f"--speedup 1e-300: {SPEEDUP_RANGE}"),  # used to overflow
+    ({"speedup": 1e-6}, f"--speedup 1e-06: {SPEEDUP_RANGE}"),  # used to give arrivals past int64
+    ({"speedup": 0.000999}, f"--speedup 0.000999: {SPEEDUP_RANGE}"),
+    ({"speedup": 1e6 + 1}, f"--speedup 1000001.0: {SPEEDUP_RANGE}"),
+    ({"speedup": 10**400}, f"--speedup <1329-bit integer>: {SPEEDUP_RANGE}"),
+    ({"speedup": True}, f"--speedup True: {SPEEDUP_RANGE}"),
+    ({"speedup": "fast"}, f"--speedup 'fast': {SPEEDUP_RANGE}"),
+    ({"start_s": -1.0}, f"--start -1.0: {START_RANGE}"),
+    ({"start_s": 1e10 + 1e3}, f"--start 10000001000.0: {START_RANGE}"),
+    ({"start_s": float("inf")}, f"--start inf: {START_RANGE}"),
+    ({"start_s": float("nan")}, f"--start nan: {START_RANGE}"),
+    ({"duration_s": 0.0}, f"--duration 0.0: {DURATION_RANGE}"),
+    ({"duration_s": -5}, f"--duration -5: {DURATION_RANGE}"),
+    ({"duration_s": float("inf")}, f"--duration inf: {DURATION_RANGE}"),
+    ({"duration_s": 1e300}, f"--duration 1e+300: {DURATION_RANGE}"),
+    ({"tenant_by": None}, "--tenant-by None: must be file, a column name or hash:N"),
 ])
 def test_bad_window_arguments(tmp_path: Path, kwargs: dict, message: str) -> None:
     path = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x"])
@@ -403,7 +433,226 @@ def test_bad_names(tmp_path: Path) -> None:
         f"{a2}: tenant name 'a' is used by two files; name them with NAME=PATH"
     assert raises(trace_workload, [f"={a}"], "burstgpt") == f"={a}: empty tenant name in NAME=PATH"
     assert raises(trace_workload, [f"n={a}"], "burstgpt", tenant_by="Model") == \
-        f"n={a}: NAME=PATH names a tenant, which needs tenant_by='file' (got tenant_by='Model')"
+        f"n={a}: NAME=PATH names a tenant, which needs --tenant-by file (got --tenant-by 'Model')"
     assert raises(trace_workload, [], "burstgpt") == "trace_workload: no trace files given"
     w, _ = trace_workload([f"one={a}", f"two={a2}"], "burstgpt")
     assert w.tenants == ["one", "two"]
+
+
+def test_argument_bounds_are_inclusive(tmp_path: Path) -> None:
+    path = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x", "1,m,1,1,2,x"])
+    w, _ = trace_workload([path], "burstgpt", speedup=1e-3)
+    assert w.arrival_ns == [0, 1000 * 10**9] and w.duration_ns == 1000 * 10**9 + 1
+    w, _ = trace_workload([path], "burstgpt", speedup=1e6)
+    assert w.arrival_ns == [0, 1000]
+    assert raises(trace_workload, [path], "burstgpt", start_s=1e10) == f"{path}: no requests in window [1e+10, end) s"
+    w, _ = trace_workload([path], "burstgpt", speedup=1e6, duration_s=1e10)  # 1e4 s of replay
+    assert w.duration_ns == 10**13
+
+
+def test_bad_paths_argument(tmp_path: Path) -> None:
+    assert raises(trace_workload, [5], "azure") == "trace_workload: a trace file must be a str or Path, got 5"
+    assert raises(trace_workload, 5, "azure") == "trace_workload: paths must be a list of files, got 5"
+    assert raises(read_trace, None, "azure") == "read_trace: the trace file must be a str or Path, got None"
+
+
+# ---------------------------------------------------------------------------------------------
+# QA: inputs that used to crash, hang or give garbage
+
+
+@pytest.mark.parametrize(("row", "column", "value"), [
+    ("2023-11-16 18:17:03,5,99999999999999999999", "GeneratedTokens", "'99999999999999999999'"),
+    ("2023-11-16 18:17:03,1e300,5", "ContextTokens", "'1e300'"),
+    ("2023-11-16 18:17:03,10000001,5", "ContextTokens", "'10000001'"),
+    ("2023-11-16 18:17:03,5,1e400", "GeneratedTokens", "'1e400'"),  # float inf
+    ("2023-11-16 18:17:03,5," + "9" * 5000, "GeneratedTokens", "'" + "9" * 40 + "...'"),  # > int digit limit
+])
+def test_token_count_above_the_cap(tmp_path: Path, row: str, column: str, value: str) -> None:
+    path = azure_csv(tmp_path, "big.csv", ["2023-11-16 18:17:00,1,1", row])
+    message = f"{path}: line 3: column {column!r}: bad token count {value} (above the cap of 10000000)"
+    assert raises(read_trace, path, "azure") == message
+    assert raises(trace_workload, [path], "azure") == message
+
+
+def test_token_count_at_the_cap(tmp_path: Path) -> None:
+    from fairgate.sim.traces import MAX_TOKENS_PER_REQUEST
+
+    assert MAX_TOKENS_PER_REQUEST == 10_000_000
+    path = azure_csv(tmp_path, "cap.csv", ["2023-11-16 18:17:03,10000000,1e7"])
+    w, s = trace_workload([path], "azure")
+    assert w.prompt_tokens == [10_000_000] and w.output_tokens == [10_000_000]
+    assert raises(read_trace, azure_csv(tmp_path, "neg.csv", ["2023-11-16 18:17:03,-1e400,1"]), "azure").endswith(
+        "bad token count '-1e400' (negative)")
+
+
+@pytest.mark.parametrize("value", ["1e12", "100000000000.000000001", "-1", "-0.5", "1e999999999", "-1e999999999"])
+def test_burstgpt_timestamp_out_of_range(tmp_path: Path, value: str) -> None:
+    path = burst_csv(tmp_path, "t.csv", ["0,m,1,1,2,x", f"{value},m,1,1,2,x"])
+    message = f"{path}: line 3: column 'Timestamp': bad timestamp {value!r} (outside 0 .. 1e11 seconds)"
+    assert raises(read_trace, path, "burstgpt") == message  # 1e999999999 used to raise decimal.Overflow
+    assert raises(trace_workload, [path], "burstgpt") == message
+
+
+def test_burstgpt_span_above_ten_years(tmp_path: Path) -> None:
+    path = burst_csv(tmp_path, "t.csv", ["0,m,1,1,2,x", "1e10,m,1,1,2,x"])
+    assert read_trace(path, "burstgpt")[-1].time_s == 1e10  # reading alone is fine
+    assert raises(trace_workload, [path], "burstgpt") == (
+        f"{path}: line 3: column 'Timestamp': timestamp '1e10' is 317 years after the earliest row (line 2); "
+        f"replaying from --start 0 to it at --speedup 1 would take 317 years, above the cap of 10 years "
+        f"(use --duration, or fix the timestamp)")
+    # A window that leaves the far row out replays fine; so does a speedup that brings it under 10 years.
+    w, _ = trace_workload([path], "burstgpt", duration_s=100.0)
+    assert w.arrival_ns == [0] and w.duration_ns == 100 * 10**9
+    w, _ = trace_workload([path], "burstgpt", speedup=1e6)  # 1e10 s = 1e19 ns of trace time > int64
+    assert w.arrival_ns == [0, 10**13] and w.duration_ns == 10**13 + 1
+
+
+def test_burstgpt_largest_timestamp_replays_exactly(tmp_path: Path) -> None:
+    path = burst_csv(tmp_path, "t.csv", ["0,m,1,1,2,x", "1e11,m,1,1,2,x", "1e11,m,1,1,2,x"])
+    w, s = trace_workload([path], "burstgpt", speedup=1e6)
+    assert w.arrival_ns == [0, 10**14, 10**14] and s.span_s == 1e11
+
+
+def test_azure_span_above_ten_years(tmp_path: Path) -> None:
+    path = azure_csv(tmp_path, "t.csv", ["0001-01-01 00:00:00-05:00,1,1", "9999-12-31 23:59:59,1,1"])
+    assert raises(trace_workload, [path], "azure") == (
+        f"{path}: line 3: column 'TIMESTAMP': timestamp '9999-12-31 23:59:59' is 9,999 years after the "
+        f"earliest row (line 2); replaying from --start 0 to it at --speedup 1 would take 9,999 years, above "
+        f"the cap of 10 years (use --duration, or fix the timestamp)")
+    # Slowed down, an otherwise fine 4-year trace exceeds the cap too.
+    four = azure_csv(tmp_path, "four.csv", ["2020-01-01 00:00:00,1,1", "2024-01-01 00:00:00,1,1"])
+    assert raises(trace_workload, [four], "azure", speedup=0.25) == (
+        f"{four}: line 3: column 'TIMESTAMP': timestamp '2024-01-01 00:00:00' is 4 years after the earliest row "
+        f"(line 2); replaying from --start 0 to it at --speedup 0.25 would take 16 years, above the cap of "
+        f"10 years (use --duration, or fix the timestamp)")
+    w, _ = trace_workload([four], "azure", speedup=0.5)  # 8 years: fine
+    assert w.arrival_ns == [0, 8 * 315_576_000 // 10 * 10**9]
+    w, _ = trace_workload([four], "azure", speedup=0.25, start_s=3 * 365 * 86400)  # window leaves row 1 out
+    assert len(w) == 1
+
+
+def test_span_error_names_the_earliest_row_of_another_file(tmp_path: Path) -> None:
+    a = burst_csv(tmp_path, "a.csv", ["5,m,1,1,2,x"])
+    b = burst_csv(tmp_path, "b.csv", ["6,m,1,1,2,x", "9e9,m,1,0,0,x"])  # the far row is a failed one
+    assert raises(trace_workload, [a, b], "burstgpt", tenant_by="Model") == (
+        f"{b}: line 3: column 'Timestamp': timestamp '9e9' is 285 years after the earliest row ({a} line 2); "
+        f"replaying from --start 0 to it at --speedup 1 would take 285 years, above the cap of 10 years "
+        f"(use --duration, or fix the timestamp)")
+
+
+def test_duration_above_ten_years_of_replay(tmp_path: Path) -> None:
+    path = burst_csv(tmp_path, "d.csv", ["0,m,1,1,2,x"])
+    assert raises(trace_workload, [path], "burstgpt", duration_s=1e10) == \
+        "--duration 1e+10 at --speedup 1 is 317 years of replay, above the cap of 10 years"
+    assert raises(trace_workload, [path], "burstgpt", duration_s=1e6, speedup=1e-3) == \
+        "--duration 1e+06 at --speedup 0.001 is 31.7 years of replay, above the cap of 10 years"
+    w, _ = trace_workload([path], "burstgpt", duration_s=315_576_000.0)  # exactly 10 years
+    assert w.duration_ns == 315_576_000 * 10**9
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("2023-11-16 18:17:03+00:99", "bad UTC offset +00:99"),
+    ("2023-11-16 18:17:03+24:00", "bad UTC offset +24:00"),
+    ("0000-01-01 00:00:00", "bad timestamp '0000-01-01 00:00:00'"),
+])
+def test_azure_bad_offset_or_year(tmp_path: Path, value: str, problem: str) -> None:
+    path = azure_csv(tmp_path, "o.csv", [f"{value},1,1"])
+    message = raises(read_trace, path, "azure")
+    assert message.startswith(f"{path}: line 2: column 'TIMESTAMP': bad timestamp ") and problem in message
+
+
+def test_azure_extreme_years_read(tmp_path: Path) -> None:
+    path = azure_csv(tmp_path, "y.csv", ["0001-01-01 00:00:00+05:00,1,1", "9999-12-31 23:59:59-05:00,1,1"])
+    rows = read_trace(path, "azure")
+    assert rows[-1].time_s > 3.15e11
+
+
+@pytest.mark.parametrize(("header", "column"), [
+    ("TIMESTAMP,ContextTokens,GeneratedTokens,GeneratedTokens", "GeneratedTokens"),
+    ("TIMESTAMP, ContextTokens ,ContextTokens,GeneratedTokens", "ContextTokens"),  # equal once stripped
+    ("TIMESTAMP,ContextTokens,GeneratedTokens,Note,Note", "Note"),  # any column, not only the used ones
+    ("TIMESTAMP,ContextTokens,GeneratedTokens,,", ""),
+])
+def test_duplicate_header_column(tmp_path: Path, header: str, column: str) -> None:
+    width = header.count(",") + 1
+    path = write(tmp_path, "dup.csv", header + "\n2023-11-16 18:17:03,1,2" + ",3" * (width - 3) + "\n")
+    message = f"{path}: duplicate column {column!r} in the header"
+    assert raises(read_trace, path, "azure") == message
+    assert raises(trace_workload, [path], "azure") == message
+
+
+def test_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    import threading
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    fifo = tmp_path / "trace.csv"
+    os.mkfifo(fifo)
+
+    def unblock() -> None:  # only matters if the loader wrongly opens the FIFO: then the test fails, not hangs
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+    timer = threading.Timer(5.0, unblock)
+    timer.start()
+    try:
+        assert raises(read_trace, fifo, "azure") == f"{fifo}: not a regular file"
+        assert raises(trace_workload, [fifo], "azure") == f"{fifo}: not a regular file"
+    finally:
+        timer.cancel()
+
+
+def test_device_is_refused() -> None:
+    if not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero")
+    assert raises(read_trace, "/dev/zero", "azure") == "/dev/zero: not a regular file"
+    assert raises(trace_workload, ["/dev/null"], "burstgpt") == "/dev/null: not a regular file"
+
+
+def test_file_above_two_gib_is_refused(tmp_path: Path) -> None:
+    big = tmp_path / "big.csv"
+    with big.open("wb") as f:
+        f.truncate(2 * 1024**3 + 1)  # sparse: no disk space used
+    assert raises(read_trace, big, "azure") == f"{big}: too large (2,147,483,649 bytes; the cap is 2 GiB)"
+
+
+def test_symlink_to_a_regular_file_is_read(tmp_path: Path) -> None:
+    target = azure_csv(tmp_path, "real.csv", ["2023-11-16 18:17:03,1,2"])
+    link = tmp_path / "link.csv"
+    try:
+        link.symlink_to(target)
+    except OSError:
+        pytest.skip("no symlinks here")
+    assert read_trace(link, "azure")[0].output_tokens == 2
+    (tmp_path / "dangling.csv").symlink_to(tmp_path / "gone.csv")
+    assert raises(read_trace, tmp_path / "dangling.csv", "azure") == f"{tmp_path / 'dangling.csv'}: file not found"
+
+
+def test_blank_tenant_values_become_none(tmp_path: Path) -> None:
+    path = write(tmp_path, "s.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                                    '0,,1,1,2,x\n1,   ,1,1,2,x\n2,"\t",1,1,2,x\n3,\u00a0\u3000,1,1,2,x\n'
+                                    "4,\u200b,1,1,2,x\n5,\ufeff ,1,1,2,x\n6, GPT-4 ,1,1,2,x\n")
+    w, s = trace_workload([path], "burstgpt", tenant_by="Model")
+    assert w.tenants == ["(none)", "GPT-4"]
+    assert s.requests == {"(none)": 6, "GPT-4": 1}
+
+
+def test_messages_with_line_breaks_stay_on_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "nl.csv", 'TIMESTAMP,"Context\nTokens",X\n2023-11-16 18:17:03,1,2\n')
+    assert raises(read_trace, path, "azure") == \
+        f"{path}: missing column 'ContextTokens' (has: TIMESTAMP, Context\\nTokens, X)"
+
+
+def test_cli_reports_a_bad_option_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x"])
+    done = subprocess.run([sys.executable, "-m", "fairgate", "replay", str(path), "--format", "burstgpt",
+                           "--scenario", str(REPO / "scenarios" / "replay.toml"), "--speedup", "1e-300"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "--speedup 1e-300: must be between 0.001 and 1000000" in done.stderr

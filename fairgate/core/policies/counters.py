@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 from fairgate.core.cost import CostModel
 from fairgate.core.policy import QueuedPolicy
-from fairgate.core.request import Request, RunningView
+from fairgate.core.request import RunningView
 
 TIE_RELATIVE = 1e-9
 
@@ -50,15 +50,14 @@ class CounterPolicy(QueuedPolicy):
             if not weight > 0:
                 raise ValueError(f"weight of tenant {tenant!r} must be > 0, got {weight}")
         self.counters: dict[str, float] = {}
-        self._in_flight: dict[str, int] = {}  # picked and not yet finished, per tenant
         self._tracked: set[str] = set()  # tenants seen so far
         self._last_left = 0.0  # counter of the last tenant to go idle (the lift floor when none is active)
 
     def _active(self, tenant: str) -> bool:
-        return tenant in self._queues or self._in_flight.get(tenant, 0) > 0
+        return tenant in self._queues or self._running(tenant) > 0
 
     def _on_backlogged(self, tenant: str, now_ms: float) -> None:
-        if self._in_flight.get(tenant, 0):
+        if self._running(tenant):
             return  # still running work: it was never idle, so there is no idle time to forgive
         others = [self.counters.get(t, 0.0) for t in self._tracked if t != tenant and self._active(t)]
         floor = min(others) if others else self._last_left
@@ -66,14 +65,8 @@ class CounterPolicy(QueuedPolicy):
             self.counters[tenant] = floor
         self._tracked.add(tenant)
 
-    def _on_pick(self, request: Request, now_ms: float) -> None:
-        self._in_flight[request.tenant] = self._in_flight.get(request.tenant, 0) + 1
-
-    def finish(self, request: Request, now_ms: float) -> None:
-        left = self._in_flight[request.tenant] - 1
-        self._in_flight[request.tenant] = left
-        if not left and request.tenant not in self._queues:
-            self._last_left = self.counters.get(request.tenant, 0.0)
+    def _on_inactive(self, tenant: str, now_ms: float) -> None:
+        self._last_left = self.counters.get(tenant, 0.0)
 
     def _select(self, now_ms: float, running: RunningView) -> str | None:
         counters = self.counters

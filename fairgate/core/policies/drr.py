@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from fairgate.core.policy import QueuedPolicy
-from fairgate.core.request import Request, RunningView
+from fairgate.core.request import RunningView
 
 _TOLERANCE_MS = 1e-9
 
@@ -39,7 +39,6 @@ class DeficitRoundRobin(QueuedPolicy):
         self._weights = dict(weights or {})
         self.deficits: dict[str, float] = {}
         self._turns: deque[str] = deque()
-        self._in_flight: dict[str, int] = {}
 
     def _on_backlogged(self, tenant: str, now_ms: float) -> None:
         self._turns.append(tenant)
@@ -47,17 +46,11 @@ class DeficitRoundRobin(QueuedPolicy):
 
     def _on_idle(self, tenant: str, now_ms: float) -> None:
         self._turns.remove(tenant)
-        if not self._in_flight.get(tenant, 0):
-            self.deficits[tenant] = min(self.deficits[tenant], 0.0)
+        if not self._running(tenant):
+            self._on_inactive(tenant, now_ms)
 
-    def _on_pick(self, request: Request, now_ms: float) -> None:
-        self._in_flight[request.tenant] = self._in_flight.get(request.tenant, 0) + 1
-
-    def finish(self, request: Request, now_ms: float) -> None:
-        left = self._in_flight[request.tenant] - 1
-        self._in_flight[request.tenant] = left
-        if not left and request.tenant not in self._queues:
-            self.deficits[request.tenant] = min(self.deficits[request.tenant], 0.0)
+    def _on_inactive(self, tenant: str, now_ms: float) -> None:
+        self.deficits[tenant] = min(self.deficits[tenant], 0.0)
 
     def _select(self, now_ms: float, running: RunningView) -> str | None:
         turns, deficits = self._turns, self.deficits

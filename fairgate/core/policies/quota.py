@@ -14,7 +14,23 @@ _MS_PER_MINUTE = 60_000.0
 _EPSILON = 1e-9  # tolerance on bucket levels, so a wake-up computed in float is never a near miss
 
 
-class RequestQuota(QueuedPolicy):
+class _BucketPolicy(QueuedPolicy):
+    """A token bucket per tenant, made on first use."""
+
+    def __init__(self, rate_per_ms: float, burst: float) -> None:
+        super().__init__()
+        self._rate_per_ms = rate_per_ms
+        self._burst = burst
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def _bucket(self, tenant: str) -> TokenBucket:
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = TokenBucket(self._rate_per_ms, self._burst)
+        return bucket
+
+
+class RequestQuota(_BucketPolicy):
     """Each tenant may start ``requests_per_minute`` requests per minute (token bucket, capped burst).
 
     Source: seed 002, "equal requests/min quota" (100 requests/min per tenant: max/min 6.87).
@@ -27,20 +43,11 @@ class RequestQuota(QueuedPolicy):
     name = "request_quota"
 
     def __init__(self, requests_per_minute: float, burst_requests: float = 1.0) -> None:
-        super().__init__()
         if not requests_per_minute > 0:
             raise ValueError(f"requests_per_minute must be > 0, got {requests_per_minute}")
         if not burst_requests >= 1:
             raise ValueError(f"burst_requests must be >= 1, got {burst_requests}")
-        self._rate_per_ms = requests_per_minute / _MS_PER_MINUTE
-        self._burst = float(burst_requests)
-        self._buckets: dict[str, TokenBucket] = {}
-
-    def _bucket(self, tenant: str) -> TokenBucket:
-        bucket = self._buckets.get(tenant)
-        if bucket is None:
-            bucket = self._buckets[tenant] = TokenBucket(self._rate_per_ms, self._burst)
-        return bucket
+        super().__init__(requests_per_minute / _MS_PER_MINUTE, float(burst_requests))
 
     def _select(self, now_ms: float, running: RunningView) -> str | None:
         eligible = [t for t in self._queues if self._bucket(t).available(now_ms) >= 1.0 - _EPSILON]
@@ -55,7 +62,7 @@ class RequestQuota(QueuedPolicy):
         return min(self._bucket(t).ready_at(1.0 - _EPSILON, now_ms) for t in self._queues)
 
 
-class TokenQuota(QueuedPolicy):
+class TokenQuota(_BucketPolicy):
     """Each tenant may spend ``tokens_per_minute`` tokens (prompt + generated) per minute.
 
     Prompt tokens are booked at admission, output tokens as they are generated (the bucket may go
@@ -73,21 +80,12 @@ class TokenQuota(QueuedPolicy):
     name = "token_quota"
 
     def __init__(self, tokens_per_minute: float, burst_tokens: float | None = None) -> None:
-        super().__init__()
         if not tokens_per_minute > 0:
             raise ValueError(f"tokens_per_minute must be > 0, got {tokens_per_minute}")
         burst = tokens_per_minute / 6.0 if burst_tokens is None else float(burst_tokens)
         if not burst > 0:
             raise ValueError(f"burst_tokens must be > 0, got {burst_tokens}")
-        self._rate_per_ms = tokens_per_minute / _MS_PER_MINUTE
-        self._burst = burst
-        self._buckets: dict[str, TokenBucket] = {}
-
-    def _bucket(self, tenant: str) -> TokenBucket:
-        bucket = self._buckets.get(tenant)
-        if bucket is None:
-            bucket = self._buckets[tenant] = TokenBucket(self._rate_per_ms, self._burst)
-        return bucket
+        super().__init__(tokens_per_minute / _MS_PER_MINUTE, burst)
 
     def _need(self, tenant: str) -> float:
         return min(float(self._queues[tenant][0].prompt_tokens), self._burst) - _EPSILON
