@@ -308,6 +308,38 @@ def replay(
     _guard(run)
 
 
+@app.command()
+def emulate(
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8001,
+    model: Annotated[str, typer.Option(help="Model name served at /v1/models.")] = "fairgate-emulated",
+    iter_base_ms: Annotated[float, typer.Option()] = 9.0,
+    iter_slope_ms: Annotated[float, typer.Option()] = 0.55,
+    prefill_ms_per_token: Annotated[float, typer.Option()] = 0.06,
+    max_batch: Annotated[int, typer.Option()] = 24,
+    output_mean_tokens: Annotated[float, typer.Option(help="Mean of the lognormal output length.")] = 128.0,
+    output_cv: Annotated[float, typer.Option(help="Coefficient of variation of the output length.")] = 0.5,
+    max_model_len: Annotated[int, typer.Option(help="Context length, tokens.")] = 32_768,
+) -> None:
+    """Serve an OpenAI-compatible emulated replica: continuous batching on a real clock with the cost model."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from fairgate.emulator.api import EmulatorSettings, create_app
+
+    try:
+        settings = EmulatorSettings(model=model, iter_base_ms=iter_base_ms, iter_slope_ms=iter_slope_ms,
+                                    prefill_ms_per_token=prefill_ms_per_token, max_batch=max_batch,
+                                    output_mean_tokens=output_mean_tokens, output_cv=output_cv,
+                                    max_model_len=max_model_len)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise _fail(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+    _note(f"emulated replica {settings.model}: dt = {settings.iter_base_ms} + {settings.iter_slope_ms}*B + "
+          f"{settings.prefill_ms_per_token}*prefill ms, max_batch {settings.max_batch}, on http://{host}:{port}/v1")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+
+
 def main() -> None:
     """Console-script entry point."""
     from fairgate.cli_ledger import ledger_app

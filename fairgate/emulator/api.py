@@ -1,0 +1,255 @@
+"""The emulated replica's OpenAI-compatible HTTP API (FastAPI): chat completions, completions, models.
+
+Follows the OpenAI API and vLLM's extensions where they matter for scheduling: ``max_tokens`` (or
+``max_completion_tokens``), ``stream`` with ``stream_options.include_usage``, ``seed``, and vLLM's
+``ignore_eos`` (generate exactly ``max_tokens``). Without ``ignore_eos`` the output length is drawn from
+the emulator's length distribution (seeded by ``seed`` when given) and capped by ``max_tokens``.
+
+Prompt tokens are counted by ``count_tokens``: one token per whitespace-separated word, plus 3 per chat
+message (the role and template markers). Generated text is `` t1 t2 ...``. A client that disconnects stops
+its sequence within one iteration. Bad requests get HTTP 400 with an OpenAI-shaped error naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from fairgate.core.cost import CostModel
+from fairgate.emulator.replica import EmulatedReplica, Sequence
+
+CHAT_MESSAGE_OVERHEAD_TOKENS = 3
+
+
+def count_tokens(text: str) -> int:
+    """The emulator's tokenizer: whitespace-separated words."""
+    return len(text.split())
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send many optional fields; unknown ones are ignored
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class ContentPart(_Open):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(_Open):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return " ".join(part.text for part in self.content)
+
+
+class _Generation(_Open):
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    n: Literal[1] = 1
+
+    def token_cap(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class ChatRequest(_Generation):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the completions API's default
+
+
+
+class EmulatorSettings(BaseModel):
+    """What the emulated replica is: its cost model, model name, output lengths and context length."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+    model: Annotated[str, Field(min_length=1, max_length=200)] = "fairgate-emulated"
+    iter_base_ms: Annotated[float, Field(ge=0.001, le=1e5)] = 9.0
+    iter_slope_ms: Annotated[float, Field(ge=0, le=1e4)] = 0.55
+    prefill_ms_per_token: Annotated[float, Field(ge=0, le=1e3)] = 0.06
+    max_batch: Annotated[int, Field(ge=1, le=100_000)] = 24
+    output_mean_tokens: Annotated[float, Field(ge=1, le=1e6)] = 128.0
+    output_cv: Annotated[float, Field(ge=0, le=10)] = 0.5
+    max_model_len: Annotated[int, Field(ge=2, le=10_000_000)] = 32_768
+
+    def cost(self) -> CostModel:
+        return CostModel(self.iter_base_ms, self.iter_slope_ms, self.prefill_ms_per_token, self.max_batch)
+
+
+def _error(status: int, message: str, param: str | None, code: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": "invalid_request_error",
+                                                               "param": param, "code": code}})
+
+
+def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
+    """The emulator's ASGI app; the replica loop runs while the app is up (lifespan)."""
+    settings = settings or EmulatorSettings()
+    cost = settings.cost()
+    state: dict[str, Any] = {}
+    shared_rng = random.Random()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        replica = EmulatedReplica(cost)
+        replica.start()
+        state["replica"] = replica
+        yield
+        await replica.stop()
+
+    app = FastAPI(title="fairgate emulated replica", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(location) or None
+        return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
+
+    def output_length(body: _Generation, prompt_tokens: int) -> tuple[int, str] | JSONResponse:
+        cap = body.token_cap()
+        if cap is not None and prompt_tokens + cap > settings.max_model_len:
+            return _error(400, f"This model's maximum context length is {settings.max_model_len} tokens; the "
+                               f"prompt has {prompt_tokens} and max_tokens asks for {cap}.", "max_tokens",
+                          "context_length_exceeded")
+        if prompt_tokens >= settings.max_model_len:
+            return _error(400, f"The prompt has {prompt_tokens} tokens; the context is {settings.max_model_len}.",
+                          "messages", "context_length_exceeded")
+        if body.ignore_eos and cap is not None:
+            return cap, "length"
+        rng = random.Random(body.seed) if body.seed is not None else shared_rng
+        sigma2 = math.log1p(settings.output_cv ** 2)
+        mu = math.log(settings.output_mean_tokens) - sigma2 / 2
+        length = max(1, round(rng.lognormvariate(mu, math.sqrt(sigma2))))
+        length = min(length, settings.max_model_len - prompt_tokens)
+        if cap is not None and length >= cap:
+            return cap, "length"
+        return length, "stop"
+
+    async def generate(request: Request, body: _Generation, prompt_tokens: int, chat: bool) -> Any:
+        decided = output_length(body, prompt_tokens)
+        if isinstance(decided, JSONResponse):
+            return decided
+        length, finish_reason = decided
+        replica: EmulatedReplica = state["replica"]
+        seq = replica.submit(prompt_tokens, length)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        usage = lambda: {"prompt_tokens": prompt_tokens, "completion_tokens": seq.generated,  # noqa: E731
+                         "total_tokens": prompt_tokens + seq.generated}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(replica, seq, ident, created, body.model, chat, finish_reason,
+                                             include_usage, usage), media_type="text/event-stream")
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, replica, seq))
+        try:
+            while (event := await seq.events.get()) is not None:
+                pass
+        finally:
+            watcher.cancel()
+        if seq.cancelled:
+            return _error(499, "client closed the request", None, "cancelled")
+        text = "".join(f" t{i}" for i in range(1, seq.generated + 1))
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": body.model, "choices": [choice], "usage": usage()}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest) -> Any:
+        prompt_tokens = sum(count_tokens(m.text()) + CHAT_MESSAGE_OVERHEAD_TOKENS for m in body.messages)
+        return await generate(request, body, prompt_tokens, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Any:
+        prompt = body.prompt if isinstance(body.prompt, str) else " ".join(body.prompt)
+        return await generate(request, body, count_tokens(prompt), chat=False)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
+                                             "owned_by": "fairgate", "max_model_len": settings.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/emulator/stats")
+    async def stats() -> dict[str, Any]:
+        replica: EmulatedReplica = state["replica"]
+        recent = list(replica.iterations)
+        return {"running": replica.running, "waiting": replica.waiting, "busy_ms": replica.busy_ms,
+                "tokens_generated": replica.tokens_generated, "sequences_finished": replica.sequences_finished,
+                "sequences_cancelled": replica.sequences_cancelled, "iterations": len(recent),
+                "planned_ms": sum(i.planned_ms for i in recent), "measured_ms": sum(i.measured_ms for i in recent)}
+
+    app.state.emulator = state
+    return app
+
+
+async def _cancel_on_disconnect(request: Request, replica: EmulatedReplica, seq: Sequence) -> None:
+    while not seq.finished and not seq.cancelled:
+        if await request.is_disconnected():
+            replica.cancel(seq)
+            return
+        await asyncio.sleep(0.02)
+
+
+async def _stream(replica: EmulatedReplica, seq: Sequence, ident: str, created: int, model: str, chat: bool,
+                  finish_reason: str, include_usage: bool, usage: Any) -> AsyncIterator[str]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                {"content": delta_text} if delta_text is not None else {})
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+        body = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        if chat:
+            yield chunk(None, None, role=True)
+        while (index := await seq.events.get()) is not None:
+            yield chunk(f" t{index}", None)
+        yield chunk(None if chat else "", finish_reason)
+        if include_usage:
+            body = {"id": ident, "object": kind, "created": created, "model": model, "choices": [], "usage": usage()}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        replica.cancel(seq)  # a no-op once finished; stops the sequence if the client went away
