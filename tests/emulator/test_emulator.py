@@ -134,7 +134,7 @@ def test_cli_serves_and_rejects_bad_settings():
         assert reply.json()["data"][0]["id"] == "m1"
     finally:
         process.terminate()
-        process.wait(timeout=20)
+        process.communicate(timeout=20)  # also closes the stderr pipe
     bad = subprocess.run([sys.executable, "-m", "fairgate", "emulate", "--max-batch", "0"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--max-batch" in bad.stderr and "Traceback" not in bad.stderr
