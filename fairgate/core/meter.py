@@ -1,0 +1,107 @@
+"""The live meter: GPU time charged to requests in flight on an upstream, from wall-clock intervals.
+
+The gateway cannot see a replica's iterations, only which of its requests are in flight there and when
+their tokens arrive (``shared/DESIGN.md``, "Live metering"). The meter integrates the upstream's busy time
+(any time with at least one request in flight) and splits every interval among the requests in flight in
+the proportions of the cost model's charge rule (seed 002): each running sequence weighs
+``(iter_base + iter_slope * B) / B``; a request whose first token has not arrived yet is being prefilled and
+weighs, in addition, ``prefill_ms_per_token * prompt_tokens`` - the proportions of the iteration it is
+prefilled in. Its prefill is thus spread over its time to first token. The charges of every interval add up
+to the interval exactly, so the charges on an upstream add up to its measured busy time. (The gateway keeps
+at most ``max_batch`` requests in flight per upstream, so a request seldom waits inside the upstream before
+its prefill; time it does wait is charged at the prefill weight.)
+
+Pure: the caller passes ``now_ms`` (any monotonic clock in ms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fairgate.core.cost import CostModel
+
+
+@dataclass
+class _InFlight:
+    tenant: str
+    prompt_tokens: int
+    prefilling: bool = True
+    charged_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class MeterCharge:
+    """GPU ms charged to one request for the interval just metered."""
+
+    request_id: str
+    tenant: str
+    gpu_ms: float
+
+
+class LiveMeter:
+    """Meters one upstream. Call ``advance(now_ms)`` before every change (the methods below do it)."""
+
+    def __init__(self, cost: CostModel, now_ms: float) -> None:
+        self.cost = cost
+        self._requests: dict[str, _InFlight] = {}
+        self._last_ms = now_ms
+        self.busy_ms = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    def _weights(self) -> dict[str, float]:
+        batch = len(self._requests)
+        decode = self.cost.decode_ms(batch) / batch
+        return {rid: decode + (self.cost.prefill_ms(r.prompt_tokens) if r.prefilling else 0.0)
+                for rid, r in self._requests.items()}
+
+    def advance(self, now_ms: float) -> list[MeterCharge]:
+        """Charge the interval since the last call to the requests in flight. A clock that went backwards
+        charges nothing."""
+        interval = now_ms - self._last_ms
+        if interval <= 0:
+            return []
+        self._last_ms = now_ms
+        if not self._requests:
+            return []
+        self.busy_ms += interval
+        weights = self._weights()
+        total = sum(weights.values())
+        charges = []
+        remaining = interval
+        items = list(weights.items())
+        for index, (rid, weight) in enumerate(items):
+            # The last request takes what is left, so the interval is charged exactly, not to rounding.
+            share = remaining if index == len(items) - 1 else interval * weight / total
+            remaining -= share
+            request = self._requests[rid]
+            request.charged_ms += share
+            charges.append(MeterCharge(rid, request.tenant, share))
+        return charges
+
+    def start(self, request_id: str, tenant: str, prompt_tokens: int, now_ms: float) -> list[MeterCharge]:
+        """``request_id`` was sent upstream. Returns the charges of the interval that ended now."""
+        charges = self.advance(now_ms)
+        assert request_id not in self._requests, f"request {request_id} metered twice"
+        self._requests[request_id] = _InFlight(tenant, prompt_tokens)
+        return charges
+
+    def first_token(self, request_id: str, now_ms: float) -> list[MeterCharge]:
+        """Its first token arrived: its prefill is over."""
+        charges = self.advance(now_ms)
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.prefilling = False
+        return charges
+
+    def finish(self, request_id: str, now_ms: float) -> tuple[list[MeterCharge], float]:
+        """It left the upstream (done, failed or cancelled). Returns the interval's charges and its total."""
+        charges = self.advance(now_ms)
+        request = self._requests.pop(request_id)
+        return charges, request.charged_ms
+
+    def charged_ms(self, request_id: str) -> float:
+        """GPU ms charged to ``request_id`` so far."""
+        return self._requests[request_id].charged_ms
