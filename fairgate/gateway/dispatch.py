@@ -1,0 +1,171 @@
+"""The dispatcher: per-tenant queues in front of the upstreams, drained by the same ``Policy`` objects the
+simulator drives, on the wall clock.
+
+Per model there is one pool: one policy object and the upstreams serving that model. A request waits in its
+tenant's queue (bounded by the tenant's ``max_queued``) until the policy picks it for a free slot; it then
+goes to the least-loaded upstream of its model with a free slot (at most ``max_batch`` in flight each).
+Calls follow the simulator's order: ``enqueue`` -> ``pick`` when a slot frees -> ``charge`` (the prefill
+estimate at once, then metered GPU time as it is spent) -> ``finish``. A held request (a quota policy)
+is retried at the policy's ``wake_at``. A request whose client gave up while queued is skipped when picked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fairgate.core.cost import CostModel
+from fairgate.core.policy import Policy
+from fairgate.core.request import Request, RunningView
+
+
+class QueueFull(Exception):
+    """The tenant's queue holds ``limit`` requests already."""
+
+    def __init__(self, tenant: str, limit: int) -> None:
+        super().__init__(f"tenant {tenant!r} has {limit} requests queued (max_queued)")
+        self.tenant, self.limit = tenant, limit
+
+
+class NoUpstream(Exception):
+    """No upstream serves the requested model."""
+
+
+@dataclass
+class Upstream:
+    """An upstream replica as the dispatcher sees it."""
+
+    name: str
+    model: str
+    url: str
+    max_batch: int
+    cost: CostModel
+    in_flight: int = 0
+    healthy: bool = True
+
+
+@dataclass
+class Lease:
+    """A slot on ``upstream`` held by ``request`` until ``Dispatcher.release``."""
+
+    request: Request
+    upstream: Upstream
+    prefill_estimate_ms: float
+    released: bool = False
+
+
+@dataclass
+class _Pool:
+    policy: Policy
+    upstreams: list[Upstream]
+    view: RunningView = field(default_factory=RunningView)
+    waiters: dict[int, asyncio.Future[Lease]] = field(default_factory=dict)
+    queued: Counter[str] = field(default_factory=Counter)
+    abandoned: set[int] = field(default_factory=set)
+    wake: asyncio.TimerHandle | None = None
+
+
+class Dispatcher:
+    """Queues and dispatch for every model (see module docstring).
+
+    Args:
+        make_policy: builds a fresh policy object for one model's pool.
+        upstreams: every upstream; grouped by ``model``.
+        clock: ms, monotonic (the policy's ``now_ms``).
+        max_queued: tenant -> queue bound (None: unbounded).
+    """
+
+    def __init__(self, make_policy: Callable[[], Policy], upstreams: list[Upstream], clock: Callable[[], float],
+                 max_queued: Callable[[str], int | None]) -> None:
+        self._clock = clock
+        self._max_queued = max_queued
+        self._pools: dict[str, _Pool] = {}
+        for upstream in upstreams:
+            pool = self._pools.get(upstream.model)
+            if pool is None:
+                pool = self._pools[upstream.model] = _Pool(make_policy(), [])
+            pool.upstreams.append(upstream)
+
+    def models(self) -> list[str]:
+        return sorted(self._pools)
+
+    def queued(self, tenant: str, model: str) -> int:
+        return self._pools[model].queued[tenant] if model in self._pools else 0
+
+    async def acquire(self, request: Request, model: str) -> Lease:
+        """Queue ``request`` and wait for a slot.
+
+        Raises:
+            NoUpstream: no upstream serves ``model``. QueueFull: the tenant's queue is full.
+            asyncio.CancelledError: the caller gave up (the request is dropped from the queue).
+        """
+        pool = self._pools.get(model)
+        if pool is None or not any(u.healthy for u in pool.upstreams):
+            raise NoUpstream(f"no upstream serves model {model!r}")
+        limit = self._max_queued(request.tenant)
+        if limit is not None and pool.queued[request.tenant] >= limit:
+            raise QueueFull(request.tenant, limit)
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        pool.waiters[request.request_id] = future
+        pool.queued[request.tenant] += 1
+        pool.policy.enqueue(request, self._clock())
+        self._dispatch(pool)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release(future.result())  # granted just as the caller gave up
+            elif request.request_id in pool.waiters:
+                del pool.waiters[request.request_id]
+                pool.queued[request.tenant] -= 1
+                pool.abandoned.add(request.request_id)
+            raise
+
+    def release(self, lease: Lease) -> None:
+        """Free the slot (on every path: success, error, timeout, disconnect); idempotent."""
+        if lease.released:
+            return
+        lease.released = True
+        pool = self._pools[lease.upstream.model]
+        lease.upstream.in_flight -= 1
+        pool.view.by_tenant[lease.request.tenant] -= 1
+        pool.policy.finish(lease.request, self._clock())
+        self._dispatch(pool)
+
+    def charge(self, model: str, tenant: str, gpu_ms: float, output_tokens: int, batch_size: int) -> None:
+        """Book metered work with the model's policy."""
+        self._pools[model].policy.charge(tenant, gpu_ms, 0, output_tokens, batch_size)
+
+    def _dispatch(self, pool: _Pool) -> None:
+        now = self._clock()
+        while pool.policy.queued():
+            free = [u for u in pool.upstreams if u.healthy and u.in_flight < u.max_batch]
+            if not free:
+                return
+            request = pool.policy.pick(now, pool.view)
+            if request is None:
+                self._schedule_wake(pool, now)
+                return
+            future = pool.waiters.pop(request.request_id, None)
+            if future is None or request.request_id in pool.abandoned:
+                pool.abandoned.discard(request.request_id)
+                pool.policy.finish(request, now)  # its client left while it waited
+                continue
+            upstream = min(free, key=lambda u: (u.in_flight / u.max_batch, u.in_flight))
+            upstream.in_flight += 1
+            pool.queued[request.tenant] -= 1
+            pool.view.by_tenant[request.tenant] = pool.view.by_tenant.get(request.tenant, 0) + 1
+            prefill_ms = upstream.cost.prefill_ms(request.prompt_tokens)
+            pool.policy.charge(request.tenant, prefill_ms, request.prompt_tokens, 0, upstream.in_flight)
+            future.set_result(Lease(request, upstream, prefill_ms))
+
+    def _schedule_wake(self, pool: _Pool, now: float) -> None:
+        wake_ms = pool.policy.wake_at(now)
+        if wake_ms is None:
+            return
+        if pool.wake is not None:
+            pool.wake.cancel()
+        delay_s = max(0.001, (wake_ms - now) / 1000.0)
+        pool.wake = asyncio.get_running_loop().call_later(delay_s, self._dispatch, pool)

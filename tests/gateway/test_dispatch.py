@@ -1,0 +1,112 @@
+"""The dispatcher on a real event loop: slots, least-loaded placement, queue bounds, fairness, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from fairgate.core import CostModel, PolicySpec, Request, TenantShare, make_policy
+from fairgate.gateway.dispatch import Dispatcher, NoUpstream, QueueFull, Upstream
+
+COST = CostModel(9, 0.55, 0.06, 2)
+
+
+def build(policy: str = "gpu_fair", max_queued: int | None = None, params=None):  # type: ignore[no-untyped-def]
+    upstreams = [Upstream("u0", "m", "http://x", 2, COST), Upstream("u1", "m", "http://y", 2, COST)]
+    shares = {"a": TenantShare(), "b": TenantShare()}
+    dispatcher = Dispatcher(lambda: make_policy(PolicySpec(policy, params or {}), COST, shares), upstreams,
+                            lambda: time.monotonic() * 1000.0, lambda tenant: max_queued)
+    return dispatcher, upstreams
+
+
+async def test_slots_are_bounded_and_placement_is_least_loaded():
+    dispatcher, upstreams = build()
+    leases = [await dispatcher.acquire(Request(i, "a", 10, float(i)), "m") for i in range(4)]
+    assert [l.upstream.name for l in leases] == ["u0", "u1", "u0", "u1"]
+    assert [u.in_flight for u in upstreams] == [2, 2]
+    waiting = asyncio.create_task(dispatcher.acquire(Request(4, "b", 10, 4.0), "m"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # every slot is taken
+    dispatcher.release(leases[1])
+    lease = await asyncio.wait_for(waiting, 1)
+    assert lease.upstream.name == "u1" and lease.prefill_estimate_ms == pytest.approx(0.6)
+    dispatcher.release(leases[1])  # releasing twice changes nothing
+    assert [u.in_flight for u in upstreams] == [2, 2]
+
+
+async def test_queue_bound_and_unknown_model():
+    dispatcher, _ = build(max_queued=1)
+    held = [await dispatcher.acquire(Request(i, "a", 10, 0.0), "m") for i in range(4)]
+    queued = asyncio.create_task(dispatcher.acquire(Request(10, "a", 10, 0.0), "m"))
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull):
+        await dispatcher.acquire(Request(11, "a", 10, 0.0), "m")
+    other = asyncio.create_task(dispatcher.acquire(Request(12, "b", 10, 0.0), "m"))  # b has its own bound
+    await asyncio.sleep(0)
+    with pytest.raises(NoUpstream):
+        await dispatcher.acquire(Request(13, "a", 10, 0.0), "other-model")
+    for lease in held[:2]:
+        dispatcher.release(lease)
+    assert {(await queued).request.request_id, (await other).request.request_id} == {10, 12}
+
+
+async def test_a_client_that_gives_up_while_queued_loses_its_place_not_a_slot():
+    dispatcher, upstreams = build()
+    held = [await dispatcher.acquire(Request(i, "a", 10, 0.0), "m") for i in range(4)]
+    gone = asyncio.create_task(dispatcher.acquire(Request(20, "a", 10, 0.0), "m"))
+    kept = asyncio.create_task(dispatcher.acquire(Request(21, "b", 10, 1.0), "m"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    assert dispatcher.queued("a", "m") == 0
+    dispatcher.release(held[0])
+    assert (await asyncio.wait_for(kept, 1)).request.request_id == 21
+    assert sum(u.in_flight for u in upstreams) == 4
+
+
+async def test_gpu_fair_serves_the_tenant_with_less_gpu_time():
+    dispatcher, _ = build()
+    held = [await dispatcher.acquire(Request(i, t, 10, 0.0), "m") for i, t in enumerate("aabb")]
+    dispatcher.charge("m", "a", 5000.0, 100, 4)  # a has spent far more GPU time; both are active
+    order: list[str] = []
+
+    async def wait(request: Request) -> None:
+        lease = await dispatcher.acquire(request, "m")
+        order.append(request.tenant)
+        dispatcher.release(lease)
+
+    tasks = [asyncio.create_task(wait(Request(10 + i, t, 10, float(i)))) for i, t in enumerate("aabb")]
+    await asyncio.sleep(0)
+    dispatcher.release(held[0])
+    await asyncio.wait_for(asyncio.gather(*tasks), 1)
+    assert order[:2] == ["b", "b"]  # b first, although a's requests came earlier
+
+
+async def test_an_idle_tenant_banks_no_credit():
+    dispatcher, _ = build()
+    held = [await dispatcher.acquire(Request(i, "a", 10, 0.0), "m") for i in range(4)]
+    dispatcher.charge("m", "a", 5000.0, 100, 4)
+    order: list[str] = []
+
+    async def wait(request: Request) -> None:
+        lease = await dispatcher.acquire(request, "m")
+        order.append(request.tenant)
+        dispatcher.release(lease)
+
+    tasks = [asyncio.create_task(wait(Request(10 + i, t, 10, float(i)))) for i, t in enumerate("ab")]
+    await asyncio.sleep(0)
+    dispatcher.release(held[0])
+    await asyncio.wait_for(asyncio.gather(*tasks), 1)
+    assert order == ["a", "b"]  # b was idle: lifted to a's counter, and a's request is older
+
+
+async def test_quota_policy_wakes_up_on_time():
+    dispatcher, _ = build("request_quota", params={"request_quota": {"requests_per_minute": 600}})  # one per 100 ms
+    start = time.monotonic()
+    first = await dispatcher.acquire(Request(1, "a", 10, 0.0), "m")
+    second = await asyncio.wait_for(dispatcher.acquire(Request(2, "a", 10, 0.0), "m"), 2)
+    assert 0.08 <= time.monotonic() - start <= 0.5
+    dispatcher.release(first)
+    dispatcher.release(second)
