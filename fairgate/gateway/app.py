@@ -1,0 +1,388 @@
+"""The gateway: OpenAI-compatible, tenants from their credential, quota admission, GPU-time fair dispatch.
+
+Request path (``shared/DESIGN.md``, "Request path and errors"):
+
+1. size and JSON checks (413 / 400 naming the field); the tenant from ``Authorization: Bearer <key>``
+   (401), or from a signed on-behalf-of token presented by a delegate service (403 otherwise); a tenant
+   named in the body (``user``) or a header is never used;
+2. the model (404) and the prompt against its context (413); the request id from ``X-Request-Id`` or
+   ``Idempotency-Key`` (generated if absent, echoed as ``x-request-id``);
+3. a ledger reservation for the prompt, ``max_tokens`` and a GPU-time estimate (429 with ``Retry-After``
+   when a quota dimension is full, 503 when the ledger is down for a ``reject`` tier); a retry of a request
+   id that already completed is answered 409 and never charged twice;
+4. the tenant's queue (429 when ``max_queued`` is reached) and the fair policy, which picks the next
+   request whenever an upstream slot frees;
+5. the upstream call, always streamed; the live meter charges GPU time as tokens arrive (to the policy at
+   once, to the ledger in partial settlements); the final settlement bills the upstream's usage and the
+   metered GPU time; a client that disconnects closes the upstream stream (the sequence stops within an
+   iteration) and is billed for what was generated. The slot is released on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from fairgate.core.policies.factory import TenantShare, make_policy
+from fairgate.core.request import Request as CoreRequest
+from fairgate.emulator.api import CHAT_MESSAGE_OVERHEAD_TOKENS, ChatRequest, CompletionRequest, count_tokens
+from fairgate.gateway.auth import DelegationError, KeyRing, verify_on_behalf_of
+from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.dispatch import Dispatcher, Lease, NoUpstream, QueueFull, Upstream
+from fairgate.gateway.upstream import CallState, UpstreamClient, UpstreamError
+from fairgate.ledger import (
+    IdempotencyConflict,
+    Ledger,
+    LedgerError,
+    LedgerUnavailable,
+    QuotaExceeded,
+    Reservation,
+    ReservationFinal,
+    UnknownTenant,
+    Usage,
+)
+from fairgate.ledger.base import tenant_tag
+from fairgate.ledger.emergency import ResilientLedger
+
+log = logging.getLogger("fairgate.gateway")
+ON_BEHALF_OF_HEADER = "x-fairgate-on-behalf-of"
+PARTIAL_SETTLE_EVERY_S = 2.0
+
+
+class GatewayError(Exception):
+    """An error answered to the client: HTTP status, OpenAI error ``type`` and ``code``, the field at fault."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 kind: str = "invalid_request_error", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
+        self.retry_after_s = retry_after_s
+
+
+def _error_response(error: GatewayError, request_id: str) -> JSONResponse:
+    headers = {"x-request-id": request_id}
+    if error.retry_after_s is not None:
+        # Jitter (up to +25 %) so rejected clients do not come back as one wave (seed 003).
+        headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s * (1 + 0.25 * random.random()))))
+    body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
+    return JSONResponse(status_code=error.status, content=body, headers=headers)
+
+
+def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastAPI:
+    """The gateway's ASGI app for ``config``.
+
+    Args:
+        ledger: an open ledger to use (the caller closes it); default: open ``[gateway].ledger`` when the
+            app starts (on its own event loop) and close it when it stops.
+    """
+    keys = KeyRing.from_config(config)
+    front: ResilientLedger = None  # type: ignore[assignment]  # set when the app starts
+    shares = {name: TenantShare(t.weight, t.priority) for name, t in config.quotas.tenants.items()}
+    upstreams = [Upstream(u.name, u.model, u.url, u.max_batch, u.cost) for u in config.upstreams]
+    by_name = {u.name: u for u in config.upstreams}
+    spec = config.policy_spec()
+
+    def max_queued(tenant: str) -> int | None:
+        try:
+            return config.quotas.tenant(tenant).limits.max_queued
+        except KeyError:
+            return 0
+
+    dispatcher = Dispatcher(lambda: make_policy(spec, upstreams[0].cost, shares), upstreams,
+                            lambda: time.monotonic() * 1000.0, max_queued)
+    clients: dict[str, UpstreamClient] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        nonlocal front
+        from fairgate.ledger import connect
+
+        opened = ledger if ledger is not None else await connect(config.ledger_url, config.quotas)
+        front = ResilientLedger(opened, config.journal_path)
+        app.state.ledger = front
+        for upstream in upstreams:
+            model = upstream.model
+            clients[upstream.name] = UpstreamClient(
+                upstream, lambda tenant, ms, tokens, batch, model=model: dispatcher.charge(model, tenant, ms, tokens,
+                                                                                          batch),
+                timeout_s=config.gateway.request_timeout_s)
+        yield
+        for client in clients.values():
+            await client.close()
+        if ledger is None:
+            await opened.close()
+
+    app = FastAPI(title="fairgate gateway", lifespan=lifespan)
+    app.state.dispatcher = dispatcher
+
+    def authenticate(request: Request) -> tuple[str, str | None]:
+        """(tenant billed, delegate acting for it). Raises ``GatewayError`` 401/403."""
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise GatewayError(401, "Missing API key: send Authorization: Bearer <key>.", "invalid_api_key",
+                               kind="authentication_error")
+        caller = keys.tenant_for(key.strip())
+        if caller is None:
+            raise GatewayError(401, "Invalid API key.", "invalid_api_key", kind="authentication_error")
+        token = request.headers.get(ON_BEHALF_OF_HEADER)
+        if token is None:
+            return caller, None
+        if caller not in config.delegation.delegates:
+            raise GatewayError(403, f"Tenant {caller!r} may not act on behalf of others.", "delegation_not_allowed",
+                               kind="permission_error")
+        secret = config.delegation_secret()
+        if secret is None:
+            raise GatewayError(403, "Delegation is not configured on this gateway.", "delegation_not_allowed",
+                               kind="permission_error")
+        try:
+            tenant = verify_on_behalf_of(secret, token, caller, time.time())
+        except DelegationError as exc:
+            raise GatewayError(403, f"On-behalf-of token rejected: {exc}", "invalid_delegation",
+                               kind="permission_error") from None
+        if tenant not in config.quotas.tenants:
+            raise GatewayError(403, "The on-behalf-of token names an unknown tenant.", "invalid_delegation",
+                               kind="permission_error")
+        return tenant, caller
+
+    async def read_body(request: Request, chat: bool) -> ChatRequest | CompletionRequest:
+        declared = request.headers.get("content-length")
+        limit = config.gateway.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise GatewayError(413, f"Request body is {declared} bytes; the limit is {limit}.", "body_too_large")
+        raw = b""
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > limit:
+                raise GatewayError(413, f"Request body exceeds {limit} bytes.", "body_too_large")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise GatewayError(400, "The body is not valid JSON.", "invalid_json") from None
+        if not isinstance(data, dict):
+            raise GatewayError(400, "The body must be a JSON object.", "invalid_json")
+        try:
+            return (ChatRequest if chat else CompletionRequest).model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise GatewayError(400, f"{param or 'body'}: {first['msg']}", "invalid_request", param) from None
+
+    def request_id_of(request: Request) -> str:
+        given = request.headers.get("x-request-id") or request.headers.get("idempotency-key")
+        if given is None:
+            return f"req-{uuid.uuid4().hex}"
+        if not (0 < len(given) <= 200 and given.isprintable()):
+            raise GatewayError(400, "X-Request-Id / Idempotency-Key must be 1-200 printable characters.",
+                               "invalid_request_id", "x-request-id")
+        return given
+
+    def rate_headers(tenant: str, model: str) -> dict[str, str]:
+        try:
+            limits = config.quotas.tenant(tenant).for_model_class(model)
+        except KeyError:
+            return {}
+        headers = {}
+        if limits.requests_per_minute is not None:
+            headers["x-ratelimit-limit-requests"] = f"{limits.requests_per_minute:g}"
+        if limits.input_tokens_per_minute is not None:
+            headers["x-ratelimit-limit-tokens"] = f"{limits.input_tokens_per_minute:g}"
+        return headers
+
+    async def handle(request: Request, chat: bool) -> Any:
+        request_id = f"req-{uuid.uuid4().hex}"
+        try:
+            request_id = request_id_of(request)
+            tenant, delegate = authenticate(request)
+            body = await read_body(request, chat)
+            return await serve(request, body, chat, tenant, delegate, request_id)
+        except GatewayError as error:
+            return _error_response(error, request_id)
+
+    async def serve(request: Request, body: ChatRequest | CompletionRequest, chat: bool, tenant: str,
+                    delegate: str | None, request_id: str) -> Any:
+        serving = config.upstreams_for(body.model)
+        if not serving:
+            raise GatewayError(404, f"The model {body.model!r} does not exist.", "model_not_found", "model")
+        context = min(u.max_model_len for u in serving)
+        if chat:
+            assert isinstance(body, ChatRequest)
+            prompt_tokens = sum(count_tokens(m.text()) + CHAT_MESSAGE_OVERHEAD_TOKENS for m in body.messages)
+        else:
+            assert isinstance(body, CompletionRequest)
+            prompt = body.prompt if isinstance(body.prompt, str) else " ".join(body.prompt)
+            prompt_tokens = count_tokens(prompt)
+        if prompt_tokens >= context:
+            raise GatewayError(413, f"The prompt has {prompt_tokens} tokens; the model's context is {context}.",
+                               "context_length_exceeded", "messages" if chat else "prompt")
+        max_tokens = body.token_cap() or min(config.gateway.default_max_tokens, context - prompt_tokens)
+        if prompt_tokens + max_tokens > context:
+            raise GatewayError(400, f"max_tokens {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the "
+                                    f"context of {context}.", "context_length_exceeded", "max_tokens")
+        cost = serving[0].cost
+        estimate = cost.prefill_ms(prompt_tokens) + max_tokens * cost.decode_charge_ms(cost.max_batch)
+        try:
+            reservation = await front.reserve(tenant, request_id, prompt_tokens, max_tokens, estimate, body.model)
+        except QuotaExceeded as exc:
+            raise GatewayError(429, f"Quota {exc.dimension} exceeded for this tenant.",
+                               "insufficient_quota" if exc.retry_after_s is None else "rate_limit_exceeded",
+                               kind="rate_limit_error", retry_after_s=exc.retry_after_s or 60.0) from None
+        except IdempotencyConflict:
+            raise GatewayError(409, "This request id was used before with a different request.",
+                               "idempotency_conflict", "x-request-id") from None
+        except LedgerUnavailable:
+            raise GatewayError(503, "Accounting is unavailable; retry later.", "ledger_unavailable",
+                               kind="server_error", retry_after_s=5.0) from None
+        except UnknownTenant:
+            raise GatewayError(403, "This tenant has no quota configuration.", "tenant_not_configured",
+                               kind="permission_error") from None
+        if reservation.is_final:
+            raise GatewayError(409, f"Request {request_id!r} has completed already ({reservation.status}); it is not "
+                                    "run or charged again.", "request_already_completed", "x-request-id")
+        log.info(json.dumps({"event": "admitted", "request_id": request_id, "tenant_hash": tenant_tag(tenant),
+                             "delegate_hash": tenant_tag(delegate) if delegate else None, "model": body.model}))
+        core_request = CoreRequest(_sequence(), tenant, prompt_tokens, time.monotonic() * 1000.0, max_tokens)
+        try:
+            lease = await dispatcher.acquire(core_request, body.model)
+        except QueueFull as exc:
+            await _release_reservation(reservation, Usage())
+            raise GatewayError(429, f"Too many requests queued for this tenant ({exc.limit}).", "queue_full",
+                               kind="rate_limit_error", retry_after_s=2.0) from None
+        except NoUpstream:
+            await _release_reservation(reservation, Usage())
+            raise GatewayError(503, f"No upstream is available for {body.model!r}.", "no_upstream",
+                               kind="server_error", retry_after_s=5.0) from None
+        except asyncio.CancelledError:
+            await _release_reservation(reservation, Usage())
+            raise
+        client = clients[lease.upstream.name]
+        call = CallState(request_id, tenant, prompt_tokens)
+        upstream_body = body.model_dump(exclude_none=True)
+        upstream_body["max_tokens"] = max_tokens
+        upstream_body.pop("max_completion_tokens", None)
+        upstream_body.pop("user", None)  # a client-named tenant goes nowhere
+        upstream_body["cache_salt"] = tenant_tag(tenant)  # per-tenant prefix-cache isolation (vLLM)
+        path = "/chat/completions" if chat else "/completions"
+        headers = {"x-request-id": request_id, **rate_headers(tenant, body.model)}
+        stream = client.stream(path, upstream_body, call, lease.prefill_estimate_ms)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_relay(stream, call, reservation, lease, include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        return await _collect(stream, call, reservation, lease, chat, body.model, headers)
+
+    async def _release_reservation(reservation: Reservation, consumed: Usage) -> None:
+        try:
+            await front.cancel(reservation.id, consumed)
+        except (ReservationFinal, LedgerError):
+            log.warning(json.dumps({"event": "release_failed", "reservation": reservation.id}))
+
+    async def _settle(call: CallState, reservation: Reservation, final: bool, cancelled: bool) -> None:
+        usage = call.usage or {}
+        input_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
+        output_tokens = min(int(usage.get("completion_tokens", call.output_tokens)), reservation.max_output_tokens)
+        gpu_ms = min(call.gpu_ms, 86_400_000.0)
+        try:
+            if cancelled:
+                await front.cancel(reservation.id, Usage(input_tokens, output_tokens, gpu_ms))
+            else:
+                await front.settle(reservation.id, input_tokens, output_tokens, gpu_ms, final)
+        except (ReservationFinal, LedgerError) as exc:
+            log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
+
+    async def _relay(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
+                     lease: Lease, include_usage: bool) -> AsyncIterator[str]:
+        finished = False
+        last_settle = time.monotonic()
+        try:
+            async for chunk in stream:
+                if not chunk.get("choices") and chunk.get("usage") and not include_usage:
+                    continue  # the gateway asked for usage; this client did not
+                if not include_usage:
+                    chunk.pop("usage", None)
+                yield f"data: {json.dumps(chunk)}\n\n"
+                if time.monotonic() - last_settle > PARTIAL_SETTLE_EVERY_S:
+                    last_settle = time.monotonic()
+                    await _settle(call, reservation, final=False, cancelled=False)
+            yield "data: [DONE]\n\n"
+            finished = True
+        except UpstreamError as exc:
+            error = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "upstream_error"}}
+            yield f"data: {json.dumps(error)}\n\n"
+        finally:
+            # The client may be gone and this task cancelled: the clean-up must still run to the end.
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()  # type: ignore[attr-defined]
+                dispatcher.release(lease)
+                await _settle(call, reservation, final=True, cancelled=not finished)
+
+    async def _collect(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
+                       lease: Lease, chat: bool, model: str, headers: dict[str, str]) -> Any:
+        finished = False
+        try:
+            async for _ in stream:
+                pass
+            finished = True
+        except UpstreamError as exc:
+            raise GatewayError(exc.status, str(exc), "upstream_error", kind="server_error") from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()  # type: ignore[attr-defined]
+                dispatcher.release(lease)
+                await _settle(call, reservation, final=True, cancelled=not finished)
+        text = "".join(call.text)
+        usage = call.usage or {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.output_tokens,
+                               "total_tokens": call.prompt_tokens + call.output_tokens}
+        finish = call.finish_reason or "stop"
+        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
+                                   "finish_reason": finish, "logprobs": None} if chat else
+                                  {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+        document = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                    "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                    "model": model, "choices": [choice], "usage": usage}
+        return JSONResponse(document, headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await handle(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await handle(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        try:
+            authenticate(request)
+        except GatewayError as error:
+            return _error_response(error, f"req-{uuid.uuid4().hex}")
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "fairgate"}
+                                            for m in dispatcher.models()]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    del by_name
+    return app
+
+
+_counter = iter(range(1, 1 << 62))
+
+
+def _sequence() -> int:
+    """Increasing ids for the policy's tie-breaks (arrival order within this process)."""
+    return next(_counter)

@@ -1,0 +1,383 @@
+"""The gateway's configuration file (TOML): upstreams, policy, quotas, API keys, admin and delegation.
+
+```toml
+[gateway]
+policy = "gpu_fair"                        # one of fairgate.core.POLICY_NAMES
+ledger = "sqlite:///fairgate-ledger.db"    # sqlite:///relative.db, sqlite:////absolute.db, postgresql://…, redis://…
+journal = "fairgate-journal.jsonl"         # emergency journal
+default_max_tokens = 512                   # output cap of a request that gives none
+max_body_bytes = 1048576
+request_timeout_s = 600
+
+[[upstream]]                               # at least one; names unique
+name = "emu-0"
+url = "http://127.0.0.1:8001/v1"           # http(s) base URL ending in /v1
+model = "fairgate-emulated"                # the model name clients ask for; several upstreams may serve one
+max_batch = 24                             # requests in flight at once on this upstream
+iter_base_ms = 9.0                         # its cost model (the live meter's proportions)
+iter_slope_ms = 0.55
+prefill_ms_per_token = 0.06
+max_model_len = 32768
+
+[policy]                                   # per-policy parameters, as a scenario's [policy]
+[quotas]                                   # the ledger's quota document: tiers, defaults, tenants
+
+[[key]]                                    # an API key, stored hashed (make one with `fairgate keys add`)
+tenant = "acme"                            # a tenant of [quotas.tenants]
+hash = "sha256$<salt hex>$<digest hex>"
+name = "ci"                                # optional label
+
+[admin]
+key_hashes = ["sha256$…"]                  # admin credentials, hashed like API keys
+
+[delegation]
+secret_env = "FAIRGATE_DELEGATION_SECRET"  # the NAME of the variable holding the HMAC secret, never the secret
+delegates = ["batch-service"]              # tenants allowed to act for other tenants
+```
+
+Relative paths (a ``sqlite:///`` ledger, the journal) are relative to the configuration file's folder
+and are resolved to absolute ones on loading.
+
+Every key is checked: an unknown key at any level, a wrong type ("24" where a number belongs), a value
+out of range, an unknown policy, a bad URL, a malformed key hash, two upstreams with one name, a key or
+delegate naming a tenant absent from ``[quotas.tenants]``, and every quota error raise
+``GatewayConfigError``, whose message is one line ``<file>: <dotted.key>: <problem>``
+(e.g. ``fairgate.toml: upstream[1].url: must be an http(s) base URL ending in /v1``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+
+from fairgate.core.cost import CostModel
+from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
+from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, is_key_hash
+from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
+from fairgate.sim.scenario import MAX_TOKENS, PolicyConfig
+
+
+class GatewayConfigError(ValueError):
+    """An invalid gateway configuration; ``str()`` is one line ``<file>: <dotted.key>: <problem>``."""
+
+
+class _Strict(BaseModel):
+    # strict: "24" or true where a number belongs is an error, not a conversion; floats must be finite.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+def _key_hash(text: str) -> str:
+    if not is_key_hash(text):
+        raise ValueError("must look like sha256$<salt hex>$<64 hex digits> (make keys with `fairgate keys add`)")
+    return text
+
+
+KeyHash = Annotated[str, AfterValidator(_key_hash)]
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+TenantName = Annotated[str, Field(min_length=1, max_length=200)]
+
+_LEDGER_SCHEMES = ("sqlite", "postgresql", "postgres", "redis", "rediss")
+
+
+class GatewaySection(_Strict):
+    """``[gateway]``. After loading, ``ledger`` and ``journal`` are absolute (see ``GatewayConfig``)."""
+
+    policy: str = "gpu_fair"
+    ledger: str
+    journal: Annotated[str, Field(min_length=1)] = "fairgate-journal.jsonl"
+    default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] = 512
+    max_body_bytes: Annotated[int, Field(ge=1024, le=1024**3)] = 1024 * 1024
+    request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(POLICY_NAMES)}")
+        return value
+
+    @field_validator("ledger")
+    @classmethod
+    def _ledger_url(cls, value: str) -> str:
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in _LEDGER_SCHEMES:
+            raise ValueError(f"{value!r}: expected sqlite:///path.db, postgresql://... or redis://...")
+        if scheme == "sqlite" and (not rest.startswith("/") or rest == "/"):
+            raise ValueError(f"{value!r}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
+        if scheme != "sqlite" and not rest:
+            raise ValueError(f"{value!r}: names no server")
+        return value
+
+
+class UpstreamConfig(_Strict):
+    """One ``[[upstream]]``: an OpenAI-compatible server, the model it serves and its cost model."""
+
+    name: Name
+    url: str
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    max_batch: Annotated[int, Field(ge=1, le=100_000)]
+    iter_base_ms: Annotated[float, Field(ge=0.001, le=1e6)]
+    iter_slope_ms: Annotated[float, Field(ge=0.0, le=1e5)]
+    prefill_ms_per_token: Annotated[float, Field(ge=0.0, le=1e4)]
+    max_model_len: Annotated[int, Field(ge=2, le=MAX_TOKENS)]
+
+    @field_validator("url")
+    @classmethod
+    def _base_url(cls, value: str) -> str:
+        problem = "must be an http(s) base URL ending in /v1, e.g. http://127.0.0.1:8001/v1"
+        try:
+            parts = urlsplit(value)
+            port = parts.port  # raises ValueError on a bad port
+        except ValueError:
+            raise ValueError(problem) from None
+        del port
+        if (parts.scheme not in ("http", "https") or not parts.hostname or not parts.path.endswith("/v1")
+                or parts.query or parts.fragment or re.search(r"\s", value)):
+            raise ValueError(problem)
+        return value
+
+    @property
+    def cost(self) -> CostModel:
+        """This upstream's cost model."""
+        return CostModel(self.iter_base_ms, self.iter_slope_ms, self.prefill_ms_per_token, self.max_batch)
+
+
+class KeyConfig(_Strict):
+    """One ``[[key]]``: a tenant's API key, hashed, with an optional label."""
+
+    tenant: TenantName
+    hash: KeyHash
+    name: Annotated[str, Field(max_length=200)] | None = None
+
+
+class AdminConfig(_Strict):
+    """``[admin]``: hashed admin credentials."""
+
+    key_hashes: list[KeyHash] = Field(default_factory=list)
+
+
+class DelegationConfig(_Strict):
+    """``[delegation]``: the environment variable holding the on-behalf-of secret, and who may delegate."""
+
+    secret_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)] = \
+        "FAIRGATE_DELEGATION_SECRET"
+    delegates: list[TenantName] = Field(default_factory=list)
+
+
+class GatewayConfig(_Strict):
+    """A validated gateway configuration (build it with ``load_gateway_config``).
+
+    Attributes:
+        gateway: ``[gateway]``, with ``ledger`` and ``journal`` resolved to absolute paths.
+        upstreams: the ``[[upstream]]`` tables, in file order.
+        policy: ``[policy]``, per-policy parameters.
+        keys: the ``[[key]]`` tables.
+        admin: ``[admin]``.
+        delegation: ``[delegation]``.
+        quotas: the validated ``[quotas]`` (a ``fairgate.ledger.config.Quotas``).
+        path: the file it was read from.
+    """
+
+    gateway: GatewaySection
+    upstreams: list[UpstreamConfig] = Field(default_factory=list, alias="upstream")
+    policy: PolicyConfig = PolicyConfig()
+    quotas_document: dict[str, Any] = Field(alias="quotas")
+    keys: list[KeyConfig] = Field(default_factory=list, alias="key")
+    admin: AdminConfig = AdminConfig()
+    delegation: DelegationConfig = DelegationConfig()
+    _path: Path = PrivateAttr(default=Path("<gateway config>"))
+    _quotas: Quotas | None = PrivateAttr(default=None)
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def quotas(self) -> Quotas:
+        if self._quotas is None:
+            self._quotas = _quotas(self._path, self.quotas_document)
+        return self._quotas
+
+    @property
+    def ledger_url(self) -> str:
+        """The ledger URL (a ``sqlite:///`` path made absolute)."""
+        return self.gateway.ledger
+
+    @property
+    def journal_path(self) -> Path:
+        """The emergency journal, absolute."""
+        return Path(self.gateway.journal)
+
+    def upstreams_for(self, model: str) -> list[UpstreamConfig]:
+        """The upstreams serving ``model`` (empty for an unknown model)."""
+        return [u for u in self.upstreams if u.model == model]
+
+    def policy_spec(self, name: str | None = None) -> PolicySpec:
+        """The ``PolicySpec`` of ``name`` (default ``[gateway].policy``) with this file's ``[policy]`` parameters.
+
+        Without ``[policy.slot_cap]``, ``max_running`` is the upstreams' total ``max_batch`` over the tenants.
+        """
+        params: dict[str, dict[str, Any]] = {}
+        for policy_name, value in self.policy:
+            if value is not None:
+                params[policy_name] = value.model_dump(exclude_none=True)
+        if "slot_cap" not in params:
+            tenants = max(len(self.quotas.tenants), 1)
+            params["slot_cap"] = {"max_running": max(1, sum(u.max_batch for u in self.upstreams) // tenants)}
+        return PolicySpec(name or self.gateway.policy, params)
+
+    def delegation_secret(self, environ: Mapping[str, str] | None = None) -> bytes | None:
+        """The on-behalf-of secret from ``$[delegation].secret_env`` (``None`` when the variable is unset).
+
+        Raises:
+            GatewayConfigError: the variable holds fewer than 16 bytes.
+        """
+        value = (os.environ if environ is None else environ).get(self.delegation.secret_env)
+        if value is None:
+            return None
+        secret = value.encode("utf-8")
+        if len(secret) < DELEGATION_SECRET_BYTES_MIN:
+            raise GatewayConfigError(f"{self._path}: delegation.secret_env: ${self.delegation.secret_env} holds "
+                                     f"{len(secret)} bytes; a delegation secret needs at least "
+                                     f"{DELEGATION_SECRET_BYTES_MIN}")
+        return secret
+
+
+def _format_location(location: tuple[Any, ...]) -> str:
+    out = ""
+    for part in location:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part).startswith(("function-", "constrained-", "tagged-union")):
+            continue  # pydantic's validator and union tags
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+_KIND_ERRORS = {"int_type", "float_type", "model_attributes_type", "dict_type", "model_type"}
+
+
+def _message(path: Path | str, error: ValidationError) -> str:
+    """One line for a pydantic error: the misspelt key first, else the deepest problem (as scenario files)."""
+    errors = error.errors()
+    telling = [e for e in errors if e["type"] not in _KIND_ERRORS] or errors
+    unknown = [e for e in telling if e["type"] == "extra_forbidden"]
+    first = unknown[0] if unknown else max(telling, key=lambda e: len(_format_location(tuple(e["loc"]))))
+    location = _format_location(tuple(first["loc"]))
+    message = first["msg"].replace(" or instance of _Empty", "").replace("Value error, ", "")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif first["type"] == "missing":
+        message = "missing required key"
+    elif first["type"] == "string_pattern_mismatch":
+        message = ("must be a letter or digit followed by letters, digits, '.', '_' or '-'"
+                   if not location.endswith("secret_env") else "must be an environment variable name")
+    more = len(telling) - 1
+    extra = f" (and {more} more problem{'s' if more > 1 else ''} after fixing this)" if more else ""
+    return f"{path}: {location}: {message}{extra}"
+
+
+_QUOTAS_SOURCE = "\x00quotas\x00"
+
+
+def _quotas(path: Path, document: dict[str, Any]) -> Quotas:
+    try:
+        return quotas_from_dict(document, _QUOTAS_SOURCE)
+    except QuotaConfigError as exc:
+        text = str(exc)
+        if not text.startswith(_QUOTAS_SOURCE + ": "):
+            raise GatewayConfigError(f"{path}: quotas: {text}") from None
+        rest = text[len(_QUOTAS_SOURCE) + 2:]
+        if rest.startswith("(top level): "):
+            rest = rest[len("(top level): "):].replace("Value error, ", "")
+            raise GatewayConfigError(f"{path}: quotas: {rest}") from None
+        raise GatewayConfigError(f"{path}: quotas.{rest}") from None
+
+
+def _resolve(path: Path, gateway: GatewaySection) -> GatewaySection:
+    folder = path.parent
+    ledger = gateway.ledger
+    if ledger.startswith("sqlite:///"):
+        ledger = "sqlite:///" + str((folder / ledger[len("sqlite:///"):]).resolve())
+    journal = str((folder / gateway.journal).resolve())
+    return gateway.model_copy(update={"ledger": ledger, "journal": journal})
+
+
+def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayConfig:
+    """Validate a parsed gateway document read from ``path`` (used for messages and relative paths).
+
+    Raises:
+        GatewayConfigError: any invalid key or value (see the module docstring).
+    """
+    path = Path(path)
+    try:
+        config = GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise GatewayConfigError(_message(path, exc)) from None
+    if not config.upstreams:
+        raise GatewayConfigError(f"{path}: upstream: no upstreams; add at least one [[upstream]] table")
+    seen: dict[str, int] = {}
+    for i, upstream in enumerate(config.upstreams):
+        if upstream.name in seen:
+            raise GatewayConfigError(f"{path}: upstream[{i}].name: {upstream.name!r} is also "
+                                     f"upstream[{seen[upstream.name]}]'s name")
+        seen[upstream.name] = i
+    quotas = _quotas(path, config.quotas_document)
+    tenants = ", ".join(quotas.tenants) or "none"
+    hashes: dict[str, str] = {}
+    for i, key in enumerate(config.keys):
+        if key.tenant not in quotas.tenants:
+            raise GatewayConfigError(f"{path}: key[{i}].tenant: unknown tenant {key.tenant!r} "
+                                     f"(tenants in [quotas.tenants]: {tenants})")
+        if key.hash in hashes:
+            raise GatewayConfigError(f"{path}: key[{i}].hash: the same hash as {hashes[key.hash]}")
+        hashes[key.hash] = f"key[{i}]"
+    for i, stored in enumerate(config.admin.key_hashes):
+        if stored in hashes:
+            raise GatewayConfigError(f"{path}: admin.key_hashes[{i}]: the same hash as {hashes[stored]}; "
+                                     "admin credentials must be keys of their own")
+        hashes[stored] = f"admin.key_hashes[{i}]"
+    for i, delegate in enumerate(config.delegation.delegates):
+        if delegate not in quotas.tenants:
+            raise GatewayConfigError(f"{path}: delegation.delegates[{i}]: unknown tenant {delegate!r} "
+                                     f"(tenants in [quotas.tenants]: {tenants})")
+    config = config.model_copy(update={"gateway": _resolve(path, config.gateway)})
+    config._path = path
+    config._quotas = quotas
+    return config
+
+
+def load_gateway_config(path: str | Path) -> GatewayConfig:
+    """Read and validate the gateway configuration at ``path``.
+
+    Raises:
+        GatewayConfigError: a missing, unreadable or non-TOML file, or any invalid key or value; one line
+            ``<file>: <dotted.key>: <problem>``.
+    """
+    path = Path(path)
+    if path.is_file() and path.stat().st_size > 10 * 1024 * 1024:
+        raise GatewayConfigError(f"{path}: larger than 10 MiB; not a gateway configuration")
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise GatewayConfigError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise GatewayConfigError(f"{path}: is a directory, expected a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise GatewayConfigError(f"{path}: not valid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GatewayConfigError(f"{path}: cannot read: {exc}") from None
+    return gateway_config_from_dict(data, path)
+
+
+__all__ = ["AdminConfig", "DelegationConfig", "GatewayConfig", "GatewayConfigError", "GatewaySection", "KeyConfig",
+           "UpstreamConfig", "gateway_config_from_dict", "load_gateway_config"]

@@ -1,0 +1,137 @@
+"""Talking to one upstream replica: the streamed call, the live meter, and what to bill.
+
+The gateway always asks the upstream for a stream with usage (``stream_options.include_usage``), whatever
+the client asked: token arrivals drive the live meter (``fairgate.core.meter``), and a client that asked for
+a plain response gets one assembled from the stream. Closing the stream (client gone, timeout) is how the
+upstream is told to stop: vLLM and the emulator stop the sequence within one iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from fairgate.core.meter import LiveMeter, MeterCharge
+from fairgate.gateway.dispatch import Upstream
+
+# Charges to the policy, per request: (tenant, gpu_ms, output_tokens, batch size).
+ChargeSink = Callable[[str, float, int, int], None]
+
+
+class UpstreamError(Exception):
+    """The upstream failed (connection, HTTP error status, malformed stream); ``status`` for the client."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class CallState:
+    """One request's progress on its upstream: tokens seen, usage reported, GPU ms metered."""
+
+    request_id: str
+    tenant: str
+    prompt_tokens: int  # the gateway's estimate until the upstream reports usage
+    output_tokens: int = 0
+    usage: dict[str, int] | None = None
+    finish_reason: str | None = None
+    text: list[str] = field(default_factory=list)
+    role_seen: bool = False
+    first_token_s: float | None = None
+    gpu_ms: float = 0.0  # metered so far
+    policy_charged_ms: float = 0.0  # booked with the policy so far (starts at the prepaid prefill estimate)
+
+
+class UpstreamClient:
+    """One upstream: its HTTP client, its live meter, and the calls in flight on it."""
+
+    def __init__(self, upstream: Upstream, charge: ChargeSink, clock: Callable[[], float] = time.monotonic,
+                 timeout_s: float = 600.0) -> None:
+        self.upstream = upstream
+        self._charge = charge
+        self._clock = clock
+        self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
+        self._calls: dict[str, CallState] = {}
+        self.http = httpx.AsyncClient(base_url=upstream.url.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=5.0),
+                                      limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8))
+
+    def _book(self, charges: list[MeterCharge]) -> None:
+        batch = max(1, self.meter.in_flight)
+        for charge in charges:
+            call = self._calls.get(charge.request_id)
+            if call is None:
+                continue
+            call.gpu_ms += charge.gpu_ms
+            # The policy was charged the prefill estimate when it picked the request; book only what the
+            # meter finds beyond what was booked, so the prefill is not counted twice.
+            extra = call.gpu_ms - call.policy_charged_ms
+            if extra > 0:
+                call.policy_charged_ms += extra
+                self._charge(call.tenant, extra, 0, batch)
+
+    def _now_ms(self) -> float:
+        return self._clock() * 1000.0
+
+    async def stream(self, path: str, body: dict[str, Any], call: CallState,
+                     prepaid_ms: float) -> AsyncIterator[dict[str, Any]]:
+        """POST ``body`` (forced to stream with usage) to ``path``; yield each parsed SSE chunk.
+
+        The meter starts when the request is sent and stops when the stream ends or the caller stops
+        iterating (closing the upstream stream). Raises ``UpstreamError``.
+        """
+        call.policy_charged_ms = prepaid_ms
+        self._calls[call.request_id] = call
+        self._book(self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms()))
+        upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
+        try:
+            async with self.http.stream("POST", path, json=upstream_body) as response:
+                if response.status_code != 200:
+                    detail = (await response.aread())[:500].decode(errors="replace")
+                    status = response.status_code if response.status_code in (400, 413, 422, 429) else 502
+                    raise UpstreamError(f"upstream {self.upstream.name} answered {response.status_code}: {detail}",
+                                        status)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except json.JSONDecodeError:
+                        raise UpstreamError(f"upstream {self.upstream.name} sent a malformed chunk") from None
+                    self._observe(call, chunk)
+                    yield chunk
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"upstream {self.upstream.name}: {type(exc).__name__}: {exc}", 502) from None
+        finally:
+            charges, _ = self.meter.finish(call.request_id, self._now_ms())
+            self._book(charges)
+            del self._calls[call.request_id]
+
+    def _observe(self, call: CallState, chunk: dict[str, Any]) -> None:
+        if chunk.get("usage"):
+            call.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta")
+            piece = (delta or {}).get("content") if delta is not None else choice.get("text")
+            if piece:
+                call.output_tokens += 1
+                call.text.append(piece)
+                if call.first_token_s is None:
+                    call.first_token_s = self._clock()
+                    self._book(self.meter.first_token(call.request_id, self._now_ms()))
+                else:
+                    self._book(self.meter.advance(self._now_ms()))
+                self._charge(call.tenant, 0.0, 1, max(1, self.meter.in_flight))
+            if choice.get("finish_reason"):
+                call.finish_reason = choice["finish_reason"]
+
+    async def close(self) -> None:
+        await self.http.aclose()

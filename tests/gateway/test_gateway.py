@@ -1,0 +1,114 @@
+"""End to end over real HTTP: the openai client -> gateway -> emulated replica, settled in a real ledger."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from fairgate.ledger import Usage, connect, load_quotas
+from fairgate.gateway.config import load_gateway_config
+
+
+def client(stack, tenant: str = "alpha") -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys[tenant], max_retries=0)
+
+
+async def reservations(stack):  # type: ignore[no-untyped-def]
+    config = load_gateway_config(stack.config_path)
+    ledger = await connect(stack.ledger_url, config.quotas)
+    try:
+        return await ledger.reservations()
+    finally:
+        await ledger.close()
+
+
+def test_chat_completion_is_served_and_settled(stack):
+    reply = client(stack).chat.completions.create(model="emu", messages=[{"role": "user", "content": "a b c"}],
+                                                  max_tokens=6, extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == " t1 t2 t3 t4 t5 t6"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (6, 6)
+    [r] = asyncio.run(reservations(stack))
+    assert r.tenant == "alpha" and r.status == "settled"
+    assert r.billed.input_tokens == 6 and r.billed.output_tokens == 6 and r.billed.gpu_ms > 0
+
+
+def test_streaming_with_usage_and_request_id(stack):
+    raw = client(stack, "beta").chat.completions.with_raw_response.create(
+        model="emu", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "my-req-1"})
+    assert raw.headers["x-request-id"] == "my-req-1"
+    chunks = list(raw.parse())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " t1 t2 t3 t4"
+    assert chunks[-1].usage.completion_tokens == 4
+    [r] = asyncio.run(reservations(stack))
+    assert (r.tenant, r.request_id, r.status, r.billed.output_tokens) == ("beta", "my-req-1", "settled", 4)
+
+
+def test_a_retry_with_the_same_request_id_is_not_charged_twice(stack):
+    make = lambda: client(stack).completions.create(  # noqa: E731
+        model="emu", prompt="x y", max_tokens=3, extra_body={"ignore_eos": True},
+        extra_headers={"Idempotency-Key": "same-1"})
+    make()
+    with pytest.raises(openai.ConflictError) as excinfo:
+        make()
+    assert excinfo.value.body["code"] == "request_already_completed"
+    assert len(asyncio.run(reservations(stack))) == 1
+
+
+@pytest.mark.parametrize("headers, status", [({}, 401), ({"Authorization": "Bearer nope"}, 401),
+                                              ({"Authorization": "Basic abc"}, 401)])
+def test_missing_or_bad_credentials(stack, headers, status):
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", headers=headers, timeout=10,
+                       json={"model": "emu", "messages": [{"role": "user", "content": "x"}]})
+    assert reply.status_code == status and reply.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_forged_tenant_in_body_or_header_is_ignored(stack):
+    key = stack.keys["gamma"]
+    reply = httpx.post(f"{stack.url}/v1/completions", timeout=10,
+                       headers={"Authorization": f"Bearer {key}", "X-Tenant": "alpha", "OpenAI-Organization": "alpha"},
+                       json={"model": "emu", "prompt": "x", "max_tokens": 2, "user": "alpha", "ignore_eos": True})
+    assert reply.status_code == 200
+    assert [r.tenant for r in asyncio.run(reservations(stack))] == ["gamma"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b'{"model": "emu", "messages": "hi"}', 400, "messages"),
+    (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "max_tokens"),
+    (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w " * 3000 + b'"}]}', 413, "messages"),
+    (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}', 400, "max_tokens"),
+    (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w" * 70000 + b'"}]}', 413, None),
+])
+def test_malformed_requests_are_4xx_and_reserve_nothing(stack, body, status, param):
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", content=body, timeout=10,
+                       headers={"Authorization": f"Bearer {stack.keys['alpha']}", "Content-Type": "application/json"})
+    assert reply.status_code == status, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert asyncio.run(reservations(stack)) == []
+
+
+def test_client_disconnect_bills_what_was_generated_and_frees_the_slot(stack):
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+            body = {"model": "emu", "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body,
+                                   headers={"Authorization": f"Bearer {stack.keys['alpha']}"}) as reply:
+                seen = 0
+                async for line in reply.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= 20:
+                        break
+            await asyncio.sleep(0.3)
+
+    asyncio.run(run())
+    [r] = asyncio.run(reservations(stack))
+    assert r.status == "cancelled" and 20 <= r.billed.output_tokens < 100 and r.billed.input_tokens == 1
+    # The slot is free again: four more requests (max_batch 4) run at once.
+    replies = [client(stack).completions.create(model="emu", prompt="y", max_tokens=2) for _ in range(4)]
+    assert all(r.usage.completion_tokens >= 1 for r in replies)
