@@ -340,9 +340,64 @@ def emulate(
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
 
 
+@app.command()
+def serve(
+    config: Annotated[Path | None, typer.Option(help="Gateway TOML (see config/fairgate.example.toml). "
+                                                     "Without it: a demo with an emulated upstream.")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+) -> None:
+    """Run the gateway: OpenAI-compatible, per-tenant quotas, GPU-time fair dispatch."""
+    import asyncio
+
+    import uvicorn
+
+    from fairgate.emulator.api import EmulatorSettings, create_app
+    from fairgate.gateway.app import create_gateway
+    from fairgate.gateway.config import GatewayConfigError, load_gateway_config
+    from fairgate.gateway.demo import DEMO_MODEL, demo_folder, write_demo_config
+
+    servers = []
+    if config is None:
+        folder = demo_folder()
+        upstream_port = _free_port(host)
+        emulator = uvicorn.Server(uvicorn.Config(create_app(EmulatorSettings(model=DEMO_MODEL)), host=host,
+                                                 port=upstream_port, log_level="warning"))
+        servers.append(emulator)
+        config, keys = write_demo_config(folder, f"http://{host}:{upstream_port}")
+        _note(f"demo: emulated replica on http://{host}:{upstream_port}/v1, ledger and config in {folder}")
+        for tenant, key in keys.items():
+            _note(f"  tenant {tenant:9s} key {key}")
+        _note(f"try: curl -s http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {keys['chat']}' "
+              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{DEMO_MODEL}\", \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"hello\"}}], \"max_tokens\": 16}}'")
+    try:
+        loaded = load_gateway_config(config)
+    except GatewayConfigError as exc:
+        raise _fail(str(exc)) from None
+    gateway = uvicorn.Server(uvicorn.Config(create_gateway(loaded), host=host, port=port, log_level="warning"))
+    servers.append(gateway)
+    _note(f"gateway on http://{host}:{port}/v1 (policy {loaded.gateway.policy}, ledger {loaded.ledger_url})")
+
+    async def run_all() -> None:
+        await asyncio.gather(*(server.serve() for server in servers))
+
+    asyncio.run(run_all())
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
 def main() -> None:
     """Console-script entry point."""
+    from fairgate.cli_keys import keys_app
     from fairgate.cli_ledger import ledger_app
 
     app.add_typer(ledger_app, name="ledger")
+    app.add_typer(keys_app, name="keys")
     app()

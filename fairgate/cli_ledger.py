@@ -22,13 +22,31 @@ LedgerUrl = Annotated[str, typer.Option("--ledger", help="Ledger URL: sqlite:///
 QuotasPath = Annotated[str, typer.Option("--quotas", help="Quota configuration TOML.")]
 
 
+def _fail(message: str) -> typer.Exit:
+    errors.print(f"error: {message}", markup=False, emoji=False, highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+def _check_output(target: str | None) -> None:
+    if target is None or target == "-":
+        return
+    from pathlib import Path
+
+    path = Path(target)
+    if not target.strip() or path.is_dir() or not path.parent.is_dir():
+        raise _fail(f"--json {target}: not a writable file path (its folder must exist)")
+
+
 def _run(work: Callable[[Any], Awaitable[T]], url: str, quotas: str) -> T:
-    """Open the ledger, run ``work(ledger)``, close it; user errors -> one line, exit 2."""
+    """Open an existing ledger, run ``work(ledger)``, close it; user errors -> one line, exit 2.
+
+    Operator commands never create a ledger: a mistyped URL is an error, not a new empty ledger.
+    """
     from fairgate.ledger import LedgerError, QuotaConfigError, connect
     from fairgate.ledger.reconcile import MeteredError
 
     async def go() -> T:
-        ledger = await connect(url, quotas)
+        ledger = await connect(url, quotas, create=False)
         try:
             return await work(ledger)
         finally:
@@ -37,8 +55,7 @@ def _run(work: Callable[[Any], Awaitable[T]], url: str, quotas: str) -> T:
     try:
         return asyncio.run(go())
     except (QuotaConfigError, MeteredError, LedgerError, ValueError) as exc:
-        errors.print(f"error: {exc}", markup=False, emoji=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
 
 
 @ledger_app.command()
@@ -55,6 +72,8 @@ def reconcile(
     """
     from fairgate.ledger.reconcile import read_metered
     from fairgate.ledger.reconcile import reconcile as run_reconcile
+
+    _check_output(json_out)
 
     async def work(opened: Any) -> Any:
         return await run_reconcile(opened, read_metered(metered) if metered else None, threshold, not dry_run)
@@ -95,6 +114,7 @@ def unfreeze(tenant: Annotated[str, typer.Argument()], ledger: LedgerUrl, quotas
     """Resume automatic settlement for TENANT after review."""
 
     async def work(opened: Any) -> Any:
+        opened.limits(tenant, "default")
         before = await opened.frozen()
         await opened.unfreeze(tenant)
         return before
@@ -110,6 +130,7 @@ def usage(tenant: Annotated[str, typer.Argument()], ledger: LedgerUrl, quotas: Q
     from dataclasses import asdict
 
     async def work(opened: Any) -> Any:
+        opened.limits(tenant, "default")  # UnknownTenant for a tenant the quotas do not know
         return await opened.usage(tenant, window_s)
 
     sys.stdout.write(json.dumps(asdict(_run(work, ledger, quotas)), indent=2) + "\n")

@@ -6,7 +6,8 @@ their tokens arrive (``shared/DESIGN.md``, "Live metering"). The meter integrate
 the proportions of the cost model's charge rule (seed 002): each running sequence weighs
 ``(iter_base + iter_slope * B) / B``; a request whose first token has not arrived yet is being prefilled and
 weighs, in addition, ``prefill_ms_per_token * prompt_tokens`` - the proportions of the iteration it is
-prefilled in. Its prefill is thus spread over its time to first token. The charges of every interval add up
+prefilled in - until that much prefill time has been attributed to it (or its first token arrives); any
+further wait for the first token (HTTP, the next iteration boundary) is charged as decode. The charges of every interval add up
 to the interval exactly, so the charges on an upstream add up to its measured busy time. (The gateway keeps
 at most ``max_batch`` requests in flight per upstream, so a request seldom waits inside the upstream before
 its prefill; time it does wait is charged at the prefill weight.)
@@ -25,6 +26,7 @@ from fairgate.core.cost import CostModel
 class _InFlight:
     tenant: str
     prompt_tokens: int
+    prefill_left_ms: float  # the cost model's prefill time not yet attributed to it
     prefilling: bool = True
     charged_ms: float = 0.0
 
@@ -78,6 +80,12 @@ class LiveMeter:
             remaining -= share
             request = self._requests[rid]
             request.charged_ms += share
+            if request.prefilling:
+                # Its prefill weighs only until the model's prefill time has been attributed to it; time to
+                # first token beyond that (HTTP, waiting for an iteration boundary) is charged as decode.
+                request.prefill_left_ms -= share * (weight - self.cost.decode_ms(len(items)) / len(items)) / weight
+                if request.prefill_left_ms <= 0:
+                    request.prefilling = False
             charges.append(MeterCharge(rid, request.tenant, share))
         return charges
 
@@ -85,7 +93,8 @@ class LiveMeter:
         """``request_id`` was sent upstream. Returns the charges of the interval that ended now."""
         charges = self.advance(now_ms)
         assert request_id not in self._requests, f"request {request_id} metered twice"
-        self._requests[request_id] = _InFlight(tenant, prompt_tokens)
+        prefill_ms = self.cost.prefill_ms(prompt_tokens)
+        self._requests[request_id] = _InFlight(tenant, prompt_tokens, prefill_ms, prefilling=prefill_ms > 0)
         return charges
 
     def first_token(self, request_id: str, now_ms: float) -> list[MeterCharge]:

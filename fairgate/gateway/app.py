@@ -282,7 +282,17 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_relay(stream, call, reservation, lease, include_usage),
                                      media_type="text/event-stream", headers=headers)
-        return await _collect(stream, call, reservation, lease, chat, body.model, headers)
+        collect = asyncio.ensure_future(_collect(stream, call, reservation, lease, chat, body.model, headers))
+        watcher = asyncio.ensure_future(_watch_disconnect(request, collect))
+        try:
+            return await collect
+        except asyncio.CancelledError:
+            if watcher.done():  # the client went away: nobody is left to answer
+                return JSONResponse({"error": {"message": "client closed the request", "type": "invalid_request_error",
+                                               "param": None, "code": "client_closed"}}, status_code=499)
+            raise
+        finally:
+            watcher.cancel()
 
     async def _release_reservation(reservation: Reservation, consumed: Usage) -> None:
         try:
@@ -378,6 +388,15 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
 
     del by_name
     return app
+
+
+async def _watch_disconnect(request: Request, work: asyncio.Future[Any]) -> None:
+    """Cancel ``work`` when the client of a non-streamed request disconnects (checked every 50 ms)."""
+    while not work.done():
+        if await request.is_disconnected():
+            work.cancel()
+            return
+        await asyncio.sleep(0.05)
 
 
 _counter = iter(range(1, 1 << 62))

@@ -28,11 +28,14 @@ from fairgate.ledger.model import (
 )
 
 
-async def connect(url: str, quotas: Quotas | str | Path, clock: Callable[[], float] | None = None) -> Ledger:
+async def connect(url: str, quotas: Quotas | str | Path, clock: Callable[[], float] | None = None,
+                  create: bool = True) -> Ledger:
     """Open the ledger backend named by ``url`` with ``quotas`` (a ``Quotas`` or a TOML path).
 
     Args:
         clock: ms since the epoch, replacing the backend's own clock (tests).
+        create: make the ledger (file, schema, keys) if it does not exist; ``False``: it must exist
+            (``LedgerUnavailable`` otherwise), as operator commands want.
 
     Raises:
         ValueError: an unknown URL scheme. QuotaConfigError: bad quotas. LedgerUnavailable: cannot connect.
@@ -45,15 +48,15 @@ async def connect(url: str, quotas: Quotas | str | Path, clock: Callable[[], flo
 
         if not url.startswith("sqlite:///") or url == "sqlite:///":
             raise ValueError(f"ledger URL {url!r}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
-        return SqliteLedger(url[len("sqlite:///"):], quotas, clock)
+        return SqliteLedger(url[len("sqlite:///"):], quotas, clock, create=create)
     if scheme in ("postgresql", "postgres"):
         from fairgate.ledger.postgres import PostgresLedger
 
-        return await PostgresLedger.open(url, quotas, clock)
+        return await PostgresLedger.open(url, quotas, clock, create=create)
     if scheme in ("redis", "rediss"):
         from fairgate.ledger.redis import RedisLedger
 
-        return await RedisLedger.open(url, quotas, clock)
+        return await RedisLedger.open(url, quotas, clock, create=create)
     raise ValueError(f"ledger URL {url!r}: unknown scheme {scheme!r}; use sqlite:///path, postgresql://... "
                      "or redis://...")
 

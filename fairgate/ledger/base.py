@@ -42,10 +42,46 @@ def new_reservation_id(tenant: str) -> str:
     return f"{tenant_tag(tenant)}-{uuid.uuid4().hex}"
 
 
+def check_name(value: object, field: str, optional: bool = False) -> str | None:
+    """A tenant, request id, model class or run id: a non-empty string of at most 200 characters, printable
+    UTF-8 (no NUL or control characters, no lone surrogates). Raises ``InvalidUsage`` naming ``field``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 200:
+        raise InvalidUsage(f"{field} must be a non-empty string of at most 200 characters, got {value!r:.80}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidUsage(f"{field} is not valid UTF-8 text: {value!r:.80}") from None
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidUsage(f"{field} contains a control character: {value!r:.80}")
+    return value
+
+
 def check_request_id(request_id: object) -> str:
-    if not isinstance(request_id, str) or not request_id or len(request_id) > 200:
-        raise InvalidUsage(f"request_id must be a non-empty string of at most 200 characters, got {request_id!r}")
-    return request_id
+    checked = check_name(request_id, "request_id")
+    assert checked is not None
+    return checked
+
+
+def check_reserve_args(tenant: object, request_id: object, model_class: object, run_id: object,
+                       tool_round: object) -> None:
+    """Validate ``reserve``'s names and flags. Raises ``InvalidUsage``."""
+    check_name(tenant, "tenant")
+    check_name(request_id, "request_id")
+    check_name(model_class, "model_class")
+    check_name(run_id, "run_id", optional=True)
+    if not isinstance(tool_round, bool):
+        raise InvalidUsage(f"tool_round must be true or false, got {tool_round!r:.80}")
+
+
+STATUSES = ("open", "settled", "cancelled", "expired")
+
+
+def check_window(window_s: object) -> float:
+    if isinstance(window_s, bool) or not isinstance(window_s, int | float) or not 0 < window_s <= 10 * 365 * 86_400:
+        raise InvalidUsage(f"usage: window_s must be a number of seconds in (0, 10 years], got {window_s!r:.80}")
+    return float(window_s)
 
 
 class Ledger(ABC):

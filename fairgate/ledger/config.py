@@ -51,12 +51,14 @@ class QuotaConfigError(ValueError):
     """An invalid quota configuration; ``str()`` is one line naming the file and key."""
 
 
-Positive = Annotated[float, Field(gt=0)]
-Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0, le=1e15)]
+Count = Annotated[int, Field(ge=0, le=10**12)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "16" or true where a number belongs is an error; floats must be finite (inf is not "no limit":
+    # leave the key out for that).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class LimitsConfig(_Strict):
@@ -77,10 +79,17 @@ class LimitsConfig(_Strict):
     max_tokens: Count | None = None
     reservation_ttl_s: Positive | None = None
 
+    @model_validator(mode="after")
+    def _burst_needs_rate(self) -> LimitsConfig:
+        for dimension in ("requests", "input_tokens", "output_tokens"):
+            if getattr(self, f"{dimension}_burst") is not None and getattr(self, f"{dimension}_per_minute") is None:
+                raise ValueError(f"{dimension}_burst is set but {dimension}_per_minute is not: a burst needs a rate")
+        return self
+
 
 class EmergencyConfig(_Strict):
-    requests: Annotated[int, Field(ge=0, le=1_000_000)]
-    tokens: Annotated[int, Field(ge=0)]
+    requests: Annotated[int, Field(ge=1, le=1_000_000)]
+    tokens: Annotated[int, Field(ge=1, le=10**12)]
     seconds: Annotated[float, Field(gt=0, le=86_400)]
 
 
@@ -92,6 +101,8 @@ class TierConfig(_Strict):
     def _emergency_needs_budget(self) -> TierConfig:
         if self.on_ledger_unavailable == "emergency" and self.emergency is None:
             raise ValueError("on_ledger_unavailable = 'emergency' needs an emergency = {requests, tokens, seconds} budget")
+        if self.on_ledger_unavailable == "reject" and self.emergency is not None:
+            raise ValueError("an emergency budget is only used with on_ledger_unavailable = 'emergency'")
         return self
 
 
@@ -212,7 +223,7 @@ def quotas_from_dict(data: dict[str, Any], source: str = "<quotas>") -> Quotas:
     except ValidationError as exc:
         first = exc.errors()[0]
         location = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+        message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].replace("Value error, ", "")
         raise QuotaConfigError(f"{source}: {location}: {message}") from None
     tiers = {}
     for name, tier in parsed.tiers.items():
@@ -240,6 +251,10 @@ def load_quotas(path: str | Path) -> Quotas:
         QuotaConfigError: missing file, bad TOML, or any invalid key or value (named with the file).
     """
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise QuotaConfigError(f"{path}: not a regular file")
+    if path.is_file() and path.stat().st_size > 10 * 1024 * 1024:
+        raise QuotaConfigError(f"{path}: larger than 10 MiB; not a quota file")
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:

@@ -3,13 +3,22 @@
 ``pg_advisory_xact_lock(hash(tenant))`` serialises every call on a tenant across all gateway processes
 (limits are global, not per process); the clock is the server's ``clock_timestamp()``, so processes with
 different clocks agree. Tables live in the schema named by the URL's ``schema`` parameter (default
-``public``), created if missing. ``timeout_s`` (default 2) bounds how long a call waits for a connection
-before raising ``LedgerUnavailable``: on the request path an outage must be noticed fast.
+``public``; not empty, not ``information_schema`` nor ``pg_*``), created if missing unless ``open(...,
+create=False)``. ``timeout_s`` (default 2, in (0, 600]) bounds connecting (libpq's ``connect_timeout``, at
+least 2 s, unless the URL sets ``connect_timeout``) and how long a call waits for a pooled connection before
+raising ``LedgerUnavailable``: on the request path an outage must be noticed fast. Every other query
+parameter goes to libpq (``sslmode``, ``application_name``, ...); one libpq does not know, a bad value of one
+libpq checks, or any repeated parameter is a ``ValueError``. ``open`` first makes one direct connection, so
+a failure to open is a one-line ``LedgerUnavailable`` with libpq's reason (connection refused, database
+"x" does not exist, ...), in about ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import re
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,6 +26,7 @@ from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import psycopg
 from psycopg import sql as pgsql
+from psycopg.conninfo import conninfo_to_dict
 import psycopg_pool
 from psycopg_pool import AsyncConnectionPool
 
@@ -27,6 +37,100 @@ from fairgate.ledger.sql import TABLES, SqlLedger, Tx
 
 _NAMED = re.compile(r"(?<!:):([a-z_]+)")
 _SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+DEFAULT_TIMEOUT_S = 2.0
+# libpq's messages for a connection option it parsed but whose value it rejects (a bad URL, not an outage).
+_BAD_OPTION = re.compile(r"^invalid .*(value|number)|^could not match \d+ .* to \d+ |"
+                         r"^invalid connection option|^invalid URI")
+_POOL_LOGGER = logging.getLogger("psycopg.pool")
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    """The first non-empty line of ``text``, whitespace collapsed, at most ``limit`` characters."""
+    line = next((ln for ln in str(text).splitlines() if ln.strip()), "")
+    line = " ".join(line.split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _redacted(url: str) -> str:
+    """``url`` with its password (in the user info or a ``password`` parameter) replaced by ``***``."""
+    url = re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}{rest[end:]}"
+
+
+def _libpq_reason(exc: BaseException) -> str:
+    """libpq's message, one line, without psycopg's ``connection is bad:`` / ``connection failed:`` lead."""
+    text = _one_line(exc) or type(exc).__name__
+    for lead in ("connection is bad: ", "connection failed: "):
+        if text.startswith(lead):
+            text = text[len(lead):]
+    return text
+
+
+class _QuietPool(logging.Filter):
+    """Drops ``psycopg.pool`` records about one pool (its reconnect warnings while ``open`` runs: the
+    cause is raised as ``LedgerUnavailable`` instead)."""
+
+    def __init__(self, pool_name: str) -> None:
+        super().__init__()
+        self.pool_name = pool_name
+        self.cause: str | None = None  # the last connection error the pool met, one line
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            if self.pool_name not in record.getMessage():
+                return True
+        except Exception:  # noqa: BLE001 - a malformed record is not ours to judge
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) == 2 and isinstance(args[1], BaseException):  # "error connecting in %r: %s"
+            self.cause = _libpq_reason(args[1])
+        return False
+
+
+def _parse_url(url: str) -> tuple[str, str, float, dict[str, Any]]:
+    """``(dsn for libpq, schema, timeout_s, connect kwargs)``; raises ``ValueError`` naming the part at fault."""
+    if not isinstance(url, str):
+        raise ValueError(f"ledger URL must be a string, got {type(url).__name__}")
+    shown = _redacted(url)
+    try:
+        parts = urlparse(url)
+    except ValueError as exc:
+        raise ValueError(f"ledger URL {shown!r}: malformed ({_one_line(exc)})") from None
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    names = [name for name, _ in pairs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"ledger URL {shown!r}: parameter(s) given more than once: {', '.join(map(repr, repeated))}")
+    query = dict(pairs)
+    schema = query.pop("schema", "public")
+    if not schema:
+        raise ValueError("ledger URL: schema is empty; leave it out for 'public' or name one")
+    if not _SCHEMA.match(schema):
+        raise ValueError(f"ledger URL: schema {schema!r} must match {_SCHEMA.pattern}")
+    if schema == "information_schema" or schema.startswith("pg_"):
+        raise ValueError(f"ledger URL: schema {schema!r} is a PostgreSQL system schema; choose another name")
+    timeout = query.pop("timeout_s", str(DEFAULT_TIMEOUT_S))
+    try:
+        timeout_s = float(timeout)
+    except ValueError:
+        timeout_s = math.nan
+    if not 0 < timeout_s <= 600:
+        raise ValueError(f"ledger URL: timeout_s {timeout!r} must be a number of seconds in (0, 600]")
+    dsn = urlunparse(parts._replace(scheme="postgresql", query=urlencode(query)))
+    try:
+        conninfo_to_dict(dsn)  # libpq parses it: an unknown parameter or a malformed URL fails here
+    except psycopg.Error as exc:
+        raise ValueError(f"ledger URL {shown!r}: {_one_line(exc)}") from None
+    # libpq's connect_timeout is whole seconds, at least 2; a connect_timeout in the URL wins.
+    kwargs = {} if "connect_timeout" in query else {"connect_timeout": max(2, math.ceil(timeout_s))}
+    return dsn, schema, timeout_s, kwargs
 
 
 def _convert(sql: str) -> str:
@@ -59,6 +163,34 @@ class _PgTx:
         await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
 
 
+def _connect_s(dsn: str, connect_kwargs: dict[str, Any]) -> float:
+    """The connect timeout in effect, s: ours, else the URL's ``connect_timeout`` (libpq: at least 2 s;
+    0 = none)."""
+    value = connect_kwargs.get("connect_timeout")
+    if value is None:
+        try:
+            value = float(conninfo_to_dict(dsn).get("connect_timeout") or 0)
+        except (psycopg.Error, ValueError):
+            value = 0.0
+    return float(max(2, value)) if value > 0 else 0.0
+
+
+def _open_error(exc: psycopg.Error, dsn: str, connect_kwargs: dict[str, Any]) -> Exception:
+    """The exception ``open`` raises for a failed first connection: libpq's reason, one line."""
+    reason = _libpq_reason(exc)
+    if _BAD_OPTION.match(reason):
+        return ValueError(f"ledger URL: {reason}")
+    if isinstance(exc, psycopg.errors.ConnectionTimeout):
+        try:
+            params = conninfo_to_dict(dsn)
+        except psycopg.Error:
+            params = {}
+        where = f"{params.get('host') or 'the server'}:{params.get('port') or 5432}"
+        return LedgerUnavailable(f"postgres ledger: {reason} ({where} did not answer within "
+                                 f"{_connect_s(dsn, connect_kwargs):g} s)")
+    return LedgerUnavailable(f"postgres ledger: {reason}")
+
+
 class PostgresLedger(SqlLedger):
     """Ledger on PostgreSQL. Build with ``await PostgresLedger.open(url, quotas)``."""
 
@@ -71,45 +203,71 @@ class PostgresLedger(SqlLedger):
 
     @classmethod
     async def open(cls, url: str, quotas: Quotas, clock: Callable[[], float] | None = None,
-                   max_connections: int = 8) -> PostgresLedger:
-        """Connect, create the schema and tables if missing.
+                   max_connections: int = 8, *, create: bool = True) -> PostgresLedger:
+        """Connect; create the schema and tables if missing (``create=True``, the default), or require them.
+
+        Args:
+            create: with ``False`` the ledger must exist already (the schema and its ``fg_reservations``
+                table): operator commands use it so that a mistyped URL does not create an empty ledger.
 
         Raises:
-            ValueError: a bad ``schema`` name. LedgerUnavailable: the server cannot be reached.
+            ValueError: a bad URL: a bad, empty or system ``schema``, a bad ``timeout_s``, a repeated
+                parameter, a parameter libpq does not know or a value it rejects (``sslmode=bogus``).
+            LedgerUnavailable: the server cannot be reached or refuses the connection (libpq's reason, one
+                line), or ``create=False`` and there is no ledger at ``url``.
         """
-        parts = urlparse(url)
-        query = dict(parse_qsl(parts.query))
-        schema = query.pop("schema", "public")
-        if not _SCHEMA.match(schema):
-            raise ValueError(f"ledger URL: schema {schema!r} must match {_SCHEMA.pattern}")
+        dsn, schema, timeout_s, connect_kwargs = _parse_url(url)
+        # One direct connection first: it fails fast and with libpq's reason, where the pool would retry
+        # quietly until its timeout and say only "pool initialization incomplete".
         try:
-            timeout_s = float(query.pop("timeout_s", "2"))
-        except ValueError:
-            timeout_s = float("nan")
-        if not 0 < timeout_s <= 600:
-            raise ValueError("ledger URL: timeout_s must be a number of seconds in (0, 600]")
-        dsn = urlunparse(parts._replace(scheme="postgresql", query=urlencode(query)))
+            connection = await psycopg.AsyncConnection.connect(dsn, **connect_kwargs)
+        except psycopg.Error as exc:
+            raise _open_error(exc, dsn, connect_kwargs) from None
+        except OSError as exc:
+            raise LedgerUnavailable(f"postgres ledger: {_one_line(exc) or type(exc).__name__}") from None
+        try:
+            async with connection:
+                if create:
+                    await connection.execute("SELECT pg_advisory_xact_lock(4242)")  # one creator at a time
+                    name_sql = pgsql.Identifier(schema)
+                    await connection.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name_sql))
+                    await connection.execute(pgsql.SQL("SET LOCAL search_path TO {}").format(name_sql))
+                    for statement in TABLES.format(real="DOUBLE PRECISION", serial="BIGSERIAL PRIMARY KEY").split(";"):
+                        if statement.strip():
+                            await connection.execute(statement)  # type: ignore[call-overload]
+                else:
+                    cursor = await connection.execute(
+                        "SELECT to_regclass(format('%%I.fg_reservations', %(schema)s::text)) IS NOT NULL",
+                        {"schema": schema})
+                    row = await cursor.fetchone()
+                    if not (row and row[0]):
+                        raise LedgerUnavailable(f"postgres ledger: no ledger at {_redacted(url)} (create=False): "
+                                                f"no table {schema}.fg_reservations")
+                await connection.commit()
+        except (psycopg.Error, OSError) as exc:
+            raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
 
         async def configure(connection: psycopg.AsyncConnection[Any]) -> None:
             await connection.execute(pgsql.SQL("SET search_path TO {}").format(pgsql.Identifier(schema)))
             await connection.commit()
 
+        name = f"fairgate-ledger-{schema}-{uuid.uuid4().hex[:8]}"
         pool = AsyncConnectionPool(dsn, min_size=1, max_size=max_connections, open=False, configure=configure,
-                                   timeout=timeout_s, kwargs={"connect_timeout": max(1, round(timeout_s))})
+                                   timeout=timeout_s, kwargs=connect_kwargs, name=name)
+        quiet = _QuietPool(name)
+        _POOL_LOGGER.addFilter(quiet)
         try:
-            await pool.open(wait=True, timeout=max(timeout_s, 5.0))
-            async with pool.connection() as connection:
-                await connection.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(pgsql.Identifier(schema)))
-                await connection.execute("SELECT pg_advisory_xact_lock(4242)")  # one creator at a time
-                for statement in TABLES.format(real="DOUBLE PRECISION", serial="BIGSERIAL PRIMARY KEY").split(";"):
-                    if statement.strip():
-                        await connection.execute(statement)  # type: ignore[call-overload]
-        except (psycopg.Error, OSError) as exc:
+            await pool.open(wait=True, timeout=max(timeout_s, _connect_s(dsn, connect_kwargs)) + 1.0)
+        except (psycopg.Error, psycopg_pool.PoolTimeout, OSError) as exc:
             await pool.close()
-            raise LedgerUnavailable(f"postgres ledger: {exc}") from None
-        except Exception:
+            # The direct connection worked but the pool's did not: say why the pool's failed.
+            reason = quiet.cause or _libpq_reason(exc)
+            raise LedgerUnavailable(f"postgres ledger: {reason}") from None
+        except BaseException:
             await pool.close()
             raise
+        finally:
+            _POOL_LOGGER.removeFilter(quiet)
         return cls(pool, schema, quotas, clock)
 
     @asynccontextmanager
@@ -118,9 +276,10 @@ class PostgresLedger(SqlLedger):
             async with self._pool.connection() as connection, connection.transaction(), connection.cursor() as cursor:
                 yield _PgTx(cursor, connection)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            raise LedgerUnavailable(f"postgres ledger: {exc}") from None
+            raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
         except (TimeoutError, psycopg_pool.PoolTimeout) as exc:
-            raise LedgerUnavailable(f"postgres ledger: no connection within the pool timeout ({exc})") from None
+            raise LedgerUnavailable(f"postgres ledger: no connection within the pool timeout "
+                                    f"({_one_line(exc)})") from None
 
     async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
         statement = self._lock_statement(tenant_tag(tenant))

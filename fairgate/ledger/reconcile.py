@@ -15,6 +15,8 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -63,28 +65,42 @@ class ReconcileReport:
         return {"clean": self.clean, "frozen": self.frozen, "tenants": [asdict(t) for t in self.tenants]}
 
 
+_INTEGER = re.compile(r"^[0-9]+$")
+_NUMBER = re.compile(r"^[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?$")
+METERED_COLUMNS = ("tenant", "input_tokens", "output_tokens", "gpu_ms")
+
+
 def read_metered(path: str | Path) -> dict[str, Totals]:
     """Read a metered-usage export (module docstring). Raises ``MeteredError`` naming the file and line."""
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise MeteredError(f"{path}: not a regular file")
+    if path.is_file() and path.stat().st_size > 100 * 1024 * 1024:
+        raise MeteredError(f"{path}: larger than 100 MiB")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise MeteredError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    rows = csv.DictReader(text.splitlines())
-    needed = ("tenant", "input_tokens", "output_tokens", "gpu_ms")
-    if rows.fieldnames is None or any(c not in rows.fieldnames for c in needed):
-        raise MeteredError(f"{path}: expected the header {','.join(needed)} (has: {rows.fieldnames})")
+    except UnicodeDecodeError:
+        raise MeteredError(f"{path}: not UTF-8 text") from None
+    rows = csv.reader(text.splitlines())
+    header = next(rows, None)
+    if header != list(METERED_COLUMNS):
+        raise MeteredError(f"{path}: expected the header {','.join(METERED_COLUMNS)} (has: {','.join(header or [])})")
     out: dict[str, Totals] = {}
     for line, row in enumerate(rows, start=2):
-        try:
-            totals = Totals(int(row["input_tokens"]), int(row["output_tokens"]), float(row["gpu_ms"]))
-        except (TypeError, ValueError):
-            raise MeteredError(f"{path}: line {line}: token counts must be integers and gpu_ms a number") from None
-        if totals.input_tokens < 0 or totals.output_tokens < 0 or not totals.gpu_ms >= 0:
-            raise MeteredError(f"{path}: line {line}: negative usage")
-        if row["tenant"] in out:
-            raise MeteredError(f"{path}: line {line}: tenant {row['tenant']!r} appears twice")
-        out[row["tenant"]] = totals
+        if len(row) != len(METERED_COLUMNS):
+            raise MeteredError(f"{path}: line {line}: expected {len(METERED_COLUMNS)} fields, got {len(row)}")
+        tenant, input_tokens, output_tokens, gpu_ms = row
+        if not tenant:
+            raise MeteredError(f"{path}: line {line}: empty tenant")
+        if not _INTEGER.match(input_tokens) or not _INTEGER.match(output_tokens):
+            raise MeteredError(f"{path}: line {line}: token counts must be whole numbers >= 0")
+        if not _NUMBER.match(gpu_ms) or not math.isfinite(float(gpu_ms)):
+            raise MeteredError(f"{path}: line {line}: gpu_ms must be a finite number >= 0, got {gpu_ms!r:.40}")
+        if tenant in out:
+            raise MeteredError(f"{path}: line {line}: tenant {tenant!r} appears twice")
+        out[tenant] = Totals(int(input_tokens), int(output_tokens), float(gpu_ms))
     return out
 
 
@@ -99,6 +115,9 @@ async def reconcile(ledger: Ledger, metered: dict[str, Totals] | None = None, th
     Reservations and events must agree exactly (both are the ledger's own records); the metered export
     may differ by ``threshold`` (relative, per dimension) before it counts.
     """
+    unknown = sorted(set(metered or {}) - set(ledger.quotas.tenants))
+    if unknown:
+        raise MeteredError(f"the metered export names tenants with no quota configuration: {', '.join(unknown)}")
     reservations = await ledger.reservations()
     events = await ledger.events()
     tenants = sorted({r.tenant for r in reservations} | set(metered or {}))

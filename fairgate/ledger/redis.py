@@ -8,9 +8,15 @@ like Python floats; every number is stored as a ``%.17g`` string so it round-tri
 is the server's ``TIME`` read inside the script, so gateway processes with different clocks agree;
 a ``clock`` passed to ``open`` (tests) is sent as an argument instead.
 
-URL: ``redis://host:6379/0?prefix=NAME`` (``rediss://`` for TLS). ``prefix`` (default ``fairgate``)
-must match ``[A-Za-z0-9_.-]{1,64}``; ``retention_days`` (default 35) sets the key TTL below. Other
-query parameters (``socket_timeout=...``) go to redis-py.
+URL: ``redis://[[user]:password@]host[:6379][/db]?prefix=NAME`` (``rediss://`` for TLS). The path is the
+database number (default 0). ``prefix`` (default ``fairgate``) must match ``[A-Za-z0-9_.-]{1,64}``;
+``retention_days`` (default 35, in [1, 3650]) sets the key TTL below; ``timeout_s`` (default 2, in (0, 600])
+bounds connecting and every reply: a server that does not answer raises ``LedgerUnavailable`` after about
+that long (a connection the server closed is retried once; a timeout is not). With ``rediss://`` only,
+``ssl_cert_reqs`` (none | optional | required), ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` and
+``ssl_check_hostname`` (true | false) configure TLS. Any other, or a repeated, query parameter is a
+``ValueError``. Every redis-py error (connection, timeout, protocol, server error reply) surfaces as a
+one-line ``LedgerUnavailable``; a database number the server does not have is a ``ValueError`` at ``open``.
 
 Key layout (``P`` = prefix, ``T`` = ``tenant_tag(tenant)``, 16 hex digits). Every key of a tenant
 contains the hash tag ``{P:T}``, so all of them live in one cluster hash slot and one script can touch
@@ -54,20 +60,33 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis.exceptions
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from fairgate.ledger import rules
-from fairgate.ledger.base import Event, IsRunning, Ledger, check_request_id, new_reservation_id, tenant_tag
+from fairgate.ledger.base import (
+    STATUSES,
+    Event,
+    IsRunning,
+    Ledger,
+    check_name,
+    check_reserve_args,
+    check_window,
+    new_reservation_id,
+    tenant_tag,
+)
 from fairgate.ledger.config import Limits, Quotas
 from fairgate.ledger.model import (
     IdempotencyConflict,
@@ -85,15 +104,18 @@ from fairgate.ledger.model import (
 
 DEFAULT_PREFIX = "fairgate"
 DEFAULT_RETENTION_DAYS = 35.0
+DEFAULT_TIMEOUT_S = 2.0
+POOL_WAIT_S = 10.0  # how long a call waits for a free pooled connection
+_PARAMS = ("prefix", "retention_days", "timeout_s")
+_TLS_PARAMS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 REGISTER_EVERY_S = 600.0  # how often a process re-registers a tenant (refreshing the registry's TTL)
 _PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _RESERVATION_ID = re.compile(r"^([0-9a-f]{16})-")
 # The tenant keys, in the order of the scripts' KEYS (see the table in the module docstring).
 TENANT_KEYS = ("accounts", "runs", "res", "reqs", "open", "status", "events", "seq", "hb", "frozen")
 _STATUS_OF_KIND = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}
-# Server errors that mean "cannot serve now" rather than a bug.
-_UNAVAILABLE_REPLIES = ("OOM", "READONLY", "MASTERDOWN", "LOADING", "BUSY", "CLUSTERDOWN", "TRYAGAIN",
-                        "NOREPLICAS", "MISCONF")
 _LIMIT_NAMES = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
                 "max_tokens_per_request", "max_concurrent", "gpu_seconds", "gpu_window_s", "gpu_seconds_total",
                 "max_model_calls", "max_tool_rounds", "max_tokens", "reservation_ttl_s")
@@ -340,6 +362,7 @@ local lim = decode_limits(spec)
 -- rules.settle
 local r_in, r_max_out, r_est = tonumber(r.input_tokens), tonumber(r.max_output_tokens), tonumber(r.gpu_ms_estimate)
 if b_out > r_max_out then return {'above', raw} end
+if b_in > 2 * r_in + 1024 then return {'above_input', raw} end  -- rules.input_allowance
 if b_in < before_in then return {'below', 'input_tokens', raw} end
 if b_out < before_out then return {'below', 'output_tokens', raw} end
 if b_gpu < before_gpu then return {'below', 'gpu_ms', raw} end
@@ -499,17 +522,130 @@ def _event(tenant: str, raw: str) -> Event:
                  overage_gpu_ms=float(overage), at_ms=float(at_ms))
 
 
-@contextmanager
-def _unavailable() -> Iterator[None]:
-    """Map connection failures (and a server that cannot serve now) to ``LedgerUnavailable``."""
+def _parse_url(url: str) -> dict[str, Any]:
+    """Validate a ``redis://`` / ``rediss://`` ledger URL. Raises ``ValueError`` naming the part at fault."""
+    if not isinstance(url, str):
+        raise ValueError(f"ledger URL must be a string, got {type(url).__name__}")
+    shown = _redacted(url)
     try:
-        yield
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-        raise LedgerUnavailable(f"redis ledger: {exc}") from None
-    except redis.exceptions.ResponseError as exc:
-        if str(exc).startswith(_UNAVAILABLE_REPLIES):
-            raise LedgerUnavailable(f"redis ledger: {exc}") from None
-        raise
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"ledger URL {shown!r}: malformed ({_one_line(exc)})") from None
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"ledger URL {shown!r}: bad port ({_one_line(exc)})") from None
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"ledger URL {shown!r}: scheme must be redis:// or rediss://, not {parts.scheme!r}")
+    if not parts.hostname:
+        raise ValueError(f"ledger URL {shown!r}: no host (redis://host:6379/0)")
+    if parts.fragment:
+        raise ValueError(f"ledger URL {shown!r}: unexpected fragment {'#' + parts.fragment!r}")
+    path = parts.path
+    if path in ("", "/"):
+        db = 0
+    elif re.fullmatch(r"/[0-9]{1,9}", path):
+        db = int(path[1:])
+    else:
+        raise ValueError(f"ledger URL {shown!r}: the path {path!r} must be a database number (/0, /1, ...)")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    names = [name for name, _ in pairs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"ledger URL {shown!r}: parameter(s) given more than once: {', '.join(map(repr, repeated))}")
+    query = dict(pairs)
+    tls = parts.scheme == "rediss"
+    known = _PARAMS + _TLS_PARAMS
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"ledger URL {shown!r}: unknown parameter(s) {', '.join(map(repr, unknown))}; known: "
+                         f"{', '.join(_PARAMS)} and, with rediss://, {', '.join(_TLS_PARAMS)}")
+    if not tls and any(name in _TLS_PARAMS for name in names):
+        given = ", ".join(name for name in names if name in _TLS_PARAMS)
+        raise ValueError(f"ledger URL {shown!r}: TLS parameter(s) {given} need rediss://")
+    prefix = query.get("prefix", DEFAULT_PREFIX)
+    if not _PREFIX.match(prefix):
+        raise ValueError(f"ledger URL: prefix {prefix!r} must match {_PREFIX.pattern}")
+    retention = query.get("retention_days", str(DEFAULT_RETENTION_DAYS))
+    retention_days = _float(retention)
+    if not 1.0 <= retention_days <= 3650.0:
+        raise ValueError(f"ledger URL: retention_days {retention!r} must be a number of days in [1, 3650]")
+    timeout = query.get("timeout_s", str(DEFAULT_TIMEOUT_S))
+    timeout_s = _float(timeout)
+    if not 0 < timeout_s <= 600:
+        raise ValueError(f"ledger URL: timeout_s {timeout!r} must be a number of seconds in (0, 600]")
+    connection: dict[str, Any] = {"host": parts.hostname, "port": port or 6379, "db": db}
+    if parts.username:
+        connection["username"] = unquote(parts.username)
+    if parts.password:
+        connection["password"] = unquote(parts.password)
+    if "ssl_cert_reqs" in query:
+        if query["ssl_cert_reqs"] not in ("none", "optional", "required"):
+            raise ValueError(f"ledger URL: ssl_cert_reqs {query['ssl_cert_reqs']!r} must be none, optional or required")
+        connection["ssl_cert_reqs"] = query["ssl_cert_reqs"]
+    if "ssl_check_hostname" in query:
+        if query["ssl_check_hostname"].lower() not in _BOOLS:
+            raise ValueError(f"ledger URL: ssl_check_hostname {query['ssl_check_hostname']!r} must be true or false")
+        connection["ssl_check_hostname"] = _BOOLS[query["ssl_check_hostname"].lower()]
+    for name in _TLS_FILES:
+        if name in query:
+            if not os.path.isfile(query[name]):
+                raise ValueError(f"ledger URL: {name} {query[name]!r} is not a file")
+            connection[name] = query[name]
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return {"prefix": prefix, "retention_days": retention_days, "timeout_s": timeout_s, "tls": tls,
+            "where": f"{host}:{port or 6379}", "connection": connection}
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        return math.nan
+    return value if math.isfinite(value) else math.nan
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    """The first non-empty line of ``text``, whitespace collapsed, at most ``limit`` characters."""
+    line = next((ln for ln in str(text).splitlines() if ln.strip()), "")
+    line = " ".join(line.split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _redacted(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}{rest[end:]}"
+
+
+def _describe(exc: BaseException, where: str, timeout_s: float, tls: bool) -> str:
+    """One line naming the real cause of a redis-py (or socket) failure talking to ``where``."""
+    text = _one_line(exc) or type(exc).__name__
+    if isinstance(exc, (redis.exceptions.TimeoutError, TimeoutError)):
+        hint = ("; the URL asks for TLS (rediss://): does the server speak TLS?"
+                if tls and "connecting" in text.lower() else "")
+        return f"redis ledger: {where} did not answer within {timeout_s:g} s ({text}){hint}"
+    if isinstance(exc, redis.exceptions.InvalidResponse):
+        return f"redis ledger: {where} does not speak the Redis protocol ({text})"
+    if isinstance(exc, redis.exceptions.AuthenticationError):
+        return f"redis ledger: {where} refused the credentials: {text}"
+    if isinstance(exc, redis.exceptions.ResponseError) or type(exc) is redis.exceptions.BusyLoadingError:
+        code = getattr(exc, "status_code", None)
+        reply = f"{code} {text}" if code and not text.startswith(code) else text
+        return f"redis ledger: {where} replied with an error: {reply}"
+    if where in text:
+        return f"redis ledger: {text}"
+    return f"redis ledger: {where}: {text}"
+
+
+def _is_redis_failure(exc: BaseException) -> bool:
+    return isinstance(exc, (redis.exceptions.RedisError, OSError))
 
 
 class RedisLedger(Ledger):
@@ -519,10 +655,14 @@ class RedisLedger(Ledger):
     """
 
     def __init__(self, client: Redis, prefix: str, quotas: Quotas, clock: Callable[[], float] | None,
-                 retention_s: float) -> None:
+                 retention_s: float, where: str = "redis", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 tls: bool = False) -> None:
         super().__init__(quotas)
         self._client = client
         self.prefix = prefix
+        self._where = where  # host:port, for messages
+        self.timeout_s = timeout_s
+        self._tls = tls
         self.retention_ms = int(retention_s * 1000)
         self._clock = clock
         self._registered: dict[str, float] = {}  # tenant -> time.monotonic() of the last registration
@@ -543,43 +683,83 @@ class RedisLedger(Ledger):
 
     @classmethod
     async def open(cls, url: str, quotas: Quotas, clock: Callable[[], float] | None = None,
-                   max_connections: int = 64) -> RedisLedger:
-        """Connect to the server named by ``url`` (``redis://host:port/db?prefix=NAME&retention_days=35``).
+                   max_connections: int = 64, *, create: bool = True) -> RedisLedger:
+        """Connect to the server named by ``url``
+        (``redis://host:port/db?prefix=NAME&retention_days=35&timeout_s=2``; see the module docstring).
 
         Args:
             clock: ms since the epoch, replacing the server's ``TIME`` (tests).
-            max_connections: connections in the pool; a call waits up to 10 s for a free one.
+            max_connections: connections in the pool; a call waits up to ``POOL_WAIT_S`` for a free one.
+            create: with ``False`` the ledger must exist already (the prefix's tenant registry or any key
+                under the prefix): operator commands use it so that a mistyped URL does not quietly
+                address an empty ledger. With ``True`` (the default) nothing needs to exist: keys are
+                created by the first write.
 
         Raises:
-            ValueError: a bad ``prefix`` or ``retention_days``. LedgerUnavailable: the server cannot be reached.
+            ValueError: a bad URL (scheme, host, port, database path, an unknown or repeated parameter, a
+                bad ``prefix``, ``retention_days``, ``timeout_s`` or TLS parameter), or a database number
+                the server does not have.
+            LedgerUnavailable: the server cannot be reached, does not answer within ``timeout_s``, does not
+                speak Redis, refuses the credentials or replies with an error; or ``create=False`` and
+                there is no ledger under the prefix.
         """
-        parts = urlsplit(url)
-        query = dict(parse_qsl(parts.query, keep_blank_values=True))
-        prefix = query.pop("prefix", DEFAULT_PREFIX)
-        if not _PREFIX.match(prefix):
-            raise ValueError(f"ledger URL: prefix {prefix!r} must match {_PREFIX.pattern}")
-        retention = query.pop("retention_days", str(DEFAULT_RETENTION_DAYS))
-        try:
-            retention_days = float(retention)
-        except ValueError:
-            retention_days = float("nan")
-        if not 1.0 <= retention_days <= 3650.0:
-            raise ValueError(f"ledger URL: retention_days {retention!r} must be a number of days in [1, 3650]")
-        pool = BlockingConnectionPool.from_url(
-            urlunsplit(parts._replace(query=urlencode(query))), max_connections=max_connections, timeout=10.0,
-            decode_responses=True, socket_connect_timeout=5.0, socket_timeout=10.0,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2))
+        settings = _parse_url(url)
+        prefix, timeout_s, where, tls = settings["prefix"], settings["timeout_s"], settings["where"], settings["tls"]
+        # One retry, and only for a connection found closed (a stale pooled connection after a server
+        # restart): a server that does not answer fails after one timeout, not after a retry storm.
+        retry = Retry(ExponentialBackoff(cap=0.2, base=0.05), 1, supported_errors=(redis.exceptions.ConnectionError,))
+        pool = BlockingConnectionPool(
+            connection_class=SSLConnection if tls else Connection, max_connections=max_connections,
+            timeout=max(POOL_WAIT_S, timeout_s), decode_responses=True, socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s, retry=retry, **settings["connection"])
         client = Redis.from_pool(pool)
-        ledger = cls(client, prefix, quotas, clock, retention_days * 86_400.0)
+        ledger = cls(client, prefix, quotas, clock, settings["retention_days"] * 86_400.0, where, timeout_s, tls)
         try:
-            with _unavailable():
+            try:
                 await client.ping()
+            except redis.exceptions.ResponseError as exc:
+                if "DB index" in str(exc):
+                    raise ValueError(f"ledger URL: database {settings['connection']['db']} (the URL path) does not "
+                                     f"exist on {where}: {_one_line(exc)}") from None
+                raise
+            with ledger._unavailable():
                 for script in (_RESERVE, _CLOSE, _EXTEND, _HEARTBEAT, _FREEZE, _USAGE, _DUE, _BEAT, _REGISTER):
                     await client.script_load(script)
-        except BaseException:
+                if not create and not await ledger._exists():
+                    raise LedgerUnavailable(f"redis ledger: no ledger at {_redacted(url)} (create=False): no key "
+                                            f"under the prefix {prefix!r}")
+        except BaseException as exc:
             await client.aclose()
+            if _is_redis_failure(exc):
+                raise LedgerUnavailable(_describe(exc, where, timeout_s, tls)) from None
             raise
         return ledger
+
+    async def _exists(self) -> bool:
+        """Whether anything of this ledger is stored: the tenant registry, or any key under the prefix."""
+        if await self._client.exists(self._tenants_key):
+            return True
+        for pattern in (f"{{{self.prefix}:*", f"{self.prefix}:*"):
+            cursor = 0
+            while True:
+                cursor, keys = await self._client.scan(cursor, match=pattern, count=1000)
+                if keys:
+                    return True
+                if int(cursor) == 0:
+                    break
+        return False
+
+    @contextmanager
+    def _unavailable(self) -> Iterator[None]:
+        """Map every redis-py failure (connection, timeout, protocol, error reply) to a one-line
+        ``LedgerUnavailable`` naming the cause; an argument redis-py cannot send (``DataError``) is the
+        caller's ``InvalidUsage``."""
+        try:
+            yield
+        except redis.exceptions.DataError as exc:  # redis-py refused an argument: the caller's input, not the server
+            raise InvalidUsage(f"redis ledger: {_one_line(exc) or 'invalid argument'}") from None
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise LedgerUnavailable(_describe(exc, self._where, self.timeout_s, self._tls)) from None
 
     # --- keys and plumbing -----------------------------------------------------------------------
     def _keys(self, tag: str) -> list[str]:
@@ -624,15 +804,13 @@ class RedisLedger(Ledger):
         Raises:
             QuotaExceeded, IdempotencyConflict, InvalidUsage, UnknownTenant, LedgerUnavailable.
         """
-        check_request_id(request_id)
+        check_reserve_args(tenant, request_id, model_class, run_id, tool_round)
         limits = self.limits(tenant, model_class)
         args = rules.ReserveArgs(tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class,
                                  run_id, bool(tool_round))
         rules.check_amounts(input_tokens, max_output_tokens, gpu_ms_estimate, "reserve")
-        if run_id is not None and not isinstance(run_id, str):
-            raise InvalidUsage(f"reserve: run_id must be a string or None, got {run_id!r}")
         tag = tenant_tag(tenant)
-        with _unavailable():
+        with self._unavailable():
             await self._ensure_registered(tenant)
             reply = await self._reserve(keys=self._keys(tag), args=[
                 *self._head(), tenant, request_id, new_reservation_id(tenant), str(input_tokens),
@@ -658,7 +836,7 @@ class RedisLedger(Ledger):
             return ["not_found"]
         amounts = ["", "", ""] if billed is None else [
             str(billed.input_tokens), str(billed.output_tokens), _number(float(billed.gpu_ms))]
-        with _unavailable():
+        with self._unavailable():
             reply: list[Any] = await self._close_script(keys=self._keys(tag), args=[
                 *self._head(), reservation_id, kind, "1" if final else "0", *amounts, "1" if check_frozen else "0",
                 self._limits_json.get(tag, "")])
@@ -681,6 +859,9 @@ class RedisLedger(Ledger):
         if code == "above":
             raise InvalidUsage(f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
                                f"max_output_tokens {r.max_output_tokens}")
+        if code == "above_input":
+            raise InvalidUsage(f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
+                               f"{r.input_tokens} (at most {rules.input_allowance(r.input_tokens)})")
         if code == "below":
             name = reply[1]
             raise InvalidUsage(f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
@@ -715,7 +896,7 @@ class RedisLedger(Ledger):
         Raises:
             LedgerUnavailable.
         """
-        with _unavailable():
+        with self._unavailable():
             raw = await self._client.hget(self._keys(tenant_tag(tenant))[0], model_class)
         if raw is None:
             return rules.Account()
@@ -729,7 +910,7 @@ class RedisLedger(Ledger):
         tag = self._tag_of(reservation_id)
         raw = None
         if tag is not None:
-            with _unavailable():
+            with self._unavailable():
                 raw = await self._client.hget(self._keys(tag)[2], reservation_id)
         if raw is None:
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
@@ -738,9 +919,9 @@ class RedisLedger(Ledger):
     async def usage(self, tenant: str, window_s: float) -> TenantUsage:
         """The tenant's billed usage over the last ``window_s`` seconds (from the event log) and its
         reservations by status. Raises ``InvalidUsage`` (window not > 0), ``LedgerUnavailable``."""
-        if not (isinstance(window_s, int | float) and window_s > 0):
-            raise InvalidUsage(f"usage: window_s must be > 0, got {window_s!r}")
-        with _unavailable():
+        check_name(tenant, "tenant")
+        window_s = check_window(window_s)
+        with self._unavailable():
             events_raw, flat = await self._usage(keys=self._keys(tenant_tag(tenant)),
                                                  args=[*self._head(), _number(window_s)])
         events = sorted((_event(tenant, raw) for raw in events_raw), key=lambda e: e.seq)
@@ -755,9 +936,12 @@ class RedisLedger(Ledger):
         """Reservations ordered by ``created_ms`` then id, optionally of one tenant and/or status.
 
         Raises:
-            LedgerUnavailable.
+            InvalidUsage (a bad tenant or status), LedgerUnavailable.
         """
-        with _unavailable():
+        check_name(tenant, "tenant", optional=True)
+        if status is not None and status not in STATUSES:
+            raise InvalidUsage(f"status must be one of {', '.join(STATUSES)}, got {status!r:.80}")
+        with self._unavailable():
             tags = [tenant_tag(tenant)] if tenant is not None else sorted(await self._tenants())
             found: list[Reservation] = []
             for tag in tags:
@@ -767,7 +951,8 @@ class RedisLedger(Ledger):
     async def events(self, tenant: str | None = None) -> list[Event]:
         """The event log in order: one tenant's by its sequence; all tenants' merged by ``at_ms``
         (each tenant's own order kept; ``seq`` is per tenant). Raises ``LedgerUnavailable``."""
-        with _unavailable():
+        check_name(tenant, "tenant", optional=True)
+        with self._unavailable():
             tenants = {tenant_tag(tenant): tenant} if tenant is not None else await self._tenants()
             logs = []
             for tag in sorted(tenants):
@@ -786,14 +971,14 @@ class RedisLedger(Ledger):
         tag = self._tag_of(reservation_id)
         reply = ["not_found"]
         if tag is not None:
-            with _unavailable():
+            with self._unavailable():
                 reply = await self._heartbeat(keys=self._keys(tag), args=[*self._head(), reservation_id])
         if reply[0] == "not_found":
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
 
     async def _heartbeat_running(self, r: Reservation) -> bool:
         ttl_ms = self.limits(r.tenant, r.model_class).reservation_ttl_s * 1000.0
-        with _unavailable():
+        with self._unavailable():
             beat, now = await self._beat(keys=self._keys(tenant_tag(r.tenant)), args=[*self._head(), r.id])
         return beat != "" and float(now) - float(beat) <= ttl_ms
 
@@ -806,7 +991,7 @@ class RedisLedger(Ledger):
         ``LedgerUnavailable``.
         """
         check = is_running or self._heartbeat_running
-        with _unavailable():
+        with self._unavailable():
             due: list[Reservation] = []
             for tag in sorted(await self._tenants()):
                 due.extend(_reservation(raw) for raw in await self._due(keys=self._keys(tag), args=self._head()))
@@ -815,7 +1000,7 @@ class RedisLedger(Ledger):
         for r in due:
             if await check(r):
                 ttl_s = self.limits(r.tenant, r.model_class).reservation_ttl_s
-                with _unavailable():
+                with self._unavailable():
                     await self._extend(keys=self._keys(tenant_tag(r.tenant)),
                                        args=[*self._head(), r.id, _number(float(ttl_s))])
                 continue
@@ -831,18 +1016,18 @@ class RedisLedger(Ledger):
     async def freeze(self, tenant: str, reason: str) -> None:
         """Stop automatic settlement for ``tenant`` (settle/cancel raise ``SettlementFrozen``, the sweeper
         skips it). Raises ``LedgerUnavailable``."""
-        with _unavailable():
+        with self._unavailable():
             await self._ensure_registered(tenant)
             await self._freeze(keys=self._keys(tenant_tag(tenant)), args=[*self._head(), tenant, reason])
 
     async def unfreeze(self, tenant: str) -> None:
         """Resume automatic settlement for ``tenant``. Raises ``LedgerUnavailable``."""
-        with _unavailable():
+        with self._unavailable():
             await self._client.delete(self._keys(tenant_tag(tenant))[9])
 
     async def frozen(self) -> dict[str, str]:
         """Frozen tenants and why, by tenant name. Raises ``LedgerUnavailable``."""
-        with _unavailable():
+        with self._unavailable():
             found = {}
             for tag, name in (await self._tenants()).items():
                 reason = await self._client.hget(self._keys(tag)[9], "reason")
@@ -856,7 +1041,7 @@ class RedisLedger(Ledger):
 
     async def drop_keys(self) -> None:
         """Delete every key of this ledger's prefix (tests). Raises ``LedgerUnavailable``."""
-        with _unavailable():
+        with self._unavailable():
             for pattern in (f"{{{self.prefix}:*", f"{self.prefix}:*"):
                 batch: list[str] = []
                 async for key in self._client.scan_iter(match=pattern, count=500):

@@ -81,14 +81,31 @@ class Delta:
     overage_gpu_ms: float = 0.0
 
 
+# Bounds on one request: far above any real model (a 10M-token context, a GPU-day), far below where
+# numbers lose precision (Redis keeps doubles: integers are exact below 2**53).
+MAX_TOKENS_PER_CALL = 10_000_000
+MAX_GPU_MS_PER_CALL = 86_400_000.0
+
+
 def check_amounts(input_tokens: object, output_tokens: object, gpu_ms: object, what: str) -> None:
-    """Raise ``InvalidUsage`` unless the token counts are ints >= 0 and ``gpu_ms`` a finite number >= 0."""
+    """Raise ``InvalidUsage`` unless the token counts are ints in [0, MAX_TOKENS_PER_CALL] and ``gpu_ms`` a
+    number in [0, MAX_GPU_MS_PER_CALL]."""
     for name, value in (("input_tokens", input_tokens), (f"{'max_' if what == 'reserve' else ''}output_tokens",
                                                          output_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidUsage(f"{what}: {name} must be an integer >= 0, got {value!r}")
-    if isinstance(gpu_ms, bool) or not isinstance(gpu_ms, int | float) or not (0 <= gpu_ms < float("inf")):
-        raise InvalidUsage(f"{what}: gpu_ms must be a finite number >= 0, got {gpu_ms!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS_PER_CALL:
+            raise InvalidUsage(f"{what}: {name} must be an integer from 0 to {MAX_TOKENS_PER_CALL:,}, got {value!r}")
+    if isinstance(gpu_ms, bool) or not isinstance(gpu_ms, int | float) or not 0 <= gpu_ms <= MAX_GPU_MS_PER_CALL:
+        raise InvalidUsage(f"{what}: gpu_ms must be a number from 0 to {MAX_GPU_MS_PER_CALL:,.0f}, got {gpu_ms!r}")
+
+
+def input_allowance(reserved_input_tokens: int) -> int:
+    """The most input tokens a settlement may report for a reservation of ``reserved_input_tokens``.
+
+    The reservation's input count is the gateway's estimate; the model's tokenizer may count more. Twice
+    the estimate plus 1,024 covers any real tokenizer difference and stops a wild figure from draining the
+    tenant's input bucket for years.
+    """
+    return 2 * reserved_input_tokens + 1024
 
 
 def _refill(level: float | None, updated_ms: float, now_ms: float, rate_per_minute: float,
@@ -210,6 +227,9 @@ def settle(reservation: Reservation, account: Account, run: RunUsage | None, lim
     if billed.output_tokens > r.max_output_tokens:
         raise InvalidUsage(f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
                            f"max_output_tokens {r.max_output_tokens}")
+    if billed.input_tokens > input_allowance(r.input_tokens):
+        raise InvalidUsage(f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
+                           f"{r.input_tokens} (at most {input_allowance(r.input_tokens)})")
     for name in ("input_tokens", "output_tokens", "gpu_ms"):
         if getattr(billed, name) < getattr(before, name):
             raise InvalidUsage(f"{kind}: {name} {getattr(billed, name)} is below what was billed already "

@@ -16,8 +16,11 @@ from fairgate.ledger import rules
 from fairgate.ledger.base import (
     Event,
     IsRunning,
+    STATUSES,
     Ledger,
-    check_request_id,
+    check_name,
+    check_reserve_args,
+    check_window,
     new_reservation_id,
     tenant_tag,
     usage_from_events,
@@ -235,7 +238,7 @@ class SqlLedger(Ledger):
     async def reserve(self, tenant: str, request_id: str, input_tokens: int, max_output_tokens: int,
                       gpu_ms_estimate: float = 0.0, model_class: str = "default", run_id: str | None = None,
                       tool_round: bool = False) -> Reservation:
-        check_request_id(request_id)
+        check_reserve_args(tenant, request_id, model_class, run_id, tool_round)
         limits = self.limits(tenant, model_class)
         args = rules.ReserveArgs(tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class,
                                  run_id, bool(tool_round))
@@ -346,6 +349,9 @@ class SqlLedger(Ledger):
             return await self._load(tx, reservation_id, lock=False)
 
     async def reservations(self, tenant: str | None = None, status: str | None = None) -> list[Reservation]:
+        check_name(tenant, "tenant", optional=True)
+        if status is not None and status not in STATUSES:
+            raise InvalidUsage(f"status must be one of {', '.join(STATUSES)}, got {status!r:.80}")
         async with self._transaction() as tx:
             rows = await tx.fetchall(f"SELECT {_RESERVATION_COLUMNS} FROM fg_reservations WHERE "
                                      "(CAST(:tenant AS TEXT) IS NULL OR tenant = :tenant) AND (CAST(:status AS TEXT) IS NULL OR status = :status) "
@@ -353,6 +359,7 @@ class SqlLedger(Ledger):
         return [_reservation(row) for row in rows]
 
     async def events(self, tenant: str | None = None) -> list[Event]:
+        check_name(tenant, "tenant", optional=True)
         async with self._transaction() as tx:
             rows = await tx.fetchall("SELECT seq, tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
                                      "gpu_ms, overage_gpu_ms, at_ms FROM fg_events WHERE (CAST(:tenant AS TEXT) IS NULL OR "
@@ -361,8 +368,8 @@ class SqlLedger(Ledger):
                 for a, b, c, d, e, f, g, h, i, j in rows]
 
     async def usage(self, tenant: str, window_s: float) -> TenantUsage:
-        if not (isinstance(window_s, int | float) and window_s > 0):
-            raise InvalidUsage(f"usage: window_s must be > 0, got {window_s!r}")
+        check_name(tenant, "tenant")
+        window_s = check_window(window_s)
         async with self._transaction() as tx:
             now_ms = await self._now_ms(tx)
             rows = await tx.fetchall("SELECT seq, tenant, reservation_id, kind, requests, input_tokens, output_tokens, "

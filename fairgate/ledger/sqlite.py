@@ -45,15 +45,20 @@ class SqliteLedger(SqlLedger):
     Args:
         clock: ms since the epoch (default: ``time.time``); tests pass a controllable one.
         busy_timeout_s: how long a call waits for another process's transaction before failing.
+        create: make the file and tables if missing (``False``: the file must exist).
 
     Raises:
         LedgerUnavailable: the file cannot be opened or stays locked past ``busy_timeout_s``.
     """
 
     def __init__(self, path: str | Path, quotas: Quotas, clock: Callable[[], float] | None = None,
-                 busy_timeout_s: float = 30.0) -> None:
+                 busy_timeout_s: float = 30.0, create: bool = True) -> None:
         super().__init__(quotas)
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_file():
+            raise LedgerUnavailable(f"sqlite ledger {self.path}: not a regular file")
+        if not create and not self.path.is_file():
+            raise LedgerUnavailable(f"sqlite ledger {self.path}: no ledger there (not created by an operator command)")
         self._clock = clock or (lambda: time.time() * 1000.0)
         self._lock = asyncio.Lock()
         try:

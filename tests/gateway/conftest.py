@@ -39,7 +39,8 @@ def write_config(tmp: Path, upstream_urls: list[str], extra_quotas: str = "", po
     text = (f'[gateway]\npolicy = "{policy}"\nledger = "sqlite:///{tmp}/ledger.db"\njournal = "{tmp}/journal.jsonl"\n'
             f"default_max_tokens = 64\nmax_body_bytes = 65536\n\n{upstreams}\n"
             f'[quotas.tiers.free]\non_ledger_unavailable = "reject"\n'
-            f"[quotas.defaults]\nmax_queued = 64\n{defaults}\n{tenants}{extra_quotas}\n{key_tables}")
+            f"[quotas.defaults]\n{'' if 'max_queued' in defaults else 'max_queued = 64'}\n{defaults}\n{tenants}"
+            f"{extra_quotas}\n{key_tables}")
     path = tmp / "fairgate.toml"
     path.write_text(text)
     return path, keys

@@ -301,3 +301,44 @@ def _const(value: bool):  # type: ignore[no-untyped-def]
     async def answer() -> bool:
         return value
     return answer()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"input_tokens": 10_000_001}, "input_tokens"),
+    ({"max_output_tokens": 2**63}, "output_tokens"),
+    ({"gpu_ms_estimate": 1.7e308}, "gpu_ms"),
+    ({"model_class": None}, "model_class"),
+    ({"model_class": 7}, "model_class"),
+    ({"model_class": "a\x00b"}, "model_class"),
+    ({"model_class": "x" * 201}, "model_class"),
+    ({"run_id": 123}, "run_id"),
+    ({"run_id": "\ud800"}, "run_id"),
+    ({"request_id": "r\x00"}, "request_id"),
+    ({"tool_round": "no"}, "tool_round"),
+])
+async def test_bad_names_and_huge_amounts_change_nothing(open_ledger, clock, kwargs, match):
+    ledger = await open_ledger(QUOTAS, clock)
+    args = {"tenant": "a", "request_id": "r", "input_tokens": 1, "max_output_tokens": 1, "gpu_ms_estimate": 0.0} | kwargs
+    with pytest.raises(InvalidUsage, match=match):
+        await ledger.reserve(**args)
+    assert await ledger.events() == [] and await ledger.reservations() == []
+
+
+async def test_wild_usage_cannot_lock_a_tenant_out(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    r = await ledger.reserve("a", "r", 10, 10, 1.0)
+    with pytest.raises(InvalidUsage, match="far above the reservation"):
+        await ledger.settle(r.id, 10**6, 5, 1.0, final=True)
+    with pytest.raises(InvalidUsage, match="gpu_ms"):
+        await ledger.settle(r.id, 10, 5, 1.7e308, final=True)
+    assert (await ledger.settle(r.id, 1044, 5, 1.0, final=True)).billed.input_tokens == 1044  # 2 x 10 + 1,024
+
+
+async def test_bad_query_arguments(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    with pytest.raises(InvalidUsage, match="window_s"):
+        await ledger.usage("a", True)
+    with pytest.raises(InvalidUsage, match="status"):
+        await ledger.reservations(status="done")
+    with pytest.raises(InvalidUsage, match="tenant"):
+        await ledger.usage(["a"], 60)

@@ -51,7 +51,10 @@ async def test_clean_ledger_reconciles(open_ledger, clock):
     ("tenant,input_tokens\na,1\n", "expected the header"),
     ("tenant,input_tokens,output_tokens,gpu_ms\na,1,x,1\n", "line 2"),
     ("tenant,input_tokens,output_tokens,gpu_ms\na,1,1,1\na,1,1,1\n", "line 3: tenant 'a' appears twice"),
-    ("tenant,input_tokens,output_tokens,gpu_ms\na,-1,1,1\n", "negative"),
+    ("tenant,input_tokens,output_tokens,gpu_ms\na,-1,1,1\n", "whole numbers"),
+    ("tenant,input_tokens,output_tokens,gpu_ms\na,1_0,1,1\n", "whole numbers"),
+    ("tenant,input_tokens,output_tokens,gpu_ms\na,1,1,inf\n", "finite"),
+    ("tenant,input_tokens,output_tokens,gpu_ms,extra\na,1,1,1,x\n", "expected the header"),
 ])
 def test_bad_metered_export(tmp_path, text, match):
     path = tmp_path / "m.csv"
