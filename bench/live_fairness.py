@@ -61,7 +61,8 @@ async def load(url: str, keys: dict[str, str], seconds: float, clients: int, see
             done[tenant] += 1
         await client.close()
 
-    tasks = [asyncio.create_task(worker(t, i)) for t in MIX for i in range(clients)]
+    # Interleaved, so no tenant's requests all arrive first.
+    tasks = [asyncio.create_task(worker(t, i)) for i in range(clients) for t in MIX]
     await asyncio.sleep(seconds)
     # At the deadline every client hangs up: the gateway cancels the requests in flight and bills what they
     # consumed, so the shares are those of the window, not of a drain where only long requests remain.

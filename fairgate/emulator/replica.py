@@ -133,9 +133,8 @@ class EmulatedReplica:
                 continue
             planned_ms = self.cost.iteration_ms(batch, prefill_tokens)
             deadline = start + planned_ms / 1000.0
-            delay = deadline - self._clock()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            # Always yield to the event loop, even when late: the HTTP side runs on the same loop.
+            await asyncio.sleep(max(0.0, deadline - self._clock()))
             end = self._clock()
             # Measured from the previous iteration's end (tokens are seen at iteration ends), so a late
             # wake-up shows once and is made up by the next, shorter wait.
