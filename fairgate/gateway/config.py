@@ -49,12 +49,12 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+from fairgate.tomlfile import read_toml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from fairgate.core.cost import CostModel
@@ -362,20 +362,7 @@ def load_gateway_config(path: str | Path) -> GatewayConfig:
         GatewayConfigError: a missing, unreadable or non-TOML file, or any invalid key or value; one line
             ``<file>: <dotted.key>: <problem>``.
     """
-    path = Path(path)
-    if path.is_file() and path.stat().st_size > 10 * 1024 * 1024:
-        raise GatewayConfigError(f"{path}: larger than 10 MiB; not a gateway configuration")
-    try:
-        with path.open("rb") as handle:
-            data = tomllib.load(handle)
-    except FileNotFoundError:
-        raise GatewayConfigError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise GatewayConfigError(f"{path}: is a directory, expected a TOML file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise GatewayConfigError(f"{path}: not valid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GatewayConfigError(f"{path}: cannot read: {exc}") from None
+    data = read_toml(path, GatewayConfigError, "gateway configuration")
     return gateway_config_from_dict(data, path)
 
 

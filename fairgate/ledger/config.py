@@ -39,11 +39,11 @@ naming the file and key.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from fairgate.tomlfile import read_toml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
@@ -250,19 +250,7 @@ def load_quotas(path: str | Path) -> Quotas:
     Raises:
         QuotaConfigError: missing file, bad TOML, or any invalid key or value (named with the file).
     """
-    path = Path(path)
-    if path.exists() and not path.is_dir() and not path.is_file():
-        raise QuotaConfigError(f"{path}: not a regular file")
-    if path.is_file() and path.stat().st_size > 10 * 1024 * 1024:
-        raise QuotaConfigError(f"{path}: larger than 10 MiB; not a quota file")
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise QuotaConfigError(f"{path}: file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise QuotaConfigError(f"{path}: not valid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise QuotaConfigError(f"{path}: cannot read: {exc}") from None
+    data = read_toml(path, QuotaConfigError, "quota file")
     return quotas_from_dict(data, str(path))
 
 

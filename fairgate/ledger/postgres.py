@@ -32,6 +32,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import Quotas
+from fairgate.ledger.text import one_line as _one_line
+from fairgate.ledger.text import redacted as _redacted
 from fairgate.ledger.model import LedgerUnavailable
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx
 
@@ -44,24 +46,6 @@ _BAD_OPTION = re.compile(r"^invalid .*(value|number)|^could not match \d+ .* to 
 _POOL_LOGGER = logging.getLogger("psycopg.pool")
 
 
-def _one_line(text: object, limit: int = 300) -> str:
-    """The first non-empty line of ``text``, whitespace collapsed, at most ``limit`` characters."""
-    line = next((ln for ln in str(text).splitlines() if ln.strip()), "")
-    line = " ".join(line.split())
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
-def _redacted(url: str) -> str:
-    """``url`` with its password (in the user info or a ``password`` parameter) replaced by ``***``."""
-    url = re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    userinfo, at, host = rest[:end].rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}{rest[end:]}"
 
 
 def _libpq_reason(exc: BaseException) -> str:

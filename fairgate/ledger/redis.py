@@ -88,6 +88,8 @@ from fairgate.ledger.base import (
     tenant_tag,
 )
 from fairgate.ledger.config import Limits, Quotas
+from fairgate.ledger.text import one_line as _one_line
+from fairgate.ledger.text import redacted as _redacted
 from fairgate.ledger.model import (
     IdempotencyConflict,
     InvalidUsage,
@@ -605,23 +607,6 @@ def _float(text: str) -> float:
     return value if math.isfinite(value) else math.nan
 
 
-def _one_line(text: object, limit: int = 300) -> str:
-    """The first non-empty line of ``text``, whitespace collapsed, at most ``limit`` characters."""
-    line = next((ln for ln in str(text).splitlines() if ln.strip()), "")
-    line = " ".join(line.split())
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
-def _redacted(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``, for messages."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    userinfo, at, host = rest[:end].rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}{rest[end:]}"
 
 
 def _describe(exc: BaseException, where: str, timeout_s: float, tls: bool) -> str:

@@ -26,6 +26,7 @@ from fairgate.core.policies.factory import PolicySpec, TenantShare
 from fairgate.core.request import PRIORITIES
 from fairgate.sim.distributions import Distribution, Empirical, Fixed, LogNormal
 from fairgate.sim.generate import TenantLoad
+from fairgate.tomlfile import read_toml
 
 
 class ScenarioError(ValueError):
@@ -305,22 +306,7 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     Raises:
         ScenarioError: the file is missing, unreadable or not TOML.
     """
-    path = Path(path)
-    if path.exists() and not path.is_dir() and not path.is_file():
-        raise ScenarioError(f"{path}: not a regular file")
-    if path.is_file() and path.stat().st_size > 10 * 1024 * 1024:
-        raise ScenarioError(f"{path}: larger than 10 MiB; not a scenario")
-    try:
-        with path.open("rb") as handle:
-            return tomllib.load(handle)
-    except FileNotFoundError:
-        raise ScenarioError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise ScenarioError(f"{path}: is a directory, expected a TOML file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ScenarioError(f"{path}: not valid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ScenarioError(f"{path}: cannot read: {exc}") from None
+    return read_toml(path, ScenarioError, "scenario")
 
 
 def build_scenario(path: str | Path, data: dict[str, Any], require_tenants: bool = True) -> Scenario:
