@@ -19,7 +19,7 @@ errors = Console(stderr=True)
 T = TypeVar("T")
 
 LedgerUrl = Annotated[str, typer.Option("--ledger", help="Ledger URL: sqlite:///path.db, postgresql://…, redis://…")]
-QuotasPath = Annotated[str, typer.Option("--quotas", help="Quota configuration TOML.")]
+QuotasPath = Annotated[str, typer.Option("--quotas", help="Quota TOML, or a gateway config (its [quotas]).")]
 
 
 def _fail(message: str) -> typer.Exit:
@@ -37,6 +37,17 @@ def _check_output(target: str | None) -> None:
         raise _fail(f"--json {target}: not a writable file path (its folder must exist)")
 
 
+def _quotas_of(path: str) -> Any:
+    """A quota file, or a gateway configuration (its ``[quotas]`` section)."""
+    from fairgate.ledger import QuotaConfigError, load_quotas, quotas_from_dict
+    from fairgate.tomlfile import read_toml
+
+    data = read_toml(path, QuotaConfigError, "quota file")
+    if "gateway" in data and "quotas" in data:
+        return quotas_from_dict(data["quotas"], f"{path} [quotas]")
+    return load_quotas(path)
+
+
 def _run(work: Callable[[Any], Awaitable[T]], url: str, quotas: str) -> T:
     """Open an existing ledger, run ``work(ledger)``, close it; user errors -> one line, exit 2.
 
@@ -46,7 +57,7 @@ def _run(work: Callable[[Any], Awaitable[T]], url: str, quotas: str) -> T:
     from fairgate.ledger.reconcile import MeteredError
 
     async def go() -> T:
-        ledger = await connect(url, quotas, create=False)
+        ledger = await connect(url, _quotas_of(quotas), create=False)
         try:
             return await work(ledger)
         finally:

@@ -39,7 +39,9 @@ def count_tokens(text: str) -> int:
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send many optional fields; unknown ones are ignored
+    # OpenAI clients send many optional fields: unknown ones are passed on, known ones must have their type
+    # ("5" is not a max_tokens, "yes" is not a stream flag).
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Open):
@@ -64,7 +66,7 @@ class ChatMessage(_Open):
 
 
 class _Generation(_Open):
-    model: str
+    model: Annotated[str, Field(min_length=1, max_length=1000)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stream: bool = False

@@ -34,6 +34,7 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
 from fairgate.core.policies.factory import TenantShare, make_policy
@@ -104,6 +105,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
     dispatcher = Dispatcher(lambda: make_policy(spec, upstreams[0].cost, shares), upstreams,
                             lambda: time.monotonic() * 1000.0, max_queued)
     clients: dict[str, UpstreamClient] = {}
+    in_flight: set[tuple[str, str]] = set()  # (tenant, request id) being served by this process
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -130,6 +132,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
 
     def authenticate(request: Request) -> tuple[str, str | None]:
         """(tenant billed, delegate acting for it). Raises ``GatewayError`` 401/403."""
+        if len(request.headers.getlist("authorization")) > 1:
+            raise GatewayError(400, "Send one Authorization header.", "invalid_api_key", "authorization",
+                               kind="authentication_error")
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
@@ -169,16 +174,20 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
             if len(raw) > limit:
                 raise GatewayError(413, f"Request body exceeds {limit} bytes.", "body_too_large")
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise GatewayError(400, "The body is not valid JSON.", "invalid_json") from None
+            data = json.loads(raw, parse_constant=_reject_constant)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
+            raise GatewayError(400, "The body is not valid JSON (NaN, Infinity and deep nesting are refused).",
+                               "invalid_json") from None
         if not isinstance(data, dict):
             raise GatewayError(400, "The body must be a JSON object.", "invalid_json")
+        problem = _unsendable(data)
+        if problem is not None:
+            raise GatewayError(400, f"{problem[0] or 'body'}: {problem[1]}", "invalid_request", problem[0] or None)
         try:
             return (ChatRequest if chat else CompletionRequest).model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
+            param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p)) or None
             raise GatewayError(400, f"{param or 'body'}: {first['msg']}", "invalid_request", param) from None
 
     def request_id_of(request: Request) -> str:
@@ -216,7 +225,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
                     delegate: str | None, request_id: str) -> Any:
         serving = config.upstreams_for(body.model)
         if not serving:
-            raise GatewayError(404, f"The model {body.model!r} does not exist.", "model_not_found", "model")
+            raise GatewayError(404, f"The model {body.model[:100]!r} does not exist.", "model_not_found", "model")
         context = min(u.max_model_len for u in serving)
         if chat:
             assert isinstance(body, ChatRequest)
@@ -252,6 +261,21 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
         if reservation.is_final:
             raise GatewayError(409, f"Request {request_id!r} has completed already ({reservation.status}); it is not "
                                     "run or charged again.", "request_already_completed", "x-request-id")
+        if (tenant, request_id) in in_flight:
+            raise GatewayError(409, f"Request {request_id!r} is being served already; it is not run twice.",
+                               "request_in_progress", "x-request-id")
+        in_flight.add((tenant, request_id))
+        try:
+            return await dispatch_and_relay(request, body, chat, tenant, delegate, request_id, reservation,
+                                            prompt_tokens, max_tokens)
+        except BaseException:
+            in_flight.discard((tenant, request_id))
+            raise
+
+    async def dispatch_and_relay(request: Request, body: ChatRequest | CompletionRequest, chat: bool, tenant: str,
+                                 delegate: str | None, request_id: str, reservation: Reservation,
+                                 prompt_tokens: int, max_tokens: int) -> Any:
+        done = lambda: in_flight.discard((tenant, request_id))  # noqa: E731
         log.info(json.dumps({"event": "admitted", "request_id": request_id, "tenant_hash": tenant_tag(tenant),
                              "delegate_hash": tenant_tag(delegate) if delegate else None, "model": body.model}))
         core_request = CoreRequest(_sequence(), tenant, prompt_tokens, time.monotonic() * 1000.0, max_tokens)
@@ -269,7 +293,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
             await _release_reservation(reservation, Usage())
             raise
         client = clients[lease.upstream.name]
-        call = CallState(request_id, tenant, prompt_tokens)
+        call = CallState(f"{request_id}#{uuid.uuid4().hex[:8]}", tenant, prompt_tokens)
         upstream_body = body.model_dump(exclude_none=True)
         upstream_body["max_tokens"] = max_tokens
         upstream_body.pop("max_completion_tokens", None)
@@ -280,9 +304,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
         stream = client.stream(path, upstream_body, call, lease.prefill_estimate_ms)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_relay(stream, call, reservation, lease, include_usage),
+            return StreamingResponse(_relay(stream, call, reservation, lease, include_usage, done),
                                      media_type="text/event-stream", headers=headers)
-        collect = asyncio.ensure_future(_collect(stream, call, reservation, lease, chat, body.model, headers))
+        collect = asyncio.ensure_future(_collect(stream, call, reservation, lease, chat, body.model, headers, done))
         watcher = asyncio.ensure_future(_watch_disconnect(request, collect))
         try:
             return await collect
@@ -314,7 +338,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
             log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
 
     async def _relay(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
-                     lease: Lease, include_usage: bool) -> AsyncIterator[str]:
+                     lease: Lease, include_usage: bool, done: Any) -> AsyncIterator[str]:
         finished = False
         last_settle = time.monotonic()
         try:
@@ -338,9 +362,10 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
                 await stream.aclose()  # type: ignore[attr-defined]
                 dispatcher.release(lease)
                 await _settle(call, reservation, final=True, cancelled=not finished)
+                done()
 
     async def _collect(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
-                       lease: Lease, chat: bool, model: str, headers: dict[str, str]) -> Any:
+                       lease: Lease, chat: bool, model: str, headers: dict[str, str], done: Any) -> Any:
         finished = False
         try:
             async for _ in stream:
@@ -353,6 +378,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
                 await stream.aclose()  # type: ignore[attr-defined]
                 dispatcher.release(lease)
                 await _settle(call, reservation, final=True, cancelled=not finished)
+                done()
         text = "".join(call.text)
         usage = call.usage or {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.output_tokens,
                                "total_tokens": call.prompt_tokens + call.output_tokens}
@@ -364,6 +390,17 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
                     "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                     "model": model, "choices": [choice], "usage": usage}
         return JSONResponse(document, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def not_found(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(GatewayError(exc.status_code, str(exc.detail), "not_found"), f"req-{uuid.uuid4().hex}")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        request_id = request.headers.get("x-request-id", f"req-{uuid.uuid4().hex}")[:200]
+        log.exception("unexpected error serving %s", request_id)
+        return _error_response(GatewayError(500, "Internal error; the request was not billed beyond what ran.",
+                                            "internal_error", kind="server_error"), request_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -388,6 +425,38 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
 
     del by_name
     return app
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic's union-branch markers in an error location (``str``, ``list[ContentPart]``, ...)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _unsendable(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The first value that cannot be forwarded as JSON: a non-finite number or text that is not UTF-8."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, "numbers must be finite"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path, "text must be valid UTF-8 (no lone surrogates)"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _unsendable(key, path) or _unsendable(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _unsendable(item, f"{path}.{index}")
+            if found:
+                return found
+    return None
 
 
 async def _watch_disconnect(request: Request, work: asyncio.Future[Any]) -> None:

@@ -112,3 +112,43 @@ def test_client_disconnect_bills_what_was_generated_and_frees_the_slot(stack):
     # The slot is free again: four more requests (max_batch 4) run at once.
     replies = [client(stack).completions.create(model="emu", prompt="y", max_tokens=2) for _ in range(4)]
     assert all(r.usage.completion_tokens >= 1 for r in replies)
+
+
+def test_concurrent_duplicates_of_one_request_id_run_once(stack):
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+            body = {"model": "emu", "prompt": "x", "max_tokens": 30, "ignore_eos": True}
+            headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "Idempotency-Key": "dup-1"}
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=body, headers=headers)
+                                             for _ in range(5)))
+        return sorted(r.status_code for r in replies)
+
+    assert asyncio.run(run()) == [200, 409, 409, 409, 409]
+    [r] = asyncio.run(reservations(stack))
+    assert (r.status, r.billed.output_tokens) == ("settled", 30)
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "emu", "prompt": "x", "temperature": NaN}', None),
+    (b'{"model": "emu", "prompt": "x", "temperature": 1e400}', "temperature"),
+    (b'{"model": "emu", "prompt": "\\ud800"}', "prompt"),
+    (b'{"model": "emu", "prompt": "x", "x": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", None),
+    (b'{"model": "emu", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    (b'{"model": "emu", "prompt": "x", "stream": "yes"}', "stream"),
+    (b'{"model": "", "prompt": "x"}', "model"),
+])
+def test_unsendable_or_mistyped_bodies_are_400(stack, body, param):
+    reply = httpx.post(f"{stack.url}/v1/completions", content=body, timeout=30,
+                       headers={"Authorization": f"Bearer {stack.keys['alpha']}", "Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert asyncio.run(reservations(stack)) == []
+
+
+def test_unknown_route_and_double_credentials(stack):
+    reply = httpx.get(f"{stack.url}/v1/embeddings", timeout=10)
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found"
+    reply = httpx.post(f"{stack.url}/v1/completions", json={"model": "emu", "prompt": "x"}, timeout=10,
+                       headers=[("Authorization", f"Bearer {stack.keys['alpha']}"),
+                                ("Authorization", f"Bearer {stack.keys['beta']}")])
+    assert reply.status_code == 400 and asyncio.run(reservations(stack)) == []
