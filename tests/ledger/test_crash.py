@@ -54,6 +54,18 @@ async def test_processes_with_retries_and_kills_keep_every_invariant(backend, ba
                                 env=env, stderr=subprocess.PIPE) for i in range(PROCESSES)]
     rng = random.Random(1)
     killed = rng.sample(range(PROCESSES), 3)
+
+    async def never_running(_r: object) -> bool:
+        return False
+
+    async def sweeper() -> None:
+        # As in production: abandoned reservations (and those of killed workers) expire after their TTL
+        # and free their slots while the others keep working.
+        while True:
+            await asyncio.sleep(0.5)
+            await ledger.expire_due(never_running)
+
+    sweeping = asyncio.create_task(sweeper())
     await asyncio.sleep(1.5)
     for i in killed:
         workers[i].send_signal(signal.SIGKILL)
@@ -61,6 +73,8 @@ async def test_processes_with_retries_and_kills_keep_every_invariant(backend, ba
         _, err = await asyncio.to_thread(worker.communicate, timeout=240)
         if i not in killed:
             assert worker.returncode == 0, err.decode()[-2000:]
+    sweeping.cancel()
+    await asyncio.gather(sweeping, return_exceptions=True)
     # Converge: past the TTL, nothing is running any more; the sweeper expires what was abandoned.
     await asyncio.sleep(1.2)
 
