@@ -54,10 +54,11 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from fairgate.tomlfile import read_toml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from fairgate.configerrors import pydantic_message
 from fairgate.core.cost import CostModel
+from fairgate.tomlfile import read_toml
 from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
 from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, is_key_hash
 from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
@@ -250,39 +251,10 @@ class GatewayConfig(_Strict):
         return secret
 
 
-def _format_location(location: tuple[Any, ...]) -> str:
-    out = ""
-    for part in location:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif str(part).startswith(("function-", "constrained-", "tagged-union")):
-            continue  # pydantic's validator and union tags
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"
-
-
-_KIND_ERRORS = {"int_type", "float_type", "model_attributes_type", "dict_type", "model_type"}
-
-
 def _message(path: Path | str, error: ValidationError) -> str:
-    """One line for a pydantic error: the misspelt key first, else the deepest problem (as scenario files)."""
-    errors = error.errors()
-    telling = [e for e in errors if e["type"] not in _KIND_ERRORS] or errors
-    unknown = [e for e in telling if e["type"] == "extra_forbidden"]
-    first = unknown[0] if unknown else max(telling, key=lambda e: len(_format_location(tuple(e["loc"]))))
-    location = _format_location(tuple(first["loc"]))
-    message = first["msg"].replace(" or instance of _Empty", "").replace("Value error, ", "")
-    if first["type"] == "extra_forbidden":
-        message = "unknown key"
-    elif first["type"] == "missing":
-        message = "missing required key"
-    elif first["type"] == "string_pattern_mismatch":
-        message = ("must be a letter or digit followed by letters, digits, '.', '_' or '-'"
-                   if not location.endswith("secret_env") else "must be an environment variable name")
-    more = len(telling) - 1
-    extra = f" (and {more} more problem{'s' if more > 1 else ''} after fixing this)" if more else ""
-    return f"{path}: {location}: {message}{extra}"
+    return pydantic_message(path, error, lambda location: "must be an environment variable name"
+                            if location.endswith("secret_env")
+                            else "must be a letter or digit followed by letters, digits, '.', '_' or '-'")
 
 
 _QUOTAS_SOURCE = "\x00quotas\x00"

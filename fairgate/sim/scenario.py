@@ -26,6 +26,7 @@ from fairgate.core.policies.factory import PolicySpec, TenantShare
 from fairgate.core.request import PRIORITIES
 from fairgate.sim.distributions import Distribution, Empirical, Fixed, LogNormal
 from fairgate.sim.generate import TenantLoad
+from fairgate.configerrors import pydantic_message
 from fairgate.tomlfile import read_toml
 
 
@@ -216,43 +217,8 @@ class Scenario:
         return PolicySpec(name, params)
 
 
-_KIND_ERRORS = {"int_type", "int_parsing", "float_type", "model_attributes_type", "dict_type", "model_type"}
-
-
-def _format_location(location: tuple[Any, ...]) -> str:
-    out = ""
-    for part in location:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("int", "fixed", "lognormal", "empirical", "float") or str(part).startswith(
-                ("tagged-union", "constrained-", "function-")):
-            continue  # pydantic's union branch tags
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"
-
-
 def _message(path: Path | str, error: ValidationError) -> str:
-    # A value that fails a union fails every alternative; the complaints about the wrong *kind* of
-    # value (a table where a number was, or the reverse) are noise beside the one about its content.
-    errors = error.errors()
-    telling = [e for e in errors if e["type"] not in _KIND_ERRORS] or errors
-    # A misspelt key also leaves its real name missing: name the misspelling first.
-    unknown = [e for e in telling if e["type"] == "extra_forbidden"]
-    first = unknown[0] if unknown else max(telling, key=lambda e: len(_format_location(tuple(e["loc"]))))
-    location = _format_location(tuple(first["loc"]))
-    if location == "(top level)" and first["msg"].startswith("Value error, tenant["):
-        return f"{path}: {first['msg'][len('Value error, '):]}"
-    message = first["msg"].replace(" or instance of _Empty", "").replace("Value error, ", "")
-    if first["type"] == "string_pattern_mismatch":
-        message = "must contain a character other than spaces"
-    if first["type"] == "extra_forbidden":
-        message = "unknown key"
-    elif first["type"] == "missing":
-        message = "missing required key"
-    more = len(telling) - 1
-    extra = f" (and {more} more problem{'s' if more > 1 else ''} after fixing this)" if more else ""
-    return f"{path}: {location}: {message}{extra}"
+    return pydantic_message(path, error, lambda _location: "must contain a character other than spaces")
 
 
 def apply_override(data: dict[str, Any], assignment: str, source: str = "--set") -> None:
