@@ -7,11 +7,14 @@ contention stretches, so the bound is 1.10 - still far from any unfair policy.""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.live_fairness import MIX, run
 
 
+@pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
 def test_gpu_fair_shares_are_equal_through_the_gateway():
     shares, done = run("gpu_fair", seconds=30.0, clients=48)
     assert all(done[t] > 0 for t in MIX)
-    assert done["classify"] > 3 * done["agent"]  # very different request counts...
+    assert done["classify"] > 2 * done["agent"]  # very different request counts...
     assert max(shares.values()) / min(shares.values()) <= 1.10  # ...the same GPU time
