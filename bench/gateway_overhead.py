@@ -26,37 +26,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import subprocess  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-
 from fairgate.gateway.auth import hash_api_key  # noqa: E402
+from tests.support.servers import fairgate_process as process  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 
 KEY = "fg-bench-" + "k" * 30
 ITER_BASE_MS = 0.2
-
-
-@contextmanager
-def process(args: list[str], port: int) -> Iterator[str]:
-    """Run ``fairgate ARGS`` until its /health answers on ``port``; yields its base URL."""
-    child = subprocess.Popen([sys.executable, "-m", "fairgate", *args], stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or child.poll() is not None:
-                raise RuntimeError(f"fairgate {' '.join(args)} did not start")
-            time.sleep(0.1)
-        yield url
-    finally:
-        child.terminate()
-        child.wait(timeout=30)
 
 
 def gateway_config(folder: Path, upstream: str) -> Path:

@@ -77,28 +77,13 @@ def test_bad_requests_name_the_field(base_url, body, param):
 def emulator_process():  # type: ignore[no-untyped-def]
     """The emulator as its own process (``fairgate emulate``), as deployed: no interpreter shared with the
     test's client, so the timings are the emulator's own."""
-    import subprocess
-    import sys
-
-    from tests.support.servers import free_port
+    from tests.support.servers import fairgate_process, free_port
 
     port = free_port()
-    child = subprocess.Popen([sys.executable, "-m", "fairgate", "emulate", "--port", str(port), "--model", "emu",
-                              "--iter-base-ms", "8", "--iter-slope-ms", "0.5", "--prefill-ms-per-token", "0.02",
-                              "--max-batch", "8"], stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and child.poll() is None, "emulator did not start"
-        time.sleep(0.1)
-    yield url
-    child.terminate()
-    child.wait(timeout=20)
+    with fairgate_process(["emulate", "--port", str(port), "--model", "emu", "--iter-base-ms", "8",
+                           "--iter-slope-ms", "0.5", "--prefill-ms-per-token", "0.02", "--max-batch", "8"],
+                          port) as url:
+        yield url
 
 
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)

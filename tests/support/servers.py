@@ -36,3 +36,31 @@ def serve(app: Any, port: int | None = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=20)
+
+
+@contextmanager
+def fairgate_process(args: list[str], port: int, startup_s: float = 30.0) -> Iterator[str]:
+    """Run ``python -m fairgate ARGS`` (a server listening on ``port``) until the block ends; yields its
+    base URL once ``/health`` answers."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    child = subprocess.Popen([sys.executable, "-m", "fairgate", *args], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or child.poll() is not None:
+                raise RuntimeError(f"fairgate {' '.join(args)} did not start")
+            time.sleep(0.1)
+        yield url
+    finally:
+        child.terminate()
+        child.wait(timeout=30)
