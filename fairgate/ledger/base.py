@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fairgate.ledger.config import Limits, Quotas
-from fairgate.ledger.rules import Account
+from fairgate.ledger.rules import Account, check_amounts
 from fairgate.ledger.model import InvalidUsage, Reservation, TenantUsage, UnknownTenant, Usage
 
 # An execution registry: is the request behind this reservation still running?
@@ -76,6 +76,14 @@ def check_reserve_args(tenant: object, request_id: object, model_class: object, 
 
 
 STATUSES = ("open", "settled", "cancelled", "expired")
+
+
+def check_consumed(consumed: object) -> Usage:
+    """``cancel``'s ``consumed``: a ``Usage`` of valid amounts, with ``gpu_ms`` as a float. Raises ``InvalidUsage``."""
+    if not isinstance(consumed, Usage):
+        raise InvalidUsage(f"cancel: consumed must be a Usage, got {consumed!r:.80}")
+    check_amounts(consumed.input_tokens, consumed.output_tokens, consumed.gpu_ms, "cancel")
+    return Usage(consumed.input_tokens, consumed.output_tokens, float(consumed.gpu_ms))
 
 
 def check_window(window_s: object) -> float:

@@ -81,6 +81,7 @@ from fairgate.ledger.base import (
     Event,
     IsRunning,
     Ledger,
+    check_consumed,
     check_name,
     check_reserve_args,
     check_window,
@@ -869,11 +870,7 @@ class RedisLedger(Ledger):
         Raises:
             ReservationNotFound, ReservationFinal, InvalidUsage, SettlementFrozen, UnknownTenant, LedgerUnavailable.
         """
-        if not isinstance(consumed, Usage):
-            raise InvalidUsage(f"cancel: consumed must be a Usage, got {consumed!r}")
-        rules.check_amounts(consumed.input_tokens, consumed.output_tokens, consumed.gpu_ms, "cancel")
-        return await self._close(reservation_id, Usage(consumed.input_tokens, consumed.output_tokens,
-                                                       float(consumed.gpu_ms)), True, "cancel")
+        return await self._close(reservation_id, check_consumed(consumed), True, "cancel")
 
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
         """The balances held for ``tenant`` and ``model_class`` as last written (buckets not refilled).

@@ -18,6 +18,7 @@ from fairgate.ledger.base import (
     IsRunning,
     STATUSES,
     Ledger,
+    check_consumed,
     check_name,
     check_reserve_args,
     check_window,
@@ -334,11 +335,7 @@ class SqlLedger(Ledger):
         return await self._close(reservation_id, Usage(input_tokens, output_tokens, float(gpu_ms)), final, "settle")
 
     async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
-        if not isinstance(consumed, Usage):
-            raise InvalidUsage(f"cancel: consumed must be a Usage, got {consumed!r}")
-        rules.check_amounts(consumed.input_tokens, consumed.output_tokens, consumed.gpu_ms, "cancel")
-        return await self._close(reservation_id, Usage(consumed.input_tokens, consumed.output_tokens,
-                                                       float(consumed.gpu_ms)), True, "cancel")
+        return await self._close(reservation_id, check_consumed(consumed), True, "cancel")
 
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
         async with self._transaction() as tx:
