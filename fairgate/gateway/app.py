@@ -24,10 +24,9 @@ import asyncio
 import json
 import logging
 import math
-import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -42,7 +41,11 @@ from fairgate.core.request import Request as CoreRequest
 from fairgate.emulator.api import CHAT_MESSAGE_OVERHEAD_TOKENS, ChatRequest, CompletionRequest, count_tokens
 from fairgate.gateway.auth import DelegationError, KeyRing, verify_on_behalf_of
 from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.errors import GatewayError, error_response as _error_response
 from fairgate.gateway.dispatch import Dispatcher, Lease, NoUpstream, QueueFull, Upstream
+from fairgate.gateway.headers import quota_headers, rate_limit_headers
+from fairgate.gateway.observe import (Admitted, Charged, Dispatched, Fanout, Finished, Observer, Rejected,
+                                      reason_for_dimension)
 from fairgate.gateway.upstream import CallState, UpstreamClient, UpstreamError
 from fairgate.ledger import (
     IdempotencyConflict,
@@ -56,40 +59,29 @@ from fairgate.ledger import (
     Usage,
 )
 from fairgate.ledger.base import tenant_tag
-from fairgate.ledger.emergency import ResilientLedger
+from fairgate.ledger.emergency import EMERGENCY_PREFIX, ResilientLedger
+from fairgate.ledger.rules import Account
 
 log = logging.getLogger("fairgate.gateway")
 ON_BEHALF_OF_HEADER = "x-fairgate-on-behalf-of"
+RUN_ID_HEADER = "x-fairgate-run-id"  # an agent run's id: its calls count against the run limits
+TOOL_ROUND_HEADER = "x-fairgate-tool-round"
 PARTIAL_SETTLE_EVERY_S = 2.0
 
 
-class GatewayError(Exception):
-    """An error answered to the client: HTTP status, OpenAI error ``type`` and ``code``, the field at fault."""
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 kind: str = "invalid_request_error", retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
-        self.retry_after_s = retry_after_s
-
-
-def _error_response(error: GatewayError, request_id: str) -> JSONResponse:
-    headers = {"x-request-id": request_id}
-    if error.retry_after_s is not None:
-        # Jitter (up to +25 %) so rejected clients do not come back as one wave (seed 003).
-        headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s * (1 + 0.25 * random.random()))))
-    body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
-    return JSONResponse(status_code=error.status, content=body, headers=headers)
-
-
-def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastAPI:
+def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
+                   observers: Iterable[Observer] = ()) -> FastAPI:
     """The gateway's ASGI app for ``config``.
 
     Args:
         ledger: an open ledger to use (the caller closes it); default: open ``[gateway].ledger`` when the
             app starts (on its own event loop) and close it when it stops.
+        observers: receive every request's events (``fairgate.gateway.observe``); more can be added to
+            ``app.state.events`` (a ``Fanout``) before the app starts.
     """
+    events = Fanout(observers)
     keys = KeyRing.from_config(config)
+    admin_keys = KeyRing(("admin", stored) for stored in config.admin.key_hashes)
     front: ResilientLedger = None  # type: ignore[assignment]  # set when the app starts
     shares = {name: TenantShare(t.weight, t.priority) for name, t in config.quotas.tenants.items()}
     upstreams = [Upstream(u.name, u.model, u.url, u.max_batch, u.cost) for u in config.upstreams]
@@ -102,8 +94,11 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
         except KeyError:
             return 0
 
+    def booked(model: str, tenant: str, gpu_ms: float) -> None:
+        events.observe(Charged(tenant, model, gpu_ms, time.time()))
+
     dispatcher = Dispatcher(lambda: make_policy(spec, upstreams[0].cost, shares), upstreams,
-                            lambda: time.monotonic() * 1000.0, max_queued)
+                            lambda: time.monotonic() * 1000.0, max_queued, on_charge=booked)
     clients: dict[str, UpstreamClient] = {}
     in_flight: set[tuple[str, str]] = set()  # (tenant, request id) being served by this process
 
@@ -129,6 +124,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
 
     app = FastAPI(title="fairgate gateway", lifespan=lifespan)
     app.state.dispatcher = dispatcher
+    app.state.events = events
+    app.state.clients = clients
+    app.state.config = config
 
     def authenticate(request: Request) -> tuple[str, str | None]:
         """(tenant billed, delegate acting for it). Raises ``GatewayError`` 401/403."""
@@ -162,6 +160,30 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
             raise GatewayError(403, "The on-behalf-of token names an unknown tenant.", "invalid_delegation",
                                kind="permission_error")
         return tenant, caller
+
+    def authenticate_admin(request: Request) -> None:
+        """Accept only an ``[admin]`` key. Raises ``GatewayError`` 401 (no/unknown key) or 403 (a tenant's key)."""
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise GatewayError(401, "Missing API key: send Authorization: Bearer <admin key>.", "invalid_api_key",
+                               kind="authentication_error")
+        if admin_keys.tenant_for(key.strip()) == "admin":
+            return
+        if keys.tenant_for(key.strip()) is not None:
+            raise GatewayError(403, "This endpoint needs an admin key.", "admin_only", kind="permission_error")
+        raise GatewayError(401, "Invalid API key.", "invalid_api_key", kind="authentication_error")
+
+    def is_admin(request: Request) -> bool:
+        try:
+            authenticate_admin(request)
+        except GatewayError:
+            return False
+        return True
+
+    app.state.authenticate = authenticate
+    app.state.authenticate_admin = authenticate_admin
+    app.state.is_admin = is_admin
 
     async def read_body(request: Request, chat: bool) -> ChatRequest | CompletionRequest:
         declared = request.headers.get("content-length")
@@ -199,30 +221,54 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
                                "invalid_request_id", "x-request-id")
         return given
 
-    def rate_headers(tenant: str, model: str) -> dict[str, str]:
+    async def rate_headers(tenant: str, model: str, balances: asyncio.Future[Account] | None) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers: limits from the config, what remains from the ledger's balances
+        (read beside the dispatch; omitted if that read failed or is slow)."""
         try:
             limits = config.quotas.tenant(tenant).for_model_class(model)
         except KeyError:
             return {}
-        headers = {}
-        if limits.requests_per_minute is not None:
-            headers["x-ratelimit-limit-requests"] = f"{limits.requests_per_minute:g}"
-        if limits.input_tokens_per_minute is not None:
-            headers["x-ratelimit-limit-tokens"] = f"{limits.input_tokens_per_minute:g}"
-        return headers
+        account = None
+        if balances is not None:
+            try:
+                account = await asyncio.wait_for(asyncio.shield(balances), timeout=0.25)
+            except (asyncio.TimeoutError, LedgerError, Exception):  # noqa: BLE001 - headers are best effort
+                account = None
+        return rate_limit_headers(limits, account, time.time() * 1000.0)
 
     async def handle(request: Request, chat: bool) -> Any:
         request_id = f"req-{uuid.uuid4().hex}"
+        tenant: str | None = None
+        model: str | None = None
         try:
             request_id = request_id_of(request)
             tenant, delegate = authenticate(request)
             body = await read_body(request, chat)
-            return await serve(request, body, chat, tenant, delegate, request_id)
+            model = body.model[:200]
+            run = run_of(request)
+            return await serve(request, body, chat, tenant, delegate, request_id, run)
         except GatewayError as error:
+            events.observe(Rejected(request_id, tenant, model, error.reason, error.status, error.message, time.time(),
+                                    error.dimension, error.after_admission))
             return _error_response(error, request_id)
 
+    def run_of(request: Request) -> tuple[str | None, bool]:
+        """The agent run this call belongs to (``x-fairgate-run-id``) and whether it is a tool round
+        (``x-fairgate-tool-round: 1``): the client names its own run; the run limits only restrict it."""
+        run_id = request.headers.get(RUN_ID_HEADER)
+        if run_id is not None and not (0 < len(run_id) <= 200 and run_id.isprintable()):
+            raise GatewayError(400, f"{RUN_ID_HEADER} must be 1-200 printable characters.", "invalid_run_id",
+                               RUN_ID_HEADER)
+        flag = request.headers.get(TOOL_ROUND_HEADER, "0").strip().lower()
+        if flag not in ("0", "1", "true", "false"):
+            raise GatewayError(400, f"{TOOL_ROUND_HEADER} must be 0 or 1.", "invalid_tool_round", TOOL_ROUND_HEADER)
+        if flag in ("1", "true") and run_id is None:
+            raise GatewayError(400, f"{TOOL_ROUND_HEADER} needs {RUN_ID_HEADER}.", "invalid_tool_round",
+                               TOOL_ROUND_HEADER)
+        return run_id, flag in ("1", "true")
+
     async def serve(request: Request, body: ChatRequest | CompletionRequest, chat: bool, tenant: str,
-                    delegate: str | None, request_id: str) -> Any:
+                    delegate: str | None, request_id: str, run: tuple[str | None, bool]) -> Any:
         serving = config.upstreams_for(body.model)
         if not serving:
             raise GatewayError(404, f"The model {body.model[:100]!r} does not exist.", "model_not_found", "model")
@@ -244,17 +290,20 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
         cost = serving[0].cost
         estimate = cost.prefill_ms(prompt_tokens) + max_tokens * cost.decode_charge_ms(cost.max_batch)
         try:
-            reservation = await front.reserve(tenant, request_id, prompt_tokens, max_tokens, estimate, body.model)
+            reservation = await front.reserve(tenant, request_id, prompt_tokens, max_tokens, estimate, body.model,
+                                              run[0], run[1])
         except QuotaExceeded as exc:
             raise GatewayError(429, f"Quota {exc.dimension} exceeded for this tenant.",
                                "insufficient_quota" if exc.retry_after_s is None else "rate_limit_exceeded",
-                               kind="rate_limit_error", retry_after_s=exc.retry_after_s or 60.0) from None
+                               kind="rate_limit_error", retry_after_s=exc.retry_after_s or 60.0,
+                               reason=reason_for_dimension(exc.dimension), dimension=exc.dimension,
+                               headers=quota_headers(exc)) from None
         except IdempotencyConflict:
             raise GatewayError(409, "This request id was used before with a different request.",
                                "idempotency_conflict", "x-request-id") from None
         except LedgerUnavailable:
             raise GatewayError(503, "Accounting is unavailable; retry later.", "ledger_unavailable",
-                               kind="server_error", retry_after_s=5.0) from None
+                               kind="server_error", retry_after_s=5.0, reason="ledger_down") from None
         except UnknownTenant:
             raise GatewayError(403, "This tenant has no quota configuration.", "tenant_not_configured",
                                kind="permission_error") from None
@@ -265,42 +314,57 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
             raise GatewayError(409, f"Request {request_id!r} is being served already; it is not run twice.",
                                "request_in_progress", "x-request-id")
         in_flight.add((tenant, request_id))
+        events.observe(Admitted(request_id, tenant, delegate, body.model, reservation.id, prompt_tokens, max_tokens,
+                                estimate, time.time()))
+        balances: asyncio.Future[Account] | None = None
+        if not reservation.id.startswith(EMERGENCY_PREFIX):
+            balances = asyncio.ensure_future(front.ledger.account(tenant, body.model))
         try:
             return await dispatch_and_relay(request, body, chat, tenant, delegate, request_id, reservation,
-                                            prompt_tokens, max_tokens)
+                                            prompt_tokens, max_tokens, balances)
         except BaseException:
             in_flight.discard((tenant, request_id))
             raise
 
     async def dispatch_and_relay(request: Request, body: ChatRequest | CompletionRequest, chat: bool, tenant: str,
                                  delegate: str | None, request_id: str, reservation: Reservation,
-                                 prompt_tokens: int, max_tokens: int) -> Any:
+                                 prompt_tokens: int, max_tokens: int,
+                                 balances: asyncio.Future[Account] | None) -> Any:
         done = lambda: in_flight.discard((tenant, request_id))  # noqa: E731
         log.info(json.dumps({"event": "admitted", "request_id": request_id, "tenant_hash": tenant_tag(tenant),
                              "delegate_hash": tenant_tag(delegate) if delegate else None, "model": body.model}))
         core_request = CoreRequest(_sequence(), tenant, prompt_tokens, time.monotonic() * 1000.0, max_tokens)
+        queued_at = time.monotonic()
         try:
             lease = await dispatcher.acquire(core_request, body.model)
         except QueueFull as exc:
             await _release_reservation(reservation, Usage())
-            raise GatewayError(429, f"Too many requests queued for this tenant ({exc.limit}).", "queue_full",
-                               kind="rate_limit_error", retry_after_s=2.0) from None
+            error = GatewayError(429, f"Too many requests queued for this tenant ({exc.limit}).", "queue_full",
+                                 kind="rate_limit_error", retry_after_s=2.0, reason="queue_full",
+                                 after_admission=True)
+            raise error from None
         except NoUpstream:
             await _release_reservation(reservation, Usage())
-            raise GatewayError(503, f"No upstream is available for {body.model!r}.", "no_upstream",
-                               kind="server_error", retry_after_s=5.0) from None
+            error = GatewayError(503, f"No upstream is available for {body.model!r}.", "no_upstream",
+                                 kind="server_error", retry_after_s=5.0, reason="no_upstream",
+                                 after_admission=True)
+            raise error from None
         except asyncio.CancelledError:
             await _release_reservation(reservation, Usage())
             raise
         client = clients[lease.upstream.name]
+        queue_ms = (time.monotonic() - queued_at) * 1000.0
+        events.observe(Dispatched(request_id, tenant, body.model, lease.upstream.name, queue_ms, time.time()))
         call = CallState(f"{request_id}#{uuid.uuid4().hex[:8]}", tenant, prompt_tokens)
+        call.queue_ms = queue_ms
+        call.model, call.upstream = body.model, lease.upstream.name
         upstream_body = body.model_dump(exclude_none=True)
         upstream_body["max_tokens"] = max_tokens
         upstream_body.pop("max_completion_tokens", None)
         upstream_body.pop("user", None)  # a client-named tenant goes nowhere
         upstream_body["cache_salt"] = tenant_tag(tenant)  # per-tenant prefix-cache isolation (vLLM)
         path = "/chat/completions" if chat else "/completions"
-        headers = {"x-request-id": request_id, **rate_headers(tenant, body.model)}
+        headers = {"x-request-id": request_id, **await rate_headers(tenant, body.model, balances)}
         stream = client.stream(path, upstream_body, call, lease.prefill_estimate_ms)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -329,6 +393,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
         input_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
         output_tokens = min(int(usage.get("completion_tokens", call.output_tokens)), reservation.max_output_tokens)
         gpu_ms = min(call.gpu_ms, 86_400_000.0)
+        if final:
+            events.observe(_finished(call, reservation, "cancelled" if cancelled else "completed",
+                                     input_tokens, output_tokens, gpu_ms))
         try:
             if cancelled:
                 await front.cancel(reservation.id, Usage(input_tokens, output_tokens, gpu_ms))
@@ -354,6 +421,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
             yield "data: [DONE]\n\n"
             finished = True
         except UpstreamError as exc:
+            call.failed = True
             error = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "upstream_error"}}
             yield f"data: {json.dumps(error)}\n\n"
         finally:
@@ -372,6 +440,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
                 pass
             finished = True
         except UpstreamError as exc:
+            call.failed = True
             raise GatewayError(exc.status, str(exc), "upstream_error", kind="server_error") from None
         finally:
             with anyio.CancelScope(shield=True):
@@ -424,7 +493,30 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None) -> FastA
         return {"status": "ok"}
 
     del by_name
+    for install in _operator_views():
+        install(app)
     return app
+
+
+def _operator_views() -> list[Any]:
+    """The operator's and tenants' views (issue 5), each adding its observer and routes to the app:
+    each module's ``install(app)`` reads ``app.state`` (config, events, dispatcher, clients, ledger,
+    authenticate, authenticate_admin)."""
+    from fairgate.gateway import dashboard, eventlog, metrics, usage_api
+
+    return [metrics.install, usage_api.install, eventlog.install, dashboard.install]
+
+
+def _finished(call: CallState, reservation: Reservation, outcome: str, input_tokens: int, output_tokens: int,
+              gpu_ms: float) -> Finished:
+    ttft_ms = tpot_ms = None
+    if call.first_token_s is not None:
+        ttft_ms = (call.first_token_s - call.started_s) * 1000.0
+        if output_tokens > 1 and call.last_token_s is not None:
+            tpot_ms = (call.last_token_s - call.first_token_s) * 1000.0 / (output_tokens - 1)
+    return Finished(reservation.request_id, call.tenant, call.model, call.upstream, "error" if call.failed else outcome,
+                    call.queue_ms, ttft_ms, tpot_ms, input_tokens, output_tokens, gpu_ms, reservation.gpu_ms_estimate,
+                    reservation.max_output_tokens, time.time())
 
 
 def _reject_constant(name: str) -> Any:

@@ -93,6 +93,7 @@ class GatewaySection(_Strict):
     policy: str = "gpu_fair"
     ledger: str
     journal: Annotated[str, Field(min_length=1)] = "fairgate-journal.jsonl"
+    event_log: Annotated[str, Field(min_length=1)] | None = "fairgate-events.jsonl"  # JSON lines; "" -> none
     default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] = 512
     max_body_bytes: Annotated[int, Field(ge=1024, le=1024**3)] = 1024 * 1024
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
@@ -212,6 +213,11 @@ class GatewayConfig(_Strict):
         return self.gateway.ledger
 
     @property
+    def event_log_path(self) -> Path | None:
+        """The structured request log (JSON lines), absolute; None: not written."""
+        return Path(self.gateway.event_log) if self.gateway.event_log else None
+
+    @property
     def journal_path(self) -> Path:
         """The emergency journal, absolute."""
         return Path(self.gateway.journal)
@@ -280,7 +286,8 @@ def _resolve(path: Path, gateway: GatewaySection) -> GatewaySection:
     if ledger.startswith("sqlite:///"):
         ledger = "sqlite:///" + str((folder / ledger[len("sqlite:///"):]).resolve())
     journal = str((folder / gateway.journal).resolve())
-    return gateway.model_copy(update={"ledger": ledger, "journal": journal})
+    event_log = str((folder / gateway.event_log).resolve()) if gateway.event_log else None
+    return gateway.model_copy(update={"ledger": ledger, "journal": journal, "event_log": event_log})
 
 
 def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayConfig:

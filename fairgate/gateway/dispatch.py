@@ -75,11 +75,14 @@ class Dispatcher:
         upstreams: every upstream; grouped by ``model``.
         clock: ms, monotonic (the policy's ``now_ms``).
         max_queued: tenant -> queue bound (None: unbounded).
+        on_charge: told of every charge booked with a policy: (model, tenant, GPU ms).
     """
 
     def __init__(self, make_policy: Callable[[], Policy], upstreams: list[Upstream], clock: Callable[[], float],
-                 max_queued: Callable[[str], int | None]) -> None:
+                 max_queued: Callable[[str], int | None],
+                 on_charge: Callable[[str, str, float], None] | None = None) -> None:
         self._clock = clock
+        self._on_charge = on_charge or (lambda model, tenant, gpu_ms: None)
         self._max_queued = max_queued
         self._pools: dict[str, _Pool] = {}
         for upstream in upstreams:
@@ -90,6 +93,24 @@ class Dispatcher:
 
     def models(self) -> list[str]:
         return sorted(self._pools)
+
+    def upstreams(self) -> list[Upstream]:
+        """Every upstream, with its ``in_flight`` count now."""
+        return [u for pool in self._pools.values() for u in pool.upstreams]
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Requests waiting in queues now, per tenant (all models)."""
+        total: Counter[str] = Counter()
+        for pool in self._pools.values():
+            total.update({t: n for t, n in pool.queued.items() if n > 0})
+        return dict(total)
+
+    def running_by_tenant(self) -> dict[str, int]:
+        """Requests holding an upstream slot now, per tenant (all models)."""
+        total: Counter[str] = Counter()
+        for pool in self._pools.values():
+            total.update({t: n for t, n in pool.view.by_tenant.items() if n > 0})
+        return dict(total)
 
     def queued(self, tenant: str, model: str) -> int:
         return self._pools[model].queued[tenant] if model in self._pools else 0
@@ -137,6 +158,8 @@ class Dispatcher:
     def charge(self, model: str, tenant: str, gpu_ms: float, output_tokens: int, batch_size: int) -> None:
         """Book metered work with the model's policy."""
         self._pools[model].policy.charge(tenant, gpu_ms, 0, output_tokens, batch_size)
+        if gpu_ms:
+            self._on_charge(model, tenant, gpu_ms)
 
     def _dispatch(self, pool: _Pool) -> None:
         now = self._clock()
@@ -159,6 +182,7 @@ class Dispatcher:
             pool.view.by_tenant[request.tenant] = pool.view.by_tenant.get(request.tenant, 0) + 1
             prefill_ms = upstream.cost.prefill_ms(request.prompt_tokens)
             pool.policy.charge(request.tenant, prefill_ms, request.prompt_tokens, 0, upstream.in_flight)
+            self._on_charge(upstream.model, request.tenant, prefill_ms)
             future.set_result(Lease(request, upstream, prefill_ms))
 
     def _schedule_wake(self, pool: _Pool, now: float) -> None:

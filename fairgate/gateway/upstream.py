@@ -46,6 +46,12 @@ class CallState:
     first_token_s: float | None = None
     gpu_ms: float = 0.0  # metered so far
     policy_charged_ms: float = 0.0  # booked with the policy so far (starts at the prepaid prefill estimate)
+    model: str = ""
+    upstream: str = ""
+    queue_ms: float = 0.0  # time waited in the tenant's queue before dispatch
+    started_s: float = field(default_factory=time.monotonic)  # dispatch time (the clock of first_token_s)
+    last_token_s: float | None = None
+    failed: bool = False  # the upstream failed (as opposed to completed or cancelled by the client)
 
 
 class UpstreamClient:
@@ -124,6 +130,7 @@ class UpstreamClient:
             if piece:
                 call.output_tokens += 1
                 call.text.append(piece)
+                call.last_token_s = self._clock()
                 if call.first_token_s is None:
                     call.first_token_s = self._clock()
                     self._book(self.meter.first_token(call.request_id, self._now_ms()))
