@@ -368,8 +368,12 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         stream = client.stream(path, upstream_body, call, lease.prefill_estimate_ms)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_relay(stream, call, reservation, lease, include_usage, done),
-                                     media_type="text/event-stream", headers=headers)
+            relay = _relay(stream, call, reservation, lease, include_usage, done)
+            # Start the relay before answering: an upstream that fails at once gets an HTTP error status, and
+            # the relay's clean-up (slot, settlement) is armed even if the client leaves before the body
+            # starts (asyncio finalizes a started generator; one never started would hold its slot forever).
+            first = await relay.__anext__()
+            return StreamingResponse(_prepend(first, relay), media_type="text/event-stream", headers=headers)
         collect = asyncio.ensure_future(_collect(stream, call, reservation, lease, chat, body.model, headers, done))
         watcher = asyncio.ensure_future(_watch_disconnect(request, collect))
         try:
@@ -406,7 +410,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
 
     async def _relay(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
                      lease: Lease, include_usage: bool, done: Any) -> AsyncIterator[str]:
-        finished = False
+        finished = sent = False
         last_settle = time.monotonic()
         try:
             async for chunk in stream:
@@ -415,6 +419,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                 if not include_usage:
                     chunk.pop("usage", None)
                 yield f"data: {json.dumps(chunk)}\n\n"
+                sent = True
                 if time.monotonic() - last_settle > PARTIAL_SETTLE_EVERY_S:
                     last_settle = time.monotonic()
                     await _settle(call, reservation, final=False, cancelled=False)
@@ -422,6 +427,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             finished = True
         except UpstreamError as exc:
             call.failed = True
+            if not sent:  # nothing relayed yet: the client gets a plain HTTP error
+                raise GatewayError(exc.status, str(exc), "upstream_error", kind="server_error") from None
             error = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "upstream_error"}}
             yield f"data: {json.dumps(error)}\n\n"
         finally:
@@ -505,6 +512,12 @@ def _operator_views() -> list[Any]:
     from fairgate.gateway import dashboard, eventlog, metrics, usage_api
 
     return [metrics.install, usage_api.install, eventlog.install, dashboard.install]
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for piece in rest:
+        yield piece
 
 
 def _finished(call: CallState, reservation: Reservation, outcome: str, input_tokens: int, output_tokens: int,

@@ -42,7 +42,6 @@ class CallState:
     usage: dict[str, int] | None = None
     finish_reason: str | None = None
     text: list[str] = field(default_factory=list)
-    role_seen: bool = False
     first_token_s: float | None = None
     gpu_ms: float = 0.0  # metered so far
     policy_charged_ms: float = 0.0  # booked with the policy so far (starts at the prepaid prefill estimate)

@@ -1,0 +1,129 @@
+"""Rate-limit headers, agent-run headers, the request events observers receive, and upstream failures
+before the first streamed byte - over real HTTP against a real emulator and SQLite ledger."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from fairgate.emulator.api import create_app
+from fairgate.gateway.app import create_gateway
+from fairgate.gateway.config import load_gateway_config
+from fairgate.gateway.observe import Admitted, Charged, Dispatched, Finished, Rejected
+from fairgate.ledger import connect
+from tests.gateway.conftest import EMULATOR, write_config
+from tests.support.servers import free_port, serve
+
+BODY = {"model": "emu", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
+
+
+def post(url: str, key: str, body: dict | None = None, headers: dict | None = None) -> httpx.Response:  # type: ignore[type-arg]
+    return httpx.post(f"{url}/v1/completions", json=body or BODY, timeout=30,
+                      headers={"Authorization": f"Bearer {key}", **(headers or {})})
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def observe(self, event: object) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type, request_id: str | None = None) -> list:  # type: ignore[type-arg]
+        return [e for e in self.events if isinstance(e, kind)
+                and (request_id is None or getattr(e, "request_id", None) == request_id)]
+
+
+def test_remaining_and_reset_headers_count_down(tmp_path):
+    with serve(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator], defaults="requests_per_minute = 60\nrequests_burst = 5\n")
+        with serve(create_gateway(load_gateway_config(path))) as url:
+            first, second = post(url, keys["alpha"]), post(url, keys["alpha"])
+            assert first.headers["x-ratelimit-limit-requests"] == "60"
+            assert first.headers["x-ratelimit-remaining-requests"] == "4"
+            assert second.headers["x-ratelimit-remaining-requests"] == "3"
+            # 60/min refills one request per second: about 1 s (first) and 2 s (second) to be full again.
+            assert 0.9 <= float(first.headers["x-ratelimit-reset-requests"].rstrip("s")) <= 1.0
+            assert 1.9 <= float(second.headers["x-ratelimit-reset-requests"].rstrip("s")) <= 2.0
+            assert "x-ratelimit-remaining-tokens" not in first.headers  # no token limit configured
+            for _ in range(3):
+                post(url, keys["alpha"])
+            refused = post(url, keys["alpha"])
+            assert refused.status_code == 429
+            assert refused.headers["x-fairgate-quota-dimension"] == "requests_per_minute"
+            assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+            assert refused.headers["x-ratelimit-limit-requests"] == "60"
+
+
+def test_agent_run_limits_apply_per_run_id(tmp_path):
+    recorder = Recorder()
+    with serve(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator], defaults="max_model_calls = 2\nmax_tool_rounds = 1\n")
+        with serve(create_gateway(load_gateway_config(path), observers=[recorder])) as url:
+            run = {"x-fairgate-run-id": "run-1"}
+            assert [post(url, keys["alpha"], headers=run).status_code for _ in range(2)] == [200, 200]
+            third = post(url, keys["alpha"], headers={**run, "x-request-id": "third"})
+            assert third.status_code == 429 and third.headers["x-fairgate-quota-dimension"] == "max_model_calls"
+            assert post(url, keys["alpha"], headers={"x-fairgate-run-id": "run-2"}).status_code == 200
+            assert post(url, keys["alpha"]).status_code == 200  # calls outside a run are not limited by it
+            tool = {"x-fairgate-run-id": "run-3", "x-fairgate-tool-round": "1"}
+            assert [post(url, keys["alpha"], headers=tool).status_code for _ in range(2)] == [200, 429]
+            bad = post(url, keys["alpha"], headers={"x-fairgate-tool-round": "1"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-fairgate-tool-round"
+            assert post(url, keys["alpha"], headers={"x-fairgate-tool-round": "maybe"}).status_code == 400
+    [rejected] = recorder.of(Rejected, "third")
+    assert (rejected.reason, rejected.dimension, rejected.tenant, rejected.status) == \
+        ("agent_run", "max_model_calls", "alpha", 429)
+
+
+def test_observers_see_each_request_from_admission_to_finish(tmp_path):
+    recorder = Recorder()
+    with serve(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator])
+        config = load_gateway_config(path)
+        with serve(create_gateway(config, observers=[recorder])) as url:
+            body = {"model": "emu", "prompt": "one two three", "max_tokens": 6, "ignore_eos": True}
+            assert post(url, keys["beta"], body, {"x-request-id": "ok-1"}).status_code == 200
+            assert post(url, "fg-wrong-key-" + "y" * 20, body, {"x-request-id": "bad-1"}).status_code == 401
+
+            async def billed() -> float:
+                async with await connect(config.ledger_url, config.quotas) as ledger:
+                    [reservation] = await ledger.reservations("beta")
+                    return reservation.billed.gpu_ms
+
+            ledger_gpu_ms = asyncio.run(billed())
+    [admitted] = recorder.of(Admitted, "ok-1")
+    [dispatched] = recorder.of(Dispatched, "ok-1")
+    [finished] = recorder.of(Finished, "ok-1")
+    assert (admitted.tenant, admitted.input_tokens, admitted.max_output_tokens) == ("beta", 3, 6)
+    assert dispatched.upstream == "emu-0" and dispatched.queue_ms >= 0
+    assert (finished.outcome, finished.input_tokens, finished.output_tokens) == ("completed", 3, 6)
+    assert finished.gpu_ms == ledger_gpu_ms > 0  # the event carries what the ledger billed
+    assert finished.ttft_ms is not None and finished.ttft_ms > 0 and finished.tpot_ms is not None
+    # Iterations take >= 4 ms here (iter_base_ms): five gaps between six tokens.
+    assert finished.tpot_ms >= 3.5
+    assert finished.gpu_ms_estimate == admitted.gpu_ms_estimate and finished.max_output_tokens == 6
+    charged = sum(e.gpu_ms for e in recorder.of(Charged) if e.tenant == "beta")
+    # The policy was charged the prefill estimate up front, then what the meter found beyond it.
+    assert abs(charged - finished.gpu_ms) <= config.upstreams[0].cost.prefill_ms(3) + 1e-6
+    [unknown] = recorder.of(Rejected, "bad-1")
+    assert (unknown.tenant, unknown.reason, unknown.status) == (None, "auth", 401)
+
+
+def test_streamed_request_to_a_dead_upstream_gets_an_http_error_and_frees_its_slot(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    path, keys = write_config(tmp_path, [dead])
+    config = load_gateway_config(path)
+    body = dict(BODY, stream=True)
+    with serve(create_gateway(config)) as url:
+        # More requests than the upstream's 4 slots: each must give its slot back.
+        replies = [post(url, keys["alpha"], body) for _ in range(6)]
+        assert [r.status_code for r in replies] == [502] * 6
+        assert all(r.json()["error"]["code"] == "upstream_error" for r in replies)
+
+        async def statuses() -> list[str]:
+            async with await connect(config.ledger_url, config.quotas) as ledger:
+                return [r.status for r in await ledger.reservations("alpha")]
+
+        assert asyncio.run(statuses()) == ["cancelled"] * 6
