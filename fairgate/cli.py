@@ -13,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fairgate.core.policies.factory import POLICY_NAMES
@@ -320,6 +321,8 @@ def emulate(
     output_mean_tokens: Annotated[float, typer.Option(help="Mean of the lognormal output length.")] = 128.0,
     output_cv: Annotated[float, typer.Option(help="Coefficient of variation of the output length.")] = 0.5,
     max_model_len: Annotated[int, typer.Option(help="Context length, tokens.")] = 32_768,
+    require_tenant_context: Annotated[bool, typer.Option(
+        "--require-tenant-context", help="Refuse (400) generation requests without a cache_salt.")] = False,
 ) -> None:
     """Serve an OpenAI-compatible emulated replica: continuous batching on a real clock with the cost model."""
     import uvicorn
@@ -331,7 +334,7 @@ def emulate(
         settings = EmulatorSettings(model=model, iter_base_ms=iter_base_ms, iter_slope_ms=iter_slope_ms,
                                     prefill_ms_per_token=prefill_ms_per_token, max_batch=max_batch,
                                     output_mean_tokens=output_mean_tokens, output_cv=output_cv,
-                                    max_model_len=max_model_len)
+                                    max_model_len=max_model_len, require_tenant_context=require_tenant_context)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise _fail(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
@@ -346,9 +349,15 @@ def serve(
                                                      "Without it: a demo with an emulated upstream.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    demo_traffic: Annotated[bool, typer.Option(help="Demo only: four tenants keep requests in flight "
+                                                    "(seed 002's output mix).")] = True,
+    duration: Annotated[float | None, typer.Option(min=1.0, help="Stop after this many seconds and print "
+                                                                  "each tenant's GPU share (default: run "
+                                                                  "until Ctrl-C).")] = None,
 ) -> None:
     """Run the gateway: OpenAI-compatible, per-tenant quotas, GPU-time fair dispatch."""
     import asyncio
+    import contextlib
 
     import uvicorn
 
@@ -356,8 +365,10 @@ def serve(
     from fairgate.gateway.app import create_gateway
     from fairgate.gateway.config import GatewayConfigError, load_gateway_config
     from fairgate.gateway.demo import DEMO_MODEL, demo_folder, write_demo_config
+    from fairgate.gateway.demo import demo_traffic as drive_demo_traffic
 
     servers = []
+    keys: dict[str, str] = {}
     if config is None:
         folder = demo_folder()
         upstream_port = _free_port(host)
@@ -367,7 +378,8 @@ def serve(
         config, keys = write_demo_config(folder, f"http://{host}:{upstream_port}")
         _note(f"demo: emulated replica on http://{host}:{upstream_port}/v1, ledger and config in {folder}")
         for tenant, key in keys.items():
-            _note(f"  tenant {tenant:9s} key {key}")
+            _note(f"  {'admin' if tenant == 'admin' else 'tenant ' + tenant:16s} key {key}")
+        _note(f"dashboard: http://{host}:{port}/dashboard (log in with a key)   metrics: http://{host}:{port}/metrics")
         _note(f"try: curl -s http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {keys['chat']}' "
               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{DEMO_MODEL}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"hello\"}}], \"max_tokens\": 16}}'")
@@ -378,11 +390,54 @@ def serve(
     gateway = uvicorn.Server(uvicorn.Config(create_gateway(loaded), host=host, port=port, log_level="warning"))
     servers.append(gateway)
     _note(f"gateway on http://{host}:{port}/v1 (policy {loaded.gateway.policy}, ledger {loaded.ledger_url})")
+    traffic = bool(keys) and demo_traffic
+    if traffic:
+        _note("demo traffic: 4 tenants x 12 clients (classify 24, chat 53, summarise 197, agent 354 tokens on "
+              "average); GPU time should split 25 % each")
 
     async def run_all() -> None:
-        await asyncio.gather(*(server.serve() for server in servers))
+        started = asyncio.get_running_loop().time()
+        serving = asyncio.gather(*(server.serve() for server in servers))
+        driver = None
+        if traffic:
+            while not gateway.started:
+                await asyncio.sleep(0.05)
+            driver = asyncio.ensure_future(drive_demo_traffic(f"http://{host}:{port}",
+                                                              {t: k for t, k in keys.items() if t != "admin"}))
+        if duration is not None:
+            await asyncio.sleep(max(0.0, duration - (asyncio.get_running_loop().time() - started)))
+            if driver is not None:
+                driver.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await driver
+            await _print_shares(loaded)
+            for server in servers:
+                server.should_exit = True
+        await serving
 
     asyncio.run(run_all())
+
+
+async def _print_shares(config: Any) -> None:
+    """Each tenant's share of the GPU time billed in the ledger so far (the demo's closing figures)."""
+    from fairgate.ledger import connect
+
+    import asyncio
+
+    async with await connect(config.ledger_url, config.quotas, create=False) as ledger:
+        for _ in range(60):  # the cancelled demo requests settle what they generated (within a second or so)
+            if not await ledger.reservations(status="open"):
+                break
+            await asyncio.sleep(0.05)
+        billed = {tenant: (await ledger.usage(tenant, 86_400.0)) for tenant in config.quotas.tenants}
+    total_ms = sum(u.gpu_ms for u in billed.values()) or 1.0
+    table = Table(title="GPU time billed per tenant")
+    for column in ("tenant", "requests", "output tokens", "GPU s", "share"):
+        table.add_column(column, justify="left" if column == "tenant" else "right")
+    for tenant, usage in billed.items():
+        table.add_row(tenant, str(usage.requests), str(usage.output_tokens), f"{usage.gpu_ms / 1000:.1f}",
+                      f"{100 * usage.gpu_ms / total_ms:.1f} %")
+    Console().print(table)
 
 
 def _free_port(host: str) -> int:
