@@ -191,3 +191,18 @@ def test_fifo_scenario_is_refused(tmp_path):
     os.mkfifo(fifo)
     done = fairgate("simulate", str(fifo))
     assert done.returncode == 2 and "not a regular file" in done.stderr
+
+
+def test_serve_without_config_runs_the_demo_and_prints_each_tenants_share(tmp_path):
+    from tests.support.servers import free_port
+
+    done = fairgate("serve", "--port", str(free_port()), "--duration", "8", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "admin            key fg-" in done.stderr and "/dashboard" in done.stderr
+    rows = {line.split("│")[1].strip(): line.split("│")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("│")}
+    assert set(rows) == {"classify", "chat", "summarise", "agent"}
+    shares = [float(cells[4].strip().rstrip(" %")) for cells in rows.values()]
+    assert abs(sum(shares) - 100.0) < 0.5 and all(share > 0 for share in shares)  # every tenant was served
+    requests = {tenant: int(cells[1]) for tenant, cells in rows.items()}
+    assert requests["classify"] > requests["agent"]  # short requests: many more of them for the same GPU time
