@@ -43,6 +43,7 @@ from fairgate.gateway.auth import DelegationError, KeyRing, verify_on_behalf_of
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.errors import GatewayError, error_response as _error_response
 from fairgate.gateway.dispatch import Dispatcher, Lease, NoUpstream, QueueFull, Upstream
+from fairgate.gateway.sharing import ChargeSync
 from fairgate.gateway.headers import quota_headers, rate_limit_headers
 from fairgate.gateway.observe import (Admitted, Charged, Dispatched, Fanout, Finished, Observer, Rejected,
                                       reason_for_dimension)
@@ -116,7 +117,12 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                 upstream, lambda tenant, ms, tokens, batch, model=model: dispatcher.charge(model, tenant, ms, tokens,
                                                                                           batch),
                 timeout_s=config.gateway.request_timeout_s)
+        sharing = None
+        if config.gateway.share_charges_s > 0:
+            sharing = asyncio.ensure_future(ChargeSync(opened, dispatcher, config.gateway.share_charges_s).run())
         yield
+        if sharing is not None:
+            sharing.cancel()
         for client in clients.values():
             await client.close()
         if ledger is None:

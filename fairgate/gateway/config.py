@@ -97,6 +97,8 @@ class GatewaySection(_Strict):
     default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] = 512
     max_body_bytes: Annotated[int, Field(ge=1024, le=1024**3)] = 1024 * 1024
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
+    # Seconds between rounds of sharing the policy's counters with other gateway processes (0: off).
+    share_charges_s: Annotated[float, Field(ge=0, le=60)] = 0.25
 
     @field_validator("policy")
     @classmethod

@@ -65,6 +65,8 @@ class _Pool:
     queued: Counter[str] = field(default_factory=Counter)
     abandoned: set[int] = field(default_factory=set)
     wake: asyncio.TimerHandle | None = None
+    # Charges booked here since the last ``take_local_charges``: tenant -> [GPU ms, prompt, output tokens].
+    unshared: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Dispatcher:
@@ -157,9 +159,35 @@ class Dispatcher:
 
     def charge(self, model: str, tenant: str, gpu_ms: float, output_tokens: int, batch_size: int) -> None:
         """Book metered work with the model's policy."""
-        self._pools[model].policy.charge(tenant, gpu_ms, 0, output_tokens, batch_size)
+        pool = self._pools[model]
+        pool.policy.charge(tenant, gpu_ms, 0, output_tokens, batch_size)
+        self._unshared(pool, tenant, gpu_ms, 0, output_tokens)
         if gpu_ms:
             self._on_charge(model, tenant, gpu_ms)
+
+    @staticmethod
+    def _unshared(pool: _Pool, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:
+        totals = pool.unshared.setdefault(tenant, [0.0, 0, 0])
+        totals[0] += gpu_ms
+        totals[1] += input_tokens
+        totals[2] += output_tokens
+
+    def take_local_charges(self, model: str) -> dict[str, tuple[float, int, int]]:
+        """The charges booked by this process on ``model``'s pool since the last call, per tenant:
+        (GPU ms, prompt tokens, output tokens); for sharing with other gateway processes."""
+        pool = self._pools[model]
+        taken, pool.unshared = pool.unshared, {}
+        return {tenant: (gpu_ms, int(tokens_in), int(tokens_out)) for tenant, (gpu_ms, tokens_in, tokens_out)
+                in taken.items()}
+
+    def charge_remote(self, model: str, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:
+        """Book work another gateway process charged (to the same upstreams' pool), so this process's
+        policy counts every tenant's global usage. The batch size of remote work is unknown; the pool's
+        largest ``max_batch`` is assumed (it only matters to ``vtc_calibrated``)."""
+        pool = self._pools[model]
+        batch = max(u.max_batch for u in pool.upstreams)
+        pool.policy.charge(tenant, gpu_ms, input_tokens, output_tokens, batch)
+        self._dispatch(pool)  # a policy that holds requests by budget may release one now
 
     def _dispatch(self, pool: _Pool) -> None:
         now = self._clock()
@@ -182,6 +210,7 @@ class Dispatcher:
             pool.view.by_tenant[request.tenant] = pool.view.by_tenant.get(request.tenant, 0) + 1
             prefill_ms = upstream.cost.prefill_ms(request.prompt_tokens)
             pool.policy.charge(request.tenant, prefill_ms, request.prompt_tokens, 0, upstream.in_flight)
+            self._unshared(pool, request.tenant, prefill_ms, request.prompt_tokens, 0)
             self._on_charge(upstream.model, request.tenant, prefill_ms)
             future.set_result(Lease(request, upstream, prefill_ms))
 

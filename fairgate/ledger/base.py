@@ -14,6 +14,8 @@ from fairgate.ledger.model import InvalidUsage, Reservation, TenantUsage, Unknow
 
 # An execution registry: is the request behind this reservation still running?
 IsRunning = Callable[[Reservation], Awaitable[bool]]
+# Charges booked with a fair policy: (GPU ms, prompt tokens, output tokens).
+ChargeTotals = tuple[float, int, int]
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,13 @@ class Ledger(ABC):
     @abstractmethod
     async def frozen(self) -> dict[str, str]:
         """Frozen tenants and why."""
+
+    @abstractmethod
+    async def add_charges(self, scope: str, deltas: dict[str, ChargeTotals]) -> dict[str, ChargeTotals]:
+        """Add ``deltas`` (tenant -> (GPU ms, prompt tokens, output tokens) charged by this process's policy
+        since its last call) to the shared totals of ``scope`` (a model's pool), atomically; return every
+        tenant's totals in that scope after the addition. This is how gateway processes sharing a ledger
+        share the counters their fair policies read (issue 6). Raises ``LedgerUnavailable``."""
 
     @abstractmethod
     async def close(self) -> None:

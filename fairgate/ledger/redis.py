@@ -78,6 +78,7 @@ from redis.backoff import ExponentialBackoff
 from fairgate.ledger import rules
 from fairgate.ledger.base import (
     STATUSES,
+    ChargeTotals,
     Event,
     IsRunning,
     Ledger,
@@ -1016,6 +1017,25 @@ class RedisLedger(Ledger):
                 if reason is not None:
                     found[name] = reason
         return dict(sorted(found.items()))
+
+    async def add_charges(self, scope: str, deltas: dict[str, ChargeTotals]) -> dict[str, ChargeTotals]:
+        """``Ledger.add_charges``: one hash per scope (``{P:charges}:SCOPE``, fields ``TENANT\ngpu_ms`` /
+        ``\ninput`` / ``\noutput``), updated and read in one MULTI/EXEC. Raises ``LedgerUnavailable``."""
+        key = f"{{{self.prefix}:charges}}:{scope}"
+        with self._unavailable():
+            async with self._client.pipeline(transaction=True) as pipe:
+                for tenant, (gpu_ms, tokens_in, tokens_out) in sorted(deltas.items()):
+                    pipe.hincrbyfloat(key, f"{tenant}\ngpu_ms", float(gpu_ms))
+                    pipe.hincrby(key, f"{tenant}\ninput", int(tokens_in))
+                    pipe.hincrby(key, f"{tenant}\noutput", int(tokens_out))
+                pipe.hgetall(key)
+                fields = (await pipe.execute())[-1]
+        totals: dict[str, list[float]] = {}
+        for field, value in fields.items():
+            name, _, part = (field.decode() if isinstance(field, bytes) else field).rpartition("\n")
+            totals.setdefault(name, [0.0, 0, 0])[("gpu_ms", "input", "output").index(part)] = float(value)
+        return {tenant: (gpu_ms, int(tokens_in), int(tokens_out)) for tenant, (gpu_ms, tokens_in, tokens_out)
+                in totals.items()}
 
     async def close(self) -> None:
         """Close the connection pool."""

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from fairgate.ledger import rules
 from fairgate.ledger.base import (
+    ChargeTotals,
     Event,
     IsRunning,
     STATUSES,
@@ -66,6 +67,10 @@ CREATE TABLE IF NOT EXISTS fg_events (
 CREATE INDEX IF NOT EXISTS fg_events_tenant ON fg_events (tenant, at_ms);
 CREATE TABLE IF NOT EXISTS fg_frozen (tenant TEXT PRIMARY KEY, reason TEXT NOT NULL, at_ms {real} NOT NULL);
 CREATE TABLE IF NOT EXISTS fg_heartbeats (reservation_id TEXT PRIMARY KEY, beat_ms {real} NOT NULL);
+CREATE TABLE IF NOT EXISTS fg_charges (
+  scope TEXT NOT NULL, tenant TEXT NOT NULL,
+  gpu_ms {real} NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+  PRIMARY KEY (scope, tenant));
 """
 
 _RESERVATION_COLUMNS = ("id, tenant, request_id, model_class, run_id, tool_round, input_tokens, max_output_tokens, "
@@ -435,6 +440,22 @@ class SqlLedger(Ledger):
         async with self._transaction() as tx:
             rows = await tx.fetchall("SELECT tenant, reason FROM fg_frozen ORDER BY tenant")
         return {t: reason for t, reason in rows}
+
+    async def add_charges(self, scope: str, deltas: dict[str, ChargeTotals]) -> dict[str, ChargeTotals]:
+        statements = [("INSERT INTO fg_charges (scope, tenant, gpu_ms, input_tokens, output_tokens) "
+                       "VALUES (:scope, :tenant, :gpu_ms, :input, :output) ON CONFLICT (scope, tenant) DO UPDATE SET "
+                       "gpu_ms = fg_charges.gpu_ms + excluded.gpu_ms, "
+                       "input_tokens = fg_charges.input_tokens + excluded.input_tokens, "
+                       "output_tokens = fg_charges.output_tokens + excluded.output_tokens",
+                       {"scope": scope, "tenant": tenant, "gpu_ms": float(gpu_ms), "input": int(tokens_in),
+                        "output": int(tokens_out)})
+                      for tenant, (gpu_ms, tokens_in, tokens_out) in sorted(deltas.items())]
+        statements.append(("SELECT tenant, gpu_ms, input_tokens, output_tokens FROM fg_charges WHERE scope = :scope",
+                           {"scope": scope}))
+        async with self._transaction() as tx:
+            rows = (await tx.batch(statements))[-1]
+        return {tenant: (float(gpu_ms), int(tokens_in), int(tokens_out)) for tenant, gpu_ms, tokens_in, tokens_out
+                in rows}
 
 
 __all__ = ["TABLES", "AsyncIterator", "SqlLedger", "Tx"]

@@ -342,3 +342,16 @@ async def test_bad_query_arguments(open_ledger, clock):
         await ledger.reservations(status="done")
     with pytest.raises(InvalidUsage, match="tenant"):
         await ledger.usage(["a"], 60)
+
+
+async def test_shared_charge_totals_add_up_across_callers(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    assert await ledger.add_charges("emu", {}) == {}
+    assert await ledger.add_charges("emu", {"a": (12.5, 400, 3)}) == {"a": (12.5, 400, 3)}
+    # Two gateway processes add at once: nothing is lost, each sees both.
+    first, second = await asyncio.gather(ledger.add_charges("emu", {"a": (0.25, 0, 1), "b": (7.0, 10, 2)}),
+                                         ledger.add_charges("emu", {"b": (3.0, 5, 1)}))
+    final = await ledger.add_charges("emu", {})
+    assert final == {"a": (12.75, 400, 4), "b": (10.0, 15, 3)}
+    assert final in (first, second)
+    assert await ledger.add_charges("other-model", {"a": (1.0, 1, 1)}) == {"a": (1.0, 1, 1)}  # scopes apart
