@@ -452,7 +452,9 @@ def main() -> None:
     """Console-script entry point."""
     from fairgate.cli_keys import keys_app
     from fairgate.cli_ledger import ledger_app
+    from fairgate.cli_ops import ops_app
 
     app.add_typer(ledger_app, name="ledger")
     app.add_typer(keys_app, name="keys")
+    app.add_typer(ops_app)  # explain, report
     app()

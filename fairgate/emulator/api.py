@@ -8,6 +8,11 @@ the emulator's length distribution (seeded by ``seed`` when given) and capped by
 Prompt tokens are counted by ``count_tokens``: one token per whitespace-separated word, plus 3 per chat
 message (the role and template markers). Generated text is `` t1 t2 ...``. A client that disconnects stops
 its sequence within one iteration. Bad requests get HTTP 400 with an OpenAI-shaped error naming the field.
+
+With ``require_tenant_context`` the emulator stands in for an upstream that refuses work without trusted
+tenant context (seed 003, "each hop in the backend receives trusted tenant context and rejects when
+missing"): a generation request without a non-empty string ``cache_salt`` (vLLM's per-tenant prefix-cache
+salt, which the gateway always sets) is answered 400 with ``param`` ``cache_salt``.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ class EmulatorSettings(BaseModel):
     output_mean_tokens: Annotated[float, Field(ge=1, le=1e6)] = 128.0
     output_cv: Annotated[float, Field(ge=0, le=10)] = 0.5
     max_model_len: Annotated[int, Field(ge=2, le=10_000_000)] = 32_768
+    require_tenant_context: bool = False  # refuse generation requests without a cache_salt (400)
 
     def cost(self) -> CostModel:
         return CostModel(self.iter_base_ms, self.iter_slope_ms, self.prefill_ms_per_token, self.max_batch)
@@ -156,6 +162,11 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
         return length, "stop"
 
     async def generate(request: Request, body: _Generation, prompt_tokens: int, chat: bool) -> Any:
+        if settings.require_tenant_context:
+            salt = (body.model_extra or {}).get("cache_salt")
+            if not isinstance(salt, str) or not salt.strip():
+                return _error(400, "cache_salt: this replica requires tenant context (a non-empty cache_salt).",
+                              "cache_salt", "missing_tenant_context")
         decided = output_length(body, prompt_tokens)
         if isinstance(decided, JSONResponse):
             return decided

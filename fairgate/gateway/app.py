@@ -65,6 +65,10 @@ from fairgate.ledger.rules import Account
 
 log = logging.getLogger("fairgate.gateway")
 ON_BEHALF_OF_HEADER = "x-fairgate-on-behalf-of"
+# Body fields that steer the upstream's own scheduling, identity or caches (vLLM's ``priority`` would let a
+# client jump the replica's queue past fair dispatch; ``user`` names a tenant): dropped from what a client
+# sends; the gateway sets ``cache_salt`` itself.
+UPSTREAM_CONTROL_FIELDS = ("user", "priority", "request_id", "cache_salt", "kv_transfer_params", "vllm_xargs")
 RUN_ID_HEADER = "x-fairgate-run-id"  # an agent run's id: its calls count against the run limits
 TOOL_ROUND_HEADER = "x-fairgate-tool-round"
 PARTIAL_SETTLE_EVERY_S = 2.0
@@ -152,19 +156,19 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             return caller, None
         if caller not in config.delegation.delegates:
             raise GatewayError(403, f"Tenant {caller!r} may not act on behalf of others.", "delegation_not_allowed",
-                               kind="permission_error")
+                               kind="permission_error", caller=caller)
         secret = config.delegation_secret()
         if secret is None:
             raise GatewayError(403, "Delegation is not configured on this gateway.", "delegation_not_allowed",
-                               kind="permission_error")
+                               kind="permission_error", caller=caller)
         try:
             tenant = verify_on_behalf_of(secret, token, caller, time.time())
         except DelegationError as exc:
             raise GatewayError(403, f"On-behalf-of token rejected: {exc}", "invalid_delegation",
-                               kind="permission_error") from None
+                               kind="permission_error", caller=caller) from None
         if tenant not in config.quotas.tenants:
             raise GatewayError(403, "The on-behalf-of token names an unknown tenant.", "invalid_delegation",
-                               kind="permission_error")
+                               kind="permission_error", caller=caller)
         return tenant, caller
 
     def authenticate_admin(request: Request) -> None:
@@ -245,6 +249,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
     async def handle(request: Request, chat: bool) -> Any:
         request_id = f"req-{uuid.uuid4().hex}"
         tenant: str | None = None
+        delegate: str | None = None
         model: str | None = None
         try:
             request_id = request_id_of(request)
@@ -254,8 +259,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             run = run_of(request)
             return await serve(request, body, chat, tenant, delegate, request_id, run)
         except GatewayError as error:
-            events.observe(Rejected(request_id, tenant, model, error.reason, error.status, error.message, time.time(),
-                                    error.dimension, error.after_admission))
+            events.observe(Rejected(request_id, tenant or error.caller, model, error.reason, error.status,
+                                    error.message, time.time(), error.dimension, error.after_admission,
+                                    error.retry_after_s, error.code, delegate))
             return _error_response(error, request_id)
 
     def run_of(request: Request) -> tuple[str | None, bool]:
@@ -337,8 +343,6 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                                  prompt_tokens: int, max_tokens: int,
                                  balances: asyncio.Future[Account] | None) -> Any:
         done = lambda: in_flight.discard((tenant, request_id))  # noqa: E731
-        log.info(json.dumps({"event": "admitted", "request_id": request_id, "tenant_hash": tenant_tag(tenant),
-                             "delegate_hash": tenant_tag(delegate) if delegate else None, "model": body.model}))
         core_request = CoreRequest(_sequence(), tenant, prompt_tokens, time.monotonic() * 1000.0, max_tokens)
         queued_at = time.monotonic()
         try:
@@ -367,7 +371,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         upstream_body = body.model_dump(exclude_none=True)
         upstream_body["max_tokens"] = max_tokens
         upstream_body.pop("max_completion_tokens", None)
-        upstream_body.pop("user", None)  # a client-named tenant goes nowhere
+        for name in UPSTREAM_CONTROL_FIELDS:  # the gateway's to set, never a client's
+            upstream_body.pop(name, None)
         upstream_body["cache_salt"] = tenant_tag(tenant)  # per-tenant prefix-cache isolation (vLLM)
         path = "/chat/completions" if chat else "/completions"
         headers = {"x-request-id": request_id, **await rate_headers(tenant, body.model, balances)}
@@ -416,8 +421,21 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
 
     async def _relay(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
                      lease: Lease, include_usage: bool, done: Any) -> AsyncIterator[str]:
-        finished = sent = False
+        finished = sent = closed = False
         last_settle = time.monotonic()
+
+        async def close() -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            # The client may be gone and this task cancelled: the clean-up must still run to the end.
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()  # type: ignore[attr-defined]
+                dispatcher.release(lease)
+                await _settle(call, reservation, final=True, cancelled=not finished)
+                done()
+
         try:
             async for chunk in stream:
                 if not chunk.get("choices") and chunk.get("usage") and not include_usage:
@@ -429,8 +447,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                 if time.monotonic() - last_settle > PARTIAL_SETTLE_EVERY_S:
                     last_settle = time.monotonic()
                     await _settle(call, reservation, final=False, cancelled=False)
-            yield "data: [DONE]\n\n"
             finished = True
+            await close()  # settled before the client reads [DONE]: its usage is in the ledger by then
+            yield "data: [DONE]\n\n"
         except UpstreamError as exc:
             call.failed = True
             if not sent:  # nothing relayed yet: the client gets a plain HTTP error
@@ -438,12 +457,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             error = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "upstream_error"}}
             yield f"data: {json.dumps(error)}\n\n"
         finally:
-            # The client may be gone and this task cancelled: the clean-up must still run to the end.
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()  # type: ignore[attr-defined]
-                dispatcher.release(lease)
-                await _settle(call, reservation, final=True, cancelled=not finished)
-                done()
+            await close()
 
     async def _collect(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
                        lease: Lease, chat: bool, model: str, headers: dict[str, str], done: Any) -> Any:
@@ -474,8 +488,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         return JSONResponse(document, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def not_found(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(GatewayError(exc.status_code, str(exc.detail), "not_found"), f"req-{uuid.uuid4().hex}")
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _error_response(GatewayError(exc.status_code, str(exc.detail), code), f"req-{uuid.uuid4().hex}")
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,9 +1,142 @@
-"""The live dashboard at /dashboard (issue 5, part 3)."""
+"""The live dashboard at ``GET /dashboard`` (issue 5, part 3).
+
+- ``GET /dashboard``: the page (no data in it): a key form; the key is kept in the tab's ``sessionStorage``
+  and sent as ``Authorization: Bearer`` to the JSON endpoint every 2.5 s. Charts use Chart.js, served from
+  this package (``static/chart.umd.min.js``, MIT, ``static/chart.js.LICENSE.md``), never a CDN; the page's
+  Content-Security-Policy allows scripts, styles and requests to this origin only.
+- ``GET /dashboard/static/<file>``: the page's script, style sheet and Chart.js (a fixed list of files).
+- ``GET /dashboard/data``: the figures (``Stats.samples`` and totals, ``fairgate.gateway.stats``) as JSON.
+  The scope comes from the key alone; query parameters are ignored:
+
+  * an ``[admin]`` key: every tenant, by name (operators see names; ``/metrics`` has hashes only), each
+    tenant's share of the GPU time charged in the pool, and the pools' fairness (max/min, Jain's index),
+    queue and TTFT p99 and the upstreams' busy fraction;
+  * a tenant's key: that tenant's own series only, labelled ``"you"``; its GPU time as a share of the pool's
+    *capacity* (the upstreams' time), not of what others used; and of the pool only the SLO figure, p99 TTFT
+    against its target. Nothing in it names, counts or measures another tenant. A delegate's on-behalf-of
+    token is refused (403): the dashboard shows the key holder's own data.
+
+Series (one point per sample, ``stats.SAMPLE_EVERY_S`` apart; ``t`` is seconds relative to ``now_s``):
+``gpu_share`` / ``capacity_share`` (0-1, over the window), ``queue_p99_ms``, ``ttft_p99_ms`` (window),
+``admissions_per_s``, ``rejections_per_s``, ``input_tokens_per_s``, ``output_tokens_per_s`` (since the
+previous sample), ``running``, ``queued`` (now), ``gpu_s`` (cumulative GPU seconds charged),
+``reserve_gap_gpu_s``, ``reserve_gap_output_tokens`` (reserved minus billed over the window).
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from fairgate.gateway import stats as stats_module
+from fairgate.gateway.errors import GatewayError, error_response
+from fairgate.gateway.stats import Stats, TenantTotals
+
+STATIC = Path(__file__).parent / "static"
+REFRESH_S = 2.5
+DEFAULT_TTFT_P99_TARGET_MS = 2000.0  # the shared pool's SLO line; app.state.slo_ttft_p99_target_ms overrides
+_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "chart.umd.min.js": "text/javascript",
+          "chart.js.LICENSE.md": "text/plain"}
+_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+_TENANT_FIELDS = ("capacity_share", "queue_p99_ms", "ttft_p99_ms", "admissions_per_s", "rejections_per_s", "running",
+                  "queued", "input_tokens_per_s", "output_tokens_per_s", "gpu_s", "reserve_gap_gpu_s",
+                  "reserve_gap_output_tokens")
+_ADMIN_FIELDS = ("gpu_share", *_TENANT_FIELDS)
+YOU = "you"
+
+
+def _round(value: float | int | None) -> float | int | None:
+    if isinstance(value, float):
+        return round(value, 6)
+    return value
+
+
+def _totals(totals: TenantTotals) -> dict[str, Any]:
+    return {"admissions": totals.admissions, "rejections": dict(sorted(totals.rejections.items())),
+            "finished": dict(sorted(totals.finished.items())), "input_tokens": totals.input_tokens,
+            "output_tokens": totals.output_tokens, "gpu_s": round(totals.gpu_ms / 1000.0, 6),
+            "reserved_gpu_s": round(totals.reserved_gpu_ms / 1000.0, 6),
+            "settled_gpu_s": round(totals.settled_gpu_ms / 1000.0, 6),
+            "reserved_output_tokens": totals.reserved_output_tokens}
+
+
+def payload(stats: Stats, tenant: str | None, ttft_target_ms: float) -> dict[str, Any]:
+    """The dashboard's JSON: every tenant by name when ``tenant`` is None (an admin), else only ``tenant``'s
+    own series as ``"you"`` and the pool's SLO figures (see module docstring)."""
+    stats.tick()
+    samples = list(stats.samples)
+    now = stats.clock()
+    fields = _ADMIN_FIELDS if tenant is None else _TENANT_FIELDS
+    if tenant is None:
+        names = sorted({name for s in samples for name in s.tenants} | set(stats.totals))
+        labels = {name: name for name in names}
+    else:
+        labels = {tenant: YOU}
+    series = {}
+    for name, label in labels.items():
+        points = [s.tenants.get(name) for s in samples]
+        series[label] = {f: [_round(getattr(p, f)) if p is not None else None for p in points] for f in fields}
+    models = sorted({m for s in samples for m in s.pools})
+    pool: dict[str, Any] = {"ttft_target_ms": ttft_target_ms,
+                            "ttft_p99_ms": {m: [_round(s.pools[m].ttft_p99_ms) if m in s.pools else None
+                                                for s in samples] for m in models}}
+    totals = {label: _totals(stats.totals.get(name) or TenantTotals()) for name, label in labels.items()}
+    if tenant is None:
+        for name in ("max_min", "jain", "queue_p99_ms"):
+            pool[name] = {m: [_round(getattr(s.pools[m], name)) if m in s.pools else None for s in samples]
+                          for m in models}
+        upstreams = sorted({u for s in samples for u in s.busy})
+        pool["busy"] = {u: [_round(s.busy.get(u)) for s in samples] for u in upstreams}
+        pool["unattributed_rejections"] = dict(sorted(stats.unattributed_rejections.items()))
+    return {"scope": "admin" if tenant is None else "tenant", "now_s": now, "window_s": stats.window_s,
+            "sample_every_s": stats.sample_every_s, "refresh_s": REFRESH_S,
+            "t": [round(s.t_s - now, 3) for s in samples], "series": series, "totals": totals, "pool": pool}
 
 
 def install(app: FastAPI) -> None:
-    """Add this view's observer and routes to the gateway ``app`` (not yet built)."""
+    """Add ``/dashboard``, ``/dashboard/static/<file>`` and ``/dashboard/data`` to the gateway ``app``."""
+    stats = stats_module.for_app(app)
+    cache: dict[str, bytes] = {}
+
+    def read(name: str) -> bytes:
+        if name not in cache:
+            cache[name] = (STATIC / name).read_bytes()
+        return cache[name]
+
+    def scope(request: Request) -> str | None:
+        """None for an admin key, else the tenant of the key. Raises ``GatewayError`` (400/401/403)."""
+        if app.state.is_admin(request):
+            return None
+        tenant, delegate = app.state.authenticate(request)
+        if delegate is not None:
+            raise GatewayError(403, "The dashboard shows the key holder's own data; on-behalf-of tokens are not "
+                                    "accepted here.", "delegation_not_allowed", kind="permission_error")
+        return str(tenant)
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def page() -> Response:
+        return Response(read("dashboard.html"), media_type="text/html; charset=utf-8",
+                        headers={"content-security-policy": _CSP, "x-content-type-options": "nosniff",
+                                 "referrer-policy": "no-referrer", "cache-control": "no-cache"})
+
+    @app.get("/dashboard/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        if name not in _FILES:
+            return error_response(GatewayError(404, "Not Found", "not_found"), f"req-{uuid.uuid4().hex}")
+        return Response(read(name), media_type=_FILES[name],
+                        headers={"x-content-type-options": "nosniff", "cache-control": "public, max-age=300"})
+
+    @app.get("/dashboard/data", include_in_schema=False)
+    async def data(request: Request) -> Response:
+        # async: runs on the event loop with the observers, so it reads a consistent state.
+        try:
+            tenant = scope(request)
+        except GatewayError as error:
+            return error_response(error, f"req-{uuid.uuid4().hex}")
+        target = float(getattr(app.state, "slo_ttft_p99_target_ms", DEFAULT_TTFT_P99_TARGET_MS))
+        return JSONResponse(payload(stats, tenant, target), headers={"cache-control": "no-store"})

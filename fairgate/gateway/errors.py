@@ -16,7 +16,8 @@ class GatewayError(Exception):
     def __init__(self, status: int, message: str, code: str, param: str | None = None,
                  kind: str = "invalid_request_error", retry_after_s: float | None = None,
                  reason: str | None = None, dimension: str | None = None,
-                 headers: dict[str, str] | None = None, after_admission: bool = False) -> None:
+                 headers: dict[str, str] | None = None, after_admission: bool = False,
+                 caller: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
         self.retry_after_s = retry_after_s
@@ -24,6 +25,7 @@ class GatewayError(Exception):
         self.dimension = dimension
         self.headers = headers or {}
         self.after_admission = after_admission  # the request had a reservation (now released)
+        self.caller = caller  # the tenant whose key made a refused request (a delegation refused), if known
 
 
 def _default_reason(status: int) -> str:

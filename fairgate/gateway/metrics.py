@@ -1,9 +1,297 @@
-"""Prometheus metrics at /metrics (issue 5, part 1)."""
+"""Prometheus metrics at ``GET /metrics`` (issue 5, part 1).
+
+Each app has its own ``CollectorRegistry`` (``app.state.metrics_registry``), so several gateways in one
+process (tests, the demo) never collide; nothing is registered on prometheus_client's global registry.
+
+**Access.** ``/metrics`` answers only to an ``[admin]`` key (``Authorization: Bearer <admin key>``; in
+Prometheus, ``authorization: {type: Bearer, credentials_file: ...}`` in the scrape config): 401 without a
+valid key, 403 with a tenant's key. Even hashed, the series describe every tenant's traffic, and tenants
+may only see their own data (seed 003); a gateway without ``[admin] key_hashes`` therefore exposes no
+metrics. One rule, no second listener to bind and firewall, and it fails closed.
+
+**Labels.** ``tenant`` is ``fairgate.ledger.base.tenant_tag(tenant)`` (a stable 16-hex-digit hash), never the
+name. Cardinality is capped: the first ``TENANT_LABEL_CAP`` (200) tenants get their own label (the
+configured tenants first, in file order, then in order of appearance); any further tenant is counted under
+``tenant="other"``. Requests without a valid credential are counted under ``tenant="none"``. Rejections
+carry no ``model`` label (a client may send any model name); ``model`` labels elsewhere come from the
+configuration. With the cap, each histogram has at most 202 x 15 bucket series.
+
+**Metrics** (sources: the request events of ``fairgate.gateway.observe`` and ``fairgate.gateway.stats``):
+
+Per tenant (counters and histograms from events, cumulative since start)
+
+- ``fairgate_admissions_total{tenant,model}``: reservations made (``Admitted``).
+- ``fairgate_rejections_total{tenant,reason}``: requests turned away, by ``observe.REJECT_REASONS``
+  (``Rejected``; one refused after admission - queue full, no upstream - counts in both).
+- ``fairgate_requests_finished_total{tenant,outcome}``: upstream calls ended: completed, cancelled, error.
+- ``fairgate_queue_time_seconds{tenant}``: histogram, time in the tenant's queue before dispatch.
+- ``fairgate_ttft_seconds{tenant}``, ``fairgate_tpot_seconds{tenant}``: histograms, dispatch to first token,
+  mean time per output token after the first (``Finished``).
+- ``fairgate_input_tokens_total{tenant}``, ``fairgate_output_tokens_total{tenant}``: billed tokens (the
+  upstream's usage, ``Finished``).
+- ``fairgate_gpu_seconds_total{tenant,model}``: GPU seconds charged by the live meter as booked with the
+  policy (``Charged``; the prefill estimate at dispatch, then metered time beyond it).
+- ``fairgate_settled_gpu_seconds_total{tenant}`` / ``fairgate_reserved_gpu_seconds_total{tenant}``: GPU
+  seconds billed to and reserved in the ledger by finished requests; ``fairgate_overage_gpu_seconds_total``
+  the part billed above the estimate; ``fairgate_reserved_output_tokens_total{tenant}`` the ``max_tokens``
+  reserved. Reservation-vs-settlement difference = reserved - settled (GPU s), reserved output tokens -
+  ``fairgate_output_tokens_total`` (tokens).
+- ``fairgate_active_sequences{tenant}``, ``fairgate_queued_requests{tenant}``: gauges, now (dispatcher).
+- ``fairgate_gpu_share_ratio{tenant,model}``: gauge, the tenant's share (0-1) of the GPU time charged in
+  the model's pool over the sliding window (``stats.WINDOW_S``, 60 s).
+
+Per upstream
+
+- ``fairgate_upstream_in_flight{upstream,model}``: requests in flight now.
+- ``fairgate_upstream_busy_seconds_total{upstream,model}``: the live meter's busy time (any request in flight).
+- ``fairgate_upstream_busy_ratio{upstream,model}``: busy fraction over about the window.
+- ``fairgate_upstream_iterations_per_second{upstream,model}``: estimate, busy fraction / mean TPOT.
+
+Per policy and model (over the window, among tenants charged GPU time in it)
+
+- ``fairgate_gpu_share_max_ratio``, ``fairgate_gpu_share_min_ratio``: the largest and smallest share.
+- ``fairgate_gpu_share_max_over_min``: max/min of weighted shares (1.0 fair; ``+Inf`` never, the minimum is
+  over tenants with a positive share); ``fairgate_jain_index``: Jain's index of weighted shares.
+- ``fairgate_active_tenants``: how many tenants these figures compare.
+
+Cost: a ``Charged`` event (one per output token) is one dictionary look-up and one counter increment here.
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import asyncio
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from fairgate.gateway import stats as stats_module
+from fairgate.gateway.errors import GatewayError, error_response
+from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Finished, Rejected
+from fairgate.gateway.stats import Stats
+from fairgate.ledger.base import tenant_tag
+
+TENANT_LABEL_CAP = 200
+OVERFLOW_LABEL = "other"
+UNAUTHENTICATED_LABEL = "none"
+
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0)
+TPOT_BUCKETS_S = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class TenantLabels:
+    """Tenant -> ``tenant`` label value: its hash for the first ``cap`` tenants, then ``"other"``;
+    ``None`` (no valid credential) -> ``"none"``. ``tenants`` are registered first, in order."""
+
+    def __init__(self, cap: int = TENANT_LABEL_CAP, tenants: Iterable[str] = ()) -> None:
+        if cap < 0:
+            raise ValueError("cap must be >= 0")
+        self.cap = cap
+        self._labels: dict[str, str] = {}
+        for tenant in tenants:
+            self(tenant)
+
+    def __call__(self, tenant: str | None) -> str:
+        if tenant is None:
+            return UNAUTHENTICATED_LABEL
+        label = self._labels.get(tenant)
+        if label is None:
+            if len(self._labels) >= self.cap:
+                return OVERFLOW_LABEL
+            label = self._labels[tenant] = tenant_tag(tenant)
+        return label
+
+    def labelled(self) -> list[str]:
+        """The label values given to tenants so far (hashes; neither "other" nor "none")."""
+        return list(self._labels.values())
+
+
+class MetricsObserver:
+    """Turns request events into counters and histograms on ``registry`` (see module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: TenantLabels) -> None:
+        self.labels = labels
+        self.admissions = Counter("fairgate_admissions", "Requests admitted (a ledger reservation was made).",
+                                  ["tenant", "model"], registry=registry)
+        self.rejections = Counter("fairgate_rejections", "Requests turned away, by reason.", ["tenant", "reason"],
+                                  registry=registry)
+        self.finished = Counter("fairgate_requests_finished", "Upstream calls ended, by outcome.",
+                                ["tenant", "outcome"], registry=registry)
+        self.queue_time = Histogram("fairgate_queue_time_seconds", "Time in the tenant's queue before dispatch.",
+                                    ["tenant"], buckets=QUEUE_BUCKETS_S, registry=registry)
+        self.ttft = Histogram("fairgate_ttft_seconds", "Time from dispatch to the first output token.", ["tenant"],
+                              buckets=TTFT_BUCKETS_S, registry=registry)
+        self.tpot = Histogram("fairgate_tpot_seconds", "Mean time per output token after the first, per request.",
+                              ["tenant"], buckets=TPOT_BUCKETS_S, registry=registry)
+        self.input_tokens = Counter("fairgate_input_tokens", "Input (prompt) tokens billed.", ["tenant"],
+                                    registry=registry)
+        self.output_tokens = Counter("fairgate_output_tokens", "Output tokens billed.", ["tenant"], registry=registry)
+        self.gpu_seconds = Counter("fairgate_gpu_seconds", "GPU seconds charged by the live meter (dt/B shares).",
+                                   ["tenant", "model"], registry=registry)
+        self.settled_gpu = Counter("fairgate_settled_gpu_seconds", "GPU seconds billed by finished requests.",
+                                   ["tenant"], registry=registry)
+        self.reserved_gpu = Counter("fairgate_reserved_gpu_seconds", "GPU seconds reserved by finished requests.",
+                                    ["tenant"], registry=registry)
+        self.overage_gpu = Counter("fairgate_overage_gpu_seconds",
+                                   "GPU seconds billed above the reservation's estimate.", ["tenant"],
+                                   registry=registry)
+        self.reserved_output = Counter("fairgate_reserved_output_tokens",
+                                       "Output tokens reserved (max_tokens) by finished requests.", ["tenant"],
+                                       registry=registry)
+        self._gpu_children: dict[tuple[str, str], Any] = {}
+        self.window: WindowCollector | None = None  # set by ``build``
+        self._handlers = {Charged: self._charged, Admitted: self._admitted, Rejected: self._rejected,
+                          Dispatched: self._dispatched, Finished: self._finished}
+
+    def observe(self, event: Event) -> None:
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)  # type: ignore[operator]
+
+    def _charged(self, e: Charged) -> None:
+        child = self._gpu_children.get((e.tenant, e.model))
+        if child is None:
+            child = self._gpu_children[(e.tenant, e.model)] = self.gpu_seconds.labels(self.labels(e.tenant), e.model)
+        child.inc(e.gpu_ms / 1000.0)
+
+    def _admitted(self, e: Admitted) -> None:
+        self.admissions.labels(self.labels(e.tenant), e.model).inc()
+
+    def _rejected(self, e: Rejected) -> None:
+        self.rejections.labels(self.labels(e.tenant), e.reason).inc()
+
+    def _dispatched(self, e: Dispatched) -> None:
+        self.queue_time.labels(self.labels(e.tenant)).observe(e.queue_ms / 1000.0)
+
+    def _finished(self, e: Finished) -> None:
+        label = self.labels(e.tenant)
+        self.finished.labels(label, e.outcome).inc()
+        if e.ttft_ms is not None:
+            self.ttft.labels(label).observe(e.ttft_ms / 1000.0)
+        if e.tpot_ms is not None:
+            self.tpot.labels(label).observe(e.tpot_ms / 1000.0)
+        self.input_tokens.labels(label).inc(e.input_tokens)
+        self.output_tokens.labels(label).inc(e.output_tokens)
+        self.settled_gpu.labels(label).inc(e.gpu_ms / 1000.0)
+        self.reserved_gpu.labels(label).inc(e.gpu_ms_estimate / 1000.0)
+        self.overage_gpu.labels(label).inc(max(0.0, e.gpu_ms - e.gpu_ms_estimate) / 1000.0)
+        self.reserved_output.labels(label).inc(e.max_output_tokens)
+
+
+class WindowCollector(Collector):
+    """Gauges read at scrape time from ``Stats.window()``: sequences, shares, fairness, upstreams.
+
+    ``prepare()`` computes them (on the event loop, where the observers run); ``collect()`` then yields what
+    was prepared, so the exposition text can be rendered in a worker thread. Without ``prepare()`` (a direct
+    ``registry.collect()``), ``collect()`` computes them itself.
+    """
+
+    def __init__(self, stats: Stats, labels: TenantLabels, policy: str) -> None:
+        self.stats, self.labels, self.policy = stats, labels, policy
+        self._prepared: list[Metric] | None = None
+
+    def prepare(self) -> None:
+        self._prepared = list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        prepared, self._prepared = self._prepared, None
+        return iter(prepared if prepared is not None else list(self._families()))
+
+    def _families(self) -> Iterator[Metric]:
+        view = self.stats.window()
+        running: dict[str, float] = dict.fromkeys(self.labels.labelled(), 0.0)
+        queued = dict(running)
+        for tenant, w in view.tenants.items():
+            label = self.labels(tenant)
+            running[label] = running.get(label, 0.0) + w.running
+            queued[label] = queued.get(label, 0.0) + w.queued
+        yield _gauge("fairgate_active_sequences", "Sequences holding an upstream slot now.", ["tenant"],
+                     [((k,), v) for k, v in running.items()])
+        yield _gauge("fairgate_queued_requests", "Requests waiting in the tenant's queue now.", ["tenant"],
+                     [((k,), v) for k, v in queued.items()])
+        shares: dict[tuple[str, str], float] = {}
+        for model, pool in view.pools.items():
+            for tenant, share in pool.shares.items():
+                key = (self.labels(tenant), model)
+                shares[key] = shares.get(key, 0.0) + share
+        yield _gauge("fairgate_gpu_share_ratio",
+                     f"Share of the pool's GPU time charged in the last {self.stats.window_s:g} s.",
+                     ["tenant", "model"], shares.items())
+        fairness = [("fairgate_gpu_share_max_ratio", "Largest tenant GPU share in the window.", "max_share"),
+                    ("fairgate_gpu_share_min_ratio", "Smallest tenant GPU share in the window.", "min_share"),
+                    ("fairgate_gpu_share_max_over_min", "Max/min of weighted GPU shares in the window.", "max_min"),
+                    ("fairgate_jain_index", "Jain's index of weighted GPU shares in the window.", "jain")]
+        for name, text, attribute in fairness:
+            yield _gauge(name, text, ["policy", "model"],
+                         (((self.policy, m), getattr(p, attribute)) for m, p in view.pools.items()
+                          if getattr(p, attribute) is not None))
+        yield _gauge("fairgate_active_tenants", "Tenants charged GPU time in the window (compared by the "
+                     "share figures).", ["policy", "model"],
+                     (((self.policy, m), len(p.shares)) for m, p in view.pools.items()))
+        ups = view.upstreams
+        yield _gauge("fairgate_upstream_in_flight", "Requests in flight on the upstream now.", ["upstream", "model"],
+                     (((u.name, u.model), u.in_flight) for u in ups))
+        busy = CounterMetricFamily("fairgate_upstream_busy_seconds", "Time with at least one request in flight "
+                                   "(the live meter).", labels=["upstream", "model"])
+        for u in ups:
+            busy.add_metric([u.name, u.model], u.busy_ms / 1000.0)
+        yield busy
+        yield _gauge("fairgate_upstream_busy_ratio", f"Busy fraction over about the last {self.stats.window_s:g} s.",
+                     ["upstream", "model"],
+                     (((u.name, u.model), u.busy_fraction) for u in ups if u.busy_fraction is not None))
+        yield _gauge("fairgate_upstream_iterations_per_second", "Estimated decode iterations per second "
+                     "(busy fraction / mean TPOT).", ["upstream", "model"],
+                     (((u.name, u.model), u.iterations_per_s) for u in ups if u.iterations_per_s is not None))
+
+
+def _gauge(name: str, text: str, labels: list[str], values: Iterable[tuple[tuple[str, ...], float]]) -> Metric:
+    family = GaugeMetricFamily(name, text, labels=labels)
+    for label_values, value in values:
+        family.add_metric(list(label_values), float(value))
+    return family
+
+
+def build(stats: Stats, tenants: Iterable[str] = (), policy: str = "", cap: int = TENANT_LABEL_CAP
+          ) -> tuple[CollectorRegistry, MetricsObserver]:
+    """A fresh registry holding the event metrics (the returned observer) and the window gauges of ``stats``."""
+    registry = CollectorRegistry()
+    labels = TenantLabels(cap, tenants)
+    observer = MetricsObserver(registry, labels)
+    observer.window = WindowCollector(stats, labels, policy)
+    registry.register(observer.window)
+    return registry, observer
 
 
 def install(app: FastAPI) -> None:
-    """Add this view's observer and routes to the gateway ``app`` (not yet built)."""
+    """Add the metrics observer and ``GET /metrics`` (admin key; see module docstring) to the gateway ``app``."""
+    config = app.state.config
+    stats = stats_module.for_app(app)
+    registry, observer = build(stats, config.quotas.tenants, config.gateway.policy)
+    window = observer.window
+    assert window is not None
+    app.state.metrics_registry = registry
+    app.state.events.add(observer)
+    scraping = asyncio.Lock()  # one scrape at a time: each renders the gauges it prepared
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        # async: the gauges are computed on the event loop, like the observers, never beside a half-applied event.
+        try:
+            app.state.authenticate_admin(request)
+        except GatewayError as error:
+            return error_response(error, f"req-{uuid.uuid4().hex}")
+        async with scraping:
+            stats.tick()
+            window.prepare()
+            # Rendering is the costly part (~150 ms for 200 tenants on a slow core): off the event loop. The
+            # event metrics are prometheus_client's own, safe to read from a thread; the window gauges were
+            # prepared just now, here on the loop.
+            text = await anyio.to_thread.run_sync(generate_latest, registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)

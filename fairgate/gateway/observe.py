@@ -42,8 +42,9 @@ def reason_for_dimension(dimension: str) -> str:
 class Rejected:
     """A request answered with an error before (or instead of) running.
 
-    ``tenant`` is None when the credential was missing or bad (nobody to attribute it to);
-    ``dimension`` is the ledger's quota dimension for quota rejections.
+    ``tenant`` is None when the credential was missing or bad (nobody to attribute it to); for a refused
+    delegation it is the caller whose key made the request. ``dimension`` is the ledger's quota dimension
+    for quota rejections.
     """
 
     request_id: str
@@ -55,6 +56,9 @@ class Rejected:
     time_s: float
     dimension: str | None = None
     after_admission: bool = False
+    retry_after_s: float | None = None  # the wait suggested (before jitter); None: waiting will not help
+    code: str | None = None  # the OpenAI-style error code answered
+    delegate: str | None = None  # the delegate service acting for ``tenant``, if any
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,360 @@
-"""Scoped usage APIs: /v1/usage for a tenant, /admin/... for operators (issue 5, part 2)."""
+"""Scoped usage APIs: ``/v1/usage`` for a tenant, ``/admin/...`` for operators (issue 5, part 2).
+
+Seed 003: "Platform operators need to view aggregated hotspots, while tenants can only see their own data."
+
+Tenant view (an API key of ``[[key]]``; 401 without a valid one)::
+
+    GET /v1/usage?window=3600
+
+answers the caller's own usage over the last ``window`` seconds (a whole number, 1 to ``WINDOW_MAX_S``;
+default ``WINDOW_DEFAULT_S``): requests reserved, input and output tokens billed, GPU seconds billed and the
+overage above the estimates (from the ledger's event log), reservations open now, and the rejections by
+reason (``fairgate.gateway.observe.REJECT_REASONS``) counted in memory by this gateway process::
+
+    {"object": "usage", "tenant": "acme", "delegate": null, "window_s": 3600,
+     "requests": 3, "input_tokens": 9, "output_tokens": 21,          # reserved / billed in the window
+     "gpu_seconds": 0.41, "overage_gpu_seconds": 0.0,                # billed GPU time, seconds
+     "open_reservations": 0,                                         # now, whatever the window
+     "rejections": {"total": 2, "by_reason": {"rate": 1, "tokens": 1, ...},
+                    "window_s": 3600.0}}                             # min(window, REJECTIONS_RETENTION_S)
+
+``requests`` counts reservations made, including those later released because the queue was full (they
+bill nothing); a request refused by a quota reserves nothing and is counted only as a rejection.
+Rejections are per process (several gateway processes each count their own), forgotten after
+``REJECTIONS_RETENTION_S`` or a restart, and kept in ``REJECTION_BUCKET_S`` buckets (``RejectionLog``).
+
+- The tenant always comes from the credential. A ``tenant`` query parameter, or an ``X-Tenant``,
+  ``X-Tenant-Id`` or ``X-Fairgate-Tenant`` header, naming anyone but the caller is refused with 403
+  ``tenant_mismatch`` (the same answer whether that tenant exists or not); naming the caller itself is
+  allowed. Refusing rather than ignoring tells a confused client it did not get what it asked for
+  instead of silently handing it its own figures under someone else's name.
+- A delegate presenting a valid on-behalf-of token (``x-fairgate-on-behalf-of``) gets the usage of the
+  tenant it acts for, the tenant it would bill: the token is signed by the platform, names this delegate
+  and that tenant, and expires, and it already lets the delegate spend that tenant's quota, which is more
+  than reading the totals of it. The answer names the delegate (``delegate``). Without a token a delegate
+  sees its own usage, as any tenant.
+- An unknown query parameter, a repeated one, or a ``window`` that is not a whole number of seconds in
+  range is a 400 naming the parameter.
+
+Operator view (an ``[admin]`` key only: 401 without a key or with an unknown one, 403 with a tenant's key)::
+
+    GET /admin/tenants                          configured tenants: tier, weight, priority pool, frozen
+    GET /admin/usage?window=3600                every configured tenant's usage, as /v1/usage
+    GET /admin/reservations?tenant=&status=open&limit=100&offset=0
+                                                reservations (open by default; status all: any), oldest
+                                                first, pages of at most RESERVATIONS_PAGE_MAX
+    GET /admin/frozen                           tenants whose automatic settlement is frozen, and why
+    GET /admin/reconcile?refresh=false          a reconciliation report (``fairgate.ledger.reconcile``)
+
+``/admin/reconcile`` is read-only (safe to poll): it runs a *dry run* (nobody is frozen; the alert is
+still logged and counted) over reservations and the event log, and answers the last report when it is
+younger than ``RECONCILE_REUSE_S`` (``refresh=true`` forces a new run; concurrent callers share one run).
+Freezing stays an operator decision: ``fairgate ledger reconcile``.
+
+Errors are OpenAI-shaped (``fairgate.gateway.errors``); a ledger that cannot be reached is a 503
+``ledger_unavailable`` with ``Retry-After``. Figures are what the ledger has booked: emergency grants made
+while the ledger was down (``fairgate.ledger.emergency``) appear once they are replayed.
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import asyncio
+import math
+import re
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from fairgate.gateway.errors import GatewayError, error_response
+from fairgate.gateway.observe import REJECT_REASONS, Event, Rejected
+from fairgate.ledger import LedgerUnavailable, TenantUsage
+from fairgate.ledger.base import STATUSES, Ledger, tenant_tag
+from fairgate.ledger.reconcile import ReconcileReport, reconcile
+
+WINDOW_DEFAULT_S = 86_400
+WINDOW_MAX_S = 366 * 86_400  # a year and a day: longer windows are a billing export, not an API read
+REJECTIONS_RETENTION_S = 86_400  # rejections are counted over min(window, this)
+REJECTION_BUCKET_S = 10  # counting granularity: a window's older edge is exact to within this
+RESERVATIONS_PAGE_DEFAULT = 100
+RESERVATIONS_PAGE_MAX = 1_000
+RESERVATIONS_OFFSET_MAX = 10**9
+RECONCILE_REUSE_S = 30.0
+TENANT_HEADERS = ("x-tenant", "x-tenant-id", "x-fairgate-tenant")
+OTHER_REASON = "other"  # a reason outside REJECT_REASONS (kept bounded)
+_WHOLE_NUMBER = re.compile(r"[0-9]{1,12}")
+
+
+class RejectionLog:
+    """Rejections per tenant and reason over the last ``retention_s`` seconds, from ``Rejected`` events.
+
+    Counts are kept in buckets of ``bucket_s`` seconds, so memory is bounded whatever the rejection rate:
+    at most ``retention_s / bucket_s`` buckets per tenant, each with at most one counter per reason
+    (``REJECT_REASONS`` and ``other``). Only ``tenants`` (the configured ones) are tracked, plus one slot
+    for rejections without a tenant (a missing or bad credential: ``tenant=None``).
+
+    Args:
+        tenants: the tenants to track; a rejection of any other tenant is dropped.
+        retention_s: how long a rejection is kept, seconds.
+        bucket_s: the counting granularity, seconds.
+        clock: seconds since the epoch (the clock of ``Rejected.time_s``).
+    """
+
+    def __init__(self, tenants: Iterable[str], retention_s: float = REJECTIONS_RETENTION_S,
+                 bucket_s: float = REJECTION_BUCKET_S, clock: Callable[[], float] = time.time) -> None:
+        assert retention_s > 0 and bucket_s > 0
+        self.retention_s, self.bucket_s, self._clock = float(retention_s), float(bucket_s), clock
+        self._buckets_max = max(1, math.ceil(retention_s / bucket_s)) + 1
+        self._by_tenant: dict[str | None, deque[tuple[int, dict[str, int]]]] = {t: deque() for t in tenants}
+        self._by_tenant[None] = deque()
+
+    def observe(self, event: Event) -> None:
+        """Count a ``Rejected`` event; ignore every other event."""
+        if isinstance(event, Rejected):
+            self.add(event.tenant, event.reason, event.time_s)
+
+    def add(self, tenant: str | None, reason: str, time_s: float) -> None:
+        """Count one rejection of ``tenant`` for ``reason`` at ``time_s`` (seconds since the epoch)."""
+        buckets = self._by_tenant.get(tenant)
+        if buckets is None or not math.isfinite(time_s):
+            return
+        reason = reason if reason in REJECT_REASONS else OTHER_REASON
+        index = math.floor(time_s / self.bucket_s)
+        if not buckets or buckets[-1][0] < index:
+            buckets.append((index, {}))
+        # An event older than the newest bucket (the wall clock stepped back) joins the newest bucket.
+        counts = buckets[-1][1]
+        counts[reason] = counts.get(reason, 0) + 1
+        self._prune(buckets, max(index, math.floor(self._clock() / self.bucket_s)))
+
+    def _prune(self, buckets: deque[tuple[int, dict[str, int]]], now_index: int) -> None:
+        while buckets and (buckets[0][0] <= now_index - self._buckets_max or len(buckets) > self._buckets_max):
+            buckets.popleft()
+
+    def counts(self, tenant: str | None, window_s: float) -> dict[str, int]:
+        """Rejections of ``tenant`` by reason over the last ``min(window_s, retention_s)`` seconds: every
+        reason of ``REJECT_REASONS`` (0 when none), and ``other`` when there were any. A bucket that
+        overlaps the window counts whole, so the window's older edge is exact to within ``bucket_s``."""
+        out = dict.fromkeys(REJECT_REASONS, 0)
+        buckets = self._by_tenant.get(tenant)
+        if buckets is None:
+            return out
+        now_s = self._clock()
+        self._prune(buckets, math.floor(now_s / self.bucket_s))
+        since_s = now_s - min(window_s, self.retention_s)
+        for index, counts in buckets:
+            if (index + 1) * self.bucket_s > since_s:
+                for reason, n in counts.items():
+                    out[reason] = out.get(reason, 0) + n
+        return out
 
 
 def install(app: FastAPI) -> None:
-    """Add this view's observer and routes to the gateway ``app`` (not yet built)."""
+    """Add the rejection counter (an observer of ``app.state.events``) and the routes of this module's
+    docstring to the gateway ``app`` (built, not yet started); reads ``app.state`` (config, events,
+    ledger at request time, authenticate, authenticate_admin)."""
+    config = app.state.config
+    tenants = list(config.quotas.tenants)
+    rejections = RejectionLog(tenants)
+    app.state.events.add(rejections)
+    app.state.rejections = rejections
+    reconciler = _Reconciler()
+
+    def real_ledger(request: Request) -> Ledger:
+        ledger: Ledger = request.app.state.ledger.ledger
+        return ledger
+
+    async def usage_of(request: Request, tenant: str, window_s: int) -> dict[str, Any]:
+        booked = await real_ledger(request).usage(tenant, float(window_s))
+        return _usage_document(booked, window_s, rejections.counts(tenant, window_s), rejections.retention_s)
+
+    @app.get("/v1/usage")
+    async def tenant_usage(request: Request) -> Any:
+        async def answer() -> dict[str, Any]:
+            tenant, delegate = request.app.state.authenticate(request)
+            params = _query(request, ("window", "tenant"))
+            window_s = _window(params)
+            for header in TENANT_HEADERS:
+                if len(request.headers.getlist(header)) > 1:
+                    raise GatewayError(400, f"Send {header} at most once.", "invalid_request", header)
+            named = [params.get("tenant")] + [request.headers.get(h) for h in TENANT_HEADERS]
+            if any(name is not None and name != tenant for name in named):
+                raise GatewayError(403, "This key can only read its own tenant's usage; the tenant comes from the "
+                                        "credential, not from a parameter or header.", "tenant_mismatch", "tenant",
+                                   kind="permission_error")
+            return {**await usage_of(request, tenant, window_s), "delegate": delegate}
+
+        return await _answer(request, answer)
+
+    @app.get("/admin/tenants")
+    async def admin_tenants(request: Request) -> Any:
+        async def answer() -> dict[str, Any]:
+            request.app.state.authenticate_admin(request)
+            _query(request, ())
+            frozen = await real_ledger(request).frozen()
+            keys: dict[str, int] = {}
+            for key in config.keys:
+                keys[key.tenant] = keys.get(key.tenant, 0) + 1
+            data = [{"tenant": name, "tenant_hash": tenant_tag(name), "tier": quota.tier.name,
+                     "on_ledger_unavailable": quota.tier.on_ledger_unavailable, "weight": quota.weight,
+                     "priority": quota.priority, "keys": keys.get(name, 0),
+                     "delegate": name in config.delegation.delegates,
+                     "frozen": name in frozen, "frozen_reason": frozen.get(name)}
+                    for name, quota in sorted(config.quotas.tenants.items())]
+            return {"object": "list", "data": data}
+
+        return await _answer(request, answer)
+
+    @app.get("/admin/usage")
+    async def admin_usage(request: Request) -> Any:
+        async def answer() -> dict[str, Any]:
+            request.app.state.authenticate_admin(request)
+            window_s = _window(_query(request, ("window",)))
+            data = [{**await usage_of(request, name, window_s), "delegate": None} for name in sorted(tenants)]
+            unattributed = rejections.counts(None, window_s)
+            return {"object": "list", "window_s": window_s, "data": data,
+                    "unauthenticated_rejections": {"total": sum(unattributed.values()), "by_reason": unattributed}}
+
+        return await _answer(request, answer)
+
+    @app.get("/admin/reservations")
+    async def admin_reservations(request: Request) -> Any:
+        async def answer() -> dict[str, Any]:
+            request.app.state.authenticate_admin(request)
+            params = _query(request, ("tenant", "status", "limit", "offset"))
+            tenant = params.get("tenant")
+            if tenant is not None and tenant not in config.quotas.tenants:
+                raise GatewayError(404, "No tenant of that name is configured.", "tenant_not_found", "tenant")
+            status = params.get("status", "open")
+            if status not in (*STATUSES, "all"):
+                raise GatewayError(400, f"status must be one of {', '.join(STATUSES)} or all.", "invalid_request",
+                                   "status")
+            limit = _whole(params, "limit", RESERVATIONS_PAGE_DEFAULT, 1, RESERVATIONS_PAGE_MAX)
+            offset = _whole(params, "offset", 0, 0, RESERVATIONS_OFFSET_MAX)
+            found = await real_ledger(request).reservations(tenant, None if status == "all" else status)
+            found.sort(key=lambda r: (r.created_ms, r.id))
+            page = found[offset:offset + limit]
+            return {"object": "list", "data": [asdict(r) for r in page], "total": len(found), "limit": limit,
+                    "offset": offset, "has_more": offset + len(page) < len(found)}
+
+        return await _answer(request, answer)
+
+    @app.get("/admin/frozen")
+    async def admin_frozen(request: Request) -> Any:
+        async def answer() -> dict[str, Any]:
+            request.app.state.authenticate_admin(request)
+            _query(request, ())
+            frozen = await real_ledger(request).frozen()
+            return {"object": "list", "data": [{"tenant": t, "reason": r} for t, r in sorted(frozen.items())]}
+
+        return await _answer(request, answer)
+
+    @app.get("/admin/reconcile")
+    async def admin_reconcile(request: Request) -> Any:
+        async def answer() -> dict[str, Any]:
+            request.app.state.authenticate_admin(request)
+            params = _query(request, ("refresh",))
+            refresh = params.get("refresh", "false")
+            if refresh not in ("true", "false", "1", "0"):
+                raise GatewayError(400, "refresh must be true or false.", "invalid_request", "refresh")
+            return await reconciler.report(real_ledger(request), refresh in ("true", "1"))
+
+        return await _answer(request, answer)
+
+
+class _Reconciler:
+    """The last dry-run reconciliation report, reused for ``RECONCILE_REUSE_S``; one run at a time."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._last: tuple[float, ReconcileReport] | None = None
+
+    async def report(self, ledger: Ledger, refresh: bool) -> dict[str, Any]:
+        asked_s = self._clock()
+        async with self._lock:
+            last = self._last
+            fresh = last is not None and (last[0] >= asked_s or (not refresh and asked_s - last[0] < RECONCILE_REUSE_S))
+            if not fresh:
+                report = await reconcile(ledger, None, freeze=False)
+                self._last = last = (self._clock(), report)
+        assert last is not None
+        generated_s, report = last
+        return {"object": "reconciliation", "dry_run": True, "generated_at_s": generated_s,
+                "age_s": max(0.0, self._clock() - generated_s), **report.to_json()}
+
+
+def _usage_document(booked: TenantUsage, window_s: int, rejected: dict[str, int],
+                    retention_s: float) -> dict[str, Any]:
+    return {
+        "object": "usage", "tenant": booked.tenant, "window_s": window_s,
+        "requests": booked.requests, "input_tokens": booked.input_tokens, "output_tokens": booked.output_tokens,
+        "gpu_seconds": booked.gpu_ms / 1000.0, "overage_gpu_seconds": booked.overage_gpu_ms / 1000.0,
+        "open_reservations": booked.open_reservations,
+        "rejections": {"total": sum(rejected.values()), "by_reason": rejected,
+                       "window_s": min(float(window_s), retention_s)},
+    }
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id")
+    if given is not None and 0 < len(given) <= 200 and given.isprintable():
+        return given
+    return f"req-{uuid.uuid4().hex}"
+
+
+async def _answer(request: Request, work: Callable[[], Any]) -> JSONResponse:
+    """Run ``work`` and answer its document (200) or its error (OpenAI-shaped), with ``x-request-id``."""
+    request_id = _request_id(request)
+    try:
+        document = await work()
+    except GatewayError as error:
+        return error_response(error, request_id)
+    except LedgerUnavailable:
+        return error_response(GatewayError(503, "Accounting is unavailable; retry later.", "ledger_unavailable",
+                                           kind="server_error", retry_after_s=5.0), request_id)
+    return JSONResponse(document, headers={"x-request-id": request_id, "cache-control": "no-store"})
+
+
+def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
+    """The query parameters, each at most once and each in ``allowed``. Raises ``GatewayError`` 400."""
+    out: dict[str, str] = {}
+    for name, value in request.query_params.multi_items():
+        if name not in allowed:
+            raise GatewayError(400, f"Unknown query parameter {name[:100]!r}"
+                                    f"{'; this endpoint takes ' + ', '.join(allowed) if allowed else ''}.",
+                               "invalid_request", name[:100])
+        if name in out:
+            raise GatewayError(400, f"Send {name} at most once.", "invalid_request", name)
+        out[name] = value
+    return out
+
+
+def _whole(params: dict[str, str], name: str, default: int, low: int, high: int) -> int:
+    """The whole number ``params[name]`` in ``[low, high]`` (``default`` when absent). Raises ``GatewayError`` 400."""
+    text = params.get(name)
+    if text is None:
+        return default
+    if not _WHOLE_NUMBER.fullmatch(text) or not low <= int(text) <= high:
+        raise GatewayError(400, f"{name} must be a whole number from {low} to {high}, got {text[:40]!r}.",
+                           "invalid_request", name)
+    return int(text)
+
+
+def _window(params: dict[str, str]) -> int:
+    """``window``: whole seconds in ``[1, WINDOW_MAX_S]`` (default ``WINDOW_DEFAULT_S``). Raises ``GatewayError``."""
+    text = params.get("window")
+    if text is None:
+        return WINDOW_DEFAULT_S
+    if not _WHOLE_NUMBER.fullmatch(text) or not 1 <= int(text) <= WINDOW_MAX_S:
+        raise GatewayError(400, f"window must be a whole number of seconds from 1 to {WINDOW_MAX_S}, "
+                                f"got {text[:40]!r}.", "invalid_window", "window")
+    return int(text)
+
+
+__all__ = ["RejectionLog", "install"]

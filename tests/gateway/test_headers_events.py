@@ -43,9 +43,11 @@ def test_remaining_and_reset_headers_count_down(tmp_path):
             assert first.headers["x-ratelimit-limit-requests"] == "60"
             assert first.headers["x-ratelimit-remaining-requests"] == "4"
             assert second.headers["x-ratelimit-remaining-requests"] == "3"
-            # 60/min refills one request per second: about 1 s (first) and 2 s (second) to be full again.
-            assert 0.9 <= float(first.headers["x-ratelimit-reset-requests"].rstrip("s")) <= 1.0
-            assert 1.9 <= float(second.headers["x-ratelimit-reset-requests"].rstrip("s")) <= 2.0
+            # 60/min refills one request per second: up to 1 s (first) and 2 s (second) to be full again, less
+            # the time between the reservation and the header (short, but a loaded machine stretches it).
+            first_reset = float(first.headers["x-ratelimit-reset-requests"].rstrip("s"))
+            second_reset = float(second.headers["x-ratelimit-reset-requests"].rstrip("s"))
+            assert 0.5 <= first_reset <= 1.0 and 1.5 <= second_reset <= 2.0
             assert "x-ratelimit-remaining-tokens" not in first.headers  # no token limit configured
             for _ in range(3):
                 post(url, keys["alpha"])

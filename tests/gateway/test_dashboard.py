@@ -1,0 +1,207 @@
+"""The dashboard: its JSON scoped by the key alone, and the page end to end in headless Chromium
+(Playwright) while traffic flows through a real gateway to an emulated replica.
+
+Screenshots go to ``$FAIRGATE_ARTIFACTS`` when set (created if missing), else to the test's ``tmp_path``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fairgate.gateway.auth import make_on_behalf_of
+from fairgate.ledger.base import tenant_tag
+from tests.gateway.conftest import TENANTS
+from tests.gateway.test_metrics import ADMIN_KEY, admin_stack
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package `chromium` (scripts/setup installs it)
+BODY = {"model": "emu", "prompt": "x y", "max_tokens": 3, "ignore_eos": True}
+
+
+def get_data(url: str, key: str | None, query: str = "") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(f"{url}/dashboard/data{query}", headers=headers, timeout=30)
+
+
+def artefacts(tmp_path: Path) -> Path:
+    folder = Path(os.environ.get("FAIRGATE_ARTIFACTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
+    secret = "s" * 32
+    monkeypatch.setenv("FAIRGATE_DELEGATION_SECRET", secret)
+    with admin_stack(tmp_path, extra='[delegation]\ndelegates = ["gamma"]\n') as stack:
+        url = stack.url
+        sent = {"alpha": 2, "beta": 1, "gamma": 3}
+        for tenant, n in sent.items():
+            for _ in range(n):
+                reply = httpx.post(f"{url}/v1/completions", json=BODY, timeout=30,
+                                   headers={"Authorization": f"Bearer {stack.keys[tenant]}"})
+                assert reply.status_code == 200
+        bad = httpx.post(f"{url}/v1/completions", json={"model": "emu"}, timeout=30,
+                         headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+        assert bad.status_code == 400
+
+        admin = get_data(url, ADMIN_KEY).json()
+        assert admin["scope"] == "admin" and set(admin["series"]) == set(TENANTS)
+        assert {t: admin["totals"][t]["admissions"] for t in TENANTS} == sent
+        assert admin["totals"]["alpha"]["rejections"] == {"invalid": 1}
+        assert {t: admin["totals"][t]["output_tokens"] for t in TENANTS} == {t: 3 * n for t, n in sent.items()}
+        assert {"max_min", "jain", "busy", "queue_p99_ms"} <= set(admin["pool"])
+        assert get_data(url, ADMIN_KEY, "?tenant=alpha").json()["series"].keys() == admin["series"].keys()
+
+        baseline = get_data(url, stack.keys["beta"]).json()
+        for query in ("", "?tenant=alpha", "?tenant=alpha&tenant=gamma", "?scope=admin", "?all=1&admin=true",
+                      "?tenant=" + tenant_tag("alpha"), "?tenant=beta&tenant=alpha"):
+            reply = get_data(url, stack.keys["beta"], query)
+            assert reply.status_code == 200 and reply.headers["cache-control"] == "no-store"
+            data = reply.json()
+            assert data["scope"] == "tenant" and list(data["series"]) == ["you"] and list(data["totals"]) == ["you"]
+            assert data["totals"] == baseline["totals"]
+            assert data["totals"]["you"]["admissions"] == 1 and data["totals"]["you"]["output_tokens"] == 3
+            assert set(data["pool"]) == {"ttft_target_ms", "ttft_p99_ms"}  # the pool's SLO, nothing per tenant
+            assert "gpu_share" not in data["series"]["you"]  # a share of others' use would reveal their total
+            for other in ("alpha", "gamma"):
+                assert other not in reply.text and tenant_tag(other) not in reply.text
+            assert "beta" not in reply.text and tenant_tag("beta") not in reply.text  # "you", not a name
+
+        # No key, a bad key, two keys: refused. A delegate acting for alpha cannot read alpha's data.
+        assert get_data(url, None).status_code == 401
+        assert get_data(url, "nope").status_code == 401
+        two = httpx.get(f"{url}/dashboard/data", timeout=10, headers=[("Authorization", f"Bearer {stack.keys['beta']}"),
+                                                                      ("Authorization", f"Bearer {ADMIN_KEY}")])
+        assert two.status_code in (400, 401)
+        token = make_on_behalf_of(secret.encode(), "gamma", "alpha", time.time() + 60)
+        delegated = httpx.get(f"{url}/dashboard/data", timeout=10, headers={
+            "Authorization": f"Bearer {stack.keys['gamma']}", "X-Fairgate-On-Behalf-Of": token})
+        assert delegated.status_code == 403 and "alpha" not in delegated.text
+
+        page = httpx.get(f"{url}/dashboard", timeout=10)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        assert "alpha" not in page.text and "cdn" not in page.text.lower()
+        script = httpx.get(f"{url}/dashboard/static/chart.umd.min.js", timeout=10)
+        assert script.status_code == 200 and "Chart.js v4" in script.text[:200]
+        for name in ("../app.py", "..%2Fapp.py", "dashboard.py", "nope.js"):
+            assert httpx.get(f"{url}/dashboard/static/{name}", timeout=10).status_code == 404
+
+
+@contextmanager
+def traffic(url: str, keys: dict[str, str], clients: int = 2, limit_s: float = 120.0) -> Iterator[dict[str, int]]:
+    """Every tenant keeps ``clients`` requests in flight until the block ends (at most ``limit_s``)."""
+    done = {t: 0 for t in keys}
+    stop = threading.Event()
+
+    async def client(http: httpx.AsyncClient, tenant: str, index: int) -> None:
+        headers = {"Authorization": f"Bearer {keys[tenant]}"}
+        tokens = 8 + 8 * TENANTS.index(tenant) + index
+        deadline = time.monotonic() + limit_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            body = {"model": "emu", "prompt": "w " * 20, "max_tokens": tokens, "ignore_eos": True}
+            reply = await http.post("/v1/completions", json=body, headers=headers)
+            if reply.status_code == 200:
+                done[tenant] += 1
+            else:
+                await asyncio.sleep(0.2)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            await asyncio.gather(*(client(http, t, i) for t in keys for i in range(clients)))
+
+    thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
+    thread.start()
+    try:
+        yield done
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
+
+LABELS_WITH_DATA = """(id) => {
+  const chart = window.fairgateCharts && window.fairgateCharts[id];
+  if (!chart) return null;
+  return chart.data.datasets.filter(d => d.data.length > 0).map(d => d.label).sort();
+}"""
+ALL_LABELS = """() => Object.values(window.fairgateCharts || {}).flatMap(c => c.data.datasets.map(d => d.label))"""
+PER_TENANT_CHARTS = {"share": "{}", "queue": "{}", "admissions": "{}", "active": "{}", "tokens": "{} out",
+                     "gpu": "{}", "gap": "{} GPU s"}
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install "
+                                                  "chromium; scripts/setup installs it)")
+def test_the_dashboard_in_chromium(tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    folder = artefacts(tmp_path)
+    with admin_stack(tmp_path) as stack, traffic(stack.url, stack.keys) as done, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            problems: list[str] = []
+            page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+            page.on("console", lambda m: problems.append(f"console: {m.text}") if m.type == "error" else None)
+            page.goto(f"{stack.url}/dashboard")
+            expect(page.locator("#login")).to_be_visible()
+            expect(page.locator("#board")).to_be_hidden()
+
+            # An admin: every tenant, by name, in every per-tenant chart.
+            page.fill("#key", ADMIN_KEY)
+            page.click("#signin")
+            expect(page.locator("#status")).to_have_attribute("data-scope", "admin", timeout=20_000)
+            for chart, label in PER_TENANT_CHARTS.items():
+                wanted = sorted(label.format(t) for t in TENANTS)
+                page.wait_for_function(f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); "
+                                       f"return l && wanted.every(w => l.includes(w)); }}", arg=wanted, timeout=30_000)
+            page.wait_for_function(f"() => ({LABELS_WITH_DATA})('slo').includes('emu TTFT p99')", timeout=30_000)
+            page.wait_for_function(f"() => ({LABELS_WITH_DATA})('fairness').includes('emu Jain')", timeout=30_000)
+            page.wait_for_function(f"() => ({LABELS_WITH_DATA})('busy').includes('emu-0')", timeout=30_000)
+            # Wait for a few samples so the screenshot shows lines, not dots.
+            page.wait_for_function(f"() => window.fairgateCharts.gpu.data.datasets.every(d => d.data.length >= 3)",
+                                   timeout=30_000)
+            expect(page.locator("#totals tbody tr")).to_have_count(3)
+            expect(page.locator("#fairness")).to_be_visible()
+            page.screenshot(path=str(folder / "dashboard_admin.png"), full_page=True)
+            assert page.evaluate("() => sessionStorage.getItem('fairgate.dashboard.key')") == ADMIN_KEY
+
+            # Sign out: the key leaves the tab.
+            page.click("#logout")
+            expect(page.locator("#login")).to_be_visible()
+            assert page.evaluate("() => sessionStorage.getItem('fairgate.dashboard.key')") is None
+
+            # A tenant: only its own series, as "you"; no other tenant anywhere on the page.
+            page.fill("#key", stack.keys["beta"])
+            page.click("#signin")
+            expect(page.locator("#status")).to_have_attribute("data-scope", "tenant", timeout=20_000)
+            for chart, label in PER_TENANT_CHARTS.items():
+                page.wait_for_function(f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); "
+                                       f"return l && l.includes(wanted); }}", arg=label.format("you"), timeout=30_000)
+            labels = page.evaluate(ALL_LABELS)
+            assert labels and all(label.startswith(("you", "emu", "target")) for label in labels), labels
+            text = page.inner_text("body")
+            for tenant in TENANTS:
+                assert tenant not in text and tenant_tag(tenant) not in text
+            expect(page.locator("#totals tbody tr")).to_have_count(1)
+            expect(page.locator("#fairness")).to_be_hidden()
+            expect(page.locator("#busy")).to_be_hidden()
+            page.screenshot(path=str(folder / "dashboard_tenant.png"), full_page=True)
+            assert not problems, problems  # no script error, no CSP violation, no missing file
+
+            # A wrong key: back to the form with the gateway's message.
+            page.click("#logout")
+            page.fill("#key", "fg-wrong-key")
+            page.click("#signin")
+            expect(page.locator("#error")).to_contain_text("Invalid API key", timeout=20_000)
+            expect(page.locator("#board")).to_be_hidden()
+        finally:
+            browser.close()
+    assert all(done[t] > 0 for t in TENANTS), done
+    assert (folder / "dashboard_admin.png").stat().st_size > 10_000

@@ -1,0 +1,201 @@
+"""``fairgate explain`` and ``fairgate report`` as a user runs them: a request log written by a real gateway
+in front of an emulated replica, then the commands in a subprocess (output, files, exit codes, messages)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fairgate.emulator.api import create_app
+from fairgate.gateway.app import create_gateway
+from fairgate.gateway.config import load_gateway_config
+from fairgate.ledger.base import tenant_tag
+from tests.gateway.conftest import EMULATOR, TENANTS, write_config
+from tests.support.servers import serve
+
+REPO = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def fairgate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fairgate", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> tuple[Path, Path]:  # type: ignore[no-untyped-def]
+    """(gateway config, its request log) after: ok-1 served for alpha, beta's rate-2 refused (429 rate),
+    gamma's flood of 7 with max_queued 1 (some queue_full), one bad key."""
+    tmp = tmp_path_factory.mktemp("ops")
+    with serve(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp, [emulator], defaults="max_queued = 1\n",
+                                  extra_quotas="[quotas.tenants.beta.limits]\nrequests_per_minute = 60\n"
+                                               "requests_burst = 1\n")
+        config = load_gateway_config(path)
+        with serve(create_gateway(config)) as url:
+            def post(tenant_key: str, request_id: str, max_tokens: int = 6) -> int:
+                body = {"model": "emu", "prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": True}
+                return httpx.post(f"{url}/v1/completions", timeout=60, json=body, headers={
+                    "Authorization": f"Bearer {tenant_key}", "X-Request-Id": request_id}).status_code
+
+            assert post(keys["alpha"], "ok-1") == 200
+            assert post(keys["beta"], "rate-1") == 200
+            assert post(keys["beta"], "rate-2") == 429
+            assert post("fg-not-a-key", "nokey-1") == 401
+
+            async def flood() -> list[int]:
+                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                    replies = await asyncio.gather(*(http.post("/v1/completions", json={
+                        "model": "emu", "prompt": "x", "max_tokens": 40, "ignore_eos": True}, headers={
+                        "Authorization": f"Bearer {keys['gamma']}", "X-Request-Id": f"flood-{i}"}) for i in range(7)))
+                return [r.status_code for r in replies]
+
+            assert sorted(asyncio.run(flood())) == [200] * 5 + [429] * 2
+    assert config.event_log_path is not None and config.event_log_path.is_file()
+    return path, config.event_log_path
+
+
+def queue_full_id(log: Path) -> str:
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("reason") == "queue_full":
+            return str(record["request_id"])
+    raise AssertionError("no queue_full rejection in the log")
+
+
+def test_explain_a_served_request(served):
+    config, log = served
+    done = fairgate("explain", "ok-1", "--log", str(log))
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert f"Request ok-1 from tenant {tenant_tag('alpha')}, model emu:" in text
+    assert "admitted: reserved 3 prompt tokens, up to 6 output tokens" in text
+    assert "dispatched to upstream emu-0 after" in text and "in the tenant's queue" in text
+    assert "finished (completed): 3 prompt + 6 output tokens (up to 6 allowed)" in text and "GPU ms billed" in text
+    assert "In short: completed in" in text
+    assert "alpha" not in text.replace(tenant_tag("alpha"), "")  # only the hash without the config
+    named = fairgate("explain", "ok-1", "--config", str(config))
+    assert named.returncode == 0 and f"tenant {tenant_tag('alpha')} (alpha)" in named.stdout
+
+
+def test_explain_rejections_say_why_and_what_to_do(served):
+    config, log = served
+    rate = fairgate("explain", "rate-2", "--config", str(config))
+    assert rate.returncode == 0, rate.stderr
+    assert "rejected with HTTP 429 (rate: requests_per_minute)" in rate.stdout
+    assert "why: the tenant had used up its requests-per-minute allowance" in rate.stdout
+    assert "retry after:" in rate.stdout and "what to do:" in rate.stdout
+    full = fairgate("explain", queue_full_id(log), "--log", str(log))
+    assert full.returncode == 0, full.stderr
+    assert "admitted: reserved" in full.stdout and "rejected after admission with HTTP 429 (queue_full)" in full.stdout
+    assert "max_queued" in full.stdout and "nothing was billed" in full.stdout
+    nokey = fairgate("explain", "nokey-1", "--log", str(log))
+    assert nokey.returncode == 0 and "from an unidentified caller" in nokey.stdout and "HTTP 401" in nokey.stdout
+
+
+def test_explain_an_unknown_request_exits_1(served):
+    _, log = served
+    done = fairgate("explain", "never-sent", "--log", str(log))
+    assert done.returncode == 1 and done.stdout == ""
+    assert "'never-sent' is not in" in done.stderr and str(log) in done.stderr
+
+
+def test_a_bad_line_is_named_and_exits_2(served, tmp_path):
+    _, log = served
+    lines = log.read_text().splitlines()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(lines[:4] + ['{"v": 1, "event": "finished", "ts": 5'] + lines[4:]) + "\n")
+    for args in (["explain", "ok-1"], ["report", "--out", str(tmp_path / "out")]):
+        done = fairgate(*args, "--log", str(broken))
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(f"error: {broken}:5: not a JSON record") and "Traceback" not in done.stderr
+    mistyped = tmp_path / "mistyped.jsonl"
+    mistyped.write_text(lines[0] + '\n{"v":1,"event":"dispatched","ts":1.5,"request_id":"x","tenant_hash":null,'
+                                   '"delegate_hash":null,"model":"emu","upstream":"u","queue_ms":"slow"}\n')
+    done = fairgate("explain", "x", "--log", str(mistyped))
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"error: {mistyped}:2: dispatched record: key 'queue_ms': expected a number, "
+                                   'found "slow"')
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--log", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: no such file"),
+    ([], "give --log PATH (the request log) or --config FILE"),
+    (["--log", "{tmp}/none.jsonl", "--config", "{tmp}/x.toml"], "give --log PATH or --config FILE, not both"),
+    (["--config", "{tmp}/x.toml"], "{tmp}/x.toml"),
+])
+def test_bad_options_exit_2(tmp_path, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    for command in (["explain", "ok-1"], ["report", "--out", str(tmp_path / "out")]):
+        done = fairgate(*command, *args)
+        assert done.returncode == 2 and message.format(tmp=tmp_path) in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_report_writes_charts_and_a_page_naming_each_tenant_hash(served, tmp_path):
+    _, log = served
+    out = tmp_path / "report"
+    done = fairgate("report", "--log", str(log), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    names = {"shares.png", "queue_times.png", "rejections.png", "report.html"}
+    assert {p.name for p in out.iterdir()} == names
+    for name in names - {"report.html"}:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5_000
+        assert f"wrote {out / name}" in done.stderr
+    page = (out / "report.html").read_text()
+    for tenant in TENANTS:
+        assert tenant_tag(tenant) in page and tenant not in page.replace(tenant_tag(tenant), "")
+    for chart in ("shares.png", "queue_times.png", "rejections.png"):
+        assert f'<img src="{chart}"' in page
+    assert "<td>queue_full</td>" in page and "<td>rate</td>" in page and "<td>auth</td>" in page
+    assert "policy gpu_fair" in page
+
+
+def test_report_with_the_config_names_tenants(served, tmp_path):
+    config, _ = served
+    done = fairgate("report", "--config", str(config), "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert f"<code>{tenant_tag('gamma')}</code> gamma" in page
+
+
+def test_report_refuses_an_empty_log_and_a_file_as_out(served, tmp_path):
+    _, log = served
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    done = fairgate("report", "--log", str(empty), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and f"{empty}: the log holds no records" in done.stderr
+    done = fairgate("report", "--log", str(log), "--out", str(empty))
+    assert done.returncode == 2 and f"--out {empty}: exists and is not a directory" in done.stderr
+
+
+def test_report_takes_shares_from_usage_aggregates_when_the_log_has_them(tmp_path):
+    a, b = tenant_tag("alpha"), tenant_tag("beta")
+    log = tmp_path / "events.jsonl"
+    lines = [{"v": 1, "event": "started", "ts": 100.0, "pid": 1, "policy": "vtc",
+              "tenants": {a: {"weight": 1.0, "priority": "interactive"}, b: {"weight": 2.0, "priority": "batch"}}}]
+    for k in range(1, 4):  # 100 and 40 GPU ms per 5 s
+        lines.append({"v": 1, "event": "usage", "ts": 100.0 + 5 * k, "since": 95.0 + 5 * k, "model": "m",
+                      "gpu_ms": {a: 100.0, b: 40.0}})
+    lines.append({"v": 1, "event": "finished", "ts": 114.0, "request_id": "r", "tenant_hash": a, "delegate_hash": None,
+                  "model": "m", "upstream": "u", "outcome": "completed", "queue_ms": 3.0, "ttft_ms": 9.0,
+                  "tpot_ms": None, "input_tokens": 5, "output_tokens": 1, "gpu_ms": 7.0, "gpu_ms_estimate": 9.0,
+                  "max_output_tokens": 4})
+    lines.append({"v": 1, "event": "later-kind", "ts": 116.0})  # unknown kinds are skipped
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = fairgate("report", "--log", str(log), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "from the gateway&#x27;s metered usage aggregates" in page and "policy vtc" in page
+    assert f"<td><code>{a}</code></td><td>0</td><td>1 completed</td><td>0</td><td>300.0</td><td>71.4</td>" in page
+    assert f"<td><code>{b}</code></td><td>0</td><td>0</td><td>0</td><td>120.0</td><td>28.6</td><td>2.00</td>" in page
+    assert "max/min of weighted shares\n5.00" in page  # (300/1) / (120/2)
+    assert (tmp_path / "out" / "shares.png").read_bytes().startswith(PNG)
+    assert (tmp_path / "out" / "rejections.png").read_bytes().startswith(PNG)  # "no request was rejected"
