@@ -137,6 +137,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
     app.state.events = events
     app.state.clients = clients
     app.state.config = config
+    app.state.slo_ttft_p99_target_ms = config.gateway.slo_ttft_p99_s * 1000.0
 
     def authenticate(request: Request) -> tuple[str, str | None]:
         """(tenant billed, delegate acting for it). Raises ``GatewayError`` 401/403."""

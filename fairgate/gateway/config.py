@@ -99,6 +99,8 @@ class GatewaySection(_Strict):
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
     # Seconds between rounds of sharing the policy's counters with other gateway processes (0: off).
     share_charges_s: Annotated[float, Field(ge=0, le=60)] = 0.25
+    # The shared pool's latency objective: p99 time to first token (the dashboard's SLO line).
+    slo_ttft_p99_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
 
     @field_validator("policy")
     @classmethod
