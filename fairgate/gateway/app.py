@@ -31,8 +31,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Security
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
@@ -72,6 +73,8 @@ UPSTREAM_CONTROL_FIELDS = ("user", "priority", "request_id", "cache_salt", "kv_t
 RUN_ID_HEADER = "x-fairgate-run-id"  # an agent run's id: its calls count against the run limits
 TOOL_ROUND_HEADER = "x-fairgate-tool-round"
 PARTIAL_SETTLE_EVERY_S = 2.0
+# OpenAPI only: declares the bearer key (auto_error=False: ``authenticate`` does the checking).
+_API_KEY = HTTPBearer(auto_error=False, scheme_name="apiKey", description="Authorization: Bearer <tenant key>")
 
 
 def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
@@ -346,8 +349,21 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         done = lambda: in_flight.discard((tenant, request_id))  # noqa: E731
         core_request = CoreRequest(_sequence(), tenant, prompt_tokens, time.monotonic() * 1000.0, max_tokens)
         queued_at = time.monotonic()
+        waited = False
+
+        async def take_queue_place() -> None:
+            nonlocal waited
+            waited = True
+            await front.enqueue(reservation.id)  # the tenant's queue bound, global across processes
+
         try:
-            lease = await dispatcher.acquire(core_request, body.model)
+            lease = await dispatcher.acquire(core_request, body.model, take_queue_place)
+        except QuotaExceeded as exc:
+            await _release_reservation(reservation, Usage())
+            raise GatewayError(429, f"Too many requests queued for this tenant ({exc.limit:g}, all gateway "
+                                    "processes).", "queue_full", kind="rate_limit_error",
+                               retry_after_s=exc.retry_after_s, reason="queue_full", dimension=exc.dimension,
+                               after_admission=True) from None
         except QueueFull as exc:
             await _release_reservation(reservation, Usage())
             error = GatewayError(429, f"Too many requests queued for this tenant ({exc.limit}).", "queue_full",
@@ -364,6 +380,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             await _release_reservation(reservation, Usage())
             raise
         client = clients[lease.upstream.name]
+        if waited:  # give the queue place back, off the request path (if lost, the final settlement does)
+            _background(front.dequeue(reservation.id))
         queue_ms = (time.monotonic() - queued_at) * 1000.0
         events.observe(Dispatched(request_id, tenant, body.model, lease.upstream.name, queue_ms, time.time()))
         call = CallState(f"{request_id}#{uuid.uuid4().hex[:8]}", tenant, prompt_tokens)
@@ -500,15 +518,17 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         return _error_response(GatewayError(500, "Internal error; the request was not billed beyond what ran.",
                                             "internal_error", kind="server_error"), request_id)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Security(_API_KEY)],
+              openapi_extra={"requestBody": _body_schema(ChatRequest)})
     async def chat_completions(request: Request) -> Any:
         return await handle(request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Security(_API_KEY)],
+              openapi_extra={"requestBody": _body_schema(CompletionRequest)})
     async def completions(request: Request) -> Any:
         return await handle(request, chat=False)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Security(_API_KEY)])
     async def models(request: Request) -> Any:
         try:
             authenticate(request)
@@ -536,6 +556,22 @@ def _operator_views() -> list[Any]:
     return [metrics.install, usage_api.install, eventlog.install, dashboard.install]
 
 
+_tasks: set[asyncio.Task[Any]] = set()
+
+
+def _background(work: Any) -> None:
+    """Run ``work`` (a coroutine) without waiting for it; errors are logged, the task is kept alive."""
+    task = asyncio.ensure_future(work)
+    _tasks.add(task)
+
+    def finished(done: asyncio.Task[Any]) -> None:
+        _tasks.discard(done)
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("background ledger call failed: %s", done.exception())
+
+    task.add_done_callback(finished)
+
+
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     yield first
     async for piece in rest:
@@ -552,6 +588,23 @@ def _finished(call: CallState, reservation: Reservation, outcome: str, input_tok
     return Finished(reservation.request_id, call.tenant, call.model, call.upstream, "error" if call.failed else outcome,
                     call.queue_ms, ttft_ms, tpot_ms, input_tokens, output_tokens, gpu_ms, reservation.gpu_ms_estimate,
                     reservation.max_output_tokens, time.time())
+
+
+def _body_schema(model: Any) -> dict[str, Any]:
+    """OpenAPI ``requestBody`` for a route that parses ``model`` itself from a raw ``Request`` ($defs inlined)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        rest = {key: inline(value) for key, value in node.items() if key != "$ref"}
+        ref = node.get("$ref")
+        return {**inline(defs[ref.rsplit("/", 1)[-1]]), **rest} if isinstance(ref, str) else rest
+
+    return {"required": True, "content": {"application/json": {"schema": inline(schema)}}}
 
 
 def _reject_constant(name: str) -> Any:

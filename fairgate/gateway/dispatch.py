@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fairgate.core.cost import CostModel
@@ -117,8 +117,13 @@ class Dispatcher:
     def queued(self, tenant: str, model: str) -> int:
         return self._pools[model].queued[tenant] if model in self._pools else 0
 
-    async def acquire(self, request: Request, model: str) -> Lease:
+    async def acquire(self, request: Request, model: str,
+                      on_wait: Callable[[], Awaitable[None]] | None = None) -> Lease:
         """Queue ``request`` and wait for a slot.
+
+        ``on_wait`` is awaited once if the request cannot have a slot at once (the gateway takes a place in
+        the global queue count there); if it raises, the request leaves the queue and the error propagates
+        - unless a slot was granted meanwhile.
 
         Raises:
             NoUpstream: no upstream serves ``model``. QueueFull: the tenant's queue is full.
@@ -136,8 +141,14 @@ class Dispatcher:
         pool.policy.enqueue(request, self._clock())
         self._dispatch(pool)
         try:
+            if on_wait is not None and not future.done():
+                try:
+                    await on_wait()
+                except Exception:
+                    if not (future.done() and not future.cancelled()):
+                        raise
             return await future
-        except asyncio.CancelledError:
+        except BaseException:
             if future.done() and not future.cancelled():
                 self.release(future.result())  # granted just as the caller gave up
             elif request.request_id in pool.waiters:

@@ -144,6 +144,21 @@ class Ledger(ABC):
         """
 
     @abstractmethod
+    async def enqueue(self, reservation_id: str) -> Reservation:
+        """The request behind ``reservation_id`` waits for an upstream slot: take a place in its tenant's
+        queue (``max_queued``, global). Idempotent; a no-op on a final reservation.
+
+        Raises:
+            QuotaExceeded (``max_queued``), ReservationNotFound, LedgerUnavailable.
+        """
+
+    @abstractmethod
+    async def dequeue(self, reservation_id: str) -> Reservation:
+        """The queued request got an upstream slot: give its queue place back. Idempotent; a no-op when it
+        holds none (the final settlement gives a place back too). Raises ``ReservationNotFound``,
+        ``LedgerUnavailable``."""
+
+    @abstractmethod
     async def account(self, tenant: str, model_class: str = "default") -> Account:
         """The balances held for ``tenant`` and ``model_class`` now (as last written; buckets not refilled)."""
 

@@ -167,6 +167,30 @@ class ResilientLedger:
         """``Ledger.cancel``; journalled like ``settle`` when the ledger cannot take it."""
         return await self._close(reservation_id, consumed, True, "cancel")
 
+    async def enqueue(self, reservation_id: str) -> None:
+        """``Ledger.enqueue``; an emergency grant takes no shared queue place (its local budget bounds it),
+        nor does a request while the ledger cannot be reached (the process's own queue bound still holds).
+
+        Raises:
+            QuotaExceeded: ``max_queued``.
+        """
+        if reservation_id in self._grants:
+            return
+        try:
+            await self.ledger.enqueue(reservation_id)
+        except LedgerUnavailable:
+            return
+
+    async def dequeue(self, reservation_id: str) -> None:
+        """``Ledger.dequeue``, best effort: if the ledger cannot take it now, the reservation's final
+        settlement gives the place back instead (never lost)."""
+        if reservation_id in self._grants:
+            return
+        try:
+            await self.ledger.dequeue(reservation_id)
+        except LedgerUnavailable:
+            return
+
     def outstanding(self) -> int:
         """Journal records not yet replayed into the ledger."""
         return len(self._read_journal())

@@ -104,6 +104,7 @@ class Reservation:
     created_ms: float
     expires_at_ms: float
     final_ms: float | None = None
+    queued: bool = False  # holds a place in its tenant's queue (``Ledger.enqueue`` .. ``dequeue``)
 
     @property
     def is_final(self) -> bool:

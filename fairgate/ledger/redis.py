@@ -121,9 +121,9 @@ _RESERVATION_ID = re.compile(r"^([0-9a-f]{16})-")
 TENANT_KEYS = ("accounts", "runs", "res", "reqs", "open", "status", "events", "seq", "hb", "frozen")
 _STATUS_OF_KIND = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}
 _LIMIT_NAMES = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
-                "max_tokens_per_request", "max_concurrent", "gpu_seconds", "gpu_window_s", "gpu_seconds_total",
+                "max_tokens_per_request", "max_concurrent", "max_queued", "gpu_seconds", "gpu_window_s", "gpu_seconds_total",
                 "max_model_calls", "max_tool_rounds", "max_tokens", "reservation_ttl_s")
-_INT_REMAINING = {"max_tokens_per_request", "max_concurrent", "max_model_calls", "max_tool_rounds", "max_tokens"}
+_INT_REMAINING = {"max_tokens_per_request", "max_concurrent", "max_queued", "max_model_calls", "max_tool_rounds", "max_tokens"}
 
 # --- Lua -----------------------------------------------------------------------------------------
 # ARGV[1] is now in ms ("" = the server's TIME), ARGV[2] the retention TTL in ms; KEYS are TENANT_KEYS.
@@ -150,10 +150,10 @@ local function touch_all() for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], RE
 
 local ACCOUNT_FIELDS = {'requests_level', 'requests_updated_ms', 'input_level', 'input_updated_ms',
   'output_level', 'output_updated_ms', 'concurrent', 'gpu_window_start_ms', 'gpu_window_used_ms',
-  'gpu_total_used_ms'}
+  'gpu_total_used_ms', 'queued'}
 
 local function load_account(model_class)
-  local acc = {requests_updated_ms = 0.0, input_updated_ms = 0.0, output_updated_ms = 0.0, concurrent = 0,
+  local acc = {requests_updated_ms = 0.0, input_updated_ms = 0.0, output_updated_ms = 0.0, concurrent = 0, queued = 0,
                gpu_window_start_ms = 0.0, gpu_window_used_ms = 0.0, gpu_total_used_ms = 0.0}
   local raw = redis.call('HGET', ACCOUNTS, model_class)
   if raw then
@@ -387,7 +387,13 @@ for _, d in ipairs({{'input_tokens', 'input', old_in - new_in}, {'output_tokens'
 end
 acc.gpu_window_used_ms = math.max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
 acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
-if final then acc.concurrent = math.max(0, acc.concurrent - 1) end
+if final then
+  acc.concurrent = math.max(0, acc.concurrent - 1)
+  if r.queued == '1' then
+    acc.queued = math.max(0, acc.queued - 1)
+    r.queued = '0'
+  end
+end
 local run = nil
 if r.run_id ~= nil then
   run = load_run(r.run_id)
@@ -433,6 +439,31 @@ local out = cjson.encode(r)
 hset(RES, rid, out)
 redis.call('ZADD', OPEN, fmt(expires), rid)
 expire(OPEN)
+touch_all()
+return {'ok', out}
+"""
+
+# ARGV[3..]: reservation id, enter (1: rules.enqueue, 0: rules.dequeue), max_queued or "" (no limit).
+# -> {'not_found'} | {'unchanged', json} | {'quota', json} | {'ok', json}
+_QUEUE = _PRELUDE + r"""
+local rid, enter, max_queued = ARGV[3], ARGV[4] == '1', tonumber(ARGV[5])
+local raw = redis.call('HGET', RES, rid)
+if not raw then return {'not_found'} end
+local r = cjson.decode(raw)
+local queued = r.queued == '1'
+if r.status ~= 'open' or queued == enter then return {'unchanged', raw} end
+local acc = load_account(r.model_class)
+if enter then
+  if max_queued ~= nil and acc.queued >= max_queued then return {'quota', raw} end
+  acc.queued = acc.queued + 1
+  r.queued = '1'
+else
+  acc.queued = math.max(0, acc.queued - 1)
+  r.queued = '0'
+end
+local out = cjson.encode(r)
+hset(RES, rid, out)
+save_account(r.model_class, acc)
 touch_all()
 return {'ok', out}
 """
@@ -516,7 +547,8 @@ def _reservation(raw: str) -> Reservation:
         status=d["status"],
         billed=Usage(_int(d["billed_input_tokens"]), _int(d["billed_output_tokens"]), float(d["billed_gpu_ms"])),
         overage_gpu_ms=float(d["overage_gpu_ms"]), created_ms=float(d["created_ms"]),
-        expires_at_ms=float(d["expires_at_ms"]), final_ms=None if final_ms is None else float(final_ms))
+        expires_at_ms=float(d["expires_at_ms"]), final_ms=None if final_ms is None else float(final_ms),
+        queued=d.get("queued") == "1")
 
 
 def _event(tenant: str, raw: str) -> Event:
@@ -662,6 +694,7 @@ class RedisLedger(Ledger):
         self._close_script = client.register_script(_CLOSE)
         self._extend = client.register_script(_EXTEND)
         self._heartbeat = client.register_script(_HEARTBEAT)
+        self._queue_script = client.register_script(_QUEUE)
         self._freeze = client.register_script(_FREEZE)
         self._usage = client.register_script(_USAGE)
         self._due = client.register_script(_DUE)
@@ -886,6 +919,7 @@ class RedisLedger(Ledger):
         stored = json.loads(raw)
         values: dict[str, Any] = {name: float(text) for name, text in stored.items()}
         values["concurrent"] = _int(stored.get("concurrent", "0"))
+        values["queued"] = _int(stored.get("queued", "0"))
         return rules.Account(**values)
 
     async def get(self, reservation_id: str) -> Reservation:
@@ -944,6 +978,35 @@ class RedisLedger(Ledger):
         if len(logs) == 1:
             return logs[0]
         return list(heapq.merge(*logs, key=lambda e: e.at_ms))
+
+    async def enqueue(self, reservation_id: str) -> Reservation:
+        """``Ledger.enqueue``. Raises ``QuotaExceeded``, ``ReservationNotFound``, ``InvalidUsage`` (not a
+        string), ``LedgerUnavailable``."""
+        return await self._queue_step(reservation_id, enter=True)
+
+    async def dequeue(self, reservation_id: str) -> Reservation:
+        """``Ledger.dequeue``. Raises ``ReservationNotFound``, ``InvalidUsage``, ``LedgerUnavailable``."""
+        return await self._queue_step(reservation_id, enter=False)
+
+    async def _queue_step(self, reservation_id: str, enter: bool) -> Reservation:
+        tag = self._tag_of(reservation_id)
+        reply: list[Any] = ["not_found"]
+        if tag is not None:
+            limit = ""
+            if enter:
+                r = await self.get(reservation_id)
+                max_queued = self.limits(r.tenant, r.model_class).max_queued
+                limit = "" if max_queued is None else str(max_queued)
+            with self._unavailable():
+                reply = await self._queue_script(keys=self._keys(tag), args=[
+                    *self._head(), reservation_id, "1" if enter else "0", limit])
+        if reply[0] == "not_found":
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+        r = _reservation(reply[1])
+        if reply[0] == "quota":
+            limit_value = self.limits(r.tenant, r.model_class).max_queued
+            raise QuotaExceeded(r.tenant, "max_queued", rules.QUEUE_RETRY_S, limit_value, 0)
+        return r
 
     async def heartbeat(self, reservation_id: str) -> None:
         """Record that the request behind ``reservation_id`` is running now (no-op once final).

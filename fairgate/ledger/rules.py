@@ -11,6 +11,9 @@ idempotency keys as in Stripe's API):
   billed above the estimate is booked at once as overage, never dropped.
 - The final settlement (or cancel, or expiry) replaces what is held by what was billed: the unused
   remainder returns to the buckets, the concurrency slot is released.
+- A request that has to wait for an upstream slot takes a queue place (``enqueue``; ``max_queued``,
+  global across gateway processes) until ``dequeue`` (it got a slot) or its final settlement, whichever
+  comes first; one dispatched at once never takes one. ``max_concurrent`` counts every open reservation.
 - Token buckets refill continuously up to their burst; elapsed time is never negative (a clock behind
   the last update reads as no time passed).
 """
@@ -24,6 +27,7 @@ from fairgate.ledger.model import InvalidUsage, QuotaExceeded, Reservation, Usag
 
 MS_PER_MINUTE = 60_000.0
 CONCURRENCY_RETRY_S = 1.0  # a slot frees when some request ends: unknown, so suggest a short wait
+QUEUE_RETRY_S = 2.0  # a queue place frees when a queued request is dispatched
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Account:
     gpu_window_start_ms: float = 0.0
     gpu_window_used_ms: float = 0.0
     gpu_total_used_ms: float = 0.0
+    queued: int = 0  # queue places taken: requests waiting for an upstream slot (``enqueue``)
 
 
 @dataclass
@@ -247,14 +252,42 @@ def settle(reservation: Reservation, account: Account, run: RunUsage | None, lim
     acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
     if final:
         acc.concurrent = max(0, acc.concurrent - 1)
+        if r.queued:
+            acc.queued = max(0, acc.queued - 1)
     new_run = run
     if run is not None and r.run_id is not None:
         new_run = replace(run, tokens=max(0, run.tokens + (new_in + new_out) - (old_in + old_out)))
     overage = max(0.0, billed.gpu_ms - r.gpu_ms_estimate)
     status = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}[kind] if final else "open"
-    updated = replace(r, billed=billed, overage_gpu_ms=overage, status=status, final_ms=now_ms if final else None)
+    updated = replace(r, billed=billed, overage_gpu_ms=overage, status=status, final_ms=now_ms if final else None,
+                      queued=r.queued and not final)
     delta = Delta(kind=("settle_final" if kind == "settle" else kind) if final else "settle",
                   input_tokens=billed.input_tokens - before.input_tokens,
                   output_tokens=billed.output_tokens - before.output_tokens,
                   gpu_ms=billed.gpu_ms - before.gpu_ms, overage_gpu_ms=overage - r.overage_gpu_ms)
     return updated, acc, new_run, delta
+
+
+
+def enqueue(reservation: Reservation, account: Account, limits: Limits) -> tuple[Reservation, Account] | None:
+    """The request behind an open reservation must wait for an upstream slot: take a queue place.
+
+    Returns the updated reservation and account, or None when there is nothing to do (final, or holding a
+    place already).
+
+    Raises:
+        QuotaExceeded: ``max_queued`` places are taken (dimension ``max_queued``).
+    """
+    if reservation.is_final or reservation.queued:
+        return None
+    if limits.max_queued is not None and account.queued >= limits.max_queued:
+        raise QuotaExceeded(reservation.tenant, "max_queued", QUEUE_RETRY_S, limits.max_queued, 0)
+    return replace(reservation, queued=True), replace(account, queued=account.queued + 1)
+
+
+def dequeue(reservation: Reservation, account: Account) -> tuple[Reservation, Account] | None:
+    """The queued request got an upstream slot: give its queue place back. None: it holds none (never
+    queued, dequeued already, or final - a final settlement gives the place back)."""
+    if reservation.is_final or not reservation.queued:
+        return None
+    return replace(reservation, queued=False), replace(account, queued=max(0, account.queued - 1))

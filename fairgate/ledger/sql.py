@@ -46,6 +46,7 @@ CREATE TABLE IF NOT EXISTS fg_accounts (
   output_level {real}, output_updated_ms {real} NOT NULL,
   concurrent INTEGER NOT NULL,
   gpu_window_start_ms {real} NOT NULL, gpu_window_used_ms {real} NOT NULL, gpu_total_used_ms {real} NOT NULL,
+  queued INTEGER NOT NULL DEFAULT 0,
   PRIMARY KEY (tenant, model_class));
 CREATE TABLE IF NOT EXISTS fg_runs (
   tenant TEXT NOT NULL, run_id TEXT NOT NULL,
@@ -58,6 +59,7 @@ CREATE TABLE IF NOT EXISTS fg_reservations (
   status TEXT NOT NULL,
   billed_input_tokens BIGINT NOT NULL, billed_output_tokens BIGINT NOT NULL, billed_gpu_ms {real} NOT NULL,
   overage_gpu_ms {real} NOT NULL, created_ms {real} NOT NULL, expires_at_ms {real} NOT NULL, final_ms {real},
+  queued INTEGER NOT NULL DEFAULT 0,
   UNIQUE (tenant, request_id));
 CREATE INDEX IF NOT EXISTS fg_reservations_open ON fg_reservations (status, expires_at_ms);
 CREATE TABLE IF NOT EXISTS fg_events (
@@ -75,15 +77,15 @@ CREATE TABLE IF NOT EXISTS fg_charges (
 
 _RESERVATION_COLUMNS = ("id, tenant, request_id, model_class, run_id, tool_round, input_tokens, max_output_tokens, "
                         "gpu_ms_estimate, status, billed_input_tokens, billed_output_tokens, billed_gpu_ms, "
-                        "overage_gpu_ms, created_ms, expires_at_ms, final_ms")
+                        "overage_gpu_ms, created_ms, expires_at_ms, final_ms, queued")
 _ACCOUNT_FIELDS = tuple(asdict(rules.Account()).keys())
 _RESERVATION_FIELDS = tuple(c.strip() for c in _RESERVATION_COLUMNS.split(","))
 _INSERT_RESERVATION = (f"INSERT INTO fg_reservations ({_RESERVATION_COLUMNS}) VALUES "
                        f"({', '.join(':' + c for c in _RESERVATION_FIELDS)})")
 _UPDATE_RESERVATION = ("UPDATE fg_reservations SET status = :status, billed_input_tokens = :billed_input_tokens, "
                        "billed_output_tokens = :billed_output_tokens, billed_gpu_ms = :billed_gpu_ms, "
-                       "overage_gpu_ms = :overage_gpu_ms, expires_at_ms = :expires_at_ms, final_ms = :final_ms "
-                       "WHERE id = :id")
+                       "overage_gpu_ms = :overage_gpu_ms, expires_at_ms = :expires_at_ms, final_ms = :final_ms, "
+                       "queued = :queued WHERE id = :id")
 _INSERT_EVENT = ("INSERT INTO fg_events (tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
                  "gpu_ms, overage_gpu_ms, at_ms) VALUES (:tenant, :rid, :kind, :requests, :input_tokens, "
                  ":output_tokens, :gpu_ms, :overage_gpu_ms, :at_ms)")
@@ -126,13 +128,14 @@ def _tag_of(reservation_id: object) -> str:
 
 def _reservation(row: tuple[Any, ...]) -> Reservation:
     (rid, tenant, request_id, model_class, run_id, tool_round, input_tokens, max_output_tokens, estimate, status,
-     billed_in, billed_out, billed_gpu, overage, created, expires, final) = row
+     billed_in, billed_out, billed_gpu, overage, created, expires, final, queued) = row
     return Reservation(
         id=rid, tenant=tenant, request_id=request_id, model_class=model_class, run_id=run_id,
         tool_round=bool(tool_round), input_tokens=int(input_tokens), max_output_tokens=int(max_output_tokens),
         gpu_ms_estimate=float(estimate), status=status,
         billed=Usage(int(billed_in), int(billed_out), float(billed_gpu)), overage_gpu_ms=float(overage),
-        created_ms=float(created), expires_at_ms=float(expires), final_ms=None if final is None else float(final))
+        created_ms=float(created), expires_at_ms=float(expires), final_ms=None if final is None else float(final),
+        queued=bool(queued))
 
 
 def _reservation_params(r: Reservation) -> dict[str, Any]:
@@ -141,7 +144,7 @@ def _reservation_params(r: Reservation) -> dict[str, Any]:
             "max_output_tokens": r.max_output_tokens, "gpu_ms_estimate": r.gpu_ms_estimate, "status": r.status,
             "billed_input_tokens": r.billed.input_tokens, "billed_output_tokens": r.billed.output_tokens,
             "billed_gpu_ms": r.billed.gpu_ms, "overage_gpu_ms": r.overage_gpu_ms, "created_ms": r.created_ms,
-            "expires_at_ms": r.expires_at_ms, "final_ms": r.final_ms}
+            "expires_at_ms": r.expires_at_ms, "final_ms": r.final_ms, "queued": int(r.queued)}
 
 
 class SqlLedger(Ledger):
@@ -341,6 +344,36 @@ class SqlLedger(Ledger):
 
     async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
         return await self._close(reservation_id, check_consumed(consumed), True, "cancel")
+
+    async def enqueue(self, reservation_id: str) -> Reservation:
+        return await self._queue_step(reservation_id, enter=True)
+
+    async def dequeue(self, reservation_id: str) -> Reservation:
+        return await self._queue_step(reservation_id, enter=False)
+
+    async def _queue_step(self, reservation_id: str, enter: bool) -> Reservation:
+        tag = _tag_of(reservation_id)
+        lock = self._lock_statement(tag)
+        reads: list[tuple[str, dict[str, Any]]] = [s for s in (lock,) if s is not None]
+        reads.append((_LOAD_FOR_CLOSE, {"id": reservation_id}))
+        async with self._transaction() as tx:
+            rows = await tx.batch(reads)
+            rows = rows[1:] if lock is not None else rows
+            if not rows[0]:
+                raise ReservationNotFound(f"no reservation {reservation_id!r}")
+            row = rows[0][0]
+            n = len(_RESERVATION_FIELDS)
+            r = _reservation(row[:n])
+            has_account = row[n + 1] is not None
+            account = rules.Account(*row[n + 2:n + 2 + len(_ACCOUNT_FIELDS)]) if has_account else rules.Account()
+            changed = (rules.enqueue(r, account, self.limits(r.tenant, r.model_class)) if enter
+                       else rules.dequeue(r, account))
+            if changed is None:
+                return r
+            updated, account = changed
+            await tx.batch([(_UPDATE_RESERVATION, _reservation_params(updated)),
+                            self._account_write(r.tenant, r.model_class, account)])
+            return updated
 
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
         async with self._transaction() as tx:

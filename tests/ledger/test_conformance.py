@@ -355,3 +355,48 @@ async def test_shared_charge_totals_add_up_across_callers(open_ledger, clock):
     assert final == {"a": (12.75, 400, 4), "b": (10.0, 15, 3)}
     assert final in (first, second)
     assert await ledger.add_charges("other-model", {"a": (1.0, 1, 1)}) == {"a": (1.0, 1, 1)}  # scopes apart
+
+
+QUEUE_QUOTAS = {"defaults": {"max_queued": 2, "max_concurrent": 10, "reservation_ttl_s": 60}, "tenants": {"a": {}, "b": {}}}
+
+
+async def test_queue_places_are_taken_by_waiting_requests_only_and_always_given_back(open_ledger, clock):
+    ledger = await open_ledger(QUEUE_QUOTAS, clock)
+    r = [await ledger.reserve("a", f"q{i}", 1, 10, 0.0) for i in range(5)]
+    assert (await ledger.account("a")).queued == 0  # dispatched at once: no place taken
+    assert (await ledger.enqueue(r[0].id)).queued
+    await ledger.enqueue(r[0].id)  # idempotent
+    await ledger.enqueue(r[1].id)
+    assert (await ledger.account("a")).queued == 2
+    with pytest.raises(QuotaExceeded) as refused:
+        await ledger.enqueue(r[2].id)
+    assert (refused.value.dimension, refused.value.limit) == ("max_queued", 2)
+    assert not (await ledger.get(r[2].id)).queued
+    await ledger.enqueue((await ledger.reserve("b", "q0", 1, 10, 0.0)).id)  # per tenant
+    # A place comes back when the request gets its slot, or at its final settlement if it never did.
+    assert not (await ledger.dequeue(r[0].id)).queued
+    await ledger.dequeue(r[0].id)  # idempotent
+    await ledger.enqueue(r[2].id)
+    await ledger.cancel(r[1].id, Usage())
+    assert (await ledger.account("a")).queued == 1
+    await ledger.settle(r[2].id, 1, 3, 0.0, final=True)
+    assert (await ledger.account("a")).queued == 0
+    await ledger.dequeue(r[2].id)  # after the final settlement: nothing to give back twice
+    assert (await ledger.account("a")).queued == 0
+    assert not (await ledger.enqueue(r[2].id)).queued  # a final reservation takes no place
+    # An expired queued request gives its place back too.
+    await ledger.enqueue(r[3].id)
+    clock.advance(61)
+    await ledger.expire_due(lambda _r: _const(False))
+    assert (await ledger.account("a")).queued == 0
+    with pytest.raises(ReservationNotFound):
+        await ledger.enqueue("nope")
+
+
+async def test_concurrent_enqueues_never_exceed_the_queue_bound(open_ledger, clock):
+    ledger = await open_ledger(QUEUE_QUOTAS, clock)
+    reservations = [await ledger.reserve("a", f"c{i}", 1, 10, 0.0) for i in range(8)]
+    outcomes = await asyncio.gather(*(ledger.enqueue(r.id) for r in reservations), return_exceptions=True)
+    assert sum(not isinstance(o, BaseException) for o in outcomes) == 2
+    assert all(isinstance(o, QuotaExceeded) for o in outcomes if isinstance(o, BaseException))
+    assert (await ledger.account("a")).queued == 2
