@@ -172,7 +172,9 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
             return decided
         length, finish_reason = decided
         replica: EmulatedReplica = state["replica"]
-        seq = replica.submit(prompt_tokens, length)
+        salt = (body.model_extra or {}).get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
+        seq = replica.submit(prompt_tokens, length, salt)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         usage = lambda: {"prompt_tokens": prompt_tokens, "completion_tokens": seq.generated,  # noqa: E731
@@ -224,7 +226,8 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
         return {"running": replica.running, "waiting": replica.waiting, "busy_ms": replica.busy_ms,
                 "tokens_generated": replica.tokens_generated, "sequences_finished": replica.sequences_finished,
                 "sequences_cancelled": replica.sequences_cancelled, "iterations": len(recent),
-                "planned_ms": sum(i.planned_ms for i in recent), "measured_ms": sum(i.measured_ms for i in recent)}
+                "planned_ms": sum(i.planned_ms for i in recent), "measured_ms": sum(i.measured_ms for i in recent),
+                "charge_rule_ms_by_cache_salt": dict(replica.charged_ms_by_salt)}
 
     app.state.emulator = state
     return app

@@ -32,6 +32,8 @@ class Sequence:
     finished: bool = False
     first_token_s: float | None = None
     events: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    cache_salt: str | None = None  # the tenant scope the gateway sent (vLLM's cache_salt)
+    charged_ms: float = 0.0  # GPU ms by seed 002's charge rule over the iterations it ran in
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class EmulatedReplica:
         self._task: asyncio.Task[None] | None = None
         self.iterations: deque[Iteration] = deque(maxlen=keep_iterations)
         self.busy_ms = 0.0
+        # Ground truth for the gateway's live meter: the charge rule applied to the real iterations, per
+        # cache_salt (the gateway's tenant hash); "" for requests sent without one.
+        self.charged_ms_by_salt: dict[str, float] = {}
         self.tokens_generated = 0
         self.sequences_finished = 0
         self.sequences_cancelled = 0
@@ -83,7 +88,7 @@ class EmulatedReplica:
                 pass
             self._task = None
 
-    def submit(self, prompt_tokens: int, output_tokens: int) -> Sequence:
+    def submit(self, prompt_tokens: int, output_tokens: int, cache_salt: str | None = None) -> Sequence:
         """Queue a request; it is admitted at the next boundary with a free slot.
 
         Raises:
@@ -91,7 +96,7 @@ class EmulatedReplica:
         """
         if output_tokens < 1 or prompt_tokens < 0:
             raise ValueError("a sequence needs prompt_tokens >= 0 and output_tokens >= 1")
-        seq = Sequence(prompt_tokens, output_tokens, self._clock())
+        seq = Sequence(prompt_tokens, output_tokens, self._clock(), cache_salt=cache_salt)
         self._waiting.append(seq)
         self._wakeup.set()
         return seq
@@ -122,11 +127,13 @@ class EmulatedReplica:
                 start = self._clock()  # an idle replica starts at the arrival instant
                 previous_end = None
             prefill_tokens = 0
+            admitted: list[Sequence] = []
             while self._waiting and len(self._running) < self.cost.max_batch:
                 seq = self._waiting.popleft()
                 if seq.cancelled:
                     continue
                 self._running.append(seq)
+                admitted.append(seq)
                 prefill_tokens += seq.prompt_tokens
             batch = len(self._running)
             if batch == 0:
@@ -144,6 +151,13 @@ class EmulatedReplica:
             start = deadline if end - deadline < planned_ms / 1000.0 else end
             previous_end = end
             self.busy_ms += planned_ms
+            decode_share_ms = self.cost.decode_ms(batch) / batch
+            new = {id(seq) for seq in admitted}
+            for seq in self._running:
+                charge = decode_share_ms + (self.cost.prefill_ms(seq.prompt_tokens) if id(seq) in new else 0.0)
+                seq.charged_ms += charge
+                salt = seq.cache_salt or ""
+                self.charged_ms_by_salt[salt] = self.charged_ms_by_salt.get(salt, 0.0) + charge
             still: list[Sequence] = []
             for seq in self._running:
                 if seq.cancelled:

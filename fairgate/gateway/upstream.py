@@ -134,7 +134,7 @@ class UpstreamClient:
                     call.first_token_s = self._clock()
                     self._book(self.meter.first_token(call.request_id, self._now_ms()))
                 else:
-                    self._book(self.meter.advance(self._now_ms()))
+                    self._book(self.meter.token(self._now_ms()))
                 self._charge(call.tenant, 0.0, 1, max(1, self.meter.in_flight))
             if choice.get("finish_reason"):
                 call.finish_reason = choice["finish_reason"]
