@@ -450,6 +450,7 @@ def _free_port(host: str) -> int:
 
 def main() -> None:
     """Console-script entry point."""
+    from fairgate.cli_drill import drill_app
     from fairgate.cli_keys import keys_app
     from fairgate.cli_ledger import ledger_app
     from fairgate.cli_ops import ops_app
@@ -457,4 +458,5 @@ def main() -> None:
     app.add_typer(ledger_app, name="ledger")
     app.add_typer(keys_app, name="keys")
     app.add_typer(ops_app)  # explain, report
+    app.add_typer(drill_app)  # drill
     app()

@@ -1,0 +1,166 @@
+"""Acceptance drills (seed 003, "During acceptance, simulate ..."): each starts a throwaway stack (emulated
+replicas behind a real gateway with an SQLite ledger), drives it with the real ``openai`` client, and checks
+one claim with measured figures.
+
+``run_drill(name, options)`` runs one by name; ``fairgate drill NAME`` does the same from the command line
+(exit 0 when the claim holds, 1 when it does not). Every drill returns a result with ``passed``, the
+figures behind it, and ``render()`` / ``summary()`` for people.
+
+Drills: ``burst`` (one tenant sends 20x its share; the others' p99 TTFT stays within 1.5x of their solo
+baseline), ``ultra_long`` (an agent tenant's 8k-token outputs get no more than its GPU share).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from fairgate.drills.loadgen import LoadReport, TenantLoad
+    from fairgate.drills.stack import LedgerReport, StackSpec
+    from fairgate.ledger import Reservation
+
+SETTLE_S = 1.0  # after the clients hang up, time for the gateway to bill what was cancelled
+
+
+@dataclass(frozen=True)
+class DrillOptions:
+    """What a caller may change in any drill.
+
+    Attributes:
+        seconds: length of each load phase (None: the drill's default).
+        policy: the gateway's policy under test.
+        compare: a second policy run on the same load for comparison (None: none). It does not change
+            the verdict, which is about ``policy``.
+        processes: run replicas and gateway as ``fairgate`` processes instead of threads of this process.
+        seed: the load's random seed.
+    """
+
+    seconds: float | None = None
+    policy: str = "gpu_fair"
+    compare: str | None = "fcfs"
+    processes: bool = False
+    seed: int = 1
+
+
+class DrillResult(Protocol):
+    """What every drill returns."""
+
+    name: str
+    passed: bool
+
+    def render(self) -> list[RenderableType]:
+        """Tables and lines for a rich console."""
+
+    def summary(self) -> str:
+        """The same as plain text."""
+
+
+class UnknownDrill(ValueError):
+    """No drill by that name; the message lists the known ones."""
+
+
+# name -> "module:function"; imported on use, so listing the drills costs nothing.
+DRILLS: dict[str, str] = {
+    "burst": "fairgate.drills.burst:run",
+    "ultra_long": "fairgate.drills.ultra_long:run",
+}
+
+
+def run_drill(name: str, options: DrillOptions | None = None) -> DrillResult:
+    """Run the drill called ``name``. Raises ``UnknownDrill``."""
+    target = DRILLS.get(name)
+    if target is None:
+        raise UnknownDrill(f"unknown drill {name!r}; choose one of {', '.join(DRILLS)}")
+    module, _, function = target.partition(":")
+    runner: Callable[[DrillOptions], DrillResult] = getattr(import_module(module), function)
+    return runner(options or DrillOptions())
+
+
+@dataclass(frozen=True)
+class Run:
+    """One load on a fresh stack: what the clients saw, and what the ledger holds.
+
+    Attributes:
+        policy: the gateway's policy.
+        load: every request as its client saw it.
+        ledger: each tenant's ledger totals at the end (after the hang-ups were billed).
+        snapshots: the ledger totals at given seconds into the load (for shares over part of it).
+        reservations: every reservation in the ledger at the end.
+        tenants: the stack's tenants, in order.
+    """
+
+    policy: str
+    load: LoadReport
+    ledger: LedgerReport
+    snapshots: dict[float, LedgerReport]
+    reservations: tuple[Reservation, ...]
+    tenants: tuple[str, ...]
+
+
+def run_on_stack(spec: StackSpec, loads: Sequence[TenantLoad], seconds: float, seed: int,
+                 snapshot_at_s: Sequence[float] = ()) -> Run:
+    """Start ``spec``, send ``loads`` (each ``api_key`` is filled in from the stack) for ``seconds``, read the
+    ledger at each of ``snapshot_at_s`` and, once the gateway has billed the hang-ups, at the end."""
+    from fairgate.drills.loadgen import run_load
+    from fairgate.drills.stack import read_ledger, read_reservations, start_stack
+
+    with start_stack(spec) as stack:
+        keyed = [replace(load, api_key=stack.keys[load.tenant]) for load in loads]
+
+        async def snapshot(at_s: float, start: float) -> tuple[float, LedgerReport]:
+            await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
+            return at_s, await read_ledger(stack)
+
+        async def go() -> Run:
+            start = time.monotonic()
+            snapshots = [asyncio.ensure_future(snapshot(at, start)) for at in snapshot_at_s]
+            report = await run_load(stack.url, keyed, seconds, model=spec.model, seed=seed)
+            taken = dict(await asyncio.gather(*snapshots))
+            await asyncio.sleep(SETTLE_S)
+            return Run(spec.policy, report, await read_ledger(stack), taken, tuple(await read_reservations(stack)),
+                       tuple(t.name for t in spec.tenants))
+
+        return asyncio.run(go())
+
+
+def fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def fmt_errors(errors: dict[str, int]) -> str:
+    """``{"429:insufficient_quota[max_model_calls]": 3}`` -> ``"429 max_model_calls x3"`` (``-`` for none)."""
+    parts = []
+    for code, count in errors.items():
+        status, _, rest = code.partition(":")
+        detail = rest.partition("[")[2].rstrip("]") or rest
+        parts.append(f"{status} {detail} x{count}" if rest else f"{code} x{count}")
+    return ", ".join(parts) or "-"
+
+
+def plain_text(renderables: Sequence[Any], width: int = 140) -> str:
+    """Render rich objects to plain text (for ``summary()``, logs and assertion messages)."""
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=_Discard(), color_system=None, highlight=False)
+    for item in renderables:
+        console.print(item)
+    return console.export_text()
+
+
+class _Discard:
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+__all__ = ["DRILLS", "DrillOptions", "DrillResult", "Run", "UnknownDrill", "fmt_errors", "fmt_ms", "plain_text",
+           "run_drill", "run_on_stack"]

@@ -1,0 +1,282 @@
+"""Drill ``burst`` (seed 003, "simulate a single tenant burst ... confirm that other tenants' latency is
+still within target"): one tenant suddenly wants 20 times its share of the machine; the other tenants'
+p99 time to first token must stay within 1.5 times what it was before the burst.
+
+One run per policy on a fresh stack (four emulated replicas behind the gateway). Three tenants ("others")
+send Poisson arrivals throughout, each at 60 % of its share of the capacity, so whatever latency they get
+beyond the replicas' own iteration time is queueing. Halfway through, the fourth tenant ("noisy") starts
+``burst_factor`` times its share of the slots in closed-loop clients (ramped in over ``ramp_s``), every one
+of them sending its next request as soon as one ends: its queue in the gateway stays hundreds deep for
+the rest of the run. The others' TTFT before the burst is the solo baseline (the same load without the
+bursting tenant); after it (past ``settle_s`` of onset) the burst figure. The claim holds when the
+others' pooled p99 with the burst is at most ``ttft_ratio_max`` times their baseline p99.
+
+Why this can fail: under FIFO the others' requests queue behind the burster's backlog (seconds); under a
+fair policy they wait only for the next slot to free, since their GPU-time counters are far below the
+burster's. What no policy that does not preempt can remove: with every slot busy, a request first waits
+for a sequence to end somewhere (up to an iteration / K on K replicas whose boundaries are spread), and is
+then dispatched just after that replica's boundary, so it waits a whole iteration for the next one, where
+on a fleet with free slots it waits half of one on average. A perfect fair policy thus shows a p99 ratio
+of about 1.1-1.3 here. The replicas are sized so that slots free often (outputs of 1-3 tokens, 12 slots
+each) and their boundaries are spread (``StackSpec.staggered``); iterations are long (500 ms: a
+time-scaled replica) so that the Python stack's own milliseconds and the shared machine's jitter stay small
+beside them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fairgate.drills import DrillOptions, Run, fmt_errors, fmt_ms, plain_text, run_on_stack
+from fairgate.drills.loadgen import TenantLoad, percentile
+from fairgate.drills.stack import LedgerReport, ReplicaModel, StackSpec, TenantSpec
+
+
+@dataclass(frozen=True)
+class BurstConfig:
+    """The drill's setting (defaults: the acceptance scenario of issue 4).
+
+    Attributes:
+        seconds: length of each half of the run (before and during the burst).
+        others / burster: tenant names.
+        replicas / replica: the emulated fleet.
+        output_tokens / prompt_tokens: every request's length (uniform range) and prompt.
+        others_load: each other tenant's offered load, as a fraction of its share of the capacity.
+        burst_factor: the burster's closed-loop clients, as a multiple of its share of the slots.
+        ramp_s: the burster's clients start over this long.
+        settle_s: after the ramp, the onset transient left out of the burst window.
+        baseline_skip_s: the start of the run left out of the baseline window (the fleet warming up).
+        ttft_ratio_max: the claim: others' p99 TTFT during the burst <= this times their baseline p99.
+    """
+
+    seconds: float = 12.0
+    others: tuple[str, ...] = ("alpha", "beta", "gamma")
+    burster: str = "noisy"
+    replicas: int = 4
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
+        iter_base_ms=500.0, iter_slope_ms=0.0, prefill_ms_per_token=0.0, max_batch=12))
+    output_tokens: tuple[int, int] = (1, 3)
+    prompt_tokens: int = 64
+    others_load: float = 0.6
+    burst_factor: float = 20.0
+    ramp_s: float = 2.0
+    settle_s: float = 1.5
+    baseline_skip_s: float = 1.0
+    ttft_ratio_max: float = 1.5
+
+    def __post_init__(self) -> None:
+        for name, (low, high) in (("before", self.baseline_window_s), ("during", self.burst_window_s)):
+            if high - low < 2.0:
+                raise ValueError(f"burst drill: {self.seconds:g} s per half leaves {max(0.0, high - low):.1f} s to "
+                                 f"measure {name} the burst; give at least "
+                                 f"{self.ramp_s + self.settle_s + 2.0:g} s")
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        return (*self.others, self.burster)
+
+    @property
+    def slots(self) -> int:
+        return self.replicas * self.replica.max_batch
+
+    def capacity_per_s(self) -> float:
+        """Requests per second the fleet completes when full: each slot holds a request for its output
+        tokens plus about one iteration (its wait for the boundary it is admitted at)."""
+        mean_output = (self.output_tokens[0] + self.output_tokens[1]) / 2
+        iteration_s = self.replica.iteration_ms(self.replica.max_batch + 1) / 1000.0
+        return self.slots / ((mean_output + 1) * iteration_s)
+
+    @property
+    def burst_clients(self) -> int:
+        return math.ceil(self.burst_factor * self.slots / len(self.tenants))
+
+    @property
+    def baseline_window_s(self) -> tuple[float, float]:
+        # A request sent in the last few iterations before the burst may get its first token after the burst
+        # starts: four iterations (about twice the slowest TTFT without a burst) are left out.
+        guard_s = 4 * self.replica.iteration_ms(self.replica.max_batch + 1) / 1000.0
+        return self.baseline_skip_s, self.seconds - guard_s
+
+    @property
+    def burst_window_s(self) -> tuple[float, float]:
+        return self.seconds + self.ramp_s + self.settle_s, 2 * self.seconds
+
+    def loads(self) -> list[TenantLoad]:
+        rate = self.others_load * self.capacity_per_s() / len(self.tenants)
+        loads = [TenantLoad(t, "", rate_per_s=rate, output_tokens=self.output_tokens,
+                            prompt_tokens=self.prompt_tokens) for t in self.others]
+        loads.append(TenantLoad(self.burster, "", clients=self.burst_clients, output_tokens=self.output_tokens,
+                                prompt_tokens=self.prompt_tokens, start_s=self.seconds, ramp_s=self.ramp_s))
+        return loads
+
+    def spec(self, policy: str, processes: bool) -> StackSpec:
+        return StackSpec(tuple(TenantSpec(t) for t in self.tenants), policy=policy, replicas=self.replicas,
+                         replica=self.replica, staggered=True, processes=processes)
+
+
+@dataclass(frozen=True)
+class TenantFigures:
+    """One tenant's figures in one run: TTFT before / during the burst, requests, errors, GPU shares."""
+
+    tenant: str
+    baseline_p50_ms: float | None
+    baseline_p99_ms: float | None
+    burst_p50_ms: float | None
+    burst_p99_ms: float | None
+    sent: int
+    completed: int
+    cut: int
+    rejected: int  # 429s
+    errors: dict[str, int]
+    share_before: float  # of the GPU time billed in the first half
+    share_during: float  # ... in the second half
+    ledger_requests: int
+    ledger_gpu_s: float
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline_p99_ms is None or self.burst_p99_ms is None or self.baseline_p99_ms <= 0:
+            return None
+        return self.burst_p99_ms / self.baseline_p99_ms
+
+
+@dataclass(frozen=True)
+class PolicyFigures:
+    """One policy's run, summarised: the others' pooled p99 before and during the burst, and per tenant."""
+
+    policy: str
+    baseline_p99_ms: float | None
+    burst_p99_ms: float | None
+    baseline_samples: int
+    burst_samples: int
+    tenants: dict[str, TenantFigures]
+    ledger: LedgerReport
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline_p99_ms is None or self.burst_p99_ms is None or self.baseline_p99_ms <= 0:
+            return None
+        return self.burst_p99_ms / self.baseline_p99_ms
+
+
+def figures(config: BurstConfig, run: Run) -> PolicyFigures:
+    """Summarise ``run`` (see ``BurstConfig`` for the windows)."""
+    before, during = config.baseline_window_s, config.burst_window_s
+    others = list(config.others)
+    baseline = run.load.ttft_values(others, *before)
+    burst = run.load.ttft_values(others, *during)
+    half = run.snapshots.get(config.seconds)
+    first = half if half is not None else run.ledger
+    second = run.ledger.minus(half) if half is not None else run.ledger
+    share_1, share_2 = first.shares(), second.shares()
+    tenants = {}
+    for tenant in config.tenants:
+        b, d = run.load.stats(tenant, *before), run.load.stats(tenant, *during)
+        whole = run.load.stats(tenant, config.seconds if tenant == config.burster else 0.0)
+        total = run.ledger.totals[tenant]
+        tenants[tenant] = TenantFigures(
+            tenant, b.ttft_p50_ms, b.ttft_p99_ms, d.ttft_p50_ms, d.ttft_p99_ms, whole.requests, whole.completed,
+            whole.cut, whole.rejected, {k: v for k, v in whole.errors.items() if not k.startswith("429")},
+            share_1.get(tenant, 0.0), share_2.get(tenant, 0.0), total.requests, total.gpu_ms / 1000.0)
+    return PolicyFigures(run.policy, percentile(baseline, 99), percentile(burst, 99), len(baseline), len(burst),
+                         tenants, run.ledger)
+
+
+@dataclass(frozen=True)
+class BurstResult:
+    """The drill's verdict and figures: ``main`` under the policy tested, ``compare`` under the comparison."""
+
+    config: BurstConfig
+    main: PolicyFigures
+    compare: PolicyFigures | None
+    problems: tuple[str, ...]  # why the run does not show what it should (besides the ratio)
+    name: str = "burst"
+
+    @property
+    def passed(self) -> bool:
+        ratio = self.main.ratio
+        return not self.problems and ratio is not None and ratio <= self.config.ttft_ratio_max
+
+    def render(self) -> list[Any]:
+        from rich.table import Table
+
+        c = self.config
+        out: list[Any] = [
+            f"[bold]drill burst[/bold]: {c.burster!r} starts {c.burst_clients} closed-loop clients "
+            f"({c.burst_factor:g}x its share of {c.slots} slots) at {c.seconds:g} s; {', '.join(c.others)} send "
+            f"{c.others_load * c.capacity_per_s() / len(c.tenants):.2f} req/s each throughout "
+            f"({c.others_load:.0%} of a share); {c.replicas} emulated replicas x {c.replica.max_batch} slots, "
+            f"{c.replica.iter_base_ms:g} ms iterations, outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens.",
+            f"Claim: the others' p99 TTFT during the burst (requests sent {c.burst_window_s[0]:g}-"
+            f"{c.burst_window_s[1]:g} s) <= {c.ttft_ratio_max:g} x their p99 before it "
+            f"({c.baseline_window_s[0]:g}-{c.baseline_window_s[1]:g} s, same load without {c.burster!r})."]
+        for figs in (self.main, self.compare):
+            if figs is None:
+                continue
+            table = Table(title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""),
+                          title_justify="left")
+            for column in ("tenant", "TTFT ms before p50/p99", "TTFT ms burst p50/p99", "p99 x", "sent/done/cut",
+                           "429", "errors", "GPU % before/burst", "ledger GPU s"):
+                table.add_column(column, justify="left" if column in ("tenant", "errors") else "right",
+                                 no_wrap=column != "errors", min_width=6 if column == "errors" else None)
+            for t in figs.tenants.values():
+                errors = fmt_errors(t.errors)
+                table.add_row(t.tenant, f"{fmt_ms(t.baseline_p50_ms)} / {fmt_ms(t.baseline_p99_ms)}",
+                              f"{fmt_ms(t.burst_p50_ms)} / {fmt_ms(t.burst_p99_ms)}",
+                              "-" if t.ratio is None else f"{t.ratio:.2f}", f"{t.sent}/{t.completed}/{t.cut}",
+                              str(t.rejected), errors, f"{t.share_before * 100:.1f} / {t.share_during * 100:.1f}",
+                              f"{t.ledger_gpu_s:,.1f}")
+            ratio = "-" if figs.ratio is None else f"{figs.ratio:.2f}"
+            holds = figs.ratio is not None and figs.ratio <= c.ttft_ratio_max
+            table.caption = (f"others pooled: p99 {fmt_ms(figs.baseline_p99_ms)} ms before ({figs.baseline_samples} "
+                             f"requests), {fmt_ms(figs.burst_p99_ms)} ms during the burst ({figs.burst_samples}): "
+                             f"x{ratio} - {'within' if holds else 'OVER'} {c.ttft_ratio_max:g}x")
+            table.caption_justify = "left"
+            out.append(table)
+        for problem in self.problems:
+            out.append(f"[red]problem[/red]: {problem}")
+        verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
+        out.append(f"{verdict}: under {self.main.policy} the others' p99 TTFT went x"
+                   f"{'-' if self.main.ratio is None else f'{self.main.ratio:.2f}'} with the burst "
+                   f"(limit {c.ttft_ratio_max:g}x)"
+                   + ("" if self.compare is None or self.compare.ratio is None else
+                      f"; under {self.compare.policy}: x{self.compare.ratio:.2f}") + ".")
+        return out
+
+    def summary(self) -> str:
+        return plain_text(self.render())
+
+
+def _problems(config: BurstConfig, figs: PolicyFigures) -> list[str]:
+    """Reasons the run does not test the claim: too few samples, errors, or no real burst."""
+    problems = []
+    if figs.baseline_samples < 20 or figs.burst_samples < 20:
+        problems.append(f"{figs.policy}: too few of the others' requests to measure ({figs.baseline_samples} "
+                        f"before, {figs.burst_samples} during the burst)")
+    for t in figs.tenants.values():
+        if t.errors:
+            problems.append(f"{figs.policy}: {t.tenant} had errors: {t.errors}")
+    burster = figs.tenants[config.burster]
+    fair = 1.0 / len(config.tenants)
+    if burster.share_during < fair:
+        problems.append(f"{figs.policy}: {config.burster} got {burster.share_during:.1%} of the GPU during its burst, "
+                        f"not more than its share ({fair:.0%}): it did not load the fleet")
+    return problems
+
+
+def run(options: DrillOptions, config: BurstConfig | None = None) -> BurstResult:
+    """Run the drill under ``options.policy`` (and ``options.compare``, if any)."""
+    config = config or BurstConfig()
+    if options.seconds is not None:
+        config = replace(config, seconds=options.seconds)
+
+    def one(policy: str) -> PolicyFigures:
+        result = run_on_stack(config.spec(policy, options.processes), config.loads(), 2 * config.seconds,
+                              options.seed, snapshot_at_s=(config.seconds,))
+        return figures(config, result)
+
+    main = one(options.policy)
+    compare = one(options.compare) if options.compare and options.compare != options.policy else None
+    return BurstResult(config, main, compare, tuple(_problems(config, main)))

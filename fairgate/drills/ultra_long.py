@@ -1,0 +1,265 @@
+"""Drill ``ultra_long`` (seed 003, "simulate ... ultra-long output"): an agent tenant whose requests each
+generate 8k tokens (``max_tokens=8192`` with ``ignore_eos``) runs beside ordinary tenants. None of its
+requests ends within the run, so every slot it is given stays its own: a policy that hands out slots
+without counting GPU time lets it take the fleet, one freed slot at a time.
+
+All four tenants keep their queues full (closed loop, more clients than the fleet has slots). The claim,
+from the GPU time the ledger billed over the run (the clients hang up at the end and the gateway bills what
+ran): the backlogged tenants' weighted shares are within ``share_ratio_max`` of each other, and the agent
+has no more than its share plus ``agent_margin``. Its agent runs are limited too: its clients share
+``agent_runs`` run ids (``x-fairgate-run-id``), more clients per run than ``max_model_calls`` allows, so the
+ledger must refuse the extra calls of every run (429, dimension ``max_model_calls``) and admit no run more
+than the limit.
+
+What it finds (measured, 2026-11): ``gpu_fair`` gives the agent about half the fleet (46-65 %), ``fcfs``
+about 78 %. Counter policies admit by GPU time already charged: the agent, arriving on a busy fleet, is
+lifted to the lowest active counter and wins every freed slot until its counter passes that minimum, and
+the slots it wins stay its own for the life of its 8k-token sequences (requests that end would hand them
+back; these do not within the window).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fairgate.drills import DrillOptions, Run, fmt_errors, fmt_ms, plain_text, run_on_stack
+from fairgate.drills.loadgen import TenantLoad
+from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
+
+RUN_DIMENSION = "max_model_calls"
+
+
+@dataclass(frozen=True)
+class UltraLongConfig:
+    """The drill's setting (defaults: the acceptance scenario of issue 4).
+
+    Attributes:
+        seconds: length of the run.
+        agent_start_s: when the agent starts (the others are backlogged by then, as on a busy fleet); the
+            shares are those of the GPU time billed from then on.
+        others / agent: tenant names. weights: tenant -> share weight (default 1).
+        replicas / replica: the emulated fleet.
+        agent_output_tokens: every agent request's output (8192).
+        other_output_tokens: the others' outputs (uniform range).
+        clients_per_tenant: the others' closed-loop clients (each tenant alone could fill the fleet).
+        agent_clients / agent_runs: the agent's clients, sharing this many run ids.
+        max_model_calls / run_max_tokens: the agent's limits per run (the ledger's ``max_model_calls`` and
+            ``max_tokens``).
+        share_ratio_max: the claim: max / min of the weighted GPU shares.
+        agent_margin: the claim: the agent's share <= its fair share + this.
+    """
+
+    seconds: float = 20.0
+    others: tuple[str, ...] = ("alpha", "beta", "gamma")
+    agent: str = "agent"
+    weights: dict[str, float] = field(default_factory=dict)
+    replicas: int = 2
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
+        iter_base_ms=100.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=24, max_model_len=16_384))
+    agent_output_tokens: int = 8192
+    other_output_tokens: tuple[int, int] = (4, 12)
+    prompt_tokens: int = 64
+    clients_per_tenant: int = 48
+    agent_clients: int = 64
+    agent_runs: int = 16
+    max_model_calls: int = 3
+    run_max_tokens: int = 30_000
+    share_ratio_max: float = 1.10
+    agent_margin: float = 0.03
+    agent_start_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.seconds < self.agent_start_s + 5.0:
+            raise ValueError(f"ultra_long drill: {self.seconds:g} s is too short; the agent starts at "
+                             f"{self.agent_start_s:g} s and needs at least 5 s more")
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        return (*self.others, self.agent)
+
+    @property
+    def slots(self) -> int:
+        return self.replicas * self.replica.max_batch
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def fair_share(self, tenant: str) -> float:
+        return self.weight(tenant) / sum(self.weight(t) for t in self.tenants)
+
+    def loads(self) -> list[TenantLoad]:
+        loads = [TenantLoad(t, "", clients=self.clients_per_tenant, output_tokens=self.other_output_tokens,
+                            prompt_tokens=self.prompt_tokens) for t in self.others]
+        loads.append(TenantLoad(self.agent, "", clients=self.agent_clients,
+                                output_tokens=(self.agent_output_tokens, self.agent_output_tokens),
+                                prompt_tokens=self.prompt_tokens, runs=self.agent_runs, error_backoff_s=1.0,
+                                start_s=self.agent_start_s))
+        return loads
+
+    def spec(self, policy: str, processes: bool) -> StackSpec:
+        agent_limits = {"max_model_calls": self.max_model_calls, "max_tokens": self.run_max_tokens}
+        tenants = tuple(TenantSpec(t, weight=self.weight(t), limits=agent_limits if t == self.agent else {})
+                        for t in self.tenants)
+        return StackSpec(tenants, policy=policy, replicas=self.replicas, replica=self.replica, processes=processes)
+
+
+@dataclass(frozen=True)
+class TenantFigures:
+    tenant: str
+    share: float  # of the GPU time billed over the run
+    weighted: float  # share / fair share (1.0: exactly its share)
+    sent: int
+    completed: int
+    cut: int
+    errors: dict[str, int]  # "<status>:<code>[dimension]" -> count
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    ledger_requests: int
+    ledger_output_tokens: int
+    ledger_gpu_s: float
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """The agent's runs as the ledger admitted them: run id -> (calls admitted, tokens reserved)."""
+
+    calls: dict[str, int]
+    tokens: dict[str, int]
+    refused: int  # the agent's calls answered 429 with dimension max_model_calls
+
+    @property
+    def most_calls(self) -> int:
+        return max(self.calls.values(), default=0)
+
+
+@dataclass(frozen=True)
+class PolicyFigures:
+    policy: str
+    tenants: dict[str, TenantFigures]
+    runs: RunLimits
+    gpu_s: float
+
+    @property
+    def ratio(self) -> float:
+        weighted = [t.weighted for t in self.tenants.values()]
+        return max(weighted) / min(weighted) if min(weighted) > 0 else float("inf")
+
+
+def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
+    before = run.snapshots.get(config.agent_start_s)
+    window = run.ledger.minus(before) if before is not None else run.ledger
+    shares = window.shares()
+    tenants = {}
+    for tenant in config.tenants:
+        s = run.load.stats(tenant)
+        total = window.totals[tenant]
+        tenants[tenant] = TenantFigures(
+            tenant, shares[tenant], shares[tenant] / config.fair_share(tenant), s.requests, s.completed, s.cut,
+            s.errors, s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms, total.requests, total.output_tokens,
+            total.gpu_ms / 1000.0)
+    calls: Counter[str] = Counter()
+    tokens: Counter[str] = Counter()
+    for r in run.reservations:
+        if r.tenant == config.agent and r.run_id is not None:
+            calls[r.run_id] += 1
+            tokens[r.run_id] += r.input_tokens + r.max_output_tokens
+    refused = sum(n for code, n in tenants[config.agent].errors.items() if f"[{RUN_DIMENSION}]" in code)
+    return PolicyFigures(run.policy, tenants, RunLimits(dict(calls), dict(tokens), refused), window.gpu_ms / 1000.0)
+
+
+@dataclass(frozen=True)
+class UltraLongResult:
+    config: UltraLongConfig
+    main: PolicyFigures
+    compare: PolicyFigures | None
+    name: str = "ultra_long"
+
+    def checks(self, figs: PolicyFigures | None = None) -> dict[str, bool]:
+        """Each part of the claim for ``figs`` (default: the policy tested)."""
+        figs = figs or self.main
+        c = self.config
+        agent = figs.tenants[c.agent]
+        unexpected = {t.tenant: {k: v for k, v in t.errors.items() if f"[{RUN_DIMENSION}]" not in k}
+                      for t in figs.tenants.values()}
+        return {
+            f"weighted shares within {c.share_ratio_max:g}x": figs.ratio <= c.share_ratio_max,
+            f"agent share <= {c.fair_share(c.agent):.0%} + {c.agent_margin:.0%}":
+                agent.share <= c.fair_share(c.agent) + c.agent_margin,
+            f"no run admitted more than {c.max_model_calls} calls": figs.runs.most_calls <= c.max_model_calls,
+            "the run limit refused calls (it was exercised)": figs.runs.refused > 0,
+            f"no run reserved more than {c.run_max_tokens:,} tokens":
+                max(figs.runs.tokens.values(), default=0) <= c.run_max_tokens,
+            "no other errors": not any(unexpected.values()),
+            "the agent ran": agent.ledger_output_tokens > 0,
+        }
+
+    @property
+    def passed(self) -> bool:
+        return all(self.checks().values())
+
+    def render(self) -> list[Any]:
+        from rich.table import Table
+
+        c = self.config
+        out: list[Any] = [
+            f"[bold]drill ultra_long[/bold]: {c.agent!r} sends {c.agent_output_tokens}-token requests "
+            f"({c.agent_clients} clients in {c.agent_runs} agent runs, {c.max_model_calls} calls and "
+            f"{c.run_max_tokens:,} tokens per run) beside {', '.join(c.others)} ({c.clients_per_tenant} clients "
+            f"each, outputs {c.other_output_tokens[0]}-{c.other_output_tokens[1]} tokens); all backlogged for "
+            f"{c.seconds:g} s on {c.replicas} emulated replicas x {c.replica.max_batch} slots.",
+            f"Claim: GPU shares billed in the ledger from the agent's start ({c.agent_start_s:g} s) on, within "
+            f"{c.share_ratio_max:g}x of each other (weighted), the agent at most its share + {c.agent_margin:.0%}; "
+            "the agent's run limits hold."]
+        for figs in (self.main, self.compare):
+            if figs is None:
+                continue
+            table = Table(title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""),
+                          title_justify="left")
+            for column in ("tenant", "GPU %", "x share", "sent/done/cut", "errors", "TTFT ms p50/p99", "TPOT ms p50",
+                           "ledger req", "ledger out tok", "ledger GPU s"):
+                table.add_column(column, justify="left" if column in ("tenant", "errors") else "right",
+                                 no_wrap=column != "errors", min_width=6 if column == "errors" else None)
+            for t in figs.tenants.values():
+                errors = fmt_errors(t.errors)
+                table.add_row(t.tenant, f"{t.share * 100:.1f}", f"{t.weighted:.2f}", f"{t.sent}/{t.completed}/{t.cut}",
+                              errors, f"{fmt_ms(t.ttft_p50_ms)} / {fmt_ms(t.ttft_p99_ms)}", fmt_ms(t.tpot_p50_ms),
+                              str(t.ledger_requests), f"{t.ledger_output_tokens:,}", f"{t.ledger_gpu_s:,.1f}")
+            runs = figs.runs
+            table.caption = (f"max/min {figs.ratio:.3f}; ledger billed {figs.gpu_s:,.1f} GPU s; agent runs: "
+                             f"{len(runs.calls)} runs, at most {runs.most_calls} calls admitted per run, "
+                             f"{runs.refused} calls refused ({RUN_DIMENSION})")
+            table.caption_justify = "left"
+            out.append(table)
+        for check, ok in self.checks().items():
+            out.append(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}")
+        verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
+        agent = self.main.tenants[c.agent]
+        line = (f"{verdict}: under {self.main.policy} max/min {self.main.ratio:.3f}, agent {agent.share:.1%} "
+                f"of the GPU (share {c.fair_share(c.agent):.0%})")
+        if self.compare is not None:
+            other = self.compare.tenants[c.agent]
+            line += f"; under {self.compare.policy}: max/min {self.compare.ratio:.3f}, agent {other.share:.1%}"
+        out.append(line + ".")
+        return out
+
+    def summary(self) -> str:
+        return plain_text(self.render())
+
+
+def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLongResult:
+    """Run the drill under ``options.policy`` (and ``options.compare``, if any)."""
+    config = config or UltraLongConfig()
+    if options.seconds is not None:
+        config = replace(config, seconds=options.seconds)
+
+    def one(policy: str) -> PolicyFigures:
+        result = run_on_stack(config.spec(policy, options.processes), config.loads(), config.seconds, options.seed,
+                              snapshot_at_s=(config.agent_start_s,) if config.agent_start_s > 0 else ())
+        return figures(config, result)
+
+    main = one(options.policy)
+    compare = one(options.compare) if options.compare and options.compare != options.policy else None
+    return UltraLongResult(config, main, compare)
