@@ -17,7 +17,9 @@ class Request:
         tenant: the tenant the request is billed to.
         prompt_tokens: input tokens to prefill.
         arrival_ms: arrival time on the driver's clock, ms.
-        max_output_tokens: the client's cap, if any (policies may use it; none of ours does).
+        max_output_tokens: the client's cap, if any (``gpu_fair`` counts it as committed work while the
+            request runs).
+        generated_tokens: output tokens generated; the driver sets it before ``Policy.finish``.
     """
 
     request_id: int
@@ -25,6 +27,7 @@ class Request:
     prompt_tokens: int
     arrival_ms: float
     max_output_tokens: int | None = None
+    generated_tokens: int = 0
 
 
 @dataclass(slots=True)

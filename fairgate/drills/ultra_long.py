@@ -5,17 +5,18 @@ without counting GPU time lets it take the fleet, one freed slot at a time.
 
 All four tenants keep their queues full (closed loop, more clients than the fleet has slots). The claim,
 from the GPU time the ledger billed over the run (the clients hang up at the end and the gateway bills what
-ran): the backlogged tenants' weighted shares are within ``share_ratio_max`` of each other, and the agent
-has no more than its share plus ``agent_margin``. Its agent runs are limited too: its clients share
+ran): no tenant has more than its share plus ``agent_margin`` (seed 003: "no tenant over its share"), the
+agent included; max/min of the weighted shares is reported. Its agent runs are limited too: its clients share
 ``agent_runs`` run ids (``x-fairgate-run-id``), more clients per run than ``max_model_calls`` allows, so the
 ledger must refuse the extra calls of every run (429, dimension ``max_model_calls``) and admit no run more
 than the limit.
 
-What it finds (measured, 2026-11): ``gpu_fair`` gives the agent about half the fleet (46-65 %), ``fcfs``
-about 78 %. Counter policies admit by GPU time already charged: the agent, arriving on a busy fleet, is
-lifted to the lowest active counter and wins every freed slot until its counter passes that minimum, and
-the slots it wins stay its own for the life of its 8k-token sequences (requests that end would hand them
-back; these do not within the window).
+What it found: charged only as GPU time is spent, ``gpu_fair`` gave the agent about half the fleet
+(46-65 %; ``fcfs`` about 78 %): arriving on a busy fleet, the agent is lifted to the lowest active counter
+and wins every freed slot until its counter passes that minimum, and those slots stay its own for the life
+of its 8k-token sequences. ``gpu_fair`` now also counts a running request's declared output as committed
+work (up to a horizon; ``fairgate.core.policies.counters.GPUFair``): the agent gets about 22 %, the others
+about 26 % each.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ class UltraLongConfig:
         agent_clients / agent_runs: the agent's clients, sharing this many run ids.
         max_model_calls / run_max_tokens: the agent's limits per run (the ledger's ``max_model_calls`` and
             ``max_tokens``).
-        share_ratio_max: the claim: max / min of the weighted GPU shares.
-        agent_margin: the claim: the agent's share <= its fair share + this.
+        share_ratio_max: reported: max / min of the weighted GPU shares (not part of the claim: over a
+            window shorter than one agent request, a policy can only approximate the shares).
+        agent_margin: the claim: every tenant's share <= its fair share + this.
     """
 
     seconds: float = 20.0
@@ -185,7 +187,8 @@ class UltraLongResult:
         unexpected = {t.tenant: {k: v for k, v in t.errors.items() if f"[{RUN_DIMENSION}]" not in k}
                       for t in figs.tenants.values()}
         return {
-            f"weighted shares within {c.share_ratio_max:g}x": figs.ratio <= c.share_ratio_max,
+            f"no tenant over its share + {c.agent_margin:.0%}":
+                all(t.share <= c.fair_share(name) + c.agent_margin for name, t in figs.tenants.items()),
             f"agent share <= {c.fair_share(c.agent):.0%} + {c.agent_margin:.0%}":
                 agent.share <= c.fair_share(c.agent) + c.agent_margin,
             f"no run admitted more than {c.max_model_calls} calls": figs.runs.most_calls <= c.max_model_calls,

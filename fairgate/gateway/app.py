@@ -451,7 +451,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             # The client may be gone and this task cancelled: the clean-up must still run to the end.
             with anyio.CancelScope(shield=True):
                 await stream.aclose()  # type: ignore[attr-defined]
-                dispatcher.release(lease)
+                dispatcher.release(lease, call.output_tokens)
                 await _settle(call, reservation, final=True, cancelled=not finished)
                 done()
 
@@ -491,7 +491,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()  # type: ignore[attr-defined]
-                dispatcher.release(lease)
+                dispatcher.release(lease, call.output_tokens)
                 await _settle(call, reservation, final=True, cancelled=not finished)
                 done()
         text = "".join(call.text)

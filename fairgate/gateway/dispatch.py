@@ -157,10 +157,14 @@ class Dispatcher:
                 pool.abandoned.add(request.request_id)
             raise
 
-    def release(self, lease: Lease) -> None:
-        """Free the slot (on every path: success, error, timeout, disconnect); idempotent."""
+    def release(self, lease: Lease, generated_tokens: int | None = None) -> None:
+        """Free the slot (on every path: success, error, timeout, disconnect); idempotent.
+
+        ``generated_tokens``: output tokens the request produced (the policy's committed-work accounting)."""
         if lease.released:
             return
+        if generated_tokens is not None:
+            lease.request.generated_tokens = generated_tokens
         lease.released = True
         pool = self._pools[lease.upstream.model]
         lease.upstream.in_flight -= 1

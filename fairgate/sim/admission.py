@@ -87,6 +87,7 @@ class Admission:
     def finish(self, request_id: int, t_ns: int) -> None:
         """Request ``request_id`` generated its last token at the boundary ``t_ns``."""
         request = self.requests[request_id]
+        request.generated_tokens = int(self.workload.output_tokens[request_id])
         self.view.by_tenant[request.tenant] -= 1
         self.finished += 1
         self.result.finish_ns[request_id] = t_ns

@@ -113,3 +113,42 @@ def test_token_bucket_caps_burst_and_books_debt():
     bucket.book(5.0)
     assert bucket.available(5.0) == -5.0
     assert bucket.ready_at(3.0, 5.0) == 13.0
+
+
+def test_gpu_fair_counts_a_running_requests_declared_output_as_committed_work():
+    from fairgate.core.cost import CostModel
+    from fairgate.core.policies.counters import GPUFair
+    from fairgate.core.request import Request, RunningView
+
+    cost = CostModel(9.0, 0.55, 0.06, 24)
+    per_token_ms = cost.decode_ms(24) / 24  # 0.925 ms
+    policy = GPUFair(cost=cost, commit_horizon_tokens=100_000)  # commit the whole declared output
+    for i in range(20):
+        policy.enqueue(Request(2 * i, "agent", 10, float(i), max_output_tokens=8000), float(i))
+        policy.enqueue(Request(2 * i + 1, "chat", 10, float(i), max_output_tokens=20), float(i))
+    view = RunningView()
+    picks = [policy.pick(100.0, view) for _ in range(12)]
+    # One 8k-token agent request commits 7.4 s of decode: the chat tenant takes the next slots, where plain
+    # charge-as-spent counters (both at 0) would alternate and hand the agent half of the slots.
+    assert [r.tenant for r in picks] == ["agent"] + ["chat"] * 11
+    assert policy.committed["agent"] == pytest.approx(8000 * per_token_ms)
+    policy.charge("agent", 50.0, 0, 40, 24)  # 40 tokens generated: 40 fewer committed
+    assert policy.committed["agent"] == pytest.approx(7960 * per_token_ms)
+    assert policy.counters["agent"] == pytest.approx(50.0)  # the counter moves by what was spent only
+    agent = picks[0]
+    agent.generated_tokens = 40  # it stopped after those 40 tokens: the rest of its commitment goes
+    policy.finish(agent, 200.0)
+    assert policy.committed["agent"] == pytest.approx(0.0, abs=1e-9)
+    capped = GPUFair(cost=cost)  # the default horizon: a pick commits at most 96 tokens (88.8 ms)
+    for i in range(8):
+        capped.enqueue(Request(2 * i, "agent", 10, float(i), max_output_tokens=8000), float(i))
+        capped.enqueue(Request(2 * i + 1, "chat", 10, float(i), max_output_tokens=20), float(i))
+    # chat commits 20 tokens (18.5 ms) a pick: five chat picks pass the agent's one.
+    assert [capped.pick(100.0, view).tenant for _ in range(7)] == ["agent"] + ["chat"] * 5 + ["agent"]
+    with pytest.raises(ValueError, match="commit_horizon_tokens"):
+        GPUFair(cost=cost, commit_horizon_tokens=-1)
+    without = GPUFair()  # no cost model: nothing committed, as before
+    for i in range(4):
+        without.enqueue(Request(2 * i, "agent", 10, float(i), max_output_tokens=8000), float(i))
+        without.enqueue(Request(2 * i + 1, "chat", 10, float(i), max_output_tokens=20), float(i))
+    assert [without.pick(100.0, view).tenant for _ in range(4)] == ["agent", "chat", "agent", "chat"]

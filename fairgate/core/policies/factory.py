@@ -66,7 +66,7 @@ def make_policy(spec: PolicySpec, cost: CostModel, tenants: Mapping[str, TenantS
             return VTCCalibrated(cost, weights=weights, **params)
         if name == "drr":
             return DeficitRoundRobin(weights=weights, **params)
-        return GPUFair(weights=weights, **params)
+        return GPUFair(weights=weights, cost=cost, **params)
 
     priorities = {name: t.priority for name, t in tenants.items()}
     if len(set(priorities.values())) > 1:
