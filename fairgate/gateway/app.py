@@ -311,7 +311,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         except QuotaExceeded as exc:
             raise GatewayError(429, f"Quota {exc.dimension} exceeded for this tenant.",
                                "insufficient_quota" if exc.retry_after_s is None else "rate_limit_exceeded",
-                               kind="rate_limit_error", retry_after_s=exc.retry_after_s or 60.0,
+                               kind="rate_limit_error", retry_after_s=exc.retry_after_s,
                                reason=reason_for_dimension(exc.dimension), dimension=exc.dimension,
                                headers=quota_headers(exc)) from None
         except IdempotencyConflict:

@@ -67,6 +67,8 @@ def test_agent_run_limits_apply_per_run_id(tmp_path):
             assert [post(url, keys["alpha"], headers=run).status_code for _ in range(2)] == [200, 200]
             third = post(url, keys["alpha"], headers={**run, "x-request-id": "third"})
             assert third.status_code == 429 and third.headers["x-fairgate-quota-dimension"] == "max_model_calls"
+            # Waiting never frees a run's calls: no Retry-After, and OpenAI's code for a spent quota.
+            assert "retry-after" not in third.headers and third.json()["error"]["code"] == "insufficient_quota"
             assert post(url, keys["alpha"], headers={"x-fairgate-run-id": "run-2"}).status_code == 200
             assert post(url, keys["alpha"]).status_code == 200  # calls outside a run are not limited by it
             tool = {"x-fairgate-run-id": "run-3", "x-fairgate-tool-round": "1"}
