@@ -31,6 +31,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import httpx
 from fastapi import FastAPI, Request, Security
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPBearer
@@ -108,7 +109,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
     dispatcher = Dispatcher(lambda: make_policy(spec, upstreams[0].cost, shares), upstreams,
                             lambda: time.monotonic() * 1000.0, max_queued, on_charge=booked)
     clients: dict[str, UpstreamClient] = {}
-    in_flight: set[tuple[str, str]] = set()  # (tenant, request id) being served by this process
+    # (tenant, request id) -> reservation id, for the requests this process serves (queued or running).
+    in_flight: dict[tuple[str, str], str] = {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -123,13 +125,14 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             clients[upstream.name] = UpstreamClient(
                 upstream, lambda tenant, ms, tokens, batch, model=model: dispatcher.charge(model, tenant, ms, tokens,
                                                                                           batch),
-                timeout_s=config.gateway.request_timeout_s)
-        sharing = None
+                timeout_s=config.gateway.request_timeout_s, on_down=dispatcher.mark_down)
+        tasks = [asyncio.ensure_future(_sweep(opened, in_flight, config.gateway.sweep_s)),
+                 asyncio.ensure_future(_probe(dispatcher, clients))]
         if config.gateway.share_charges_s > 0:
-            sharing = asyncio.ensure_future(ChargeSync(opened, dispatcher, config.gateway.share_charges_s).run())
+            tasks.append(asyncio.ensure_future(ChargeSync(opened, dispatcher, config.gateway.share_charges_s).run()))
         yield
-        if sharing is not None:
-            sharing.cancel()
+        for task in tasks:
+            task.cancel()
         for client in clients.values():
             await client.close()
         if ledger is None:
@@ -329,7 +332,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         if (tenant, request_id) in in_flight:
             raise GatewayError(409, f"Request {request_id!r} is being served already; it is not run twice.",
                                "request_in_progress", "x-request-id")
-        in_flight.add((tenant, request_id))
+        in_flight[(tenant, request_id)] = reservation.id
         events.observe(Admitted(request_id, tenant, delegate, body.model, reservation.id, prompt_tokens, max_tokens,
                                 estimate, time.time()))
         balances: asyncio.Future[Account] | None = None
@@ -339,14 +342,14 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             return await dispatch_and_relay(request, body, chat, tenant, delegate, request_id, reservation,
                                             prompt_tokens, max_tokens, balances)
         except BaseException:
-            in_flight.discard((tenant, request_id))
+            in_flight.pop((tenant, request_id), None)
             raise
 
     async def dispatch_and_relay(request: Request, body: ChatRequest | CompletionRequest, chat: bool, tenant: str,
                                  delegate: str | None, request_id: str, reservation: Reservation,
                                  prompt_tokens: int, max_tokens: int,
                                  balances: asyncio.Future[Account] | None) -> Any:
-        done = lambda: in_flight.discard((tenant, request_id))  # noqa: E731
+        done = lambda: in_flight.pop((tenant, request_id), None)  # noqa: E731
         core_request = CoreRequest(_sequence(), tenant, prompt_tokens, time.monotonic() * 1000.0, max_tokens)
         queued_at = time.monotonic()
         waited = False
@@ -557,6 +560,39 @@ def _operator_views() -> list[Any]:
 
 
 _tasks: set[asyncio.Task[Any]] = set()
+
+
+async def _sweep(ledger: Ledger, in_flight: dict[tuple[str, str], str], interval_s: float) -> None:
+    """The liveness check, every ``interval_s``: heartbeat the reservations of the requests this process
+    serves, then expire the open reservations nobody has heartbeat within their TTL (those of a process
+    that died; billing what was settled so far). Every gateway process runs it; expiry is idempotent."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            for reservation_id in list(in_flight.values()):
+                if not reservation_id.startswith(EMERGENCY_PREFIX):
+                    await ledger.heartbeat(reservation_id)
+            expired = await ledger.expire_due()
+            if expired:
+                log.warning("expired %d reservations nobody was running", len(expired))
+        except LedgerError as exc:
+            log.warning("liveness sweep skipped: %s", exc)
+
+
+async def _probe(dispatcher: Dispatcher, clients: dict[str, UpstreamClient], interval_s: float = 1.0) -> None:
+    """Every ``interval_s``, ask each upstream marked down for its models; one that answers is back."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for upstream in dispatcher.upstreams():
+            if upstream.healthy:
+                continue
+            try:
+                reply = await clients[upstream.name].http.get("/models", timeout=2.0)
+            except httpx.HTTPError:
+                continue
+            if reply.status_code == 200:
+                log.warning("upstream %s is back", upstream.name)
+                dispatcher.mark_up(upstream)
 
 
 def _background(work: Any) -> None:

@@ -101,6 +101,8 @@ class GatewaySection(_Strict):
     share_charges_s: Annotated[float, Field(ge=0, le=60)] = 0.25
     # The shared pool's latency objective: p99 time to first token (the dashboard's SLO line).
     slo_ttft_p99_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    # Seconds between liveness sweeps: heartbeat this process's reservations, expire abandoned ones.
+    sweep_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
 
     @field_validator("policy")
     @classmethod

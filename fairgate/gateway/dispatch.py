@@ -96,6 +96,30 @@ class Dispatcher:
     def models(self) -> list[str]:
         return sorted(self._pools)
 
+    def mark_down(self, upstream: Upstream) -> None:
+        """``upstream`` failed to connect: no more requests go to it until ``mark_up``. When it was the last
+        one of its model, the requests queued for that model fail with ``NoUpstream`` (their clients get an
+        error rather than waiting for a replica that may never return)."""
+        if not upstream.healthy:
+            return
+        upstream.healthy = False
+        pool = self._pools[upstream.model]
+        if any(u.healthy for u in pool.upstreams):
+            return
+        for request_id, future in list(pool.waiters.items()):
+            if not future.done():
+                future.set_exception(NoUpstream(f"no upstream is up for model {upstream.model!r}"))
+            del pool.waiters[request_id]
+            pool.abandoned.add(request_id)
+        pool.queued.clear()
+
+    def mark_up(self, upstream: Upstream) -> None:
+        """``upstream`` answers again: it takes requests."""
+        if upstream.healthy:
+            return
+        upstream.healthy = True
+        self._dispatch(self._pools[upstream.model])
+
     def upstreams(self) -> list[Upstream]:
         """Every upstream, with its ``in_flight`` count now."""
         return [u for pool in self._pools.values() for u in pool.upstreams]
@@ -149,7 +173,7 @@ class Dispatcher:
                         raise
             return await future
         except BaseException:
-            if future.done() and not future.cancelled():
+            if future.done() and not future.cancelled() and future.exception() is None:
                 self.release(future.result())  # granted just as the caller gave up
             elif request.request_id in pool.waiters:
                 del pool.waiters[request.request_id]

@@ -57,8 +57,9 @@ class UpstreamClient:
     """One upstream: its HTTP client, its live meter, and the calls in flight on it."""
 
     def __init__(self, upstream: Upstream, charge: ChargeSink, clock: Callable[[], float] = time.monotonic,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, on_down: Callable[[Upstream], None] | None = None) -> None:
         self.upstream = upstream
+        self._on_down = on_down or (lambda upstream: None)
         self._charge = charge
         self._clock = clock
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
@@ -114,6 +115,8 @@ class UpstreamClient:
                     self._observe(call, chunk)
                     yield chunk
         except httpx.HTTPError as exc:
+            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                self._on_down(self.upstream)  # refused or unreachable: take it out until it answers again
             raise UpstreamError(f"upstream {self.upstream.name}: {type(exc).__name__}: {exc}", 502) from None
         finally:
             charges, _ = self.meter.finish(call.request_id, self._now_ms())

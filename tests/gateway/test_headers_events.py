@@ -4,6 +4,7 @@ before the first streamed byte - over real HTTP against a real emulator and SQLi
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
@@ -115,19 +116,53 @@ def test_observers_see_each_request_from_admission_to_finish(tmp_path):
     assert (unknown.tenant, unknown.reason, unknown.status) == (None, "auth", 401)
 
 
-def test_streamed_request_to_a_dead_upstream_gets_an_http_error_and_frees_its_slot(tmp_path):
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    path, keys = write_config(tmp_path, [dead])
+def test_a_dead_upstream_is_taken_out_until_it_answers_again(tmp_path):
+    port = free_port()
+    path, keys = write_config(tmp_path, [f"http://127.0.0.1:{port}"])  # nothing listens there yet
     config = load_gateway_config(path)
     body = dict(BODY, stream=True)
     with serve(create_gateway(config)) as url:
-        # More requests than the upstream's 4 slots: each must give its slot back.
+        # The first request finds the upstream refusing connections (502, before any byte of the stream);
+        # the upstream is then out, so the next ones are refused at once (503) rather than tried again.
         replies = [post(url, keys["alpha"], body) for _ in range(6)]
-        assert [r.status_code for r in replies] == [502] * 6
-        assert all(r.json()["error"]["code"] == "upstream_error" for r in replies)
+        assert [r.status_code for r in replies] == [502] + [503] * 5
+        assert replies[0].json()["error"]["code"] == "upstream_error"
+        assert {r.json()["error"]["code"] for r in replies[1:]} == {"no_upstream"}
+        assert all(1 <= int(r.headers["retry-after"]) <= 7 for r in replies[1:])
 
         async def statuses() -> list[str]:
             async with await connect(config.ledger_url, config.quotas) as ledger:
                 return [r.status for r in await ledger.reservations("alpha")]
 
-        assert asyncio.run(statuses()) == ["cancelled"] * 6
+        assert asyncio.run(statuses()) == ["cancelled"] * 6  # nothing held, nothing billed
+        with serve(create_app(EMULATOR), port=port):  # the replica comes up: the probe puts it back
+            deadline = time.monotonic() + 10
+            while (reply := post(url, keys["alpha"], BODY)).status_code == 503 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert reply.status_code == 200
+
+
+def test_the_liveness_sweep_keeps_running_requests_and_expires_abandoned_ones(tmp_path):
+    slow = EMULATOR.model_copy(update={"iter_base_ms": 40.0})  # 60 tokens: about 2.5 s, past the 1-s TTL
+    with serve(create_app(slow)) as emulator:
+        path, keys = write_config(tmp_path, [emulator], defaults="reservation_ttl_s = 1\n")
+        path.write_text(path.read_text().replace("[gateway]\n", "[gateway]\nsweep_s = 0.2\n", 1))
+        config = load_gateway_config(path)
+
+        async def abandoned() -> str:  # as if reserved by a gateway process that was then killed
+            async with await connect(config.ledger_url, config.quotas) as ledger:
+                return (await ledger.reserve("beta", "orphan", 1, 10, 0.0)).id
+
+        orphan = asyncio.run(abandoned())
+        with serve(create_gateway(config)) as url:
+            long = post(url, keys["alpha"], {"model": "emu", "prompt": "x", "max_tokens": 60, "ignore_eos": True})
+            assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 60
+
+            async def statuses() -> dict[str, str]:
+                async with await connect(config.ledger_url, config.quotas) as ledger:
+                    return {r.request_id: r.status for r in await ledger.reservations()} | \
+                        {"orphan-id": (await ledger.get(orphan)).status}
+
+            found = asyncio.run(statuses())
+    assert [s for r, s in found.items() if r not in ("orphan", "orphan-id")] == ["settled"]  # never expired
+    assert found["orphan-id"] == "expired"
