@@ -127,7 +127,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                                                                                           batch),
                 timeout_s=config.gateway.request_timeout_s, on_down=dispatcher.mark_down)
         tasks = [asyncio.ensure_future(_sweep(opened, in_flight, config.gateway.sweep_s)),
-                 asyncio.ensure_future(_probe(dispatcher, clients))]
+                 asyncio.ensure_future(_probe(dispatcher, clients)),
+                 asyncio.ensure_future(_recover(front))]
         if config.gateway.share_charges_s > 0:
             tasks.append(asyncio.ensure_future(ChargeSync(opened, dispatcher, config.gateway.share_charges_s).run()))
         yield
@@ -577,6 +578,20 @@ async def _sweep(ledger: Ledger, in_flight: dict[tuple[str, str], str], interval
                 log.warning("expired %d reservations nobody was running", len(expired))
         except LedgerError as exc:
             log.warning("liveness sweep skipped: %s", exc)
+
+
+async def _recover(front: ResilientLedger, interval_s: float = 1.0) -> None:
+    """Every ``interval_s`` while the emergency journal holds records (grants made or settlements kept
+    while the ledger was down), replay it into the ledger once it answers (``ResilientLedger.recover``)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if not front.outstanding():
+            continue
+        try:
+            report = await front.recover()
+        except LedgerError:
+            continue  # still down: the journal is kept whole
+        log.warning("emergency journal replayed into the ledger: %s", report)
 
 
 async def _probe(dispatcher: Dispatcher, clients: dict[str, UpstreamClient], interval_s: float = 1.0) -> None:
