@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from fairgate.ledger import rules
@@ -145,6 +145,17 @@ def _reservation_params(r: Reservation) -> dict[str, Any]:
             "billed_input_tokens": r.billed.input_tokens, "billed_output_tokens": r.billed.output_tokens,
             "billed_gpu_ms": r.billed.gpu_ms, "overage_gpu_ms": r.overage_gpu_ms, "created_ms": r.created_ms,
             "expires_at_ms": r.expires_at_ms, "final_ms": r.final_ms, "queued": int(r.queued)}
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """What ``SqlLedger._load_for_update`` read."""
+
+    reservation: Reservation
+    frozen: bool
+    account: rules.Account
+    run_values: tuple[Any, ...]  # the run's counters (all None when the reservation has no run)
+    now_ms: float | None  # the backend's clock, if it has one in SQL
 
 
 class SqlLedger(Ledger):
@@ -294,25 +305,28 @@ class SqlLedger(Ledger):
             await tx.batch(writes)
             return r
 
+    async def _load_for_update(self, tx: Tx, reservation_id: str, with_clock: bool) -> _Loaded:
+        """One round trip for a call on one reservation: the tenant's lock (if the backend takes one), the
+        reservation with its tenant's frozen flag, account and run (``_LOAD_FOR_CLOSE``), and the clock.
+        Raises ``ReservationNotFound``."""
+        lock = self._lock_statement(_tag_of(reservation_id))
+        clock = self._now_statement() if with_clock else None
+        reads = [s for s in (lock, (_LOAD_FOR_CLOSE, {"id": reservation_id}), clock) if s is not None]
+        rows = await tx.batch(reads)
+        rows = rows[1:] if lock is not None else rows
+        if not rows[0]:
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+        row = rows[0][0]
+        n, m = len(_RESERVATION_FIELDS), len(_ACCOUNT_FIELDS)
+        account = rules.Account(*row[n + 2:n + 2 + m]) if row[n + 1] is not None else rules.Account()
+        now_ms = float(rows[1][0][0]) if clock is not None else None
+        return _Loaded(_reservation(row[:n]), bool(row[n]), account, row[n + 2 + m:], now_ms)
+
     async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str,
                      check_frozen: bool = True) -> Reservation:
-        tag = _tag_of(reservation_id)
-        lock, clock = self._lock_statement(tag), self._now_statement()
-        reads: list[tuple[str, dict[str, Any]]] = [s for s in (lock,) if s is not None]
-        reads.append((_LOAD_FOR_CLOSE, {"id": reservation_id}))
-        if clock is not None:
-            reads.append(clock)
         async with self._transaction() as tx:
-            rows = await tx.batch(reads)
-            rows = rows[1:] if lock is not None else rows
-            if not rows[0]:
-                raise ReservationNotFound(f"no reservation {reservation_id!r}")
-            row = rows[0][0]
-            n = len(_RESERVATION_FIELDS)
-            r = _reservation(row[:n])
-            frozen, has_account = bool(row[n]), row[n + 1] is not None
-            account_values = row[n + 2:n + 2 + len(_ACCOUNT_FIELDS)]
-            run_values = row[n + 2 + len(_ACCOUNT_FIELDS):]
+            loaded = await self._load_for_update(tx, reservation_id, with_clock=True)
+            r, frozen, account, run_values = loaded.reservation, loaded.frozen, loaded.account, loaded.run_values
             if r.is_final:
                 if final and kind == {"settled": "settle", "cancelled": "cancel", "expired": "expire"}[r.status] \
                         and r.billed == billed:
@@ -322,9 +336,8 @@ class SqlLedger(Ledger):
                 raise SettlementFrozen(f"automatic settlement is frozen for tenant {r.tenant!r}")
             if r.billed == billed and not final:
                 return r  # a repeated partial settlement: nothing new
-            now_ms = float(rows[-1][0][0]) if clock is not None else await self._now_ms(tx)
+            now_ms = loaded.now_ms if loaded.now_ms is not None else await self._now_ms(tx)
             limits = self.limits(r.tenant, r.model_class)
-            account = rules.Account(*account_values) if has_account else rules.Account()
             run = None
             if r.run_id is not None:
                 run = rules.RunUsage(*run_values) if run_values[0] is not None else rules.RunUsage()
@@ -352,20 +365,9 @@ class SqlLedger(Ledger):
         return await self._queue_step(reservation_id, enter=False)
 
     async def _queue_step(self, reservation_id: str, enter: bool) -> Reservation:
-        tag = _tag_of(reservation_id)
-        lock = self._lock_statement(tag)
-        reads: list[tuple[str, dict[str, Any]]] = [s for s in (lock,) if s is not None]
-        reads.append((_LOAD_FOR_CLOSE, {"id": reservation_id}))
         async with self._transaction() as tx:
-            rows = await tx.batch(reads)
-            rows = rows[1:] if lock is not None else rows
-            if not rows[0]:
-                raise ReservationNotFound(f"no reservation {reservation_id!r}")
-            row = rows[0][0]
-            n = len(_RESERVATION_FIELDS)
-            r = _reservation(row[:n])
-            has_account = row[n + 1] is not None
-            account = rules.Account(*row[n + 2:n + 2 + len(_ACCOUNT_FIELDS)]) if has_account else rules.Account()
+            loaded = await self._load_for_update(tx, reservation_id, with_clock=False)
+            r, account = loaded.reservation, loaded.account
             changed = (rules.enqueue(r, account, self.limits(r.tenant, r.model_class)) if enter
                        else rules.dequeue(r, account))
             if changed is None:
