@@ -25,7 +25,8 @@ def _fail(message: str) -> typer.Exit:
 
 @drill_app.command("drill")
 def drill(
-    name: Annotated[str, typer.Argument(help="The drill: burst or ultra_long.")],
+    name: Annotated[str, typer.Argument(help="The drill: burst, ultra_long, cancellation, retry, forged, ... "
+                                              "(an unknown name lists them all).")],
     seconds: Annotated[float | None, typer.Option(min=5.0, max=600.0,
                                                   help="Length of each load phase (default: the drill's).")] = None,
     policy: Annotated[str, typer.Option("--policy", "-p", help="The gateway policy under test.")] = "gpu_fair",

@@ -7,7 +7,16 @@ one claim with measured figures.
 figures behind it, and ``render()`` / ``summary()`` for people.
 
 Drills: ``burst`` (one tenant sends 20x its share; the others' p99 TTFT stays within 1.5x of their solo
-baseline), ``ultra_long`` (an agent tenant's 8k-token outputs get no more than its GPU share).
+baseline), ``ultra_long`` (an agent tenant's 8k-token outputs get no more than its GPU share),
+``cancellation`` (1,000 streams cut at random points: every slot released, every reservation final, billed
+tokens == tokens generated), ``retry`` (request ids re-sent up to 3x with jitter: not one double deduction),
+``forged`` (every header, body and delegation trick: none billed to another tenant), ``outage`` (the ledger's
+Redis stopped 30 s under load: reject tiers 503 + Retry-After, emergency tiers within budget, the journal
+replayed and the ledger equal to what clients received), ``restart`` (a gateway process SIGKILLed with
+requests queued and in flight: its reservations expire, nothing running is released, counts back to 0),
+``scale_out`` (1, 2, 4 gateway processes on one PostgreSQL / Redis ledger admit nothing beyond the limits;
+GPU shares stay fair when tenants' traffic lands on different processes), ``capacity`` (one of two replicas
+killed mid-load: batch yields first, interactive tenants keep their weighted split, nothing lost).
 """
 
 from __future__ import annotations
@@ -70,6 +79,13 @@ class UnknownDrill(ValueError):
 DRILLS: dict[str, str] = {
     "burst": "fairgate.drills.burst:run",
     "ultra_long": "fairgate.drills.ultra_long:run",
+    "cancellation": "fairgate.drills.cancellation:run",
+    "retry": "fairgate.drills.retry:run",
+    "forged": "fairgate.drills.forged:run",
+    "outage": "fairgate.drills.outage:run",
+    "restart": "fairgate.drills.restart:run",
+    "scale_out": "fairgate.drills.scale_out:run",
+    "capacity": "fairgate.drills.capacity:run",
 }
 
 

@@ -126,7 +126,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                 upstream, lambda tenant, ms, tokens, batch, model=model: dispatcher.charge(model, tenant, ms, tokens,
                                                                                           batch),
                 timeout_s=config.gateway.request_timeout_s, on_down=dispatcher.mark_down)
-        tasks = [asyncio.ensure_future(_sweep(opened, in_flight, config.gateway.sweep_s)),
+        tasks = [asyncio.ensure_future(_sweep(front, in_flight, config.gateway.sweep_s)),
                  asyncio.ensure_future(_probe(dispatcher, clients)),
                  asyncio.ensure_future(_recover(front))]
         if config.gateway.share_charges_s > 0:
@@ -159,6 +159,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         caller = keys.tenant_for(key.strip())
         if caller is None:
             raise GatewayError(401, "Invalid API key.", "invalid_api_key", kind="authentication_error")
+        if len(request.headers.getlist(ON_BEHALF_OF_HEADER)) > 1:
+            raise GatewayError(400, "Send one X-Fairgate-On-Behalf-Of header.", "invalid_delegation",
+                               ON_BEHALF_OF_HEADER, caller=caller)
         token = request.headers.get(ON_BEHALF_OF_HEADER)
         if token is None:
             return caller, None
@@ -330,6 +333,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         if reservation.is_final:
             raise GatewayError(409, f"Request {request_id!r} has completed already ({reservation.status}); it is not "
                                     "run or charged again.", "request_already_completed", "x-request-id")
+        await mark_readmitted(front, reservation, time.time() * 1000.0)
         if (tenant, request_id) in in_flight:
             raise GatewayError(409, f"Request {request_id!r} is being served already; it is not run twice.",
                                "request_in_progress", "x-request-id")
@@ -360,8 +364,20 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             waited = True
             await front.enqueue(reservation.id)  # the tenant's queue bound, global across processes
 
+        waiting = asyncio.ensure_future(dispatcher.acquire(core_request, body.model, take_queue_place))
+        # A client gone while its request is queued: it leaves the queue (checked every 0.25 s).
+        watcher = asyncio.ensure_future(_watch_disconnect(request, waiting, 0.25))
         try:
-            lease = await dispatcher.acquire(core_request, body.model, take_queue_place)
+            lease = await waiting
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):
+                await _release_reservation(reservation, Usage())  # it never ran: nothing is billed
+            if watcher.done() and not watcher.cancelled():  # the watcher ended the wait: the client left
+                done()
+                return JSONResponse({"error": {"message": "client closed the request while it was queued",
+                                               "type": "invalid_request_error", "param": None,
+                                               "code": "client_closed"}}, status_code=499)
+            raise
         except QuotaExceeded as exc:
             await _release_reservation(reservation, Usage())
             raise GatewayError(429, f"Too many requests queued for this tenant ({exc.limit:g}, all gateway "
@@ -380,9 +396,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                                  kind="server_error", retry_after_s=5.0, reason="no_upstream",
                                  after_admission=True)
             raise error from None
-        except asyncio.CancelledError:
-            await _release_reservation(reservation, Usage())
-            raise
+        finally:
+            watcher.cancel()
         client = clients[lease.upstream.name]
         if waited:  # give the queue place back, off the request path (if lost, the final settlement does)
             _background(front.dequeue(reservation.id))
@@ -563,21 +578,47 @@ def _operator_views() -> list[Any]:
 _tasks: set[asyncio.Task[Any]] = set()
 
 
-async def _sweep(ledger: Ledger, in_flight: dict[tuple[str, str], str], interval_s: float) -> None:
-    """The liveness check, every ``interval_s``: heartbeat the reservations of the requests this process
-    serves, then expire the open reservations nobody has heartbeat within their TTL (those of a process
-    that died; billing what was settled so far). Every gateway process runs it; expiry is idempotent."""
+async def _sweep(front: ResilientLedger, in_flight: dict[tuple[str, str], str], interval_s: float) -> None:
+    """The liveness check, every ``interval_s``: replay this process's emergency journal if it holds
+    anything (so usage kept during an outage is billed before its reservation could expire), heartbeat the
+    reservations of the requests this process serves (emergency grants under the id their replay made),
+    then expire the open reservations nobody has heartbeat within their TTL (those of a process that died;
+    billing what was settled so far). Every gateway process runs it; expiry is idempotent. A process that
+    still holds journal records does not expire anything."""
     while True:
         await asyncio.sleep(interval_s)
         try:
-            for reservation_id in list(in_flight.values()):
-                if not reservation_id.startswith(EMERGENCY_PREFIX):
-                    await ledger.heartbeat(reservation_id)
-            expired = await ledger.expire_due()
+            expired = await sweep_once(front, list(in_flight.values()))
             if expired:
                 log.warning("expired %d reservations nobody was running", len(expired))
         except LedgerError as exc:
             log.warning("liveness sweep skipped: %s", exc)
+
+
+async def sweep_once(front: ResilientLedger, running: Iterable[str]) -> list[Reservation]:
+    """One liveness sweep (see ``_sweep``): ``running`` are the reservation ids of this process's requests.
+    Returns the reservations expired. Raises ``LedgerError``."""
+    if front.outstanding():
+        await front.recover()
+    for reservation_id in running:
+        live = front.live_id(reservation_id)
+        if live is not None:
+            await front.ledger.heartbeat(live)
+    if front.outstanding():
+        return []  # usage not yet in the ledger: expiring now could drop it
+    return await front.ledger.expire_due()
+
+
+async def mark_readmitted(front: ResilientLedger, reservation: Reservation, now_ms: float) -> None:
+    """A request admitted under an open reservation made more than a second ago (a client's retry of a
+    request whose gateway process died, say) is marked running at once, before another process's liveness
+    sweep could expire it while it runs."""
+    if reservation.is_final or reservation.id.startswith(EMERGENCY_PREFIX) or now_ms - reservation.created_ms <= 1000.0:
+        return
+    try:
+        await front.ledger.heartbeat(reservation.id)
+    except LedgerError:
+        pass
 
 
 async def _recover(front: ResilientLedger, interval_s: float = 1.0) -> None:
@@ -690,13 +731,13 @@ def _unsendable(value: Any, path: str = "") -> tuple[str, str] | None:
     return None
 
 
-async def _watch_disconnect(request: Request, work: asyncio.Future[Any]) -> None:
-    """Cancel ``work`` when the client of a non-streamed request disconnects (checked every 50 ms)."""
+async def _watch_disconnect(request: Request, work: asyncio.Future[Any], interval_s: float = 0.05) -> None:
+    """Cancel ``work`` when the client disconnects (checked every ``interval_s``)."""
     while not work.done():
         if await request.is_disconnected():
             work.cancel()
             return
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(interval_s)
 
 
 _counter = iter(range(1, 1 << 62))

@@ -42,6 +42,8 @@ def _default_reason(status: int) -> str:
 def error_response(error: GatewayError, request_id: str) -> JSONResponse:
     """The client's answer to ``error``: its status, the OpenAI error body, ``x-request-id``, ``Retry-After``."""
     headers = {"x-request-id": request_id, **error.headers}
+    if error.status in (400, 401, 403, 404, 409, 413):
+        headers["x-should-retry"] = "false"  # the same request would get the same answer (OpenAI SDKs obey)
     if error.retry_after_s is not None:
         # Jitter (up to +25 %) so rejected clients do not come back as one wave (seed 003).
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s * (1 + 0.25 * random.random()))))

@@ -18,6 +18,7 @@ still bounded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -70,6 +71,7 @@ class ResilientLedger:
         self._clock = clock or (lambda: time.monotonic() * 1000.0)
         self._budgets: dict[str, _Budget] = {}
         self._grants: dict[str, dict[str, Any]] = {}
+        self._recovering = asyncio.Lock()  # one replay at a time
         for record in self._read_journal():
             if record["type"] == "grant":
                 self._grants[record["id"]] = record
@@ -195,12 +197,25 @@ class ResilientLedger:
         """Journal records not yet replayed into the ledger."""
         return len(self._read_journal())
 
+    def live_id(self, reservation_id: str) -> str | None:
+        """The ledger's id for ``reservation_id``: itself, or for an emergency grant replayed while still
+        running, the reservation the replay made (None: a grant not yet in the ledger)."""
+        if not reservation_id.startswith(EMERGENCY_PREFIX):
+            return reservation_id
+        grant = self._grants.get(reservation_id)
+        return grant.get("ledger_id") if grant is not None else None
+
     async def recover(self) -> RecoveryReport:
-        """Replay the journal into the ledger (see module docstring); rewrite it with what is left.
+        """Replay the journal into the ledger (see module docstring); rewrite it with what is left and what
+        was appended meanwhile. One replay at a time.
 
         Raises:
             LedgerUnavailable: the ledger is still down (the journal is kept whole).
         """
+        async with self._recovering:
+            return await self._recover()
+
+    async def _recover(self) -> RecoveryReport:
         report = RecoveryReport()
         records = self._read_journal()
         grants: dict[str, dict[str, Any]] = {}
@@ -230,6 +245,7 @@ class ResilientLedger:
             if not r.is_final:
                 if grant["status"] == "open":
                     await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
+                    grant["ledger_id"] = r.id  # the gateway heartbeats it under this id from now on
                     left.append(grant)  # still running: keep it, settle again at the next recover
                     continue
                 if grant["status"] == "cancelled":
@@ -252,9 +268,18 @@ class ResilientLedger:
                 report.settlements_applied += 1  # applied before (a replay of the replay)
             except LedgerError as exc:
                 report.left.append(f"settlement of {record['id']}: {exc}")
+        # Records appended while the replay waited on the ledger (a grant finishing, a settlement that could
+        # not reach it) are kept after what is left, for the next replay.
+        appended = self._read_journal()[len(records):]
         tmp = self.journal.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(g) + "\n" for g in left))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in [*left, *appended]))
         tmp.replace(self.journal)
-        self._grants = {g["id"]: g for g in left}
+        grants_now = {g["id"]: g for g in left}
+        for record in appended:
+            if record["type"] == "grant":
+                grants_now[record["id"]] = record
+            elif record["type"] == "grant_usage" and record["id"] in grants_now:
+                grants_now[record["id"]].update(usage=record["usage"], status=record["status"])
+        self._grants = grants_now
         self._budgets.clear()
         return report

@@ -1,0 +1,575 @@
+"""Drill ``retry`` (seed 003, "simulate ... gateway retry ... confirm that the same request is not
+double-deducted"): requests each carrying an ``X-Request-Id`` are re-sent one to three times with random
+jitter; not one may be run twice, reserved twice or billed twice.
+
+The load: ``ids`` request ids over two tenants, arriving evenly over ``seconds``, half streamed, short
+outputs (a request runs for a few hundred ms). Every id is sent once and then re-sent ``1..3`` times with
+the same body, by one of these patterns (``patterns`` weights):
+
+- ``jitter``: each re-send ``uniform(0, jitter_s)`` after the original: while it runs (the gateway must
+  answer 409 ``request_in_progress``) or after it ended (409 ``request_already_completed``);
+- ``storm``: the original and its re-sends leave at the same instant, racing to the ledger's reserve;
+- ``timeout``: the original's client gives up mid-way (a client timeout: the connection is closed) and
+  re-sends after a jitter: the first attempt is billed what ran, the re-sends are not run;
+- ``changed``: one re-send, after the original's answer, changes ``max_tokens`` (a client bug reusing an
+  id): 409 ``idempotency_conflict``;
+- ``sdk``: the re-sends go through the ``openai`` client with its own retries on (``max_retries=2``): the
+  SDK retries every 409 it gets, with its back-off, as a second wave of re-sends.
+
+The claim, checked in the ledger and on the replicas (tapped, as in the ``cancellation`` drill):
+
+- exactly one reservation per id, with one ``reserve`` event, and one sequence on a replica at most;
+- for every id at most one attempt answered 200, and it or the original its client gave up on was the one
+  served; every other attempt was answered 409 (``request_in_progress`` / ``request_already_completed``, or
+  ``idempotency_conflict`` for a changed body), no 5xx, no 429 (a client that gives up before the gateway
+  has read its request leaves no trace, and its re-send is then served: that is not a double run, which
+  the reservation and replica counts would show);
+- billed once: each reservation billed what its one served attempt got (``max_tokens`` output tokens for a
+  200, no more than the tokens the replica generated for one cut by its client), and the event log sums to
+  the reservations' totals (``fairgate.ledger.reconcile``);
+- the ``requests_per_minute`` bucket was deducted exactly once per id: the tenant's bucket level, replayed
+  from its first reservation with the refill rate, equals ``burst - ids`` (to 1e-6); its burst is the
+  tenant's ids + 1, so a double deduction would also show as 429s;
+- every reservation final, and the stack idle, soon after the last answer ("converged").
+
+Found: the gateway answers 409 ``request_already_completed`` and ``idempotency_conflict`` without
+``x-should-retry: false``, so the ``openai`` SDK (which retries 408/409/429/5xx unless told not to) re-sends
+requests that can never succeed, twice by default, with back-off: harmless for billing (they are refused),
+but a wave of futile traffic; the ``sdk`` pattern counts those attempts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fairgate.drills import DrillOptions, plain_text
+from fairgate.drills.cancellation import open_ledger, open_stack, replica_stats
+from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS
+from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
+
+PATTERNS = ("jitter", "storm", "timeout", "changed", "sdk")
+# 409 codes any attempt but the one served may get (``changed``: also ``idempotency_conflict``).
+RESEND_CODES = {"request_in_progress", "request_already_completed"}
+_SDK_CALL: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("fairgate_drill_sdk_call", default=None)
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """The drill's setting (defaults: the acceptance scenario of issue 6).
+
+    Attributes:
+        seconds: the originals arrive evenly over this long.
+        ids: request ids, split evenly over ``tenants``.
+        resends: (min, max) re-sends per id, uniform.
+        patterns: weight of each pattern (``PATTERNS`` order).
+        jitter_s: a re-send leaves ``uniform(0, jitter_s)`` after its original (``timeout``: after the cut).
+        timeout_s: ``timeout`` originals are cut ``uniform(*timeout_s)`` after sending.
+        output_tokens / prompt_tokens: each request's ``max_tokens`` (uniform, ``ignore_eos``) and prompt.
+        requests_per_minute: the tenants' request rate; their burst is their ids + 1.
+        sdk_max_retries: the ``openai`` client's own retries in the ``sdk`` pattern.
+        replicas / replica: the emulated fleet.
+        converge_s_max: after the last answer, how long the stack may take to hold nothing.
+    """
+
+    seconds: float = 8.0
+    ids: int = 300
+    tenants: tuple[str, ...] = ("alpha", "beta")
+    resends: tuple[int, int] = (1, 3)
+    patterns: tuple[float, ...] = (0.45, 0.15, 0.15, 0.1, 0.15)
+    jitter_s: float = 1.2
+    timeout_s: tuple[float, float] = (0.1, 0.4)
+    output_tokens: tuple[int, int] = (4, 24)
+    prompt_tokens: int = 12
+    requests_per_minute: int = 6
+    sdk_max_retries: int = 2
+    replicas: int = 2
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
+        iter_base_ms=30.0, iter_slope_ms=0.2, prefill_ms_per_token=0.05, max_batch=24, max_model_len=4096))
+    converge_s_max: float = 10.0
+    gateway_process: bool = True
+
+    def ids_of(self, tenant: str) -> int:
+        index = self.tenants.index(tenant)
+        return self.ids // len(self.tenants) + (1 if index < self.ids % len(self.tenants) else 0)
+
+    def burst(self, tenant: str) -> int:
+        return self.ids_of(tenant) + 1
+
+    def spec(self, policy: str, processes: bool) -> StackSpec:
+        tenants = tuple(TenantSpec(t, limits={"requests_per_minute": self.requests_per_minute,
+                                              "requests_burst": self.burst(t)}) for t in self.tenants)
+        return StackSpec(tenants, policy=policy, replicas=self.replicas, replica=self.replica, processes=processes)
+
+
+@dataclass(frozen=True)
+class IdPlan:
+    """One request id: who sends it, when, how, and its re-sends' delays (seconds after the original, or
+    after its cut for ``timeout``)."""
+
+    tenant: str
+    request_id: str
+    at_s: float
+    stream: bool
+    max_tokens: int
+    pattern: str
+    resend_delays_s: tuple[float, ...]
+    cut_after_s: float = 0.0  # ``timeout``: the original's client gives up after this long
+
+
+def id_plans(config: RetryConfig, seed: int) -> list[IdPlan]:
+    rng = random.Random(f"retry-{seed}")
+    out = []
+    for i in range(config.ids):
+        tenant = config.tenants[i % len(config.tenants)]
+        pattern = rng.choices(PATTERNS, weights=config.patterns)[0]
+        count = rng.randint(*config.resends)
+        delays = tuple(0.0 if pattern == "storm" else rng.uniform(0.0, config.jitter_s) for _ in range(count))
+        out.append(IdPlan(tenant, f"rt{seed}-{i:05d}", config.seconds * i / config.ids, rng.random() < 0.5,
+                          rng.randint(*config.output_tokens), pattern, delays,
+                          rng.uniform(*config.timeout_s) if pattern == "timeout" else 0.0))
+    return out
+
+
+@dataclass
+class Attempt:
+    """One HTTP attempt (the SDK's own retries are attempts too), as the client saw it."""
+
+    request_id: str
+    role: str  # original | resend | changed | sdk (a re-send through the SDK's retries)
+    status: int | None = None  # HTTP status (None: the client gave up first, or no answer)
+    code: str | None = None  # the error code of a 4xx/5xx
+    tokens: int = 0  # output tokens received (streamed chunks, or the usage of a plain answer)
+    cut: bool = False  # the client gave up on it (the ``timeout`` pattern's original)
+    sent_s: float = 0.0
+    ended_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class IdFigures:
+    """One id: its attempts and what the ledger and the replicas hold for it."""
+
+    plan: IdPlan
+    attempts: list[Attempt]
+    reservations: int
+    reserve_events: int
+    status: str | None
+    billed_input: int
+    billed_output: int
+    sequences: int | None  # on the replicas (None: not tapped)
+    generated: int | None
+
+    @property
+    def answered_ok(self) -> list[Attempt]:
+        """Attempts answered 200 (at most one may be)."""
+        return [a for a in self.attempts if a.status == 200]
+
+    @property
+    def served(self) -> list[Attempt]:
+        """The attempt the gateway served: the one answered 200, else the ones cut by their client."""
+        return self.answered_ok or [a for a in self.attempts if a.cut]
+
+    @property
+    def refused(self) -> list[Attempt]:
+        return [a for a in self.attempts if a.status is not None and a.status != 200]
+
+    def problems(self, prompt_tokens: int) -> list[str]:
+        """Why this id breaks the claim (empty: it holds)."""
+        out = []
+        p = self.plan
+        if self.reservations != 1 or self.reserve_events != 1:
+            out.append(f"{self.reservations} reservations, {self.reserve_events} reserve events")
+        if self.sequences is not None and self.sequences > 1:
+            out.append(f"run {self.sequences} times on the replicas")
+        served = self.served
+        if len(self.answered_ok) > 1 or not served:
+            out.append(f"{len(self.answered_ok)} attempts answered 200 ({[a.status for a in self.attempts]})")
+        for a in self.attempts:
+            if a.status is not None and a.status != 200:
+                allowed = RESEND_CODES | ({"idempotency_conflict"} if a.role == "changed" else set())
+                if a.status != 409 or a.code not in allowed:
+                    out.append(f"{a.role} answered {a.status} {a.code}")
+            if a.status is None and not a.cut:
+                out.append(f"{a.role} got no answer")
+        if self.status not in ("settled", "cancelled"):
+            out.append(f"reservation {self.status}")
+        if served and not served[0].cut:
+            if not (self.billed_output == served[0].tokens == p.max_tokens and self.status == "settled"):
+                out.append(f"billed {self.billed_output} tokens, served {served[0].tokens} of {p.max_tokens}")
+        elif self.generated is not None and self.billed_output > self.generated:
+            out.append(f"billed {self.billed_output} tokens, the replica generated {self.generated}")
+        if self.billed_output > p.max_tokens or self.billed_input not in (0, prompt_tokens):
+            out.append(f"billed {self.billed_input} in / {self.billed_output} out")
+        return out
+
+
+@dataclass(frozen=True)
+class BucketFigures:
+    """A tenant's ``requests_per_minute`` bucket, replayed: deductions = burst + refill - level."""
+
+    tenant: str
+    ids: int
+    burst: float
+    level: float
+    refill: float
+    usage_requests: int
+
+    @property
+    def deductions(self) -> float:
+        return self.burst + self.refill - self.level
+
+
+@dataclass(frozen=True)
+class RetryFigures:
+    policy: str
+    ids: list[IdFigures]
+    buckets: dict[str, BucketFigures]
+    load_s: float
+    converge_s: float | None
+    open_after: int
+    by_status: dict[str, int]
+    reconcile_differences: dict[str, list[str]]
+    replicas_running_after: int
+    tapped: bool
+    untagged_sequences: int
+    peak_in_flight: int
+    sdk_calls: list[list[Attempt]]
+
+    @property
+    def futile_sdk_attempts(self) -> int:
+        """SDK re-sends after a 409 ``request_already_completed`` (they can never succeed)."""
+        futile = 0
+        for call in self.sdk_calls:
+            codes = [a.code for a in call]
+            if "request_already_completed" in codes:
+                futile += len(codes) - 1 - codes.index("request_already_completed")
+        return futile
+
+    @property
+    def attempts(self) -> list[Attempt]:
+        return [a for f in self.ids for a in f.attempts]
+
+    @property
+    def answers(self) -> Counter[str]:
+        return Counter("cut by client" if a.cut else ("no answer" if a.status is None else
+                                                     f"{a.status} {a.code or 'ok'}") for a in self.attempts)
+
+
+@dataclass(frozen=True)
+class RetryResult:
+    config: RetryConfig
+    main: RetryFigures
+    name: str = "retry"
+
+    def problems(self) -> dict[str, list[str]]:
+        """Request id -> why it breaks the claim."""
+        out = {}
+        for f in self.main.ids:
+            found = f.problems(self.config.prompt_tokens)
+            if found:
+                out[f.plan.request_id] = found
+        return out
+
+    def checks(self) -> dict[str, bool]:
+        c, f = self.config, self.main
+        problems = self.problems()
+        answers = f.answers
+        statuses = Counter(p.pattern for p in (i.plan for i in f.ids))
+        return {
+            f"all {c.ids} ids sent, every pattern exercised":
+                len(f.ids) == c.ids and all(statuses[p] for p in PATTERNS),
+            "every id: one reservation, one reserve event": all(i.reservations == 1 == i.reserve_events for i in f.ids),
+            "every id: run at most once on a replica": (not f.tapped or all((i.sequences or 0) <= 1 for i in f.ids))
+            and f.untagged_sequences == 0,
+            "every id: at most one attempt answered 200, the others 409 (or cut by the client)":
+                all(len(i.answered_ok) <= 1 and i.served for i in f.ids)
+            and not any(k.startswith("5") or k.startswith("429") or k == "no answer" for k in answers),
+            "every id billed once (what its one served attempt got)": not problems,
+            "requests_per_minute deducted once per id (exact)":
+                all(abs(b.deductions - b.ids) < 1e-6 and b.usage_requests == b.ids for b in f.buckets.values()),
+            "event log sums == reservations' billed totals, every tenant": not f.reconcile_differences,
+            f"every reservation final within {c.converge_s_max:g} s":
+                f.converge_s is not None and f.open_after == 0 and f.replicas_running_after == 0,
+        }
+
+    @property
+    def passed(self) -> bool:
+        return all(self.checks().values())
+
+    def render(self) -> list[Any]:
+        from rich.table import Table
+
+        c, f = self.config, self.main
+        resends = sum(1 for a in f.attempts if a.role != "original")
+        out: list[Any] = [
+            f"[bold]drill retry[/bold]: {c.ids} request ids over {', '.join(c.tenants)} in {c.seconds:g} s, each "
+            f"re-sent {c.resends[0]}-{c.resends[1]}x (patterns: {', '.join(PATTERNS)}), half streamed, outputs "
+            f"{c.output_tokens[0]}-{c.output_tokens[1]} tokens; {c.replicas} emulated replicas x "
+            f"{c.replica.max_batch} slots, policy {f.policy}; requests_per_minute {c.requests_per_minute}, burst "
+            "ids+1.",
+            "Claim: the same request id is never run, reserved, billed or deducted twice."]
+        table = Table(title="by pattern", title_justify="left")
+        for column in ("pattern", "ids", "attempts", "answers", "reservations", "billed out tok",
+                       "replica runs", "ids wrong"):
+            table.add_column(column, justify="left" if column in ("pattern", "answers") else "right",
+                             no_wrap=column != "answers")
+        problems = self.problems()
+        for pattern in PATTERNS:
+            rows = [i for i in f.ids if i.plan.pattern == pattern]
+            if not rows:
+                continue
+            answers = Counter("cut" if a.cut else ("none" if a.status is None else f"{a.status} {a.code or 'ok'}")
+                              for i in rows for a in i.attempts)
+            table.add_row(pattern, str(len(rows)), str(sum(len(i.attempts) for i in rows)),
+                          ", ".join(f"{k} x{v}" for k, v in sorted(answers.items())),
+                          str(sum(i.reservations for i in rows)), f"{sum(i.billed_output for i in rows):,}",
+                          "-" if not f.tapped else str(sum(i.sequences or 0 for i in rows)),
+                          str(sum(1 for i in rows if i.plan.request_id in problems)))
+        sdk = [a for a in f.attempts if a.role == "sdk"]
+        table.caption = (f"load: {len(f.attempts):,} attempts for {c.ids} ids in {f.load_s:.1f} s (peak "
+                         f"{f.peak_in_flight} in flight); faults injected: {resends:,} re-sends"
+                         + (f" ({len(sdk)} by the SDK's own retries)" if sdk else ""))
+        table.caption_justify = "left"
+        out.append(table)
+        buckets = Table(title="requests_per_minute bucket per tenant", title_justify="left")
+        for column in ("tenant", "ids", "burst", "refill since first", "level now", "deducted", "ledger requests"):
+            buckets.add_column(column, justify="left" if column == "tenant" else "right")
+        for b in f.buckets.values():
+            buckets.add_row(b.tenant, str(b.ids), f"{b.burst:g}", f"{b.refill:.4f}", f"{b.level:.4f}",
+                            f"{b.deductions:.6f}", str(b.usage_requests))
+        out.append(buckets)
+        double = sum(max(0, i.reservations - 1) + max(0, (i.sequences or 0) - 1) + max(0, len(i.answered_ok) - 1)
+                     for i in f.ids)
+        extra = sum(b.deductions - b.ids for b in f.buckets.values())
+        extra = 0.0 if abs(extra) < 1e-9 else extra
+        out.append(f"lost: {double} double runs/reservations/answers, {extra:+.6f} extra bucket deductions, "
+                   f"{len(problems)} ids wrong; reservations "
+                   f"{', '.join(f'{k} {v}' for k, v in sorted(f.by_status.items()))}; "
+                   "converged " + ("never" if f.converge_s is None else f"{f.converge_s:.2f} s")
+                   + " after the last answer.")
+        if f.sdk_calls:
+            answered = ", ".join(f"{k} x{v}" for k, v in sorted(Counter(str(a.code or a.status) for a in sdk).items()))
+            out.append(f"[yellow]found[/yellow]: {len(f.sdk_calls)} re-sends through the openai SDK (max_retries="
+                       f"{c.sdk_max_retries}) became {len(sdk)} HTTP attempts ({answered}); "
+                       f"{f.futile_sdk_attempts} of them came after a 409 request_already_completed, which can never "
+                       "succeed: the gateway sends no x-should-retry: false, and the SDK retries every 409.")
+        for rid, found in list(problems.items())[:8]:
+            out.append(f"[red]{rid}[/red]: {'; '.join(found)}")
+        for check, ok in self.checks().items():
+            out.append(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}")
+        verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
+        out.append(f"{verdict}: {resends:,} re-sends of {c.ids} ids; "
+                   + ("not one double deduction" if self.passed else "see the FAIL lines") + ".")
+        return out
+
+    def summary(self) -> str:
+        return plain_text(self.render())
+
+
+async def _drive(url: str, keys: dict[str, str], config: RetryConfig, todo: list[IdPlan], model: str
+                 ) -> tuple[dict[str, list[Attempt]], list[list[Attempt]], int, float]:
+    """Send every id and its re-sends; the attempts by id, the HTTP attempts of each call through the SDK's
+    retries, the peak of attempts in flight, and when the last one ended (monotonic)."""
+    import httpx
+    import openai
+
+    from fairgate.drills.loadgen import _error_key
+
+    attempts: dict[str, list[Attempt]] = {p.request_id: [] for p in todo}
+    in_flight = 0
+    peak = 0
+
+    async def on_response(response: httpx.Response) -> None:
+        """Every HTTP attempt of the SDK client (its own retries included), into the calling ``send``'s list
+        (the hook runs in the task that made the call)."""
+        call = _SDK_CALL.get()
+        if call is None:
+            return
+        code = None
+        if response.status_code != 200:
+            try:
+                code = json.loads(await response.aread())["error"]["code"]
+            except (ValueError, KeyError, TypeError):
+                code = "unparsed"
+        now = time.monotonic()
+        call.append(Attempt(response.request.headers.get("x-request-id", ""), "sdk", response.status_code, code,
+                            sent_s=now, ended_s=now))
+
+    plain = {t: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys[t], max_retries=0, timeout=60.0)
+             for t in config.tenants}
+    hooked = {t: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys[t], max_retries=config.sdk_max_retries,
+                                    timeout=60.0, http_client=httpx.AsyncClient(
+                                        timeout=60.0, event_hooks={"response": [on_response]}))
+              for t in config.tenants}
+    filler = "w " * (config.prompt_tokens - CHAT_OVERHEAD_TOKENS - 1)
+    sdk_calls: list[list[Attempt]] = []
+
+    async def send(plan: IdPlan, role: str, cut_after_s: float = 0.0) -> Attempt:
+        nonlocal in_flight, peak
+        attempt = Attempt(plan.request_id, role, sent_s=time.monotonic())
+        client = hooked[plan.tenant] if role == "sdk" else plain[plan.tenant]
+        max_tokens = plan.max_tokens + (1 if role == "changed" else 0)
+
+        async def call() -> None:
+            result: Any = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": filler + plan.request_id}],
+                max_tokens=max_tokens, stream=plan.stream, extra_body={"ignore_eos": True},
+                extra_headers={"X-Request-Id": plan.request_id},
+                **({"stream_options": {"include_usage": True}} if plan.stream else {}))
+            if plan.stream:
+                async with result:
+                    attempt.status = 200
+                    async for chunk in result:
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            attempt.tokens += 1
+            else:
+                attempt.status = 200
+                attempt.tokens = result.usage.completion_tokens if result.usage else 0
+
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            if cut_after_s > 0:
+                try:
+                    await asyncio.wait_for(call(), timeout=cut_after_s)
+                except asyncio.TimeoutError:
+                    attempt.cut, attempt.status = True, None
+            else:
+                await call()
+        except openai.APIStatusError as exc:
+            attempt.status, attempt.code = exc.status_code, exc.code
+        except Exception as exc:  # noqa: BLE001 - every failure is a figure of the drill
+            attempt.code = _error_key(exc)
+        finally:
+            in_flight -= 1
+            attempt.ended_s = time.monotonic()
+        return attempt
+
+    async def one(plan: IdPlan, start: float) -> None:
+        await asyncio.sleep(max(0.0, start + plan.at_s - time.monotonic()))
+        mine = attempts[plan.request_id]
+        if plan.pattern == "storm":
+            results = await asyncio.gather(send(plan, "original"),
+                                           *(send(plan, "resend") for _ in plan.resend_delays_s))
+            mine.extend(results)
+            return
+        if plan.pattern == "timeout":
+            mine.append(await send(plan, "original", cut_after_s=plan.cut_after_s))
+            base = time.monotonic()
+            original = None
+        else:
+            base = time.monotonic()
+            original = asyncio.ensure_future(send(plan, "original"))
+
+        async def resend(index: int, delay: float) -> None:
+            role = "resend"
+            if plan.pattern == "changed" and index == 0 and original is not None:
+                role = "changed"  # after the original's answer: it must not win the race to the ledger
+                await asyncio.wait([original])
+                await asyncio.sleep(delay)
+            await asyncio.sleep(max(0.0, base + delay - time.monotonic()))
+            if plan.pattern == "sdk":
+                call: list[Attempt] = []
+                token = _SDK_CALL.set(call)
+                try:
+                    final = await send(plan, "sdk")
+                finally:
+                    _SDK_CALL.reset(token)
+                # The hook recorded every HTTP attempt the SDK made; the last one's answer is ``final``'s.
+                if final.status == 200 and call:
+                    call[-1].tokens = final.tokens
+                mine.extend(call or [final])
+                sdk_calls.append(call)
+                return
+            mine.append(await send(plan, role))
+
+        await asyncio.gather(*(resend(i, d) for i, d in enumerate(plan.resend_delays_s)))
+        if original is not None:
+            mine.insert(0, await original)
+
+    start = time.monotonic()
+    try:
+        await asyncio.gather(*(one(p, start) for p in todo))
+    finally:
+        for client in (*plain.values(), *hooked.values()):
+            await client.close()
+    last = max(a.ended_s for rows in attempts.values() for a in rows)
+    return attempts, sdk_calls, peak, last
+
+
+def run(options: DrillOptions, config: RetryConfig | None = None) -> RetryResult:
+    """Run the drill under ``options.policy`` (``seconds``: how long the originals arrive over)."""
+    from fairgate.ledger.reconcile import reconcile
+
+    config = config or RetryConfig()
+    if options.seconds is not None:
+        config = replace(config, seconds=options.seconds)
+    spec = config.spec(options.policy, options.processes)
+    todo = id_plans(config, options.seed)
+
+    with open_stack(spec, gateway_process=config.gateway_process) as drill:
+        async def go() -> RetryFigures:
+            start = time.monotonic()
+            attempts, sdk_calls, peak, last = await _drive(drill.url, drill.keys, config, todo, spec.model)
+            load_s = last - start
+            ledger = await open_ledger(drill.stack)
+            try:
+                converge_s = None
+                while True:
+                    open_now = len(await ledger.reservations(status="open"))
+                    running = sum(s["running"] + s["waiting"] for s in await replica_stats(drill))
+                    if open_now == 0 and running == 0:
+                        converge_s = time.monotonic() - last
+                        break
+                    if time.monotonic() - last > config.converge_s_max:
+                        break
+                    await asyncio.sleep(0.05)
+                reservations = await ledger.reservations()
+                events = await ledger.events()
+                report = await reconcile(ledger, freeze=False)
+                buckets = {}
+                for tenant in config.tenants:
+                    account = await ledger.account(tenant, spec.model)
+                    usage = await ledger.usage(tenant, 10 * 365 * 86_400)
+                    first_ms = min((e.at_ms for e in events if e.tenant == tenant and e.kind == "reserve"),
+                                   default=account.requests_updated_ms)
+                    refill = (account.requests_updated_ms - first_ms) * config.requests_per_minute / 60_000.0
+                    buckets[tenant] = BucketFigures(tenant, config.ids_of(tenant), float(config.burst(tenant)),
+                                                    float(account.requests_level or 0.0), refill, usage.requests)
+            finally:
+                await ledger.close()
+            by_id: dict[tuple[str, str], list[Any]] = {}
+            for r in reservations:
+                by_id.setdefault((r.tenant, r.request_id), []).append(r)
+            reserve_events = Counter(e.reservation_id for e in events if e.kind == "reserve")
+            sequences: dict[str, list[Any]] = {}
+            for tap in drill.taps:
+                for tag, seqs in tap.sequences.items():
+                    sequences.setdefault(tag, []).extend(seqs)
+            tapped = bool(drill.taps)
+            rows = []
+            for plan in todo:
+                mine = by_id.get((plan.tenant, plan.request_id), [])
+                first = mine[0] if mine else None
+                seqs = sequences.get(plan.request_id, [])
+                rows.append(IdFigures(
+                    plan, attempts[plan.request_id], len(mine), sum(reserve_events[r.id] for r in mine),
+                    first.status if first else None, first.billed.input_tokens if first else 0,
+                    first.billed.output_tokens if first else 0, len(seqs) if tapped else None,
+                    sum(s.generated for s in seqs) if tapped else None))
+            stats = await replica_stats(drill)
+            return RetryFigures(
+                options.policy, rows, buckets, load_s, converge_s, len([r for r in reservations if r.status == "open"]),
+                dict(Counter(r.status for r in reservations)),
+                {t.tenant: t.differences for t in report.tenants if t.differences},
+                sum(s["running"] + s["waiting"] for s in stats), tapped, sum(t.untagged for t in drill.taps), peak,
+                sdk_calls)
+
+        figures = asyncio.run(go())
+    return RetryResult(config, figures)
