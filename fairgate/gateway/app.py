@@ -422,7 +422,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             # the relay's clean-up (slot, settlement) is armed even if the client leaves before the body
             # starts (asyncio finalizes a started generator; one never started would hold its slot forever).
             first = await relay.__anext__()
-            return StreamingResponse(_prepend(first, relay), media_type="text/event-stream", headers=headers)
+            return _RelayedStream(first, relay, headers)
         collect = asyncio.ensure_future(_collect(stream, call, reservation, lease, chat, body.model, headers, done))
         watcher = asyncio.ensure_future(_watch_disconnect(request, collect))
         try:
@@ -668,6 +668,23 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     yield first
     async for piece in rest:
         yield piece
+
+
+class _RelayedStream(StreamingResponse):
+    """The SSE response of a relayed stream; when the response ends - sent, failed, or its client gone at
+    any point - the relay is closed, which runs its clean-up (slot, settlement) at once rather than
+    whenever the garbage collector finalizes it."""
+
+    def __init__(self, first: str, relay: Any, headers: dict[str, str]) -> None:
+        super().__init__(_prepend(first, relay), media_type="text/event-stream", headers=headers)
+        self._relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._relay.aclose()
 
 
 def _finished(call: CallState, reservation: Reservation, outcome: str, input_tokens: int, output_tokens: int,

@@ -26,7 +26,7 @@ def test_re_sent_request_ids_are_never_run_billed_or_deducted_twice():
     config, figs = RetryConfig(), result.main
     # The faults were injected: every pattern, and more re-sends than ids.
     assert all(sum(1 for i in figs.ids if i.plan.pattern == p) >= 10 for p in PATTERNS), summary
-    assert sum(1 for a in figs.attempts if a.role != "original") > 2 * config.ids, summary
+    assert sum(1 for a in figs.attempts if a.role != "original") > 1.5 * config.ids, summary
     answers = figs.answers
     assert answers["409 request_in_progress"] > 0 and answers["409 request_already_completed"] > 0, summary
     assert answers["409 idempotency_conflict"] > 0 and answers["cut by client"] > 0, summary
