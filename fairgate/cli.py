@@ -369,6 +369,13 @@ def serve(
 
     servers = []
     keys: dict[str, str] = {}
+    try:  # a port in use is a one-line error, before anything is printed or started
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind((host, port))
+    except OSError as exc:
+        raise _fail(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
     if config is None:
         folder = demo_folder()
         upstream_port = _free_port(host)

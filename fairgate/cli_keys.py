@@ -72,7 +72,7 @@ def _replace_text(path: Path, text: str) -> None:
 
 @keys_app.command()
 def add(
-    tenant: Annotated[str, typer.Argument(help="A tenant of [quotas.tenants].")],
+    tenant: Annotated[str, typer.Argument(help="A tenant of the quotas.tenants table.")],
     config: ConfigPath,
     name: Annotated[str | None, typer.Option("--name", help="A label for the key (e.g. where it is used).")] = None,
 ) -> None:
@@ -124,3 +124,39 @@ def list_keys(config: ConfigPath) -> None:
     widths = [max(len(row[i]) for row in [("tenant", "name", "hash"), *rows]) for i in range(2)]
     for row in [("tenant", "name", "hash"), *rows]:
         sys.stdout.write(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}\n")
+
+
+@keys_app.command("add-admin")
+def add_admin(config: ConfigPath) -> None:
+    """Make an admin key (``/metrics``, ``/admin/...``, the dashboard's all-tenant view), store its hash in
+    ``[admin].key_hashes`` and print the key (once)."""
+    import tomlkit
+
+    from fairgate.gateway.auth import hash_api_key, new_api_key
+    from fairgate.gateway.config import GatewayConfigError, gateway_config_from_dict, load_gateway_config
+
+    def run() -> str:
+        load_gateway_config(config)  # the file is valid before it is touched
+        key = new_api_key()
+        document = tomlkit.parse(config.read_text(encoding="utf-8"))  # comments and layout kept
+        admin = document.get("admin")
+        if admin is None:
+            admin = tomlkit.table()
+            document["admin"] = admin
+        hashes = admin.get("key_hashes")
+        if hashes is None:
+            admin["key_hashes"] = [hash_api_key(key)]
+        elif isinstance(hashes, list):
+            hashes.append(hash_api_key(key))
+        else:
+            raise GatewayConfigError(f"{config}: admin.key_hashes must be a list of hashes")
+        updated = tomlkit.dumps(document)
+        gateway_config_from_dict(tomllib.loads(updated), config)  # the file as it will be, before writing it
+        _replace_text(config, updated)
+        return key
+
+    key = _guard(run)
+    sys.stdout.write(key + "\n")
+    sys.stdout.flush()
+    _say(f"added an admin key to {config}; it is printed above and cannot be shown again (only its hash is "
+         "stored). Restart the gateway to use it.")

@@ -206,3 +206,21 @@ def test_serve_without_config_runs_the_demo_and_prints_each_tenants_share(tmp_pa
     assert abs(sum(shares) - 100.0) < 0.5 and all(share > 0 for share in shares)  # every tenant was served
     requests = {tenant: int(cells[1]) for tenant, cells in rows.items()}
     assert requests["classify"] > requests["agent"]  # short requests: many more of them for the same GPU time
+
+
+def test_keys_add_admin_stores_a_hash_that_verifies_and_keeps_the_files_comments(tmp_path):
+    from fairgate.gateway.auth import verify_api_key
+    from fairgate.gateway.config import load_gateway_config
+
+    config = tmp_path / "fairgate.toml"
+    config.write_text((REPO / "config" / "fairgate.example.toml").read_text())
+    keys = []
+    for _ in range(2):
+        done = fairgate("keys", "add-admin", "--config", str(config))
+        assert done.returncode == 0, done.stderr
+        keys.append(done.stdout.strip())
+    hashes = load_gateway_config(config).admin.key_hashes
+    assert len(hashes) == 2 and all(verify_api_key(k, h) for k, h in zip(keys, hashes))
+    assert "# two emulated replicas" in config.read_text().lower() or config.read_text().startswith("#")
+    missing = fairgate("keys", "add-admin", "--config", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2 and "nope.toml" in missing.stderr and "Traceback" not in missing.stderr

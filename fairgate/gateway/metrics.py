@@ -25,7 +25,7 @@ Per tenant (counters and histograms from events, cumulative since start)
   (``Rejected``; one refused after admission - queue full, no upstream - counts in both).
 - ``fairgate_requests_finished_total{tenant,outcome}``: upstream calls ended: completed, cancelled, error.
 - ``fairgate_queue_time_seconds{tenant}``: histogram, time in the tenant's queue before dispatch.
-- ``fairgate_ttft_seconds{tenant}``, ``fairgate_tpot_seconds{tenant}``: histograms, dispatch to first token,
+- ``fairgate_ttft_seconds{tenant}``, ``fairgate_tpot_seconds{tenant}``: histograms, admission (queue included) to first token,
   mean time per output token after the first (``Finished``).
 - ``fairgate_input_tokens_total{tenant}``, ``fairgate_output_tokens_total{tenant}``: billed tokens (the
   upstream's usage, ``Finished``).
@@ -126,7 +126,8 @@ class MetricsObserver:
                                 ["tenant", "outcome"], registry=registry)
         self.queue_time = Histogram("fairgate_queue_time_seconds", "Time in the tenant's queue before dispatch.",
                                     ["tenant"], buckets=QUEUE_BUCKETS_S, registry=registry)
-        self.ttft = Histogram("fairgate_ttft_seconds", "Time from dispatch to the first output token.", ["tenant"],
+        self.ttft = Histogram("fairgate_ttft_seconds", "Time from admission (queue included) to the first output "
+                              "token.", ["tenant"],
                               buckets=TTFT_BUCKETS_S, registry=registry)
         self.tpot = Histogram("fairgate_tpot_seconds", "Mean time per output token after the first, per request.",
                               ["tenant"], buckets=TPOT_BUCKETS_S, registry=registry)
@@ -174,7 +175,7 @@ class MetricsObserver:
         label = self.labels(e.tenant)
         self.finished.labels(label, e.outcome).inc()
         if e.ttft_ms is not None:
-            self.ttft.labels(label).observe(e.ttft_ms / 1000.0)
+            self.ttft.labels(label).observe((e.queue_ms + e.ttft_ms) / 1000.0)
         if e.tpot_ms is not None:
             self.tpot.labels(label).observe(e.tpot_ms / 1000.0)
         self.input_tokens.labels(label).inc(e.input_tokens)

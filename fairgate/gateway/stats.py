@@ -339,7 +339,8 @@ class Stats:
         add(e.time_s, (e.tenant, "gap_gpu_ms"), e.gpu_ms_estimate - e.gpu_ms)
         add(e.time_s, (e.tenant, "gap_output_tokens"), e.max_output_tokens - e.output_tokens)
         if e.ttft_ms is not None:
-            self._remember("ttft", e.tenant, e.model, e.time_s, e.ttft_ms)
+            # What the client waited: its time in the queue, then to the first token (the SLO's TTFT).
+            self._remember("ttft", e.tenant, e.model, e.time_s, e.queue_ms + e.ttft_ms)
         if e.tpot_ms is not None:
             self._remember("tpot", e.tenant, None, e.time_s, e.tpot_ms)
             self._tpot.add(e.time_s, (e.upstream, "sum"), e.tpot_ms)
