@@ -90,7 +90,7 @@ def test_counts_tokens_gaps_and_percentiles():
     assert (w.admissions, w.rejections, w.rejected) == (2, {"rate": 1, "queue_full": 1}, 2)
     assert (w.input_tokens, w.output_tokens) == (6, 12)
     assert w.queue_p99_ms == 99.0  # nearest rank of 1..100
-    assert w.ttft_p99_ms == 200.0
+    assert w.ttft_p99_ms == 201.0  # what the client waited: 1 ms queued + 200 ms to the first token
     assert w.reserve_gap_gpu_ms == pytest.approx((15 - 10) + (15 - 30))
     assert w.reserve_gap_output_tokens == 4
     totals = stats.totals["a"]
@@ -102,7 +102,7 @@ def test_counts_tokens_gaps_and_percentiles():
     # second finish (t=100.5) and drops [99, 100), which held everything else.
     clock.now = 160.2
     w = stats.window().tenants["a"]
-    assert (w.admissions, w.output_tokens, w.ttft_p99_ms, w.queue_p99_ms) == (0, 8, 200.0, None)
+    assert (w.admissions, w.output_tokens, w.ttft_p99_ms, w.queue_p99_ms) == (0, 8, 201.0, None)
 
 
 def test_p99_nearest_rank():
