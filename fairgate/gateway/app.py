@@ -383,7 +383,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             raise GatewayError(429, f"Too many requests queued for this tenant ({exc.limit:g}, all gateway "
                                     "processes).", "queue_full", kind="rate_limit_error",
                                retry_after_s=exc.retry_after_s, reason="queue_full", dimension=exc.dimension,
-                               after_admission=True) from None
+                               after_admission=True, headers=quota_headers(exc)) from None
         except QueueFull as exc:
             await _release_reservation(reservation, Usage())
             error = GatewayError(429, f"Too many requests queued for this tenant ({exc.limit}).", "queue_full",
@@ -469,10 +469,12 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             closed = True
             # The client may be gone and this task cancelled: the clean-up must still run to the end.
             with anyio.CancelScope(shield=True):
-                await stream.aclose()  # type: ignore[attr-defined]
-                dispatcher.release(lease, call.output_tokens)
-                await _settle(call, reservation, final=True, cancelled=not finished)
-                done()
+                try:
+                    await stream.aclose()  # type: ignore[attr-defined]
+                    dispatcher.release(lease, call.output_tokens)
+                finally:  # whatever went wrong above, the request is settled and forgotten
+                    await _settle(call, reservation, final=True, cancelled=not finished)
+                    done()
 
         try:
             async for chunk in stream:
@@ -509,10 +511,12 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             raise GatewayError(exc.status, str(exc), "upstream_error", kind="server_error") from None
         finally:
             with anyio.CancelScope(shield=True):
-                await stream.aclose()  # type: ignore[attr-defined]
-                dispatcher.release(lease, call.output_tokens)
-                await _settle(call, reservation, final=True, cancelled=not finished)
-                done()
+                try:
+                    await stream.aclose()  # type: ignore[attr-defined]
+                    dispatcher.release(lease, call.output_tokens)
+                finally:  # whatever went wrong above, the request is settled and forgotten
+                    await _settle(call, reservation, final=True, cancelled=not finished)
+                    done()
         text = "".join(call.text)
         usage = call.usage or {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.output_tokens,
                                "total_tokens": call.prompt_tokens + call.output_tokens}

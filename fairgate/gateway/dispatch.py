@@ -239,6 +239,12 @@ class Dispatcher:
                 self._schedule_wake(pool, now)
                 return
             future = pool.waiters.pop(request.request_id, None)
+            if future is not None and future.done():
+                # Its caller was cancelled in this very tick (its client left while it waited) and has not
+                # yet taken it out of the queue: it gets no slot (setting a result would raise here, inside
+                # someone else's release, and leak that slot).
+                pool.queued[request.tenant] -= 1
+                future = None
             if future is None or request.request_id in pool.abandoned:
                 pool.abandoned.discard(request.request_id)
                 pool.policy.finish(request, now)  # its client left while it waited

@@ -19,10 +19,6 @@ from fairgate.drills.cancellation import CancellationConfig, run
 WALL_S_MAX = 45.0
 
 
-# Open defect (issue 6 note): in about one run in two, one of the 1,000 streams cut by its client after some
-# chunks keeps its gateway slot and its reservation open: its relay's clean-up never runs (seen with the
-# replica done streaming it). Until it is found, the drill reports it and this test does not gate CI.
-@pytest.mark.xfail(strict=False, reason="a stream cut mid-relay now and then keeps its slot and reservation open")
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
 def test_a_thousand_cancelled_streams_release_every_slot_and_bill_what_was_generated():
     start = time.monotonic()

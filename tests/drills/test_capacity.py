@@ -1,0 +1,68 @@
+"""Drill ``capacity`` (fairgate.drills.capacity): one of two emulated replica processes is SIGKILLed mid-load;
+batch yields first, the interactive tenants split what is left by weight (2 : 1), and every request ends in
+a success or an explicit error to its client.
+
+One run: two ``fairgate emulate`` processes, the gateway in this process (an SQLite ledger), ``gold`` (weight
+2, 24 clients), ``silver`` (weight 1, 12 clients, 12 more from the removal on) and ``bulk`` (batch pool, 40
+clients); the replica is killed at 10 s of 34; about 45 s of wall time.
+
+Measured on the shared two-core machine: bulk 27-28 % of the GPU before the removal, 0.0 % after (yielded
+2.6-5 s after the kill: its running requests ran out, nothing is preempted); gold / silver 1.97-1.99 in the
+ledger after the removal, 1.99-2.01 by the replicas' own charge rule (fcfs: 0.92, so the weights, not the
+demand, make the split); 48 requests ended in an explicit error (24 streams cut with the replica, 24 sent to
+it in the instant before the gateway marked it down: HTTP 502), none hung, no reservation open, the ledger's
+settled / cancelled reservations equal to the successes / errors. With a 10-s window after the removal
+(a 28-s run) the ledger's ratio ranged 2.00-2.25: too short a window for +-10 %.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from fairgate.drills import DrillOptions
+from fairgate.drills.capacity import CapacityConfig, lost_requests, run
+
+WALL_S_MAX = 60.0
+
+
+@pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
+def test_one_replica_removed_batch_yields_interactive_keep_weights_nothing_lost():
+    start = time.monotonic()
+    result = run(DrillOptions(policy="gpu_fair", compare=None))
+    elapsed = time.monotonic() - start
+    summary = result.summary()
+    print(summary)
+    config, figs = result.config, result.main
+    batch = figs.tenants[config.batch]
+    # The fault was real: streams on the killed replica were cut, and their clients were told.
+    assert figs.errors > 0, summary
+    for t in figs.tenants.values():
+        assert all(code.startswith(("502", "stream:upstream_error", "connection")) for code in t.errors), summary
+        assert not lost_requests(t), summary
+    # Batch had a real share before, and yielded it after.
+    assert batch.share_before > 0.10, summary
+    assert batch.share_after <= config.batch_share_after_max, summary
+    assert figs.converge_s is not None and figs.converge_s <= config.converge_s_max, summary
+    # The interactive tenants split the capacity left by weight.
+    assert abs(figs.ratio_after(config) / config.weight_ratio() - 1) <= config.ratio_tolerance, summary
+    assert result.passed, summary
+    assert elapsed <= WALL_S_MAX, f"the drill took {elapsed:.0f} s"
+
+
+@pytest.mark.serial
+@pytest.mark.xfail(strict=True, reason="gpu_fair banks an interactive tenant's unused weighted share while it is "
+                                       "active but not backlogged (running, queue empty: never lifted), so after "
+                                       "the capacity drops the heavier tenant takes far more than its weight for "
+                                       "about as long as the uncontended phase lasted")
+def test_equal_demand_before_the_removal_the_weights_still_hold_after_it_known_policy_bug():
+    """gold and silver both send 20 clients: before the removal neither is contended (1 : 1, all they ask),
+    so gold's weighted counter grows half as fast as silver's; after it, gold gets 3-7x silver's GPU for
+    about 30 s (measured: 3.45 over 6-16 s after the kill; 2.0 from ~30 s after it, in a 50-s run)."""
+    config = replace(CapacityConfig(), clients={"gold": 20, "silver": 20, "bulk": 40}, surge={})
+    result = run(DrillOptions(policy="gpu_fair", compare=None), config)
+    print(result.summary())
+    assert abs(result.main.ratio_after(config) / config.weight_ratio() - 1) <= config.ratio_tolerance, \
+        result.summary()
