@@ -373,6 +373,7 @@ def serve(
         import socket
 
         with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
             probe.bind((host, port))
     except OSError as exc:
         raise _fail(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
