@@ -69,7 +69,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -81,7 +80,7 @@ from typing import Any
 from fairgate.drills import DrillOptions, fmt_ms, plain_text
 from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS, percentile
 from fairgate.drills.stack import (ReplicaModel, Stack, StackSpec, TenantSpec, config_text, fairgate_process,
-                                   free_port, pace_replicas, serve_in_thread, _emulator_args)
+                                   free_port, new_stack_folder, pace_replicas, serve_in_thread, _emulator_args)
 from fairgate.gateway.auth import hash_api_key
 
 ADMIN_KEY = "fg-drill-admin-" + "a" * 32
@@ -243,14 +242,7 @@ def open_stack(spec: StackSpec, extra_config: str = "", environment: Mapping[str
     ``gateway_process``: with in-process replicas (``spec.processes`` false), run the gateway alone as a
     ``fairgate serve`` process: the replicas stay tapped, and the gateway gets a core of its own (the drill
     sees it through ``/metrics`` then)."""
-    if spec.replicas < 1:
-        raise ValueError("a drill stack needs at least one replica")
-    names = [t.name for t in spec.tenants]
-    if not names or len(set(names)) != len(names):
-        raise ValueError(f"a drill stack needs distinct tenant names, got {names}")
-    folder = Path(tempfile.mkdtemp(prefix="fairgate-drill-"))
-    keys = {t.name: f"fg-drill-{i}-{'k' * 32}" for i, t in enumerate(spec.tenants)}
-    config_path = folder / "fairgate.toml"
+    folder, keys, config_path = new_stack_folder(spec)
 
     def write_config(upstreams: list[str]) -> None:
         text = config_text(folder, spec, upstreams, keys)

@@ -10,6 +10,7 @@ The pieces are those of ``bench/live_fairness.py`` and ``tests/support/servers.p
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import subprocess
@@ -180,12 +181,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Run the ASGI ``app`` under uvicorn on 127.0.0.1, on its own thread and event loop, until the block
-    ends; yields its base URL."""
+def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
+    """Run the ASGI ``app`` under uvicorn on 127.0.0.1 (``port``, default a free one), on its own thread and
+    event loop, until the block ends; yields its base URL."""
     import uvicorn
 
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True, name=f"drill-server-{port}")
     thread.start()
@@ -203,16 +204,17 @@ def serve_in_thread(app: Any) -> Iterator[str]:
 
 
 @contextmanager
-def fairgate_process(args: list[str], port: int, log_path: Path) -> Iterator[str]:
-    """Run ``python -m fairgate ARGS`` (a server on ``port``; stderr to ``log_path``) until the block ends;
-    yields its base URL once ``/health`` answers."""
+def fairgate_process(args: list[str], port: int, log_path: Path | None = None,
+                     startup_s: float = STARTUP_S_MAX) -> Iterator[str]:
+    """Run ``python -m fairgate ARGS`` (a server on ``port``; its output to ``log_path``, default discarded)
+    until the block ends; yields its base URL once ``/health`` answers (within ``startup_s``)."""
     import httpx
 
     url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
+    with open(log_path or os.devnull, "wb") as log:
         child = subprocess.Popen([sys.executable, "-m", "fairgate", *args], stdout=log, stderr=log)
         try:
-            deadline = time.monotonic() + STARTUP_S_MAX
+            deadline = time.monotonic() + startup_s
             while True:
                 try:
                     if httpx.get(f"{url}/health", timeout=1).status_code == 200:
@@ -220,7 +222,7 @@ def fairgate_process(args: list[str], port: int, log_path: Path) -> Iterator[str
                 except httpx.TransportError:
                     pass
                 if time.monotonic() > deadline or child.poll() is not None:
-                    raise RuntimeError(f"fairgate {args[0]} did not start (log: {log_path})")
+                    raise RuntimeError(f"fairgate {' '.join(args)} did not start (log: {log_path or 'discarded'})")
                 time.sleep(0.1)
             yield url
         finally:
@@ -297,13 +299,11 @@ def pace_replicas(spec: StackSpec, urls: list[str]) -> Iterator[None]:
         loop.close()
 
 
-@contextmanager
-def start_stack(spec: StackSpec, keep_folder: bool = False) -> Iterator[Stack]:
-    """Start ``spec``'s replicas and gateway; stop them (and delete the folder unless ``keep_folder``) when
-    the block ends.
+def new_stack_folder(spec: StackSpec) -> tuple[Path, dict[str, str], Path]:
+    """Check ``spec`` and make its folder: (folder, tenant -> API key, the config path to write).
 
     Raises:
-        RuntimeError: a server did not start. GatewayConfigError: a bad spec (e.g. an unknown policy).
+        ValueError: no replica, or no or repeated tenant names.
     """
     if spec.replicas < 1:
         raise ValueError("a drill stack needs at least one replica")
@@ -312,7 +312,18 @@ def start_stack(spec: StackSpec, keep_folder: bool = False) -> Iterator[Stack]:
         raise ValueError(f"a drill stack needs distinct tenant names, got {names}")
     folder = Path(tempfile.mkdtemp(prefix="fairgate-drill-"))
     keys = {t.name: f"fg-drill-{i}-{'k' * 32}" for i, t in enumerate(spec.tenants)}
-    config_path = folder / "fairgate.toml"
+    return folder, keys, folder / "fairgate.toml"
+
+
+@contextmanager
+def start_stack(spec: StackSpec, keep_folder: bool = False) -> Iterator[Stack]:
+    """Start ``spec``'s replicas and gateway; stop them (and delete the folder unless ``keep_folder``) when
+    the block ends.
+
+    Raises:
+        RuntimeError: a server did not start. GatewayConfigError: a bad spec (e.g. an unknown policy).
+    """
+    folder, keys, config_path = new_stack_folder(spec)
     try:
         with ExitStack() as servers:
             if spec.processes:
