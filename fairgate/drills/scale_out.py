@@ -50,15 +50,15 @@ by the real ``openai`` client:
    their gateway (a sixth of the GPU) and the two tenants on both gateways about a third of the GPU.
 
    Also shown: the shares by the replicas' own charge rule (``/emulator/stats``), and the GPU billed against
-   the replicas' busy time. They expose a gateway bug (the report of issue 6): each process's live meter
-   charges the whole busy time of an upstream it shares with other processes to its own requests, with its
-   own in-flight count as the batch: the ledger bills each replica-second N times (x2.1 here; x1.96 and
-   x3.5 at N = 2 and 4 in claim 1), and the shares the ledger equalizes are not the GPU shares (the replicas'
-   max/min is about 1.4-1.6 while the ledger's is 1.02-1.06).
+   the replicas' busy time. They exposed a gateway bug (the report of issue 6): each process's live meter
+   charged the whole busy time of an upstream it shares with other processes to its own requests, so the
+   ledger billed each replica-second N times (x2.1 here; x1.96 and x3.5 at N = 2 and 4 in claim 1) and the
+   shares the ledger equalized were not the GPU shares (the replicas' max/min 1.4-1.6). The meters now share
+   their occupancy through the ledger (``Ledger.share_occupancy``, ``fairgate.core.meter``): billed / busy
+   1.03 here, 1.01 / 1.03 / 1.05 at N = 1 / 2 / 4; the replicas' own max/min 1.06.
 
 Faults injected: none beyond the number of processes and the placement. Lost must be nothing: in claim 2 the
-clients hang up at the deadline, and a client leaving a gateway's queue in the loop tick in which a slot
-frees breaks ``Dispatcher.release`` (``InvalidStateError``), so a reservation can stay open; it is reported.
+clients hang up at the deadline; a reservation left open is reported.
 """
 
 from __future__ import annotations

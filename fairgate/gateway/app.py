@@ -130,7 +130,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                  asyncio.ensure_future(_probe(dispatcher, clients)),
                  asyncio.ensure_future(_recover(front))]
         if config.gateway.share_charges_s > 0:
-            tasks.append(asyncio.ensure_future(ChargeSync(opened, dispatcher, config.gateway.share_charges_s).run()))
+            tasks.append(asyncio.ensure_future(ChargeSync(opened, dispatcher, config.gateway.share_charges_s,
+                                                                  clients).run()))
         yield
         for task in tasks:
             task.cancel()

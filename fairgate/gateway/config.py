@@ -97,7 +97,8 @@ class GatewaySection(_Strict):
     default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] = 512
     max_body_bytes: Annotated[int, Field(ge=1024, le=1024**3)] = 1024 * 1024
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
-    # Seconds between rounds of sharing the policy's counters with other gateway processes (0: off).
+    # Seconds between rounds of sharing the policy's counters and the meters' occupancy of the upstreams
+    # with other gateway processes (0: off; then processes sharing a replica each bill all of its time).
     share_charges_s: Annotated[float, Field(ge=0, le=60)] = 0.25
     # The shared pool's latency objective: p99 time to first token (the dashboard's SLO line).
     slo_ttft_p99_s: Annotated[float, Field(gt=0, le=3600)] = 2.0

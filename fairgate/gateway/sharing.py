@@ -10,14 +10,24 @@ restarts) books the whole history once, so every process counts the same totals.
 Staleness is bounded by ``interval_s`` (plus a ledger round trip): a policy may favour a tenant for that
 long on the strength of counters that other processes have already moved. With the ledger down, rounds
 are skipped and the local charges are kept for the next round, so nothing is lost.
+
+The same rounds share the live meters' occupancy (``Ledger.share_occupancy``): each process publishes, per
+upstream URL, how many of its requests were in the upstream's iterations on average since its last round,
+and what share of its time went to their prefill, and tells each of its meters what the other processes
+hold of that upstream, so that processes sharing a replica split its busy time instead of each billing all
+of it (``fairgate.core.meter``). A publication counts for ``4 * interval_s + 1 s``: a process that stops drops out of the others' meters by then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections.abc import Mapping
 
+from fairgate.core.meter import Occupancy
 from fairgate.gateway.dispatch import Dispatcher
+from fairgate.gateway.upstream import UpstreamClient
 from fairgate.ledger import Ledger, LedgerError
 
 log = logging.getLogger("fairgate.gateway")
@@ -30,10 +40,15 @@ class ChargeSync:
         ledger: the shared ledger (not the emergency front).
         dispatcher: this process's dispatcher.
         interval_s: seconds between rounds.
+        clients: this process's upstream clients, whose meters' occupancy is shared (none: counters only).
+        process: this process's name among those sharing the ledger (default: a fresh random one).
     """
 
-    def __init__(self, ledger: Ledger, dispatcher: Dispatcher, interval_s: float) -> None:
+    def __init__(self, ledger: Ledger, dispatcher: Dispatcher, interval_s: float,
+                 clients: Mapping[str, UpstreamClient] | None = None, process: str | None = None) -> None:
         self.ledger, self.dispatcher, self.interval_s = ledger, dispatcher, interval_s
+        self.clients = dict(clients or {})
+        self.process = process or uuid.uuid4().hex
         self._known: dict[str, dict[str, tuple[float, int, int]]] = {}  # model -> tenant -> totals seen
         self._pending: dict[str, dict[str, tuple[float, int, int]]] = {}  # not yet added (ledger was down)
 
@@ -55,6 +70,21 @@ class ChargeSync:
                 if remote[0] > 1e-9 or remote[1] > 0 or remote[2] > 0:
                     self.dispatcher.charge_remote(model, tenant, max(0.0, remote[0]), max(0, int(remote[1])),
                                                   max(0, int(remote[2])))
+        await self.share_occupancy()
+
+    async def share_occupancy(self) -> None:
+        """Publish this process's meters' occupancy and set the others' on them. Raises ``LedgerError``."""
+        if not self.clients:
+            return
+        mine: dict[str, tuple[float, float]] = {}
+        for client in self.clients.values():
+            taken = client.take_occupancy()
+            before = mine.get(upstream_key(client), (0.0, 0.0))
+            mine[upstream_key(client)] = (before[0] + taken.sequences, before[1] + taken.prefill_share)
+        others = await self.ledger.share_occupancy(self.process, mine, 4000.0 * self.interval_s + 1000.0)
+        for client in self.clients.values():
+            sequences, prefill_share = others.get(upstream_key(client), (0.0, 0.0))
+            client.set_remote(Occupancy(sequences, min(1.0, prefill_share)))
 
     async def run(self) -> None:
         """Rounds every ``interval_s`` until cancelled; a ledger outage is logged once per outage."""
@@ -68,6 +98,12 @@ class ChargeSync:
                 if not down:
                     log.warning("charge sharing paused: %s", exc)
                 down = True
+
+
+def upstream_key(client: UpstreamClient) -> str:
+    """The name processes share an upstream's occupancy under: its URL (their ``[[upstream]]`` names may
+    differ)."""
+    return client.upstream.url.rstrip("/")
 
 
 def _add(a: dict[str, tuple[float, int, int]], b: dict[str, tuple[float, int, int]]) -> dict[str, tuple[float, int, int]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from fairgate.core.meter import LiveMeter, MeterCharge
+from fairgate.core.meter import LiveMeter, MeterCharge, Occupancy
 from fairgate.gateway.dispatch import Upstream
 
 # Charges to the policy, per request: (tenant, gpu_ms, output_tokens, batch size).
@@ -67,8 +67,22 @@ class UpstreamClient:
         self.http = httpx.AsyncClient(base_url=upstream.url.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=5.0),
                                       limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8))
 
+    @property
+    def batch_size(self) -> int:
+        """Sequences on the upstream as far as this process knows: its own and the other processes'."""
+        return max(1, self.meter.in_flight + round(self.meter.remote.sequences))
+
+    def take_occupancy(self) -> Occupancy:
+        """This process's occupancy of the upstream since the last call (``LiveMeter.take_occupancy``)."""
+        self._book(self.meter.advance(self._now_ms()))
+        return self.meter.take_occupancy()
+
+    def set_remote(self, remote: Occupancy) -> None:
+        """The other gateway processes' occupancy of the upstream, from now (``LiveMeter.set_remote``)."""
+        self._book(self.meter.set_remote(remote, self._now_ms()))
+
     def _book(self, charges: list[MeterCharge]) -> None:
-        batch = max(1, self.meter.in_flight)
+        batch = self.batch_size
         for charge in charges:
             call = self._calls.get(charge.request_id)
             if call is None:
@@ -138,7 +152,7 @@ class UpstreamClient:
                     self._book(self.meter.first_token(call.request_id, self._now_ms()))
                 else:
                     self._book(self.meter.token(self._now_ms()))
-                self._charge(call.tenant, 0.0, 1, max(1, self.meter.in_flight))
+                self._charge(call.tenant, 0.0, 1, self.batch_size)
             if choice.get("finish_reason"):
                 call.finish_reason = choice["finish_reason"]
 

@@ -208,6 +208,15 @@ class Ledger(ABC):
         share the counters their fair policies read (issue 6). Raises ``LedgerUnavailable``."""
 
     @abstractmethod
+    async def share_occupancy(self, process: str, occupancy: dict[str, tuple[float, float]],
+                              stale_after_ms: float) -> dict[str, tuple[float, float]]:
+        """Publish gateway process ``process``'s occupancy of its upstreams - upstream (its URL) -> (sequences
+        in the iteration, share of the upstream's time spent prefilling them), averaged over its last round - replacing what it
+        published before, and counted for ``stale_after_ms`` (ledger clock) unless published again; return,
+        per upstream, the sum over every *other* process's publication still counted. How the live meters of processes sharing a replica split its busy
+        time between them (``fairgate.core.meter``, issue 6). Raises ``LedgerUnavailable``."""
+
+    @abstractmethod
     async def close(self) -> None:
         """Release connections."""
 

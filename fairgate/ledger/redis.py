@@ -1100,6 +1100,40 @@ class RedisLedger(Ledger):
         return {tenant: (gpu_ms, int(tokens_in), int(tokens_out)) for tenant, (gpu_ms, tokens_in, tokens_out)
                 in totals.items()}
 
+    async def share_occupancy(self, process: str, occupancy: dict[str, tuple[float, float]],
+                              stale_after_ms: float) -> dict[str, tuple[float, float]]:
+        """``Ledger.share_occupancy``: a hash per process (``{P:occupancy}:PROCESS``, field UPSTREAM, value
+        ``"SEQUENCES PREFILL_SHARE"``) that expires ``stale_after_ms`` after its last write, and a set of the
+        processes (``{P:occupancy}``); two round trips. Raises ``LedgerUnavailable``."""
+        members = f"{{{self.prefix}:occupancy}}"
+        mine = f"{members}:{process}"
+        with self._unavailable():
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.delete(mine)
+                if occupancy:
+                    pipe.hset(mine, mapping={upstream: f"{float(sequences)!r} {float(prefill_share)!r}"
+                                             for upstream, (sequences, prefill_share) in occupancy.items()})
+                    pipe.pexpire(mine, max(1, int(stale_after_ms)))
+                pipe.sadd(members, process)
+                pipe.smembers(members)
+                processes = sorted(p.decode() if isinstance(p, bytes) else p for p in (await pipe.execute())[-1])
+            others = [p for p in processes if p != process]
+            async with self._client.pipeline(transaction=False) as pipe:
+                for other in others:
+                    pipe.hgetall(f"{members}:{other}")
+                published = await pipe.execute()
+            gone = [other for other, fields in zip(others, published) if not fields]
+            if gone:
+                await self._client.srem(members, *gone)
+        totals: dict[str, tuple[float, float]] = {}
+        for fields in published:
+            for upstream, value in fields.items():
+                name = upstream.decode() if isinstance(upstream, bytes) else upstream
+                sequences, prefill_share = map(float, (value.decode() if isinstance(value, bytes) else value).split())
+                before = totals.get(name, (0.0, 0.0))
+                totals[name] = (before[0] + sequences, before[1] + prefill_share)
+        return totals
+
     async def close(self) -> None:
         """Close the connection pool."""
         await self._client.aclose()

@@ -73,6 +73,9 @@ CREATE TABLE IF NOT EXISTS fg_charges (
   scope TEXT NOT NULL, tenant TEXT NOT NULL,
   gpu_ms {real} NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
   PRIMARY KEY (scope, tenant));
+CREATE TABLE IF NOT EXISTS fg_occupancy (
+  process TEXT NOT NULL, upstream TEXT NOT NULL, sequences {real} NOT NULL, prefill_share {real} NOT NULL,
+  expires_at_ms {real} NOT NULL, PRIMARY KEY (process, upstream));
 """
 
 _RESERVATION_COLUMNS = ("id, tenant, request_id, model_class, run_id, tool_round, input_tokens, max_output_tokens, "
@@ -491,6 +494,24 @@ class SqlLedger(Ledger):
             rows = (await tx.batch(statements))[-1]
         return {tenant: (float(gpu_ms), int(tokens_in), int(tokens_out)) for tenant, gpu_ms, tokens_in, tokens_out
                 in rows}
+
+    async def share_occupancy(self, process: str, occupancy: dict[str, tuple[float, float]],
+                              stale_after_ms: float) -> dict[str, tuple[float, float]]:
+        """``Ledger.share_occupancy``: one row per (process, upstream) in ``fg_occupancy``; expired rows are
+        deleted (a process that stopped). Raises ``LedgerUnavailable``."""
+        async with self._transaction() as tx:
+            now_ms = await self._now_ms(tx)
+            statements = [("DELETE FROM fg_occupancy WHERE process = :process OR expires_at_ms <= :now",
+                           {"process": process, "now": now_ms})]
+            statements += [("INSERT INTO fg_occupancy (process, upstream, sequences, prefill_share, expires_at_ms) "
+                            "VALUES (:process, :upstream, :sequences, :prefill_share, :expires)",
+                            {"process": process, "upstream": upstream, "sequences": float(sequences),
+                             "prefill_share": float(prefill_share), "expires": now_ms + stale_after_ms})
+                           for upstream, (sequences, prefill_share) in sorted(occupancy.items())]
+            statements.append(("SELECT upstream, SUM(sequences), SUM(prefill_share) FROM fg_occupancy "
+                               "WHERE process <> :process GROUP BY upstream", {"process": process}))
+            rows = (await tx.batch(statements))[-1]
+        return {upstream: (float(sequences), float(prefill_share)) for upstream, sequences, prefill_share in rows}
 
 
 __all__ = ["TABLES", "AsyncIterator", "SqlLedger", "Tx"]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fairgate.core import CostModel
-from fairgate.core.meter import LiveMeter
+from fairgate.core.meter import LiveMeter, Occupancy
 
 COST = CostModel(9, 0.55, 0.06, 24)
 
@@ -76,3 +78,122 @@ def test_a_request_sent_mid_iteration_is_charged_only_from_the_next_boundary():
     assert meter.charged_ms("late") == 0.0
     meter.advance(260.0)  # late's prefill iteration: it carries the prefill weight
     assert meter.charged_ms("late") > 100.0
+
+
+# --- several gateway processes on one replica (remote occupancy) -------------------------------------------------
+
+
+def test_a_process_charges_only_its_part_of_an_iteration_it_shares_with_another_process():
+    meter = LiveMeter(COST, 0.0)
+    meter.start("a", "ta", 0, 0.0)
+    meter.set_remote(Occupancy(sequences=3.0), 0.0)  # three decoding sequences of another process beside it
+    meter.token(40.0)
+    assert meter.charged_ms("a") == pytest.approx(10.0)  # dt / B with B = 4
+    assert meter.busy_ms == pytest.approx(40.0) and meter.charged_total_ms == pytest.approx(10.0)
+    # The other process spends a fifth of the time prefilling: that fifth is off, the rest split by B.
+    meter.set_remote(Occupancy(sequences=3.0, prefill_share=0.2), 40.0)
+    meter.token(140.0)
+    assert meter.charged_ms("a") == pytest.approx(10.0 + 100.0 * 0.8 / 4)
+    with pytest.raises(ValueError, match="remote occupancy"):
+        meter.set_remote(Occupancy(-1.0, 0.0), 150.0)
+    with pytest.raises(ValueError, match="remote occupancy"):
+        meter.set_remote(Occupancy(1.0, 1.5), 150.0)
+
+
+def test_occupancy_is_the_time_average_of_requests_in_the_iteration_and_the_prefill_share():
+    meter = LiveMeter(COST, 0.0)
+    meter.start("a", "t", 100, 0.0)  # alone: 100 x 0.06 = 6 ms of prefill in a 15.55-ms iteration
+    meter.first_token("a", 20.0)
+    meter.start("b", "t", 0, 20.0)  # pending until the next boundary
+    meter.token(25.0)
+    meter.advance(35.0)
+    taken = meter.take_occupancy()  # 0-25 ms: 1 sequence; 25-35: 2
+    assert taken.sequences == pytest.approx(45.0 / 35.0) and taken.prefill_share == pytest.approx(6.0 / 35.0)
+    meter.advance(40.0)
+    assert meter.take_occupancy() == Occupancy(2.0, 0.0)  # a new window
+    assert meter.take_occupancy() == Occupancy(2.0, 0.0)  # a window of no time: the requests now
+
+
+def _two_processes_on_one_replica(publish_every_ms: float | None, iterations: int = 3000):
+    """A replica running continuous batching under the charge rule (the truth), fed by two gateway
+    processes: process 0 sends short requests (20 tokens), process 1 long ones (300 tokens), all with
+    400-token prompts, each keeping 8 sequences in flight. A request sent at a token's arrival reaches the
+    replica during the next iteration and joins the one after. Each process meters its own requests, and
+    every ``publish_every_ms`` the two swap their averaged occupancy (as ``ChargeSync`` rounds do; None:
+    never). Returns ((truth, charged) of process 0, of process 1, replica busy time)."""
+    meters = [LiveMeter(COST, 0.0), LiveMeter(COST, 0.0)]
+    lengths = (20, 300)
+    truth = [0.0, 0.0]
+    running: list[dict[str, int]] = [{}, {}]  # per process: request -> tokens still to come
+    joining: list[list[str]] = [[], []]  # arrived at the replica, joining the next iteration
+    sent: list[list[str]] = [[], []]  # sent at the last token, arriving during the next iteration
+    first_lengths: dict[str, int] = {}  # the first requests' lengths are staggered
+    count = 0
+    now = 0.0
+    next_publish = publish_every_ms if publish_every_ms is not None else math.inf
+    for side in (0, 1):
+        for index in range(8):
+            count += 1
+            meters[side].start(f"{side}-{count}", f"t{side}", 400, now)
+            joining[side].append(f"{side}-{count}")
+            first_lengths[f"{side}-{count}"] = lengths[side] * (index + 1) // 8
+    for _ in range(iterations):
+        for side in (0, 1):
+            running[side].update({name: first_lengths.get(name, lengths[side]) for name in joining[side]})
+        batch = len(running[0]) + len(running[1])
+        if not batch:  # every sequence ended at once: the replica idles until the next ones arrive
+            joining, sent = sent, [[], []]
+            continue
+        dt = COST.decode_ms(batch) + COST.prefill_ms(400) * (len(joining[0]) + len(joining[1]))
+        for side in (0, 1):
+            truth[side] += COST.decode_ms(batch) / batch * len(running[side]) + COST.prefill_ms(400) * len(joining[side])
+        joining, sent = sent, [[], []]
+        now += dt
+        for side in (0, 1):
+            meter = meters[side]
+            for name, tokens in list(running[side].items()):
+                meter.first_token(name, now) if tokens == first_lengths.get(name, lengths[side]) else meter.token(now)
+                running[side][name] = tokens - 1
+                if tokens == 1:
+                    meter.finish(name, now)
+                    del running[side][name]
+                    count += 1
+                    meter.start(f"{side}-{count}", f"t{side}", 400, now)
+                    sent[side].append(f"{side}-{count}")
+        if now >= next_publish:
+            next_publish = now + publish_every_ms
+            mine = [m.take_occupancy() for m in meters]
+            meters[0].set_remote(mine[1], now)
+            meters[1].set_remote(mine[0], now)
+    return (truth[0], meters[0].charged_total_ms), (truth[1], meters[1].charged_total_ms), now
+
+
+def test_two_processes_sharing_a_replica_each_charge_about_what_the_replica_spent_on_them():
+    """The meters' split holds the charge rule to a few percent per process, and the two together bill the
+    replica's busy time once (each alone would bill all of it: x2)."""
+    (truth0, charged0), (truth1, charged1), busy_ms = _two_processes_on_one_replica(publish_every_ms=250.0)
+    assert truth0 + truth1 == pytest.approx(busy_ms, rel=1e-9)
+    assert charged0 == pytest.approx(truth0, rel=0.03) and charged1 == pytest.approx(truth1, rel=0.03)
+    assert charged0 + charged1 == pytest.approx(busy_ms, rel=0.02)
+    # Without the exchange each process bills every interval it has a request in: the replica's time twice.
+    (_, alone0), (_, alone1), busy_ms = _two_processes_on_one_replica(publish_every_ms=None)
+    assert alone0 + alone1 == pytest.approx(2 * busy_ms, rel=1e-6)
+
+
+def test_a_token_of_the_burst_a_request_was_sent_in_is_not_its_iteration_boundary():
+    """Found by the two-process simulation: a slot freed by a request ending in an iteration is taken at
+    once, and the other tokens of that iteration, read after the new request was sent, made it join an
+    iteration it was not in (prompt-heavy short requests over-billed by 12 %)."""
+    meter = LiveMeter(COST, 0.0)
+    for name in ("a", "b"):
+        meter.start(name, "t", 0, 0.0)
+    meter.token(20.0)  # an iteration ends: a's token ...
+    meter.finish("a", 20.0)  # ... and a's end
+    meter.start("c", "t", 1000, 20.2)  # a's slot taken at once
+    meter.token(20.5)  # b's token of the same iteration, read a little later: not c's boundary
+    meter.advance(40.0)
+    assert meter.charged_ms("c") == 0.0
+    meter.token(40.0)  # the next iteration ends: c joins the one after
+    meter.advance(41.0)
+    assert meter.charged_ms("c") > 0.5  # prefilling: most of the interval
+    assert LiveMeter(COST, 0.0).boundary_lag_ms == pytest.approx(4.5)  # iter_base_ms / 2

@@ -357,6 +357,24 @@ async def test_shared_charge_totals_add_up_across_callers(open_ledger, clock):
     assert await ledger.add_charges("other-model", {"a": (1.0, 1, 1)}) == {"a": (1.0, 1, 1)}  # scopes apart
 
 
+async def test_each_process_sees_the_occupancy_the_other_processes_published_until_it_goes_stale(open_ledger):
+    ledger = await open_ledger(QUOTAS)  # the real clock: staleness is the ledger's (Redis expires keys itself)
+    u1, u2 = "http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"
+    assert await ledger.share_occupancy("p1", {u1: (3.0, 0.125), u2: (1.0, 0.0)}, 60_000.0) == {}
+    assert await ledger.share_occupancy("p2", {u1: (2.0, 0.5)}, 60_000.0) == {u1: (3.0, 0.125), u2: (1.0, 0.0)}
+    assert await ledger.share_occupancy("p3", {}, 60_000.0) == {u1: (5.0, 0.625), u2: (1.0, 0.0)}
+    # p1's new round replaces its old one (u2 gone), and the others are summed.
+    assert await ledger.share_occupancy("p1", {u1: (0.5, 0.0)}, 60_000.0) == {u1: (2.0, 0.5)}
+    assert await ledger.share_occupancy("p3", {}, 60_000.0) == {u1: (2.5, 0.5)}
+    # What a process published counts for stale_after_ms: one that stops publishing drops out.
+    assert await ledger.share_occupancy("p1", {u1: (1.0, 0.0)}, 300.0) == {u1: (2.0, 0.5)}
+    assert await ledger.share_occupancy("p2", {u1: (4.0, 0.0)}, 300.0) == {u1: (1.0, 0.0)}
+    await ledger.share_occupancy("p3", {}, 300.0)
+    await asyncio.sleep(0.5)
+    assert await ledger.share_occupancy("p1", {u1: (1.0, 0.0)}, 300.0) == {}
+    assert await ledger.share_occupancy("p3", {}, 300.0) == {u1: (1.0, 0.0)}
+
+
 QUEUE_QUOTAS = {"defaults": {"max_queued": 2, "max_concurrent": 10, "reservation_ttl_s": 60}, "tenants": {"a": {}, "b": {}}}
 
 
