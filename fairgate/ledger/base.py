@@ -184,8 +184,10 @@ class Ledger(ABC):
 
     @abstractmethod
     async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
-        """One sweeper pass: for each open reservation past its TTL, ask ``is_running`` (default: a
-        heartbeat within the TTL); extend the running ones by a TTL, expire the others (billing what was
+        """One sweeper pass: for each open reservation past its TTL, ask ``is_running``, and extend the
+        running ones by a TTL from now; by default (no ``is_running``) a reservation heartbeat within the
+        TTL runs, and is extended to a TTL after that heartbeat - so a dead process's reservation is
+        expired by the first sweep a TTL after its last heartbeat. Expire the others (billing what was
         settled so far). Returns the reservations expired."""
 
     @abstractmethod

@@ -426,14 +426,14 @@ touch_all()
 return {'ok', out}
 """
 
-# ARGV[3..]: reservation id, reservation_ttl_s. Extends an open reservation to now + TTL.
+# ARGV[3..]: reservation id, reservation_ttl_s, from (ms; "" = now). Extends an open reservation to from + TTL.
 _EXTEND = _PRELUDE + r"""
-local rid, ttl_s = ARGV[3], tonumber(ARGV[4])
+local rid, ttl_s, since = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
 local r = cjson.decode(raw)
 if r.status ~= 'open' then return {'final', raw} end
-local expires = now_ms() + ttl_s * 1000.0
+local expires = (since or now_ms()) + ttl_s * 1000.0
 r.expires_at_ms = fmt(expires)
 local out = cjson.encode(r)
 hset(RES, rid, out)
@@ -1022,21 +1022,20 @@ class RedisLedger(Ledger):
         if reply[0] == "not_found":
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
 
-    async def _heartbeat_running(self, r: Reservation) -> bool:
-        ttl_ms = self.limits(r.tenant, r.model_class).reservation_ttl_s * 1000.0
+    async def _last_beat_ms(self, r: Reservation) -> tuple[float | None, float]:
+        """(its last heartbeat or None, now), ms on the ledger clock."""
         with self._unavailable():
             beat, now = await self._beat(keys=self._keys(tenant_tag(r.tenant)), args=[*self._head(), r.id])
-        return beat != "" and float(now) - float(beat) <= ttl_ms
+        return (float(beat) if beat not in ("", b"") else None), float(now)
 
     async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
         """One sweeper pass over every registered tenant that is not frozen: open reservations past
-        ``expires_at_ms`` are extended by their TTL if ``is_running`` (default: a heartbeat within the TTL)
-        says so, otherwise expired (billing what was settled so far), each in one script.
+        ``expires_at_ms`` are extended if ``is_running`` says so (by a TTL from now), or by default if
+        heartbeat within the TTL (to a TTL after that heartbeat), otherwise expired (billing what was settled so far), each in one script.
 
         Returns the reservations expired. Raises ``UnknownTenant`` (a tenant no longer configured),
         ``LedgerUnavailable``.
         """
-        check = is_running or self._heartbeat_running
         with self._unavailable():
             due: list[Reservation] = []
             for tag in sorted(await self._tenants()):
@@ -1044,11 +1043,17 @@ class RedisLedger(Ledger):
         due.sort(key=lambda r: (r.expires_at_ms, r.created_ms, r.id))
         expired = []
         for r in due:
-            if await check(r):
-                ttl_s = self.limits(r.tenant, r.model_class).reservation_ttl_s
+            ttl_s = self.limits(r.tenant, r.model_class).reservation_ttl_s
+            if is_running is not None:
+                running, since_ms = await is_running(r), None
+            else:  # the heartbeat registry: running if beaten within the TTL, and only a TTL from that beat
+                since_ms, now_ms = await self._last_beat_ms(r)
+                running = since_ms is not None and now_ms - since_ms <= ttl_s * 1000.0
+            if running:
                 with self._unavailable():
                     await self._extend(keys=self._keys(tenant_tag(r.tenant)),
-                                       args=[*self._head(), r.id, _number(float(ttl_s))])
+                                       args=[*self._head(), r.id, _number(float(ttl_s)),
+                                             "" if since_ms is None else _number(since_ms)])
                 continue
             reply = await self._close_call(r.id, "expire", True, None)
             code = reply[0]

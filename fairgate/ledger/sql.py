@@ -431,15 +431,14 @@ class SqlLedger(Ledger):
             await tx.execute("INSERT INTO fg_heartbeats (reservation_id, beat_ms) VALUES (:id, :now) ON CONFLICT "
                              "(reservation_id) DO UPDATE SET beat_ms = excluded.beat_ms", {"id": r.id, "now": now_ms})
 
-    async def _heartbeat_running(self, r: Reservation) -> bool:
+    async def _last_beat_ms(self, r: Reservation) -> tuple[float | None, float]:
+        """(its last heartbeat or None, now), ms on the ledger clock."""
         async with self._transaction() as tx:
             now_ms = await self._now_ms(tx)
             row = await tx.fetchone("SELECT beat_ms FROM fg_heartbeats WHERE reservation_id = :id", {"id": r.id})
-        ttl_ms = self.limits(r.tenant, r.model_class).reservation_ttl_s * 1000.0
-        return row is not None and now_ms - float(row[0]) <= ttl_ms
+        return (float(row[0]) if row is not None else None), now_ms
 
     async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
-        check = is_running or self._heartbeat_running
         async with self._transaction() as tx:
             now_ms = await self._now_ms(tx)
             await tx.execute("DELETE FROM fg_heartbeats WHERE reservation_id IN (SELECT id FROM fg_reservations "
@@ -449,12 +448,17 @@ class SqlLedger(Ledger):
                                      "ORDER BY expires_at_ms", {"now": now_ms})
         expired = []
         for r in map(_reservation, rows):
-            if await check(r):
+            ttl_ms = self.limits(r.tenant, r.model_class).reservation_ttl_s * 1000.0
+            if is_running is not None:
+                running, since_ms = await is_running(r), None
+            else:  # the heartbeat registry: running if beaten within the TTL, and only a TTL from that beat
+                since_ms, now_ms = await self._last_beat_ms(r)
+                running = since_ms is not None and now_ms - since_ms <= ttl_ms
+            if running:
                 async with self._transaction() as tx:
-                    now_ms = await self._now_ms(tx)
-                    ttl_ms = self.limits(r.tenant, r.model_class).reservation_ttl_s * 1000.0
+                    base_ms = since_ms if since_ms is not None else await self._now_ms(tx)
                     await tx.execute("UPDATE fg_reservations SET expires_at_ms = :at WHERE id = :id AND "
-                                     "status = 'open'", {"at": now_ms + ttl_ms, "id": r.id})
+                                     "status = 'open'", {"at": base_ms + ttl_ms, "id": r.id})
                 continue
             try:
                 current = await self.get(r.id)

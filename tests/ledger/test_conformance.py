@@ -263,9 +263,13 @@ async def test_default_registry_is_the_heartbeat(open_ledger, clock):
     r = await ledger.reserve("a", "hb", 1, 1, 0.0)
     clock.advance(50)
     await ledger.heartbeat(r.id)
+    beat_ms = clock.now_ms
     clock.advance(20)
-    assert await ledger.expire_due() == []  # beat 20 s ago, within the TTL: extended
-    clock.advance(120)
+    assert await ledger.expire_due() == []  # beat 20 s ago, within the TTL: extended ...
+    assert (await ledger.get(r.id)).expires_at_ms == pytest.approx(beat_ms + 60_000)  # ... to a TTL after the beat
+    clock.advance(39)
+    assert await ledger.expire_due() == []
+    clock.advance(2)  # a TTL and a second after the last heartbeat (a dead process): the next sweep ends it
     assert [x.id for x in await ledger.expire_due()] == [r.id]
 
 
