@@ -18,10 +18,10 @@ then on demand alone (FIFO) would split what is left 1 : 1, the weights 2 : 1. T
   reported and must be within ``converge_s_max``;
 - **interactive tenants keep their weighted shares**: the capacity left is less than they want, so the fair
   policy splits it by weight: ``gold``'s GPU over ``silver``'s after the removal is 2 within
-  ``ratio_tolerance`` (10 %). Before the removal their usage follows their demand, which is in their weight
-  ratio on purpose: ``gpu_fair`` banks the unused weighted share of a tenant that is running but not
-  backlogged (it is never lifted), and spends it after the capacity drops (the equal-demand variant in
-  ``tests/drills/test_capacity.py`` shows gold taking 3-7x silver's GPU for ~30 s);
+  ``ratio_tolerance`` (10 %). Before the removal their usage follows their demand (24 : 12 by default; the
+  equal-demand variant in ``tests/drills/test_capacity.py``, 20 : 20, found ``gpu_fair`` banking the unused
+  weighted share of a tenant that ran but was not backlogged - gold then took 3-7x silver's GPU for ~30 s
+  after the removal; now lifted to the virtual time, ``fairgate.core.policies.counters``);
 - **nothing is lost**: every request a client sent ended in a success or an explicit error (HTTP 502, or an
   error event inside a stream that was cut with the replica) - the clients wait up to ``drain_s`` after the
   load for the requests still queued, so a request that hangs shows as ``cut``; every reservation is final

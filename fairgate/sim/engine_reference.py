@@ -67,12 +67,11 @@ def run_reference(workload: Workload, cost: CostModel, policy: Policy, replicas:
             result.tenant_gpu_ms[seq.tenant_index] += per_sequence_ms
             result.tenant_decode_tokens[seq.tenant_index] += 1
             policy.charge(seq.tenant, per_sequence_ms, 0, 1, size)
-        still: list[_Sequence] = []
-        for seq in batch:
-            if seq.generated == seq.output_tokens:
-                admission.finish(seq.request_id, t)
-            else:
-                still.append(seq)
+        still = [seq for seq in batch if seq.generated < seq.output_tokens]
+        # Sequences ending in one iteration leave in request id order (the compressed engine's order too: a
+        # policy may see who went idle last).
+        for request_id in sorted(seq.request_id for seq in batch if seq.generated == seq.output_tokens):
+            admission.finish(request_id, t)
         running[r] = still
         iteration_end[r] = None
 

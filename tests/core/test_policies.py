@@ -61,6 +61,54 @@ def test_counter_lift_forgives_idle_time_only_up_to_the_lowest_active():
     assert p.pick(3.0, RunningView()).tenant == "a"
 
 
+def test_a_running_tenant_that_got_all_it_asked_does_not_bank_its_unused_weighted_share():
+    """gold (weight 2) and silver, uncontended: each keeps one long request running and sends short ones
+    (100 ms each) that are picked at once, so gold's counter grows half as fast as silver's. Each short
+    request of gold's arrives to its empty queue while it runs: it is lifted to the virtual time less its
+    running work (one request at its mean charge), so when capacity drops gold has not banked the
+    difference (without the lift: 1000 behind silver after 20 rounds, and it would win the next 10 picks)."""
+    p = GPUFair(weights={"gold": 2.0})
+    view = RunningView()
+    for rid, tenant in enumerate(("gold", "silver")):  # the long requests
+        p.enqueue(Request(rid, tenant, 10, 0.0), 0.0)
+        p.pick(0.0, view)
+    rid = 2
+    for _ in range(20):
+        for tenant in ("gold", "silver"):
+            p.enqueue(Request(rid, tenant, 10, 0.0), 0.0)
+            picked = p.pick(0.0, view)
+            assert picked is not None and picked.tenant == tenant  # uncontended: picked at once
+            p.charge(tenant, 100.0, 0, 0, 2)
+            p.finish(picked, 0.0)
+            rid += 1
+    assert p.counters["silver"] == pytest.approx(2000.0)
+    # Gold's last request was lifted to the virtual time (silver's key at its last pick: 1800) less gold's
+    # allowance (50), then charged its 50: 200 behind silver, where it was 1000 behind without the lift.
+    assert p.counters["gold"] == pytest.approx(1800.0)
+    # Capacity drops: both backlogged; gold's key is not far below silver's any more.
+    p.enqueue(Request(rid, "gold", 10, 0.0), 0.0)
+    p.enqueue(Request(rid + 1, "silver", 10, 0.0), 0.0)
+    picks = []
+    for _ in range(2):
+        picked = p.pick(0.0, view)
+        picks.append(picked.tenant)
+        p.charge(picked.tenant, 100.0, 0, 0, 2)
+    assert sorted(picks) == ["gold", "silver"]
+
+
+def test_a_running_tenant_is_not_lifted_before_any_of_its_requests_finished():
+    """Its running work cannot be estimated yet (seed 002's agent at start-up would pay it twice)."""
+    p = GPUFair()
+    p.enqueue(Request(0, "a", 10, 0.0), 0.0)
+    p.enqueue(Request(1, "b", 10, 0.0), 0.0)
+    view = RunningView()
+    p.pick(0.0, view)
+    p.pick(0.0, view)
+    p.charge("a", 300.0, 0, 0, 2)
+    p.enqueue(Request(2, "b", 10, 0.0), 0.0)  # b runs, queue empty, key 0 < virtual time; nothing finished
+    assert p.counters.get("b", 0.0) == 0.0
+
+
 def test_weights_scale_counters():
     p = GPUFair(weights={"a": 2.0})
     p.charge("a", 100.0, 0, 0, 1)

@@ -3,11 +3,22 @@
 All three keep one counter per tenant, admit the backlogged tenant with the lowest counter, and lift
 a tenant that returns from idle to the lowest counter among the other active tenants, so idle time is
 not banked (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024, Algorithm 2: the
-"virtual token counter" with counter lift). "Active" means queued or running: a tenant whose queue
-empties while its requests still run was never idle, and is not lifted when its next request arrives
-(lifting it would forgive work it is still doing and leave it short for the rest of the run). When no
-other tenant is active, the floor is the counter of the last tenant to go idle. They differ only in
-what a unit of work adds:
+"virtual token counter" with counter lift). "Active" means queued or running; when no other tenant is
+active, the floor is the counter of the last tenant to go idle.
+
+A tenant whose queue empties while its requests still run got every slot it asked for; with weights,
+its counter then grows more slowly than its neighbours' for the same use (a weight-2 tenant's half as
+fast), and the difference would be banked and spent the moment capacity runs short (a weight-2 tenant
+took 3-7x its weight-1 neighbour's GPU for ~30 s after a replica was lost: ``fairgate drill capacity``).
+So when its next request arrives to the empty queue, its key (the counter, plus committed work where a
+policy counts it) is lifted towards the *virtual time*: the highest key any pick has been made at, as
+start-time fair queuing starts a flow that becomes backlogged at the larger of the virtual time and its
+previous packet's finish tag (Goyal, Vin, Cheng, SIGCOMM 1996). Its requests still running are that
+previous packet, of unknown size: the key is lifted to the virtual time less an allowance for their work
+not yet charged - each running request counted at the tenant's mean charge per finished request (the mean
+residual of a memoryless length) - and not at all before one of its requests has finished. Without the
+allowance, the lift charged the running work twice (seed 002's study moved from 1.00 to 1.01).
+They differ only in what a unit of work adds:
 
 - ``vtc``: ``input_weight * prompt tokens + output_weight * generated tokens`` (shipped weights 1 and 2);
 - ``vtc_calibrated``: the output weight is the cost model's exchange rate at the batch size the token
@@ -52,13 +63,30 @@ class CounterPolicy(QueuedPolicy):
         self.counters: dict[str, float] = {}
         self._tracked: set[str] = set()  # tenants seen so far
         self._last_left = 0.0  # counter of the last tenant to go idle (the lift floor when none is active)
+        self.virtual_time = 0.0  # the highest key a pick has been made at (see module docstring)
+        self._charged: dict[str, float] = {}  # counter growth by work (not by lifts), per tenant
+        self._finished: dict[str, int] = {}  # requests that left their slot, per tenant
 
     def _active(self, tenant: str) -> bool:
         return tenant in self._queues or self._running(tenant) > 0
 
+    def _key(self, tenant: str) -> float:
+        """What picks compare: the counter (subclasses add committed work)."""
+        return self.counters.get(tenant, 0.0)
+
     def _on_backlogged(self, tenant: str, now_ms: float) -> None:
-        if self._running(tenant):
-            return  # still running work: it was never idle, so there is no idle time to forgive
+        running = self._running(tenant)
+        if running:
+            # It got every slot it asked for: lift its key towards the virtual time, so the share it left
+            # unused is not banked, less an allowance for its running work (see module docstring).
+            finished = self._finished.get(tenant, 0)
+            if not finished:
+                return
+            floor = self.virtual_time - running * self._charged.get(tenant, 0.0) / finished
+            key = self._key(tenant)
+            if key < floor:
+                self.counters[tenant] = self.counters.get(tenant, 0.0) + floor - key
+            return
         others = [self.counters.get(t, 0.0) for t in self._tracked if t != tenant and self._active(t)]
         floor = min(others) if others else self._last_left
         if self.counters.get(tenant, 0.0) < floor:
@@ -68,17 +96,26 @@ class CounterPolicy(QueuedPolicy):
     def _on_inactive(self, tenant: str, now_ms: float) -> None:
         self._last_left = self.counters.get(tenant, 0.0)
 
+    def _on_pick(self, request: Request, now_ms: float) -> None:
+        self.virtual_time = max(self.virtual_time, self._key(request.tenant))
+
     def _select(self, now_ms: float, running: RunningView) -> str | None:
-        counters = self.counters
-        lowest = min(counters.get(t, 0.0) for t in self._queues)
+        key = {t: self._key(t) for t in self._queues}
+        lowest = min(key.values())
         limit = lowest + TIE_RELATIVE * max(1.0, abs(lowest))
-        tied = [t for t in self._queues if counters.get(t, 0.0) <= limit]
+        tied = [t for t in self._queues if key[t] <= limit]
         return tied[0] if len(tied) == 1 else self._earliest(tied)
 
     def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> None:
         cost = self._cost(gpu_ms, input_tokens, output_tokens, batch_size)
         if cost:
-            self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self._weights.get(tenant, 1.0)
+            weighted = cost / self._weights.get(tenant, 1.0)
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + weighted
+            self._charged[tenant] = self._charged.get(tenant, 0.0) + weighted
+
+    def finish(self, request: Request, now_ms: float) -> None:
+        self._finished[request.tenant] = self._finished.get(request.tenant, 0) + 1
+        super().finish(request, now_ms)
 
     def _cost(self, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> float:
         raise NotImplementedError  # abstract: each counter policy defines its unit of work
@@ -177,15 +214,11 @@ class GPUFair(CounterPolicy):
     def _cost(self, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> float:
         return gpu_ms
 
-    def _select(self, now_ms: float, running: RunningView) -> str | None:
-        counters, committed, weights = self.counters, self.committed, self._weights
-        key = {t: counters.get(t, 0.0) + committed.get(t, 0.0) / weights.get(t, 1.0) for t in self._queues}
-        lowest = min(key.values())
-        limit = lowest + TIE_RELATIVE * max(1.0, abs(lowest))
-        tied = [t for t in self._queues if key[t] <= limit]
-        return tied[0] if len(tied) == 1 else self._earliest(tied)
+    def _key(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0) + self.committed.get(tenant, 0.0) / self._weights.get(tenant, 1.0)
 
     def _on_pick(self, request: Request, now_ms: float) -> None:
+        super()._on_pick(request, now_ms)
         if request.max_output_tokens and self._per_token_ms:
             declared = min(request.max_output_tokens, self._horizon)
             self._commits[request.request_id] = declared
