@@ -70,6 +70,11 @@ class ChatMessage(_Open):
         return " ".join(part.text for part in self.content)
 
 
+# The OpenAI API's sampling fields and their ranges (platform.openai.com/docs/api-reference/chat/create):
+# the emulator ignores them, but a request vLLM would refuse is refused here too, naming the field.
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
 class _Generation(_Open):
     model: Annotated[str, Field(min_length=1, max_length=1000)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -79,6 +84,13 @@ class _Generation(_Open):
     seed: int | None = None
     ignore_eos: bool = False
     n: Literal[1] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
+    user: str | None = None
 
     def token_cap(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -86,11 +98,14 @@ class _Generation(_Open):
 
 class ChatRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class CompletionRequest(_Generation):
     prompt: str | list[str]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the completions API's default
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
 
 
 

@@ -136,6 +136,17 @@ def test_concurrent_duplicates_of_one_request_id_run_once(stack):
     (b'{"model": "emu", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
     (b'{"model": "emu", "prompt": "x", "stream": "yes"}', "stream"),
     (b'{"model": "", "prompt": "x"}', "model"),
+    # OpenAI's sampling fields: the type and range vLLM would hold them to, named in the error.
+    (b'{"model": "emu", "prompt": "x", "temperature": "hot"}', "temperature"),
+    (b'{"model": "emu", "prompt": "x", "temperature": 2.5}', "temperature"),
+    (b'{"model": "emu", "prompt": "x", "top_p": -0.1}', "top_p"),
+    (b'{"model": "emu", "prompt": "x", "presence_penalty": "1"}', "presence_penalty"),
+    (b'{"model": "emu", "prompt": "x", "frequency_penalty": 3}', "frequency_penalty"),
+    (b'{"model": "emu", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
+    (b'{"model": "emu", "prompt": "x", "stop": 7}', "stop"),
+    (b'{"model": "emu", "prompt": "x", "logit_bias": {"50256": 101}}', "logit_bias.50256"),
+    (b'{"model": "emu", "prompt": "x", "logprobs": 9}', "logprobs"),
+    (b'{"model": "emu", "prompt": "x", "user": 12}', "user"),
 ])
 def test_unsendable_or_mistyped_bodies_are_400(stack, body, param):
     reply = httpx.post(f"{stack.url}/v1/completions", content=body, timeout=30,
@@ -143,6 +154,16 @@ def test_unsendable_or_mistyped_bodies_are_400(stack, body, param):
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
     assert asyncio.run(reservations(stack)) == []
+
+
+def test_well_formed_sampling_fields_are_served(stack):
+    body = {"model": "emu", "prompt": "x", "max_tokens": 3, "temperature": 0, "top_p": 0.9, "presence_penalty": -2,
+            "frequency_penalty": 1.5, "stop": ["\n", "END"], "logit_bias": {"50256": -100}, "logprobs": 2,
+            "user": "u-1", "seed": 7}
+    reply = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 3
 
 
 def test_unknown_route_and_double_credentials(stack):
