@@ -160,6 +160,31 @@ def fmt_errors(errors: dict[str, int]) -> str:
     return ", ".join(parts) or "-"
 
 
+class RenderedResult:
+    """Base of the drills' results: ``summary()`` is ``render()`` as plain text."""
+
+    def render(self) -> list[Any]:
+        raise NotImplementedError  # abstract: each drill lays out its own figures
+
+    def summary(self) -> str:
+        return plain_text(self.render())
+
+
+class CheckedResult(RenderedResult):
+    """A drill's result whose verdict is that every one of ``checks()`` holds."""
+
+    def checks(self) -> dict[str, bool]:
+        raise NotImplementedError  # abstract: each drill names its claims
+
+    @property
+    def passed(self) -> bool:
+        return all(self.checks().values())
+
+    def check_lines(self) -> list[str]:
+        """One line per check, ``ok`` or ``FAIL`` and its claim (rich markup)."""
+        return [f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}" for check, ok in self.checks().items()]
+
+
 def plain_text(renderables: Sequence[Any], width: int = 140) -> str:
     """Render rich objects to plain text (for ``summary()``, logs and assertion messages)."""
     from rich.console import Console

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fairgate.drills import DrillOptions, Run, fmt_errors, fmt_ms, plain_text, run_on_stack
+from fairgate.drills import DrillOptions, RenderedResult, Run, fmt_errors, fmt_ms, run_on_stack
 from fairgate.drills.loadgen import TenantLoad, percentile
 from fairgate.drills.stack import LedgerReport, ReplicaModel, StackSpec, TenantSpec
 
@@ -185,7 +185,7 @@ def figures(config: BurstConfig, run: Run) -> PolicyFigures:
 
 
 @dataclass(frozen=True)
-class BurstResult:
+class BurstResult(RenderedResult):
     """The drill's verdict and figures: ``main`` under the policy tested, ``compare`` under the comparison."""
 
     config: BurstConfig
@@ -244,9 +244,6 @@ class BurstResult:
                    + ("" if self.compare is None or self.compare.ratio is None else
                       f"; under {self.compare.policy}: x{self.compare.ratio:.2f}") + ".")
         return out
-
-    def summary(self) -> str:
-        return plain_text(self.render())
 
 
 def _problems(config: BurstConfig, figs: PolicyFigures) -> list[str]:

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fairgate.drills import DrillOptions, fmt_ms, plain_text
+from fairgate.drills import CheckedResult, DrillOptions, fmt_ms
 from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS, percentile
 from fairgate.drills.stack import (ReplicaModel, Stack, StackSpec, TenantSpec, config_text, fairgate_process,
                                    free_port, new_stack_folder, pace_replicas, serve_in_thread, _emulator_args)
@@ -535,7 +535,7 @@ class CancellationFigures:
 
 
 @dataclass(frozen=True)
-class CancellationResult:
+class CancellationResult(CheckedResult):
     config: CancellationConfig
     main: CancellationFigures
     name: str = "cancellation"
@@ -591,10 +591,6 @@ class CancellationResult:
         checks[f"billed GPU within {c.gpu_ratio_tolerance:.0%} of the replicas' charge rule, per tenant"] = all(
             truth > 0 and abs(billed / truth - 1) <= c.gpu_ratio_tolerance for billed, truth in f.tenant_gpu.values())
         return checks
-
-    @property
-    def passed(self) -> bool:
-        return all(self.checks().values())
 
     def render(self) -> list[Any]:
         from rich.table import Table
@@ -674,16 +670,12 @@ class CancellationResult:
                 out.append(f"[red]{r.request_id}[/red] ({r.cut_at}): received {r.received}, billed {r.billed_output}, "
                            f"generated {r.generated}; tokens at ms from the hang-up: "
                            f"{', '.join(f'{t:.0f}' for t in (r.token_offsets_ms or ())[-(r.unbilled + 2):])}")
-        for check, ok in self.checks().items():
-            out.append(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}")
+        out.extend(self.check_lines())
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
         out.append(f"{verdict}: {f.faults} hang-ups in {c.requests} streams; "
                    + ("nothing lost" if self.passed else "see the FAIL lines") + "; converged in "
                    + ("never" if f.converge_s is None else f"{f.converge_s:.2f} s") + ".")
         return out
-
-    def summary(self) -> str:
-        return plain_text(self.render())
 
 
 async def _drive(drill: DrillStack, config: CancellationConfig, todo: list[Plan], model: str) -> list[ClientSide]:

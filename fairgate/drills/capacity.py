@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fairgate.drills import DrillOptions, fmt_errors, plain_text
+from fairgate.drills import CheckedResult, DrillOptions, fmt_errors
 from fairgate.drills.loadgen import LoadReport, TenantLoad, run_load
 from fairgate.drills.scale_out import (Child, ReplicaTruth, TenantEntry, UpstreamEntry, by_tenant, children,
                                        emulator_spec, gateway_config_text, gateway_spec, read_replica, tenant_keys,
@@ -368,7 +368,7 @@ def _converged(timeline: list[tuple[float, dict[str, float]]], kill_s: float, ba
 
 
 @dataclass(frozen=True)
-class CapacityResult:
+class CapacityResult(CheckedResult):
     config: CapacityConfig
     main: CapacityFigures
     compare: CapacityFigures | None
@@ -395,10 +395,6 @@ class CapacityResult:
                 not lost,
             "the removal cut requests (the fault was real)": figs.errors > 0,
         }
-
-    @property
-    def passed(self) -> bool:
-        return all(self.checks().values())
 
     def render(self) -> list[Any]:
         from rich.table import Table
@@ -441,8 +437,7 @@ class CapacityResult:
                 f"reservations all final {figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s.")
             table.caption_justify = "left"
             out.append(table)
-        for check, ok in self.checks().items():
-            out.append(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}")
+        out.extend(self.check_lines())
         if self.compare is not None:
             failed = [check for check, ok in self.checks(self.compare).items() if not ok]
             out.append(f"  comparison {self.compare.policy}: " + ("holds" if not failed else "fails: " + "; ".join(failed)))
@@ -452,9 +447,6 @@ class CapacityResult:
                    f"{batch.share_after:.1%} of the GPU, the interactive ratio is {self.main.ratio_after(c):.2f} "
                    f"(weights {c.weight_ratio():g}), {self.main.errors} explicit errors, nothing lost.")
         return out
-
-    def summary(self) -> str:
-        return plain_text(self.render())
 
 
 def run(options: DrillOptions, config: CapacityConfig | None = None) -> CapacityResult:

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairgate.drills import DrillOptions, plain_text
+from fairgate.drills import CheckedResult, DrillOptions
 from fairgate.drills.cancellation import ADMIN_KEY, DrillStack, open_ledger, open_stack, replica_stats
 from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS
 from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
@@ -364,7 +364,7 @@ class ForgedFigures:
 
 
 @dataclass(frozen=True)
-class ForgedResult:
+class ForgedResult(CheckedResult):
     config: ForgedConfig
     main: ForgedFigures
     name: str = "forged"
@@ -410,10 +410,6 @@ class ForgedResult:
             "each tenant's usage == what it legitimately sent (requests, output tokens)": all(
                 (f.usage[t][0], f.usage[t][2]) == expected[t] for t in self.config.tenants),
         }
-
-    @property
-    def passed(self) -> bool:
-        return all(self.checks().values())
 
     def render(self) -> list[Any]:
         from rich.table import Table
@@ -470,15 +466,11 @@ class ForgedResult:
                            "without a valid token, but ambiguous.")
         for name, found in problems.items():
             out.append(f"[red]{name}[/red]: {'; '.join(found)}")
-        for check, ok in self.checks().items():
-            out.append(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}")
+        out.extend(self.check_lines())
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
         out.append(f"{verdict}: {len(f.attacks)} forgery attempts; "
                    + ("none billed to another tenant" if self.passed else "see the FAIL lines") + ".")
         return out
-
-    def summary(self) -> str:
-        return plain_text(self.render())
 
 
 async def _send_all(drill: DrillStack, todo: list[Attack]) -> list[Outcome]:

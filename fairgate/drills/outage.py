@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fairgate.drills import DrillOptions, plain_text
+from fairgate.drills import CheckedResult, DrillOptions
 from fairgate.drills.stack import STARTUP_S_MAX, ReplicaModel, fairgate_process, free_port, serve_in_thread
 from fairgate.gateway.auth import hash_api_key
 from fairgate.ledger.base import tenant_tag
@@ -456,7 +456,7 @@ class OutageFigures:
 
 
 @dataclass(frozen=True)
-class OutageResult:
+class OutageResult(CheckedResult):
     config: OutageConfig
     figures: OutageFigures
     processes: bool
@@ -493,10 +493,6 @@ class OutageResult:
             "no open reservation and no orphan left": f.open_left == 0 and f.orphans == 0,
             f"converged within {c.converge_s_max:g} s of the ledger's return": f.converge_s is not None,
         }
-
-    @property
-    def passed(self) -> bool:
-        return all(self.checks().values())
 
     def render(self) -> list[Any]:
         from rich.table import Table
@@ -566,14 +562,10 @@ class OutageResult:
             out.append(f"  ... and {len(f.mismatches) - 12} more")
         for line in f.gateway_log[:8]:
             out.append(f"  gateway: {line}")
-        for check, ok in self.checks().items():
-            out.append(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}")
+        out.extend(self.check_lines())
         out.append(f"{'[green]PASS[/green]' if self.passed else '[red]FAIL[/red]'}: ledger down "
                    f"{f.up_at_s - f.down_at_s:.1f} s under load.")
         return out
-
-    def summary(self) -> str:
-        return plain_text(self.render())
 
 
 EDGE_S = 1.0  # a request sent this close before the restart may reach the ledger once it is back

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fairgate.drills import DrillOptions, plain_text
+from fairgate.drills import CheckedResult, DrillOptions
 from fairgate.drills.outage import (
     ADMIN_KEY,
     MODEL,
@@ -218,7 +218,7 @@ class RestartFigures:
 
 
 @dataclass(frozen=True)
-class RestartResult:
+class RestartResult(CheckedResult):
     config: RestartConfig
     figures: RestartFigures
     name: str = "restart"
@@ -253,10 +253,6 @@ class RestartResult:
                 all(v == (0.0, 0.0) for v in f.gauges.values()) and all(v == (0, 0) for v in f.replicas.values()),
             "the restarted process serves again": f.a_after_restart_ok > 0,
         }
-
-    @property
-    def passed(self) -> bool:
-        return all(self.checks().values())
 
     def render(self) -> list[Any]:
         from rich.table import Table
@@ -327,14 +323,10 @@ class RestartResult:
             out.append(f"  [red]problem[/red] {line}")
         for line in f.gateway_log[:8]:
             out.append(f"  gateway: {line}")
-        for check, ok in self.checks().items():
-            out.append(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}")
+        out.extend(self.check_lines())
         out.append(f"{'[green]PASS[/green]' if self.passed else '[red]FAIL[/red]'}: gateway A killed under load and "
                    "restarted.")
         return out
-
-    def summary(self) -> str:
-        return plain_text(self.render())
 
 
 def run(options: DrillOptions, config: RestartConfig | None = None) -> RestartResult:

@@ -49,7 +49,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fairgate.drills import DrillOptions, plain_text
+from fairgate.drills import CheckedResult, DrillOptions
 from fairgate.drills.cancellation import open_ledger, open_stack, replica_stats
 from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS
 from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
@@ -262,7 +262,7 @@ class RetryFigures:
 
 
 @dataclass(frozen=True)
-class RetryResult:
+class RetryResult(CheckedResult):
     config: RetryConfig
     main: RetryFigures
     name: str = "retry"
@@ -297,10 +297,6 @@ class RetryResult:
             f"every reservation final within {c.converge_s_max:g} s":
                 f.converge_s is not None and f.open_after == 0 and f.replicas_running_after == 0,
         }
-
-    @property
-    def passed(self) -> bool:
-        return all(self.checks().values())
 
     def render(self) -> list[Any]:
         from rich.table import Table
@@ -361,15 +357,11 @@ class RetryResult:
                        "succeed: the gateway sends no x-should-retry: false, and the SDK retries every 409.")
         for rid, found in list(problems.items())[:8]:
             out.append(f"[red]{rid}[/red]: {'; '.join(found)}")
-        for check, ok in self.checks().items():
-            out.append(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}")
+        out.extend(self.check_lines())
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
         out.append(f"{verdict}: {resends:,} re-sends of {c.ids} ids; "
                    + ("not one double deduction" if self.passed else "see the FAIL lines") + ".")
         return out
-
-    def summary(self) -> str:
-        return plain_text(self.render())
 
 
 async def _drive(url: str, keys: dict[str, str], config: RetryConfig, todo: list[IdPlan], model: str

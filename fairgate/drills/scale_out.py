@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
-from fairgate.drills import DrillOptions, fmt_errors, plain_text
+from fairgate.drills import DrillOptions, RenderedResult, fmt_errors
 from fairgate.drills.loadgen import LoadReport, TenantLoad
 from fairgate.drills.stack import STARTUP_S_MAX, ReplicaModel, free_port
 from fairgate.gateway.auth import hash_api_key
@@ -1052,7 +1052,7 @@ class ScaleOutConfig:
 
 
 @dataclass(frozen=True)
-class ScaleOutResult:
+class ScaleOutResult(RenderedResult):
     config: ScaleOutConfig
     limits: tuple[LimitsFigures, ...]
     fairness: FairnessFigures | None
@@ -1094,9 +1094,6 @@ class ScaleOutResult:
             line += f" (without shared counters: {self.compare.ratio:.3f})"
         out.append(line + ".")
         return out
-
-    def summary(self) -> str:
-        return plain_text(self.render())
 
 
 def fairness_problems(config: FairnessConfig, figs: FairnessFigures) -> list[str]:

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fairgate.drills import DrillOptions, Run, fmt_errors, fmt_ms, plain_text, run_on_stack
+from fairgate.drills import CheckedResult, DrillOptions, Run, fmt_errors, fmt_ms, run_on_stack
 from fairgate.drills.loadgen import TenantLoad
 from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
 
@@ -173,7 +173,7 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
 
 
 @dataclass(frozen=True)
-class UltraLongResult:
+class UltraLongResult(CheckedResult):
     config: UltraLongConfig
     main: PolicyFigures
     compare: PolicyFigures | None
@@ -198,10 +198,6 @@ class UltraLongResult:
             "no other errors": not any(unexpected.values()),
             "the agent ran": agent.ledger_output_tokens > 0,
         }
-
-    @property
-    def passed(self) -> bool:
-        return all(self.checks().values())
 
     def render(self) -> list[Any]:
         from rich.table import Table
@@ -236,8 +232,7 @@ class UltraLongResult:
                              f"{runs.refused} calls refused ({RUN_DIMENSION})")
             table.caption_justify = "left"
             out.append(table)
-        for check, ok in self.checks().items():
-            out.append(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}")
+        out.extend(self.check_lines())
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
         agent = self.main.tenants[c.agent]
         line = (f"{verdict}: under {self.main.policy} max/min {self.main.ratio:.3f}, agent {agent.share:.1%} "
@@ -247,9 +242,6 @@ class UltraLongResult:
             line += f"; under {self.compare.policy}: max/min {self.compare.ratio:.3f}, agent {other.share:.1%}"
         out.append(line + ".")
         return out
-
-    def summary(self) -> str:
-        return plain_text(self.render())
 
 
 def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLongResult:
