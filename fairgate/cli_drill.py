@@ -36,7 +36,7 @@ def drill(
 ) -> None:
     """Run an acceptance drill (emulated replicas, gateway, SQLite ledger); exit 0 if its claim holds."""
     from fairgate.core.policies.factory import POLICY_NAMES
-    from fairgate.drills import DRILLS, DrillOptions, UnknownDrill, run_drill
+    from fairgate.drills import DRILLS, DrillOptions, UnknownDrill, describe_runs, run_drill
 
     if name not in DRILLS:
         raise _fail(f"unknown drill {name!r}; choose one of {', '.join(DRILLS)}")
@@ -48,8 +48,8 @@ def drill(
         import openai  # noqa: F401 - the drills' load generator drives the real client
     except ModuleNotFoundError:
         raise _fail("the drills need the openai package: pip install 'openai>=1.30'") from None
-    runs = policy + (f" and {comparison} for comparison" if comparison and comparison != policy else "")
-    errors.print(f"drill {name}: running under {runs} ...", markup=False, highlight=False)
+    errors.print(f"drill {name}: running under {describe_runs(name, policy, comparison)} ...", markup=False,
+                 highlight=False)
     try:
         result = run_drill(name, DrillOptions(seconds=seconds, policy=policy, compare=comparison,
                                               processes=processes, seed=seed))

@@ -88,6 +88,23 @@ DRILLS: dict[str, str] = {
     "capacity": "fairgate.drills.capacity:run",
 }
 
+# What ``DrillOptions.compare`` runs for each drill that has a comparison ("{policy}": the compared policy);
+# the others have none and ignore it.
+COMPARISONS: dict[str, str] = {
+    "burst": "{policy} for comparison",
+    "ultra_long": "{policy} for comparison",
+    "capacity": "{policy} for comparison",
+    "scale_out": "the fairness run again without shared counters for comparison",
+}
+
+
+def describe_runs(name: str, policy: str, compare: str | None) -> str:
+    """What ``run_drill(name, ...)`` will run, for people: ``"gpu_fair and fcfs for comparison"``."""
+    comparison = COMPARISONS.get(name)
+    if not compare or compare == policy or comparison is None:
+        return policy
+    return f"{policy} and {comparison.format(policy=compare)}"
+
 
 def run_drill(name: str, options: DrillOptions | None = None) -> DrillResult:
     """Run the drill called ``name``. Raises ``UnknownDrill``."""

@@ -57,3 +57,14 @@ def test_unknown_drill_is_a_usage_error():
     assert reply.returncode == 2
     assert "unknown drill 'nosuch'" in reply.stderr and "burst" in reply.stderr and "ultra_long" in reply.stderr
     assert "Traceback" not in reply.stderr
+
+
+def test_the_announced_runs_are_the_ones_the_drill_makes():
+    from fairgate.drills import DRILLS, describe_runs
+
+    assert describe_runs("burst", "gpu_fair", "fcfs") == "gpu_fair and fcfs for comparison"
+    assert describe_runs("burst", "gpu_fair", None) == describe_runs("burst", "gpu_fair", "gpu_fair") == "gpu_fair"
+    assert describe_runs("forged", "gpu_fair", "fcfs") == "gpu_fair"  # no comparison run
+    assert describe_runs("scale_out", "gpu_fair", "fcfs") == ("gpu_fair and the fairness run again without shared "
+                                                              "counters for comparison")
+    assert {"burst", "ultra_long", "capacity", "scale_out"} <= set(DRILLS)
