@@ -358,6 +358,8 @@ def serve(
     """Run the gateway: OpenAI-compatible, per-tenant quotas, GPU-time fair dispatch."""
     import asyncio
     import contextlib
+    import signal
+    from collections.abc import Iterator
 
     import uvicorn
 
@@ -366,6 +368,16 @@ def serve(
     from fairgate.gateway.config import GatewayConfigError, load_gateway_config
     from fairgate.gateway.demo import DEMO_MODEL, demo_folder, write_demo_config
     from fairgate.gateway.demo import demo_traffic as drive_demo_traffic
+
+    class DemoServer(uvicorn.Server):
+        """A uvicorn server that leaves SIGINT/SIGTERM to ``run_all`` below (two servers share its loop)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+        def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+            return None
 
     servers = []
     keys: dict[str, str] = {}
@@ -380,8 +392,9 @@ def serve(
     if config is None:
         folder = demo_folder()
         upstream_port = _free_port(host)
-        emulator = uvicorn.Server(uvicorn.Config(create_app(EmulatorSettings(model=DEMO_MODEL)), host=host,
-                                                 port=upstream_port, log_level="warning"))
+        emulator = DemoServer(uvicorn.Config(create_app(EmulatorSettings(model=DEMO_MODEL)), host=host,
+                                              port=upstream_port, log_level="warning",
+                                              timeout_graceful_shutdown=DEMO_GRACE_S))
         servers.append(emulator)
         config, keys = write_demo_config(folder, f"http://{host}:{upstream_port}")
         _note(f"demo: emulated replica on http://{host}:{upstream_port}/v1, ledger and config in {folder}")
@@ -395,7 +408,11 @@ def serve(
         loaded = load_gateway_config(config)
     except GatewayConfigError as exc:
         raise _fail(str(exc)) from None
-    gateway = uvicorn.Server(uvicorn.Config(create_gateway(loaded), host=host, port=port, log_level="warning"))
+    if keys:  # the demo: Ctrl-C stops the traffic, prints the shares and closes the streams at once
+        gateway = DemoServer(uvicorn.Config(create_gateway(loaded), host=host, port=port, log_level="warning",
+                                             timeout_graceful_shutdown=DEMO_GRACE_S))
+    else:  # uvicorn's own signal handling: a graceful shutdown waits for the streams in flight
+        gateway = uvicorn.Server(uvicorn.Config(create_gateway(loaded), host=host, port=port, log_level="warning"))
     servers.append(gateway)
     _note(f"gateway on http://{host}:{port}/v1 (policy {loaded.gateway.policy}, ledger {loaded.ledger_url})")
     traffic = bool(keys) and demo_traffic
@@ -404,26 +421,42 @@ def serve(
               "average); GPU time should split 25 % each")
 
     async def run_all() -> None:
-        started = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stop = asyncio.Event()
+        if keys:
+            def on_signal() -> None:
+                if stop.is_set():  # a second Ctrl-C: do not wait for anything
+                    for server in servers:
+                        server.force_exit = True
+                stop.set()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, on_signal)
         serving = asyncio.gather(*(server.serve() for server in servers))
         driver = None
         if traffic:
-            while not gateway.started:
+            while not gateway.started and not serving.done():
                 await asyncio.sleep(0.05)
             driver = asyncio.ensure_future(drive_demo_traffic(f"http://{host}:{port}",
                                                               {t: k for t, k in keys.items() if t != "admin"}))
-        if duration is not None:
-            await asyncio.sleep(max(0.0, duration - (asyncio.get_running_loop().time() - started)))
-            if driver is not None:
-                driver.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await driver
-            await _print_shares(loaded)
-            for server in servers:
-                server.should_exit = True
+        if duration is not None or keys:
+            timeout = None if duration is None else max(0.0, duration - (loop.time() - started))
+            done, _ = await asyncio.wait([asyncio.ensure_future(stop.wait()), serving], timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done():
+                if driver is not None:
+                    driver.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await driver
+                await _print_shares(loaded)
+                for server in servers:
+                    server.should_exit = True
         await serving
 
     asyncio.run(run_all())
+
+
+DEMO_GRACE_S = 2  # the demo's servers wait this long for streams still open when they stop
 
 
 async def _print_shares(config: Any) -> None:

@@ -224,3 +224,29 @@ def test_keys_add_admin_stores_a_hash_that_verifies_and_keeps_the_files_comments
     assert "# two emulated replicas" in config.read_text().lower() or config.read_text().startswith("#")
     missing = fairgate("keys", "add-admin", "--config", str(tmp_path / "nope.toml"))
     assert missing.returncode == 2 and "nope.toml" in missing.stderr and "Traceback" not in missing.stderr
+
+
+@pytest.mark.serial  # the demo's traffic loads the machine; bounded wait
+def test_ctrl_c_stops_the_demo_promptly_and_prints_the_shares(tmp_path):
+    """Found by a new user: Ctrl-C took 12 s (uvicorn waited for the demo's endless streams, and only one of
+    its two servers saw the signal); now the traffic stops, the shares print, the streams close."""
+    import signal
+    import time
+
+    from tests.support.servers import free_port
+
+    proc = subprocess.Popen([sys.executable, "-m", "fairgate", "serve", "--port", str(free_port())], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(8.0)  # started, and serving demo traffic
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=60)
+        stopped_after_s = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-2000:]
+    rows = [line for line in stdout.splitlines() if line.startswith("│")]
+    assert {row.split("│")[1].strip() for row in rows} == {"classify", "chat", "summarise", "agent"}
+    assert stopped_after_s < 8.0, stopped_after_s  # 1.5 s here; 12 s before
