@@ -15,7 +15,9 @@ Request path (``shared/DESIGN.md``, "Request path and errors"):
 5. the upstream call, always streamed; the live meter charges GPU time as tokens arrive (to the policy at
    once, to the ledger in partial settlements); the final settlement bills the upstream's usage and the
    metered GPU time; a client that disconnects closes the upstream stream (the sequence stops within an
-   iteration) and is billed for what was generated. The slot is released on every path.
+   iteration) and is billed for what was generated. The slot is released on every path. An upstream that
+   refuses the connection (it never saw the request) is taken out, and the request goes back to the queue
+   for another upstream of its model, if one is up, under the same reservation (``CONNECT_ATTEMPTS``).
 """
 
 from __future__ import annotations
@@ -356,6 +358,20 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                                  prompt_tokens: int, max_tokens: int,
                                  balances: asyncio.Future[Account] | None) -> Any:
         done = lambda: in_flight.pop((tenant, request_id), None)  # noqa: E731
+        for attempt in range(1, CONNECT_ATTEMPTS + 1):
+            try:
+                return await dispatch_once(request, body, chat, tenant, request_id, reservation, prompt_tokens,
+                                           max_tokens, balances, done, attempt < CONNECT_ATTEMPTS)
+            except _TryAnotherUpstream:
+                continue  # its upstream refused the connection and is out: back to the queue for another
+        raise AssertionError("unreachable: the last attempt does not ask for another")  # pragma: no cover
+
+    async def dispatch_once(request: Request, body: ChatRequest | CompletionRequest, chat: bool, tenant: str,
+                            request_id: str, reservation: Reservation, prompt_tokens: int, max_tokens: int,
+                            balances: asyncio.Future[Account] | None, done: Any, may_retry: bool) -> Any:
+        """Queue, dispatch and relay once. Raises ``_TryAnotherUpstream`` (``may_retry`` only) when the upstream
+        refused the connection before anything was relayed and another upstream of the model is up: the slot
+        is released, the reservation is left open for the next attempt."""
         core_request = CoreRequest(_sequence(), tenant, prompt_tokens, time.monotonic() * 1000.0, max_tokens)
         queued_at = time.monotonic()
         waited = False
@@ -418,13 +434,14 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         stream = client.stream(path, upstream_body, call, lease.prefill_estimate_ms)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            relay = _relay(stream, call, reservation, lease, include_usage, done)
+            relay = _relay(stream, call, reservation, lease, include_usage, done, may_retry)
             # Start the relay before answering: an upstream that fails at once gets an HTTP error status, and
             # the relay's clean-up (slot, settlement) is armed even if the client leaves before the body
             # starts (asyncio finalizes a started generator; one never started would hold its slot forever).
             first = await relay.__anext__()
             return _RelayedStream(first, relay, headers)
-        collect = asyncio.ensure_future(_collect(stream, call, reservation, lease, chat, body.model, headers, done))
+        collect = asyncio.ensure_future(_collect(stream, call, reservation, lease, chat, body.model, headers, done,
+                                                 may_retry))
         watcher = asyncio.ensure_future(_watch_disconnect(request, collect))
         try:
             return await collect
@@ -458,9 +475,14 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         except (ReservationFinal, LedgerError) as exc:
             log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
 
+    def _another_upstream(lease: Lease, exc: UpstreamError, may_retry: bool) -> bool:
+        """Send the request to another upstream? Only if this one never saw it and another one is up."""
+        return may_retry and exc.unreachable and any(
+            u.healthy for u in dispatcher.upstreams() if u.model == lease.upstream.model and u is not lease.upstream)
+
     async def _relay(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
-                     lease: Lease, include_usage: bool, done: Any) -> AsyncIterator[str]:
-        finished = sent = closed = False
+                     lease: Lease, include_usage: bool, done: Any, may_retry: bool) -> AsyncIterator[str]:
+        finished = sent = closed = retrying = False
         last_settle = time.monotonic()
 
         async def close() -> None:
@@ -474,8 +496,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                     await stream.aclose()  # type: ignore[attr-defined]
                     dispatcher.release(lease, call.output_tokens)
                 finally:  # whatever went wrong above, the request is settled and forgotten
-                    await _settle(call, reservation, final=True, cancelled=not finished)
-                    done()
+                    if not retrying:  # (or it goes on, under the same reservation, on another upstream)
+                        await _settle(call, reservation, final=True, cancelled=not finished)
+                        done()
 
         try:
             async for chunk in stream:
@@ -493,6 +516,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             yield "data: [DONE]\n\n"
         except UpstreamError as exc:
             call.failed = True
+            if not sent and _another_upstream(lease, exc, may_retry):
+                retrying = True
+                raise _TryAnotherUpstream() from None
             if not sent:  # nothing relayed yet: the client gets a plain HTTP error
                 raise GatewayError(exc.status, str(exc), "upstream_error", kind="server_error") from None
             error = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "upstream_error"}}
@@ -501,14 +527,18 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             await close()
 
     async def _collect(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
-                       lease: Lease, chat: bool, model: str, headers: dict[str, str], done: Any) -> Any:
-        finished = False
+                       lease: Lease, chat: bool, model: str, headers: dict[str, str], done: Any,
+                       may_retry: bool) -> Any:
+        finished = retrying = False
         try:
             async for _ in stream:
                 pass
             finished = True
         except UpstreamError as exc:
             call.failed = True
+            if not call.output_tokens and _another_upstream(lease, exc, may_retry):
+                retrying = True
+                raise _TryAnotherUpstream() from None
             raise GatewayError(exc.status, str(exc), "upstream_error", kind="server_error") from None
         finally:
             with anyio.CancelScope(shield=True):
@@ -516,8 +546,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                     await stream.aclose()  # type: ignore[attr-defined]
                     dispatcher.release(lease, call.output_tokens)
                 finally:  # whatever went wrong above, the request is settled and forgotten
-                    await _settle(call, reservation, final=True, cancelled=not finished)
-                    done()
+                    if not retrying:  # (or it goes on, under the same reservation, on another upstream)
+                        await _settle(call, reservation, final=True, cancelled=not finished)
+                        done()
         text = "".join(call.text)
         usage = call.usage or {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.output_tokens,
                                "total_tokens": call.prompt_tokens + call.output_tokens}
@@ -578,6 +609,14 @@ def _operator_views() -> list[Any]:
     from fairgate.gateway import dashboard, eventlog, metrics, usage_api
 
     return [metrics.install, usage_api.install, eventlog.install, dashboard.install]
+
+
+# Upstreams a request is sent to at most, when the ones before refused the connection (each is taken out).
+CONNECT_ATTEMPTS = 3
+
+
+class _TryAnotherUpstream(Exception):
+    """The upstream refused the connection before anything was relayed; another one is up."""
 
 
 _tasks: set[asyncio.Task[Any]] = set()

@@ -24,11 +24,13 @@ ChargeSink = Callable[[str, float, int, int], None]
 
 
 class UpstreamError(Exception):
-    """The upstream failed (connection, HTTP error status, malformed stream); ``status`` for the client."""
+    """The upstream failed (connection, HTTP error status, malformed stream); ``status`` for the client.
+    ``unreachable``: the connection was refused or timed out, so the upstream never saw the request (it may
+    be sent to another one)."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 502, unreachable: bool = False) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.unreachable = status, unreachable
 
 
 @dataclass
@@ -129,9 +131,11 @@ class UpstreamClient:
                     self._observe(call, chunk)
                     yield chunk
         except httpx.HTTPError as exc:
-            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+            unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+            if unreachable:
                 self._on_down(self.upstream)  # refused or unreachable: take it out until it answers again
-            raise UpstreamError(f"upstream {self.upstream.name}: {type(exc).__name__}: {exc}", 502) from None
+            raise UpstreamError(f"upstream {self.upstream.name}: {type(exc).__name__}: {exc}", 502,
+                                unreachable) from None
         finally:
             charges, _ = self.meter.finish(call.request_id, self._now_ms())
             self._book(charges)

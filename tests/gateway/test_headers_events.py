@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
@@ -141,6 +142,41 @@ def test_a_dead_upstream_is_taken_out_until_it_answers_again(tmp_path):
             while (reply := post(url, keys["alpha"], BODY)).status_code == 503 and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert reply.status_code == 200
+
+
+@pytest.mark.parametrize("first_streams", [True, False])
+def test_a_request_sent_to_an_upstream_that_refuses_it_goes_to_another_one(tmp_path, first_streams):
+    """Found by the capacity drill: requests dispatched to a replica that had just died failed with 502 (one or
+    two a tenant), though another replica was up. The upstream never saw them: they are queued again, under
+    the same reservation, for another upstream."""
+    recorder = Recorder()
+    with serve(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [f"http://127.0.0.1:{free_port()}", emulator])  # the first is dead
+        config = load_gateway_config(path)
+        with serve(create_gateway(config, observers=[recorder])) as url:
+            streamed = post(url, keys["alpha"], dict(BODY, stream=first_streams), {"x-request-id": "s-1"})
+            plain = post(url, keys["alpha"], BODY, {"x-request-id": "p-1"})
+            later = post(url, keys["beta"], BODY, {"x-request-id": "p-2"})
+
+            async def reservations() -> list[tuple[str, str, int]]:
+                async with await connect(config.ledger_url, config.quotas) as ledger:
+                    return sorted((r.request_id, r.status, r.billed.output_tokens)
+                                  for r in await ledger.reservations())
+
+            billed = asyncio.run(reservations())
+    assert [streamed.status_code, plain.status_code, later.status_code] == [200, 200, 200], streamed.text
+    if first_streams:
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert streamed.json()["usage"]["completion_tokens"] == 2
+    assert plain.json()["usage"]["completion_tokens"] == 2
+    # One reservation each, settled once, billed what ran on the live upstream.
+    assert billed == [("p-1", "settled", 2), ("p-2", "settled", 2), ("s-1", "settled", 2)]
+    # The first went to the dead upstream, which was then out: the others went to the live one at once.
+    assert [d.upstream for d in recorder.of(Dispatched, "s-1")] == ["emu-0", "emu-1"]
+    assert [d.upstream for d in recorder.of(Dispatched, "p-1")] == ["emu-1"]
+    [finished] = recorder.of(Finished, "s-1")
+    assert finished.outcome == "completed" and finished.output_tokens == 2
 
 
 def test_the_liveness_sweep_keeps_running_requests_and_expires_abandoned_ones(tmp_path):
