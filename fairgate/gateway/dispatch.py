@@ -225,7 +225,7 @@ class Dispatcher:
         largest ``max_batch`` is assumed (it only matters to ``vtc_calibrated``)."""
         pool = self._pools[model]
         batch = max(u.max_batch for u in pool.upstreams)
-        pool.policy.charge(tenant, gpu_ms, input_tokens, output_tokens, batch)
+        pool.policy.charge(tenant, gpu_ms, input_tokens, output_tokens, batch, remote=True)
         self._dispatch(pool)  # a policy that holds requests by budget may release one now
 
     def _dispatch(self, pool: _Pool) -> None:

@@ -183,6 +183,10 @@ def test_gpu_fair_counts_a_running_requests_declared_output_as_committed_work():
     policy.charge("agent", 50.0, 0, 40, 24)  # 40 tokens generated: 40 fewer committed
     assert policy.committed["agent"] == pytest.approx(7960 * per_token_ms)
     assert policy.counters["agent"] == pytest.approx(50.0)  # the counter moves by what was spent only
+    # Tokens another gateway process's requests generated move the counter, not this process's commitments.
+    policy.charge("agent", 30.0, 0, 500, 24, remote=True)
+    assert policy.committed["agent"] == pytest.approx(7960 * per_token_ms)
+    assert policy.counters["agent"] == pytest.approx(80.0)
     agent = picks[0]
     agent.generated_tokens = 40  # it stopped after those 40 tokens: the rest of its commitment goes
     policy.finish(agent, 200.0)

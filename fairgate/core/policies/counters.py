@@ -106,12 +106,14 @@ class CounterPolicy(QueuedPolicy):
         tied = [t for t in self._queues if key[t] <= limit]
         return tied[0] if len(tied) == 1 else self._earliest(tied)
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> None:
+    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
+               remote: bool = False) -> None:
         cost = self._cost(gpu_ms, input_tokens, output_tokens, batch_size)
         if cost:
             weighted = cost / self._weights.get(tenant, 1.0)
             self.counters[tenant] = self.counters.get(tenant, 0.0) + weighted
-            self._charged[tenant] = self._charged.get(tenant, 0.0) + weighted
+            if not remote:  # the mean charge per request of this policy's own finished requests
+                self._charged[tenant] = self._charged.get(tenant, 0.0) + weighted
 
     def finish(self, request: Request, now_ms: float) -> None:
         self._finished[request.tenant] = self._finished.get(request.tenant, 0) + 1
@@ -225,9 +227,10 @@ class GPUFair(CounterPolicy):
             self.committed[request.tenant] = (self.committed.get(request.tenant, 0.0)
                                               + declared * self._per_token_ms)
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> None:
-        super().charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size)
-        if output_tokens and self.committed.get(tenant):
+    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
+               remote: bool = False) -> None:
+        super().charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size, remote)
+        if output_tokens and not remote and self.committed.get(tenant):
             self.committed[tenant] = max(0.0, self.committed[tenant] - output_tokens * self._per_token_ms)
 
     def finish(self, request: Request, now_ms: float) -> None:

@@ -77,7 +77,8 @@ class DeficitRoundRobin(QueuedPolicy):
         turns.rotate(-best_position)
         return turns[0]
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> None:
+    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
+               remote: bool = False) -> None:
         if tenant in self.deficits:
             self.deficits[tenant] -= gpu_ms
         else:
