@@ -128,7 +128,9 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                 upstream, lambda tenant, ms, tokens, batch, model=model: dispatcher.charge(model, tenant, ms, tokens,
                                                                                           batch),
                 timeout_s=config.gateway.request_timeout_s, on_down=dispatcher.mark_down)
-        tasks = [asyncio.ensure_future(_sweep(front, in_flight, config.gateway.sweep_s)),
+        longest_ttl_s = max((limits.reservation_ttl_s for quota in config.quotas.tenants.values()
+                             for limits in (quota.limits, *quota.by_model_class.values())), default=0.0)
+        tasks = [asyncio.ensure_future(_sweep(front, in_flight, config.gateway.sweep_s, longest_ttl_s)),
                  asyncio.ensure_future(_probe(dispatcher, clients)),
                  asyncio.ensure_future(_recover(front))]
         if config.gateway.share_charges_s > 0:
@@ -622,33 +624,44 @@ class _TryAnotherUpstream(Exception):
 _tasks: set[asyncio.Task[Any]] = set()
 
 
-async def _sweep(front: ResilientLedger, in_flight: dict[tuple[str, str], str], interval_s: float) -> None:
+async def _sweep(front: ResilientLedger, in_flight: dict[tuple[str, str], str], interval_s: float,
+                 hold_after_outage_s: float = 0.0) -> None:
     """The liveness check, every ``interval_s``: replay this process's emergency journal if it holds
     anything (so usage kept during an outage is billed before its reservation could expire), heartbeat the
     reservations of the requests this process serves (emergency grants under the id their replay made),
     then expire the open reservations nobody has heartbeat within their TTL (those of a process that died;
     billing what was settled so far). Every gateway process runs it; expiry is idempotent. A process that
-    still holds journal records does not expire anything."""
+    still holds journal records does not expire anything, and after a ledger outage no process expires
+    anything for ``hold_after_outage_s`` (the longest reservation TTL): nobody could heartbeat during the
+    outage, and every other process gets that long to replay its journal and heartbeat its requests before
+    their reservations could be expired with their usage still in its journal."""
+    loop = asyncio.get_running_loop()
+    hold_until = 0.0
+    outage = False
     while True:
         await asyncio.sleep(interval_s)
         try:
-            expired = await sweep_once(front, list(in_flight.values()))
+            expired = await sweep_once(front, list(in_flight.values()), expire=loop.time() >= hold_until)
+            if outage:
+                outage, hold_until = False, loop.time() + hold_after_outage_s
             if expired:
                 log.warning("expired %d reservations nobody was running", len(expired))
         except LedgerError as exc:
+            outage = True
+            hold_until = math.inf  # until a sweep goes through again
             log.warning("liveness sweep skipped: %s", exc)
 
 
-async def sweep_once(front: ResilientLedger, running: Iterable[str]) -> list[Reservation]:
-    """One liveness sweep (see ``_sweep``): ``running`` are the reservation ids of this process's requests.
-    Returns the reservations expired. Raises ``LedgerError``."""
+async def sweep_once(front: ResilientLedger, running: Iterable[str], expire: bool = True) -> list[Reservation]:
+    """One liveness sweep (see ``_sweep``): ``running`` are the reservation ids of this process's requests;
+    ``expire=False`` replays and heartbeats only. Returns the reservations expired. Raises ``LedgerError``."""
     if front.outstanding():
         await front.recover()
     for reservation_id in running:
         live = front.live_id(reservation_id)
         if live is not None:
             await front.ledger.heartbeat(live)
-    if front.outstanding():
+    if front.outstanding() or not expire:
         return []  # usage not yet in the ledger: expiring now could drop it
     return await front.ledger.expire_due()
 

@@ -151,3 +151,36 @@ async def test_a_grant_that_ends_while_the_journal_is_replayed_is_settled(ledger
     [r] = await real.reservations("paid")
     assert front.outstanding() == 0 and (r.status, r.billed) == ("settled", Usage(10, 100, 30.0)), (
         front.outstanding(), r)
+
+
+async def test_after_an_outage_no_process_expires_a_reservation_another_still_has_to_replay(ledger, tmp_path):
+    """Two gateway processes, A and B, on one ledger. A's request ends during an outage longer than the TTL:
+    its settlement waits in A's journal. When the ledger returns, B's liveness sweep may come before A's
+    replay; it used to expire the reservation (nobody could heartbeat it), and A's replay then found it final:
+    the usage was lost. B now holds expiry for the longest TTL after the outage; orphans expire after that."""
+    from fairgate.gateway.app import _sweep
+
+    real, now, journal = ledger
+    switch = Switchable(real)
+    front_a = ResilientLedger(switch, journal)  # type: ignore[arg-type]
+    front_b = ResilientLedger(switch, tmp_path / "journal-b.jsonl")  # type: ignore[arg-type]
+    r = await front_a.reserve("free", "req-1", 10, 100, 50.0)
+    orphan = await real.reserve("free", "orphan", 1, 10, 0.0)  # a process that died before the outage
+    hold_s = 0.4
+    sweeping = asyncio.ensure_future(_sweep(front_b, {}, 0.02, hold_after_outage_s=hold_s))
+    try:
+        switch.down = True
+        with pytest.raises(LedgerUnavailable):
+            await front_a.settle(r.id, 10, 100, 30.0, final=True)  # journalled
+        await asyncio.sleep(0.1)  # B's sweeps fail: it has seen the outage
+        now[0] += (TTL_S + 1.0) * 1000.0  # the outage outlasts the TTL
+        switch.down = False
+        await asyncio.sleep(hold_s / 2)  # B sweeps (heartbeats, no expiry) before A replays
+        assert not (await real.get(r.id)).is_final and not (await real.get(orphan.id)).is_final
+        await front_a.recover()  # A's replay (every second in the gateway)
+        assert (await real.get(r.id)).billed == Usage(10, 100, 30.0)
+        await asyncio.sleep(hold_s)  # the hold is over: B expires what nobody runs
+        assert (await real.get(orphan.id)).status == "expired"
+    finally:
+        sweeping.cancel()
+    assert (await real.get(r.id)).status == "settled"
