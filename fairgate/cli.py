@@ -408,6 +408,9 @@ def serve(
         loaded = load_gateway_config(config)
     except GatewayConfigError as exc:
         raise _fail(str(exc)) from None
+    problem = _startup_problem(loaded, config)
+    if problem is not None:
+        raise _fail(problem)
     if keys:  # the demo: Ctrl-C stops the traffic, prints the shares and closes the streams at once
         gateway = DemoServer(uvicorn.Config(create_gateway(loaded), host=host, port=port, log_level="warning",
                                              timeout_graceful_shutdown=DEMO_GRACE_S))
@@ -453,7 +456,44 @@ def serve(
                     server.should_exit = True
         await serving
 
-    asyncio.run(run_all())
+    with asyncio.Runner(loop_factory=_fast_loop_factory()) as runner:
+        runner.run(run_all())
+
+
+def _startup_problem(config: Any, path: Path) -> str | None:
+    """What would stop the gateway starting, as one line naming the key: a journal or event log that
+    cannot be written, a ledger that cannot be opened (checked by opening it, as the gateway will)."""
+    import asyncio
+
+    from fairgate.ledger import LedgerError, connect
+
+    for key, file in (("journal", config.journal_path), ("event_log", config.event_log_path)):
+        if file is None:
+            continue
+        try:
+            with open(file, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            return f"{path}: gateway.{key}: cannot write {file} ({exc.strerror or exc})"
+
+    async def open_ledger() -> None:
+        ledger = await connect(config.ledger_url, config.quotas)
+        await ledger.close()
+
+    try:
+        asyncio.run(open_ledger())
+    except (LedgerError, ValueError, OSError) as exc:
+        return f"{path}: gateway.ledger: cannot open the ledger ({exc})"
+    return None
+
+
+def _fast_loop_factory() -> Any:
+    """uvloop's event loop where it is installed (as uvicorn picks it by itself), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds (not on Windows)
+        return None
+    return uvloop.new_event_loop
 
 
 DEMO_GRACE_S = 2  # the demo's servers wait this long for streams still open when they stop

@@ -250,3 +250,22 @@ def test_ctrl_c_stops_the_demo_promptly_and_prints_the_shares(tmp_path):
     rows = [line for line in stdout.splitlines() if line.startswith("│")]
     assert {row.split("│")[1].strip() for row in rows} == {"classify", "chat", "summarise", "agent"}
     assert stopped_after_s < 8.0, stopped_after_s  # 1.5 s here; 12 s before
+
+
+def test_serve_refuses_to_start_on_a_journal_or_ledger_it_cannot_open(tmp_path):
+    """Found by a helper: these failed inside uvicorn's start-up with a traceback and exit code 3."""
+    example = (REPO / "config" / "fairgate.example.toml").read_text()
+    journal = tmp_path / "journal.toml"
+    journal.write_text(example.replace('journal = "fairgate-journal.jsonl"', 'journal = "no/such/folder/j.jsonl"', 1))
+    from tests.support.servers import free_port
+
+    done = fairgate("serve", "--config", str(journal), "--port", str(free_port()))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "gateway.journal: cannot write" in done.stderr and "no/such/folder/j.jsonl" in done.stderr
+
+    ledger = tmp_path / "ledger.toml"  # nothing listens on that port
+    ledger.write_text(example.replace('ledger = "sqlite:///fairgate-ledger.db"',
+                                      f'ledger = "postgresql://127.0.0.1:{free_port()}/test"', 1))
+    done = fairgate("serve", "--config", str(ledger), "--port", str(free_port()))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "gateway.ledger: cannot open the ledger" in done.stderr, done.stderr

@@ -222,7 +222,10 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             if len(raw) > limit:
                 raise GatewayError(413, f"Request body exceeds {limit} bytes.", "body_too_large")
         try:
-            data = json.loads(raw, parse_constant=_reject_constant)
+            data = json.loads(raw, parse_constant=_reject_constant, object_pairs_hook=_object_once)
+        except _DuplicateKey as exc:
+            raise GatewayError(400, f"{exc.key}: given twice in one object (which one was meant?).", "invalid_json",
+                               exc.key) from None
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
             raise GatewayError(400, "The body is not valid JSON (NaN, Infinity and deep nesting are refused).",
                                "invalid_json") from None
@@ -782,8 +785,30 @@ def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
-def _unsendable(value: Any, path: str = "") -> tuple[str, str] | None:
-    """The first value that cannot be forwarded as JSON: a non-finite number or text that is not UTF-8."""
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _object_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: a key given twice is refused (RFC 8259 leaves its meaning open)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+MAX_JSON_DEPTH = 64  # nesting a request body may have (the upstream call re-encodes it; deeper ones recursed)
+
+
+def _unsendable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | None:
+    """The first value that cannot be forwarded as JSON: a non-finite number, text that is not UTF-8, or
+    nesting deeper than ``MAX_JSON_DEPTH``."""
+    if depth > MAX_JSON_DEPTH:
+        return path, f"nested deeper than {MAX_JSON_DEPTH} levels"
     if isinstance(value, float) and not math.isfinite(value):
         return path, "numbers must be finite"
     if isinstance(value, str):
@@ -794,12 +819,12 @@ def _unsendable(value: Any, path: str = "") -> tuple[str, str] | None:
         return None
     if isinstance(value, dict):
         for key, item in value.items():
-            found = _unsendable(key, path) or _unsendable(item, f"{path}.{key}" if path else str(key))
+            found = _unsendable(key, path) or _unsendable(item, f"{path}.{key}" if path else str(key), depth + 1)
             if found:
                 return found
     if isinstance(value, list):
         for index, item in enumerate(value):
-            found = _unsendable(item, f"{path}.{index}")
+            found = _unsendable(item, f"{path}.{index}", depth + 1)
             if found:
                 return found
     return None

@@ -61,7 +61,7 @@ from fairgate.core.cost import CostModel
 from fairgate.tomlfile import read_toml
 from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
 from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, is_key_hash
-from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
+from fairgate.ledger.config import Name, QuotaConfigError, Quotas, quotas_from_dict
 from fairgate.sim.scenario import MAX_TOKENS, PolicyConfig
 
 
@@ -99,17 +99,24 @@ class GatewaySection(_Strict):
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
     # Seconds between rounds of sharing the policy's counters and the meters' occupancy of the upstreams
     # with other gateway processes (0: off; then processes sharing a replica each bill all of its time).
-    share_charges_s: Annotated[float, Field(ge=0, le=60)] = 0.25
+    share_charges_s: Annotated[float, Field(ge=0, le=60)] = 0.25  # 0, or at least 0.05 (checked below)
     # The shared pool's latency objective: p99 time to first token (the dashboard's SLO line).
     slo_ttft_p99_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
     # Seconds between liveness sweeps: heartbeat this process's reservations, expire abandoned ones.
-    sweep_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    sweep_s: Annotated[float, Field(ge=0.05, le=3600)] = 10.0
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
         if value not in POLICY_NAMES:
             raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(POLICY_NAMES)}")
+        return value
+
+    @field_validator("share_charges_s")
+    @classmethod
+    def _share_interval(cls, value: float) -> float:
+        if 0 < value < 0.05:
+            raise ValueError(f"{value:g} s: 0 (off) or at least 0.05 s (each round is ledger work)")
         return value
 
     @field_validator("ledger")
@@ -122,6 +129,9 @@ class GatewaySection(_Strict):
             raise ValueError(f"{value!r}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
         if scheme != "sqlite" and not rest:
             raise ValueError(f"{value!r}: names no server")
+        from fairgate.ledger import check_url
+
+        check_url(value)  # the backend's own parameters (schema, prefix, database, ...)
         return value
 
 
@@ -130,7 +140,7 @@ class UpstreamConfig(_Strict):
 
     name: Name
     url: str
-    model: Annotated[str, Field(min_length=1, max_length=200)]
+    model: Annotated[Name, Field(min_length=1, max_length=200)]  # the ledger's model class
     max_batch: Annotated[int, Field(ge=1, le=100_000)]
     iter_base_ms: Annotated[float, Field(ge=0.001, le=1e6)]
     iter_slope_ms: Annotated[float, Field(ge=0.0, le=1e5)]

@@ -61,9 +61,29 @@ async def connect(url: str, quotas: Quotas | str | Path, clock: Callable[[], flo
                      "or redis://...")
 
 
+def check_url(url: str) -> None:
+    """Check a ledger URL without connecting (as ``connect`` would parse it). Raises ``ValueError`` naming the
+    part at fault."""
+    scheme = urlparse(url).scheme
+    if scheme == "sqlite":
+        if not url.startswith("sqlite:///") or url == "sqlite:///":
+            raise ValueError(f"ledger URL {url!r}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
+    elif scheme in ("postgresql", "postgres"):
+        from fairgate.ledger.postgres import _parse_url as parse_postgres
+
+        parse_postgres(url)
+    elif scheme in ("redis", "rediss"):
+        from fairgate.ledger.redis import _parse_url as parse_redis
+
+        parse_redis(url)
+    else:
+        raise ValueError(f"ledger URL {url!r}: unknown scheme {scheme!r}; use sqlite:///path, postgresql://... "
+                         "or redis://...")
+
+
 __all__ = [
     "Event", "IdempotencyConflict", "InvalidUsage", "IsRunning", "Ledger", "LedgerError", "LedgerUnavailable",
     "Limits", "QuotaConfigError", "QuotaExceeded", "Quotas", "Reservation", "ReservationFinal",
-    "ReservationNotFound", "SettlementFrozen", "TenantUsage", "UnknownTenant", "Usage", "connect", "load_quotas",
+    "ReservationNotFound", "SettlementFrozen", "TenantUsage", "UnknownTenant", "Usage", "check_url", "connect", "load_quotas",
     "quotas_from_dict",
 ]

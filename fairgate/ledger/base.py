@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from fairgate.ledger.config import Limits, Quotas
 from fairgate.ledger.rules import Account, check_amounts
-from fairgate.ledger.model import InvalidUsage, Reservation, TenantUsage, UnknownTenant, Usage
+from fairgate.ledger.model import InvalidUsage, Reservation, TenantUsage, UnknownTenant, Usage, check_name
 
 # An execution registry: is the request behind this reservation still running?
 IsRunning = Callable[[Reservation], Awaitable[bool]]
@@ -42,22 +42,6 @@ def tenant_tag(tenant: str) -> str:
 def new_reservation_id(tenant: str) -> str:
     """``<tenant tag>-<random 32 hex>``: the tag lets a sharded backend find the tenant from the id."""
     return f"{tenant_tag(tenant)}-{uuid.uuid4().hex}"
-
-
-def check_name(value: object, field: str, optional: bool = False) -> str | None:
-    """A tenant, request id, model class or run id: a non-empty string of at most 200 characters, printable
-    UTF-8 (no NUL or control characters, no lone surrogates). Raises ``InvalidUsage`` naming ``field``."""
-    if value is None and optional:
-        return None
-    if not isinstance(value, str) or not value or len(value) > 200:
-        raise InvalidUsage(f"{field} must be a non-empty string of at most 200 characters, got {value!r:.80}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidUsage(f"{field} is not valid UTF-8 text: {value!r:.80}") from None
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise InvalidUsage(f"{field} contains a control character: {value!r:.80}")
-    return value
 
 
 def check_request_id(request_id: object) -> str:

@@ -43,8 +43,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from fairgate.ledger.model import InvalidUsage, check_name
 from fairgate.tomlfile import read_toml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class QuotaConfigError(ValueError):
@@ -59,6 +60,25 @@ class _Strict(BaseModel):
     # strict: "16" or true where a number belongs is an error; floats must be finite (inf is not "no limit":
     # leave the key out for that).
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def _key_text(part: object) -> str:
+    """A key of an error's location, quoted when it is not plain text (empty, spaces, control characters)."""
+    text = str(part)
+    return text if text and text.isprintable() and " " not in text and len(text) <= 60 else repr(text)[:62]
+
+
+def _ledger_name(value: str) -> str:
+    try:
+        check_name(value, "the name")
+    except InvalidUsage as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+# A tenant, tier or model class name: what the ledger accepts (non-empty, at most 200 characters, no control
+# characters), so a name the configuration takes is never refused by the ledger at request time.
+Name = Annotated[str, AfterValidator(_ledger_name)]
 
 
 class LimitsConfig(_Strict):
@@ -107,17 +127,17 @@ class TierConfig(_Strict):
 
 
 class TenantConfig(_Strict):
-    tier: str = "default"
+    tier: Name = "default"
     weight: Positive = 1.0
     priority: Literal["interactive", "batch", "eval"] = "interactive"
     limits: LimitsConfig = LimitsConfig()
-    model_class: dict[str, LimitsConfig] = Field(default_factory=dict)
+    model_class: dict[Name, LimitsConfig] = Field(default_factory=dict)
 
 
 class QuotaFile(_Strict):
-    tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"default": TierConfig()})
+    tiers: dict[Name, TierConfig] = Field(default_factory=lambda: {"default": TierConfig()})
     defaults: LimitsConfig = LimitsConfig()
-    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    tenants: dict[Name, TenantConfig] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _known_tiers(self) -> QuotaFile:
@@ -222,7 +242,7 @@ def quotas_from_dict(data: dict[str, Any], source: str = "<quotas>") -> Quotas:
         parsed = QuotaFile.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        location = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        location = ".".join(_key_text(p) for p in first["loc"] if p != "[key]") or "(top level)"
         message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].replace("Value error, ", "")
         raise QuotaConfigError(f"{source}: {location}: {message}") from None
     tiers = {}

@@ -129,3 +129,19 @@ class TenantUsage:
     overage_gpu_ms: float = 0.0
     open_reservations: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
+
+
+def check_name(value: object, field: str, optional: bool = False) -> str | None:
+    """A tenant, request id, model class or run id: a non-empty string of at most 200 characters, printable
+    UTF-8 (no NUL or control characters, no lone surrogates). Raises ``InvalidUsage`` naming ``field``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 200:
+        raise InvalidUsage(f"{field} must be a non-empty string of at most 200 characters, got {value!r:.80}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidUsage(f"{field} is not valid UTF-8 text: {value!r:.80}") from None
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidUsage(f"{field} contains a control character: {value!r:.80}")
+    return value

@@ -105,8 +105,19 @@ CASES = [
     (sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "mysql://db"'), "gateway.ledger: 'mysql://db'"),
     (sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "sqlite://x.db"'), "gateway.ledger:"),
     (lambda t: re.sub(r"^ledger = .*\n", "", t, flags=re.M), "gateway.ledger: missing required key"),
+    # Found by a helper: these passed the config check, then failed the gateway's start-up with a traceback.
+    (sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "postgresql://127.0.0.1/test?schema=bad;drop"'),
+     "gateway.ledger: ledger URL: schema 'bad;drop' must match"),
+    (sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "redis://127.0.0.1:6379/0?foo=1"'),
+     "gateway.ledger: ledger URL 'redis://127.0.0.1:6379/0?foo=1': unknown parameter(s) 'foo'"),
+    (sub("[quotas.tenants.batch]", '[quotas.tenants."a\\u0000b"]\n[quotas.tenants.batch]'),
+     "quotas.tenants.'a\\x00b': the name contains a control character"),
+    (sub('model = "fairgate-emulated"', 'model = "m\\t"', 1), "upstream[0].model: must be a letter or digit"),
     (sub("default_max_tokens = 512", "default_max_tokens = 0"), "gateway.default_max_tokens: Input should be"),
     (sub("request_timeout_s = 600", "request_timeout_s = nan"), "gateway.request_timeout_s:"),
+    # Found by a helper: an idle gateway spun a core on these.
+    (sub("share_charges_s = 0.25", "share_charges_s = 1e-9"), "gateway.share_charges_s: 1e-09 s: 0 (off) or at least"),
+    (sub("sweep_s = 10", "sweep_s = 1e-300"), "gateway.sweep_s: Input should be greater than or equal to 0.05"),
     # [[upstream]]
     (sub('name = "emu-1"', 'name = "emu-0"'), "upstream[1].name: 'emu-0' is also upstream[0]'s name"),
     (sub("http://127.0.0.1:8002/v1", "ftp://127.0.0.1:8002/v1"), "upstream[1].url: must be an http(s) base URL"),

@@ -136,6 +136,10 @@ def test_concurrent_duplicates_of_one_request_id_run_once(stack):
     (b'{"model": "emu", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
     (b'{"model": "emu", "prompt": "x", "stream": "yes"}', "stream"),
     (b'{"model": "", "prompt": "x"}', "model"),
+    # Found by a helper: 950 levels passed the parser, then the upstream call's re-encoding recursed (500).
+    (b'{"model": "emu", "prompt": "x", "stream": true, "junk": ' + b"[" * 950 + b"]" * 950 + b"}",
+     "junk" + ".0" * 64),
+    (b'{"model": "nope", "model": "emu", "prompt": "x"}', "model"),  # a key twice: which one was meant?
     # OpenAI's sampling fields: the type and range vLLM would hold them to, named in the error.
     (b'{"model": "emu", "prompt": "x", "temperature": "hot"}', "temperature"),
     (b'{"model": "emu", "prompt": "x", "temperature": 2.5}', "temperature"),
