@@ -388,7 +388,7 @@ def serve(
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
             probe.bind((host, port))
     except OSError as exc:
-        raise _fail(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        raise _fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
     if config is None:
         folder = demo_folder()
         upstream_port = _free_port(host)

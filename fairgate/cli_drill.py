@@ -34,7 +34,9 @@ def drill(
     processes: Annotated[bool, typer.Option(help="Run replicas and gateway as fairgate processes.")] = False,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the load's randomness.")] = 1,
 ) -> None:
-    """Run an acceptance drill (emulated replicas, gateway, SQLite ledger); exit 0 if its claim holds."""
+    """Run an acceptance drill on loopback (emulated replicas, the gateway, a ledger: SQLite, or the
+    PostgreSQL / Redis on 127.0.0.1 for outage, restart and scale_out - $FAIRGATE_DRILL_LEDGERS names others
+    for scale_out); exit 0 if its claim holds. docs/drills.md lists each drill's claim, load and time."""
     from fairgate.core.policies.factory import POLICY_NAMES
     from fairgate.drills import DRILLS, DrillOptions, UnknownDrill, describe_runs, run_drill
 

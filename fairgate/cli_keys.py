@@ -129,7 +129,7 @@ def list_keys(config: ConfigPath) -> None:
 @keys_app.command("add-admin")
 def add_admin(config: ConfigPath) -> None:
     """Make an admin key (``/metrics``, ``/admin/...``, the dashboard's all-tenant view), store its hash in
-    ``[admin].key_hashes`` and print the key (once)."""
+    ``\\[admin].key_hashes`` and print the key (once)."""
     import tomlkit
 
     from fairgate.gateway.auth import hash_api_key, new_api_key

@@ -19,7 +19,7 @@ errors = Console(stderr=True)
 T = TypeVar("T")
 
 LedgerUrl = Annotated[str, typer.Option("--ledger", help="Ledger URL: sqlite:///path.db, postgresql://…, redis://…")]
-QuotasPath = Annotated[str, typer.Option("--quotas", help="Quota TOML, or a gateway config (its [quotas]).")]
+QuotasPath = Annotated[str, typer.Option("--quotas", help="Quota TOML, or a gateway config (its \\[quotas]).")]
 
 
 def _fail(message: str) -> typer.Exit:

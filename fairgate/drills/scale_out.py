@@ -91,6 +91,7 @@ if TYPE_CHECKING:
 
 SETTLE_S_MAX = 15.0  # after the load: how long the gateways may take to bill what ended or was cancelled
 FAIRNESS_SETTLE_S_MAX = 5.0  # the same after the fairness run's hang-up (measured: 0.1 s when nothing is lost)
+NOT_EXERCISED = "the limit was not exercised"
 LEDGER_ENV = "FAIRGATE_DRILL_LEDGERS"  # comma-separated base ledger URLs for ``fairgate drill scale_out``
 DEFAULT_LEDGERS = ("postgresql://127.0.0.1:5432/test", "redis://127.0.0.1:6379/0")
 SEED_MIX = {"classify": 23.7, "chat": 53.0, "summarise": 197.0, "agent": 353.8}  # seed 002, mean output tokens
@@ -815,7 +816,7 @@ def limits_problems(figs: LimitsFigures) -> list[str]:
     for dimension in ("requests_per_minute", "output_tokens_per_minute", "max_concurrent", "max_queued",
                       "gpu_seconds"):
         if not bound.get(dimension):
-            out.append(f"N={largest.n}: no request was refused for {dimension}: the limit was not exercised")
+            out.append(f"N={largest.n}: no request was refused for {dimension}: {NOT_EXERCISED}")
     return out
 
 
@@ -1085,9 +1086,13 @@ class ScaleOutResult(RenderedResult):
         verdict = "[green]PASS[/green]" if not problems else "[red]FAIL[/red]"
         line = f"{verdict}: under {self.policy}"
         if self.limits:
+            exceeded = any(p for f in self.limits for p in limits_problems(f) if NOT_EXERCISED not in p)
+            unexercised = any(NOT_EXERCISED in p for f in self.limits for p in limits_problems(f))
             line += (f", N = {', '.join(str(n) for n in self.config.limits.process_counts)} processes admitted "
-                     f"{'nothing beyond' if not any(limits_problems(f) for f in self.limits) else 'BEYOND'} the "
-                     f"limits on {', '.join(f.backend for f in self.limits)}")
+                     f"{'BEYOND' if exceeded else 'nothing beyond'} the limits on "
+                     f"{', '.join(f.backend for f in self.limits)}"
+                     + (" (but not every limit was reached: a longer --seconds exercises them all)"
+                        if unexercised else ""))
         if self.fairness is not None:
             line += f"; GPU shares across {self.config.fairness.gateways} processes max/min {self.fairness.ratio:.3f}"
         if self.compare is not None:
@@ -1157,7 +1162,7 @@ def render_limits(config: LimitsConfig, figs: LimitsFigures) -> list[Any]:
     out.append(f"load held: {sum(t.sent for g in figs.groups.values() for t in g.tenants.values())} requests; "
                f"faults injected: none (N processes); lost: "
                f"{sum(t.open_at_end for g in figs.groups.values() for t in g.tenants.values())} open reservations, "
-               f"{len(problems)} problems; converged (no reservation open) {figs.settle_s:.1f} s after the hang-up.")
+               f"{len(problems)} problem{'' if len(problems) == 1 else 's'}; converged (no reservation open) {figs.settle_s:.1f} s after the hang-up.")
     return out
 
 
