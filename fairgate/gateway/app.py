@@ -306,11 +306,11 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         context = min(u.max_model_len for u in serving)
         if chat:
             assert isinstance(body, ChatRequest)
-            prompt_tokens = sum(count_tokens(m.text()) + CHAT_MESSAGE_OVERHEAD_TOKENS for m in body.messages)
+            prompt_tokens = sum(estimate_tokens(m.text()) + CHAT_MESSAGE_OVERHEAD_TOKENS for m in body.messages)
         else:
             assert isinstance(body, CompletionRequest)
             prompt = body.prompt if isinstance(body.prompt, str) else " ".join(body.prompt)
-            prompt_tokens = count_tokens(prompt)
+            prompt_tokens = estimate_tokens(prompt)
         if prompt_tokens >= context:
             raise GatewayError(413, f"The prompt has {prompt_tokens} tokens; the model's context is {context}.",
                                "context_length_exceeded", "messages" if chat else "prompt")
@@ -783,6 +783,18 @@ def _reject_constant(name: str) -> Any:
 def _is_type_tag(part: object) -> bool:
     """pydantic's union-branch markers in an error location (``str``, ``list[ContentPart]``, ...)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+BYTES_PER_TOKEN_MAX = 8  # no tokenizer in use gives fewer tokens than one per 8 bytes of UTF-8 text
+
+
+def estimate_tokens(text: str) -> int:
+    """The gateway's prompt-token estimate (for admission: the context check, the reservation): the emulated
+    replica's tokenizer (whitespace-separated words), but at least one token per ``BYTES_PER_TOKEN_MAX``
+    bytes - BPE tokenizers give one per ~4 bytes of English - so text without spaces (found by a helper: a
+    900 KB word reserved 1 token) is not admitted for almost nothing. The upstream's usage settles the
+    exact count."""
+    return max(count_tokens(text), math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_MAX))
 
 
 class _DuplicateKey(ValueError):

@@ -177,3 +177,17 @@ def test_unknown_route_and_double_credentials(stack):
                        headers=[("Authorization", f"Bearer {stack.keys['alpha']}"),
                                 ("Authorization", f"Bearer {stack.keys['beta']}")])
     assert reply.status_code == 400 and asyncio.run(reservations(stack)) == []
+
+
+def test_text_without_spaces_is_not_admitted_as_one_token(stack):
+    """Found by a helper: a 900 KB prompt with no whitespace counted as 1 token (the emulator's tokenizer)
+    and passed the context check, reserving almost nothing."""
+    from fairgate.gateway.app import estimate_tokens
+
+    assert estimate_tokens("one two three") == 3 and estimate_tokens("x" * 800) == 100
+    assert estimate_tokens("ü" * 40) == 10  # 80 bytes of UTF-8
+    reply = httpx.post(f"{stack.url}/v1/completions", json={"model": "emu", "prompt": "x" * 20_000}, timeout=30,
+                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    assert reply.status_code == 413, reply.text
+    assert reply.json()["error"]["code"] == "context_length_exceeded" and "2500 tokens" in reply.json()["error"]["message"]
+    assert asyncio.run(reservations(stack)) == []
