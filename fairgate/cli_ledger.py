@@ -18,7 +18,8 @@ console = Console(width=None if sys.stdout.isatty() else 140)
 errors = Console(stderr=True)
 T = TypeVar("T")
 
-LedgerUrl = Annotated[str, typer.Option("--ledger", help="Ledger URL: sqlite:///path.db, postgresql://…, redis://…")]
+LedgerUrl = Annotated[str | None, typer.Option("--ledger", help="Ledger URL: sqlite:///path.db, postgresql://…, "
+                                               "redis://… (default: the ledger of a gateway config given as --quotas).")]
 QuotasPath = Annotated[str, typer.Option("--quotas", help="Quota TOML, or a gateway config (its \\[quotas]).")]
 
 
@@ -48,13 +49,26 @@ def _quotas_of(path: str) -> Any:
     return load_quotas(path)
 
 
-def _run(work: Callable[[Any], Awaitable[T]], url: str, quotas: str) -> T:
+def _ledger_of(path: str) -> str:
+    """The ledger URL of a gateway config (``[gateway].ledger``, an sqlite path made absolute)."""
+    from fairgate.gateway.config import GatewayConfigError, load_gateway_config
+
+    try:
+        return load_gateway_config(path).ledger_url
+    except GatewayConfigError as exc:
+        raise _fail(f"--ledger not given, and --quotas is not a gateway config to take it from: {exc}") from None
+
+
+def _run(work: Callable[[Any], Awaitable[T]], url: str | None, quotas: str) -> T:
     """Open an existing ledger, run ``work(ledger)``, close it; user errors -> one line, exit 2.
 
     Operator commands never create a ledger: a mistyped URL is an error, not a new empty ledger.
     """
     from fairgate.ledger import LedgerError, QuotaConfigError, connect
     from fairgate.ledger.reconcile import MeteredError
+
+    if url is None:
+        url = _ledger_of(quotas)
 
     async def go() -> T:
         ledger = await connect(url, _quotas_of(quotas), create=False)
@@ -71,7 +85,7 @@ def _run(work: Callable[[Any], Awaitable[T]], url: str, quotas: str) -> T:
 
 @ledger_app.command()
 def reconcile(
-    ledger: LedgerUrl, quotas: QuotasPath,
+    quotas: QuotasPath, ledger: LedgerUrl = None,
     metered: Annotated[str | None, typer.Option(help="Metered usage CSV: tenant,input_tokens,output_tokens,gpu_ms.")] = None,
     threshold: Annotated[float, typer.Option(min=0.0, max=1.0, help="Relative difference allowed vs metered.")] = 0.01,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report only; freeze nobody.")] = False,
@@ -110,7 +124,7 @@ def reconcile(
 
 
 @ledger_app.command()
-def sweep(ledger: LedgerUrl, quotas: QuotasPath) -> None:
+def sweep(quotas: QuotasPath, ledger: LedgerUrl = None) -> None:
     """One expiry pass: extend reservations whose request still heartbeats, expire the others."""
 
     async def work(opened: Any) -> Any:
@@ -121,7 +135,7 @@ def sweep(ledger: LedgerUrl, quotas: QuotasPath) -> None:
 
 
 @ledger_app.command()
-def unfreeze(tenant: Annotated[str, typer.Argument()], ledger: LedgerUrl, quotas: QuotasPath) -> None:
+def unfreeze(tenant: Annotated[str, typer.Argument()], quotas: QuotasPath, ledger: LedgerUrl = None) -> None:
     """Resume automatic settlement for TENANT after review."""
 
     async def work(opened: Any) -> Any:
@@ -135,7 +149,7 @@ def unfreeze(tenant: Annotated[str, typer.Argument()], ledger: LedgerUrl, quotas
 
 
 @ledger_app.command()
-def usage(tenant: Annotated[str, typer.Argument()], ledger: LedgerUrl, quotas: QuotasPath,
+def usage(tenant: Annotated[str, typer.Argument()], quotas: QuotasPath, ledger: LedgerUrl = None,
           window_s: Annotated[float, typer.Option(min=1e-3, help="Window, seconds.")] = 86_400.0) -> None:
     """A tenant's billed usage over the last WINDOW_S seconds, as JSON."""
     from dataclasses import asdict

@@ -269,3 +269,28 @@ def test_serve_refuses_to_start_on_a_journal_or_ledger_it_cannot_open(tmp_path):
     done = fairgate("serve", "--config", str(ledger), "--port", str(free_port()))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "gateway.ledger: cannot open the ledger" in done.stderr, done.stderr
+
+
+def test_ledger_commands_take_the_ledger_from_a_gateway_config(tmp_path):
+    """Found by a new user: `fairgate ledger usage T --quotas gateway.toml` wanted --ledger as well."""
+    example = (REPO / "config" / "fairgate.example.toml").read_text()
+    config = tmp_path / "gateway.toml"
+    config.write_text(example)
+    done = fairgate("ledger", "usage", "chat", "--quotas", str(config), cwd=tmp_path)
+    # The operator commands never create a ledger: the one the config names (relative to it) must exist.
+    assert done.returncode == 2 and "ledger" in done.stderr and str(tmp_path) in done.stderr, done.stderr
+    import asyncio
+
+    from fairgate.gateway.config import load_gateway_config
+    from fairgate.ledger import connect
+
+    async def create() -> None:
+        loaded = load_gateway_config(config)
+        await (await connect(loaded.ledger_url, loaded.quotas)).close()
+
+    asyncio.run(create())
+    done = fairgate("ledger", "usage", "chat", "--quotas", str(config))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tenant"] == "chat" and json.loads(done.stdout)["requests"] == 0
+    done = fairgate("ledger", "usage", "chat", "--quotas", str(SEED))
+    assert done.returncode == 2 and "--ledger not given" in done.stderr
