@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fairgate.core.cost import CostModel
 from fairgate.emulator.replica import EmulatedReplica, Sequence
@@ -59,7 +59,7 @@ class ContentPart(_Open):
 
 
 class ChatMessage(_Open):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
@@ -88,9 +88,23 @@ class _Generation(_Open):
     top_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: str | list[str] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError(f"at most 4 stop sequences, got {len(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_cap(self) -> _Generation:
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens and "max_tokens" in self.model_fields_set:
+            raise ValueError("max_tokens: differs from max_completion_tokens; send one (max_completion_tokens)")
+        return self
 
     def token_cap(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -101,9 +115,23 @@ class ChatRequest(_Generation):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
 
 class CompletionRequest(_Generation):
     prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError(f"one prompt a request (a list of {len(value)} would be as many choices; send them "
+                             "one by one)")
+        return value
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the completions API's default
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
 

@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -239,15 +240,30 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p)) or None
-            raise GatewayError(400, f"{param or 'body'}: {first['msg']}", "invalid_request", param) from None
+            message = first["msg"].removeprefix("Value error, ")
+            named = re.match(r"([a-z_]+): (.*)", message) if param is None else None
+            if named:  # a check across fields names the one at fault first ("top_logprobs: needs logprobs")
+                param, message = named.group(1), named.group(2)
+            raise GatewayError(400, f"{param or 'body'}: {message}", "invalid_request", param) from None
+
+    def one_header(request: Request, name: str) -> str | None:
+        """The header ``name``, given at most once. Raises ``GatewayError`` 400 naming it."""
+        values = request.headers.getlist(name)
+        if len(values) > 1:
+            raise GatewayError(400, f"{name} given {len(values)} times; send it once.", "invalid_request", name)
+        return values[0] if values else None
 
     def request_id_of(request: Request) -> str:
-        given = request.headers.get("x-request-id") or request.headers.get("idempotency-key")
+        request_id, key = one_header(request, "x-request-id"), one_header(request, "idempotency-key")
+        if request_id is not None and key is not None and request_id != key:
+            raise GatewayError(400, "X-Request-Id and Idempotency-Key differ; send one (or the same value).",
+                               "invalid_request_id", "x-request-id")
+        given = request_id if request_id is not None else key
         if given is None:
             return f"req-{uuid.uuid4().hex}"
-        if not (0 < len(given) <= 200 and given.isprintable()):
-            raise GatewayError(400, "X-Request-Id / Idempotency-Key must be 1-200 printable characters.",
-                               "invalid_request_id", "x-request-id")
+        if not _printable_id(given):
+            raise GatewayError(400, "X-Request-Id / Idempotency-Key must be 1-200 printable ASCII characters.",
+                               "invalid_request_id", "x-request-id" if request_id is not None else "idempotency-key")
         return given
 
     async def rate_headers(tenant: str, model: str, balances: asyncio.Future[Account] | None) -> dict[str, str]:
@@ -286,11 +302,11 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
     def run_of(request: Request) -> tuple[str | None, bool]:
         """The agent run this call belongs to (``x-fairgate-run-id``) and whether it is a tool round
         (``x-fairgate-tool-round: 1``): the client names its own run; the run limits only restrict it."""
-        run_id = request.headers.get(RUN_ID_HEADER)
-        if run_id is not None and not (0 < len(run_id) <= 200 and run_id.isprintable()):
-            raise GatewayError(400, f"{RUN_ID_HEADER} must be 1-200 printable characters.", "invalid_run_id",
+        run_id = one_header(request, RUN_ID_HEADER)
+        if run_id is not None and not _printable_id(run_id):
+            raise GatewayError(400, f"{RUN_ID_HEADER} must be 1-200 printable ASCII characters.", "invalid_run_id",
                                RUN_ID_HEADER)
-        flag = request.headers.get(TOOL_ROUND_HEADER, "0").strip().lower()
+        flag = (one_header(request, TOOL_ROUND_HEADER) or "0").strip().lower()
         if flag not in ("0", "1", "true", "false"):
             raise GatewayError(400, f"{TOOL_ROUND_HEADER} must be 0 or 1.", "invalid_tool_round", TOOL_ROUND_HEADER)
         if flag in ("1", "true") and run_id is None:
@@ -783,6 +799,12 @@ def _reject_constant(name: str) -> Any:
 def _is_type_tag(part: object) -> bool:
     """pydantic's union-branch markers in an error location (``str``, ``list[ContentPart]``, ...)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _printable_id(value: str) -> bool:
+    """A request or run id as a header carries it: 1-200 printable ASCII characters, not only spaces (raw
+    bytes beyond ASCII arrive decoded as Latin-1, and would be stored garbled)."""
+    return 0 < len(value) <= 200 and value.isascii() and value.isprintable() and bool(value.strip())
 
 
 BYTES_PER_TOKEN_MAX = 8  # no tokenizer in use gives fewer tokens than one per 8 bytes of UTF-8 text

@@ -140,6 +140,9 @@ def test_concurrent_duplicates_of_one_request_id_run_once(stack):
     (b'{"model": "emu", "prompt": "x", "stream": true, "junk": ' + b"[" * 950 + b"]" * 950 + b"}",
      "junk" + ".0" * 64),
     (b'{"model": "nope", "model": "emu", "prompt": "x"}', "model"),  # a key twice: which one was meant?
+    # Found by a helper: accepted silently before.
+    (b'{"model": "emu", "prompt": ["a b", "c d"]}', "prompt"),  # a batch would be one choice each
+    (b'{"model": "emu", "prompt": "x", "max_tokens": 4, "max_completion_tokens": 8}', "max_tokens"),
     # OpenAI's sampling fields: the type and range vLLM would hold them to, named in the error.
     (b'{"model": "emu", "prompt": "x", "temperature": "hot"}', "temperature"),
     (b'{"model": "emu", "prompt": "x", "temperature": 2.5}', "temperature"),
@@ -191,3 +194,44 @@ def test_text_without_spaces_is_not_admitted_as_one_token(stack):
     assert reply.status_code == 413, reply.text
     assert reply.json()["error"]["code"] == "context_length_exceeded" and "2500 tokens" in reply.json()["error"]["message"]
     assert asyncio.run(reservations(stack)) == []
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": "emu", "messages": [{"role": "bogus", "content": "x"}]}, "messages.0.role", "'user'"),
+    ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs",
+     "needs logprobs"),
+    ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop",
+     "at most 4 stop sequences, got 5"),
+])
+def test_chat_bodies_a_replica_would_refuse_are_400_naming_the_field(stack, body, param, words):
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert asyncio.run(reservations(stack)) == []
+
+
+@pytest.mark.parametrize("headers, param", [
+    ([("X-Request-Id", "a"), ("X-Request-Id", "b")], "x-request-id"),
+    ([("X-Request-Id", "a"), ("Idempotency-Key", "b")], "x-request-id"),
+    ([("X-Request-Id", "")], "x-request-id"),
+    ([("Idempotency-Key", "caf\u00e9")], "idempotency-key"),
+    ([("X-Fairgate-Run-Id", "r1"), ("X-Fairgate-Run-Id", "r2")], "x-fairgate-run-id"),
+    ([("X-Fairgate-Run-Id", "r1"), ("X-Fairgate-Tool-Round", "0"), ("X-Fairgate-Tool-Round", "1")],
+     "x-fairgate-tool-round"),
+])
+def test_ambiguous_or_garbled_id_headers_are_400(stack, headers, param):
+    """Found by a helper: the first of two X-Request-Id (or tool-round) headers won, an empty id was replaced
+    by a fresh one, and bytes beyond ASCII were stored as Latin-1."""
+    encoded = [(name.encode(), value.encode("latin-1")) for name, value in headers]
+    reply = httpx.post(f"{stack.url}/v1/completions", json={"model": "emu", "prompt": "x", "max_tokens": 2},
+                       timeout=30, headers=[(b"Authorization", f"Bearer {stack.keys['alpha']}".encode()), *encoded])
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert asyncio.run(reservations(stack)) == []
+    # The same id in both headers is one id.
+    same = httpx.post(f"{stack.url}/v1/completions", json={"model": "emu", "prompt": "x", "max_tokens": 2},
+                      timeout=30, headers={"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": "k-1",
+                                           "Idempotency-Key": "k-1"})
+    assert same.status_code in (200, 409) and same.headers["x-request-id"] == "k-1"
