@@ -323,6 +323,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         if chat:
             assert isinstance(body, ChatRequest)
             prompt_tokens = sum(estimate_tokens(m.text()) + CHAT_MESSAGE_OVERHEAD_TOKENS for m in body.messages)
+            # What else the model reads as prompt: tool definitions, tool calls, names, a response schema.
+            prompt_tokens += estimate_tokens(_prompt_extras(body))
         else:
             assert isinstance(body, CompletionRequest)
             prompt = body.prompt if isinstance(body.prompt, str) else " ".join(body.prompt)
@@ -799,6 +801,20 @@ def _reject_constant(name: str) -> Any:
 def _is_type_tag(part: object) -> bool:
     """pydantic's union-branch markers in an error location (``str``, ``list[ContentPart]``, ...)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+PROMPT_FIELDS = ("tools", "functions", "tool_choice", "response_format")  # a chat body's prompt besides messages
+
+
+def _prompt_extras(body: ChatRequest) -> str:
+    """The text a chat body gives the model besides its messages' content, as JSON (empty for plain
+    messages): tool definitions, a response schema, and each message's other fields (tool calls, names)."""
+    extra = {name: value for name in PROMPT_FIELDS if (value := getattr(body, name, None)) is not None}
+    messages = [fields for m in body.messages
+                if (fields := {k: v for k, v in m.model_dump(exclude_none=True).items() if k not in ("role", "content")})]
+    if messages:
+        extra["messages"] = messages
+    return json.dumps(extra) if extra else ""
 
 
 def _printable_id(value: str) -> bool:

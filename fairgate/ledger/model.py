@@ -133,7 +133,7 @@ class TenantUsage:
 
 def check_name(value: object, field: str, optional: bool = False) -> str | None:
     """A tenant, request id, model class or run id: a non-empty string of at most 200 characters, printable
-    UTF-8 (no NUL or control characters, no lone surrogates). Raises ``InvalidUsage`` naming ``field``."""
+    UTF-8 (no NUL, control or invisible format characters - U+202E, U+200B, ... - no lone surrogates). Raises ``InvalidUsage`` naming ``field``."""
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value or len(value) > 200:
@@ -142,6 +142,6 @@ def check_name(value: object, field: str, optional: bool = False) -> str | None:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidUsage(f"{field} is not valid UTF-8 text: {value!r:.80}") from None
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if not value.replace(" ", "x").isprintable():  # controls (C0, C1), format characters, line separators
         raise InvalidUsage(f"{field} contains a control character: {value!r:.80}")
     return value

@@ -235,3 +235,31 @@ def test_ambiguous_or_garbled_id_headers_are_400(stack, headers, param):
                       timeout=30, headers={"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": "k-1",
                                            "Idempotency-Key": "k-1"})
     assert same.status_code in (200, 409) and same.headers["x-request-id"] == "k-1"
+
+
+@pytest.mark.parametrize("where", ["tool description", "tool call arguments", "message name", "response schema"])
+def test_prompt_text_outside_the_messages_content_counts_at_admission(stack, where):
+    """Found by a helper: 900 KB in a tool's description (or a tool call, a name, a response schema) was
+    admitted as 4 prompt tokens; the model reads all of it."""
+    big = "x" * 40_000  # 5,000 tokens at least: over the test replica's 2,048 context
+    messages: list[dict] = [{"role": "user", "content": "hi"}]
+    body: dict = {"model": "emu", "max_tokens": 4, "messages": messages}
+    if where == "tool description":
+        body["tools"] = [{"type": "function", "function": {"name": "f", "description": big}}]
+    elif where == "tool call arguments":
+        messages += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": big}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    elif where == "message name":
+        messages[0]["name"] = big
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"description": big}}}
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "context_length_exceeded", reply.text
+    small = dict(body, messages=[{"role": "user", "content": "hi"}], tools=[
+        {"type": "function", "function": {"name": "f", "description": "adds two numbers"}}])
+    small.pop("response_format", None)
+    ok = httpx.post(f"{stack.url}/v1/chat/completions", json=small, timeout=30,
+                    headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    assert ok.status_code == 200, ok.text

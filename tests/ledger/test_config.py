@@ -32,6 +32,8 @@ def test_example_loads_with_overrides_per_tenant_and_model_class():
     ({"defaults": {"output_tokens_per_minute": 1000, "output_tokens_burst": 500, "max_tokens_per_request": 800}},
      "defaults.output_tokens_burst: 500 is below max_tokens_per_request (800)"),
     ({"tenants": {"a": {"tier": "gold"}}}, "unknown tier 'gold'"),
+    ({"tenants": {"b\u202ex": {}}}, "the name contains a control character"),  # right-to-left override
+    ({"tenants": {"b\u0085x": {}}}, "the name contains a control character"),  # C1 (NEL)
     ({"tenants": {"a": {"weight": 0}}}, "tenants.a.weight"),
     ({"tenants": {"a": {"limits": {"gpu_seconds": -1}}}}, "tenants.a.limits.gpu_seconds"),
     ({"tenants": {"a": {"model_class": {"big": {"colour": 1}}}}}, "tenants.a.model_class.big.colour: unknown key"),
