@@ -308,7 +308,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                                RUN_ID_HEADER)
         flag = (one_header(request, TOOL_ROUND_HEADER) or "0").strip().lower()
         if flag not in ("0", "1", "true", "false"):
-            raise GatewayError(400, f"{TOOL_ROUND_HEADER} must be 0 or 1.", "invalid_tool_round", TOOL_ROUND_HEADER)
+            raise GatewayError(400, f"{TOOL_ROUND_HEADER} must be 0 or 1 (or false / true).", "invalid_tool_round",
+                               TOOL_ROUND_HEADER)
         if flag in ("1", "true") and run_id is None:
             raise GatewayError(400, f"{TOOL_ROUND_HEADER} needs {RUN_ID_HEADER}.", "invalid_tool_round",
                                TOOL_ROUND_HEADER)
