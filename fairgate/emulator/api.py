@@ -123,17 +123,35 @@ class ChatRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[str]
+    # Text, or token ids (as OpenAI's and vLLM's completions APIs take them); one prompt a request.
+    prompt: str | list[str] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] \
+        | list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the completions API's default
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
+    def _one_prompt(cls, value: Any) -> Any:
+        batch = isinstance(value, list) and value and not isinstance(value[0], int)  # texts or token-id lists
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list is no prompt")
+        if batch and len(value) != 1:
             raise ValueError(f"one prompt a request (a list of {len(value)} would be as many choices; send them "
                              "one by one)")
         return value
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the completions API's default
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    def prompt_text(self) -> str | None:
+        """The prompt as text, or None when it is given as token ids (``prompt_token_ids``)."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if isinstance(self.prompt[0], str) else None
+
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids (empty when it is text)."""
+        first = self.prompt[0] if isinstance(self.prompt, list) else None
+        if isinstance(first, int):
+            return list(self.prompt)  # type: ignore[arg-type]
+        return list(first) if isinstance(first, list) else []
 
 
 
@@ -250,8 +268,9 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Any:
-        prompt = body.prompt if isinstance(body.prompt, str) else " ".join(body.prompt)
-        return await generate(request, body, count_tokens(prompt), chat=False)
+        text = body.prompt_text()
+        return await generate(request, body, count_tokens(text) if text is not None else len(body.prompt_token_ids()),
+                              chat=False)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -328,8 +328,8 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             prompt_tokens += estimate_tokens(_prompt_extras(body))
         else:
             assert isinstance(body, CompletionRequest)
-            prompt = body.prompt if isinstance(body.prompt, str) else " ".join(body.prompt)
-            prompt_tokens = estimate_tokens(prompt)
+            text = body.prompt_text()
+            prompt_tokens = estimate_tokens(text) if text is not None else len(body.prompt_token_ids())
         if prompt_tokens >= context:
             raise GatewayError(413, f"The prompt has {prompt_tokens} tokens; the model's context is {context}.",
                                "context_length_exceeded", "messages" if chat else "prompt")

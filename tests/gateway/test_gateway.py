@@ -263,3 +263,17 @@ def test_prompt_text_outside_the_messages_content_counts_at_admission(stack, whe
     ok = httpx.post(f"{stack.url}/v1/chat/completions", json=small, timeout=30,
                     headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("prompt, tokens", [([11, 12, 13, 14], 4), ([[11, 12]], 2), (["one two three"], 3)])
+def test_completions_take_a_prompt_as_token_ids(stack, prompt, tokens):
+    """As OpenAI's and vLLM's completions APIs do (a helper found them refused)."""
+    reply = httpx.post(f"{stack.url}/v1/completions", timeout=30,
+                       json={"model": "emu", "prompt": prompt, "max_tokens": 2, "ignore_eos": True},
+                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == tokens
+    for bad in ([], [[11], [12]], [-1]):
+        refused = httpx.post(f"{stack.url}/v1/completions", timeout=30, json={"model": "emu", "prompt": bad},
+                             headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
