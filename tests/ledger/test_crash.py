@@ -59,10 +59,13 @@ async def test_processes_with_retries_and_kills_keep_every_invariant(backend, ba
     async def never_running(_r: object) -> bool:
         return False
 
+    stop = asyncio.Event()
+
     async def sweeper() -> None:
         # As in production: abandoned reservations (and those of killed workers) expire after their TTL
-        # and free their slots while the others keep working.
-        while True:
+        # and free their slots while the others keep working. It stops at ``stop`` rather than by
+        # cancellation: a cancel landing inside redis-py's pool wait was once lost and the test hung.
+        while not stop.is_set():
             await asyncio.sleep(0.5)
             await ledger.expire_due(never_running)
 
@@ -74,8 +77,8 @@ async def test_processes_with_retries_and_kills_keep_every_invariant(backend, ba
         _, err = await asyncio.to_thread(worker.communicate, timeout=240)
         if i not in killed:
             assert worker.returncode == 0, err.decode()[-2000:]
-    sweeping.cancel()
-    await asyncio.gather(sweeping, return_exceptions=True)
+    stop.set()
+    await asyncio.wait_for(sweeping, timeout=60)
     # Converge: past the TTL, nothing is running any more; the sweeper expires what was abandoned.
     await asyncio.sleep(1.2)
 
