@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib import import_module
@@ -177,11 +178,12 @@ def fmt_errors(errors: dict[str, int]) -> str:
     return ", ".join(parts) or "-"
 
 
-class RenderedResult:
+class RenderedResult(ABC):
     """Base of the drills' results: ``summary()`` is ``render()`` as plain text."""
 
+    @abstractmethod
     def render(self) -> list[Any]:
-        raise NotImplementedError  # abstract: each drill lays out its own figures
+        """Tables and lines for a rich console (each drill lays out its own figures)."""
 
     def summary(self) -> str:
         return plain_text(self.render())
@@ -190,8 +192,9 @@ class RenderedResult:
 class CheckedResult(RenderedResult):
     """A drill's result whose verdict is that every one of ``checks()`` holds."""
 
+    @abstractmethod
     def checks(self) -> dict[str, bool]:
-        raise NotImplementedError  # abstract: each drill names its claims
+        """Each claim of the drill and whether it holds."""
 
     @property
     def passed(self) -> bool:

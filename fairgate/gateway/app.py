@@ -504,6 +504,20 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         return may_retry and exc.unreachable and any(
             u.healthy for u in dispatcher.upstreams() if u.model == lease.upstream.model and u is not lease.upstream)
 
+    async def _end_call(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
+                        lease: Lease, done: Any, finished: bool, retrying: bool) -> None:
+        """A call's clean-up on every path: close the upstream stream, free the slot, settle the reservation
+        (final) and forget the request - unless it goes on, under the same reservation, on another upstream.
+        The client may be gone and this task cancelled: the clean-up still runs to the end."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await stream.aclose()  # type: ignore[attr-defined]
+                dispatcher.release(lease, call.output_tokens)
+            finally:  # whatever went wrong above, the request is settled and forgotten
+                if not retrying:
+                    await _settle(call, reservation, final=True, cancelled=not finished)
+                    done()
+
     async def _relay(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
                      lease: Lease, include_usage: bool, done: Any, may_retry: bool) -> AsyncIterator[str]:
         finished = sent = closed = retrying = False
@@ -514,15 +528,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             if closed:
                 return
             closed = True
-            # The client may be gone and this task cancelled: the clean-up must still run to the end.
-            with anyio.CancelScope(shield=True):
-                try:
-                    await stream.aclose()  # type: ignore[attr-defined]
-                    dispatcher.release(lease, call.output_tokens)
-                finally:  # whatever went wrong above, the request is settled and forgotten
-                    if not retrying:  # (or it goes on, under the same reservation, on another upstream)
-                        await _settle(call, reservation, final=True, cancelled=not finished)
-                        done()
+            await _end_call(stream, call, reservation, lease, done, finished, retrying)
 
         try:
             async for chunk in stream:
@@ -565,14 +571,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                 raise _TryAnotherUpstream() from None
             raise GatewayError(exc.status, str(exc), "upstream_error", kind="server_error") from None
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await stream.aclose()  # type: ignore[attr-defined]
-                    dispatcher.release(lease, call.output_tokens)
-                finally:  # whatever went wrong above, the request is settled and forgotten
-                    if not retrying:  # (or it goes on, under the same reservation, on another upstream)
-                        await _settle(call, reservation, final=True, cancelled=not finished)
-                        done()
+            await _end_call(stream, call, reservation, lease, done, finished, retrying)
         text = "".join(call.text)
         usage = call.usage or {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.output_tokens,
                                "total_tokens": call.prompt_tokens + call.output_tokens}
@@ -811,8 +810,8 @@ def _prompt_extras(body: ChatRequest) -> str:
     """The text a chat body gives the model besides its messages' content, as JSON (empty for plain
     messages): tool definitions, a response schema, and each message's other fields (tool calls, names)."""
     extra = {name: value for name in PROMPT_FIELDS if (value := getattr(body, name, None)) is not None}
-    messages = [fields for m in body.messages
-                if (fields := {k: v for k, v in m.model_dump(exclude_none=True).items() if k not in ("role", "content")})]
+    messages = [fields for m in body.messages  # its fields besides role and content: name, tool_calls, ...
+                if (fields := {k: v for k, v in (m.model_extra or {}).items() if v is not None})]
     if messages:
         extra["messages"] = messages
     return json.dumps(extra) if extra else ""
