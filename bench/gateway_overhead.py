@@ -26,9 +26,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fairgate.gateway.auth import hash_api_key  # noqa: E402
-from tests.support.servers import fairgate_process as process  # noqa: E402
-from tests.support.servers import free_port  # noqa: E402
+from fairgate.gateway.auth import hash_api_key
+from tests.support.servers import fairgate_process as process
+from tests.support.servers import free_port
 
 KEY = "fg-bench-" + "k" * 30
 ITER_BASE_MS = 0.2
@@ -36,12 +36,14 @@ ITER_BASE_MS = 0.2
 
 def gateway_config(folder: Path, upstream: str) -> Path:
     path = folder / "fairgate.toml"
-    path.write_text(f'[gateway]\nledger = "sqlite:///{folder}/ledger.db"\njournal = "{folder}/j.jsonl"\n\n'
-                    f'[[upstream]]\nname = "fast"\nurl = "{upstream}/v1"\nmodel = "emu"\nmax_batch = 1024\n'
-                    f"iter_base_ms = {ITER_BASE_MS}\niter_slope_ms = 0.0\nprefill_ms_per_token = 0.0\n"
-                    "max_model_len = 1000000\n"
-                    '\n[quotas.tiers.t]\non_ledger_unavailable = "reject"\n[quotas.tenants.bench]\ntier = "t"\n'
-                    f'[[key]]\ntenant = "bench"\nhash = "{hash_api_key(KEY)}"\n')
+    path.write_text(
+        f'[gateway]\nledger = "sqlite:///{folder}/ledger.db"\njournal = "{folder}/j.jsonl"\n\n'
+        f'[[upstream]]\nname = "fast"\nurl = "{upstream}/v1"\nmodel = "emu"\nmax_batch = 1024\n'
+        f"iter_base_ms = {ITER_BASE_MS}\niter_slope_ms = 0.0\nprefill_ms_per_token = 0.0\n"
+        "max_model_len = 1000000\n"
+        '\n[quotas.tiers.t]\non_ledger_unavailable = "reject"\n[quotas.tenants.bench]\ntier = "t"\n'
+        f'[[key]]\ntenant = "bench"\nhash = "{hash_api_key(KEY)}"\n'
+    )
     return path
 
 
@@ -51,8 +53,13 @@ async def latencies(base: str, requests: int, concurrency: int) -> tuple[list[fl
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=concurrency),
-                                 headers={"Authorization": f"Bearer {KEY}"}) as http:
+    async with httpx.AsyncClient(
+        base_url=base,
+        timeout=60,
+        limits=httpx.Limits(max_connections=concurrency),
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as http:
+
         async def worker() -> None:
             while not queue.empty():
                 queue.get_nowait()
@@ -90,9 +97,23 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="fairgate-overhead-"))
     up_port, gw_port = free_port(), free_port()
-    emulate = ["emulate", "--port", str(up_port), "--model", "emu", "--iter-base-ms", str(ITER_BASE_MS),
-               "--iter-slope-ms", "0", "--prefill-ms-per-token", "0", "--max-batch", "1024",
-               "--max-model-len", "1000000"]
+    emulate = [
+        "emulate",
+        "--port",
+        str(up_port),
+        "--model",
+        "emu",
+        "--iter-base-ms",
+        str(ITER_BASE_MS),
+        "--iter-slope-ms",
+        "0",
+        "--prefill-ms-per-token",
+        "0",
+        "--max-batch",
+        "1024",
+        "--max-model-len",
+        "1000000",
+    ]
     with process(emulate, up_port) as upstream:
         config_path = gateway_config(folder, upstream)
         with process(["serve", "--config", str(config_path), "--port", str(gw_port)], gw_port) as gateway:
@@ -103,10 +124,14 @@ def main() -> None:
     print(f"non-streaming, {args.requests} requests, {args.concurrency} concurrent (1 output token each):")
     print(f"  direct   p50 {pct(direct, 50):7.2f} ms  p99 {pct(direct, 99):7.2f} ms  {direct_rps:7.0f} req/s")
     print(f"  gateway  p50 {pct(via, 50):7.2f} ms  p99 {pct(via, 99):7.2f} ms  {via_rps:7.0f} req/s")
-    print(f"  added    p50 {pct(via, 50) - pct(direct, 50):7.2f} ms  p99 {pct(via, 99) - pct(direct, 99):7.2f} ms  "
-          f"throughput x{via_rps / direct_rps:.2f}")
-    print(f"streaming, one request of {args.tokens} tokens: direct {direct_tps:,.0f} tokens/s, "
-          f"through the gateway {via_tps:,.0f} tokens/s (x{via_tps / direct_tps:.2f})")
+    print(
+        f"  added    p50 {pct(via, 50) - pct(direct, 50):7.2f} ms  p99 {pct(via, 99) - pct(direct, 99):7.2f} ms  "
+        f"throughput x{via_rps / direct_rps:.2f}"
+    )
+    print(
+        f"streaming, one request of {args.tokens} tokens: direct {direct_tps:,.0f} tokens/s, "
+        f"through the gateway {via_tps:,.0f} tokens/s (x{via_tps / direct_tps:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -21,9 +21,16 @@ import uuid
 
 from fairgate.ledger import connect, quotas_from_dict
 
-QUOTAS = {"defaults": {"requests_per_minute": 1e9, "requests_burst": 1e9, "max_concurrent": 1000,
-                       "input_tokens_per_minute": 1e12, "output_tokens_per_minute": 1e12},
-          "tenants": {f"bench{i}": {} for i in range(8)}}
+QUOTAS = {
+    "defaults": {
+        "requests_per_minute": 1e9,
+        "requests_burst": 1e9,
+        "max_concurrent": 1000,
+        "input_tokens_per_minute": 1e12,
+        "output_tokens_per_minute": 1e12,
+    },
+    "tenants": {f"bench{i}": {} for i in range(8)},
+}
 
 
 def _client(url: str, index: int, seconds: float, start_at: float, out: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -58,8 +65,11 @@ def urls(backends: list[str], tmp: str) -> dict[str, str]:
     token = f"bench_{uuid.uuid4().hex[:8]}"
     pg = os.environ.get("FAIRGATE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
     redis = os.environ.get("FAIRGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    every = {"sqlite": f"sqlite:///{tmp}/{token}.db", "postgres": f"{pg}?schema={token}",
-             "redis": f"{redis}?prefix={token}"}
+    every = {
+        "sqlite": f"sqlite:///{tmp}/{token}.db",
+        "postgres": f"{pg}?schema={token}",
+        "redis": f"{redis}?prefix={token}",
+    }
     return {name: every[name] for name in backends}
 
 
@@ -85,8 +95,10 @@ def main() -> None:
             one = measure(url, 1, args.seconds)
             eight = measure(url, 8, args.seconds)
             asyncio.run(_prepare_and_clean(url, clean=True))
-            print(f"  {name:9s} 1 client {one:8,.0f}/s   8 clients {eight:8,.0f}/s   (x{eight / one:.2f}; "
-                  f"goal >= {goals[name]:,}/s)")
+            print(
+                f"  {name:9s} 1 client {one:8,.0f}/s   8 clients {eight:8,.0f}/s   (x{eight / one:.2f}; "
+                f"goal >= {goals[name]:,}/s)"
+            )
 
 
 if __name__ == "__main__":

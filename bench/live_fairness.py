@@ -61,30 +61,41 @@ MODEL = "emu"
 MAX_MODEL_LEN = 32768
 
 
-def config_text(folder: Path, upstreams: list[str], policy: str, keys: dict[str, str], cost: CostModel = SEED_COST,
-                policy_params: dict[str, float] | None = None, max_queued: int = 1000) -> str:
+def config_text(
+    folder: Path,
+    upstreams: list[str],
+    policy: str,
+    keys: dict[str, str],
+    cost: CostModel = SEED_COST,
+    policy_params: dict[str, float] | None = None,
+    max_queued: int = 1000,
+) -> str:
     """The gateway's TOML: one upstream per URL with ``cost``, a SQLite ledger in ``folder``, one tenant per
     key (no quota but ``max_queued`` / ``max_concurrent``), and ``policy`` with ``policy_params``."""
-    ups = "".join(f'[[upstream]]\nname = "emu-{i}"\nurl = "{u}/v1"\nmodel = "{MODEL}"\nmax_batch = {cost.max_batch}\n'
-                  f"iter_base_ms = {cost.iter_base_ms!r}\niter_slope_ms = {cost.iter_slope_ms!r}\n"
-                  f"prefill_ms_per_token = {cost.prefill_ms_per_token!r}\nmax_model_len = {MAX_MODEL_LEN}\n"
-                  for i, u in enumerate(upstreams))
+    ups = "".join(
+        f'[[upstream]]\nname = "emu-{i}"\nurl = "{u}/v1"\nmodel = "{MODEL}"\nmax_batch = {cost.max_batch}\n'
+        f"iter_base_ms = {cost.iter_base_ms!r}\niter_slope_ms = {cost.iter_slope_ms!r}\n"
+        f"prefill_ms_per_token = {cost.prefill_ms_per_token!r}\nmax_model_len = {MAX_MODEL_LEN}\n"
+        for i, u in enumerate(upstreams)
+    )
     params = ""
     if policy_params:
         values = ", ".join(f"{k} = {v!r}" for k, v in policy_params.items())
         params = f"[policy]\n{policy} = {{ {values} }}\n"
     tenants = "".join(f'[quotas.tenants.{t}]\ntier = "t"\n' for t in keys)
     key_tables = "".join(f'[[key]]\ntenant = "{t}"\nhash = "{hash_api_key(k)}"\n' for t, k in keys.items())
-    return (f'[gateway]\npolicy = "{policy}"\nledger = "sqlite:///{folder}/ledger.db"\n'
-            f'journal = "{folder}/journal.jsonl"\n\n{ups}\n{params}[quotas.tiers.t]\non_ledger_unavailable = "reject"\n'
-            f"[quotas.defaults]\nmax_queued = {max_queued}\nmax_concurrent = {max_queued}\n{tenants}\n{key_tables}")
+    return (
+        f'[gateway]\npolicy = "{policy}"\nledger = "sqlite:///{folder}/ledger.db"\n'
+        f'journal = "{folder}/journal.jsonl"\n\n{ups}\n{params}[quotas.tiers.t]\non_ledger_unavailable = "reject"\n'
+        f"[quotas.defaults]\nmax_queued = {max_queued}\nmax_concurrent = {max_queued}\n{tenants}\n{key_tables}"
+    )
 
 
 # --- closed loop ------------------------------------------------------------------------------------------------
 
 
 async def load(url: str, keys: dict[str, str], seconds: float, clients: int, seed: int) -> dict[str, int]:
-    done = {t: 0 for t in MIX}
+    done = dict.fromkeys(MIX, 0)
 
     async def worker(tenant: str, index: int) -> None:
         rng = random.Random(f"{seed}-{tenant}-{index}")
@@ -93,8 +104,12 @@ async def load(url: str, keys: dict[str, str], seconds: float, clients: int, see
         mu = math.log(MIX[tenant]) - sigma2 / 2
         while True:
             tokens = max(1, round(rng.lognormvariate(mu, math.sqrt(sigma2))))
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
-                                                 max_tokens=tokens, extra_body={"ignore_eos": True})
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=tokens,
+                extra_body={"ignore_eos": True},
+            )
             done[tenant] += 1
         await client.close()
 
@@ -113,7 +128,7 @@ async def load(url: str, keys: dict[str, str], seconds: float, clients: int, see
 async def shares(config_path: Path) -> dict[str, float]:
     config = load_gateway_config(config_path)
     ledger = await connect(config.ledger_url, config.quotas)
-    gpu = {t: 0.0 for t in MIX}
+    gpu = dict.fromkeys(MIX, 0.0)
     for r in await ledger.reservations():
         gpu[r.tenant] += r.billed.gpu_ms
     await ledger.close()
@@ -159,8 +174,9 @@ def trace_scenario(replicas: int = TRACE_REPLICAS) -> Scenario:
     return load_scenario(TRACE_SCENARIO, [f"replica.replicas={replicas}"], require_tenants=False)
 
 
-def azure_window(start_s: float, seconds: float, speedup: float, max_requests: int,
-                 directory: Path | None = None) -> Workload:
+def azure_window(
+    start_s: float, seconds: float, speedup: float, max_requests: int, directory: Path | None = None
+) -> Workload:
     """The requests of both Azure traces in trace time ``[start_s, start_s + seconds * speedup)``, arriving
     ``speedup`` times faster: a workload of ``seconds`` (replay seconds), tenants ``code`` and ``conv``.
     Only the first ``max_requests`` arrivals are kept (a bound on the run; the duration stays ``seconds``)."""
@@ -168,8 +184,14 @@ def azure_window(start_s: float, seconds: float, speedup: float, max_requests: i
     workload, _ = trace_workload(files, "azure", start_s=start_s, duration_s=seconds * speedup, speedup=speedup)
     if len(workload) > max_requests:
         n = max_requests
-        workload = Workload(workload.tenants, workload.arrival_ns[:n], workload.tenant_index[:n],
-                            workload.prompt_tokens[:n], workload.output_tokens[:n], workload.duration_ns)
+        workload = Workload(
+            workload.tenants,
+            workload.arrival_ns[:n],
+            workload.tenant_index[:n],
+            workload.prompt_tokens[:n],
+            workload.output_tokens[:n],
+            workload.duration_ns,
+        )
     return workload
 
 
@@ -227,7 +249,7 @@ def _shares(gpu_ms: dict[str, float]) -> dict[str, float]:
 
 
 def _count(workload: Workload, which: list[bool]) -> dict[str, int]:
-    counts = {t: 0 for t in workload.tenants}
+    counts = dict.fromkeys(workload.tenants, 0)
     for i, yes in enumerate(which):
         if yes:
             counts[workload.tenants[workload.tenant_index[i]]] += 1
@@ -253,9 +275,16 @@ async def replay(url: str, keys: dict[str, str], workload: Workload) -> dict[str
     """
     loop = asyncio.get_running_loop()
     limits = httpx.Limits(max_connections=len(workload) + 16, max_keepalive_connections=64)
-    clients = {t: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=k, max_retries=0, timeout=600,
-                                     http_client=openai.DefaultAsyncHttpxClient(limits=limits))
-               for t, k in keys.items()}
+    clients = {
+        t: openai.AsyncOpenAI(
+            base_url=f"{url}/v1",
+            api_key=k,
+            max_retries=0,
+            timeout=600,
+            http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+        )
+        for t, k in keys.items()
+    }
     sent: dict[str, Sent] = {}
     start = loop.time()
 
@@ -264,9 +293,13 @@ async def replay(url: str, keys: dict[str, str], workload: Workload) -> dict[str
         record = sent[request_id(workload, i)] = Sent(tenant)
         try:
             async with clients[tenant].completions.with_streaming_response.create(
-                    model=MODEL, prompt="w " * workload.prompt_tokens[i], max_tokens=workload.output_tokens[i],
-                    stream=True, extra_body={"ignore_eos": True},
-                    extra_headers={"x-request-id": request_id(workload, i)}) as response:
+                model=MODEL,
+                prompt="w " * workload.prompt_tokens[i],
+                max_tokens=workload.output_tokens[i],
+                stream=True,
+                extra_body={"ignore_eos": True},
+                extra_headers={"x-request-id": request_id(workload, i)},
+            ) as response:
                 record.dispatched_s = loop.time() - start
                 async for _ in response.iter_bytes():
                     pass
@@ -301,17 +334,30 @@ async def _billed(config_path: Path) -> dict[str, tuple[str, float]]:
 
 def _emulate_args(settings: EmulatorSettings, port: int) -> list[str]:
     """``fairgate emulate`` arguments for a replica process with ``settings``."""
-    return ["emulate", "--port", str(port), "--model", settings.model,
-            "--iter-base-ms", str(settings.iter_base_ms), "--iter-slope-ms", str(settings.iter_slope_ms),
-            "--prefill-ms-per-token", str(settings.prefill_ms_per_token), "--max-batch", str(settings.max_batch),
-            "--max-model-len", str(settings.max_model_len)]
+    return [
+        "emulate",
+        "--port",
+        str(port),
+        "--model",
+        settings.model,
+        "--iter-base-ms",
+        str(settings.iter_base_ms),
+        "--iter-slope-ms",
+        str(settings.iter_slope_ms),
+        "--prefill-ms-per-token",
+        str(settings.prefill_ms_per_token),
+        "--max-batch",
+        str(settings.max_batch),
+        "--max-model-len",
+        str(settings.max_model_len),
+    ]
 
 
 def _emulator_lag(urls: list[str], tenants: list[str]) -> tuple[float, dict[str, float]]:
     """The replicas' timing lag (measured / planned - 1) and, per tenant, the GPU ms the charge rule gives
     on their real iterations (the emulator's ground truth for the live meter, by cache_salt)."""
     planned = measured = 0.0
-    truth = {t: 0.0 for t in tenants}
+    truth = dict.fromkeys(tenants, 0.0)
     by_salt = {tenant_tag(t): t for t in tenants}
     for url in urls:
         stats = httpx.get(f"{url}/emulator/stats", timeout=10).json()
@@ -345,7 +391,7 @@ def run_trace(policy: str, workload: Workload, scenario: Scenario) -> TraceRun:
     ids = [request_id(workload, i) for i in range(len(workload))]
     dispatched = [sent[r].dispatched_s is not None and sent[r].dispatched_s * 1e9 < end_ns for r in ids]
     finished_live = [sent[r].finished_s is not None and sent[r].finished_s * 1e9 < end_ns for r in ids]
-    realised_gpu = {t: 0.0 for t in workload.tenants}
+    realised_gpu = dict.fromkeys(workload.tenants, 0.0)
     late = 0.0
     for rid, was_dispatched in zip(ids, dispatched):
         if rid not in billed:
@@ -358,25 +404,39 @@ def run_trace(policy: str, workload: Workload, scenario: Scenario) -> TraceRun:
     admitted_sim = [t != NOT_YET and t < end_ns for t in predicted_run.admit_ns]
     finished_sim = [t != NOT_YET and t <= end_ns for t in predicted_run.finish_ns]
     return TraceRun(
-        policy=policy, predicted=_shares(predicted_gpu), realised=_shares(realised_gpu),
-        predicted_gpu_ms=predicted_gpu, realised_gpu_ms=realised_gpu,
+        policy=policy,
+        predicted=_shares(predicted_gpu),
+        realised=_shares(realised_gpu),
+        predicted_gpu_ms=predicted_gpu,
+        realised_gpu_ms=realised_gpu,
         arrived=_count(workload, [True] * len(workload)),
-        admitted_sim=_count(workload, admitted_sim), dispatched_live=_count(workload, dispatched),
-        finished_sim=_count(workload, finished_sim), finished_live=_count(workload, finished_live),
-        late_gpu_ms=late, errors=[f"{r}: {s.error}" for r, s in sent.items() if s.error], emulator_lag=lag,
+        admitted_sim=_count(workload, admitted_sim),
+        dispatched_live=_count(workload, dispatched),
+        finished_sim=_count(workload, finished_sim),
+        finished_live=_count(workload, finished_live),
+        late_gpu_ms=late,
+        errors=[f"{r}: {s.error}" for r, s in sent.items() if s.error],
+        emulator_lag=lag,
         replica_truth_gpu_ms=truth,
-        wall_s=wall_s)
+        wall_s=wall_s,
+    )
 
 
-def _live(policy: str, workload: Workload, scenario: Scenario
-          ) -> tuple[dict[str, Sent], dict[str, tuple[str, float]], tuple[float, dict[str, float]]]:
+def _live(
+    policy: str, workload: Workload, scenario: Scenario
+) -> tuple[dict[str, Sent], dict[str, tuple[str, float]], tuple[float, dict[str, float]]]:
     """The live side of ``run_trace``: replicas with the scenario's cost model, a gateway with a fresh SQLite
     ledger, the replay. Returns what the clients saw, the ledger's (tenant, GPU ms) by request id, and the
     replicas' timing lag (``TraceRun.emulator_lag``)."""
     cost = scenario.cost
-    settings = EmulatorSettings(model=MODEL, iter_base_ms=cost.iter_base_ms, iter_slope_ms=cost.iter_slope_ms,
-                                prefill_ms_per_token=cost.prefill_ms_per_token, max_batch=cost.max_batch,
-                                max_model_len=MAX_MODEL_LEN)
+    settings = EmulatorSettings(
+        model=MODEL,
+        iter_base_ms=cost.iter_base_ms,
+        iter_slope_ms=cost.iter_slope_ms,
+        prefill_ms_per_token=cost.prefill_ms_per_token,
+        max_batch=cost.max_batch,
+        max_model_len=MAX_MODEL_LEN,
+    )
     keys = {t: f"fg-bench-{t}-{'k' * 20}" for t in workload.tenants}
     params = dict(scenario.policy_spec(policy).params.get(policy, {}))
     hang_ups = _QuietHangUps()
@@ -385,21 +445,24 @@ def _live(policy: str, workload: Workload, scenario: Scenario
         with tempfile.TemporaryDirectory(prefix="fairgate-trace-") as tmp:
             folder = Path(tmp)
             path = folder / "fairgate.toml"
-            with ExitStack() as gateway_stack:
-                with ExitStack() as replicas:
-                    # Replicas in processes of their own, as deployed: in this process they would share
-                    # the interpreter with the gateway and delay each other's token delivery.
-                    upstreams = [replicas.enter_context(fairgate_process(_emulate_args(settings, port), port))
-                                 for port in (free_port() for _ in range(scenario.replicas))]
-                    path.write_text(config_text(folder, upstreams, policy, keys, cost, params,
-                                                max_queued=len(workload) + 1))
-                    # The gateway in its own process too: its meter reads token arrival times, which the
-                    # replay's clients would delay if they shared its interpreter.
-                    gateway_port = free_port()
-                    gateway = gateway_stack.enter_context(
-                        fairgate_process(["serve", "--config", str(path), "--port", str(gateway_port)], gateway_port))
-                    sent = asyncio.run(replay(gateway, keys, workload))
-                    lag = _emulator_lag(upstreams, list(workload.tenants))
+            with ExitStack() as gateway_stack, ExitStack() as replicas:
+                # Replicas in processes of their own, as deployed: in this process they would share
+                # the interpreter with the gateway and delay each other's token delivery.
+                upstreams = [
+                    replicas.enter_context(fairgate_process(_emulate_args(settings, port), port))
+                    for port in (free_port() for _ in range(scenario.replicas))
+                ]
+                path.write_text(
+                    config_text(folder, upstreams, policy, keys, cost, params, max_queued=len(workload) + 1)
+                )
+                # The gateway in its own process too: its meter reads token arrival times, which the
+                # replay's clients would delay if they shared its interpreter.
+                gateway_port = free_port()
+                gateway = gateway_stack.enter_context(
+                    fairgate_process(["serve", "--config", str(path), "--port", str(gateway_port)], gateway_port)
+                )
+                sent = asyncio.run(replay(gateway, keys, workload))
+                lag = _emulator_lag(upstreams, list(workload.tenants))
                 # The replicas stop before the gateway: the gateway does not notice that a queued request's
                 # client hung up until it dispatches it, and each such dispatch would make a replica prefill
                 # a prompt nobody reads (seconds of shutdown after a backlog); now it fails at once.
@@ -419,22 +482,30 @@ class _QuietHangUps(logging.Filter):
 
 def print_trace_run(result: TraceRun) -> None:
     diff = result.difference_pp()
-    cells = "  ".join(f"{t} {result.predicted[t] * 100:5.1f}% -> {result.realised[t] * 100:5.1f}% ({diff[t]:+.1f} pp)"
-                      for t in result.predicted)
+    cells = "  ".join(
+        f"{t} {result.predicted[t] * 100:5.1f}% -> {result.realised[t] * 100:5.1f}% ({diff[t]:+.1f} pp)"
+        for t in result.predicted
+    )
     print(f"  {result.policy:10s} predicted -> realised  {cells}")
-    counts = "  ".join(f"{t} {result.arrived[t]} arrived, {result.admitted_sim[t]} / {result.dispatched_live[t]} "
-                       f"started, {result.finished_sim[t]} / {result.finished_live[t]} finished"
-                       for t in result.arrived)
+    counts = "  ".join(
+        f"{t} {result.arrived[t]} arrived, {result.admitted_sim[t]} / {result.dispatched_live[t]} "
+        f"started, {result.finished_sim[t]} / {result.finished_live[t]} finished"
+        for t in result.arrived
+    )
     total = sum(result.realised_gpu_ms.values())
     print(f"  {'':10s} sim / live: {counts}")
-    print(f"  {'':10s} GPU ms sim {sum(result.predicted_gpu_ms.values()):,.0f} live {total:,.0f}; "
-          f"after the end {result.late_gpu_ms:,.0f}; emulator lag {result.emulator_lag * 100:+.1f} %; "
-          f"{len(result.errors)} errors; {result.wall_s:.1f} s")
+    print(
+        f"  {'':10s} GPU ms sim {sum(result.predicted_gpu_ms.values()):,.0f} live {total:,.0f}; "
+        f"after the end {result.late_gpu_ms:,.0f}; emulator lag {result.emulator_lag * 100:+.1f} %; "
+        f"{len(result.errors)} errors; {result.wall_s:.1f} s"
+    )
     if result.replica_truth_gpu_ms:
         truth = _shares(result.replica_truth_gpu_ms)
         billed = _shares({t: result.realised_gpu_ms[t] for t in truth})
-        print(f"  {'':10s} replicas' charge rule (whole run): "
-              + "  ".join(f"{t} {truth[t] * 100:5.1f}% (billed {billed[t] * 100:5.1f}%)" for t in truth))
+        print(
+            f"  {'':10s} replicas' charge rule (whole run): "
+            + "  ".join(f"{t} {truth[t] * 100:5.1f}% (billed {billed[t] * 100:5.1f}%)" for t in truth)
+        )
     for error in result.errors[:5]:
         print(f"  {'':10s} {error}")
 
@@ -443,10 +514,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", choices=["azure"], help="replay the Azure 2023 code + conversation traces")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each run (replay seconds)")
-    parser.add_argument("--policies", default=None, help="default: gpu_fair,fcfs,vtc (closed loop), "
-                                                           "gpu_fair,fcfs (trace)")
-    parser.add_argument("--clients", type=int, default=48,
-                        help="closed loop: concurrent clients per tenant (48: each alone could fill both replicas)")
+    parser.add_argument(
+        "--policies", default=None, help="default: gpu_fair,fcfs,vtc (closed loop), gpu_fair,fcfs (trace)"
+    )
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=48,
+        help="closed loop: concurrent clients per tenant (48: each alone could fill both replicas)",
+    )
     parser.add_argument("--start", type=float, default=1080.0, help="trace: window start, trace seconds")
     parser.add_argument("--speedup", type=float, default=2.0, help="trace: arrivals this many times faster")
     parser.add_argument("--max-requests", type=int, default=3000, help="trace: replay at most this many requests")
@@ -455,9 +531,11 @@ def main() -> None:
         workload = azure_window(args.start, args.seconds, args.speedup, args.max_requests)
         scenario = trace_scenario()
         counts = _count(workload, [True] * len(workload))
-        print(f"Azure 2023 trace from {args.start:g} s, {args.speedup:g}x: {args.seconds:g} s, "
-              f"{', '.join(f'{t} {n} requests' for t, n in counts.items())}; {scenario.replicas} emulated "
-              f"replicas x {scenario.cost.max_batch} slots")
+        print(
+            f"Azure 2023 trace from {args.start:g} s, {args.speedup:g}x: {args.seconds:g} s, "
+            f"{', '.join(f'{t} {n} requests' for t, n in counts.items())}; {scenario.replicas} emulated "
+            f"replicas x {scenario.cost.max_batch} slots"
+        )
         for policy in (args.policies or "gpu_fair,fcfs").split(","):
             print_trace_run(run_trace(policy, workload, scenario))
         return

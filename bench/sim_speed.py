@@ -52,8 +52,10 @@ def grid(jobs: int) -> None:
     result = run_sweep(config, configs, scenario_path, jobs)
     elapsed = time.perf_counter() - start
     runs = len(configs) * len(config.policy_names())
-    print(f"grid: {len(configs):,} configurations x {len(config.policy_names())} policies = {runs:,} runs "
-          f"on {jobs} jobs: {elapsed:.1f} s ({elapsed / runs * 1000 * jobs:.1f} ms/run/process; goal <= 60 s)")
+    print(
+        f"grid: {len(configs):,} configurations x {len(config.policy_names())} policies = {runs:,} runs "
+        f"on {jobs} jobs: {elapsed:.1f} s ({elapsed / runs * 1000 * jobs:.1f} ms/run/process; goal <= 60 s)"
+    )
     for policy in config.policy_names():
         worst, where = result.worst(policy)
         print(f"  {policy:15s} worst max/min {worst:8.3f} at {where}")

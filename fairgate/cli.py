@@ -13,13 +13,17 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from fairgate.core.policies.factory import POLICY_NAMES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="GPU-time fair scheduling for multi-tenant LLM inference.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="GPU-time fair scheduling for multi-tenant LLM inference.",
+)
 _WIDTH = None if sys.stdout.isatty() else 140  # tables stay whole when piped or captured
 console = Console(width=_WIDTH)
 error_console = Console(stderr=True, width=_WIDTH)
@@ -84,8 +88,9 @@ def parse_flood(items: list[str]) -> dict[str, float]:
         except ValueError:
             factor = float("nan")
         if not sep or not name or not 0 < factor <= 1000:
-            raise UsageError(f"--flood {item!r}: expected TENANT=MULTIPLIER with a multiplier in (0, 1000], "
-                             "e.g. agent=4")
+            raise UsageError(
+                f"--flood {item!r}: expected TENANT=MULTIPLIER with a multiplier in (0, 1000], e.g. agent=4"
+            )
         if name in flood:
             raise UsageError(f"--flood {item!r}: tenant {name!r} is flooded twice")
         flood[name] = factor
@@ -194,8 +199,9 @@ def simulate(
         seed_list = parse_seeds(seeds) if seeds is not None else [loaded.config.run.seed]
         plot_dir = _plot_dir(plot) if plot is not None else None
         results = [run_policy(loaded, p, seed_list, floods, engine) for p in policies]
-        title = (f"{scenario}  seeds {seed_list[0]}..{seed_list[-1]} ({len(seed_list)})"
-                 + (f"  flood {floods}" if floods else ""))
+        title = f"{scenario}  seeds {seed_list[0]}..{seed_list[-1]} ({len(seed_list)})" + (
+            f"  flood {floods}" if floods else ""
+        )
         print_table(error_console if json_out == "-" else console, title, results)
         if json_out:
             _emit_json(results_json(str(scenario), results, {"seeds": seed_list, "flood": floods}), json_out)
@@ -233,18 +239,30 @@ def sweep(
         configs = configurations(grid_config, grid, scenario, data)
         plot_dir = _plot_dir(plot) if plot is not None else None
         policies = grid_config.policy_names()
-        with Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=error_console, transient=False) as bar:
+        with Progress(
+            TextColumn("sweep"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=error_console,
+            transient=False,
+        ) as bar:
             task = bar.add_task("configurations", total=len(configs))
             result = run_sweep(grid_config, configs, scenario, jobs, lambda n: bar.advance(task, n))
-        table = Table(title=f"{len(configs):,} configurations x {len(policies)} policies "
-                            f"({len(grid_config.seeds)} seed(s) each)", title_justify="left")
+        table = Table(
+            title=f"{len(configs):,} configurations x {len(policies)} policies ({len(grid_config.seeds)} seed(s) each)",
+            title_justify="left",
+        )
         for column in ("policy", "worst max/min", "mean max/min", "worst at"):
             table.add_column(column)
         for name in policies:
             worst, where = result.worst(name)
-            table.add_row(name, f"{worst:.3f}", f"{fmean(result.ratios[name]):.3f}",
-                          escape(", ".join(f"{k}={v}" for k, v in where.items())))
+            table.add_row(
+                name,
+                f"{worst:.3f}",
+                f"{fmean(result.ratios[name]):.3f}",
+                escape(", ".join(f"{k}={v}" for k, v in where.items())),
+            )
         (error_console if json_out == "-" else console).print(table)
         if json_out:
             _emit_json({"scenario": str(scenario), "grid": str(grid), **result.to_json()}, json_out)
@@ -253,8 +271,13 @@ def sweep(
                 ratios = {p: result.by_axis(axis.key, p) for p in policies}
                 reduce_note = "" if len(grid_config.axis) == 1 else "\n(mean over the other axes)"
                 name = axis.key.replace("*", "all").replace(".", "_")
-                path = ratio_against(axis.values, ratios, plot_dir / f"sweep_{name}.png", axis.key,
-                                     f"{scenario.name}: max/min GPU share vs {axis.key}{reduce_note}")
+                path = ratio_against(
+                    axis.values,
+                    ratios,
+                    plot_dir / f"sweep_{name}.png",
+                    axis.key,
+                    f"{scenario.name}: max/min GPU share vs {axis.key}{reduce_note}",
+                )
                 _note(f"wrote {path}")
 
     _guard(run)
@@ -291,11 +314,15 @@ def replay(
         workload, summary = trace_workload([str(t) for t in traces], format_, tenant_by, speedup, start, duration)
         unused = sorted(set(loaded.shares) - set(workload.tenants))
         if unused:
-            _note(f"note: scenario tenants not in the trace are ignored: {', '.join(unused)} "
-                  f"(trace tenants: {', '.join(workload.tenants)})")
-        _note(f"replaying {len(workload):,} requests of {len(workload.tenants)} tenant(s) over "
-                            f"{workload.duration_ns / 1e9:,.0f} s on {loaded.replicas} replica(s); "
-                            f"skipped {summary.skipped_failed} failed rows (0 output tokens)")
+            _note(
+                f"note: scenario tenants not in the trace are ignored: {', '.join(unused)} "
+                f"(trace tenants: {', '.join(workload.tenants)})"
+            )
+        _note(
+            f"replaying {len(workload):,} requests of {len(workload.tenants)} tenant(s) over "
+            f"{workload.duration_ns / 1e9:,.0f} s on {loaded.replicas} replica(s); "
+            f"skipped {summary.skipped_failed} failed rows (0 output tokens)"
+        )
         results = [run_workload(loaded, workload, p) for p in policies]
         title = f"replay {', '.join(t.name for t in traces)} ({format_}, tenants by {tenant_by})"
         print_table(error_console if json_out == "-" else console, title, results)
@@ -321,8 +348,9 @@ def emulate(
     output_mean_tokens: Annotated[float, typer.Option(help="Mean of the lognormal output length.")] = 128.0,
     output_cv: Annotated[float, typer.Option(help="Coefficient of variation of the output length.")] = 0.5,
     max_model_len: Annotated[int, typer.Option(help="Context length, tokens.")] = 32_768,
-    require_tenant_context: Annotated[bool, typer.Option(
-        "--require-tenant-context", help="Refuse (400) generation requests without a cache_salt.")] = False,
+    require_tenant_context: Annotated[
+        bool, typer.Option("--require-tenant-context", help="Refuse (400) generation requests without a cache_salt.")
+    ] = False,
 ) -> None:
     """Serve an OpenAI-compatible emulated replica: continuous batching on a real clock with the cost model."""
     import uvicorn
@@ -331,29 +359,46 @@ def emulate(
     from fairgate.emulator.api import EmulatorSettings, create_app
 
     try:
-        settings = EmulatorSettings(model=model, iter_base_ms=iter_base_ms, iter_slope_ms=iter_slope_ms,
-                                    prefill_ms_per_token=prefill_ms_per_token, max_batch=max_batch,
-                                    output_mean_tokens=output_mean_tokens, output_cv=output_cv,
-                                    max_model_len=max_model_len, require_tenant_context=require_tenant_context)
+        settings = EmulatorSettings(
+            model=model,
+            iter_base_ms=iter_base_ms,
+            iter_slope_ms=iter_slope_ms,
+            prefill_ms_per_token=prefill_ms_per_token,
+            max_batch=max_batch,
+            output_mean_tokens=output_mean_tokens,
+            output_cv=output_cv,
+            max_model_len=max_model_len,
+            require_tenant_context=require_tenant_context,
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
         raise _fail(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
-    _note(f"emulated replica {settings.model}: dt = {settings.iter_base_ms} + {settings.iter_slope_ms}*B + "
-          f"{settings.prefill_ms_per_token}*prefill ms, max_batch {settings.max_batch}, on http://{host}:{port}/v1")
+    _note(
+        f"emulated replica {settings.model}: dt = {settings.iter_base_ms} + {settings.iter_slope_ms}*B + "
+        f"{settings.prefill_ms_per_token}*prefill ms, max_batch {settings.max_batch}, on http://{host}:{port}/v1"
+    )
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
 
 
 @app.command()
 def serve(
-    config: Annotated[Path | None, typer.Option(help="Gateway TOML (see config/fairgate.example.toml). "
-                                                     "Without it: a demo with an emulated upstream.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="Gateway TOML (see config/fairgate.example.toml). Without it: a demo with an emulated upstream."
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
-    demo_traffic: Annotated[bool, typer.Option(help="Demo only: four tenants keep requests in flight "
-                                                    "(seed 002's output mix).")] = True,
-    duration: Annotated[float | None, typer.Option(min=1.0, help="Stop after this many seconds and print "
-                                                                  "each tenant's GPU share (default: run "
-                                                                  "until Ctrl-C).")] = None,
+    demo_traffic: Annotated[
+        bool, typer.Option(help="Demo only: four tenants keep requests in flight (seed 002's output mix).")
+    ] = True,
+    duration: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0, help="Stop after this many seconds and print each tenant's GPU share (default: run until Ctrl-C)."
+        ),
+    ] = None,
 ) -> None:
     """Run the gateway: OpenAI-compatible, per-tenant quotas, GPU-time fair dispatch."""
     import asyncio
@@ -392,18 +437,26 @@ def serve(
     if config is None:
         folder = demo_folder()
         upstream_port = _free_port(host)
-        emulator = DemoServer(uvicorn.Config(create_app(EmulatorSettings(model=DEMO_MODEL)), host=host,
-                                              port=upstream_port, log_level="warning",
-                                              timeout_graceful_shutdown=DEMO_GRACE_S))
+        emulator = DemoServer(
+            uvicorn.Config(
+                create_app(EmulatorSettings(model=DEMO_MODEL)),
+                host=host,
+                port=upstream_port,
+                log_level="warning",
+                timeout_graceful_shutdown=DEMO_GRACE_S,
+            )
+        )
         servers.append(emulator)
         config, keys = write_demo_config(folder, f"http://{host}:{upstream_port}")
         _note(f"demo: emulated replica on http://{host}:{upstream_port}/v1, ledger and config in {folder}")
         for tenant, key in keys.items():
             _note(f"  {'admin' if tenant == 'admin' else 'tenant ' + tenant:16s} key {key}")
         _note(f"dashboard: http://{host}:{port}/dashboard (log in with a key)   metrics: http://{host}:{port}/metrics")
-        _note(f"try: curl -s http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {keys['chat']}' "
-              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{DEMO_MODEL}\", \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"hello\"}}], \"max_tokens\": 16}}'")
+        _note(
+            f"try: curl -s http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {keys['chat']}' "
+            f'-H \'Content-Type: application/json\' -d \'{{"model": "{DEMO_MODEL}", "messages": '
+            f'[{{"role": "user", "content": "hello"}}], "max_tokens": 16}}\''
+        )
     try:
         loaded = load_gateway_config(config)
     except GatewayConfigError as exc:
@@ -412,27 +465,38 @@ def serve(
     if problem is not None:
         raise _fail(problem)
     if keys:  # the demo: Ctrl-C stops the traffic, prints the shares and closes the streams at once
-        gateway = DemoServer(uvicorn.Config(create_gateway(loaded), host=host, port=port, log_level="warning",
-                                             timeout_graceful_shutdown=DEMO_GRACE_S))
+        gateway = DemoServer(
+            uvicorn.Config(
+                create_gateway(loaded),
+                host=host,
+                port=port,
+                log_level="warning",
+                timeout_graceful_shutdown=DEMO_GRACE_S,
+            )
+        )
     else:  # uvicorn's own signal handling: a graceful shutdown waits for the streams in flight
         gateway = uvicorn.Server(uvicorn.Config(create_gateway(loaded), host=host, port=port, log_level="warning"))
     servers.append(gateway)
     _note(f"gateway on http://{host}:{port}/v1 (policy {loaded.gateway.policy}, ledger {loaded.ledger_url})")
     traffic = bool(keys) and demo_traffic
     if traffic:
-        _note("demo traffic: 4 tenants x 12 clients (classify 24, chat 53, summarise 197, agent 354 tokens on "
-              "average); GPU time should split 25 % each")
+        _note(
+            "demo traffic: 4 tenants x 12 clients (classify 24, chat 53, summarise 197, agent 354 tokens on "
+            "average); GPU time should split 25 % each"
+        )
 
     async def run_all() -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         stop = asyncio.Event()
         if keys:
+
             def on_signal() -> None:
                 if stop.is_set():  # a second Ctrl-C: do not wait for anything
                     for server in servers:
                         server.force_exit = True
                 stop.set()
+
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, on_signal)
         serving = asyncio.gather(*(server.serve() for server in servers))
@@ -440,12 +504,14 @@ def serve(
         if traffic:
             while not gateway.started and not serving.done():
                 await asyncio.sleep(0.05)
-            driver = asyncio.ensure_future(drive_demo_traffic(f"http://{host}:{port}",
-                                                              {t: k for t, k in keys.items() if t != "admin"}))
+            driver = asyncio.ensure_future(
+                drive_demo_traffic(f"http://{host}:{port}", {t: k for t, k in keys.items() if t != "admin"})
+            )
         if duration is not None or keys:
             timeout = None if duration is None else max(0.0, duration - (loop.time() - started))
-            done, _ = await asyncio.wait([asyncio.ensure_future(stop.wait()), serving], timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                [asyncio.ensure_future(stop.wait()), serving], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
             if not serving.done():
                 if driver is not None:
                     driver.cancel()
@@ -501,9 +567,9 @@ DEMO_GRACE_S = 2  # the demo's servers wait this long for streams still open whe
 
 async def _print_shares(config: Any) -> None:
     """Each tenant's share of the GPU time billed in the ledger so far (the demo's closing figures)."""
-    from fairgate.ledger import connect
-
     import asyncio
+
+    from fairgate.ledger import connect
 
     async with await connect(config.ledger_url, config.quotas, create=False) as ledger:
         for _ in range(60):  # the cancelled demo requests settle what they generated (within a second or so)
@@ -516,8 +582,13 @@ async def _print_shares(config: Any) -> None:
     for column in ("tenant", "requests", "output tokens", "GPU s", "share"):
         table.add_column(column, justify="left" if column == "tenant" else "right")
     for tenant, usage in billed.items():
-        table.add_row(tenant, str(usage.requests), str(usage.output_tokens), f"{usage.gpu_ms / 1000:.1f}",
-                      f"{100 * usage.gpu_ms / total_ms:.1f} %")
+        table.add_row(
+            tenant,
+            str(usage.requests),
+            str(usage.output_tokens),
+            f"{usage.gpu_ms / 1000:.1f}",
+            f"{100 * usage.gpu_ms / total_ms:.1f} %",
+        )
     Console().print(table)
 
 

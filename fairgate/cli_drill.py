@@ -25,10 +25,15 @@ def _fail(message: str) -> typer.Exit:
 
 @drill_app.command("drill")
 def drill(
-    name: Annotated[str, typer.Argument(help="The drill: burst, ultra_long, cancellation, retry, forged, ... "
-                                              "(an unknown name lists them all).")],
-    seconds: Annotated[float | None, typer.Option(min=5.0, max=600.0,
-                                                  help="Length of each load phase (default: the drill's).")] = None,
+    name: Annotated[
+        str,
+        typer.Argument(
+            help="The drill: burst, ultra_long, cancellation, retry, forged, ... (an unknown name lists them all)."
+        ),
+    ],
+    seconds: Annotated[
+        float | None, typer.Option(min=5.0, max=600.0, help="Length of each load phase (default: the drill's).")
+    ] = None,
     policy: Annotated[str, typer.Option("--policy", "-p", help="The gateway policy under test.")] = "gpu_fair",
     compare: Annotated[str, typer.Option(help="A second policy run for comparison, or none.")] = "fcfs",
     processes: Annotated[bool, typer.Option(help="Run replicas and gateway as fairgate processes.")] = False,
@@ -50,11 +55,13 @@ def drill(
         import openai  # noqa: F401 - the drills' load generator drives the real client
     except ModuleNotFoundError:
         raise _fail("the drills need the openai package: pip install 'openai>=1.30'") from None
-    errors.print(f"drill {name}: running under {describe_runs(name, policy, comparison)} ...", markup=False,
-                 highlight=False)
+    errors.print(
+        f"drill {name}: running under {describe_runs(name, policy, comparison)} ...", markup=False, highlight=False
+    )
     try:
-        result = run_drill(name, DrillOptions(seconds=seconds, policy=policy, compare=comparison,
-                                              processes=processes, seed=seed))
+        result = run_drill(
+            name, DrillOptions(seconds=seconds, policy=policy, compare=comparison, processes=processes, seed=seed)
+        )
     except UnknownDrill as exc:  # pragma: no cover - checked above
         raise _fail(str(exc)) from None
     except ValueError as exc:

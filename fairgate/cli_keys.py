@@ -83,8 +83,10 @@ def add(
     def run() -> str:
         loaded = load_gateway_config(config)
         if tenant not in loaded.quotas.tenants:
-            raise GatewayConfigError(f"{config}: quotas.tenants: no tenant {tenant!r} "
-                                     f"(tenants: {', '.join(loaded.quotas.tenants) or 'none'})")
+            raise GatewayConfigError(
+                f"{config}: quotas.tenants: no tenant {tenant!r} "
+                f"(tenants: {', '.join(loaded.quotas.tenants) or 'none'})"
+            )
         if name is not None and len(name) > 200:
             raise ValueError("--name: at most 200 characters")
         key = new_api_key()
@@ -96,8 +98,9 @@ def add(
         try:
             data = tomllib.loads(updated)
         except tomllib.TOMLDecodeError as exc:
-            raise GatewayConfigError(f"{config}: cannot append a [[key]] table here ({exc}); is `key` "
-                                     "defined another way in this file?") from None
+            raise GatewayConfigError(
+                f"{config}: cannot append a [[key]] table here ({exc}); is `key` defined another way in this file?"
+            ) from None
         gateway_config_from_dict(data, config)  # the file as it will be, before writing it
         _replace_text(config, updated)
         return key
@@ -106,8 +109,10 @@ def add(
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
     label = f" ({name})" if name else ""
-    _say(f"added a key for tenant {tenant!r}{label} to {config}; it is printed above and cannot be shown again "
-         "(only its hash is stored). Restart the gateway to use it.")
+    _say(
+        f"added a key for tenant {tenant!r}{label} to {config}; it is printed above and cannot be shown again "
+        "(only its hash is stored). Restart the gateway to use it."
+    )
 
 
 @keys_app.command("list")
@@ -158,5 +163,7 @@ def add_admin(config: ConfigPath) -> None:
     key = _guard(run)
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
-    _say(f"added an admin key to {config}; it is printed above and cannot be shown again (only its hash is "
-         "stored). Restart the gateway to use it.")
+    _say(
+        f"added an admin key to {config}; it is printed above and cannot be shown again (only its hash is "
+        "stored). Restart the gateway to use it."
+    )

@@ -18,8 +18,14 @@ console = Console(width=None if sys.stdout.isatty() else 140)
 errors = Console(stderr=True)
 T = TypeVar("T")
 
-LedgerUrl = Annotated[str | None, typer.Option("--ledger", help="Ledger URL: sqlite:///path.db, postgresql://…, "
-                                               "redis://… (default: the ledger of a gateway config given as --quotas).")]
+LedgerUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--ledger",
+        help="Ledger URL: sqlite:///path.db, postgresql://…, "
+        "redis://… (default: the ledger of a gateway config given as --quotas).",
+    ),
+]
 QuotasPath = Annotated[str, typer.Option("--quotas", help="Quota TOML, or a gateway config (its \\[quotas]).")]
 
 
@@ -85,8 +91,11 @@ def _run(work: Callable[[Any], Awaitable[T]], url: str | None, quotas: str) -> T
 
 @ledger_app.command()
 def reconcile(
-    quotas: QuotasPath, ledger: LedgerUrl = None,
-    metered: Annotated[str | None, typer.Option(help="Metered usage CSV: tenant,input_tokens,output_tokens,gpu_ms.")] = None,
+    quotas: QuotasPath,
+    ledger: LedgerUrl = None,
+    metered: Annotated[
+        str | None, typer.Option(help="Metered usage CSV: tenant,input_tokens,output_tokens,gpu_ms.")
+    ] = None,
     threshold: Annotated[float, typer.Option(min=0.0, max=1.0, help="Relative difference allowed vs metered.")] = 0.01,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report only; freeze nobody.")] = False,
     json_out: Annotated[str | None, typer.Option("--json", help="Write the report as JSON to PATH or -.")] = None,
@@ -108,8 +117,13 @@ def reconcile(
     for column in ("tenant", "billed in/out tokens", "billed GPU s", "open", "differences"):
         table.add_column(column)
     for t in report.tenants:
-        table.add_row(escape(t.tenant), f"{t.events.input_tokens:,}/{t.events.output_tokens:,}",
-                      f"{t.events.gpu_ms / 1e3:,.1f}", str(t.open_reservations), escape("; ".join(t.differences) or "-"))
+        table.add_row(
+            escape(t.tenant),
+            f"{t.events.input_tokens:,}/{t.events.output_tokens:,}",
+            f"{t.events.gpu_ms / 1e3:,.1f}",
+            str(t.open_reservations),
+            escape("; ".join(t.differences) or "-"),
+        )
     (errors if json_out == "-" else console).print(table)
     if json_out:
         text = json.dumps(report.to_json(), indent=2)
@@ -149,8 +163,12 @@ def unfreeze(tenant: Annotated[str, typer.Argument()], quotas: QuotasPath, ledge
 
 
 @ledger_app.command()
-def usage(tenant: Annotated[str, typer.Argument()], quotas: QuotasPath, ledger: LedgerUrl = None,
-          window_s: Annotated[float, typer.Option(min=1e-3, help="Window, seconds.")] = 86_400.0) -> None:
+def usage(
+    tenant: Annotated[str, typer.Argument()],
+    quotas: QuotasPath,
+    ledger: LedgerUrl = None,
+    window_s: Annotated[float, typer.Option(min=1e-3, help="Window, seconds.")] = 86_400.0,
+) -> None:
     """A tenant's billed usage over the last WINDOW_S seconds, as JSON."""
     from dataclasses import asdict
 

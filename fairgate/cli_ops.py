@@ -21,22 +21,24 @@ import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
-ops_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                      help="Read the gateway's request log.")
+ops_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="Read the gateway's request log."
+)
 out = Console(soft_wrap=True, highlight=False, markup=False, emoji=False)
 errors = Console(stderr=True, soft_wrap=True, highlight=False, markup=False, emoji=False)
 T = TypeVar("T")
 
 LogOption = Annotated[Path | None, typer.Option("--log", help="The request log (JSON lines) to read.")]
-ConfigOption = Annotated[Path | None, typer.Option("--config", help="Gateway TOML: read its gateway.event_log "
-                                                                    "and name its tenants.")]
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", help="Gateway TOML: read its gateway.event_log and name its tenants.")
+]
 
 
 class OpsError(ValueError):
@@ -68,8 +70,7 @@ def _source(log: Path | None, config: Path | None) -> tuple[Path, dict[str, str]
 
     loaded = load_gateway_config(config)
     if loaded.event_log_path is None:
-        raise OpsError(f"{config}: gateway.event_log: the request log is off in this configuration; "
-                       "pass --log PATH")
+        raise OpsError(f"{config}: gateway.event_log: the request log is off in this configuration; pass --log PATH")
     return loaded.event_log_path, {tenant_tag(name): name for name in loaded.quotas.tenants}
 
 
@@ -88,7 +89,7 @@ def _label(tag: str | None, names: dict[str, str]) -> str:
 
 def _clock(ts: float) -> str:
     ms = round(ts * 1000)
-    moment = datetime.fromtimestamp(ms // 1000, tz=timezone.utc)
+    moment = datetime.fromtimestamp(ms // 1000, tz=UTC)
     return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{ms % 1000:03d} UTC"
 
 
@@ -117,36 +118,60 @@ _DIMENSIONS = {
 
 # reason -> (why, what to do)
 _ADVICE = {
-    "rate": ("the tenant had used up {dimension}.",
-             "wait for the Retry-After delay and retry, spread requests out over time, or ask the operator for a "
-             "higher {key}."),
-    "tokens": ("the request's tokens would have gone over {dimension}.",
-               "send fewer or shorter requests, lower max_tokens, wait for the Retry-After delay, or ask the "
-               "operator for a higher {key}."),
-    "concurrency": ("the tenant already had as many requests running as {dimension} allows.",
-                    "wait for running requests to finish before sending more, or ask for a higher {key}."),
-    "queue_full": ("the tenant's queue already held its max_queued requests waiting for a GPU slot (the request "
-                   "was admitted, then released without being billed).",
-                   "retry after the Retry-After delay and keep fewer requests waiting at once: each tenant's queue "
-                   "is served fairly, so queueing more does not buy a bigger share."),
-    "gpu_budget": ("the tenant had used up {dimension}.",
-                   "wait until the budget window refills, or ask the operator to raise {key}."),
-    "agent_run": ("the agent run had reached {dimension}.",
-                  "finish this run and start a new one (a new x-fairgate-run-id), or ask for a higher {key}."),
-    "ledger_down": ("the accounting ledger was unreachable and this tenant's tier refuses requests while it is.",
-                    "retry after the Retry-After delay; operators: check the ledger's server."),
-    "no_upstream": ("no upstream replica serving the model was available.",
-                    "retry after the Retry-After delay; operators: check the upstreams' health."),
-    "auth": ("the credential was missing or invalid, or the caller was not allowed to act for another tenant.",
-             "send a valid key as Authorization: Bearer <key>, and a valid on-behalf-of token only from a "
-             "configured delegate."),
-    "invalid": ("the request was malformed or too large for the model.",
-                "fix the request as the message says; sending it again unchanged fails the same way."),
-    "conflict": ("the request id was in use: the same id was sent before with another body, is still running, "
-                 "or has completed (a completed request is never run or billed twice).",
-                 "use a new X-Request-Id / Idempotency-Key for a new request."),
-    "upstream_error": ("the gateway or the upstream failed while serving it.",
-                       "retry; if it keeps failing, operators should check the gateway's log and the upstreams."),
+    "rate": (
+        "the tenant had used up {dimension}.",
+        "wait for the Retry-After delay and retry, spread requests out over time, or ask the operator for a "
+        "higher {key}.",
+    ),
+    "tokens": (
+        "the request's tokens would have gone over {dimension}.",
+        "send fewer or shorter requests, lower max_tokens, wait for the Retry-After delay, or ask the "
+        "operator for a higher {key}.",
+    ),
+    "concurrency": (
+        "the tenant already had as many requests running as {dimension} allows.",
+        "wait for running requests to finish before sending more, or ask for a higher {key}.",
+    ),
+    "queue_full": (
+        "the tenant's queue already held its max_queued requests waiting for a GPU slot (the request "
+        "was admitted, then released without being billed).",
+        "retry after the Retry-After delay and keep fewer requests waiting at once: each tenant's queue "
+        "is served fairly, so queueing more does not buy a bigger share.",
+    ),
+    "gpu_budget": (
+        "the tenant had used up {dimension}.",
+        "wait until the budget window refills, or ask the operator to raise {key}.",
+    ),
+    "agent_run": (
+        "the agent run had reached {dimension}.",
+        "finish this run and start a new one (a new x-fairgate-run-id), or ask for a higher {key}.",
+    ),
+    "ledger_down": (
+        "the accounting ledger was unreachable and this tenant's tier refuses requests while it is.",
+        "retry after the Retry-After delay; operators: check the ledger's server.",
+    ),
+    "no_upstream": (
+        "no upstream replica serving the model was available.",
+        "retry after the Retry-After delay; operators: check the upstreams' health.",
+    ),
+    "auth": (
+        "the credential was missing or invalid, or the caller was not allowed to act for another tenant.",
+        "send a valid key as Authorization: Bearer <key>, and a valid on-behalf-of token only from a "
+        "configured delegate.",
+    ),
+    "invalid": (
+        "the request was malformed or too large for the model.",
+        "fix the request as the message says; sending it again unchanged fails the same way.",
+    ),
+    "conflict": (
+        "the request id was in use: the same id was sent before with another body, is still running, "
+        "or has completed (a completed request is never run or billed twice).",
+        "use a new X-Request-Id / Idempotency-Key for a new request.",
+    ),
+    "upstream_error": (
+        "the gateway or the upstream failed while serving it.",
+        "retry; if it keeps failing, operators should check the gateway's log and the upstreams.",
+    ),
 }
 
 
@@ -178,19 +203,27 @@ def _step(record: dict[str, Any], names: dict[str, str]) -> list[str]:
     when = _clock(record["ts"])
     kind = record["event"]
     if kind == "admitted":
-        return [f"  {when}  admitted: reserved {record['input_tokens']:,} prompt tokens, up to "
-                f"{record['max_output_tokens']:,} output tokens and {record['gpu_ms_estimate']:,.1f} GPU ms; "
-                "it joined the tenant's queue."]
+        return [
+            f"  {when}  admitted: reserved {record['input_tokens']:,} prompt tokens, up to "
+            f"{record['max_output_tokens']:,} output tokens and {record['gpu_ms_estimate']:,.1f} GPU ms; "
+            "it joined the tenant's queue."
+        ]
     if kind == "dispatched":
-        return [f"  {when}  dispatched to upstream {record['upstream']} after {_duration(record['queue_ms'])} "
-                "in the tenant's queue."]
+        return [
+            f"  {when}  dispatched to upstream {record['upstream']} after {_duration(record['queue_ms'])} "
+            "in the tenant's queue."
+        ]
     if kind == "finished":
-        outcome = {"completed": "completed", "cancelled": "the client went away; billed for what was generated",
-                   "error": "the upstream failed; billed for what was generated"}.get(record["outcome"],
-                                                                                      record["outcome"])
-        text = (f"  {when}  finished ({outcome}): {record['input_tokens']:,} prompt + {record['output_tokens']:,} "
-                f"output tokens (up to {record['max_output_tokens']:,} allowed), {record['gpu_ms']:,.1f} GPU ms "
-                f"billed ({record['gpu_ms_estimate']:,.1f} reserved)")
+        outcome = {
+            "completed": "completed",
+            "cancelled": "the client went away; billed for what was generated",
+            "error": "the upstream failed; billed for what was generated",
+        }.get(record["outcome"], record["outcome"])
+        text = (
+            f"  {when}  finished ({outcome}): {record['input_tokens']:,} prompt + {record['output_tokens']:,} "
+            f"output tokens (up to {record['max_output_tokens']:,} allowed), {record['gpu_ms']:,.1f} GPU ms "
+            f"billed ({record['gpu_ms_estimate']:,.1f} reserved)"
+        )
         if record["ttft_ms"] is not None:
             text += f"; first token {_duration(record['ttft_ms'])} after dispatch"
             if record["tpot_ms"] is not None:
@@ -201,9 +234,11 @@ def _step(record: dict[str, Any], names: dict[str, str]) -> list[str]:
         dimension = record.get("dimension")
         label = f"{reason}: {dimension}" if dimension else reason
         when_text = "after admission " if record["after_admission"] else ""
-        message = re.sub(r"tenant:([0-9a-f]{16})",
-                         lambda m: f"{m.group(0)} ({names[m.group(1)]})" if m.group(1) in names else m.group(0),
-                         record["message"])
+        message = re.sub(
+            r"tenant:([0-9a-f]{16})",
+            lambda m: f"{m.group(0)} ({names[m.group(1)]})" if m.group(1) in names else m.group(0),
+            record["message"],
+        )
         lines = [f"  {when}  rejected {when_text}with HTTP {record['status']} ({label}): {message}"]
         why, todo = _ADVICE.get(reason, ("the gateway gave the reason above.", "see the message."))
         words = _DIMENSIONS.get(dimension or "", f"its {dimension} limit" if dimension else "its limit")
@@ -226,9 +261,11 @@ def _summary(story: Sequence[dict[str, Any]]) -> str:
     if finished:
         last = finished[-1]
         start = admitted[0]["ts"] if admitted else last["ts"]
-        return (f"  In short: {last['outcome']} in {_duration((last['ts'] - start) * 1000)} from admission "
-                f"({_duration(last['queue_ms'])} queued), {last['output_tokens']:,} output tokens, "
-                f"{last['gpu_ms']:,.1f} GPU ms billed.")
+        return (
+            f"  In short: {last['outcome']} in {_duration((last['ts'] - start) * 1000)} from admission "
+            f"({_duration(last['queue_ms'])} queued), {last['output_tokens']:,} output tokens, "
+            f"{last['gpu_ms']:,.1f} GPU ms billed."
+        )
     if rejected:
         last = rejected[-1]
         billed = " (its reservation was released; nothing was billed)" if last["after_admission"] else ""
@@ -270,6 +307,7 @@ def explain(
 
 
 # -- report -------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class TenantSummary:
@@ -386,25 +424,38 @@ def share_stats(run: LiveRun, names: dict[str, str]) -> Any:
     total = sum(run.tenants[t].gpu_ms for t in tags)
     shares = {t: run.tenants[t].gpu_ms / total for t in tags} if total > 0 else {}
     fair = weighted(shares, run.weights)
-    stats = [TenantStats(name=_label(t, names), gpu_ms=run.tenants[t].gpu_ms, gpu_share=shares[t], prefill_ms=0.0,
-                         decode_tokens=run.tenants[t].output_tokens,
-                         requests_finished=sum(run.tenants[t].finished.values()),
-                         mean_output_tokens=run.tenants[t].output_tokens
-                         / max(1, sum(run.tenants[t].finished.values())),
-                         ttft_ms={"p50": _percentile(run.tenants[t].ttft_ms, 50),
-                                  "p99": _percentile(run.tenants[t].ttft_ms, 99)})
-             for t in tags]
+    stats = [
+        TenantStats(
+            name=_label(t, names),
+            gpu_ms=run.tenants[t].gpu_ms,
+            gpu_share=shares[t],
+            prefill_ms=0.0,
+            decode_tokens=run.tenants[t].output_tokens,
+            requests_finished=sum(run.tenants[t].finished.values()),
+            mean_output_tokens=run.tenants[t].output_tokens / max(1, sum(run.tenants[t].finished.values())),
+            ttft_ms={"p50": _percentile(run.tenants[t].ttft_ms, 50), "p99": _percentile(run.tenants[t].ttft_ms, 99)},
+        )
+        for t in tags
+    ]
     timeline_s, timeline_share = [], []
     for seconds, cumulative in run.timeline:
         subtotal = sum(cumulative.get(t, 0.0) for t in tags)
         if subtotal > 0:
             timeline_s.append(seconds)
             timeline_share.append([cumulative.get(t, 0.0) / subtotal for t in tags])
-    mean = RunStats(policy=", ".join(run.policies) or "live", seed=0, busy_ms=total, charged_ms=total,
-                    max_min_ratio=max_min_ratio(fair) if fair else math.nan,
-                    jain_index=jain_index(fair) if fair else math.nan,
-                    decode_tokens=sum(run.tenants[t].output_tokens for t in tags), prefill_fraction=math.nan,
-                    tenants=stats, timeline_s=timeline_s, timeline_share=timeline_share)
+    mean = RunStats(
+        policy=", ".join(run.policies) or "live",
+        seed=0,
+        busy_ms=total,
+        charged_ms=total,
+        max_min_ratio=max_min_ratio(fair) if fair else math.nan,
+        jain_index=jain_index(fair) if fair else math.nan,
+        decode_tokens=sum(run.tenants[t].output_tokens for t in tags),
+        prefill_fraction=math.nan,
+        tenants=stats,
+        timeline_s=timeline_s,
+        timeline_share=timeline_share,
+    )
     return PolicyStats(mean=mean, per_seed=[mean])
 
 
@@ -468,14 +519,20 @@ def write_report(run: LiveRun, names: dict[str, str], target: Path, source: Path
         stats = share_stats(run, names)
         if stats.mean.timeline_s:
             source_text = "metered usage" if run.share_source == "usage" else "finished requests"
-            written.append(share_over_time([stats], target / "shares.png",
-                                           f"live run, {policy}: cumulative GPU share per tenant ({source_text})",
-                                           step_s=_share_step_s(stats.mean.timeline_s[-1])))
+            written.append(
+                share_over_time(
+                    [stats],
+                    target / "shares.png",
+                    f"live run, {policy}: cumulative GPU share per tenant ({source_text})",
+                    step_s=_share_step_s(stats.mean.timeline_s[-1]),
+                )
+            )
         queues = {_label(t, names): s.queue_ms for t, s in run.tenants.items() if s.queue_ms}
         written.append(queue_times(queues, target / "queue_times.png", f"live run, {policy}: time in the queue"))
         counts = {reason: {_label(t, names): n for t, n in by.items()} for reason, by in run.rejections.items()}
-        written.append(rejections_by_reason(counts, target / "rejections.png",
-                                            f"live run, {policy}: rejected requests by reason"))
+        written.append(
+            rejections_by_reason(counts, target / "rejections.png", f"live run, {policy}: rejected requests by reason")
+        )
         page = target / "report.html"
         page.write_text(_html(run, names, stats, span, policy, source, {p.name for p in written}), encoding="utf-8")
     except OSError as exc:
@@ -496,8 +553,9 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:,.{digits}f}"
 
 
-def _html(run: LiveRun, names: dict[str, str], stats: Any, span: str, policy: str, source: Path,
-          charts: set[str]) -> str:
+def _html(
+    run: LiveRun, names: dict[str, str], stats: Any, span: str, policy: str, source: Path, charts: set[str]
+) -> str:
     e = html.escape
     total_gpu = sum(s.gpu_ms for s in run.tenants.values())
     rows = []
@@ -505,12 +563,27 @@ def _html(run: LiveRun, names: dict[str, str], stats: Any, span: str, policy: st
         share = s.gpu_ms / total_gpu * 100 if total_gpu > 0 else math.nan
         finished = ", ".join(f"{n} {o}" for o, n in sorted(s.finished.items())) or "0"
         rows.append(
-            "<tr>" + "".join(f"<td>{c}</td>" for c in (
-                f"<code>{e(tag)}</code>" + (f" {e(names[tag])}" if tag in names else "") if tag else "(no tenant)",
-                s.admitted, e(finished), s.rejected, _fmt(s.gpu_ms), _fmt(share), _fmt(run.weights.get(tag or ""), 2),
-                _fmt(_percentile(s.queue_ms, 50)), _fmt(_percentile(s.queue_ms, 99)),
-                _fmt(_percentile(s.ttft_ms, 50)), _fmt(_percentile(s.ttft_ms, 99)),
-                f"{s.input_tokens:,}", f"{s.output_tokens:,}")) + "</tr>")
+            "<tr>"
+            + "".join(
+                f"<td>{c}</td>"
+                for c in (
+                    f"<code>{e(tag)}</code>" + (f" {e(names[tag])}" if tag in names else "") if tag else "(no tenant)",
+                    s.admitted,
+                    e(finished),
+                    s.rejected,
+                    _fmt(s.gpu_ms),
+                    _fmt(share),
+                    _fmt(run.weights.get(tag or ""), 2),
+                    _fmt(_percentile(s.queue_ms, 50)),
+                    _fmt(_percentile(s.queue_ms, 99)),
+                    _fmt(_percentile(s.ttft_ms, 50)),
+                    _fmt(_percentile(s.ttft_ms, 99)),
+                    f"{s.input_tokens:,}",
+                    f"{s.output_tokens:,}",
+                )
+            )
+            + "</tr>"
+        )
     reject_rows = []
     for reason, by in sorted(run.rejections.items(), key=lambda item: -sum(item[1].values())):
         detail = ", ".join(f"{e(_label(t, names))}: {n}" for t, n in sorted(by.items(), key=lambda i: -i[1]))
@@ -524,9 +597,15 @@ def _html(run: LiveRun, names: dict[str, str], stats: Any, span: str, policy: st
     figures += [("queue_times.png", "Time in the queue per tenant"), ("rejections.png", "Rejected requests by reason")]
     figure_html = "\n".join(
         f'<figure><img src="{e(name)}" alt="{e(caption)}"><figcaption>{e(caption)}</figcaption></figure>'
-        if name else f"<p>{e(caption)}</p>" for name, caption in figures)
-    source_text = ("the gateway's metered usage aggregates" if run.share_source == "usage"
-                   else "the GPU ms billed to each finished request, at its finish time")
+        if name
+        else f"<p>{e(caption)}</p>"
+        for name, caption in figures
+    )
+    source_text = (
+        "the gateway's metered usage aggregates"
+        if run.share_source == "usage"
+        else "the GPU ms billed to each finished request, at its finish time"
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>fairgate live report: {e(span)}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse}}
@@ -544,8 +623,11 @@ GPU shares are of the GPU time charged to tenants, from {e(source_text)}; max/mi
 {chr(10).join(rows)}
 </table>
 <h2>Rejections</h2>
-{'<table><tr><th>reason</th><th>requests</th><th>by tenant</th></tr>' + chr(10).join(reject_rows) + '</table>'
- if reject_rows else '<p>No request was rejected.</p>'}
+{
+        "<table><tr><th>reason</th><th>requests</th><th>by tenant</th></tr>" + chr(10).join(reject_rows) + "</table>"
+        if reject_rows
+        else "<p>No request was rejected.</p>"
+    }
 <h2>Charts</h2>
 {figure_html}
 </body></html>

@@ -28,8 +28,9 @@ def format_location(location: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def pydantic_message(path: Path | str, error: ValidationError,
-                     pattern_message: Callable[[str], str] | None = None) -> str:
+def pydantic_message(
+    path: Path | str, error: ValidationError, pattern_message: Callable[[str], str] | None = None
+) -> str:
     """``<path>: <dotted.key>: <problem>``: a misspelt key first (it also leaves its real name missing),
     else the deepest problem; how many more there are.
 

@@ -15,8 +15,9 @@ SEED = REPO / "scenarios" / "seed.toml"
 
 
 def fairgate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fairgate", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fairgate", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def bad(tmp_path: Path, text: str) -> Path:
@@ -28,17 +29,20 @@ def bad(tmp_path: Path, text: str) -> Path:
 SEED_TEXT = SEED.read_text()
 
 
-@pytest.mark.parametrize("edit, expected", [
-    (lambda s: s.replace("max_batch = 24", "max_batch = 0"), "replica.max_batch"),
-    (lambda s: s.replace("max_batch = 24", "max_bach = 24"), "replica.max_bach: unknown key"),
-    (lambda s: s.replace("duration_s = 120", 'duration_s = "long"'), "run.duration_s"),
-    (lambda s: s.replace("mean = 23.7", "mean = -2"), "tenant[0].output.mean"),
-    (lambda s: s.replace('dist = "lognormal", mean = 23.7', 'dist = "gamma", mean = 23.7'), "tenant[0].output"),
-    (lambda s: s.replace("offered_ms_per_s = 750", "offered_ms_per_s = -1", 1), "tenant[0].offered_ms_per_s"),
-    (lambda s: s.split("[[tenant]]")[0], "no tenants"),
-    (lambda s: s + "\n[bogus]\nx = 1\n", "bogus: unknown key"),
-    (lambda s: s.replace("[run]", "[run"), "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda s: s.replace("max_batch = 24", "max_batch = 0"), "replica.max_batch"),
+        (lambda s: s.replace("max_batch = 24", "max_bach = 24"), "replica.max_bach: unknown key"),
+        (lambda s: s.replace("duration_s = 120", 'duration_s = "long"'), "run.duration_s"),
+        (lambda s: s.replace("mean = 23.7", "mean = -2"), "tenant[0].output.mean"),
+        (lambda s: s.replace('dist = "lognormal", mean = 23.7', 'dist = "gamma", mean = 23.7'), "tenant[0].output"),
+        (lambda s: s.replace("offered_ms_per_s = 750", "offered_ms_per_s = -1", 1), "tenant[0].offered_ms_per_s"),
+        (lambda s: s.split("[[tenant]]")[0], "no tenants"),
+        (lambda s: s + "\n[bogus]\nx = 1\n", "bogus: unknown key"),
+        (lambda s: s.replace("[run]", "[run"), "not valid TOML"),
+    ],
+)
 def test_bad_scenario_is_one_line_exit_2(tmp_path, edit, expected):
     path = bad(tmp_path, edit(SEED_TEXT))
     done = fairgate("simulate", str(path), "--policy", "fcfs")
@@ -47,19 +51,25 @@ def test_bad_scenario_is_one_line_exit_2(tmp_path, edit, expected):
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--policy", "fifo"], "--policy 'fifo': unknown policy"),
-    (["--seeds", "5-1"], "runs backwards"),
-    (["--seeds", "x"], "--seeds 'x'"),
-    (["--flood", "agent"], "--flood 'agent'"),
-    (["--flood", "nobody=2"], "no such tenant"),
-    (["--set", "replica.max_batch"], "expected KEY=VALUE"),
-    (["--set", "tenant.nobody.weight=2"], "no tenant named 'nobody'"),
-    (["--engine", "turbo"], "--engine 'turbo'"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--policy", "fifo"], "--policy 'fifo': unknown policy"),
+        (["--seeds", "5-1"], "runs backwards"),
+        (["--seeds", "x"], "--seeds 'x'"),
+        (["--flood", "agent"], "--flood 'agent'"),
+        (["--flood", "nobody=2"], "no such tenant"),
+        (["--set", "replica.max_batch"], "expected KEY=VALUE"),
+        (["--set", "tenant.nobody.weight=2"], "no tenant named 'nobody'"),
+        (["--engine", "turbo"], "--engine 'turbo'"),
+    ],
+)
 def test_bad_options_exit_2(args, expected):
-    done = fairgate("simulate", str(SEED), "--policy", "fcfs", *args) if args[0] != "--policy" else \
-        fairgate("simulate", str(SEED), *args)
+    done = (
+        fairgate("simulate", str(SEED), "--policy", "fcfs", *args)
+        if args[0] != "--policy"
+        else fairgate("simulate", str(SEED), *args)
+    )
     assert done.returncode == 2, done.stderr
     assert expected in done.stderr and "Traceback" not in done.stderr
 
@@ -71,8 +81,20 @@ def test_missing_scenario_file(tmp_path):
 
 def test_simulate_json_and_plot(tmp_path):
     out = tmp_path / "out.json"
-    done = fairgate("simulate", str(SEED), "--policy", "fcfs,gpu_fair", "--seeds", "1-2", "--set",
-                    "run.duration_s=30", "--json", str(out), "--plot", str(tmp_path / "plots"))
+    done = fairgate(
+        "simulate",
+        str(SEED),
+        "--policy",
+        "fcfs,gpu_fair",
+        "--seeds",
+        "1-2",
+        "--set",
+        "run.duration_s=30",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "plots"),
+    )
     assert done.returncode == 0, done.stderr
     document = json.loads(out.read_text())
     assert document["scenario"].endswith("seed.toml")
@@ -82,8 +104,16 @@ def test_simulate_json_and_plot(tmp_path):
     assert gpu_fair["busy_ms"] == pytest.approx(gpu_fair["charged_ms"], rel=1e-9)
     assert len(gpu_fair["per_seed"]) == 2 and gpu_fair["max_min_ratio"] < 1.05
     tenant = gpu_fair["tenants"][0]
-    assert set(tenant) == {"name", "gpu_ms", "gpu_share", "prefill_ms", "decode_tokens", "requests_finished",
-                           "mean_output_tokens", "ttft_ms"}
+    assert set(tenant) == {
+        "name",
+        "gpu_ms",
+        "gpu_share",
+        "prefill_ms",
+        "decode_tokens",
+        "requests_finished",
+        "mean_output_tokens",
+        "ttft_ms",
+    }
     assert sum(t["gpu_share"] for t in gpu_fair["tenants"]) == pytest.approx(1.0)
     assert (tmp_path / "plots" / "seed_shares.png").stat().st_size > 10_000
     assert "max/min" in done.stdout
@@ -97,13 +127,16 @@ def test_json_to_stdout_is_pure_json():
 
 def test_sweep_small_grid(tmp_path):
     grid = tmp_path / "grid.toml"
-    grid.write_text('policies = ["fcfs", "gpu_fair"]\nlong_tenants = ["agent"]\n'
-                    '[[axis]]\nkey = "flood.agent"\nvalues = [1, 4]\n'
-                    '[[axis]]\nkey = "spread"\nvalues = [1, 2]\n'
-                    '[[axis]]\nkey = "run.duration_s"\nvalues = [20]\n')
+    grid.write_text(
+        'policies = ["fcfs", "gpu_fair"]\nlong_tenants = ["agent"]\n'
+        '[[axis]]\nkey = "flood.agent"\nvalues = [1, 4]\n'
+        '[[axis]]\nkey = "spread"\nvalues = [1, 2]\n'
+        '[[axis]]\nkey = "run.duration_s"\nvalues = [20]\n'
+    )
     out = tmp_path / "sweep.json"
-    done = fairgate("sweep", str(SEED), "--grid", str(grid), "--jobs", "2", "--json", str(out),
-                    "--plot", str(tmp_path / "p"))
+    done = fairgate(
+        "sweep", str(SEED), "--grid", str(grid), "--jobs", "2", "--json", str(out), "--plot", str(tmp_path / "p")
+    )
     assert done.returncode == 0, done.stderr
     document = json.loads(out.read_text())
     assert len(document["configurations"]) == 4
@@ -112,13 +145,16 @@ def test_sweep_small_grid(tmp_path):
     assert (tmp_path / "p" / "sweep_flood_agent.png").exists()
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('[[axis]]\nkey = "flood.nobody"\nvalues = [1]\n', "no tenant 'nobody'"),
-    ('[[axis]]\nkey = "replica.max_batch"\nvalues = [0]\n', "replica.max_batch"),
-    ('policies = ["fifo"]\n[[axis]]\nkey = "spread"\nvalues = [1]\n', "unknown policy"),
-    ('[[axis]]\nkey = "spread"\nvalues = [1]\n', "long_tenants"),
-    ('colour = 1\n[[axis]]\nkey = "spread"\nvalues = [1]\n', "colour: unknown key"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('[[axis]]\nkey = "flood.nobody"\nvalues = [1]\n', "no tenant 'nobody'"),
+        ('[[axis]]\nkey = "replica.max_batch"\nvalues = [0]\n', "replica.max_batch"),
+        ('policies = ["fifo"]\n[[axis]]\nkey = "spread"\nvalues = [1]\n', "unknown policy"),
+        ('[[axis]]\nkey = "spread"\nvalues = [1]\n', "long_tenants"),
+        ('colour = 1\n[[axis]]\nkey = "spread"\nvalues = [1]\n', "colour: unknown key"),
+    ],
+)
 def test_bad_grid_exit_2(tmp_path, text, expected):
     grid = tmp_path / "grid.toml"
     grid.write_text(text)
@@ -127,29 +163,35 @@ def test_bad_grid_exit_2(tmp_path, text, expected):
     assert expected in done.stderr and str(grid) in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["-p", "[/]"], "--policy '[/]': unknown policy"),  # brackets are text, not markup
-    (["--set", "replica.iter_base_ms=inf"], "replica.iter_base_ms: Input should be a finite number"),
-    (["--set", "replica.max_batch=\"24\""], "replica.max_batch: Input should be a valid integer"),
-    (["--set", "replica.max_batch=true"], "replica.max_batch: Input should be a valid integer"),
-    (["--set", "tenant.*.offered_ms_per_s=1e12"], "offered_ms_per_s: Input should be less than or equal to 1000000"),
-    (["--set", "tenant.*.offered_ms_per_s=0"], "no tenant offers any load"),
-    (["--set", "tenant.agent.output={dist=\"fixed\", value=0}"], "at least 1 output token"),
-    (["--set", "run.duration_s=2592000"], "run.duration_s: Input should be less than or equal to 86400"),
-    (["--set", "run.seed=-1"], "run.seed"),
-    (["--set", "tenant.chat.name=\"agent\""], "tenant[3].name: 'agent' is also tenant[1]'s name"),
-    (["--set", "tenant.chat.name=\" \""], "must contain a character other than spaces"),
-    (["--set", "policy.gpu_fair=1"], "policy.gpu_fair: Input should be a valid dictionary"),
-    (["-p", "drr", "--set", "policy.drr.quantum_ms=1e-6"], "policy.drr.quantum_ms"),
-    (["--flood", "agent=1e300"], "multiplier in (0, 1000]"),
-    (["--seeds", "-1"], "seeds are whole numbers"),
-    (["--seeds", "1-1000000000000"], "seeds are whole numbers"),
-    (["--seeds", "1,1"], "listed twice"),
-    (["--seeds", ""], "--seeds ''"),
-    (["--json", ""], "--json: give a file path"),
-    (["-p", "fcfs,fcfs"], "listed twice"),
-    (["--set", "tenant.*.offered_ms_per_s=900000", "--set", "run.duration_s=80000"], "at most 5,000,000"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["-p", "[/]"], "--policy '[/]': unknown policy"),  # brackets are text, not markup
+        (["--set", "replica.iter_base_ms=inf"], "replica.iter_base_ms: Input should be a finite number"),
+        (["--set", 'replica.max_batch="24"'], "replica.max_batch: Input should be a valid integer"),
+        (["--set", "replica.max_batch=true"], "replica.max_batch: Input should be a valid integer"),
+        (
+            ["--set", "tenant.*.offered_ms_per_s=1e12"],
+            "offered_ms_per_s: Input should be less than or equal to 1000000",
+        ),
+        (["--set", "tenant.*.offered_ms_per_s=0"], "no tenant offers any load"),
+        (["--set", 'tenant.agent.output={dist="fixed", value=0}'], "at least 1 output token"),
+        (["--set", "run.duration_s=2592000"], "run.duration_s: Input should be less than or equal to 86400"),
+        (["--set", "run.seed=-1"], "run.seed"),
+        (["--set", 'tenant.chat.name="agent"'], "tenant[3].name: 'agent' is also tenant[1]'s name"),
+        (["--set", 'tenant.chat.name=" "'], "must contain a character other than spaces"),
+        (["--set", "policy.gpu_fair=1"], "policy.gpu_fair: Input should be a valid dictionary"),
+        (["-p", "drr", "--set", "policy.drr.quantum_ms=1e-6"], "policy.drr.quantum_ms"),
+        (["--flood", "agent=1e300"], "multiplier in (0, 1000]"),
+        (["--seeds", "-1"], "seeds are whole numbers"),
+        (["--seeds", "1-1000000000000"], "seeds are whole numbers"),
+        (["--seeds", "1,1"], "listed twice"),
+        (["--seeds", ""], "--seeds ''"),
+        (["--json", ""], "--json: give a file path"),
+        (["-p", "fcfs,fcfs"], "listed twice"),
+        (["--set", "tenant.*.offered_ms_per_s=900000", "--set", "run.duration_s=80000"], "at most 5,000,000"),
+    ],
+)
 def test_hostile_input_is_refused_before_any_work(args, expected):
     done = fairgate("simulate", str(SEED), *args)
     assert done.returncode == 2, (done.stdout[-500:], done.stderr[-500:])
@@ -166,18 +208,27 @@ def test_output_paths_checked_before_any_work(tmp_path):
     assert done.returncode == 2 and "cannot create the directory" in done.stderr
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('[[axis]]\nkey = "flood.agent"\nvalues = [1]\n[[axis]]\nkey = "flood.agent"\nvalues = [2]\n', "appears twice"),
-    ('policies = []\n[[axis]]\nkey = "flood.agent"\nvalues = [1]\n', "at least one policy"),
-    ('[[axis]]\nkey = "flood.agent"\nvalues = [nan]\n', "flood multiplier"),
-    ('[[axis]]\nkey = "flood.agent"\nvalues = [inf]\n', "flood multiplier"),
-    ('seeds = [-1]\n[[axis]]\nkey = "flood.agent"\nvalues = [1]\n', "seeds"),
-    ('seeds = [true]\n[[axis]]\nkey = "flood.agent"\nvalues = [1]\n', "seeds"),
-    ("".join(f'[[axis]]\nkey = "tenant.agent.weight{i}"\nvalues = [{", ".join(["1"] * 100)}]\n' for i in range(4)),
-     "configurations (at most 100,000)"),
-    ('[[axis]]\nkey = "run.duration_s"\nvalues = [86000]\n[[axis]]\nkey = "flood.agent"\nvalues = [900]\n',
-     "at most 5,000,000"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('[[axis]]\nkey = "flood.agent"\nvalues = [1]\n[[axis]]\nkey = "flood.agent"\nvalues = [2]\n', "appears twice"),
+        ('policies = []\n[[axis]]\nkey = "flood.agent"\nvalues = [1]\n', "at least one policy"),
+        ('[[axis]]\nkey = "flood.agent"\nvalues = [nan]\n', "flood multiplier"),
+        ('[[axis]]\nkey = "flood.agent"\nvalues = [inf]\n', "flood multiplier"),
+        ('seeds = [-1]\n[[axis]]\nkey = "flood.agent"\nvalues = [1]\n', "seeds"),
+        ('seeds = [true]\n[[axis]]\nkey = "flood.agent"\nvalues = [1]\n', "seeds"),
+        (
+            "".join(
+                f'[[axis]]\nkey = "tenant.agent.weight{i}"\nvalues = [{", ".join(["1"] * 100)}]\n' for i in range(4)
+            ),
+            "configurations (at most 100,000)",
+        ),
+        (
+            '[[axis]]\nkey = "run.duration_s"\nvalues = [86000]\n[[axis]]\nkey = "flood.agent"\nvalues = [900]\n',
+            "at most 5,000,000",
+        ),
+    ],
+)
 def test_hostile_grids(tmp_path, text, expected):
     grid = tmp_path / "grid.toml"
     grid.write_text(text)
@@ -199,8 +250,9 @@ def test_serve_without_config_runs_the_demo_and_prints_each_tenants_share(tmp_pa
     done = fairgate("serve", "--port", str(free_port()), "--duration", "8", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "admin            key fg-" in done.stderr and "/dashboard" in done.stderr
-    rows = {line.split("│")[1].strip(): line.split("│")[1:-1] for line in done.stdout.splitlines()
-            if line.startswith("│")}
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[1:-1] for line in done.stdout.splitlines() if line.startswith("│")
+    }
     assert set(rows) == {"classify", "chat", "summarise", "agent"}
     shares = [float(cells[4].strip().rstrip(" %")) for cells in rows.values()]
     assert abs(sum(shares) - 100.0) < 0.5 and all(share > 0 for share in shares)  # every tenant was served
@@ -235,8 +287,13 @@ def test_ctrl_c_stops_the_demo_promptly_and_prints_the_shares(tmp_path):
 
     from tests.support.servers import free_port
 
-    proc = subprocess.Popen([sys.executable, "-m", "fairgate", "serve", "--port", str(free_port())], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fairgate", "serve", "--port", str(free_port())],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(8.0)  # started, and serving demo traffic
         assert proc.poll() is None
@@ -264,8 +321,11 @@ def test_serve_refuses_to_start_on_a_journal_or_ledger_it_cannot_open(tmp_path):
     assert "gateway.journal: cannot write" in done.stderr and "no/such/folder/j.jsonl" in done.stderr
 
     ledger = tmp_path / "ledger.toml"  # nothing listens on that port
-    ledger.write_text(example.replace('ledger = "sqlite:///fairgate-ledger.db"',
-                                      f'ledger = "postgresql://127.0.0.1:{free_port()}/test"', 1))
+    ledger.write_text(
+        example.replace(
+            'ledger = "sqlite:///fairgate-ledger.db"', f'ledger = "postgresql://127.0.0.1:{free_port()}/test"', 1
+        )
+    )
     done = fairgate("serve", "--config", str(ledger), "--port", str(free_port()))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "gateway.ledger: cannot open the ledger" in done.stderr, done.stderr

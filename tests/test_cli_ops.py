@@ -24,8 +24,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def fairgate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fairgate", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fairgate", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +35,23 @@ def served(tmp_path_factory) -> tuple[Path, Path]:  # type: ignore[no-untyped-de
     gamma's flood of 7 with max_queued 1 (some queue_full), one bad key."""
     tmp = tmp_path_factory.mktemp("ops")
     with serve(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp, [emulator], defaults="max_queued = 1\n",
-                                  extra_quotas="[quotas.tenants.beta.limits]\nrequests_per_minute = 60\n"
-                                               "requests_burst = 1\n")
+        path, keys = write_config(
+            tmp,
+            [emulator],
+            defaults="max_queued = 1\n",
+            extra_quotas="[quotas.tenants.beta.limits]\nrequests_per_minute = 60\nrequests_burst = 1\n",
+        )
         config = load_gateway_config(path)
         with serve(create_gateway(config)) as url:
+
             def post(tenant_key: str, request_id: str, max_tokens: int = 6) -> int:
                 body = {"model": "emu", "prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": True}
-                return httpx.post(f"{url}/v1/completions", timeout=60, json=body, headers={
-                    "Authorization": f"Bearer {tenant_key}", "X-Request-Id": request_id}).status_code
+                return httpx.post(
+                    f"{url}/v1/completions",
+                    timeout=60,
+                    json=body,
+                    headers={"Authorization": f"Bearer {tenant_key}", "X-Request-Id": request_id},
+                ).status_code
 
             assert post(keys["alpha"], "ok-1") == 200
             assert post(keys["beta"], "rate-1") == 200
@@ -51,9 +60,16 @@ def served(tmp_path_factory) -> tuple[Path, Path]:  # type: ignore[no-untyped-de
 
             async def flood() -> list[int]:
                 async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                    replies = await asyncio.gather(*(http.post("/v1/completions", json={
-                        "model": "emu", "prompt": "x", "max_tokens": 40, "ignore_eos": True}, headers={
-                        "Authorization": f"Bearer {keys['gamma']}", "X-Request-Id": f"flood-{i}"}) for i in range(7)))
+                    replies = await asyncio.gather(
+                        *(
+                            http.post(
+                                "/v1/completions",
+                                json={"model": "emu", "prompt": "x", "max_tokens": 40, "ignore_eos": True},
+                                headers={"Authorization": f"Bearer {keys['gamma']}", "X-Request-Id": f"flood-{i}"},
+                            )
+                            for i in range(7)
+                        )
+                    )
                 return [r.status_code for r in replies]
 
             assert sorted(asyncio.run(flood())) == [200] * 5 + [429] * 2
@@ -116,20 +132,26 @@ def test_a_bad_line_is_named_and_exits_2(served, tmp_path):
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith(f"error: {broken}:5: not a JSON record") and "Traceback" not in done.stderr
     mistyped = tmp_path / "mistyped.jsonl"
-    mistyped.write_text(lines[0] + '\n{"v":1,"event":"dispatched","ts":1.5,"request_id":"x","tenant_hash":null,'
-                                   '"delegate_hash":null,"model":"emu","upstream":"u","queue_ms":"slow"}\n')
+    mistyped.write_text(
+        lines[0] + '\n{"v":1,"event":"dispatched","ts":1.5,"request_id":"x","tenant_hash":null,'
+        '"delegate_hash":null,"model":"emu","upstream":"u","queue_ms":"slow"}\n'
+    )
     done = fairgate("explain", "x", "--log", str(mistyped))
     assert done.returncode == 2
-    assert done.stderr.strip() == (f"error: {mistyped}:2: dispatched record: key 'queue_ms': expected a number, "
-                                   'found "slow"')
+    assert done.stderr.strip() == (
+        f"error: {mistyped}:2: dispatched record: key 'queue_ms': expected a number, found \"slow\""
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--log", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: no such file"),
-    ([], "give --log PATH (the request log) or --config FILE"),
-    (["--log", "{tmp}/none.jsonl", "--config", "{tmp}/x.toml"], "give --log PATH or --config FILE, not both"),
-    (["--config", "{tmp}/x.toml"], "{tmp}/x.toml"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--log", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: no such file"),
+        ([], "give --log PATH (the request log) or --config FILE"),
+        (["--log", "{tmp}/none.jsonl", "--config", "{tmp}/x.toml"], "give --log PATH or --config FILE, not both"),
+        (["--config", "{tmp}/x.toml"], "{tmp}/x.toml"),
+    ],
+)
 def test_bad_options_exit_2(tmp_path, args, message):
     args = [a.format(tmp=tmp_path) for a in args]
     for command in (["explain", "ok-1"], ["report", "--out", str(tmp_path / "out")]):
@@ -179,15 +201,48 @@ def test_report_refuses_an_empty_log_and_a_file_as_out(served, tmp_path):
 def test_report_takes_shares_from_usage_aggregates_when_the_log_has_them(tmp_path):
     a, b = tenant_tag("alpha"), tenant_tag("beta")
     log = tmp_path / "events.jsonl"
-    lines = [{"v": 1, "event": "started", "ts": 100.0, "pid": 1, "policy": "vtc",
-              "tenants": {a: {"weight": 1.0, "priority": "interactive"}, b: {"weight": 2.0, "priority": "batch"}}}]
+    lines = [
+        {
+            "v": 1,
+            "event": "started",
+            "ts": 100.0,
+            "pid": 1,
+            "policy": "vtc",
+            "tenants": {a: {"weight": 1.0, "priority": "interactive"}, b: {"weight": 2.0, "priority": "batch"}},
+        }
+    ]
     for k in range(1, 4):  # 100 and 40 GPU ms per 5 s
-        lines.append({"v": 1, "event": "usage", "ts": 100.0 + 5 * k, "since": 95.0 + 5 * k, "model": "m",
-                      "gpu_ms": {a: 100.0, b: 40.0}})
-    lines.append({"v": 1, "event": "finished", "ts": 114.0, "request_id": "r", "tenant_hash": a, "delegate_hash": None,
-                  "model": "m", "upstream": "u", "outcome": "completed", "queue_ms": 3.0, "ttft_ms": 9.0,
-                  "tpot_ms": None, "input_tokens": 5, "output_tokens": 1, "gpu_ms": 7.0, "gpu_ms_estimate": 9.0,
-                  "max_output_tokens": 4})
+        lines.append(
+            {
+                "v": 1,
+                "event": "usage",
+                "ts": 100.0 + 5 * k,
+                "since": 95.0 + 5 * k,
+                "model": "m",
+                "gpu_ms": {a: 100.0, b: 40.0},
+            }
+        )
+    lines.append(
+        {
+            "v": 1,
+            "event": "finished",
+            "ts": 114.0,
+            "request_id": "r",
+            "tenant_hash": a,
+            "delegate_hash": None,
+            "model": "m",
+            "upstream": "u",
+            "outcome": "completed",
+            "queue_ms": 3.0,
+            "ttft_ms": 9.0,
+            "tpot_ms": None,
+            "input_tokens": 5,
+            "output_tokens": 1,
+            "gpu_ms": 7.0,
+            "gpu_ms_estimate": 9.0,
+            "max_output_tokens": 4,
+        }
+    )
     lines.append({"v": 1, "event": "later-kind", "ts": 116.0})  # unknown kinds are skipped
     log.write_text("".join(json.dumps(line) + "\n" for line in lines))
     done = fairgate("report", "--log", str(log), "--out", str(tmp_path / "out"))

@@ -8,6 +8,18 @@ from fairgate.core.ratelimit import TokenBucket
 from fairgate.core.request import PRIORITIES, Request, RunningView
 
 __all__ = [
-    "POLICY_NAMES", "PRIORITIES", "CostModel", "Policy", "PolicySpec", "Request", "RunningView",
-    "TenantShare", "TokenBucket", "gpu_shares", "jain_index", "make_policy", "max_min_ratio", "weighted",
+    "POLICY_NAMES",
+    "PRIORITIES",
+    "CostModel",
+    "Policy",
+    "PolicySpec",
+    "Request",
+    "RunningView",
+    "TenantShare",
+    "TokenBucket",
+    "gpu_shares",
+    "jain_index",
+    "make_policy",
+    "max_min_ratio",
+    "weighted",
 ]

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 
 from fairgate.core.cost import CostModel
 
-
 # The most of an interval the other processes' prefill can take off it: a guard against a share summed
 # from stale or overlapping rounds leaving this process's requests nothing (their prefill and decode run).
 MAX_REMOTE_PREFILL_SHARE = 0.9
@@ -110,8 +109,9 @@ class LiveMeter:
             return {}, 0.0
         batch = len(active) + self.remote.sequences
         decode = (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch) / batch
-        weights = {rid: decode + (self.cost.prefill_ms(r.prompt_tokens) if r.prefilling else 0.0)
-                   for rid, r in active.items()}
+        weights = {
+            rid: decode + (self.cost.prefill_ms(r.prompt_tokens) if r.prefilling else 0.0) for rid, r in active.items()
+        }
         return weights, decode * self.remote.sequences
 
     def _boundary(self, now_ms: float | None = None) -> None:
@@ -194,8 +194,9 @@ class LiveMeter:
         assert request_id not in self._requests, f"request {request_id} metered twice"
         prefill_ms = self.cost.prefill_ms(prompt_tokens)
         busy = any(not r.pending for r in self._requests.values())
-        self._requests[request_id] = _InFlight(tenant, prompt_tokens, prefill_ms, prefilling=prefill_ms > 0,
-                                               pending=busy, sent_ms=now_ms)
+        self._requests[request_id] = _InFlight(
+            tenant, prompt_tokens, prefill_ms, prefilling=prefill_ms > 0, pending=busy, sent_ms=now_ms
+        )
         return charges
 
     def first_token(self, request_id: str, now_ms: float) -> list[MeterCharge]:

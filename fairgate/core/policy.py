@@ -33,8 +33,9 @@ class Policy(Protocol):
     def pick(self, now_ms: float, running: RunningView) -> Request | None:
         """The request to admit into a free slot now, removed from its queue; ``None``: hold the slot."""
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
-               remote: bool = False) -> None:
+    def charge(
+        self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
+    ) -> None:
         """Book work spent by ``tenant``: GPU ms, prompt tokens prefilled, output tokens generated.
 
         ``batch_size`` is the number of running sequences the work was done at. ``remote``: the work was
@@ -94,8 +95,9 @@ class QueuedPolicy:
         self._on_pick(request, now_ms)
         return request
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
-               remote: bool = False) -> None:
+    def charge(
+        self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
+    ) -> None:
         return None
 
     def finish(self, request: Request, now_ms: float) -> None:

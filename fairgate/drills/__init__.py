@@ -138,8 +138,9 @@ class Run:
     tenants: tuple[str, ...]
 
 
-def run_on_stack(spec: StackSpec, loads: Sequence[TenantLoad], seconds: float, seed: int,
-                 snapshot_at_s: Sequence[float] = ()) -> Run:
+def run_on_stack(
+    spec: StackSpec, loads: Sequence[TenantLoad], seconds: float, seed: int, snapshot_at_s: Sequence[float] = ()
+) -> Run:
     """Start ``spec``, send ``loads`` (each ``api_key`` is filled in from the stack) for ``seconds``, read the
     ledger at each of ``snapshot_at_s`` and, once the gateway has billed the hang-ups, at the end."""
     from fairgate.drills.loadgen import run_load
@@ -158,8 +159,14 @@ def run_on_stack(spec: StackSpec, loads: Sequence[TenantLoad], seconds: float, s
             report = await run_load(stack.url, keyed, seconds, model=spec.model, seed=seed)
             taken = dict(await asyncio.gather(*snapshots))
             await asyncio.sleep(SETTLE_S)
-            return Run(spec.policy, report, await read_ledger(stack), taken, tuple(await read_reservations(stack)),
-                       tuple(t.name for t in spec.tenants))
+            return Run(
+                spec.policy,
+                report,
+                await read_ledger(stack),
+                taken,
+                tuple(await read_reservations(stack)),
+                tuple(t.name for t in spec.tenants),
+            )
 
         return asyncio.run(go())
 
@@ -202,7 +209,9 @@ class CheckedResult(RenderedResult):
 
     def check_lines(self) -> list[str]:
         """One line per check, ``ok`` or ``FAIL`` and its claim (rich markup)."""
-        return [f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}" for check, ok in self.checks().items()]
+        return [
+            f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}" for check, ok in self.checks().items()
+        ]
 
 
 def plain_text(renderables: Sequence[Any], width: int = 140) -> str:
@@ -223,5 +232,15 @@ class _Discard:
         pass
 
 
-__all__ = ["DRILLS", "DrillOptions", "DrillResult", "Run", "UnknownDrill", "fmt_errors", "fmt_ms", "plain_text",
-           "run_drill", "run_on_stack"]
+__all__ = [
+    "DRILLS",
+    "DrillOptions",
+    "DrillResult",
+    "Run",
+    "UnknownDrill",
+    "fmt_errors",
+    "fmt_ms",
+    "plain_text",
+    "run_drill",
+    "run_on_stack",
+]

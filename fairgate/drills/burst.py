@@ -55,8 +55,11 @@ class BurstConfig:
     others: tuple[str, ...] = ("alpha", "beta", "gamma")
     burster: str = "noisy"
     replicas: int = 4
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=500.0, iter_slope_ms=0.0, prefill_ms_per_token=0.0, max_batch=12))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=500.0, iter_slope_ms=0.0, prefill_ms_per_token=0.0, max_batch=12
+        )
+    )
     output_tokens: tuple[int, int] = (1, 3)
     prompt_tokens: int = 64
     others_load: float = 0.6
@@ -69,9 +72,11 @@ class BurstConfig:
     def __post_init__(self) -> None:
         for name, (low, high) in (("before", self.baseline_window_s), ("during", self.burst_window_s)):
             if high - low < 2.0:
-                raise ValueError(f"burst drill: {self.seconds:g} s per half leaves {max(0.0, high - low):.1f} s to "
-                                 f"measure {name} the burst; give at least "
-                                 f"{self.ramp_s + self.settle_s + 2.0:g} s")
+                raise ValueError(
+                    f"burst drill: {self.seconds:g} s per half leaves {max(0.0, high - low):.1f} s to "
+                    f"measure {name} the burst; give at least "
+                    f"{self.ramp_s + self.settle_s + 2.0:g} s"
+                )
 
     @property
     def tenants(self) -> tuple[str, ...]:
@@ -105,15 +110,32 @@ class BurstConfig:
 
     def loads(self) -> list[TenantLoad]:
         rate = self.others_load * self.capacity_per_s() / len(self.tenants)
-        loads = [TenantLoad(t, "", rate_per_s=rate, output_tokens=self.output_tokens,
-                            prompt_tokens=self.prompt_tokens) for t in self.others]
-        loads.append(TenantLoad(self.burster, "", clients=self.burst_clients, output_tokens=self.output_tokens,
-                                prompt_tokens=self.prompt_tokens, start_s=self.seconds, ramp_s=self.ramp_s))
+        loads = [
+            TenantLoad(t, "", rate_per_s=rate, output_tokens=self.output_tokens, prompt_tokens=self.prompt_tokens)
+            for t in self.others
+        ]
+        loads.append(
+            TenantLoad(
+                self.burster,
+                "",
+                clients=self.burst_clients,
+                output_tokens=self.output_tokens,
+                prompt_tokens=self.prompt_tokens,
+                start_s=self.seconds,
+                ramp_s=self.ramp_s,
+            )
+        )
         return loads
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
-        return StackSpec(tuple(TenantSpec(t) for t in self.tenants), policy=policy, replicas=self.replicas,
-                         replica=self.replica, staggered=True, processes=processes)
+        return StackSpec(
+            tuple(TenantSpec(t) for t in self.tenants),
+            policy=policy,
+            replicas=self.replicas,
+            replica=self.replica,
+            staggered=True,
+            processes=processes,
+        )
 
 
 @dataclass(frozen=True)
@@ -177,11 +199,24 @@ def figures(config: BurstConfig, run: Run) -> PolicyFigures:
         whole = run.load.stats(tenant, config.seconds if tenant == config.burster else 0.0)
         total = run.ledger.totals[tenant]
         tenants[tenant] = TenantFigures(
-            tenant, b.ttft_p50_ms, b.ttft_p99_ms, d.ttft_p50_ms, d.ttft_p99_ms, whole.requests, whole.completed,
-            whole.cut, whole.rejected, {k: v for k, v in whole.errors.items() if not k.startswith("429")},
-            share_1.get(tenant, 0.0), share_2.get(tenant, 0.0), total.requests, total.gpu_ms / 1000.0)
-    return PolicyFigures(run.policy, percentile(baseline, 99), percentile(burst, 99), len(baseline), len(burst),
-                         tenants, run.ledger)
+            tenant,
+            b.ttft_p50_ms,
+            b.ttft_p99_ms,
+            d.ttft_p50_ms,
+            d.ttft_p99_ms,
+            whole.requests,
+            whole.completed,
+            whole.cut,
+            whole.rejected,
+            {k: v for k, v in whole.errors.items() if not k.startswith("429")},
+            share_1.get(tenant, 0.0),
+            share_2.get(tenant, 0.0),
+            total.requests,
+            total.gpu_ms / 1000.0,
+        )
+    return PolicyFigures(
+        run.policy, percentile(baseline, 99), percentile(burst, 99), len(baseline), len(burst), tenants, run.ledger
+    )
 
 
 @dataclass(frozen=True)
@@ -211,38 +246,67 @@ class BurstResult(RenderedResult):
             f"{c.replica.iter_base_ms:g} ms iterations, outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens.",
             f"Claim: the others' p99 TTFT during the burst (requests sent {c.burst_window_s[0]:g}-"
             f"{c.burst_window_s[1]:g} s) <= {c.ttft_ratio_max:g} x their p99 before it "
-            f"({c.baseline_window_s[0]:g}-{c.baseline_window_s[1]:g} s, same load without {c.burster!r})."]
+            f"({c.baseline_window_s[0]:g}-{c.baseline_window_s[1]:g} s, same load without {c.burster!r}).",
+        ]
         for figs in (self.main, self.compare):
             if figs is None:
                 continue
-            table = Table(title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""),
-                          title_justify="left")
-            for column in ("tenant", "TTFT ms before p50/p99", "TTFT ms burst p50/p99", "p99 x", "sent/done/cut",
-                           "429", "errors", "GPU % before/burst", "ledger GPU s"):
-                table.add_column(column, justify="left" if column in ("tenant", "errors") else "right",
-                                 no_wrap=column != "errors", min_width=6 if column == "errors" else None)
+            table = Table(
+                title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""), title_justify="left"
+            )
+            for column in (
+                "tenant",
+                "TTFT ms before p50/p99",
+                "TTFT ms burst p50/p99",
+                "p99 x",
+                "sent/done/cut",
+                "429",
+                "errors",
+                "GPU % before/burst",
+                "ledger GPU s",
+            ):
+                table.add_column(
+                    column,
+                    justify="left" if column in ("tenant", "errors") else "right",
+                    no_wrap=column != "errors",
+                    min_width=6 if column == "errors" else None,
+                )
             for t in figs.tenants.values():
                 errors = fmt_errors(t.errors)
-                table.add_row(t.tenant, f"{fmt_ms(t.baseline_p50_ms)} / {fmt_ms(t.baseline_p99_ms)}",
-                              f"{fmt_ms(t.burst_p50_ms)} / {fmt_ms(t.burst_p99_ms)}",
-                              "-" if t.ratio is None else f"{t.ratio:.2f}", f"{t.sent}/{t.completed}/{t.cut}",
-                              str(t.rejected), errors, f"{t.share_before * 100:.1f} / {t.share_during * 100:.1f}",
-                              f"{t.ledger_gpu_s:,.1f}")
+                table.add_row(
+                    t.tenant,
+                    f"{fmt_ms(t.baseline_p50_ms)} / {fmt_ms(t.baseline_p99_ms)}",
+                    f"{fmt_ms(t.burst_p50_ms)} / {fmt_ms(t.burst_p99_ms)}",
+                    "-" if t.ratio is None else f"{t.ratio:.2f}",
+                    f"{t.sent}/{t.completed}/{t.cut}",
+                    str(t.rejected),
+                    errors,
+                    f"{t.share_before * 100:.1f} / {t.share_during * 100:.1f}",
+                    f"{t.ledger_gpu_s:,.1f}",
+                )
             ratio = "-" if figs.ratio is None else f"{figs.ratio:.2f}"
             holds = figs.ratio is not None and figs.ratio <= c.ttft_ratio_max
-            table.caption = (f"others pooled: p99 {fmt_ms(figs.baseline_p99_ms)} ms before ({figs.baseline_samples} "
-                             f"requests), {fmt_ms(figs.burst_p99_ms)} ms during the burst ({figs.burst_samples}): "
-                             f"x{ratio} - {'within' if holds else 'OVER'} {c.ttft_ratio_max:g}x")
+            table.caption = (
+                f"others pooled: p99 {fmt_ms(figs.baseline_p99_ms)} ms before ({figs.baseline_samples} "
+                f"requests), {fmt_ms(figs.burst_p99_ms)} ms during the burst ({figs.burst_samples}): "
+                f"x{ratio} - {'within' if holds else 'OVER'} {c.ttft_ratio_max:g}x"
+            )
             table.caption_justify = "left"
             out.append(table)
         for problem in self.problems:
             out.append(f"[red]problem[/red]: {problem}")
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
-        out.append(f"{verdict}: under {self.main.policy} the others' p99 TTFT went x"
-                   f"{'-' if self.main.ratio is None else f'{self.main.ratio:.2f}'} with the burst "
-                   f"(limit {c.ttft_ratio_max:g}x)"
-                   + ("" if self.compare is None or self.compare.ratio is None else
-                      f"; under {self.compare.policy}: x{self.compare.ratio:.2f}") + ".")
+        out.append(
+            f"{verdict}: under {self.main.policy} the others' p99 TTFT went x"
+            f"{'-' if self.main.ratio is None else f'{self.main.ratio:.2f}'} with the burst "
+            f"(limit {c.ttft_ratio_max:g}x)"
+            + (
+                ""
+                if self.compare is None or self.compare.ratio is None
+                else f"; under {self.compare.policy}: x{self.compare.ratio:.2f}"
+            )
+            + "."
+        )
         return out
 
 
@@ -250,16 +314,20 @@ def _problems(config: BurstConfig, figs: PolicyFigures) -> list[str]:
     """Reasons the run does not test the claim: too few samples, errors, or no real burst."""
     problems = []
     if figs.baseline_samples < 20 or figs.burst_samples < 20:
-        problems.append(f"{figs.policy}: too few of the others' requests to measure ({figs.baseline_samples} "
-                        f"before, {figs.burst_samples} during the burst)")
+        problems.append(
+            f"{figs.policy}: too few of the others' requests to measure ({figs.baseline_samples} "
+            f"before, {figs.burst_samples} during the burst)"
+        )
     for t in figs.tenants.values():
         if t.errors:
             problems.append(f"{figs.policy}: {t.tenant} had errors: {t.errors}")
     burster = figs.tenants[config.burster]
     fair = 1.0 / len(config.tenants)
     if burster.share_during < fair:
-        problems.append(f"{figs.policy}: {config.burster} got {burster.share_during:.1%} of the GPU during its burst, "
-                        f"not more than its share ({fair:.0%}): it did not load the fleet")
+        problems.append(
+            f"{figs.policy}: {config.burster} got {burster.share_during:.1%} of the GPU during its burst, "
+            f"not more than its share ({fair:.0%}): it did not load the fleet"
+        )
     return problems
 
 
@@ -270,8 +338,13 @@ def run(options: DrillOptions, config: BurstConfig | None = None) -> BurstResult
         config = replace(config, seconds=options.seconds)
 
     def one(policy: str) -> PolicyFigures:
-        result = run_on_stack(config.spec(policy, options.processes), config.loads(), 2 * config.seconds,
-                              options.seed, snapshot_at_s=(config.seconds,))
+        result = run_on_stack(
+            config.spec(policy, options.processes),
+            config.loads(),
+            2 * config.seconds,
+            options.seed,
+            snapshot_at_s=(config.seconds,),
+        )
         return figures(config, result)
 
     main = one(options.policy)

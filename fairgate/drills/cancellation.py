@@ -74,13 +74,23 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fairgate.drills import CheckedResult, DrillOptions, fmt_ms
 from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS, percentile
-from fairgate.drills.stack import (ReplicaModel, Stack, StackSpec, TenantSpec, config_text, fairgate_process,
-                                   free_port, new_stack_folder, pace_replicas, serve_in_thread, _emulator_args)
+from fairgate.drills.stack import (
+    ReplicaModel,
+    Stack,
+    StackSpec,
+    TenantSpec,
+    _emulator_args,
+    config_text,
+    fairgate_process,
+    free_port,
+    new_stack_folder,
+    pace_replicas,
+    serve_in_thread,
+)
 from fairgate.gateway.auth import hash_api_key
 
 ADMIN_KEY = "fg-drill-admin-" + "a" * 32
@@ -232,8 +242,13 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 
 
 @contextmanager
-def open_stack(spec: StackSpec, extra_config: str = "", environment: Mapping[str, str] | None = None,
-               gateway_process: bool = False, keep_folder: bool = False) -> Iterator[DrillStack]:
+def open_stack(
+    spec: StackSpec,
+    extra_config: str = "",
+    environment: Mapping[str, str] | None = None,
+    gateway_process: bool = False,
+    keep_folder: bool = False,
+) -> Iterator[DrillStack]:
     """``fairgate.drills.stack.start_stack`` with an ``[admin]`` key (``ADMIN_KEY``), ``extra_config`` appended
     to the gateway's file (e.g. a ``[delegation]`` table), ``environment`` set for the gateway (in this
     process's environment while the block runs, inherited by processes), and in process an
@@ -257,23 +272,34 @@ def open_stack(spec: StackSpec, extra_config: str = "", environment: Mapping[str
                 upstreams = []
                 for i in range(spec.replicas):
                     port = free_port()
-                    upstreams.append(servers.enter_context(
-                        fairgate_process(_emulator_args(spec, port), port, folder / f"emulator-{i}.log")))
+                    upstreams.append(
+                        servers.enter_context(
+                            fairgate_process(_emulator_args(spec, port), port, folder / f"emulator-{i}.log")
+                        )
+                    )
                 if spec.staggered:
                     servers.enter_context(pace_replicas(spec, upstreams))
                 write_config(upstreams)
                 port = free_port()
-                gateway = servers.enter_context(fairgate_process(
-                    ["serve", "--config", str(config_path), "--port", str(port)], port, folder / "gateway.log"))
+                gateway = servers.enter_context(
+                    fairgate_process(
+                        ["serve", "--config", str(config_path), "--port", str(port)], port, folder / "gateway.log"
+                    )
+                )
             else:
                 from fairgate.emulator.api import EmulatorSettings, create_app
                 from fairgate.gateway.app import create_gateway
                 from fairgate.gateway.config import load_gateway_config
 
                 r = spec.replica
-                settings = EmulatorSettings(model=spec.model, iter_base_ms=r.iter_base_ms,
-                                            iter_slope_ms=r.iter_slope_ms, prefill_ms_per_token=r.prefill_ms_per_token,
-                                            max_batch=r.max_batch + int(spec.staggered), max_model_len=r.max_model_len)
+                settings = EmulatorSettings(
+                    model=spec.model,
+                    iter_base_ms=r.iter_base_ms,
+                    iter_slope_ms=r.iter_slope_ms,
+                    prefill_ms_per_token=r.prefill_ms_per_token,
+                    max_batch=r.max_batch + int(spec.staggered),
+                    max_model_len=r.max_model_len,
+                )
                 upstreams = []
                 for _ in range(spec.replicas):
                     tap = EmulatorTap(create_app(settings))
@@ -285,13 +311,17 @@ def open_stack(spec: StackSpec, extra_config: str = "", environment: Mapping[str
                 write_config(upstreams)
                 if gateway_process:
                     port = free_port()
-                    gateway = servers.enter_context(fairgate_process(
-                        ["serve", "--config", str(config_path), "--port", str(port)], port, folder / "gateway.log"))
+                    gateway = servers.enter_context(
+                        fairgate_process(
+                            ["serve", "--config", str(config_path), "--port", str(port)], port, folder / "gateway.log"
+                        )
+                    )
                 else:
                     gateway_app = create_gateway(load_gateway_config(config_path))
                     gateway = servers.enter_context(serve_in_thread(gateway_app))
-            yield DrillStack(Stack(spec, gateway, keys, folder, config_path, tuple(upstreams)), ADMIN_KEY,
-                             gateway_app, tuple(taps))
+            yield DrillStack(
+                Stack(spec, gateway, keys, folder, config_path, tuple(upstreams)), ADMIN_KEY, gateway_app, tuple(taps)
+            )
     finally:
         if not keep_folder:
             shutil.rmtree(folder, ignore_errors=True)
@@ -313,7 +343,7 @@ def metric_values(text: str, name: str) -> dict[str, float]:
         if line.startswith(name + "{") or line.startswith(name + " "):
             labels, _, value = line.rpartition(" ")
             try:
-                out[labels[len(name):]] = float(value)
+                out[labels[len(name) :]] = float(value)
             except ValueError:
                 continue
     return out
@@ -324,18 +354,22 @@ async def gateway_load(drill: DrillStack) -> dict[str, float]:
     ``app.state.dispatcher`` in process, else ``/metrics`` with the admin key)."""
     if drill.gateway_app is not None:
         dispatcher = drill.gateway_app.state.dispatcher
-        return {"upstream_in_flight": float(sum(u.in_flight for u in dispatcher.upstreams())),
-                "queued": float(sum(dispatcher.queued_by_tenant().values())),
-                "active_sequences": float(sum(dispatcher.running_by_tenant().values()))}
+        return {
+            "upstream_in_flight": float(sum(u.in_flight for u in dispatcher.upstreams())),
+            "queued": float(sum(dispatcher.queued_by_tenant().values())),
+            "active_sequences": float(sum(dispatcher.running_by_tenant().values())),
+        }
     import httpx
 
     async with httpx.AsyncClient(timeout=10) as http:
         reply = await http.get(f"{drill.url}/metrics", headers={"Authorization": f"Bearer {drill.admin_key}"})
         reply.raise_for_status()
     text = reply.text
-    return {"upstream_in_flight": sum(metric_values(text, "fairgate_upstream_in_flight").values()),
-            "queued": sum(metric_values(text, "fairgate_queued_requests").values()),
-            "active_sequences": sum(metric_values(text, "fairgate_active_sequences").values())}
+    return {
+        "upstream_in_flight": sum(metric_values(text, "fairgate_upstream_in_flight").values()),
+        "queued": sum(metric_values(text, "fairgate_queued_requests").values()),
+        "active_sequences": sum(metric_values(text, "fairgate_active_sequences").values()),
+    }
 
 
 async def replica_stats(drill: DrillStack) -> list[dict[str, Any]]:
@@ -386,8 +420,11 @@ class CancellationConfig:
     output_tokens: tuple[int, int] = (20, 200)
     prompt_tokens: int = 12
     replicas: int = 2
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=20.0, iter_slope_ms=0.1, prefill_ms_per_token=0.05, max_batch=16, max_model_len=4096))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=20.0, iter_slope_ms=0.1, prefill_ms_per_token=0.05, max_batch=16, max_model_len=4096
+        )
+    )
     gateway_process: bool = True
     converge_s_max: float = 10.0
     read_lag_ms_max: float = 250.0
@@ -400,8 +437,13 @@ class CancellationConfig:
         return self.replicas * self.replica.max_batch
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
-        return StackSpec(tuple(TenantSpec(t) for t in self.tenants), policy=policy, replicas=self.replicas,
-                         replica=self.replica, processes=processes)
+        return StackSpec(
+            tuple(TenantSpec(t) for t in self.tenants),
+            policy=policy,
+            replicas=self.replicas,
+            replica=self.replica,
+            processes=processes,
+        )
 
 
 @dataclass(frozen=True)
@@ -425,9 +467,17 @@ def plans(config: CancellationConfig, seed: int) -> list[Plan]:
         low, high = config.output_tokens
         max_tokens = min(high, max(low, int(math.exp(rng.uniform(math.log(low), math.log(high + 1))))))
         cut = rng.choices(CUT_POINTS, weights=config.cut_weights)[0]
-        out.append(Plan(i, tenant, f"cx{seed}-{i:05d}", max_tokens, cut,
-                        after_chunks=rng.randint(1, max_tokens - 1) if cut == "after_chunks" else 0,
-                        after_s=rng.uniform(*config.before_bytes_s) if cut == "before_bytes" else 0.0))
+        out.append(
+            Plan(
+                i,
+                tenant,
+                f"cx{seed}-{i:05d}",
+                max_tokens,
+                cut,
+                after_chunks=rng.randint(1, max_tokens - 1) if cut == "after_chunks" else 0,
+                after_s=rng.uniform(*config.before_bytes_s) if cut == "before_bytes" else 0.0,
+            )
+        )
     return out
 
 
@@ -513,20 +563,26 @@ class CancellationFigures:
     @property
     def faults(self) -> int:
         """Client hang-ups (every cut but "never")."""
-        return sum(n for point, n in self.cut_counts.items() if point in ("before_bytes", "after_headers",
-                                                                           "after_chunks"))
+        return sum(
+            n for point, n in self.cut_counts.items() if point in ("before_bytes", "after_headers", "after_chunks")
+        )
 
     @property
     def overbilled(self) -> int:
         """Tokens billed above what the replica generated (tapped) or above ``max_tokens``."""
-        return sum(max(0, r.billed_output - (r.max_tokens if r.generated is None else r.generated))
-                   for r in self.requests)
+        return sum(
+            max(0, r.billed_output - (r.max_tokens if r.generated is None else r.generated)) for r in self.requests
+        )
 
     @property
     def held_slots(self) -> float:
         """Slots, queue places and sequences still held after the run (gateway, replicas, ledger)."""
-        return (sum(self.gateway_after.values()) + sum(s["running"] + s["waiting"] for s in self.replicas_after)
-                + sum(self.concurrent_after.values()) + sum(self.queued_after.values()))
+        return (
+            sum(self.gateway_after.values())
+            + sum(s["running"] + s["waiting"] for s in self.replicas_after)
+            + sum(self.concurrent_after.values())
+            + sum(self.queued_after.values())
+        )
 
     @property
     def late(self) -> list[RequestFigures]:
@@ -545,51 +601,64 @@ class CancellationResult(CheckedResult):
         rs = f.requests
         completed = [r for r in rs if r.cut_at == "completed"]
         held = {k: v for k, v in f.gateway_after.items() if v} | {
-            f"replica {i} {k}": s[k] for i, s in enumerate(f.replicas_after) for k in ("running", "waiting") if s[k]}
+            f"replica {i} {k}": s[k] for i, s in enumerate(f.replicas_after) for k in ("running", "waiting") if s[k]
+        }
         checks = {
             f"all {c.requests} requests sent, no errors": len(rs) == c.requests and not f.errors,
-            "every cut point exercised": all(f.cut_counts.get(p, 0) > 0 for p in
-                                             ("before_bytes", "after_headers", "after_chunks", "completed")),
-            f"every slot released within {c.converge_s_max:g} s (gateway, replicas, ledger)":
-                f.converge_s is not None and not held and not any(f.concurrent_after.values())
-                and not any(f.queued_after.values()),
-            "every reservation final (none open, none expired)":
-                f.by_status.get("open", 0) == 0 and f.by_status.get("expired", 0) == 0,
+            "every cut point exercised": all(
+                f.cut_counts.get(p, 0) > 0 for p in ("before_bytes", "after_headers", "after_chunks", "completed")
+            ),
+            f"every slot released within {c.converge_s_max:g} s (gateway, replicas, ledger)": f.converge_s is not None
+            and not held
+            and not any(f.concurrent_after.values())
+            and not any(f.queued_after.values()),
+            "every reservation final (none open, none expired)": f.by_status.get("open", 0) == 0
+            and f.by_status.get("expired", 0) == 0,
             "at most one reservation per request id": all(r.reservations <= 1 for r in rs),
-            "completed: billed == received == max_tokens (exact)":
-                all(r.billed_output == r.received == r.max_tokens and r.status == "settled" for r in completed),
-            "cut: received <= billed <= max_tokens":
-                all(r.received <= r.billed_output <= r.max_tokens for r in rs if r.cut_at != "completed"),
+            "completed: billed == received == max_tokens (exact)": all(
+                r.billed_output == r.received == r.max_tokens and r.status == "settled" for r in completed
+            ),
+            "cut: received <= billed <= max_tokens": all(
+                r.received <= r.billed_output <= r.max_tokens for r in rs if r.cut_at != "completed"
+            ),
             "event log sums == reservations' billed totals, every tenant": not f.reconcile_differences,
         }
         if f.tapped:
             never_sent = [r for r in rs if r.reservations and r.sequences == 0]
             never_ran = [r for r in rs if r.sequences and not r.ran]
             ran = [r for r in rs if r.ran and r.cut_at != "completed"]
-            checks.update({
-                "every request ran at most once on a replica": all((r.sequences or 0) <= 1 for r in rs)
-                and f.untagged_sequences == 0,
-                "completed: billed == generated (exact)": all(r.generated == r.billed_output for r in completed),
-                "cut before reaching a replica: billed 0 tokens, 0 GPU ms (exact)":
-                    all(r.billed_output == 0 and r.billed_gpu_ms == 0 for r in never_sent),
-                "cut in a replica's queue (never run): billed 0 tokens (exact)":
-                    all(r.billed_output == 0 == r.generated for r in never_ran),
-                "cut while running: billed <= generated": all(r.billed_output <= (r.generated or 0) for r in ran),
-                f"cut while running: every token generated over {c.read_lag_ms_max:g} ms before the hang-up billed":
-                    all((r.oldest_unbilled_ms or 0.0) <= c.read_lag_ms_max for r in ran),
-                "replicas' token counters == sum of generated":
-                    f.replica_tokens == sum(r.generated or 0 for r in rs),
-            })
+            checks.update(
+                {
+                    "every request ran at most once on a replica": all((r.sequences or 0) <= 1 for r in rs)
+                    and f.untagged_sequences == 0,
+                    "completed: billed == generated (exact)": all(r.generated == r.billed_output for r in completed),
+                    "cut before reaching a replica: billed 0 tokens, 0 GPU ms (exact)": all(
+                        r.billed_output == 0 and r.billed_gpu_ms == 0 for r in never_sent
+                    ),
+                    "cut in a replica's queue (never run): billed 0 tokens (exact)": all(
+                        r.billed_output == 0 == r.generated for r in never_ran
+                    ),
+                    "cut while running: billed <= generated": all(r.billed_output <= (r.generated or 0) for r in ran),
+                    f"cut while running: every token generated over {c.read_lag_ms_max:g} ms before the hang-up billed": all(
+                        (r.oldest_unbilled_ms or 0.0) <= c.read_lag_ms_max for r in ran
+                    ),
+                    "replicas' token counters == sum of generated": f.replica_tokens
+                    == sum(r.generated or 0 for r in rs),
+                }
+            )
             if c.late_dispatches_max is not None:
-                checks[f"at most {c.late_dispatches_max} requests sent to a replica after their client left"] = \
+                checks[f"at most {c.late_dispatches_max} requests sent to a replica after their client left"] = (
                     len(f.late) <= c.late_dispatches_max
+                )
         else:
             cut_running = sum(1 for r in rs if r.cut_at != "completed" and r.billed_output > 0)
             bound = c.untapped_hangup_tokens_max
             checks[f"billed <= replicas' tokens <= billed + {bound} per hang-up of a running stream"] = (
-                f.billed_tokens <= f.replica_tokens <= f.billed_tokens + bound * cut_running)
+                f.billed_tokens <= f.replica_tokens <= f.billed_tokens + bound * cut_running
+            )
         checks[f"billed GPU within {c.gpu_ratio_tolerance:.0%} of the replicas' charge rule, per tenant"] = all(
-            truth > 0 and abs(billed / truth - 1) <= c.gpu_ratio_tolerance for billed, truth in f.tenant_gpu.values())
+            truth > 0 and abs(billed / truth - 1) <= c.gpu_ratio_tolerance for billed, truth in f.tenant_gpu.values()
+        )
         return checks
 
     def render(self) -> list[Any]:
@@ -601,12 +670,24 @@ class CancellationResult(CheckedResult):
             f"{c.concurrency} at a time, on {c.replicas} emulated replicas x {c.replica.max_batch} slots "
             f"({c.replica.iter_base_ms:g} ms iterations), policy {f.policy}; max_tokens {c.output_tokens[0]}-"
             f"{c.output_tokens[1]} (log-uniform, ignore_eos); each client closes its stream at a random point.",
-            "Claim: every slot released, every reservation final, billed tokens == tokens generated."]
+            "Claim: every slot released, every reservation final, billed tokens == tokens generated.",
+        ]
         table = Table(title="by where the client cut", title_justify="left")
-        for column in ("cut at", "n", "tokens recv/billed/gen", "unbilled", "GPU s billed/rule", "late", "hang-up ms",
-                       "reservations"):
-            table.add_column(column, justify="left" if column in ("cut at", "reservations") else "right",
-                             no_wrap=column != "reservations")
+        for column in (
+            "cut at",
+            "n",
+            "tokens recv/billed/gen",
+            "unbilled",
+            "GPU s billed/rule",
+            "late",
+            "hang-up ms",
+            "reservations",
+        ):
+            table.add_column(
+                column,
+                justify="left" if column in ("cut at", "reservations") else "right",
+                no_wrap=column != "reservations",
+            )
         for point in ("before_bytes", "after_headers", "after_chunks", "completed", "error"):
             rows = [r for r in f.requests if r.cut_at == point]
             if not rows:
@@ -618,71 +699,100 @@ class CancellationResult(CheckedResult):
             oldest = max((r.oldest_unbilled_ms for r in rows if r.oldest_unbilled_ms is not None), default=None)
             rule = f"{sum(r.charge_rule_ms or 0 for r in rows) / 1000:,.2f}" if tapped else "-"
             table.add_row(
-                point, str(len(rows)),
+                point,
+                str(len(rows)),
                 f"{sum(r.received for r in rows):,} / {sum(r.billed_output for r in rows):,} / {generated}",
-                (f"{sum(r.unbilled for r in rows):,} ({max(r.unbilled for r in rows)}) / "
-                 f"{fmt_ms(oldest)}" if tapped else "-"),
+                (
+                    f"{sum(r.unbilled for r in rows):,} ({max(r.unbilled for r in rows)}) / {fmt_ms(oldest)}"
+                    if tapped
+                    else "-"
+                ),
                 f"{sum(r.billed_gpu_ms for r in rows) / 1000:,.2f} / {rule}",
                 str(sum(1 for r in rows if r.submitted_after_hangup)) if tapped else "-",
                 f"{fmt_ms(percentile(hangups, 50))} / {fmt_ms(max(hangups, default=None))}" if hangups else "-",
-                ", ".join(f"{k} {v}" for k, v in sorted(statuses.items())))
-        table.caption = (f"load: {c.requests} requests in {f.load_s:.1f} s; faults injected: {f.faults} client "
-                         f"hang-ups; reservations {', '.join(f'{k} {v}' for k, v in sorted(f.by_status.items()))}. "
-                         "unbilled: generated but not billed, total (most in one request) / how many ms before its "
-                         "hang-up the oldest was generated (negative: after); late: reached a replica after its "
-                         "client hung up; hang-up ms: p50 / max from the client's hang-up to the replica stopping "
-                         "the sequence.")
+                ", ".join(f"{k} {v}" for k, v in sorted(statuses.items())),
+            )
+        table.caption = (
+            f"load: {c.requests} requests in {f.load_s:.1f} s; faults injected: {f.faults} client "
+            f"hang-ups; reservations {', '.join(f'{k} {v}' for k, v in sorted(f.by_status.items()))}. "
+            "unbilled: generated but not billed, total (most in one request) / how many ms before its "
+            "hang-up the oldest was generated (negative: after); late: reached a replica after its "
+            "client hung up; hang-up ms: p50 / max from the client's hang-up to the replica stopping "
+            "the sequence."
+        )
         table.caption_justify = "left"
         out.append(table)
         gpu = Table(title="GPU time per tenant", title_justify="left")
         for column in ("tenant", "billed GPU s", "replicas' charge rule s", "billed / rule"):
             gpu.add_column(column, justify="left" if column == "tenant" else "right")
         for tenant, (billed, truth) in f.tenant_gpu.items():
-            gpu.add_row(tenant, f"{billed / 1000:,.2f}", f"{truth / 1000:,.2f}",
-                        "-" if truth <= 0 else f"{billed / truth:.3f}")
+            gpu.add_row(
+                tenant, f"{billed / 1000:,.2f}", f"{truth / 1000:,.2f}", "-" if truth <= 0 else f"{billed / truth:.3f}"
+            )
         out.append(gpu)
         after = ", ".join(f"{k} {v:g}" for k, v in f.gateway_after.items())
-        out.append(f"after: gateway {after}; replicas running {sum(s['running'] for s in f.replicas_after)}, "
-                   f"waiting {sum(s['waiting'] for s in f.replicas_after)}; ledger open requests "
-                   f"{sum(f.concurrent_after.values())}, queued {sum(f.queued_after.values())}, open reservations "
-                   f"{f.by_status.get('open', 0)}; converged "
-                   + ("never" if f.converge_s is None else f"{f.converge_s:.2f} s") + " after the last client.")
-        out.append(f"tokens: ledger billed {f.billed_tokens:,}, replicas generated {f.replica_tokens:,}; "
-                   f"lost: over-billed {f.overbilled:,} tokens, held slots {f.held_slots:g}, open reservations "
-                   f"{f.by_status.get('open', 0)}; unbilled (generated while a hang-up travelled to the replica) "
-                   + (f"{sum(r.unbilled for r in f.requests):,}" if f.tapped
-                      else f"{f.replica_tokens - f.billed_tokens:,} (totals only)") + ".")
+        out.append(
+            f"after: gateway {after}; replicas running {sum(s['running'] for s in f.replicas_after)}, "
+            f"waiting {sum(s['waiting'] for s in f.replicas_after)}; ledger open requests "
+            f"{sum(f.concurrent_after.values())}, queued {sum(f.queued_after.values())}, open reservations "
+            f"{f.by_status.get('open', 0)}; converged "
+            + ("never" if f.converge_s is None else f"{f.converge_s:.2f} s")
+            + " after the last client."
+        )
+        out.append(
+            f"tokens: ledger billed {f.billed_tokens:,}, replicas generated {f.replica_tokens:,}; "
+            f"lost: over-billed {f.overbilled:,} tokens, held slots {f.held_slots:g}, open reservations "
+            f"{f.by_status.get('open', 0)}; unbilled (generated while a hang-up travelled to the replica) "
+            + (
+                f"{sum(r.unbilled for r in f.requests):,}"
+                if f.tapped
+                else f"{f.replica_tokens - f.billed_tokens:,} (totals only)"
+            )
+            + "."
+        )
         if f.tapped and f.late:
             late = f.late
             waits = [r.hangup_ms for r in late if r.hangup_ms is not None]
-            out.append(f"[yellow]found[/yellow]: {len(late)} requests reached a replica after their client had hung up "
-                       f"(cut while queued in the gateway, which only notices a streamed request's hang-up once it "
-                       f"relays the first chunk): {sum(r.generated or 0 for r in late):,} tokens and "
-                       f"{sum(r.billed_gpu_ms for r in late) / 1000:,.2f} GPU s billed for them; their hang-up "
-                       f"reached the replica after p50 {fmt_ms(percentile(waits, 50))} ms, max "
-                       f"{fmt_ms(max(waits, default=None))} ms.")
+            out.append(
+                f"[yellow]found[/yellow]: {len(late)} requests reached a replica after their client had hung up "
+                f"(cut while queued in the gateway, which only notices a streamed request's hang-up once it "
+                f"relays the first chunk): {sum(r.generated or 0 for r in late):,} tokens and "
+                f"{sum(r.billed_gpu_ms for r in late) / 1000:,.2f} GPU s billed for them; their hang-up "
+                f"reached the replica after p50 {fmt_ms(percentile(waits, 50))} ms, max "
+                f"{fmt_ms(max(waits, default=None))} ms."
+            )
         if f.errors:
             out.append(f"[red]errors[/red]: {f.errors}")
-        worst = sorted((r for r in f.requests if r.oldest_unbilled_ms is not None and r.cut_at != "completed"),
-                       key=lambda r: -(r.oldest_unbilled_ms or 0.0))[:3]
+        worst = sorted(
+            (r for r in f.requests if r.oldest_unbilled_ms is not None and r.cut_at != "completed"),
+            key=lambda r: -(r.oldest_unbilled_ms or 0.0),
+        )[:3]
         for r in worst:
             if (r.oldest_unbilled_ms or 0.0) > c.read_lag_ms_max:
-                out.append(f"[red]{r.request_id}[/red] ({r.cut_at}): received {r.received}, billed {r.billed_output}, "
-                           f"generated {r.generated}; tokens at ms from the hang-up: "
-                           f"{', '.join(f'{t:.0f}' for t in (r.token_offsets_ms or ())[-(r.unbilled + 2):])}")
+                out.append(
+                    f"[red]{r.request_id}[/red] ({r.cut_at}): received {r.received}, billed {r.billed_output}, "
+                    f"generated {r.generated}; tokens at ms from the hang-up: "
+                    f"{', '.join(f'{t:.0f}' for t in (r.token_offsets_ms or ())[-(r.unbilled + 2) :])}"
+                )
         out.extend(self.check_lines())
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
-        out.append(f"{verdict}: {f.faults} hang-ups in {c.requests} streams; "
-                   + ("nothing lost" if self.passed else "see the FAIL lines") + "; converged in "
-                   + ("never" if f.converge_s is None else f"{f.converge_s:.2f} s") + ".")
+        out.append(
+            f"{verdict}: {f.faults} hang-ups in {c.requests} streams; "
+            + ("nothing lost" if self.passed else "see the FAIL lines")
+            + "; converged in "
+            + ("never" if f.converge_s is None else f"{f.converge_s:.2f} s")
+            + "."
+        )
         return out
 
 
 async def _drive(drill: DrillStack, config: CancellationConfig, todo: list[Plan], model: str) -> list[ClientSide]:
     import openai
 
-    clients = {t: openai.AsyncOpenAI(base_url=f"{drill.url}/v1", api_key=drill.keys[t], max_retries=0, timeout=120.0)
-               for t in config.tenants}
+    clients = {
+        t: openai.AsyncOpenAI(base_url=f"{drill.url}/v1", api_key=drill.keys[t], max_retries=0, timeout=120.0)
+        for t in config.tenants
+    }
     gate = asyncio.Semaphore(config.concurrency)
     filler = "w " * (config.prompt_tokens - CHAT_OVERHEAD_TOKENS - 1)
 
@@ -690,14 +800,19 @@ async def _drive(drill: DrillStack, config: CancellationConfig, todo: list[Plan]
         side = ClientSide(plan)
         async with gate:
             create = clients[plan.tenant].chat.completions.create(
-                model=model, messages=[{"role": "user", "content": filler + plan.request_id}],
-                max_tokens=plan.max_tokens, stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": plan.request_id})
+                model=model,
+                messages=[{"role": "user", "content": filler + plan.request_id}],
+                max_tokens=plan.max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+                extra_headers={"X-Request-Id": plan.request_id},
+            )
             try:
                 if plan.cut == "before_bytes":
                     try:
                         stream = await asyncio.wait_for(create, timeout=plan.after_s)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         side.cut_at, side.hangup_s = "before_bytes", time.monotonic()
                         return side
                 else:
@@ -717,7 +832,7 @@ async def _drive(drill: DrillStack, config: CancellationConfig, todo: list[Plan]
                     side.cut_at = "completed"
                 finally:
                     await stream.close()  # closes the connection: the gateway sees the hang-up
-            except Exception as exc:  # noqa: BLE001 - every failure is a figure of the drill
+            except Exception as exc:
                 from fairgate.drills.loadgen import _error_key
 
                 side.cut_at, side.error = "error", _error_key(exc)
@@ -732,9 +847,9 @@ async def _drive(drill: DrillStack, config: CancellationConfig, todo: list[Plan]
             await client.close()
 
 
-async def _converge(drill: DrillStack, ledger: Any, tenants: tuple[str, ...], model: str, start: float,
-                    limit_s: float) -> tuple[float | None, dict[str, float], list[dict[str, Any]], dict[str, int],
-                                             dict[str, int]]:
+async def _converge(
+    drill: DrillStack, ledger: Any, tenants: tuple[str, ...], model: str, start: float, limit_s: float
+) -> tuple[float | None, dict[str, float], list[dict[str, Any]], dict[str, int], dict[str, int]]:
     """Poll until the gateway, the replicas and the ledger hold nothing; seconds from ``start`` (monotonic)
     until they did (None: not within ``limit_s``) and the last readings."""
     while True:
@@ -744,8 +859,13 @@ async def _converge(drill: DrillStack, ledger: Any, tenants: tuple[str, ...], mo
         concurrent = {t: a.concurrent for t, a in accounts.items()}
         queued = {t: a.queued for t, a in accounts.items()}
         open_count = len(await ledger.reservations(status="open"))
-        idle = (not any(held.values()) and not any(s["running"] or s["waiting"] for s in replicas)
-                and not any(concurrent.values()) and not any(queued.values()) and open_count == 0)
+        idle = (
+            not any(held.values())
+            and not any(s["running"] or s["waiting"] for s in replicas)
+            and not any(concurrent.values())
+            and not any(queued.values())
+            and open_count == 0
+        )
         elapsed = time.monotonic() - start
         if idle or elapsed > limit_s:
             return (elapsed if idle else None), held, replicas, concurrent, queued
@@ -783,6 +903,7 @@ def _run(options: DrillOptions, config: CancellationConfig, spec: StackSpec, tod
     from fairgate.ledger.reconcile import reconcile
 
     with open_stack(spec, gateway_process=config.gateway_process) as drill:
+
         async def go() -> CancellationFigures:
             start = time.monotonic()
             sides = await _drive(drill, config, todo, spec.model)
@@ -791,7 +912,8 @@ def _run(options: DrillOptions, config: CancellationConfig, spec: StackSpec, tod
             ledger = await open_ledger(drill.stack)
             try:
                 converge_s, held, replicas, concurrent, queued = await _converge(
-                    drill, ledger, config.tenants, spec.model, last, config.converge_s_max)
+                    drill, ledger, config.tenants, spec.model, last, config.converge_s_max
+                )
                 reservations = await ledger.reservations()
                 report = await reconcile(ledger, freeze=False)
             finally:
@@ -811,32 +933,62 @@ def _run(options: DrillOptions, config: CancellationConfig, spec: StackSpec, tod
                 first = mine[0] if mine else None
                 seqs = sequences.get(plan.request_id, [])
                 hangup = side.hangup_s if tapped else None  # the replicas' clock is this process's
-                rows.append(RequestFigures(
-                    plan.request_id, plan.tenant, plan.max_tokens, side.cut_at, side.received, len(mine),
-                    first.status if first else None, first.billed.output_tokens if first else 0,
-                    first.billed.gpu_ms if first else 0.0,
-                    len(seqs) if tapped else None, sum(s.generated for s in seqs) if tapped else None,
-                    sum(s.charged_ms for s in seqs) if tapped else None,
-                    None if hangup is None else any(s.arrival_s > hangup for s in seqs),
-                    any(s.charged_ms > 0 for s in seqs) if tapped else None,
-                    None if hangup is None else max(
-                        ((s.drill_cancelled_s - hangup) * 1000.0 for s in seqs
-                         if getattr(s, "drill_cancelled_s", None) is not None), default=None),
-                    None if hangup is None else tuple(sorted((t - hangup) * 1000.0 for s in seqs
-                                                             for t in s.events.token_s))))
+                rows.append(
+                    RequestFigures(
+                        plan.request_id,
+                        plan.tenant,
+                        plan.max_tokens,
+                        side.cut_at,
+                        side.received,
+                        len(mine),
+                        first.status if first else None,
+                        first.billed.output_tokens if first else 0,
+                        first.billed.gpu_ms if first else 0.0,
+                        len(seqs) if tapped else None,
+                        sum(s.generated for s in seqs) if tapped else None,
+                        sum(s.charged_ms for s in seqs) if tapped else None,
+                        None if hangup is None else any(s.arrival_s > hangup for s in seqs),
+                        any(s.charged_ms > 0 for s in seqs) if tapped else None,
+                        None
+                        if hangup is None
+                        else max(
+                            (
+                                (s.drill_cancelled_s - hangup) * 1000.0
+                                for s in seqs
+                                if getattr(s, "drill_cancelled_s", None) is not None
+                            ),
+                            default=None,
+                        ),
+                        None
+                        if hangup is None
+                        else tuple(sorted((t - hangup) * 1000.0 for s in seqs for t in s.events.token_s)),
+                    )
+                )
             truth = {}
             for stats in replicas:
                 for salt, ms in stats["charge_rule_ms_by_cache_salt"].items():
                     truth[salt] = truth.get(salt, 0.0) + ms
-            tenant_gpu = {t: (sum(r.billed.gpu_ms for r in reservations if r.tenant == t),
-                              truth.get(tenant_tag(t), 0.0)) for t in config.tenants}
+            tenant_gpu = {
+                t: (sum(r.billed.gpu_ms for r in reservations if r.tenant == t), truth.get(tenant_tag(t), 0.0))
+                for t in config.tenants
+            }
             return CancellationFigures(
-                policy=options.policy, requests=rows, cut_counts=dict(Counter(s.cut_at for s in sides)),
-                errors=dict(Counter(s.error for s in sides if s.error)), load_s=load_s, converge_s=converge_s,
-                gateway_after=held, replicas_after=replicas, concurrent_after=concurrent, queued_after=queued,
+                policy=options.policy,
+                requests=rows,
+                cut_counts=dict(Counter(s.cut_at for s in sides)),
+                errors=dict(Counter(s.error for s in sides if s.error)),
+                load_s=load_s,
+                converge_s=converge_s,
+                gateway_after=held,
+                replicas_after=replicas,
+                concurrent_after=concurrent,
+                queued_after=queued,
                 by_status=dict(Counter(r.status for r in reservations)),
                 reconcile_differences={t.tenant: t.differences for t in report.tenants if t.differences},
-                tenant_gpu=tenant_gpu, tapped=tapped, untagged_sequences=sum(t.untagged for t in drill.taps))
+                tenant_gpu=tenant_gpu,
+                tapped=tapped,
+                untagged_sequences=sum(t.untagged for t in drill.taps),
+            )
 
         figures = asyncio.run(go())
     return CancellationResult(config, figures)

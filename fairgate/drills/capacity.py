@@ -46,9 +46,20 @@ from typing import Any
 
 from fairgate.drills import CheckedResult, DrillOptions, fmt_errors
 from fairgate.drills.loadgen import LoadReport, TenantLoad, run_load
-from fairgate.drills.scale_out import (Child, ReplicaTruth, TenantEntry, UpstreamEntry, by_tenant, children,
-                                       emulator_spec, gateway_config_text, gateway_spec, read_replica, tenant_keys,
-                                       wait_settled)
+from fairgate.drills.scale_out import (
+    Child,
+    ReplicaTruth,
+    TenantEntry,
+    UpstreamEntry,
+    by_tenant,
+    children,
+    emulator_spec,
+    gateway_config_text,
+    gateway_spec,
+    read_replica,
+    tenant_keys,
+    wait_settled,
+)
 from fairgate.drills.stack import LedgerReport, ReplicaModel, TenantTotals, serve_in_thread
 
 SETTLE_S_MAX = 15.0
@@ -82,8 +93,11 @@ class CapacityConfig:
     remove_at_s: float = 10.0
     warmup_s: float = 4.0
     replicas: int = 2
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=40.0, iter_slope_ms=1.0, prefill_ms_per_token=0.05, max_batch=24, max_model_len=4096))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=40.0, iter_slope_ms=1.0, prefill_ms_per_token=0.05, max_batch=24, max_model_len=4096
+        )
+    )
     weights: dict[str, float] = field(default_factory=lambda: {"gold": 2.0, "silver": 1.0})
     batch: str = "bulk"
     clients: dict[str, int] = field(default_factory=lambda: {"gold": 24, "silver": 12, "bulk": 40})
@@ -102,14 +116,19 @@ class CapacityConfig:
         if self.replicas < 2:
             raise ValueError("capacity drill: needs at least two replicas (one is removed)")
         if self.remove_at_s < self.warmup_s + 3.0:
-            raise ValueError(f"capacity drill: the removal at {self.remove_at_s:g} s leaves under 3 s after the "
-                             f"{self.warmup_s:g} s warm-up")
+            raise ValueError(
+                f"capacity drill: the removal at {self.remove_at_s:g} s leaves under 3 s after the "
+                f"{self.warmup_s:g} s warm-up"
+            )
         if set(self.clients) != set(self.tenants) or not set(self.surge) <= set(self.tenants):
-            raise ValueError(f"capacity drill: clients must name every tenant ({', '.join(self.tenants)}), surge "
-                             "only those")
+            raise ValueError(
+                f"capacity drill: clients must name every tenant ({', '.join(self.tenants)}), surge only those"
+            )
         if self.seconds < self.remove_at_s + self.converge_s_max + 5.0:
-            raise ValueError(f"capacity drill: {self.seconds:g} s leaves under 5 s after the removal at "
-                             f"{self.remove_at_s:g} s and the {self.converge_s_max:g} s allowed to converge")
+            raise ValueError(
+                f"capacity drill: {self.seconds:g} s leaves under 5 s after the removal at "
+                f"{self.remove_at_s:g} s and the {self.converge_s_max:g} s allowed to converge"
+            )
 
     @property
     def interactive(self) -> tuple[str, ...]:
@@ -129,15 +148,20 @@ class CapacityConfig:
         return self.weights[first] / self.weights[last]
 
     def tenant_entries(self) -> list[TenantEntry]:
-        return ([TenantEntry(t, weight=w) for t, w in self.weights.items()]
-                + [TenantEntry(self.batch, priority="batch")])
+        return [TenantEntry(t, weight=w) for t, w in self.weights.items()] + [TenantEntry(self.batch, priority="batch")]
 
     def loads(self, keys: dict[str, str]) -> list[TenantLoad]:
-        common = {"output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
-                  "error_backoff_s": self.error_backoff_s}
+        common = {
+            "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "error_backoff_s": self.error_backoff_s,
+        }
         loads = [TenantLoad(t, keys[t], clients=self.clients[t], **common) for t in self.tenants]
-        return loads + [TenantLoad(t, keys[t], clients=n, start_s=self.remove_at_s, **common)
-                        for t, n in self.surge.items() if n > 0]
+        return loads + [
+            TenantLoad(t, keys[t], clients=n, start_s=self.remove_at_s, **common)
+            for t, n in self.surge.items()
+            if n > 0
+        ]
 
 
 @dataclass(frozen=True)
@@ -209,8 +233,9 @@ def lost_requests(t: TenantFigures) -> list[str]:
     if t.settled != t.ok:
         out.append(f"{t.ok} successes but {t.settled} settled reservations")
     if t.cancelled != sum(t.errors.values()) - transport:
-        out.append(f"{sum(t.errors.values()) - transport} errors after admission but {t.cancelled} cancelled "
-                   "reservations")
+        out.append(
+            f"{sum(t.errors.values()) - transport} errors after admission but {t.cancelled} cancelled reservations"
+        )
     return out
 
 
@@ -218,13 +243,15 @@ async def _totals(ledger: Any, tenants: tuple[str, ...]) -> LedgerReport:
     out = {}
     for tenant in tenants:
         usage = await ledger.usage(tenant, 10 * 365 * 86_400)
-        out[tenant] = TenantTotals(tenant, usage.requests, usage.input_tokens, usage.output_tokens, usage.gpu_ms,
-                                   dict(usage.by_status))
+        out[tenant] = TenantTotals(
+            tenant, usage.requests, usage.input_tokens, usage.output_tokens, usage.gpu_ms, dict(usage.by_status)
+        )
     return LedgerReport(out)
 
 
-def run_capacity(config: CapacityConfig, policy: str = "gpu_fair", processes: bool = False,
-                 seed: int = 1) -> CapacityFigures:
+def run_capacity(
+    config: CapacityConfig, policy: str = "gpu_fair", processes: bool = False, seed: int = 1
+) -> CapacityFigures:
     """One run on a fresh stack: replicas as processes (one is killed), the gateway in this process (or as a
     process with ``processes``), an SQLite ledger in a temporary folder."""
     from fairgate.gateway.app import create_gateway
@@ -238,11 +265,16 @@ def run_capacity(config: CapacityConfig, policy: str = "gpu_fair", processes: bo
     specs = [emulator_spec(f"emulator-{i}", config.replica) for i in range(config.replicas)]
     with ExitStack() as servers:
         emulators: list[Child] = servers.enter_context(children(specs, folder))
-        upstreams = [UpstreamEntry(f"emu-{i}", e.url, "emu", config.replica.max_batch, config.replica)
-                     for i, e in enumerate(emulators)]
+        upstreams = [
+            UpstreamEntry(f"emu-{i}", e.url, "emu", config.replica.max_batch, config.replica)
+            for i, e in enumerate(emulators)
+        ]
         path = folder / "gateway.toml"
-        path.write_text(gateway_config_text(folder, 0, policy, f"sqlite:///{folder}/ledger.db", upstreams, tenants,
-                                            keys, share_charges_s=0.0))
+        path.write_text(
+            gateway_config_text(
+                folder, 0, policy, f"sqlite:///{folder}/ledger.db", upstreams, tenants, keys, share_charges_s=0.0
+            )
+        )
         gateway_config = load_gateway_config(path)
         if processes:
             url = servers.enter_context(children([gateway_spec("gateway", path)], folder))[0].url
@@ -282,12 +314,16 @@ def run_capacity(config: CapacityConfig, policy: str = "gpu_fair", processes: bo
                         timeline_raw.append((time.monotonic() - begin, total))
                         await asyncio.sleep(config.sample_s)
 
-                tasks = [asyncio.ensure_future(snapshot("warm", config.warmup_s)),
-                         asyncio.ensure_future(snapshot("after", config.after_from_s)),
-                         asyncio.ensure_future(snapshot("end", config.seconds - 0.05)),
-                         asyncio.ensure_future(remove()), asyncio.ensure_future(sample())]
-                report: LoadReport = await run_load(url, config.loads(keys), config.seconds, seed=seed,
-                                                    drain_s=config.drain_s)
+                tasks = [
+                    asyncio.ensure_future(snapshot("warm", config.warmup_s)),
+                    asyncio.ensure_future(snapshot("after", config.after_from_s)),
+                    asyncio.ensure_future(snapshot("end", config.seconds - 0.05)),
+                    asyncio.ensure_future(remove()),
+                    asyncio.ensure_future(sample()),
+                ]
+                report: LoadReport = await run_load(
+                    url, config.loads(keys), config.seconds, seed=seed, drain_s=config.drain_s
+                )
                 await asyncio.gather(*tasks)
                 settle_s = await wait_settled(ledger, SETTLE_S_MAX)
                 reservations = await ledger.reservations()
@@ -307,14 +343,32 @@ def run_capacity(config: CapacityConfig, policy: str = "gpu_fair", processes: bo
                 stats = report.stats(tenant)
                 mine = [r for r in reservations if r.tenant == tenant]
                 figures[tenant] = TenantFigures(
-                    tenant, share_before.get(tenant, 0.0), share_after.get(tenant, 0.0),
-                    truth_before.get(tenant, 0.0), truth_after.get(tenant, 0.0), stats.requests,
-                    stats.completed, stats.cut, stats.errors, len(mine), sum(r.status == "settled" for r in mine),
-                    sum(r.status == "cancelled" for r in mine), sum(r.status == "open" for r in mine),
-                    accounts[tenant])
-            return CapacityFigures(policy, figures, "emu-" + str(len(emulators) - 1), kill_s, converge, timeline,
-                                   {"before": before.gpu_ms / 1000.0, "after": after.gpu_ms / 1000.0},
-                                   time.monotonic() - started, settle_s)
+                    tenant,
+                    share_before.get(tenant, 0.0),
+                    share_after.get(tenant, 0.0),
+                    truth_before.get(tenant, 0.0),
+                    truth_after.get(tenant, 0.0),
+                    stats.requests,
+                    stats.completed,
+                    stats.cut,
+                    stats.errors,
+                    len(mine),
+                    sum(r.status == "settled" for r in mine),
+                    sum(r.status == "cancelled" for r in mine),
+                    sum(r.status == "open" for r in mine),
+                    accounts[tenant],
+                )
+            return CapacityFigures(
+                policy,
+                figures,
+                "emu-" + str(len(emulators) - 1),
+                kill_s,
+                converge,
+                timeline,
+                {"before": before.gpu_ms / 1000.0, "after": after.gpu_ms / 1000.0},
+                time.monotonic() - started,
+                settle_s,
+            )
 
         figures = asyncio.run(go())
     shutil.rmtree(folder, ignore_errors=True)  # kept (with the servers' logs) when the run raised
@@ -352,8 +406,9 @@ def _between(samples: list[tuple[float, dict[str, float]]], start_s: float, end_
     return {t: (d / total if total > 0 else 0.0) for t, d in delta.items()}
 
 
-def _converged(timeline: list[tuple[float, dict[str, float]]], kill_s: float, batch: str,
-               share_max: float) -> float | None:
+def _converged(
+    timeline: list[tuple[float, dict[str, float]]], kill_s: float, batch: str, share_max: float
+) -> float | None:
     """Seconds from the kill until the batch tenant's windowed share stays at most ``share_max`` (None:
     it never did, to the end of the load)."""
     since = None
@@ -383,16 +438,17 @@ class CapacityResult(CheckedResult):
         target = c.weight_ratio()
         lost = [t.tenant for t in figs.tenants.values() if lost_requests(t)]
         return {
-            f"batch had a share before the removal (> {c.batch_share_after_max:.0%})":
-                batch.share_before > c.batch_share_after_max,
-            f"batch yields: <= {c.batch_share_after_max:.0%} of the GPU after the removal":
-                batch.share_after <= c.batch_share_after_max,
-            f"batch yielded within {c.converge_s_max:g} s of the removal":
-                figs.converge_s is not None and figs.converge_s <= c.converge_s_max,
-            f"interactive GPU ratio after the removal {target:g} within {c.ratio_tolerance:.0%}":
-                abs(ratio / target - 1.0) <= c.ratio_tolerance,
-            "every request got a success or an explicit error (none cut, none open, counts match the ledger)":
-                not lost,
+            f"batch had a share before the removal (> {c.batch_share_after_max:.0%})": batch.share_before
+            > c.batch_share_after_max,
+            f"batch yields: <= {c.batch_share_after_max:.0%} of the GPU after the removal": batch.share_after
+            <= c.batch_share_after_max,
+            f"batch yielded within {c.converge_s_max:g} s of the removal": figs.converge_s is not None
+            and figs.converge_s <= c.converge_s_max,
+            f"interactive GPU ratio after the removal {target:g} within {c.ratio_tolerance:.0%}": abs(
+                ratio / target - 1.0
+            )
+            <= c.ratio_tolerance,
+            "every request got a success or an explicit error (none cut, none open, counts match the ledger)": not lost,
             "the removal cut requests (the fault was real)": figs.errors > 0,
         }
 
@@ -410,20 +466,34 @@ class CapacityResult(CheckedResult):
             f"Claim: after the removal {c.batch} yields (<= {c.batch_share_after_max:.0%} of the GPU billed from "
             f"{c.after_from_s:g} s, within {c.converge_s_max:g} s), the interactive tenants split what is left "
             f"{c.weight_ratio():g} : 1 (+-{c.ratio_tolerance:.0%}), and every request ends in a success or an "
-            f"explicit error."]
+            f"explicit error.",
+        ]
         for figs in (self.main, self.compare):
             if figs is None:
                 continue
-            table = Table(title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""),
-                          title_justify="left")
-            for column in ("tenant", "GPU % before", "GPU % after", "replica GPU % before/after", "sent/ok/cut",
-                           "errors", "ledger settled/cancelled/open"):
+            table = Table(
+                title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""), title_justify="left"
+            )
+            for column in (
+                "tenant",
+                "GPU % before",
+                "GPU % after",
+                "replica GPU % before/after",
+                "sent/ok/cut",
+                "errors",
+                "ledger settled/cancelled/open",
+            ):
                 table.add_column(column, justify="left" if column in ("tenant", "errors") else "right")
             for t in figs.tenants.values():
-                table.add_row(t.tenant, f"{t.share_before * 100:.1f}", f"{t.share_after * 100:.1f}",
-                              f"{t.truth_before * 100:.1f} / {t.truth_after * 100:.1f}", f"{t.sent}/{t.ok}/{t.cut}",
-                              fmt_errors(t.errors),
-                              f"{t.settled}/{t.cancelled}/{t.open_at_end}")
+                table.add_row(
+                    t.tenant,
+                    f"{t.share_before * 100:.1f}",
+                    f"{t.share_after * 100:.1f}",
+                    f"{t.truth_before * 100:.1f} / {t.truth_after * 100:.1f}",
+                    f"{t.sent}/{t.ok}/{t.cut}",
+                    fmt_errors(t.errors),
+                    f"{t.settled}/{t.cancelled}/{t.open_at_end}",
+                )
             converge = "never" if figs.converge_s is None else f"{figs.converge_s:.1f} s"
             table.caption = (
                 f"{figs.removed} killed at {figs.killed_at_s:.1f} s; the ledger billed {figs.ledger_gpu_s['before']:,.1f} "
@@ -434,18 +504,23 @@ class CapacityResult(CheckedResult):
                 f"{sum(t.cut for t in figs.tenants.values())} hung, "
                 f"{sum(t.open_at_end for t in figs.tenants.values())} open reservations ({figs.errors} requests "
                 f"ended in an explicit error); converged (batch yielded) {converge} after the removal; "
-                f"reservations all final {figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s.")
+                f"reservations all final {figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s."
+            )
             table.caption_justify = "left"
             out.append(table)
         out.extend(self.check_lines())
         if self.compare is not None:
             failed = [check for check, ok in self.checks(self.compare).items() if not ok]
-            out.append(f"  comparison {self.compare.policy}: " + ("holds" if not failed else "fails: " + "; ".join(failed)))
+            out.append(
+                f"  comparison {self.compare.policy}: " + ("holds" if not failed else "fails: " + "; ".join(failed))
+            )
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
         batch = self.main.tenants[c.batch]
-        out.append(f"{verdict}: under {self.main.policy} {c.batch} went from {batch.share_before:.1%} to "
-                   f"{batch.share_after:.1%} of the GPU, the interactive ratio is {self.main.ratio_after(c):.2f} "
-                   f"(weights {c.weight_ratio():g}), {self.main.errors} explicit errors, nothing lost.")
+        out.append(
+            f"{verdict}: under {self.main.policy} {c.batch} went from {batch.share_before:.1%} to "
+            f"{batch.share_after:.1%} of the GPU, the interactive ratio is {self.main.ratio_after(c):.2f} "
+            f"(weights {c.weight_ratio():g}), {self.main.errors} explicit errors, nothing lost."
+        )
         return out
 
 

@@ -74,8 +74,11 @@ class ForgedConfig:
     max_tokens: int = 3
     prompt_tokens: int = 8
     replicas: int = 1
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=10.0, iter_slope_ms=0.1, prefill_ms_per_token=0.01, max_batch=32, max_model_len=4096))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=10.0, iter_slope_ms=0.1, prefill_ms_per_token=0.01, max_batch=32, max_model_len=4096
+        )
+    )
     gateway_process: bool = False
 
     @property
@@ -83,8 +86,13 @@ class ForgedConfig:
         return (ATTACKER, VICTIM, CLIENT, DELEGATE, OTHER_DELEGATE)
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
-        return StackSpec(tuple(TenantSpec(t) for t in self.tenants), policy=policy, replicas=self.replicas,
-                         replica=self.replica, processes=processes)
+        return StackSpec(
+            tuple(TenantSpec(t) for t in self.tenants),
+            policy=policy,
+            replicas=self.replicas,
+            replica=self.replica,
+            processes=processes,
+        )
 
     def extra_config(self) -> str:
         return f'[delegation]\nsecret_env = "{SECRET_ENV}"\ndelegates = ["{DELEGATE}", "{OTHER_DELEGATE}"]\n'
@@ -141,10 +149,18 @@ def attacks(config: ForgedConfig, keys: dict[str, str], secret: bytes, model: st
     out: list[Attack] = []
     filler = " ".join(["w"] * (config.prompt_tokens - CHAT_OVERHEAD_TOKENS - 1))
     legacy_filler = " ".join(["w"] * (config.prompt_tokens - 1))
-    chat = {"model": model, "messages": [{"role": "user", "content": filler}], "max_tokens": config.max_tokens,
-            "ignore_eos": True}
-    legacy = {"model": model, "prompt": " ".join(["w"] * config.prompt_tokens), "max_tokens": config.max_tokens,
-              "ignore_eos": True}
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": filler}],
+        "max_tokens": config.max_tokens,
+        "ignore_eos": True,
+    }
+    legacy = {
+        "model": model,
+        "prompt": " ".join(["w"] * config.prompt_tokens),
+        "max_tokens": config.max_tokens,
+        "ignore_eos": True,
+    }
     now = time.time()
     good_for_client = make_on_behalf_of(secret, DELEGATE, CLIENT, now + 600)
     good_for_victim_other = make_on_behalf_of(secret, OTHER_DELEGATE, VICTIM, now + 600)
@@ -152,10 +168,21 @@ def attacks(config: ForgedConfig, keys: dict[str, str], secret: bytes, model: st
     def bearer(tenant: str) -> tuple[str, str]:
         return ("authorization", f"Bearer {keys[tenant]}")
 
-    def add(group: str, name: str, headers: list[tuple[str, str]], billed_to: str, statuses: set[int],
-            codes: set[str] = frozenset(), body: dict[str, Any] | None = None, path: str = "/v1/chat/completions",
-            params: list[tuple[str, str]] = (), method: str = "POST", stage: int = 0,
-            request_id: str | None = None, raw: bool = False) -> None:
+    def add(
+        group: str,
+        name: str,
+        headers: list[tuple[str, str]],
+        billed_to: str,
+        statuses: set[int],
+        codes: set[str] = frozenset(),
+        body: dict[str, Any] | None = None,
+        path: str = "/v1/chat/completions",
+        params: list[tuple[str, str]] = (),
+        method: str = "POST",
+        stage: int = 0,
+        request_id: str | None = None,
+        raw: bool = False,
+    ) -> None:
         rid = request_id or f"forged-{len(out):03d}"
         payload = dict(chat if path == "/v1/chat/completions" else legacy) if body is None else dict(body)
         # The request id as the prompt's last word: the replicas' tap finds what reached them by it.
@@ -165,70 +192,177 @@ def attacks(config: ForgedConfig, keys: dict[str, str], secret: bytes, model: st
             payload["prompt"] = f"{legacy_filler} {rid}"
         if method == "GET":
             payload = None
-        out.append(Attack(group, name, method, path, (*headers, ("x-request-id", rid)), tuple(params), payload,
-                          frozenset(statuses), frozenset(codes), billed_to, rid, stage, raw))
+        out.append(
+            Attack(
+                group,
+                name,
+                method,
+                path,
+                (*headers, ("x-request-id", rid)),
+                tuple(params),
+                payload,
+                frozenset(statuses),
+                frozenset(codes),
+                billed_to,
+                rid,
+                stage,
+                raw,
+            )
+        )
 
     me = bearer(ATTACKER)
     # --- controls: what legitimately works, so that every refusal below means something --------------------
     add("control", "mallory's own key", [me], ATTACKER, {200})
-    add("control", "delegate acts for client (valid token)", [bearer(DELEGATE), (ON_BEHALF_OF_HEADER, good_for_client)],
-        CLIENT, {200})
+    add(
+        "control",
+        "delegate acts for client (valid token)",
+        [bearer(DELEGATE), (ON_BEHALF_OF_HEADER, good_for_client)],
+        CLIENT,
+        {200},
+    )
     add("control", "client's own key", [bearer(CLIENT)], CLIENT, {200}, request_id="client-finished")
     add("control", "mallory's own key, legacy completions", [me], ATTACKER, {200}, path="/v1/completions")
     # --- body --------------------------------------------------------------------------------------------------
-    for name, extra in (("user = victim", {"user": VICTIM}),
-                        ("tenant / tenant_id / organization = victim",
-                         {"tenant": VICTIM, "tenant_id": VICTIM, "organization": VICTIM}),
-                        ("cache_salt = the victim's cache scope", {"cache_salt": _tag(VICTIM)}),
-                        ("on_behalf_of token in the body", {"on_behalf_of": good_for_victim_other,
-                                                            ON_BEHALF_OF_HEADER: good_for_victim_other}),
-                        ("metadata.tenant = victim", {"metadata": {"tenant": VICTIM, "user": VICTIM}}),
-                        ("request_id / priority fields", {"request_id": "victim-1", "priority": -100})):
+    for name, extra in (
+        ("user = victim", {"user": VICTIM}),
+        ("tenant / tenant_id / organization = victim", {"tenant": VICTIM, "tenant_id": VICTIM, "organization": VICTIM}),
+        ("cache_salt = the victim's cache scope", {"cache_salt": _tag(VICTIM)}),
+        (
+            "on_behalf_of token in the body",
+            {"on_behalf_of": good_for_victim_other, ON_BEHALF_OF_HEADER: good_for_victim_other},
+        ),
+        ("metadata.tenant = victim", {"metadata": {"tenant": VICTIM, "user": VICTIM}}),
+        ("request_id / priority fields", {"request_id": "victim-1", "priority": -100}),
+    ):
         add("body", name, [me], ATTACKER, {200}, body={**chat, **extra})
-    add("body", "user = victim, legacy completions", [me], ATTACKER, {200}, path="/v1/completions",
-        body={**legacy, "user": VICTIM})
+    add(
+        "body",
+        "user = victim, legacy completions",
+        [me],
+        ATTACKER,
+        {200},
+        path="/v1/completions",
+        body={**legacy, "user": VICTIM},
+    )
     # --- headers -------------------------------------------------------------------------------------------------
-    for header in ("x-tenant", "x-tenant-id", "x-fairgate-tenant", "openai-organization", "openai-project",
-                   "x-forwarded-user", "x-user-id", "x-api-key", "x-auth-request-user", "x-remote-user"):
+    for header in (
+        "x-tenant",
+        "x-tenant-id",
+        "x-fairgate-tenant",
+        "openai-organization",
+        "openai-project",
+        "x-forwarded-user",
+        "x-user-id",
+        "x-api-key",
+        "x-auth-request-user",
+        "x-remote-user",
+    ):
         add("header", f"{header}: victim", [me, (header, VICTIM)], ATTACKER, {200})
     add("header", "cookie tenant=victim", [me, ("cookie", f"tenant={VICTIM}; user={VICTIM}")], ATTACKER, {200})
-    add("header", "x-forwarded-authorization: Bearer victim", [me, ("x-forwarded-authorization", f"Bearer {VICTIM}"),
-                                                                ("proxy-authorization", f"Bearer {VICTIM}")],
-        ATTACKER, {200})
+    add(
+        "header",
+        "x-forwarded-authorization: Bearer victim",
+        [me, ("x-forwarded-authorization", f"Bearer {VICTIM}"), ("proxy-authorization", f"Bearer {VICTIM}")],
+        ATTACKER,
+        {200},
+    )
     add("header", "x-fairgate-run-id of the victim", [me, ("x-fairgate-run-id", f"{VICTIM}-run-1")], ATTACKER, {200})
     # --- query string ----------------------------------------------------------------------------------------------
     add("query", "?tenant=victim&user=victim", [me], ATTACKER, {200}, params=[("tenant", VICTIM), ("user", VICTIM)])
     add("query", "?api_key= / ?key= victim", [me], ATTACKER, {200}, params=[("api_key", VICTIM), ("key", VICTIM)])
-    add("query", "?x-fairgate-on-behalf-of=<token>", [me], ATTACKER, {200},
-        params=[(ON_BEHALF_OF_HEADER, good_for_victim_other)])
-    add("query", "no key, ?api_key=<mallory's key>", [], NOBODY, {401}, {"invalid_api_key"},
-        params=[("api_key", keys[ATTACKER])])
+    add(
+        "query",
+        "?x-fairgate-on-behalf-of=<token>",
+        [me],
+        ATTACKER,
+        {200},
+        params=[(ON_BEHALF_OF_HEADER, good_for_victim_other)],
+    )
+    add(
+        "query",
+        "no key, ?api_key=<mallory's key>",
+        [],
+        NOBODY,
+        {401},
+        {"invalid_api_key"},
+        params=[("api_key", keys[ATTACKER])],
+    )
     # --- authorization -------------------------------------------------------------------------------------------
     refused = {"invalid_api_key"}
-    add("authorization", "second Authorization header (victim's name)", [me, ("authorization", f"Bearer {VICTIM}")],
-        NOBODY, {400, 401}, refused)
-    add("authorization", "second Authorization header, first the victim", [("authorization", f"Bearer {VICTIM}"), me],
-        NOBODY, {400, 401}, refused)
-    add("authorization", "two keys in one header", [("authorization", f"Bearer {keys[ATTACKER]}, Bearer {VICTIM}")],
-        NOBODY, {401}, refused)
+    add(
+        "authorization",
+        "second Authorization header (victim's name)",
+        [me, ("authorization", f"Bearer {VICTIM}")],
+        NOBODY,
+        {400, 401},
+        refused,
+    )
+    add(
+        "authorization",
+        "second Authorization header, first the victim",
+        [("authorization", f"Bearer {VICTIM}"), me],
+        NOBODY,
+        {400, 401},
+        refused,
+    )
+    add(
+        "authorization",
+        "two keys in one header",
+        [("authorization", f"Bearer {keys[ATTACKER]}, Bearer {VICTIM}")],
+        NOBODY,
+        {401},
+        refused,
+    )
     add("authorization", "Bearer <victim's name>", [("authorization", f"Bearer {VICTIM}")], NOBODY, {401}, refused)
-    add("authorization", "Bearer <key upper-cased>", [("authorization", f"Bearer {keys[ATTACKER].upper()}")],
-        NOBODY, {401}, refused)
-    add("authorization", "Bearer <key> + victim suffix", [("authorization", f"Bearer {keys[ATTACKER]}{VICTIM}")],
-        NOBODY, {401}, refused)
-    add("authorization", "Basic auth", [("authorization", "Basic " + base64.b64encode(
-        f"{VICTIM}:{keys[ATTACKER]}".encode()).decode())], NOBODY, {401}, refused)
+    add(
+        "authorization",
+        "Bearer <key upper-cased>",
+        [("authorization", f"Bearer {keys[ATTACKER].upper()}")],
+        NOBODY,
+        {401},
+        refused,
+    )
+    add(
+        "authorization",
+        "Bearer <key> + victim suffix",
+        [("authorization", f"Bearer {keys[ATTACKER]}{VICTIM}")],
+        NOBODY,
+        {401},
+        refused,
+    )
+    add(
+        "authorization",
+        "Basic auth",
+        [("authorization", "Basic " + base64.b64encode(f"{VICTIM}:{keys[ATTACKER]}".encode()).decode())],
+        NOBODY,
+        {401},
+        refused,
+    )
     add("authorization", "Bearer<TAB><key>", [("authorization", f"Bearer\t{keys[ATTACKER]}")], NOBODY, {401}, refused)
     add("authorization", "no Authorization", [], NOBODY, {401}, refused)
     add("authorization", "empty bearer", [("authorization", "Bearer ")], NOBODY, {401}, refused, raw=True)
     # A different spelling of one's own valid key is still one's own key: served, billed to the attacker.
     add("authorization", "bearer (lower case) <key>", [("authorization", f"bearer {keys[ATTACKER]}")], ATTACKER, {200})
-    add("authorization", "BEARER  <key> (two spaces)", [("authorization", f"BEARER  {keys[ATTACKER]}")], ATTACKER,
-        {200})
-    add("authorization", "Bearer <key> (trailing space)", [("authorization", f"Bearer {keys[ATTACKER]} ")], ATTACKER,
-        {200}, raw=True)
-    add("authorization", "Authorization and AUTHORIZATION (the victim's name)",
-        [me, ("AUTHORIZATION", f"Bearer {VICTIM}")], NOBODY, {400, 401}, refused, raw=True)
+    add(
+        "authorization", "BEARER  <key> (two spaces)", [("authorization", f"BEARER  {keys[ATTACKER]}")], ATTACKER, {200}
+    )
+    add(
+        "authorization",
+        "Bearer <key> (trailing space)",
+        [("authorization", f"Bearer {keys[ATTACKER]} ")],
+        ATTACKER,
+        {200},
+        raw=True,
+    )
+    add(
+        "authorization",
+        "Authorization and AUTHORIZATION (the victim's name)",
+        [me, ("AUTHORIZATION", f"Bearer {VICTIM}")],
+        NOBODY,
+        {400, 401},
+        refused,
+        raw=True,
+    )
     # --- delegation ------------------------------------------------------------------------------------------------
     delegate = bearer(DELEGATE)
     not_allowed, invalid = {"delegation_not_allowed"}, {"invalid_delegation"}
@@ -242,63 +376,195 @@ def attacks(config: ForgedConfig, keys: dict[str, str], secret: bytes, model: st
     tampered = f"{victim_payload}.{signature}"
     unsigned = f"{victim_payload}."
     unknown = make_on_behalf_of(secret, DELEGATE, "nobody-such", now + 600)
-    add("delegation", "non-delegate presents a token issued to a delegate (stolen)",
-        [me, (ON_BEHALF_OF_HEADER, good_for_victim_other)], NOBODY, {403}, not_allowed)
-    add("delegation", "non-delegate mints a token naming itself (leaked secret)",
-        [me, (ON_BEHALF_OF_HEADER, minted_by_mallory)], NOBODY, {403}, not_allowed)
-    add("delegation", "non-delegate replays the client's token", [me, (ON_BEHALF_OF_HEADER, good_for_client)],
-        NOBODY, {403}, not_allowed)
+    add(
+        "delegation",
+        "non-delegate presents a token issued to a delegate (stolen)",
+        [me, (ON_BEHALF_OF_HEADER, good_for_victim_other)],
+        NOBODY,
+        {403},
+        not_allowed,
+    )
+    add(
+        "delegation",
+        "non-delegate mints a token naming itself (leaked secret)",
+        [me, (ON_BEHALF_OF_HEADER, minted_by_mallory)],
+        NOBODY,
+        {403},
+        not_allowed,
+    )
+    add(
+        "delegation",
+        "non-delegate replays the client's token",
+        [me, (ON_BEHALF_OF_HEADER, good_for_client)],
+        NOBODY,
+        {403},
+        not_allowed,
+    )
     add("delegation", "non-delegate, empty token", [me, (ON_BEHALF_OF_HEADER, "")], NOBODY, {403}, not_allowed)
-    add("delegation", "token signed with the wrong secret", [delegate, (ON_BEHALF_OF_HEADER, wrong_secret)],
-        NOBODY, {403}, invalid)
+    add(
+        "delegation",
+        "token signed with the wrong secret",
+        [delegate, (ON_BEHALF_OF_HEADER, wrong_secret)],
+        NOBODY,
+        {403},
+        invalid,
+    )
     add("delegation", "expired token (60 s ago)", [delegate, (ON_BEHALF_OF_HEADER, expired)], NOBODY, {403}, invalid)
-    add("delegation", "expired token (1 ms ago)", [delegate, (ON_BEHALF_OF_HEADER, just_expired)], NOBODY, {403},
-        invalid)
-    add("delegation", "token issued to another delegate", [delegate, (ON_BEHALF_OF_HEADER, good_for_victim_other)],
-        NOBODY, {403}, invalid)
-    add("delegation", "another delegate replays batchsvc's token",
-        [bearer(OTHER_DELEGATE), (ON_BEHALF_OF_HEADER, good_for_client)], NOBODY, {403}, invalid)
-    add("delegation", "payload changed to the victim, signature kept", [delegate, (ON_BEHALF_OF_HEADER, tampered)],
-        NOBODY, {403}, invalid)
-    add("delegation", "payload changed, no signature", [delegate, (ON_BEHALF_OF_HEADER, unsigned)], NOBODY, {403},
-        invalid)
+    add(
+        "delegation",
+        "expired token (1 ms ago)",
+        [delegate, (ON_BEHALF_OF_HEADER, just_expired)],
+        NOBODY,
+        {403},
+        invalid,
+    )
+    add(
+        "delegation",
+        "token issued to another delegate",
+        [delegate, (ON_BEHALF_OF_HEADER, good_for_victim_other)],
+        NOBODY,
+        {403},
+        invalid,
+    )
+    add(
+        "delegation",
+        "another delegate replays batchsvc's token",
+        [bearer(OTHER_DELEGATE), (ON_BEHALF_OF_HEADER, good_for_client)],
+        NOBODY,
+        {403},
+        invalid,
+    )
+    add(
+        "delegation",
+        "payload changed to the victim, signature kept",
+        [delegate, (ON_BEHALF_OF_HEADER, tampered)],
+        NOBODY,
+        {403},
+        invalid,
+    )
+    add(
+        "delegation",
+        "payload changed, no signature",
+        [delegate, (ON_BEHALF_OF_HEADER, unsigned)],
+        NOBODY,
+        {403},
+        invalid,
+    )
     add("delegation", "malformed token", [delegate, (ON_BEHALF_OF_HEADER, "a.b.c")], NOBODY, {403}, invalid)
-    add("delegation", "token naming an unknown tenant", [delegate, (ON_BEHALF_OF_HEADER, unknown)], NOBODY, {403},
-        invalid)
-    add("delegation", "valid token, X-Tenant and user = victim",
-        [delegate, (ON_BEHALF_OF_HEADER, good_for_client), ("x-tenant", VICTIM)], CLIENT, {200},
-        body={**chat, "user": VICTIM})
+    add(
+        "delegation",
+        "token naming an unknown tenant",
+        [delegate, (ON_BEHALF_OF_HEADER, unknown)],
+        NOBODY,
+        {403},
+        invalid,
+    )
+    add(
+        "delegation",
+        "valid token, X-Tenant and user = victim",
+        [delegate, (ON_BEHALF_OF_HEADER, good_for_client), ("x-tenant", VICTIM)],
+        CLIENT,
+        {200},
+        body={**chat, "user": VICTIM},
+    )
     # Two tokens: the first is the client's (valid), the second a victim's (forged). Refusing (400) or taking
     # the first is acceptable; billing the victim is not.
-    add("delegation", "two on-behalf-of headers (client's, then a forged victim's)",
-        [delegate, (ON_BEHALF_OF_HEADER, good_for_client), (ON_BEHALF_OF_HEADER, tampered)], CLIENT, {200, 400})
+    add(
+        "delegation",
+        "two on-behalf-of headers (client's, then a forged victim's)",
+        [delegate, (ON_BEHALF_OF_HEADER, good_for_client), (ON_BEHALF_OF_HEADER, tampered)],
+        CLIENT,
+        {200, 400},
+    )
     add("delegation", "token without a key", [(ON_BEHALF_OF_HEADER, good_for_client)], NOBODY, {401}, refused)
     # --- admin -------------------------------------------------------------------------------------------------
     admin = ("authorization", f"Bearer {ADMIN_KEY}")
     add("admin", "admin key on /v1/chat/completions", [admin], NOBODY, {401, 403})
     add("admin", "admin key on /v1/completions", [admin], NOBODY, {401, 403}, path="/v1/completions")
-    add("admin", "admin key + on-behalf-of token for the client", [admin, (ON_BEHALF_OF_HEADER, good_for_client)],
-        NOBODY, {401, 403})
+    add(
+        "admin",
+        "admin key + on-behalf-of token for the client",
+        [admin, (ON_BEHALF_OF_HEADER, good_for_client)],
+        NOBODY,
+        {401, 403},
+    )
     add("admin", "admin key + X-Tenant: victim", [admin, ("x-tenant", VICTIM)], NOBODY, {401, 403})
     # --- request ids: the attacker reuses the client's ids (separate tenants: separate reservations) ----------
     slow = {**chat, "max_tokens": 40}
-    add("request id", "client's request (40 tokens)", [bearer(CLIENT)], CLIENT, {200}, body=slow,
-        request_id="shared-running", stage=1)
-    add("request id", "mallory reuses it while it runs", [me], ATTACKER, {200}, body=slow,
-        request_id="shared-running", stage=1)
-    add("request id", "mallory reuses the client's finished id", [me], ATTACKER, {200},
-        request_id="client-finished", stage=2)
+    add(
+        "request id",
+        "client's request (40 tokens)",
+        [bearer(CLIENT)],
+        CLIENT,
+        {200},
+        body=slow,
+        request_id="shared-running",
+        stage=1,
+    )
+    add(
+        "request id",
+        "mallory reuses it while it runs",
+        [me],
+        ATTACKER,
+        {200},
+        body=slow,
+        request_id="shared-running",
+        stage=1,
+    )
+    add(
+        "request id",
+        "mallory reuses the client's finished id",
+        [me],
+        ATTACKER,
+        {200},
+        request_id="client-finished",
+        stage=2,
+    )
     # --- reads: nobody reads the victim's usage -----------------------------------------------------------------
-    add("read", "/v1/usage?tenant=victim", [me], NOBODY, {403}, {"tenant_mismatch"}, path="/v1/usage",
-        params=[("tenant", VICTIM)], method="GET")
-    add("read", "/v1/usage with X-Tenant: victim", [me, ("x-tenant", VICTIM)], NOBODY, {403}, {"tenant_mismatch"},
-        path="/v1/usage", method="GET")
-    add("read", "/v1/usage with a forged on-behalf-of token", [delegate, (ON_BEHALF_OF_HEADER, tampered)], NOBODY,
-        {403}, invalid, path="/v1/usage", method="GET")
-    add("read", "/admin/usage with a tenant key", [me], NOBODY, {403}, {"admin_only"}, path="/admin/usage",
-        method="GET")
-    add("read", "/admin/reservations with a tenant key", [me], NOBODY, {403}, {"admin_only"},
-        path="/admin/reservations", method="GET")
+    add(
+        "read",
+        "/v1/usage?tenant=victim",
+        [me],
+        NOBODY,
+        {403},
+        {"tenant_mismatch"},
+        path="/v1/usage",
+        params=[("tenant", VICTIM)],
+        method="GET",
+    )
+    add(
+        "read",
+        "/v1/usage with X-Tenant: victim",
+        [me, ("x-tenant", VICTIM)],
+        NOBODY,
+        {403},
+        {"tenant_mismatch"},
+        path="/v1/usage",
+        method="GET",
+    )
+    add(
+        "read",
+        "/v1/usage with a forged on-behalf-of token",
+        [delegate, (ON_BEHALF_OF_HEADER, tampered)],
+        NOBODY,
+        {403},
+        invalid,
+        path="/v1/usage",
+        method="GET",
+    )
+    add(
+        "read", "/admin/usage with a tenant key", [me], NOBODY, {403}, {"admin_only"}, path="/admin/usage", method="GET"
+    )
+    add(
+        "read",
+        "/admin/reservations with a tenant key",
+        [me],
+        NOBODY,
+        {403},
+        {"admin_only"},
+        path="/admin/reservations",
+        method="GET",
+    )
     return out
 
 
@@ -310,8 +576,17 @@ def _tag(tenant: str) -> str:
 
 # Body fields naming a tenant, a user or a scheduling privilege: the gateway must not act on them, and an
 # upstream should not receive them as if they were trusted context.
-SUSPECT_FIELDS = ("user", "tenant", "tenant_id", "organization", "metadata", "on_behalf_of", ON_BEHALF_OF_HEADER,
-                  "request_id", "priority")
+SUSPECT_FIELDS = (
+    "user",
+    "tenant",
+    "tenant_id",
+    "organization",
+    "metadata",
+    "on_behalf_of",
+    ON_BEHALF_OF_HEADER,
+    "request_id",
+    "priority",
+)
 
 
 @dataclass(frozen=True)
@@ -397,18 +672,23 @@ class ForgedResult(CheckedResult):
         statuses = Counter(a.outcome.status for a in f.attacks)
         return {
             f"all {len(f.attacks)} attacks answered as expected (status, code)": not any(
-                "expected" in p or "code" in p for ps in self.problems().values() for p in ps),
+                "expected" in p or "code" in p for ps in self.problems().values() for p in ps
+            ),
             "no 5xx, no transport error": not any((s or 0) >= 500 for s in statuses) and None not in statuses,
             "the controls work (the refusals mean something)": all(
-                a.outcome.status == 200 for a in f.attacks if a.attack.group == "control"),
+                a.outcome.status == 200 for a in f.attacks if a.attack.group == "control"
+            ),
             "victim: no reservation, no event, zero usage": victim == (0, 0, 0, 0.0) and f.victim_events == 0,
             "victim: no GPU time under its cache scope on any replica": f.victim_salt_ms == 0.0,
             "every request served reached the replica under the billed tenant's cache scope": not any(
-                p.startswith("reached") or "REACHED" in p for ps in self.problems().values() for p in ps),
-            "every served request billed to exactly the tenant expected; every refused one to nobody":
-                not any(p.startswith(("billed", "refused", "BILLED")) for ps in self.problems().values() for p in ps),
+                p.startswith("reached") or "REACHED" in p for ps in self.problems().values() for p in ps
+            ),
+            "every served request billed to exactly the tenant expected; every refused one to nobody": not any(
+                p.startswith(("billed", "refused", "BILLED")) for ps in self.problems().values() for p in ps
+            ),
             "each tenant's usage == what it legitimately sent (requests, output tokens)": all(
-                (f.usage[t][0], f.usage[t][2]) == expected[t] for t in self.config.tenants),
+                (f.usage[t][0], f.usage[t][2]) == expected[t] for t in self.config.tenants
+            ),
         }
 
     def render(self) -> list[Any]:
@@ -421,7 +701,8 @@ class ForgedResult(CheckedResult):
             f"{DELEGATE!r} / {OTHER_DELEGATE!r} try every header, body, query, credential and delegation trick "
             f"to be billed as {VICTIM!r} (who sends nothing), with {CLIENT!r} as the legitimate delegation target; "
             f"policy {f.policy}.",
-            f"Claim: none is billed to another tenant; {VICTIM!r}'s usage stays exactly zero."]
+            f"Claim: none is billed to another tenant; {VICTIM!r}'s usage stays exactly zero.",
+        ]
         table = Table(title="by group", title_justify="left")
         for column in ("group", "attacks", "answers", "billed to", "wrong"):
             table.add_column(column, justify="left" if column in ("group", "answers", "billed to") else "right")
@@ -429,13 +710,19 @@ class ForgedResult(CheckedResult):
             rows = [a for a in f.attacks if a.attack.group == group]
             answers = Counter(f"{a.outcome.status}" + (f" {a.outcome.code}" if a.outcome.code else "") for a in rows)
             billed = Counter(t for a in rows for t, _ in a.reservations)
-            table.add_row(group, str(len(rows)), ", ".join(f"{k} x{v}" for k, v in sorted(answers.items())),
-                          ", ".join(f"{k} x{v}" for k, v in sorted(billed.items())) or "nobody",
-                          str(sum(1 for a in rows if f"{group}: {a.attack.name}" in problems)))
+            table.add_row(
+                group,
+                str(len(rows)),
+                ", ".join(f"{k} x{v}" for k, v in sorted(answers.items())),
+                ", ".join(f"{k} x{v}" for k, v in sorted(billed.items())) or "nobody",
+                str(sum(1 for a in rows if f"{group}: {a.attack.name}" in problems)),
+            )
         refused = sum(1 for a in f.attacks if a.attack.billed_to == NOBODY)
-        table.caption = (f"load: {len(f.attacks)} requests in {f.seconds:.1f} s; faults injected: "
-                         f"{len(f.attacks) - sum(1 for a in f.attacks if a.attack.group == 'control')} forgery "
-                         f"attempts ({refused} must be refused, the rest served as the caller)")
+        table.caption = (
+            f"load: {len(f.attacks)} requests in {f.seconds:.1f} s; faults injected: "
+            f"{len(f.attacks) - sum(1 for a in f.attacks if a.attack.group == 'control')} forgery "
+            f"attempts ({refused} must be refused, the rest served as the caller)"
+        )
         table.caption_justify = "left"
         out.append(table)
         usage = Table(title="ledger usage per tenant (expected: what it legitimately sent)", title_justify="left")
@@ -443,33 +730,48 @@ class ForgedResult(CheckedResult):
             usage.add_column(column, justify="left" if column == "tenant" else "right")
         expected = self.expected_usage()
         for tenant, (requests, input_tokens, output_tokens, gpu_ms) in f.usage.items():
-            usage.add_row(tenant, str(requests), str(input_tokens), str(output_tokens), f"{gpu_ms:,.1f}",
-                          f"{expected[tenant][0]} / {expected[tenant][1]}")
+            usage.add_row(
+                tenant,
+                str(requests),
+                str(input_tokens),
+                str(output_tokens),
+                f"{gpu_ms:,.1f}",
+                f"{expected[tenant][0]} / {expected[tenant][1]}",
+            )
         out.append(usage)
         wrong = sum(1 for ps in problems.values() for p in ps if "BILLED TO THE VICTIM" in p or p.startswith("billed"))
-        out.append(f"lost: {wrong} requests billed to a wrong tenant; victim usage {f.usage[VICTIM]}, events "
-                   f"{f.victim_events}, GPU ms under its cache scope {f.victim_salt_ms:g}; converged: immediately "
-                   "(nothing to release).")
+        out.append(
+            f"lost: {wrong} requests billed to a wrong tenant; victim usage {f.usage[VICTIM]}, events "
+            f"{f.victim_events}, GPU ms under its cache scope {f.victim_salt_ms:g}; converged: immediately "
+            "(nothing to release)."
+        )
         forwarded = Counter(k for a in f.attacks for k in a.forwarded)
         if forwarded:
             fields = ", ".join(f"{k} x{v}" for k, v in sorted(forwarded.items()))
-            out.append(f"[yellow]found[/yellow]: the gateway forwards untrusted tenant-like body fields to the "
-                       f"replicas ({fields}); it drops only user, priority, request_id, cache_salt and vLLM's private "
-                       "fields. Nothing here acts on them (billing and the cache scope come from the credential), but "
-                       "a hop that read a body 'tenant' would be misled.")
+            out.append(
+                f"[yellow]found[/yellow]: the gateway forwards untrusted tenant-like body fields to the "
+                f"replicas ({fields}); it drops only user, priority, request_id, cache_salt and vLLM's private "
+                "fields. Nothing here acts on them (billing and the cache scope come from the credential), but "
+                "a hop that read a body 'tenant' would be misled."
+            )
         for a in f.attacks:
             if a.attack.name.startswith("two on-behalf-of headers") and a.outcome.status == 200:
                 billed = ", ".join(t for t, _ in a.reservations) or "nobody"
-                out.append("[yellow]found[/yellow]: with two X-Fairgate-On-Behalf-Of headers the gateway uses the "
-                           f"first (billed to {billed}), where two Authorization headers are refused (400); a proxy in "
-                           "front that keeps the last would disagree about whom a request bills. Not exploitable "
-                           "without a valid token, but ambiguous.")
+                out.append(
+                    "[yellow]found[/yellow]: with two X-Fairgate-On-Behalf-Of headers the gateway uses the "
+                    f"first (billed to {billed}), where two Authorization headers are refused (400); a proxy in "
+                    "front that keeps the last would disagree about whom a request bills. Not exploitable "
+                    "without a valid token, but ambiguous."
+                )
         for name, found in problems.items():
             out.append(f"[red]{name}[/red]: {'; '.join(found)}")
         out.extend(self.check_lines())
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
-        out.append(f"{verdict}: {len(f.attacks)} forgery attempts; "
-                   + ("none billed to another tenant" if self.passed else "see the FAIL lines") + ".")
+        out.append(
+            f"{verdict}: {len(f.attacks)} forgery attempts; "
+            + ("none billed to another tenant" if self.passed else "see the FAIL lines")
+            + "."
+        )
         return out
 
 
@@ -481,8 +783,13 @@ async def _send_all(drill: DrillStack, todo: list[Attack]) -> list[Outcome]:
             if attack.raw:
                 status, content = await _raw_request(drill.url, attack)
             else:
-                reply = await http.request(attack.method, drill.url + attack.path, headers=list(attack.headers),
-                                           params=list(attack.params), json=attack.body)
+                reply = await http.request(
+                    attack.method,
+                    drill.url + attack.path,
+                    headers=list(attack.headers),
+                    params=list(attack.params),
+                    json=attack.body,
+                )
                 status, content = reply.status_code, reply.content
         except (httpx.HTTPError, OSError, ValueError) as exc:
             return Outcome(attack, None, None, None, f"{type(exc).__name__}: {exc}")
@@ -514,8 +821,12 @@ async def _raw_request(base_url: str, attack: Attack) -> tuple[int, bytes]:
     where = urlsplit(base_url)
     body = b"" if attack.body is None else json.dumps(attack.body).encode("utf-8")
     target = attack.path + (f"?{urlencode(attack.params)}" if attack.params else "")
-    lines = [f"{attack.method} {target} HTTP/1.1", f"host: {where.netloc}", "connection: close",
-             *(f"{name}: {value}" for name, value in attack.headers)]
+    lines = [
+        f"{attack.method} {target} HTTP/1.1",
+        f"host: {where.netloc}",
+        "connection: close",
+        *(f"{name}: {value}" for name, value in attack.headers),
+    ]
     if body:
         lines += ["content-type: application/json", f"content-length: {len(body)}"]
     reader, writer = await asyncio.open_connection(where.hostname, where.port)
@@ -539,7 +850,7 @@ def _dechunk(data: bytes) -> bytes:
         size = int(size_line.split(b";")[0], 16)
         if size == 0:
             break
-        out, data = out + data[:size], data[size + 2:]
+        out, data = out + data[:size], data[size + 2 :]
     return out
 
 
@@ -548,8 +859,12 @@ def run(options: DrillOptions, config: ForgedConfig | None = None) -> ForgedResu
     config = config or ForgedConfig()
     spec = config.spec(options.policy, options.processes)
     secret = secrets.token_urlsafe(32)
-    with open_stack(spec, extra_config=config.extra_config(), environment={SECRET_ENV: secret},
-                    gateway_process=config.gateway_process) as drill:
+    with open_stack(
+        spec,
+        extra_config=config.extra_config(),
+        environment={SECRET_ENV: secret},
+        gateway_process=config.gateway_process,
+    ) as drill:
         todo = attacks(config, drill.keys, secret.encode("utf-8"), spec.model)
 
         async def go() -> ForgedFigures:
@@ -586,8 +901,14 @@ def run(options: DrillOptions, config: ForgedConfig | None = None) -> ForgedResu
                     found = [r for r in found if r[0] == attack.billed_to]
                     received = [b for b in received if b.get("cache_salt") == _tag(attack.billed_to)]
                 forwarded = sorted({k for b in received for k in SUSPECT_FIELDS if k in b})
-                figures.append(AttackFigures(outcome, tuple(found), tuple(str(b.get("cache_salt")) for b in received)
-                                             if tapped else None, tuple(forwarded)))
+                figures.append(
+                    AttackFigures(
+                        outcome,
+                        tuple(found),
+                        tuple(str(b.get("cache_salt")) for b in received) if tapped else None,
+                        tuple(forwarded),
+                    )
+                )
             stats = await replica_stats(drill)
             victim_ms = sum(float(s["charge_rule_ms_by_cache_salt"].get(_tag(VICTIM), 0.0)) for s in stats)
             return ForgedFigures(options.policy, figures, usage, victim_events, victim_ms, seconds)

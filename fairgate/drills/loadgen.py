@@ -146,16 +146,25 @@ class LoadReport:
         tpot = [s.tpot_ms for s in chosen if s.tpot_ms is not None]
         errors = Counter(s.error for s in chosen if s.error is not None)
         return TenantStats(
-            tenant=tenant, requests=len(chosen), completed=sum(s.outcome == "ok" for s in chosen),
-            cut=sum(s.outcome == "cut" for s in chosen), skipped=self.skipped[tenant],
-            errors=dict(sorted(errors.items())), ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
-            tpot_p50_ms=percentile(tpot, 50), output_tokens=sum(s.output_tokens for s in chosen))
+            tenant=tenant,
+            requests=len(chosen),
+            completed=sum(s.outcome == "ok" for s in chosen),
+            cut=sum(s.outcome == "cut" for s in chosen),
+            skipped=self.skipped[tenant],
+            errors=dict(sorted(errors.items())),
+            ttft_p50_ms=percentile(ttft, 50),
+            ttft_p99_ms=percentile(ttft, 99),
+            tpot_p50_ms=percentile(tpot, 50),
+            output_tokens=sum(s.output_tokens for s in chosen),
+        )
 
-    def ttft_values(self, tenants: list[str], sent_from_s: float = 0.0,
-                    sent_to_s: float = float("inf")) -> list[float]:
+    def ttft_values(self, tenants: list[str], sent_from_s: float = 0.0, sent_to_s: float = float("inf")) -> list[float]:
         """TTFT (or lower bound) of every request of ``tenants`` sent in the window."""
-        return [v for s in self.samples if s.tenant in tenants and sent_from_s <= s.sent_s < sent_to_s
-                and (v := s.ttft_bound_ms) is not None]
+        return [
+            v
+            for s in self.samples
+            if s.tenant in tenants and sent_from_s <= s.sent_s < sent_to_s and (v := s.ttft_bound_ms) is not None
+        ]
 
 
 class _Request:
@@ -176,8 +185,17 @@ class _Request:
         tpot = None
         if self.first is not None and self.last is not None and self.tokens >= 2:
             tpot = (self.last - self.first) * 1000.0 / (self.tokens - 1)
-        return RequestSample(self.tenant, self.sent - self.run_start, ttft, tpot, (end - self.sent) * 1000.0,
-                             self.tokens, outcome, error, self.run_id)
+        return RequestSample(
+            self.tenant,
+            self.sent - self.run_start,
+            ttft,
+            tpot,
+            (end - self.sent) * 1000.0,
+            self.tokens,
+            outcome,
+            error,
+            self.run_id,
+        )
 
 
 def _error_key(exc: BaseException) -> str:
@@ -193,8 +211,9 @@ def _error_key(exc: BaseException) -> str:
     return f"client:{type(exc).__name__}"
 
 
-async def run_load(base_url: str, loads: list[TenantLoad], seconds: float, model: str = "emu",
-                   seed: int = 1, drain_s: float = 0.0) -> LoadReport:
+async def run_load(
+    base_url: str, loads: list[TenantLoad], seconds: float, model: str = "emu", seed: int = 1, drain_s: float = 0.0
+) -> LoadReport:
     """Send ``loads`` to the gateway at ``base_url`` for ``seconds``; then wait up to ``drain_s`` for the
     requests in flight, and hang up on the rest.
 
@@ -210,8 +229,10 @@ async def run_load(base_url: str, loads: list[TenantLoad], seconds: float, model
     if not 0 < seconds <= 3600:
         raise ValueError(f"seconds must be in (0, 3600], got {seconds}")
     report = LoadReport(seconds)
-    clients = {load.tenant: openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=load.api_key, max_retries=0,
-                                               timeout=3600.0) for load in loads}
+    clients = {
+        load.tenant: openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=load.api_key, max_retries=0, timeout=3600.0)
+        for load in loads
+    }
     active: dict[asyncio.Task[None], _Request] = {}
     sent_count: Counter[str] = Counter()
     start = time.perf_counter()
@@ -232,9 +253,14 @@ async def run_load(base_url: str, loads: list[TenantLoad], seconds: float, model
         active[task] = state
         try:
             stream: Any = await clients[load.tenant].chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "w " * (load.prompt_tokens - CHAT_OVERHEAD_TOKENS)}],
-                max_tokens=tokens, stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True}, extra_headers={RUN_ID_HEADER: run_id} if run_id else None)
+                model=model,
+                messages=[{"role": "user", "content": "w " * (load.prompt_tokens - CHAT_OVERHEAD_TOKENS)}],
+                max_tokens=tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+                extra_headers={RUN_ID_HEADER: run_id} if run_id else None,
+            )
             async with stream:  # closes the connection on every path: a hang-up reaches the gateway
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
@@ -248,7 +274,7 @@ async def run_load(base_url: str, loads: list[TenantLoad], seconds: float, model
         except asyncio.CancelledError:
             report.samples.append(state.sample("cut"))
             raise
-        except Exception as exc:  # noqa: BLE001 - every failure is a figure of the drill
+        except Exception as exc:
             report.samples.append(state.sample("error", _error_key(exc)))
             return False
         finally:
@@ -287,8 +313,9 @@ async def run_load(base_url: str, loads: list[TenantLoad], seconds: float, model
                 await asyncio.gather(*children, return_exceptions=True)
 
     # Closed-loop clients start interleaved across tenants, so no tenant's requests all arrive first.
-    by_index = [(load, i) for i in range(max((load.clients for load in loads), default=0))
-                for load in loads if i < load.clients]
+    by_index = [
+        (load, i) for i in range(max((load.clients for load in loads), default=0)) for load in loads if i < load.clients
+    ]
     tasks = [asyncio.create_task(closed_client(load, i)) for load, i in by_index]
     tasks += [asyncio.create_task(open_source(load)) for load in loads if load.rate_per_s > 0]
     try:

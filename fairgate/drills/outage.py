@@ -88,14 +88,29 @@ class RedisServer:
         """Start it (again, on the same port and data) and wait until it answers PING."""
         if self.process is not None and self.process.poll() is None:
             return
-        persistence = (["--appendonly", "yes", "--appendfsync", "always"] if self.durable
-                       else ["--appendonly", "no"])
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
         log = open(self.folder / "redis.log", "ab")  # noqa: SIM115 - the child keeps it
         try:
             self.process = subprocess.Popen(
-                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-                 "--save", "", *persistence, "--daemonize", "no", "--protected-mode", "no"],
-                stdout=log, stderr=log)
+                [
+                    self.binary,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--dir",
+                    str(self.folder),
+                    "--save",
+                    "",
+                    *persistence,
+                    "--daemonize",
+                    "no",
+                    "--protected-mode",
+                    "no",
+                ],
+                stdout=log,
+                stderr=log,
+            )
         finally:
             log.close()
         deadline = time.monotonic() + STARTUP_S_MAX
@@ -160,10 +175,19 @@ def api_key(tenant: str) -> str:
 ADMIN_KEY = f"fg-drill-admin-{'a' * 32}"
 
 
-def gateway_config(folder: Path, ledger_url: str, upstream_urls: list[str], replica: ReplicaModel,
-                   tenants: list[DrillTenant], policy: str, sweep_s: float, reservation_ttl_s: float,
-                   emergency: Emergency | None = None, upstream_max_batch: int | None = None,
-                   share_charges_s: float = 0.25) -> str:
+def gateway_config(
+    folder: Path,
+    ledger_url: str,
+    upstream_urls: list[str],
+    replica: ReplicaModel,
+    tenants: list[DrillTenant],
+    policy: str,
+    sweep_s: float,
+    reservation_ttl_s: float,
+    emergency: Emergency | None = None,
+    upstream_max_batch: int | None = None,
+    share_charges_s: float = 0.25,
+) -> str:
     """A gateway TOML: the ledger at ``ledger_url``, journal and request log in ``folder``, one upstream per
     URL (model ``emu``), tiers ``reject`` and (with ``emergency``) ``emergency``, a key per tenant (see
     ``api_key``) and the admin key ``ADMIN_KEY``."""
@@ -173,30 +197,52 @@ def gateway_config(folder: Path, ledger_url: str, upstream_urls: list[str], repl
         f'[[upstream]]\nname = "emu-{i}"\nurl = "{url}/v1"\nmodel = "{MODEL}"\nmax_batch = {batch}\n'
         f"iter_base_ms = {r.iter_base_ms!r}\niter_slope_ms = {r.iter_slope_ms!r}\n"
         f"prefill_ms_per_token = {r.prefill_ms_per_token!r}\nmax_model_len = {r.max_model_len}\n\n"
-        for i, url in enumerate(upstream_urls))
+        for i, url in enumerate(upstream_urls)
+    )
     tiers = '[quotas.tiers.reject]\non_ledger_unavailable = "reject"\n'
     if emergency is not None:
-        tiers += (f'[quotas.tiers.emergency]\non_ledger_unavailable = "emergency"\nemergency = {{ requests = '
-                  f"{emergency.requests}, tokens = {emergency.tokens}, seconds = {float(emergency.seconds)!r} }}\n")
-    defaults = (f"[quotas.defaults]\nmax_concurrent = 100000\nmax_queued = 100000\n"
-                f"reservation_ttl_s = {float(reservation_ttl_s)!r}\n")
+        tiers += (
+            f'[quotas.tiers.emergency]\non_ledger_unavailable = "emergency"\nemergency = {{ requests = '
+            f"{emergency.requests}, tokens = {emergency.tokens}, seconds = {float(emergency.seconds)!r} }}\n"
+        )
+    defaults = (
+        f"[quotas.defaults]\nmax_concurrent = 100000\nmax_queued = 100000\n"
+        f"reservation_ttl_s = {float(reservation_ttl_s)!r}\n"
+    )
     blocks = ""
     for t in tenants:
         limits = ", ".join(f"{k} = {v!r}" for k, v in t.limits.items())
         blocks += f'[quotas.tenants."{t.name}"]\ntier = "{t.tier}"\n' + (f"limits = {{ {limits} }}\n" if limits else "")
-    keys = "".join(f'[[key]]\ntenant = "{t.name}"\nhash = "{hash_api_key(api_key(t.name))}"\nname = "drill"\n'
-                   for t in tenants)
-    return (f'[gateway]\npolicy = "{policy}"\nledger = "{ledger_url}"\njournal = "{folder}/journal.jsonl"\n'
-            f'event_log = "{folder}/events.jsonl"\ndefault_max_tokens = 256\nrequest_timeout_s = 600\n'
-            f"sweep_s = {float(sweep_s)!r}\nshare_charges_s = {float(share_charges_s)!r}\n\n"
-            f'{upstreams}[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n\n{tiers}\n{defaults}\n{blocks}\n{keys}')
+    keys = "".join(
+        f'[[key]]\ntenant = "{t.name}"\nhash = "{hash_api_key(api_key(t.name))}"\nname = "drill"\n' for t in tenants
+    )
+    return (
+        f'[gateway]\npolicy = "{policy}"\nledger = "{ledger_url}"\njournal = "{folder}/journal.jsonl"\n'
+        f'event_log = "{folder}/events.jsonl"\ndefault_max_tokens = 256\nrequest_timeout_s = 600\n'
+        f"sweep_s = {float(sweep_s)!r}\nshare_charges_s = {float(share_charges_s)!r}\n\n"
+        f'{upstreams}[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n\n{tiers}\n{defaults}\n{blocks}\n{keys}'
+    )
 
 
 def emulator_args(replica: ReplicaModel, port: int, max_batch: int | None = None) -> list[str]:
     r = replica
-    return ["emulate", "--port", str(port), "--model", MODEL, "--iter-base-ms", repr(r.iter_base_ms),
-            "--iter-slope-ms", repr(r.iter_slope_ms), "--prefill-ms-per-token", repr(r.prefill_ms_per_token),
-            "--max-batch", str(max_batch or r.max_batch), "--max-model-len", str(r.max_model_len)]
+    return [
+        "emulate",
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+        "--iter-base-ms",
+        repr(r.iter_base_ms),
+        "--iter-slope-ms",
+        repr(r.iter_slope_ms),
+        "--prefill-ms-per-token",
+        repr(r.prefill_ms_per_token),
+        "--max-batch",
+        str(max_batch or r.max_batch),
+        "--max-model-len",
+        str(r.max_model_len),
+    ]
 
 
 # --- clients that record every request by id ---------------------------------------------------------------
@@ -273,8 +319,9 @@ class Clients:
 
         key = (target, tenant)
         if key not in self._openai:
-            self._openai[key] = openai.AsyncOpenAI(base_url=f"{self.urls[target]}/v1", api_key=api_key(tenant),
-                                                   max_retries=0, timeout=600.0)
+            self._openai[key] = openai.AsyncOpenAI(
+                base_url=f"{self.urls[target]}/v1", api_key=api_key(tenant), max_retries=0, timeout=600.0
+            )
         return self._openai[key]
 
     async def one(self, load: ClientLoad, request_id: str, max_tokens: int) -> Call:
@@ -286,9 +333,14 @@ class Clients:
         self.active[request_id] = call
         try:
             stream: Any = await self._client(load.target, load.tenant).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "w " * (load.prompt_tokens - CHAT_OVERHEAD_TOKENS)}],
-                max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True}, extra_headers={"x-request-id": request_id})
+                model=MODEL,
+                messages=[{"role": "user", "content": "w " * (load.prompt_tokens - CHAT_OVERHEAD_TOKENS)}],
+                max_tokens=max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+                extra_headers={"x-request-id": request_id},
+            )
             async with stream:
                 async for chunk in stream:
                     if chunk.usage is not None:
@@ -308,7 +360,7 @@ class Clients:
             call.outcome = "connection"
         except openai.APIError as exc:
             call.outcome, call.code = "stream", exc.code
-        except Exception as exc:  # noqa: BLE001 - every failure is a figure of the drill
+        except Exception as exc:
             call.outcome, call.code = "client", type(exc).__name__
         finally:
             call.ended_s = self.now()
@@ -390,8 +442,11 @@ class OutageConfig:
     emergency: Emergency = field(default_factory=lambda: Emergency(requests=6, tokens=400, seconds=120.0))
     reservation_ttl_s: float = 60.0
     sweep_s: float = 1.0
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=50.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=12, max_model_len=4096))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=50.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=12, max_model_len=4096
+        )
+    )
     backoff_s: float = 0.5
     converge_s_max: float = 10.0
     drain_s_max: float = 15.0
@@ -468,28 +523,38 @@ class OutageResult(CheckedResult):
         budget = c.emergency
         during_free, during_paid = free.phases["during"], paid.phases["during"]
         return {
-            "load held before and after the outage (both tenants served)":
-                all(t.phases[p].ok > 0 for t in f.tenants.values() for p in ("before", "after")),
-            f"reject tier: every request sent during the outage got 503 + Retry-After ({during_free.sent} sent)":
-                during_free.sent > 0 and during_free.refused_503 == during_free.sent,
-            f"emergency tier admitted within its budget ({budget.requests} requests, {budget.tokens} tokens)":
-                paid.grants <= budget.requests and paid.grant_tokens <= budget.tokens
-                and during_paid.ok <= budget.requests,
-            "emergency tier: the budget was used, and past it 503 + Retry-After":
-                paid.grants > 0 and during_paid.refused_503 > 0
-                and during_paid.ok + during_paid.refused_503 == during_paid.sent,
+            "load held before and after the outage (both tenants served)": all(
+                t.phases[p].ok > 0 for t in f.tenants.values() for p in ("before", "after")
+            ),
+            f"reject tier: every request sent during the outage got 503 + Retry-After ({during_free.sent} sent)": during_free.sent
+            > 0
+            and during_free.refused_503 == during_free.sent,
+            f"emergency tier admitted within its budget ({budget.requests} requests, {budget.tokens} tokens)": paid.grants
+            <= budget.requests
+            and paid.grant_tokens <= budget.tokens
+            and during_paid.ok <= budget.requests,
+            "emergency tier: the budget was used, and past it 503 + Retry-After": paid.grants > 0
+            and during_paid.refused_503 > 0
+            and during_paid.ok + during_paid.refused_503 == during_paid.sent,
             "the reject tier got no emergency grant": free.grants == 0,
-            "nothing else odd (no other status, no broken stream, nothing left running)":
-                not any(ph.odd for t in f.tenants.values() for ph in t.phases.values()) and f.still_running == 0,
+            "nothing else odd (no other status, no broken stream, nothing left running)": not any(
+                ph.odd for t in f.tenants.values() for ph in t.phases.values()
+            )
+            and f.still_running == 0,
             "after recovery the journal is empty": f.journal_left == 0,
-            "after recovery every emergency grant is a settled reservation in the ledger":
-                all(t.grants_settled == t.grants for t in f.tenants.values()),
+            "after recovery every emergency grant is a settled reservation in the ledger": all(
+                t.grants_settled == t.grants for t in f.tenants.values()
+            ),
             "every request is billed exactly what its client received (or nothing, if refused)": not f.mismatches,
-            "ledger totals == what the clients received (requests, input and output tokens)":
-                all(t.ledger_requests == t.client_requests and t.ledger_input == t.client_input
-                    and t.ledger_output == t.client_output for t in f.tenants.values()),
-            "ledger GPU time == the gateway's meter, per request (to the request log's 1 us)":
-                all(t.gpu_mismatches == 0 for t in f.tenants.values()),
+            "ledger totals == what the clients received (requests, input and output tokens)": all(
+                t.ledger_requests == t.client_requests
+                and t.ledger_input == t.client_input
+                and t.ledger_output == t.client_output
+                for t in f.tenants.values()
+            ),
+            "ledger GPU time == the gateway's meter, per request (to the request log's 1 us)": all(
+                t.gpu_mismatches == 0 for t in f.tenants.values()
+            ),
             "no open reservation and no orphan left": f.open_left == 0 and f.orphans == 0,
             f"converged within {c.converge_s_max:g} s of the ledger's return": f.converge_s is not None,
         }
@@ -508,7 +573,9 @@ class OutageResult(CheckedResult):
             f"Fault: SIGTERM to the ledger server at {f.stop_at_s:.1f} s (gone at {f.down_at_s:.1f} s), started "
             f"again at {f.restart_at_s:.1f} s, answering at {f.up_at_s:.1f} s: down {f.up_at_s - f.down_at_s:.1f} s. "
             f"Journal just before the restart: "
-            + (", ".join(f"{n} {kind}" for kind, n in sorted(f.journal_at_restart.items())) or "empty") + "."]
+            + (", ".join(f"{n} {kind}" for kind, n in sorted(f.journal_at_restart.items())) or "empty")
+            + ".",
+        ]
         table = Table(title="requests by phase (sent / ok / 503+Retry-After / other)", title_justify="left")
         for column in ("tenant", "tier", "before", "during outage", "edges", "after", "grants (tokens)"):
             table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
@@ -519,43 +586,65 @@ class OutageResult(CheckedResult):
                 odd = sum(ph.odd.values())
                 cells.append(f"{ph.sent} / {ph.ok} / {ph.refused_503} / {odd}")
             table.add_row(t.tenant, t.tier, *cells, f"{t.grants} ({t.grant_tokens})")
-        table.caption = ("grants: emergency reservations from the local budget (their prompt + max output tokens); "
-                         f"'during' = sent from the server's exit to {EDGE_S:g} s before its restart")
+        table.caption = (
+            "grants: emergency reservations from the local budget (their prompt + max output tokens); "
+            f"'during' = sent from the server's exit to {EDGE_S:g} s before its restart"
+        )
         table.caption_justify = "left"
         out.append(table)
         ledger = Table(title="clients vs ledger, whole run", title_justify="left")
-        for column in ("tenant", "requests ok / billed", "input tokens client / billed",
-                       "output tokens client / billed", "GPU ms metered / billed"):
+        for column in (
+            "tenant",
+            "requests ok / billed",
+            "input tokens client / billed",
+            "output tokens client / billed",
+            "GPU ms metered / billed",
+        ):
             ledger.add_column(column, justify="left" if column == "tenant" else "right")
         for t in f.tenants.values():
-            ledger.add_row(t.tenant, f"{t.client_requests} / {t.ledger_requests}",
-                           f"{t.client_input:,} / {t.ledger_input:,}", f"{t.client_output:,} / {t.ledger_output:,}",
-                           f"{t.metered_gpu_ms:,.1f} / {t.ledger_gpu_ms:,.1f}")
-        ledger.caption = (f"reservations at the end: {dict(sorted(f.statuses.items()))}; open {f.open_left}, orphans "
-                          f"{f.orphans}; journal records left {f.journal_left}")
+            ledger.add_row(
+                t.tenant,
+                f"{t.client_requests} / {t.ledger_requests}",
+                f"{t.client_input:,} / {t.ledger_input:,}",
+                f"{t.client_output:,} / {t.ledger_output:,}",
+                f"{t.metered_gpu_ms:,.1f} / {t.ledger_gpu_ms:,.1f}",
+            )
+        ledger.caption = (
+            f"reservations at the end: {dict(sorted(f.statuses.items()))}; open {f.open_left}, orphans "
+            f"{f.orphans}; journal records left {f.journal_left}"
+        )
         ledger.caption_justify = "left"
         out.append(ledger)
-        unbilled = {kind: sum(getattr(t, f"client_{kind}") - getattr(t, f"ledger_{kind}") for t in f.tenants.values())
-                    for kind in ("requests", "input", "output")}
+        unbilled = {
+            kind: sum(getattr(t, f"client_{kind}") - getattr(t, f"ledger_{kind}") for t in f.tenants.values())
+            for kind in ("requests", "input", "output")
+        }
         unbilled_gpu = sum(t.metered_gpu_ms - t.ledger_gpu_ms for t in f.tenants.values())
         gpu_mismatches = sum(t.gpu_mismatches for t in f.tenants.values())
-        lost = [f"{len({m.split(':')[0] for m in f.mismatches})} requests billed differently from what their client "
-                "received" if f.mismatches else "",
-                f"{unbilled['requests']} requests, {unbilled['input']:,} input and {unbilled['output']:,} output "
-                "tokens, "
-                f"{unbilled_gpu:,.1f} GPU ms ({gpu_mismatches} requests) not billed"
-                if any(unbilled.values()) or gpu_mismatches else "",
-                f"{f.open_left} reservations left open" if f.open_left else "",
-                f"{f.orphans} orphan reservations" if f.orphans else "",
-                f"{f.journal_left} journal records never replayed" if f.journal_left else ""]
+        lost = [
+            f"{len({m.split(':')[0] for m in f.mismatches})} requests billed differently from what their client "
+            "received"
+            if f.mismatches
+            else "",
+            f"{unbilled['requests']} requests, {unbilled['input']:,} input and {unbilled['output']:,} output "
+            "tokens, "
+            f"{unbilled_gpu:,.1f} GPU ms ({gpu_mismatches} requests) not billed"
+            if any(unbilled.values()) or gpu_mismatches
+            else "",
+            f"{f.open_left} reservations left open" if f.open_left else "",
+            f"{f.orphans} orphan reservations" if f.orphans else "",
+            f"{f.journal_left} journal records never replayed" if f.journal_left else "",
+        ]
         lost = [item for item in lost if item]
         refused = sum(ph.refused_503 for t in f.tenants.values() for ph in t.phases.values())
-        out.append(f"Load held: {sum(ph.sent for t in f.tenants.values() for ph in t.phases.values())} requests "
-                   f"sent, {sum(t.client_requests for t in f.tenants.values())} served, {refused} refused with 503 + "
-                   "Retry-After while the ledger was down. Lost: "
-                   f"{'; '.join(lost) if lost else 'nothing'}. Time to converge: "
-                   + (f"{f.converge_s:.2f} s" if f.converge_s is not None else f"not within {c.converge_s_max:g} s")
-                   + " after the ledger answered again (the gateway replays its journal by itself).")
+        out.append(
+            f"Load held: {sum(ph.sent for t in f.tenants.values() for ph in t.phases.values())} requests "
+            f"sent, {sum(t.client_requests for t in f.tenants.values())} served, {refused} refused with 503 + "
+            "Retry-After while the ledger was down. Lost: "
+            f"{'; '.join(lost) if lost else 'nothing'}. Time to converge: "
+            + (f"{f.converge_s:.2f} s" if f.converge_s is not None else f"not within {c.converge_s_max:g} s")
+            + " after the ledger answered again (the gateway replays its journal by itself)."
+        )
         for line in f.mismatches[:12]:
             out.append(f"  [red]mismatch[/red] {line}")
         if len(f.mismatches) > 12:
@@ -563,8 +652,10 @@ class OutageResult(CheckedResult):
         for line in f.gateway_log[:8]:
             out.append(f"  gateway: {line}")
         out.extend(self.check_lines())
-        out.append(f"{'[green]PASS[/green]' if self.passed else '[red]FAIL[/red]'}: ledger down "
-                   f"{f.up_at_s - f.down_at_s:.1f} s under load.")
+        out.append(
+            f"{'[green]PASS[/green]' if self.passed else '[red]FAIL[/red]'}: ledger down "
+            f"{f.up_at_s - f.down_at_s:.1f} s under load."
+        )
         return out
 
 
@@ -603,8 +694,7 @@ def _phase(calls: list[Call]) -> Phase:
     return Phase(len(calls), ok, refused, dict(odd), sum(c.tokens for c in calls))
 
 
-async def _reconciled(ledger: Any, calls: list[Call], active: dict[str, Call], before_s: float,
-                      journal: Path) -> bool:
+async def _reconciled(ledger: Any, calls: list[Call], active: dict[str, Call], before_s: float, journal: Path) -> bool:
     """Every request sent before ``before_s`` has ended, each admitted one has a final reservation billing
     exactly what its client received, and the journal is empty."""
     if any(call.sent_s < before_s for call in list(active.values())):
@@ -633,8 +723,10 @@ def _mismatches(calls: list[Call], reservations: list[Any]) -> list[str]:
             continue
         if not call.admitted:
             if found:
-                out.append(f"{call.request_id}: refused ({call.key()}) but the ledger holds a {found[0].status} "
-                           f"reservation billing {found[0].billed.output_tokens} tokens")
+                out.append(
+                    f"{call.request_id}: refused ({call.key()}) but the ledger holds a {found[0].status} "
+                    f"reservation billing {found[0].billed.output_tokens} tokens"
+                )
             continue
         if not found:
             out.append(f"{call.request_id}: ran ({call.tokens} tokens) but the ledger has no reservation")
@@ -643,14 +735,19 @@ def _mismatches(calls: list[Call], reservations: list[Any]) -> list[str]:
         if r.status != "settled":
             out.append(f"{call.request_id}: ran to the end but its reservation is {r.status}")
         if r.billed.output_tokens != call.tokens:
-            out.append(f"{call.request_id}: client received {call.tokens} tokens, ledger billed "
-                       f"{r.billed.output_tokens} ({r.status}, id {r.id[:12]}...)")
+            out.append(
+                f"{call.request_id}: client received {call.tokens} tokens, ledger billed "
+                f"{r.billed.output_tokens} ({r.status}, id {r.id[:12]}...)"
+            )
         if call.usage_input is not None and r.billed.input_tokens != call.usage_input:
-            out.append(f"{call.request_id}: client's usage says {call.usage_input} prompt tokens, ledger billed "
-                       f"{r.billed.input_tokens}")
+            out.append(
+                f"{call.request_id}: client's usage says {call.usage_input} prompt tokens, ledger billed "
+                f"{r.billed.input_tokens}"
+            )
         if call.usage_output is not None and call.usage_output != call.tokens:
-            out.append(f"{call.request_id}: client's usage says {call.usage_output} output tokens, received "
-                       f"{call.tokens}")
+            out.append(
+                f"{call.request_id}: client's usage says {call.usage_output} output tokens, received {call.tokens}"
+            )
     return out
 
 
@@ -677,8 +774,17 @@ class LogCapture(logging.Handler):
         self._logger.propagate = self._propagate
 
 
-LOG_WORDS = ("journal", "expired", "sweep", "settle_failed", "release_failed", "paused", "upstream", "Traceback",
-             "Error")
+LOG_WORDS = (
+    "journal",
+    "expired",
+    "sweep",
+    "settle_failed",
+    "release_failed",
+    "paused",
+    "upstream",
+    "Traceback",
+    "Error",
+)
 
 
 def log_lines(captured: list[str], *logs: Path) -> list[str]:
@@ -687,8 +793,11 @@ def log_lines(captured: list[str], *logs: Path) -> list[str]:
     lines = list(captured)
     for path in logs:
         if path.exists():
-            lines += [line.strip() for line in path.read_text(errors="replace").splitlines()
-                      if any(word in line for word in LOG_WORDS)]
+            lines += [
+                line.strip()
+                for line in path.read_text(errors="replace").splitlines()
+                if any(word in line for word in LOG_WORDS)
+            ]
     return lines
 
 
@@ -732,19 +841,41 @@ async def _run(options: DrillOptions, config: OutageConfig) -> OutageResult:
         ledger_url = redis.url("drill")
         if options.processes:
             port = free_port()
-            upstream = servers.enter_context(fairgate_process(emulator_args(config.replica, port), port,
-                                                              folder / "emulator.log"))
+            upstream = servers.enter_context(
+                fairgate_process(emulator_args(config.replica, port), port, folder / "emulator.log")
+            )
         else:
             from fairgate.emulator.api import EmulatorSettings, create_app
 
             r = config.replica
-            upstream = servers.enter_context(serve_in_thread(create_app(EmulatorSettings(
-                model=MODEL, iter_base_ms=r.iter_base_ms, iter_slope_ms=r.iter_slope_ms,
-                prefill_ms_per_token=r.prefill_ms_per_token, max_batch=r.max_batch, max_model_len=r.max_model_len))))
+            upstream = servers.enter_context(
+                serve_in_thread(
+                    create_app(
+                        EmulatorSettings(
+                            model=MODEL,
+                            iter_base_ms=r.iter_base_ms,
+                            iter_slope_ms=r.iter_slope_ms,
+                            prefill_ms_per_token=r.prefill_ms_per_token,
+                            max_batch=r.max_batch,
+                            max_model_len=r.max_model_len,
+                        )
+                    )
+                )
+            )
         config_path = folder / "fairgate.toml"
-        config_path.write_text(gateway_config(folder, ledger_url, [upstream], config.replica, config.tenants,
-                                              options.policy, config.sweep_s, config.reservation_ttl_s,
-                                              config.emergency))
+        config_path.write_text(
+            gateway_config(
+                folder,
+                ledger_url,
+                [upstream],
+                config.replica,
+                config.tenants,
+                options.policy,
+                config.sweep_s,
+                config.reservation_ttl_s,
+                config.emergency,
+            )
+        )
         gateway_config_loaded = load_gateway_config(config_path)
         quotas = gateway_config_loaded.quotas
         journal = gateway_config_loaded.journal_path
@@ -753,17 +884,25 @@ async def _run(options: DrillOptions, config: OutageConfig) -> OutageResult:
         gateway_stack = ExitStack()
         if options.processes:
             port = free_port()
-            url = gateway_stack.enter_context(fairgate_process(
-                ["serve", "--config", str(config_path), "--port", str(port)], port, folder / "gateway.log"))
+            url = gateway_stack.enter_context(
+                fairgate_process(
+                    ["serve", "--config", str(config_path), "--port", str(port)], port, folder / "gateway.log"
+                )
+            )
         else:
             url = gateway_stack.enter_context(serve_in_thread(create_gateway(gateway_config_loaded)))
         with gateway_stack:
             clients = Clients({"gw": url}, seed=options.seed)
-            loads = [ClientLoad(t.name, "gw", config.clients, config.output_tokens, config.prompt_tokens,
-                                config.backoff_s) for t in config.tenants]
+            loads = [
+                ClientLoad(t.name, "gw", config.clients, config.output_tokens, config.prompt_tokens, config.backoff_s)
+                for t in config.tenants
+            ]
             send_until = config.warmup_s + config.outage_s + config.after_s
-            tasks = [asyncio.ensure_future(clients.closed_loop(load, i, send_until))
-                     for load in loads for i in range(load.clients)]
+            tasks = [
+                asyncio.ensure_future(clients.closed_loop(load, i, send_until))
+                for load in loads
+                for i in range(load.clients)
+            ]
             try:
                 await asyncio.sleep(max(0.0, config.warmup_s - clients.now()))
                 stop_at = clients.now()
@@ -785,15 +924,17 @@ async def _run(options: DrillOptions, config: OutageConfig) -> OutageResult:
                             break
                         await asyncio.sleep(0.1)
                     done, pending = await asyncio.wait(
-                        tasks, timeout=max(0.0, send_until - clients.now()) + config.drain_s_max)
+                        tasks, timeout=max(0.0, send_until - clients.now()) + config.drain_s_max
+                    )
                     for task in pending:
                         task.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
                     still_running = sum(1 for call in clients.calls if call.outcome == "cut")
                     # Let the last settlements and a journal replay land.
                     deadline = clients.now() + config.converge_s_max
-                    while clients.now() < deadline and (read_journal(journal)
-                                                        or await reader.reservations(status="open")):
+                    while clients.now() < deadline and (
+                        read_journal(journal) or await reader.reservations(status="open")
+                    ):
                         await asyncio.sleep(0.1)
                     reservations = await reader.reservations()
                     usage = {t.name: await reader.usage(t.name, 86_400.0) for t in config.tenants}
@@ -806,18 +947,37 @@ async def _run(options: DrillOptions, config: OutageConfig) -> OutageResult:
                 await clients.close()
         # The gateway has stopped: its request log is flushed.
         events = read_events(events_path)
-        figures = _figures(config, clients.calls, reservations, usage, events, read_journal(journal),
-                           (stop_at, down_at, restart_at, up_at), dict(journal_at_restart), converge_s,
-                           still_running, summarise_log(log_lines(capture.lines, folder / "gateway.log")),
-                           clients.wall_start)
+        figures = _figures(
+            config,
+            clients.calls,
+            reservations,
+            usage,
+            events,
+            read_journal(journal),
+            (stop_at, down_at, restart_at, up_at),
+            dict(journal_at_restart),
+            converge_s,
+            still_running,
+            summarise_log(log_lines(capture.lines, folder / "gateway.log")),
+            clients.wall_start,
+        )
     return OutageResult(config, figures, options.processes)
 
 
-def _figures(config: OutageConfig, calls: list[Call], reservations: list[Any], usage: dict[str, Any],
-             events: list[dict[str, Any]], journal_left: list[dict[str, Any]],
-             marks: tuple[float, float, float, float], journal_at_restart: dict[str, int],
-             converge_s: float | None, still_running: int, gateway_log: list[str],
-             wall_start: float) -> OutageFigures:
+def _figures(
+    config: OutageConfig,
+    calls: list[Call],
+    reservations: list[Any],
+    usage: dict[str, Any],
+    events: list[dict[str, Any]],
+    journal_left: list[dict[str, Any]],
+    marks: tuple[float, float, float, float],
+    journal_at_restart: dict[str, int],
+    converge_s: float | None,
+    still_running: int,
+    gateway_log: list[str],
+    wall_start: float,
+) -> OutageFigures:
     stop_at, down_at, restart_at, up_at = marks
     tags = {tenant_tag(t.name): t.name for t in config.tenants}
     grants: Counter[str] = Counter()
@@ -847,28 +1007,77 @@ def _figures(config: OutageConfig, calls: list[Call], reservations: list[Any], u
         for call in mine:
             phase = _phase_of(call, stop_at, down_at, restart_at, up_at)
             created = created_ms.get(call.request_id)
-            if (phase == "during" and call.outcome == "ok" and call.request_id not in grant_requests.get(t.name, set())
-                    and created is not None and created >= restart_wall_ms):
+            if (
+                phase == "during"
+                and call.outcome == "ok"
+                and call.request_id not in grant_requests.get(t.name, set())
+                and created is not None
+                and created >= restart_wall_ms
+            ):
                 phase = "edge"  # reserved in the ledger once it was back (a slow request, not a leak)
             by_phase[phase].append(call)
         ran = [call for call in mine if call.admitted]
         u = usage[t.name]
         tenants[t.name] = TenantOutage(
-            t.name, t.tier, {p: _phase(cs) for p, cs in by_phase.items()}, grants[t.name], grant_tokens[t.name],
-            sum(1 for r in reservations if r.tenant == t.name and r.status == "settled"
-                and r.request_id in grant_requests.get(t.name, set())),
-            len(ran), sum(call.usage_input or 0 for call in ran), sum(call.tokens for call in ran),
-            u.requests, u.input_tokens, u.output_tokens, u.gpu_ms, metered[t.name],
-            sum(1 for key in set(metered_by_request) | set(billed_by_request) if key[0] == t.name
-                and abs(metered_by_request.get(key, 0.0) - billed_by_request.get(key, 0.0)) > 0.001))
+            t.name,
+            t.tier,
+            {p: _phase(cs) for p, cs in by_phase.items()},
+            grants[t.name],
+            grant_tokens[t.name],
+            sum(
+                1
+                for r in reservations
+                if r.tenant == t.name and r.status == "settled" and r.request_id in grant_requests.get(t.name, set())
+            ),
+            len(ran),
+            sum(call.usage_input or 0 for call in ran),
+            sum(call.tokens for call in ran),
+            u.requests,
+            u.input_tokens,
+            u.output_tokens,
+            u.gpu_ms,
+            metered[t.name],
+            sum(
+                1
+                for key in set(metered_by_request) | set(billed_by_request)
+                if key[0] == t.name and abs(metered_by_request.get(key, 0.0) - billed_by_request.get(key, 0.0)) > 0.001
+            ),
+        )
     known = {call.request_id for call in calls}
     statuses = Counter(r.status for r in reservations)
     return OutageFigures(
-        stop_at, down_at, restart_at, up_at, tenants, journal_at_restart, len(journal_left), converge_s,
-        tuple(_mismatches(calls, reservations)), statuses.get("open", 0), dict(statuses),
-        sum(1 for r in reservations if r.request_id not in known), still_running, tuple(gateway_log))
+        stop_at,
+        down_at,
+        restart_at,
+        up_at,
+        tenants,
+        journal_at_restart,
+        len(journal_left),
+        converge_s,
+        tuple(_mismatches(calls, reservations)),
+        statuses.get("open", 0),
+        dict(statuses),
+        sum(1 for r in reservations if r.request_id not in known),
+        still_running,
+        tuple(gateway_log),
+    )
 
 
-__all__ = ["ADMIN_KEY", "Call", "ClientLoad", "Clients", "DrillTenant", "Emergency", "OutageConfig", "OutageFigures",
-           "OutageResult", "RedisServer", "api_key", "emulator_args", "gateway_config", "read_events",
-           "read_journal", "run"]
+__all__ = [
+    "ADMIN_KEY",
+    "Call",
+    "ClientLoad",
+    "Clients",
+    "DrillTenant",
+    "Emergency",
+    "OutageConfig",
+    "OutageFigures",
+    "OutageResult",
+    "RedisServer",
+    "api_key",
+    "emulator_args",
+    "gateway_config",
+    "read_events",
+    "read_journal",
+    "run",
+]

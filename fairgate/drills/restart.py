@@ -56,7 +56,6 @@ from fairgate.drills.outage import (
 )
 from fairgate.drills.stack import STARTUP_S_MAX, ReplicaModel, free_port
 
-
 HUNG_S = 2.0  # a client of the killed process must see its request fail within this long
 
 
@@ -131,8 +130,11 @@ class RestartConfig:
     load_after_s: float = 8.0
     reservation_ttl_s: float = 2.0
     sweep_s: float = 0.5
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=80.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=12, max_model_len=4096))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=80.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=12, max_model_len=4096
+        )
+    )
     replicas: int = 2
     gateway_batch: int = 6
     alpha_clients: int = 18
@@ -228,29 +230,34 @@ class RestartResult(CheckedResult):
         queued = sum(1 for k in f.killed if k.queued)
         return {
             f"A had requests queued and in flight at the kill ({f.at_kill.get('in flight', 0)} in flight, "
-            f"{f.at_kill.get('queued', 0)} queued; ledger: {queued} queued)":
-                f.at_kill.get("in flight", 0) > 0 and f.at_kill.get("queued", 0) > 0 and queued > 0,
-            "A's clients got connection errors (failed, nothing hung)":
-                f.killed_clients.get("connection", 0) > 0 and set(f.killed_clients) <= {"connection", "ok"}
-                and f.hung == 0,
-            "A's open reservations all ended expired (or settled, when retried on B)":
-                bool(f.killed) and all(k.status == "expired" or (k.retried and k.status == "settled")
-                                       for k in f.killed),
+            f"{f.at_kill.get('queued', 0)} queued; ledger: {queued} queued)": f.at_kill.get("in flight", 0) > 0
+            and f.at_kill.get("queued", 0) > 0
+            and queued > 0,
+            "A's clients got connection errors (failed, nothing hung)": f.killed_clients.get("connection", 0) > 0
+            and set(f.killed_clients) <= {"connection", "ok"}
+            and f.hung == 0,
+            "A's open reservations all ended expired (or settled, when retried on B)": bool(f.killed)
+            and all(k.status == "expired" or (k.retried and k.status == "settled") for k in f.killed),
             f"... within TTL + sweep ({c.reservation_ttl_s:g} + {c.sweep_s:g} s, + {c.converge_slack_s:g} s "
             "slack) of the kill": f.converge_s is not None and f.converge_s <= c.converge_bound_s,
-            "a killed request is never billed more than its client received":
-                all(k.billed_output <= k.tokens_received or k.status == "settled" for k in f.killed),
-            "queued requests retried on B with their id: re-admitted once, or refused 409":
-                all(v == "ok" or v.startswith("409") for v in f.retries.values()),
-            f"B's long requests outlived the TTL ({f.long_outlived_ttl}) and all ended settled, billed exactly":
-                f.long_outlived_ttl > 0 and f.long_settled == f.long_outlived_ttl,
-            "nothing released while running: every completed request settled, billed exactly":
-                not f.mismatches and not f.expired_not_killed,
+            "a killed request is never billed more than its client received": all(
+                k.billed_output <= k.tokens_received or k.status == "settled" for k in f.killed
+            ),
+            "queued requests retried on B with their id: re-admitted once, or refused 409": all(
+                v == "ok" or v.startswith("409") for v in f.retries.values()
+            ),
+            f"B's long requests outlived the TTL ({f.long_outlived_ttl}) and all ended settled, billed exactly": f.long_outlived_ttl
+            > 0
+            and f.long_settled == f.long_outlived_ttl,
+            "nothing released while running: every completed request settled, billed exactly": not f.mismatches
+            and not f.expired_not_killed,
             "B served without an error": set(f.sent.get("B", {})) <= {"ok"},
             "no open reservation at the end": f.open_left == 0,
             "ledger concurrency and queue counts back to 0": all(v == (0, 0) for v in f.accounts.values()),
-            "gateways' active and queued gauges back to 0, replicas idle":
-                all(v == (0.0, 0.0) for v in f.gauges.values()) and all(v == (0, 0) for v in f.replicas.values()),
+            "gateways' active and queued gauges back to 0, replicas idle": all(
+                v == (0.0, 0.0) for v in f.gauges.values()
+            )
+            and all(v == (0, 0) for v in f.replicas.values()),
             "the restarted process serves again": f.a_after_restart_ok > 0,
         }
 
@@ -266,12 +273,15 @@ class RestartResult(CheckedResult):
             f"longer than the TTL), beta {c.beta_clients} on B.",
             f"Fault: SIGKILL to A at {f.kill_at_s:.1f} s with {f.at_kill.get('in flight', 0)} requests in flight and "
             f"{f.at_kill.get('queued', 0)} queued; A started again {c.restart_after_s:g} s later, answering "
-            f"{f.restart_ready_s:.1f} s after the kill."]
+            f"{f.restart_ready_s:.1f} s after the kill.",
+        ]
         b = f.sent.get("B", Counter())
-        out.append(f"Load held: B served {b.get('ok', 0)} requests ({f.long_outlived_ttl} of them longer than the TTL) "
-                   f"with {sum(n for k, n in b.items() if k != 'ok')} errors; A served "
-                   f"{f.sent.get('A', Counter()).get('ok', 0)}"
-                   f" ({f.a_after_restart_ok} after its restart).")
+        out.append(
+            f"Load held: B served {b.get('ok', 0)} requests ({f.long_outlived_ttl} of them longer than the TTL) "
+            f"with {sum(n for k, n in b.items() if k != 'ok')} errors; A served "
+            f"{f.sent.get('A', Counter()).get('ok', 0)}"
+            f" ({f.a_after_restart_ok} after its restart)."
+        )
         table = Table(title="requests by gateway", title_justify="left")
         table.add_column("gateway")
         table.add_column("outcomes")
@@ -281,51 +291,74 @@ class RestartResult(CheckedResult):
         killed = Table(title="A's reservations open at the kill", title_justify="left")
         for column in ("", "count", "client saw", "ended", "kill -> final s (min-max)", "tokens streamed / billed"):
             killed.add_column(column, justify="left" if column in ("", "client saw", "ended") else "right")
-        for name, queued, retried in (("in flight", False, False), ("queued", True, False),
-                                      ("queued, retried on B", True, True)):
+        for name, queued, retried in (
+            ("in flight", False, False),
+            ("queued", True, False),
+            ("queued, retried on B", True, True),
+        ):
             rows = [k for k in f.killed if k.queued == queued and k.retried == retried]
             if retried and not rows:
                 continue
             times = [k.final_after_s for k in rows if k.final_after_s is not None]
-            killed.add_row(name, str(len(rows)),
-                           ", ".join(f"{k} {n}" for k, n in sorted(Counter(k.client_outcome for k in rows).items())),
-                           ", ".join(f"{k} {n}" for k, n in sorted(Counter(k.status for k in rows).items())),
-                           f"{min(times):.2f}-{max(times):.2f}" if times else "-",
-                           f"{sum(k.tokens_received for k in rows)} / {sum(k.billed_output for k in rows)}")
+            killed.add_row(
+                name,
+                str(len(rows)),
+                ", ".join(f"{k} {n}" for k, n in sorted(Counter(k.client_outcome for k in rows).items())),
+                ", ".join(f"{k} {n}" for k, n in sorted(Counter(k.status for k in rows).items())),
+                f"{min(times):.2f}-{max(times):.2f}" if times else "-",
+                f"{sum(k.tokens_received for k in rows)} / {sum(k.billed_output for k in rows)}",
+            )
         out.append(killed)
         if f.retries:
-            out.append("Retried on B with the same request id: "
-                       + ", ".join(f"{rid} -> {what}" for rid, what in sorted(f.retries.items())))
-        out.append(f"B's long requests longer than the TTL: {f.long_outlived_ttl}, settled exactly: {f.long_settled}. "
-                   f"A served {f.a_after_restart_ok} requests after its restart.")
-        out.append(f"At the end: reservations {dict(sorted(f.statuses.items()))}, open {f.open_left}; ledger "
-                   f"(concurrent, queued) {f.accounts}; gateway gauges (active, queued) {f.gauges}; replicas "
-                   f"(running, waiting) {f.replicas}.")
-        lost = ([f"{len(f.mismatches)} completed requests billed differently"] if f.mismatches else []) + (
-            [f"{f.open_left} reservations left open"] if f.open_left else []) + (
-            [f"{len(f.expired_not_killed)} reservations expired that A's death does not explain"]
-            if f.expired_not_killed else [])
+            out.append(
+                "Retried on B with the same request id: "
+                + ", ".join(f"{rid} -> {what}" for rid, what in sorted(f.retries.items()))
+            )
+        out.append(
+            f"B's long requests longer than the TTL: {f.long_outlived_ttl}, settled exactly: {f.long_settled}. "
+            f"A served {f.a_after_restart_ok} requests after its restart."
+        )
+        out.append(
+            f"At the end: reservations {dict(sorted(f.statuses.items()))}, open {f.open_left}; ledger "
+            f"(concurrent, queued) {f.accounts}; gateway gauges (active, queued) {f.gauges}; replicas "
+            f"(running, waiting) {f.replicas}."
+        )
+        lost = (
+            ([f"{len(f.mismatches)} completed requests billed differently"] if f.mismatches else [])
+            + ([f"{f.open_left} reservations left open"] if f.open_left else [])
+            + (
+                [f"{len(f.expired_not_killed)} reservations expired that A's death does not explain"]
+                if f.expired_not_killed
+                else []
+            )
+        )
         converge = f.converge_s
-        out.append(f"Lost: {'; '.join(lost) if lost else 'nothing'} ({f.unbilled_killed_tokens} tokens streamed to A's "
-                   "killed clients after their last partial settlement are not billed, by design). Time to converge: "
-                   + (f"{converge:.2f} s" if converge is not None else "never")
-                   + f" from the kill until A's last reservation was final (TTL + sweep = "
-                   f"{c.reservation_ttl_s + c.sweep_s:g} s).")
-        late = [k for k in f.killed
-                if not k.retried and k.final_after_s is not None and k.final_after_s > c.ttl_sweep_s]
+        out.append(
+            f"Lost: {'; '.join(lost) if lost else 'nothing'} ({f.unbilled_killed_tokens} tokens streamed to A's "
+            "killed clients after their last partial settlement are not billed, by design). Time to converge: "
+            + (f"{converge:.2f} s" if converge is not None else "never")
+            + f" from the kill until A's last reservation was final (TTL + sweep = "
+            f"{c.reservation_ttl_s + c.sweep_s:g} s)."
+        )
+        late = [
+            k for k in f.killed if not k.retried and k.final_after_s is not None and k.final_after_s > c.ttl_sweep_s
+        ]
         if late:
-            out.append(f"  [yellow]note[/yellow] {len(late)} of A's {sum(not k.retried for k in f.killed)} "
-                       "reservations "
-                       f"were final later than TTL + sweep ({c.ttl_sweep_s:g} s) after the kill (latest "
-                       f"{max(k.final_after_s or 0.0 for k in late):.2f} s): sweeps and ledger round trips late "
-                       "on a loaded machine (the slack).")
+            out.append(
+                f"  [yellow]note[/yellow] {len(late)} of A's {sum(not k.retried for k in f.killed)} "
+                "reservations "
+                f"were final later than TTL + sweep ({c.ttl_sweep_s:g} s) after the kill (latest "
+                f"{max(k.final_after_s or 0.0 for k in late):.2f} s): sweeps and ledger round trips late "
+                "on a loaded machine (the slack)."
+            )
         for line in (*f.mismatches[:8], *f.expired_not_killed[:8]):
             out.append(f"  [red]problem[/red] {line}")
         for line in f.gateway_log[:8]:
             out.append(f"  gateway: {line}")
         out.extend(self.check_lines())
-        out.append(f"{'[green]PASS[/green]' if self.passed else '[red]FAIL[/red]'}: gateway A killed under load and "
-                   "restarted.")
+        out.append(
+            f"{'[green]PASS[/green]' if self.passed else '[red]FAIL[/red]'}: gateway A killed under load and restarted."
+        )
         return out
 
 
@@ -368,8 +401,10 @@ async def _run(options: DrillOptions, c: RestartConfig) -> RestartResult:
     with drill_folder("fairgate-drill-restart-") as folder, LogCapture() as capture, ExitStack() as stack:
         redis = stack.enter_context(RedisServer(folder / "redis", durable=False))
         ledger_url = redis.url("drill")
-        replicas = [ServerProcess(emulator_args(c.replica, port), port, folder / f"emulator-{i}.log")
-                    for i, port in enumerate(free_port() for _ in range(c.replicas))]
+        replicas = [
+            ServerProcess(emulator_args(c.replica, port), port, folder / f"emulator-{i}.log")
+            for i, port in enumerate(free_port() for _ in range(c.replicas))
+        ]
         for server in replicas:
             server.start()
             stack.callback(server.stop)
@@ -380,12 +415,23 @@ async def _run(options: DrillOptions, c: RestartConfig) -> RestartResult:
             sub = folder / name
             sub.mkdir()
             path = sub / "fairgate.toml"
-            path.write_text(gateway_config(sub, ledger_url, [r.url for r in replicas], c.replica, c.tenants,
-                                           options.policy, c.sweep_s, c.reservation_ttl_s,
-                                           upstream_max_batch=c.gateway_batch))
+            path.write_text(
+                gateway_config(
+                    sub,
+                    ledger_url,
+                    [r.url for r in replicas],
+                    c.replica,
+                    c.tenants,
+                    options.policy,
+                    c.sweep_s,
+                    c.reservation_ttl_s,
+                    upstream_max_batch=c.gateway_batch,
+                )
+            )
             port = free_port()
-            gateways[name] = ServerProcess(["serve", "--config", str(path), "--port", str(port)], port,
-                                           sub / "gateway.log")
+            gateways[name] = ServerProcess(
+                ["serve", "--config", str(path), "--port", str(port)], port, sub / "gateway.log"
+            )
             gateways[name].start()
             stack.callback(gateways[name].stop)
         for server in gateways.values():
@@ -393,12 +439,17 @@ async def _run(options: DrillOptions, c: RestartConfig) -> RestartResult:
         quotas = load_gateway_config(folder / "A" / "fairgate.toml").quotas
         reader = await connect(ledger_url, quotas)
         clients = Clients({name: g.url for name, g in gateways.items()}, seed=options.seed)
-        loads = [ClientLoad("alpha", "A", c.alpha_clients, c.alpha_output, c.prompt_tokens, c.backoff_s),
-                 ClientLoad("long", "B", c.long_clients, c.long_output, c.prompt_tokens, c.backoff_s),
-                 ClientLoad("beta", "B", c.beta_clients, c.beta_output, c.prompt_tokens, c.backoff_s)]
+        loads = [
+            ClientLoad("alpha", "A", c.alpha_clients, c.alpha_output, c.prompt_tokens, c.backoff_s),
+            ClientLoad("long", "B", c.long_clients, c.long_output, c.prompt_tokens, c.backoff_s),
+            ClientLoad("beta", "B", c.beta_clients, c.beta_output, c.prompt_tokens, c.backoff_s),
+        ]
         send_until = c.kill_at_s + c.load_after_s
-        tasks = [asyncio.ensure_future(clients.closed_loop(load, i, send_until))
-                 for load in loads for i in range(load.clients)]
+        tasks = [
+            asyncio.ensure_future(clients.closed_loop(load, i, send_until))
+            for load in loads
+            for i in range(load.clients)
+        ]
         retries: dict[str, Call] = {}
         try:
             await asyncio.sleep(max(0.0, c.kill_at_s - clients.now()))
@@ -418,15 +469,23 @@ async def _run(options: DrillOptions, c: RestartConfig) -> RestartResult:
             restarting = asyncio.ensure_future(restart())
             # Retry a few of A's queued requests on B with their own request id (same body).
             calls_by_id = {call.request_id: call for call in active_at_kill}
-            queued_ids = [r.request_id for r in snapshot if r.queued and r.billed.output_tokens == 0
-                          and r.request_id in calls_by_id][:c.retry_queued]
+            queued_ids = [
+                r.request_id
+                for r in snapshot
+                if r.queued and r.billed.output_tokens == 0 and r.request_id in calls_by_id
+            ][: c.retry_queued]
             for rid in queued_ids:
                 original = calls_by_id[rid]
                 while original.outcome == "running" and clients.now() < kill_at + 5.0:
                     await asyncio.sleep(0.02)
-            retry_tasks = {rid: asyncio.ensure_future(clients.one(
-                ClientLoad("alpha", "B", 1, c.alpha_output, c.prompt_tokens), rid, calls_by_id[rid].max_tokens))
-                for rid in queued_ids}
+            retry_tasks = {
+                rid: asyncio.ensure_future(
+                    clients.one(
+                        ClientLoad("alpha", "B", 1, c.alpha_output, c.prompt_tokens), rid, calls_by_id[rid].max_tokens
+                    )
+                )
+                for rid in queued_ids
+            }
             # Convergence: each of A's reservations open at the kill becomes final.
             final_ms: dict[str, float] = {}
             deadline = clients.now() + c.load_after_s + c.drain_s_max
@@ -463,19 +522,46 @@ async def _run(options: DrillOptions, c: RestartConfig) -> RestartResult:
             await reader.close()
         for server in gateways.values():
             server.stop()
-        lines = summarise_log(log_lines(capture.lines, *(folder / n / "gateway.log" for n in gateways)),
-                              keep_whole=("expired",))
-        figures = _figures(c, clients.calls, active_at_kill, snapshot, final_ms, kill_wall_ms, kill_at,
-                           restart_ready, dict(at_kill), retries, reservations, accounts, gauges, replica_state,
-                           lines)
+        lines = summarise_log(
+            log_lines(capture.lines, *(folder / n / "gateway.log" for n in gateways)), keep_whole=("expired",)
+        )
+        figures = _figures(
+            c,
+            clients.calls,
+            active_at_kill,
+            snapshot,
+            final_ms,
+            kill_wall_ms,
+            kill_at,
+            restart_ready,
+            dict(at_kill),
+            retries,
+            reservations,
+            accounts,
+            gauges,
+            replica_state,
+            lines,
+        )
     return RestartResult(c, figures)
 
 
-def _figures(c: RestartConfig, calls: list[Call], active_at_kill: list[Call], snapshot: list[Any],
-             final_ms: dict[str, float], kill_wall_ms: float, kill_at: float, restart_ready: float,
-             at_kill: dict[str, int], retries: dict[str, Call], reservations: list[Any],
-             accounts: dict[str, tuple[int, int]], gauges: dict[str, tuple[float, float]],
-             replica_state: dict[str, tuple[int, int]], lines: list[str]) -> RestartFigures:
+def _figures(
+    c: RestartConfig,
+    calls: list[Call],
+    active_at_kill: list[Call],
+    snapshot: list[Any],
+    final_ms: dict[str, float],
+    kill_wall_ms: float,
+    kill_at: float,
+    restart_ready: float,
+    at_kill: dict[str, int],
+    retries: dict[str, Call],
+    reservations: list[Any],
+    accounts: dict[str, tuple[int, int]],
+    gauges: dict[str, tuple[float, float]],
+    replica_state: dict[str, tuple[int, int]],
+    lines: list[str],
+) -> RestartFigures:
     by_request: dict[str, list[Any]] = {}
     for r in reservations:
         by_request.setdefault(r.request_id, []).append(r)
@@ -492,8 +578,18 @@ def _figures(c: RestartConfig, calls: list[Call], active_at_kill: list[Call], sn
         if r.request_id not in retried:
             unbilled += max(0, tokens - billed)
         after = (final_ms[r.id] - kill_wall_ms) / 1000.0 if r.id in final_ms else None
-        killed.append(Killed(r.request_id, bool(r.queued), tokens, status, billed, after,
-                             call.outcome if call is not None else "unknown", r.request_id in retried))
+        killed.append(
+            Killed(
+                r.request_id,
+                bool(r.queued),
+                tokens,
+                status,
+                billed,
+                after,
+                call.outcome if call is not None else "unknown",
+                r.request_id in retried,
+            )
+        )
     sent: dict[str, Counter[str]] = {}
     for call in calls:
         if call.request_id in retried and call.target == "B":
@@ -509,29 +605,66 @@ def _figures(c: RestartConfig, calls: list[Call], active_at_kill: list[Call], sn
             mismatches.append(f"{call.request_id}: {len(found)} reservations")
             continue
         r = found[0]
-        if r.status != "settled" or r.billed.output_tokens != call.tokens or (
-                call.usage_input is not None and r.billed.input_tokens != call.usage_input):
-            mismatches.append(f"{call.request_id} ({call.target}): client received {call.tokens} tokens, ledger "
-                              f"{r.status} billing {r.billed.output_tokens} (input {r.billed.input_tokens})")
+        if (
+            r.status != "settled"
+            or r.billed.output_tokens != call.tokens
+            or (call.usage_input is not None and r.billed.input_tokens != call.usage_input)
+        ):
+            mismatches.append(
+                f"{call.request_id} ({call.target}): client received {call.tokens} tokens, ledger "
+                f"{r.status} billing {r.billed.output_tokens} (input {r.billed.input_tokens})"
+            )
     killed_ids = {r.request_id for r in snapshot}
-    expired_not_killed = tuple(f"{r.request_id}: expired, billed {r.billed.output_tokens} tokens"
-                               for r in reservations if r.status == "expired" and r.request_id not in killed_ids)
-    long_calls = [call for call in calls if call.tenant == "long" and call.outcome == "ok" and call.ended_s is not None
-                  and call.ended_s - call.sent_s > c.reservation_ttl_s]
-    long_settled = sum(1 for call in long_calls
-                       if [(r.status, r.billed.output_tokens) for r in by_request.get(call.request_id, [])]
-                       == [("settled", call.tokens)])
-    a_after = sum(1 for call in calls if call.target == "A" and call.outcome == "ok"
-                  and call.sent_s >= kill_at + restart_ready - 1.0)
+    expired_not_killed = tuple(
+        f"{r.request_id}: expired, billed {r.billed.output_tokens} tokens"
+        for r in reservations
+        if r.status == "expired" and r.request_id not in killed_ids
+    )
+    long_calls = [
+        call
+        for call in calls
+        if call.tenant == "long"
+        and call.outcome == "ok"
+        and call.ended_s is not None
+        and call.ended_s - call.sent_s > c.reservation_ttl_s
+    ]
+    long_settled = sum(
+        1
+        for call in long_calls
+        if [(r.status, r.billed.output_tokens) for r in by_request.get(call.request_id, [])]
+        == [("settled", call.tokens)]
+    )
+    a_after = sum(
+        1
+        for call in calls
+        if call.target == "A" and call.outcome == "ok" and call.sent_s >= kill_at + restart_ready - 1.0
+    )
     statuses = Counter(r.status for r in reservations)
     return RestartFigures(
-        kill_at, restart_ready, tuple(killed), at_kill,
+        kill_at,
+        restart_ready,
+        tuple(killed),
+        at_kill,
         dict(Counter(call.outcome for call in active_at_kill)),
         sum(1 for call in active_at_kill if call.ended_s is None or call.ended_s - kill_at > HUNG_S),
-        {rid: call.key() if call.outcome != "ok" else "ok" for rid, call in
-         ((call.request_id, call) for call in retries.values())},
-        sent, len(long_calls), long_settled, tuple(mismatches), expired_not_killed, a_after,
-        statuses.get("open", 0), dict(statuses), accounts, gauges, replica_state, unbilled, tuple(lines))
+        {
+            rid: call.key() if call.outcome != "ok" else "ok"
+            for rid, call in ((call.request_id, call) for call in retries.values())
+        },
+        sent,
+        len(long_calls),
+        long_settled,
+        tuple(mismatches),
+        expired_not_killed,
+        a_after,
+        statuses.get("open", 0),
+        dict(statuses),
+        accounts,
+        gauges,
+        replica_state,
+        unbilled,
+        tuple(lines),
+    )
 
 
 __all__ = ["RestartConfig", "RestartFigures", "RestartResult", "ServerProcess", "run"]

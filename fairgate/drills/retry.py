@@ -90,8 +90,11 @@ class RetryConfig:
     requests_per_minute: int = 6
     sdk_max_retries: int = 2
     replicas: int = 2
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=30.0, iter_slope_ms=0.2, prefill_ms_per_token=0.05, max_batch=24, max_model_len=4096))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=30.0, iter_slope_ms=0.2, prefill_ms_per_token=0.05, max_batch=24, max_model_len=4096
+        )
+    )
     converge_s_max: float = 10.0
     gateway_process: bool = True
 
@@ -103,8 +106,10 @@ class RetryConfig:
         return self.ids_of(tenant) + 1
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
-        tenants = tuple(TenantSpec(t, limits={"requests_per_minute": self.requests_per_minute,
-                                              "requests_burst": self.burst(t)}) for t in self.tenants)
+        tenants = tuple(
+            TenantSpec(t, limits={"requests_per_minute": self.requests_per_minute, "requests_burst": self.burst(t)})
+            for t in self.tenants
+        )
         return StackSpec(tenants, policy=policy, replicas=self.replicas, replica=self.replica, processes=processes)
 
 
@@ -131,9 +136,18 @@ def id_plans(config: RetryConfig, seed: int) -> list[IdPlan]:
         pattern = rng.choices(PATTERNS, weights=config.patterns)[0]
         count = rng.randint(*config.resends)
         delays = tuple(0.0 if pattern == "storm" else rng.uniform(0.0, config.jitter_s) for _ in range(count))
-        out.append(IdPlan(tenant, f"rt{seed}-{i:05d}", config.seconds * i / config.ids, rng.random() < 0.5,
-                          rng.randint(*config.output_tokens), pattern, delays,
-                          rng.uniform(*config.timeout_s) if pattern == "timeout" else 0.0))
+        out.append(
+            IdPlan(
+                tenant,
+                f"rt{seed}-{i:05d}",
+                config.seconds * i / config.ids,
+                rng.random() < 0.5,
+                rng.randint(*config.output_tokens),
+                pattern,
+                delays,
+                rng.uniform(*config.timeout_s) if pattern == "timeout" else 0.0,
+            )
+        )
     return out
 
 
@@ -257,8 +271,10 @@ class RetryFigures:
 
     @property
     def answers(self) -> Counter[str]:
-        return Counter("cut by client" if a.cut else ("no answer" if a.status is None else
-                                                     f"{a.status} {a.code or 'ok'}") for a in self.attempts)
+        return Counter(
+            "cut by client" if a.cut else ("no answer" if a.status is None else f"{a.status} {a.code or 'ok'}")
+            for a in self.attempts
+        )
 
 
 @dataclass(frozen=True)
@@ -282,20 +298,23 @@ class RetryResult(CheckedResult):
         answers = f.answers
         statuses = Counter(p.pattern for p in (i.plan for i in f.ids))
         return {
-            f"all {c.ids} ids sent, every pattern exercised":
-                len(f.ids) == c.ids and all(statuses[p] for p in PATTERNS),
+            f"all {c.ids} ids sent, every pattern exercised": len(f.ids) == c.ids
+            and all(statuses[p] for p in PATTERNS),
             "every id: one reservation, one reserve event": all(i.reservations == 1 == i.reserve_events for i in f.ids),
             "every id: run at most once on a replica": (not f.tapped or all((i.sequences or 0) <= 1 for i in f.ids))
             and f.untagged_sequences == 0,
-            "every id: at most one attempt answered 200, the others 409 (or cut by the client)":
-                all(len(i.answered_ok) <= 1 and i.served for i in f.ids)
+            "every id: at most one attempt answered 200, the others 409 (or cut by the client)": all(
+                len(i.answered_ok) <= 1 and i.served for i in f.ids
+            )
             and not any(k.startswith("5") or k.startswith("429") or k == "no answer" for k in answers),
             "every id billed once (what its one served attempt got)": not problems,
-            "requests_per_minute deducted once per id (exact)":
-                all(abs(b.deductions - b.ids) < 1e-6 and b.usage_requests == b.ids for b in f.buckets.values()),
+            "requests_per_minute deducted once per id (exact)": all(
+                abs(b.deductions - b.ids) < 1e-6 and b.usage_requests == b.ids for b in f.buckets.values()
+            ),
             "event log sums == reservations' billed totals, every tenant": not f.reconcile_differences,
-            f"every reservation final within {c.converge_s_max:g} s":
-                f.converge_s is not None and f.open_after == 0 and f.replicas_running_after == 0,
+            f"every reservation final within {c.converge_s_max:g} s": f.converge_s is not None
+            and f.open_after == 0
+            and f.replicas_running_after == 0,
         }
 
     def render(self) -> list[Any]:
@@ -309,63 +328,98 @@ class RetryResult(CheckedResult):
             f"{c.output_tokens[0]}-{c.output_tokens[1]} tokens; {c.replicas} emulated replicas x "
             f"{c.replica.max_batch} slots, policy {f.policy}; requests_per_minute {c.requests_per_minute}, burst "
             "ids+1.",
-            "Claim: the same request id is never run, reserved, billed or deducted twice."]
+            "Claim: the same request id is never run, reserved, billed or deducted twice.",
+        ]
         table = Table(title="by pattern", title_justify="left")
-        for column in ("pattern", "ids", "attempts", "answers", "reservations", "billed out tok",
-                       "replica runs", "ids wrong"):
-            table.add_column(column, justify="left" if column in ("pattern", "answers") else "right",
-                             no_wrap=column != "answers")
+        for column in (
+            "pattern",
+            "ids",
+            "attempts",
+            "answers",
+            "reservations",
+            "billed out tok",
+            "replica runs",
+            "ids wrong",
+        ):
+            table.add_column(
+                column, justify="left" if column in ("pattern", "answers") else "right", no_wrap=column != "answers"
+            )
         problems = self.problems()
         for pattern in PATTERNS:
             rows = [i for i in f.ids if i.plan.pattern == pattern]
             if not rows:
                 continue
-            answers = Counter("cut" if a.cut else ("none" if a.status is None else f"{a.status} {a.code or 'ok'}")
-                              for i in rows for a in i.attempts)
-            table.add_row(pattern, str(len(rows)), str(sum(len(i.attempts) for i in rows)),
-                          ", ".join(f"{k} x{v}" for k, v in sorted(answers.items())),
-                          str(sum(i.reservations for i in rows)), f"{sum(i.billed_output for i in rows):,}",
-                          "-" if not f.tapped else str(sum(i.sequences or 0 for i in rows)),
-                          str(sum(1 for i in rows if i.plan.request_id in problems)))
+            answers = Counter(
+                "cut" if a.cut else ("none" if a.status is None else f"{a.status} {a.code or 'ok'}")
+                for i in rows
+                for a in i.attempts
+            )
+            table.add_row(
+                pattern,
+                str(len(rows)),
+                str(sum(len(i.attempts) for i in rows)),
+                ", ".join(f"{k} x{v}" for k, v in sorted(answers.items())),
+                str(sum(i.reservations for i in rows)),
+                f"{sum(i.billed_output for i in rows):,}",
+                "-" if not f.tapped else str(sum(i.sequences or 0 for i in rows)),
+                str(sum(1 for i in rows if i.plan.request_id in problems)),
+            )
         sdk = [a for a in f.attempts if a.role == "sdk"]
-        table.caption = (f"load: {len(f.attempts):,} attempts for {c.ids} ids in {f.load_s:.1f} s (peak "
-                         f"{f.peak_in_flight} in flight); faults injected: {resends:,} re-sends"
-                         + (f" ({len(sdk)} by the SDK's own retries)" if sdk else ""))
+        table.caption = (
+            f"load: {len(f.attempts):,} attempts for {c.ids} ids in {f.load_s:.1f} s (peak "
+            f"{f.peak_in_flight} in flight); faults injected: {resends:,} re-sends"
+            + (f" ({len(sdk)} by the SDK's own retries)" if sdk else "")
+        )
         table.caption_justify = "left"
         out.append(table)
         buckets = Table(title="requests_per_minute bucket per tenant", title_justify="left")
         for column in ("tenant", "ids", "burst", "refill since first", "level now", "deducted", "ledger requests"):
             buckets.add_column(column, justify="left" if column == "tenant" else "right")
         for b in f.buckets.values():
-            buckets.add_row(b.tenant, str(b.ids), f"{b.burst:g}", f"{b.refill:.4f}", f"{b.level:.4f}",
-                            f"{b.deductions:.6f}", str(b.usage_requests))
+            buckets.add_row(
+                b.tenant,
+                str(b.ids),
+                f"{b.burst:g}",
+                f"{b.refill:.4f}",
+                f"{b.level:.4f}",
+                f"{b.deductions:.6f}",
+                str(b.usage_requests),
+            )
         out.append(buckets)
-        double = sum(max(0, i.reservations - 1) + max(0, (i.sequences or 0) - 1) + max(0, len(i.answered_ok) - 1)
-                     for i in f.ids)
+        double = sum(
+            max(0, i.reservations - 1) + max(0, (i.sequences or 0) - 1) + max(0, len(i.answered_ok) - 1) for i in f.ids
+        )
         extra = sum(b.deductions - b.ids for b in f.buckets.values())
         extra = 0.0 if abs(extra) < 1e-9 else extra
-        out.append(f"lost: {double} double runs/reservations/answers, {extra:+.6f} extra bucket deductions, "
-                   f"{len(problems)} ids wrong; reservations "
-                   f"{', '.join(f'{k} {v}' for k, v in sorted(f.by_status.items()))}; "
-                   "converged " + ("never" if f.converge_s is None else f"{f.converge_s:.2f} s")
-                   + " after the last answer.")
+        out.append(
+            f"lost: {double} double runs/reservations/answers, {extra:+.6f} extra bucket deductions, "
+            f"{len(problems)} ids wrong; reservations "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(f.by_status.items()))}; "
+            "converged " + ("never" if f.converge_s is None else f"{f.converge_s:.2f} s") + " after the last answer."
+        )
         if f.sdk_calls:
             answered = ", ".join(f"{k} x{v}" for k, v in sorted(Counter(str(a.code or a.status) for a in sdk).items()))
-            out.append(f"[yellow]found[/yellow]: {len(f.sdk_calls)} re-sends through the openai SDK (max_retries="
-                       f"{c.sdk_max_retries}) became {len(sdk)} HTTP attempts ({answered}); "
-                       f"{f.futile_sdk_attempts} of them came after a 409 request_already_completed, which can never "
-                       "succeed: the gateway sends no x-should-retry: false, and the SDK retries every 409.")
+            out.append(
+                f"[yellow]found[/yellow]: {len(f.sdk_calls)} re-sends through the openai SDK (max_retries="
+                f"{c.sdk_max_retries}) became {len(sdk)} HTTP attempts ({answered}); "
+                f"{f.futile_sdk_attempts} of them came after a 409 request_already_completed, which can never "
+                "succeed: the gateway sends no x-should-retry: false, and the SDK retries every 409."
+            )
         for rid, found in list(problems.items())[:8]:
             out.append(f"[red]{rid}[/red]: {'; '.join(found)}")
         out.extend(self.check_lines())
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
-        out.append(f"{verdict}: {resends:,} re-sends of {c.ids} ids; "
-                   + ("not one double deduction" if self.passed else "see the FAIL lines") + ".")
+        out.append(
+            f"{verdict}: {resends:,} re-sends of {c.ids} ids; "
+            + ("not one double deduction" if self.passed else "see the FAIL lines")
+            + "."
+        )
         return out
 
 
-async def _drive(url: str, keys: dict[str, str], config: RetryConfig, todo: list[IdPlan], model: str
-                 ) -> tuple[dict[str, list[Attempt]], list[list[Attempt]], int, float]:
+async def _drive(
+    url: str, keys: dict[str, str], config: RetryConfig, todo: list[IdPlan], model: str
+) -> tuple[dict[str, list[Attempt]], list[list[Attempt]], int, float]:
     """Send every id and its re-sends; the attempts by id, the HTTP attempts of each call through the SDK's
     retries, the peak of attempts in flight, and when the last one ended (monotonic)."""
     import httpx
@@ -390,15 +444,31 @@ async def _drive(url: str, keys: dict[str, str], config: RetryConfig, todo: list
             except (ValueError, KeyError, TypeError):
                 code = "unparsed"
         now = time.monotonic()
-        call.append(Attempt(response.request.headers.get("x-request-id", ""), "sdk", response.status_code, code,
-                            sent_s=now, ended_s=now))
+        call.append(
+            Attempt(
+                response.request.headers.get("x-request-id", ""),
+                "sdk",
+                response.status_code,
+                code,
+                sent_s=now,
+                ended_s=now,
+            )
+        )
 
-    plain = {t: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys[t], max_retries=0, timeout=60.0)
-             for t in config.tenants}
-    hooked = {t: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys[t], max_retries=config.sdk_max_retries,
-                                    timeout=60.0, http_client=httpx.AsyncClient(
-                                        timeout=60.0, event_hooks={"response": [on_response]}))
-              for t in config.tenants}
+    plain = {
+        t: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys[t], max_retries=0, timeout=60.0)
+        for t in config.tenants
+    }
+    hooked = {
+        t: openai.AsyncOpenAI(
+            base_url=f"{url}/v1",
+            api_key=keys[t],
+            max_retries=config.sdk_max_retries,
+            timeout=60.0,
+            http_client=httpx.AsyncClient(timeout=60.0, event_hooks={"response": [on_response]}),
+        )
+        for t in config.tenants
+    }
     filler = "w " * (config.prompt_tokens - CHAT_OVERHEAD_TOKENS - 1)
     sdk_calls: list[list[Attempt]] = []
 
@@ -410,10 +480,14 @@ async def _drive(url: str, keys: dict[str, str], config: RetryConfig, todo: list
 
         async def call() -> None:
             result: Any = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": filler + plan.request_id}],
-                max_tokens=max_tokens, stream=plan.stream, extra_body={"ignore_eos": True},
+                model=model,
+                messages=[{"role": "user", "content": filler + plan.request_id}],
+                max_tokens=max_tokens,
+                stream=plan.stream,
+                extra_body={"ignore_eos": True},
                 extra_headers={"X-Request-Id": plan.request_id},
-                **({"stream_options": {"include_usage": True}} if plan.stream else {}))
+                **({"stream_options": {"include_usage": True}} if plan.stream else {}),
+            )
             if plan.stream:
                 async with result:
                     attempt.status = 200
@@ -430,13 +504,13 @@ async def _drive(url: str, keys: dict[str, str], config: RetryConfig, todo: list
             if cut_after_s > 0:
                 try:
                     await asyncio.wait_for(call(), timeout=cut_after_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     attempt.cut, attempt.status = True, None
             else:
                 await call()
         except openai.APIStatusError as exc:
             attempt.status, attempt.code = exc.status_code, exc.code
-        except Exception as exc:  # noqa: BLE001 - every failure is a figure of the drill
+        except Exception as exc:
             attempt.code = _error_key(exc)
         finally:
             in_flight -= 1
@@ -447,8 +521,9 @@ async def _drive(url: str, keys: dict[str, str], config: RetryConfig, todo: list
         await asyncio.sleep(max(0.0, start + plan.at_s - time.monotonic()))
         mine = attempts[plan.request_id]
         if plan.pattern == "storm":
-            results = await asyncio.gather(send(plan, "original"),
-                                           *(send(plan, "resend") for _ in plan.resend_delays_s))
+            results = await asyncio.gather(
+                send(plan, "original"), *(send(plan, "resend") for _ in plan.resend_delays_s)
+            )
             mine.extend(results)
             return
         if plan.pattern == "timeout":
@@ -506,6 +581,7 @@ def run(options: DrillOptions, config: RetryConfig | None = None) -> RetryResult
     todo = id_plans(config, options.seed)
 
     with open_stack(spec, gateway_process=config.gateway_process) as drill:
+
         async def go() -> RetryFigures:
             start = time.monotonic()
             attempts, sdk_calls, peak, last = await _drive(drill.url, drill.keys, config, todo, spec.model)
@@ -529,11 +605,19 @@ def run(options: DrillOptions, config: RetryConfig | None = None) -> RetryResult
                 for tenant in config.tenants:
                     account = await ledger.account(tenant, spec.model)
                     usage = await ledger.usage(tenant, 10 * 365 * 86_400)
-                    first_ms = min((e.at_ms for e in events if e.tenant == tenant and e.kind == "reserve"),
-                                   default=account.requests_updated_ms)
+                    first_ms = min(
+                        (e.at_ms for e in events if e.tenant == tenant and e.kind == "reserve"),
+                        default=account.requests_updated_ms,
+                    )
                     refill = (account.requests_updated_ms - first_ms) * config.requests_per_minute / 60_000.0
-                    buckets[tenant] = BucketFigures(tenant, config.ids_of(tenant), float(config.burst(tenant)),
-                                                    float(account.requests_level or 0.0), refill, usage.requests)
+                    buckets[tenant] = BucketFigures(
+                        tenant,
+                        config.ids_of(tenant),
+                        float(config.burst(tenant)),
+                        float(account.requests_level or 0.0),
+                        refill,
+                        usage.requests,
+                    )
             finally:
                 await ledger.close()
             by_id: dict[tuple[str, str], list[Any]] = {}
@@ -550,18 +634,35 @@ def run(options: DrillOptions, config: RetryConfig | None = None) -> RetryResult
                 mine = by_id.get((plan.tenant, plan.request_id), [])
                 first = mine[0] if mine else None
                 seqs = sequences.get(plan.request_id, [])
-                rows.append(IdFigures(
-                    plan, attempts[plan.request_id], len(mine), sum(reserve_events[r.id] for r in mine),
-                    first.status if first else None, first.billed.input_tokens if first else 0,
-                    first.billed.output_tokens if first else 0, len(seqs) if tapped else None,
-                    sum(s.generated for s in seqs) if tapped else None))
+                rows.append(
+                    IdFigures(
+                        plan,
+                        attempts[plan.request_id],
+                        len(mine),
+                        sum(reserve_events[r.id] for r in mine),
+                        first.status if first else None,
+                        first.billed.input_tokens if first else 0,
+                        first.billed.output_tokens if first else 0,
+                        len(seqs) if tapped else None,
+                        sum(s.generated for s in seqs) if tapped else None,
+                    )
+                )
             stats = await replica_stats(drill)
             return RetryFigures(
-                options.policy, rows, buckets, load_s, converge_s, len([r for r in reservations if r.status == "open"]),
+                options.policy,
+                rows,
+                buckets,
+                load_s,
+                converge_s,
+                len([r for r in reservations if r.status == "open"]),
                 dict(Counter(r.status for r in reservations)),
                 {t.tenant: t.differences for t in report.tenants if t.differences},
-                sum(s["running"] + s["waiting"] for s in stats), tapped, sum(t.untagged for t in drill.taps), peak,
-                sdk_calls)
+                sum(s["running"] + s["waiting"] for s in stats),
+                tapped,
+                sum(t.untagged for t in drill.taps),
+                peak,
+                sdk_calls,
+            )
 
         figures = asyncio.run(go())
     return RetryResult(config, figures)

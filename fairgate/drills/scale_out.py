@@ -191,10 +191,27 @@ def children(specs: Sequence[ChildSpec], folder: Path) -> Iterator[list[Child]]:
 def emulator_spec(name: str, replica: ReplicaModel, model: str = "emu", port: int | None = None) -> ChildSpec:
     """A ``fairgate emulate`` replica with ``replica``'s cost model and slots."""
     port = port or free_port()
-    return ChildSpec(name, ("emulate", "--port", str(port), "--model", model, "--iter-base-ms", repr(replica.iter_base_ms),
-                            "--iter-slope-ms", repr(replica.iter_slope_ms), "--prefill-ms-per-token",
-                            repr(replica.prefill_ms_per_token), "--max-batch", str(replica.max_batch),
-                            "--max-model-len", str(replica.max_model_len)), port)
+    return ChildSpec(
+        name,
+        (
+            "emulate",
+            "--port",
+            str(port),
+            "--model",
+            model,
+            "--iter-base-ms",
+            repr(replica.iter_base_ms),
+            "--iter-slope-ms",
+            repr(replica.iter_slope_ms),
+            "--prefill-ms-per-token",
+            repr(replica.prefill_ms_per_token),
+            "--max-batch",
+            str(replica.max_batch),
+            "--max-model-len",
+            str(replica.max_model_len),
+        ),
+        port,
+    )
 
 
 def gateway_spec(name: str, config_path: Path, port: int | None = None) -> ChildSpec:
@@ -233,9 +250,18 @@ def tenant_keys(tenants: Sequence[TenantEntry]) -> dict[str, str]:
     return {t.name: f"fg-drill-{i}-{'k' * 32}" for i, t in enumerate(tenants)}
 
 
-def gateway_config_text(folder: Path, index: int, policy: str, ledger_url: str, upstreams: Sequence[UpstreamEntry],
-                        tenants: Sequence[TenantEntry], keys: dict[str, str], share_charges_s: float = 0.25,
-                        default_max_tokens: int = 256, sweep_s: float = 10.0) -> str:
+def gateway_config_text(
+    folder: Path,
+    index: int,
+    policy: str,
+    ledger_url: str,
+    upstreams: Sequence[UpstreamEntry],
+    tenants: Sequence[TenantEntry],
+    keys: dict[str, str],
+    share_charges_s: float = 0.25,
+    default_max_tokens: int = 256,
+    sweep_s: float = 10.0,
+) -> str:
     """Gateway ``index``'s TOML: the shared ledger, its own journal and event log in ``folder``, and the same
     quota document and keys as every other gateway of the drill."""
 
@@ -246,18 +272,23 @@ def gateway_config_text(folder: Path, index: int, policy: str, ledger_url: str, 
         f'[[upstream]]\nname = "{u.name}"\nurl = "{u.url}/v1"\nmodel = "{u.model}"\nmax_batch = {u.max_batch}\n'
         f"iter_base_ms = {u.replica.iter_base_ms!r}\niter_slope_ms = {u.replica.iter_slope_ms!r}\n"
         f"prefill_ms_per_token = {u.replica.prefill_ms_per_token!r}\nmax_model_len = {u.replica.max_model_len}\n\n"
-        for u in upstreams)
+        for u in upstreams
+    )
     quota_tenants = "".join(
         f'[quotas.tenants."{t.name}"]\ntier = "drill"\nweight = {float(t.weight)!r}\npriority = "{t.priority}"\n'
         + ("limits = { " + ", ".join(f"{k} = {value(v)}" for k, v in t.limits.items()) + " }\n" if t.limits else "")
-        for t in tenants)
-    key_tables = "".join(f'[[key]]\ntenant = "{tenant}"\nhash = "{hash_api_key(key)}"\nname = "drill"\n'
-                         for tenant, key in keys.items())
-    return (f'[gateway]\npolicy = "{policy}"\nledger = "{ledger_url}"\njournal = "{folder}/journal-{index}.jsonl"\n'
-            f'event_log = "{folder}/events-{index}.jsonl"\ndefault_max_tokens = {default_max_tokens}\n'
-            f"request_timeout_s = 600\nshare_charges_s = {float(share_charges_s)!r}\nsweep_s = {float(sweep_s)!r}\n\n"
-            f'{ups}[quotas.tiers.drill]\non_ledger_unavailable = "reject"\n\n'
-            f"[quotas.defaults]\nmax_concurrent = 100000\nmax_queued = 100000\n\n{quota_tenants}\n{key_tables}")
+        for t in tenants
+    )
+    key_tables = "".join(
+        f'[[key]]\ntenant = "{tenant}"\nhash = "{hash_api_key(key)}"\nname = "drill"\n' for tenant, key in keys.items()
+    )
+    return (
+        f'[gateway]\npolicy = "{policy}"\nledger = "{ledger_url}"\njournal = "{folder}/journal-{index}.jsonl"\n'
+        f'event_log = "{folder}/events-{index}.jsonl"\ndefault_max_tokens = {default_max_tokens}\n'
+        f"request_timeout_s = 600\nshare_charges_s = {float(share_charges_s)!r}\nsweep_s = {float(sweep_s)!r}\n\n"
+        f'{ups}[quotas.tiers.drill]\non_ledger_unavailable = "reject"\n\n'
+        f"[quotas.defaults]\nmax_concurrent = 100000\nmax_queued = 100000\n\n{quota_tenants}\n{key_tables}"
+    )
 
 
 def fresh_ledger_url(base: str, token: str) -> str:
@@ -292,15 +323,16 @@ async def drop_ledger(ledger: Ledger) -> None:
     if drop is not None:
         try:
             await drop()
-        except Exception:  # noqa: BLE001 - clean-up only
+        except Exception:
             pass
 
 
 # --- checks over the ledger's reservations (pure) ---------------------------------------------------------------
 
 
-def bucket_peak(consumed: Sequence[tuple[float, float]], credits: Sequence[tuple[float, float]],
-                rate_per_minute: float) -> float:
+def bucket_peak(
+    consumed: Sequence[tuple[float, float]], credits: Sequence[tuple[float, float]], rate_per_minute: float
+) -> float:
     """The most a token bucket let through in one window beyond its refill.
 
     ``consumed``: (ledger ms, units) taken at each admission; ``credits``: (ledger ms, units) given back
@@ -373,8 +405,9 @@ def gpu_budget_use(reservations: Sequence[Reservation]) -> GpuBudgetUse:
     return GpuBudgetUse(within, billed, overage, sum(r.gpu_ms_estimate for r in reservations))
 
 
-def bucket_events(reservations: Sequence[Reservation], dimension: str) -> tuple[list[tuple[float, float]],
-                                                                                  list[tuple[float, float]]]:
+def bucket_events(
+    reservations: Sequence[Reservation], dimension: str
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """(consumed, credits) of one bucket (``requests``, ``input_tokens`` or ``output_tokens``) from the
     reservations (``fairgate.ledger.rules``: reserve takes the prompt and ``max_output_tokens``; the final
     settlement gives back what was held and not billed)."""
@@ -413,8 +446,16 @@ class Probe:
 def default_probes() -> tuple[Probe, ...]:
     return (
         Probe("rate", {"requests_per_minute": 60.0, "requests_burst": 6.0}, clients=6),
-        Probe("tokens", {"output_tokens_per_minute": 600.0, "output_tokens_burst": 120.0,
-                         "input_tokens_per_minute": 3000.0, "input_tokens_burst": 240.0}, clients=6),
+        Probe(
+            "tokens",
+            {
+                "output_tokens_per_minute": 600.0,
+                "output_tokens_burst": 120.0,
+                "input_tokens_per_minute": 3000.0,
+                "input_tokens_burst": 240.0,
+            },
+            clients=6,
+        ),
         Probe("slots", {"max_concurrent": 5, "max_queued": 2}, clients=12),
         Probe("gpu", {}, clients=6),  # gpu_seconds set per group (``LimitsConfig.gpu_budget_requests``)
     )
@@ -440,8 +481,11 @@ class LimitsConfig:
     seconds: float = 8.0
     process_counts: tuple[int, ...] = (1, 2, 4)
     gateway_slots: int = 4
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=25.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=64, max_model_len=4096))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=25.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=64, max_model_len=4096
+        )
+    )
     probes: tuple[Probe, ...] = field(default_factory=default_probes)
     gpu_budget_requests: int = 12
     sample_s: float = 0.1
@@ -483,8 +527,11 @@ class LimitsConfig:
         return {**probe.limits, "gpu_seconds": budget_s, "gpu_seconds_total": budget_s}
 
     def tenants(self) -> list[TenantEntry]:
-        return [TenantEntry(self.tenant(p, n), limits=self.limits_of(p, n))
-                for n in self.process_counts for p in self.probes]
+        return [
+            TenantEntry(self.tenant(p, n), limits=self.limits_of(p, n))
+            for n in self.process_counts
+            for p in self.probes
+        ]
 
 
 @dataclass(frozen=True)
@@ -516,38 +563,48 @@ class TenantLimitFigures:
         out = []
         for bucket, (peak, burst) in self.peaks.items():
             if peak > burst + EPSILON * max(1.0, burst):
-                out.append(f"{self.tenant}: {bucket} bucket let {peak:.3f} through in one window beyond its refill "
-                           f"(burst {burst:g})")
+                out.append(
+                    f"{self.tenant}: {bucket} bucket let {peak:.3f} through in one window beyond its refill "
+                    f"(burst {burst:g})"
+                )
         limit = self.limits.get("max_concurrent")
         if limit is not None:
             if self.concurrent_peak > limit:
                 out.append(f"{self.tenant}: {self.concurrent_peak} reservations open at once (max_concurrent {limit})")
             if self.concurrent_sampled > limit:
-                out.append(f"{self.tenant}: the account showed {self.concurrent_sampled} concurrent "
-                           f"(max_concurrent {limit})")
+                out.append(
+                    f"{self.tenant}: the account showed {self.concurrent_sampled} concurrent (max_concurrent {limit})"
+                )
         limit = self.limits.get("max_queued")
         if limit is not None and self.queued_sampled > limit:
             out.append(f"{self.tenant}: the account showed {self.queued_sampled} queued (max_queued {limit})")
         if self.gpu is not None and self.gpu_budget_ms is not None:
             if self.gpu.within_ms > self.gpu_budget_ms * (1 + EPSILON):
-                out.append(f"{self.tenant}: {self.gpu.within_ms:.1f} GPU ms billed within estimates, over the "
-                           f"budget of {self.gpu_budget_ms:.1f}")
+                out.append(
+                    f"{self.tenant}: {self.gpu.within_ms:.1f} GPU ms billed within estimates, over the "
+                    f"budget of {self.gpu_budget_ms:.1f}"
+                )
         if self.open_at_end:
             out.append(f"{self.tenant}: {self.open_at_end} reservations still open after the hang-ups were billed")
         if self.account_after != (0, 0):
-            out.append(f"{self.tenant}: the account holds {self.account_after[0]} concurrent and "
-                       f"{self.account_after[1]} queued after the load (leaked)")
+            out.append(
+                f"{self.tenant}: the account holds {self.account_after[0]} concurrent and "
+                f"{self.account_after[1]} queued after the load (leaked)"
+            )
         # A success is a settled reservation; a request settled just before its client hung up at the deadline
         # (the final settlement precedes ``[DONE]``) is settled too.
         if not self.ok <= self.settled <= self.ok + self.cut:
-            out.append(f"{self.tenant}: {self.ok} successes and {self.cut} hang-ups, but {self.settled} settled "
-                       f"reservations")
+            out.append(
+                f"{self.tenant}: {self.ok} successes and {self.cut} hang-ups, but {self.settled} settled reservations"
+            )
         # Every reservation is a request its client saw succeed, fail after admission (queue full, upstream
         # error) or hung up on at the deadline; a hang-up may also come before the request was admitted.
         answered = self.ok + sum(n for code, n in self.errors.items() if _after_admission(code))
         if not answered <= self.admitted <= answered + self.cut:
-            out.append(f"{self.tenant}: {self.admitted} reservations, but {answered} requests answered after "
-                       f"admission and {self.cut} hung up on")
+            out.append(
+                f"{self.tenant}: {self.admitted} reservations, but {answered} requests answered after "
+                f"admission and {self.cut} hung up on"
+            )
         return out
 
 
@@ -562,8 +619,7 @@ def _dimension(error: str) -> str:
 
 def _after_admission(error: str) -> bool:
     """An error a client gets after its request was admitted (it has a reservation)."""
-    return ("queue_full" in error or "upstream_error" in error or "no_upstream" in error
-            or error.startswith("stream:"))
+    return "queue_full" in error or "upstream_error" in error or "no_upstream" in error or error.startswith("stream:")
 
 
 @dataclass(frozen=True)
@@ -600,8 +656,9 @@ class LimitsFigures:
     folder: str | None = None  # the servers' logs and event logs, kept when a check failed
 
 
-async def _sample_accounts(ledger: Ledger, pairs: list[tuple[str, str]], every_s: float,
-                           seen: dict[str, list[int]], stop: asyncio.Event) -> None:
+async def _sample_accounts(
+    ledger: Ledger, pairs: list[tuple[str, str]], every_s: float, seen: dict[str, list[int]], stop: asyncio.Event
+) -> None:
     """Read each (tenant, model) account every ``every_s`` until ``stop``; ``seen[tenant]`` = [max concurrent,
     max queued, samples]."""
     from fairgate.ledger import LedgerError
@@ -618,7 +675,7 @@ async def _sample_accounts(ledger: Ledger, pairs: list[tuple[str, str]], every_s
             row[2] += 1
         try:
             await asyncio.wait_for(stop.wait(), every_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -632,8 +689,12 @@ async def read_replica(url: str, timeout_s: float = 2.0) -> ReplicaTruth | None:
             stats = (await http.get(f"{url}/emulator/stats")).json()
     except (httpx.HTTPError, ValueError):
         return None
-    return ReplicaTruth(float(stats["busy_ms"]), dict(stats["charge_rule_ms_by_cache_salt"]), int(stats["running"]),
-                        int(stats["waiting"]))
+    return ReplicaTruth(
+        float(stats["busy_ms"]),
+        dict(stats["charge_rule_ms_by_cache_salt"]),
+        int(stats["running"]),
+        int(stats["waiting"]),
+    )
 
 
 def by_tenant(truth: ReplicaTruth, tenants: Sequence[str]) -> dict[str, float]:
@@ -643,8 +704,9 @@ def by_tenant(truth: ReplicaTruth, tenants: Sequence[str]) -> dict[str, float]:
     return {t: float(truth.by_tenant_ms.get(tenant_tag(t), 0.0)) for t in tenants}
 
 
-async def watch_replicas(urls: dict[Any, str], every_s: float, occupancy: dict[Any, int], stop: asyncio.Event,
-                         until: float | None = None) -> None:
+async def watch_replicas(
+    urls: dict[Any, str], every_s: float, occupancy: dict[Any, int], stop: asyncio.Event, until: float | None = None
+) -> None:
     """Sample each replica's occupancy (running + waiting) every ``every_s`` until ``stop`` (or the monotonic
     time ``until``); ``occupancy[key]`` = the most seen."""
     while not stop.is_set() and (until is None or time.monotonic() < until):
@@ -654,7 +716,7 @@ async def watch_replicas(urls: dict[Any, str], every_s: float, occupancy: dict[A
                 occupancy[key] = max(occupancy.get(key, 0), truth.occupancy)
         try:
             await asyncio.wait_for(stop.wait(), every_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -679,8 +741,13 @@ def spread(load: TenantLoad, urls: Sequence[str]) -> list[tuple[str, TenantLoad]
     return out
 
 
-async def drive(assignments: Sequence[tuple[str, TenantLoad]], seconds: float, model_of: dict[str, str], seed: int,
-                drain_s: float = 0.0) -> LoadReport:
+async def drive(
+    assignments: Sequence[tuple[str, TenantLoad]],
+    seconds: float,
+    model_of: dict[str, str],
+    seed: int,
+    drain_s: float = 0.0,
+) -> LoadReport:
     """Run every (gateway URL, load) at once (one ``run_load`` per URL and model, each with its own seed)
     and merge what the clients saw into one report."""
     from fairgate.drills.loadgen import run_load
@@ -688,8 +755,12 @@ async def drive(assignments: Sequence[tuple[str, TenantLoad]], seconds: float, m
     by_target: dict[tuple[str, str], list[TenantLoad]] = {}
     for url, load in assignments:
         by_target.setdefault((url, model_of[load.tenant]), []).append(load)
-    reports = await asyncio.gather(*(run_load(url, loads, seconds, model=model, seed=seed * 1000 + i, drain_s=drain_s)
-                                     for i, ((url, model), loads) in enumerate(sorted(by_target.items()))))
+    reports = await asyncio.gather(
+        *(
+            run_load(url, loads, seconds, model=model, seed=seed * 1000 + i, drain_s=drain_s)
+            for i, ((url, model), loads) in enumerate(sorted(by_target.items()))
+        )
+    )
     merged = LoadReport(seconds)
     for report in reports:
         merged.samples.extend(report.samples)
@@ -714,20 +785,33 @@ def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair",
         urls = {n: child.url for n, child in zip(replicas, emulators)}
         paths = []
         for i in range(config.processes):
-            upstreams = [UpstreamEntry(f"emu-n{n}", urls[n], config.model(n), config.slots_per_process(n),
-                                       config.replica) for n in config.process_counts if i < n]
+            upstreams = [
+                UpstreamEntry(f"emu-n{n}", urls[n], config.model(n), config.slots_per_process(n), config.replica)
+                for n in config.process_counts
+                if i < n
+            ]
             path = folder / f"gateway-{i}.toml"
-            path.write_text(gateway_config_text(folder, i, policy, ledger_url, upstreams, tenants, keys,
-                                                default_max_tokens=64))
+            path.write_text(
+                gateway_config_text(folder, i, policy, ledger_url, upstreams, tenants, keys, default_max_tokens=64)
+            )
             paths.append(path)
         gateway_config = load_gateway_config(paths[0])
 
-        async def go() -> tuple[LoadReport, list[Reservation], dict[str, list[int]], dict[int, int],
-                                dict[str, tuple[int, int]], float, dict[int, ReplicaTruth | None]]:
+        async def go() -> tuple[
+            LoadReport,
+            list[Reservation],
+            dict[str, list[int]],
+            dict[int, int],
+            dict[str, tuple[int, int]],
+            float,
+            dict[int, ReplicaTruth | None],
+        ]:
             ledger = await connect(ledger_url, gateway_config.quotas)  # creates the schema before the gateways
             try:
-                with children([gateway_spec(f"gateway-{i}", p, port)
-                               for i, (p, port) in enumerate(zip(paths, gateway_ports))], folder) as gateways:
+                with children(
+                    [gateway_spec(f"gateway-{i}", p, port) for i, (p, port) in enumerate(zip(paths, gateway_ports))],
+                    folder,
+                ) as gateways:
                     assignments = []
                     model_of = {}
                     for n in config.process_counts:
@@ -735,14 +819,24 @@ def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair",
                         for probe in config.probes:
                             name = config.tenant(probe, n)
                             model_of[name] = config.model(n)
-                            load = TenantLoad(name, keys[name], clients=probe.clients, output_tokens=probe.output_tokens,
-                                              prompt_tokens=probe.prompt_tokens, error_backoff_s=config.error_backoff_s)
+                            load = TenantLoad(
+                                name,
+                                keys[name],
+                                clients=probe.clients,
+                                output_tokens=probe.output_tokens,
+                                prompt_tokens=probe.prompt_tokens,
+                                error_backoff_s=config.error_backoff_s,
+                            )
                             assignments += spread(load, group_urls)
                     stop = asyncio.Event()
                     seen: dict[str, list[int]] = {}
                     occupancy: dict[int, int] = {}
-                    sampled = [(config.tenant(p, n), config.model(n)) for n in config.process_counts
-                               for p in config.probes if "max_concurrent" in p.limits or "max_queued" in p.limits]
+                    sampled = [
+                        (config.tenant(p, n), config.model(n))
+                        for n in config.process_counts
+                        for p in config.probes
+                        if "max_concurrent" in p.limits or "max_queued" in p.limits
+                    ]
                     sampler = asyncio.ensure_future(_sample_accounts(ledger, sampled, config.sample_s, seen, stop))
                     watcher = asyncio.ensure_future(watch_replicas(urls, 0.25, occupancy, stop))
                     report = await drive(assignments, config.seconds, model_of, seed, drain_s=config.drain_s)
@@ -763,8 +857,10 @@ def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair",
         report, reservations, seen, occupancy, accounts, settle_s, truths = asyncio.run(go())
     groups = {}
     for n in config.process_counts:
-        tenants_n = {config.tenant(p, n): _tenant_limit_figures(config, p, n, reservations, report, seen, accounts)
-                     for p in config.probes}
+        tenants_n = {
+            config.tenant(p, n): _tenant_limit_figures(config, p, n, reservations, report, seen, accounts)
+            for p in config.probes
+        }
         gpu_ms = sum(r.billed.gpu_ms for r in reservations if r.tenant in tenants_n)
         groups[n] = GroupFigures(n, tenants_n, gpu_ms, truths.get(n), occupancy.get(n, 0))
     figures = LimitsFigures(backend_of(ledger_base), groups, config.seconds, time.monotonic() - started, settle_s)
@@ -774,9 +870,15 @@ def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair",
     return figures
 
 
-def _tenant_limit_figures(config: LimitsConfig, probe: Probe, n: int, reservations: Sequence[Reservation],
-                          report: LoadReport, seen: dict[str, list[int]],
-                          accounts: dict[str, tuple[int, int]]) -> TenantLimitFigures:
+def _tenant_limit_figures(
+    config: LimitsConfig,
+    probe: Probe,
+    n: int,
+    reservations: Sequence[Reservation],
+    report: LoadReport,
+    seen: dict[str, list[int]],
+    accounts: dict[str, tuple[int, int]],
+) -> TenantLimitFigures:
     """One probe tenant's figures from every reservation, what its clients saw and the accounts sampled."""
     name = config.tenant(probe, n)
     limits = config.limits_of(probe, n)
@@ -793,11 +895,26 @@ def _tenant_limit_figures(config: LimitsConfig, probe: Probe, n: int, reservatio
     budget = limits.get("gpu_seconds")
     concurrent, queued, samples = seen.get(name, [0, 0, 0])
     return TenantLimitFigures(
-        name, probe.role, n, stats.requests, stats.completed, stats.cut, stats.errors, len(mine),
-        sum(r.status == "settled" for r in mine), sum(r.status == "open" for r in mine), peaks,
-        peak_overlap([(r.created_ms, r.final_ms) for r in mine]), concurrent, queued, samples,
+        name,
+        probe.role,
+        n,
+        stats.requests,
+        stats.completed,
+        stats.cut,
+        stats.errors,
+        len(mine),
+        sum(r.status == "settled" for r in mine),
+        sum(r.status == "open" for r in mine),
+        peaks,
+        peak_overlap([(r.created_ms, r.final_ms) for r in mine]),
+        concurrent,
+        queued,
+        samples,
         gpu_budget_use(mine) if budget is not None else None,
-        float(budget) * 1000.0 if budget is not None else None, limits, accounts.get(name, (0, 0)))
+        float(budget) * 1000.0 if budget is not None else None,
+        limits,
+        accounts.get(name, (0, 0)),
+    )
 
 
 def limits_problems(figs: LimitsFigures) -> list[str]:
@@ -813,8 +930,7 @@ def limits_problems(figs: LimitsFigures) -> list[str]:
                 out.append(f"{t.tenant}: errors other than 429: {unexpected}")
     largest = figs.groups[max(figs.groups)]
     bound = Counter(_dimension(code) for t in largest.tenants.values() for code in t.errors)
-    for dimension in ("requests_per_minute", "output_tokens_per_minute", "max_concurrent", "max_queued",
-                      "gpu_seconds"):
+    for dimension in ("requests_per_minute", "output_tokens_per_minute", "max_concurrent", "max_queued", "gpu_seconds"):
         if not bound.get(dimension):
             out.append(f"N={largest.n}: no request was refused for {dimension}: {NOT_EXERCISED}")
     return out
@@ -845,21 +961,26 @@ class FairnessConfig:
     warmup_s: float = 0.0
     gateways: int = 2
     replicas: int = 2
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=9.0, iter_slope_ms=0.55, prefill_ms_per_token=0.06, max_batch=24, max_model_len=4096))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=9.0, iter_slope_ms=0.55, prefill_ms_per_token=0.06, max_batch=24, max_model_len=4096
+        )
+    )
     mix: dict[str, float] = field(default_factory=lambda: dict(SEED_MIX))
     spread: float = 0.5
     prompt_tokens: int = 400
-    clients: dict[str, tuple[int, ...]] = field(default_factory=lambda: {
-        "classify": (32, 0), "chat": (24, 8), "summarise": (8, 24), "agent": (0, 32)})
+    clients: dict[str, tuple[int, ...]] = field(
+        default_factory=lambda: {"classify": (32, 0), "chat": (24, 8), "summarise": (8, 24), "agent": (0, 32)}
+    )
     share_charges_s: float = 0.25
     ratio_max: float = 1.10
     snapshot_every_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.replica.max_batch % self.gateways:
-            raise ValueError(f"scale_out: a replica's {self.replica.max_batch} slots must split evenly over "
-                             f"{self.gateways} gateways")
+            raise ValueError(
+                f"scale_out: a replica's {self.replica.max_batch} slots must split evenly over {self.gateways} gateways"
+            )
         if self.warmup_s < 0 or self.seconds < self.warmup_s + 5.0:
             raise ValueError(f"scale_out: {self.seconds:g} s leaves under 5 s after the {self.warmup_s:g} s warm-up")
         for tenant, split in self.clients.items():
@@ -911,8 +1032,10 @@ class FairnessFigures:
 
 
 def _describe(r: Reservation) -> str:
-    return (f"{r.tenant} {r.request_id} created {r.created_ms:.0f} ms queued={r.queued} billed "
-            f"{r.billed.input_tokens}/{r.billed.output_tokens} tokens {r.billed.gpu_ms:.1f} GPU ms")
+    return (
+        f"{r.tenant} {r.request_id} created {r.created_ms:.0f} ms queued={r.queued} billed "
+        f"{r.billed.input_tokens}/{r.billed.output_tokens} tokens {r.billed.gpu_ms:.1f} GPU ms"
+    )
 
 
 def _ratio(shares: dict[str, float]) -> float:
@@ -920,8 +1043,9 @@ def _ratio(shares: dict[str, float]) -> float:
     return max(values) / min(values) if values and min(values) > 0 else math.inf
 
 
-def run_fairness(config: FairnessConfig, ledger_base: str, policy: str = "gpu_fair", seed: int = 1,
-                 keep_logs: bool = True) -> FairnessFigures:
+def run_fairness(
+    config: FairnessConfig, ledger_base: str, policy: str = "gpu_fair", seed: int = 1, keep_logs: bool = True
+) -> FairnessFigures:
     """Claim 2 on the ledger at ``ledger_base`` (a fresh schema / prefix, dropped after). With ``keep_logs``
     the servers' logs are kept (``FairnessFigures.folder``) when a reservation was left open."""
     from fairgate.drills.stack import LedgerReport, TenantTotals
@@ -939,8 +1063,19 @@ def run_fairness(config: FairnessConfig, ledger_base: str, policy: str = "gpu_fa
         paths = []
         for i in range(config.gateways):
             path = folder / f"gateway-{i}.toml"
-            path.write_text(gateway_config_text(folder, i, policy, ledger_url, upstreams, tenants, keys,
-                                                share_charges_s=config.share_charges_s, default_max_tokens=1024))
+            path.write_text(
+                gateway_config_text(
+                    folder,
+                    i,
+                    policy,
+                    ledger_url,
+                    upstreams,
+                    tenants,
+                    keys,
+                    share_charges_s=config.share_charges_s,
+                    default_max_tokens=1024,
+                )
+            )
             paths.append(path)
         quotas = load_gateway_config(paths[0]).quotas
 
@@ -948,13 +1083,14 @@ def run_fairness(config: FairnessConfig, ledger_base: str, policy: str = "gpu_fa
             out = {}
             for tenant in config.tenants:
                 usage = await ledger.usage(tenant, 10 * 365 * 86_400)
-                out[tenant] = TenantTotals(tenant, usage.requests, usage.input_tokens, usage.output_tokens,
-                                           usage.gpu_ms, dict(usage.by_status))
+                out[tenant] = TenantTotals(
+                    tenant, usage.requests, usage.input_tokens, usage.output_tokens, usage.gpu_ms, dict(usage.by_status)
+                )
             return LedgerReport(out)
 
         async def truth_now() -> tuple[dict[str, float], float]:
             found = [await read_replica(e.url) for e in emus]
-            gpu = {t: 0.0 for t in config.tenants}
+            gpu = dict.fromkeys(config.tenants, 0.0)
             busy = 0.0
             for truth in found:
                 if truth is None:
@@ -972,10 +1108,19 @@ def run_fairness(config: FairnessConfig, ledger_base: str, policy: str = "gpu_fa
                     for tenant, split in config.clients.items():
                         for gateway, clients in zip(gateways, split):
                             if clients:
-                                assignments.append((gateway.url, TenantLoad(
-                                    tenant, keys[tenant], clients=clients, output_tokens=config.output_range(tenant),
-                                    prompt_tokens=config.prompt_tokens)))
-                    model_of = {t: "emu" for t in config.tenants}
+                                assignments.append(
+                                    (
+                                        gateway.url,
+                                        TenantLoad(
+                                            tenant,
+                                            keys[tenant],
+                                            clients=clients,
+                                            output_tokens=config.output_range(tenant),
+                                            prompt_tokens=config.prompt_tokens,
+                                        ),
+                                    )
+                                )
+                    model_of = dict.fromkeys(config.tenants, "emu")
                     begin = time.monotonic()
                     snapshots: list[tuple[float, LedgerReport]] = []
                     warm: dict[str, Any] = {}
@@ -983,8 +1128,11 @@ def run_fairness(config: FairnessConfig, ledger_base: str, policy: str = "gpu_fa
                     stop = asyncio.Event()
                     # Until just before the hang-up (a cancelled sequence holds its slot until the replica's next
                     # boundary, while the gateway has handed the slot on).
-                    occupied = asyncio.ensure_future(watch_replicas(
-                        dict(enumerate(e.url for e in emus)), 0.25, occupancy, stop, begin + config.seconds - 0.5))
+                    occupied = asyncio.ensure_future(
+                        watch_replicas(
+                            dict(enumerate(e.url for e in emus)), 0.25, occupancy, stop, begin + config.seconds - 0.5
+                        )
+                    )
 
                     async def watch() -> None:
                         next_at = config.warmup_s
@@ -1026,13 +1174,24 @@ def run_fairness(config: FairnessConfig, ledger_base: str, policy: str = "gpu_fa
                     converge = None
             stats = {t: report.stats(t) for t in config.tenants}
             return FairnessFigures(
-                config.share_charges_s, window.shares(),
+                config.share_charges_s,
+                window.shares(),
                 {t: (g / truth_total if truth_total > 0 else 0.0) for t, g in truth_window.items()},
-                {t: config.clients[t] for t in config.tenants}, {t: s.requests for t, s in stats.items()},
-                {t: s.completed for t, s in stats.items()}, {t: s.errors for t, s in stats.items()}, window.gpu_ms,
-                busy - warm.get("busy", 0.0), converge, timeline, open_left, max(occupancy.values(), default=0),
-                time.monotonic() - started, end.shares(), tuple(_describe(r) for r in left_open),
-                str(folder) if left_open and keep_logs else None)
+                {t: config.clients[t] for t in config.tenants},
+                {t: s.requests for t, s in stats.items()},
+                {t: s.completed for t, s in stats.items()},
+                {t: s.errors for t, s in stats.items()},
+                window.gpu_ms,
+                busy - warm.get("busy", 0.0),
+                converge,
+                timeline,
+                open_left,
+                max(occupancy.values(), default=0),
+                time.monotonic() - started,
+                end.shares(),
+                tuple(_describe(r) for r in left_open),
+                str(folder) if left_open and keep_logs else None,
+            )
 
         figures = asyncio.run(go())
     if figures.folder is None:
@@ -1088,11 +1247,12 @@ class ScaleOutResult(RenderedResult):
         if self.limits:
             exceeded = any(p for f in self.limits for p in limits_problems(f) if NOT_EXERCISED not in p)
             unexercised = any(NOT_EXERCISED in p for f in self.limits for p in limits_problems(f))
-            line += (f", N = {', '.join(str(n) for n in self.config.limits.process_counts)} processes admitted "
-                     f"{'BEYOND' if exceeded else 'nothing beyond'} the limits on "
-                     f"{', '.join(f.backend for f in self.limits)}"
-                     + (" (but not every limit was reached: a longer --seconds exercises them all)"
-                        if unexercised else ""))
+            line += (
+                f", N = {', '.join(str(n) for n in self.config.limits.process_counts)} processes admitted "
+                f"{'BEYOND' if exceeded else 'nothing beyond'} the limits on "
+                f"{', '.join(f.backend for f in self.limits)}"
+                + (" (but not every limit was reached: a longer --seconds exercises them all)" if unexercised else "")
+            )
         if self.fairness is not None:
             line += f"; GPU shares across {self.config.fairness.gateways} processes max/min {self.fairness.ratio:.3f}"
         if self.compare is not None:
@@ -1106,14 +1266,18 @@ def fairness_problems(config: FairnessConfig, figs: FairnessFigures) -> list[str
     if figs.ratio > config.ratio_max:
         out.append(f"GPU shares across processes: max/min {figs.ratio:.3f} > {config.ratio_max:g}")
     if figs.open_at_end:
-        out.append(f"fairness: {figs.open_at_end} reservations open {FAIRNESS_SETTLE_S_MAX:g} s after the hang-ups: "
-                   f"{'; '.join(figs.left_open[:3])}" + (f" (logs kept in {figs.folder})" if figs.folder else ""))
+        out.append(
+            f"fairness: {figs.open_at_end} reservations open {FAIRNESS_SETTLE_S_MAX:g} s after the hang-ups: "
+            f"{'; '.join(figs.left_open[:3])}" + (f" (logs kept in {figs.folder})" if figs.folder else "")
+        )
     for tenant, errors in figs.errors.items():
         if errors:
             out.append(f"fairness: {tenant} had errors: {errors}")
     if figs.occupancy_max > config.replica.max_batch:
-        out.append(f"fairness: a replica held {figs.occupancy_max} sequences, more than its {config.replica.max_batch} "
-                   "slots: the gateways together overfilled it")
+        out.append(
+            f"fairness: a replica held {figs.occupancy_max} sequences, more than its {config.replica.max_batch} "
+            "slots: the gateways together overfilled it"
+        )
     return out
 
 
@@ -1124,11 +1288,15 @@ def render_limits(config: LimitsConfig, figs: LimitsFigures) -> list[Any]:
         f"[bold]drill scale_out[/bold] - limits on {figs.backend}: groups N = "
         f"{', '.join(str(n) for n in config.process_counts)} of `fairgate serve` processes sharing one ledger, "
         f"{config.seconds:g} s of closed-loop load at once ({config.gateway_slots} gateway slots per group, "
-        f"split over its N processes); every reservation checked against the limits."]
+        f"split over its N processes); every reservation checked against the limits."
+    ]
     table = Table(title=f"limits held ({figs.backend})", title_justify="left")
     for column in ("N", "tenant", "limits", "sent/ok/cut", "admitted", "refused (429)", "peak / allowed", "open"):
-        table.add_column(column, justify="left" if column in ("tenant", "limits", "refused (429)", "peak / allowed")
-                         else "right", no_wrap=column not in ("limits", "refused (429)", "peak / allowed"))
+        table.add_column(
+            column,
+            justify="left" if column in ("tenant", "limits", "refused (429)", "peak / allowed") else "right",
+            no_wrap=column not in ("limits", "refused (429)", "peak / allowed"),
+        )
     for n, group in figs.groups.items():
         for t in group.tenants.values():
             peaks = [f"{b.replace('_tokens', '')} {p:.1f}/{burst:g}" for b, (p, burst) in t.peaks.items()]
@@ -1137,15 +1305,28 @@ def render_limits(config: LimitsConfig, figs: LimitsFigures) -> list[Any]:
             if "max_queued" in t.limits:
                 peaks.append(f"queued {t.queued_sampled}/{t.limits['max_queued']} ({t.samples} samples)")
             if t.gpu is not None and t.gpu_budget_ms is not None:
-                peaks.append(f"GPU {t.gpu.within_ms / 1000:.2f}/{t.gpu_budget_ms / 1000:.2f} s "
-                             f"(+{t.gpu.overage_ms / 1000:.2f} s overage)")
-            limits = ", ".join(f"{k.replace('_per_minute', '/min')}={v:g}" for k, v in t.limits.items()
-                               if k != "gpu_seconds_total")
-            table.add_row(str(n), t.tenant, limits, f"{t.sent}/{t.ok}/{t.cut}", str(t.admitted),
-                          fmt_errors({k: v for k, v in t.errors.items()}), "; ".join(peaks), str(t.open_at_end))
-    table.caption = (f"peak: the most a bucket let through in one window beyond its refill (<= burst), the most "
-                     f"reservations open at once, the most queue places sampled, GPU billed within estimates "
-                     f"(<= budget). Hang-ups billed {figs.settle_s:.1f} s after the load; wall {figs.wall_s:.0f} s.")
+                peaks.append(
+                    f"GPU {t.gpu.within_ms / 1000:.2f}/{t.gpu_budget_ms / 1000:.2f} s "
+                    f"(+{t.gpu.overage_ms / 1000:.2f} s overage)"
+                )
+            limits = ", ".join(
+                f"{k.replace('_per_minute', '/min')}={v:g}" for k, v in t.limits.items() if k != "gpu_seconds_total"
+            )
+            table.add_row(
+                str(n),
+                t.tenant,
+                limits,
+                f"{t.sent}/{t.ok}/{t.cut}",
+                str(t.admitted),
+                fmt_errors({k: v for k, v in t.errors.items()}),
+                "; ".join(peaks),
+                str(t.open_at_end),
+            )
+    table.caption = (
+        f"peak: the most a bucket let through in one window beyond its refill (<= burst), the most "
+        f"reservations open at once, the most queue places sampled, GPU billed within estimates "
+        f"(<= budget). Hang-ups billed {figs.settle_s:.1f} s after the load; wall {figs.wall_s:.0f} s."
+    )
     table.caption_justify = "left"
     out.append(table)
     billing = Table(title="GPU billed by the ledger vs the replica's own charge rule, per group", title_justify="left")
@@ -1153,53 +1334,72 @@ def render_limits(config: LimitsConfig, figs: LimitsFigures) -> list[Any]:
         billing.add_column(column, justify="right")
     for n, group in figs.groups.items():
         busy = group.replica.busy_ms if group.replica is not None else 0.0
-        billing.add_row(str(n), f"{group.ledger_gpu_ms / 1000:.2f}", f"{busy / 1000:.2f}",
-                        f"{group.ledger_gpu_ms / busy:.2f}" if busy > 0 else "-", str(group.occupancy_max))
+        billing.add_row(
+            str(n),
+            f"{group.ledger_gpu_ms / 1000:.2f}",
+            f"{busy / 1000:.2f}",
+            f"{group.ledger_gpu_ms / busy:.2f}" if busy > 0 else "-",
+            str(group.occupancy_max),
+        )
     out.append(billing)
     problems = limits_problems(figs)
     if figs.folder:
         out.append(f"servers' logs and event logs kept in {figs.folder}")
-    out.append(f"load held: {sum(t.sent for g in figs.groups.values() for t in g.tenants.values())} requests; "
-               f"faults injected: none (N processes); lost: "
-               f"{sum(t.open_at_end for g in figs.groups.values() for t in g.tenants.values())} open reservations, "
-               f"{len(problems)} problem{'' if len(problems) == 1 else 's'}; converged (no reservation open) {figs.settle_s:.1f} s after the hang-up.")
+    out.append(
+        f"load held: {sum(t.sent for g in figs.groups.values() for t in g.tenants.values())} requests; "
+        f"faults injected: none (N processes); lost: "
+        f"{sum(t.open_at_end for g in figs.groups.values() for t in g.tenants.values())} open reservations, "
+        f"{len(problems)} problem{'' if len(problems) == 1 else 's'}; converged (no reservation open) {figs.settle_s:.1f} s after the hang-up."
+    )
     return out
 
 
 def render_fairness(config: FairnessConfig, figs: FairnessFigures, comparison: bool = False) -> list[Any]:
     from rich.table import Table
 
-    sharing = f"share_charges_s = {figs.share_charges_s:g}" + (" (counters not shared)" if not figs.share_charges_s
-                                                                else "")
+    sharing = f"share_charges_s = {figs.share_charges_s:g}" + (
+        " (counters not shared)" if not figs.share_charges_s else ""
+    )
     out: list[Any] = []
     if not comparison:
-        out.append(f"[bold]drill scale_out[/bold] - fair dispatch across {config.gateways} gateway processes, "
-                   f"{config.replicas} emulated replicas x {config.replica.max_batch} slots (each gateway "
-                   f"{config.replica.max_batch // config.gateways} per replica), seed 002's output mix, clients split "
-                   f"unevenly; {config.seconds:g} s, shares "
-                   + (f"after {config.warmup_s:g} s." if config.warmup_s else "over the whole run."))
+        out.append(
+            f"[bold]drill scale_out[/bold] - fair dispatch across {config.gateways} gateway processes, "
+            f"{config.replicas} emulated replicas x {config.replica.max_batch} slots (each gateway "
+            f"{config.replica.max_batch // config.gateways} per replica), seed 002's output mix, clients split "
+            f"unevenly; {config.seconds:g} s, shares "
+            + (f"after {config.warmup_s:g} s." if config.warmup_s else "over the whole run.")
+        )
     table = Table(title=f"GPU shares, {sharing}" + (" - comparison" if comparison else ""), title_justify="left")
-    for column in ("tenant", "mean out", "clients per gateway", "sent/done", "errors", "ledger GPU %",
-                   "replica GPU %"):
+    for column in ("tenant", "mean out", "clients per gateway", "sent/done", "errors", "ledger GPU %", "replica GPU %"):
         table.add_column(column, justify="left" if column in ("tenant", "errors") else "right")
     for tenant in config.tenants:
-        table.add_row(tenant, f"{config.mix[tenant]:g}", " / ".join(str(c) for c in figs.by_gateway[tenant]),
-                      f"{figs.sent[tenant]}/{figs.completed[tenant]}", fmt_errors(figs.errors[tenant]),
-                      f"{figs.shares[tenant] * 100:.1f}", f"{figs.truth_shares[tenant] * 100:.1f}")
+        table.add_row(
+            tenant,
+            f"{config.mix[tenant]:g}",
+            " / ".join(str(c) for c in figs.by_gateway[tenant]),
+            f"{figs.sent[tenant]}/{figs.completed[tenant]}",
+            fmt_errors(figs.errors[tenant]),
+            f"{figs.shares[tenant] * 100:.1f}",
+            f"{figs.truth_shares[tenant] * 100:.1f}",
+        )
     converge = "never" if figs.converge_s is None else f"{figs.converge_s:.0f} s"
-    table.caption = (f"max/min {figs.ratio:.3f} (ledger), {figs.truth_ratio:.3f} (replicas' charge rule); limit "
-                     f"{config.ratio_max:g}. Within the limit from {converge} on. Ledger billed "
-                     f"{figs.ledger_gpu_ms / 1000:,.1f} GPU s for {figs.replica_busy_ms / 1000:,.1f} s of replica busy "
-                     f"time (x{figs.billed_over_busy:.2f}); replica occupancy max {figs.occupancy_max}/"
-                     f"{config.replica.max_batch}; open at end "
-                     f"{figs.open_at_end}; wall {figs.wall_s:.0f} s.")
+    table.caption = (
+        f"max/min {figs.ratio:.3f} (ledger), {figs.truth_ratio:.3f} (replicas' charge rule); limit "
+        f"{config.ratio_max:g}. Within the limit from {converge} on. Ledger billed "
+        f"{figs.ledger_gpu_ms / 1000:,.1f} GPU s for {figs.replica_busy_ms / 1000:,.1f} s of replica busy "
+        f"time (x{figs.billed_over_busy:.2f}); replica occupancy max {figs.occupancy_max}/"
+        f"{config.replica.max_batch}; open at end "
+        f"{figs.open_at_end}; wall {figs.wall_s:.0f} s."
+    )
     table.caption_justify = "left"
     out.append(table)
     errors = sum(sum(e.values()) for e in figs.errors.values())
-    out.append(f"load held: {sum(figs.sent.values())} requests over {config.gateways} processes for "
-               f"{config.seconds:g} s; faults injected: none (uneven placement{'' if figs.share_charges_s else ', counters not shared'}); "
-               f"lost: {figs.open_at_end} open reservations, {errors} errors; converged (max/min within "
-               f"{config.ratio_max:g} to the end) from {converge}.")
+    out.append(
+        f"load held: {sum(figs.sent.values())} requests over {config.gateways} processes for "
+        f"{config.seconds:g} s; faults injected: none (uneven placement{'' if figs.share_charges_s else ', counters not shared'}); "
+        f"lost: {figs.open_at_end} open reservations, {errors} errors; converged (max/min within "
+        f"{config.ratio_max:g} to the end) from {converge}."
+    )
     return out
 
 
@@ -1210,16 +1410,44 @@ def run(options: DrillOptions, config: ScaleOutConfig | None = None) -> ScaleOut
     if options.seconds is not None:
         config = replace(config, limits=replace(config.limits, seconds=options.seconds))
     limits = tuple(run_limits(config.limits, url, options.policy, options.seed) for url in config.ledgers)
-    fairness = run_fairness(config.fairness, config.ledgers[0], options.policy, options.seed) if config.ledgers else None
+    fairness = (
+        run_fairness(config.fairness, config.ledgers[0], options.policy, options.seed) if config.ledgers else None
+    )
     compare = None
     if options.compare and config.ledgers:
-        compare = run_fairness(replace(config.fairness, share_charges_s=0.0), config.ledgers[0], options.policy,
-                               options.seed)
+        compare = run_fairness(
+            replace(config.fairness, share_charges_s=0.0), config.ledgers[0], options.policy, options.seed
+        )
     return ScaleOutResult(config, limits, fairness, compare, options.policy)
 
 
-__all__ = ["Child", "ChildSpec", "FairnessConfig", "FairnessFigures", "LimitsConfig", "LimitsFigures", "Probe",
-           "ReplicaTruth", "ScaleOutConfig", "ScaleOutResult", "TenantEntry", "UpstreamEntry", "bucket_peak",
-           "by_tenant", "children", "emulator_spec", "fresh_ledger_url", "gateway_config_text", "gateway_spec",
-           "gpu_budget_use", "peak_overlap", "read_replica", "run", "run_fairness", "run_limits", "tenant_keys",
-           "wait_settled", "watch_replicas"]
+__all__ = [
+    "Child",
+    "ChildSpec",
+    "FairnessConfig",
+    "FairnessFigures",
+    "LimitsConfig",
+    "LimitsFigures",
+    "Probe",
+    "ReplicaTruth",
+    "ScaleOutConfig",
+    "ScaleOutResult",
+    "TenantEntry",
+    "UpstreamEntry",
+    "bucket_peak",
+    "by_tenant",
+    "children",
+    "emulator_spec",
+    "fresh_ledger_url",
+    "gateway_config_text",
+    "gateway_spec",
+    "gpu_budget_use",
+    "peak_overlap",
+    "read_replica",
+    "run",
+    "run_fairness",
+    "run_limits",
+    "tenant_keys",
+    "wait_settled",
+    "watch_replicas",
+]

@@ -144,10 +144,17 @@ class LedgerReport:
             if then is None:
                 totals[name] = now
                 continue
-            by_status = {k: now.by_status.get(k, 0) - then.by_status.get(k, 0)
-                         for k in set(now.by_status) | set(then.by_status)}
-            totals[name] = TenantTotals(name, now.requests - then.requests, now.input_tokens - then.input_tokens,
-                                        now.output_tokens - then.output_tokens, now.gpu_ms - then.gpu_ms, by_status)
+            by_status = {
+                k: now.by_status.get(k, 0) - then.by_status.get(k, 0) for k in set(now.by_status) | set(then.by_status)
+            }
+            totals[name] = TenantTotals(
+                name,
+                now.requests - then.requests,
+                now.input_tokens - then.input_tokens,
+                now.output_tokens - then.output_tokens,
+                now.gpu_ms - then.gpu_ms,
+                by_status,
+            )
         return LedgerReport(totals)
 
     def shares(self) -> dict[str, float]:
@@ -163,15 +170,20 @@ def config_text(folder: Path, spec: StackSpec, upstream_urls: list[str], keys: d
         f'[[upstream]]\nname = "emu-{i}"\nurl = "{url}/v1"\nmodel = "{spec.model}"\nmax_batch = {r.max_batch}\n'
         f"iter_base_ms = {r.iter_base_ms!r}\niter_slope_ms = {r.iter_slope_ms!r}\n"
         f"prefill_ms_per_token = {r.prefill_ms_per_token!r}\nmax_model_len = {r.max_model_len}\n\n"
-        for i, url in enumerate(upstream_urls))
-    tenants = "".join(f'[quotas.tenants."{t.name}"]\ntier = "drill"\nweight = {float(t.weight)!r}\n'
-                      f"limits = {t.limits_toml()}\n"
-                      for t in spec.tenants)
-    key_tables = "".join(f'[[key]]\ntenant = "{tenant}"\nhash = "{hash_api_key(key)}"\nname = "drill"\n'
-                         for tenant, key in keys.items())
-    return (f'[gateway]\npolicy = "{spec.policy}"\nledger = "sqlite:///{folder}/ledger.db"\n'
-            f'journal = "{folder}/journal.jsonl"\ndefault_max_tokens = 256\nrequest_timeout_s = 3600\n\n'
-            f'{upstreams}[quotas.tiers.drill]\non_ledger_unavailable = "reject"\n\n{tenants}\n{key_tables}')
+        for i, url in enumerate(upstream_urls)
+    )
+    tenants = "".join(
+        f'[quotas.tenants."{t.name}"]\ntier = "drill"\nweight = {float(t.weight)!r}\nlimits = {t.limits_toml()}\n'
+        for t in spec.tenants
+    )
+    key_tables = "".join(
+        f'[[key]]\ntenant = "{tenant}"\nhash = "{hash_api_key(key)}"\nname = "drill"\n' for tenant, key in keys.items()
+    )
+    return (
+        f'[gateway]\npolicy = "{spec.policy}"\nledger = "sqlite:///{folder}/ledger.db"\n'
+        f'journal = "{folder}/journal.jsonl"\ndefault_max_tokens = 256\nrequest_timeout_s = 3600\n\n'
+        f'{upstreams}[quotas.tiers.drill]\non_ledger_unavailable = "reject"\n\n{tenants}\n{key_tables}'
+    )
 
 
 def free_port() -> int:
@@ -204,8 +216,9 @@ def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
 
 
 @contextmanager
-def fairgate_process(args: list[str], port: int, log_path: Path | None = None,
-                     startup_s: float = STARTUP_S_MAX) -> Iterator[str]:
+def fairgate_process(
+    args: list[str], port: int, log_path: Path | None = None, startup_s: float = STARTUP_S_MAX
+) -> Iterator[str]:
     """Run ``python -m fairgate ARGS`` (a server on ``port``; its output to ``log_path``, default discarded)
     until the block ends; yields its base URL once ``/health`` answers (within ``startup_s``)."""
     import httpx
@@ -236,9 +249,23 @@ def fairgate_process(args: list[str], port: int, log_path: Path | None = None,
 
 def _emulator_args(spec: StackSpec, port: int) -> list[str]:
     r = spec.replica
-    return ["emulate", "--port", str(port), "--model", spec.model, "--iter-base-ms", repr(r.iter_base_ms),
-            "--iter-slope-ms", repr(r.iter_slope_ms), "--prefill-ms-per-token", repr(r.prefill_ms_per_token),
-            "--max-batch", str(r.max_batch + int(spec.staggered)), "--max-model-len", str(r.max_model_len)]
+    return [
+        "emulate",
+        "--port",
+        str(port),
+        "--model",
+        spec.model,
+        "--iter-base-ms",
+        repr(r.iter_base_ms),
+        "--iter-slope-ms",
+        repr(r.iter_slope_ms),
+        "--prefill-ms-per-token",
+        repr(r.prefill_ms_per_token),
+        "--max-batch",
+        str(r.max_batch + int(spec.staggered)),
+        "--max-model-len",
+        str(r.max_model_len),
+    ]
 
 
 PACER_PROMPT_TOKENS = 1
@@ -256,8 +283,13 @@ def pace_replicas(spec: StackSpec, urls: list[str]) -> Iterator[None]:
     stop: asyncio.Future[None] = loop.create_future()
 
     async def pacer(url: str, http: httpx.AsyncClient, first_token: asyncio.Event) -> None:
-        body = {"model": spec.model, "prompt": "x", "max_tokens": spec.replica.max_model_len - PACER_PROMPT_TOKENS - 1,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": spec.model,
+            "prompt": "x",
+            "max_tokens": spec.replica.max_model_len - PACER_PROMPT_TOKENS - 1,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
             async for line in reply.aiter_lines():
                 if line.startswith("data: {"):
@@ -282,7 +314,7 @@ def pace_replicas(spec: StackSpec, urls: list[str]) -> Iterator[None]:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-        except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+        except BaseException as exc:
             failure.append(exc)
             started.set()
 
@@ -330,23 +362,34 @@ def start_stack(spec: StackSpec, keep_folder: bool = False) -> Iterator[Stack]:
                 upstreams = []
                 for i in range(spec.replicas):
                     port = free_port()
-                    upstreams.append(servers.enter_context(
-                        fairgate_process(_emulator_args(spec, port), port, folder / f"emulator-{i}.log")))
+                    upstreams.append(
+                        servers.enter_context(
+                            fairgate_process(_emulator_args(spec, port), port, folder / f"emulator-{i}.log")
+                        )
+                    )
                 if spec.staggered:
                     servers.enter_context(pace_replicas(spec, upstreams))
                 config_path.write_text(config_text(folder, spec, upstreams, keys))
                 port = free_port()
-                gateway = servers.enter_context(fairgate_process(
-                    ["serve", "--config", str(config_path), "--port", str(port)], port, folder / "gateway.log"))
+                gateway = servers.enter_context(
+                    fairgate_process(
+                        ["serve", "--config", str(config_path), "--port", str(port)], port, folder / "gateway.log"
+                    )
+                )
             else:
                 from fairgate.emulator.api import EmulatorSettings, create_app
                 from fairgate.gateway.app import create_gateway
                 from fairgate.gateway.config import load_gateway_config
 
                 r = spec.replica
-                settings = EmulatorSettings(model=spec.model, iter_base_ms=r.iter_base_ms, iter_slope_ms=r.iter_slope_ms,
-                                            prefill_ms_per_token=r.prefill_ms_per_token,
-                                            max_batch=r.max_batch + int(spec.staggered), max_model_len=r.max_model_len)
+                settings = EmulatorSettings(
+                    model=spec.model,
+                    iter_base_ms=r.iter_base_ms,
+                    iter_slope_ms=r.iter_slope_ms,
+                    prefill_ms_per_token=r.prefill_ms_per_token,
+                    max_batch=r.max_batch + int(spec.staggered),
+                    max_model_len=r.max_model_len,
+                )
                 upstreams = [servers.enter_context(serve_in_thread(create_app(settings))) for _ in range(spec.replicas)]
                 if spec.staggered:
                     servers.enter_context(pace_replicas(spec, upstreams))
@@ -369,8 +412,9 @@ async def read_ledger(stack: Stack) -> LedgerReport:
         totals = {}
         for tenant in stack.keys:
             usage = await ledger.usage(tenant, 10 * 365 * 86_400)
-            totals[tenant] = TenantTotals(tenant, usage.requests, usage.input_tokens, usage.output_tokens,
-                                          usage.gpu_ms, dict(usage.by_status))
+            totals[tenant] = TenantTotals(
+                tenant, usage.requests, usage.input_tokens, usage.output_tokens, usage.gpu_ms, dict(usage.by_status)
+            )
     finally:
         await ledger.close()
     return LedgerReport(totals)

@@ -58,8 +58,11 @@ class UltraLongConfig:
     agent: str = "agent"
     weights: dict[str, float] = field(default_factory=dict)
     replicas: int = 2
-    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(
-        iter_base_ms=100.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=24, max_model_len=16_384))
+    replica: ReplicaModel = field(
+        default_factory=lambda: ReplicaModel(
+            iter_base_ms=100.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=24, max_model_len=16_384
+        )
+    )
     agent_output_tokens: int = 8192
     other_output_tokens: tuple[int, int] = (4, 12)
     prompt_tokens: int = 64
@@ -74,8 +77,10 @@ class UltraLongConfig:
 
     def __post_init__(self) -> None:
         if self.seconds < self.agent_start_s + 5.0:
-            raise ValueError(f"ultra_long drill: {self.seconds:g} s is too short; the agent starts at "
-                             f"{self.agent_start_s:g} s and needs at least 5 s more")
+            raise ValueError(
+                f"ultra_long drill: {self.seconds:g} s is too short; the agent starts at "
+                f"{self.agent_start_s:g} s and needs at least 5 s more"
+            )
 
     @property
     def tenants(self) -> tuple[str, ...]:
@@ -92,18 +97,35 @@ class UltraLongConfig:
         return self.weight(tenant) / sum(self.weight(t) for t in self.tenants)
 
     def loads(self) -> list[TenantLoad]:
-        loads = [TenantLoad(t, "", clients=self.clients_per_tenant, output_tokens=self.other_output_tokens,
-                            prompt_tokens=self.prompt_tokens) for t in self.others]
-        loads.append(TenantLoad(self.agent, "", clients=self.agent_clients,
-                                output_tokens=(self.agent_output_tokens, self.agent_output_tokens),
-                                prompt_tokens=self.prompt_tokens, runs=self.agent_runs, error_backoff_s=1.0,
-                                start_s=self.agent_start_s))
+        loads = [
+            TenantLoad(
+                t,
+                "",
+                clients=self.clients_per_tenant,
+                output_tokens=self.other_output_tokens,
+                prompt_tokens=self.prompt_tokens,
+            )
+            for t in self.others
+        ]
+        loads.append(
+            TenantLoad(
+                self.agent,
+                "",
+                clients=self.agent_clients,
+                output_tokens=(self.agent_output_tokens, self.agent_output_tokens),
+                prompt_tokens=self.prompt_tokens,
+                runs=self.agent_runs,
+                error_backoff_s=1.0,
+                start_s=self.agent_start_s,
+            )
+        )
         return loads
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
         agent_limits = {"max_model_calls": self.max_model_calls, "max_tokens": self.run_max_tokens}
-        tenants = tuple(TenantSpec(t, weight=self.weight(t), limits=agent_limits if t == self.agent else {})
-                        for t in self.tenants)
+        tenants = tuple(
+            TenantSpec(t, weight=self.weight(t), limits=agent_limits if t == self.agent else {}) for t in self.tenants
+        )
         return StackSpec(tenants, policy=policy, replicas=self.replicas, replica=self.replica, processes=processes)
 
 
@@ -159,9 +181,20 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
         s = run.load.stats(tenant)
         total = window.totals[tenant]
         tenants[tenant] = TenantFigures(
-            tenant, shares[tenant], shares[tenant] / config.fair_share(tenant), s.requests, s.completed, s.cut,
-            s.errors, s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms, total.requests, total.output_tokens,
-            total.gpu_ms / 1000.0)
+            tenant,
+            shares[tenant],
+            shares[tenant] / config.fair_share(tenant),
+            s.requests,
+            s.completed,
+            s.cut,
+            s.errors,
+            s.ttft_p50_ms,
+            s.ttft_p99_ms,
+            s.tpot_p50_ms,
+            total.requests,
+            total.output_tokens,
+            total.gpu_ms / 1000.0,
+        )
     calls: Counter[str] = Counter()
     tokens: Counter[str] = Counter()
     for r in run.reservations:
@@ -184,17 +217,20 @@ class UltraLongResult(CheckedResult):
         figs = figs or self.main
         c = self.config
         agent = figs.tenants[c.agent]
-        unexpected = {t.tenant: {k: v for k, v in t.errors.items() if f"[{RUN_DIMENSION}]" not in k}
-                      for t in figs.tenants.values()}
+        unexpected = {
+            t.tenant: {k: v for k, v in t.errors.items() if f"[{RUN_DIMENSION}]" not in k}
+            for t in figs.tenants.values()
+        }
         return {
-            f"no tenant over its share + {c.agent_margin:.0%}":
-                all(t.share <= c.fair_share(name) + c.agent_margin for name, t in figs.tenants.items()),
-            f"agent share <= {c.fair_share(c.agent):.0%} + {c.agent_margin:.0%}":
-                agent.share <= c.fair_share(c.agent) + c.agent_margin,
+            f"no tenant over its share + {c.agent_margin:.0%}": all(
+                t.share <= c.fair_share(name) + c.agent_margin for name, t in figs.tenants.items()
+            ),
+            f"agent share <= {c.fair_share(c.agent):.0%} + {c.agent_margin:.0%}": agent.share
+            <= c.fair_share(c.agent) + c.agent_margin,
             f"no run admitted more than {c.max_model_calls} calls": figs.runs.most_calls <= c.max_model_calls,
             "the run limit refused calls (it was exercised)": figs.runs.refused > 0,
-            f"no run reserved more than {c.run_max_tokens:,} tokens":
-                max(figs.runs.tokens.values(), default=0) <= c.run_max_tokens,
+            f"no run reserved more than {c.run_max_tokens:,} tokens": max(figs.runs.tokens.values(), default=0)
+            <= c.run_max_tokens,
             "no other errors": not any(unexpected.values()),
             "the agent ran": agent.ledger_output_tokens > 0,
         }
@@ -211,32 +247,61 @@ class UltraLongResult(CheckedResult):
             f"{c.seconds:g} s on {c.replicas} emulated replicas x {c.replica.max_batch} slots.",
             f"Claim: GPU shares billed in the ledger from the agent's start ({c.agent_start_s:g} s) on, within "
             f"{c.share_ratio_max:g}x of each other (weighted), the agent at most its share + {c.agent_margin:.0%}; "
-            "the agent's run limits hold."]
+            "the agent's run limits hold.",
+        ]
         for figs in (self.main, self.compare):
             if figs is None:
                 continue
-            table = Table(title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""),
-                          title_justify="left")
-            for column in ("tenant", "GPU %", "x share", "sent/done/cut", "errors", "TTFT ms p50/p99", "TPOT ms p50",
-                           "ledger req", "ledger out tok", "ledger GPU s"):
-                table.add_column(column, justify="left" if column in ("tenant", "errors") else "right",
-                                 no_wrap=column != "errors", min_width=6 if column == "errors" else None)
+            table = Table(
+                title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""), title_justify="left"
+            )
+            for column in (
+                "tenant",
+                "GPU %",
+                "x share",
+                "sent/done/cut",
+                "errors",
+                "TTFT ms p50/p99",
+                "TPOT ms p50",
+                "ledger req",
+                "ledger out tok",
+                "ledger GPU s",
+            ):
+                table.add_column(
+                    column,
+                    justify="left" if column in ("tenant", "errors") else "right",
+                    no_wrap=column != "errors",
+                    min_width=6 if column == "errors" else None,
+                )
             for t in figs.tenants.values():
                 errors = fmt_errors(t.errors)
-                table.add_row(t.tenant, f"{t.share * 100:.1f}", f"{t.weighted:.2f}", f"{t.sent}/{t.completed}/{t.cut}",
-                              errors, f"{fmt_ms(t.ttft_p50_ms)} / {fmt_ms(t.ttft_p99_ms)}", fmt_ms(t.tpot_p50_ms),
-                              str(t.ledger_requests), f"{t.ledger_output_tokens:,}", f"{t.ledger_gpu_s:,.1f}")
+                table.add_row(
+                    t.tenant,
+                    f"{t.share * 100:.1f}",
+                    f"{t.weighted:.2f}",
+                    f"{t.sent}/{t.completed}/{t.cut}",
+                    errors,
+                    f"{fmt_ms(t.ttft_p50_ms)} / {fmt_ms(t.ttft_p99_ms)}",
+                    fmt_ms(t.tpot_p50_ms),
+                    str(t.ledger_requests),
+                    f"{t.ledger_output_tokens:,}",
+                    f"{t.ledger_gpu_s:,.1f}",
+                )
             runs = figs.runs
-            table.caption = (f"max/min {figs.ratio:.3f}; ledger billed {figs.gpu_s:,.1f} GPU s; agent runs: "
-                             f"{len(runs.calls)} runs, at most {runs.most_calls} calls admitted per run, "
-                             f"{runs.refused} calls refused ({RUN_DIMENSION})")
+            table.caption = (
+                f"max/min {figs.ratio:.3f}; ledger billed {figs.gpu_s:,.1f} GPU s; agent runs: "
+                f"{len(runs.calls)} runs, at most {runs.most_calls} calls admitted per run, "
+                f"{runs.refused} calls refused ({RUN_DIMENSION})"
+            )
             table.caption_justify = "left"
             out.append(table)
         out.extend(self.check_lines())
         verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
         agent = self.main.tenants[c.agent]
-        line = (f"{verdict}: under {self.main.policy} max/min {self.main.ratio:.3f}, agent {agent.share:.1%} "
-                f"of the GPU (share {c.fair_share(c.agent):.0%})")
+        line = (
+            f"{verdict}: under {self.main.policy} max/min {self.main.ratio:.3f}, agent {agent.share:.1%} "
+            f"of the GPU (share {c.fair_share(c.agent):.0%})"
+        )
         if self.compare is not None:
             other = self.compare.tenants[c.agent]
             line += f"; under {self.compare.policy}: max/min {self.compare.ratio:.3f}, agent {other.share:.1%}"
@@ -251,8 +316,13 @@ def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLo
         config = replace(config, seconds=options.seconds)
 
     def one(policy: str) -> PolicyFigures:
-        result = run_on_stack(config.spec(policy, options.processes), config.loads(), config.seconds, options.seed,
-                              snapshot_at_s=(config.agent_start_s,) if config.agent_start_s > 0 else ())
+        result = run_on_stack(
+            config.spec(policy, options.processes),
+            config.loads(),
+            config.seconds,
+            options.seed,
+            snapshot_at_s=(config.agent_start_s,) if config.agent_start_s > 0 else (),
+        )
         return figures(config, result)
 
     main = one(options.policy)

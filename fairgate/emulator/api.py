@@ -101,8 +101,12 @@ class _Generation(_Open):
 
     @model_validator(mode="after")
     def _one_cap(self) -> _Generation:
-        if self.max_tokens is not None and self.max_completion_tokens is not None \
-                and self.max_tokens != self.max_completion_tokens and "max_tokens" in self.model_fields_set:
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+            and "max_tokens" in self.model_fields_set
+        ):
             raise ValueError("max_tokens: differs from max_completion_tokens; send one (max_completion_tokens)")
         return self
 
@@ -124,8 +128,12 @@ class ChatRequest(_Generation):
 
 class CompletionRequest(_Generation):
     # Text, or token ids (as OpenAI's and vLLM's completions APIs take them); one prompt a request.
-    prompt: str | list[str] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] \
+    prompt: (
+        str
+        | list[str]
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
         | list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]
+    )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the completions API's default
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
 
@@ -136,8 +144,9 @@ class CompletionRequest(_Generation):
         if isinstance(value, list) and not value:
             raise ValueError("an empty list is no prompt")
         if batch and len(value) != 1:
-            raise ValueError(f"one prompt a request (a list of {len(value)} would be as many choices; send them "
-                             "one by one)")
+            raise ValueError(
+                f"one prompt a request (a list of {len(value)} would be as many choices; send them one by one)"
+            )
         return value
 
     def prompt_text(self) -> str | None:
@@ -152,7 +161,6 @@ class CompletionRequest(_Generation):
         if isinstance(first, int):
             return list(self.prompt)  # type: ignore[arg-type]
         return list(first) if isinstance(first, list) else []
-
 
 
 class EmulatorSettings(BaseModel):
@@ -174,8 +182,10 @@ class EmulatorSettings(BaseModel):
 
 
 def _error(status: int, message: str, param: str | None, code: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": "invalid_request_error",
-                                                               "param": param, "code": code}})
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}},
+    )
 
 
 def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
@@ -205,16 +215,24 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
     def output_length(body: _Generation, prompt_tokens: int) -> tuple[int, str] | JSONResponse:
         cap = body.token_cap()
         if cap is not None and prompt_tokens + cap > settings.max_model_len:
-            return _error(400, f"This model's maximum context length is {settings.max_model_len} tokens; the "
-                               f"prompt has {prompt_tokens} and max_tokens asks for {cap}.", "max_tokens",
-                          "context_length_exceeded")
+            return _error(
+                400,
+                f"This model's maximum context length is {settings.max_model_len} tokens; the "
+                f"prompt has {prompt_tokens} and max_tokens asks for {cap}.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         if prompt_tokens >= settings.max_model_len:
-            return _error(400, f"The prompt has {prompt_tokens} tokens; the context is {settings.max_model_len}.",
-                          "messages", "context_length_exceeded")
+            return _error(
+                400,
+                f"The prompt has {prompt_tokens} tokens; the context is {settings.max_model_len}.",
+                "messages",
+                "context_length_exceeded",
+            )
         if body.ignore_eos and cap is not None:
             return cap, "length"
         rng = random.Random(body.seed) if body.seed is not None else shared_rng
-        sigma2 = math.log1p(settings.output_cv ** 2)
+        sigma2 = math.log1p(settings.output_cv**2)
         mu = math.log(settings.output_mean_tokens) - sigma2 / 2
         length = max(1, round(rng.lognormvariate(mu, math.sqrt(sigma2))))
         length = min(length, settings.max_model_len - prompt_tokens)
@@ -226,8 +244,12 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
         if settings.require_tenant_context:
             salt = (body.model_extra or {}).get("cache_salt")
             if not isinstance(salt, str) or not salt.strip():
-                return _error(400, "cache_salt: this replica requires tenant context (a non-empty cache_salt).",
-                              "cache_salt", "missing_tenant_context")
+                return _error(
+                    400,
+                    "cache_salt: this replica requires tenant context (a non-empty cache_salt).",
+                    "cache_salt",
+                    "missing_tenant_context",
+                )
         decided = output_length(body, prompt_tokens)
         if isinstance(decided, JSONResponse):
             return decided
@@ -238,12 +260,17 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
         seq = replica.submit(prompt_tokens, length, salt)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        usage = lambda: {"prompt_tokens": prompt_tokens, "completion_tokens": seq.generated,  # noqa: E731
-                         "total_tokens": prompt_tokens + seq.generated}
+        usage = lambda: {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": seq.generated,
+            "total_tokens": prompt_tokens + seq.generated,
+        }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(replica, seq, ident, created, body.model, chat, finish_reason,
-                                             include_usage, usage), media_type="text/event-stream")
+            return StreamingResponse(
+                _stream(replica, seq, ident, created, body.model, chat, finish_reason, include_usage, usage),
+                media_type="text/event-stream",
+            )
         watcher = asyncio.create_task(_cancel_on_disconnect(request, replica, seq))
         try:
             while (event := await seq.events.get()) is not None:
@@ -254,12 +281,22 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
             return _error(499, "client closed the request", None, "cancelled")
         text = "".join(f" t{i}" for i in range(1, seq.generated + 1))
         if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": finish_reason, "logprobs": None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.model, "choices": [choice], "usage": usage()}
+        return {
+            "id": ident,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": body.model,
+            "choices": [choice],
+            "usage": usage(),
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest) -> Any:
@@ -269,13 +306,24 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Any:
         text = body.prompt_text()
-        return await generate(request, body, count_tokens(text) if text is not None else len(body.prompt_token_ids()),
-                              chat=False)
+        return await generate(
+            request, body, count_tokens(text) if text is not None else len(body.prompt_token_ids()), chat=False
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
-                                             "owned_by": "fairgate", "max_model_len": settings.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "fairgate",
+                    "max_model_len": settings.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -285,11 +333,18 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
     async def stats() -> dict[str, Any]:
         replica: EmulatedReplica = state["replica"]
         recent = list(replica.iterations)
-        return {"running": replica.running, "waiting": replica.waiting, "busy_ms": replica.busy_ms,
-                "tokens_generated": replica.tokens_generated, "sequences_finished": replica.sequences_finished,
-                "sequences_cancelled": replica.sequences_cancelled, "iterations": len(recent),
-                "planned_ms": sum(i.planned_ms for i in recent), "measured_ms": sum(i.measured_ms for i in recent),
-                "charge_rule_ms_by_cache_salt": dict(replica.charged_ms_by_salt)}
+        return {
+            "running": replica.running,
+            "waiting": replica.waiting,
+            "busy_ms": replica.busy_ms,
+            "tokens_generated": replica.tokens_generated,
+            "sequences_finished": replica.sequences_finished,
+            "sequences_cancelled": replica.sequences_cancelled,
+            "iterations": len(recent),
+            "planned_ms": sum(i.planned_ms for i in recent),
+            "measured_ms": sum(i.measured_ms for i in recent),
+            "charge_rule_ms_by_cache_salt": dict(replica.charged_ms_by_salt),
+        }
 
     app.state.emulator = state
     return app
@@ -303,14 +358,26 @@ async def _cancel_on_disconnect(request: Request, replica: EmulatedReplica, seq:
         await asyncio.sleep(0.02)
 
 
-async def _stream(replica: EmulatedReplica, seq: Sequence, ident: str, created: int, model: str, chat: bool,
-                  finish_reason: str, include_usage: bool, usage: Any) -> AsyncIterator[str]:
+async def _stream(
+    replica: EmulatedReplica,
+    seq: Sequence,
+    ident: str,
+    created: int,
+    model: str,
+    chat: bool,
+    finish_reason: str,
+    include_usage: bool,
+    usage: Any,
+) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
-                {"content": delta_text} if delta_text is not None else {})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""}
+                if role
+                else ({"content": delta_text} if delta_text is not None else {})
+            )
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}

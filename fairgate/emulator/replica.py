@@ -57,8 +57,9 @@ class EmulatedReplica:
         keep_iterations: how many recent iterations ``iterations`` keeps (for tests and stats).
     """
 
-    def __init__(self, cost: CostModel, clock: Callable[[], float] = time.monotonic,
-                 keep_iterations: int = 10_000) -> None:
+    def __init__(
+        self, cost: CostModel, clock: Callable[[], float] = time.monotonic, keep_iterations: int = 10_000
+    ) -> None:
         self.cost = cost
         self._clock = clock
         self._waiting: deque[Sequence] = deque()

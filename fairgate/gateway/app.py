@@ -38,20 +38,29 @@ import httpx
 from fastapi import FastAPI, Request, Security
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPBearer
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairgate.core.policies.factory import TenantShare, make_policy
 from fairgate.core.request import Request as CoreRequest
 from fairgate.emulator.api import CHAT_MESSAGE_OVERHEAD_TOKENS, ChatRequest, CompletionRequest, count_tokens
 from fairgate.gateway.auth import DelegationError, KeyRing, verify_on_behalf_of
 from fairgate.gateway.config import GatewayConfig
-from fairgate.gateway.errors import GatewayError, error_response as _error_response
 from fairgate.gateway.dispatch import Dispatcher, Lease, NoUpstream, QueueFull, Upstream
-from fairgate.gateway.sharing import ChargeSync
+from fairgate.gateway.errors import GatewayError
+from fairgate.gateway.errors import error_response as _error_response
 from fairgate.gateway.headers import quota_headers, rate_limit_headers
-from fairgate.gateway.observe import (Admitted, Charged, Dispatched, Fanout, Finished, Observer, Rejected,
-                                      reason_for_dimension)
+from fairgate.gateway.observe import (
+    Admitted,
+    Charged,
+    Dispatched,
+    Fanout,
+    Finished,
+    Observer,
+    Rejected,
+    reason_for_dimension,
+)
+from fairgate.gateway.sharing import ChargeSync
 from fairgate.gateway.upstream import CallState, UpstreamClient, UpstreamError
 from fairgate.ledger import (
     IdempotencyConflict,
@@ -81,8 +90,7 @@ PARTIAL_SETTLE_EVERY_S = 2.0
 _API_KEY = HTTPBearer(auto_error=False, scheme_name="apiKey", description="Authorization: Bearer <tenant key>")
 
 
-def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
-                   observers: Iterable[Observer] = ()) -> FastAPI:
+def create_gateway(config: GatewayConfig, ledger: Ledger | None = None, observers: Iterable[Observer] = ()) -> FastAPI:
     """The gateway's ASGI app for ``config``.
 
     Args:
@@ -109,8 +117,13 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
     def booked(model: str, tenant: str, gpu_ms: float) -> None:
         events.observe(Charged(tenant, model, gpu_ms, time.time()))
 
-    dispatcher = Dispatcher(lambda: make_policy(spec, upstreams[0].cost, shares), upstreams,
-                            lambda: time.monotonic() * 1000.0, max_queued, on_charge=booked)
+    dispatcher = Dispatcher(
+        lambda: make_policy(spec, upstreams[0].cost, shares),
+        upstreams,
+        lambda: time.monotonic() * 1000.0,
+        max_queued,
+        on_charge=booked,
+    )
     clients: dict[str, UpstreamClient] = {}
     # (tenant, request id) -> reservation id, for the requests this process serves (queued or running).
     in_flight: dict[tuple[str, str], str] = {}
@@ -126,17 +139,28 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         for upstream in upstreams:
             model = upstream.model
             clients[upstream.name] = UpstreamClient(
-                upstream, lambda tenant, ms, tokens, batch, model=model: dispatcher.charge(model, tenant, ms, tokens,
-                                                                                          batch),
-                timeout_s=config.gateway.request_timeout_s, on_down=dispatcher.mark_down)
-        longest_ttl_s = max((limits.reservation_ttl_s for quota in config.quotas.tenants.values()
-                             for limits in (quota.limits, *quota.by_model_class.values())), default=0.0)
-        tasks = [asyncio.ensure_future(_sweep(front, in_flight, config.gateway.sweep_s, longest_ttl_s)),
-                 asyncio.ensure_future(_probe(dispatcher, clients)),
-                 asyncio.ensure_future(_recover(front))]
+                upstream,
+                lambda tenant, ms, tokens, batch, model=model: dispatcher.charge(model, tenant, ms, tokens, batch),
+                timeout_s=config.gateway.request_timeout_s,
+                on_down=dispatcher.mark_down,
+            )
+        longest_ttl_s = max(
+            (
+                limits.reservation_ttl_s
+                for quota in config.quotas.tenants.values()
+                for limits in (quota.limits, *quota.by_model_class.values())
+            ),
+            default=0.0,
+        )
+        tasks = [
+            asyncio.ensure_future(_sweep(front, in_flight, config.gateway.sweep_s, longest_ttl_s)),
+            asyncio.ensure_future(_probe(dispatcher, clients)),
+            asyncio.ensure_future(_recover(front)),
+        ]
         if config.gateway.share_charges_s > 0:
-            tasks.append(asyncio.ensure_future(ChargeSync(opened, dispatcher, config.gateway.share_charges_s,
-                                                                  clients).run()))
+            tasks.append(
+                asyncio.ensure_future(ChargeSync(opened, dispatcher, config.gateway.share_charges_s, clients).run())
+            )
         yield
         for task in tasks:
             task.cancel()
@@ -155,37 +179,63 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
     def authenticate(request: Request) -> tuple[str, str | None]:
         """(tenant billed, delegate acting for it). Raises ``GatewayError`` 401/403."""
         if len(request.headers.getlist("authorization")) > 1:
-            raise GatewayError(400, "Send one Authorization header.", "invalid_api_key", "authorization",
-                               kind="authentication_error")
+            raise GatewayError(
+                400, "Send one Authorization header.", "invalid_api_key", "authorization", kind="authentication_error"
+            )
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise GatewayError(401, "Missing API key: send Authorization: Bearer <key>.", "invalid_api_key",
-                               kind="authentication_error")
+            raise GatewayError(
+                401,
+                "Missing API key: send Authorization: Bearer <key>.",
+                "invalid_api_key",
+                kind="authentication_error",
+            )
         caller = keys.tenant_for(key.strip())
         if caller is None:
             raise GatewayError(401, "Invalid API key.", "invalid_api_key", kind="authentication_error")
         if len(request.headers.getlist(ON_BEHALF_OF_HEADER)) > 1:
-            raise GatewayError(400, "Send one X-Fairgate-On-Behalf-Of header.", "invalid_delegation",
-                               ON_BEHALF_OF_HEADER, caller=caller)
+            raise GatewayError(
+                400,
+                "Send one X-Fairgate-On-Behalf-Of header.",
+                "invalid_delegation",
+                ON_BEHALF_OF_HEADER,
+                caller=caller,
+            )
         token = request.headers.get(ON_BEHALF_OF_HEADER)
         if token is None:
             return caller, None
         if caller not in config.delegation.delegates:
-            raise GatewayError(403, f"Tenant {caller!r} may not act on behalf of others.", "delegation_not_allowed",
-                               kind="permission_error", caller=caller)
+            raise GatewayError(
+                403,
+                f"Tenant {caller!r} may not act on behalf of others.",
+                "delegation_not_allowed",
+                kind="permission_error",
+                caller=caller,
+            )
         secret = config.delegation_secret()
         if secret is None:
-            raise GatewayError(403, "Delegation is not configured on this gateway.", "delegation_not_allowed",
-                               kind="permission_error", caller=caller)
+            raise GatewayError(
+                403,
+                "Delegation is not configured on this gateway.",
+                "delegation_not_allowed",
+                kind="permission_error",
+                caller=caller,
+            )
         try:
             tenant = verify_on_behalf_of(secret, token, caller, time.time())
         except DelegationError as exc:
-            raise GatewayError(403, f"On-behalf-of token rejected: {exc}", "invalid_delegation",
-                               kind="permission_error", caller=caller) from None
+            raise GatewayError(
+                403, f"On-behalf-of token rejected: {exc}", "invalid_delegation", kind="permission_error", caller=caller
+            ) from None
         if tenant not in config.quotas.tenants:
-            raise GatewayError(403, "The on-behalf-of token names an unknown tenant.", "invalid_delegation",
-                               kind="permission_error", caller=caller)
+            raise GatewayError(
+                403,
+                "The on-behalf-of token names an unknown tenant.",
+                "invalid_delegation",
+                kind="permission_error",
+                caller=caller,
+            )
         return tenant, caller
 
     def authenticate_admin(request: Request) -> None:
@@ -193,8 +243,12 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise GatewayError(401, "Missing API key: send Authorization: Bearer <admin key>.", "invalid_api_key",
-                               kind="authentication_error")
+            raise GatewayError(
+                401,
+                "Missing API key: send Authorization: Bearer <admin key>.",
+                "invalid_api_key",
+                kind="authentication_error",
+            )
         if admin_keys.tenant_for(key.strip()) == "admin":
             return
         if keys.tenant_for(key.strip()) is not None:
@@ -225,11 +279,13 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         try:
             data = json.loads(raw, parse_constant=_reject_constant, object_pairs_hook=_object_once)
         except _DuplicateKey as exc:
-            raise GatewayError(400, f"{exc.key}: given twice in one object (which one was meant?).", "invalid_json",
-                               exc.key) from None
+            raise GatewayError(
+                400, f"{exc.key}: given twice in one object (which one was meant?).", "invalid_json", exc.key
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
-            raise GatewayError(400, "The body is not valid JSON (NaN, Infinity and deep nesting are refused).",
-                               "invalid_json") from None
+            raise GatewayError(
+                400, "The body is not valid JSON (NaN, Infinity and deep nesting are refused).", "invalid_json"
+            ) from None
         if not isinstance(data, dict):
             raise GatewayError(400, "The body must be a JSON object.", "invalid_json")
         problem = _unsendable(data)
@@ -256,14 +312,22 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
     def request_id_of(request: Request) -> str:
         request_id, key = one_header(request, "x-request-id"), one_header(request, "idempotency-key")
         if request_id is not None and key is not None and request_id != key:
-            raise GatewayError(400, "X-Request-Id and Idempotency-Key differ; send one (or the same value).",
-                               "invalid_request_id", "x-request-id")
+            raise GatewayError(
+                400,
+                "X-Request-Id and Idempotency-Key differ; send one (or the same value).",
+                "invalid_request_id",
+                "x-request-id",
+            )
         given = request_id if request_id is not None else key
         if given is None:
             return f"req-{uuid.uuid4().hex}"
         if not _printable_id(given):
-            raise GatewayError(400, "X-Request-Id / Idempotency-Key must be 1-200 printable ASCII characters.",
-                               "invalid_request_id", "x-request-id" if request_id is not None else "idempotency-key")
+            raise GatewayError(
+                400,
+                "X-Request-Id / Idempotency-Key must be 1-200 printable ASCII characters.",
+                "invalid_request_id",
+                "x-request-id" if request_id is not None else "idempotency-key",
+            )
         return given
 
     async def rate_headers(tenant: str, model: str, balances: asyncio.Future[Account] | None) -> dict[str, str]:
@@ -277,7 +341,7 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         if balances is not None:
             try:
                 account = await asyncio.wait_for(asyncio.shield(balances), timeout=0.25)
-            except (asyncio.TimeoutError, LedgerError, Exception):  # noqa: BLE001 - headers are best effort
+            except (TimeoutError, LedgerError, Exception):
                 account = None
         return rate_limit_headers(limits, account, time.time() * 1000.0)
 
@@ -294,9 +358,22 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             run = run_of(request)
             return await serve(request, body, chat, tenant, delegate, request_id, run)
         except GatewayError as error:
-            events.observe(Rejected(request_id, tenant or error.caller, model, error.reason, error.status,
-                                    error.message, time.time(), error.dimension, error.after_admission,
-                                    error.retry_after_s, error.code, delegate))
+            events.observe(
+                Rejected(
+                    request_id,
+                    tenant or error.caller,
+                    model,
+                    error.reason,
+                    error.status,
+                    error.message,
+                    time.time(),
+                    error.dimension,
+                    error.after_admission,
+                    error.retry_after_s,
+                    error.code,
+                    delegate,
+                )
+            )
             return _error_response(error, request_id)
 
     def run_of(request: Request) -> tuple[str | None, bool]:
@@ -304,19 +381,29 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         (``x-fairgate-tool-round: 1``): the client names its own run; the run limits only restrict it."""
         run_id = one_header(request, RUN_ID_HEADER)
         if run_id is not None and not _printable_id(run_id):
-            raise GatewayError(400, f"{RUN_ID_HEADER} must be 1-200 printable ASCII characters.", "invalid_run_id",
-                               RUN_ID_HEADER)
+            raise GatewayError(
+                400, f"{RUN_ID_HEADER} must be 1-200 printable ASCII characters.", "invalid_run_id", RUN_ID_HEADER
+            )
         flag = (one_header(request, TOOL_ROUND_HEADER) or "0").strip().lower()
         if flag not in ("0", "1", "true", "false"):
-            raise GatewayError(400, f"{TOOL_ROUND_HEADER} must be 0 or 1 (or false / true).", "invalid_tool_round",
-                               TOOL_ROUND_HEADER)
+            raise GatewayError(
+                400, f"{TOOL_ROUND_HEADER} must be 0 or 1 (or false / true).", "invalid_tool_round", TOOL_ROUND_HEADER
+            )
         if flag in ("1", "true") and run_id is None:
-            raise GatewayError(400, f"{TOOL_ROUND_HEADER} needs {RUN_ID_HEADER}.", "invalid_tool_round",
-                               TOOL_ROUND_HEADER)
+            raise GatewayError(
+                400, f"{TOOL_ROUND_HEADER} needs {RUN_ID_HEADER}.", "invalid_tool_round", TOOL_ROUND_HEADER
+            )
         return run_id, flag in ("1", "true")
 
-    async def serve(request: Request, body: ChatRequest | CompletionRequest, chat: bool, tenant: str,
-                    delegate: str | None, request_id: str, run: tuple[str | None, bool]) -> Any:
+    async def serve(
+        request: Request,
+        body: ChatRequest | CompletionRequest,
+        chat: bool,
+        tenant: str,
+        delegate: str | None,
+        request_id: str,
+        run: tuple[str | None, bool],
+    ) -> Any:
         serving = config.upstreams_for(body.model)
         if not serving:
             raise GatewayError(404, f"The model {body.model[:100]!r} does not exist.", "model_not_found", "model")
@@ -331,68 +418,139 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             text = body.prompt_text()
             prompt_tokens = estimate_tokens(text) if text is not None else len(body.prompt_token_ids())
         if prompt_tokens >= context:
-            raise GatewayError(413, f"The prompt has {prompt_tokens} tokens; the model's context is {context}.",
-                               "context_length_exceeded", "messages" if chat else "prompt")
+            raise GatewayError(
+                413,
+                f"The prompt has {prompt_tokens} tokens; the model's context is {context}.",
+                "context_length_exceeded",
+                "messages" if chat else "prompt",
+            )
         max_tokens = body.token_cap() or min(config.gateway.default_max_tokens, context - prompt_tokens)
         if prompt_tokens + max_tokens > context:
-            raise GatewayError(400, f"max_tokens {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the "
-                                    f"context of {context}.", "context_length_exceeded", "max_tokens")
+            raise GatewayError(
+                400,
+                f"max_tokens {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the context of {context}.",
+                "context_length_exceeded",
+                "max_tokens",
+            )
         cost = serving[0].cost
         estimate = cost.prefill_ms(prompt_tokens) + max_tokens * cost.decode_charge_ms(cost.max_batch)
         try:
-            reservation = await front.reserve(tenant, request_id, prompt_tokens, max_tokens, estimate, body.model,
-                                              run[0], run[1])
+            reservation = await front.reserve(
+                tenant, request_id, prompt_tokens, max_tokens, estimate, body.model, run[0], run[1]
+            )
         except QuotaExceeded as exc:
-            raise GatewayError(429, f"Quota {exc.dimension} exceeded for this tenant.",
-                               "insufficient_quota" if exc.retry_after_s is None else "rate_limit_exceeded",
-                               kind="rate_limit_error", retry_after_s=exc.retry_after_s,
-                               reason=reason_for_dimension(exc.dimension), dimension=exc.dimension,
-                               headers=quota_headers(exc)) from None
+            raise GatewayError(
+                429,
+                f"Quota {exc.dimension} exceeded for this tenant.",
+                "insufficient_quota" if exc.retry_after_s is None else "rate_limit_exceeded",
+                kind="rate_limit_error",
+                retry_after_s=exc.retry_after_s,
+                reason=reason_for_dimension(exc.dimension),
+                dimension=exc.dimension,
+                headers=quota_headers(exc),
+            ) from None
         except IdempotencyConflict:
-            raise GatewayError(409, "This request id was used before with a different request.",
-                               "idempotency_conflict", "x-request-id") from None
+            raise GatewayError(
+                409, "This request id was used before with a different request.", "idempotency_conflict", "x-request-id"
+            ) from None
         except LedgerUnavailable:
-            raise GatewayError(503, "Accounting is unavailable; retry later.", "ledger_unavailable",
-                               kind="server_error", retry_after_s=5.0, reason="ledger_down") from None
+            raise GatewayError(
+                503,
+                "Accounting is unavailable; retry later.",
+                "ledger_unavailable",
+                kind="server_error",
+                retry_after_s=5.0,
+                reason="ledger_down",
+            ) from None
         except UnknownTenant:
-            raise GatewayError(403, "This tenant has no quota configuration.", "tenant_not_configured",
-                               kind="permission_error") from None
+            raise GatewayError(
+                403, "This tenant has no quota configuration.", "tenant_not_configured", kind="permission_error"
+            ) from None
         if reservation.is_final:
-            raise GatewayError(409, f"Request {request_id!r} has completed already ({reservation.status}); it is not "
-                                    "run or charged again.", "request_already_completed", "x-request-id")
+            raise GatewayError(
+                409,
+                f"Request {request_id!r} has completed already ({reservation.status}); it is not run or charged again.",
+                "request_already_completed",
+                "x-request-id",
+            )
         await mark_readmitted(front, reservation, time.time() * 1000.0)
         if (tenant, request_id) in in_flight:
-            raise GatewayError(409, f"Request {request_id!r} is being served already; it is not run twice.",
-                               "request_in_progress", "x-request-id")
+            raise GatewayError(
+                409,
+                f"Request {request_id!r} is being served already; it is not run twice.",
+                "request_in_progress",
+                "x-request-id",
+            )
         in_flight[(tenant, request_id)] = reservation.id
-        events.observe(Admitted(request_id, tenant, delegate, body.model, reservation.id, prompt_tokens, max_tokens,
-                                estimate, time.time()))
+        events.observe(
+            Admitted(
+                request_id,
+                tenant,
+                delegate,
+                body.model,
+                reservation.id,
+                prompt_tokens,
+                max_tokens,
+                estimate,
+                time.time(),
+            )
+        )
         balances: asyncio.Future[Account] | None = None
         if not reservation.id.startswith(EMERGENCY_PREFIX):
             balances = asyncio.ensure_future(front.ledger.account(tenant, body.model))
         try:
-            return await dispatch_and_relay(request, body, chat, tenant, delegate, request_id, reservation,
-                                            prompt_tokens, max_tokens, balances)
+            return await dispatch_and_relay(
+                request, body, chat, tenant, delegate, request_id, reservation, prompt_tokens, max_tokens, balances
+            )
         except BaseException:
             in_flight.pop((tenant, request_id), None)
             raise
 
-    async def dispatch_and_relay(request: Request, body: ChatRequest | CompletionRequest, chat: bool, tenant: str,
-                                 delegate: str | None, request_id: str, reservation: Reservation,
-                                 prompt_tokens: int, max_tokens: int,
-                                 balances: asyncio.Future[Account] | None) -> Any:
-        done = lambda: in_flight.pop((tenant, request_id), None)  # noqa: E731
+    async def dispatch_and_relay(
+        request: Request,
+        body: ChatRequest | CompletionRequest,
+        chat: bool,
+        tenant: str,
+        delegate: str | None,
+        request_id: str,
+        reservation: Reservation,
+        prompt_tokens: int,
+        max_tokens: int,
+        balances: asyncio.Future[Account] | None,
+    ) -> Any:
+        done = lambda: in_flight.pop((tenant, request_id), None)
         for attempt in range(1, CONNECT_ATTEMPTS + 1):
             try:
-                return await dispatch_once(request, body, chat, tenant, request_id, reservation, prompt_tokens,
-                                           max_tokens, balances, done, attempt < CONNECT_ATTEMPTS)
+                return await dispatch_once(
+                    request,
+                    body,
+                    chat,
+                    tenant,
+                    request_id,
+                    reservation,
+                    prompt_tokens,
+                    max_tokens,
+                    balances,
+                    done,
+                    attempt < CONNECT_ATTEMPTS,
+                )
             except _TryAnotherUpstream:
                 continue  # its upstream refused the connection and is out: back to the queue for another
         raise AssertionError("unreachable: the last attempt does not ask for another")  # pragma: no cover
 
-    async def dispatch_once(request: Request, body: ChatRequest | CompletionRequest, chat: bool, tenant: str,
-                            request_id: str, reservation: Reservation, prompt_tokens: int, max_tokens: int,
-                            balances: asyncio.Future[Account] | None, done: Any, may_retry: bool) -> Any:
+    async def dispatch_once(
+        request: Request,
+        body: ChatRequest | CompletionRequest,
+        chat: bool,
+        tenant: str,
+        request_id: str,
+        reservation: Reservation,
+        prompt_tokens: int,
+        max_tokens: int,
+        balances: asyncio.Future[Account] | None,
+        done: Any,
+        may_retry: bool,
+    ) -> Any:
         """Queue, dispatch and relay once. Raises ``_TryAnotherUpstream`` (``may_retry`` only) when the upstream
         refused the connection before anything was relayed and another upstream of the model is up: the slot
         is released, the reservation is left open for the next attempt."""
@@ -415,27 +573,54 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                 await _release_reservation(reservation, Usage())  # it never ran: nothing is billed
             if watcher.done() and not watcher.cancelled():  # the watcher ended the wait: the client left
                 done()
-                return JSONResponse({"error": {"message": "client closed the request while it was queued",
-                                               "type": "invalid_request_error", "param": None,
-                                               "code": "client_closed"}}, status_code=499)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "client closed the request while it was queued",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": "client_closed",
+                        }
+                    },
+                    status_code=499,
+                )
             raise
         except QuotaExceeded as exc:
             await _release_reservation(reservation, Usage())
-            raise GatewayError(429, f"Too many requests queued for this tenant ({exc.limit:g}, all gateway "
-                                    "processes).", "queue_full", kind="rate_limit_error",
-                               retry_after_s=exc.retry_after_s, reason="queue_full", dimension=exc.dimension,
-                               after_admission=True, headers=quota_headers(exc)) from None
+            raise GatewayError(
+                429,
+                f"Too many requests queued for this tenant ({exc.limit:g}, all gateway processes).",
+                "queue_full",
+                kind="rate_limit_error",
+                retry_after_s=exc.retry_after_s,
+                reason="queue_full",
+                dimension=exc.dimension,
+                after_admission=True,
+                headers=quota_headers(exc),
+            ) from None
         except QueueFull as exc:
             await _release_reservation(reservation, Usage())
-            error = GatewayError(429, f"Too many requests queued for this tenant ({exc.limit}).", "queue_full",
-                                 kind="rate_limit_error", retry_after_s=2.0, reason="queue_full",
-                                 after_admission=True)
+            error = GatewayError(
+                429,
+                f"Too many requests queued for this tenant ({exc.limit}).",
+                "queue_full",
+                kind="rate_limit_error",
+                retry_after_s=2.0,
+                reason="queue_full",
+                after_admission=True,
+            )
             raise error from None
         except NoUpstream:
             await _release_reservation(reservation, Usage())
-            error = GatewayError(503, f"No upstream is available for {body.model!r}.", "no_upstream",
-                                 kind="server_error", retry_after_s=5.0, reason="no_upstream",
-                                 after_admission=True)
+            error = GatewayError(
+                503,
+                f"No upstream is available for {body.model!r}.",
+                "no_upstream",
+                kind="server_error",
+                retry_after_s=5.0,
+                reason="no_upstream",
+                after_admission=True,
+            )
             raise error from None
         finally:
             watcher.cancel()
@@ -464,15 +649,25 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             # starts (asyncio finalizes a started generator; one never started would hold its slot forever).
             first = await relay.__anext__()
             return _RelayedStream(first, relay, headers)
-        collect = asyncio.ensure_future(_collect(stream, call, reservation, lease, chat, body.model, headers, done,
-                                                 may_retry))
+        collect = asyncio.ensure_future(
+            _collect(stream, call, reservation, lease, chat, body.model, headers, done, may_retry)
+        )
         watcher = asyncio.ensure_future(_watch_disconnect(request, collect))
         try:
             return await collect
         except asyncio.CancelledError:
             if watcher.done():  # the client went away: nobody is left to answer
-                return JSONResponse({"error": {"message": "client closed the request", "type": "invalid_request_error",
-                                               "param": None, "code": "client_closed"}}, status_code=499)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "client closed the request",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": "client_closed",
+                        }
+                    },
+                    status_code=499,
+                )
             raise
         finally:
             watcher.cancel()
@@ -489,8 +684,11 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         output_tokens = min(int(usage.get("completion_tokens", call.output_tokens)), reservation.max_output_tokens)
         gpu_ms = min(call.gpu_ms, 86_400_000.0)
         if final:
-            events.observe(_finished(call, reservation, "cancelled" if cancelled else "completed",
-                                     input_tokens, output_tokens, gpu_ms))
+            events.observe(
+                _finished(
+                    call, reservation, "cancelled" if cancelled else "completed", input_tokens, output_tokens, gpu_ms
+                )
+            )
         try:
             if cancelled:
                 await front.cancel(reservation.id, Usage(input_tokens, output_tokens, gpu_ms))
@@ -501,11 +699,23 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
 
     def _another_upstream(lease: Lease, exc: UpstreamError, may_retry: bool) -> bool:
         """Send the request to another upstream? Only if this one never saw it and another one is up."""
-        return may_retry and exc.unreachable and any(
-            u.healthy for u in dispatcher.upstreams() if u.model == lease.upstream.model and u is not lease.upstream)
+        return (
+            may_retry
+            and exc.unreachable
+            and any(
+                u.healthy for u in dispatcher.upstreams() if u.model == lease.upstream.model and u is not lease.upstream
+            )
+        )
 
-    async def _end_call(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
-                        lease: Lease, done: Any, finished: bool, retrying: bool) -> None:
+    async def _end_call(
+        stream: AsyncIterator[dict[str, Any]],
+        call: CallState,
+        reservation: Reservation,
+        lease: Lease,
+        done: Any,
+        finished: bool,
+        retrying: bool,
+    ) -> None:
         """A call's clean-up on every path: close the upstream stream, free the slot, settle the reservation
         (final) and forget the request - unless it goes on, under the same reservation, on another upstream.
         The client may be gone and this task cancelled: the clean-up still runs to the end."""
@@ -518,8 +728,15 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
                     await _settle(call, reservation, final=True, cancelled=not finished)
                     done()
 
-    async def _relay(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
-                     lease: Lease, include_usage: bool, done: Any, may_retry: bool) -> AsyncIterator[str]:
+    async def _relay(
+        stream: AsyncIterator[dict[str, Any]],
+        call: CallState,
+        reservation: Reservation,
+        lease: Lease,
+        include_usage: bool,
+        done: Any,
+        may_retry: bool,
+    ) -> AsyncIterator[str]:
         finished = sent = closed = retrying = False
         last_settle = time.monotonic()
 
@@ -556,9 +773,17 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         finally:
             await close()
 
-    async def _collect(stream: AsyncIterator[dict[str, Any]], call: CallState, reservation: Reservation,
-                       lease: Lease, chat: bool, model: str, headers: dict[str, str], done: Any,
-                       may_retry: bool) -> Any:
+    async def _collect(
+        stream: AsyncIterator[dict[str, Any]],
+        call: CallState,
+        reservation: Reservation,
+        lease: Lease,
+        chat: bool,
+        model: str,
+        headers: dict[str, str],
+        done: Any,
+        may_retry: bool,
+    ) -> Any:
         finished = retrying = False
         try:
             async for _ in stream:
@@ -573,15 +798,25 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
         finally:
             await _end_call(stream, call, reservation, lease, done, finished, retrying)
         text = "".join(call.text)
-        usage = call.usage or {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.output_tokens,
-                               "total_tokens": call.prompt_tokens + call.output_tokens}
+        usage = call.usage or {
+            "prompt_tokens": call.prompt_tokens,
+            "completion_tokens": call.output_tokens,
+            "total_tokens": call.prompt_tokens + call.output_tokens,
+        }
         finish = call.finish_reason or "stop"
-        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": finish, "logprobs": None} if chat else
-                                  {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
-        document = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                    "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                    "model": model, "choices": [choice], "usage": usage}
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        )
+        document = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
         return JSONResponse(document, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -593,16 +828,29 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         request_id = request.headers.get("x-request-id", f"req-{uuid.uuid4().hex}")[:200]
         log.exception("unexpected error serving %s", request_id)
-        return _error_response(GatewayError(500, "Internal error; the request was not billed beyond what ran.",
-                                            "internal_error", kind="server_error"), request_id)
+        return _error_response(
+            GatewayError(
+                500,
+                "Internal error; the request was not billed beyond what ran.",
+                "internal_error",
+                kind="server_error",
+            ),
+            request_id,
+        )
 
-    @app.post("/v1/chat/completions", dependencies=[Security(_API_KEY)],
-              openapi_extra={"requestBody": _body_schema(ChatRequest)})
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=[Security(_API_KEY)],
+        openapi_extra={"requestBody": _body_schema(ChatRequest)},
+    )
     async def chat_completions(request: Request) -> Any:
         return await handle(request, chat=True)
 
-    @app.post("/v1/completions", dependencies=[Security(_API_KEY)],
-              openapi_extra={"requestBody": _body_schema(CompletionRequest)})
+    @app.post(
+        "/v1/completions",
+        dependencies=[Security(_API_KEY)],
+        openapi_extra={"requestBody": _body_schema(CompletionRequest)},
+    )
     async def completions(request: Request) -> Any:
         return await handle(request, chat=False)
 
@@ -612,8 +860,10 @@ def create_gateway(config: GatewayConfig, ledger: Ledger | None = None,
             authenticate(request)
         except GatewayError as error:
             return _error_response(error, f"req-{uuid.uuid4().hex}")
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "fairgate"}
-                                            for m in dispatcher.models()]}
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "fairgate"} for m in dispatcher.models()],
+        }
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -645,8 +895,9 @@ class _TryAnotherUpstream(Exception):
 _tasks: set[asyncio.Task[Any]] = set()
 
 
-async def _sweep(front: ResilientLedger, in_flight: dict[tuple[str, str], str], interval_s: float,
-                 hold_after_outage_s: float = 0.0) -> None:
+async def _sweep(
+    front: ResilientLedger, in_flight: dict[tuple[str, str], str], interval_s: float, hold_after_outage_s: float = 0.0
+) -> None:
     """The liveness check, every ``interval_s``: replay this process's emergency journal if it holds
     anything (so usage kept during an outage is billed before its reservation could expire), heartbeat the
     reservations of the requests this process serves (emergency grants under the id their replay made),
@@ -765,16 +1016,30 @@ class _RelayedStream(StreamingResponse):
                 await self._relay.aclose()
 
 
-def _finished(call: CallState, reservation: Reservation, outcome: str, input_tokens: int, output_tokens: int,
-              gpu_ms: float) -> Finished:
+def _finished(
+    call: CallState, reservation: Reservation, outcome: str, input_tokens: int, output_tokens: int, gpu_ms: float
+) -> Finished:
     ttft_ms = tpot_ms = None
     if call.first_token_s is not None:
         ttft_ms = (call.first_token_s - call.started_s) * 1000.0
         if output_tokens > 1 and call.last_token_s is not None:
             tpot_ms = (call.last_token_s - call.first_token_s) * 1000.0 / (output_tokens - 1)
-    return Finished(reservation.request_id, call.tenant, call.model, call.upstream, "error" if call.failed else outcome,
-                    call.queue_ms, ttft_ms, tpot_ms, input_tokens, output_tokens, gpu_ms, reservation.gpu_ms_estimate,
-                    reservation.max_output_tokens, time.time())
+    return Finished(
+        reservation.request_id,
+        call.tenant,
+        call.model,
+        call.upstream,
+        "error" if call.failed else outcome,
+        call.queue_ms,
+        ttft_ms,
+        tpot_ms,
+        input_tokens,
+        output_tokens,
+        gpu_ms,
+        reservation.gpu_ms_estimate,
+        reservation.max_output_tokens,
+        time.time(),
+    )
 
 
 def _body_schema(model: Any) -> dict[str, Any]:
@@ -810,8 +1075,11 @@ def _prompt_extras(body: ChatRequest) -> str:
     """The text a chat body gives the model besides its messages' content, as JSON (empty for plain
     messages): tool definitions, a response schema, and each message's other fields (tool calls, names)."""
     extra = {name: value for name in PROMPT_FIELDS if (value := getattr(body, name, None)) is not None}
-    messages = [fields for m in body.messages  # its fields besides role and content: name, tool_calls, ...
-                if (fields := {k: v for k, v in (m.model_extra or {}).items() if v is not None})]
+    messages = [
+        fields
+        for m in body.messages  # its fields besides role and content: name, tool_calls, ...
+        if (fields := {k: v for k, v in (m.model_extra or {}).items() if v is not None})
+    ]
     if messages:
         extra["messages"] = messages
     return json.dumps(extra) if extra else ""

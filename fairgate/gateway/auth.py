@@ -32,10 +32,10 @@ if TYPE_CHECKING:
 KEY_PREFIX = "fg-"
 KEY_HASH_PATTERN = re.compile(r"sha256\$((?:[0-9a-f]{2}){8,64})\$([0-9a-f]{64})")
 """A stored key hash: ``sha256$`` + salt (8 to 64 bytes, lower-case hex) + ``$`` + 64 hex digits."""
-KEY_LENGTH_MAX = 512          # a longer presented key is rejected without hashing
+KEY_LENGTH_MAX = 512  # a longer presented key is rejected without hashing
 SALT_BYTES = 16
 DELEGATION_SECRET_BYTES_MIN = 16
-TOKEN_LENGTH_MAX = 4096       # a longer on-behalf-of token is malformed
+TOKEN_LENGTH_MAX = 4096  # a longer on-behalf-of token is malformed
 _TOKEN_VERSION = 1
 
 
@@ -103,8 +103,9 @@ class KeyRing:
         for index, (tenant, stored) in enumerate(entries):
             match = KEY_HASH_PATTERN.fullmatch(stored) if isinstance(stored, str) else None
             if match is None:
-                raise ValueError(f"key hash #{index} (tenant {tenant!r}) must look like "
-                                 "sha256$<salt hex>$<64 hex digits>")
+                raise ValueError(
+                    f"key hash #{index} (tenant {tenant!r}) must look like sha256$<salt hex>$<64 hex digits>"
+                )
             self._entries.append((tenant, bytes.fromhex(match.group(1)), match.group(2)))
         self._found: dict[bytes, str] = {}
 
@@ -210,8 +211,9 @@ def verify_on_behalf_of(secret: bytes, token: str, delegate: str, now_s: float) 
         raise DelegationError("bad_signature", "on-behalf-of token has a bad signature")
     document = _parse_payload(raw)
     if not hmac.compare_digest(document["d"].encode("utf-8"), delegate.encode("utf-8")):
-        raise DelegationError("wrong_delegate", f"on-behalf-of token was issued to {document['d']!r}, "
-                                                f"not to {delegate!r}")
+        raise DelegationError(
+            "wrong_delegate", f"on-behalf-of token was issued to {document['d']!r}, not to {delegate!r}"
+        )
     if now_s >= document["exp"]:
         raise DelegationError("expired", f"on-behalf-of token expired {now_s - document['exp']:.0f} s ago")
     tenant: str = document["t"]
@@ -223,17 +225,33 @@ def _parse_payload(raw: bytes) -> dict[str, Any]:
         document = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         document = None
-    valid = (isinstance(document, dict) and set(document) == {"d", "exp", "t", "v"}
-             and type(document["v"]) is int and document["v"] == _TOKEN_VERSION
-             and isinstance(document["d"], str) and document["d"]
-             and isinstance(document["t"], str) and document["t"]
-             and isinstance(document["exp"], (int, float)) and not isinstance(document["exp"], bool)
-             and math.isfinite(document["exp"]))
+    valid = (
+        isinstance(document, dict)
+        and set(document) == {"d", "exp", "t", "v"}
+        and type(document["v"]) is int
+        and document["v"] == _TOKEN_VERSION
+        and isinstance(document["d"], str)
+        and document["d"]
+        and isinstance(document["t"], str)
+        and document["t"]
+        and isinstance(document["exp"], (int, float))
+        and not isinstance(document["exp"], bool)
+        and math.isfinite(document["exp"])
+    )
     if not valid:
         raise DelegationError("malformed", "on-behalf-of token is malformed: bad payload")
     assert isinstance(document, dict)
     return document
 
 
-__all__ = ["KEY_HASH_PATTERN", "DelegationError", "KeyRing", "hash_api_key", "is_key_hash",
-           "make_on_behalf_of", "new_api_key", "verify_api_key", "verify_on_behalf_of"]
+__all__ = [
+    "KEY_HASH_PATTERN",
+    "DelegationError",
+    "KeyRing",
+    "hash_api_key",
+    "is_key_hash",
+    "make_on_behalf_of",
+    "new_api_key",
+    "verify_api_key",
+    "verify_on_behalf_of",
+]

@@ -58,11 +58,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 
 from fairgate.configerrors import pydantic_message
 from fairgate.core.cost import CostModel
-from fairgate.tomlfile import read_toml
 from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
 from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, is_key_hash
 from fairgate.ledger.config import Name, QuotaConfigError, Quotas, quotas_from_dict
 from fairgate.sim.scenario import MAX_TOKENS, PolicyConfig
+from fairgate.tomlfile import read_toml
 
 
 class GatewayConfigError(ValueError):
@@ -157,8 +157,14 @@ class UpstreamConfig(_Strict):
         except ValueError:
             raise ValueError(problem) from None
         del port
-        if (parts.scheme not in ("http", "https") or not parts.hostname or not parts.path.endswith("/v1")
-                or parts.query or parts.fragment or re.search(r"\s", value)):
+        if (
+            parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or not parts.path.endswith("/v1")
+            or parts.query
+            or parts.fragment
+            or re.search(r"\s", value)
+        ):
             raise ValueError(problem)
         return value
 
@@ -185,8 +191,9 @@ class AdminConfig(_Strict):
 class DelegationConfig(_Strict):
     """``[delegation]``: the environment variable holding the on-behalf-of secret, and who may delegate."""
 
-    secret_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)] = \
+    secret_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)] = (
         "FAIRGATE_DELEGATION_SECRET"
+    )
     delegates: list[TenantName] = Field(default_factory=list)
 
 
@@ -268,16 +275,24 @@ class GatewayConfig(_Strict):
             return None
         secret = value.encode("utf-8")
         if len(secret) < DELEGATION_SECRET_BYTES_MIN:
-            raise GatewayConfigError(f"{self._path}: delegation.secret_env: ${self.delegation.secret_env} holds "
-                                     f"{len(secret)} bytes; a delegation secret needs at least "
-                                     f"{DELEGATION_SECRET_BYTES_MIN}")
+            raise GatewayConfigError(
+                f"{self._path}: delegation.secret_env: ${self.delegation.secret_env} holds "
+                f"{len(secret)} bytes; a delegation secret needs at least "
+                f"{DELEGATION_SECRET_BYTES_MIN}"
+            )
         return secret
 
 
 def _message(path: Path | str, error: ValidationError) -> str:
-    return pydantic_message(path, error, lambda location: "must be an environment variable name"
-                            if location.endswith("secret_env")
-                            else "must be a letter or digit followed by letters, digits, '.', '_' or '-'")
+    return pydantic_message(
+        path,
+        error,
+        lambda location: (
+            "must be an environment variable name"
+            if location.endswith("secret_env")
+            else "must be a letter or digit followed by letters, digits, '.', '_' or '-'"
+        ),
+    )
 
 
 _QUOTAS_SOURCE = "\x00quotas\x00"
@@ -290,9 +305,9 @@ def _quotas(path: Path, document: dict[str, Any]) -> Quotas:
         text = str(exc)
         if not text.startswith(_QUOTAS_SOURCE + ": "):
             raise GatewayConfigError(f"{path}: quotas: {text}") from None
-        rest = text[len(_QUOTAS_SOURCE) + 2:]
+        rest = text[len(_QUOTAS_SOURCE) + 2 :]
         if rest.startswith("(top level): "):
-            rest = rest[len("(top level): "):].replace("Value error, ", "")
+            rest = rest[len("(top level): ") :].replace("Value error, ", "")
             raise GatewayConfigError(f"{path}: quotas: {rest}") from None
         raise GatewayConfigError(f"{path}: quotas.{rest}") from None
 
@@ -301,7 +316,7 @@ def _resolve(path: Path, gateway: GatewaySection) -> GatewaySection:
     folder = path.parent
     ledger = gateway.ledger
     if ledger.startswith("sqlite:///"):
-        ledger = "sqlite:///" + str((folder / ledger[len("sqlite:///"):]).resolve())
+        ledger = "sqlite:///" + str((folder / ledger[len("sqlite:///") :]).resolve())
     journal = str((folder / gateway.journal).resolve())
     event_log = str((folder / gateway.event_log).resolve()) if gateway.event_log else None
     return gateway.model_copy(update={"ledger": ledger, "journal": journal, "event_log": event_log})
@@ -323,28 +338,34 @@ def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayC
     seen: dict[str, int] = {}
     for i, upstream in enumerate(config.upstreams):
         if upstream.name in seen:
-            raise GatewayConfigError(f"{path}: upstream[{i}].name: {upstream.name!r} is also "
-                                     f"upstream[{seen[upstream.name]}]'s name")
+            raise GatewayConfigError(
+                f"{path}: upstream[{i}].name: {upstream.name!r} is also upstream[{seen[upstream.name]}]'s name"
+            )
         seen[upstream.name] = i
     quotas = _quotas(path, config.quotas_document)
     tenants = ", ".join(quotas.tenants) or "none"
     hashes: dict[str, str] = {}
     for i, key in enumerate(config.keys):
         if key.tenant not in quotas.tenants:
-            raise GatewayConfigError(f"{path}: key[{i}].tenant: unknown tenant {key.tenant!r} "
-                                     f"(tenants in [quotas.tenants]: {tenants})")
+            raise GatewayConfigError(
+                f"{path}: key[{i}].tenant: unknown tenant {key.tenant!r} (tenants in [quotas.tenants]: {tenants})"
+            )
         if key.hash in hashes:
             raise GatewayConfigError(f"{path}: key[{i}].hash: the same hash as {hashes[key.hash]}")
         hashes[key.hash] = f"key[{i}]"
     for i, stored in enumerate(config.admin.key_hashes):
         if stored in hashes:
-            raise GatewayConfigError(f"{path}: admin.key_hashes[{i}]: the same hash as {hashes[stored]}; "
-                                     "admin credentials must be keys of their own")
+            raise GatewayConfigError(
+                f"{path}: admin.key_hashes[{i}]: the same hash as {hashes[stored]}; "
+                "admin credentials must be keys of their own"
+            )
         hashes[stored] = f"admin.key_hashes[{i}]"
     for i, delegate in enumerate(config.delegation.delegates):
         if delegate not in quotas.tenants:
-            raise GatewayConfigError(f"{path}: delegation.delegates[{i}]: unknown tenant {delegate!r} "
-                                     f"(tenants in [quotas.tenants]: {tenants})")
+            raise GatewayConfigError(
+                f"{path}: delegation.delegates[{i}]: unknown tenant {delegate!r} "
+                f"(tenants in [quotas.tenants]: {tenants})"
+            )
     config = config.model_copy(update={"gateway": _resolve(path, config.gateway)})
     config._path = path
     config._quotas = quotas
@@ -362,5 +383,14 @@ def load_gateway_config(path: str | Path) -> GatewayConfig:
     return gateway_config_from_dict(data, path)
 
 
-__all__ = ["AdminConfig", "DelegationConfig", "GatewayConfig", "GatewayConfigError", "GatewaySection", "KeyConfig",
-           "UpstreamConfig", "gateway_config_from_dict", "load_gateway_config"]
+__all__ = [
+    "AdminConfig",
+    "DelegationConfig",
+    "GatewayConfig",
+    "GatewayConfigError",
+    "GatewaySection",
+    "KeyConfig",
+    "UpstreamConfig",
+    "gateway_config_from_dict",
+    "load_gateway_config",
+]

@@ -39,13 +39,30 @@ from fairgate.gateway.stats import Stats, TenantTotals
 STATIC = Path(__file__).parent / "static"
 REFRESH_S = 2.5
 DEFAULT_TTFT_P99_TARGET_MS = 2000.0  # the shared pool's SLO line; app.state.slo_ttft_p99_target_ms overrides
-_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "chart.umd.min.js": "text/javascript",
-          "chart.js.LICENSE.md": "text/plain"}
-_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
-        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-_TENANT_FIELDS = ("capacity_share", "queue_p99_ms", "ttft_p99_ms", "admissions_per_s", "rejections_per_s", "running",
-                  "queued", "input_tokens_per_s", "output_tokens_per_s", "gpu_s", "reserve_gap_gpu_s",
-                  "reserve_gap_output_tokens")
+_FILES = {
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+    "chart.umd.min.js": "text/javascript",
+    "chart.js.LICENSE.md": "text/plain",
+}
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_TENANT_FIELDS = (
+    "capacity_share",
+    "queue_p99_ms",
+    "ttft_p99_ms",
+    "admissions_per_s",
+    "rejections_per_s",
+    "running",
+    "queued",
+    "input_tokens_per_s",
+    "output_tokens_per_s",
+    "gpu_s",
+    "reserve_gap_gpu_s",
+    "reserve_gap_output_tokens",
+)
 _ADMIN_FIELDS = ("gpu_share", *_TENANT_FIELDS)
 YOU = "you"
 
@@ -57,12 +74,17 @@ def _round(value: float | int | None) -> float | int | None:
 
 
 def _totals(totals: TenantTotals) -> dict[str, Any]:
-    return {"admissions": totals.admissions, "rejections": dict(sorted(totals.rejections.items())),
-            "finished": dict(sorted(totals.finished.items())), "input_tokens": totals.input_tokens,
-            "output_tokens": totals.output_tokens, "gpu_s": round(totals.gpu_ms / 1000.0, 6),
-            "reserved_gpu_s": round(totals.reserved_gpu_ms / 1000.0, 6),
-            "settled_gpu_s": round(totals.settled_gpu_ms / 1000.0, 6),
-            "reserved_output_tokens": totals.reserved_output_tokens}
+    return {
+        "admissions": totals.admissions,
+        "rejections": dict(sorted(totals.rejections.items())),
+        "finished": dict(sorted(totals.finished.items())),
+        "input_tokens": totals.input_tokens,
+        "output_tokens": totals.output_tokens,
+        "gpu_s": round(totals.gpu_ms / 1000.0, 6),
+        "reserved_gpu_s": round(totals.reserved_gpu_ms / 1000.0, 6),
+        "settled_gpu_s": round(totals.settled_gpu_ms / 1000.0, 6),
+        "reserved_output_tokens": totals.reserved_output_tokens,
+    }
 
 
 def payload(stats: Stats, tenant: str | None, ttft_target_ms: float) -> dict[str, Any]:
@@ -82,20 +104,30 @@ def payload(stats: Stats, tenant: str | None, ttft_target_ms: float) -> dict[str
         points = [s.tenants.get(name) for s in samples]
         series[label] = {f: [_round(getattr(p, f)) if p is not None else None for p in points] for f in fields}
     models = sorted({m for s in samples for m in s.pools})
-    pool: dict[str, Any] = {"ttft_target_ms": ttft_target_ms,
-                            "ttft_p99_ms": {m: [_round(s.pools[m].ttft_p99_ms) if m in s.pools else None
-                                                for s in samples] for m in models}}
+    pool: dict[str, Any] = {
+        "ttft_target_ms": ttft_target_ms,
+        "ttft_p99_ms": {m: [_round(s.pools[m].ttft_p99_ms) if m in s.pools else None for s in samples] for m in models},
+    }
     totals = {label: _totals(stats.totals.get(name) or TenantTotals()) for name, label in labels.items()}
     if tenant is None:
         for name in ("max_min", "jain", "queue_p99_ms"):
-            pool[name] = {m: [_round(getattr(s.pools[m], name)) if m in s.pools else None for s in samples]
-                          for m in models}
+            pool[name] = {
+                m: [_round(getattr(s.pools[m], name)) if m in s.pools else None for s in samples] for m in models
+            }
         upstreams = sorted({u for s in samples for u in s.busy})
         pool["busy"] = {u: [_round(s.busy.get(u)) for s in samples] for u in upstreams}
         pool["unattributed_rejections"] = dict(sorted(stats.unattributed_rejections.items()))
-    return {"scope": "admin" if tenant is None else "tenant", "now_s": now, "window_s": stats.window_s,
-            "sample_every_s": stats.sample_every_s, "refresh_s": REFRESH_S,
-            "t": [round(s.t_s - now, 3) for s in samples], "series": series, "totals": totals, "pool": pool}
+    return {
+        "scope": "admin" if tenant is None else "tenant",
+        "now_s": now,
+        "window_s": stats.window_s,
+        "sample_every_s": stats.sample_every_s,
+        "refresh_s": REFRESH_S,
+        "t": [round(s.t_s - now, 3) for s in samples],
+        "series": series,
+        "totals": totals,
+        "pool": pool,
+    }
 
 
 def install(app: FastAPI) -> None:
@@ -114,22 +146,36 @@ def install(app: FastAPI) -> None:
             return None
         tenant, delegate = app.state.authenticate(request)
         if delegate is not None:
-            raise GatewayError(403, "The dashboard shows the key holder's own data; on-behalf-of tokens are not "
-                                    "accepted here.", "delegation_not_allowed", kind="permission_error")
+            raise GatewayError(
+                403,
+                "The dashboard shows the key holder's own data; on-behalf-of tokens are not accepted here.",
+                "delegation_not_allowed",
+                kind="permission_error",
+            )
         return str(tenant)
 
     @app.get("/dashboard", include_in_schema=False)
     async def page() -> Response:
-        return Response(read("dashboard.html"), media_type="text/html; charset=utf-8",
-                        headers={"content-security-policy": _CSP, "x-content-type-options": "nosniff",
-                                 "referrer-policy": "no-referrer", "cache-control": "no-cache"})
+        return Response(
+            read("dashboard.html"),
+            media_type="text/html; charset=utf-8",
+            headers={
+                "content-security-policy": _CSP,
+                "x-content-type-options": "nosniff",
+                "referrer-policy": "no-referrer",
+                "cache-control": "no-cache",
+            },
+        )
 
     @app.get("/dashboard/static/{name}", include_in_schema=False)
     async def static(name: str) -> Response:
         if name not in _FILES:
             return error_response(GatewayError(404, "Not Found", "not_found"), f"req-{uuid.uuid4().hex}")
-        return Response(read(name), media_type=_FILES[name],
-                        headers={"x-content-type-options": "nosniff", "cache-control": "public, max-age=300"})
+        return Response(
+            read(name),
+            media_type=_FILES[name],
+            headers={"x-content-type-options": "nosniff", "cache-control": "public, max-age=300"},
+        )
 
     @app.get("/dashboard/data", include_in_schema=False)
     async def data(request: Request) -> Response:

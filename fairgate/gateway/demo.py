@@ -36,8 +36,12 @@ async def demo_traffic(url: str, keys: dict[str, str], clients_per_tenant: int =
         headers = {"Authorization": f"Bearer {keys[tenant]}"}
         while True:
             tokens = max(1, round(rng.lognormvariate(mu, math.sqrt(sigma2))))
-            body = {"model": DEMO_MODEL, "messages": [{"role": "user", "content": DEMO_PROMPT}],
-                    "max_tokens": tokens, "ignore_eos": True}
+            body = {
+                "model": DEMO_MODEL,
+                "messages": [{"role": "user", "content": DEMO_PROMPT}],
+                "max_tokens": tokens,
+                "ignore_eos": True,
+            }
             try:
                 reply = await http.post("/v1/chat/completions", json=body, headers=headers)
                 if reply.status_code != 200:
@@ -47,8 +51,14 @@ async def demo_traffic(url: str, keys: dict[str, str], clients_per_tenant: int =
 
     limits = httpx.Limits(max_connections=clients_per_tenant * len(keys) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        await asyncio.gather(*(client(http, tenant, i) for tenant in keys if tenant in DEMO_OUTPUT_MEAN_TOKENS
-                               for i in range(clients_per_tenant)))
+        await asyncio.gather(
+            *(
+                client(http, tenant, i)
+                for tenant in keys
+                if tenant in DEMO_OUTPUT_MEAN_TOKENS
+                for i in range(clients_per_tenant)
+            )
+        )
 
 
 def write_demo_config(folder: Path, upstream_url: str) -> tuple[Path, dict[str, str]]:
@@ -57,7 +67,9 @@ def write_demo_config(folder: Path, upstream_url: str) -> tuple[Path, dict[str, 
     keys = {tenant: new_api_key() for tenant in DEMO_TENANTS}
     admin_key = new_api_key()
     tenants = "".join(f'[quotas.tenants.{t}]\ntier = "demo"\n' for t in DEMO_TENANTS)
-    key_tables = "".join(f'[[key]]\ntenant = "{t}"\nhash = "{hash_api_key(k)}"\nname = "demo"\n' for t, k in keys.items())
+    key_tables = "".join(
+        f'[[key]]\ntenant = "{t}"\nhash = "{hash_api_key(k)}"\nname = "demo"\n' for t, k in keys.items()
+    )
     text = f"""# fairgate demo configuration (written by `fairgate serve` without --config).
 [gateway]
 policy = "gpu_fair"

@@ -80,9 +80,14 @@ class Dispatcher:
         on_charge: told of every charge booked with a policy: (model, tenant, GPU ms).
     """
 
-    def __init__(self, make_policy: Callable[[], Policy], upstreams: list[Upstream], clock: Callable[[], float],
-                 max_queued: Callable[[str], int | None],
-                 on_charge: Callable[[str, str, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        make_policy: Callable[[], Policy],
+        upstreams: list[Upstream],
+        clock: Callable[[], float],
+        max_queued: Callable[[str], int | None],
+        on_charge: Callable[[str, str, float], None] | None = None,
+    ) -> None:
         self._clock = clock
         self._on_charge = on_charge or (lambda model, tenant, gpu_ms: None)
         self._max_queued = max_queued
@@ -141,8 +146,9 @@ class Dispatcher:
     def queued(self, tenant: str, model: str) -> int:
         return self._pools[model].queued[tenant] if model in self._pools else 0
 
-    async def acquire(self, request: Request, model: str,
-                      on_wait: Callable[[], Awaitable[None]] | None = None) -> Lease:
+    async def acquire(
+        self, request: Request, model: str, on_wait: Callable[[], Awaitable[None]] | None = None
+    ) -> Lease:
         """Queue ``request`` and wait for a slot.
 
         ``on_wait`` is awaited once if the request cannot have a slot at once (the gateway takes a place in
@@ -216,8 +222,10 @@ class Dispatcher:
         (GPU ms, prompt tokens, output tokens); for sharing with other gateway processes."""
         pool = self._pools[model]
         taken, pool.unshared = pool.unshared, {}
-        return {tenant: (gpu_ms, int(tokens_in), int(tokens_out)) for tenant, (gpu_ms, tokens_in, tokens_out)
-                in taken.items()}
+        return {
+            tenant: (gpu_ms, int(tokens_in), int(tokens_out))
+            for tenant, (gpu_ms, tokens_in, tokens_out) in taken.items()
+        }
 
     def charge_remote(self, model: str, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:
         """Book work another gateway process charged (to the same upstreams' pool), so this process's

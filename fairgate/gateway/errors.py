@@ -13,11 +13,20 @@ from fastapi.responses import JSONResponse
 class GatewayError(Exception):
     """An error answered to the client: HTTP status, OpenAI error ``type`` and ``code``, the field at fault."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 kind: str = "invalid_request_error", retry_after_s: float | None = None,
-                 reason: str | None = None, dimension: str | None = None,
-                 headers: dict[str, str] | None = None, after_admission: bool = False,
-                 caller: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        retry_after_s: float | None = None,
+        reason: str | None = None,
+        dimension: str | None = None,
+        headers: dict[str, str] | None = None,
+        after_admission: bool = False,
+        caller: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
         self.retry_after_s = retry_after_s

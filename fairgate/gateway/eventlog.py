@@ -66,7 +66,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,7 @@ def _hash(tenant: str | None) -> str | None:
 def iso_time(ts: float) -> str:
     """``ts`` (epoch seconds) as ISO 8601 UTC with milliseconds, e.g. ``2025-01-31T12:00:01.123Z``."""
     ms = round(ts * 1000)
-    moment = datetime.fromtimestamp(ms // 1000, tz=timezone.utc)
+    moment = datetime.fromtimestamp(ms // 1000, tz=UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
 
 
@@ -159,9 +159,17 @@ class EventLog:
         clock: wall-clock seconds since the epoch (for ``usage`` and ``started`` records).
     """
 
-    def __init__(self, path: Path | None, tenants: Iterable[str] = (), *, flush_every_s: float = FLUSH_EVERY_S,
-                 usage_every_s: float = USAGE_EVERY_S, max_bytes: int = MAX_BYTES, backups: int = BACKUPS,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: Path | None,
+        tenants: Iterable[str] = (),
+        *,
+        flush_every_s: float = FLUSH_EVERY_S,
+        usage_every_s: float = USAGE_EVERY_S,
+        max_bytes: int = MAX_BYTES,
+        backups: int = BACKUPS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.path = path
         self.flush_every_s = flush_every_s
         self.usage_every_s = usage_every_s
@@ -207,39 +215,93 @@ class EventLog:
                 self._delegates[(event.tenant, event.request_id)] = event.delegate
                 while len(self._delegates) > _DELEGATES_KEPT:
                     self._delegates.popitem(last=False)
-            return self._request("admitted", event.time_s, event.request_id, event.tenant, event.delegate,
-                                 event.model, reservation_id=event.reservation_id, input_tokens=event.input_tokens,
-                                 max_output_tokens=event.max_output_tokens,
-                                 gpu_ms_estimate=_ms(event.gpu_ms_estimate))
+            return self._request(
+                "admitted",
+                event.time_s,
+                event.request_id,
+                event.tenant,
+                event.delegate,
+                event.model,
+                reservation_id=event.reservation_id,
+                input_tokens=event.input_tokens,
+                max_output_tokens=event.max_output_tokens,
+                gpu_ms_estimate=_ms(event.gpu_ms_estimate),
+            )
         if isinstance(event, Rejected):
             delegate = None
             if event.tenant is not None and event.after_admission:
                 delegate = self._delegates.pop((event.tenant, event.request_id), None)
             retry = getattr(event, "retry_after_s", None)
-            return self._request("rejected", event.time_s, event.request_id, event.tenant, delegate, event.model,
-                                 reason=event.reason, status=event.status, code=getattr(event, "code", None),
-                                 message=self._scrub(event.message, event.tenant, delegate),
-                                 dimension=event.dimension, after_admission=event.after_admission,
-                                 retry_after_s=None if retry is None else float(retry))
+            return self._request(
+                "rejected",
+                event.time_s,
+                event.request_id,
+                event.tenant,
+                delegate,
+                event.model,
+                reason=event.reason,
+                status=event.status,
+                code=getattr(event, "code", None),
+                message=self._scrub(event.message, event.tenant, delegate),
+                dimension=event.dimension,
+                after_admission=event.after_admission,
+                retry_after_s=None if retry is None else float(retry),
+            )
         if isinstance(event, Dispatched):
             delegate = self._delegates.get((event.tenant, event.request_id))
-            return self._request("dispatched", event.time_s, event.request_id, event.tenant, delegate, event.model,
-                                 upstream=event.upstream, queue_ms=_ms(event.queue_ms))
+            return self._request(
+                "dispatched",
+                event.time_s,
+                event.request_id,
+                event.tenant,
+                delegate,
+                event.model,
+                upstream=event.upstream,
+                queue_ms=_ms(event.queue_ms),
+            )
         if isinstance(event, Finished):
             delegate = self._delegates.pop((event.tenant, event.request_id), None)
-            return self._request("finished", event.time_s, event.request_id, event.tenant, delegate, event.model,
-                                 upstream=event.upstream, outcome=event.outcome, queue_ms=_ms(event.queue_ms),
-                                 ttft_ms=_ms(event.ttft_ms), tpot_ms=_ms(event.tpot_ms),
-                                 input_tokens=event.input_tokens, output_tokens=event.output_tokens,
-                                 gpu_ms=_ms(event.gpu_ms), gpu_ms_estimate=_ms(event.gpu_ms_estimate),
-                                 max_output_tokens=event.max_output_tokens)
+            return self._request(
+                "finished",
+                event.time_s,
+                event.request_id,
+                event.tenant,
+                delegate,
+                event.model,
+                upstream=event.upstream,
+                outcome=event.outcome,
+                queue_ms=_ms(event.queue_ms),
+                ttft_ms=_ms(event.ttft_ms),
+                tpot_ms=_ms(event.tpot_ms),
+                input_tokens=event.input_tokens,
+                output_tokens=event.output_tokens,
+                gpu_ms=_ms(event.gpu_ms),
+                gpu_ms_estimate=_ms(event.gpu_ms_estimate),
+                max_output_tokens=event.max_output_tokens,
+            )
         return None
 
     @staticmethod
-    def _request(kind: str, ts: float, request_id: str, tenant: str | None, delegate: str | None,
-                 model: str | None, **fields: Any) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "event": kind, "ts": round(ts, 3), "time": iso_time(ts), "request_id": request_id,
-                "tenant_hash": _hash(tenant), "delegate_hash": _hash(delegate), "model": model, **fields}
+    def _request(
+        kind: str,
+        ts: float,
+        request_id: str,
+        tenant: str | None,
+        delegate: str | None,
+        model: str | None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        return {
+            "v": SCHEMA_VERSION,
+            "event": kind,
+            "ts": round(ts, 3),
+            "time": iso_time(ts),
+            "request_id": request_id,
+            "tenant_hash": _hash(tenant),
+            "delegate_hash": _hash(delegate),
+            "model": model,
+            **fields,
+        }
 
     def write(self, record: dict[str, Any]) -> None:
         """Queue ``record`` (a JSON-serialisable dict) for the writer thread."""
@@ -276,8 +338,16 @@ class EventLog:
             self._thread.start()
         if started is not None:
             now = self._clock()
-            self.write({"v": SCHEMA_VERSION, "event": "started", "ts": round(now, 3), "time": iso_time(now),
-                        "pid": os.getpid(), **started})
+            self.write(
+                {
+                    "v": SCHEMA_VERSION,
+                    "event": "started",
+                    "ts": round(now, 3),
+                    "time": iso_time(now),
+                    "pid": os.getpid(),
+                    **started,
+                }
+            )
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Have every record queued so far written now; wait up to ``timeout_s`` seconds (blocking: not on the
@@ -316,9 +386,10 @@ class EventLog:
 
     def _stopped_line(self) -> str:
         now = self._clock()
-        return json.dumps({"v": SCHEMA_VERSION, "event": "stopped", "ts": round(now, 3), "time": iso_time(now),
-                           "pid": os.getpid()},
-                          separators=(",", ":"))
+        return json.dumps(
+            {"v": SCHEMA_VERSION, "event": "stopped", "ts": round(now, 3), "time": iso_time(now), "pid": os.getpid()},
+            separators=(",", ":"),
+        )
 
     # -- the writer thread --------------------------------------------------------------------------------------
 
@@ -343,7 +414,7 @@ class EventLog:
                 log.warning("request log: %d records dropped (the writer fell behind)", dropped)
             try:
                 self._emit(lines)
-            except Exception:  # noqa: BLE001 - the writer must keep going
+            except Exception:
                 log.exception("request log: writing failed")
             with self._wake:
                 self._done = done
@@ -361,10 +432,23 @@ class EventLog:
         for (model, tenant), gpu_ms in self._usage.items():
             by_model.setdefault(model, {})[_tag(tenant)] = round(gpu_ms, 3)
         since, self._usage_since, self._usage = self._usage_since, now, {}
-        return [json.dumps({"v": SCHEMA_VERSION, "event": "usage", "ts": round(now, 3), "time": iso_time(now),
-                            "since": round(since, 3), "model": model, "gpu_ms": tenants},
-                           ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-                for model, tenants in by_model.items()]
+        return [
+            json.dumps(
+                {
+                    "v": SCHEMA_VERSION,
+                    "event": "usage",
+                    "ts": round(now, 3),
+                    "time": iso_time(now),
+                    "since": round(since, 3),
+                    "model": model,
+                    "gpu_ms": tenants,
+                },
+                ensure_ascii=False,
+                allow_nan=False,
+                separators=(",", ":"),
+            )
+            for model, tenants in by_model.items()
+        ]
 
     def _emit(self, lines: list[str]) -> None:
         if not lines:
@@ -391,8 +475,11 @@ class EventLog:
             self._failed = False
         except OSError as exc:
             if not self._failed:
-                log.error("request log %s: cannot write (%s); records are lost until it works again",
-                          self.path, exc.strerror or exc)
+                log.error(
+                    "request log %s: cannot write (%s); records are lost until it works again",
+                    self.path,
+                    exc.strerror or exc,
+                )
             self._failed = True
             if self._fd is not None:
                 os.close(self._fd)
@@ -447,14 +534,19 @@ def install(app: FastAPI) -> None:
     ``started`` record) and, at shutdown, after the app's own clean-up, flushes and closes the log."""
     config = app.state.config
     tenants = dict(config.quotas.tenants)
-    event_log = EventLog(config.event_log_path, tenants,
-                         max_bytes=getattr(config.gateway, "event_log_max_bytes", None) or MAX_BYTES,
-                         backups=getattr(config.gateway, "event_log_backups", BACKUPS))
+    event_log = EventLog(
+        config.event_log_path,
+        tenants,
+        max_bytes=getattr(config.gateway, "event_log_max_bytes", None) or MAX_BYTES,
+        backups=getattr(config.gateway, "event_log_backups", BACKUPS),
+    )
     app.state.event_log = event_log
     app.state.events.add(event_log)
-    started = {"policy": config.gateway.policy,
-               "upstreams": [{"name": u.name, "model": u.model, "max_batch": u.max_batch} for u in config.upstreams],
-               "tenants": {_tag(name): {"weight": t.weight, "priority": t.priority} for name, t in tenants.items()}}
+    started = {
+        "policy": config.gateway.policy,
+        "upstreams": [{"name": u.name, "model": u.model, "max_batch": u.max_batch} for u in config.upstreams],
+        "tenants": {_tag(name): {"weight": t.weight, "priority": t.priority} for name, t in tenants.items()},
+    }
     inner = app.router.lifespan_context
 
     @asynccontextmanager
@@ -473,22 +565,42 @@ def install(app: FastAPI) -> None:
 
 _NUMBER = (int, float)
 _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {  # key -> (types, may be null)
-    "admitted": {"input_tokens": ((int,), False), "max_output_tokens": ((int,), False),
-                 "gpu_ms_estimate": (_NUMBER, False)},
-    "rejected": {"reason": ((str,), False), "status": ((int,), False), "message": ((str,), False),
-                 "dimension": ((str,), True), "after_admission": ((bool,), False)},
+    "admitted": {
+        "input_tokens": ((int,), False),
+        "max_output_tokens": ((int,), False),
+        "gpu_ms_estimate": (_NUMBER, False),
+    },
+    "rejected": {
+        "reason": ((str,), False),
+        "status": ((int,), False),
+        "message": ((str,), False),
+        "dimension": ((str,), True),
+        "after_admission": ((bool,), False),
+    },
     "dispatched": {"upstream": ((str,), False), "queue_ms": (_NUMBER, False)},
-    "finished": {"upstream": ((str,), False), "outcome": ((str,), False), "queue_ms": (_NUMBER, False),
-                 "ttft_ms": (_NUMBER, True), "tpot_ms": (_NUMBER, True), "input_tokens": ((int,), False),
-                 "output_tokens": ((int,), False), "gpu_ms": (_NUMBER, False), "gpu_ms_estimate": (_NUMBER, False),
-                 "max_output_tokens": ((int,), False)},
+    "finished": {
+        "upstream": ((str,), False),
+        "outcome": ((str,), False),
+        "queue_ms": (_NUMBER, False),
+        "ttft_ms": (_NUMBER, True),
+        "tpot_ms": (_NUMBER, True),
+        "input_tokens": ((int,), False),
+        "output_tokens": ((int,), False),
+        "gpu_ms": (_NUMBER, False),
+        "gpu_ms_estimate": (_NUMBER, False),
+        "max_output_tokens": ((int,), False),
+    },
     "usage": {"since": (_NUMBER, False), "model": ((str,), False), "gpu_ms": ((dict,), False)},
     "started": {},
     "stopped": {},
 }
 _OPTIONAL = {"rejected": {"retry_after_s": (_NUMBER, True), "code": ((str,), True)}}
-_REQUEST_KEYS = {"request_id": ((str,), False), "tenant_hash": ((str,), True), "delegate_hash": ((str,), True),
-                 "model": ((str,), True)}
+_REQUEST_KEYS = {
+    "request_id": ((str,), False),
+    "tenant_hash": ((str,), True),
+    "delegate_hash": ((str,), True),
+    "model": ((str,), True),
+}
 _TYPE_NAMES = {str: "a string", int: "a whole number", dict: "an object", bool: "true or false"}
 
 
@@ -510,7 +622,7 @@ def read_records(path: Path, rotated: bool = True) -> Iterator[tuple[Path, int, 
         EventLogError: a missing or unreadable file, a line that is not a JSON object, a record of a later
             format version, a missing key or a value of the wrong type; the message names the file and line.
     """
-    for file in (log_files(path) if rotated else [path]):
+    for file in log_files(path) if rotated else [path]:
         try:
             handle = open(file, "rb")  # noqa: SIM115 - closed below
         except FileNotFoundError:
@@ -548,8 +660,9 @@ def _parse(file: Path, number: int, raw: bytes) -> dict[str, Any] | None:
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise EventLogError(f"{where}: key 'v': expected the format version {SCHEMA_VERSION}")
     if version > SCHEMA_VERSION:
-        raise EventLogError(f"{where}: format version {version} is newer than this fairgate reads "
-                            f"({SCHEMA_VERSION}); upgrade fairgate")
+        raise EventLogError(
+            f"{where}: format version {version} is newer than this fairgate reads ({SCHEMA_VERSION}); upgrade fairgate"
+        )
     kind = record.get("event")
     if not isinstance(kind, str):
         raise EventLogError(f"{where}: key 'event': expected a string such as \"finished\"")
@@ -580,9 +693,22 @@ def _check(where: str, record: dict[str, Any], key: str, types: tuple[type, ...]
     if isinstance(value, types) and (bool in types or not isinstance(value, bool)):
         return
     expected = "a number" if types == _NUMBER else _TYPE_NAMES.get(types[0], types[0].__name__)
-    raise EventLogError(f"{where}: {record['event']} record: key {key!r}: expected {expected}"
-                        f"{' or null' if nullable else ''}, found {json.dumps(value)[:40]}")
+    raise EventLogError(
+        f"{where}: {record['event']} record: key {key!r}: expected {expected}"
+        f"{' or null' if nullable else ''}, found {json.dumps(value)[:40]}"
+    )
 
 
-__all__ = ["BACKUPS", "EventLog", "EventLogError", "FLUSH_EVERY_S", "MAX_BYTES", "SCHEMA_VERSION", "USAGE_EVERY_S",
-           "install", "iso_time", "log_files", "read_records"]
+__all__ = [
+    "BACKUPS",
+    "FLUSH_EVERY_S",
+    "MAX_BYTES",
+    "SCHEMA_VERSION",
+    "USAGE_EVERY_S",
+    "EventLog",
+    "EventLogError",
+    "install",
+    "iso_time",
+    "log_files",
+    "read_records",
+]

@@ -118,38 +118,76 @@ class MetricsObserver:
 
     def __init__(self, registry: CollectorRegistry, labels: TenantLabels) -> None:
         self.labels = labels
-        self.admissions = Counter("fairgate_admissions", "Requests admitted (a ledger reservation was made).",
-                                  ["tenant", "model"], registry=registry)
-        self.rejections = Counter("fairgate_rejections", "Requests turned away, by reason.", ["tenant", "reason"],
-                                  registry=registry)
-        self.finished = Counter("fairgate_requests_finished", "Upstream calls ended, by outcome.",
-                                ["tenant", "outcome"], registry=registry)
-        self.queue_time = Histogram("fairgate_queue_time_seconds", "Time in the tenant's queue before dispatch.",
-                                    ["tenant"], buckets=QUEUE_BUCKETS_S, registry=registry)
-        self.ttft = Histogram("fairgate_ttft_seconds", "Time from admission (queue included) to the first output "
-                              "token.", ["tenant"],
-                              buckets=TTFT_BUCKETS_S, registry=registry)
-        self.tpot = Histogram("fairgate_tpot_seconds", "Mean time per output token after the first, per request.",
-                              ["tenant"], buckets=TPOT_BUCKETS_S, registry=registry)
-        self.input_tokens = Counter("fairgate_input_tokens", "Input (prompt) tokens billed.", ["tenant"],
-                                    registry=registry)
+        self.admissions = Counter(
+            "fairgate_admissions",
+            "Requests admitted (a ledger reservation was made).",
+            ["tenant", "model"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "fairgate_rejections", "Requests turned away, by reason.", ["tenant", "reason"], registry=registry
+        )
+        self.finished = Counter(
+            "fairgate_requests_finished", "Upstream calls ended, by outcome.", ["tenant", "outcome"], registry=registry
+        )
+        self.queue_time = Histogram(
+            "fairgate_queue_time_seconds",
+            "Time in the tenant's queue before dispatch.",
+            ["tenant"],
+            buckets=QUEUE_BUCKETS_S,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "fairgate_ttft_seconds",
+            "Time from admission (queue included) to the first output token.",
+            ["tenant"],
+            buckets=TTFT_BUCKETS_S,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "fairgate_tpot_seconds",
+            "Mean time per output token after the first, per request.",
+            ["tenant"],
+            buckets=TPOT_BUCKETS_S,
+            registry=registry,
+        )
+        self.input_tokens = Counter(
+            "fairgate_input_tokens", "Input (prompt) tokens billed.", ["tenant"], registry=registry
+        )
         self.output_tokens = Counter("fairgate_output_tokens", "Output tokens billed.", ["tenant"], registry=registry)
-        self.gpu_seconds = Counter("fairgate_gpu_seconds", "GPU seconds charged by the live meter (dt/B shares).",
-                                   ["tenant", "model"], registry=registry)
-        self.settled_gpu = Counter("fairgate_settled_gpu_seconds", "GPU seconds billed by finished requests.",
-                                   ["tenant"], registry=registry)
-        self.reserved_gpu = Counter("fairgate_reserved_gpu_seconds", "GPU seconds reserved by finished requests.",
-                                    ["tenant"], registry=registry)
-        self.overage_gpu = Counter("fairgate_overage_gpu_seconds",
-                                   "GPU seconds billed above the reservation's estimate.", ["tenant"],
-                                   registry=registry)
-        self.reserved_output = Counter("fairgate_reserved_output_tokens",
-                                       "Output tokens reserved (max_tokens) by finished requests.", ["tenant"],
-                                       registry=registry)
+        self.gpu_seconds = Counter(
+            "fairgate_gpu_seconds",
+            "GPU seconds charged by the live meter (dt/B shares).",
+            ["tenant", "model"],
+            registry=registry,
+        )
+        self.settled_gpu = Counter(
+            "fairgate_settled_gpu_seconds", "GPU seconds billed by finished requests.", ["tenant"], registry=registry
+        )
+        self.reserved_gpu = Counter(
+            "fairgate_reserved_gpu_seconds", "GPU seconds reserved by finished requests.", ["tenant"], registry=registry
+        )
+        self.overage_gpu = Counter(
+            "fairgate_overage_gpu_seconds",
+            "GPU seconds billed above the reservation's estimate.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.reserved_output = Counter(
+            "fairgate_reserved_output_tokens",
+            "Output tokens reserved (max_tokens) by finished requests.",
+            ["tenant"],
+            registry=registry,
+        )
         self._gpu_children: dict[tuple[str, str], Any] = {}
         self.window: WindowCollector | None = None  # set by ``build``
-        self._handlers = {Charged: self._charged, Admitted: self._admitted, Rejected: self._rejected,
-                          Dispatched: self._dispatched, Finished: self._finished}
+        self._handlers = {
+            Charged: self._charged,
+            Admitted: self._admitted,
+            Rejected: self._rejected,
+            Dispatched: self._dispatched,
+            Finished: self._finished,
+        }
 
     def observe(self, event: Event) -> None:
         handler = self._handlers.get(type(event))
@@ -213,43 +251,79 @@ class WindowCollector(Collector):
             label = self.labels(tenant)
             running[label] = running.get(label, 0.0) + w.running
             queued[label] = queued.get(label, 0.0) + w.queued
-        yield _gauge("fairgate_active_sequences", "Sequences holding an upstream slot now.", ["tenant"],
-                     [((k,), v) for k, v in running.items()])
-        yield _gauge("fairgate_queued_requests", "Requests waiting in the tenant's queue now.", ["tenant"],
-                     [((k,), v) for k, v in queued.items()])
+        yield _gauge(
+            "fairgate_active_sequences",
+            "Sequences holding an upstream slot now.",
+            ["tenant"],
+            [((k,), v) for k, v in running.items()],
+        )
+        yield _gauge(
+            "fairgate_queued_requests",
+            "Requests waiting in the tenant's queue now.",
+            ["tenant"],
+            [((k,), v) for k, v in queued.items()],
+        )
         shares: dict[tuple[str, str], float] = {}
         for model, pool in view.pools.items():
             for tenant, share in pool.shares.items():
                 key = (self.labels(tenant), model)
                 shares[key] = shares.get(key, 0.0) + share
-        yield _gauge("fairgate_gpu_share_ratio",
-                     f"Share of the pool's GPU time charged in the last {self.stats.window_s:g} s.",
-                     ["tenant", "model"], shares.items())
-        fairness = [("fairgate_gpu_share_max_ratio", "Largest tenant GPU share in the window.", "max_share"),
-                    ("fairgate_gpu_share_min_ratio", "Smallest tenant GPU share in the window.", "min_share"),
-                    ("fairgate_gpu_share_max_over_min", "Max/min of weighted GPU shares in the window.", "max_min"),
-                    ("fairgate_jain_index", "Jain's index of weighted GPU shares in the window.", "jain")]
+        yield _gauge(
+            "fairgate_gpu_share_ratio",
+            f"Share of the pool's GPU time charged in the last {self.stats.window_s:g} s.",
+            ["tenant", "model"],
+            shares.items(),
+        )
+        fairness = [
+            ("fairgate_gpu_share_max_ratio", "Largest tenant GPU share in the window.", "max_share"),
+            ("fairgate_gpu_share_min_ratio", "Smallest tenant GPU share in the window.", "min_share"),
+            ("fairgate_gpu_share_max_over_min", "Max/min of weighted GPU shares in the window.", "max_min"),
+            ("fairgate_jain_index", "Jain's index of weighted GPU shares in the window.", "jain"),
+        ]
         for name, text, attribute in fairness:
-            yield _gauge(name, text, ["policy", "model"],
-                         (((self.policy, m), getattr(p, attribute)) for m, p in view.pools.items()
-                          if getattr(p, attribute) is not None))
-        yield _gauge("fairgate_active_tenants", "Tenants charged GPU time in the window (compared by the "
-                     "share figures).", ["policy", "model"],
-                     (((self.policy, m), len(p.shares)) for m, p in view.pools.items()))
+            yield _gauge(
+                name,
+                text,
+                ["policy", "model"],
+                (
+                    ((self.policy, m), getattr(p, attribute))
+                    for m, p in view.pools.items()
+                    if getattr(p, attribute) is not None
+                ),
+            )
+        yield _gauge(
+            "fairgate_active_tenants",
+            "Tenants charged GPU time in the window (compared by the share figures).",
+            ["policy", "model"],
+            (((self.policy, m), len(p.shares)) for m, p in view.pools.items()),
+        )
         ups = view.upstreams
-        yield _gauge("fairgate_upstream_in_flight", "Requests in flight on the upstream now.", ["upstream", "model"],
-                     (((u.name, u.model), u.in_flight) for u in ups))
-        busy = CounterMetricFamily("fairgate_upstream_busy_seconds", "Time with at least one request in flight "
-                                   "(the live meter).", labels=["upstream", "model"])
+        yield _gauge(
+            "fairgate_upstream_in_flight",
+            "Requests in flight on the upstream now.",
+            ["upstream", "model"],
+            (((u.name, u.model), u.in_flight) for u in ups),
+        )
+        busy = CounterMetricFamily(
+            "fairgate_upstream_busy_seconds",
+            "Time with at least one request in flight (the live meter).",
+            labels=["upstream", "model"],
+        )
         for u in ups:
             busy.add_metric([u.name, u.model], u.busy_ms / 1000.0)
         yield busy
-        yield _gauge("fairgate_upstream_busy_ratio", f"Busy fraction over about the last {self.stats.window_s:g} s.",
-                     ["upstream", "model"],
-                     (((u.name, u.model), u.busy_fraction) for u in ups if u.busy_fraction is not None))
-        yield _gauge("fairgate_upstream_iterations_per_second", "Estimated decode iterations per second "
-                     "(busy fraction / mean TPOT).", ["upstream", "model"],
-                     (((u.name, u.model), u.iterations_per_s) for u in ups if u.iterations_per_s is not None))
+        yield _gauge(
+            "fairgate_upstream_busy_ratio",
+            f"Busy fraction over about the last {self.stats.window_s:g} s.",
+            ["upstream", "model"],
+            (((u.name, u.model), u.busy_fraction) for u in ups if u.busy_fraction is not None),
+        )
+        yield _gauge(
+            "fairgate_upstream_iterations_per_second",
+            "Estimated decode iterations per second (busy fraction / mean TPOT).",
+            ["upstream", "model"],
+            (((u.name, u.model), u.iterations_per_s) for u in ups if u.iterations_per_s is not None),
+        )
 
 
 def _gauge(name: str, text: str, labels: list[str], values: Iterable[tuple[tuple[str, ...], float]]) -> Metric:
@@ -259,8 +333,9 @@ def _gauge(name: str, text: str, labels: list[str], values: Iterable[tuple[tuple
     return family
 
 
-def build(stats: Stats, tenants: Iterable[str] = (), policy: str = "", cap: int = TENANT_LABEL_CAP
-          ) -> tuple[CollectorRegistry, MetricsObserver]:
+def build(
+    stats: Stats, tenants: Iterable[str] = (), policy: str = "", cap: int = TENANT_LABEL_CAP
+) -> tuple[CollectorRegistry, MetricsObserver]:
     """A fresh registry holding the event metrics (the returned observer) and the window gauges of ``stats``."""
     registry = CollectorRegistry()
     labels = TenantLabels(cap, tenants)

@@ -16,8 +16,20 @@ from dataclasses import dataclass
 from typing import Protocol, Union
 
 # Why a request was turned away (the ``reason`` label of rejections; seed 003's quota vector).
-REJECT_REASONS = ("rate", "tokens", "concurrency", "queue_full", "gpu_budget", "agent_run", "ledger_down",
-                  "no_upstream", "auth", "invalid", "conflict", "upstream_error")
+REJECT_REASONS = (
+    "rate",
+    "tokens",
+    "concurrency",
+    "queue_full",
+    "gpu_budget",
+    "agent_run",
+    "ledger_down",
+    "no_upstream",
+    "auth",
+    "invalid",
+    "conflict",
+    "upstream_error",
+)
 
 _BY_DIMENSION = {
     "requests_per_minute": "rate",
@@ -145,7 +157,7 @@ class Fanout:
         for observer in self.observers:
             try:
                 observer.observe(event)
-            except Exception:  # noqa: BLE001 - an observer's bug must not fail a request
+            except Exception:
                 import logging
 
                 logging.getLogger("fairgate.gateway").exception("observer %r failed", observer)

@@ -44,8 +44,14 @@ class ChargeSync:
         process: this process's name among those sharing the ledger (default: a fresh random one).
     """
 
-    def __init__(self, ledger: Ledger, dispatcher: Dispatcher, interval_s: float,
-                 clients: Mapping[str, UpstreamClient] | None = None, process: str | None = None) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        dispatcher: Dispatcher,
+        interval_s: float,
+        clients: Mapping[str, UpstreamClient] | None = None,
+        process: str | None = None,
+    ) -> None:
         self.ledger, self.dispatcher, self.interval_s = ledger, dispatcher, interval_s
         self.clients = dict(clients or {})
         self.process = process or uuid.uuid4().hex
@@ -68,8 +74,9 @@ class ChargeSync:
                 remote = tuple(t - b - o for t, b, o in zip(total, before, own))
                 known[tenant] = total
                 if remote[0] > 1e-9 or remote[1] > 0 or remote[2] > 0:
-                    self.dispatcher.charge_remote(model, tenant, max(0.0, remote[0]), max(0, int(remote[1])),
-                                                  max(0, int(remote[2])))
+                    self.dispatcher.charge_remote(
+                        model, tenant, max(0.0, remote[0]), max(0, int(remote[1])), max(0, int(remote[2]))
+                    )
         await self.share_occupancy()
 
     async def share_occupancy(self) -> None:
@@ -106,7 +113,9 @@ def upstream_key(client: UpstreamClient) -> str:
     return client.upstream.url.rstrip("/")
 
 
-def _add(a: dict[str, tuple[float, int, int]], b: dict[str, tuple[float, int, int]]) -> dict[str, tuple[float, int, int]]:
+def _add(
+    a: dict[str, tuple[float, int, int]], b: dict[str, tuple[float, int, int]]
+) -> dict[str, tuple[float, int, int]]:
     out = dict(a)
     for tenant, (gpu_ms, tokens_in, tokens_out) in b.items():
         g, i, o = out.get(tenant, (0.0, 0, 0))

@@ -206,7 +206,7 @@ class Sample(NamedTuple):
 class _Buckets:
     """Sums per key in ``bucket_s`` time buckets: add O(1), sum over a window O(buckets x keys)."""
 
-    __slots__ = ("bucket_s", "_buckets", "_index", "_current")
+    __slots__ = ("_buckets", "_current", "_index", "bucket_s")
 
     def __init__(self, bucket_s: float) -> None:
         self.bucket_s = bucket_s
@@ -260,10 +260,16 @@ class Stats:
         sample_every_s: the dashboard's sampling interval; ``max_samples`` bounds the series kept.
     """
 
-    def __init__(self, probe: Callable[[], Probe] | None = None, weights: Mapping[str, float] | None = None,
-                 clock: Callable[[], float] = time.time, window_s: float = WINDOW_S,
-                 sample_every_s: float = SAMPLE_EVERY_S, max_samples: int = MAX_SAMPLES,
-                 bucket_s: float = BUCKET_S) -> None:
+    def __init__(
+        self,
+        probe: Callable[[], Probe] | None = None,
+        weights: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.time,
+        window_s: float = WINDOW_S,
+        sample_every_s: float = SAMPLE_EVERY_S,
+        max_samples: int = MAX_SAMPLES,
+        bucket_s: float = BUCKET_S,
+    ) -> None:
         if not (window_s > 0 and sample_every_s > 0 and max_samples >= 1 and bucket_s > 0):
             raise ValueError("window_s, sample_every_s, bucket_s must be > 0 and max_samples >= 1")
         self._probe = probe or Probe
@@ -377,10 +383,16 @@ class Stats:
             shares = gpu_shares(gpu, sum(gpu.values())) if gpu else {}
             fair = weighted(shares, self.weights)
             pools[model] = PoolWindow(
-                model, gpu, shares, max(shares.values()) if shares else None, min(shares.values()) if shares else None,
-                max_min_ratio(fair) if fair else None, jain_index(fair) if fair else None,
+                model,
+                gpu,
+                shares,
+                max(shares.values()) if shares else None,
+                min(shares.values()) if shares else None,
+                max_min_ratio(fair) if fair else None,
+                jain_index(fair) if fair else None,
                 self._p99(self._pool_latency, ("ttft", model)),
-                self._p99(self._pool_latency, ("queue", model)))
+                self._p99(self._pool_latency, ("queue", model)),
+            )
 
         # Tenants.
         counts = self._counts.totals(since)
@@ -389,20 +401,32 @@ class Stats:
             rejects.setdefault(tenant, {})[reason] = int(n)
         total_gpu = sum(per_tenant_gpu.values())
         capacity_ms = span * 1000.0 * len(probe.upstreams)
-        names = ({t for t, _ in counts} | set(rejects) | set(per_tenant_gpu)
-                 | {t for t, n in probe.running.items() if n} | {t for t, n in probe.queued.items() if n})
+        names = (
+            {t for t, _ in counts}
+            | set(rejects)
+            | set(per_tenant_gpu)
+            | {t for t, n in probe.running.items() if n}
+            | {t for t, n in probe.queued.items() if n}
+        )
         tenants = {}
         for tenant in sorted(names):
             gpu_ms = per_tenant_gpu.get(tenant, 0.0)
             tenants[tenant] = TenantWindow(
-                gpu_ms, gpu_ms / total_gpu if total_gpu > 0 else None,
+                gpu_ms,
+                gpu_ms / total_gpu if total_gpu > 0 else None,
                 gpu_ms / capacity_ms if capacity_ms > 0 else None,
-                int(counts.get((tenant, "admissions"), 0)), rejects.get(tenant, {}),
-                int(counts.get((tenant, "input_tokens"), 0)), int(counts.get((tenant, "output_tokens"), 0)),
-                self._p99(self._latency, ("queue", tenant)), self._p99(self._latency, ("ttft", tenant)),
+                int(counts.get((tenant, "admissions"), 0)),
+                rejects.get(tenant, {}),
+                int(counts.get((tenant, "input_tokens"), 0)),
+                int(counts.get((tenant, "output_tokens"), 0)),
+                self._p99(self._latency, ("queue", tenant)),
+                self._p99(self._latency, ("ttft", tenant)),
                 self._p99(self._latency, ("tpot", tenant)),
-                counts.get((tenant, "gap_gpu_ms"), 0.0), int(counts.get((tenant, "gap_output_tokens"), 0)),
-                int(probe.running.get(tenant, 0)), int(probe.queued.get(tenant, 0)))
+                counts.get((tenant, "gap_gpu_ms"), 0.0),
+                int(counts.get((tenant, "gap_output_tokens"), 0)),
+                int(probe.running.get(tenant, 0)),
+                int(probe.queued.get(tenant, 0)),
+            )
 
         # Upstreams: busy fraction against the oldest busy snapshot within (about) the window.
         while len(self._busy) > 1 and self._busy[1][0] <= since:
@@ -442,9 +466,21 @@ class Stats:
             before = self._previous.get(tenant, (0, 0, 0, 0))
             self._previous[tenant] = current
             rates = [(c - b) / interval for c, b in zip(current, before)]
-            points[tenant] = TenantPoint(w.gpu_share, w.capacity_share, w.queue_p99_ms, w.ttft_p99_ms, rates[0],
-                                         rates[1], w.running, w.queued, rates[2], rates[3], totals.gpu_ms / 1000.0,
-                                         w.reserve_gap_gpu_ms / 1000.0, w.reserve_gap_output_tokens)
+            points[tenant] = TenantPoint(
+                w.gpu_share,
+                w.capacity_share,
+                w.queue_p99_ms,
+                w.ttft_p99_ms,
+                rates[0],
+                rates[1],
+                w.running,
+                w.queued,
+                rates[2],
+                rates[3],
+                totals.gpu_ms / 1000.0,
+                w.reserve_gap_gpu_ms / 1000.0,
+                w.reserve_gap_output_tokens,
+            )
         for tenant, totals in self.totals.items():  # idle now: keep the next interval's rates right
             if tenant not in view.tenants:
                 self._previous[tenant] = (totals.admissions, totals.rejected, totals.input_tokens, totals.output_tokens)
@@ -454,8 +490,13 @@ class Stats:
         return sample
 
 
-def _append(table: dict[tuple[str, str], deque[tuple[float, float]]], key: tuple[str, str], time_s: float,
-            value: float, limit: int) -> None:
+def _append(
+    table: dict[tuple[str, str], deque[tuple[float, float]]],
+    key: tuple[str, str],
+    time_s: float,
+    value: float,
+    limit: int,
+) -> None:
     values = table.get(key)
     if values is None:
         values = table[key] = deque(maxlen=limit)
@@ -478,9 +519,12 @@ def app_probe(app: Any) -> Callable[[], Probe]:
     def probe() -> Probe:
         dispatcher = app.state.dispatcher
         clients = getattr(app.state, "clients", {})
-        ups = [UpstreamProbe(u.name, u.model, u.in_flight, u.max_batch,
-                             clients[u.name].meter.busy_ms if u.name in clients else 0.0)
-               for u in dispatcher.upstreams()]
+        ups = [
+            UpstreamProbe(
+                u.name, u.model, u.in_flight, u.max_batch, clients[u.name].meter.busy_ms if u.name in clients else 0.0
+            )
+            for u in dispatcher.upstreams()
+        ]
         return Probe(dispatcher.running_by_tenant(), dispatcher.queued_by_tenant(), ups)
 
     return probe

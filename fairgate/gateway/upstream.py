@@ -58,16 +58,25 @@ class CallState:
 class UpstreamClient:
     """One upstream: its HTTP client, its live meter, and the calls in flight on it."""
 
-    def __init__(self, upstream: Upstream, charge: ChargeSink, clock: Callable[[], float] = time.monotonic,
-                 timeout_s: float = 600.0, on_down: Callable[[Upstream], None] | None = None) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        charge: ChargeSink,
+        clock: Callable[[], float] = time.monotonic,
+        timeout_s: float = 600.0,
+        on_down: Callable[[Upstream], None] | None = None,
+    ) -> None:
         self.upstream = upstream
         self._on_down = on_down or (lambda upstream: None)
         self._charge = charge
         self._clock = clock
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
         self._calls: dict[str, CallState] = {}
-        self.http = httpx.AsyncClient(base_url=upstream.url.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=5.0),
-                                      limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8))
+        self.http = httpx.AsyncClient(
+            base_url=upstream.url.rstrip("/"),
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8),
+        )
 
     @property
     def batch_size(self) -> int:
@@ -100,8 +109,9 @@ class UpstreamClient:
     def _now_ms(self) -> float:
         return self._clock() * 1000.0
 
-    async def stream(self, path: str, body: dict[str, Any], call: CallState,
-                     prepaid_ms: float) -> AsyncIterator[dict[str, Any]]:
+    async def stream(
+        self, path: str, body: dict[str, Any], call: CallState, prepaid_ms: float
+    ) -> AsyncIterator[dict[str, Any]]:
         """POST ``body`` (forced to stream with usage) to ``path``; yield each parsed SSE chunk.
 
         The meter starts when the request is sent and stops when the stream ends or the caller stops
@@ -116,8 +126,9 @@ class UpstreamClient:
                 if response.status_code != 200:
                     detail = (await response.aread())[:500].decode(errors="replace")
                     status = response.status_code if response.status_code in (400, 413, 422, 429) else 502
-                    raise UpstreamError(f"upstream {self.upstream.name} answered {response.status_code}: {detail}",
-                                        status)
+                    raise UpstreamError(
+                        f"upstream {self.upstream.name} answered {response.status_code}: {detail}", status
+                    )
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -134,8 +145,9 @@ class UpstreamClient:
             unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
             if unreachable:
                 self._on_down(self.upstream)  # refused or unreachable: take it out until it answers again
-            raise UpstreamError(f"upstream {self.upstream.name}: {type(exc).__name__}: {exc}", 502,
-                                unreachable) from None
+            raise UpstreamError(
+                f"upstream {self.upstream.name}: {type(exc).__name__}: {exc}", 502, unreachable
+            ) from None
         finally:
             charges, _ = self.meter.finish(call.request_id, self._now_ms())
             self._book(charges)

@@ -105,8 +105,13 @@ class RejectionLog:
         clock: seconds since the epoch (the clock of ``Rejected.time_s``).
     """
 
-    def __init__(self, tenants: Iterable[str], retention_s: float = REJECTIONS_RETENTION_S,
-                 bucket_s: float = REJECTION_BUCKET_S, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        tenants: Iterable[str],
+        retention_s: float = REJECTIONS_RETENTION_S,
+        bucket_s: float = REJECTION_BUCKET_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         assert retention_s > 0 and bucket_s > 0
         self.retention_s, self.bucket_s, self._clock = float(retention_s), float(bucket_s), clock
         self._buckets_max = max(1, math.ceil(retention_s / bucket_s)) + 1
@@ -184,9 +189,14 @@ def install(app: FastAPI) -> None:
                     raise GatewayError(400, f"Send {header} at most once.", "invalid_request", header)
             named = [params.get("tenant")] + [request.headers.get(h) for h in TENANT_HEADERS]
             if any(name is not None and name != tenant for name in named):
-                raise GatewayError(403, "This key can only read its own tenant's usage; the tenant comes from the "
-                                        "credential, not from a parameter or header.", "tenant_mismatch", "tenant",
-                                   kind="permission_error")
+                raise GatewayError(
+                    403,
+                    "This key can only read its own tenant's usage; the tenant comes from the "
+                    "credential, not from a parameter or header.",
+                    "tenant_mismatch",
+                    "tenant",
+                    kind="permission_error",
+                )
             return {**await usage_of(request, tenant, window_s), "delegate": delegate}
 
         return await _answer(request, answer)
@@ -200,12 +210,21 @@ def install(app: FastAPI) -> None:
             keys: dict[str, int] = {}
             for key in config.keys:
                 keys[key.tenant] = keys.get(key.tenant, 0) + 1
-            data = [{"tenant": name, "tenant_hash": tenant_tag(name), "tier": quota.tier.name,
-                     "on_ledger_unavailable": quota.tier.on_ledger_unavailable, "weight": quota.weight,
-                     "priority": quota.priority, "keys": keys.get(name, 0),
-                     "delegate": name in config.delegation.delegates,
-                     "frozen": name in frozen, "frozen_reason": frozen.get(name)}
-                    for name, quota in sorted(config.quotas.tenants.items())]
+            data = [
+                {
+                    "tenant": name,
+                    "tenant_hash": tenant_tag(name),
+                    "tier": quota.tier.name,
+                    "on_ledger_unavailable": quota.tier.on_ledger_unavailable,
+                    "weight": quota.weight,
+                    "priority": quota.priority,
+                    "keys": keys.get(name, 0),
+                    "delegate": name in config.delegation.delegates,
+                    "frozen": name in frozen,
+                    "frozen_reason": frozen.get(name),
+                }
+                for name, quota in sorted(config.quotas.tenants.items())
+            ]
             return {"object": "list", "data": data}
 
         return await _answer(request, answer)
@@ -217,8 +236,12 @@ def install(app: FastAPI) -> None:
             window_s = _window(_query(request, ("window",)))
             data = [{**await usage_of(request, name, window_s), "delegate": None} for name in sorted(tenants)]
             unattributed = rejections.counts(None, window_s)
-            return {"object": "list", "window_s": window_s, "data": data,
-                    "unauthenticated_rejections": {"total": sum(unattributed.values()), "by_reason": unattributed}}
+            return {
+                "object": "list",
+                "window_s": window_s,
+                "data": data,
+                "unauthenticated_rejections": {"total": sum(unattributed.values()), "by_reason": unattributed},
+            }
 
         return await _answer(request, answer)
 
@@ -232,15 +255,22 @@ def install(app: FastAPI) -> None:
                 raise GatewayError(404, "No tenant of that name is configured.", "tenant_not_found", "tenant")
             status = params.get("status", "open")
             if status not in (*STATUSES, "all"):
-                raise GatewayError(400, f"status must be one of {', '.join(STATUSES)} or all.", "invalid_request",
-                                   "status")
+                raise GatewayError(
+                    400, f"status must be one of {', '.join(STATUSES)} or all.", "invalid_request", "status"
+                )
             limit = _whole(params, "limit", RESERVATIONS_PAGE_DEFAULT, 1, RESERVATIONS_PAGE_MAX)
             offset = _whole(params, "offset", 0, 0, RESERVATIONS_OFFSET_MAX)
             found = await real_ledger(request).reservations(tenant, None if status == "all" else status)
             found.sort(key=lambda r: (r.created_ms, r.id))
-            page = found[offset:offset + limit]
-            return {"object": "list", "data": [asdict(r) for r in page], "total": len(found), "limit": limit,
-                    "offset": offset, "has_more": offset + len(page) < len(found)}
+            page = found[offset : offset + limit]
+            return {
+                "object": "list",
+                "data": [asdict(r) for r in page],
+                "total": len(found),
+                "limit": limit,
+                "offset": offset,
+                "has_more": offset + len(page) < len(found),
+            }
 
         return await _answer(request, answer)
 
@@ -285,19 +315,31 @@ class _Reconciler:
                 self._last = last = (self._clock(), report)
         assert last is not None
         generated_s, report = last
-        return {"object": "reconciliation", "dry_run": True, "generated_at_s": generated_s,
-                "age_s": max(0.0, self._clock() - generated_s), **report.to_json()}
+        return {
+            "object": "reconciliation",
+            "dry_run": True,
+            "generated_at_s": generated_s,
+            "age_s": max(0.0, self._clock() - generated_s),
+            **report.to_json(),
+        }
 
 
-def _usage_document(booked: TenantUsage, window_s: int, rejected: dict[str, int],
-                    retention_s: float) -> dict[str, Any]:
+def _usage_document(booked: TenantUsage, window_s: int, rejected: dict[str, int], retention_s: float) -> dict[str, Any]:
     return {
-        "object": "usage", "tenant": booked.tenant, "window_s": window_s,
-        "requests": booked.requests, "input_tokens": booked.input_tokens, "output_tokens": booked.output_tokens,
-        "gpu_seconds": booked.gpu_ms / 1000.0, "overage_gpu_seconds": booked.overage_gpu_ms / 1000.0,
+        "object": "usage",
+        "tenant": booked.tenant,
+        "window_s": window_s,
+        "requests": booked.requests,
+        "input_tokens": booked.input_tokens,
+        "output_tokens": booked.output_tokens,
+        "gpu_seconds": booked.gpu_ms / 1000.0,
+        "overage_gpu_seconds": booked.overage_gpu_ms / 1000.0,
         "open_reservations": booked.open_reservations,
-        "rejections": {"total": sum(rejected.values()), "by_reason": rejected,
-                       "window_s": min(float(window_s), retention_s)},
+        "rejections": {
+            "total": sum(rejected.values()),
+            "by_reason": rejected,
+            "window_s": min(float(window_s), retention_s),
+        },
     }
 
 
@@ -316,8 +358,16 @@ async def _answer(request: Request, work: Callable[[], Any]) -> JSONResponse:
     except GatewayError as error:
         return error_response(error, request_id)
     except LedgerUnavailable:
-        return error_response(GatewayError(503, "Accounting is unavailable; retry later.", "ledger_unavailable",
-                                           kind="server_error", retry_after_s=5.0), request_id)
+        return error_response(
+            GatewayError(
+                503,
+                "Accounting is unavailable; retry later.",
+                "ledger_unavailable",
+                kind="server_error",
+                retry_after_s=5.0,
+            ),
+            request_id,
+        )
     return JSONResponse(document, headers={"x-request-id": request_id, "cache-control": "no-store"})
 
 
@@ -326,9 +376,13 @@ def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, value in request.query_params.multi_items():
         if name not in allowed:
-            raise GatewayError(400, f"Unknown query parameter {name[:100]!r}"
-                                    f"{'; this endpoint takes ' + ', '.join(allowed) if allowed else ''}.",
-                               "invalid_request", name[:100])
+            raise GatewayError(
+                400,
+                f"Unknown query parameter {name[:100]!r}"
+                f"{'; this endpoint takes ' + ', '.join(allowed) if allowed else ''}.",
+                "invalid_request",
+                name[:100],
+            )
         if name in out:
             raise GatewayError(400, f"Send {name} at most once.", "invalid_request", name)
         out[name] = value
@@ -341,8 +395,9 @@ def _whole(params: dict[str, str], name: str, default: int, low: int, high: int)
     if text is None:
         return default
     if not _WHOLE_NUMBER.fullmatch(text) or not low <= int(text) <= high:
-        raise GatewayError(400, f"{name} must be a whole number from {low} to {high}, got {text[:40]!r}.",
-                           "invalid_request", name)
+        raise GatewayError(
+            400, f"{name} must be a whole number from {low} to {high}, got {text[:40]!r}.", "invalid_request", name
+        )
     return int(text)
 
 
@@ -352,8 +407,12 @@ def _window(params: dict[str, str]) -> int:
     if text is None:
         return WINDOW_DEFAULT_S
     if not _WHOLE_NUMBER.fullmatch(text) or not 1 <= int(text) <= WINDOW_MAX_S:
-        raise GatewayError(400, f"window must be a whole number of seconds from 1 to {WINDOW_MAX_S}, "
-                                f"got {text[:40]!r}.", "invalid_window", "window")
+        raise GatewayError(
+            400,
+            f"window must be a whole number of seconds from 1 to {WINDOW_MAX_S}, got {text[:40]!r}.",
+            "invalid_window",
+            "window",
+        )
     return int(text)
 
 

@@ -28,8 +28,9 @@ from fairgate.ledger.model import (
 )
 
 
-async def connect(url: str, quotas: Quotas | str | Path, clock: Callable[[], float] | None = None,
-                  create: bool = True) -> Ledger:
+async def connect(
+    url: str, quotas: Quotas | str | Path, clock: Callable[[], float] | None = None, create: bool = True
+) -> Ledger:
     """Open the ledger backend named by ``url`` with ``quotas`` (a ``Quotas`` or a TOML path).
 
     Args:
@@ -48,7 +49,7 @@ async def connect(url: str, quotas: Quotas | str | Path, clock: Callable[[], flo
 
         if not url.startswith("sqlite:///") or url == "sqlite:///":
             raise ValueError(f"ledger URL {url!r}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
-        return SqliteLedger(url[len("sqlite:///"):], quotas, clock, create=create)
+        return SqliteLedger(url[len("sqlite:///") :], quotas, clock, create=create)
     if scheme in ("postgresql", "postgres"):
         from fairgate.ledger.postgres import PostgresLedger
 
@@ -57,8 +58,9 @@ async def connect(url: str, quotas: Quotas | str | Path, clock: Callable[[], flo
         from fairgate.ledger.redis import RedisLedger
 
         return await RedisLedger.open(url, quotas, clock, create=create)
-    raise ValueError(f"ledger URL {url!r}: unknown scheme {scheme!r}; use sqlite:///path, postgresql://... "
-                     "or redis://...")
+    raise ValueError(
+        f"ledger URL {url!r}: unknown scheme {scheme!r}; use sqlite:///path, postgresql://... or redis://..."
+    )
 
 
 def check_url(url: str) -> None:
@@ -77,13 +79,32 @@ def check_url(url: str) -> None:
 
         parse_redis(url)
     else:
-        raise ValueError(f"ledger URL {url!r}: unknown scheme {scheme!r}; use sqlite:///path, postgresql://... "
-                         "or redis://...")
+        raise ValueError(
+            f"ledger URL {url!r}: unknown scheme {scheme!r}; use sqlite:///path, postgresql://... or redis://..."
+        )
 
 
 __all__ = [
-    "Event", "IdempotencyConflict", "InvalidUsage", "IsRunning", "Ledger", "LedgerError", "LedgerUnavailable",
-    "Limits", "QuotaConfigError", "QuotaExceeded", "Quotas", "Reservation", "ReservationFinal",
-    "ReservationNotFound", "SettlementFrozen", "TenantUsage", "UnknownTenant", "Usage", "check_url", "connect", "load_quotas",
+    "Event",
+    "IdempotencyConflict",
+    "InvalidUsage",
+    "IsRunning",
+    "Ledger",
+    "LedgerError",
+    "LedgerUnavailable",
+    "Limits",
+    "QuotaConfigError",
+    "QuotaExceeded",
+    "Quotas",
+    "Reservation",
+    "ReservationFinal",
+    "ReservationNotFound",
+    "SettlementFrozen",
+    "TenantUsage",
+    "UnknownTenant",
+    "Usage",
+    "check_url",
+    "connect",
+    "load_quotas",
     "quotas_from_dict",
 ]

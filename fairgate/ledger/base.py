@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fairgate.ledger.config import Limits, Quotas
-from fairgate.ledger.rules import Account, check_amounts
 from fairgate.ledger.model import InvalidUsage, Reservation, TenantUsage, UnknownTenant, Usage, check_name
+from fairgate.ledger.rules import Account, check_amounts
 
 # An execution registry: is the request behind this reservation still running?
 IsRunning = Callable[[Reservation], Awaitable[bool]]
@@ -50,8 +50,9 @@ def check_request_id(request_id: object) -> str:
     return checked
 
 
-def check_reserve_args(tenant: object, request_id: object, model_class: object, run_id: object,
-                       tool_round: object) -> None:
+def check_reserve_args(
+    tenant: object, request_id: object, model_class: object, run_id: object, tool_round: object
+) -> None:
     """Validate ``reserve``'s names and flags. Raises ``InvalidUsage``."""
     check_name(tenant, "tenant")
     check_name(request_id, "request_id")
@@ -96,9 +97,17 @@ class Ledger(ABC):
             raise UnknownTenant(f"tenant {tenant!r} has no quota configuration") from None
 
     @abstractmethod
-    async def reserve(self, tenant: str, request_id: str, input_tokens: int, max_output_tokens: int,
-                      gpu_ms_estimate: float = 0.0, model_class: str = "default", run_id: str | None = None,
-                      tool_round: bool = False) -> Reservation:
+    async def reserve(
+        self,
+        tenant: str,
+        request_id: str,
+        input_tokens: int,
+        max_output_tokens: int,
+        gpu_ms_estimate: float = 0.0,
+        model_class: str = "default",
+        run_id: str | None = None,
+        tool_round: bool = False,
+    ) -> Reservation:
         """Reserve every dimension for one request, atomically, once per ``(tenant, request_id)``.
 
         The same ``request_id`` with the same arguments returns the original reservation (whatever its
@@ -109,8 +118,9 @@ class Ledger(ABC):
         """
 
     @abstractmethod
-    async def settle(self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float,
-                     final: bool = False) -> Reservation:
+    async def settle(
+        self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
+    ) -> Reservation:
         """Bill cumulative usage; ``final`` closes the reservation and releases the unused remainder.
 
         A final settle repeated with the same amounts returns the same reservation.
@@ -194,8 +204,9 @@ class Ledger(ABC):
         share the counters their fair policies read (issue 6). Raises ``LedgerUnavailable``."""
 
     @abstractmethod
-    async def share_occupancy(self, process: str, occupancy: dict[str, tuple[float, float]],
-                              stale_after_ms: float) -> dict[str, tuple[float, float]]:
+    async def share_occupancy(
+        self, process: str, occupancy: dict[str, tuple[float, float]], stale_after_ms: float
+    ) -> dict[str, tuple[float, float]]:
         """Publish gateway process ``process``'s occupancy of its upstreams - upstream (its URL) -> (sequences
         in the iteration, share of the upstream's time spent prefilling them), averaged over its last round - replacing what it
         published before, and counted for ``stale_after_ms`` (ledger clock) unless published again; return,
@@ -213,15 +224,18 @@ class Ledger(ABC):
         await self.close()
 
 
-def usage_from_events(tenant: str, window_s: float, events: list[Event], open_count: int,
-                      by_status: dict[str, int]) -> TenantUsage:
+def usage_from_events(
+    tenant: str, window_s: float, events: list[Event], open_count: int, by_status: dict[str, int]
+) -> TenantUsage:
     """Sum an event list into a ``TenantUsage``."""
     return TenantUsage(
-        tenant=tenant, window_s=window_s,
+        tenant=tenant,
+        window_s=window_s,
         requests=sum(e.requests for e in events),
         input_tokens=sum(e.input_tokens for e in events),
         output_tokens=sum(e.output_tokens for e in events),
         gpu_ms=sum(e.gpu_ms for e in events),
         overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
-        open_reservations=open_count, by_status=by_status,
+        open_reservations=open_count,
+        by_status=by_status,
     )

@@ -43,9 +43,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from fairgate.ledger.model import InvalidUsage, check_name
 from fairgate.tomlfile import read_toml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class QuotaConfigError(ValueError):
@@ -120,7 +121,9 @@ class TierConfig(_Strict):
     @model_validator(mode="after")
     def _emergency_needs_budget(self) -> TierConfig:
         if self.on_ledger_unavailable == "emergency" and self.emergency is None:
-            raise ValueError("on_ledger_unavailable = 'emergency' needs an emergency = {requests, tokens, seconds} budget")
+            raise ValueError(
+                "on_ledger_unavailable = 'emergency' needs an emergency = {requests, tokens, seconds} budget"
+            )
         if self.on_ledger_unavailable == "reject" and self.emergency is not None:
             raise ValueError("an emergency budget is only used with on_ledger_unavailable = 'emergency'")
         return self
@@ -228,8 +231,10 @@ def _check_bursts(limits: Limits, where: str) -> None:
     for dimension in ("input_tokens", "output_tokens"):
         burst = limits.burst(dimension)
         if burst is not None and largest is not None and burst < largest:
-            raise QuotaConfigError(f"{where}.{dimension}_burst: {burst:g} is below max_tokens_per_request "
-                                   f"({largest}): a request of that size could never be admitted")
+            raise QuotaConfigError(
+                f"{where}.{dimension}_burst: {burst:g} is below max_tokens_per_request "
+                f"({largest}): a request of that size could never be admitted"
+            )
 
 
 def quotas_from_dict(data: dict[str, Any], source: str = "<quotas>") -> Quotas:
@@ -248,8 +253,13 @@ def quotas_from_dict(data: dict[str, Any], source: str = "<quotas>") -> Quotas:
     tiers = {}
     for name, tier in parsed.tiers.items():
         budget = tier.emergency
-        tiers[name] = Tier(name, tier.on_ledger_unavailable, budget.requests if budget else 0,
-                           budget.tokens if budget else 0, budget.seconds if budget else 0.0)
+        tiers[name] = Tier(
+            name,
+            tier.on_ledger_unavailable,
+            budget.requests if budget else 0,
+            budget.tokens if budget else 0,
+            budget.seconds if budget else 0.0,
+        )
     defaults = _merge(Limits(), parsed.defaults)
     _check_bursts(defaults, f"{source}: defaults")
     tenants = {}

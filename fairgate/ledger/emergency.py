@@ -88,9 +88,17 @@ class ResilientLedger:
         return [json.loads(line) for line in self.journal.read_text().splitlines() if line.strip()]
 
     # --- API ----------------------------------------------------------------------------------------
-    async def reserve(self, tenant: str, request_id: str, input_tokens: int, max_output_tokens: int,
-                      gpu_ms_estimate: float = 0.0, model_class: str = "default", run_id: str | None = None,
-                      tool_round: bool = False) -> Reservation:
+    async def reserve(
+        self,
+        tenant: str,
+        request_id: str,
+        input_tokens: int,
+        max_output_tokens: int,
+        gpu_ms_estimate: float = 0.0,
+        model_class: str = "default",
+        run_id: str | None = None,
+        tool_round: bool = False,
+    ) -> Reservation:
         """``Ledger.reserve``; when the ledger is down, the tenant's tier decides (module docstring).
 
         Raises:
@@ -98,8 +106,9 @@ class ResilientLedger:
                 error ``Ledger.reserve`` raises.
         """
         try:
-            return await self.ledger.reserve(tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate,
-                                             model_class, run_id, tool_round)
+            return await self.ledger.reserve(
+                tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, tool_round
+            )
         except LedgerUnavailable:
             limits = self.ledger.limits(tenant, model_class)  # UnknownTenant before any grant
             tier = self.ledger.quotas.tenant(tenant).tier
@@ -112,18 +121,32 @@ class ResilientLedger:
             budget = self._budgets.setdefault(tenant, _Budget(started_ms=now))
             tokens = input_tokens + max_output_tokens
             if now - budget.started_ms > tier.emergency_seconds * 1000.0:
-                raise LedgerUnavailable(f"ledger unavailable and tenant {tenant!r}'s emergency window of "
-                                        f"{tier.emergency_seconds:g} s is over") from None
+                raise LedgerUnavailable(
+                    f"ledger unavailable and tenant {tenant!r}'s emergency window of "
+                    f"{tier.emergency_seconds:g} s is over"
+                ) from None
             if budget.requests + 1 > tier.emergency_requests or budget.tokens + tokens > tier.emergency_tokens:
-                raise LedgerUnavailable(f"ledger unavailable and tenant {tenant!r}'s emergency budget is "
-                                        "spent") from None
+                raise LedgerUnavailable(
+                    f"ledger unavailable and tenant {tenant!r}'s emergency budget is spent"
+                ) from None
             budget.requests += 1
             budget.tokens += tokens
-            record = {"type": "grant", "id": f"{EMERGENCY_PREFIX}{uuid.uuid4().hex}", "tenant": tenant,
-                      "request_id": request_id, "input_tokens": input_tokens, "max_output_tokens": max_output_tokens,
-                      "gpu_ms_estimate": float(gpu_ms_estimate), "model_class": model_class, "run_id": run_id,
-                      "tool_round": tool_round, "at_ms": time.time() * 1000.0,
-                      "ttl_ms": limits.reservation_ttl_s * 1000.0, "usage": None, "status": "open"}
+            record = {
+                "type": "grant",
+                "id": f"{EMERGENCY_PREFIX}{uuid.uuid4().hex}",
+                "tenant": tenant,
+                "request_id": request_id,
+                "input_tokens": input_tokens,
+                "max_output_tokens": max_output_tokens,
+                "gpu_ms_estimate": float(gpu_ms_estimate),
+                "model_class": model_class,
+                "run_id": run_id,
+                "tool_round": tool_round,
+                "at_ms": time.time() * 1000.0,
+                "ttl_ms": limits.reservation_ttl_s * 1000.0,
+                "usage": None,
+                "status": "open",
+            }
             self._append(record)
             self._grants[record["id"]] = record
             return self._grant_reservation(record)
@@ -131,12 +154,21 @@ class ResilientLedger:
     def _grant_reservation(self, record: dict[str, Any]) -> Reservation:
         usage = Usage(*record["usage"]) if record["usage"] else Usage()
         return Reservation(
-            id=record["id"], tenant=record["tenant"], request_id=record["request_id"],
-            model_class=record["model_class"], run_id=record["run_id"], tool_round=record["tool_round"],
-            input_tokens=record["input_tokens"], max_output_tokens=record["max_output_tokens"],
-            gpu_ms_estimate=record["gpu_ms_estimate"], status=record["status"], billed=usage,
-            overage_gpu_ms=max(0.0, usage.gpu_ms - record["gpu_ms_estimate"]), created_ms=record["at_ms"],
-            expires_at_ms=record["at_ms"] + record["ttl_ms"])
+            id=record["id"],
+            tenant=record["tenant"],
+            request_id=record["request_id"],
+            model_class=record["model_class"],
+            run_id=record["run_id"],
+            tool_round=record["tool_round"],
+            input_tokens=record["input_tokens"],
+            max_output_tokens=record["max_output_tokens"],
+            gpu_ms_estimate=record["gpu_ms_estimate"],
+            status=record["status"],
+            billed=usage,
+            overage_gpu_ms=max(0.0, usage.gpu_ms - record["gpu_ms_estimate"]),
+            created_ms=record["at_ms"],
+            expires_at_ms=record["at_ms"] + record["ttl_ms"],
+        )
 
     async def _close(self, reservation_id: str, usage: Usage, final: bool, kind: str) -> Reservation:
         grant = self._grants.get(reservation_id)
@@ -146,22 +178,32 @@ class ResilientLedger:
             grant["usage"] = [usage.input_tokens, usage.output_tokens, usage.gpu_ms]
             if final:
                 grant["status"] = "settled" if kind == "settle" else "cancelled"
-            self._append({"type": "grant_usage", "id": reservation_id, "usage": grant["usage"],
-                          "status": grant["status"]})
+            self._append(
+                {"type": "grant_usage", "id": reservation_id, "usage": grant["usage"], "status": grant["status"]}
+            )
             return self._grant_reservation(grant)
         try:
             if kind == "cancel":
                 return await self.ledger.cancel(reservation_id, usage)
-            return await self.ledger.settle(reservation_id, usage.input_tokens, usage.output_tokens, usage.gpu_ms,
-                                            final)
+            return await self.ledger.settle(
+                reservation_id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final
+            )
         except LedgerUnavailable:
             # Usage must not be lost: keep it for recover(). The caller learns the ledger is down.
-            self._append({"type": "pending", "id": reservation_id, "kind": kind, "final": final,
-                          "usage": [usage.input_tokens, usage.output_tokens, usage.gpu_ms]})
+            self._append(
+                {
+                    "type": "pending",
+                    "id": reservation_id,
+                    "kind": kind,
+                    "final": final,
+                    "usage": [usage.input_tokens, usage.output_tokens, usage.gpu_ms],
+                }
+            )
             raise
 
-    async def settle(self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float,
-                     final: bool = False) -> Reservation:
+    async def settle(
+        self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
+    ) -> Reservation:
         """``Ledger.settle``; usage of an emergency grant, or one the ledger cannot take now, is journalled."""
         return await self._close(reservation_id, Usage(input_tokens, output_tokens, float(gpu_ms)), final, "settle")
 
@@ -230,9 +272,16 @@ class ResilientLedger:
         left: list[dict[str, Any]] = []
         for grant in grants.values():
             try:
-                r = await self.ledger.reserve(grant["tenant"], grant["request_id"], grant["input_tokens"],
-                                              grant["max_output_tokens"], grant["gpu_ms_estimate"],
-                                              grant["model_class"], grant["run_id"], grant["tool_round"])
+                r = await self.ledger.reserve(
+                    grant["tenant"],
+                    grant["request_id"],
+                    grant["input_tokens"],
+                    grant["max_output_tokens"],
+                    grant["gpu_ms_estimate"],
+                    grant["model_class"],
+                    grant["run_id"],
+                    grant["tool_round"],
+                )
             except LedgerUnavailable:
                 raise
             except LedgerError as exc:
@@ -259,8 +308,9 @@ class ResilientLedger:
                 if record["kind"] == "cancel":
                     await self.ledger.cancel(record["id"], usage)
                 else:
-                    await self.ledger.settle(record["id"], usage.input_tokens, usage.output_tokens, usage.gpu_ms,
-                                             record["final"])
+                    await self.ledger.settle(
+                        record["id"], usage.input_tokens, usage.output_tokens, usage.gpu_ms, record["final"]
+                    )
                 report.settlements_applied += 1
             except LedgerUnavailable:
                 raise
@@ -270,7 +320,7 @@ class ResilientLedger:
                 report.left.append(f"settlement of {record['id']}: {exc}")
         # Records appended while the replay waited on the ledger (a grant finishing, a settlement that could
         # not reach it) are kept after what is left, for the next replay.
-        appended = self._read_journal()[len(records):]
+        appended = self._read_journal()[len(records) :]
         tmp = self.journal.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in [*left, *appended]))
         tmp.replace(self.journal)

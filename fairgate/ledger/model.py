@@ -27,8 +27,14 @@ class LedgerError(Exception):
 class QuotaExceeded(LedgerError):
     """``dimension`` would exceed its limit. ``retry_after_s`` is when it frees (None: not by waiting)."""
 
-    def __init__(self, tenant: str, dimension: str, retry_after_s: float | None, limit: float | None = None,
-                 remaining: float | None = None) -> None:
+    def __init__(
+        self,
+        tenant: str,
+        dimension: str,
+        retry_after_s: float | None,
+        limit: float | None = None,
+        remaining: float | None = None,
+    ) -> None:
         self.tenant, self.dimension, self.retry_after_s = tenant, dimension, retry_after_s
         self.limit, self.remaining = limit, remaining
         when = "not by waiting" if retry_after_s is None else f"retry after {retry_after_s:.3f} s"

@@ -25,27 +25,27 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import psycopg
+import psycopg_pool
 from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict
-import psycopg_pool
 from psycopg_pool import AsyncConnectionPool
 
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import Quotas
-from fairgate.ledger.text import one_line as _one_line
-from fairgate.ledger.text import redacted as _redacted
 from fairgate.ledger.model import LedgerUnavailable
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx
+from fairgate.ledger.text import one_line as _one_line
+from fairgate.ledger.text import redacted as _redacted
 
 _NAMED = re.compile(r"(?<!:):([a-z_]+)")
 _SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 DEFAULT_TIMEOUT_S = 2.0
 # libpq's messages for a connection option it parsed but whose value it rejects (a bad URL, not an outage).
-_BAD_OPTION = re.compile(r"^invalid .*(value|number)|^could not match \d+ .* to \d+ |"
-                         r"^invalid connection option|^invalid URI")
+_BAD_OPTION = re.compile(
+    r"^invalid .*(value|number)|^could not match \d+ .* to \d+ |"
+    r"^invalid connection option|^invalid URI"
+)
 _POOL_LOGGER = logging.getLogger("psycopg.pool")
-
-
 
 
 def _libpq_reason(exc: BaseException) -> str:
@@ -53,7 +53,7 @@ def _libpq_reason(exc: BaseException) -> str:
     text = _one_line(exc) or type(exc).__name__
     for lead in ("connection is bad: ", "connection failed: "):
         if text.startswith(lead):
-            text = text[len(lead):]
+            text = text[len(lead) :]
     return text
 
 
@@ -70,7 +70,7 @@ class _QuietPool(logging.Filter):
         try:
             if self.pool_name not in record.getMessage():
                 return True
-        except Exception:  # noqa: BLE001 - a malformed record is not ours to judge
+        except Exception:
             return True
         args = record.args if isinstance(record.args, tuple) else ()
         if len(args) == 2 and isinstance(args[1], BaseException):  # "error connecting in %r: %s"
@@ -170,24 +170,33 @@ def _open_error(exc: psycopg.Error, dsn: str, connect_kwargs: dict[str, Any]) ->
         except psycopg.Error:
             params = {}
         where = f"{params.get('host') or 'the server'}:{params.get('port') or 5432}"
-        return LedgerUnavailable(f"postgres ledger: {reason} ({where} did not answer within "
-                                 f"{_connect_s(dsn, connect_kwargs):g} s)")
+        return LedgerUnavailable(
+            f"postgres ledger: {reason} ({where} did not answer within {_connect_s(dsn, connect_kwargs):g} s)"
+        )
     return LedgerUnavailable(f"postgres ledger: {reason}")
 
 
 class PostgresLedger(SqlLedger):
     """Ledger on PostgreSQL. Build with ``await PostgresLedger.open(url, quotas)``."""
 
-    def __init__(self, pool: AsyncConnectionPool, schema: str, quotas: Quotas,
-                 clock: Callable[[], float] | None) -> None:
+    def __init__(
+        self, pool: AsyncConnectionPool, schema: str, quotas: Quotas, clock: Callable[[], float] | None
+    ) -> None:
         super().__init__(quotas)
         self._pool = pool
         self.schema = schema
         self._clock = clock
 
     @classmethod
-    async def open(cls, url: str, quotas: Quotas, clock: Callable[[], float] | None = None,
-                   max_connections: int = 8, *, create: bool = True) -> PostgresLedger:
+    async def open(
+        cls,
+        url: str,
+        quotas: Quotas,
+        clock: Callable[[], float] | None = None,
+        max_connections: int = 8,
+        *,
+        create: bool = True,
+    ) -> PostgresLedger:
         """Connect; create the schema and tables if missing (``create=True``, the default), or require them.
 
         Args:
@@ -222,11 +231,14 @@ class PostgresLedger(SqlLedger):
                 else:
                     cursor = await connection.execute(
                         "SELECT to_regclass(format('%%I.fg_reservations', %(schema)s::text)) IS NOT NULL",
-                        {"schema": schema})
+                        {"schema": schema},
+                    )
                     row = await cursor.fetchone()
                     if not (row and row[0]):
-                        raise LedgerUnavailable(f"postgres ledger: no ledger at {_redacted(url)} (create=False): "
-                                                f"no table {schema}.fg_reservations")
+                        raise LedgerUnavailable(
+                            f"postgres ledger: no ledger at {_redacted(url)} (create=False): "
+                            f"no table {schema}.fg_reservations"
+                        )
                 await connection.commit()
         except (psycopg.Error, OSError) as exc:
             raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
@@ -236,8 +248,16 @@ class PostgresLedger(SqlLedger):
             await connection.commit()
 
         name = f"fairgate-ledger-{schema}-{uuid.uuid4().hex[:8]}"
-        pool = AsyncConnectionPool(dsn, min_size=1, max_size=max_connections, open=False, configure=configure,
-                                   timeout=timeout_s, kwargs=connect_kwargs, name=name)
+        pool = AsyncConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=max_connections,
+            open=False,
+            configure=configure,
+            timeout=timeout_s,
+            kwargs=connect_kwargs,
+            name=name,
+        )
         quiet = _QuietPool(name)
         _POOL_LOGGER.addFilter(quiet)
         try:
@@ -262,8 +282,9 @@ class PostgresLedger(SqlLedger):
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
         except (TimeoutError, psycopg_pool.PoolTimeout) as exc:
-            raise LedgerUnavailable(f"postgres ledger: no connection within the pool timeout "
-                                    f"({_one_line(exc)})") from None
+            raise LedgerUnavailable(
+                f"postgres ledger: no connection within the pool timeout ({_one_line(exc)})"
+            ) from None
 
     async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
         statement = self._lock_statement(tenant_tag(tenant))
@@ -290,4 +311,6 @@ class PostgresLedger(SqlLedger):
     async def drop_schema(self) -> None:
         """Drop this ledger's schema and everything in it (tests)."""
         async with self._pool.connection(timeout=30.0) as connection:
-            await connection.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(self.schema)))
+            await connection.execute(
+                pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(self.schema))
+            )

@@ -24,8 +24,9 @@ from prometheus_client import Counter
 
 from fairgate.ledger.base import Ledger, tenant_tag
 
-ALERTS = Counter("fairgate_reconciliation_alerts", "Reconciliation differences over the threshold",
-                 ["tenant_hash", "kind"])
+ALERTS = Counter(
+    "fairgate_reconciliation_alerts", "Reconciliation differences over the threshold", ["tenant_hash", "kind"]
+)
 log = logging.getLogger("fairgate.alerts")
 
 
@@ -108,8 +109,9 @@ def _differs(a: float, b: float, threshold: float) -> bool:
     return abs(a - b) > threshold * max(abs(a), abs(b), 1.0)
 
 
-async def reconcile(ledger: Ledger, metered: dict[str, Totals] | None = None, threshold: float = 0.01,
-                    freeze: bool = True) -> ReconcileReport:
+async def reconcile(
+    ledger: Ledger, metered: dict[str, Totals] | None = None, threshold: float = 0.01, freeze: bool = True
+) -> ReconcileReport:
     """Compare the views per tenant; freeze and alert where they differ by more than ``threshold``.
 
     Reservations and events must agree exactly (both are the ledger's own records); the metered export
@@ -124,13 +126,22 @@ async def reconcile(ledger: Ledger, metered: dict[str, Totals] | None = None, th
     report = ReconcileReport([], [])
     for tenant in tenants:
         mine = [r for r in reservations if r.tenant == tenant]
-        booked = Totals(sum(r.billed.input_tokens for r in mine), sum(r.billed.output_tokens for r in mine),
-                        sum(r.billed.gpu_ms for r in mine))
+        booked = Totals(
+            sum(r.billed.input_tokens for r in mine),
+            sum(r.billed.output_tokens for r in mine),
+            sum(r.billed.gpu_ms for r in mine),
+        )
         logged = [e for e in events if e.tenant == tenant]
-        logged_totals = Totals(sum(e.input_tokens for e in logged), sum(e.output_tokens for e in logged),
-                               sum(e.gpu_ms for e in logged))
-        row = TenantReconciliation(tenant, booked, logged_totals, (metered or {}).get(tenant) if metered else None,
-                                   sum(1 for r in mine if r.status == "open"))
+        logged_totals = Totals(
+            sum(e.input_tokens for e in logged), sum(e.output_tokens for e in logged), sum(e.gpu_ms for e in logged)
+        )
+        row = TenantReconciliation(
+            tenant,
+            booked,
+            logged_totals,
+            (metered or {}).get(tenant) if metered else None,
+            sum(1 for r in mine if r.status == "open"),
+        )
         for name in ("input_tokens", "output_tokens", "gpu_ms"):
             a, b = getattr(booked, name), getattr(logged_totals, name)
             if _differs(a, b, 1e-9):
@@ -142,8 +153,11 @@ async def reconcile(ledger: Ledger, metered: dict[str, Totals] | None = None, th
         if row.differences:
             kind = "metered" if any("metered" in d for d in row.differences) else "ledger"
             ALERTS.labels(tenant_tag(tenant), kind).inc()
-            log.warning(json.dumps({"alert": "reconciliation", "tenant_hash": tenant_tag(tenant),
-                                    "differences": row.differences}))
+            log.warning(
+                json.dumps(
+                    {"alert": "reconciliation", "tenant_hash": tenant_tag(tenant), "differences": row.differences}
+                )
+            )
             if freeze:
                 await ledger.freeze(tenant, "; ".join(row.differences))
                 report.frozen.append(tenant)

@@ -90,8 +90,6 @@ from fairgate.ledger.base import (
     tenant_tag,
 )
 from fairgate.ledger.config import Limits, Quotas
-from fairgate.ledger.text import one_line as _one_line
-from fairgate.ledger.text import redacted as _redacted
 from fairgate.ledger.model import (
     IdempotencyConflict,
     InvalidUsage,
@@ -105,6 +103,8 @@ from fairgate.ledger.model import (
     UnknownTenant,
     Usage,
 )
+from fairgate.ledger.text import one_line as _one_line
+from fairgate.ledger.text import redacted as _redacted
 
 DEFAULT_PREFIX = "fairgate"
 DEFAULT_RETENTION_DAYS = 35.0
@@ -120,10 +120,29 @@ _RESERVATION_ID = re.compile(r"^([0-9a-f]{16})-")
 # The tenant keys, in the order of the scripts' KEYS (see the table in the module docstring).
 TENANT_KEYS = ("accounts", "runs", "res", "reqs", "open", "status", "events", "seq", "hb", "frozen")
 _STATUS_OF_KIND = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}
-_LIMIT_NAMES = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
-                "max_tokens_per_request", "max_concurrent", "max_queued", "gpu_seconds", "gpu_window_s", "gpu_seconds_total",
-                "max_model_calls", "max_tool_rounds", "max_tokens", "reservation_ttl_s")
-_INT_REMAINING = {"max_tokens_per_request", "max_concurrent", "max_queued", "max_model_calls", "max_tool_rounds", "max_tokens"}
+_LIMIT_NAMES = (
+    "requests_per_minute",
+    "input_tokens_per_minute",
+    "output_tokens_per_minute",
+    "max_tokens_per_request",
+    "max_concurrent",
+    "max_queued",
+    "gpu_seconds",
+    "gpu_window_s",
+    "gpu_seconds_total",
+    "max_model_calls",
+    "max_tool_rounds",
+    "max_tokens",
+    "reservation_ttl_s",
+)
+_INT_REMAINING = {
+    "max_tokens_per_request",
+    "max_concurrent",
+    "max_queued",
+    "max_model_calls",
+    "max_tool_rounds",
+    "max_tokens",
+}
 
 # --- Lua -----------------------------------------------------------------------------------------
 # ARGV[1] is now in ms ("" = the server's TIME), ARGV[2] the retention TTL in ms; KEYS are TENANT_KEYS.
@@ -239,7 +258,9 @@ end
 # ARGV[3..]: tenant, request_id, reservation id, input_tokens, max_output_tokens, gpu_ms_estimate,
 # model_class, run_id, has_run (1/0), tool_round (1/0), limits JSON.
 # -> {'existing', json} | {'ok', json} | {'quota', dimension, retry_after_s or '', remaining}
-_RESERVE = _PRELUDE + r"""
+_RESERVE = (
+    _PRELUDE
+    + r"""
 local tenant, request_id, rid = ARGV[3], ARGV[4], ARGV[5]
 local input_tokens, max_output, estimate = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local model_class, run_id, has_run, tool_round = ARGV[9], ARGV[10], ARGV[11] == '1', ARGV[12] == '1'
@@ -331,13 +352,16 @@ add_event(rid, 'reserve', 1, 0, 0, 0.0, 0.0, now)
 touch_all()
 return {'ok', raw}
 """
+)
 
 # ARGV[3..]: reservation id, kind (settle|cancel|expire), final (1/0), input_tokens, output_tokens, gpu_ms
 # (ignored for expire: the billed amounts so far), check frozen (1/0), the tenant's limits JSON
 # {"base": {...}, "classes": {model_class: {...}}} or "" (tenant not configured).
 # -> {'not_found'} | {'final', json} | {'frozen', json} | {'unknown_tenant', json} | {'not_due', json}
 #    | {'unchanged', json} | {'above', json} | {'below', name, json} | {'ok', json}
-_CLOSE = _PRELUDE + r"""
+_CLOSE = (
+    _PRELUDE
+    + r"""
 local rid, kind, final = ARGV[3], ARGV[4], ARGV[5] == '1'
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
@@ -425,9 +449,12 @@ end
 touch_all()
 return {'ok', out}
 """
+)
 
 # ARGV[3..]: reservation id, reservation_ttl_s, from (ms; "" = now). Extends an open reservation to from + TTL.
-_EXTEND = _PRELUDE + r"""
+_EXTEND = (
+    _PRELUDE
+    + r"""
 local rid, ttl_s, since = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
@@ -442,10 +469,13 @@ expire(OPEN)
 touch_all()
 return {'ok', out}
 """
+)
 
 # ARGV[3..]: reservation id, enter (1: rules.enqueue, 0: rules.dequeue), max_queued or "" (no limit).
 # -> {'not_found'} | {'unchanged', json} | {'quota', json} | {'ok', json}
-_QUEUE = _PRELUDE + r"""
+_QUEUE = (
+    _PRELUDE
+    + r"""
 local rid, enter, max_queued = ARGV[3], ARGV[4] == '1', tonumber(ARGV[5])
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
@@ -467,9 +497,12 @@ save_account(r.model_class, acc)
 touch_all()
 return {'ok', out}
 """
+)
 
 # ARGV[3]: reservation id. Records a heartbeat if the reservation is open.
-_HEARTBEAT = _PRELUDE + r"""
+_HEARTBEAT = (
+    _PRELUDE
+    + r"""
 local rid = ARGV[3]
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
@@ -478,23 +511,32 @@ hset(HB, rid, fmt(now_ms()))
 touch_all()
 return {'ok'}
 """
+)
 
 # ARGV[3..]: tenant, reason.
-_FREEZE = _PRELUDE + r"""
+_FREEZE = (
+    _PRELUDE
+    + r"""
 redis.call('HSET', FROZEN, 'tenant', ARGV[3], 'reason', ARGV[4], 'at_ms', fmt(now_ms()))
 expire(FROZEN)
 touch_all()
 return {'ok'}
 """
+)
 
 # Read-only. ARGV[3]: window_s. -> {events in [now - window, +inf), flat status counts}
-_USAGE = _PRELUDE + r"""
+_USAGE = (
+    _PRELUDE
+    + r"""
 local since = now_ms() - tonumber(ARGV[3]) * 1000.0
 return {redis.call('ZRANGEBYSCORE', EVENTS, fmt(since), '+inf'), redis.call('HGETALL', STATUS)}
 """
+)
 
 # Read-only. -> the open reservations due (expires_at_ms <= now), none if the tenant is frozen.
-_DUE = _PRELUDE + r"""
+_DUE = (
+    _PRELUDE
+    + r"""
 if redis.call('EXISTS', FROZEN) == 1 then return {} end
 local out = {}
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', OPEN, '-inf', fmt(now_ms()))) do
@@ -503,12 +545,16 @@ for _, rid in ipairs(redis.call('ZRANGEBYSCORE', OPEN, '-inf', fmt(now_ms()))) d
 end
 return out
 """
+)
 
 # Read-only. ARGV[3]: reservation id. -> {last heartbeat ms or '', now}
-_BEAT = _PRELUDE + r"""
+_BEAT = (
+    _PRELUDE
+    + r"""
 local beat = redis.call('HGET', HB, ARGV[3])
 return {beat or '', fmt(now_ms())}
 """
+)
 
 # KEYS[1] = P:tenants; ARGV: tag, tenant, retention ms.
 _REGISTER = r"""
@@ -541,21 +587,39 @@ def _reservation(raw: str) -> Reservation:
     d = json.loads(raw)
     final_ms = d.get("final_ms")
     return Reservation(
-        id=d["id"], tenant=d["tenant"], request_id=d["request_id"], model_class=d["model_class"],
-        run_id=d.get("run_id"), tool_round=d["tool_round"] == "1", input_tokens=_int(d["input_tokens"]),
-        max_output_tokens=_int(d["max_output_tokens"]), gpu_ms_estimate=float(d["gpu_ms_estimate"]),
+        id=d["id"],
+        tenant=d["tenant"],
+        request_id=d["request_id"],
+        model_class=d["model_class"],
+        run_id=d.get("run_id"),
+        tool_round=d["tool_round"] == "1",
+        input_tokens=_int(d["input_tokens"]),
+        max_output_tokens=_int(d["max_output_tokens"]),
+        gpu_ms_estimate=float(d["gpu_ms_estimate"]),
         status=d["status"],
         billed=Usage(_int(d["billed_input_tokens"]), _int(d["billed_output_tokens"]), float(d["billed_gpu_ms"])),
-        overage_gpu_ms=float(d["overage_gpu_ms"]), created_ms=float(d["created_ms"]),
-        expires_at_ms=float(d["expires_at_ms"]), final_ms=None if final_ms is None else float(final_ms),
-        queued=d.get("queued") == "1")
+        overage_gpu_ms=float(d["overage_gpu_ms"]),
+        created_ms=float(d["created_ms"]),
+        expires_at_ms=float(d["expires_at_ms"]),
+        final_ms=None if final_ms is None else float(final_ms),
+        queued=d.get("queued") == "1",
+    )
 
 
 def _event(tenant: str, raw: str) -> Event:
     seq, kind, rid, requests, input_tokens, output_tokens, gpu_ms, overage, at_ms = json.loads(raw)
-    return Event(seq=_int(seq), tenant=tenant, reservation_id=rid, kind=kind, requests=_int(requests),
-                 input_tokens=_int(input_tokens), output_tokens=_int(output_tokens), gpu_ms=float(gpu_ms),
-                 overage_gpu_ms=float(overage), at_ms=float(at_ms))
+    return Event(
+        seq=_int(seq),
+        tenant=tenant,
+        reservation_id=rid,
+        kind=kind,
+        requests=_int(requests),
+        input_tokens=_int(input_tokens),
+        output_tokens=_int(output_tokens),
+        gpu_ms=float(gpu_ms),
+        overage_gpu_ms=float(overage),
+        at_ms=float(at_ms),
+    )
 
 
 def _parse_url(url: str) -> dict[str, Any]:
@@ -594,8 +658,10 @@ def _parse_url(url: str) -> dict[str, Any]:
     known = _PARAMS + _TLS_PARAMS
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"ledger URL {shown!r}: unknown parameter(s) {', '.join(map(repr, unknown))}; known: "
-                         f"{', '.join(_PARAMS)} and, with rediss://, {', '.join(_TLS_PARAMS)}")
+        raise ValueError(
+            f"ledger URL {shown!r}: unknown parameter(s) {', '.join(map(repr, unknown))}; known: "
+            f"{', '.join(_PARAMS)} and, with rediss://, {', '.join(_TLS_PARAMS)}"
+        )
     if not tls and any(name in _TLS_PARAMS for name in names):
         given = ", ".join(name for name in names if name in _TLS_PARAMS)
         raise ValueError(f"ledger URL {shown!r}: TLS parameter(s) {given} need rediss://")
@@ -629,8 +695,14 @@ def _parse_url(url: str) -> dict[str, Any]:
                 raise ValueError(f"ledger URL: {name} {query[name]!r} is not a file")
             connection[name] = query[name]
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return {"prefix": prefix, "retention_days": retention_days, "timeout_s": timeout_s, "tls": tls,
-            "where": f"{host}:{port or 6379}", "connection": connection}
+    return {
+        "prefix": prefix,
+        "retention_days": retention_days,
+        "timeout_s": timeout_s,
+        "tls": tls,
+        "where": f"{host}:{port or 6379}",
+        "connection": connection,
+    }
 
 
 def _float(text: str) -> float:
@@ -641,14 +713,15 @@ def _float(text: str) -> float:
     return value if math.isfinite(value) else math.nan
 
 
-
-
 def _describe(exc: BaseException, where: str, timeout_s: float, tls: bool) -> str:
     """One line naming the real cause of a redis-py (or socket) failure talking to ``where``."""
     text = _one_line(exc) or type(exc).__name__
     if isinstance(exc, (redis.exceptions.TimeoutError, TimeoutError)):
-        hint = ("; the URL asks for TLS (rediss://): does the server speak TLS?"
-                if tls and "connecting" in text.lower() else "")
+        hint = (
+            "; the URL asks for TLS (rediss://): does the server speak TLS?"
+            if tls and "connecting" in text.lower()
+            else ""
+        )
         return f"redis ledger: {where} did not answer within {timeout_s:g} s ({text}){hint}"
     if isinstance(exc, redis.exceptions.InvalidResponse):
         return f"redis ledger: {where} does not speak the Redis protocol ({text})"
@@ -673,9 +746,17 @@ class RedisLedger(Ledger):
     All times are ms since the epoch on the ledger clock (the server's ``TIME``, or ``clock``).
     """
 
-    def __init__(self, client: Redis, prefix: str, quotas: Quotas, clock: Callable[[], float] | None,
-                 retention_s: float, where: str = "redis", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 tls: bool = False) -> None:
+    def __init__(
+        self,
+        client: Redis,
+        prefix: str,
+        quotas: Quotas,
+        clock: Callable[[], float] | None,
+        retention_s: float,
+        where: str = "redis",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        tls: bool = False,
+    ) -> None:
         super().__init__(quotas)
         self._client = client
         self.prefix = prefix
@@ -687,9 +768,14 @@ class RedisLedger(Ledger):
         self._registered: dict[str, float] = {}  # tenant -> time.monotonic() of the last registration
         self._tenant_by_tag = {tenant_tag(name): name for name in quotas.tenants}
         self._limits_json = {
-            tenant_tag(name): json.dumps({"base": _limits_spec(t.limits),
-                                          "classes": {mc: _limits_spec(lim) for mc, lim in t.by_model_class.items()}})
-            for name, t in quotas.tenants.items()}
+            tenant_tag(name): json.dumps(
+                {
+                    "base": _limits_spec(t.limits),
+                    "classes": {mc: _limits_spec(lim) for mc, lim in t.by_model_class.items()},
+                }
+            )
+            for name, t in quotas.tenants.items()
+        }
         self._reserve = client.register_script(_RESERVE)
         self._close_script = client.register_script(_CLOSE)
         self._extend = client.register_script(_EXTEND)
@@ -702,8 +788,15 @@ class RedisLedger(Ledger):
         self._register = client.register_script(_REGISTER)
 
     @classmethod
-    async def open(cls, url: str, quotas: Quotas, clock: Callable[[], float] | None = None,
-                   max_connections: int = 64, *, create: bool = True) -> RedisLedger:
+    async def open(
+        cls,
+        url: str,
+        quotas: Quotas,
+        clock: Callable[[], float] | None = None,
+        max_connections: int = 64,
+        *,
+        create: bool = True,
+    ) -> RedisLedger:
         """Connect to the server named by ``url``
         (``redis://host:port/db?prefix=NAME&retention_days=35&timeout_s=2``; see the module docstring).
 
@@ -729,9 +822,15 @@ class RedisLedger(Ledger):
         # restart): a server that does not answer fails after one timeout, not after a retry storm.
         retry = Retry(ExponentialBackoff(cap=0.2, base=0.05), 1, supported_errors=(redis.exceptions.ConnectionError,))
         pool = BlockingConnectionPool(
-            connection_class=SSLConnection if tls else Connection, max_connections=max_connections,
-            timeout=max(POOL_WAIT_S, timeout_s), decode_responses=True, socket_connect_timeout=timeout_s,
-            socket_timeout=timeout_s, retry=retry, **settings["connection"])
+            connection_class=SSLConnection if tls else Connection,
+            max_connections=max_connections,
+            timeout=max(POOL_WAIT_S, timeout_s),
+            decode_responses=True,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+            retry=retry,
+            **settings["connection"],
+        )
         client = Redis.from_pool(pool)
         ledger = cls(client, prefix, quotas, clock, settings["retention_days"] * 86_400.0, where, timeout_s, tls)
         try:
@@ -739,15 +838,19 @@ class RedisLedger(Ledger):
                 await client.ping()
             except redis.exceptions.ResponseError as exc:
                 if "DB index" in str(exc):
-                    raise ValueError(f"ledger URL: database {settings['connection']['db']} (the URL path) does not "
-                                     f"exist on {where}: {_one_line(exc)}") from None
+                    raise ValueError(
+                        f"ledger URL: database {settings['connection']['db']} (the URL path) does not "
+                        f"exist on {where}: {_one_line(exc)}"
+                    ) from None
                 raise
             with ledger._unavailable():
                 for script in (_RESERVE, _CLOSE, _EXTEND, _HEARTBEAT, _FREEZE, _USAGE, _DUE, _BEAT, _REGISTER):
                     await client.script_load(script)
                 if not create and not await ledger._exists():
-                    raise LedgerUnavailable(f"redis ledger: no ledger at {_redacted(url)} (create=False): no key "
-                                            f"under the prefix {prefix!r}")
+                    raise LedgerUnavailable(
+                        f"redis ledger: no ledger at {_redacted(url)} (create=False): no key "
+                        f"under the prefix {prefix!r}"
+                    )
         except BaseException as exc:
             await client.aclose()
             if _is_redis_failure(exc):
@@ -814,9 +917,17 @@ class RedisLedger(Ledger):
         return dict(await self._client.hgetall(self._tenants_key))
 
     # --- API --------------------------------------------------------------------------------------
-    async def reserve(self, tenant: str, request_id: str, input_tokens: int, max_output_tokens: int,
-                      gpu_ms_estimate: float = 0.0, model_class: str = "default", run_id: str | None = None,
-                      tool_round: bool = False) -> Reservation:
+    async def reserve(
+        self,
+        tenant: str,
+        request_id: str,
+        input_tokens: int,
+        max_output_tokens: int,
+        gpu_ms_estimate: float = 0.0,
+        model_class: str = "default",
+        run_id: str | None = None,
+        tool_round: bool = False,
+    ) -> Reservation:
         """Reserve every dimension (tokens, requests, GPU ms, concurrency, run limits) in one script.
 
         See ``Ledger.reserve``. Amounts: tokens (ints), ``gpu_ms_estimate`` in ms.
@@ -826,40 +937,84 @@ class RedisLedger(Ledger):
         """
         check_reserve_args(tenant, request_id, model_class, run_id, tool_round)
         limits = self.limits(tenant, model_class)
-        args = rules.ReserveArgs(tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class,
-                                 run_id, bool(tool_round))
+        args = rules.ReserveArgs(
+            tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, bool(tool_round)
+        )
         rules.check_amounts(input_tokens, max_output_tokens, gpu_ms_estimate, "reserve")
         tag = tenant_tag(tenant)
         with self._unavailable():
             await self._ensure_registered(tenant)
-            reply = await self._reserve(keys=self._keys(tag), args=[
-                *self._head(), tenant, request_id, new_reservation_id(tenant), str(input_tokens),
-                str(max_output_tokens), _number(float(gpu_ms_estimate)), model_class, run_id or "",
-                "0" if run_id is None else "1", "1" if tool_round else "0", json.dumps(_limits_spec(limits))])
+            reply = await self._reserve(
+                keys=self._keys(tag),
+                args=[
+                    *self._head(),
+                    tenant,
+                    request_id,
+                    new_reservation_id(tenant),
+                    str(input_tokens),
+                    str(max_output_tokens),
+                    _number(float(gpu_ms_estimate)),
+                    model_class,
+                    run_id or "",
+                    "0" if run_id is None else "1",
+                    "1" if tool_round else "0",
+                    json.dumps(_limits_spec(limits)),
+                ],
+            )
         code = reply[0]
         if code == "quota":
             dimension, retry, remaining = reply[1], reply[2], float(reply[3])
-            raise QuotaExceeded(tenant, dimension, None if retry == "" else float(retry), getattr(limits, dimension),
-                                int(remaining) if dimension in _INT_REMAINING else remaining)
+            raise QuotaExceeded(
+                tenant,
+                dimension,
+                None if retry == "" else float(retry),
+                getattr(limits, dimension),
+                int(remaining) if dimension in _INT_REMAINING else remaining,
+            )
         r = _reservation(reply[1])
         if code == "existing":
-            if rules.ReserveArgs(tenant, request_id, r.input_tokens, r.max_output_tokens, r.gpu_ms_estimate,
-                                 r.model_class, r.run_id, r.tool_round).fingerprint() != args.fingerprint():
-                raise IdempotencyConflict(f"request id {request_id!r} of tenant {tenant!r} was reserved with "
-                                          "other arguments")
+            if (
+                rules.ReserveArgs(
+                    tenant,
+                    request_id,
+                    r.input_tokens,
+                    r.max_output_tokens,
+                    r.gpu_ms_estimate,
+                    r.model_class,
+                    r.run_id,
+                    r.tool_round,
+                ).fingerprint()
+                != args.fingerprint()
+            ):
+                raise IdempotencyConflict(
+                    f"request id {request_id!r} of tenant {tenant!r} was reserved with other arguments"
+                )
         return r
 
-    async def _close_call(self, reservation_id: str, kind: str, final: bool, billed: Usage | None,
-                          check_frozen: bool = True) -> list[Any]:
+    async def _close_call(
+        self, reservation_id: str, kind: str, final: bool, billed: Usage | None, check_frozen: bool = True
+    ) -> list[Any]:
         tag = self._tag_of(reservation_id)
         if tag is None:
             return ["not_found"]
-        amounts = ["", "", ""] if billed is None else [
-            str(billed.input_tokens), str(billed.output_tokens), _number(float(billed.gpu_ms))]
+        amounts = (
+            ["", "", ""]
+            if billed is None
+            else [str(billed.input_tokens), str(billed.output_tokens), _number(float(billed.gpu_ms))]
+        )
         with self._unavailable():
-            reply: list[Any] = await self._close_script(keys=self._keys(tag), args=[
-                *self._head(), reservation_id, kind, "1" if final else "0", *amounts, "1" if check_frozen else "0",
-                self._limits_json.get(tag, "")])
+            reply: list[Any] = await self._close_script(
+                keys=self._keys(tag),
+                args=[
+                    *self._head(),
+                    reservation_id,
+                    kind,
+                    "1" if final else "0",
+                    *amounts,
+                    "1" if check_frozen else "0",
+                    self._limits_json.get(tag, ""),
+                ],
+            )
         return reply
 
     async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str) -> Reservation:
@@ -877,19 +1032,26 @@ class RedisLedger(Ledger):
         if code == "unknown_tenant":
             raise UnknownTenant(f"tenant {r.tenant!r} has no quota configuration")
         if code == "above":
-            raise InvalidUsage(f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
-                               f"max_output_tokens {r.max_output_tokens}")
+            raise InvalidUsage(
+                f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
+                f"max_output_tokens {r.max_output_tokens}"
+            )
         if code == "above_input":
-            raise InvalidUsage(f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
-                               f"{r.input_tokens} (at most {rules.input_allowance(r.input_tokens)})")
+            raise InvalidUsage(
+                f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
+                f"{r.input_tokens} (at most {rules.input_allowance(r.input_tokens)})"
+            )
         if code == "below":
             name = reply[1]
-            raise InvalidUsage(f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
-                               f"({getattr(r.billed, name)}); amounts are cumulative")
+            raise InvalidUsage(
+                f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
+                f"({getattr(r.billed, name)}); amounts are cumulative"
+            )
         return r  # ok | unchanged
 
-    async def settle(self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float,
-                     final: bool = False) -> Reservation:
+    async def settle(
+        self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
+    ) -> Reservation:
         """Bill cumulative usage (tokens, GPU ms) in one script; ``final`` closes and releases the rest.
 
         Raises:
@@ -939,15 +1101,22 @@ class RedisLedger(Ledger):
         check_name(tenant, "tenant")
         window_s = check_window(window_s)
         with self._unavailable():
-            events_raw, flat = await self._usage(keys=self._keys(tenant_tag(tenant)),
-                                                 args=[*self._head(), _number(window_s)])
+            events_raw, flat = await self._usage(
+                keys=self._keys(tenant_tag(tenant)), args=[*self._head(), _number(window_s)]
+            )
         events = sorted((_event(tenant, raw) for raw in events_raw), key=lambda e: e.seq)
         by_status = {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2) if int(flat[i + 1]) > 0}
         return TenantUsage(
-            tenant=tenant, window_s=window_s, requests=sum(e.requests for e in events),
-            input_tokens=sum(e.input_tokens for e in events), output_tokens=sum(e.output_tokens for e in events),
-            gpu_ms=sum(e.gpu_ms for e in events), overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
-            open_reservations=by_status.get("open", 0), by_status=by_status)
+            tenant=tenant,
+            window_s=window_s,
+            requests=sum(e.requests for e in events),
+            input_tokens=sum(e.input_tokens for e in events),
+            output_tokens=sum(e.output_tokens for e in events),
+            gpu_ms=sum(e.gpu_ms for e in events),
+            overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
+            open_reservations=by_status.get("open", 0),
+            by_status=by_status,
+        )
 
     async def reservations(self, tenant: str | None = None, status: str | None = None) -> list[Reservation]:
         """Reservations ordered by ``created_ms`` then id, optionally of one tenant and/or status.
@@ -998,8 +1167,9 @@ class RedisLedger(Ledger):
                 max_queued = self.limits(r.tenant, r.model_class).max_queued
                 limit = "" if max_queued is None else str(max_queued)
             with self._unavailable():
-                reply = await self._queue_script(keys=self._keys(tag), args=[
-                    *self._head(), reservation_id, "1" if enter else "0", limit])
+                reply = await self._queue_script(
+                    keys=self._keys(tag), args=[*self._head(), reservation_id, "1" if enter else "0", limit]
+                )
         if reply[0] == "not_found":
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
         r = _reservation(reply[1])
@@ -1051,9 +1221,15 @@ class RedisLedger(Ledger):
                 running = since_ms is not None and now_ms - since_ms <= ttl_s * 1000.0
             if running:
                 with self._unavailable():
-                    await self._extend(keys=self._keys(tenant_tag(r.tenant)),
-                                       args=[*self._head(), r.id, _number(float(ttl_s)),
-                                             "" if since_ms is None else _number(since_ms)])
+                    await self._extend(
+                        keys=self._keys(tenant_tag(r.tenant)),
+                        args=[
+                            *self._head(),
+                            r.id,
+                            _number(float(ttl_s)),
+                            "" if since_ms is None else _number(since_ms),
+                        ],
+                    )
                 continue
             reply = await self._close_call(r.id, "expire", True, None)
             code = reply[0]
@@ -1102,11 +1278,14 @@ class RedisLedger(Ledger):
         for field, value in fields.items():
             name, _, part = (field.decode() if isinstance(field, bytes) else field).rpartition("\n")
             totals.setdefault(name, [0.0, 0, 0])[("gpu_ms", "input", "output").index(part)] = float(value)
-        return {tenant: (gpu_ms, int(tokens_in), int(tokens_out)) for tenant, (gpu_ms, tokens_in, tokens_out)
-                in totals.items()}
+        return {
+            tenant: (gpu_ms, int(tokens_in), int(tokens_out))
+            for tenant, (gpu_ms, tokens_in, tokens_out) in totals.items()
+        }
 
-    async def share_occupancy(self, process: str, occupancy: dict[str, tuple[float, float]],
-                              stale_after_ms: float) -> dict[str, tuple[float, float]]:
+    async def share_occupancy(
+        self, process: str, occupancy: dict[str, tuple[float, float]], stale_after_ms: float
+    ) -> dict[str, tuple[float, float]]:
         """``Ledger.share_occupancy``: a hash per process (``{P:occupancy}:PROCESS``, field UPSTREAM, value
         ``"SEQUENCES PREFILL_SHARE"``) that expires ``stale_after_ms`` after its last write, and a set of the
         processes (``{P:occupancy}``); two round trips. Raises ``LedgerUnavailable``."""
@@ -1116,8 +1295,13 @@ class RedisLedger(Ledger):
             async with self._client.pipeline(transaction=True) as pipe:
                 pipe.delete(mine)
                 if occupancy:
-                    pipe.hset(mine, mapping={upstream: f"{float(sequences)!r} {float(prefill_share)!r}"
-                                             for upstream, (sequences, prefill_share) in occupancy.items()})
+                    pipe.hset(
+                        mine,
+                        mapping={
+                            upstream: f"{float(sequences)!r} {float(prefill_share)!r}"
+                            for upstream, (sequences, prefill_share) in occupancy.items()
+                        },
+                    )
                     pipe.pexpire(mine, max(1, int(stale_after_ms)))
                 pipe.sadd(members, process)
                 pipe.smembers(members)

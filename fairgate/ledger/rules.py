@@ -70,8 +70,14 @@ class ReserveArgs:
     tool_round: bool
 
     def fingerprint(self) -> tuple[object, ...]:
-        return (self.input_tokens, self.max_output_tokens, float(self.gpu_ms_estimate), self.model_class,
-                self.run_id, self.tool_round)
+        return (
+            self.input_tokens,
+            self.max_output_tokens,
+            float(self.gpu_ms_estimate),
+            self.model_class,
+            self.run_id,
+            self.tool_round,
+        )
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,10 @@ MAX_GPU_MS_PER_CALL = 86_400_000.0
 def check_amounts(input_tokens: object, output_tokens: object, gpu_ms: object, what: str) -> None:
     """Raise ``InvalidUsage`` unless the token counts are ints in [0, MAX_TOKENS_PER_CALL] and ``gpu_ms`` a
     number in [0, MAX_GPU_MS_PER_CALL]."""
-    for name, value in (("input_tokens", input_tokens), (f"{'max_' if what == 'reserve' else ''}output_tokens",
-                                                         output_tokens)):
+    for name, value in (
+        ("input_tokens", input_tokens),
+        (f"{'max_' if what == 'reserve' else ''}output_tokens", output_tokens),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS_PER_CALL:
             raise InvalidUsage(f"{what}: {name} must be an integer from 0 to {MAX_TOKENS_PER_CALL:,}, got {value!r}")
     if isinstance(gpu_ms, bool) or not isinstance(gpu_ms, int | float) or not 0 <= gpu_ms <= MAX_GPU_MS_PER_CALL:
@@ -113,8 +121,9 @@ def input_allowance(reserved_input_tokens: int) -> int:
     return 2 * reserved_input_tokens + 1024
 
 
-def _refill(level: float | None, updated_ms: float, now_ms: float, rate_per_minute: float,
-            burst: float) -> tuple[float, float]:
+def _refill(
+    level: float | None, updated_ms: float, now_ms: float, rate_per_minute: float, burst: float
+) -> tuple[float, float]:
     if level is None:
         return burst, now_ms
     elapsed = max(0.0, now_ms - updated_ms)
@@ -128,8 +137,13 @@ def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
         rate = getattr(limits, f"{dimension}_per_minute")
         if rate is None:
             continue
-        level, updated = _refill(getattr(out, f"{prefix}_level"), getattr(out, f"{prefix}_updated_ms"), now_ms,
-                                 rate, limits.burst(dimension) or 0.0)
+        level, updated = _refill(
+            getattr(out, f"{prefix}_level"),
+            getattr(out, f"{prefix}_updated_ms"),
+            now_ms,
+            rate,
+            limits.burst(dimension) or 0.0,
+        )
         setattr(out, f"{prefix}_level", level)
         setattr(out, f"{prefix}_updated_ms", updated)
     window_ms = limits.gpu_window_s * 1000.0
@@ -145,8 +159,9 @@ def _bucket_wait_s(level: float, need: float, rate_per_minute: float) -> float:
     return max(0.0, (need - level) / rate_per_minute * 60.0)
 
 
-def reserve(account: Account, run: RunUsage | None, limits: Limits, args: ReserveArgs,
-            now_ms: float) -> tuple[Account, RunUsage | None]:
+def reserve(
+    account: Account, run: RunUsage | None, limits: Limits, args: ReserveArgs, now_ms: float
+) -> tuple[Account, RunUsage | None]:
     """Admit ``args`` against every dimension, atomically: returns the new account and run counters.
 
     Raises:
@@ -162,11 +177,17 @@ def reserve(account: Account, run: RunUsage | None, limits: Limits, args: Reserv
     if limits.requests_per_minute is not None:
         assert acc.requests_level is not None
         if acc.requests_level < 1.0:
-            raise QuotaExceeded(tenant, "requests_per_minute",
-                                _bucket_wait_s(acc.requests_level, 1.0, limits.requests_per_minute),
-                                limits.requests_per_minute, acc.requests_level)
-    for dimension, prefix, need in (("input_tokens", "input", args.input_tokens),
-                                    ("output_tokens", "output", args.max_output_tokens)):
+            raise QuotaExceeded(
+                tenant,
+                "requests_per_minute",
+                _bucket_wait_s(acc.requests_level, 1.0, limits.requests_per_minute),
+                limits.requests_per_minute,
+                acc.requests_level,
+            )
+    for dimension, prefix, need in (
+        ("input_tokens", "input", args.input_tokens),
+        ("output_tokens", "output", args.max_output_tokens),
+    ):
         rate = getattr(limits, f"{dimension}_per_minute")
         if rate is None:
             continue
@@ -182,11 +203,21 @@ def reserve(account: Account, run: RunUsage | None, limits: Limits, args: Reserv
     if limits.gpu_seconds is not None and acc.gpu_window_used_ms + estimate > limits.gpu_seconds * 1000.0:
         window_end_ms = acc.gpu_window_start_ms + limits.gpu_window_s * 1000.0
         retry = max(0.0, (window_end_ms - now_ms) / 1000.0) if estimate <= limits.gpu_seconds * 1000.0 else None
-        raise QuotaExceeded(tenant, "gpu_seconds", retry, limits.gpu_seconds,
-                            max(0.0, limits.gpu_seconds - acc.gpu_window_used_ms / 1000.0))
+        raise QuotaExceeded(
+            tenant,
+            "gpu_seconds",
+            retry,
+            limits.gpu_seconds,
+            max(0.0, limits.gpu_seconds - acc.gpu_window_used_ms / 1000.0),
+        )
     if limits.gpu_seconds_total is not None and acc.gpu_total_used_ms + estimate > limits.gpu_seconds_total * 1000.0:
-        raise QuotaExceeded(tenant, "gpu_seconds_total", None, limits.gpu_seconds_total,
-                            max(0.0, limits.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0))
+        raise QuotaExceeded(
+            tenant,
+            "gpu_seconds_total",
+            None,
+            limits.gpu_seconds_total,
+            max(0.0, limits.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0),
+        )
     new_run = None
     if args.run_id is not None:
         run = run or RunUsage()
@@ -216,8 +247,16 @@ def _held(r: Reservation, billed: Usage, final: bool) -> tuple[int, int, float]:
     return (max(r.input_tokens, billed.input_tokens), r.max_output_tokens, max(r.gpu_ms_estimate, billed.gpu_ms))
 
 
-def settle(reservation: Reservation, account: Account, run: RunUsage | None, limits: Limits, billed: Usage,
-           final: bool, now_ms: float, kind: str) -> tuple[Reservation, Account, RunUsage | None, Delta]:
+def settle(
+    reservation: Reservation,
+    account: Account,
+    run: RunUsage | None,
+    limits: Limits,
+    billed: Usage,
+    final: bool,
+    now_ms: float,
+    kind: str,
+) -> tuple[Reservation, Account, RunUsage | None, Delta]:
     """Bill cumulative usage ``billed`` against an open reservation (``final``: close it).
 
     ``kind`` is ``settle``, ``cancel`` or ``expire`` (the status a final call leaves).
@@ -230,21 +269,29 @@ def settle(reservation: Reservation, account: Account, run: RunUsage | None, lim
     check_amounts(billed.input_tokens, billed.output_tokens, billed.gpu_ms, kind)
     before = r.billed
     if billed.output_tokens > r.max_output_tokens:
-        raise InvalidUsage(f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
-                           f"max_output_tokens {r.max_output_tokens}")
+        raise InvalidUsage(
+            f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
+            f"max_output_tokens {r.max_output_tokens}"
+        )
     if billed.input_tokens > input_allowance(r.input_tokens):
-        raise InvalidUsage(f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
-                           f"{r.input_tokens} (at most {input_allowance(r.input_tokens)})")
+        raise InvalidUsage(
+            f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
+            f"{r.input_tokens} (at most {input_allowance(r.input_tokens)})"
+        )
     for name in ("input_tokens", "output_tokens", "gpu_ms"):
         if getattr(billed, name) < getattr(before, name):
-            raise InvalidUsage(f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
-                               f"({getattr(before, name)}); amounts are cumulative")
+            raise InvalidUsage(
+                f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
+                f"({getattr(before, name)}); amounts are cumulative"
+            )
     acc = refreshed(account, limits, now_ms)
     old_in, old_out, old_gpu = _held(r, before, False)
     new_in, new_out, new_gpu = _held(r, billed, final)
     # Buckets get back (or pay) the difference between what is held now and before, capped at the burst.
-    for dimension, prefix, diff in (("input_tokens", "input", old_in - new_in),
-                                    ("output_tokens", "output", old_out - new_out)):
+    for dimension, prefix, diff in (
+        ("input_tokens", "input", old_in - new_in),
+        ("output_tokens", "output", old_out - new_out),
+    ):
         level = getattr(acc, f"{prefix}_level")
         if level is not None and diff:
             setattr(acc, f"{prefix}_level", min(limits.burst(dimension) or 0.0, level + diff))
@@ -259,14 +306,22 @@ def settle(reservation: Reservation, account: Account, run: RunUsage | None, lim
         new_run = replace(run, tokens=max(0, run.tokens + (new_in + new_out) - (old_in + old_out)))
     overage = max(0.0, billed.gpu_ms - r.gpu_ms_estimate)
     status = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}[kind] if final else "open"
-    updated = replace(r, billed=billed, overage_gpu_ms=overage, status=status, final_ms=now_ms if final else None,
-                      queued=r.queued and not final)
-    delta = Delta(kind=("settle_final" if kind == "settle" else kind) if final else "settle",
-                  input_tokens=billed.input_tokens - before.input_tokens,
-                  output_tokens=billed.output_tokens - before.output_tokens,
-                  gpu_ms=billed.gpu_ms - before.gpu_ms, overage_gpu_ms=overage - r.overage_gpu_ms)
+    updated = replace(
+        r,
+        billed=billed,
+        overage_gpu_ms=overage,
+        status=status,
+        final_ms=now_ms if final else None,
+        queued=r.queued and not final,
+    )
+    delta = Delta(
+        kind=("settle_final" if kind == "settle" else kind) if final else "settle",
+        input_tokens=billed.input_tokens - before.input_tokens,
+        output_tokens=billed.output_tokens - before.output_tokens,
+        gpu_ms=billed.gpu_ms - before.gpu_ms,
+        overage_gpu_ms=overage - r.overage_gpu_ms,
+    )
     return updated, acc, new_run, delta
-
 
 
 def enqueue(reservation: Reservation, account: Account, limits: Limits) -> tuple[Reservation, Account] | None:

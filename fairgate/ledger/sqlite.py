@@ -51,8 +51,14 @@ class SqliteLedger(SqlLedger):
         LedgerUnavailable: the file cannot be opened or stays locked past ``busy_timeout_s``.
     """
 
-    def __init__(self, path: str | Path, quotas: Quotas, clock: Callable[[], float] | None = None,
-                 busy_timeout_s: float = 30.0, create: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        quotas: Quotas,
+        clock: Callable[[], float] | None = None,
+        busy_timeout_s: float = 30.0,
+        create: bool = True,
+    ) -> None:
         super().__init__(quotas)
         self.path = Path(path)
         if self.path.exists() and not self.path.is_file():
@@ -63,12 +69,14 @@ class SqliteLedger(SqlLedger):
         self._lock = asyncio.Lock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._connection = sqlite3.connect(self.path, isolation_level=None, timeout=busy_timeout_s,
-                                               check_same_thread=False)
+            self._connection = sqlite3.connect(
+                self.path, isolation_level=None, timeout=busy_timeout_s, check_same_thread=False
+            )
             self._connection.execute("PRAGMA journal_mode=WAL")
             self._connection.execute("PRAGMA synchronous=NORMAL")
-            self._connection.executescript("BEGIN IMMEDIATE;" + TABLES.format(
-                real="REAL", serial="INTEGER PRIMARY KEY AUTOINCREMENT") + "COMMIT;")
+            self._connection.executescript(
+                "BEGIN IMMEDIATE;" + TABLES.format(real="REAL", serial="INTEGER PRIMARY KEY AUTOINCREMENT") + "COMMIT;"
+            )
         except (sqlite3.Error, OSError) as exc:
             raise LedgerUnavailable(f"sqlite ledger {self.path}: {exc}") from None
 

@@ -9,7 +9,7 @@ def one_line(text: object, limit: int = 300) -> str:
     """The first non-empty line of ``text``, whitespace collapsed, at most ``limit`` characters."""
     line = next((ln for ln in str(text).splitlines() if ln.strip()), "")
     line = " ".join(line.split())
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def redacted(url: str) -> str:

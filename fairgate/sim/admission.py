@@ -46,7 +46,12 @@ class Admission:
     def deliver(self, t_ns: int) -> None:
         """Hand every request that arrived by ``t_ns`` to the policy, in arrival order."""
         now_ms = t_ns / NS_PER_MS
-        arrival_ns, n, requests, enqueue = self.workload.arrival_ns, len(self.workload), self.requests, self.policy.enqueue
+        arrival_ns, n, requests, enqueue = (
+            self.workload.arrival_ns,
+            len(self.workload),
+            self.requests,
+            self.policy.enqueue,
+        )
         delivered = self.delivered
         while delivered < n and arrival_ns[delivered] <= t_ns:
             enqueue(requests[delivered], now_ms)

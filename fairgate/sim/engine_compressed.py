@@ -31,9 +31,22 @@ from fairgate.sim.workload import Workload
 class _Replica:
     """One replica's segment (see module docstring)."""
 
-    __slots__ = ("index", "busy", "stopped", "size", "dt", "per_sequence_ms", "head_end", "head_iteration",
-                 "accounted_end", "accounted_iterations", "slot_charge_ms", "tenant_running", "finishes",
-                 "epoch_seen")
+    __slots__ = (
+        "accounted_end",
+        "accounted_iterations",
+        "busy",
+        "dt",
+        "epoch_seen",
+        "finishes",
+        "head_end",
+        "head_iteration",
+        "index",
+        "per_sequence_ms",
+        "size",
+        "slot_charge_ms",
+        "stopped",
+        "tenant_running",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index

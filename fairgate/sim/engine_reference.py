@@ -117,4 +117,3 @@ def run_reference(workload: Workload, cost: CostModel, policy: Policy, replicas:
             next_sample = t + SAMPLE_EVERY_NS
     admission.sample(last_t)
     return result
-

@@ -92,7 +92,7 @@ def summarise(result: SimResult, policy: str, seed: int, weights: dict[str, floa
     busy_ms = result.busy_ms
     names = workload.tenants
     gpu = dict(zip(names, result.tenant_gpu_ms))
-    shares = gpu_shares(gpu, busy_ms) if busy_ms > 0 else {name: 0.0 for name in names}
+    shares = gpu_shares(gpu, busy_ms) if busy_ms > 0 else dict.fromkeys(names, 0.0)
     fair = weighted(shares, weights)
     ttft: list[list[float]] = [[] for _ in names]
     outputs: list[list[int]] = [[] for _ in names]
@@ -104,8 +104,11 @@ def summarise(result: SimResult, policy: str, seed: int, weights: dict[str, floa
             outputs[k].append(result.generated_tokens[i])
     tenants = [
         TenantStats(
-            name=name, gpu_ms=result.tenant_gpu_ms[k], gpu_share=shares[name],
-            prefill_ms=result.tenant_prefill_ms[k], decode_tokens=result.tenant_decode_tokens[k],
+            name=name,
+            gpu_ms=result.tenant_gpu_ms[k],
+            gpu_share=shares[name],
+            prefill_ms=result.tenant_prefill_ms[k],
+            decode_tokens=result.tenant_decode_tokens[k],
             requests_finished=len(outputs[k]),
             mean_output_tokens=fmean(outputs[k]) if outputs[k] else 0.0,
             ttft_ms={"p50": _percentile(ttft[k], 50), "p99": _percentile(ttft[k], 99)},
@@ -120,12 +123,17 @@ def summarise(result: SimResult, policy: str, seed: int, weights: dict[str, floa
             timeline_s.append(t_ns / 1e9)
             timeline_share.append([c / total for c in cumulative])
     return RunStats(
-        policy=policy, seed=seed, busy_ms=busy_ms, charged_ms=result.charged_ms,
+        policy=policy,
+        seed=seed,
+        busy_ms=busy_ms,
+        charged_ms=result.charged_ms,
         max_min_ratio=max_min_ratio(fair) if busy_ms > 0 else float("nan"),
         jain_index=jain_index(fair) if busy_ms > 0 else float("nan"),
         decode_tokens=sum(result.tenant_decode_tokens),
         prefill_fraction=sum(result.tenant_prefill_ms) / busy_ms if busy_ms > 0 else 0.0,
-        tenants=tenants, timeline_s=timeline_s, timeline_share=timeline_share,
+        tenants=tenants,
+        timeline_s=timeline_s,
+        timeline_share=timeline_share,
     )
 
 
@@ -140,8 +148,14 @@ def simulate(scenario: Scenario, workload: Workload, policy: str, engine: str = 
     return ENGINES[engine](workload, scenario.cost, built, scenario.replicas)
 
 
-def run_policy(scenario: Scenario, policy: str, seeds: Sequence[int], flood: dict[str, float] | None = None,
-               engine: str = "compressed", workloads: dict[int, Workload] | None = None) -> PolicyStats:
+def run_policy(
+    scenario: Scenario,
+    policy: str,
+    seeds: Sequence[int],
+    flood: dict[str, float] | None = None,
+    engine: str = "compressed",
+    workloads: dict[int, Workload] | None = None,
+) -> PolicyStats:
     """``policy`` on the scenario's synthetic workload for each seed, summarised and averaged.
 
     Args:
@@ -159,8 +173,9 @@ def run_policy(scenario: Scenario, policy: str, seeds: Sequence[int], flood: dic
 
 def run_workload(scenario: Scenario, workload: Workload, policy: str, engine: str = "compressed") -> PolicyStats:
     """``policy`` on one given workload (a trace replay), summarised."""
-    run = summarise(simulate(scenario, workload, policy, engine), policy, scenario.config.run.seed,
-                    _weights(scenario, workload))
+    run = summarise(
+        simulate(scenario, workload, policy, engine), policy, scenario.config.run.seed, _weights(scenario, workload)
+    )
     return PolicyStats(mean=run, per_seed=[run])
 
 
@@ -176,19 +191,28 @@ def average(runs: list[RunStats]) -> RunStats:
     tenants = []
     for k, tenant in enumerate(first.tenants):
         rows = [r.tenants[k] for r in runs]
-        tenants.append(TenantStats(
-            name=tenant.name,
-            gpu_ms=fmean(t.gpu_ms for t in rows), gpu_share=fmean(t.gpu_share for t in rows),
-            prefill_ms=fmean(t.prefill_ms for t in rows), decode_tokens=fmean(t.decode_tokens for t in rows),
-            requests_finished=fmean(t.requests_finished for t in rows),
-            mean_output_tokens=fmean(t.mean_output_tokens for t in rows),
-            ttft_ms={q: fmean(t.ttft_ms[q] for t in rows) for q in ("p50", "p99")},
-        ))
+        tenants.append(
+            TenantStats(
+                name=tenant.name,
+                gpu_ms=fmean(t.gpu_ms for t in rows),
+                gpu_share=fmean(t.gpu_share for t in rows),
+                prefill_ms=fmean(t.prefill_ms for t in rows),
+                decode_tokens=fmean(t.decode_tokens for t in rows),
+                requests_finished=fmean(t.requests_finished for t in rows),
+                mean_output_tokens=fmean(t.mean_output_tokens for t in rows),
+                ttft_ms={q: fmean(t.ttft_ms[q] for t in rows) for q in ("p50", "p99")},
+            )
+        )
     return RunStats(
-        policy=first.policy, seed=first.seed,
-        busy_ms=fmean(r.busy_ms for r in runs), charged_ms=fmean(r.charged_ms for r in runs),
-        max_min_ratio=fmean(r.max_min_ratio for r in runs), jain_index=fmean(r.jain_index for r in runs),
+        policy=first.policy,
+        seed=first.seed,
+        busy_ms=fmean(r.busy_ms for r in runs),
+        charged_ms=fmean(r.charged_ms for r in runs),
+        max_min_ratio=fmean(r.max_min_ratio for r in runs),
+        jain_index=fmean(r.jain_index for r in runs),
         decode_tokens=fmean(r.decode_tokens for r in runs),
         prefill_fraction=fmean(r.prefill_fraction for r in runs),
-        tenants=tenants, timeline_s=first.timeline_s, timeline_share=first.timeline_share,
+        tenants=tenants,
+        timeline_s=first.timeline_s,
+        timeline_share=first.timeline_share,
     )

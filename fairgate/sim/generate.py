@@ -16,7 +16,6 @@ from fairgate.core.cost import NS_PER_MS, CostModel
 from fairgate.sim.distributions import Distribution
 from fairgate.sim.workload import Workload
 
-
 MAX_REQUESTS = 5_000_000  # per workload: beyond this a run would take hours and gigabytes
 MAX_FLOOD = 1000.0
 
@@ -44,8 +43,9 @@ class TenantLoad:
 
 def request_cost_ms(cost: CostModel, tenant: TenantLoad) -> float:
     """Machine time of one mean request of ``tenant`` at a full batch, ms."""
-    return (tenant.prompt_tokens.mean * cost.prefill_ms_per_token
-            + tenant.output_tokens.mean * cost.decode_charge_ms(cost.max_batch))
+    return tenant.prompt_tokens.mean * cost.prefill_ms_per_token + tenant.output_tokens.mean * cost.decode_charge_ms(
+        cost.max_batch
+    )
 
 
 def arrival_rate_per_s(cost: CostModel, tenant: TenantLoad) -> float:
@@ -53,8 +53,9 @@ def arrival_rate_per_s(cost: CostModel, tenant: TenantLoad) -> float:
     return tenant.offered_ms_per_s / request_cost_ms(cost, tenant)
 
 
-def check_workload_size(cost: CostModel, tenants: list[TenantLoad], duration_s: float,
-                        flood: dict[str, float] | None = None) -> None:
+def check_workload_size(
+    cost: CostModel, tenants: list[TenantLoad], duration_s: float, flood: dict[str, float] | None = None
+) -> None:
     """Refuse a workload that is empty or too large to simulate, before building it.
 
     Raises:
@@ -72,12 +73,15 @@ def check_workload_size(cost: CostModel, tenants: list[TenantLoad], duration_s: 
     if expected <= 0:
         raise WorkloadError("no tenant offers any load (offered_ms_per_s is 0 for every tenant)")
     if expected > MAX_REQUESTS:
-        raise WorkloadError(f"the workload would have about {expected:,.0f} requests (at most {MAX_REQUESTS:,}): "
-                            "shorten run.duration_s or lower offered_ms_per_s / --flood")
+        raise WorkloadError(
+            f"the workload would have about {expected:,.0f} requests (at most {MAX_REQUESTS:,}): "
+            "shorten run.duration_s or lower offered_ms_per_s / --flood"
+        )
 
 
-def poisson_workload(cost: CostModel, tenants: list[TenantLoad], duration_s: float, seed: int,
-                     flood: dict[str, float] | None = None) -> Workload:
+def poisson_workload(
+    cost: CostModel, tenants: list[TenantLoad], duration_s: float, seed: int, flood: dict[str, float] | None = None
+) -> Workload:
     """Poisson arrivals for every tenant over ``[0, duration_s)``, merged in time order.
 
     Args:
@@ -107,13 +111,13 @@ def poisson_workload(cost: CostModel, tenants: list[TenantLoad], duration_s: flo
         times = times[times < duration_s]
         arrivals = np.rint(times * 1e9).astype(np.int64)
         size = len(arrivals)
-        columns.append((arrivals, k, tenant.prompt_tokens.sample(rng, size, 0),
-                        tenant.output_tokens.sample(rng, size, 1)))
+        columns.append(
+            (arrivals, k, tenant.prompt_tokens.sample(rng, size, 0), tenant.output_tokens.sample(rng, size, 1))
+        )
     return merge(names, columns, duration_ns)
 
 
-def merge(names: list[str], columns: list[tuple[np.ndarray, int, list[int], list[int]]],
-          duration_ns: int) -> Workload:
+def merge(names: list[str], columns: list[tuple[np.ndarray, int, list[int], list[int]]], duration_ns: int) -> Workload:
     """Merge per-tenant columns ``(arrival_ns, tenant index, prompts, outputs)`` into one workload."""
     if not columns:
         return Workload(tenants=names, duration_ns=duration_ns)
@@ -132,5 +136,15 @@ def merge(names: list[str], columns: list[tuple[np.ndarray, int, list[int], list
     )
 
 
-__all__ = ["check_workload_size", "MAX_FLOOD", "MAX_REQUESTS", "NS_PER_MS", "TenantLoad", "WorkloadError", "arrival_rate_per_s", "merge",
-           "poisson_workload", "request_cost_ms"]
+__all__ = [
+    "MAX_FLOOD",
+    "MAX_REQUESTS",
+    "NS_PER_MS",
+    "TenantLoad",
+    "WorkloadError",
+    "arrival_rate_per_s",
+    "check_workload_size",
+    "merge",
+    "poisson_workload",
+    "request_cost_ms",
+]

@@ -10,10 +10,10 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator, ScalarFormatter  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
-from fairgate.sim.experiment import PolicyStats  # noqa: E402
+from fairgate.sim.experiment import PolicyStats
 
 
 def _mean_timeline(stats: PolicyStats, step_s: float = 1.0) -> tuple[list[float], list[list[float]]]:
@@ -60,8 +60,14 @@ def share_over_time(results: Sequence[PolicyStats], path: Path, title: str, step
     return path
 
 
-def ratio_against(values: Sequence[float], ratios: Mapping[str, Sequence[float]], path: Path, xlabel: str,
-                  title: str, ylabel: str = "max/min GPU share") -> Path:
+def ratio_against(
+    values: Sequence[float],
+    ratios: Mapping[str, Sequence[float]],
+    path: Path,
+    xlabel: str,
+    title: str,
+    ylabel: str = "max/min GPU share",
+) -> Path:
     """``ratios[policy][i]`` against ``values[i]``, one line per policy (log y). Returns ``path``."""
     figure, axis = plt.subplots(figsize=(7.6, 4.4))
     for policy, ys in ratios.items():
@@ -98,8 +104,13 @@ def queue_times(queue_ms: Mapping[str, Sequence[float]], path: Path, title: str)
             continue
         fraction = np.arange(1, len(waits) + 1) / len(waits) * 100
         p50, p99 = np.percentile(waits, 50), np.percentile(waits, 99)
-        axis.step(np.concatenate(([waits[0]], waits)), np.concatenate(([0.0], fraction)), where="post", lw=1.4,
-                  label=f"{tenant}  (p50 {p50:,.1f} ms, p99 {p99:,.1f} ms, n={len(waits)})")
+        axis.step(
+            np.concatenate(([waits[0]], waits)),
+            np.concatenate(([0.0], fraction)),
+            where="post",
+            lw=1.4,
+            label=f"{tenant}  (p50 {p50:,.1f} ms, p99 {p99:,.1f} ms, n={len(waits)})",
+        )
         drawn = True
     if drawn:
         axis.set_xscale("log")

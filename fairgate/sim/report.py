@@ -45,34 +45,64 @@ def policy_table(title: str, results: Sequence[PolicyStats]) -> Table:
     """Per policy and tenant: GPU share %, decode tokens, mean output tokens, TTFT p50/p99; per policy
     max/min, Jain's index, total decode tokens and prefill fraction."""
     table = Table(title=escape(title), title_justify="left")
-    for column, justify in [("policy", "left"), ("tenant", "left"), ("GPU share %", "right"),
-                            ("decode tokens", "right"), ("mean out tok", "right"), ("TTFT p50 ms", "right"),
-                            ("TTFT p99 ms", "right"), ("max/min", "right"), ("Jain", "right"), ("prefill %", "right")]:
+    for column, justify in [
+        ("policy", "left"),
+        ("tenant", "left"),
+        ("GPU share %", "right"),
+        ("decode tokens", "right"),
+        ("mean out tok", "right"),
+        ("TTFT p50 ms", "right"),
+        ("TTFT p99 ms", "right"),
+        ("max/min", "right"),
+        ("Jain", "right"),
+        ("prefill %", "right"),
+    ]:
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for stats in results:
         run = stats.mean
         for k, tenant in enumerate(run.tenants):
             table.add_row(
-                run.policy if k == 0 else "", escape(tenant.name), f"{tenant.gpu_share * 100:.1f}",
-                f"{tenant.decode_tokens:,.0f}", f"{tenant.mean_output_tokens:.1f}",
-                _ms(tenant.ttft_ms["p50"]), _ms(tenant.ttft_ms["p99"]), "", "", "",
+                run.policy if k == 0 else "",
+                escape(tenant.name),
+                f"{tenant.gpu_share * 100:.1f}",
+                f"{tenant.decode_tokens:,.0f}",
+                f"{tenant.mean_output_tokens:.1f}",
+                _ms(tenant.ttft_ms["p50"]),
+                _ms(tenant.ttft_ms["p99"]),
+                "",
+                "",
+                "",
             )
-        table.add_row("", "[b]all[/b]", "100.0", f"[b]{run.decode_tokens:,.0f}[/b]", "", "", "",
-                      f"[b]{run.max_min_ratio:.3f}[/b]", f"{run.jain_index:.4f}", f"{run.prefill_fraction * 100:.1f}",
-                      end_section=True)
+        table.add_row(
+            "",
+            "[b]all[/b]",
+            "100.0",
+            f"[b]{run.decode_tokens:,.0f}[/b]",
+            "",
+            "",
+            "",
+            f"[b]{run.max_min_ratio:.3f}[/b]",
+            f"{run.jain_index:.4f}",
+            f"{run.prefill_fraction * 100:.1f}",
+            end_section=True,
+        )
     return table
 
 
 def shares_markdown(results: Sequence[PolicyStats]) -> str:
     """A compact Markdown table: one row per policy, GPU share % per tenant, max/min, decode tokens."""
     names = [t.name for t in results[0].mean.tenants]
-    lines = ["| policy | " + " | ".join(names) + " | max/min | decode tokens | prefill % |",
-             "|---|" + "---:|" * (len(names) + 3)]
+    lines = [
+        "| policy | " + " | ".join(names) + " | max/min | decode tokens | prefill % |",
+        "|---|" + "---:|" * (len(names) + 3),
+    ]
     for stats in results:
         run = stats.mean
         shares = " | ".join(f"{t.gpu_share * 100:.1f}" for t in run.tenants)
-        lines.append(f"| {run.policy} | {shares} | {run.max_min_ratio:.2f} | {run.decode_tokens:,.0f} | "
-                     f"{run.prefill_fraction * 100:.1f} |")
+        lines.append(
+            f"| {run.policy} | {shares} | {run.max_min_ratio:.2f} | {run.decode_tokens:,.0f} | "
+            f"{run.prefill_fraction * 100:.1f} |"
+        )
     return "\n".join(lines)
 
 

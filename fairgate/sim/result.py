@@ -43,11 +43,18 @@ class SimResult:
     def empty(cls, workload: Workload, replicas: int) -> SimResult:
         n, k = len(workload), len(workload.tenants)
         return cls(
-            workload=workload, replicas=replicas,
-            admit_ns=[NOT_YET] * n, first_token_ns=[NOT_YET] * n, finish_ns=[NOT_YET] * n,
-            generated_tokens=[0] * n, request_gpu_ms=[0.0] * n,
-            tenant_gpu_ms=[0.0] * k, tenant_prefill_ms=[0.0] * k, tenant_decode_tokens=[0] * k,
-            busy_ns=[0] * replicas, iterations=[0] * replicas,
+            workload=workload,
+            replicas=replicas,
+            admit_ns=[NOT_YET] * n,
+            first_token_ns=[NOT_YET] * n,
+            finish_ns=[NOT_YET] * n,
+            generated_tokens=[0] * n,
+            request_gpu_ms=[0.0] * n,
+            tenant_gpu_ms=[0.0] * k,
+            tenant_prefill_ms=[0.0] * k,
+            tenant_decode_tokens=[0] * k,
+            busy_ns=[0] * replicas,
+            iterations=[0] * replicas,
         )
 
     @property

@@ -21,12 +21,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fairgate.configerrors import pydantic_message
 from fairgate.core.cost import CostModel
 from fairgate.core.policies.factory import PolicySpec, TenantShare
 from fairgate.core.request import PRIORITIES
 from fairgate.sim.distributions import Distribution, Empirical, Fixed, LogNormal
 from fairgate.sim.generate import TenantLoad
-from fairgate.configerrors import pydantic_message
 from fairgate.tomlfile import read_toml
 
 
@@ -164,9 +164,15 @@ class Scenario:
         r = config.replica
         self.cost = CostModel(r.iter_base_ms, r.iter_slope_ms, r.prefill_ms_per_token, r.max_batch)
         self.replicas = r.replicas
-        self.tenants = [TenantLoad(t.name, self._dist(t.prompt_tokens, f"tenant[{i}].prompt_tokens"),
-                                   self._dist(t.output, f"tenant[{i}].output"), t.offered_ms_per_s)
-                        for i, t in enumerate(config.tenant)]
+        self.tenants = [
+            TenantLoad(
+                t.name,
+                self._dist(t.prompt_tokens, f"tenant[{i}].prompt_tokens"),
+                self._dist(t.output, f"tenant[{i}].output"),
+                t.offered_ms_per_s,
+            )
+            for i, t in enumerate(config.tenant)
+        ]
         self.shares = {t.name: TenantShare(t.weight, t.priority) for t in config.tenant}
 
     @property
@@ -196,8 +202,10 @@ class Scenario:
         for line, row in enumerate(rows, start=2):
             text = row.fields[column].strip()
             if not text.isdigit() or int(text) > MAX_TOKENS:
-                raise ScenarioError(f"{self.path}: {key}.column: {trace.name} line {line}: {column!r} is "
-                                    f"{text!r}, not a whole number of tokens from 0 to {MAX_TOKENS:,}")
+                raise ScenarioError(
+                    f"{self.path}: {key}.column: {trace.name} line {line}: {column!r} is "
+                    f"{text!r}, not a whole number of tokens from 0 to {MAX_TOKENS:,}"
+                )
             values.append(int(text))
         minimum = 1 if key.endswith(".output") else 0
         kept = [v for v in values if v >= minimum]
@@ -250,7 +258,9 @@ def set_key(data: dict[str, Any], key: str, value: Any, source: str) -> None:
         names = [t.get("name") for t in tenants]
         targets = tenants if parts[1] == "*" else [t for t in tenants if t.get("name") == parts[1]]
         if not targets:
-            raise ScenarioError(f"{source} {key!r}: no tenant named {parts[1]!r} (tenants: {', '.join(map(str, names))})")
+            raise ScenarioError(
+                f"{source} {key!r}: no tenant named {parts[1]!r} (tenants: {', '.join(map(str, names))})"
+            )
         for tenant in targets:
             _set_path(tenant, parts[2:], value)
         return
@@ -313,5 +323,13 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None, require_
         raise
 
 
-__all__ = ["PRIORITIES", "Scenario", "ScenarioError", "apply_override", "build_scenario", "load_raw",
-           "load_scenario", "set_key"]
+__all__ = [
+    "PRIORITIES",
+    "Scenario",
+    "ScenarioError",
+    "apply_override",
+    "build_scenario",
+    "load_raw",
+    "load_scenario",
+    "set_key",
+]

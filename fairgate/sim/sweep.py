@@ -43,7 +43,6 @@ from fairgate.sim.experiment import run_policy
 from fairgate.sim.generate import MAX_FLOOD, WorkloadError, check_workload_size, poisson_workload
 from fairgate.sim.scenario import ScenarioError, _message, build_scenario, load_raw, set_key
 
-
 MAX_CONFIGURATIONS = 100_000
 
 
@@ -56,8 +55,9 @@ class AxisConfig(BaseModel):
 class GridConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     policies: Literal["all"] | list[str] = "all"
-    seeds: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] = Field(default_factory=lambda: [1], min_length=1,
-                                                                    max_length=1000)
+    seeds: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] = Field(
+        default_factory=lambda: [1], min_length=1, max_length=1000
+    )
     long_tenants: list[str] = Field(default_factory=list)
     slot_cap: Literal["scenario", "fair_share"] = "scenario"
     axis: list[AxisConfig] = Field(min_length=1)
@@ -127,15 +127,20 @@ class SweepResult:
     def by_axis(self, key: str, policy: str, reduce: Callable[[list[float]], float] = fmean) -> list[float]:
         """``reduce`` of ``policy``'s max/min over the other axes, for each value of axis ``key``."""
         axis = next(a for a in self.grid.axis if a.key == key)
-        return [reduce([r for c, r in zip(self.configurations, self.ratios[policy]) if c.values[key] == value])
-                for value in axis.values]
+        return [
+            reduce([r for c, r in zip(self.configurations, self.ratios[policy]) if c.values[key] == value])
+            for value in axis.values
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "axes": {a.key: a.values for a in self.grid.axis},
             "policies": {
-                policy: {"worst_max_min_ratio": self.worst(policy)[0], "worst_at": self.worst(policy)[1],
-                         "mean_max_min_ratio": fmean(self.ratios[policy])}
+                policy: {
+                    "worst_max_min_ratio": self.worst(policy)[0],
+                    "worst_at": self.worst(policy)[1],
+                    "mean_max_min_ratio": fmean(self.ratios[policy]),
+                }
                 for policy in self.ratios
             },
             "configurations": [
@@ -158,8 +163,9 @@ def load_grid(path: str | Path) -> GridConfig:
         raise ScenarioError(_message(path, exc)) from None
 
 
-def configurations(grid: GridConfig, grid_path: str | Path, scenario_path: str | Path,
-                   scenario_data: dict[str, Any]) -> list[Configuration]:
+def configurations(
+    grid: GridConfig, grid_path: str | Path, scenario_path: str | Path, scenario_data: dict[str, Any]
+) -> list[Configuration]:
     """Every configuration of the grid, validated against the scenario (fails fast on the first bad one).
 
     Raises:
@@ -215,13 +221,20 @@ def configurations(grid: GridConfig, grid_path: str | Path, scenario_path: str |
 def _run_configuration(args: tuple[str, dict[str, Any], dict[str, float], list[str], list[int]]) -> list[float]:
     scenario_path, data, flood, policies, seeds = args
     scenario = build_scenario(scenario_path, data)
-    workloads = {seed: poisson_workload(scenario.cost, scenario.tenants, scenario.config.run.duration_s, seed, flood)
-                 for seed in seeds}
+    workloads = {
+        seed: poisson_workload(scenario.cost, scenario.tenants, scenario.config.run.duration_s, seed, flood)
+        for seed in seeds
+    }
     return [run_policy(scenario, policy, seeds, flood, workloads=workloads).mean.max_min_ratio for policy in policies]
 
 
-def run_sweep(grid: GridConfig, configs: Sequence[Configuration], scenario_path: str | Path, jobs: int,
-              progress: Callable[[int], None] | None = None) -> SweepResult:
+def run_sweep(
+    grid: GridConfig,
+    configs: Sequence[Configuration],
+    scenario_path: str | Path,
+    jobs: int,
+    progress: Callable[[int], None] | None = None,
+) -> SweepResult:
     """Run every configuration x policy on ``jobs`` worker processes (1: in this process).
 
     Args:

@@ -48,7 +48,7 @@ import stat
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from decimal import ROUND_HALF_EVEN, Decimal, DecimalException
 from functools import lru_cache
 from pathlib import Path
@@ -141,10 +141,9 @@ class TraceSummary:
 # Parsing
 
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ONE_S = timedelta(seconds=1)
-_AZURE_TIME = re.compile(
-    r"\s*(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2})(?:\.(\d+))?\s*(Z|[+-]\d{2}:?\d{2})?\s*\Z")
+_AZURE_TIME = re.compile(r"\s*(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2})(?:\.(\d+))?\s*(Z|[+-]\d{2}:?\d{2})?\s*\Z")
 
 
 @lru_cache(maxsize=4096)
@@ -153,7 +152,7 @@ def _epoch_seconds(whole: str, tz: str | None) -> int:
     Cached: consecutive trace rows mostly share their second."""
     dt = datetime.fromisoformat(whole)  # validates month/day/hour ranges
     if tz is None or tz == "Z":
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     else:
         sign = -1 if tz[0] == "-" else 1
         digits = tz[1:].replace(":", "")
@@ -287,7 +286,7 @@ def _open_text(path: Path, label: str) -> TextIO:
             raise TraceError(f"{label}: not a regular file")
         if st.st_size > MAX_TRACE_BYTES:
             raise TraceError(f"{label}: too large ({st.st_size:,} bytes; the cap is {MAX_TRACE_BYTES // 1024**3} GiB)")
-        return open(fd, newline="", encoding="utf-8-sig")  # noqa: SIM115 - closed by the caller
+        return open(fd, newline="", encoding="utf-8-sig")
     except BaseException:
         os.close(fd)
         raise
@@ -324,18 +323,21 @@ def _parse(path: Path, fmt: _Format) -> _Parsed:
                     try:
                         t = parse_time(row[it])
                     except ValueError as e:
-                        raise TraceError(f"{label}: line {line}: column {fmt.time!r}: "
-                                         f"bad timestamp {_one_line(row[it])} ({e})") from None
+                        raise TraceError(
+                            f"{label}: line {line}: column {fmt.time!r}: bad timestamp {_one_line(row[it])} ({e})"
+                        ) from None
                     try:
                         p = _tokens(row[ip])
                     except ValueError as e:
-                        raise TraceError(f"{label}: line {line}: column {fmt.prompt!r}: "
-                                         f"bad token count {_one_line(row[ip])} ({e})") from None
+                        raise TraceError(
+                            f"{label}: line {line}: column {fmt.prompt!r}: bad token count {_one_line(row[ip])} ({e})"
+                        ) from None
                     try:
                         o = _tokens(row[io])
                     except ValueError as e:
-                        raise TraceError(f"{label}: line {line}: column {fmt.output!r}: "
-                                         f"bad token count {_one_line(row[io])} ({e})") from None
+                        raise TraceError(
+                            f"{label}: line {line}: column {fmt.output!r}: bad token count {_one_line(row[io])} ({e})"
+                        ) from None
                     parsed.lines.append(line)
                     parsed.times_ns.append(t)
                     parsed.prompts.append(p)
@@ -382,8 +384,12 @@ def read_trace(path: str | Path, fmt: str) -> list[TraceRow]:
     t0 = min(parsed.times_ns)
     order = sorted(range(len(parsed.times_ns)), key=parsed.times_ns.__getitem__)
     header = parsed.header
-    return [TraceRow((parsed.times_ns[i] - t0) / NS_PER_S, parsed.prompts[i], parsed.outputs[i],
-                     dict(zip(header, parsed.raw[i]))) for i in order]
+    return [
+        TraceRow(
+            (parsed.times_ns[i] - t0) / NS_PER_S, parsed.prompts[i], parsed.outputs[i], dict(zip(header, parsed.raw[i]))
+        )
+        for i in order
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,8 +447,14 @@ def _years(seconds: float) -> str:
     return f"{years:,.0f} years" if years >= 100 else f"{years:.3g} years"
 
 
-def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file", speedup: float = 1.0,
-                   start_s: float = 0.0, duration_s: float | None = None) -> tuple[Workload, TraceSummary]:
+def trace_workload(
+    paths: Sequence[str | Path],
+    fmt: str,
+    tenant_by: str = "file",
+    speedup: float = 1.0,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+) -> tuple[Workload, TraceSummary]:
     """Build a replayable workload from one or more trace files of one format.
 
     Args:
@@ -503,11 +515,11 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
     # --- arguments -----------------------------------------------------------------------------
     spec = _format(fmt, "trace_workload: ")
     speedup = _option("--speedup", speedup, MIN_SPEEDUP, MAX_SPEEDUP, False, "between 0.001 and 1000000")
-    start_s = _option("--start", start_s, 0.0, MAX_WINDOW_SECONDS, False,
-                      "between 0 and 1e10 (seconds of trace time)")
+    start_s = _option("--start", start_s, 0.0, MAX_WINDOW_SECONDS, False, "between 0 and 1e10 (seconds of trace time)")
     if duration_s is not None:
-        duration_s = _option("--duration", duration_s, 0.0, MAX_WINDOW_SECONDS, True,
-                             "above 0 and at most 1e10 (seconds of trace time)")
+        duration_s = _option(
+            "--duration", duration_s, 0.0, MAX_WINDOW_SECONDS, True, "above 0 and at most 1e10 (seconds of trace time)"
+        )
     if not isinstance(tenant_by, str):
         raise TraceError(f"--tenant-by {_arg_text(tenant_by)}: must be file, a column name or hash:N")
     if isinstance(paths, (str, os.PathLike)):
@@ -523,10 +535,12 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
             raise TraceError(f"trace_workload: a trace file must be a str or Path, got {_arg_text(item)}")
     hash_n: int | None = None
     if tenant_by.startswith("hash:"):
-        text = tenant_by[len("hash:"):]
+        text = tenant_by[len("hash:") :]
         if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_HASH_TENANTS):
-            raise TraceError(f"--tenant-by {_printable(repr(tenant_by), 60)}: N in hash:N must be a whole number "
-                             f"from 1 to {MAX_HASH_TENANTS}")
+            raise TraceError(
+                f"--tenant-by {_printable(repr(tenant_by), 60)}: N in hash:N must be a whole number "
+                f"from 1 to {MAX_HASH_TENANTS}"
+            )
         hash_n = int(text)
 
     named = [_split_named(item) for item in paths]
@@ -534,8 +548,10 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
         if name is not None:
             shown = _printable(str(item), 1000)
             if tenant_by != "file":
-                raise TraceError(f"{shown}: NAME=PATH names a tenant, which needs --tenant-by file "
-                                 f"(got --tenant-by {_printable(repr(tenant_by), 60)})")
+                raise TraceError(
+                    f"{shown}: NAME=PATH names a tenant, which needs --tenant-by file "
+                    f"(got --tenant-by {_printable(repr(tenant_by), 60)})"
+                )
             if not name.strip():
                 raise TraceError(f"{shown}: empty tenant name in NAME=PATH")
 
@@ -544,8 +560,10 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
     if tenant_by != "file" and hash_n is None:
         for parsed in files:
             if tenant_by not in parsed.header:
-                raise TraceError(f"{parsed.label}: --tenant-by column {_printable(repr(tenant_by), 60)} not found "
-                                 f"(has: {_printable(', '.join(parsed.header))})")
+                raise TraceError(
+                    f"{parsed.label}: --tenant-by column {_printable(repr(tenant_by), 60)} not found "
+                    f"(has: {_printable(', '.join(parsed.header))})"
+                )
 
     # --- tenants of every row ------------------------------------------------------------------
     per_file_tenant: list[list[str]] = []
@@ -554,8 +572,10 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
         for (name, path), parsed in zip(named, files):
             tenant = name.strip() if name is not None else path.stem
             if tenant in names:
-                raise TraceError(f"{parsed.label}: tenant name {_printable(repr(tenant), 60)} is used by two files; "
-                                 f"name them with NAME=PATH")
+                raise TraceError(
+                    f"{parsed.label}: tenant name {_printable(repr(tenant), 60)} is used by two files; "
+                    f"name them with NAME=PATH"
+                )
             names.append(tenant)
             per_file_tenant.append([tenant] * len(parsed.times_ns))
         origins = [min(parsed.times_ns) for parsed in files]
@@ -563,8 +583,7 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
         if hash_n is not None:
             names = [f"t{k}" for k in range(hash_n)]
             for (_, path), parsed in zip(named, files):
-                per_file_tenant.append([names[_hash_bucket(path.name, i, hash_n)]
-                                        for i in range(len(parsed.times_ns))])
+                per_file_tenant.append([names[_hash_bucket(path.name, i, hash_n)] for i in range(len(parsed.times_ns))])
         else:
             names = []  # filled from the kept rows below
             for parsed in files:
@@ -626,13 +645,16 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
                 f"{parsed.label}: line {parsed.lines[i]}: column {spec.time!r}: timestamp {_one_line(ts)} is "
                 f"{_years(last_rel / NS_PER_S)} after the earliest row ({where}); replaying from --start "
                 f"{start_s:g} to it at --speedup {speedup:g} would take {_years(replay_ns / NS_PER_S)}, "
-                f"above the cap of 10 years (use --duration, or fix the timestamp)")
+                f"above the cap of 10 years (use --duration, or fix the timestamp)"
+            )
         duration_ns = round(replay_ns) + 1
     else:
         replay_ns = round(duration_s * NS_PER_S) / speedup
         if replay_ns > _MAX_REPLAY_NS:
-            raise TraceError(f"--duration {duration_s:g} at --speedup {speedup:g} is "
-                             f"{_years(replay_ns / NS_PER_S)} of replay, above the cap of 10 years")
+            raise TraceError(
+                f"--duration {duration_s:g} at --speedup {speedup:g} is "
+                f"{_years(replay_ns / NS_PER_S)} of replay, above the cap of 10 years"
+            )
         duration_ns = round(replay_ns)
 
     # --- build ---------------------------------------------------------------------------------
@@ -670,6 +692,19 @@ def trace_workload(paths: Sequence[str | Path], fmt: str, tenant_by: str = "file
     return workload, summary
 
 
-__all__ = ["FORMATS", "MAX_BURSTGPT_SECONDS", "MAX_HASH_TENANTS", "MAX_REPLAY_SECONDS", "MAX_SPEEDUP",
-           "MAX_TOKENS_PER_REQUEST", "MAX_TRACE_BYTES", "MAX_WINDOW_SECONDS", "MIN_SPEEDUP", "TraceError",
-           "TraceRow", "TraceSummary", "read_trace", "trace_workload"]
+__all__ = [
+    "FORMATS",
+    "MAX_BURSTGPT_SECONDS",
+    "MAX_HASH_TENANTS",
+    "MAX_REPLAY_SECONDS",
+    "MAX_SPEEDUP",
+    "MAX_TOKENS_PER_REQUEST",
+    "MAX_TRACE_BYTES",
+    "MAX_WINDOW_SECONDS",
+    "MIN_SPEEDUP",
+    "TraceError",
+    "TraceRow",
+    "TraceSummary",
+    "read_trace",
+    "trace_workload",
+]

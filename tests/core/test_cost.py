@@ -20,11 +20,16 @@ def test_iteration_time_and_charges_add_up():
     assert cost.decode_ns(24) == 22_200_000 and cost.prefill_ns(400) == 24_000_000
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"iter_base_ms": 0}, "iter_base_ms"), ({"iter_slope_ms": -1}, "iter_slope_ms"),
-    ({"prefill_ms_per_token": -0.1}, "prefill_ms_per_token"), ({"max_batch": 0}, "max_batch"),
-    ({"max_batch": 2.5}, "max_batch"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"iter_base_ms": 0}, "iter_base_ms"),
+        ({"iter_slope_ms": -1}, "iter_slope_ms"),
+        ({"prefill_ms_per_token": -0.1}, "prefill_ms_per_token"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"max_batch": 2.5}, "max_batch"),
+    ],
+)
 def test_rejects_bad_parameters(kwargs, field):
     args = {"iter_base_ms": 9, "iter_slope_ms": 0.55, "prefill_ms_per_token": 0.06, "max_batch": 24} | kwargs
     with pytest.raises(ValueError, match=field):

@@ -40,8 +40,17 @@ def test_idle_time_is_not_charged_and_backwards_clock_charges_nothing():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["start", "first", "token", "finish", "tick"]), st.integers(0, 5),
-                          st.floats(0.0, 50.0), st.integers(0, 3000)), max_size=60))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["start", "first", "token", "finish", "tick"]),
+            st.integers(0, 5),
+            st.floats(0.0, 50.0),
+            st.integers(0, 3000),
+        ),
+        max_size=60,
+    )
+)
 def test_charges_sum_to_busy_time(events):
     meter = LiveMeter(COST, 0.0)
     now, charged, live, first_seen = 0.0, 0.0, set(), set()
@@ -146,7 +155,9 @@ def _two_processes_on_one_replica(publish_every_ms: float | None, iterations: in
             continue
         dt = COST.decode_ms(batch) + COST.prefill_ms(400) * (len(joining[0]) + len(joining[1]))
         for side in (0, 1):
-            truth[side] += COST.decode_ms(batch) / batch * len(running[side]) + COST.prefill_ms(400) * len(joining[side])
+            truth[side] += COST.decode_ms(batch) / batch * len(running[side]) + COST.prefill_ms(400) * len(
+                joining[side]
+            )
         joining, sent = sent, [[], []]
         now += dt
         for side in (0, 1):

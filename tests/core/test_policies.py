@@ -3,7 +3,7 @@
 import pytest
 
 from fairgate.core import CostModel, PolicySpec, Request, RunningView, TenantShare, TokenBucket, make_policy
-from fairgate.core.policies.counters import GPUFair, VTC
+from fairgate.core.policies.counters import VTC, GPUFair
 from fairgate.core.policies.pools import PriorityPools
 from fairgate.core.policies.quota import RequestQuota, SlotCap
 from fairgate.core.policies.simple import FCFS, RoundRobin
@@ -145,10 +145,22 @@ def test_priority_pools_serve_interactive_first():
 
 def test_factory_builds_every_policy_and_rejects_unknown():
     shares = {"a": TenantShare(), "b": TenantShare(2.0)}
-    params = {"request_quota": {"requests_per_minute": 10}, "token_quota": {"tokens_per_minute": 1000},
-              "slot_cap": {"max_running": 2}}
-    for name in ("fcfs", "round_robin", "request_quota", "token_quota", "slot_cap", "vtc", "vtc_calibrated",
-                 "drr", "gpu_fair"):
+    params = {
+        "request_quota": {"requests_per_minute": 10},
+        "token_quota": {"tokens_per_minute": 1000},
+        "slot_cap": {"max_running": 2},
+    }
+    for name in (
+        "fcfs",
+        "round_robin",
+        "request_quota",
+        "token_quota",
+        "slot_cap",
+        "vtc",
+        "vtc_calibrated",
+        "drr",
+        "gpu_fair",
+    ):
         assert make_policy(PolicySpec(name, params), COST, shares).name == name
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         make_policy(PolicySpec("fifo"), COST, shares)

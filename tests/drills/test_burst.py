@@ -52,8 +52,9 @@ def test_fcfs_fails_the_claim():
 
 
 def test_unknown_drill_is_a_usage_error():
-    reply = subprocess.run([sys.executable, "-m", "fairgate", "drill", "nosuch"], capture_output=True, text=True,
-                           timeout=120)
+    reply = subprocess.run(
+        [sys.executable, "-m", "fairgate", "drill", "nosuch"], capture_output=True, text=True, timeout=120
+    )
     assert reply.returncode == 2
     assert "unknown drill 'nosuch'" in reply.stderr and "burst" in reply.stderr and "ultra_long" in reply.stderr
     assert "Traceback" not in reply.stderr
@@ -65,6 +66,7 @@ def test_the_announced_runs_are_the_ones_the_drill_makes():
     assert describe_runs("burst", "gpu_fair", "fcfs") == "gpu_fair and fcfs for comparison"
     assert describe_runs("burst", "gpu_fair", None) == describe_runs("burst", "gpu_fair", "gpu_fair") == "gpu_fair"
     assert describe_runs("forged", "gpu_fair", "fcfs") == "gpu_fair"  # no comparison run
-    assert describe_runs("scale_out", "gpu_fair", "fcfs") == ("gpu_fair and the fairness run again without shared "
-                                                              "counters for comparison")
+    assert describe_runs("scale_out", "gpu_fair", "fcfs") == (
+        "gpu_fair and the fairness run again without shared counters for comparison"
+    )
     assert {"burst", "ultra_long", "capacity", "scale_out"} <= set(DRILLS)

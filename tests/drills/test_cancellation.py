@@ -29,8 +29,9 @@ def test_a_thousand_cancelled_streams_release_every_slot_and_bill_what_was_gener
     checks = result.checks()
     # The load was what the drill says: 1,000 streams, every kind of cut, no errors.
     assert len(figs.requests) == config.requests and not figs.errors, summary
-    assert all(figs.cut_counts.get(point, 0) >= 50 for point in
-               ("before_bytes", "after_headers", "after_chunks", "completed")), summary
+    assert all(
+        figs.cut_counts.get(point, 0) >= 50 for point in ("before_bytes", "after_headers", "after_chunks", "completed")
+    ), summary
     assert figs.tapped and figs.untagged_sequences == 0, summary
     # Nothing held, nothing open, nothing over-billed; the ledger agrees with itself.
     assert figs.converge_s is not None and figs.held_slots == 0, summary
@@ -40,8 +41,7 @@ def test_a_thousand_cancelled_streams_release_every_slot_and_bill_what_was_gener
     completed = [r for r in figs.requests if r.cut_at == "completed"]
     assert completed and all(r.billed_output == r.generated == r.received == r.max_tokens for r in completed), summary
     # Every token generated well before its client hung up was billed (the youngest may be unread in transit).
-    assert all((r.oldest_unbilled_ms or 0.0) <= config.read_lag_ms_max
-               for r in figs.requests), summary
+    assert all((r.oldest_unbilled_ms or 0.0) <= config.read_lag_ms_max for r in figs.requests), summary
     assert all(checks.values()), summary
     assert result.passed, summary
     assert elapsed <= WALL_S_MAX, f"the drill took {elapsed:.0f} s"

@@ -61,5 +61,4 @@ def test_equal_demand_before_the_removal_the_weights_still_hold_after_it():
     config = replace(CapacityConfig(), clients={"gold": 20, "silver": 20, "bulk": 40}, surge={})
     result = run(DrillOptions(policy="gpu_fair", compare=None), config)
     print(result.summary())
-    assert abs(result.main.ratio_after(config) / config.weight_ratio() - 1) <= config.ratio_tolerance, \
-        result.summary()
+    assert abs(result.main.ratio_after(config) / config.weight_ratio() - 1) <= config.ratio_tolerance, result.summary()

@@ -21,8 +21,8 @@ import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.outage import OutageConfig, run
-from fairgate.ledger import Ledger, LedgerUnavailable, Usage, connect, quotas_from_dict
 from fairgate.gateway.app import sweep_once
+from fairgate.ledger import Ledger, LedgerUnavailable, Usage, connect, quotas_from_dict
 from fairgate.ledger.emergency import EMERGENCY_PREFIX, ResilientLedger
 
 WALL_S_MAX = 60.0
@@ -56,9 +56,10 @@ def test_ledger_outage_rejects_bounds_emergency_and_reconciles_exactly_after_rec
 
 TTL_S = 2.0
 QUOTAS = {
-    "tiers": {"free": {"on_ledger_unavailable": "reject"},
-              "paid": {"on_ledger_unavailable": "emergency",
-                       "emergency": {"requests": 5, "tokens": 10_000, "seconds": 60}}},
+    "tiers": {
+        "free": {"on_ledger_unavailable": "reject"},
+        "paid": {"on_ledger_unavailable": "emergency", "emergency": {"requests": 5, "tokens": 10_000, "seconds": 60}},
+    },
     "defaults": {"reservation_ttl_s": TTL_S},
     "tenants": {"free": {"tier": "free"}, "paid": {"tier": "paid"}},
 }
@@ -150,7 +151,9 @@ async def test_a_grant_that_ends_while_the_journal_is_replayed_is_settled(ledger
         await front.recover()
     [r] = await real.reservations("paid")
     assert front.outstanding() == 0 and (r.status, r.billed) == ("settled", Usage(10, 100, 30.0)), (
-        front.outstanding(), r)
+        front.outstanding(),
+        r,
+    )
 
 
 async def test_after_an_outage_no_process_expires_a_reservation_another_still_has_to_replay(ledger, tmp_path):

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from fairgate.gateway.app import mark_readmitted
-from fairgate.ledger.emergency import ResilientLedger
-
 from fairgate.drills import DrillOptions
 from fairgate.drills.restart import RestartConfig, run
+from fairgate.gateway.app import mark_readmitted
 from fairgate.ledger import Ledger, connect, quotas_from_dict
+from fairgate.ledger.emergency import ResilientLedger
 
 WALL_S_MAX = 60.0
 

@@ -32,11 +32,22 @@ import pytest
 from fairgate.core.cost import CostModel
 from fairgate.core.policies.factory import PolicySpec, TenantShare, make_policy
 from fairgate.core.request import Request
-from fairgate.drills.scale_out import (FairnessConfig, LimitsConfig, bucket_peak, fresh_ledger_url,
-                                       gpu_budget_use, limits_problems, peak_overlap, render_fairness, render_limits,
-                                       run_fairness, run_limits, spread)
 from fairgate.drills import plain_text
 from fairgate.drills.loadgen import TenantLoad
+from fairgate.drills.scale_out import (
+    FairnessConfig,
+    LimitsConfig,
+    bucket_peak,
+    fresh_ledger_url,
+    gpu_budget_use,
+    limits_problems,
+    peak_overlap,
+    render_fairness,
+    render_limits,
+    run_fairness,
+    run_limits,
+    spread,
+)
 from fairgate.gateway.dispatch import Dispatcher, Upstream
 from fairgate.ledger import Reservation, Usage
 from tests.ledger.conftest import postgres_url, redis_throwaway, redis_url  # noqa: F401 - fixtures
@@ -69,8 +80,23 @@ def test_peak_overlap_counts_reservations_open_at_one_instant():
 
 
 def _reservation(estimate: float, billed: float) -> Reservation:
-    return Reservation("r", "t", "q", "emu", None, False, 10, 10, estimate, "settled", Usage(10, 10, billed),
-                       max(0.0, billed - estimate), 0.0, 1.0, 1.0)
+    return Reservation(
+        "r",
+        "t",
+        "q",
+        "emu",
+        None,
+        False,
+        10,
+        10,
+        estimate,
+        "settled",
+        Usage(10, 10, billed),
+        max(0.0, billed - estimate),
+        0.0,
+        1.0,
+        1.0,
+    )
 
 
 def test_gpu_budget_use_splits_what_was_billed_within_the_estimates_from_overage():
@@ -186,8 +212,12 @@ async def test_a_client_leaving_the_queue_as_a_slot_frees_neither_breaks_release
     fixed: a waiter cancelled in the same tick is treated as gone."""
     cost = CostModel(9.0, 0.55, 0.06, 1)
     upstream = Upstream("emu-0", "emu", "http://127.0.0.1:1/v1", 1, cost)  # one slot
-    dispatcher = Dispatcher(lambda: make_policy(PolicySpec("gpu_fair"), cost, {"a": TenantShare()}), [upstream],
-                            lambda: 0.0, lambda tenant: None)
+    dispatcher = Dispatcher(
+        lambda: make_policy(PolicySpec("gpu_fair"), cost, {"a": TenantShare()}),
+        [upstream],
+        lambda: 0.0,
+        lambda tenant: None,
+    )
     lease = await dispatcher.acquire(Request(1, "a", 10, 0.0, 10), "emu")
     waiting = asyncio.ensure_future(dispatcher.acquire(Request(2, "a", 10, 0.0, 10), "emu"))
     await asyncio.sleep(0)  # request 2 waits in the queue

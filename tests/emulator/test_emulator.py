@@ -12,8 +12,16 @@ import pytest
 from fairgate.emulator.api import EmulatorSettings, create_app
 from tests.support.servers import serve
 
-SETTINGS = EmulatorSettings(iter_base_ms=8.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=8,
-                            output_mean_tokens=20.0, output_cv=0.5, max_model_len=4096, model="emu")
+SETTINGS = EmulatorSettings(
+    iter_base_ms=8.0,
+    iter_slope_ms=0.5,
+    prefill_ms_per_token=0.02,
+    max_batch=8,
+    output_mean_tokens=20.0,
+    output_cv=0.5,
+    max_model_len=4096,
+    model="emu",
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +40,26 @@ def test_models(client):
 
 
 def test_chat_completion_with_usage(client):
-    reply = client.chat.completions.create(model="emu", messages=[{"role": "user", "content": "one two three"}],
-                                           max_tokens=7, extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(
+        model="emu",
+        messages=[{"role": "user", "content": "one two three"}],
+        max_tokens=7,
+        extra_body={"ignore_eos": True},
+    )
     assert reply.choices[0].message.content == " t1 t2 t3 t4 t5 t6 t7"
     assert reply.choices[0].finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (6, 7, 13)
 
 
 def test_streaming_chat_reports_usage_last(client):
-    stream = client.chat.completions.create(model="emu", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="emu",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == " t1 t2 t3 t4 t5"
@@ -55,18 +72,25 @@ def test_completions_stream_and_seeded_lengths(client):
     again = client.completions.create(model="emu", prompt="a b c", max_tokens=500, seed=7)
     assert first.usage.completion_tokens == again.usage.completion_tokens  # seed -> same length
     assert first.choices[0].finish_reason == "stop" and first.usage.prompt_tokens == 3
-    pieces = [c.choices[0].text for c in client.completions.create(model="emu", prompt="x", max_tokens=3,
-                                                                   stream=True, extra_body={"ignore_eos": True})]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model="emu", prompt="x", max_tokens=3, stream=True, extra_body={"ignore_eos": True}
+        )
+    ]
     assert "".join(pieces) == " t1 t2 t3"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "emu", "messages": []}, "messages"),
-    ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-    ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
-    ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "emu", "messages": []}, "messages"),
+        ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, "max_tokens"),
+    ],
+)
 def test_bad_requests_name_the_field(base_url, body, param):
     reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=10)
     assert reply.status_code == 400
@@ -80,9 +104,24 @@ def emulator_process():  # type: ignore[no-untyped-def]
     from tests.support.servers import fairgate_process, free_port
 
     port = free_port()
-    with fairgate_process(["emulate", "--port", str(port), "--model", "emu", "--iter-base-ms", "8",
-                           "--iter-slope-ms", "0.5", "--prefill-ms-per-token", "0.02", "--max-batch", "8"],
-                          port) as url:
+    with fairgate_process(
+        [
+            "emulate",
+            "--port",
+            str(port),
+            "--model",
+            "emu",
+            "--iter-base-ms",
+            "8",
+            "--iter-slope-ms",
+            "0.5",
+            "--prefill-ms-per-token",
+            "0.02",
+            "--max-batch",
+            "8",
+        ],
+        port,
+    ) as url:
         yield url
 
 
@@ -134,8 +173,11 @@ def test_cli_serves_and_rejects_bad_settings():
     from tests.support.servers import free_port
 
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "fairgate", "emulate", "--port", str(port), "--model", "m1",
-                                "--max-batch", "4"], stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fairgate", "emulate", "--port", str(port), "--model", "m1", "--max-batch", "4"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -149,6 +191,7 @@ def test_cli_serves_and_rejects_bad_settings():
     finally:
         process.terminate()
         process.communicate(timeout=20)  # also closes the stderr pipe
-    bad = subprocess.run([sys.executable, "-m", "fairgate", "emulate", "--max-batch", "0"], capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "fairgate", "emulate", "--max-batch", "0"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "--max-batch" in bad.stderr and "Traceback" not in bad.stderr

@@ -36,8 +36,15 @@ from fairgate.ledger.reconcile import reconcile
 from tests.support.servers import serve
 
 CONTEXT = 16
-EMULATOR = EmulatorSettings(model="emu", iter_base_ms=2.0, iter_slope_ms=0.1, prefill_ms_per_token=0.01, max_batch=4,
-                            output_mean_tokens=6.0, max_model_len=CONTEXT)
+EMULATOR = EmulatorSettings(
+    model="emu",
+    iter_base_ms=2.0,
+    iter_slope_ms=0.1,
+    prefill_ms_per_token=0.01,
+    max_batch=4,
+    output_mean_tokens=6.0,
+    max_model_len=CONTEXT,
+)
 TENANT_KEY = f"fg-fuzz-alpha-{'x' * 24}"
 ADMIN_KEY = f"fg-fuzz-admin-{'y' * 24}"
 # Cases per operation and generation mode: the generation routes get most (they reserve and reach the upstream).
@@ -52,16 +59,19 @@ def _config(tmp: Path, upstream: str) -> Path:
     upstreams = "".join(
         f'[[upstream]]\nname = "{name}"\nurl = "{upstream}/v1"\nmodel = "{name}"\nmax_batch = 4\n'
         f"iter_base_ms = 2.0\niter_slope_ms = 0.1\nprefill_ms_per_token = 0.01\nmax_model_len = {context}\n"
-        for name, context in (("emu", CONTEXT), ("emu-lying", 64)))
-    text = (f'[gateway]\npolicy = "gpu_fair"\nledger = "sqlite:///{tmp}/ledger.db"\njournal = "{tmp}/journal.jsonl"\n'
-            f"default_max_tokens = 8\nmax_body_bytes = 65536\nshare_charges_s = 0\n\n{upstreams}\n"
-            '[quotas.tiers.free]\non_ledger_unavailable = "reject"\n'
-            "[quotas.defaults]\nmax_queued = 16\nmax_concurrent = 4\nmax_tokens_per_request = 60\n"
-            "requests_per_minute = 60000\nrequests_burst = 1000\noutput_tokens_per_minute = 60000\n"
-            "max_model_calls = 3\nmax_tool_rounds = 1\nmax_tokens = 100\n"
-            '[quotas.tenants.alpha]\ntier = "free"\n[quotas.tenants.beta]\ntier = "free"\n'
-            f'[[key]]\ntenant = "alpha"\nhash = "{hash_api_key(TENANT_KEY)}"\n'
-            f'[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n')
+        for name, context in (("emu", CONTEXT), ("emu-lying", 64))
+    )
+    text = (
+        f'[gateway]\npolicy = "gpu_fair"\nledger = "sqlite:///{tmp}/ledger.db"\njournal = "{tmp}/journal.jsonl"\n'
+        f"default_max_tokens = 8\nmax_body_bytes = 65536\nshare_charges_s = 0\n\n{upstreams}\n"
+        '[quotas.tiers.free]\non_ledger_unavailable = "reject"\n'
+        "[quotas.defaults]\nmax_queued = 16\nmax_concurrent = 4\nmax_tokens_per_request = 60\n"
+        "requests_per_minute = 60000\nrequests_burst = 1000\noutput_tokens_per_minute = 60000\n"
+        "max_model_calls = 3\nmax_tool_rounds = 1\nmax_tokens = 100\n"
+        '[quotas.tenants.alpha]\ntier = "free"\n[quotas.tenants.beta]\ntier = "free"\n'
+        f'[[key]]\ntenant = "alpha"\nhash = "{hash_api_key(TENANT_KEY)}"\n'
+        f'[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n'
+    )
     path = tmp / "fairgate.toml"
     path.write_text(text)
     return path
@@ -76,9 +86,14 @@ def _header(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 
 # What the routes read from the raw request but do not declare (their decorators live outside app.py).
-UNDECLARED_QUERY = {"/v1/usage": _query("window", "tenant"), "/admin/usage": _query("window"),
-                    "/admin/reservations": _query("tenant", "status", "limit", "offset"),
-                    "/admin/reconcile": _query("refresh"), "/admin/tenants": [], "/admin/frozen": []}
+UNDECLARED_QUERY = {
+    "/v1/usage": _query("window", "tenant"),
+    "/admin/usage": _query("window"),
+    "/admin/reservations": _query("tenant", "status", "limit", "offset"),
+    "/admin/reconcile": _query("refresh"),
+    "/admin/tenants": [],
+    "/admin/frozen": [],
+}
 GENERATION_HEADERS = [
     _header("X-Request-Id", {"type": "string", "minLength": 1, "maxLength": 8}),  # short: retries collide
     _header("Idempotency-Key", {"type": "string", "minLength": 1, "maxLength": 8}),
@@ -123,16 +138,19 @@ def _steered(draw: Any, cases: Any) -> Any:
     return case
 
 
-def _hang_up(case: Any, gateway: str, auth: dict[str, str], statuses: Counter[tuple[str, int]],
-             failures: dict[str, str]) -> None:
+def _hang_up(
+    case: Any, gateway: str, auth: dict[str, str], statuses: Counter[tuple[str, int]], failures: dict[str, str]
+) -> None:
     """Send ``case`` and disconnect after 20 ms or the first streamed line, whichever comes first."""
     kwargs = case.as_transport_kwargs(base_url=gateway, headers=auth)
     try:
         with requests.request(**kwargs, stream=True, timeout=(5, 0.02)) as response:
             statuses[(case.operation.label, response.status_code)] += 1
             if response.status_code >= 500:
-                failures.setdefault(f"{case.operation.label}: {response.status_code} (hung up)",
-                                    f"{response.status_code} {response.text[:500]}\n{case.as_curl_command(auth)}")
+                failures.setdefault(
+                    f"{case.operation.label}: {response.status_code} (hung up)",
+                    f"{response.status_code} {response.text[:500]}\n{case.as_curl_command(auth)}",
+                )
             next(response.iter_lines(), None)
     except requests.exceptions.RequestException:
         statuses[(case.operation.label, 0)] += 1  # disconnected before the answer
@@ -158,8 +176,10 @@ async def _ledger_problems(url: str, config: Any) -> list[str]:
             mine = [r for r in reservations if (r.tenant, r.model_class) == (tenant, model)]
             billed = sum(r.billed.gpu_ms for r in mine)
             if account.concurrent != 0 or getattr(account, "queued", 0) != 0:
-                problems.append(f"{tenant}/{model}: {account.concurrent} concurrency slots and "
-                                f"{getattr(account, 'queued', 0)} queue places still held")
+                problems.append(
+                    f"{tenant}/{model}: {account.concurrent} concurrency slots and "
+                    f"{getattr(account, 'queued', 0)} queue places still held"
+                )
             if abs(account.gpu_total_used_ms - billed) > 1e-6 * max(1.0, billed):
                 problems.append(f"{tenant}/{model}: GPU ms held {account.gpu_total_used_ms} != billed {billed}")
     return problems
@@ -176,8 +196,9 @@ def test_schemathesis_finds_no_server_error_and_no_leaked_reservation(tmp_path: 
             spec = _complete(httpx.get(f"{gateway}/openapi.json").json())
             schema = schemathesis.openapi.from_dict(spec)
             operations = [result.ok() for result in schema.get_all_operations()]
-            assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /admin/reservations"} <= \
-                {op.label for op in operations}
+            assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /admin/reservations"} <= {
+                op.label for op in operations
+            }
             for operation, mode in itertools.product(operations, GenerationMode):
                 declared = spec["paths"][operation.path][operation.method.lower()]
                 if mode == GenerationMode.NEGATIVE and not {"parameters", "requestBody", "security"} & set(declared):
@@ -186,8 +207,13 @@ def test_schemathesis_finds_no_server_error_and_no_leaked_reservation(tmp_path: 
                 auth = {"Authorization": f"Bearer {key}"}
                 post = operation.method.upper() == "POST"
 
-                @settings(max_examples=EXAMPLES[mode] if post else GET_EXAMPLES, deadline=None, database=None,
-                          phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+                @settings(
+                    max_examples=EXAMPLES[mode] if post else GET_EXAMPLES,
+                    deadline=None,
+                    database=None,
+                    phases=[Phase.generate],
+                    suppress_health_check=list(HealthCheck),
+                )
                 @given(case=_steered(operation.as_strategy(generation_mode=mode)), hang_up=st.integers(0, 4))
                 def run(case: Any, hang_up: int) -> None:
                     if post and hang_up == 0:
@@ -196,9 +222,12 @@ def test_schemathesis_finds_no_server_error_and_no_leaked_reservation(tmp_path: 
                     response = case.call(base_url=gateway, session=session, headers=auth, timeout=30)
                     statuses[(case.operation.label, response.status_code)] += 1
                     try:
-                        case.validate_response(response, checks=[not_a_server_error, ignored_auth], headers=auth,
-                                               transport_kwargs={"base_url": gateway, "session": session,
-                                                                 "headers": auth})
+                        case.validate_response(
+                            response,
+                            checks=[not_a_server_error, ignored_auth],
+                            headers=auth,
+                            transport_kwargs={"base_url": gateway, "session": session, "headers": auth},
+                        )
                     except FailureGroup as group:
                         for failure in group.exceptions:
                             failures.setdefault(f"{case.operation.label}: {failure.title}", str(group)[:3000])
@@ -206,12 +235,15 @@ def test_schemathesis_finds_no_server_error_and_no_leaked_reservation(tmp_path: 
                 run()
             fuzz_s = time.monotonic() - started
             deadline = time.monotonic() + 10  # hung-up requests settle in the background
-            while (still_open := asyncio.run(_open_reservations(config.ledger_url, config))) \
-                    and time.monotonic() < deadline:
+            while (
+                still_open := asyncio.run(_open_reservations(config.ledger_url, config))
+            ) and time.monotonic() < deadline:
                 time.sleep(0.2)
         problems = asyncio.run(_ledger_problems(config.ledger_url, config))
-    print(f"\nfuzzed {sum(statuses.values())} requests in {fuzz_s:.1f} s; statuses (0: hung up): "
-          f"{dict(sorted(Counter(s for _, s in statuses.elements()).items()))}")
+    print(
+        f"\nfuzzed {sum(statuses.values())} requests in {fuzz_s:.1f} s; statuses (0: hung up): "
+        f"{dict(sorted(Counter(s for _, s in statuses.elements()).items()))}"
+    )
     assert not failures, "\n\n".join(failures.values())
     assert not still_open, f"{len(still_open)} reservations left open: {still_open[:3]}"
     assert not problems, problems

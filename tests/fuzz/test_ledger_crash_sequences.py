@@ -39,15 +39,32 @@ from fairgate.ledger.rules import input_allowance
 from tests.ledger.conftest import postgres_url, redis_throwaway, redis_url  # noqa: F401 - fixtures
 
 TTL_S = 30.0
-QUOTAS = quotas_from_dict({
-    "defaults": {"requests_per_minute": 30, "requests_burst": 6, "input_tokens_per_minute": 600,
-                 "input_tokens_burst": 400, "output_tokens_per_minute": 600, "output_tokens_burst": 300,
-                 "max_concurrent": 3, "max_queued": 1, "gpu_seconds": 3, "gpu_window_s": 60,
-                 "gpu_seconds_total": 5, "max_model_calls": 2, "max_tool_rounds": 1, "max_tokens": 600,
-                 "max_tokens_per_request": 300, "reservation_ttl_s": TTL_S},
-    "tenants": {"a": {}, "b": {"limits": {"max_concurrent": 1},
-                               "model_class": {"large": {"gpu_seconds": 1, "max_queued": 0}}}},
-})
+QUOTAS = quotas_from_dict(
+    {
+        "defaults": {
+            "requests_per_minute": 30,
+            "requests_burst": 6,
+            "input_tokens_per_minute": 600,
+            "input_tokens_burst": 400,
+            "output_tokens_per_minute": 600,
+            "output_tokens_burst": 300,
+            "max_concurrent": 3,
+            "max_queued": 1,
+            "gpu_seconds": 3,
+            "gpu_window_s": 60,
+            "gpu_seconds_total": 5,
+            "max_model_calls": 2,
+            "max_tool_rounds": 1,
+            "max_tokens": 600,
+            "max_tokens_per_request": 300,
+            "reservation_ttl_s": TTL_S,
+        },
+        "tenants": {
+            "a": {},
+            "b": {"limits": {"max_concurrent": 1}, "model_class": {"large": {"gpu_seconds": 1, "max_queued": 0}}},
+        },
+    }
+)
 TENANTS = ("a", "b")
 CLASSES = ("default", "large")
 REQUEST_IDS = tuple(f"req-{i}" for i in range(6))  # few: retries and conflicts are common
@@ -151,7 +168,7 @@ class LedgerSequences(RuleBasedStateMachine):
         if close:
             try:
                 self.run(asyncio.wait_for(self.ledger.close(), 10))
-            except Exception:  # noqa: BLE001 - a torn connection may not close cleanly; a crash does not either
+            except Exception:
                 pass
         else:
             self.dropped.append(self.ledger)
@@ -162,30 +179,49 @@ class LedgerSequences(RuleBasedStateMachine):
         for r in self.run(self.ledger.reservations()):
             k = self.by_request.get((r.tenant, r.request_id))
             if k is None:
-                self.by_request[(r.tenant, r.request_id)] = Known(r, r.status, r.billed, r.queued,
-                                                                  r.expires_at_ms)
+                self.by_request[(r.tenant, r.request_id)] = Known(r, r.status, r.billed, r.queued, r.expires_at_ms)
                 continue
             assert k.reservation.id == r.id, "a request id got a second reservation"
             if (k.status, k.billed, k.queued) != (r.status, r.billed, r.queued):
                 k.status, k.billed, k.queued = r.status, r.billed, r.queued
                 if r.is_final and k.final_call is None:
-                    k.final_call = ({"settled": "settle", "cancelled": "cancel", "expired": "expire"}[r.status],
-                                    r.billed)
+                    k.final_call = (
+                        {"settled": "settle", "cancelled": "cancel", "expired": "expire"}[r.status],
+                        r.billed,
+                    )
 
     # --- rules ---------------------------------------------------------------------------------
-    @rule(tenant=st.sampled_from(TENANTS), request_id=st.sampled_from(REQUEST_IDS),
-          model_class=st.sampled_from(CLASSES), input_tokens=st.integers(0, 200), max_output=st.integers(0, 150),
-          estimate=st.integers(0, 1500), run_id=st.sampled_from((None, None, "run-1", "run-2")),
-          tool_round=st.booleans())
-    def reserve(self, tenant: str, request_id: str, model_class: str, input_tokens: int, max_output: int,
-                estimate: int, run_id: str | None, tool_round: bool) -> None:
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        request_id=st.sampled_from(REQUEST_IDS),
+        model_class=st.sampled_from(CLASSES),
+        input_tokens=st.integers(0, 200),
+        max_output=st.integers(0, 150),
+        estimate=st.integers(0, 1500),
+        run_id=st.sampled_from((None, None, "run-1", "run-2")),
+        tool_round=st.booleans(),
+    )
+    def reserve(
+        self,
+        tenant: str,
+        request_id: str,
+        model_class: str,
+        input_tokens: int,
+        max_output: int,
+        estimate: int,
+        run_id: str | None,
+        tool_round: bool,
+    ) -> None:
         tool_round = tool_round and run_id is not None
         before = self.snapshot()
         k = self.by_request.get((tenant, request_id))
         args = (input_tokens, max_output, float(estimate), model_class, run_id, tool_round)
         try:
-            r = self.run(self.ledger.reserve(tenant, request_id, input_tokens, max_output, float(estimate),
-                                             model_class, run_id, tool_round))
+            r = self.run(
+                self.ledger.reserve(
+                    tenant, request_id, input_tokens, max_output, float(estimate), model_class, run_id, tool_round
+                )
+            )
         except IdempotencyConflict:
             assert k is not None and _args(k.reservation) != args
             assert self.snapshot() == before
@@ -214,30 +250,55 @@ class LedgerSequences(RuleBasedStateMachine):
         if k is None:
             return
         r = k.reservation
-        self.reserve(r.tenant, r.request_id, r.model_class, r.input_tokens, r.max_output_tokens,
-                     int(r.gpu_ms_estimate), r.run_id, r.tool_round)
+        self.reserve(
+            r.tenant,
+            r.request_id,
+            r.model_class,
+            r.input_tokens,
+            r.max_output_tokens,
+            int(r.gpu_ms_estimate),
+            r.run_id,
+            r.tool_round,
+        )
 
-    @rule(index=st.integers(0, 100), extra_input=st.integers(-2, 200), extra_output=st.integers(-2, 60),
-          extra_gpu=st.integers(-5, 2000), final=st.booleans(), cancel=st.booleans())
-    def settle(self, index: int, extra_input: int, extra_output: int, extra_gpu: int, final: bool,
-               cancel: bool) -> None:
+    @rule(
+        index=st.integers(0, 100),
+        extra_input=st.integers(-2, 200),
+        extra_output=st.integers(-2, 60),
+        extra_gpu=st.integers(-5, 2000),
+        final=st.booleans(),
+        cancel=st.booleans(),
+    )
+    def settle(
+        self, index: int, extra_input: int, extra_output: int, extra_gpu: int, final: bool, cancel: bool
+    ) -> None:
         k = self.known(index, open_only=True) or self.known(index)
         if k is None:
             return
         r, b = k.reservation, k.billed
-        amounts = Usage(max(0, b.input_tokens + extra_input), max(0, b.output_tokens + extra_output),
-                        float(max(0, b.gpu_ms + extra_gpu)))
+        amounts = Usage(
+            max(0, b.input_tokens + extra_input),
+            max(0, b.output_tokens + extra_output),
+            float(max(0, b.gpu_ms + extra_gpu)),
+        )
         kind = "cancel" if cancel else "settle"
         self.close_reservation(k, kind, amounts, final or cancel)
 
     def close_reservation(self, k: Known, kind: str, amounts: Usage, final: bool) -> None:
         r, b = k.reservation, k.billed
         before = self.snapshot()
-        call = (self.ledger.cancel(r.id, amounts) if kind == "cancel"
-                else self.ledger.settle(r.id, amounts.input_tokens, amounts.output_tokens, amounts.gpu_ms, final))
-        invalid = (amounts.output_tokens > r.max_output_tokens or amounts.input_tokens > input_allowance(r.input_tokens)
-                   or amounts.input_tokens < b.input_tokens or amounts.output_tokens < b.output_tokens
-                   or amounts.gpu_ms < b.gpu_ms)
+        call = (
+            self.ledger.cancel(r.id, amounts)
+            if kind == "cancel"
+            else self.ledger.settle(r.id, amounts.input_tokens, amounts.output_tokens, amounts.gpu_ms, final)
+        )
+        invalid = (
+            amounts.output_tokens > r.max_output_tokens
+            or amounts.input_tokens > input_allowance(r.input_tokens)
+            or amounts.input_tokens < b.input_tokens
+            or amounts.output_tokens < b.output_tokens
+            or amounts.gpu_ms < b.gpu_ms
+        )
         try:
             out = self.run(call)
         except ReservationFinal:
@@ -346,8 +407,13 @@ class LedgerSequences(RuleBasedStateMachine):
             self.run(self.ledger.unfreeze(tenant))
             self.frozen.discard(tenant)
 
-    @rule(op=st.sampled_from(("closed", "abandoned", "reserve", "settle", "cancel", "expire")), at=st.integers(0, 8),
-          index=st.integers(0, 100), request_id=st.sampled_from(REQUEST_IDS), tenant=st.sampled_from(TENANTS))
+    @rule(
+        op=st.sampled_from(("closed", "abandoned", "reserve", "settle", "cancel", "expire")),
+        at=st.integers(0, 8),
+        index=st.integers(0, 100),
+        request_id=st.sampled_from(REQUEST_IDS),
+        tenant=st.sampled_from(TENANTS),
+    )
     def crash(self, op: str, at: int, index: int, request_id: str, tenant: str) -> None:
         """Crash between calls (ledger object closed or abandoned), or inside a call of ``op``."""
         if op in ("closed", "abandoned"):
@@ -363,8 +429,9 @@ class LedgerSequences(RuleBasedStateMachine):
             b = open_one.billed
             final = at % 2 == 0
             after = ("settled" if final else "open", Usage(b.input_tokens, b.output_tokens, b.gpu_ms + 7.0))
-            call = self.ledger.settle(open_one.reservation.id, b.input_tokens, b.output_tokens, b.gpu_ms + 7.0,
-                                      final=final)
+            call = self.ledger.settle(
+                open_one.reservation.id, b.input_tokens, b.output_tokens, b.gpu_ms + 7.0, final=final
+            )
         elif op == "cancel":
             after = ("cancelled", open_one.billed)
             call = self.ledger.cancel(open_one.reservation.id, open_one.billed)
@@ -403,7 +470,7 @@ class LedgerSequences(RuleBasedStateMachine):
                 await call
             except _Crash:
                 self.stats["torn"] += 1
-            except Exception:  # noqa: BLE001 - the call itself refused (quota, final...): nothing torn
+            except Exception:
                 pass
             return
         task = asyncio.ensure_future(call)
@@ -430,8 +497,16 @@ class LedgerSequences(RuleBasedStateMachine):
         tool = Counter(r.run_id for r in self.run(self.ledger.reservations(tenant)) if r.run_id and r.tool_round)
         assert all(n <= (limits.max_tool_rounds or 0) for n in tool.values())
 
-    def check_refusal(self, exc: QuotaExceeded, tenant: str, model_class: str, tokens: int, estimate: int,
-                      run_id: str | None, tool_round: bool) -> None:
+    def check_refusal(
+        self,
+        exc: QuotaExceeded,
+        tenant: str,
+        model_class: str,
+        tokens: int,
+        estimate: int,
+        run_id: str | None,
+        tool_round: bool,
+    ) -> None:
         """A refusal names a dimension that really is full."""
         limits = QUOTAS.tenant(tenant).for_model_class(model_class)
         mine = [r for r in self.run(self.ledger.reservations(tenant))]
@@ -446,8 +521,9 @@ class LedgerSequences(RuleBasedStateMachine):
         elif exc.dimension == "max_model_calls":
             assert sum(1 for r in mine if r.run_id == run_id) >= (limits.max_model_calls or 0)
         elif exc.dimension == "max_tool_rounds":
-            assert tool_round and sum(1 for r in mine if r.run_id == run_id and r.tool_round) >= \
-                (limits.max_tool_rounds or 0)
+            assert tool_round and sum(1 for r in mine if r.run_id == run_id and r.tool_round) >= (
+                limits.max_tool_rounds or 0
+            )
 
     @invariant()
     def ledger_agrees_with_model_and_itself(self) -> None:
@@ -487,8 +563,10 @@ class LedgerSequences(RuleBasedStateMachine):
                 assert limits.max_queued is None or queued <= limits.max_queued
                 assert account.gpu_total_used_ms == pytest.approx(sum(_held_gpu(r) for r in mine), abs=1e-6)
                 assert account.requests_level is None or 0 <= account.requests_level <= (limits.requests_burst or 0)
-                for level, burst in ((account.input_level, limits.input_tokens_burst),
-                                     (account.output_level, limits.output_tokens_burst)):
+                for level, burst in (
+                    (account.input_level, limits.input_tokens_burst),
+                    (account.output_level, limits.output_tokens_burst),
+                ):
                     assert level is None or level <= (burst or 0) + 1e-9
 
     def teardown(self) -> None:
@@ -532,8 +610,12 @@ class LedgerSequences(RuleBasedStateMachine):
                 limits = QUOTAS.tenant(tenant).for_model_class(model_class)
                 for j in range(len(times)):
                     for i in range(j + 1):
-                        assert j - i + 1 <= (limits.requests_burst or 0) + \
-                            (limits.requests_per_minute or 0) * (times[j] - times[i]) / 60_000 + 1e-6
+                        assert (
+                            j - i + 1
+                            <= (limits.requests_burst or 0)
+                            + (limits.requests_per_minute or 0) * (times[j] - times[i]) / 60_000
+                            + 1e-6
+                        )
         report = self.run(reconcile(self.ledger, None, freeze=False))
         assert report.clean, report.to_json()
 
@@ -541,9 +623,16 @@ class LedgerSequences(RuleBasedStateMachine):
 def _run(machine: type[LedgerSequences], backend: str, url: str) -> None:
     machine.url, machine.backend = url, backend
     LedgerSequences.totals = Counter()
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=EXAMPLES[backend], stateful_step_count=STEPS, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=EXAMPLES[backend],
+            stateful_step_count=STEPS,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     print(f"\n{backend}: {dict(sorted(LedgerSequences.totals.items()))}")
 
 

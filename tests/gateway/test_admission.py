@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import httpx
-import pytest
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
@@ -18,8 +16,9 @@ from tests.support.servers import serve
 
 
 def post(url: str, key: str, body: dict, headers: dict | None = None) -> httpx.Response:  # type: ignore[type-arg]
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=30,
-                      headers={"Authorization": f"Bearer {key}", **(headers or {})})
+    return httpx.post(
+        f"{url}/v1/completions", json=body, timeout=30, headers={"Authorization": f"Bearer {key}", **(headers or {})}
+    )
 
 
 BODY = {"model": "emu", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
@@ -47,8 +46,14 @@ def test_queue_bound_gives_429_queue_full(tmp_path):
             async def flood() -> list[int]:
                 async with httpx.AsyncClient(base_url=url, timeout=60) as http:
                     body = {"model": "emu", "prompt": "x", "max_tokens": 60, "ignore_eos": True}
-                    replies = await asyncio.gather(*(http.post("/v1/completions", json=body, headers={
-                        "Authorization": f"Bearer {keys['alpha']}"}) for _ in range(8)))
+                    replies = await asyncio.gather(
+                        *(
+                            http.post(
+                                "/v1/completions", json=body, headers={"Authorization": f"Bearer {keys['alpha']}"}
+                            )
+                            for _ in range(8)
+                        )
+                    )
                 return [r.status_code for r in replies]
 
             codes = asyncio.run(flood())

@@ -32,6 +32,7 @@ SECRET = b"0123456789abcdef-delegation"
 
 # --- API keys ---------------------------------------------------------------------------------------
 
+
 def test_new_keys_are_prefixed_random_and_distinct() -> None:
     keys = {new_api_key() for _ in range(100)}
     assert len(keys) == 100
@@ -97,6 +98,7 @@ def test_key_ring_rejects_malformed_hashes() -> None:
 
 # --- on-behalf-of tokens ------------------------------------------------------------------------------
 
+
 def test_valid_token_names_the_tenant() -> None:
     token = make_on_behalf_of(SECRET, "batch", "chat", expires_at_s=1_000.0)
     assert verify_on_behalf_of(SECRET, token, "batch", now_s=999.0) == "chat"
@@ -121,9 +123,15 @@ def test_expired_token() -> None:
 def test_tampered_token() -> None:
     token = make_on_behalf_of(SECRET, "batch", "chat", expires_at_s=1_000.0)
     payload, signature = token.split(".")
-    forged = base64.urlsafe_b64encode(json.dumps(
-        {"d": "batch", "exp": 1000.0, "t": "agent", "v": 1}, separators=(",", ":"), sort_keys=True
-    ).encode()).rstrip(b"=").decode()
+    forged = (
+        base64.urlsafe_b64encode(
+            json.dumps(
+                {"d": "batch", "exp": 1000.0, "t": "agent", "v": 1}, separators=(",", ":"), sort_keys=True
+            ).encode()
+        )
+        .rstrip(b"=")
+        .decode()
+    )
     assert reason(f"{forged}.{signature}") == "bad_signature"
     flipped = signature[:-2] + ("A" if signature[-2] != "A" else "B") + signature[-1]
     assert reason(f"{payload}.{flipped}") == "bad_signature"
@@ -141,12 +149,23 @@ def signed(document: object) -> str:
     return f"{payload}.{base64.urlsafe_b64encode(signature).rstrip(b'=').decode()}"
 
 
-@pytest.mark.parametrize("token", [
-    "", "abc", "a.b.c", "!!!.???", "a" * 5000, "abcde.fghij",
-    signed([1, 2]), signed({"d": "batch", "t": "chat", "exp": 10}), signed({"d": "batch", "t": "", "exp": 10, "v": 1}),
-    signed({"d": "batch", "t": "chat", "exp": "soon", "v": 1}), signed({"d": "batch", "t": "chat", "exp": 10, "v": 2}),
-    signed({"d": "batch", "t": "chat", "exp": 10, "v": True}),
-])
+@pytest.mark.parametrize(
+    "token",
+    [
+        "",
+        "abc",
+        "a.b.c",
+        "!!!.???",
+        "a" * 5000,
+        "abcde.fghij",
+        signed([1, 2]),
+        signed({"d": "batch", "t": "chat", "exp": 10}),
+        signed({"d": "batch", "t": "", "exp": 10, "v": 1}),
+        signed({"d": "batch", "t": "chat", "exp": "soon", "v": 1}),
+        signed({"d": "batch", "t": "chat", "exp": 10, "v": 2}),
+        signed({"d": "batch", "t": "chat", "exp": 10, "v": True}),
+    ],
+)
 def test_malformed_token(token: str) -> None:
     assert reason(token) == "malformed"
 
@@ -164,9 +183,11 @@ def test_secrets_and_arguments_are_checked() -> None:
 
 # --- fairgate keys ----------------------------------------------------------------------------------
 
+
 def fairgate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fairgate", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fairgate", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_keys_add_and_list_end_to_end(tmp_path: Path) -> None:

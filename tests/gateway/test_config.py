@@ -76,14 +76,15 @@ def test_keys_admin_and_delegation(tmp_path: Path) -> None:
         config.delegation_secret({"FAIRGATE_DELEGATION_SECRET": "short"})
 
 
-def sub(old: str, new: str, count: int = 1):  # noqa: ANN201
+def sub(old: str, new: str, count: int = 1):
     def edit(text: str) -> str:
         assert old in text, old
         return text.replace(old, new, count)
+
     return edit
 
 
-def append(extra: str):  # noqa: ANN201
+def append(extra: str):
     return lambda text: text + "\n" + extra + "\n"
 
 
@@ -95,8 +96,10 @@ CASES = [
     (sub("drr = { quantum_ms = 50.0 }", "drr = { quantum_ms = 50.0, speed = 2 }"), "policy.drr.speed: unknown key"),
     (sub("\n[policy]\n", "\n[policy]\nfastest = {}\n"), "policy.fastest: unknown key"),
     (sub("max_queued = 64", "max_queue = 64"), "quotas.defaults.max_queue: unknown key"),
-    (sub('[quotas.tenants.chat]\ntier = "paid"', '[quotas.tenants.chat]\ntier = "paid"\ncolour = "red"'),
-     "quotas.tenants.chat.colour: unknown key"),
+    (
+        sub('[quotas.tenants.chat]\ntier = "paid"', '[quotas.tenants.chat]\ntier = "paid"\ncolour = "red"'),
+        "quotas.tenants.chat.colour: unknown key",
+    ),
     (lambda t: with_key(t, extra="colour = 1\n"), "key[0].colour: unknown key"),
     (sub("key_hashes = []", "key_hashes = []\nusers = []"), "admin.users: unknown key"),
     (sub('delegates = ["batch"]', 'delegates = ["batch"]\nsecret = "x"'), "delegation.secret: unknown key"),
@@ -106,12 +109,18 @@ CASES = [
     (sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "sqlite://x.db"'), "gateway.ledger:"),
     (lambda t: re.sub(r"^ledger = .*\n", "", t, flags=re.M), "gateway.ledger: missing required key"),
     # Found by a helper: these passed the config check, then failed the gateway's start-up with a traceback.
-    (sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "postgresql://127.0.0.1/test?schema=bad;drop"'),
-     "gateway.ledger: ledger URL: schema 'bad;drop' must match"),
-    (sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "redis://127.0.0.1:6379/0?foo=1"'),
-     "gateway.ledger: ledger URL 'redis://127.0.0.1:6379/0?foo=1': unknown parameter(s) 'foo'"),
-    (sub("[quotas.tenants.batch]", '[quotas.tenants."a\\u0000b"]\n[quotas.tenants.batch]'),
-     "quotas.tenants.'a\\x00b': the name contains a control character"),
+    (
+        sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "postgresql://127.0.0.1/test?schema=bad;drop"'),
+        "gateway.ledger: ledger URL: schema 'bad;drop' must match",
+    ),
+    (
+        sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "redis://127.0.0.1:6379/0?foo=1"'),
+        "gateway.ledger: ledger URL 'redis://127.0.0.1:6379/0?foo=1': unknown parameter(s) 'foo'",
+    ),
+    (
+        sub("[quotas.tenants.batch]", '[quotas.tenants."a\\u0000b"]\n[quotas.tenants.batch]'),
+        "quotas.tenants.'a\\x00b': the name contains a control character",
+    ),
     (sub('model = "fairgate-emulated"', 'model = "m\\t"', 1), "upstream[0].model: must be a letter or digit"),
     (sub("default_max_tokens = 512", "default_max_tokens = 0"), "gateway.default_max_tokens: Input should be"),
     (sub("request_timeout_s = 600", "request_timeout_s = nan"), "gateway.request_timeout_s:"),
@@ -133,10 +142,18 @@ CASES = [
     (sub("drr = { quantum_ms = 50.0 }", "drr = { quantum_ms = -1.0 }"), "policy.drr.quantum_ms:"),
     # [quotas], prefixed
     (sub("requests_per_minute = 600", "requests_per_minute = -1"), "quotas.defaults.requests_per_minute:"),
-    (sub("output_tokens_burst = 32768", "output_tokens_burst = 100"),
-     "quotas.defaults.output_tokens_burst: 100 is below max_tokens_per_request"),
-    (sub('[quotas.tenants.batch]                     # the internal batch service: yields to interactive tenants\n'
-         'tier = "free"', '[quotas.tenants.batch]\ntier = "gold"'), "quotas: tenant 'batch': unknown tier 'gold'"),
+    (
+        sub("output_tokens_burst = 32768", "output_tokens_burst = 100"),
+        "quotas.defaults.output_tokens_burst: 100 is below max_tokens_per_request",
+    ),
+    (
+        sub(
+            "[quotas.tenants.batch]                     # the internal batch service: yields to interactive tenants\n"
+            'tier = "free"',
+            '[quotas.tenants.batch]\ntier = "gold"',
+        ),
+        "quotas: tenant 'batch': unknown tier 'gold'",
+    ),
     (lambda t: t.replace("[quotas.", "[quota."), "quota: unknown key"),
     (lambda t: t.split("[quotas.tiers.free]")[0] + "[admin]" + t.split("[admin]")[1], "quotas: missing required key"),
     (lambda t: t.replace("[gateway]", "[gateways]"), "gateways: unknown key"),
@@ -149,18 +166,22 @@ CASES = [
     (lambda t: with_key(t, extra="name = 3\n"), "key[0].name: Input should be a valid string"),
     # [admin], [delegation]
     (sub("key_hashes = []", 'key_hashes = ["plain-text-password"]'), "admin.key_hashes[0]: must look like"),
-    (lambda t: with_key(t).replace("key_hashes = []", f'key_hashes = ["{HASH}"]'),
-     "admin.key_hashes[0]: the same hash as key[0]"),
+    (
+        lambda t: with_key(t).replace("key_hashes = []", f'key_hashes = ["{HASH}"]'),
+        "admin.key_hashes[0]: the same hash as key[0]",
+    ),
     (sub('delegates = ["batch"]', 'delegates = ["batch", "ghost"]'), "delegation.delegates[1]: unknown tenant 'ghost'"),
-    (sub('secret_env = "FAIRGATE_DELEGATION_SECRET"', 'secret_env = "my secret!"'),
-     "delegation.secret_env: must be an environment variable name"),
+    (
+        sub('secret_env = "FAIRGATE_DELEGATION_SECRET"', 'secret_env = "my secret!"'),
+        "delegation.secret_env: must be an environment variable name",
+    ),
     # the file itself
     (sub("[gateway]", "[gateway"), "not valid TOML"),
 ]
 
 
 @pytest.mark.parametrize("edit, expected", CASES, ids=[c[1][:40] for c in CASES])
-def test_malformed_config_gives_one_line_naming_the_key(tmp_path: Path, edit, expected: str) -> None:  # noqa: ANN001
+def test_malformed_config_gives_one_line_naming_the_key(tmp_path: Path, edit, expected: str) -> None:
     path = write(tmp_path, edit(EXAMPLE_TEXT))
     with pytest.raises(GatewayConfigError) as caught:
         load_gateway_config(path)

@@ -44,11 +44,19 @@ def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
         sent = {"alpha": 2, "beta": 1, "gamma": 3}
         for tenant, n in sent.items():
             for _ in range(n):
-                reply = httpx.post(f"{url}/v1/completions", json=BODY, timeout=30,
-                                   headers={"Authorization": f"Bearer {stack.keys[tenant]}"})
+                reply = httpx.post(
+                    f"{url}/v1/completions",
+                    json=BODY,
+                    timeout=30,
+                    headers={"Authorization": f"Bearer {stack.keys[tenant]}"},
+                )
                 assert reply.status_code == 200
-        bad = httpx.post(f"{url}/v1/completions", json={"model": "emu"}, timeout=30,
-                         headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+        bad = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "emu"},
+            timeout=30,
+            headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
+        )
         assert bad.status_code == 400
 
         admin = get_data(url, ADMIN_KEY).json()
@@ -60,8 +68,15 @@ def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
         assert get_data(url, ADMIN_KEY, "?tenant=alpha").json()["series"].keys() == admin["series"].keys()
 
         baseline = get_data(url, stack.keys["beta"]).json()
-        for query in ("", "?tenant=alpha", "?tenant=alpha&tenant=gamma", "?scope=admin", "?all=1&admin=true",
-                      "?tenant=" + tenant_tag("alpha"), "?tenant=beta&tenant=alpha"):
+        for query in (
+            "",
+            "?tenant=alpha",
+            "?tenant=alpha&tenant=gamma",
+            "?scope=admin",
+            "?all=1&admin=true",
+            "?tenant=" + tenant_tag("alpha"),
+            "?tenant=beta&tenant=alpha",
+        ):
             reply = get_data(url, stack.keys["beta"], query)
             assert reply.status_code == 200 and reply.headers["cache-control"] == "no-store"
             data = reply.json()
@@ -77,12 +92,18 @@ def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
         # No key, a bad key, two keys: refused. A delegate acting for alpha cannot read alpha's data.
         assert get_data(url, None).status_code == 401
         assert get_data(url, "nope").status_code == 401
-        two = httpx.get(f"{url}/dashboard/data", timeout=10, headers=[("Authorization", f"Bearer {stack.keys['beta']}"),
-                                                                      ("Authorization", f"Bearer {ADMIN_KEY}")])
+        two = httpx.get(
+            f"{url}/dashboard/data",
+            timeout=10,
+            headers=[("Authorization", f"Bearer {stack.keys['beta']}"), ("Authorization", f"Bearer {ADMIN_KEY}")],
+        )
         assert two.status_code in (400, 401)
         token = make_on_behalf_of(secret.encode(), "gamma", "alpha", time.time() + 60)
-        delegated = httpx.get(f"{url}/dashboard/data", timeout=10, headers={
-            "Authorization": f"Bearer {stack.keys['gamma']}", "X-Fairgate-On-Behalf-Of": token})
+        delegated = httpx.get(
+            f"{url}/dashboard/data",
+            timeout=10,
+            headers={"Authorization": f"Bearer {stack.keys['gamma']}", "X-Fairgate-On-Behalf-Of": token},
+        )
         assert delegated.status_code == 403 and "alpha" not in delegated.text
 
         page = httpx.get(f"{url}/dashboard", timeout=10)
@@ -98,7 +119,7 @@ def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
 @contextmanager
 def traffic(url: str, keys: dict[str, str], clients: int = 2, limit_s: float = 120.0) -> Iterator[dict[str, int]]:
     """Every tenant keeps ``clients`` requests in flight until the block ends (at most ``limit_s``)."""
-    done = {t: 0 for t in keys}
+    done = dict.fromkeys(keys, 0)
     stop = threading.Event()
 
     async def client(http: httpx.AsyncClient, tenant: str, index: int) -> None:
@@ -132,12 +153,21 @@ LABELS_WITH_DATA = """(id) => {
   return chart.data.datasets.filter(d => d.data.length > 0).map(d => d.label).sort();
 }"""
 ALL_LABELS = """() => Object.values(window.fairgateCharts || {}).flatMap(c => c.data.datasets.map(d => d.label))"""
-PER_TENANT_CHARTS = {"share": "{}", "queue": "{}", "admissions": "{}", "active": "{}", "tokens": "{} out",
-                     "gpu": "{}", "gap": "{} GPU s"}
+PER_TENANT_CHARTS = {
+    "share": "{}",
+    "queue": "{}",
+    "admissions": "{}",
+    "active": "{}",
+    "tokens": "{} out",
+    "gpu": "{}",
+    "gap": "{} GPU s",
+}
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install "
-                                                  "chromium; scripts/setup installs it)")
+@pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium; scripts/setup installs it)",
+)
 def test_the_dashboard_in_chromium(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -159,14 +189,19 @@ def test_the_dashboard_in_chromium(tmp_path):
             expect(page.locator("#status")).to_have_attribute("data-scope", "admin", timeout=20_000)
             for chart, label in PER_TENANT_CHARTS.items():
                 wanted = sorted(label.format(t) for t in TENANTS)
-                page.wait_for_function(f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); "
-                                       f"return l && wanted.every(w => l.includes(w)); }}", arg=wanted, timeout=30_000)
+                page.wait_for_function(
+                    f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); "
+                    f"return l && wanted.every(w => l.includes(w)); }}",
+                    arg=wanted,
+                    timeout=30_000,
+                )
             page.wait_for_function(f"() => ({LABELS_WITH_DATA})('slo').includes('emu TTFT p99')", timeout=30_000)
             page.wait_for_function(f"() => ({LABELS_WITH_DATA})('fairness').includes('emu Jain')", timeout=30_000)
             page.wait_for_function(f"() => ({LABELS_WITH_DATA})('busy').includes('emu-0')", timeout=30_000)
             # Wait for a few samples so the screenshot shows lines, not dots.
-            page.wait_for_function(f"() => window.fairgateCharts.gpu.data.datasets.every(d => d.data.length >= 3)",
-                                   timeout=30_000)
+            page.wait_for_function(
+                "() => window.fairgateCharts.gpu.data.datasets.every(d => d.data.length >= 3)", timeout=30_000
+            )
             expect(page.locator("#totals tbody tr")).to_have_count(3)
             expect(page.locator("#fairness")).to_be_visible()
             page.screenshot(path=str(folder / "dashboard_admin.png"), full_page=True)
@@ -182,8 +217,11 @@ def test_the_dashboard_in_chromium(tmp_path):
             page.click("#signin")
             expect(page.locator("#status")).to_have_attribute("data-scope", "tenant", timeout=20_000)
             for chart, label in PER_TENANT_CHARTS.items():
-                page.wait_for_function(f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); "
-                                       f"return l && l.includes(wanted); }}", arg=label.format("you"), timeout=30_000)
+                page.wait_for_function(
+                    f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); return l && l.includes(wanted); }}",
+                    arg=label.format("you"),
+                    timeout=30_000,
+                )
             labels = page.evaluate(ALL_LABELS)
             assert labels and all(label.startswith(("you", "emu", "target")) for label in labels), labels
             text = page.inner_text("body")

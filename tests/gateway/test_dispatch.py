@@ -16,8 +16,12 @@ COST = CostModel(9, 0.55, 0.06, 2)
 def build(policy: str = "gpu_fair", max_queued: int | None = None, params=None):  # type: ignore[no-untyped-def]
     upstreams = [Upstream("u0", "m", "http://x", 2, COST), Upstream("u1", "m", "http://y", 2, COST)]
     shares = {"a": TenantShare(), "b": TenantShare()}
-    dispatcher = Dispatcher(lambda: make_policy(PolicySpec(policy, params or {}), COST, shares), upstreams,
-                            lambda: time.monotonic() * 1000.0, lambda tenant: max_queued)
+    dispatcher = Dispatcher(
+        lambda: make_policy(PolicySpec(policy, params or {}), COST, shares),
+        upstreams,
+        lambda: time.monotonic() * 1000.0,
+        lambda tenant: max_queued,
+    )
     return dispatcher, upstreams
 
 

@@ -29,10 +29,19 @@ SECRET = "s" * 32
 BODY = {"model": "emu", "prompt": "x y", "max_tokens": 6, "ignore_eos": True}
 
 
-def post(url: str, key: str, request_id: str, body: dict | None = None,  # type: ignore[type-arg]
-         headers: dict | None = None) -> httpx.Response:  # type: ignore[type-arg]
-    return httpx.post(f"{url}/v1/completions", json=body or BODY, timeout=60,
-                      headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id, **(headers or {})})
+def post(
+    url: str,
+    key: str,
+    request_id: str,
+    body: dict | None = None,  # type: ignore[type-arg]
+    headers: dict | None = None,
+) -> httpx.Response:  # type: ignore[type-arg]
+    return httpx.post(
+        f"{url}/v1/completions",
+        json=body or BODY,
+        timeout=60,
+        headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id, **(headers or {})},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,32 +50,49 @@ def run(tmp_path_factory):  # type: ignore[no-untyped-def]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FAIRGATE_DELEGATION_SECRET", SECRET)
         with serve(create_app(EMULATOR)) as emulator:
-            path, keys = write_config(tmp, [emulator], defaults="max_queued = 1\n",
-                                      extra_quotas="[quotas.tenants.gamma.limits]\nrequests_per_minute = 60\n"
-                                                   "requests_burst = 1\n")
+            path, keys = write_config(
+                tmp,
+                [emulator],
+                defaults="max_queued = 1\n",
+                extra_quotas="[quotas.tenants.gamma.limits]\nrequests_per_minute = 60\nrequests_burst = 1\n",
+            )
             path.write_text(path.read_text() + '\n[delegation]\ndelegates = ["gamma"]\n')
             config = load_gateway_config(path)
             statuses: dict[str, int] = {}
             with serve(create_gateway(config)) as url:
-                reply = httpx.post(f"{url}/v1/completions", timeout=60, json={**BODY, "stream": True},
-                                   headers={"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "ok-1"})
+                reply = httpx.post(
+                    f"{url}/v1/completions",
+                    timeout=60,
+                    json={**BODY, "stream": True},
+                    headers={"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "ok-1"},
+                )
                 statuses["ok-1"] = reply.status_code
                 token = make_on_behalf_of(SECRET.encode(), "gamma", "beta", time.time() + 60)
-                statuses["deleg-1"] = post(url, keys["gamma"], "deleg-1",
-                                           headers={"X-Fairgate-On-Behalf-Of": token}).status_code
+                statuses["deleg-1"] = post(
+                    url, keys["gamma"], "deleg-1", headers={"X-Fairgate-On-Behalf-Of": token}
+                ).status_code
                 statuses["rate-1"] = post(url, keys["gamma"], "rate-1").status_code
                 limited = post(url, keys["gamma"], "rate-2")
                 statuses["rate-2"] = limited.status_code
                 statuses["nokey-1"] = post(url, "fg-wrong-key", "nokey-1").status_code
-                statuses["forbid-1"] = post(url, keys["alpha"], "forbid-1",
-                                            headers={"X-Fairgate-On-Behalf-Of": token}).status_code
+                statuses["forbid-1"] = post(
+                    url, keys["alpha"], "forbid-1", headers={"X-Fairgate-On-Behalf-Of": token}
+                ).status_code
 
                 async def flood() -> dict[str, int]:
                     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
                         body = {**BODY, "max_tokens": 60}
                         ids = [f"flood-{i}" for i in range(8)]
-                        replies = await asyncio.gather(*(http.post("/v1/completions", json=body, headers={
-                            "Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": i}) for i in ids))
+                        replies = await asyncio.gather(
+                            *(
+                                http.post(
+                                    "/v1/completions",
+                                    json=body,
+                                    headers={"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": i},
+                                )
+                                for i in ids
+                            )
+                        )
                     return {i: r.status_code for i, r in zip(ids, replies)}
 
                 statuses.update(asyncio.run(flood()))
@@ -175,8 +201,9 @@ def test_the_same_lines_go_to_the_gateway_logger(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="fairgate.gateway"):
         sink.observe(Admitted("r-1", "alpha", None, "m", "res-1", 3, 4, 5.5, 1_700_000_000.0))
         sink.observe(Charged("alpha", "m", 2.5, 1_700_000_000.5))
-        sink.observe(Finished("r-1", "alpha", "m", "u", "completed", 1.0, 2.0, None, 3, 4, 2.5, 5.5, 4,
-                              1_700_000_001.0))
+        sink.observe(
+            Finished("r-1", "alpha", "m", "u", "completed", 1.0, 2.0, None, 3, 4, 2.5, 5.5, 4, 1_700_000_001.0)
+        )
         sink.close()
     lines = (tmp_path / "events.jsonl").read_text().splitlines()
     logged = [r.getMessage() for r in caplog.records if r.name == "fairgate.gateway"]

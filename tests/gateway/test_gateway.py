@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from fairgate.ledger import Usage, connect, load_quotas
 from fairgate.gateway.config import load_gateway_config
+from fairgate.ledger import connect
 
 
 def client(stack, tenant: str = "alpha") -> openai.OpenAI:  # type: ignore[no-untyped-def]
@@ -26,8 +26,9 @@ async def reservations(stack):  # type: ignore[no-untyped-def]
 
 
 def test_chat_completion_is_served_and_settled(stack):
-    reply = client(stack).chat.completions.create(model="emu", messages=[{"role": "user", "content": "a b c"}],
-                                                  max_tokens=6, extra_body={"ignore_eos": True})
+    reply = client(stack).chat.completions.create(
+        model="emu", messages=[{"role": "user", "content": "a b c"}], max_tokens=6, extra_body={"ignore_eos": True}
+    )
     assert reply.choices[0].message.content == " t1 t2 t3 t4 t5 t6"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (6, 6)
     [r] = asyncio.run(reservations(stack))
@@ -37,9 +38,14 @@ def test_chat_completion_is_served_and_settled(stack):
 
 def test_streaming_with_usage_and_request_id(stack):
     raw = client(stack, "beta").chat.completions.with_raw_response.create(
-        model="emu", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": "my-req-1"})
+        model="emu",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "my-req-1"},
+    )
     assert raw.headers["x-request-id"] == "my-req-1"
     chunks = list(raw.parse())
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " t1 t2 t3 t4"
@@ -49,9 +55,13 @@ def test_streaming_with_usage_and_request_id(stack):
 
 
 def test_a_retry_with_the_same_request_id_is_not_charged_twice(stack):
-    make = lambda: client(stack).completions.create(  # noqa: E731
-        model="emu", prompt="x y", max_tokens=3, extra_body={"ignore_eos": True},
-        extra_headers={"Idempotency-Key": "same-1"})
+    make = lambda: client(stack).completions.create(
+        model="emu",
+        prompt="x y",
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
+        extra_headers={"Idempotency-Key": "same-1"},
+    )
     make()
     with pytest.raises(openai.ConflictError) as excinfo:
         make()
@@ -59,35 +69,50 @@ def test_a_retry_with_the_same_request_id_is_not_charged_twice(stack):
     assert len(asyncio.run(reservations(stack))) == 1
 
 
-@pytest.mark.parametrize("headers, status", [({}, 401), ({"Authorization": "Bearer nope"}, 401),
-                                              ({"Authorization": "Basic abc"}, 401)])
+@pytest.mark.parametrize(
+    "headers, status", [({}, 401), ({"Authorization": "Bearer nope"}, 401), ({"Authorization": "Basic abc"}, 401)]
+)
 def test_missing_or_bad_credentials(stack, headers, status):
-    reply = httpx.post(f"{stack.url}/v1/chat/completions", headers=headers, timeout=10,
-                       json={"model": "emu", "messages": [{"role": "user", "content": "x"}]})
+    reply = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        headers=headers,
+        timeout=10,
+        json={"model": "emu", "messages": [{"role": "user", "content": "x"}]},
+    )
     assert reply.status_code == status and reply.json()["error"]["type"] == "authentication_error"
 
 
 def test_a_forged_tenant_in_body_or_header_is_ignored(stack):
     key = stack.keys["gamma"]
-    reply = httpx.post(f"{stack.url}/v1/completions", timeout=10,
-                       headers={"Authorization": f"Bearer {key}", "X-Tenant": "alpha", "OpenAI-Organization": "alpha"},
-                       json={"model": "emu", "prompt": "x", "max_tokens": 2, "user": "alpha", "ignore_eos": True})
+    reply = httpx.post(
+        f"{stack.url}/v1/completions",
+        timeout=10,
+        headers={"Authorization": f"Bearer {key}", "X-Tenant": "alpha", "OpenAI-Organization": "alpha"},
+        json={"model": "emu", "prompt": "x", "max_tokens": 2, "user": "alpha", "ignore_eos": True},
+    )
     assert reply.status_code == 200
     assert [r.tenant for r in asyncio.run(reservations(stack))] == ["gamma"]
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (b"{not json", 400, None),
-    (b'{"model": "emu", "messages": "hi"}', 400, "messages"),
-    (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "max_tokens"),
-    (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
-    (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w " * 3000 + b'"}]}', 413, "messages"),
-    (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}', 400, "max_tokens"),
-    (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w" * 70000 + b'"}]}', 413, None),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        (b'{"model": "emu", "messages": "hi"}', 400, "messages"),
+        (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "max_tokens"),
+        (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+        (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w " * 3000 + b'"}]}', 413, "messages"),
+        (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}', 400, "max_tokens"),
+        (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w" * 70000 + b'"}]}', 413, None),
+    ],
+)
 def test_malformed_requests_are_4xx_and_reserve_nothing(stack, body, status, param):
-    reply = httpx.post(f"{stack.url}/v1/chat/completions", content=body, timeout=10,
-                       headers={"Authorization": f"Bearer {stack.keys['alpha']}", "Content-Type": "application/json"})
+    reply = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        content=body,
+        timeout=10,
+        headers={"Authorization": f"Bearer {stack.keys['alpha']}", "Content-Type": "application/json"},
+    )
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param
     assert asyncio.run(reservations(stack)) == []
@@ -97,8 +122,9 @@ def test_client_disconnect_bills_what_was_generated_and_frees_the_slot(stack):
     async def run() -> None:
         async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
             body = {"model": "emu", "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-            async with http.stream("POST", "/v1/completions", json=body,
-                                   headers={"Authorization": f"Bearer {stack.keys['alpha']}"}) as reply:
+            async with http.stream(
+                "POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {stack.keys['alpha']}"}
+            ) as reply:
                 seen = 0
                 async for line in reply.aiter_lines():
                     seen += line.startswith("data: ")
@@ -119,8 +145,9 @@ def test_concurrent_duplicates_of_one_request_id_run_once(stack):
         async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
             body = {"model": "emu", "prompt": "x", "max_tokens": 30, "ignore_eos": True}
             headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "Idempotency-Key": "dup-1"}
-            replies = await asyncio.gather(*(http.post("/v1/completions", json=body, headers=headers)
-                                             for _ in range(5)))
+            replies = await asyncio.gather(
+                *(http.post("/v1/completions", json=body, headers=headers) for _ in range(5))
+            )
         return sorted(r.status_code for r in replies)
 
     assert asyncio.run(run()) == [200, 409, 409, 409, 409]
@@ -128,47 +155,68 @@ def test_concurrent_duplicates_of_one_request_id_run_once(stack):
     assert (r.status, r.billed.output_tokens) == ("settled", 30)
 
 
-@pytest.mark.parametrize("body, param", [
-    (b'{"model": "emu", "prompt": "x", "temperature": NaN}', None),
-    (b'{"model": "emu", "prompt": "x", "temperature": 1e400}', "temperature"),
-    (b'{"model": "emu", "prompt": "\\ud800"}', "prompt"),
-    (b'{"model": "emu", "prompt": "x", "x": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", None),
-    (b'{"model": "emu", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
-    (b'{"model": "emu", "prompt": "x", "stream": "yes"}', "stream"),
-    (b'{"model": "", "prompt": "x"}', "model"),
-    # Found by a helper: 950 levels passed the parser, then the upstream call's re-encoding recursed (500).
-    (b'{"model": "emu", "prompt": "x", "stream": true, "junk": ' + b"[" * 950 + b"]" * 950 + b"}",
-     "junk" + ".0" * 64),
-    (b'{"model": "nope", "model": "emu", "prompt": "x"}', "model"),  # a key twice: which one was meant?
-    # Found by a helper: accepted silently before.
-    (b'{"model": "emu", "prompt": ["a b", "c d"]}', "prompt"),  # a batch would be one choice each
-    (b'{"model": "emu", "prompt": "x", "max_tokens": 4, "max_completion_tokens": 8}', "max_tokens"),
-    # OpenAI's sampling fields: the type and range vLLM would hold them to, named in the error.
-    (b'{"model": "emu", "prompt": "x", "temperature": "hot"}', "temperature"),
-    (b'{"model": "emu", "prompt": "x", "temperature": 2.5}', "temperature"),
-    (b'{"model": "emu", "prompt": "x", "top_p": -0.1}', "top_p"),
-    (b'{"model": "emu", "prompt": "x", "presence_penalty": "1"}', "presence_penalty"),
-    (b'{"model": "emu", "prompt": "x", "frequency_penalty": 3}', "frequency_penalty"),
-    (b'{"model": "emu", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
-    (b'{"model": "emu", "prompt": "x", "stop": 7}', "stop"),
-    (b'{"model": "emu", "prompt": "x", "logit_bias": {"50256": 101}}', "logit_bias.50256"),
-    (b'{"model": "emu", "prompt": "x", "logprobs": 9}', "logprobs"),
-    (b'{"model": "emu", "prompt": "x", "user": 12}', "user"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b'{"model": "emu", "prompt": "x", "temperature": NaN}', None),
+        (b'{"model": "emu", "prompt": "x", "temperature": 1e400}', "temperature"),
+        (b'{"model": "emu", "prompt": "\\ud800"}', "prompt"),
+        (b'{"model": "emu", "prompt": "x", "x": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", None),
+        (b'{"model": "emu", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
+        (b'{"model": "emu", "prompt": "x", "stream": "yes"}', "stream"),
+        (b'{"model": "", "prompt": "x"}', "model"),
+        # Found by a helper: 950 levels passed the parser, then the upstream call's re-encoding recursed (500).
+        (
+            b'{"model": "emu", "prompt": "x", "stream": true, "junk": ' + b"[" * 950 + b"]" * 950 + b"}",
+            "junk" + ".0" * 64,
+        ),
+        (b'{"model": "nope", "model": "emu", "prompt": "x"}', "model"),  # a key twice: which one was meant?
+        # Found by a helper: accepted silently before.
+        (b'{"model": "emu", "prompt": ["a b", "c d"]}', "prompt"),  # a batch would be one choice each
+        (b'{"model": "emu", "prompt": "x", "max_tokens": 4, "max_completion_tokens": 8}', "max_tokens"),
+        # OpenAI's sampling fields: the type and range vLLM would hold them to, named in the error.
+        (b'{"model": "emu", "prompt": "x", "temperature": "hot"}', "temperature"),
+        (b'{"model": "emu", "prompt": "x", "temperature": 2.5}', "temperature"),
+        (b'{"model": "emu", "prompt": "x", "top_p": -0.1}', "top_p"),
+        (b'{"model": "emu", "prompt": "x", "presence_penalty": "1"}', "presence_penalty"),
+        (b'{"model": "emu", "prompt": "x", "frequency_penalty": 3}', "frequency_penalty"),
+        (b'{"model": "emu", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
+        (b'{"model": "emu", "prompt": "x", "stop": 7}', "stop"),
+        (b'{"model": "emu", "prompt": "x", "logit_bias": {"50256": 101}}', "logit_bias.50256"),
+        (b'{"model": "emu", "prompt": "x", "logprobs": 9}', "logprobs"),
+        (b'{"model": "emu", "prompt": "x", "user": 12}', "user"),
+    ],
+)
 def test_unsendable_or_mistyped_bodies_are_400(stack, body, param):
-    reply = httpx.post(f"{stack.url}/v1/completions", content=body, timeout=30,
-                       headers={"Authorization": f"Bearer {stack.keys['alpha']}", "Content-Type": "application/json"})
+    reply = httpx.post(
+        f"{stack.url}/v1/completions",
+        content=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {stack.keys['alpha']}", "Content-Type": "application/json"},
+    )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
     assert asyncio.run(reservations(stack)) == []
 
 
 def test_well_formed_sampling_fields_are_served(stack):
-    body = {"model": "emu", "prompt": "x", "max_tokens": 3, "temperature": 0, "top_p": 0.9, "presence_penalty": -2,
-            "frequency_penalty": 1.5, "stop": ["\n", "END"], "logit_bias": {"50256": -100}, "logprobs": 2,
-            "user": "u-1", "seed": 7}
-    reply = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30,
-                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    body = {
+        "model": "emu",
+        "prompt": "x",
+        "max_tokens": 3,
+        "temperature": 0,
+        "top_p": 0.9,
+        "presence_penalty": -2,
+        "frequency_penalty": 1.5,
+        "stop": ["\n", "END"],
+        "logit_bias": {"50256": -100},
+        "logprobs": 2,
+        "user": "u-1",
+        "seed": 7,
+    }
+    reply = httpx.post(
+        f"{stack.url}/v1/completions", json=body, timeout=30, headers={"Authorization": f"Bearer {stack.keys['alpha']}"}
+    )
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 3
 
@@ -176,9 +224,12 @@ def test_well_formed_sampling_fields_are_served(stack):
 def test_unknown_route_and_double_credentials(stack):
     reply = httpx.get(f"{stack.url}/v1/embeddings", timeout=10)
     assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found"
-    reply = httpx.post(f"{stack.url}/v1/completions", json={"model": "emu", "prompt": "x"}, timeout=10,
-                       headers=[("Authorization", f"Bearer {stack.keys['alpha']}"),
-                                ("Authorization", f"Bearer {stack.keys['beta']}")])
+    reply = httpx.post(
+        f"{stack.url}/v1/completions",
+        json={"model": "emu", "prompt": "x"},
+        timeout=10,
+        headers=[("Authorization", f"Bearer {stack.keys['alpha']}"), ("Authorization", f"Bearer {stack.keys['beta']}")],
+    )
     assert reply.status_code == 400 and asyncio.run(reservations(stack)) == []
 
 
@@ -189,51 +240,82 @@ def test_text_without_spaces_is_not_admitted_as_one_token(stack):
 
     assert estimate_tokens("one two three") == 3 and estimate_tokens("x" * 800) == 100
     assert estimate_tokens("ü" * 40) == 10  # 80 bytes of UTF-8
-    reply = httpx.post(f"{stack.url}/v1/completions", json={"model": "emu", "prompt": "x" * 20_000}, timeout=30,
-                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    reply = httpx.post(
+        f"{stack.url}/v1/completions",
+        json={"model": "emu", "prompt": "x" * 20_000},
+        timeout=30,
+        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
+    )
     assert reply.status_code == 413, reply.text
-    assert reply.json()["error"]["code"] == "context_length_exceeded" and "2500 tokens" in reply.json()["error"]["message"]
+    assert (
+        reply.json()["error"]["code"] == "context_length_exceeded" and "2500 tokens" in reply.json()["error"]["message"]
+    )
     assert asyncio.run(reservations(stack)) == []
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"model": "emu", "messages": [{"role": "bogus", "content": "x"}]}, "messages.0.role", "'user'"),
-    ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs",
-     "needs logprobs"),
-    ({"model": "emu", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop",
-     "at most 4 stop sequences, got 5"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"model": "emu", "messages": [{"role": "bogus", "content": "x"}]}, "messages.0.role", "'user'"),
+        (
+            {"model": "emu", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+            "top_logprobs",
+            "needs logprobs",
+        ),
+        (
+            {"model": "emu", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5},
+            "stop",
+            "at most 4 stop sequences, got 5",
+        ),
+    ],
+)
 def test_chat_bodies_a_replica_would_refuse_are_400_naming_the_field(stack, body, param, words):
-    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30,
-                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    reply = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
+    )
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert asyncio.run(reservations(stack)) == []
 
 
-@pytest.mark.parametrize("headers, param", [
-    ([("X-Request-Id", "a"), ("X-Request-Id", "b")], "x-request-id"),
-    ([("X-Request-Id", "a"), ("Idempotency-Key", "b")], "x-request-id"),
-    ([("X-Request-Id", "")], "x-request-id"),
-    ([("Idempotency-Key", "caf\u00e9")], "idempotency-key"),
-    ([("X-Fairgate-Run-Id", "r1"), ("X-Fairgate-Run-Id", "r2")], "x-fairgate-run-id"),
-    ([("X-Fairgate-Run-Id", "r1"), ("X-Fairgate-Tool-Round", "0"), ("X-Fairgate-Tool-Round", "1")],
-     "x-fairgate-tool-round"),
-])
+@pytest.mark.parametrize(
+    "headers, param",
+    [
+        ([("X-Request-Id", "a"), ("X-Request-Id", "b")], "x-request-id"),
+        ([("X-Request-Id", "a"), ("Idempotency-Key", "b")], "x-request-id"),
+        ([("X-Request-Id", "")], "x-request-id"),
+        ([("Idempotency-Key", "caf\u00e9")], "idempotency-key"),
+        ([("X-Fairgate-Run-Id", "r1"), ("X-Fairgate-Run-Id", "r2")], "x-fairgate-run-id"),
+        (
+            [("X-Fairgate-Run-Id", "r1"), ("X-Fairgate-Tool-Round", "0"), ("X-Fairgate-Tool-Round", "1")],
+            "x-fairgate-tool-round",
+        ),
+    ],
+)
 def test_ambiguous_or_garbled_id_headers_are_400(stack, headers, param):
     """Found by a helper: the first of two X-Request-Id (or tool-round) headers won, an empty id was replaced
     by a fresh one, and bytes beyond ASCII were stored as Latin-1."""
     encoded = [(name.encode(), value.encode("latin-1")) for name, value in headers]
-    reply = httpx.post(f"{stack.url}/v1/completions", json={"model": "emu", "prompt": "x", "max_tokens": 2},
-                       timeout=30, headers=[(b"Authorization", f"Bearer {stack.keys['alpha']}".encode()), *encoded])
+    reply = httpx.post(
+        f"{stack.url}/v1/completions",
+        json={"model": "emu", "prompt": "x", "max_tokens": 2},
+        timeout=30,
+        headers=[(b"Authorization", f"Bearer {stack.keys['alpha']}".encode()), *encoded],
+    )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
     assert asyncio.run(reservations(stack)) == []
     # The same id in both headers is one id.
-    same = httpx.post(f"{stack.url}/v1/completions", json={"model": "emu", "prompt": "x", "max_tokens": 2},
-                      timeout=30, headers={"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": "k-1",
-                                           "Idempotency-Key": "k-1"})
+    same = httpx.post(
+        f"{stack.url}/v1/completions",
+        json={"model": "emu", "prompt": "x", "max_tokens": 2},
+        timeout=30,
+        headers={"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": "k-1", "Idempotency-Key": "k-1"},
+    )
     assert same.status_code in (200, 409) and same.headers["x-request-id"] == "k-1"
 
 
@@ -247,33 +329,56 @@ def test_prompt_text_outside_the_messages_content_counts_at_admission(stack, whe
     if where == "tool description":
         body["tools"] = [{"type": "function", "function": {"name": "f", "description": big}}]
     elif where == "tool call arguments":
-        messages += [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": big}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": big}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
     elif where == "message name":
         messages[0]["name"] = big
     else:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"description": big}}}
-    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30,
-                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    reply = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
+    )
     assert reply.status_code == 413 and reply.json()["error"]["code"] == "context_length_exceeded", reply.text
-    small = dict(body, messages=[{"role": "user", "content": "hi"}], tools=[
-        {"type": "function", "function": {"name": "f", "description": "adds two numbers"}}])
+    small = dict(
+        body,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[{"type": "function", "function": {"name": "f", "description": "adds two numbers"}}],
+    )
     small.pop("response_format", None)
-    ok = httpx.post(f"{stack.url}/v1/chat/completions", json=small, timeout=30,
-                    headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    ok = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json=small,
+        timeout=30,
+        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
+    )
     assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("prompt, tokens", [([11, 12, 13, 14], 4), ([[11, 12]], 2), (["one two three"], 3)])
 def test_completions_take_a_prompt_as_token_ids(stack, prompt, tokens):
     """As OpenAI's and vLLM's completions APIs do (a helper found them refused)."""
-    reply = httpx.post(f"{stack.url}/v1/completions", timeout=30,
-                       json={"model": "emu", "prompt": prompt, "max_tokens": 2, "ignore_eos": True},
-                       headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+    reply = httpx.post(
+        f"{stack.url}/v1/completions",
+        timeout=30,
+        json={"model": "emu", "prompt": prompt, "max_tokens": 2, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
+    )
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["prompt_tokens"] == tokens
     for bad in ([], [[11], [12]], [-1]):
-        refused = httpx.post(f"{stack.url}/v1/completions", timeout=30, json={"model": "emu", "prompt": bad},
-                             headers={"Authorization": f"Bearer {stack.keys['alpha']}"})
+        refused = httpx.post(
+            f"{stack.url}/v1/completions",
+            timeout=30,
+            json={"model": "emu", "prompt": bad},
+            headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
+        )
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text

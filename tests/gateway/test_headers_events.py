@@ -21,8 +21,12 @@ BODY = {"model": "emu", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
 
 
 def post(url: str, key: str, body: dict | None = None, headers: dict | None = None) -> httpx.Response:  # type: ignore[type-arg]
-    return httpx.post(f"{url}/v1/completions", json=body or BODY, timeout=30,
-                      headers={"Authorization": f"Bearer {key}", **(headers or {})})
+    return httpx.post(
+        f"{url}/v1/completions",
+        json=body or BODY,
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}", **(headers or {})},
+    )
 
 
 class Recorder:
@@ -33,8 +37,11 @@ class Recorder:
         self.events.append(event)
 
     def of(self, kind: type, request_id: str | None = None) -> list:  # type: ignore[type-arg]
-        return [e for e in self.events if isinstance(e, kind)
-                and (request_id is None or getattr(e, "request_id", None) == request_id)]
+        return [
+            e
+            for e in self.events
+            if isinstance(e, kind) and (request_id is None or getattr(e, "request_id", None) == request_id)
+        ]
 
 
 def test_remaining_and_reset_headers_count_down(tmp_path):
@@ -79,8 +86,12 @@ def test_agent_run_limits_apply_per_run_id(tmp_path):
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-fairgate-tool-round"
             assert post(url, keys["alpha"], headers={"x-fairgate-tool-round": "maybe"}).status_code == 400
     [rejected] = recorder.of(Rejected, "third")
-    assert (rejected.reason, rejected.dimension, rejected.tenant, rejected.status) == \
-        ("agent_run", "max_model_calls", "alpha", 429)
+    assert (rejected.reason, rejected.dimension, rejected.tenant, rejected.status) == (
+        "agent_run",
+        "max_model_calls",
+        "alpha",
+        429,
+    )
 
 
 def test_observers_see_each_request_from_admission_to_finish(tmp_path):
@@ -160,8 +171,7 @@ def test_a_request_sent_to_an_upstream_that_refuses_it_goes_to_another_one(tmp_p
 
             async def reservations() -> list[tuple[str, str, int]]:
                 async with await connect(config.ledger_url, config.quotas) as ledger:
-                    return sorted((r.request_id, r.status, r.billed.output_tokens)
-                                  for r in await ledger.reservations())
+                    return sorted((r.request_id, r.status, r.billed.output_tokens) for r in await ledger.reservations())
 
             billed = asyncio.run(reservations())
     assert [streamed.status_code, plain.status_code, later.status_code] == [200, 200, 200], streamed.text
@@ -197,8 +207,9 @@ def test_the_liveness_sweep_keeps_running_requests_and_expires_abandoned_ones(tm
 
             async def statuses() -> dict[str, str]:
                 async with await connect(config.ledger_url, config.quotas) as ledger:
-                    return {r.request_id: r.status for r in await ledger.reservations()} | \
-                        {"orphan-id": (await ledger.get(orphan)).status}
+                    return {r.request_id: r.status for r in await ledger.reservations()} | {
+                        "orphan-id": (await ledger.get(orphan)).status
+                    }
 
             found = asyncio.run(statuses())
     assert [s for r, s in found.items() if r not in ("orphan", "orphan-id")] == ["settled"]  # never expired

@@ -67,11 +67,13 @@ class Stack:
     config_path: Path
     upstream: Recorder
 
-    def post(self, tenant: str, path: str = "/v1/completions", headers: dict[str, str] | None = None,
-             **body: Any) -> httpx.Response:
+    def post(
+        self, tenant: str, path: str = "/v1/completions", headers: dict[str, str] | None = None, **body: Any
+    ) -> httpx.Response:
         auth = {"Authorization": f"Bearer {self.keys[tenant]}"} if tenant else {}
-        return httpx.post(f"{self.url}{path}", json={"model": "emu", **body}, headers={**auth, **(headers or {})},
-                          timeout=30)
+        return httpx.post(
+            f"{self.url}{path}", json={"model": "emu", **body}, headers={**auth, **(headers or {})}, timeout=30
+        )
 
 
 @pytest.fixture
@@ -94,6 +96,7 @@ def reservations(stack: Stack) -> list[Any]:
 
 # --- (a) the prefix cache: one salt per tenant, set by the gateway only ------------------------------
 
+
 def test_the_same_prompt_from_two_tenants_gets_each_tenant_its_own_cache_salt(stack: Stack) -> None:
     prompt = "the very same long shared system prompt " * 5
     for tenant in ("alpha", "beta", "alpha"):
@@ -105,15 +108,25 @@ def test_the_same_prompt_from_two_tenants_gets_each_tenant_its_own_cache_salt(st
     assert all(body["prompt"] == prompt for body in stack.upstream.bodies)
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "x y", "max_tokens": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x y"}], "max_tokens": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}),
-])
-def test_a_client_cannot_choose_its_cache_salt_or_name_a_tenant_upstream(stack: Stack, path: str,
-                                                                          body: dict[str, Any]) -> None:
-    forged = {"cache_salt": tenant_tag("beta"), "user": "beta", "priority": -100, "request_id": "beta-1",
-              "kv_transfer_params": {"x": 1}, **body}
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "x y", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x y"}], "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}),
+    ],
+)
+def test_a_client_cannot_choose_its_cache_salt_or_name_a_tenant_upstream(
+    stack: Stack, path: str, body: dict[str, Any]
+) -> None:
+    forged = {
+        "cache_salt": tenant_tag("beta"),
+        "user": "beta",
+        "priority": -100,
+        "request_id": "beta-1",
+        "kv_transfer_params": {"x": 1},
+        **body,
+    }
     reply = stack.post("alpha", path, **forged)
     assert reply.status_code == 200, reply.text
     [sent] = stack.upstream.bodies
@@ -127,22 +140,33 @@ def test_a_client_cannot_choose_its_cache_salt_or_name_a_tenant_upstream(stack: 
 
 # --- (b) an upstream that refuses requests without tenant context ------------------------------------
 
+
 def test_the_strict_emulator_refuses_a_request_without_cache_salt() -> None:
     with serve(create_app(STRICT_EMULATOR)) as emulator:
         for salt in ({}, {"cache_salt": ""}, {"cache_salt": "  "}, {"cache_salt": 5}, {"cache_salt": None}):
-            for path, body in (("/v1/completions", {"prompt": "x"}),
-                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
-                reply = httpx.post(f"{emulator}{path}", json={"model": "emu", "max_tokens": 2, **body, **salt},
-                                   timeout=10)
+            for path, body in (
+                ("/v1/completions", {"prompt": "x"}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+            ):
+                reply = httpx.post(
+                    f"{emulator}{path}", json={"model": "emu", "max_tokens": 2, **body, **salt}, timeout=10
+                )
                 assert reply.status_code == 400, (salt, reply.text)
                 assert reply.json()["error"]["param"] == "cache_salt"
                 assert reply.json()["error"]["code"] == "missing_tenant_context"
-        reply = httpx.post(f"{emulator}/v1/completions", timeout=10,
-                           json={"model": "emu", "prompt": "x", "max_tokens": 2, "cache_salt": "t"})
+        reply = httpx.post(
+            f"{emulator}/v1/completions",
+            timeout=10,
+            json={"model": "emu", "prompt": "x", "max_tokens": 2, "cache_salt": "t"},
+        )
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
     with serve(create_app(EMULATOR)) as lenient:  # the default stays as before
-        assert httpx.post(f"{lenient}/v1/completions", json={"model": "emu", "prompt": "x", "max_tokens": 1},
-                          timeout=10).status_code == 200
+        assert (
+            httpx.post(
+                f"{lenient}/v1/completions", json={"model": "emu", "prompt": "x", "max_tokens": 1}, timeout=10
+            ).status_code
+            == 200
+        )
 
 
 def test_every_gateway_call_passes_tenant_context_to_a_strict_upstream(stack: Stack) -> None:
@@ -159,12 +183,16 @@ def test_the_emulate_command_has_a_require_tenant_context_flag() -> None:
     with fairgate_process(["emulate", "--port", str(port), "--model", "emu", "--require-tenant-context"], port) as url:
         refused = httpx.post(f"{url}/v1/completions", json={"model": "emu", "prompt": "x", "max_tokens": 1}, timeout=10)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
-        served = httpx.post(f"{url}/v1/completions", timeout=10,
-                            json={"model": "emu", "prompt": "x", "max_tokens": 1, "cache_salt": "abc"})
+        served = httpx.post(
+            f"{url}/v1/completions",
+            timeout=10,
+            json={"model": "emu", "prompt": "x", "max_tokens": 1, "cache_salt": "abc"},
+        )
         assert served.status_code == 200
 
 
 # --- (c) the ledger and the dispatcher refuse work without a tenant -----------------------------------
+
 
 @pytest.mark.parametrize("tenant", ["", None, "\x00", "a\nb"])
 async def test_the_ledger_refuses_a_reservation_without_a_tenant(tmp_path: Path, tenant: Any) -> None:
@@ -192,9 +220,17 @@ class DownLedger:
 
 @pytest.mark.parametrize("tenant", ["", None, "public", "default"])
 async def test_an_outage_grants_no_emergency_budget_without_a_known_tenant(tmp_path: Path, tenant: Any) -> None:
-    quotas = quotas_from_dict({"tiers": {"default": {"on_ledger_unavailable": "emergency",
-                                                     "emergency": {"requests": 5, "tokens": 1000, "seconds": 60}}},
-                               "tenants": {"alpha": {}}})
+    quotas = quotas_from_dict(
+        {
+            "tiers": {
+                "default": {
+                    "on_ledger_unavailable": "emergency",
+                    "emergency": {"requests": 5, "tokens": 1000, "seconds": 60},
+                }
+            },
+            "tenants": {"alpha": {}},
+        }
+    )
     front = ResilientLedger(DownLedger(quotas), tmp_path / "journal.jsonl")  # type: ignore[arg-type]
     with pytest.raises(UnknownTenant):
         await front.reserve(tenant, "r-1", 1, 1)
@@ -223,13 +259,22 @@ def test_a_request_without_a_credential_reaches_neither_ledger_nor_upstream(stac
 
 # --- (d) shared state is keyed by tenant ------------------------------------------------------------
 
+
 def test_two_tenants_may_use_the_same_request_id(stack: Stack) -> None:
     async def both() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
-            return list(await asyncio.gather(*(
-                http.post("/v1/completions", json={"model": "emu", "prompt": "x", "max_tokens": n, "ignore_eos": True},
-                          headers={"Authorization": f"Bearer {stack.keys[t]}", "Idempotency-Key": "shared-id"})
-                for t, n in (("alpha", 20), ("beta", 7)))))
+            return list(
+                await asyncio.gather(
+                    *(
+                        http.post(
+                            "/v1/completions",
+                            json={"model": "emu", "prompt": "x", "max_tokens": n, "ignore_eos": True},
+                            headers={"Authorization": f"Bearer {stack.keys[t]}", "Idempotency-Key": "shared-id"},
+                        )
+                        for t, n in (("alpha", 20), ("beta", 7))
+                    )
+                )
+            )
 
     assert [r.status_code for r in asyncio.run(both())] == [200, 200]  # in flight at once: no 409 across tenants
     booked = {(r.tenant, r.request_id): (r.status, r.billed.output_tokens) for r in reservations(stack)}

@@ -23,6 +23,7 @@ SPEEDUP = 2.0
 MAX_REQUESTS = 1000
 BOUND_PP = 3.0
 
+
 # The replicas and the gateway run in processes of their own (as deployed), and the meter holds a request
 # sent during a running iteration out of the batch until the next iteration boundary (fairgate.core.meter):
 # without either, the prompt-heavy code tenant was billed 2-7 pp above the charge rule.
@@ -35,10 +36,14 @@ def workload():  # type: ignore[no-untyped-def]
 
 
 def _explain(result: TraceRun) -> str:
-    cells = ", ".join(f"{t} predicted {result.predicted[t] * 100:.1f} % realised {result.realised[t] * 100:.1f} %"
-                      for t in result.predicted)
-    return (f"{result.policy}: {cells}; started sim/live {result.admitted_sim} / {result.dispatched_live}; "
-            f"emulator lag {result.emulator_lag * 100:+.1f} %")
+    cells = ", ".join(
+        f"{t} predicted {result.predicted[t] * 100:.1f} % realised {result.realised[t] * 100:.1f} %"
+        for t in result.predicted
+    )
+    return (
+        f"{result.policy}: {cells}; started sim/live {result.admitted_sim} / {result.dispatched_live}; "
+        f"emulator lag {result.emulator_lag * 100:+.1f} %"
+    )
 
 
 def test_the_window_separates_the_policies(workload):  # type: ignore[no-untyped-def]

@@ -25,8 +25,7 @@ COST = CostModel(9.0, 0.55, 0.06, 24)
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
 def test_the_meter_bills_what_the_replica_spent():
     port = free_port()
-    with fairgate_process(["emulate", "--port", str(port), "--model", "emu", "--max-model-len", "32768"],
-                          port) as url:
+    with fairgate_process(["emulate", "--port", str(port), "--model", "emu", "--max-model-len", "32768"], port) as url:
         billed, truth, busy = asyncio.run(_drive(url))
     for kind in ("decode-heavy", "prompt-heavy"):
         assert billed[kind] == pytest.approx(truth[kind], rel=0.03), (kind, billed, truth)
@@ -43,22 +42,28 @@ async def _drive(url: str) -> tuple[dict[str, float], dict[str, float], float]:
     async def one(kind: str, index: int, prompt_tokens: int, output_tokens: int) -> None:
         async with slots:
             call = CallState(f"{kind}-{index}", kind, prompt_tokens)
-            body = {"model": "emu", "prompt": "w " * prompt_tokens, "max_tokens": output_tokens,
-                    "ignore_eos": True, "cache_salt": call.request_id}
+            body = {
+                "model": "emu",
+                "prompt": "w " * prompt_tokens,
+                "max_tokens": output_tokens,
+                "ignore_eos": True,
+                "cache_salt": call.request_id,
+            }
             async for _ in client.stream("/completions", body, call, 0.0):
                 pass
             calls.append((kind, call))
 
-    async def arrivals(kind: str, count: int, prompt: tuple[int, int], output: tuple[int, int],
-                       gap_s: float) -> None:
+    async def arrivals(kind: str, count: int, prompt: tuple[int, int], output: tuple[int, int], gap_s: float) -> None:
         tasks = []
         for index in range(count):
             tasks.append(asyncio.ensure_future(one(kind, index, rng.randint(*prompt), rng.randint(*output))))
             await asyncio.sleep(rng.expovariate(1 / gap_s))
         await asyncio.gather(*tasks)
 
-    await asyncio.gather(arrivals("decode-heavy", 30, (200, 800), (100, 400), 0.15),
-                         arrivals("prompt-heavy", 60, (1500, 5000), (5, 30), 0.08))
+    await asyncio.gather(
+        arrivals("decode-heavy", 30, (200, 800), (100, 400), 0.15),
+        arrivals("prompt-heavy", 60, (1500, 5000), (5, 30), 0.08),
+    )
     stats = httpx.get(f"{url}/emulator/stats", timeout=10).json()["charge_rule_ms_by_cache_salt"]
     await client.close()
     billed = {kind: sum(c.gpu_ms for k, c in calls if k == kind) for kind in ("decode-heavy", "prompt-heavy")}

@@ -33,8 +33,9 @@ GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "fairgate
 
 
 @contextmanager
-def admin_stack(tmp: Path, quotas: dict[str, str] | None = None, defaults: str = "",
-                extra: str = "") -> Iterator[Stack]:
+def admin_stack(
+    tmp: Path, quotas: dict[str, str] | None = None, defaults: str = "", extra: str = ""
+) -> Iterator[Stack]:
     """A gateway with an admin key (``ADMIN_KEY``) in front of one emulated replica; ``quotas``: tenant ->
     extra lines of its ``[quotas.tenants.<t>]`` table; ``extra``: more tables for the file's end."""
     with serve(create_app(EMULATOR)) as emulator:
@@ -58,8 +59,11 @@ def scrape(url: str, key: str = ADMIN_KEY) -> str:
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(table, name: str, **labels: str) -> float:  # type: ignore[no-untyped-def]
@@ -94,12 +98,24 @@ def test_metrics_count_a_known_sequence_exactly(tmp_path):
         gamma = openai.OpenAI(base_url=f"{url}/v1", api_key=stack.keys["gamma"], max_retries=0)
         usage = {"alpha": [0, 0], "beta": [0, 0], "gamma": [0, 0]}
         for _ in range(2):
-            reply = alpha.chat.completions.create(model="emu", messages=[{"role": "user", "content": "a b c"}],
-                                                  max_tokens=5, extra_body={"ignore_eos": True})
+            reply = alpha.chat.completions.create(
+                model="emu",
+                messages=[{"role": "user", "content": "a b c"}],
+                max_tokens=5,
+                extra_body={"ignore_eos": True},
+            )
             usage["alpha"][0] += reply.usage.prompt_tokens
             usage["alpha"][1] += reply.usage.completion_tokens
-        chunks = list(beta.completions.create(model="emu", prompt="x y", max_tokens=4, stream=True,
-                                              stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        chunks = list(
+            beta.completions.create(
+                model="emu",
+                prompt="x y",
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
         usage["beta"] = [chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens]
         reply = gamma.completions.create(model="emu", prompt="z", max_tokens=3, extra_body={"ignore_eos": True})
         usage["gamma"] = [reply.usage.prompt_tokens, reply.usage.completion_tokens]
@@ -107,15 +123,20 @@ def test_metrics_count_a_known_sequence_exactly(tmp_path):
             gamma.completions.create(model="emu", prompt="z", max_tokens=3)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="fg-nobody", max_retries=0).completions.create(
-                model="emu", prompt="z")
+                model="emu", prompt="z"
+            )
         with pytest.raises(openai.BadRequestError):
             alpha.completions.create(model="emu", prompt="z", max_tokens=-1)
         with pytest.raises(openai.NotFoundError):
             alpha.completions.create(model="no-such-model", prompt="z")
 
         tag = {t: tenant_tag(t) for t in TENANTS}
-        done = wait_for(lambda: value(samples(scrape(url)), "fairgate_requests_finished_total", tenant=tag["beta"],
-                                      outcome="completed") == 1)
+        done = wait_for(
+            lambda: (
+                value(samples(scrape(url)), "fairgate_requests_finished_total", tenant=tag["beta"], outcome="completed")
+                == 1
+            )
+        )
         assert done
         text = scrape(url)
         table = samples(text)
@@ -129,10 +150,16 @@ def test_metrics_count_a_known_sequence_exactly(tmp_path):
         assert value(table, "fairgate_admissions_total", tenant=tag["alpha"], model="emu") == 2
         assert value(table, "fairgate_admissions_total", tenant=tag["beta"], model="emu") == 1
         assert value(table, "fairgate_admissions_total", tenant=tag["gamma"], model="emu") == 1
-        rejections = {(dict(labels)["tenant"], dict(labels)["reason"]): v for (name, labels), v in table.items()
-                      if name == "fairgate_rejections_total"}
-        assert rejections == {(tag["gamma"], "rate"): 1, (UNAUTHENTICATED_LABEL, "auth"): 1,
-                              (tag["alpha"], "invalid"): 2}
+        rejections = {
+            (dict(labels)["tenant"], dict(labels)["reason"]): v
+            for (name, labels), v in table.items()
+            if name == "fairgate_rejections_total"
+        }
+        assert rejections == {
+            (tag["gamma"], "rate"): 1,
+            (UNAUTHENTICATED_LABEL, "auth"): 1,
+            (tag["alpha"], "invalid"): 2,
+        }
         for tenant in TENANTS:
             inputs, outputs = usage[tenant]
             assert value(table, "fairgate_input_tokens_total", tenant=tag[tenant]) == inputs
@@ -145,8 +172,8 @@ def test_metrics_count_a_known_sequence_exactly(tmp_path):
         assert value(table, "fairgate_reserved_output_tokens_total", tenant=tag["alpha"]) == 10
 
         # GPU seconds: what the ledger billed, and the reservations' estimates.
-        billed: dict[str, float] = {t: 0.0 for t in TENANTS}
-        estimated: dict[str, float] = {t: 0.0 for t in TENANTS}
+        billed: dict[str, float] = dict.fromkeys(TENANTS, 0.0)
+        estimated: dict[str, float] = dict.fromkeys(TENANTS, 0.0)
         for r in asyncio.run(ledger_reservations(stack)):
             billed[r.tenant] += r.billed.gpu_ms / 1000.0
             estimated[r.tenant] += r.gpu_ms_estimate / 1000.0
@@ -154,7 +181,8 @@ def test_metrics_count_a_known_sequence_exactly(tmp_path):
             settled = value(table, "fairgate_settled_gpu_seconds_total", tenant=tag[tenant])
             assert settled > 0 and settled == pytest.approx(billed[tenant], rel=1e-6, abs=1e-9)
             assert value(table, "fairgate_reserved_gpu_seconds_total", tenant=tag[tenant]) == pytest.approx(
-                estimated[tenant], rel=1e-9)
+                estimated[tenant], rel=1e-9
+            )
             # Charged to the policy: the prefill estimate, then metered time beyond it: at least what the meter
             # measured (the billed time).
             charged = value(table, "fairgate_gpu_seconds_total", tenant=tag[tenant], model="emu")
@@ -168,9 +196,11 @@ def test_metrics_count_a_known_sequence_exactly(tmp_path):
         shares = [value(table, "fairgate_gpu_share_ratio", tenant=tag[t], model="emu") for t in TENANTS]
         assert sum(shares) == pytest.approx(1.0)
         assert value(table, "fairgate_gpu_share_max_ratio", policy="gpu_fair", model="emu") == pytest.approx(
-            max(shares))
+            max(shares)
+        )
         assert value(table, "fairgate_gpu_share_min_ratio", policy="gpu_fair", model="emu") == pytest.approx(
-            min(shares))
+            min(shares)
+        )
         assert 1 / 3 <= value(table, "fairgate_jain_index", policy="gpu_fair", model="emu") <= 1.0
 
         # Every metric the Grafana dashboard queries is exposed.
@@ -196,8 +226,9 @@ def test_metrics_need_an_admin_key(tmp_path):
         assert httpx.get(f"{stack.url}/metrics", timeout=10).status_code == 401
         bad = httpx.get(f"{stack.url}/metrics", headers={"Authorization": "Bearer nope"}, timeout=10)
         assert bad.status_code == 401
-        tenant = httpx.get(f"{stack.url}/metrics", headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
-                           timeout=10)
+        tenant = httpx.get(
+            f"{stack.url}/metrics", headers={"Authorization": f"Bearer {stack.keys['alpha']}"}, timeout=10
+        )
         assert tenant.status_code == 403 and tenant.json()["error"]["code"] == "admin_only"
         text = scrape(stack.url)
         # Before any traffic: the configured tenants have their series at zero, under their hashes.
@@ -220,8 +251,9 @@ def test_two_gateways_in_one_process_have_their_own_registries(tmp_path):
     second = create_gateway(load_gateway_config(write_config(tmp_path / "b", ["http://127.0.0.1:9"])[0]))
     assert first.state.metrics_registry is not second.state.metrics_registry
     first.state.events.observe(Charged("alpha", "emu", 1500.0, time.time()))
-    get = lambda app: app.state.metrics_registry.get_sample_value(  # noqa: E731
-        "fairgate_gpu_seconds_total", {"tenant": tenant_tag("alpha"), "model": "emu"})
+    get = lambda app: app.state.metrics_registry.get_sample_value(
+        "fairgate_gpu_seconds_total", {"tenant": tenant_tag("alpha"), "model": "emu"}
+    )
     assert get(first) == 1.5 and get(second) is None
 
 
@@ -240,12 +272,15 @@ def test_the_observer_folds_tenants_over_the_cap_into_other():
     events = (stats, observer)
     for i in range(6):
         tenant = f"t{i}"
-        for event in (Admitted(f"r{i}", tenant, None, "emu", f"res{i}", 10, 5, 100.0, now[0]),
-                      Dispatched(f"r{i}", tenant, "emu", "u0", 2.0, now[0]),
-                      Charged(tenant, "emu", 100.0 * (i + 1), now[0]),
-                      Finished(f"r{i}", tenant, "emu", "u0", "completed", 2.0, 30.0, 5.0, 10, 5, 100.0 * (i + 1),
-                               100.0, 5, now[0]),
-                      Rejected(f"x{i}", tenant, "emu", "rate", 429, "slow down", now[0])):
+        for event in (
+            Admitted(f"r{i}", tenant, None, "emu", f"res{i}", 10, 5, 100.0, now[0]),
+            Dispatched(f"r{i}", tenant, "emu", "u0", 2.0, now[0]),
+            Charged(tenant, "emu", 100.0 * (i + 1), now[0]),
+            Finished(
+                f"r{i}", tenant, "emu", "u0", "completed", 2.0, 30.0, 5.0, 10, 5, 100.0 * (i + 1), 100.0, 5, now[0]
+            ),
+            Rejected(f"x{i}", tenant, "emu", "rate", 429, "slow down", now[0]),
+        ):
             for sink in events:
                 sink.observe(event)
     text = "\n".join(f"{s.name} {s.labels} {s.value}" for m in registry.collect() for s in m.samples)

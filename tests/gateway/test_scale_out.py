@@ -34,15 +34,22 @@ def test_the_queue_bound_holds_across_gateway_processes(tmp_path):
         path_two.write_text(text.replace(emulator_one, emulator_two))
         configs = [load_gateway_config(path_one), load_gateway_config(path_two)]
         assert configs[0].ledger_url == configs[1].ledger_url  # one shared ledger
-        with serve(create_gateway(configs[0], observers=[recorders[0]])) as one, \
-                serve(create_gateway(configs[1], observers=[recorders[1]])) as two:
+        with (
+            serve(create_gateway(configs[0], observers=[recorders[0]])) as one,
+            serve(create_gateway(configs[1], observers=[recorders[1]])) as two,
+        ):
 
             async def flood() -> list[int]:
                 body = {"model": "emu", "prompt": "x", "max_tokens": 80, "ignore_eos": True}
                 headers = {"Authorization": f"Bearer {keys['alpha']}"}
                 async with httpx.AsyncClient(timeout=60) as http:
-                    replies = await asyncio.gather(*(http.post(f"{url}/v1/completions", json=body, headers=headers)
-                                                     for url in (one, two) for _ in range(6)))
+                    replies = await asyncio.gather(
+                        *(
+                            http.post(f"{url}/v1/completions", json=body, headers=headers)
+                            for url in (one, two)
+                            for _ in range(6)
+                        )
+                    )
                 return [r.status_code for r in replies]
 
             codes = asyncio.run(flood())

@@ -20,8 +20,9 @@ QUOTAS = quotas_from_dict({"tiers": {"t": {}}, "tenants": {"a": {"tier": "t"}, "
 def dispatcher() -> Dispatcher:
     shares = {"a": TenantShare(), "b": TenantShare()}
     upstream = Upstream("emu-0", "emu", "http://127.0.0.1:1/v1", 24, COST)
-    return Dispatcher(lambda: make_policy(PolicySpec("gpu_fair"), COST, shares), [upstream], lambda: 0.0,
-                      lambda tenant: None)
+    return Dispatcher(
+        lambda: make_policy(PolicySpec("gpu_fair"), COST, shares), [upstream], lambda: 0.0, lambda tenant: None
+    )
 
 
 def counters(d: Dispatcher) -> dict[str, float]:
@@ -78,9 +79,11 @@ async def test_processes_sharing_a_replica_split_its_busy_time_instead_of_each_b
         for name in ("one", "two"):
             d = dispatcher()
             upstream = d.upstreams()[0]
-            client = UpstreamClient(upstream, lambda tenant, ms, tokens, batch, d=d: d.charge("emu", tenant, ms,
-                                                                                              tokens, batch),
-                                    clock=lambda: now[0])
+            client = UpstreamClient(
+                upstream,
+                lambda tenant, ms, tokens, batch, d=d: d.charge("emu", tenant, ms, tokens, batch),
+                clock=lambda: now[0],
+            )
             processes.append((d, client, ChargeSync(ledger, d, 0.25, {upstream.name: client}, process=name)))
         for index, (_, client, _) in enumerate(processes):
             for r in range(2):
@@ -96,7 +99,8 @@ async def test_processes_sharing_a_replica_split_its_busy_time_instead_of_each_b
         now[0] = 2.0
         for _, client, _ in processes:
             client.take_occupancy()  # meters up to now
-        assert [client.meter.charged_total_ms for _, client, _ in processes] == pytest.approx([1500.0, 1500.0],
-                                                                                              rel=0.01)
+        assert [client.meter.charged_total_ms for _, client, _ in processes] == pytest.approx(
+            [1500.0, 1500.0], rel=0.01
+        )
         for _, client, _ in processes:
             await client.close()

@@ -18,11 +18,23 @@ class Clock:
         return self.now
 
 
-def finished(tenant: str, time_s: float, *, gpu_ms: float = 10.0, estimate: float = 15.0, output: int = 4,
-             max_output: int = 8, ttft_ms: float | None = 20.0, tpot_ms: float | None = 5.0,
-             upstream: str = "u0", model: str = "m", outcome: str = "completed") -> Finished:
-    return Finished("r", tenant, model, upstream, outcome, 1.0, ttft_ms, tpot_ms, 3, output, gpu_ms, estimate,
-                    max_output, time_s)
+def finished(
+    tenant: str,
+    time_s: float,
+    *,
+    gpu_ms: float = 10.0,
+    estimate: float = 15.0,
+    output: int = 4,
+    max_output: int = 8,
+    ttft_ms: float | None = 20.0,
+    tpot_ms: float | None = 5.0,
+    upstream: str = "u0",
+    model: str = "m",
+    outcome: str = "completed",
+) -> Finished:
+    return Finished(
+        "r", tenant, model, upstream, outcome, 1.0, ttft_ms, tpot_ms, 3, output, gpu_ms, estimate, max_output, time_s
+    )
 
 
 def test_shares_max_min_and_jain_over_the_window():
@@ -117,8 +129,9 @@ def test_busy_fraction_and_iterations_from_the_probe():
     running = {"a": 0}
 
     def probe() -> Probe:
-        return Probe(running=dict(running), queued={"b": 2},
-                     upstreams=[UpstreamProbe("u0", "m", running["a"], 4, busy["u0"])])
+        return Probe(
+            running=dict(running), queued={"b": 2}, upstreams=[UpstreamProbe("u0", "m", running["a"], 4, busy["u0"])]
+        )
 
     stats = Stats(probe, clock=clock, sample_every_s=2.0)
     stats.tick()  # the first sample: the busy reference

@@ -30,8 +30,9 @@ ADMIN_KEY = f"fg-test-admin-{'y' * 24}"
 SECRET_ENV = "FAIRGATE_TEST_USAGE_API_SECRET"
 SECRET = "usage-api-test-secret-0123456789"
 # beta: 2 requests per minute (burst 2) and at most 100 tokens per request, to force 429s of known reasons.
-BETA_LIMITS = ("[quotas.tenants.beta.limits]\nrequests_per_minute = 2\nrequests_burst = 2\n"
-               "max_tokens_per_request = 100\n")
+BETA_LIMITS = (
+    "[quotas.tenants.beta.limits]\nrequests_per_minute = 2\nrequests_burst = 2\nmax_tokens_per_request = 100\n"
+)
 ADMIN_PATHS = ("/admin/tenants", "/admin/usage", "/admin/reservations", "/admin/frozen", "/admin/reconcile")
 
 
@@ -45,10 +46,16 @@ class Stack:
     def headers(self, tenant: str, **extra: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {ADMIN_KEY if tenant == 'admin' else self.keys[tenant]}", **extra}
 
-    def get(self, path: str, tenant: str = "alpha", headers: dict[str, str] | None = None,
-            params: dict[str, str] | None = None) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", headers={**self.headers(tenant), **(headers or {})}, params=params,
-                         timeout=20)
+    def get(
+        self,
+        path: str,
+        tenant: str = "alpha",
+        headers: dict[str, str] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        return httpx.get(
+            f"{self.url}{path}", headers={**self.headers(tenant), **(headers or {})}, params=params, timeout=20
+        )
 
     def complete(self, tenant: str, max_tokens: int, prompt: str = "a b c", **extra: object) -> httpx.Response:
         body = {"model": "emu", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
@@ -60,8 +67,10 @@ def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
     monkeypatch.setenv(SECRET_ENV, SECRET)
     with serve(create_app(EMULATOR)) as emulator:
         path, keys = write_config(tmp_path, [emulator], extra_quotas=BETA_LIMITS)
-        path.write_text(path.read_text() + f'\n[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n'
-                        f'[delegation]\nsecret_env = "{SECRET_ENV}"\ndelegates = ["gamma"]\n')
+        path.write_text(
+            path.read_text() + f'\n[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n'
+            f'[delegation]\nsecret_env = "{SECRET_ENV}"\ndelegates = ["gamma"]\n'
+        )
         config = load_gateway_config(path)
         with serve(create_gateway(config)) as gateway:
             yield Stack(gateway, keys, config.ledger_url, path)
@@ -82,8 +91,10 @@ def raw_get(url: str, target: str, authorization: str) -> tuple[int, str]:
     """GET ``target`` sent byte for byte (no client-side path normalisation); (status, body)."""
     parts = urlsplit(url)
     with socket.create_connection((parts.hostname, parts.port), timeout=20) as sock:
-        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: {authorization}\r\n"
-                     "Connection: close\r\n\r\n".encode("latin-1"))
+        sock.sendall(
+            f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: {authorization}\r\n"
+            "Connection: close\r\n\r\n".encode("latin-1")
+        )
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
@@ -92,6 +103,7 @@ def raw_get(url: str, target: str, authorization: str) -> tuple[int, str]:
 
 
 # --- the tenant's own usage ------------------------------------------------------------------------
+
 
 def test_own_usage_is_exact_and_excludes_other_tenants(stack: Stack) -> None:
     for _ in range(3):
@@ -118,11 +130,22 @@ def test_rejections_are_counted_by_reason_for_the_rejected_tenant_only(stack: St
     over = stack.complete("beta", 200)  # 3 + 200 tokens > max_tokens_per_request 100
     assert over.status_code == 429 and over.json()["error"]["code"] == "insufficient_quota"
     assert [stack.complete("beta", 5).status_code for _ in range(3)] == [200, 200, 429]  # burst of 2 requests
-    bad = httpx.post(f"{stack.url}/v1/completions", headers=stack.headers("beta"), timeout=10,
-                     json={"model": "emu", "prompt": "x", "max_tokens": "5"})
+    bad = httpx.post(
+        f"{stack.url}/v1/completions",
+        headers=stack.headers("beta"),
+        timeout=10,
+        json={"model": "emu", "prompt": "x", "max_tokens": "5"},
+    )
     assert bad.status_code == 400
-    assert httpx.post(f"{stack.url}/v1/completions", headers={"Authorization": "Bearer fg-nobody"}, timeout=10,
-                      json={"model": "emu", "prompt": "x"}).status_code == 401
+    assert (
+        httpx.post(
+            f"{stack.url}/v1/completions",
+            headers={"Authorization": "Bearer fg-nobody"},
+            timeout=10,
+            json={"model": "emu", "prompt": "x"},
+        ).status_code
+        == 401
+    )
     usage = stack.get("/v1/usage?window=60", "beta").json()
     assert (usage["requests"], usage["output_tokens"]) == (2, 10)  # rejected requests reserve nothing
     expected = {**dict.fromkeys(REJECT_REASONS, 0), "tokens": 1, "rate": 1, "invalid": 1}
@@ -144,8 +167,27 @@ def test_open_reservations_are_counted(stack: Stack) -> None:
     assert stack.get("/v1/usage").json()["open_reservations"] == 0
 
 
-@pytest.mark.parametrize("window", ["-1", "0", "abc", "1e3", "3600.5", "+60", " 60", "60 ", "0x10", "inf", "NaN",
-                                    "", "１２", "99999999999999999999", str(WINDOW_MAX_S + 1), "3_600"])
+@pytest.mark.parametrize(
+    "window",
+    [
+        "-1",
+        "0",
+        "abc",
+        "1e3",
+        "3600.5",
+        "+60",
+        " 60",
+        "60 ",
+        "0x10",
+        "inf",
+        "NaN",
+        "",
+        "１２",
+        "99999999999999999999",
+        str(WINDOW_MAX_S + 1),
+        "3_600",
+    ],
+)
 def test_a_bad_window_is_400_naming_window(stack: Stack, window: str) -> None:
     for path, tenant in (("/v1/usage", "alpha"), ("/admin/usage", "admin")):
         reply = stack.get(path, tenant, params={"window": window})
@@ -166,10 +208,15 @@ def test_window_edges_repeats_and_unknown_parameters(stack: Stack) -> None:
 
 # --- nobody reads another tenant's data --------------------------------------------------------------
 
+
 def test_a_tenant_parameter_or_header_naming_another_tenant_is_refused(stack: Stack) -> None:
     assert stack.complete("beta", 9).status_code == 200
-    refusals = [stack.get("/v1/usage?tenant=beta"), stack.get("/v1/usage?tenant=nobody-at-all"),
-                stack.get("/v1/usage?tenant="), stack.get("/v1/usage?tenant=alpha&tenant=beta")]
+    refusals = [
+        stack.get("/v1/usage?tenant=beta"),
+        stack.get("/v1/usage?tenant=nobody-at-all"),
+        stack.get("/v1/usage?tenant="),
+        stack.get("/v1/usage?tenant=alpha&tenant=beta"),
+    ]
     for header in ("X-Tenant", "X-Tenant-Id", "X-Fairgate-Tenant", "x-tenant"):
         refusals.append(stack.get("/v1/usage", headers={header: "beta"}))
     for reply in refusals[:2] + refusals[4:]:
@@ -182,10 +229,18 @@ def test_a_tenant_parameter_or_header_naming_another_tenant_is_refused(stack: St
     assert all("beta" not in r.text or r.json()["error"]["param"] for r in refusals)
     assert all('"output_tokens"' not in r.text for r in refusals)
     # Naming oneself is fine; a body, the user field or other headers change nothing.
-    mine = [stack.get("/v1/usage?tenant=alpha"), stack.get("/v1/usage", headers={"X-Tenant": "alpha"}),
-            stack.get("/v1/usage", headers={"OpenAI-Organization": "beta", "X-User": "beta"}),
-            httpx.request("GET", f"{stack.url}/v1/usage", headers=stack.headers("alpha"), timeout=10,
-                          json={"user": "beta", "tenant": "beta"})]
+    mine = [
+        stack.get("/v1/usage?tenant=alpha"),
+        stack.get("/v1/usage", headers={"X-Tenant": "alpha"}),
+        stack.get("/v1/usage", headers={"OpenAI-Organization": "beta", "X-User": "beta"}),
+        httpx.request(
+            "GET",
+            f"{stack.url}/v1/usage",
+            headers=stack.headers("alpha"),
+            timeout=10,
+            json={"user": "beta", "tenant": "beta"},
+        ),
+    ]
     for reply in mine:
         assert reply.status_code == 200, reply.text
         assert (reply.json()["tenant"], reply.json()["output_tokens"]) == ("alpha", 0)
@@ -212,13 +267,31 @@ def test_admin_endpoints_refuse_tenant_keys_and_missing_keys(stack: Stack, path:
     assert stack.get("/v1/usage", "admin").status_code == 401
 
 
-@pytest.mark.parametrize("target", [
-    "/admin/../v1/usage?tenant=beta", "/v1/usage/../../admin/usage", "/admin/%2e%2e/v1/usage?tenant=beta",
-    "/v1/usage/..%2f..%2fadmin/usage", "/V1/USAGE?tenant=beta", "/ADMIN/USAGE", "/Admin/Reservations?status=all",
-    "//admin/usage", "/admin/usage/", "/admin//usage", "/v1//usage?tenant=beta", "/v1/usage/?tenant=beta",
-    "/v1/usage%3Ftenant=beta", "/v1/usage;tenant=beta", "/admin/usage%00", "/v1/usage?tenant=%62eta",
-    "/v1/usage?TENANT=beta", "/v1/usage?tenant[]=beta", "/admin/reservations/../usage", "/%61dmin/usage",
-])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/admin/../v1/usage?tenant=beta",
+        "/v1/usage/../../admin/usage",
+        "/admin/%2e%2e/v1/usage?tenant=beta",
+        "/v1/usage/..%2f..%2fadmin/usage",
+        "/V1/USAGE?tenant=beta",
+        "/ADMIN/USAGE",
+        "/Admin/Reservations?status=all",
+        "//admin/usage",
+        "/admin/usage/",
+        "/admin//usage",
+        "/v1//usage?tenant=beta",
+        "/v1/usage/?tenant=beta",
+        "/v1/usage%3Ftenant=beta",
+        "/v1/usage;tenant=beta",
+        "/admin/usage%00",
+        "/v1/usage?tenant=%62eta",
+        "/v1/usage?TENANT=beta",
+        "/v1/usage?tenant[]=beta",
+        "/admin/reservations/../usage",
+        "/%61dmin/usage",
+    ],
+)
 def test_path_tricks_with_a_tenant_key_reveal_nothing(stack: Stack, target: str) -> None:
     assert stack.complete("beta", 13, prompt="secret words here").status_code == 200
     status, body = raw_get(stack.url, target, f"Bearer {stack.keys['alpha']}")
@@ -230,6 +303,7 @@ def test_path_tricks_with_a_tenant_key_reveal_nothing(stack: Stack, target: str)
 
 
 # --- delegates --------------------------------------------------------------------------------------
+
 
 def test_a_delegate_reads_the_usage_of_the_tenant_it_acts_for(stack: Stack) -> None:
     assert stack.complete("alpha", 5).status_code == 200
@@ -253,17 +327,24 @@ def test_a_delegate_reads_the_usage_of_the_tenant_it_acts_for(stack: Stack) -> N
 
 # --- the operator's views ---------------------------------------------------------------------------
 
+
 def test_admin_tenants_and_frozen(stack: Stack) -> None:
     ledger_call(stack, lambda ledger: ledger.freeze("beta", "review: metered difference"))
     tenants = stack.get("/admin/tenants", "admin").json()["data"]
     assert [t["tenant"] for t in tenants] == ["alpha", "beta", "gamma"]
     beta = tenants[1]
-    assert (beta["tier"], beta["weight"], beta["priority"], beta["keys"], beta["frozen"]) == \
-        ("free", 1.0, "interactive", 1, True)
+    assert (beta["tier"], beta["weight"], beta["priority"], beta["keys"], beta["frozen"]) == (
+        "free",
+        1.0,
+        "interactive",
+        1,
+        True,
+    )
     assert beta["frozen_reason"] == "review: metered difference"
     assert [t["delegate"] for t in tenants] == [False, False, True] and not tenants[0]["frozen"]
-    assert stack.get("/admin/frozen", "admin").json()["data"] == [{"tenant": "beta",
-                                                                   "reason": "review: metered difference"}]
+    assert stack.get("/admin/frozen", "admin").json()["data"] == [
+        {"tenant": "beta", "reason": "review: metered difference"}
+    ]
     assert stack.get("/admin/frozen?tenant=beta", "admin").status_code == 400
 
 
@@ -289,10 +370,15 @@ def test_admin_reservations_filter_and_page(stack: Stack) -> None:
     page = stack.get("/admin/reservations?status=all&limit=2&offset=1", "admin").json()
     assert [r["billed"]["output_tokens"] for r in page["data"]] == [3, 4]
     assert (page["total"], page["has_more"], page["offset"]) == (5, True, 1)
-    for query, param, status in (("?status=bogus", "status", 400), ("?limit=0", "limit", 400),
-                                 ("?limit=1001", "limit", 400), ("?limit=-1", "limit", 400),
-                                 ("?offset=x", "offset", 400), ("?tenant=nobody", "tenant", 404),
-                                 ("?window=5", "window", 400)):
+    for query, param, status in (
+        ("?status=bogus", "status", 400),
+        ("?limit=0", "limit", 400),
+        ("?limit=1001", "limit", 400),
+        ("?limit=-1", "limit", 400),
+        ("?offset=x", "offset", 400),
+        ("?tenant=nobody", "tenant", 404),
+        ("?window=5", "window", 400),
+    ):
         reply = stack.get(f"/admin/reservations{query}", "admin")
         assert reply.status_code == status and reply.json()["error"]["param"] == param, (query, reply.text)
 
@@ -304,9 +390,10 @@ def test_admin_reconcile_is_a_dry_run_reused_for_a_while(stack: Stack, tmp_path:
     assert [(t["tenant"], t["events"]["output_tokens"]) for t in first["tenants"]] == [("alpha", 3)]
     assert stack.get("/admin/reconcile", "admin").json()["generated_at_s"] == first["generated_at_s"]
     # Make the event log disagree with the reservations: a refreshed report shows it, and freezes nobody.
-    with sqlite3.connect(stack.ledger_url[len("sqlite:///"):]) as db:
-        db.execute("UPDATE fg_events SET output_tokens = output_tokens + 1 "
-                   "WHERE seq = (SELECT MAX(seq) FROM fg_events)")
+    with sqlite3.connect(stack.ledger_url[len("sqlite:///") :]) as db:
+        db.execute(
+            "UPDATE fg_events SET output_tokens = output_tokens + 1 WHERE seq = (SELECT MAX(seq) FROM fg_events)"
+        )
     stale = stack.get("/admin/reconcile", "admin").json()
     assert stale["clean"] and stale["generated_at_s"] == first["generated_at_s"]
     fresh = stack.get("/admin/reconcile?refresh=true", "admin").json()
@@ -317,6 +404,7 @@ def test_admin_reconcile_is_a_dry_run_reused_for_a_while(stack: Stack, tmp_path:
 
 
 # --- the rejection counter, on its own --------------------------------------------------------------
+
 
 class Clock:
     def __init__(self, now_s: float) -> None:

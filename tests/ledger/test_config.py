@@ -24,22 +24,27 @@ def test_example_loads_with_overrides_per_tenant_and_model_class():
     assert acme.limits.burst("output_tokens") == 32000 and quotas.tenant("sandbox").limits.burst("requests") == 5
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"defaults": {"requests_per_minute": -5}}, "defaults.requests_per_minute: Input should be greater than 0"),
-    ({"defaults": {"max_concurent": 3}}, "defaults.max_concurent: unknown key"),
-    ({"defaults": {"max_concurrent": "many"}}, "defaults.max_concurrent"),
-    ({"defaults": {"requests_burst": 0.5, "requests_per_minute": 10}}, "defaults.requests_burst"),
-    ({"defaults": {"output_tokens_per_minute": 1000, "output_tokens_burst": 500, "max_tokens_per_request": 800}},
-     "defaults.output_tokens_burst: 500 is below max_tokens_per_request (800)"),
-    ({"tenants": {"a": {"tier": "gold"}}}, "unknown tier 'gold'"),
-    ({"tenants": {"b\u202ex": {}}}, "the name contains a control character"),  # right-to-left override
-    ({"tenants": {"b\u0085x": {}}}, "the name contains a control character"),  # C1 (NEL)
-    ({"tenants": {"a": {"weight": 0}}}, "tenants.a.weight"),
-    ({"tenants": {"a": {"limits": {"gpu_seconds": -1}}}}, "tenants.a.limits.gpu_seconds"),
-    ({"tenants": {"a": {"model_class": {"big": {"colour": 1}}}}}, "tenants.a.model_class.big.colour: unknown key"),
-    ({"tiers": {"paid": {"on_ledger_unavailable": "emergency"}}}, "needs an emergency"),
-    ({"tiers": {"paid": {"on_ledger_unavailable": "fail_open"}}}, "tiers.paid.on_ledger_unavailable"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"defaults": {"requests_per_minute": -5}}, "defaults.requests_per_minute: Input should be greater than 0"),
+        ({"defaults": {"max_concurent": 3}}, "defaults.max_concurent: unknown key"),
+        ({"defaults": {"max_concurrent": "many"}}, "defaults.max_concurrent"),
+        ({"defaults": {"requests_burst": 0.5, "requests_per_minute": 10}}, "defaults.requests_burst"),
+        (
+            {"defaults": {"output_tokens_per_minute": 1000, "output_tokens_burst": 500, "max_tokens_per_request": 800}},
+            "defaults.output_tokens_burst: 500 is below max_tokens_per_request (800)",
+        ),
+        ({"tenants": {"a": {"tier": "gold"}}}, "unknown tier 'gold'"),
+        ({"tenants": {"b\u202ex": {}}}, "the name contains a control character"),  # right-to-left override
+        ({"tenants": {"b\u0085x": {}}}, "the name contains a control character"),  # C1 (NEL)
+        ({"tenants": {"a": {"weight": 0}}}, "tenants.a.weight"),
+        ({"tenants": {"a": {"limits": {"gpu_seconds": -1}}}}, "tenants.a.limits.gpu_seconds"),
+        ({"tenants": {"a": {"model_class": {"big": {"colour": 1}}}}}, "tenants.a.model_class.big.colour: unknown key"),
+        ({"tiers": {"paid": {"on_ledger_unavailable": "emergency"}}}, "needs an emergency"),
+        ({"tiers": {"paid": {"on_ledger_unavailable": "fail_open"}}}, "tiers.paid.on_ledger_unavailable"),
+    ],
+)
 def test_bad_config_names_the_key(data, message):
     with pytest.raises(QuotaConfigError, match="^q.toml: ") as excinfo:
         quotas_from_dict(data, "q.toml")

@@ -19,11 +19,20 @@ from fairgate.ledger import (
 
 QUOTAS = {
     "defaults": {
-        "requests_per_minute": 60, "requests_burst": 5,
-        "input_tokens_per_minute": 6000, "input_tokens_burst": 3000,
-        "output_tokens_per_minute": 6000, "output_tokens_burst": 2000,
-        "max_concurrent": 3, "gpu_seconds": 10, "gpu_window_s": 3600, "gpu_seconds_total": 25,
-        "max_model_calls": 3, "max_tool_rounds": 1, "max_tokens": 2500, "reservation_ttl_s": 60,
+        "requests_per_minute": 60,
+        "requests_burst": 5,
+        "input_tokens_per_minute": 6000,
+        "input_tokens_burst": 3000,
+        "output_tokens_per_minute": 6000,
+        "output_tokens_burst": 2000,
+        "max_concurrent": 3,
+        "gpu_seconds": 10,
+        "gpu_window_s": 3600,
+        "gpu_seconds_total": 25,
+        "max_model_calls": 3,
+        "max_tool_rounds": 1,
+        "max_tokens": 2500,
+        "reservation_ttl_s": 60,
     },
     "tenants": {"a": {}, "b": {}, "big": {"model_class": {"large": {"max_concurrent": 1}}}},
 }
@@ -73,8 +82,9 @@ async def test_same_request_id_other_arguments_conflicts(open_ledger, clock):
 
 async def test_concurrent_reserves_on_one_balance_never_overshoot(open_ledger, clock):
     ledger = await open_ledger(QUOTAS, clock)
-    results = await asyncio.gather(*(ledger.reserve("a", f"c{i}", 1, 1, 0.0) for i in range(20)),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        *(ledger.reserve("a", f"c{i}", 1, 1, 0.0) for i in range(20)), return_exceptions=True
+    )
     admitted = [r for r in results if not isinstance(r, Exception)]
     rejected = [r for r in results if isinstance(r, QuotaExceeded)]
     assert len(admitted) == 3 and len(rejected) == 17
@@ -151,14 +161,17 @@ async def test_cancel_bills_what_was_consumed_and_frees_the_slot(open_ledger, cl
     assert usage.by_status == {"cancelled": 3, "open": 3}
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda L, rid: L.settle(rid, 10, 101, 1.0), "above the reservation"),
-    (lambda L, rid: L.settle(rid, -1, 1, 1.0), "input_tokens"),
-    (lambda L, rid: L.settle(rid, 1.5, 1, 1.0), "input_tokens"),
-    (lambda L, rid: L.settle(rid, 1, 1, -3.0), "gpu_ms"),
-    (lambda L, rid: L.settle(rid, 1, 1, float("nan")), "gpu_ms"),
-    (lambda L, rid: L.cancel(rid, Usage(1, -2, 0.0)), "output_tokens"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda L, rid: L.settle(rid, 10, 101, 1.0), "above the reservation"),
+        (lambda L, rid: L.settle(rid, -1, 1, 1.0), "input_tokens"),
+        (lambda L, rid: L.settle(rid, 1.5, 1, 1.0), "input_tokens"),
+        (lambda L, rid: L.settle(rid, 1, 1, -3.0), "gpu_ms"),
+        (lambda L, rid: L.settle(rid, 1, 1, float("nan")), "gpu_ms"),
+        (lambda L, rid: L.cancel(rid, Usage(1, -2, 0.0)), "output_tokens"),
+    ],
+)
 async def test_bad_amounts_change_nothing(open_ledger, clock, call, match):
     ledger = await open_ledger(QUOTAS, clock)
     r = await ledger.reserve("a", "r", 10, 100, 1.0)
@@ -168,10 +181,15 @@ async def test_bad_amounts_change_nothing(open_ledger, clock, call, match):
     assert len(await ledger.events()) == 1
 
 
-@pytest.mark.parametrize("args, match", [
-    ((-1, 10, 1.0), "input_tokens"), ((1, "10", 1.0), "output_tokens"), ((1, 10, -1.0), "gpu_ms"),
-    ((True, 10, 1.0), "input_tokens"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((-1, 10, 1.0), "input_tokens"),
+        ((1, "10", 1.0), "output_tokens"),
+        ((1, 10, -1.0), "gpu_ms"),
+        ((True, 10, 1.0), "input_tokens"),
+    ],
+)
 async def test_bad_reserve_changes_nothing(open_ledger, clock, args, match):
     ledger = await open_ledger(QUOTAS, clock)
     with pytest.raises(InvalidUsage, match=match):
@@ -304,25 +322,35 @@ async def test_usage_is_per_tenant_and_matches_the_event_log(open_ledger, clock)
 def _const(value: bool):  # type: ignore[no-untyped-def]
     async def answer() -> bool:
         return value
+
     return answer()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"input_tokens": 10_000_001}, "input_tokens"),
-    ({"max_output_tokens": 2**63}, "output_tokens"),
-    ({"gpu_ms_estimate": 1.7e308}, "gpu_ms"),
-    ({"model_class": None}, "model_class"),
-    ({"model_class": 7}, "model_class"),
-    ({"model_class": "a\x00b"}, "model_class"),
-    ({"model_class": "x" * 201}, "model_class"),
-    ({"run_id": 123}, "run_id"),
-    ({"run_id": "\ud800"}, "run_id"),
-    ({"request_id": "r\x00"}, "request_id"),
-    ({"tool_round": "no"}, "tool_round"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"input_tokens": 10_000_001}, "input_tokens"),
+        ({"max_output_tokens": 2**63}, "output_tokens"),
+        ({"gpu_ms_estimate": 1.7e308}, "gpu_ms"),
+        ({"model_class": None}, "model_class"),
+        ({"model_class": 7}, "model_class"),
+        ({"model_class": "a\x00b"}, "model_class"),
+        ({"model_class": "x" * 201}, "model_class"),
+        ({"run_id": 123}, "run_id"),
+        ({"run_id": "\ud800"}, "run_id"),
+        ({"request_id": "r\x00"}, "request_id"),
+        ({"tool_round": "no"}, "tool_round"),
+    ],
+)
 async def test_bad_names_and_huge_amounts_change_nothing(open_ledger, clock, kwargs, match):
     ledger = await open_ledger(QUOTAS, clock)
-    args = {"tenant": "a", "request_id": "r", "input_tokens": 1, "max_output_tokens": 1, "gpu_ms_estimate": 0.0} | kwargs
+    args = {
+        "tenant": "a",
+        "request_id": "r",
+        "input_tokens": 1,
+        "max_output_tokens": 1,
+        "gpu_ms_estimate": 0.0,
+    } | kwargs
     with pytest.raises(InvalidUsage, match=match):
         await ledger.reserve(**args)
     assert await ledger.events() == [] and await ledger.reservations() == []
@@ -353,8 +381,9 @@ async def test_shared_charge_totals_add_up_across_callers(open_ledger, clock):
     assert await ledger.add_charges("emu", {}) == {}
     assert await ledger.add_charges("emu", {"a": (12.5, 400, 3)}) == {"a": (12.5, 400, 3)}
     # Two gateway processes add at once: nothing is lost, each sees both.
-    first, second = await asyncio.gather(ledger.add_charges("emu", {"a": (0.25, 0, 1), "b": (7.0, 10, 2)}),
-                                         ledger.add_charges("emu", {"b": (3.0, 5, 1)}))
+    first, second = await asyncio.gather(
+        ledger.add_charges("emu", {"a": (0.25, 0, 1), "b": (7.0, 10, 2)}), ledger.add_charges("emu", {"b": (3.0, 5, 1)})
+    )
     final = await ledger.add_charges("emu", {})
     assert final == {"a": (12.75, 400, 4), "b": (10.0, 15, 3)}
     assert final in (first, second)
@@ -379,7 +408,10 @@ async def test_each_process_sees_the_occupancy_the_other_processes_published_unt
     assert await ledger.share_occupancy("p3", {}, 300.0) == {u1: (1.0, 0.0)}
 
 
-QUEUE_QUOTAS = {"defaults": {"max_queued": 2, "max_concurrent": 10, "reservation_ttl_s": 60}, "tenants": {"a": {}, "b": {}}}
+QUEUE_QUOTAS = {
+    "defaults": {"max_queued": 2, "max_concurrent": 10, "reservation_ttl_s": 60},
+    "tenants": {"a": {}, "b": {}},
+}
 
 
 async def test_queue_places_are_taken_by_waiting_requests_only_and_always_given_back(open_ledger, clock):

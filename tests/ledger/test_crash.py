@@ -35,8 +35,9 @@ limits = { max_concurrent = 4 }
 
 
 def _max_overlap(intervals: list[tuple[float, float]]) -> int:
-    points = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals],
-                    key=lambda p: (p[0], p[1]))
+    points = sorted(
+        [(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals], key=lambda p: (p[0], p[1])
+    )
     level = peak = 0
     for _, step in points:
         level += step
@@ -51,8 +52,14 @@ async def test_processes_with_retries_and_kills_keep_every_invariant(backend, ba
     quotas.write_text(QUOTAS)
     ledger = await connect(url, str(quotas))  # creates the schema before the workers race for it
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    workers = [subprocess.Popen([sys.executable, str(WORKER), url, str(quotas), str(i), str(OPERATIONS), str(i * 7919)],
-                                env=env, stderr=subprocess.PIPE) for i in range(PROCESSES)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), url, str(quotas), str(i), str(OPERATIONS), str(i * 7919)],
+            env=env,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(PROCESSES)
+    ]
     rng = random.Random(1)
     killed = rng.sample(range(PROCESSES), 3)
 

@@ -14,9 +14,10 @@ from fairgate.ledger.emergency import ResilientLedger
 from tests.support.proxy import CuttableProxy
 
 QUOTAS = {
-    "tiers": {"free": {"on_ledger_unavailable": "reject"},
-              "critical": {"on_ledger_unavailable": "emergency",
-                           "emergency": {"requests": 3, "tokens": 1000, "seconds": 30}}},
+    "tiers": {
+        "free": {"on_ledger_unavailable": "reject"},
+        "critical": {"on_ledger_unavailable": "emergency", "emergency": {"requests": 3, "tokens": 1000, "seconds": 30}},
+    },
     "defaults": {"max_concurrent": 50},
     "tenants": {"sandbox": {"tier": "free"}, "bank": {"tier": "critical"}},
 }

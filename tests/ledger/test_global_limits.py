@@ -32,8 +32,15 @@ async def test_four_processes_share_one_concurrency_limit(backend, backend_url, 
     quotas.write_text("[tenants.t]\nlimits = { max_concurrent = 7 }\n")
     ledger = await connect(url, str(quotas))
     env_path = str(Path(__file__).resolve().parents[2])
-    processes = [subprocess.Popen([sys.executable, "-c", SCRIPT, url, str(quotas), f"p{i}"], stdout=subprocess.PIPE,
-                                  text=True, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"}) for i in range(4)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, url, str(quotas), f"p{i}"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        )
+        for i in range(4)
+    ]
     admitted = [int(p.communicate(timeout=120)[0].strip()) for p in processes]
     assert sum(admitted) == 7  # not 4 x 7
     assert len(await ledger.reservations("t", "open")) == 7

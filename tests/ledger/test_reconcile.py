@@ -22,16 +22,24 @@ async def test_metered_difference_freezes_and_alerts(open_ledger, clock):
     rb = await ledger.reserve("b", "1", 100, 50, 10.0)
     await ledger.settle(rb.id, 100, 20, 9.0, final=True)
     open_b = await ledger.reserve("b", "2", 100, 50, 10.0)
-    before = REGISTRY.get_sample_value("fairgate_reconciliation_alerts_total",
-                                       {"tenant_hash": tenant_tag("b"), "kind": "metered"}) or 0.0
+    before = (
+        REGISTRY.get_sample_value(
+            "fairgate_reconciliation_alerts_total", {"tenant_hash": tenant_tag("b"), "kind": "metered"}
+        )
+        or 0.0
+    )
     metered = {"a": Totals(100, 40, 9.0), "b": Totals(100, 35, 9.0)}  # the model service saw 15 more tokens
     report = await reconcile(ledger, metered, threshold=0.01)
     assert not report.clean and report.frozen == ["b"]
     row = {t.tenant: t for t in report.tenants}
     assert row["a"].differences == [] and row["b"].open_reservations == 1
     assert row["b"].differences == ["output_tokens: event log 20 vs metered 35 (over 1.0%)"]
-    assert REGISTRY.get_sample_value("fairgate_reconciliation_alerts_total",
-                                     {"tenant_hash": tenant_tag("b"), "kind": "metered"}) == before + 1
+    assert (
+        REGISTRY.get_sample_value(
+            "fairgate_reconciliation_alerts_total", {"tenant_hash": tenant_tag("b"), "kind": "metered"}
+        )
+        == before + 1
+    )
     assert "b" in await ledger.frozen()
     with pytest.raises(SettlementFrozen):
         await ledger.cancel(open_b.id, Usage(100, 1, 1.0))
@@ -47,15 +55,18 @@ async def test_clean_ledger_reconciles(open_ledger, clock):
     assert report.clean and report.frozen == [] and await ledger.frozen() == {}
 
 
-@pytest.mark.parametrize("text, match", [
-    ("tenant,input_tokens\na,1\n", "expected the header"),
-    ("tenant,input_tokens,output_tokens,gpu_ms\na,1,x,1\n", "line 2"),
-    ("tenant,input_tokens,output_tokens,gpu_ms\na,1,1,1\na,1,1,1\n", "line 3: tenant 'a' appears twice"),
-    ("tenant,input_tokens,output_tokens,gpu_ms\na,-1,1,1\n", "whole numbers"),
-    ("tenant,input_tokens,output_tokens,gpu_ms\na,1_0,1,1\n", "whole numbers"),
-    ("tenant,input_tokens,output_tokens,gpu_ms\na,1,1,inf\n", "finite"),
-    ("tenant,input_tokens,output_tokens,gpu_ms,extra\na,1,1,1,x\n", "expected the header"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("tenant,input_tokens\na,1\n", "expected the header"),
+        ("tenant,input_tokens,output_tokens,gpu_ms\na,1,x,1\n", "line 2"),
+        ("tenant,input_tokens,output_tokens,gpu_ms\na,1,1,1\na,1,1,1\n", "line 3: tenant 'a' appears twice"),
+        ("tenant,input_tokens,output_tokens,gpu_ms\na,-1,1,1\n", "whole numbers"),
+        ("tenant,input_tokens,output_tokens,gpu_ms\na,1_0,1,1\n", "whole numbers"),
+        ("tenant,input_tokens,output_tokens,gpu_ms\na,1,1,inf\n", "finite"),
+        ("tenant,input_tokens,output_tokens,gpu_ms,extra\na,1,1,1,x\n", "expected the header"),
+    ],
+)
 def test_bad_metered_export(tmp_path, text, match):
     path = tmp_path / "m.csv"
     path.write_text(text)

@@ -29,17 +29,28 @@ from fairgate.ledger import (
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.redis import TENANT_KEYS, RedisLedger
 
-QUOTAS = quotas_from_dict({
-    "defaults": {
-        "requests_per_minute": 120, "requests_burst": 6,
-        "input_tokens_per_minute": 3000, "input_tokens_burst": 1500,
-        "output_tokens_per_minute": 3000, "output_tokens_burst": 1200,
-        "max_tokens_per_request": 1200, "max_concurrent": 4, "gpu_seconds": 5, "gpu_window_s": 120,
-        "gpu_seconds_total": 30, "max_model_calls": 4, "max_tool_rounds": 2, "max_tokens": 3000,
-        "reservation_ttl_s": 20,
-    },
-    "tenants": {"a": {}, "b": {"model_class": {"large": {"max_concurrent": 1, "gpu_seconds": 2}}}},
-})
+QUOTAS = quotas_from_dict(
+    {
+        "defaults": {
+            "requests_per_minute": 120,
+            "requests_burst": 6,
+            "input_tokens_per_minute": 3000,
+            "input_tokens_burst": 1500,
+            "output_tokens_per_minute": 3000,
+            "output_tokens_burst": 1200,
+            "max_tokens_per_request": 1200,
+            "max_concurrent": 4,
+            "gpu_seconds": 5,
+            "gpu_window_s": 120,
+            "gpu_seconds_total": 30,
+            "max_model_calls": 4,
+            "max_tool_rounds": 2,
+            "max_tokens": 3000,
+            "reservation_ttl_s": 20,
+        },
+        "tenants": {"a": {}, "b": {"model_class": {"large": {"max_concurrent": 1, "gpu_seconds": 2}}}},
+    }
+)
 
 
 class Clock:
@@ -56,8 +67,9 @@ async def redis_ledger(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
     opened: list[RedisLedger] = []
     default_prefix = f"fgt_{uuid.uuid4().hex[:12]}"
 
-    async def make(clock: Callable[[], float] | None = None, prefix: str | None = None,
-                   quotas: Quotas = QUOTAS) -> RedisLedger:
+    async def make(
+        clock: Callable[[], float] | None = None, prefix: str | None = None, quotas: Quotas = QUOTAS
+    ) -> RedisLedger:
         ledger = await connect(f"{redis_url}?prefix={prefix or default_prefix}", quotas, clock)
         assert isinstance(ledger, RedisLedger)
         opened.append(ledger)
@@ -83,9 +95,11 @@ async def _mixed_operations(ledger: RedisLedger, clock: Clock) -> None:
     await ledger.heartbeat(r2.id)
     await ledger.settle(r1.id, 100, 80, 400.0, final=True)
     await ledger.cancel(r3.id, Usage(10, 5, 10.0))
-    for failing in (ledger.reserve("b", "big", 5000, 1, 0.0),            # quota: nothing written
-                    ledger.settle(r2.id, 100, 999, 1.0),                  # invalid: nothing written
-                    ledger.settle(r1.id, 100, 1, 1.0, final=True)):       # final already
+    for failing in (
+        ledger.reserve("b", "big", 5000, 1, 0.0),  # quota: nothing written
+        ledger.settle(r2.id, 100, 999, 1.0),  # invalid: nothing written
+        ledger.settle(r1.id, 100, 1, 1.0, final=True),
+    ):  # final already
         with pytest.raises(LedgerError):
             await failing
     await ledger.freeze("b", "reconciliation")
@@ -155,8 +169,9 @@ async def test_unreachable_server_raises_ledger_unavailable():
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.parametrize("query", ["prefix=a:b", "prefix=x*", "prefix=", "prefix={t}", "retention_days=0",
-                                   "retention_days=soon"])
+@pytest.mark.parametrize(
+    "query", ["prefix=a:b", "prefix=x*", "prefix=", "prefix={t}", "retention_days=0", "retention_days=soon"]
+)
 async def test_bad_url_parameters_are_rejected(redis_url, query):
     with pytest.raises(ValueError):
         await connect(f"{redis_url}?{query}", QUOTAS)
@@ -199,20 +214,42 @@ async def test_events_of_all_tenants_keep_each_tenants_order(redis_ledger):
 
 # --- the Lua scripts against rules.py, through the SQLite backend --------------------------------
 # Tenant "a" is bound by its buckets (requests, tokens, GPU budgets), "b" by concurrency and runs.
-DIFF_QUOTAS = quotas_from_dict({
-    "defaults": {
-        "requests_per_minute": 8, "requests_burst": 3,
-        "input_tokens_per_minute": 900, "input_tokens_burst": 1300,
-        "output_tokens_per_minute": 700, "output_tokens_burst": 1200,
-        "max_tokens_per_request": 1200, "max_concurrent": 20, "gpu_seconds": 6.5, "gpu_window_s": 90,
-        "gpu_seconds_total": 22, "max_model_calls": 3, "max_tool_rounds": 2, "max_tokens": 1500,
-        "reservation_ttl_s": 20,
-    },
-    "tenants": {"a": {}, "b": {"limits": {"requests_per_minute": 600, "requests_burst": 50, "max_concurrent": 3,
-                                          "input_tokens_per_minute": 60000, "output_tokens_per_minute": 60000,
-                                          "gpu_seconds": 40, "gpu_seconds_total": 400},
-                               "model_class": {"large": {"max_concurrent": 1, "gpu_seconds": 2}}}},
-})
+DIFF_QUOTAS = quotas_from_dict(
+    {
+        "defaults": {
+            "requests_per_minute": 8,
+            "requests_burst": 3,
+            "input_tokens_per_minute": 900,
+            "input_tokens_burst": 1300,
+            "output_tokens_per_minute": 700,
+            "output_tokens_burst": 1200,
+            "max_tokens_per_request": 1200,
+            "max_concurrent": 20,
+            "gpu_seconds": 6.5,
+            "gpu_window_s": 90,
+            "gpu_seconds_total": 22,
+            "max_model_calls": 3,
+            "max_tool_rounds": 2,
+            "max_tokens": 1500,
+            "reservation_ttl_s": 20,
+        },
+        "tenants": {
+            "a": {},
+            "b": {
+                "limits": {
+                    "requests_per_minute": 600,
+                    "requests_burst": 50,
+                    "max_concurrent": 3,
+                    "input_tokens_per_minute": 60000,
+                    "output_tokens_per_minute": 60000,
+                    "gpu_seconds": 40,
+                    "gpu_seconds_total": 400,
+                },
+                "model_class": {"large": {"max_concurrent": 1, "gpu_seconds": 2}},
+            },
+        },
+    }
+)
 
 
 def _tie_groups(events: list[Any]) -> list[Any]:
@@ -227,8 +264,22 @@ def _tie_groups(events: list[Any]) -> list[Any]:
 
 
 def _normal(r: Any) -> Any:
-    return (r.tenant, r.request_id, r.model_class, r.run_id, r.tool_round, r.input_tokens, r.max_output_tokens,
-            r.gpu_ms_estimate, r.status, r.billed, r.overage_gpu_ms, r.created_ms, r.expires_at_ms, r.final_ms)
+    return (
+        r.tenant,
+        r.request_id,
+        r.model_class,
+        r.run_id,
+        r.tool_round,
+        r.input_tokens,
+        r.max_output_tokens,
+        r.gpu_ms_estimate,
+        r.status,
+        r.billed,
+        r.overage_gpu_ms,
+        r.created_ms,
+        r.expires_at_ms,
+        r.final_ms,
+    )
 
 
 def _outcome(result: Any) -> Any:
@@ -244,8 +295,10 @@ def _outcome(result: Any) -> Any:
 @pytest.mark.parametrize("seed", [20240601, 7, 11])
 async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_ledger, tmp_path, seed):
     clock = Clock()
-    ledgers = {"redis": await redis_ledger(clock, quotas=DIFF_QUOTAS),
-               "sqlite": await connect(f"sqlite:///{tmp_path}/diff.db", DIFF_QUOTAS, clock)}
+    ledgers = {
+        "redis": await redis_ledger(clock, quotas=DIFF_QUOTAS),
+        "sqlite": await connect(f"sqlite:///{tmp_path}/diff.db", DIFF_QUOTAS, clock),
+    }
     ids: dict[str, dict[tuple[str, str], str]] = {name: {} for name in ledgers}
     rng = random.Random(seed)
     try:
@@ -261,8 +314,11 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
                 args = (tenant, request_id, h % 700, (h >> 10) % 600, float((h >> 20) % 2000) + 0.1 * (h % 7))
                 if rng.random() < 0.1:
                     args = (tenant, request_id, args[2] + 1, args[3], args[4])  # an IdempotencyConflict
-                kwargs = {"model_class": "large" if h % 5 == 0 else "default",
-                          "run_id": None if h % 3 == 0 else f"run-{h % 41}", "tool_round": bool(h % 2)}
+                kwargs = {
+                    "model_class": "large" if h % 5 == 0 else "default",
+                    "run_id": None if h % 3 == 0 else f"run-{h % 41}",
+                    "tool_round": bool(h % 2),
+                }
                 for name, ledger in ledgers.items():
                     try:
                         r = await ledger.reserve(*args, **kwargs)
@@ -274,10 +330,14 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
                 key = rng.choice(known)
                 current = await ledgers["sqlite"].get(ids["sqlite"][key])
                 grow = rng.random() < 0.9
-                amounts = (current.billed.input_tokens + (rng.randrange(50) if grow else -1),
-                           min(current.max_output_tokens + (1 if rng.random() < 0.05 else 0),
-                               current.billed.output_tokens + rng.randrange(80)),
-                           current.billed.gpu_ms + rng.uniform(0, 1500))
+                amounts = (
+                    current.billed.input_tokens + (rng.randrange(50) if grow else -1),
+                    min(
+                        current.max_output_tokens + (1 if rng.random() < 0.05 else 0),
+                        current.billed.output_tokens + rng.randrange(80),
+                    ),
+                    current.billed.gpu_ms + rng.uniform(0, 1500),
+                )
                 final = rng.random() < 0.5
                 use_cancel = rng.random() < 0.3
                 for name, ledger in ledgers.items():
@@ -292,8 +352,9 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
             elif roll < 0.95:
                 alive = {k for k in known if zlib.crc32(f"{k}{step}".encode()) % 3 == 0}
                 for name, ledger in ledgers.items():
-                    outcomes[name] = _outcome(await ledger.expire_due(
-                        lambda r: _const((r.tenant, r.request_id) in alive)))
+                    outcomes[name] = _outcome(
+                        await ledger.expire_due(lambda r: _const((r.tenant, r.request_id) in alive))
+                    )
             elif roll < 0.975:
                 key = rng.choice(known)
                 for name, ledger in ledgers.items():
@@ -309,10 +370,35 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
         for tenant in ("a", "b"):
             redis_events, sql_events = [await ledgers[n].events(tenant) for n in ("redis", "sqlite")]
             back = {name: {rid: key for key, rid in ids[name].items()} for name in ids}
-            assert (_tie_groups([(back["redis"][e.reservation_id], e.kind, e.requests, e.input_tokens, e.output_tokens,
-                                  e.gpu_ms, e.overage_gpu_ms, e.at_ms) for e in redis_events])
-                    == _tie_groups([(back["sqlite"][e.reservation_id], e.kind, e.requests, e.input_tokens,
-                                     e.output_tokens, e.gpu_ms, e.overage_gpu_ms, e.at_ms) for e in sql_events]))
+            assert _tie_groups(
+                [
+                    (
+                        back["redis"][e.reservation_id],
+                        e.kind,
+                        e.requests,
+                        e.input_tokens,
+                        e.output_tokens,
+                        e.gpu_ms,
+                        e.overage_gpu_ms,
+                        e.at_ms,
+                    )
+                    for e in redis_events
+                ]
+            ) == _tie_groups(
+                [
+                    (
+                        back["sqlite"][e.reservation_id],
+                        e.kind,
+                        e.requests,
+                        e.input_tokens,
+                        e.output_tokens,
+                        e.gpu_ms,
+                        e.overage_gpu_ms,
+                        e.at_ms,
+                    )
+                    for e in sql_events
+                ]
+            )
             usage = [await ledgers[n].usage(tenant, 600) for n in ("redis", "sqlite")]
             assert usage[0] == usage[1]
             for model_class in ("default", "large"):
@@ -328,4 +414,5 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
 def _const(value: bool):  # type: ignore[no-untyped-def]
     async def answer() -> bool:
         return value
+
     return answer()

@@ -47,8 +47,7 @@ def assert_one_line(exc: BaseException, *needles: str) -> str:
     return text
 
 
-async def fails(make: Awaitable[Any], kind: type[BaseException], *needles: str,
-                within: float = FAST_S) -> str:
+async def fails(make: Awaitable[Any], kind: type[BaseException], *needles: str, within: float = FAST_S) -> str:
     """Await ``make``: it must raise exactly ``kind`` (no driver exception) within ``within`` s, one line."""
     started = time.monotonic()
     with pytest.raises(Exception) as info:
@@ -181,9 +180,13 @@ class StallingProxy:
                     await sink.drain()
 
         try:
-            await asyncio.wait([asyncio.ensure_future(pipe(reader, upstream_writer, False)),
-                                asyncio.ensure_future(pipe(upstream_reader, writer, True))],
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [
+                    asyncio.ensure_future(pipe(reader, upstream_writer, False)),
+                    asyncio.ensure_future(pipe(upstream_reader, writer, True)),
+                ],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             upstream_writer.close()
 
@@ -212,14 +215,22 @@ def hostport(url: str, default_port: int) -> tuple[str, int]:
 # --- Redis: a server that does not answer ------------------------------------------------------------
 async def test_redis_silent_server_fails_within_the_default_timeout(tcp_server):
     server = await tcp_server(silent)
-    await fails(RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS),
-                LedgerUnavailable, f"127.0.0.1:{server.port}", "did not answer within 2 s")
+    await fails(
+        RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS),
+        LedgerUnavailable,
+        f"127.0.0.1:{server.port}",
+        "did not answer within 2 s",
+    )
 
 
 async def test_redis_timeout_s_is_configurable(tcp_server):
     server = await tcp_server(silent)
-    text = await fails(RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?timeout_s=0.5&prefix={token()}", QUOTAS),
-                       LedgerUnavailable, "within 0.5 s", within=1.5)
+    text = await fails(
+        RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?timeout_s=0.5&prefix={token()}", QUOTAS),
+        LedgerUnavailable,
+        "within 0.5 s",
+        within=1.5,
+    )
     assert "redis ledger" in text
 
 
@@ -244,62 +255,96 @@ async def test_redis_server_that_stops_answering_fails_every_later_call_fast(tcp
 
 async def test_rediss_against_a_plain_text_server_fails_within_the_timeout(redis_url):
     host, port = hostport(redis_url, 6379)
-    await fails(RedisLedger.open(f"rediss://{host}:{port}/0?prefix={token()}", QUOTAS), LedgerUnavailable,
-                "did not answer within 2 s", "TLS")
+    await fails(
+        RedisLedger.open(f"rediss://{host}:{port}/0?prefix={token()}", QUOTAS),
+        LedgerUnavailable,
+        "did not answer within 2 s",
+        "TLS",
+    )
 
 
 async def test_rediss_against_a_silent_server_fails_within_the_timeout(tcp_server):
     server = await tcp_server(silent)
-    await fails(RedisLedger.open(f"rediss://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS),
-                LedgerUnavailable, "did not answer")
+    await fails(
+        RedisLedger.open(f"rediss://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS),
+        LedgerUnavailable,
+        "did not answer",
+    )
 
 
 # --- Redis: a server that answers wrongly --------------------------------------------------------
 async def test_redis_database_out_of_range_is_a_value_error(redis_url):
     host, port = hostport(redis_url, 6379)
-    await fails(RedisLedger.open(f"redis://{host}:{port}/99?prefix={token()}", QUOTAS), ValueError,
-                "database 99", "DB index is out of range")
+    await fails(
+        RedisLedger.open(f"redis://{host}:{port}/99?prefix={token()}", QUOTAS),
+        ValueError,
+        "database 99",
+        "DB index is out of range",
+    )
 
 
 async def test_redis_peer_that_speaks_http_is_unavailable(tcp_server):
     server = await tcp_server(http)
-    await fails(RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS), LedgerUnavailable,
-                "does not speak the Redis protocol", "HTTP/1.1 400")
+    await fails(
+        RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS),
+        LedgerUnavailable,
+        "does not speak the Redis protocol",
+        "HTTP/1.1 400",
+    )
 
 
 async def test_redis_connection_refused_is_unavailable(tcp_server):
     server = await tcp_server(silent)
     port = server.port
     await server.close()  # nothing listens there now
-    await fails(RedisLedger.open(f"redis://127.0.0.1:{port}/0?prefix={token()}", QUOTAS), LedgerUnavailable,
-                f"127.0.0.1:{port}", "connect")
+    await fails(
+        RedisLedger.open(f"redis://127.0.0.1:{port}/0?prefix={token()}", QUOTAS),
+        LedgerUnavailable,
+        f"127.0.0.1:{port}",
+        "connect",
+    )
 
 
 async def test_redis_unknown_host_is_unavailable():
-    await fails(RedisLedger.open(f"redis://no-such-host.invalid:6379/0?prefix={token()}", QUOTAS),
-                LedgerUnavailable, "no-such-host.invalid")
+    await fails(
+        RedisLedger.open(f"redis://no-such-host.invalid:6379/0?prefix={token()}", QUOTAS),
+        LedgerUnavailable,
+        "no-such-host.invalid",
+    )
 
 
 async def test_redis_wrong_credentials_are_unavailable_and_the_password_is_not_shown(redis_url):
     host, port = hostport(redis_url, 6379)
-    text = await fails(RedisLedger.open(f"redis://nobody_{token()}:s3cr3t@{host}:{port}/0?prefix={token()}", QUOTAS),
-                       LedgerUnavailable, "refused the credentials")
+    text = await fails(
+        RedisLedger.open(f"redis://nobody_{token()}:s3cr3t@{host}:{port}/0?prefix={token()}", QUOTAS),
+        LedgerUnavailable,
+        "refused the credentials",
+    )
     assert "s3cr3t" not in text
 
 
-@pytest.mark.parametrize(("replies", "kind", "needles"), [
-    ({"PING": b"-LOADING Redis is loading the dataset in memory\r\n"}, LedgerUnavailable, ["LOADING", "loading"]),
-    ({"PING": b"-NOAUTH Authentication required.\r\n"}, LedgerUnavailable, ["Authentication required"]),
-    ({"PING": b"-MASTERDOWN Link with MASTER is down\r\n"}, LedgerUnavailable, ["MASTERDOWN"]),
-    ({"PING": b"-ERR max number of clients reached\r\n"}, LedgerUnavailable, ["max number of clients"]),
-    ({"PING": b"?what is this\r\n"}, LedgerUnavailable, ["does not speak the Redis protocol"]),
-    ({"SCRIPT": b"-READONLY You can't write against a read only replica.\r\n"}, LedgerUnavailable,
-     ["READONLY", "read only replica"]),
-    ({"SCRIPT": b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"}, LedgerUnavailable, ["OOM"]),
-    ({"SCRIPT": b"-NOPERM this user has no permissions to run the 'script|load' command\r\n"}, LedgerUnavailable,
-     ["NOPERM"]),
-    ({"SCRIPT": b"-ERR unknown command 'SCRIPT'\r\n"}, LedgerUnavailable, ["ERR unknown command"]),
-])
+@pytest.mark.parametrize(
+    ("replies", "kind", "needles"),
+    [
+        ({"PING": b"-LOADING Redis is loading the dataset in memory\r\n"}, LedgerUnavailable, ["LOADING", "loading"]),
+        ({"PING": b"-NOAUTH Authentication required.\r\n"}, LedgerUnavailable, ["Authentication required"]),
+        ({"PING": b"-MASTERDOWN Link with MASTER is down\r\n"}, LedgerUnavailable, ["MASTERDOWN"]),
+        ({"PING": b"-ERR max number of clients reached\r\n"}, LedgerUnavailable, ["max number of clients"]),
+        ({"PING": b"?what is this\r\n"}, LedgerUnavailable, ["does not speak the Redis protocol"]),
+        (
+            {"SCRIPT": b"-READONLY You can't write against a read only replica.\r\n"},
+            LedgerUnavailable,
+            ["READONLY", "read only replica"],
+        ),
+        ({"SCRIPT": b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"}, LedgerUnavailable, ["OOM"]),
+        (
+            {"SCRIPT": b"-NOPERM this user has no permissions to run the 'script|load' command\r\n"},
+            LedgerUnavailable,
+            ["NOPERM"],
+        ),
+        ({"SCRIPT": b"-ERR unknown command 'SCRIPT'\r\n"}, LedgerUnavailable, ["ERR unknown command"]),
+    ],
+)
 async def test_redis_error_replies_while_opening_are_mapped(tcp_server, replies, kind, needles):
     server = await tcp_server(FakeRedis(replies))
     await fails(RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS), kind, *needles)
@@ -307,14 +352,20 @@ async def test_redis_error_replies_while_opening_are_mapped(tcp_server, replies,
 
 async def test_redis_database_out_of_range_from_a_fake_server_is_a_value_error(tcp_server):
     server = await tcp_server(FakeRedis({"SELECT": b"-ERR DB index is out of range\r\n"}))
-    await fails(RedisLedger.open(f"redis://127.0.0.1:{server.port}/5?prefix={token()}", QUOTAS), ValueError,
-                "database 5")
+    await fails(
+        RedisLedger.open(f"redis://127.0.0.1:{server.port}/5?prefix={token()}", QUOTAS), ValueError, "database 5"
+    )
 
 
-@pytest.mark.parametrize("reply", [b"-READONLY You can't write against a read only replica.\r\n",
-                                   b"-BUSY Redis is busy running a script.\r\n",
-                                   b"-ERR Error running script (call to f_x): @user_script:1: boom\r\n",
-                                   b"-LOADING Redis is loading the dataset in memory\r\n"])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"-READONLY You can't write against a read only replica.\r\n",
+        b"-BUSY Redis is busy running a script.\r\n",
+        b"-ERR Error running script (call to f_x): @user_script:1: boom\r\n",
+        b"-LOADING Redis is loading the dataset in memory\r\n",
+    ],
+)
 async def test_redis_error_replies_on_later_calls_are_unavailable(tcp_server, reply):
     fake = FakeRedis()
     server = await tcp_server(fake)
@@ -350,41 +401,47 @@ async def test_redis_argument_redis_py_cannot_send_is_invalid_usage_not_unavaila
 
 
 # --- Redis: bad URLs -----------------------------------------------------------------------------
-@pytest.mark.parametrize(("tail", "needles"), [
-    ("/abc?prefix=x", ["path", "/abc", "database number"]),
-    ("/0/1?prefix=x", ["path", "/0/1"]),
-    ("/-1?prefix=x", ["path", "/-1"]),
-    ("/0?foo=1", ["unknown parameter", "foo"]),
-    ("/0?prefix=x&socket_timeout=1", ["unknown parameter", "socket_timeout"]),
-    ("/0?db=1", ["unknown parameter", "db"]),
-    ("/0?prefix=a&prefix=b", ["more than once", "prefix"]),
-    ("/0?timeout_s=1&timeout_s=2", ["more than once", "timeout_s"]),
-    ("/0?timeout_s=0", ["timeout_s", "(0, 600]"]),
-    ("/0?timeout_s=-1", ["timeout_s"]),
-    ("/0?timeout_s=601", ["timeout_s"]),
-    ("/0?timeout_s=nan", ["timeout_s"]),
-    ("/0?timeout_s=inf", ["timeout_s"]),
-    ("/0?timeout_s=soon", ["timeout_s"]),
-    ("/0?timeout_s=", ["timeout_s"]),
-    ("/0?prefix=", ["prefix"]),
-    ("/0?retention_days=0", ["retention_days"]),
-    ("/0?ssl_cert_reqs=none", ["ssl_cert_reqs", "rediss://"]),
-    ("/0#frag", ["fragment"]),
-])
+@pytest.mark.parametrize(
+    ("tail", "needles"),
+    [
+        ("/abc?prefix=x", ["path", "/abc", "database number"]),
+        ("/0/1?prefix=x", ["path", "/0/1"]),
+        ("/-1?prefix=x", ["path", "/-1"]),
+        ("/0?foo=1", ["unknown parameter", "foo"]),
+        ("/0?prefix=x&socket_timeout=1", ["unknown parameter", "socket_timeout"]),
+        ("/0?db=1", ["unknown parameter", "db"]),
+        ("/0?prefix=a&prefix=b", ["more than once", "prefix"]),
+        ("/0?timeout_s=1&timeout_s=2", ["more than once", "timeout_s"]),
+        ("/0?timeout_s=0", ["timeout_s", "(0, 600]"]),
+        ("/0?timeout_s=-1", ["timeout_s"]),
+        ("/0?timeout_s=601", ["timeout_s"]),
+        ("/0?timeout_s=nan", ["timeout_s"]),
+        ("/0?timeout_s=inf", ["timeout_s"]),
+        ("/0?timeout_s=soon", ["timeout_s"]),
+        ("/0?timeout_s=", ["timeout_s"]),
+        ("/0?prefix=", ["prefix"]),
+        ("/0?retention_days=0", ["retention_days"]),
+        ("/0?ssl_cert_reqs=none", ["ssl_cert_reqs", "rediss://"]),
+        ("/0#frag", ["fragment"]),
+    ],
+)
 async def test_redis_bad_url_is_a_value_error(redis_url, tail, needles):
     host, port = hostport(redis_url, 6379)
     await fails(RedisLedger.open(f"redis://{host}:{port}{tail}", QUOTAS), ValueError, *needles, within=0.5)
 
 
-@pytest.mark.parametrize(("url", "needles"), [
-    ("redis://127.0.0.1:99999/0", ["port"]),
-    ("redis://127.0.0.1:abc/0", ["port"]),
-    ("redis:///0", ["no host"]),
-    ("http://127.0.0.1:6379/0", ["scheme"]),
-    ("rediss://127.0.0.1:6379/0?ssl_cert_reqs=maybe", ["ssl_cert_reqs"]),
-    ("rediss://127.0.0.1:6379/0?ssl_ca_certs=/no/such/ca.pem", ["ssl_ca_certs", "not a file"]),
-    ("rediss://127.0.0.1:6379/0?ssl_check_hostname=perhaps", ["ssl_check_hostname"]),
-])
+@pytest.mark.parametrize(
+    ("url", "needles"),
+    [
+        ("redis://127.0.0.1:99999/0", ["port"]),
+        ("redis://127.0.0.1:abc/0", ["port"]),
+        ("redis:///0", ["no host"]),
+        ("http://127.0.0.1:6379/0", ["scheme"]),
+        ("rediss://127.0.0.1:6379/0?ssl_cert_reqs=maybe", ["ssl_cert_reqs"]),
+        ("rediss://127.0.0.1:6379/0?ssl_ca_certs=/no/such/ca.pem", ["ssl_ca_certs", "not a file"]),
+        ("rediss://127.0.0.1:6379/0?ssl_check_hostname=perhaps", ["ssl_check_hostname"]),
+    ],
+)
 async def test_redis_bad_url_parts_are_value_errors(url, needles):
     await fails(RedisLedger.open(url, QUOTAS), ValueError, *needles, within=0.5)
 
@@ -409,8 +466,7 @@ async def test_redis_good_url_with_explicit_timeout_and_no_path_opens(redis_url)
 async def test_redis_create_false_refuses_a_prefix_with_no_keys(redis_url):
     host, port = hostport(redis_url, 6379)
     url = f"redis://:s3cr3t@{host}:{port}/0?prefix={token()}"  # the server has no password: AUTH is ignored
-    text = await fails(RedisLedger.open(url, QUOTAS, create=False), LedgerUnavailable, "no ledger at",
-                       "(create=False)")
+    text = await fails(RedisLedger.open(url, QUOTAS, create=False), LedgerUnavailable, "no ledger at", "(create=False)")
     assert "s3cr3t" not in text
 
 
@@ -439,29 +495,33 @@ async def test_redis_create_false_accepts_any_key_under_the_prefix(redis_url):
 
 
 # --- PostgreSQL: bad URLs ------------------------------------------------------------------------
-@pytest.mark.parametrize(("query", "kind", "needles"), [
-    ("schema=", ValueError, ["schema is empty"]),
-    ("schema=information_schema", ValueError, ["information_schema", "system schema"]),
-    ("schema=pg_x", ValueError, ["pg_x", "system schema"]),
-    ("schema=pg_catalog", ValueError, ["pg_catalog", "system schema"]),
-    ("schema=Bad-Name", ValueError, ["schema"]),
-    ("schema=a&schema=b", ValueError, ["more than once", "schema"]),
-    ("schema=a&sslmode=disable&sslmode=require", ValueError, ["more than once", "sslmode"]),
-    ("schema=a&timeout_s=0", ValueError, ["timeout_s"]),
-    ("schema=a&timeout_s=601", ValueError, ["timeout_s"]),
-    ("schema=a&timeout_s=soon", ValueError, ["timeout_s"]),
-    ("schema=a&foo=1", ValueError, ['invalid URI query parameter: "foo"']),
-    ("schema=a&sslmode=bogus", ValueError, ['invalid sslmode value: "bogus"']),
-    ("schema=a&target_session_attrs=x", ValueError, ["target_session_attrs"]),
-])
+@pytest.mark.parametrize(
+    ("query", "kind", "needles"),
+    [
+        ("schema=", ValueError, ["schema is empty"]),
+        ("schema=information_schema", ValueError, ["information_schema", "system schema"]),
+        ("schema=pg_x", ValueError, ["pg_x", "system schema"]),
+        ("schema=pg_catalog", ValueError, ["pg_catalog", "system schema"]),
+        ("schema=Bad-Name", ValueError, ["schema"]),
+        ("schema=a&schema=b", ValueError, ["more than once", "schema"]),
+        ("schema=a&sslmode=disable&sslmode=require", ValueError, ["more than once", "sslmode"]),
+        ("schema=a&timeout_s=0", ValueError, ["timeout_s"]),
+        ("schema=a&timeout_s=601", ValueError, ["timeout_s"]),
+        ("schema=a&timeout_s=soon", ValueError, ["timeout_s"]),
+        ("schema=a&foo=1", ValueError, ['invalid URI query parameter: "foo"']),
+        ("schema=a&sslmode=bogus", ValueError, ['invalid sslmode value: "bogus"']),
+        ("schema=a&target_session_attrs=x", ValueError, ["target_session_attrs"]),
+    ],
+)
 async def test_postgres_bad_url_is_a_value_error(postgres_url, query, kind, needles):
     await fails(PostgresLedger.open(f"{postgres_url}?{query}", QUOTAS), kind, *needles, within=2.0)
 
 
 async def test_postgres_real_libpq_parameters_still_pass(postgres_url):
     schema = token()
-    ledger = await PostgresLedger.open(f"{postgres_url}?schema={schema}&sslmode=disable&application_name=fg_test",
-                                       QUOTAS)
+    ledger = await PostgresLedger.open(
+        f"{postgres_url}?schema={schema}&sslmode=disable&application_name=fg_test", QUOTAS
+    )
     try:
         async with ledger._pool.connection() as connection:
             cursor = await connection.execute("SELECT current_setting('application_name'), current_schema()")
@@ -477,8 +537,12 @@ async def test_postgres_sslmode_require_without_ssl_on_the_server_says_so(postgr
         row = await cursor.fetchone()
     if row and row[0] == "on":
         pytest.skip("this server speaks TLS")  # the case needs a plain-text server
-    await fails(PostgresLedger.open(f"{postgres_url}?schema={token()}&sslmode=require", QUOTAS), LedgerUnavailable,
-                "postgres ledger:", "SSL")
+    await fails(
+        PostgresLedger.open(f"{postgres_url}?schema={token()}&sslmode=require", QUOTAS),
+        LedgerUnavailable,
+        "postgres ledger:",
+        "SSL",
+    )
 
 
 # --- PostgreSQL: the real cause, fast ------------------------------------------------------------
@@ -505,36 +569,51 @@ async def test_postgres_connection_refused_gives_the_cause_fast(tcp_server, post
     port = server.port
     await server.close()
     user = urlparse(postgres_url).username or "postgres"
-    await fails(PostgresLedger.open(f"postgresql://{user}@127.0.0.1:{port}/test?schema={token()}", QUOTAS),
-                LedgerUnavailable, "postgres ledger:", "Connection refused", within=2.0)
+    await fails(
+        PostgresLedger.open(f"postgresql://{user}@127.0.0.1:{port}/test?schema={token()}", QUOTAS),
+        LedgerUnavailable,
+        "postgres ledger:",
+        "Connection refused",
+        within=2.0,
+    )
     assert not [r for r in pool_warnings if r.levelno >= logging.WARNING]
 
 
 async def test_postgres_missing_database_gives_the_cause_fast(postgres_url, pool_warnings):
     parts = urlparse(postgres_url)
     url = parts._replace(path=f"/nodb_{uuid.uuid4().hex[:8]}", query=f"schema={token()}").geturl()
-    await fails(PostgresLedger.open(url, QUOTAS), LedgerUnavailable, "postgres ledger:", "does not exist",
-                within=2.0)
+    await fails(PostgresLedger.open(url, QUOTAS), LedgerUnavailable, "postgres ledger:", "does not exist", within=2.0)
     assert not pool_warnings
 
 
 async def test_postgres_unknown_role_gives_the_cause_fast(postgres_url):
     parts = urlparse(postgres_url)
     netloc = f"nobody_{uuid.uuid4().hex[:8]}:s3cr3t@{parts.hostname}:{parts.port or 5432}"
-    text = await fails(PostgresLedger.open(parts._replace(netloc=netloc, query=f"schema={token()}").geturl(), QUOTAS),
-                       LedgerUnavailable, "postgres ledger:", "nobody_", within=2.0)
+    text = await fails(
+        PostgresLedger.open(parts._replace(netloc=netloc, query=f"schema={token()}").geturl(), QUOTAS),
+        LedgerUnavailable,
+        "postgres ledger:",
+        "nobody_",
+        within=2.0,
+    )
     assert "s3cr3t" not in text
 
 
 async def test_postgres_silent_server_fails_within_the_timeout(tcp_server, pool_warnings):
     server = await tcp_server(silent)
-    await fails(PostgresLedger.open(f"postgresql://postgres@127.0.0.1:{server.port}/test?schema={token()}", QUOTAS),
-                LedgerUnavailable, "postgres ledger:", "timeout", f"127.0.0.1:{server.port}")
+    await fails(
+        PostgresLedger.open(f"postgresql://postgres@127.0.0.1:{server.port}/test?schema={token()}", QUOTAS),
+        LedgerUnavailable,
+        "postgres ledger:",
+        "timeout",
+        f"127.0.0.1:{server.port}",
+    )
     assert not pool_warnings
 
 
-async def test_postgres_pool_failing_after_the_first_connection_gives_the_cause(tcp_server, postgres_url,
-                                                                               pool_warnings):
+async def test_postgres_pool_failing_after_the_first_connection_gives_the_cause(
+    tcp_server, postgres_url, pool_warnings
+):
     server = await tcp_server(FirstOnlyProxy(*hostport(postgres_url, 5432)))
     parts = urlparse(postgres_url)
     url = f"postgresql://{parts.username or 'postgres'}@127.0.0.1:{server.port}{parts.path}?schema={token()}"
@@ -549,13 +628,19 @@ async def test_postgres_pool_failing_after_the_first_connection_gives_the_cause(
 
 async def test_postgres_http_peer_is_unavailable(tcp_server):
     server = await tcp_server(http)
-    await fails(PostgresLedger.open(f"postgresql://postgres@127.0.0.1:{server.port}/test?schema={token()}", QUOTAS),
-                LedgerUnavailable, "postgres ledger:")
+    await fails(
+        PostgresLedger.open(f"postgresql://postgres@127.0.0.1:{server.port}/test?schema={token()}", QUOTAS),
+        LedgerUnavailable,
+        "postgres ledger:",
+    )
 
 
 async def test_postgres_unknown_host_is_unavailable():
-    await fails(PostgresLedger.open(f"postgresql://postgres@no-such-host.invalid:5432/test?schema={token()}", QUOTAS),
-                LedgerUnavailable, "no-such-host.invalid")
+    await fails(
+        PostgresLedger.open(f"postgresql://postgres@no-such-host.invalid:5432/test?schema={token()}", QUOTAS),
+        LedgerUnavailable,
+        "no-such-host.invalid",
+    )
 
 
 # --- PostgreSQL: create=False --------------------------------------------------------------------
@@ -568,10 +653,12 @@ async def _schema_exists(postgres_url: str, schema: str) -> bool:
 async def test_postgres_create_false_refuses_a_missing_schema_and_creates_nothing(postgres_url):
     schema = token()
     parts = urlparse(postgres_url)
-    url = parts._replace(netloc=f"{parts.username or 'postgres'}:s3cr3t@{parts.hostname}:{parts.port or 5432}",
-                         query=f"schema={schema}").geturl()
-    text = await fails(PostgresLedger.open(url, QUOTAS, create=False), LedgerUnavailable, "no ledger at",
-                       "(create=False)", schema)
+    url = parts._replace(
+        netloc=f"{parts.username or 'postgres'}:s3cr3t@{parts.hostname}:{parts.port or 5432}", query=f"schema={schema}"
+    ).geturl()
+    text = await fails(
+        PostgresLedger.open(url, QUOTAS, create=False), LedgerUnavailable, "no ledger at", "(create=False)", schema
+    )
     assert "s3cr3t" not in text
     assert not await _schema_exists(postgres_url, schema)
 
@@ -581,8 +668,12 @@ async def test_postgres_create_false_refuses_a_schema_without_the_tables(postgre
     async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as connection:
         await connection.execute(f"CREATE SCHEMA {schema}")
         try:
-            await fails(PostgresLedger.open(f"{postgres_url}?schema={schema}", QUOTAS, create=False),
-                        LedgerUnavailable, "no ledger at", "fg_reservations")
+            await fails(
+                PostgresLedger.open(f"{postgres_url}?schema={schema}", QUOTAS, create=False),
+                LedgerUnavailable,
+                "no ledger at",
+                "fg_reservations",
+            )
         finally:
             await connection.execute(f"DROP SCHEMA {schema} CASCADE")
 

@@ -14,25 +14,34 @@ from fairgate.sim.generate import TenantLoad, poisson_workload
 from fairgate.sim.result import NOT_YET, SimResult
 from fairgate.sim.workload import Workload
 
-PARAMS = {"request_quota": {"requests_per_minute": 300, "burst_requests": 2},
-          "token_quota": {"tokens_per_minute": 40_000}, "slot_cap": {"max_running": 3},
-          "drr": {"quantum_ms": 20.0}}
+PARAMS = {
+    "request_quota": {"requests_per_minute": 300, "burst_requests": 2},
+    "token_quota": {"tokens_per_minute": 40_000},
+    "slot_cap": {"max_running": 3},
+    "drr": {"quantum_ms": 20.0},
+}
 
 
 @st.composite
 def scenarios(draw):
-    cost = CostModel(draw(st.sampled_from([2.0, 9.0, 15.5])), draw(st.sampled_from([0.0, 0.25, 0.55])),
-                     draw(st.sampled_from([0.0, 0.01, 0.06])), draw(st.integers(1, 12)))
+    cost = CostModel(
+        draw(st.sampled_from([2.0, 9.0, 15.5])),
+        draw(st.sampled_from([0.0, 0.25, 0.55])),
+        draw(st.sampled_from([0.0, 0.01, 0.06])),
+        draw(st.integers(1, 12)),
+    )
     count = draw(st.integers(1, 4))
     tenants, shares = [], {}
     for k in range(count):
         prompt = Fixed(draw(st.integers(0, 600)))
-        output = draw(st.one_of(st.builds(Fixed, st.integers(1, 60)),
-                                st.builds(LogNormal, st.floats(2, 150), st.floats(0, 1.5))))
+        output = draw(
+            st.one_of(st.builds(Fixed, st.integers(1, 60)), st.builds(LogNormal, st.floats(2, 150), st.floats(0, 1.5)))
+        )
         name = f"t{k}"
         tenants.append(TenantLoad(name, prompt, output, draw(st.floats(50, 1500))))
-        shares[name] = TenantShare(draw(st.sampled_from([1.0, 1.0, 2.0, 0.5])),
-                                   draw(st.sampled_from(["interactive", "interactive", "batch"])))
+        shares[name] = TenantShare(
+            draw(st.sampled_from([1.0, 1.0, 2.0, 0.5])), draw(st.sampled_from(["interactive", "interactive", "batch"]))
+        )
     replicas = draw(st.integers(1, 3))
     policy = draw(st.sampled_from(POLICY_NAMES))
     assume(policy != "vtc_calibrated" or cost.prefill_ms_per_token > 0)
@@ -116,8 +125,14 @@ def test_engines_agree_on_seed_scenario(policy, seed_scenario):
 def test_iteration_timing_follows_the_convention():
     # One request, 3 output tokens, alone: prefilled in its first iteration, resident for 3.
     cost = CostModel(10, 1, 0.5, 4)
-    workload = Workload(["a"], arrival_ns=[1_500_000], tenant_index=[0], prompt_tokens=[20], output_tokens=[3],
-                        duration_ns=5_000_000_000)
+    workload = Workload(
+        ["a"],
+        arrival_ns=[1_500_000],
+        tenant_index=[0],
+        prompt_tokens=[20],
+        output_tokens=[3],
+        duration_ns=5_000_000_000,
+    )
     spec = PolicySpec("fcfs")
     for engine in (run_reference, run_compressed):
         result = engine(workload, cost, make_policy(spec, cost, {"a": TenantShare()}))

@@ -20,9 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_azure_slice_every_policy(traces_dir):
     scenario = load_scenario(REPO / "scenarios" / "replay.toml", ["replica.replicas=1"], require_tenants=False)
-    workload, summary = trace_workload([f"code={traces_dir / 'azure_llm_2023_code.csv'}",
-                                        f"conv={traces_dir / 'azure_llm_2023_conv.csv'}"],
-                                       "azure", start_s=0, duration_s=120)
+    workload, summary = trace_workload(
+        [f"code={traces_dir / 'azure_llm_2023_code.csv'}", f"conv={traces_dir / 'azure_llm_2023_conv.csv'}"],
+        "azure",
+        start_s=0,
+        duration_s=120,
+    )
     assert workload.tenants == ["code", "conv"] and summary.requests["conv"] > summary.requests["code"] > 50
     for policy in POLICY_NAMES:
         run = run_workload(scenario, workload, policy).mean
@@ -34,11 +37,36 @@ def test_azure_slice_every_policy(traces_dir):
 def test_burstgpt_slice_by_model_through_the_cli(traces_dir, tmp_path):
     out = tmp_path / "burst.json"
     done = subprocess.run(
-        [sys.executable, "-m", "fairgate", "replay", str(traces_dir / "burstgpt1_first7days.csv"),
-         "--format", "burstgpt", "--tenant-by", "Model", "--scenario", str(REPO / "scenarios" / "replay.toml"),
-         "--set", "replica.replicas=1", "--speedup", "50", "--duration", "43200", "--policy", "fcfs,gpu_fair",
-         "--json", str(out), "--plot", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "fairgate",
+            "replay",
+            str(traces_dir / "burstgpt1_first7days.csv"),
+            "--format",
+            "burstgpt",
+            "--tenant-by",
+            "Model",
+            "--scenario",
+            str(REPO / "scenarios" / "replay.toml"),
+            "--set",
+            "replica.replicas=1",
+            "--speedup",
+            "50",
+            "--duration",
+            "43200",
+            "--policy",
+            "fcfs,gpu_fair",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr
     assert "failed rows" in done.stderr
     document = json.loads(out.read_text())
@@ -52,8 +80,22 @@ def test_burstgpt_slice_by_model_through_the_cli(traces_dir, tmp_path):
 def test_replay_bad_trace_is_exit_2(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:17:03.9799600,10\n")
-    done = subprocess.run([sys.executable, "-m", "fairgate", "replay", str(bad), "--format", "azure",
-                           "--scenario", str(REPO / "scenarios" / "replay.toml")],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fairgate",
+            "replay",
+            str(bad),
+            "--format",
+            "azure",
+            "--scenario",
+            str(REPO / "scenarios" / "replay.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.returncode == 2
     assert "GeneratedTokens" in done.stderr and str(bad) in done.stderr and "Traceback" not in done.stderr

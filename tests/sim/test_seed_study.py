@@ -58,8 +58,12 @@ def test_realised_output_lengths_match_the_seed(study):
 
 def test_flooding_the_agent(seed_scenario):
     seeds = [1, 2, 3]
-    at = {f: {p: run_policy(seed_scenario, p, seeds, {"agent": f}).mean.max_min_ratio
-              for p in ("fcfs", "vtc", "gpu_fair")} for f in (1.0, 8.0)}
+    at = {
+        f: {
+            p: run_policy(seed_scenario, p, seeds, {"agent": f}).mean.max_min_ratio for p in ("fcfs", "vtc", "gpu_fair")
+        }
+        for f in (1.0, 8.0)
+    }
     assert at[1.0]["fcfs"] < 1.35 and 6.5 <= at[8.0]["fcfs"] <= 9.0  # FIFO decays with the flood
     assert 2.6 <= at[8.0]["vtc"] <= 3.5  # VTC stays near 3
     assert at[8.0]["gpu_fair"] <= 1.02 and at[1.0]["gpu_fair"] <= 1.03

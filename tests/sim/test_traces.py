@@ -24,13 +24,9 @@ BURST1 = TRACES / "burstgpt1_first7days.csv"
 BURST3 = TRACES / "burstgpt3_first400.csv"
 
 
-
 def real(function):  # type: ignore[no-untyped-def]
     """Marks a test that reads the real traces: without them it fails (file not found), never skips."""
     return function
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +72,11 @@ def test_read_azure_code_matches_sources(code_rows: list[TraceRow]) -> None:
     assert round(sum(r.prompt_tokens for r in rows) / len(rows), 1) == 2047.8
     assert min(r.output_tokens for r in rows) == 6 and max(r.output_tokens for r in rows) == 1899
     assert rows[0].prompt_tokens == 4808 and rows[0].output_tokens == 10
-    assert rows[0].fields == {"TIMESTAMP": "2023-11-16 18:17:03.9799600", "ContextTokens": "4808",
-                              "GeneratedTokens": "10"}
+    assert rows[0].fields == {
+        "TIMESTAMP": "2023-11-16 18:17:03.9799600",
+        "ContextTokens": "4808",
+        "GeneratedTokens": "10",
+    }
     assert rows[1].time_s == pytest.approx(0.052, abs=1e-12)  # 7th fractional digit kept
 
 
@@ -123,8 +122,16 @@ def test_burstgpt3_columns_and_failed_row() -> None:
     assert len(rows) == 400
     assert rows[-1].time_s == 41453.0  # 19,440,110 -> 19,481,563
     assert [r.fields["Timestamp"] for r in rows if r.output_tokens == 0] == ["19473253.0"]
-    assert set(rows[0].fields) == {"Timestamp", "Session ID", "Elapsed time", "Model", "Request tokens",
-                                   "Response tokens", "Total tokens", "Log Type"}
+    assert set(rows[0].fields) == {
+        "Timestamp",
+        "Session ID",
+        "Elapsed time",
+        "Model",
+        "Request tokens",
+        "Response tokens",
+        "Total tokens",
+        "Log Type",
+    }
     assert collections.Counter(r.fields["Model"] for r in rows) == {"ChatGPT": 305, "GPT-4": 95}
 
     w, s = trace_workload([BURST3], "burstgpt", tenant_by="Log Type")
@@ -211,13 +218,17 @@ def test_real_loads_are_fast() -> None:
 
 
 def test_read_sorts_stably_and_parses_time_variants(tmp_path: Path) -> None:
-    path = azure_csv(tmp_path, "a.csv", [
-        "2023-11-16 18:00:02.5,10,1",
-        "2023-11-16 18:00:01,20,2",
-        "2023-11-16T19:00:02.500000000+01:00,30,3",  # same instant as the first row
-        "2023-11-16 18:00:01.0000001Z,40,0",
-        "",  # blank lines are ignored
-    ])
+    path = azure_csv(
+        tmp_path,
+        "a.csv",
+        [
+            "2023-11-16 18:00:02.5,10,1",
+            "2023-11-16 18:00:01,20,2",
+            "2023-11-16T19:00:02.500000000+01:00,30,3",  # same instant as the first row
+            "2023-11-16 18:00:01.0000001Z,40,0",
+            "",  # blank lines are ignored
+        ],
+    )
     rows = read_trace(path, "azure")
     assert [r.prompt_tokens for r in rows] == [20, 40, 10, 30]
     assert [r.time_s for r in rows] == [0.0, pytest.approx(1e-7, abs=1e-15), 1.5, 1.5]
@@ -248,8 +259,12 @@ def test_column_tenants_share_one_clock(tmp_path: Path) -> None:
 
 
 def test_empty_column_value_and_ties(tmp_path: Path) -> None:
-    a = write(tmp_path, "s.csv", "Timestamp,Session ID,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
-                                 "0,,ChatGPT,1,1,2,API log\n0,abc,ChatGPT,1,1,2,Conversation log\n")
+    a = write(
+        tmp_path,
+        "s.csv",
+        "Timestamp,Session ID,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "0,,ChatGPT,1,1,2,API log\n0,abc,ChatGPT,1,1,2,Conversation log\n",
+    )
     w, s = trace_workload([a], "burstgpt", tenant_by="Session ID")
     assert w.tenants == ["(none)", "abc"] and w.arrival_ns == [0, 0] and w.tenant_index == [0, 1]
     assert w.duration_ns == 1
@@ -265,8 +280,16 @@ def test_window_rounding_keeps_arrivals_inside_duration(tmp_path: Path) -> None:
 def test_summary_type(tmp_path: Path) -> None:
     path = azure_csv(tmp_path, "s.csv", ["2023-01-01 00:00:00,1,2", "2023-01-01 00:00:04,3,4"])
     _, s = trace_workload([path], "azure", speedup=2.0)
-    assert s == TraceSummary(tenants=("s",), requests={"s": 2}, skipped_failed=0, rows_read=2, span_s=4.0,
-                             duration_s=2.000000001, mean_prompt_tokens=2.0, mean_output_tokens=3.0)
+    assert s == TraceSummary(
+        tenants=("s",),
+        requests={"s": 2},
+        skipped_failed=0,
+        rows_read=2,
+        span_s=4.0,
+        duration_s=2.000000001,
+        mean_prompt_tokens=2.0,
+        mean_output_tokens=3.0,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,32 +313,38 @@ def test_file_not_found(tmp_path: Path) -> None:
 
 def test_unknown_format(tmp_path: Path) -> None:
     path = azure_csv(tmp_path, "a.csv", ["2023-01-01 00:00:00,1,1"])
-    assert raises(read_trace, path, "mooncake") == \
-        f"{path}: unknown trace format 'mooncake' (known: azure, burstgpt)"
+    assert raises(read_trace, path, "mooncake") == f"{path}: unknown trace format 'mooncake' (known: azure, burstgpt)"
     assert "unknown trace format 'Azure'" in raises(trace_workload, [path], "Azure")
 
 
 def test_missing_column(tmp_path: Path) -> None:
     path = write(tmp_path, "m.csv", "TIMESTAMP,ContextTokens\n2023-01-01 00:00:00,1\n")
-    assert raises(read_trace, path, "azure") == f"{path}: missing column 'GeneratedTokens' (has: TIMESTAMP, ContextTokens)"
+    assert (
+        raises(read_trace, path, "azure") == f"{path}: missing column 'GeneratedTokens' (has: TIMESTAMP, ContextTokens)"
+    )
     path = write(tmp_path, "b.csv", "Timestamp,Model,Request tokens\n1,m,2\n")
-    assert raises(read_trace, path, "burstgpt") == \
-        f"{path}: missing column 'Response tokens' (has: Timestamp, Model, Request tokens)"
+    assert (
+        raises(read_trace, path, "burstgpt")
+        == f"{path}: missing column 'Response tokens' (has: Timestamp, Model, Request tokens)"
+    )
 
 
-@pytest.mark.parametrize(("row", "problem"), [
-    ("2023-01-01 00:00:01,abc,1", "column 'ContextTokens': bad token count 'abc' (not a number)"),
-    ("2023-01-01 00:00:01,,1", "column 'ContextTokens': bad token count '' (not a number)"),
-    ("2023-01-01 00:00:01,-3,1", "column 'ContextTokens': bad token count '-3' (negative)"),
-    ("2023-01-01 00:00:01,3,-1", "column 'GeneratedTokens': bad token count '-1' (negative)"),
-    ("2023-01-01 00:00:01,3,1.5", "column 'GeneratedTokens': bad token count '1.5' (not a whole number)"),
-    ("2023-01-01 00:00:01,3,nan", "column 'GeneratedTokens': bad token count 'nan' (not a whole number)"),
-    ("yesterday,3,1", "column 'TIMESTAMP': bad timestamp 'yesterday'"),
-    ("2023-11-16 18:17:03.97x,3,1", "column 'TIMESTAMP': bad timestamp"),
-    ("2023-13-16 18:17:03.9799600,3,1", "column 'TIMESTAMP': bad timestamp"),
-    ("1700000000,3,1", "column 'TIMESTAMP': bad timestamp"),
-    ("2023-01-01 00:00:01,3", "2 fields, header has 3"),
-])
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ("2023-01-01 00:00:01,abc,1", "column 'ContextTokens': bad token count 'abc' (not a number)"),
+        ("2023-01-01 00:00:01,,1", "column 'ContextTokens': bad token count '' (not a number)"),
+        ("2023-01-01 00:00:01,-3,1", "column 'ContextTokens': bad token count '-3' (negative)"),
+        ("2023-01-01 00:00:01,3,-1", "column 'GeneratedTokens': bad token count '-1' (negative)"),
+        ("2023-01-01 00:00:01,3,1.5", "column 'GeneratedTokens': bad token count '1.5' (not a whole number)"),
+        ("2023-01-01 00:00:01,3,nan", "column 'GeneratedTokens': bad token count 'nan' (not a whole number)"),
+        ("yesterday,3,1", "column 'TIMESTAMP': bad timestamp 'yesterday'"),
+        ("2023-11-16 18:17:03.97x,3,1", "column 'TIMESTAMP': bad timestamp"),
+        ("2023-13-16 18:17:03.9799600,3,1", "column 'TIMESTAMP': bad timestamp"),
+        ("1700000000,3,1", "column 'TIMESTAMP': bad timestamp"),
+        ("2023-01-01 00:00:01,3", "2 fields, header has 3"),
+    ],
+)
 def test_bad_azure_row_names_line(tmp_path: Path, row: str, problem: str) -> None:
     path = azure_csv(tmp_path, "bad.csv", ["2023-01-01 00:00:00,1,1", "", row])  # header line 1, blank line 3
     message = raises(read_trace, path, "azure")
@@ -324,8 +353,15 @@ def test_bad_azure_row_names_line(tmp_path: Path, row: str, problem: str) -> Non
     assert raises(trace_workload, [path], "azure") == message
 
 
-@pytest.mark.parametrize(("value", "problem"), [("abc", "not a number of seconds"), ("", "not a number"),
-                                                ("inf", "not a finite number"), ("NaN", "not a finite number")])
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("abc", "not a number of seconds"),
+        ("", "not a number"),
+        ("inf", "not a finite number"),
+        ("NaN", "not a finite number"),
+    ],
+)
 def test_bad_burstgpt_timestamp(tmp_path: Path, value: str, problem: str) -> None:
     path = burst_csv(tmp_path, "bad.csv", [f"{value},m,1,1,2,x"])
     message = raises(read_trace, path, "burstgpt")
@@ -358,24 +394,41 @@ def test_unreadable_file(tmp_path: Path) -> None:
 
 def test_empty_window(tmp_path: Path) -> None:
     path = burst_csv(tmp_path, "w.csv", ["0,m,1,1,2,x", "10,m,1,0,1,x", "20,m,1,1,2,x"])
-    assert raises(trace_workload, [path], "burstgpt", start_s=30.0) == \
-        f"{path}: no requests in window [30, end) s"
-    assert raises(trace_workload, [path], "burstgpt", start_s=1.0, duration_s=5.0) == \
-        f"{path}: no requests in window [1, 6) s"
+    assert raises(trace_workload, [path], "burstgpt", start_s=30.0) == f"{path}: no requests in window [30, end) s"
+    assert (
+        raises(trace_workload, [path], "burstgpt", start_s=1.0, duration_s=5.0)
+        == f"{path}: no requests in window [1, 6) s"
+    )
     # Only a failed row in the window: still empty, and the skipped row is reported.
-    assert raises(trace_workload, [path], "burstgpt", start_s=5.0, duration_s=10.0) == \
-        f"{path}: no requests in window [5, 15) s (1 failed rows skipped)"
+    assert (
+        raises(trace_workload, [path], "burstgpt", start_s=5.0, duration_s=10.0)
+        == f"{path}: no requests in window [5, 15) s (1 failed rows skipped)"
+    )
 
 
 def test_unknown_tenant_column(tmp_path: Path) -> None:
     path = burst_csv(tmp_path, "t.csv", ["0,m,1,1,2,x"])
-    assert raises(trace_workload, [path], "burstgpt", tenant_by="model") == \
-        f"{path}: --tenant-by column 'model' not found (has: Timestamp, Model, Request tokens, Response tokens, " \
+    assert (
+        raises(trace_workload, [path], "burstgpt", tenant_by="model")
+        == f"{path}: --tenant-by column 'model' not found (has: Timestamp, Model, Request tokens, Response tokens, "
         f"Total tokens, Log Type)"
+    )
 
 
-@pytest.mark.parametrize("spec", ["hash:", "hash:0", "hash:-1", "hash:x", "hash:2.5", "hash: 3", "hash:10001",
-                                  "hash:100000000", "hash:" + "9" * 5000])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "hash:",
+        "hash:0",
+        "hash:-1",
+        "hash:x",
+        "hash:2.5",
+        "hash: 3",
+        "hash:10001",
+        "hash:100000000",
+        "hash:" + "9" * 5000,
+    ],
+)
 def test_bad_hash_spec(tmp_path: Path, spec: str) -> None:
     import time
 
@@ -398,28 +451,31 @@ START_RANGE = "must be between 0 and 1e10 (seconds of trace time)"
 DURATION_RANGE = "must be above 0 and at most 1e10 (seconds of trace time)"
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"speedup": 0}, f"--speedup 0: {SPEEDUP_RANGE}"),
-    ({"speedup": -2.0}, f"--speedup -2.0: {SPEEDUP_RANGE}"),
-    ({"speedup": float("nan")}, f"--speedup nan: {SPEEDUP_RANGE}"),
-    ({"speedup": float("inf")}, f"--speedup inf: {SPEEDUP_RANGE}"),
-    ({"speedup": 1e-300}, f"--speedup 1e-300: {SPEEDUP_RANGE}"),  # used to overflow
-    ({"speedup": 1e-6}, f"--speedup 1e-06: {SPEEDUP_RANGE}"),  # used to give arrivals past int64
-    ({"speedup": 0.000999}, f"--speedup 0.000999: {SPEEDUP_RANGE}"),
-    ({"speedup": 1e6 + 1}, f"--speedup 1000001.0: {SPEEDUP_RANGE}"),
-    ({"speedup": 10**400}, f"--speedup <1329-bit integer>: {SPEEDUP_RANGE}"),
-    ({"speedup": True}, f"--speedup True: {SPEEDUP_RANGE}"),
-    ({"speedup": "fast"}, f"--speedup 'fast': {SPEEDUP_RANGE}"),
-    ({"start_s": -1.0}, f"--start -1.0: {START_RANGE}"),
-    ({"start_s": 1e10 + 1e3}, f"--start 10000001000.0: {START_RANGE}"),
-    ({"start_s": float("inf")}, f"--start inf: {START_RANGE}"),
-    ({"start_s": float("nan")}, f"--start nan: {START_RANGE}"),
-    ({"duration_s": 0.0}, f"--duration 0.0: {DURATION_RANGE}"),
-    ({"duration_s": -5}, f"--duration -5: {DURATION_RANGE}"),
-    ({"duration_s": float("inf")}, f"--duration inf: {DURATION_RANGE}"),
-    ({"duration_s": 1e300}, f"--duration 1e+300: {DURATION_RANGE}"),
-    ({"tenant_by": None}, "--tenant-by None: must be file, a column name or hash:N"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"speedup": 0}, f"--speedup 0: {SPEEDUP_RANGE}"),
+        ({"speedup": -2.0}, f"--speedup -2.0: {SPEEDUP_RANGE}"),
+        ({"speedup": float("nan")}, f"--speedup nan: {SPEEDUP_RANGE}"),
+        ({"speedup": float("inf")}, f"--speedup inf: {SPEEDUP_RANGE}"),
+        ({"speedup": 1e-300}, f"--speedup 1e-300: {SPEEDUP_RANGE}"),  # used to overflow
+        ({"speedup": 1e-6}, f"--speedup 1e-06: {SPEEDUP_RANGE}"),  # used to give arrivals past int64
+        ({"speedup": 0.000999}, f"--speedup 0.000999: {SPEEDUP_RANGE}"),
+        ({"speedup": 1e6 + 1}, f"--speedup 1000001.0: {SPEEDUP_RANGE}"),
+        ({"speedup": 10**400}, f"--speedup <1329-bit integer>: {SPEEDUP_RANGE}"),
+        ({"speedup": True}, f"--speedup True: {SPEEDUP_RANGE}"),
+        ({"speedup": "fast"}, f"--speedup 'fast': {SPEEDUP_RANGE}"),
+        ({"start_s": -1.0}, f"--start -1.0: {START_RANGE}"),
+        ({"start_s": 1e10 + 1e3}, f"--start 10000001000.0: {START_RANGE}"),
+        ({"start_s": float("inf")}, f"--start inf: {START_RANGE}"),
+        ({"start_s": float("nan")}, f"--start nan: {START_RANGE}"),
+        ({"duration_s": 0.0}, f"--duration 0.0: {DURATION_RANGE}"),
+        ({"duration_s": -5}, f"--duration -5: {DURATION_RANGE}"),
+        ({"duration_s": float("inf")}, f"--duration inf: {DURATION_RANGE}"),
+        ({"duration_s": 1e300}, f"--duration 1e+300: {DURATION_RANGE}"),
+        ({"tenant_by": None}, "--tenant-by None: must be file, a column name or hash:N"),
+    ],
+)
 def test_bad_window_arguments(tmp_path: Path, kwargs: dict, message: str) -> None:
     path = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x"])
     assert raises(trace_workload, [path], "burstgpt", **kwargs) == message
@@ -429,11 +485,15 @@ def test_bad_names(tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
     a = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x"])
     a2 = burst_csv(tmp_path / "x", "a.csv", ["0,m,1,1,2,x"])
-    assert raises(trace_workload, [a, a2], "burstgpt") == \
-        f"{a2}: tenant name 'a' is used by two files; name them with NAME=PATH"
+    assert (
+        raises(trace_workload, [a, a2], "burstgpt")
+        == f"{a2}: tenant name 'a' is used by two files; name them with NAME=PATH"
+    )
     assert raises(trace_workload, [f"={a}"], "burstgpt") == f"={a}: empty tenant name in NAME=PATH"
-    assert raises(trace_workload, [f"n={a}"], "burstgpt", tenant_by="Model") == \
-        f"n={a}: NAME=PATH names a tenant, which needs --tenant-by file (got --tenant-by 'Model')"
+    assert (
+        raises(trace_workload, [f"n={a}"], "burstgpt", tenant_by="Model")
+        == f"n={a}: NAME=PATH names a tenant, which needs --tenant-by file (got --tenant-by 'Model')"
+    )
     assert raises(trace_workload, [], "burstgpt") == "trace_workload: no trace files given"
     w, _ = trace_workload([f"one={a}", f"two={a2}"], "burstgpt")
     assert w.tenants == ["one", "two"]
@@ -460,13 +520,16 @@ def test_bad_paths_argument(tmp_path: Path) -> None:
 # QA: inputs that used to crash, hang or give garbage
 
 
-@pytest.mark.parametrize(("row", "column", "value"), [
-    ("2023-11-16 18:17:03,5,99999999999999999999", "GeneratedTokens", "'99999999999999999999'"),
-    ("2023-11-16 18:17:03,1e300,5", "ContextTokens", "'1e300'"),
-    ("2023-11-16 18:17:03,10000001,5", "ContextTokens", "'10000001'"),
-    ("2023-11-16 18:17:03,5,1e400", "GeneratedTokens", "'1e400'"),  # float inf
-    ("2023-11-16 18:17:03,5," + "9" * 5000, "GeneratedTokens", "'" + "9" * 40 + "...'"),  # > int digit limit
-])
+@pytest.mark.parametrize(
+    ("row", "column", "value"),
+    [
+        ("2023-11-16 18:17:03,5,99999999999999999999", "GeneratedTokens", "'99999999999999999999'"),
+        ("2023-11-16 18:17:03,1e300,5", "ContextTokens", "'1e300'"),
+        ("2023-11-16 18:17:03,10000001,5", "ContextTokens", "'10000001'"),
+        ("2023-11-16 18:17:03,5,1e400", "GeneratedTokens", "'1e400'"),  # float inf
+        ("2023-11-16 18:17:03,5," + "9" * 5000, "GeneratedTokens", "'" + "9" * 40 + "...'"),  # > int digit limit
+    ],
+)
 def test_token_count_above_the_cap(tmp_path: Path, row: str, column: str, value: str) -> None:
     path = azure_csv(tmp_path, "big.csv", ["2023-11-16 18:17:00,1,1", row])
     message = f"{path}: line 3: column {column!r}: bad token count {value} (above the cap of 10000000)"
@@ -482,7 +545,8 @@ def test_token_count_at_the_cap(tmp_path: Path) -> None:
     w, s = trace_workload([path], "azure")
     assert w.prompt_tokens == [10_000_000] and w.output_tokens == [10_000_000]
     assert raises(read_trace, azure_csv(tmp_path, "neg.csv", ["2023-11-16 18:17:03,-1e400,1"]), "azure").endswith(
-        "bad token count '-1e400' (negative)")
+        "bad token count '-1e400' (negative)"
+    )
 
 
 @pytest.mark.parametrize("value", ["1e12", "100000000000.000000001", "-1", "-0.5", "1e999999999", "-1e999999999"])
@@ -499,7 +563,8 @@ def test_burstgpt_span_above_ten_years(tmp_path: Path) -> None:
     assert raises(trace_workload, [path], "burstgpt") == (
         f"{path}: line 3: column 'Timestamp': timestamp '1e10' is 317 years after the earliest row (line 2); "
         f"replaying from --start 0 to it at --speedup 1 would take 317 years, above the cap of 10 years "
-        f"(use --duration, or fix the timestamp)")
+        f"(use --duration, or fix the timestamp)"
+    )
     # A window that leaves the far row out replays fine; so does a speedup that brings it under 10 years.
     w, _ = trace_workload([path], "burstgpt", duration_s=100.0)
     assert w.arrival_ns == [0] and w.duration_ns == 100 * 10**9
@@ -518,13 +583,15 @@ def test_azure_span_above_ten_years(tmp_path: Path) -> None:
     assert raises(trace_workload, [path], "azure") == (
         f"{path}: line 3: column 'TIMESTAMP': timestamp '9999-12-31 23:59:59' is 9,999 years after the "
         f"earliest row (line 2); replaying from --start 0 to it at --speedup 1 would take 9,999 years, above "
-        f"the cap of 10 years (use --duration, or fix the timestamp)")
+        f"the cap of 10 years (use --duration, or fix the timestamp)"
+    )
     # Slowed down, an otherwise fine 4-year trace exceeds the cap too.
     four = azure_csv(tmp_path, "four.csv", ["2020-01-01 00:00:00,1,1", "2024-01-01 00:00:00,1,1"])
     assert raises(trace_workload, [four], "azure", speedup=0.25) == (
         f"{four}: line 3: column 'TIMESTAMP': timestamp '2024-01-01 00:00:00' is 4 years after the earliest row "
         f"(line 2); replaying from --start 0 to it at --speedup 0.25 would take 16 years, above the cap of "
-        f"10 years (use --duration, or fix the timestamp)")
+        f"10 years (use --duration, or fix the timestamp)"
+    )
     w, _ = trace_workload([four], "azure", speedup=0.5)  # 8 years: fine
     assert w.arrival_ns == [0, 8 * 315_576_000 // 10 * 10**9]
     w, _ = trace_workload([four], "azure", speedup=0.25, start_s=3 * 365 * 86400)  # window leaves row 1 out
@@ -537,24 +604,32 @@ def test_span_error_names_the_earliest_row_of_another_file(tmp_path: Path) -> No
     assert raises(trace_workload, [a, b], "burstgpt", tenant_by="Model") == (
         f"{b}: line 3: column 'Timestamp': timestamp '9e9' is 285 years after the earliest row ({a} line 2); "
         f"replaying from --start 0 to it at --speedup 1 would take 285 years, above the cap of 10 years "
-        f"(use --duration, or fix the timestamp)")
+        f"(use --duration, or fix the timestamp)"
+    )
 
 
 def test_duration_above_ten_years_of_replay(tmp_path: Path) -> None:
     path = burst_csv(tmp_path, "d.csv", ["0,m,1,1,2,x"])
-    assert raises(trace_workload, [path], "burstgpt", duration_s=1e10) == \
-        "--duration 1e+10 at --speedup 1 is 317 years of replay, above the cap of 10 years"
-    assert raises(trace_workload, [path], "burstgpt", duration_s=1e6, speedup=1e-3) == \
-        "--duration 1e+06 at --speedup 0.001 is 31.7 years of replay, above the cap of 10 years"
+    assert (
+        raises(trace_workload, [path], "burstgpt", duration_s=1e10)
+        == "--duration 1e+10 at --speedup 1 is 317 years of replay, above the cap of 10 years"
+    )
+    assert (
+        raises(trace_workload, [path], "burstgpt", duration_s=1e6, speedup=1e-3)
+        == "--duration 1e+06 at --speedup 0.001 is 31.7 years of replay, above the cap of 10 years"
+    )
     w, _ = trace_workload([path], "burstgpt", duration_s=315_576_000.0)  # exactly 10 years
     assert w.duration_ns == 315_576_000 * 10**9
 
 
-@pytest.mark.parametrize(("value", "problem"), [
-    ("2023-11-16 18:17:03+00:99", "bad UTC offset +00:99"),
-    ("2023-11-16 18:17:03+24:00", "bad UTC offset +24:00"),
-    ("0000-01-01 00:00:00", "bad timestamp '0000-01-01 00:00:00'"),
-])
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("2023-11-16 18:17:03+00:99", "bad UTC offset +00:99"),
+        ("2023-11-16 18:17:03+24:00", "bad UTC offset +24:00"),
+        ("0000-01-01 00:00:00", "bad timestamp '0000-01-01 00:00:00'"),
+    ],
+)
 def test_azure_bad_offset_or_year(tmp_path: Path, value: str, problem: str) -> None:
     path = azure_csv(tmp_path, "o.csv", [f"{value},1,1"])
     message = raises(read_trace, path, "azure")
@@ -567,12 +642,15 @@ def test_azure_extreme_years_read(tmp_path: Path) -> None:
     assert rows[-1].time_s > 3.15e11
 
 
-@pytest.mark.parametrize(("header", "column"), [
-    ("TIMESTAMP,ContextTokens,GeneratedTokens,GeneratedTokens", "GeneratedTokens"),
-    ("TIMESTAMP, ContextTokens ,ContextTokens,GeneratedTokens", "ContextTokens"),  # equal once stripped
-    ("TIMESTAMP,ContextTokens,GeneratedTokens,Note,Note", "Note"),  # any column, not only the used ones
-    ("TIMESTAMP,ContextTokens,GeneratedTokens,,", ""),
-])
+@pytest.mark.parametrize(
+    ("header", "column"),
+    [
+        ("TIMESTAMP,ContextTokens,GeneratedTokens,GeneratedTokens", "GeneratedTokens"),
+        ("TIMESTAMP, ContextTokens ,ContextTokens,GeneratedTokens", "ContextTokens"),  # equal once stripped
+        ("TIMESTAMP,ContextTokens,GeneratedTokens,Note,Note", "Note"),  # any column, not only the used ones
+        ("TIMESTAMP,ContextTokens,GeneratedTokens,,", ""),
+    ],
+)
 def test_duplicate_header_column(tmp_path: Path, header: str, column: str) -> None:
     width = header.count(",") + 1
     path = write(tmp_path, "dup.csv", header + "\n2023-11-16 18:17:03,1,2" + ",3" * (width - 3) + "\n")
@@ -631,9 +709,13 @@ def test_symlink_to_a_regular_file_is_read(tmp_path: Path) -> None:
 
 
 def test_blank_tenant_values_become_none(tmp_path: Path) -> None:
-    path = write(tmp_path, "s.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
-                                    '0,,1,1,2,x\n1,   ,1,1,2,x\n2,"\t",1,1,2,x\n3,\u00a0\u3000,1,1,2,x\n'
-                                    "4,\u200b,1,1,2,x\n5,\ufeff ,1,1,2,x\n6, GPT-4 ,1,1,2,x\n")
+    path = write(
+        tmp_path,
+        "s.csv",
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        '0,,1,1,2,x\n1,   ,1,1,2,x\n2,"\t",1,1,2,x\n3,\u00a0\u3000,1,1,2,x\n'
+        "4,\u200b,1,1,2,x\n5,\ufeff ,1,1,2,x\n6, GPT-4 ,1,1,2,x\n",
+    )
     w, s = trace_workload([path], "burstgpt", tenant_by="Model")
     assert w.tenants == ["(none)", "GPT-4"]
     assert s.requests == {"(none)": 6, "GPT-4": 1}
@@ -641,8 +723,10 @@ def test_blank_tenant_values_become_none(tmp_path: Path) -> None:
 
 def test_messages_with_line_breaks_stay_on_one_line(tmp_path: Path) -> None:
     path = write(tmp_path, "nl.csv", 'TIMESTAMP,"Context\nTokens",X\n2023-11-16 18:17:03,1,2\n')
-    assert raises(read_trace, path, "azure") == \
-        f"{path}: missing column 'ContextTokens' (has: TIMESTAMP, Context\\nTokens, X)"
+    assert (
+        raises(read_trace, path, "azure")
+        == f"{path}: missing column 'ContextTokens' (has: TIMESTAMP, Context\\nTokens, X)"
+    )
 
 
 def test_cli_reports_a_bad_option_in_one_line(tmp_path: Path) -> None:
@@ -650,9 +734,25 @@ def test_cli_reports_a_bad_option_in_one_line(tmp_path: Path) -> None:
     import sys
 
     path = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x"])
-    done = subprocess.run([sys.executable, "-m", "fairgate", "replay", str(path), "--format", "burstgpt",
-                           "--scenario", str(REPO / "scenarios" / "replay.toml"), "--speedup", "1e-300"],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fairgate",
+            "replay",
+            str(path),
+            "--format",
+            "burstgpt",
+            "--scenario",
+            str(REPO / "scenarios" / "replay.toml"),
+            "--speedup",
+            "1e-300",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert "--speedup 1e-300: must be between 0.001 and 1000000" in done.stderr

@@ -106,8 +106,9 @@ class CounterPolicy(QueuedPolicy):
         tied = [t for t in self._queues if key[t] <= limit]
         return tied[0] if len(tied) == 1 else self._earliest(tied)
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
-               remote: bool = False) -> None:
+    def charge(
+        self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
+    ) -> None:
         cost = self._cost(gpu_ms, input_tokens, output_tokens, batch_size)
         if cost:
             weighted = cost / self._weights.get(tenant, 1.0)
@@ -134,8 +135,9 @@ class VTC(CounterPolicy):
 
     name = "vtc"
 
-    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0,
-                 weights: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self, input_weight: float = 1.0, output_weight: float = 2.0, weights: Mapping[str, float] | None = None
+    ) -> None:
         super().__init__(weights)
         if not input_weight >= 0 or not output_weight >= 0:
             raise ValueError("vtc input_weight and output_weight must be >= 0")
@@ -202,11 +204,15 @@ class GPUFair(CounterPolicy):
 
     name = "gpu_fair"
 
-    def __init__(self, weights: Mapping[str, float] | None = None, cost: CostModel | None = None,
-                 commit_horizon_tokens: int = 96) -> None:
+    def __init__(
+        self, weights: Mapping[str, float] | None = None, cost: CostModel | None = None, commit_horizon_tokens: int = 96
+    ) -> None:
         super().__init__(weights)
-        if isinstance(commit_horizon_tokens, bool) or not isinstance(commit_horizon_tokens, int) \
-                or commit_horizon_tokens < 0:
+        if (
+            isinstance(commit_horizon_tokens, bool)
+            or not isinstance(commit_horizon_tokens, int)
+            or commit_horizon_tokens < 0
+        ):
             raise ValueError(f"commit_horizon_tokens must be an integer >= 0, got {commit_horizon_tokens!r}")
         self._horizon = commit_horizon_tokens
         self._per_token_ms = cost.decode_ms(cost.max_batch) / cost.max_batch if cost is not None else 0.0
@@ -224,11 +230,11 @@ class GPUFair(CounterPolicy):
         if request.max_output_tokens and self._per_token_ms:
             declared = min(request.max_output_tokens, self._horizon)
             self._commits[request.request_id] = declared
-            self.committed[request.tenant] = (self.committed.get(request.tenant, 0.0)
-                                              + declared * self._per_token_ms)
+            self.committed[request.tenant] = self.committed.get(request.tenant, 0.0) + declared * self._per_token_ms
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
-               remote: bool = False) -> None:
+    def charge(
+        self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
+    ) -> None:
         super().charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size, remote)
         if output_tokens and not remote and self.committed.get(tenant):
             self.committed[tenant] = max(0.0, self.committed[tenant] - output_tokens * self._per_token_ms)

@@ -72,13 +72,16 @@ class DeficitRoundRobin(QueuedPolicy):
             if best_step < 0 or step < best_step:
                 best_step, best_position = step, position
         for position, tenant in enumerate(turns):
-            visits = best_step // n if position == 0 else (best_step - position) // n + 1 if best_step >= position else 0
+            visits = (
+                best_step // n if position == 0 else (best_step - position) // n + 1 if best_step >= position else 0
+            )
             deficits[tenant] += visits * self._quantum_ms * self._weights.get(tenant, 1.0)
         turns.rotate(-best_position)
         return turns[0]
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
-               remote: bool = False) -> None:
+    def charge(
+        self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
+    ) -> None:
         if tenant in self.deficits:
             self.deficits[tenant] -= gpu_ms
         else:

@@ -16,8 +16,15 @@ from fairgate.core.policy import Policy
 from fairgate.core.request import PRIORITIES
 
 POLICY_NAMES: tuple[str, ...] = (
-    "fcfs", "round_robin", "request_quota", "token_quota", "slot_cap",
-    "vtc", "vtc_calibrated", "drr", "gpu_fair",
+    "fcfs",
+    "round_robin",
+    "request_quota",
+    "token_quota",
+    "slot_cap",
+    "vtc",
+    "vtc_calibrated",
+    "drr",
+    "gpu_fair",
 )
 
 

@@ -49,8 +49,9 @@ class PriorityPools:
                     return request
         return None
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
-               remote: bool = False) -> None:
+    def charge(
+        self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
+    ) -> None:
         self._pool(tenant).charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size, remote)
 
     def finish(self, request: Request, now_ms: float) -> None:

@@ -97,8 +97,9 @@ class TokenQuota(_BucketPolicy):
     def _on_pick(self, request, now_ms: float) -> None:  # type: ignore[no-untyped-def]
         self._bucket(request.tenant).spend(request.prompt_tokens, now_ms)
 
-    def charge(self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int,
-               remote: bool = False) -> None:
+    def charge(
+        self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
+    ) -> None:
         # Prompt tokens were taken at pick time; generated tokens are booked as they come.
         self._bucket(tenant).book(output_tokens)
 
