@@ -1,9 +1,10 @@
 """The ``Policy`` protocol: one object decides who runs next, for the simulator and the gateway alike.
 
 Both drivers call the same methods in the same order (``shared/DESIGN.md``, "One policy object, two
-drivers"): ``enqueue`` when a request is handed over, ``pick`` whenever a slot is free (repeatedly, until
-it returns ``None`` or the slots are full), ``charge`` as work is spent (the prefill right after a
-request is picked, decode as iterations complete), ``finish`` when a request leaves its slot.
+drivers"), through one admit step (``fairgate.core.admit.Admitter``): ``enqueue`` when a request is
+handed over, ``pick`` whenever a slot is free (repeatedly, until it returns ``None`` or the slots are
+full), ``charge`` as work is spent (the prefill right after a request is picked, decode as iterations
+complete), ``finish`` when a request leaves its slot, ``remove`` when a queued request leaves unpicked.
 
 Contract every policy keeps, on which the event-compressed engine relies:
 - ``pick`` returning ``None`` changes no state, and keeps returning ``None`` until the next ``enqueue``,
@@ -45,6 +46,10 @@ class Policy(Protocol):
 
     def finish(self, request: Request, now_ms: float) -> None:
         """``request`` left its slot (finished, cancelled or failed)."""
+
+    def remove(self, request_id: int, now_ms: float) -> Request | None:
+        """Take a queued request out before it is picked (its client left, its upstreams went down);
+        returns it, or ``None`` if it is not queued (picked already, or never enqueued)."""
 
     def wake_at(self, now_ms: float) -> float | None:
         """When a held request may become eligible (ms), or ``None`` if nothing is held by time."""
@@ -105,6 +110,22 @@ class QueuedPolicy:
         self._in_flight[request.tenant] = left
         if not left and request.tenant not in self._queues:
             self._on_inactive(request.tenant, now_ms)
+
+    def remove(self, request_id: int, now_ms: float) -> Request | None:
+        # A linear scan: removals are rare (a client that left its queue) and queues are bounded by
+        # ``max_queued``; an index by id would cost every enqueue and pick of the simulator's hot path.
+        for tenant, queue in self._queues.items():
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._queued -= 1
+                    if not queue:
+                        del self._queues[tenant]
+                        self._on_idle(tenant, now_ms)
+                        if not self._running(tenant):
+                            self._on_inactive(tenant, now_ms)
+                    return request
+        return None
 
     def wake_at(self, now_ms: float) -> float | None:
         return None

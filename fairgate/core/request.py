@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The most tokens one request may have, prompt or output: keeps every run finite and every count exact
+# in the simulator's integer-nanosecond arithmetic (scenarios, traces and the gateway's config use it).
+MAX_TOKENS_PER_REQUEST = 10_000_000
+
 # Priority pools, highest first (seed 003, "Fair queuing cannot rely solely on FIFO").
 PRIORITIES: tuple[str, ...] = ("interactive", "batch", "eval")
 

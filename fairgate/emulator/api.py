@@ -5,9 +5,10 @@ Follows the OpenAI API and vLLM's extensions where they matter for scheduling: `
 ``ignore_eos`` (generate exactly ``max_tokens``). Without ``ignore_eos`` the output length is drawn from
 the emulator's length distribution (seeded by ``seed`` when given) and capped by ``max_tokens``.
 
-Prompt tokens are counted by ``count_tokens``: one token per whitespace-separated word, plus 3 per chat
-message (the role and template markers). Generated text is `` t1 t2 ...``. A client that disconnects stops
-its sequence within one iteration. Bad requests get HTTP 400 with an OpenAI-shaped error naming the field.
+Prompt tokens are counted by ``fairgate.api.count_prompt_tokens``: one token per whitespace-separated
+word, plus 3 per chat message (the role and template markers). Generated text is `` t1 t2 ...``. A client
+that disconnects stops its sequence within one iteration. Bad requests get HTTP 400 with an OpenAI-shaped
+error naming the field.
 
 With ``require_tenant_context`` the emulator stands in for an upstream that refuses work without trusted
 tenant context (seed 003, "each hop in the backend receives trusted tenant context and rejects when
@@ -25,142 +26,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
+from fairgate.api import ChatRequest, CompletionRequest, GenerationRequest, count_prompt_tokens, error_body
 from fairgate.core.cost import CostModel
 from fairgate.emulator.replica import EmulatedReplica, Sequence
-
-CHAT_MESSAGE_OVERHEAD_TOKENS = 3
-
-
-def count_tokens(text: str) -> int:
-    """The emulator's tokenizer: whitespace-separated words."""
-    return len(text.split())
-
-
-class _Open(BaseModel):
-    # OpenAI clients send many optional fields: unknown ones are passed on, known ones must have their type
-    # ("5" is not a max_tokens, "yes" is not a stream flag).
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class StreamOptions(_Open):
-    include_usage: bool = False
-
-
-class ContentPart(_Open):
-    type: str
-    text: str = ""
-
-
-class ChatMessage(_Open):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return " ".join(part.text for part in self.content)
-
-
-# The OpenAI API's sampling fields and their ranges (platform.openai.com/docs/api-reference/chat/create):
-# the emulator ignores them, but a request vLLM would refuse is refused here too, naming the field.
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
-
-
-class _Generation(_Open):
-    model: Annotated[str, Field(min_length=1, max_length=1000)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    n: Literal[1] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    stop: str | list[str] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
-    user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _at_most_four_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > 4:
-            raise ValueError(f"at most 4 stop sequences, got {len(value)}")
-        return value
-
-    @model_validator(mode="after")
-    def _one_cap(self) -> _Generation:
-        if (
-            self.max_tokens is not None
-            and self.max_completion_tokens is not None
-            and self.max_tokens != self.max_completion_tokens
-            and "max_tokens" in self.model_fields_set
-        ):
-            raise ValueError("max_tokens: differs from max_completion_tokens; send one (max_completion_tokens)")
-        return self
-
-    def token_cap(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-
-class ChatRequest(_Generation):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs: true")
-        return self
-
-
-class CompletionRequest(_Generation):
-    # Text, or token ids (as OpenAI's and vLLM's completions APIs take them); one prompt a request.
-    prompt: (
-        str
-        | list[str]
-        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-        | list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]
-    )
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the completions API's default
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        batch = isinstance(value, list) and value and not isinstance(value[0], int)  # texts or token-id lists
-        if isinstance(value, list) and not value:
-            raise ValueError("an empty list is no prompt")
-        if batch and len(value) != 1:
-            raise ValueError(
-                f"one prompt a request (a list of {len(value)} would be as many choices; send them one by one)"
-            )
-        return value
-
-    def prompt_text(self) -> str | None:
-        """The prompt as text, or None when it is given as token ids (``prompt_token_ids``)."""
-        if isinstance(self.prompt, str):
-            return self.prompt
-        return self.prompt[0] if isinstance(self.prompt[0], str) else None
-
-    def prompt_token_ids(self) -> list[int]:
-        """The prompt's token ids (empty when it is text)."""
-        first = self.prompt[0] if isinstance(self.prompt, list) else None
-        if isinstance(first, int):
-            return list(self.prompt)  # type: ignore[arg-type]
-        return list(first) if isinstance(first, list) else []
 
 
 class EmulatorSettings(BaseModel):
@@ -182,10 +57,7 @@ class EmulatorSettings(BaseModel):
 
 
 def _error(status: int, message: str, param: str | None, code: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}},
-    )
+    return JSONResponse(status_code=status, content=error_body(message, "invalid_request_error", param, code))
 
 
 def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
@@ -212,7 +84,7 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
         param = ".".join(location) or None
         return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
 
-    def output_length(body: _Generation, prompt_tokens: int) -> tuple[int, str] | JSONResponse:
+    def output_length(body: GenerationRequest, prompt_tokens: int) -> tuple[int, str] | JSONResponse:
         cap = body.token_cap()
         if cap is not None and prompt_tokens + cap > settings.max_model_len:
             return _error(
@@ -240,7 +112,7 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
             return cap, "length"
         return length, "stop"
 
-    async def generate(request: Request, body: _Generation, prompt_tokens: int, chat: bool) -> Any:
+    async def generate(request: Request, body: GenerationRequest, prompt_tokens: int, chat: bool) -> Any:
         if settings.require_tenant_context:
             salt = (body.model_extra or {}).get("cache_salt")
             if not isinstance(salt, str) or not salt.strip():
@@ -273,7 +145,7 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
             )
         watcher = asyncio.create_task(_cancel_on_disconnect(request, replica, seq))
         try:
-            while (event := await seq.events.get()) is not None:
+            while await seq.events.get() is not None:
                 pass
         finally:
             watcher.cancel()
@@ -300,15 +172,11 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest) -> Any:
-        prompt_tokens = sum(count_tokens(m.text()) + CHAT_MESSAGE_OVERHEAD_TOKENS for m in body.messages)
-        return await generate(request, body, prompt_tokens, chat=True)
+        return await generate(request, body, count_prompt_tokens(body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Any:
-        text = body.prompt_text()
-        return await generate(
-            request, body, count_tokens(text) if text is not None else len(body.prompt_token_ids()), chat=False
-        )
+        return await generate(request, body, count_prompt_tokens(body), chat=False)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -59,9 +59,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 from fairgate.configerrors import pydantic_message
 from fairgate.core.cost import CostModel
 from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
+from fairgate.core.policies.params import PolicyConfig
+from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, is_key_hash
-from fairgate.ledger.config import Name, QuotaConfigError, Quotas, quotas_from_dict
-from fairgate.sim.scenario import MAX_TOKENS, PolicyConfig
+from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
 from fairgate.tomlfile import read_toml
 
 
@@ -94,7 +95,7 @@ class GatewaySection(_Strict):
     ledger: str
     journal: Annotated[str, Field(min_length=1)] = "fairgate-journal.jsonl"
     event_log: Annotated[str, Field(min_length=1)] | None = "fairgate-events.jsonl"  # JSON lines; "" -> none
-    default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] = 512
+    default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_PER_REQUEST)] = 512
     max_body_bytes: Annotated[int, Field(ge=1024, le=1024**3)] = 1024 * 1024
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
     # Seconds between rounds of sharing the policy's counters and the meters' occupancy of the upstreams
@@ -145,7 +146,7 @@ class UpstreamConfig(_Strict):
     iter_base_ms: Annotated[float, Field(ge=0.001, le=1e6)]
     iter_slope_ms: Annotated[float, Field(ge=0.0, le=1e5)]
     prefill_ms_per_token: Annotated[float, Field(ge=0.0, le=1e4)]
-    max_model_len: Annotated[int, Field(ge=2, le=MAX_TOKENS)]
+    max_model_len: Annotated[int, Field(ge=2, le=MAX_TOKENS_PER_REQUEST)]
 
     @field_validator("url")
     @classmethod

@@ -1,4 +1,4 @@
-"""The live dashboard at ``GET /dashboard`` (issue 5, part 3).
+"""The live dashboard at ``GET /dashboard``.
 
 - ``GET /dashboard``: the page (no data in it): a key form; the key is kept in the tab's ``sessionStorage``
   and sent as ``Authorization: Bearer`` to the JSON endpoint every 2.5 s. Charts use Chart.js, served from
@@ -25,20 +25,18 @@ previous sample), ``running``, ``queued`` (now), ``gpu_s`` (cumulative GPU secon
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from fairgate.gateway import stats as stats_module
-from fairgate.gateway.errors import GatewayError, error_response
+from fairgate.gateway.identity import Caller, admin_or_tenant
+from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.stats import Stats, TenantTotals
 
 STATIC = Path(__file__).parent / "static"
 REFRESH_S = 2.5
-DEFAULT_TTFT_P99_TARGET_MS = 2000.0  # the shared pool's SLO line; app.state.slo_ttft_p99_target_ms overrides
 _FILES = {
     "dashboard.js": "text/javascript",
     "dashboard.css": "text/css",
@@ -130,29 +128,15 @@ def payload(stats: Stats, tenant: str | None, ttft_target_ms: float) -> dict[str
     }
 
 
-def install(app: FastAPI) -> None:
-    """Add ``/dashboard``, ``/dashboard/static/<file>`` and ``/dashboard/data`` to the gateway ``app``."""
-    stats = stats_module.for_app(app)
+def install(app: FastAPI, stats: Stats, ttft_target_ms: float) -> None:
+    """Add ``/dashboard``, ``/dashboard/static/<file>`` and ``/dashboard/data`` to the gateway ``app``: the
+    charts of ``stats``, the pool's TTFT p99 drawn against ``ttft_target_ms``."""
     cache: dict[str, bytes] = {}
 
     def read(name: str) -> bytes:
         if name not in cache:
             cache[name] = (STATIC / name).read_bytes()
         return cache[name]
-
-    def scope(request: Request) -> str | None:
-        """None for an admin key, else the tenant of the key. Raises ``GatewayError`` (400/401/403)."""
-        if app.state.is_admin(request):
-            return None
-        tenant, delegate = app.state.authenticate(request)
-        if delegate is not None:
-            raise GatewayError(
-                403,
-                "The dashboard shows the key holder's own data; on-behalf-of tokens are not accepted here.",
-                "delegation_not_allowed",
-                kind="permission_error",
-            )
-        return str(tenant)
 
     @app.get("/dashboard", include_in_schema=False)
     async def page() -> Response:
@@ -170,7 +154,7 @@ def install(app: FastAPI) -> None:
     @app.get("/dashboard/static/{name}", include_in_schema=False)
     async def static(name: str) -> Response:
         if name not in _FILES:
-            return error_response(GatewayError(404, "Not Found", "not_found"), f"req-{uuid.uuid4().hex}")
+            raise Rejection(Outcome.ROUTE_NOT_FOUND, "Not Found")
         return Response(
             read(name),
             media_type=_FILES[name],
@@ -178,11 +162,12 @@ def install(app: FastAPI) -> None:
         )
 
     @app.get("/dashboard/data", include_in_schema=False)
-    async def data(request: Request) -> Response:
+    async def data(caller: Annotated[Caller | None, Depends(admin_or_tenant)]) -> Response:
         # async: runs on the event loop with the observers, so it reads a consistent state.
-        try:
-            tenant = scope(request)
-        except GatewayError as error:
-            return error_response(error, f"req-{uuid.uuid4().hex}")
-        target = float(getattr(app.state, "slo_ttft_p99_target_ms", DEFAULT_TTFT_P99_TARGET_MS))
-        return JSONResponse(payload(stats, tenant, target), headers={"cache-control": "no-store"})
+        if caller is not None and caller.delegate is not None:
+            raise Rejection(
+                Outcome.DELEGATION_NOT_ALLOWED,
+                "The dashboard shows the key holder's own data; on-behalf-of tokens are not accepted here.",
+            )
+        tenant = None if caller is None else caller.tenant
+        return JSONResponse(payload(stats, tenant, ttft_target_ms), headers={"cache-control": "no-store"})

@@ -1,24 +1,26 @@
-"""The dispatcher: per-tenant queues in front of the upstreams, drained by the same ``Policy`` objects the
-simulator drives, on the wall clock.
+"""The dispatcher: per-tenant queues in front of the upstreams, drained by the same admit step and policy
+objects the simulator drives (``fairgate.core.admit``), on the wall clock.
 
-Per model there is one pool: one policy object and the upstreams serving that model. A request waits in its
-tenant's queue (bounded by the tenant's ``max_queued``) until the policy picks it for a free slot; it then
-goes to the least-loaded upstream of its model with a free slot (at most ``max_batch`` in flight each).
-Calls follow the simulator's order: ``enqueue`` -> ``pick`` when a slot frees -> ``charge`` (the prefill
-estimate at once, then metered GPU time as it is spent) -> ``finish``. A held request (a quota policy)
-is retried at the policy's ``wake_at``. A request whose client gave up while queued is skipped when picked.
+Per model there is one pool: one ``Admitter`` (its policy, the queued and running counts) and the
+upstreams serving that model. A request waits in its tenant's queue (bounded by the tenant's
+``max_queued``) until a slot frees on the least-loaded upstream of its model (at most ``max_batch`` in
+flight each) and the policy picks it; the admit step counts it running and charges its prefill estimate;
+metered GPU time is charged as it is spent; the request leaves its slot by ``release`` (``finish``). A held
+request (a quota policy) is retried at the policy's ``wake_at``. A request whose caller leaves while it
+waits is taken out of the policy's queue (``Policy.remove``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
-from collections.abc import Awaitable, Callable
+import itertools
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from fairgate.core.admit import Admitter
 from fairgate.core.cost import CostModel
 from fairgate.core.policy import Policy
-from fairgate.core.request import Request, RunningView
+from fairgate.core.request import Request
 
 
 class QueueFull(Exception):
@@ -30,7 +32,7 @@ class QueueFull(Exception):
 
 
 class NoUpstream(Exception):
-    """No upstream serves the requested model."""
+    """No upstream serves the requested model, or none of them is up."""
 
 
 @dataclass
@@ -58,12 +60,9 @@ class Lease:
 
 @dataclass
 class _Pool:
-    policy: Policy
+    admitter: Admitter
     upstreams: list[Upstream]
-    view: RunningView = field(default_factory=RunningView)
     waiters: dict[int, asyncio.Future[Lease]] = field(default_factory=dict)
-    queued: Counter[str] = field(default_factory=Counter)
-    abandoned: set[int] = field(default_factory=set)
     wake: asyncio.TimerHandle | None = None
     # Charges booked here since the last ``take_local_charges``: tenant -> [GPU ms, prompt, output tokens].
     unshared: dict[str, list[float]] = field(default_factory=dict)
@@ -75,7 +74,7 @@ class Dispatcher:
     Args:
         make_policy: builds a fresh policy object for one model's pool.
         upstreams: every upstream; grouped by ``model``.
-        clock: ms, monotonic (the policy's ``now_ms``).
+        clock: ms, monotonic (the policy's ``now_ms`` and requests' arrival times).
         max_queued: tenant -> queue bound (None: unbounded).
         on_charge: told of every charge booked with a policy: (model, tenant, GPU ms).
     """
@@ -91,15 +90,28 @@ class Dispatcher:
         self._clock = clock
         self._on_charge = on_charge or (lambda model, tenant, gpu_ms: None)
         self._max_queued = max_queued
+        self._ids = itertools.count(1)  # the policy's tie-break: arrival order within this process
         self._pools: dict[str, _Pool] = {}
         for upstream in upstreams:
             pool = self._pools.get(upstream.model)
             if pool is None:
-                pool = self._pools[upstream.model] = _Pool(make_policy(), [])
+                pool = self._pools[upstream.model] = _Pool(Admitter(make_policy()), [])
             pool.upstreams.append(upstream)
 
     def models(self) -> list[str]:
         return sorted(self._pools)
+
+    def policy(self, model: str) -> Policy:
+        """The policy object of ``model``'s pool. Raises ``KeyError`` for a model no upstream serves."""
+        return self._pools[model].admitter.policy
+
+    def upstreams(self) -> list[Upstream]:
+        """Every upstream, with its ``in_flight`` count now."""
+        return [u for pool in self._pools.values() for u in pool.upstreams]
+
+    def request(self, tenant: str, prompt_tokens: int, max_output_tokens: int) -> Request:
+        """A new request as the policy sees it, arriving now."""
+        return Request(next(self._ids), tenant, prompt_tokens, self._clock(), max_output_tokens)
 
     def mark_down(self, upstream: Upstream) -> None:
         """``upstream`` failed to connect: no more requests go to it until ``mark_up``. When it was the last
@@ -111,12 +123,12 @@ class Dispatcher:
         pool = self._pools[upstream.model]
         if any(u.healthy for u in pool.upstreams):
             return
+        now = self._clock()
         for request_id, future in list(pool.waiters.items()):
             if not future.done():
                 future.set_exception(NoUpstream(f"no upstream is up for model {upstream.model!r}"))
             del pool.waiters[request_id]
-            pool.abandoned.add(request_id)
-        pool.queued.clear()
+            pool.admitter.remove(request_id, now)
 
     def mark_up(self, upstream: Upstream) -> None:
         """``upstream`` answers again: it takes requests."""
@@ -125,26 +137,16 @@ class Dispatcher:
         upstream.healthy = True
         self._dispatch(self._pools[upstream.model])
 
-    def upstreams(self) -> list[Upstream]:
-        """Every upstream, with its ``in_flight`` count now."""
-        return [u for pool in self._pools.values() for u in pool.upstreams]
-
     def queued_by_tenant(self) -> dict[str, int]:
         """Requests waiting in queues now, per tenant (all models)."""
-        total: Counter[str] = Counter()
-        for pool in self._pools.values():
-            total.update({t: n for t, n in pool.queued.items() if n > 0})
-        return dict(total)
+        return _add(pool.admitter.queued_by_tenant() for pool in self._pools.values())
 
     def running_by_tenant(self) -> dict[str, int]:
         """Requests holding an upstream slot now, per tenant (all models)."""
-        total: Counter[str] = Counter()
-        for pool in self._pools.values():
-            total.update({t: n for t, n in pool.view.by_tenant.items() if n > 0})
-        return dict(total)
+        return _add(pool.admitter.running_by_tenant() for pool in self._pools.values())
 
     def queued(self, tenant: str, model: str) -> int:
-        return self._pools[model].queued[tenant] if model in self._pools else 0
+        return self._pools[model].admitter.queued(tenant) if model in self._pools else 0
 
     async def acquire(
         self, request: Request, model: str, on_wait: Callable[[], Awaitable[None]] | None = None
@@ -156,19 +158,18 @@ class Dispatcher:
         - unless a slot was granted meanwhile.
 
         Raises:
-            NoUpstream: no upstream serves ``model``. QueueFull: the tenant's queue is full.
-            asyncio.CancelledError: the caller gave up (the request is dropped from the queue).
+            NoUpstream: no upstream serves ``model``, or none is up. QueueFull: the tenant's queue is full.
+            asyncio.CancelledError: the caller gave up (the request leaves the queue).
         """
         pool = self._pools.get(model)
         if pool is None or not any(u.healthy for u in pool.upstreams):
             raise NoUpstream(f"no upstream serves model {model!r}")
         limit = self._max_queued(request.tenant)
-        if limit is not None and pool.queued[request.tenant] >= limit:
+        if limit is not None and pool.admitter.queued(request.tenant) >= limit:
             raise QueueFull(request.tenant, limit)
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         pool.waiters[request.request_id] = future
-        pool.queued[request.tenant] += 1
-        pool.policy.enqueue(request, self._clock())
+        pool.admitter.enqueue(request, self._clock())
         self._dispatch(pool)
         try:
             if on_wait is not None and not future.done():
@@ -181,10 +182,8 @@ class Dispatcher:
         except BaseException:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.release(future.result())  # granted just as the caller gave up
-            elif request.request_id in pool.waiters:
-                del pool.waiters[request.request_id]
-                pool.queued[request.tenant] -= 1
-                pool.abandoned.add(request.request_id)
+            elif pool.waiters.pop(request.request_id, None) is not None:
+                pool.admitter.remove(request.request_id, self._clock())
             raise
 
     def release(self, lease: Lease, generated_tokens: int | None = None) -> None:
@@ -193,39 +192,26 @@ class Dispatcher:
         ``generated_tokens``: output tokens the request produced (the policy's committed-work accounting)."""
         if lease.released:
             return
-        if generated_tokens is not None:
-            lease.request.generated_tokens = generated_tokens
         lease.released = True
         pool = self._pools[lease.upstream.model]
         lease.upstream.in_flight -= 1
-        pool.view.by_tenant[lease.request.tenant] -= 1
-        pool.policy.finish(lease.request, self._clock())
+        pool.admitter.finish(lease.request, self._clock(), generated_tokens)
         self._dispatch(pool)
 
     def charge(self, model: str, tenant: str, gpu_ms: float, output_tokens: int, batch_size: int) -> None:
         """Book metered work with the model's policy."""
         pool = self._pools[model]
-        pool.policy.charge(tenant, gpu_ms, 0, output_tokens, batch_size)
-        self._unshared(pool, tenant, gpu_ms, 0, output_tokens)
+        pool.admitter.charge(tenant, gpu_ms, 0, output_tokens, batch_size)
+        _unshared(pool, tenant, gpu_ms, 0, output_tokens)
         if gpu_ms:
             self._on_charge(model, tenant, gpu_ms)
-
-    @staticmethod
-    def _unshared(pool: _Pool, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:
-        totals = pool.unshared.setdefault(tenant, [0.0, 0, 0])
-        totals[0] += gpu_ms
-        totals[1] += input_tokens
-        totals[2] += output_tokens
 
     def take_local_charges(self, model: str) -> dict[str, tuple[float, int, int]]:
         """The charges booked by this process on ``model``'s pool since the last call, per tenant:
         (GPU ms, prompt tokens, output tokens); for sharing with other gateway processes."""
         pool = self._pools[model]
         taken, pool.unshared = pool.unshared, {}
-        return {
-            tenant: (gpu_ms, int(tokens_in), int(tokens_out))
-            for tenant, (gpu_ms, tokens_in, tokens_out) in taken.items()
-        }
+        return {tenant: (gpu_ms, int(inputs), int(outputs)) for tenant, (gpu_ms, inputs, outputs) in taken.items()}
 
     def charge_remote(self, model: str, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:
         """Book work another gateway process charged (to the same upstreams' pool), so this process's
@@ -233,45 +219,58 @@ class Dispatcher:
         largest ``max_batch`` is assumed (it only matters to ``vtc_calibrated``)."""
         pool = self._pools[model]
         batch = max(u.max_batch for u in pool.upstreams)
-        pool.policy.charge(tenant, gpu_ms, input_tokens, output_tokens, batch, remote=True)
+        pool.admitter.charge(tenant, gpu_ms, input_tokens, output_tokens, batch, remote=True)
         self._dispatch(pool)  # a policy that holds requests by budget may release one now
 
     def _dispatch(self, pool: _Pool) -> None:
         now = self._clock()
-        while pool.policy.queued():
+        admitter = pool.admitter
+
+        def waiting(request: Request) -> bool:
+            # A caller cancelled in this very tick (its client left while it waited) has not yet taken its
+            # request out of the queue: it gets no slot (setting a result would raise here, inside someone
+            # else's release, and leak that slot).
+            future = pool.waiters.get(request.request_id)
+            if future is not None and future.done():
+                del pool.waiters[request.request_id]
+                return False
+            return future is not None
+
+        while admitter.queued():
             free = [u for u in pool.upstreams if u.healthy and u.in_flight < u.max_batch]
             if not free:
                 return
-            request = pool.policy.pick(now, pool.view)
-            if request is None:
+            upstream = min(free, key=lambda u: (u.in_flight / u.max_batch, u.in_flight))
+            picked = admitter.admit(now, upstream.in_flight + 1, upstream.cost, waiting)
+            if picked is None:
                 self._schedule_wake(pool, now)
                 return
-            future = pool.waiters.pop(request.request_id, None)
-            if future is not None and future.done():
-                # Its caller was cancelled in this very tick (its client left while it waited) and has not
-                # yet taken it out of the queue: it gets no slot (setting a result would raise here, inside
-                # someone else's release, and leak that slot).
-                pool.queued[request.tenant] -= 1
-                future = None
-            if future is None or request.request_id in pool.abandoned:
-                pool.abandoned.discard(request.request_id)
-                pool.policy.finish(request, now)  # its client left while it waited
-                continue
-            upstream = min(free, key=lambda u: (u.in_flight / u.max_batch, u.in_flight))
+            request, prefill_ms = picked
             upstream.in_flight += 1
-            pool.queued[request.tenant] -= 1
-            pool.view.by_tenant[request.tenant] = pool.view.by_tenant.get(request.tenant, 0) + 1
-            prefill_ms = upstream.cost.prefill_ms(request.prompt_tokens)
-            pool.policy.charge(request.tenant, prefill_ms, request.prompt_tokens, 0, upstream.in_flight)
-            self._unshared(pool, request.tenant, prefill_ms, request.prompt_tokens, 0)
+            _unshared(pool, request.tenant, prefill_ms, request.prompt_tokens, 0)
             self._on_charge(upstream.model, request.tenant, prefill_ms)
-            future.set_result(Lease(request, upstream, prefill_ms))
+            pool.waiters.pop(request.request_id).set_result(Lease(request, upstream, prefill_ms))
 
     def _schedule_wake(self, pool: _Pool, now: float) -> None:
-        wake_ms = pool.policy.wake_at(now)
+        wake_ms = pool.admitter.wake_at(now)
         if wake_ms is None:
             return
         if pool.wake is not None:
             pool.wake.cancel()
         delay_s = max(0.001, (wake_ms - now) / 1000.0)
         pool.wake = asyncio.get_running_loop().call_later(delay_s, self._dispatch, pool)
+
+
+def _unshared(pool: _Pool, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:
+    totals = pool.unshared.setdefault(tenant, [0.0, 0, 0])
+    totals[0] += gpu_ms
+    totals[1] += input_tokens
+    totals[2] += output_tokens
+
+
+def _add(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in counts:
+        for tenant, n in part.items():
+            total[tenant] = total.get(tenant, 0) + n
+    return total

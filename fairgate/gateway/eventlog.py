@@ -1,4 +1,4 @@
-"""Structured request log, JSON lines (issue 5, part 5): one record per decision and outcome of a request.
+"""Structured request log, JSON lines: one record per decision and outcome of a request.
 
 The file is ``[gateway].event_log`` (``GatewayConfig.event_log_path``; default ``fairgate-events.jsonl``
 beside the config; unset or empty: no file). Every record is also logged, as the same JSON text, by the
@@ -73,7 +73,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Finished, Rejected
+from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Fanout, Finished, Rejected
 from fairgate.ledger.base import tenant_tag
 
 log = logging.getLogger("fairgate.gateway")
@@ -135,7 +136,7 @@ class _Scrubber:
 
 
 def _unquote(quoted: str) -> str:
-    if quoted.startswith("'") or quoted.startswith('"'):
+    if quoted.startswith(("'", '"')):
         import ast
 
         try:
@@ -528,11 +529,10 @@ def _rotated(path: Path, index: int) -> Path:
     return path.with_name(f"{path.name}.{index}")
 
 
-def install(app: FastAPI) -> None:
-    """Add the request log to the gateway ``app``: its observer on ``app.state.events``, the ``EventLog`` as
-    ``app.state.event_log``, and a wrapper around the app's lifespan that starts the writer (with a
-    ``started`` record) and, at shutdown, after the app's own clean-up, flushes and closes the log."""
-    config = app.state.config
+def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> EventLog:
+    """Add the request log to the gateway ``app``: its observer on ``events``, and a wrapper around the app's
+    lifespan that starts the writer (with a ``started`` record) and, at shutdown, after the app's own
+    clean-up, flushes and closes the log. Returns the log."""
     tenants = dict(config.quotas.tenants)
     event_log = EventLog(
         config.event_log_path,
@@ -540,8 +540,7 @@ def install(app: FastAPI) -> None:
         max_bytes=getattr(config.gateway, "event_log_max_bytes", None) or MAX_BYTES,
         backups=getattr(config.gateway, "event_log_backups", BACKUPS),
     )
-    app.state.event_log = event_log
-    app.state.events.add(event_log)
+    events.add(event_log)
     started = {
         "policy": config.gateway.policy,
         "upstreams": [{"name": u.name, "model": u.model, "max_batch": u.max_batch} for u in config.upstreams],
@@ -559,6 +558,7 @@ def install(app: FastAPI) -> None:
             await asyncio.to_thread(event_log.close)
 
     app.router.lifespan_context = lifespan
+    return event_log
 
 
 # -- reading ------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Prometheus metrics at ``GET /metrics`` (issue 5, part 1).
+"""Prometheus metrics at ``GET /metrics``.
 
 Each app has its own ``CollectorRegistry`` (``app.state.metrics_registry``), so several gateways in one
 process (tests, the demo) never collide; nothing is registered on prometheus_client's global registry.
@@ -25,8 +25,8 @@ Per tenant (counters and histograms from events, cumulative since start)
   (``Rejected``; one refused after admission - queue full, no upstream - counts in both).
 - ``fairgate_requests_finished_total{tenant,outcome}``: upstream calls ended: completed, cancelled, error.
 - ``fairgate_queue_time_seconds{tenant}``: histogram, time in the tenant's queue before dispatch.
-- ``fairgate_ttft_seconds{tenant}``, ``fairgate_tpot_seconds{tenant}``: histograms, admission (queue included) to first token,
-  mean time per output token after the first (``Finished``).
+- ``fairgate_ttft_seconds{tenant}``, ``fairgate_tpot_seconds{tenant}``: histograms, admission (queue
+  included) to first token, mean time per output token after the first (``Finished``).
 - ``fairgate_input_tokens_total{tenant}``, ``fairgate_output_tokens_total{tenant}``: billed tokens (the
   upstream's usage, ``Finished``).
 - ``fairgate_gpu_seconds_total{tenant,model}``: GPU seconds charged by the live meter as booked with the
@@ -60,21 +60,20 @@ Cost: a ``Charged`` event (one per output token) is one dictionary look-up and o
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fairgate.gateway import stats as stats_module
-from fairgate.gateway.errors import GatewayError, error_response
-from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Finished, Rejected
-from fairgate.gateway.stats import Stats
+from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.identity import require_admin
+from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Fanout, Finished, Rejected
+from fairgate.gateway.stats import Stats, Window
 from fairgate.ledger.base import tenant_tag
 
 TENANT_LABEL_CAP = 200
@@ -245,6 +244,11 @@ class WindowCollector(Collector):
 
     def _families(self) -> Iterator[Metric]:
         view = self.stats.window()
+        yield from self._tenant_families(view)
+        yield from self._pool_families(view)
+        yield from self._upstream_families(view)
+
+    def _tenant_families(self, view: Window) -> Iterator[Metric]:
         running: dict[str, float] = dict.fromkeys(self.labels.labelled(), 0.0)
         queued = dict(running)
         for tenant, w in view.tenants.items():
@@ -263,6 +267,8 @@ class WindowCollector(Collector):
             ["tenant"],
             [((k,), v) for k, v in queued.items()],
         )
+
+    def _pool_families(self, view: Window) -> Iterator[Metric]:
         shares: dict[tuple[str, str], float] = {}
         for model, pool in view.pools.items():
             for tenant, share in pool.shares.items():
@@ -297,6 +303,8 @@ class WindowCollector(Collector):
             ["policy", "model"],
             (((self.policy, m), len(p.shares)) for m, p in view.pools.items()),
         )
+
+    def _upstream_families(self, view: Window) -> Iterator[Metric]:
         ups = view.upstreams
         yield _gauge(
             "fairgate_upstream_in_flight",
@@ -345,24 +353,18 @@ def build(
     return registry, observer
 
 
-def install(app: FastAPI) -> None:
-    """Add the metrics observer and ``GET /metrics`` (admin key; see module docstring) to the gateway ``app``."""
-    config = app.state.config
-    stats = stats_module.for_app(app)
+def install(app: FastAPI, config: GatewayConfig, stats: Stats, events: Fanout) -> CollectorRegistry:
+    """Add the metrics observer to ``events`` and ``GET /metrics`` (admin key; see module docstring) to the
+    gateway ``app``; returns the registry."""
     registry, observer = build(stats, config.quotas.tenants, config.gateway.policy)
     window = observer.window
     assert window is not None
-    app.state.metrics_registry = registry
-    app.state.events.add(observer)
+    events.add(observer)
     scraping = asyncio.Lock()  # one scrape at a time: each renders the gauges it prepared
 
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics(request: Request) -> Response:
+    @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require_admin)])
+    async def metrics() -> Response:
         # async: the gauges are computed on the event loop, like the observers, never beside a half-applied event.
-        try:
-            app.state.authenticate_admin(request)
-        except GatewayError as error:
-            return error_response(error, f"req-{uuid.uuid4().hex}")
         async with scraping:
             stats.tick()
             window.prepare()
@@ -371,3 +373,5 @@ def install(app: FastAPI) -> None:
             # prepared just now, here on the loop.
             text = await anyio.to_thread.run_sync(generate_latest, registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    return registry

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Protocol
 
 # Why a request was turned away (the ``reason`` label of rejections; seed 003's quota vector).
 REJECT_REASONS = (
@@ -135,7 +135,7 @@ class Charged:
     time_s: float
 
 
-Event = Union[Rejected, Admitted, Dispatched, Finished, Charged]
+Event = Rejected | Admitted | Dispatched | Finished | Charged
 
 
 class Observer(Protocol):

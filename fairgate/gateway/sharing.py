@@ -1,4 +1,4 @@
-"""Sharing the fair policy's counters between gateway processes (issue 6, scale-out).
+"""Sharing the fair policy's counters between gateway processes (scale-out).
 
 Several ``fairgate serve`` processes in front of the same upstreams each run a policy object; for the
 shares to stay fair when a tenant's traffic lands on different processes, each policy must count every
@@ -15,7 +15,8 @@ The same rounds share the live meters' occupancy (``Ledger.share_occupancy``): e
 upstream URL, how many of its requests were in the upstream's iterations on average since its last round,
 and what share of its time went to their prefill, and tells each of its meters what the other processes
 hold of that upstream, so that processes sharing a replica split its busy time instead of each billing all
-of it (``fairgate.core.meter``). A publication counts for ``4 * interval_s + 1 s``: a process that stops drops out of the others' meters by then.
+of it (``fairgate.core.meter``). A publication counts for ``4 * interval_s + 1 s``: a process that stops
+drops out of the others' meters by then.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class ChargeSync:
             for tenant, total in totals.items():
                 before = known.get(tenant, (0.0, 0, 0))
                 own = mine.get(tenant, (0.0, 0, 0))
-                remote = tuple(t - b - o for t, b, o in zip(total, before, own))
+                remote = tuple(t - b - o for t, b, o in zip(total, before, own, strict=True))
                 known[tenant] = total
                 if remote[0] > 1e-9 or remote[1] > 0 or remote[2] > 0:
                     self.dispatcher.charge_remote(

@@ -1,4 +1,4 @@
-"""Rolling per-tenant statistics of the gateway's events, for ``/metrics`` and the dashboard (issue 5).
+"""Rolling per-tenant statistics of the gateway's events, for ``/metrics`` and the dashboard.
 
 ``Stats`` is an observer (``fairgate.gateway.observe``) that keeps, per tenant (its real name; the views
 decide what to show and how to label it):
@@ -25,8 +25,8 @@ are computed when asked (``window()``: a scrape, a dashboard poll) or every ``sa
 samples are taken lazily, on the next event or read after they fall due, so no task or timer is needed.
 
 Pure apart from its two inputs: ``clock`` (seconds; the events' ``time_s`` must be on the same clock) and
-``probe`` (the dispatcher's and meters' state now). ``for_app(app)`` builds the one instance an app
-shares between its views.
+``probe`` (the dispatcher's and meters' state now; ``gateway_probe`` reads a gateway's). A gateway app
+builds one ``Stats`` and shares it between its views (metrics, dashboard).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from fairgate.core.fairness import gpu_shares, jain_index, max_min_ratio, weighted
+from fairgate.gateway.dispatch import Dispatcher
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Finished, Rejected
+from fairgate.gateway.upstream import UpstreamClient
 
 WINDOW_S = 60.0
 SAMPLE_EVERY_S = 2.0
@@ -368,8 +370,12 @@ class Stats:
         span = max(1e-9, min(self.window_s, now - self.started_s))
         _prune(self._latency, since)
         _prune(self._pool_latency, since)
+        pools, per_tenant_gpu = self._pools(since, probe)
+        tenants = self._tenants(since, span, probe, per_tenant_gpu)
+        return Window(now, span, tenants, pools, self._upstreams(since, now, probe))
 
-        # Pools: GPU ms per tenant and model, shares, fairness figures.
+    def _pools(self, since: float, probe: Probe) -> tuple[dict[str, PoolWindow], dict[str, float]]:
+        """Per model: GPU ms per tenant, shares, fairness figures; and GPU ms per tenant over all models."""
         per_model: dict[str, dict[str, float]] = {}
         per_tenant_gpu: dict[str, float] = {}
         for (tenant, model), ms in self._gpu.totals(since).items():
@@ -393,8 +399,11 @@ class Stats:
                 self._p99(self._pool_latency, ("ttft", model)),
                 self._p99(self._pool_latency, ("queue", model)),
             )
+        return pools, per_tenant_gpu
 
-        # Tenants.
+    def _tenants(
+        self, since: float, span: float, probe: Probe, per_tenant_gpu: dict[str, float]
+    ) -> dict[str, TenantWindow]:
         counts = self._counts.totals(since)
         rejects: dict[str, dict[str, int]] = {}
         for (tenant, reason), n in self._rejects.totals(since).items():
@@ -427,8 +436,10 @@ class Stats:
                 int(probe.running.get(tenant, 0)),
                 int(probe.queued.get(tenant, 0)),
             )
+        return tenants
 
-        # Upstreams: busy fraction against the oldest busy snapshot within (about) the window.
+    def _upstreams(self, since: float, now: float, probe: Probe) -> list[UpstreamWindow]:
+        """Busy fraction against the oldest busy snapshot within (about) the window."""
         while len(self._busy) > 1 and self._busy[1][0] <= since:
             self._busy.popleft()
         reference = self._busy[0] if self._busy else None
@@ -443,7 +454,7 @@ class Stats:
                 if n > 0:
                     iterations = busy * 1000.0 / (tpot[(u.name, "sum")] / n)
             upstreams.append(UpstreamWindow(u.name, u.model, u.in_flight, u.max_batch, u.busy_ms, busy, iterations))
-        return Window(now, span, tenants, pools, upstreams)
+        return upstreams
 
     def tick(self) -> None:
         """Take a sample if one is due (called on every event but ``Charged``, and by readers)."""
@@ -465,7 +476,7 @@ class Stats:
             current = (totals.admissions, totals.rejected, totals.input_tokens, totals.output_tokens)
             before = self._previous.get(tenant, (0, 0, 0, 0))
             self._previous[tenant] = current
-            rates = [(c - b) / interval for c, b in zip(current, before)]
+            rates = [(c - b) / interval for c, b in zip(current, before, strict=True)]
             points[tenant] = TenantPoint(
                 w.gpu_share,
                 w.capacity_share,
@@ -513,12 +524,11 @@ def _prune(table: dict[tuple[str, str], deque[tuple[float, float]]], since_s: fl
             del table[key]
 
 
-def app_probe(app: Any) -> Callable[[], Probe]:
-    """A ``Probe`` source reading a gateway app's dispatcher and its upstream clients' live meters."""
+def gateway_probe(dispatcher: Dispatcher, clients: Mapping[str, UpstreamClient]) -> Callable[[], Probe]:
+    """A ``Probe`` source reading a gateway's dispatcher and its upstream clients' live meters (``clients``
+    is read at each call: the gateway fills it when it starts)."""
 
     def probe() -> Probe:
-        dispatcher = app.state.dispatcher
-        clients = getattr(app.state, "clients", {})
         ups = [
             UpstreamProbe(
                 u.name, u.model, u.in_flight, u.max_batch, clients[u.name].meter.busy_ms if u.name in clients else 0.0
@@ -528,16 +538,3 @@ def app_probe(app: Any) -> Callable[[], Probe]:
         return Probe(dispatcher.running_by_tenant(), dispatcher.queued_by_tenant(), ups)
 
     return probe
-
-
-def for_app(app: Any) -> Stats:
-    """The app's one ``Stats`` (``app.state.stats``), created and added to ``app.state.events`` on first use,
-    with the tenants' weights from ``app.state.config``."""
-    stats = getattr(app.state, "stats", None)
-    if stats is None:
-        config = app.state.config
-        weights = {name: t.weight for name, t in config.quotas.tenants.items()}
-        stats = Stats(app_probe(app), weights)
-        app.state.stats = stats
-        app.state.events.add(stats)
-    return stats

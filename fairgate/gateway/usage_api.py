@@ -1,4 +1,4 @@
-"""Scoped usage APIs: ``/v1/usage`` for a tenant, ``/admin/...`` for operators (issue 5, part 2).
+"""Scoped usage APIs: ``/v1/usage`` for a tenant, ``/admin/...`` for operators.
 
 Seed 003: "Platform operators need to view aggregated hotspots, while tenants can only see their own data."
 
@@ -51,7 +51,7 @@ still logged and counted) over reservations and the event log, and answers the l
 younger than ``RECONCILE_REUSE_S`` (``refresh=true`` forces a new run; concurrent callers share one run).
 Freezing stays an operator decision: ``fairgate ledger reconcile``.
 
-Errors are OpenAI-shaped (``fairgate.gateway.errors``); a ledger that cannot be reached is a 503
+Errors are OpenAI-shaped (``fairgate.gateway.outcomes``); a ledger that cannot be reached is a 503
 ``ledger_unavailable`` with ``Retry-After``. Figures are what the ledger has booked: emergency grants made
 while the ledger was down (``fairgate.ledger.emergency``) appear once they are replayed.
 """
@@ -62,18 +62,21 @@ import asyncio
 import math
 import re
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from fairgate.gateway.errors import GatewayError, error_response
-from fairgate.gateway.observe import REJECT_REASONS, Event, Rejected
-from fairgate.ledger import LedgerUnavailable, TenantUsage
+from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.identity import Caller, require_admin, require_tenant
+from fairgate.gateway.intake import lenient_request_id
+from fairgate.gateway.observe import REJECT_REASONS, Event, Fanout, Rejected
+from fairgate.gateway.outcomes import Outcome, Rejection
+from fairgate.gateway.state import GatewayState, gateway_of
+from fairgate.ledger import TenantUsage
 from fairgate.ledger.base import STATUSES, Ledger, tenant_tag
 from fairgate.ledger.reconcile import ReconcileReport, reconcile
 
@@ -86,6 +89,8 @@ RESERVATIONS_PAGE_MAX = 1_000
 RESERVATIONS_OFFSET_MAX = 10**9
 RECONCILE_REUSE_S = 30.0
 TENANT_HEADERS = ("x-tenant", "x-tenant-id", "x-fairgate-tenant")
+Gateway = Annotated[GatewayState, Depends(gateway_of)]
+Tenant = Annotated[Caller, Depends(require_tenant)]
 OTHER_REASON = "other"  # a reason outside REJECT_REASONS (kept bounded)
 _WHOLE_NUMBER = re.compile(r"[0-9]{1,12}")
 
@@ -159,142 +164,121 @@ class RejectionLog:
         return out
 
 
-def install(app: FastAPI) -> None:
-    """Add the rejection counter (an observer of ``app.state.events``) and the routes of this module's
-    docstring to the gateway ``app`` (built, not yet started); reads ``app.state`` (config, events,
-    ledger at request time, authenticate, authenticate_admin)."""
-    config = app.state.config
+def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog:
+    """Add the rejection counter (an observer of ``events``) and the routes of this module's docstring to the
+    gateway ``app`` (built, not yet started). Returns the counter."""
     tenants = list(config.quotas.tenants)
     rejections = RejectionLog(tenants)
-    app.state.events.add(rejections)
-    app.state.rejections = rejections
+    events.add(rejections)
     reconciler = _Reconciler()
 
-    def real_ledger(request: Request) -> Ledger:
-        ledger: Ledger = request.app.state.ledger.ledger
-        return ledger
-
-    async def usage_of(request: Request, tenant: str, window_s: int) -> dict[str, Any]:
-        booked = await real_ledger(request).usage(tenant, float(window_s))
+    async def usage_of(ledger: Ledger, tenant: str, window_s: int) -> dict[str, Any]:
+        booked = await ledger.usage(tenant, float(window_s))
         return _usage_document(booked, window_s, rejections.counts(tenant, window_s), rejections.retention_s)
 
     @app.get("/v1/usage")
-    async def tenant_usage(request: Request) -> Any:
-        async def answer() -> dict[str, Any]:
-            tenant, delegate = request.app.state.authenticate(request)
-            params = _query(request, ("window", "tenant"))
-            window_s = _window(params)
-            for header in TENANT_HEADERS:
-                if len(request.headers.getlist(header)) > 1:
-                    raise GatewayError(400, f"Send {header} at most once.", "invalid_request", header)
-            named = [params.get("tenant")] + [request.headers.get(h) for h in TENANT_HEADERS]
-            if any(name is not None and name != tenant for name in named):
-                raise GatewayError(
-                    403,
-                    "This key can only read its own tenant's usage; the tenant comes from the "
-                    "credential, not from a parameter or header.",
-                    "tenant_mismatch",
-                    "tenant",
-                    kind="permission_error",
-                )
-            return {**await usage_of(request, tenant, window_s), "delegate": delegate}
+    async def tenant_usage(request: Request, state: Gateway, caller: Tenant) -> JSONResponse:
+        params = _query(request, ("window", "tenant"))
+        window_s = _window(params)
+        for header in TENANT_HEADERS:
+            if len(request.headers.getlist(header)) > 1:
+                raise Rejection(Outcome.INVALID_REQUEST, f"Send {header} at most once.", header)
+        named = [params.get("tenant")] + [request.headers.get(h) for h in TENANT_HEADERS]
+        if any(name is not None and name != caller.tenant for name in named):
+            raise Rejection(
+                Outcome.TENANT_MISMATCH,
+                "This key can only read its own tenant's usage; the tenant comes from the "
+                "credential, not from a parameter or header.",
+                "tenant",
+            )
+        usage = await usage_of(state.backend, caller.tenant, window_s)
+        return _answer(request, {**usage, "delegate": caller.delegate})
 
-        return await _answer(request, answer)
+    @app.get("/admin/tenants", dependencies=[Depends(require_admin)])
+    async def admin_tenants(request: Request, state: Gateway) -> JSONResponse:
+        _query(request, ())
+        return _answer(request, _tenants_document(config, await state.backend.frozen()))
 
-    @app.get("/admin/tenants")
-    async def admin_tenants(request: Request) -> Any:
-        async def answer() -> dict[str, Any]:
-            request.app.state.authenticate_admin(request)
-            _query(request, ())
-            frozen = await real_ledger(request).frozen()
-            keys: dict[str, int] = {}
-            for key in config.keys:
-                keys[key.tenant] = keys.get(key.tenant, 0) + 1
-            data = [
-                {
-                    "tenant": name,
-                    "tenant_hash": tenant_tag(name),
-                    "tier": quota.tier.name,
-                    "on_ledger_unavailable": quota.tier.on_ledger_unavailable,
-                    "weight": quota.weight,
-                    "priority": quota.priority,
-                    "keys": keys.get(name, 0),
-                    "delegate": name in config.delegation.delegates,
-                    "frozen": name in frozen,
-                    "frozen_reason": frozen.get(name),
-                }
-                for name, quota in sorted(config.quotas.tenants.items())
-            ]
-            return {"object": "list", "data": data}
+    @app.get("/admin/usage", dependencies=[Depends(require_admin)])
+    async def admin_usage(request: Request, state: Gateway) -> JSONResponse:
+        window_s = _window(_query(request, ("window",)))
+        data = [{**await usage_of(state.backend, name, window_s), "delegate": None} for name in sorted(tenants)]
+        unattributed = rejections.counts(None, window_s)
+        document = {
+            "object": "list",
+            "window_s": window_s,
+            "data": data,
+            "unauthenticated_rejections": {"total": sum(unattributed.values()), "by_reason": unattributed},
+        }
+        return _answer(request, document)
 
-        return await _answer(request, answer)
+    @app.get("/admin/reservations", dependencies=[Depends(require_admin)])
+    async def admin_reservations(request: Request, state: Gateway) -> JSONResponse:
+        params = _query(request, ("tenant", "status", "limit", "offset"))
+        return _answer(request, await _reservations_page(state.backend, config, params))
 
-    @app.get("/admin/usage")
-    async def admin_usage(request: Request) -> Any:
-        async def answer() -> dict[str, Any]:
-            request.app.state.authenticate_admin(request)
-            window_s = _window(_query(request, ("window",)))
-            data = [{**await usage_of(request, name, window_s), "delegate": None} for name in sorted(tenants)]
-            unattributed = rejections.counts(None, window_s)
-            return {
-                "object": "list",
-                "window_s": window_s,
-                "data": data,
-                "unauthenticated_rejections": {"total": sum(unattributed.values()), "by_reason": unattributed},
-            }
+    @app.get("/admin/frozen", dependencies=[Depends(require_admin)])
+    async def admin_frozen(request: Request, state: Gateway) -> JSONResponse:
+        _query(request, ())
+        frozen = await state.backend.frozen()
+        return _answer(
+            request, {"object": "list", "data": [{"tenant": t, "reason": r} for t, r in sorted(frozen.items())]}
+        )
 
-        return await _answer(request, answer)
+    @app.get("/admin/reconcile", dependencies=[Depends(require_admin)])
+    async def admin_reconcile(request: Request, state: Gateway) -> JSONResponse:
+        params = _query(request, ("refresh",))
+        refresh = params.get("refresh", "false")
+        if refresh not in ("true", "false", "1", "0"):
+            raise Rejection(Outcome.INVALID_REQUEST, "refresh must be true or false.", "refresh")
+        return _answer(request, await reconciler.report(state.backend, refresh in ("true", "1")))
 
-    @app.get("/admin/reservations")
-    async def admin_reservations(request: Request) -> Any:
-        async def answer() -> dict[str, Any]:
-            request.app.state.authenticate_admin(request)
-            params = _query(request, ("tenant", "status", "limit", "offset"))
-            tenant = params.get("tenant")
-            if tenant is not None and tenant not in config.quotas.tenants:
-                raise GatewayError(404, "No tenant of that name is configured.", "tenant_not_found", "tenant")
-            status = params.get("status", "open")
-            if status not in (*STATUSES, "all"):
-                raise GatewayError(
-                    400, f"status must be one of {', '.join(STATUSES)} or all.", "invalid_request", "status"
-                )
-            limit = _whole(params, "limit", RESERVATIONS_PAGE_DEFAULT, 1, RESERVATIONS_PAGE_MAX)
-            offset = _whole(params, "offset", 0, 0, RESERVATIONS_OFFSET_MAX)
-            found = await real_ledger(request).reservations(tenant, None if status == "all" else status)
-            found.sort(key=lambda r: (r.created_ms, r.id))
-            page = found[offset : offset + limit]
-            return {
-                "object": "list",
-                "data": [asdict(r) for r in page],
-                "total": len(found),
-                "limit": limit,
-                "offset": offset,
-                "has_more": offset + len(page) < len(found),
-            }
+    return rejections
 
-        return await _answer(request, answer)
 
-    @app.get("/admin/frozen")
-    async def admin_frozen(request: Request) -> Any:
-        async def answer() -> dict[str, Any]:
-            request.app.state.authenticate_admin(request)
-            _query(request, ())
-            frozen = await real_ledger(request).frozen()
-            return {"object": "list", "data": [{"tenant": t, "reason": r} for t, r in sorted(frozen.items())]}
+async def _reservations_page(ledger: Ledger, config: GatewayConfig, params: dict[str, str]) -> dict[str, Any]:
+    """A page of reservations, oldest first, as ``/admin/reservations`` asks. Raises ``Rejection`` 400/404."""
+    tenant = params.get("tenant")
+    if tenant is not None and tenant not in config.quotas.tenants:
+        raise Rejection(Outcome.TENANT_NOT_FOUND, "No tenant of that name is configured.", "tenant")
+    status = params.get("status", "open")
+    if status not in (*STATUSES, "all"):
+        raise Rejection(Outcome.INVALID_REQUEST, f"status must be one of {', '.join(STATUSES)} or all.", "status")
+    limit = _whole(params, "limit", RESERVATIONS_PAGE_DEFAULT, 1, RESERVATIONS_PAGE_MAX)
+    offset = _whole(params, "offset", 0, 0, RESERVATIONS_OFFSET_MAX)
+    found = await ledger.reservations(tenant, None if status == "all" else status)
+    found.sort(key=lambda r: (r.created_ms, r.id))
+    page = found[offset : offset + limit]
+    return {
+        "object": "list",
+        "data": [asdict(r) for r in page],
+        "total": len(found),
+        "limit": limit,
+        "offset": offset,
+        "has_more": offset + len(page) < len(found),
+    }
 
-        return await _answer(request, answer)
 
-    @app.get("/admin/reconcile")
-    async def admin_reconcile(request: Request) -> Any:
-        async def answer() -> dict[str, Any]:
-            request.app.state.authenticate_admin(request)
-            params = _query(request, ("refresh",))
-            refresh = params.get("refresh", "false")
-            if refresh not in ("true", "false", "1", "0"):
-                raise GatewayError(400, "refresh must be true or false.", "invalid_request", "refresh")
-            return await reconciler.report(real_ledger(request), refresh in ("true", "1"))
-
-        return await _answer(request, answer)
+def _tenants_document(config: GatewayConfig, frozen: dict[str, str]) -> dict[str, Any]:
+    keys: dict[str, int] = {}
+    for key in config.keys:
+        keys[key.tenant] = keys.get(key.tenant, 0) + 1
+    data = [
+        {
+            "tenant": name,
+            "tenant_hash": tenant_tag(name),
+            "tier": quota.tier.name,
+            "on_ledger_unavailable": quota.tier.on_ledger_unavailable,
+            "weight": quota.weight,
+            "priority": quota.priority,
+            "keys": keys.get(name, 0),
+            "delegate": name in config.delegation.delegates,
+            "frozen": name in frozen,
+            "frozen_reason": frozen.get(name),
+        }
+        for name, quota in sorted(config.quotas.tenants.items())
+    ]
+    return {"object": "list", "data": data}
 
 
 class _Reconciler:
@@ -343,74 +327,49 @@ def _usage_document(booked: TenantUsage, window_s: int, rejected: dict[str, int]
     }
 
 
-def _request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id")
-    if given is not None and 0 < len(given) <= 200 and given.isprintable():
-        return given
-    return f"req-{uuid.uuid4().hex}"
-
-
-async def _answer(request: Request, work: Callable[[], Any]) -> JSONResponse:
-    """Run ``work`` and answer its document (200) or its error (OpenAI-shaped), with ``x-request-id``."""
-    request_id = _request_id(request)
-    try:
-        document = await work()
-    except GatewayError as error:
-        return error_response(error, request_id)
-    except LedgerUnavailable:
-        return error_response(
-            GatewayError(
-                503,
-                "Accounting is unavailable; retry later.",
-                "ledger_unavailable",
-                kind="server_error",
-                retry_after_s=5.0,
-            ),
-            request_id,
-        )
-    return JSONResponse(document, headers={"x-request-id": request_id, "cache-control": "no-store"})
+def _answer(request: Request, document: dict[str, Any]) -> JSONResponse:
+    """A 200 with ``document``, ``x-request-id`` and no caching."""
+    return JSONResponse(document, headers={"x-request-id": lenient_request_id(request), "cache-control": "no-store"})
 
 
 def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
-    """The query parameters, each at most once and each in ``allowed``. Raises ``GatewayError`` 400."""
+    """The query parameters, each at most once and each in ``allowed``. Raises ``Rejection`` 400."""
     out: dict[str, str] = {}
     for name, value in request.query_params.multi_items():
         if name not in allowed:
-            raise GatewayError(
-                400,
+            raise Rejection(
+                Outcome.INVALID_REQUEST,
                 f"Unknown query parameter {name[:100]!r}"
                 f"{'; this endpoint takes ' + ', '.join(allowed) if allowed else ''}.",
-                "invalid_request",
                 name[:100],
             )
         if name in out:
-            raise GatewayError(400, f"Send {name} at most once.", "invalid_request", name)
+            raise Rejection(Outcome.INVALID_REQUEST, f"Send {name} at most once.", name)
         out[name] = value
     return out
 
 
 def _whole(params: dict[str, str], name: str, default: int, low: int, high: int) -> int:
-    """The whole number ``params[name]`` in ``[low, high]`` (``default`` when absent). Raises ``GatewayError`` 400."""
+    """The whole number ``params[name]`` in ``[low, high]`` (``default`` when absent). Raises ``Rejection`` 400."""
     text = params.get(name)
     if text is None:
         return default
     if not _WHOLE_NUMBER.fullmatch(text) or not low <= int(text) <= high:
-        raise GatewayError(
-            400, f"{name} must be a whole number from {low} to {high}, got {text[:40]!r}.", "invalid_request", name
+        raise Rejection(
+            Outcome.INVALID_REQUEST, f"{name} must be a whole number from {low} to {high}, got {text[:40]!r}.", name
         )
     return int(text)
 
 
 def _window(params: dict[str, str]) -> int:
-    """``window``: whole seconds in ``[1, WINDOW_MAX_S]`` (default ``WINDOW_DEFAULT_S``). Raises ``GatewayError``."""
+    """``window``: whole seconds in ``[1, WINDOW_MAX_S]`` (default ``WINDOW_DEFAULT_S``). Raises ``Rejection``."""
     text = params.get("window")
     if text is None:
         return WINDOW_DEFAULT_S
     if not _WHOLE_NUMBER.fullmatch(text) or not 1 <= int(text) <= WINDOW_MAX_S:
-        raise GatewayError(
-            400,
+        raise Rejection(
+            Outcome.INVALID_WINDOW,
             f"window must be a whole number of seconds from 1 to {WINDOW_MAX_S}, got {text[:40]!r}.",
-            "invalid_window",
             "window",
         )
     return int(text)

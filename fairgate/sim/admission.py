@@ -1,4 +1,6 @@
-"""The admission step both engines share: hand arrivals to the policy, pick into free slots, book prefill.
+"""The simulator's side of the admit step (``fairgate.core.admit``, which the gateway's dispatcher runs
+too): hand arrivals to the policy, fill free slots, record what each admission and finish did in the
+result. Both engines share it.
 
 Arrivals are handed to the policy lazily, at the next scheduling point (a replica boundary with a
 free slot, or an idle replica) rather than at their arrival instant: no decision is made between the
@@ -10,9 +12,10 @@ from __future__ import annotations
 
 import math
 
+from fairgate.core.admit import Admitter
 from fairgate.core.cost import NS_PER_MS, CostModel
 from fairgate.core.policy import Policy
-from fairgate.core.request import Request, RunningView
+from fairgate.core.request import Request
 from fairgate.sim.result import SimResult
 from fairgate.sim.workload import Workload
 
@@ -23,9 +26,9 @@ class Admission:
     def __init__(self, workload: Workload, policy: Policy, cost: CostModel, result: SimResult) -> None:
         self.workload = workload
         self.policy = policy
+        self.admitter = Admitter(policy)
         self.cost = cost
         self.result = result
-        self.view = RunningView()
         self.delivered = 0  # requests [0, delivered) have been handed to the policy
         self.requests: list[Request] = workload.requests()
         self.finished = 0  # requests that left their slot
@@ -46,12 +49,8 @@ class Admission:
     def deliver(self, t_ns: int) -> None:
         """Hand every request that arrived by ``t_ns`` to the policy, in arrival order."""
         now_ms = t_ns / NS_PER_MS
-        arrival_ns, n, requests, enqueue = (
-            self.workload.arrival_ns,
-            len(self.workload),
-            self.requests,
-            self.policy.enqueue,
-        )
+        arrival_ns, n, requests = self.workload.arrival_ns, len(self.workload), self.requests
+        enqueue = self.admitter.enqueue
         delivered = self.delivered
         while delivered < n and arrival_ns[delivered] <= t_ns:
             enqueue(requests[delivered], now_ms)
@@ -61,24 +60,21 @@ class Admission:
     def admit(self, t_ns: int, replica: int, free_slots: int, running_now: int) -> list[int]:
         """Fill up to ``free_slots`` slots of ``replica`` at ``t_ns``; returns the admitted request ids.
 
-        Arrivals are handed over only when a slot is free (a full replica makes no decision). Books each
-        admitted request's prefill (GPU ms and prompt tokens) with the policy and in the result, as the
-        request is picked.
+        Arrivals are handed over only when a slot is free (a full replica makes no decision). The admit
+        step charges each admitted request's prefill to the policy; it is booked in the result too.
         """
         if free_slots <= 0:
             return []
         self.deliver(t_ns)
-        policy, result, workload, view = self.policy, self.result, self.workload, self.view
+        policy, admit, cost, result, workload = self.policy, self.admitter.admit, self.cost, self.result, self.workload
         now_ms = t_ns / NS_PER_MS
         admitted: list[int] = []
         while free_slots > 0 and policy.queued():
-            request = policy.pick(now_ms, view)
-            if request is None:
+            picked = admit(now_ms, running_now + len(admitted) + 1, cost)
+            if picked is None:
                 break
-            i, tenant = request.request_id, request.tenant
-            view.by_tenant[tenant] = view.by_tenant.get(tenant, 0) + 1
-            prefill_ms = self.cost.prefill_ns(request.prompt_tokens) / NS_PER_MS
-            policy.charge(tenant, prefill_ms, request.prompt_tokens, 0, running_now + len(admitted) + 1)
+            request, prefill_ms = picked
+            i = request.request_id
             k = workload.tenant_index[i]
             result.tenant_gpu_ms[k] += prefill_ms
             result.tenant_prefill_ms[k] += prefill_ms
@@ -91,18 +87,15 @@ class Admission:
 
     def finish(self, request_id: int, t_ns: int) -> None:
         """Request ``request_id`` generated its last token at the boundary ``t_ns``."""
-        request = self.requests[request_id]
-        request.generated_tokens = int(self.workload.output_tokens[request_id])
-        self.view.by_tenant[request.tenant] -= 1
         self.finished += 1
         self.result.finish_ns[request_id] = t_ns
-        self.policy.finish(request, t_ns / NS_PER_MS)
+        self.admitter.finish(self.requests[request_id], t_ns / NS_PER_MS, int(self.workload.output_tokens[request_id]))
 
     def wake_ns(self, t_ns: int) -> int | None:
         """When a held request may become eligible (integer ns, > ``t_ns``), or ``None``."""
         if not self.policy.queued():
             return None
-        wake_ms = self.policy.wake_at(t_ns / NS_PER_MS)
+        wake_ms = self.admitter.wake_at(t_ns / NS_PER_MS)
         if wake_ms is None:
             return None
         return max(math.ceil(wake_ms * NS_PER_MS), t_ns + 1)

@@ -92,7 +92,7 @@ def run_reference(workload: Workload, cost: CostModel, policy: Policy, replicas:
         candidates = [e for e in iteration_end if e is not None]
         if arrived < n:
             candidates.append(arrival_ns[arrived])
-        idle = any(end is None and not stop for end, stop in zip(iteration_end, stopped))
+        idle = any(end is None and not stop for end, stop in zip(iteration_end, stopped, strict=True))
         if wake is not None and wake < duration_ns and idle:
             candidates.append(wake)  # busy replicas ask again at their own boundaries
         if not candidates:

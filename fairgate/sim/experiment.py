@@ -67,7 +67,7 @@ class PolicyStats:
     per_seed: list[RunStats]
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object of issue 2: policy, busy_ms, ..., tenants, and ``per_seed``."""
+        """The JSON object of one policy's run: policy, busy_ms, ..., tenants, and ``per_seed``."""
         out = _run_json(self.mean)
         out["seeds"] = [r.seed for r in self.per_seed]
         out["per_seed"] = [_run_json(r) for r in self.per_seed]
@@ -91,7 +91,7 @@ def summarise(result: SimResult, policy: str, seed: int, weights: dict[str, floa
     workload = result.workload
     busy_ms = result.busy_ms
     names = workload.tenants
-    gpu = dict(zip(names, result.tenant_gpu_ms))
+    gpu = dict(zip(names, result.tenant_gpu_ms, strict=True))
     shares = gpu_shares(gpu, busy_ms) if busy_ms > 0 else dict.fromkeys(names, 0.0)
     fair = weighted(shares, weights)
     ttft: list[list[float]] = [[] for _ in names]

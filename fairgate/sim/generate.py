@@ -2,7 +2,7 @@
 
 ``offered_ms_per_s`` is the GPU time a tenant offers per second of wall time; its arrival rate is
 ``offered_ms_per_s / (mean_prompt * prefill_ms_per_token + mean_output * dt(max_batch)/max_batch)``
-per second (issue 2; seed 002: "750.0 ms of machine per second each"). Each tenant's first request
+per second (seed 002: "750.0 ms of machine per second each"). Each tenant's first request
 arrives at t = 0, the rest after exponential gaps, so every tenant is present from the start.
 """
 

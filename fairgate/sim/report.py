@@ -15,7 +15,7 @@ from fairgate.sim.experiment import PolicyStats
 
 
 def results_json(scenario: str, results: Sequence[PolicyStats], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``{"scenario": ..., "results": [one object per policy]}`` (issue 2's JSON contract)."""
+    """``{"scenario": ..., "results": [one object per policy]}``."""
     document: dict[str, Any] = {"scenario": scenario, "results": [r.to_json() for r in results]}
     if extra:
         document.update(extra)

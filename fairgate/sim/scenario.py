@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fairgate.configerrors import pydantic_message
 from fairgate.core.cost import CostModel
 from fairgate.core.policies.factory import PolicySpec, TenantShare
-from fairgate.core.request import PRIORITIES
+from fairgate.core.policies.params import PolicyConfig
+from fairgate.core.request import MAX_TOKENS_PER_REQUEST, PRIORITIES
 from fairgate.sim.distributions import Distribution, Empirical, Fixed, LogNormal
 from fairgate.sim.generate import TenantLoad
 from fairgate.tomlfile import read_toml
@@ -45,7 +46,7 @@ def _range(low: float, high: float, *, low_open: bool = False) -> object:
 
 # Bounds keep every run finite and every number representable: times are integer ns (a cost below
 # 1 us would round towards 0), a run is at most a day of virtual time, a request at most 10M tokens.
-MAX_TOKENS = 10_000_000
+MAX_TOKENS = MAX_TOKENS_PER_REQUEST
 
 
 class ReplicaConfig(_Strict):
@@ -89,45 +90,6 @@ class TenantConfig(_Strict):
     offered_ms_per_s: Annotated[float, _range(0.0, 1e6)]
     weight: Annotated[float, _range(1e-6, 1e6)] = 1.0
     priority: Literal["interactive", "batch", "eval"] = "interactive"
-
-
-class RequestQuotaParams(_Strict):
-    requests_per_minute: Annotated[float, _range(1e-3, 1e9)]
-    burst_requests: Annotated[float, _range(1.0, 1e9)] = 1.0
-
-
-class TokenQuotaParams(_Strict):
-    tokens_per_minute: Annotated[float, _range(1e-3, 1e12)]
-    burst_tokens: Annotated[float, _range(1.0, 1e12)] | None = None
-
-
-class SlotCapParams(_Strict):
-    max_running: Annotated[int, Field(ge=1, le=100_000_000)]
-
-
-class VTCParams(_Strict):
-    input_weight: Annotated[float, _range(0.0, 1e6)] = 1.0
-    output_weight: Annotated[float, _range(0.0, 1e6)] = 2.0
-
-
-class DRRParams(_Strict):
-    quantum_ms: Annotated[float, _range(0.01, 1e6)] = 50.0
-
-
-class _Empty(_Strict):
-    pass
-
-
-class PolicyConfig(_Strict):
-    fcfs: _Empty = _Empty()
-    round_robin: _Empty = _Empty()
-    request_quota: RequestQuotaParams = RequestQuotaParams(requests_per_minute=100)
-    token_quota: TokenQuotaParams = TokenQuotaParams(tokens_per_minute=60_000)
-    slot_cap: SlotCapParams | None = None  # default: max_batch * replicas / tenants
-    vtc: VTCParams = VTCParams()
-    vtc_calibrated: _Empty = _Empty()
-    drr: DRRParams = DRRParams()
-    gpu_fair: _Empty = _Empty()
 
 
 class ScenarioConfig(_Strict):
@@ -250,7 +212,7 @@ def apply_override(data: dict[str, Any], assignment: str, source: str = "--set")
 
 def set_key(data: dict[str, Any], key: str, value: Any, source: str) -> None:
     """Set dotted ``key`` in raw scenario ``data`` (see ``apply_override``)."""
-    parts = [p for p in key.split(".")]
+    parts = key.split(".")
     if not key or any(not p for p in parts):
         raise ScenarioError(f"{source} {key!r}: empty key")
     if parts[0] == "tenant" and len(parts) >= 3:

@@ -128,7 +128,7 @@ class SweepResult:
         """``reduce`` of ``policy``'s max/min over the other axes, for each value of axis ``key``."""
         axis = next(a for a in self.grid.axis if a.key == key)
         return [
-            reduce([r for c, r in zip(self.configurations, self.ratios[policy]) if c.values[key] == value])
+            reduce([r for c, r in zip(self.configurations, self.ratios[policy], strict=True) if c.values[key] == value])
             for value in axis.values
         ]
 
@@ -183,7 +183,7 @@ def configurations(
             raise ScenarioError(f"{grid_path}: axis 'spread' needs long_tenants = [...]")
     out = []
     for index, combo in enumerate(itertools.product(*(a.values for a in grid.axis))):
-        values = dict(zip(keys, combo))
+        values = dict(zip(keys, combo, strict=True))
         data = copy.deepcopy(scenario_data)
         flood: dict[str, float] = {}
         for key, value in values.items():
@@ -246,7 +246,7 @@ def run_sweep(
 
     def collect(rows: Iterator[list[float]]) -> None:
         for row in rows:
-            for policy, ratio in zip(policies, row):
+            for policy, ratio in zip(policies, row, strict=True):
                 result.ratios[policy].append(ratio)
             if progress:
                 progress(1)

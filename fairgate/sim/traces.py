@@ -56,13 +56,12 @@ from typing import TextIO
 
 import numpy as np
 
+from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.sim.generate import merge
 from fairgate.sim.workload import Workload
 
 NS_PER_S = 1_000_000_000
 
-MAX_TOKENS_PER_REQUEST = 10_000_000
-"""Largest prompt or output token count accepted in a trace row (far above any real model's context)."""
 MAX_BURSTGPT_SECONDS = 10**11
 """Largest BurstGPT ``Timestamp`` in seconds (BurstGPT's clock starts near 0; 1e11 s is ~3,170 years)."""
 MAX_TRACE_BYTES = 2 * 1024**3
@@ -386,7 +385,10 @@ def read_trace(path: str | Path, fmt: str) -> list[TraceRow]:
     header = parsed.header
     return [
         TraceRow(
-            (parsed.times_ns[i] - t0) / NS_PER_S, parsed.prompts[i], parsed.outputs[i], dict(zip(header, parsed.raw[i]))
+            (parsed.times_ns[i] - t0) / NS_PER_S,
+            parsed.prompts[i],
+            parsed.outputs[i],
+            dict(zip(header, parsed.raw[i], strict=False)),
         )
         for i in order
     ]
@@ -544,7 +546,7 @@ def trace_workload(
         hash_n = int(text)
 
     named = [_split_named(item) for item in paths]
-    for (name, path), item in zip(named, paths):
+    for (name, _path), item in zip(named, paths, strict=True):
         if name is not None:
             shown = _printable(str(item), 1000)
             if tenant_by != "file":
@@ -569,7 +571,7 @@ def trace_workload(
     per_file_tenant: list[list[str]] = []
     if tenant_by == "file":
         names: list[str] = []
-        for (name, path), parsed in zip(named, files):
+        for (name, path), parsed in zip(named, files, strict=True):
             tenant = name.strip() if name is not None else path.stem
             if tenant in names:
                 raise TraceError(
@@ -582,7 +584,7 @@ def trace_workload(
     else:
         if hash_n is not None:
             names = [f"t{k}" for k in range(hash_n)]
-            for (_, path), parsed in zip(named, files):
+            for (_, path), parsed in zip(named, files, strict=True):
                 per_file_tenant.append([names[_hash_bucket(path.name, i, hash_n)] for i in range(len(parsed.times_ns))])
         else:
             names = []  # filled from the kept rows below
@@ -602,7 +604,7 @@ def trace_workload(
     failed = 0
     last_rel = 0
     last_at = (0, 0)  # (file, row) of the latest row
-    for f, (parsed, origin, tenants_of) in enumerate(zip(files, origins, per_file_tenant)):
+    for f, (parsed, origin, tenants_of) in enumerate(zip(files, origins, per_file_tenant, strict=True)):
         outputs, prompts = parsed.outputs, parsed.prompts
         for i, t in enumerate(parsed.times_ns):
             rel = t - origin

@@ -7,6 +7,7 @@ generate ``output_tokens[i]`` tokens (known to the simulator, never to a policy)
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from fairgate.core.request import Request
@@ -48,7 +49,7 @@ class Workload:
         """Assert the invariants above (programmer errors, not user input)."""
         n = len(self.arrival_ns)
         assert len(self.tenant_index) == len(self.prompt_tokens) == len(self.output_tokens) == n
-        assert all(a <= b for a, b in zip(self.arrival_ns, self.arrival_ns[1:])), "arrivals not sorted"
+        assert all(a <= b for a, b in itertools.pairwise(self.arrival_ns)), "arrivals not sorted"
         assert all(0 <= i < len(self.tenants) for i in self.tenant_index)
         assert all(p >= 0 for p in self.prompt_tokens)
         assert all(o >= 1 for o in self.output_tokens)

@@ -236,7 +236,7 @@ def test_unknown_route_and_double_credentials(stack):
 def test_text_without_spaces_is_not_admitted_as_one_token(stack):
     """Found by a helper: a 900 KB prompt with no whitespace counted as 1 token (the emulator's tokenizer)
     and passed the context check, reserving almost nothing."""
-    from fairgate.gateway.app import estimate_tokens
+    from fairgate.api import estimate_tokens
 
     assert estimate_tokens("one two three") == 3 and estimate_tokens("x" * 800) == 100
     assert estimate_tokens("ü" * 40) == 10  # 80 bytes of UTF-8

@@ -17,6 +17,7 @@ import pytest
 from fairgate.core.request import Request as CoreRequest
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
+from fairgate.gateway.state import state_of
 from fairgate.gateway.auth import KeyRing, hash_api_key
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.dispatch import QueueFull
@@ -242,7 +243,7 @@ async def test_an_outage_grants_no_emergency_budget_without_a_known_tenant(tmp_p
 @pytest.mark.parametrize("tenant", ["", None, "public"])
 async def test_the_gateway_dispatcher_refuses_a_request_without_a_known_tenant(tmp_path: Path, tenant: Any) -> None:
     path, _ = write_config(tmp_path, ["http://127.0.0.1:9"])
-    dispatcher = create_gateway(load_gateway_config(path)).state.dispatcher
+    dispatcher = state_of(create_gateway(load_gateway_config(path))).dispatcher
     with pytest.raises(QueueFull) as excinfo:
         await dispatcher.acquire(CoreRequest(1, tenant, 1, 0.0, 1), "emu")
     assert excinfo.value.limit == 0 and dispatcher.queued_by_tenant() == {} and dispatcher.running_by_tenant() == {}

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
+from fairgate.gateway.state import state_of
 from fairgate.gateway.auth import hash_api_key
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.metrics import OVERFLOW_LABEL, UNAUTHENTICATED_LABEL, TenantLabels, build
@@ -249,9 +250,9 @@ def test_two_gateways_in_one_process_have_their_own_registries(tmp_path):
     (tmp_path / "b").mkdir()
     first = create_gateway(load_gateway_config(write_config(tmp_path / "a", ["http://127.0.0.1:9"])[0]))
     second = create_gateway(load_gateway_config(write_config(tmp_path / "b", ["http://127.0.0.1:9"])[0]))
-    assert first.state.metrics_registry is not second.state.metrics_registry
-    first.state.events.observe(Charged("alpha", "emu", 1500.0, time.time()))
-    get = lambda app: app.state.metrics_registry.get_sample_value(
+    assert state_of(first).metrics_registry is not state_of(second).metrics_registry
+    state_of(first).events.observe(Charged("alpha", "emu", 1500.0, time.time()))
+    get = lambda app: state_of(app).metrics_registry.get_sample_value(
         "fairgate_gpu_seconds_total", {"tenant": tenant_tag("alpha"), "model": "emu"}
     )
     assert get(first) == 1.5 and get(second) is None

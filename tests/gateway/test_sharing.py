@@ -26,7 +26,7 @@ def dispatcher() -> Dispatcher:
 
 
 def counters(d: Dispatcher) -> dict[str, float]:
-    return dict(d._pools["emu"].policy.counters)  # type: ignore[attr-defined]
+    return dict(d.policy("emu").counters)  # type: ignore[attr-defined]
 
 
 async def test_each_process_counts_the_others_charges_once(tmp_path):

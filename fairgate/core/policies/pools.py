@@ -57,6 +57,13 @@ class PriorityPools:
     def finish(self, request: Request, now_ms: float) -> None:
         self._pool(request.tenant).finish(request, now_ms)
 
+    def remove(self, request_id: int, now_ms: float) -> Request | None:
+        for pool in self._ordered:
+            removed = pool.remove(request_id, now_ms)
+            if removed is not None:
+                return removed
+        return None
+
     def wake_at(self, now_ms: float) -> float | None:
         times = [t for t in (pool.wake_at(now_ms) for pool in self._ordered) if t is not None]
         return min(times) if times else None

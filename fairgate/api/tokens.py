@@ -1,0 +1,62 @@
+"""Prompt-token counts: the emulated replica's exact count, and the gateway's estimate for admission.
+
+The emulated replica's tokenizer is one token per whitespace-separated word, plus
+``CHAT_MESSAGE_OVERHEAD_TOKENS`` per chat message (the role and template markers). The gateway has no
+tokenizer of the upstream's model, so it estimates: the same count, but at least one token per
+``BYTES_PER_TOKEN_MAX`` bytes of UTF-8 text, and counting everything else a chat model reads as prompt
+(tool definitions, tool calls, names, a response schema). The estimate bounds the reservation and the
+context check; the upstream's reported usage settles the exact count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from fairgate.api.schema import ChatRequest, CompletionRequest
+
+CHAT_MESSAGE_OVERHEAD_TOKENS = 3
+# BPE tokenizers give one token per ~4 bytes of English; none in use gives fewer than one per 8 bytes, so
+# text without spaces (a 900 KB word would count as 1 word) is not admitted for almost nothing.
+BYTES_PER_TOKEN_MAX = 8
+# A chat body's prompt besides its messages' content.
+PROMPT_FIELDS = ("tools", "functions", "tool_choice", "response_format")
+
+
+def count_tokens(text: str) -> int:
+    """The emulated replica's tokenizer: whitespace-separated words."""
+    return len(text.split())
+
+
+def count_prompt_tokens(body: ChatRequest | CompletionRequest) -> int:
+    """The prompt tokens the emulated replica counts for ``body`` (token ids: one each)."""
+    if isinstance(body, ChatRequest):
+        return sum(count_tokens(m.text()) + CHAT_MESSAGE_OVERHEAD_TOKENS for m in body.messages)
+    text = body.prompt_text()
+    return count_tokens(text) if text is not None else len(body.prompt_token_ids())
+
+
+def estimate_tokens(text: str) -> int:
+    """The gateway's estimate of ``text``: words, but at least one token per ``BYTES_PER_TOKEN_MAX`` bytes."""
+    return max(count_tokens(text), math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_MAX))
+
+
+def estimate_prompt_tokens(body: ChatRequest | CompletionRequest) -> int:
+    """The gateway's admission estimate of ``body``'s prompt tokens (see module docstring)."""
+    if isinstance(body, ChatRequest):
+        tokens = sum(estimate_tokens(m.text()) + CHAT_MESSAGE_OVERHEAD_TOKENS for m in body.messages)
+        return tokens + estimate_tokens(prompt_extras(body))
+    text = body.prompt_text()
+    return estimate_tokens(text) if text is not None else len(body.prompt_token_ids())
+
+
+def prompt_extras(body: ChatRequest) -> str:
+    """The text a chat body gives the model besides its messages' content, as JSON (empty for plain
+    messages): tool definitions, a response schema, and each message's other fields (tool calls, names)."""
+    extra = {name: value for name in PROMPT_FIELDS if (value := getattr(body, name, None)) is not None}
+    messages = [  # each message's fields besides role and content: name, tool_calls, ...
+        fields for m in body.messages if (fields := {k: v for k, v in (m.model_extra or {}).items() if v is not None})
+    ]
+    if messages:
+        extra["messages"] = messages
+    return json.dumps(extra) if extra else ""

@@ -1,0 +1,113 @@
+"""The admit step both drivers run, so the simulator and the gateway call one policy the same way.
+
+``shared/DESIGN.md`` ("One policy object, two drivers"): a request is handed to the policy (``enqueue``);
+whenever a replica has a free slot the policy picks the next request, which is counted running and
+charged its own prefill at once (``admit``); decode work is charged as it is spent (``charge``); the
+request leaves its slot (``finish``), or leaves its queue unpicked (``remove``). The simulator drives this
+on virtual time (``fairgate.sim.admission``), the gateway's dispatcher on the wall clock
+(``fairgate.gateway.dispatch``); neither calls the policy's ``pick``, ``finish`` or ``remove`` itself.
+
+The admitter is the one owner of the counts a driver reads: requests queued per tenant and requests
+running per tenant (the ``RunningView`` every ``pick`` sees). Pure: the caller passes ``now_ms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fairgate.core.cost import CostModel
+from fairgate.core.policy import Policy
+from fairgate.core.request import Request, RunningView
+
+
+class Admitter:
+    """One policy and the counts around it (see module docstring).
+
+    Args:
+        policy: the scheduling policy (``fairgate.core.policies.factory.make_policy``).
+    """
+
+    __slots__ = ("_queued", "policy", "view")
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.view = RunningView()  # running sequences per tenant, as every pick sees them
+        self._queued: dict[str, int] = {}  # requests waiting per tenant (absent: 0)
+
+    def enqueue(self, request: Request, now_ms: float) -> None:
+        """Hand ``request`` to the policy; it waits in its tenant's queue."""
+        self.policy.enqueue(request, now_ms)
+        self._queued[request.tenant] = self._queued.get(request.tenant, 0) + 1
+
+    def admit(
+        self,
+        now_ms: float,
+        batch_size: int,
+        cost: CostModel,
+        accept: Callable[[Request], bool] | None = None,
+    ) -> tuple[Request, float] | None:
+        """Fill one free slot: the policy's next request, counted running and charged its prefill.
+
+        Args:
+            now_ms: the driver's clock.
+            batch_size: sequences in the batch the request joins, itself included (the batch size its
+                prefill is charged at; only ``vtc_calibrated`` reads it).
+            cost: the cost model of the replica the slot is on (its prefill charge, seed 002).
+            accept: whether a picked request may still run (the gateway's caller may have left in the
+                tick its request was picked); one refused is finished unrun, uncharged, and the next is
+                picked.
+
+        Returns:
+            ``(request, prefill_ms)``, or ``None`` when nothing is queued or the policy holds the slot.
+        """
+        policy = self.policy
+        while True:
+            request = policy.pick(now_ms, self.view)
+            if request is None:
+                return None
+            tenant = request.tenant
+            self._queued[tenant] -= 1
+            if accept is None or accept(request):
+                break
+            policy.finish(request, now_ms)
+        by_tenant = self.view.by_tenant
+        by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+        prefill_ms = cost.prefill_ms(request.prompt_tokens)
+        policy.charge(tenant, prefill_ms, request.prompt_tokens, 0, batch_size)
+        return request, prefill_ms
+
+    def charge(
+        self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
+    ) -> None:
+        """Book work spent by ``tenant`` with the policy (``Policy.charge``)."""
+        self.policy.charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size, remote)
+
+    def finish(self, request: Request, now_ms: float, generated_tokens: int | None = None) -> None:
+        """``request`` left its slot after generating ``generated_tokens`` (None: as recorded on it)."""
+        if generated_tokens is not None:
+            request.generated_tokens = generated_tokens
+        self.view.by_tenant[request.tenant] -= 1
+        self.policy.finish(request, now_ms)
+
+    def remove(self, request_id: int, now_ms: float) -> Request | None:
+        """Take a queued request out unpicked; returns it, or ``None`` if it was not queued."""
+        request = self.policy.remove(request_id, now_ms)
+        if request is not None:
+            self._queued[request.tenant] -= 1
+        return request
+
+    def queued(self, tenant: str | None = None) -> int:
+        """Requests waiting: of ``tenant``, or of every tenant (None)."""
+        return self.policy.queued() if tenant is None else self._queued.get(tenant, 0)
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Requests waiting per tenant (tenants with none left out)."""
+        return {tenant: n for tenant, n in self._queued.items() if n > 0}
+
+    def running_by_tenant(self) -> dict[str, int]:
+        """Requests holding a slot per tenant (tenants with none left out)."""
+        return {tenant: n for tenant, n in self.view.by_tenant.items() if n > 0}
+
+    def wake_at(self, now_ms: float) -> float | None:
+        """When a held request may become eligible (``Policy.wake_at``)."""
+        return self.policy.wake_at(now_ms)

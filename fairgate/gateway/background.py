@@ -1,0 +1,118 @@
+"""The gateway's background work, one task each while the app runs: the liveness sweep, the upstream
+probe, the emergency journal's replay, and the sharing of policy counters and meter occupancy with other
+gateway processes (``fairgate.gateway.sharing``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Iterable
+
+import httpx
+
+from fairgate.gateway.sharing import ChargeSync
+from fairgate.gateway.state import GatewayState
+from fairgate.ledger import LedgerError, Reservation
+from fairgate.ledger.emergency import ResilientLedger
+
+log = logging.getLogger("fairgate.gateway")
+PROBE_EVERY_S = 1.0
+RECOVER_EVERY_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+
+
+def start(state: GatewayState) -> list[asyncio.Task[None]]:
+    """Start every background task of ``state``'s gateway (cancel them to stop)."""
+    config = state.config
+    longest_ttl_s = max(
+        (
+            limits.reservation_ttl_s
+            for quota in config.quotas.tenants.values()
+            for limits in (quota.limits, *quota.by_model_class.values())
+        ),
+        default=0.0,
+    )
+    tasks = [
+        asyncio.ensure_future(sweep(state.ledger, state.calls.reservation_ids, config.gateway.sweep_s, longest_ttl_s)),
+        asyncio.ensure_future(probe(state)),
+        asyncio.ensure_future(recover(state.ledger)),
+    ]
+    if config.gateway.share_charges_s > 0:
+        sync = ChargeSync(state.backend, state.dispatcher, config.gateway.share_charges_s, state.upstreams)
+        tasks.append(asyncio.ensure_future(sync.run()))
+    return tasks
+
+
+async def sweep(
+    front: ResilientLedger, running: Callable[[], Iterable[str]], interval_s: float, hold_after_outage_s: float = 0.0
+) -> None:
+    """The liveness check, every ``interval_s`` (``sweep_once`` of the reservations ``running()`` names: this
+    process's requests). After a ledger outage no process expires
+    anything for ``hold_after_outage_s`` (the longest reservation TTL): nobody could heartbeat during the
+    outage, and every other process gets that long to replay its journal and heartbeat its requests before
+    their reservations could be expired with their usage still in its journal."""
+    loop = asyncio.get_running_loop()
+    hold_until = 0.0
+    outage = False
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            expired = await sweep_once(front, running(), expire=loop.time() >= hold_until)
+            if outage:
+                outage, hold_until = False, loop.time() + hold_after_outage_s
+            if expired:
+                log.warning("expired %d reservations nobody was running", len(expired))
+        except LedgerError as exc:
+            outage = True
+            hold_until = math.inf  # until a sweep goes through again
+            log.warning("liveness sweep skipped: %s", exc)
+
+
+async def sweep_once(front: ResilientLedger, running: Iterable[str], expire: bool = True) -> list[Reservation]:
+    """One liveness sweep: replay this process's emergency journal if it holds anything (so usage kept
+    during an outage is billed before its reservation could expire), heartbeat the reservations of the
+    requests this process serves (``running``; emergency grants under the id their replay made), then
+    expire the open reservations nobody has heartbeat within their TTL (those of a process that died;
+    billing what was settled so far). Every gateway process runs it; expiry is idempotent. A process that
+    still holds journal records expires nothing, nor does ``expire=False``. Returns the reservations
+    expired. Raises ``LedgerError``."""
+    if front.outstanding():
+        await front.recover()
+    for reservation_id in running:
+        live = front.live_id(reservation_id)
+        if live is not None:
+            await front.ledger.heartbeat(live)
+    if front.outstanding() or not expire:
+        return []  # usage not yet in the ledger: expiring now could drop it
+    return await front.ledger.expire_due()
+
+
+async def recover(front: ResilientLedger, interval_s: float = RECOVER_EVERY_S) -> None:
+    """Every ``interval_s`` while the emergency journal holds records (grants made or settlements kept
+    while the ledger was down), replay it into the ledger once it answers (``ResilientLedger.recover``)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if not front.outstanding():
+            continue
+        try:
+            report = await front.recover()
+        except LedgerError:
+            continue  # still down: the journal is kept whole
+        log.warning("emergency journal replayed into the ledger: %s", report)
+
+
+async def probe(state: GatewayState, interval_s: float = PROBE_EVERY_S) -> None:
+    """Every ``interval_s``, ask each upstream marked down for its models; one that answers is back."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for upstream in state.dispatcher.upstreams():
+            if upstream.healthy:
+                continue
+            try:
+                reply = await state.upstreams[upstream.name].http.get("/models", timeout=PROBE_TIMEOUT_S)
+            except httpx.HTTPError:
+                continue
+            if reply.status_code == 200:
+                log.warning("upstream %s is back", upstream.name)
+                state.dispatcher.mark_up(upstream)

@@ -1,0 +1,117 @@
+"""The generation routes (``/v1/chat/completions``, ``/v1/completions``) and ``/v1/models``: the request
+path's stages in order.
+
+intake (``fairgate.gateway.intake``: headers, body, sizing) -> admission (``admission``: the ledger
+reservation) -> queueing (``queueing``: the fair policy gives it a slot) -> call (``call``: the upstream call,
+relayed or collected, settled on every path). An upstream that refuses the connection sends the request
+back to the queue for another upstream of its model, under the same reservation (``CONNECT_ATTEMPTS``).
+
+Every rejection on these routes, from a dependency (the caller's key) or a stage, is recorded as a
+``Rejected`` event and answered from the outcome table (``RecordedRoute``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from fairgate.api import ChatRequest, CompletionRequest, openapi_request_body
+from fairgate.gateway import admission, intake
+from fairgate.gateway.call import Call, TryAnotherUpstream
+from fairgate.gateway.identity import Caller, require_tenant
+from fairgate.gateway.outcomes import Rejection, respond
+from fairgate.gateway.queueing import wait_for_slot
+from fairgate.gateway.state import GatewayState, gateway_of
+
+# Upstreams a request is sent to at most, when the ones before refused the connection (each is taken out).
+CONNECT_ATTEMPTS = 3
+
+Gateway = Annotated[GatewayState, Depends(gateway_of)]
+Tenant = Annotated[Caller, Depends(require_tenant)]
+
+
+class RecordedRoute(APIRoute):
+    """A route whose every rejection is recorded: the request id is read first (so that every answer and
+    event carries it), then the dependencies and the endpoint run; a ``Rejection`` from any of them is
+    observed as ``Rejected`` (unless the client is gone) and answered from the outcome table."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def recorded(request: Request) -> Response:
+            state = gateway_of(request)
+            request_id = intake.new_request_id()
+            try:
+                request.state.request_id = request_id = intake.request_id_of(request)
+                return await handler(request)
+            except Rejection as rejection:
+                if rejection.answer.recorded:
+                    state.events.observe(rejection.event(request_id, state.clock.wall_s()))
+                return respond(rejection, request_id, state.rng)
+
+        return recorded
+
+
+def request_id(request: Request) -> str:
+    """The id ``RecordedRoute`` read for this request."""
+    value = request.state.request_id
+    assert isinstance(value, str)
+    return value
+
+
+async def serve(state: GatewayState, request: Request, caller: Caller, chat: bool) -> Response:
+    """Run a generation request through the stages (see module docstring). Raises ``Rejection``."""
+    model: str | None = None
+    try:
+        body = await intake.read_body(request, chat, state.config.gateway.max_body_bytes)
+        model = body.model[:200]
+        run = intake.run_of(request)
+        generation = intake.size_up(state.config, body, chat, request_id(request), run)
+        admitted = await admission.admit(state, caller, generation)
+    except Rejection as rejection:
+        raise rejection.about(caller.tenant, caller.delegate, model) from None
+    try:
+        return await _run(state, request, admitted)
+    except BaseException as exc:
+        state.calls.release(caller.tenant, generation.request_id)
+        if isinstance(exc, Rejection):
+            raise exc.about(caller.tenant, caller.delegate, model) from None
+        raise
+
+
+async def _run(state: GatewayState, request: Request, admitted: admission.Admitted) -> Response:
+    for attempt in range(1, CONNECT_ATTEMPTS + 1):
+        lease, queue_ms = await wait_for_slot(state, request, admitted)
+        try:
+            return await Call(state, admitted, lease, queue_ms, attempt < CONNECT_ATTEMPTS).respond(request)
+        except TryAnotherUpstream:
+            continue  # its upstream refused the connection and is out: back to the queue for another
+    raise AssertionError("unreachable: the last attempt does not ask for another")  # pragma: no cover
+
+
+def install(app: FastAPI) -> None:
+    """Add the generation routes and ``/v1/models`` to ``app``."""
+    router = APIRouter(route_class=RecordedRoute)
+
+    @router.post("/v1/chat/completions", openapi_extra={"requestBody": openapi_request_body(ChatRequest)})
+    async def chat_completions(request: Request, state: Gateway, caller: Tenant) -> Response:
+        return await serve(state, request, caller, chat=True)
+
+    @router.post("/v1/completions", openapi_extra={"requestBody": openapi_request_body(CompletionRequest)})
+    async def completions(request: Request, state: Gateway, caller: Tenant) -> Response:
+        return await serve(state, request, caller, chat=False)
+
+    app.include_router(router)
+
+    @app.get("/v1/models", dependencies=[Depends(require_tenant)])
+    async def models(state: Gateway) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "fairgate"} for m in state.dispatcher.models()
+            ],
+        }

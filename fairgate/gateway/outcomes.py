@@ -1,0 +1,219 @@
+"""Every answer the gateway gives other than a result: one table from ``Outcome`` to HTTP.
+
+Each stage of the request path raises a ``Rejection`` naming its ``Outcome``; ``ANSWERS`` says, for every
+outcome, the HTTP status, the OpenAI error ``type`` and ``code``, the rejection reason recorded in metrics
+(seed 003's quota vector: ``rate``, ``tokens``, ``concurrency``, ...), the suggested wait, and whether the
+request had a reservation that was released. ``respond`` builds the client's answer from it: the OpenAI
+error body (``fairgate.api.error_body``), ``x-request-id``, ``x-should-retry: false`` where the same
+request would get the same answer (OpenAI's SDKs obey it), and ``Retry-After`` in whole seconds with up to
++25 % jitter so rejected clients do not come back as one wave (seed 003). The shape follows llm-d's flow
+control, which maps a typed ``QueueOutcome`` to HTTP in one place.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum, auto
+
+from fastapi.responses import JSONResponse
+
+from fairgate.api import error_body
+from fairgate.gateway.observe import Rejected, reason_for_dimension
+
+# Statuses at which a retry of the same request gets the same answer.
+_FINAL_STATUSES = frozenset((400, 401, 403, 404, 409, 413))
+_BY_DIMENSION = "by_dimension"  # the reason of a quota outcome is the dimension's (``reason_for_dimension``)
+
+
+class Outcome(StrEnum):
+    """Why a request was not answered with its result (the rows of ``ANSWERS``)."""
+
+    AUTH_HEADER_REPEATED = auto()
+    API_KEY_MISSING = auto()
+    API_KEY_INVALID = auto()
+    ADMIN_ONLY = auto()
+    DELEGATION_HEADER_REPEATED = auto()
+    DELEGATION_NOT_ALLOWED = auto()
+    DELEGATION_INVALID = auto()
+    TENANT_MISMATCH = auto()
+    TENANT_NOT_CONFIGURED = auto()
+    INVALID_REQUEST = auto()
+    INVALID_JSON = auto()
+    INVALID_REQUEST_ID = auto()
+    INVALID_RUN_ID = auto()
+    INVALID_TOOL_ROUND = auto()
+    INVALID_WINDOW = auto()
+    BODY_TOO_LARGE = auto()
+    ROUTE_NOT_FOUND = auto()
+    METHOD_NOT_ALLOWED = auto()
+    HTTP_ERROR = auto()
+    MODEL_NOT_FOUND = auto()
+    TENANT_NOT_FOUND = auto()
+    PROMPT_TOO_LONG = auto()
+    OUTPUT_TOO_LONG = auto()
+    QUOTA_EXHAUSTED = auto()
+    RATE_LIMITED = auto()
+    QUEUE_FULL = auto()
+    IDEMPOTENCY_CONFLICT = auto()
+    REQUEST_ALREADY_COMPLETED = auto()
+    REQUEST_IN_PROGRESS = auto()
+    LEDGER_UNAVAILABLE = auto()
+    NO_UPSTREAM = auto()
+    UPSTREAM_ERROR = auto()
+    CLIENT_CLOSED = auto()
+    INTERNAL_ERROR = auto()
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How one outcome is answered.
+
+    Attributes:
+        status: HTTP status; for ``UPSTREAM_ERROR`` and ``HTTP_ERROR`` the default when none is relayed.
+        kind: OpenAI error ``type``.
+        code: OpenAI error ``code``.
+        reason: the rejection reason (``fairgate.gateway.observe.REJECT_REASONS``).
+        retry_after_s: the wait suggested by default (None: waiting will not help).
+        after_admission: the request held a reservation, released before answering.
+        recorded: a ``Rejected`` event is emitted (not when the client is gone: nobody was answered).
+    """
+
+    status: int
+    kind: str
+    code: str
+    reason: str
+    retry_after_s: float | None = None
+    after_admission: bool = False
+    recorded: bool = True
+
+
+_AUTH, _PERMISSION, _INVALID = "authentication_error", "permission_error", "invalid_request_error"
+_RATE, _SERVER = "rate_limit_error", "server_error"
+
+ANSWERS: Mapping[Outcome, Answer] = {
+    Outcome.AUTH_HEADER_REPEATED: Answer(400, _AUTH, "invalid_api_key", "invalid"),
+    Outcome.API_KEY_MISSING: Answer(401, _AUTH, "invalid_api_key", "auth"),
+    Outcome.API_KEY_INVALID: Answer(401, _AUTH, "invalid_api_key", "auth"),
+    Outcome.ADMIN_ONLY: Answer(403, _PERMISSION, "admin_only", "auth"),
+    Outcome.DELEGATION_HEADER_REPEATED: Answer(400, _INVALID, "invalid_delegation", "invalid"),
+    Outcome.DELEGATION_NOT_ALLOWED: Answer(403, _PERMISSION, "delegation_not_allowed", "auth"),
+    Outcome.DELEGATION_INVALID: Answer(403, _PERMISSION, "invalid_delegation", "auth"),
+    Outcome.TENANT_MISMATCH: Answer(403, _PERMISSION, "tenant_mismatch", "auth"),
+    Outcome.TENANT_NOT_CONFIGURED: Answer(403, _PERMISSION, "tenant_not_configured", "auth"),
+    Outcome.INVALID_REQUEST: Answer(400, _INVALID, "invalid_request", "invalid"),
+    Outcome.INVALID_JSON: Answer(400, _INVALID, "invalid_json", "invalid"),
+    Outcome.INVALID_REQUEST_ID: Answer(400, _INVALID, "invalid_request_id", "invalid"),
+    Outcome.INVALID_RUN_ID: Answer(400, _INVALID, "invalid_run_id", "invalid"),
+    Outcome.INVALID_TOOL_ROUND: Answer(400, _INVALID, "invalid_tool_round", "invalid"),
+    Outcome.INVALID_WINDOW: Answer(400, _INVALID, "invalid_window", "invalid"),
+    Outcome.BODY_TOO_LARGE: Answer(413, _INVALID, "body_too_large", "invalid"),
+    Outcome.ROUTE_NOT_FOUND: Answer(404, _INVALID, "not_found", "invalid"),
+    Outcome.METHOD_NOT_ALLOWED: Answer(405, _INVALID, "method_not_allowed", "invalid"),
+    Outcome.HTTP_ERROR: Answer(400, _INVALID, "http_error", "invalid"),
+    Outcome.MODEL_NOT_FOUND: Answer(404, _INVALID, "model_not_found", "invalid"),
+    Outcome.TENANT_NOT_FOUND: Answer(404, _INVALID, "tenant_not_found", "invalid"),
+    Outcome.PROMPT_TOO_LONG: Answer(413, _INVALID, "context_length_exceeded", "invalid"),
+    Outcome.OUTPUT_TOO_LONG: Answer(400, _INVALID, "context_length_exceeded", "invalid"),
+    Outcome.QUOTA_EXHAUSTED: Answer(429, _RATE, "insufficient_quota", _BY_DIMENSION),
+    Outcome.RATE_LIMITED: Answer(429, _RATE, "rate_limit_exceeded", _BY_DIMENSION),
+    Outcome.QUEUE_FULL: Answer(429, _RATE, "queue_full", "queue_full", after_admission=True),
+    Outcome.IDEMPOTENCY_CONFLICT: Answer(409, _INVALID, "idempotency_conflict", "conflict"),
+    Outcome.REQUEST_ALREADY_COMPLETED: Answer(409, _INVALID, "request_already_completed", "conflict"),
+    Outcome.REQUEST_IN_PROGRESS: Answer(409, _INVALID, "request_in_progress", "conflict"),
+    Outcome.LEDGER_UNAVAILABLE: Answer(503, _SERVER, "ledger_unavailable", "ledger_down", 5.0),
+    Outcome.NO_UPSTREAM: Answer(503, _SERVER, "no_upstream", "no_upstream", 5.0, after_admission=True),
+    Outcome.UPSTREAM_ERROR: Answer(502, _SERVER, "upstream_error", "upstream_error"),
+    Outcome.CLIENT_CLOSED: Answer(499, _INVALID, "client_closed", "invalid", recorded=False),
+    Outcome.INTERNAL_ERROR: Answer(500, _SERVER, "internal_error", "upstream_error"),
+}
+
+
+_RELAYED = frozenset((Outcome.UPSTREAM_ERROR, Outcome.HTTP_ERROR))
+
+
+class Rejection(Exception):
+    """A request answered with an error: its ``Outcome`` and what the answer says.
+
+    Args:
+        outcome: the row of ``ANSWERS``.
+        message: for people; never holds a secret.
+        param: the field, header or query parameter at fault.
+        retry_after_s: the wait to suggest (default: the outcome's).
+        dimension: the ledger's quota dimension, for quota outcomes.
+        headers: extra response headers (the quota's ``x-ratelimit-*``).
+        status: a status relayed: the upstream's own for ``UPSTREAM_ERROR`` (a 4xx it gave the request),
+            Starlette's for ``HTTP_ERROR``.
+        tenant: the tenant the request is attributed to (for a refused delegation: the caller whose key
+            made it), when known where it is raised; ``about`` fills it in later otherwise.
+    """
+
+    def __init__(
+        self,
+        outcome: Outcome,
+        message: str,
+        param: str | None = None,
+        *,
+        retry_after_s: float | None = None,
+        dimension: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        status: int | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        assert status is None or outcome in _RELAYED, f"{outcome} has a fixed status"
+        self.outcome, self.message, self.param, self.dimension = outcome, message, param, dimension
+        self.answer = ANSWERS[outcome]
+        self.status = status if status is not None else self.answer.status
+        self.retry_after_s = retry_after_s if retry_after_s is not None else self.answer.retry_after_s
+        self.headers = dict(headers or {})
+        self.tenant: str | None = tenant
+        self.delegate: str | None = None
+        self.model: str | None = None
+
+    @property
+    def reason(self) -> str:
+        """The rejection reason recorded in metrics and the request log."""
+        if self.answer.reason == _BY_DIMENSION:
+            return reason_for_dimension(self.dimension or "")
+        if self.outcome is Outcome.UPSTREAM_ERROR and self.status < 500:
+            return "invalid"  # the upstream refused the request itself (a 4xx it gave, relayed)
+        return self.answer.reason
+
+    def about(self, tenant: str | None, delegate: str | None, model: str | None) -> Rejection:
+        """Attribute the rejection to a request's tenant, delegate and model (those not set already)."""
+        self.tenant = self.tenant or tenant
+        self.delegate = self.delegate or delegate
+        self.model = self.model or model
+        return self
+
+    def event(self, request_id: str, time_s: float) -> Rejected:
+        """The ``Rejected`` event of this answer."""
+        return Rejected(
+            request_id,
+            self.tenant,
+            self.model,
+            self.reason,
+            self.status,
+            self.message,
+            time_s,
+            self.dimension,
+            self.answer.after_admission,
+            self.retry_after_s,
+            self.answer.code,
+            self.delegate,
+        )
+
+
+def respond(rejection: Rejection, request_id: str, rng: random.Random) -> JSONResponse:
+    """The client's answer to ``rejection`` (see module docstring); ``rng`` draws the jitter."""
+    answer = rejection.answer
+    headers = {"x-request-id": request_id, **rejection.headers}
+    if rejection.status in _FINAL_STATUSES:
+        headers["x-should-retry"] = "false"
+    if rejection.retry_after_s is not None:
+        headers["retry-after"] = str(max(1, math.ceil(rejection.retry_after_s * (1 + 0.25 * rng.random()))))
+    body = error_body(rejection.message, answer.kind, rejection.param, answer.code)
+    return JSONResponse(status_code=rejection.status, content=body, headers=headers)

@@ -1,0 +1,162 @@
+"""The gateway's state, typed: everything the stages of the request path and the operator views share.
+
+``create_gateway`` builds one ``GatewayState``; the app's lifespan opens what needs the event loop (the
+ledger, the upstream clients, the background tasks) and hands the state to every request through
+Starlette's lifespan state (``request.state.gateway``, read by ``gateway_of``). Modules receive it as an
+argument; nothing else is kept on the app or in module globals. The clock and the random source are
+injected here, so tests can drive time and jitter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from fastapi import FastAPI, Request
+
+from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.dispatch import Dispatcher
+from fairgate.gateway.identity import Identity
+from fairgate.gateway.observe import Fanout
+from fairgate.gateway.upstream import UpstreamClient
+from fairgate.ledger import Ledger
+from fairgate.ledger.emergency import ResilientLedger
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+log = logging.getLogger("fairgate.gateway")
+
+
+class Clock(Protocol):
+    """The gateway's two clocks, in seconds."""
+
+    def wall_s(self) -> float:
+        """Seconds since the epoch (event times, token expiry)."""
+
+    def monotonic_s(self) -> float:
+        """Seconds on a clock that never goes back (durations, the policy's and the meter's time)."""
+
+
+class SystemClock:
+    """The real clocks: ``time.time`` and ``time.monotonic``."""
+
+    def wall_s(self) -> float:
+        return time.time()
+
+    def monotonic_s(self) -> float:
+        return time.monotonic()
+
+
+class CallRegistry:
+    """The requests this process serves now (queued or running): ``(tenant, request id)`` -> reservation id.
+
+    The liveness sweep heartbeats their reservations; a second request with an id served here is refused.
+    """
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[str, str], str] = {}
+
+    def claim(self, tenant: str, request_id: str, reservation_id: str) -> bool:
+        """Register a request; ``False`` if this process serves that id already."""
+        if (tenant, request_id) in self._calls:
+            return False
+        self._calls[(tenant, request_id)] = reservation_id
+        return True
+
+    def release(self, tenant: str, request_id: str) -> None:
+        """Forget a request (idempotent)."""
+        self._calls.pop((tenant, request_id), None)
+
+    def reservation_ids(self) -> list[str]:
+        """The reservations of every request served now."""
+        return list(self._calls.values())
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(list(self._calls))
+
+
+@dataclass(eq=False)
+class GatewayState:
+    """What one gateway app holds (see module docstring).
+
+    Attributes:
+        config: the validated configuration.
+        clock, rng: the injected clock and random source (``Retry-After`` jitter).
+        events: every request's events go here; the operator views observe them.
+        identity: API keys and delegation (who is calling, for which tenant).
+        dispatcher: per-model queues and the fair policy.
+        calls: the requests this process serves now.
+        upstreams: upstream name -> its client and live meter (from start-up).
+        metrics_registry: the Prometheus registry of ``/metrics``, once installed.
+    """
+
+    config: GatewayConfig
+    clock: Clock
+    rng: random.Random
+    events: Fanout
+    identity: Identity
+    dispatcher: Dispatcher
+    calls: CallRegistry = field(default_factory=CallRegistry)
+    upstreams: dict[str, UpstreamClient] = field(default_factory=dict)
+    metrics_registry: CollectorRegistry | None = None
+    _ledger: ResilientLedger | None = None
+    _backend: Ledger | None = None
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def ledger(self) -> ResilientLedger:
+        """The request path's ledger (emergency grants while the backend is down). Raises ``RuntimeError``
+        before the app has started."""
+        if self._ledger is None:
+            raise RuntimeError("the gateway has not started: its ledger is not open")
+        return self._ledger
+
+    @property
+    def backend(self) -> Ledger:
+        """The ledger backend itself: operator functions and multi-process coordination."""
+        if self._backend is None:
+            raise RuntimeError("the gateway has not started: its ledger is not open")
+        return self._backend
+
+    def open_ledger(self, backend: Ledger) -> None:
+        """Set the ledger the app has opened (its lifespan does)."""
+        self._backend = backend
+        self._ledger = ResilientLedger(backend, self.config.journal_path)
+
+    def wall_ms(self) -> float:
+        return self.clock.wall_s() * 1000.0
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` without waiting for it; a failure is logged, the task kept alive until done."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+
+        def finished(done: asyncio.Task[Any]) -> None:
+            self._tasks.discard(done)
+            if not done.cancelled() and done.exception() is not None:
+                log.warning("background ledger call failed: %s", done.exception())
+
+        task.add_done_callback(finished)
+
+
+def gateway_of(request: Request) -> GatewayState:
+    """The state of the gateway serving ``request`` (from the lifespan state); a FastAPI dependency."""
+    state = request.state.gateway
+    assert isinstance(state, GatewayState), "the gateway's lifespan has not run"
+    return state
+
+
+def state_of(app: FastAPI) -> GatewayState:
+    """The state of a gateway app built by ``create_gateway`` (for tests and drills holding the app)."""
+    state = app.state.gateway
+    assert isinstance(state, GatewayState), "not an app of create_gateway"
+    return state
