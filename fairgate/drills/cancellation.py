@@ -92,6 +92,7 @@ from fairgate.drills.stack import (
     serve_in_thread,
 )
 from fairgate.gateway.auth import hash_api_key
+from fairgate.gateway.state import state_of
 
 ADMIN_KEY = "fg-drill-admin-" + "a" * 32
 
@@ -351,9 +352,9 @@ def metric_values(text: str, name: str) -> dict[str, float]:
 
 async def gateway_load(drill: DrillStack) -> dict[str, float]:
     """What the gateway holds now: requests on upstream slots, queued, active sequences (from
-    ``app.state.dispatcher`` in process, else ``/metrics`` with the admin key)."""
+    ``state_of(app).dispatcher`` in process, else ``/metrics`` with the admin key)."""
     if drill.gateway_app is not None:
-        dispatcher = drill.gateway_app.state.dispatcher
+        dispatcher = state_of(drill.gateway_app).dispatcher
         return {
             "upstream_in_flight": float(sum(u.in_flight for u in dispatcher.upstreams())),
             "queued": float(sum(dispatcher.queued_by_tenant().values())),

@@ -53,7 +53,7 @@ from fairgate.drills import CheckedResult, DrillOptions
 from fairgate.drills.cancellation import ADMIN_KEY, DrillStack, open_ledger, open_stack, replica_stats
 from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS
 from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
-from fairgate.gateway.app import ON_BEHALF_OF_HEADER
+from fairgate.gateway.identity import ON_BEHALF_OF_HEADER
 from fairgate.gateway.auth import make_on_behalf_of
 
 ATTACKER, VICTIM, CLIENT, DELEGATE, OTHER_DELEGATE = "mallory", "victim", "client", "batchsvc", "othersvc"

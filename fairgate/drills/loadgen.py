@@ -222,7 +222,7 @@ async def run_load(
     """
     import openai
 
-    from fairgate.gateway.app import RUN_ID_HEADER
+    from fairgate.gateway.intake import RUN_ID_HEADER
 
     if not loads:
         raise ValueError("no load to send")

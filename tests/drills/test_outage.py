@@ -21,7 +21,7 @@ import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.outage import OutageConfig, run
-from fairgate.gateway.app import sweep_once
+from fairgate.gateway.background import sweep_once
 from fairgate.ledger import Ledger, LedgerUnavailable, Usage, connect, quotas_from_dict
 from fairgate.ledger.emergency import EMERGENCY_PREFIX, ResilientLedger
 
@@ -161,7 +161,7 @@ async def test_after_an_outage_no_process_expires_a_reservation_another_still_ha
     its settlement waits in A's journal. When the ledger returns, B's liveness sweep may come before A's
     replay; it used to expire the reservation (nobody could heartbeat it), and A's replay then found it final:
     the usage was lost. B now holds expiry for the longest TTL after the outage; orphans expire after that."""
-    from fairgate.gateway.app import _sweep
+    from fairgate.gateway.background import sweep
 
     real, now, journal = ledger
     switch = Switchable(real)
@@ -170,7 +170,7 @@ async def test_after_an_outage_no_process_expires_a_reservation_another_still_ha
     r = await front_a.reserve("free", "req-1", 10, 100, 50.0)
     orphan = await real.reserve("free", "orphan", 1, 10, 0.0)  # a process that died before the outage
     hold_s = 0.4
-    sweeping = asyncio.ensure_future(_sweep(front_b, {}, 0.02, hold_after_outage_s=hold_s))
+    sweeping = asyncio.ensure_future(sweep(front_b, list, 0.02, hold_after_outage_s=hold_s))
     try:
         switch.down = True
         with pytest.raises(LedgerUnavailable):

@@ -19,7 +19,7 @@ import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.restart import RestartConfig, run
-from fairgate.gateway.app import mark_readmitted
+from fairgate.gateway.admission import mark_readmitted
 from fairgate.ledger import Ledger, connect, quotas_from_dict
 from fairgate.ledger.emergency import ResilientLedger
 
