@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fairgate.cli_common import console, error_console
+from fairgate.cli_common import fail as _fail
+from fairgate.cli_common import note as _note
 from fairgate.core.policies.factory import POLICY_NAMES
 
 app = typer.Typer(
@@ -24,24 +26,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="GPU-time fair scheduling for multi-tenant LLM inference.",
 )
-_WIDTH = None if sys.stdout.isatty() else 140  # tables stay whole when piped or captured
-console = Console(width=_WIDTH)
-error_console = Console(stderr=True, width=_WIDTH)
 T = TypeVar("T")
 
 
 class UsageError(ValueError):
     """A bad command-line value; the message names the option."""
-
-
-def _fail(message: str) -> typer.Exit:
-    # User text (file names, keys, values) is printed as it is: no markup, no emoji codes.
-    error_console.print(f"error: {message}", markup=False, emoji=False, highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
-
-
-def _note(message: str) -> None:
-    error_console.print(message, markup=False, emoji=False, highlight=False, soft_wrap=True)
 
 
 def _guard(action: Callable[[], T]) -> T:
@@ -226,7 +215,6 @@ def sweep(
     from statistics import fmean
 
     from rich.markup import escape
-    from rich.table import Table
 
     from fairgate.sim.plots import ratio_against
     from fairgate.sim.scenario import load_raw
@@ -401,203 +389,9 @@ def serve(
     ] = None,
 ) -> None:
     """Run the gateway: OpenAI-compatible, per-tenant quotas, GPU-time fair dispatch."""
-    import asyncio
-    import contextlib
-    import signal
-    from collections.abc import Iterator
+    from fairgate.cli_serve import serve as run
 
-    import uvicorn
-
-    from fairgate.emulator.api import EmulatorSettings, create_app
-    from fairgate.gateway.app import create_gateway
-    from fairgate.gateway.config import GatewayConfigError, load_gateway_config
-    from fairgate.gateway.demo import DEMO_MODEL, demo_folder, write_demo_config
-    from fairgate.gateway.demo import demo_traffic as drive_demo_traffic
-
-    class DemoServer(uvicorn.Server):
-        """A uvicorn server that leaves SIGINT/SIGTERM to ``run_all`` below (two servers share its loop)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
-        def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-            return None
-
-    servers = []
-    keys: dict[str, str] = {}
-    try:  # a port in use is a one-line error, before anything is printed or started
-        import socket
-
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
-            probe.bind((host, port))
-    except OSError as exc:
-        raise _fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
-    if config is None:
-        folder = demo_folder()
-        upstream_port = _free_port(host)
-        emulator = DemoServer(
-            uvicorn.Config(
-                create_app(EmulatorSettings(model=DEMO_MODEL)),
-                host=host,
-                port=upstream_port,
-                log_level="warning",
-                timeout_graceful_shutdown=DEMO_GRACE_S,
-            )
-        )
-        servers.append(emulator)
-        config, keys = write_demo_config(folder, f"http://{host}:{upstream_port}")
-        _note(f"demo: emulated replica on http://{host}:{upstream_port}/v1, ledger and config in {folder}")
-        for tenant, key in keys.items():
-            _note(f"  {'admin' if tenant == 'admin' else 'tenant ' + tenant:16s} key {key}")
-        _note(f"dashboard: http://{host}:{port}/dashboard (log in with a key)   metrics: http://{host}:{port}/metrics")
-        _note(
-            f"try: curl -s http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {keys['chat']}' "
-            f'-H \'Content-Type: application/json\' -d \'{{"model": "{DEMO_MODEL}", "messages": '
-            f'[{{"role": "user", "content": "hello"}}], "max_tokens": 16}}\''
-        )
-    try:
-        loaded = load_gateway_config(config)
-    except GatewayConfigError as exc:
-        raise _fail(str(exc)) from None
-    problem = _startup_problem(loaded, config)
-    if problem is not None:
-        raise _fail(problem)
-    if keys:  # the demo: Ctrl-C stops the traffic, prints the shares and closes the streams at once
-        gateway = DemoServer(
-            uvicorn.Config(
-                create_gateway(loaded),
-                host=host,
-                port=port,
-                log_level="warning",
-                timeout_graceful_shutdown=DEMO_GRACE_S,
-            )
-        )
-    else:  # uvicorn's own signal handling: a graceful shutdown waits for the streams in flight
-        gateway = uvicorn.Server(uvicorn.Config(create_gateway(loaded), host=host, port=port, log_level="warning"))
-    servers.append(gateway)
-    _note(f"gateway on http://{host}:{port}/v1 (policy {loaded.gateway.policy}, ledger {loaded.ledger_url})")
-    traffic = bool(keys) and demo_traffic
-    if traffic:
-        _note(
-            "demo traffic: 4 tenants x 12 clients (classify 24, chat 53, summarise 197, agent 354 tokens on "
-            "average); GPU time should split 25 % each"
-        )
-
-    async def run_all() -> None:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        stop = asyncio.Event()
-        if keys:
-
-            def on_signal() -> None:
-                if stop.is_set():  # a second Ctrl-C: do not wait for anything
-                    for server in servers:
-                        server.force_exit = True
-                stop.set()
-
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, on_signal)
-        serving = asyncio.gather(*(server.serve() for server in servers))
-        driver = None
-        if traffic:
-            while not gateway.started and not serving.done():
-                await asyncio.sleep(0.05)
-            driver = asyncio.ensure_future(
-                drive_demo_traffic(f"http://{host}:{port}", {t: k for t, k in keys.items() if t != "admin"})
-            )
-        if duration is not None or keys:
-            timeout = None if duration is None else max(0.0, duration - (loop.time() - started))
-            done, _ = await asyncio.wait(
-                [asyncio.ensure_future(stop.wait()), serving], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-            if not serving.done():
-                if driver is not None:
-                    driver.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await driver
-                await _print_shares(loaded)
-                for server in servers:
-                    server.should_exit = True
-        await serving
-
-    with asyncio.Runner(loop_factory=_fast_loop_factory()) as runner:
-        runner.run(run_all())
-
-
-def _startup_problem(config: Any, path: Path) -> str | None:
-    """What would stop the gateway starting, as one line naming the key: a journal or event log that
-    cannot be written, a ledger that cannot be opened (checked by opening it, as the gateway will)."""
-    import asyncio
-
-    from fairgate.ledger import LedgerError, connect
-
-    for key, file in (("journal", config.journal_path), ("event_log", config.event_log_path)):
-        if file is None:
-            continue
-        try:
-            with open(file, "a", encoding="utf-8"):
-                pass
-        except OSError as exc:
-            return f"{path}: gateway.{key}: cannot write {file} ({exc.strerror or exc})"
-
-    async def open_ledger() -> None:
-        ledger = await connect(config.ledger_url, config.quotas)
-        await ledger.close()
-
-    try:
-        asyncio.run(open_ledger())
-    except (LedgerError, ValueError, OSError) as exc:
-        return f"{path}: gateway.ledger: cannot open the ledger ({exc})"
-    return None
-
-
-def _fast_loop_factory() -> Any:
-    """uvloop's event loop where it is installed (as uvicorn picks it by itself), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds (not on Windows)
-        return None
-    return uvloop.new_event_loop
-
-
-DEMO_GRACE_S = 2  # the demo's servers wait this long for streams still open when they stop
-
-
-async def _print_shares(config: Any) -> None:
-    """Each tenant's share of the GPU time billed in the ledger so far (the demo's closing figures)."""
-    import asyncio
-
-    from fairgate.ledger import connect
-
-    async with await connect(config.ledger_url, config.quotas, create=False) as ledger:
-        for _ in range(60):  # the cancelled demo requests settle what they generated (within a second or so)
-            if not await ledger.reservations(status="open"):
-                break
-            await asyncio.sleep(0.05)
-        billed = {tenant: (await ledger.usage(tenant, 86_400.0)) for tenant in config.quotas.tenants}
-    total_ms = sum(u.gpu_ms for u in billed.values()) or 1.0
-    table = Table(title="GPU time billed per tenant")
-    for column in ("tenant", "requests", "output tokens", "GPU s", "share"):
-        table.add_column(column, justify="left" if column == "tenant" else "right")
-    for tenant, usage in billed.items():
-        table.add_row(
-            tenant,
-            str(usage.requests),
-            str(usage.output_tokens),
-            f"{usage.gpu_ms / 1000:.1f}",
-            f"{100 * usage.gpu_ms / total_ms:.1f} %",
-        )
-    Console().print(table)
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    run(config, host, port, demo_traffic, duration)
 
 
 def main() -> None:

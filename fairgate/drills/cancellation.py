@@ -91,6 +91,7 @@ from fairgate.drills.stack import (
     pace_replicas,
     serve_in_thread,
 )
+from fairgate.emulator.api import replica_of
 from fairgate.gateway.auth import hash_api_key
 from fairgate.gateway.state import state_of
 
@@ -140,7 +141,7 @@ class EmulatorTap:
 
     def attach(self) -> None:
         """Wrap the replica's ``submit`` (call once the app has started: the replica exists then)."""
-        replica = self.app.state.emulator["replica"]
+        replica = replica_of(self.app)
         original = replica.submit
 
         def submit(prompt_tokens: int, output_tokens: int, cache_salt: str | None = None) -> Any:
@@ -165,7 +166,7 @@ class EmulatorTap:
 
     @property
     def replica(self) -> Any:
-        return self.app.state.emulator["replica"]
+        return replica_of(self.app)
 
 
 class _TimedQueue(asyncio.Queue):  # type: ignore[type-arg]

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -60,22 +61,40 @@ def _error(status: int, message: str, param: str | None, code: str = "invalid_re
     return JSONResponse(status_code=status, content=error_body(message, "invalid_request_error", param, code))
 
 
+@dataclass
+class EmulatorState:
+    """An emulator app's state: its settings, the shared random source of output lengths, and the replica
+    (running while the app is up)."""
+
+    settings: EmulatorSettings
+    rng: random.Random = field(default_factory=random.Random)
+    replica: EmulatedReplica | None = None
+
+    def running(self) -> EmulatedReplica:
+        assert self.replica is not None, "the emulator's lifespan has not started"
+        return self.replica
+
+
+def replica_of(app: FastAPI) -> EmulatedReplica:
+    """The running replica of an emulator app (for tests and drills holding the app)."""
+    state = app.state.emulator
+    assert isinstance(state, EmulatorState), "not an app of create_app"
+    return state.running()
+
+
 def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
     """The emulator's ASGI app; the replica loop runs while the app is up (lifespan)."""
-    settings = settings or EmulatorSettings()
-    cost = settings.cost()
-    state: dict[str, Any] = {}
-    shared_rng = random.Random()
+    state = EmulatorState(settings or EmulatorSettings())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        replica = EmulatedReplica(cost)
-        replica.start()
-        state["replica"] = replica
+        state.replica = EmulatedReplica(state.settings.cost())
+        state.replica.start()
         yield
-        await replica.stop()
+        await state.replica.stop()
 
     app = FastAPI(title="fairgate emulated replica", lifespan=lifespan)
+    app.state.emulator = state
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -84,114 +103,25 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
         param = ".".join(location) or None
         return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
 
-    def output_length(body: GenerationRequest, prompt_tokens: int) -> tuple[int, str] | JSONResponse:
-        cap = body.token_cap()
-        if cap is not None and prompt_tokens + cap > settings.max_model_len:
-            return _error(
-                400,
-                f"This model's maximum context length is {settings.max_model_len} tokens; the "
-                f"prompt has {prompt_tokens} and max_tokens asks for {cap}.",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        if prompt_tokens >= settings.max_model_len:
-            return _error(
-                400,
-                f"The prompt has {prompt_tokens} tokens; the context is {settings.max_model_len}.",
-                "messages",
-                "context_length_exceeded",
-            )
-        if body.ignore_eos and cap is not None:
-            return cap, "length"
-        rng = random.Random(body.seed) if body.seed is not None else shared_rng
-        sigma2 = math.log1p(settings.output_cv**2)
-        mu = math.log(settings.output_mean_tokens) - sigma2 / 2
-        length = max(1, round(rng.lognormvariate(mu, math.sqrt(sigma2))))
-        length = min(length, settings.max_model_len - prompt_tokens)
-        if cap is not None and length >= cap:
-            return cap, "length"
-        return length, "stop"
-
-    async def generate(request: Request, body: GenerationRequest, prompt_tokens: int, chat: bool) -> Any:
-        if settings.require_tenant_context:
-            salt = (body.model_extra or {}).get("cache_salt")
-            if not isinstance(salt, str) or not salt.strip():
-                return _error(
-                    400,
-                    "cache_salt: this replica requires tenant context (a non-empty cache_salt).",
-                    "cache_salt",
-                    "missing_tenant_context",
-                )
-        decided = output_length(body, prompt_tokens)
-        if isinstance(decided, JSONResponse):
-            return decided
-        length, finish_reason = decided
-        replica: EmulatedReplica = state["replica"]
-        salt = (body.model_extra or {}).get("cache_salt")
-        salt = salt if isinstance(salt, str) else None
-        seq = replica.submit(prompt_tokens, length, salt)
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        usage = lambda: {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": seq.generated,
-            "total_tokens": prompt_tokens + seq.generated,
-        }
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                _stream(replica, seq, ident, created, body.model, chat, finish_reason, include_usage, usage),
-                media_type="text/event-stream",
-            )
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, replica, seq))
-        try:
-            while await seq.events.get() is not None:
-                pass
-        finally:
-            watcher.cancel()
-        if seq.cancelled:
-            return _error(499, "client closed the request", None, "cancelled")
-        text = "".join(f" t{i}" for i in range(1, seq.generated + 1))
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        return {
-            "id": ident,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": body.model,
-            "choices": [choice],
-            "usage": usage(),
-        }
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest) -> Any:
-        return await generate(request, body, count_prompt_tokens(body), chat=True)
+        return await _generate(state, request, body, count_prompt_tokens(body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Any:
-        return await generate(request, body, count_prompt_tokens(body), chat=False)
+        return await _generate(state, request, body, count_prompt_tokens(body), chat=False)
+
+    _install_info_routes(app, state)
+    return app
+
+
+def _install_info_routes(app: FastAPI, state: EmulatorState) -> None:
+    settings = state.settings
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.model,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "fairgate",
-                    "max_model_len": settings.max_model_len,
-                }
-            ],
-        }
+        model = {"id": settings.model, "object": "model", "created": 0, "owned_by": "fairgate"}
+        return {"object": "list", "data": [{**model, "max_model_len": settings.max_model_len}]}
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -199,7 +129,7 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
 
     @app.get("/emulator/stats")
     async def stats() -> dict[str, Any]:
-        replica: EmulatedReplica = state["replica"]
+        replica = state.running()
         recent = list(replica.iterations)
         return {
             "running": replica.running,
@@ -214,8 +144,100 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
             "charge_rule_ms_by_cache_salt": dict(replica.charged_ms_by_salt),
         }
 
-    app.state.emulator = state
-    return app
+
+def output_length(
+    settings: EmulatorSettings, shared_rng: random.Random, body: GenerationRequest, prompt_tokens: int
+) -> tuple[int, str] | JSONResponse:
+    """The output length and finish reason of a request (a lognormal draw, capped), or the 400 answer."""
+    cap = body.token_cap()
+    if cap is not None and prompt_tokens + cap > settings.max_model_len:
+        return _error(
+            400,
+            f"This model's maximum context length is {settings.max_model_len} tokens; the "
+            f"prompt has {prompt_tokens} and max_tokens asks for {cap}.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    if prompt_tokens >= settings.max_model_len:
+        return _error(
+            400,
+            f"The prompt has {prompt_tokens} tokens; the context is {settings.max_model_len}.",
+            "messages",
+            "context_length_exceeded",
+        )
+    if body.ignore_eos and cap is not None:
+        return cap, "length"
+    rng = random.Random(body.seed) if body.seed is not None else shared_rng
+    sigma2 = math.log1p(settings.output_cv**2)
+    mu = math.log(settings.output_mean_tokens) - sigma2 / 2
+    length = max(1, round(rng.lognormvariate(mu, math.sqrt(sigma2))))
+    length = min(length, settings.max_model_len - prompt_tokens)
+    if cap is not None and length >= cap:
+        return cap, "length"
+    return length, "stop"
+
+
+async def _generate(
+    state: EmulatorState, request: Request, body: GenerationRequest, prompt_tokens: int, chat: bool
+) -> Any:
+    salt = (body.model_extra or {}).get("cache_salt")
+    salt = salt if isinstance(salt, str) else None
+    if state.settings.require_tenant_context and (salt is None or not salt.strip()):
+        return _error(
+            400,
+            "cache_salt: this replica requires tenant context (a non-empty cache_salt).",
+            "cache_salt",
+            "missing_tenant_context",
+        )
+    decided = output_length(state.settings, state.rng, body, prompt_tokens)
+    if isinstance(decided, JSONResponse):
+        return decided
+    length, finish_reason = decided
+    replica = state.running()
+    seq = replica.submit(prompt_tokens, length, salt)
+    reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), body.model, chat)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(replica, seq, reply, prompt_tokens, finish_reason, include_usage), media_type="text/event-stream"
+        )
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, replica, seq))
+    try:
+        while await seq.events.get() is not None:
+            pass
+    finally:
+        watcher.cancel()
+    if seq.cancelled:
+        return _error(499, "client closed the request", None, "cancelled")
+    text = "".join(f" t{i}" for i in range(1, seq.generated + 1))
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {**reply.head(), "choices": [choice], "usage": _usage(prompt_tokens, seq)}
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What every document of one reply repeats."""
+
+    ident: str
+    created: int
+    model: str
+    chat: bool
+
+    def head(self, chunk: bool = False) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.ident, "object": kind, "created": self.created, "model": self.model}
+
+
+def _usage(prompt_tokens: int, seq: Sequence) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": seq.generated,
+        "total_tokens": prompt_tokens + seq.generated,
+    }
 
 
 async def _cancel_on_disconnect(request: Request, replica: EmulatedReplica, seq: Sequence) -> None:
@@ -229,15 +251,12 @@ async def _cancel_on_disconnect(request: Request, replica: EmulatedReplica, seq:
 async def _stream(
     replica: EmulatedReplica,
     seq: Sequence,
-    ident: str,
-    created: int,
-    model: str,
-    chat: bool,
+    reply: _Reply,
+    prompt_tokens: int,
     finish_reason: str,
     include_usage: bool,
-    usage: Any,
 ) -> AsyncIterator[str]:
-    kind = "chat.completion.chunk" if chat else "text_completion"
+    chat = reply.chat
 
     def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
         if chat:
@@ -249,7 +268,7 @@ async def _stream(
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-        body = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
+        body = {**reply.head(chunk=True), "choices": [choice]}
         if include_usage:
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
@@ -261,7 +280,7 @@ async def _stream(
             yield chunk(f" t{index}", None)
         yield chunk(None if chat else "", finish_reason)
         if include_usage:
-            body = {"id": ident, "object": kind, "created": created, "model": model, "choices": [], "usage": usage()}
+            body = {**reply.head(chunk=True), "choices": [], "usage": _usage(prompt_tokens, seq)}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from pydantic import ValidationError
 
 from fairgate.api import ChatRequest, CompletionRequest, estimate_prompt_tokens
@@ -132,10 +133,13 @@ async def read_body(request: Request, chat: bool, limit_bytes: int) -> ChatReque
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise Rejection(Outcome.BODY_TOO_LARGE, f"Request body is {declared} bytes; the limit is {limit_bytes}.")
     raw = bytearray()
-    async for piece in request.stream():
-        raw += piece
-        if len(raw) > limit_bytes:
-            raise Rejection(Outcome.BODY_TOO_LARGE, f"Request body exceeds {limit_bytes} bytes.")
+    try:
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > limit_bytes:
+                raise Rejection(Outcome.BODY_TOO_LARGE, f"Request body exceeds {limit_bytes} bytes.")
+    except ClientDisconnect:
+        raise Rejection(Outcome.CLIENT_CLOSED, "client closed the request while sending it") from None
     try:
         data = jsonbody.decode(bytes(raw))
     except jsonbody.BodyError as exc:

@@ -514,7 +514,6 @@ def trace_workload(
             ``--tenant-by``, as the CLI options); a replay longer than 10 years; no requests in the
             window (message names the files and the window).
     """
-    # --- arguments -----------------------------------------------------------------------------
     spec = _format(fmt, "trace_workload: ")
     speedup = _option("--speedup", speedup, MIN_SPEEDUP, MAX_SPEEDUP, False, "between 0.001 and 1000000")
     start_s = _option("--start", start_s, 0.0, MAX_WINDOW_SECONDS, False, "between 0 and 1e10 (seconds of trace time)")
@@ -522,6 +521,18 @@ def trace_workload(
         duration_s = _option(
             "--duration", duration_s, 0.0, MAX_WINDOW_SECONDS, True, "above 0 and at most 1e10 (seconds of trace time)"
         )
+    named, hash_n = _trace_files(paths, tenant_by)
+    files = [_parse(path, spec) for _, path in named]
+    names, per_file_tenant, origins = _row_tenants(named, files, tenant_by, hash_n)
+    rows = _window_rows(files, origins, per_file_tenant, start_s, duration_s)
+    if hash_n is None and tenant_by != "file":
+        names = sorted(set(rows.tenants))
+    duration_ns = _replay_ns(files, spec, rows, tenant_by, speedup, start_s, duration_s)
+    return _build(names, rows, speedup, duration_ns, sum(len(parsed.times_ns) for parsed in files))
+
+
+def _trace_files(paths: Sequence[str | Path], tenant_by: str) -> tuple[list[tuple[str | None, Path]], int | None]:
+    """The files as ``(tenant name or None, path)``, and N of ``hash:N``. Raises ``TraceError``."""
     if not isinstance(tenant_by, str):
         raise TraceError(f"--tenant-by {_arg_text(tenant_by)}: must be file, a column name or hash:N")
     if isinstance(paths, (str, os.PathLike)):
@@ -544,7 +555,6 @@ def trace_workload(
                 f"from 1 to {MAX_HASH_TENANTS}"
             )
         hash_n = int(text)
-
     named = [_split_named(item) for item in paths]
     for (name, _path), item in zip(named, paths, strict=True):
         if name is not None:
@@ -556,21 +566,17 @@ def trace_workload(
                 )
             if not name.strip():
                 raise TraceError(f"{shown}: empty tenant name in NAME=PATH")
+    return named, hash_n
 
-    # --- read ----------------------------------------------------------------------------------
-    files = [_parse(path, spec) for _, path in named]
-    if tenant_by != "file" and hash_n is None:
-        for parsed in files:
-            if tenant_by not in parsed.header:
-                raise TraceError(
-                    f"{parsed.label}: --tenant-by column {_printable(repr(tenant_by), 60)} not found "
-                    f"(has: {_printable(', '.join(parsed.header))})"
-                )
 
-    # --- tenants of every row ------------------------------------------------------------------
+def _row_tenants(
+    named: list[tuple[str | None, Path]], files: list[_Parsed], tenant_by: str, hash_n: int | None
+) -> tuple[list[str], list[list[str]], list[int]]:
+    """The tenants (in order; empty when they come from a column: the kept rows decide), the tenant of
+    every row of every file, and each file's time origin (its own, or one shared by every file)."""
     per_file_tenant: list[list[str]] = []
+    names: list[str] = []
     if tenant_by == "file":
-        names: list[str] = []
         for (name, path), parsed in zip(named, files, strict=True):
             tenant = name.strip() if name is not None else path.stem
             if tenant in names:
@@ -580,98 +586,127 @@ def trace_workload(
                 )
             names.append(tenant)
             per_file_tenant.append([tenant] * len(parsed.times_ns))
-        origins = [min(parsed.times_ns) for parsed in files]
+        return names, per_file_tenant, [min(parsed.times_ns) for parsed in files]
+    if hash_n is not None:
+        names = [f"t{k}" for k in range(hash_n)]
+        for (_, path), parsed in zip(named, files, strict=True):
+            per_file_tenant.append([names[_hash_bucket(path.name, i, hash_n)] for i in range(len(parsed.times_ns))])
     else:
-        if hash_n is not None:
-            names = [f"t{k}" for k in range(hash_n)]
-            for (_, path), parsed in zip(named, files, strict=True):
-                per_file_tenant.append([names[_hash_bucket(path.name, i, hash_n)] for i in range(len(parsed.times_ns))])
-        else:
-            names = []  # filled from the kept rows below
-            for parsed in files:
-                col = parsed.header.index(tenant_by)
-                per_file_tenant.append([_tenant_value(row[col]) for row in parsed.raw])
-        origin = min(min(parsed.times_ns) for parsed in files)
-        origins = [origin] * len(files)
+        for parsed in files:
+            if tenant_by not in parsed.header:
+                raise TraceError(
+                    f"{parsed.label}: --tenant-by column {_printable(repr(tenant_by), 60)} not found "
+                    f"(has: {_printable(', '.join(parsed.header))})"
+                )
+            col = parsed.header.index(tenant_by)
+            per_file_tenant.append([_tenant_value(row[col]) for row in parsed.raw])
+    origin = min(min(parsed.times_ns) for parsed in files)
+    return names, per_file_tenant, [origin] * len(files)
 
-    # --- window --------------------------------------------------------------------------------
+
+@dataclass
+class _Rows:
+    """The rows kept in the window (times relative to its start, ns), and what the rest held."""
+
+    times_ns: list[int] = field(default_factory=list)
+    tenants: list[str] = field(default_factory=list)
+    prompts: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    failed: int = 0  # rows in the window with 0 output tokens, skipped
+    last_rel_ns: int = 0  # the latest row of the trace, from the origin
+    last_at: tuple[int, int] = (0, 0)  # (file, row) of the latest row
+
+
+def _window_rows(
+    files: list[_Parsed],
+    origins: list[int],
+    per_file_tenant: list[list[str]],
+    start_s: float,
+    duration_s: float | None,
+) -> _Rows:
+    """The rows in ``[start_s, start_s + duration_s)``. Raises ``TraceError`` when none is."""
     start_ns = round(start_s * NS_PER_S)
     end_ns = None if duration_s is None else start_ns + round(duration_s * NS_PER_S)
-    kept_t: list[int] = []
-    kept_tenant: list[str] = []
-    kept_p: list[int] = []
-    kept_o: list[int] = []
-    failed = 0
-    last_rel = 0
-    last_at = (0, 0)  # (file, row) of the latest row
+    rows = _Rows()
     for f, (parsed, origin, tenants_of) in enumerate(zip(files, origins, per_file_tenant, strict=True)):
         outputs, prompts = parsed.outputs, parsed.prompts
         for i, t in enumerate(parsed.times_ns):
             rel = t - origin
-            if rel > last_rel:
-                last_rel = rel
-                last_at = (f, i)
+            if rel > rows.last_rel_ns:
+                rows.last_rel_ns = rel
+                rows.last_at = (f, i)
             if rel < start_ns or (end_ns is not None and rel >= end_ns):
                 continue
             if outputs[i] == 0:
-                failed += 1
+                rows.failed += 1
                 continue
-            kept_t.append(rel - start_ns)
-            kept_tenant.append(tenants_of[i])
-            kept_p.append(prompts[i])
-            kept_o.append(outputs[i])
-    if not kept_t:
+            rows.times_ns.append(rel - start_ns)
+            rows.tenants.append(tenants_of[i])
+            rows.prompts.append(prompts[i])
+            rows.outputs.append(outputs[i])
+    if not rows.times_ns:
         window = f"[{start_s:g}, {'end' if duration_s is None else f'{start_s + duration_s:g}'}) s"
-        extra = f" ({failed} failed rows skipped)" if failed else ""
+        extra = f" ({rows.failed} failed rows skipped)" if rows.failed else ""
         raise TraceError(f"{', '.join(p.label for p in files)}: no requests in window {window}{extra}")
+    return rows
 
-    if hash_n is None and tenant_by != "file":
-        names = sorted(set(kept_tenant))
-    index_of = {name: k for k, name in enumerate(names)}
 
-    # --- replay length (checked before anything goes into int64) --------------------------------
-    if duration_s is None:
-        replay_ns = (last_rel - start_ns) / speedup
-        if replay_ns > _MAX_REPLAY_NS:
-            f, i = last_at
-            parsed = files[f]
-            ts = parsed.raw[i][parsed.header.index(spec.time)]
-            oi = min(range(len(parsed.times_ns)), key=parsed.times_ns.__getitem__)
-            of = f
-            if tenant_by != "file":  # shared clock: the earliest row over all files
-                of = min(range(len(files)), key=lambda k: min(files[k].times_ns))
-                oi = min(range(len(files[of].times_ns)), key=files[of].times_ns.__getitem__)
-            first = files[of]
-            where = f"line {first.lines[oi]}" if of == f else f"{first.label} line {first.lines[oi]}"
-            raise TraceError(
-                f"{parsed.label}: line {parsed.lines[i]}: column {spec.time!r}: timestamp {_one_line(ts)} is "
-                f"{_years(last_rel / NS_PER_S)} after the earliest row ({where}); replaying from --start "
-                f"{start_s:g} to it at --speedup {speedup:g} would take {_years(replay_ns / NS_PER_S)}, "
-                f"above the cap of 10 years (use --duration, or fix the timestamp)"
-            )
-        duration_ns = round(replay_ns) + 1
-    else:
+def _replay_ns(
+    files: list[_Parsed],
+    spec: _Format,
+    rows: _Rows,
+    tenant_by: str,
+    speedup: float,
+    start_s: float,
+    duration_s: float | None,
+) -> int:
+    """The workload's duration (ns), checked against ``MAX_REPLAY_SECONDS`` before anything goes into int64.
+    Raises ``TraceError`` naming the latest row (with ``duration_s=None``) or the options."""
+    start_ns = round(start_s * NS_PER_S)
+    if duration_s is not None:
         replay_ns = round(duration_s * NS_PER_S) / speedup
         if replay_ns > _MAX_REPLAY_NS:
             raise TraceError(
                 f"--duration {duration_s:g} at --speedup {speedup:g} is "
                 f"{_years(replay_ns / NS_PER_S)} of replay, above the cap of 10 years"
             )
-        duration_ns = round(replay_ns)
+        return round(replay_ns)
+    replay_ns = (rows.last_rel_ns - start_ns) / speedup
+    if replay_ns > _MAX_REPLAY_NS:
+        f, i = rows.last_at
+        parsed = files[f]
+        ts = parsed.raw[i][parsed.header.index(spec.time)]
+        oi = min(range(len(parsed.times_ns)), key=parsed.times_ns.__getitem__)
+        of = f
+        if tenant_by != "file":  # shared clock: the earliest row over all files
+            of = min(range(len(files)), key=lambda k: min(files[k].times_ns))
+            oi = min(range(len(files[of].times_ns)), key=files[of].times_ns.__getitem__)
+        first = files[of]
+        where = f"line {first.lines[oi]}" if of == f else f"{first.label} line {first.lines[oi]}"
+        raise TraceError(
+            f"{parsed.label}: line {parsed.lines[i]}: column {spec.time!r}: timestamp {_one_line(ts)} is "
+            f"{_years(rows.last_rel_ns / NS_PER_S)} after the earliest row ({where}); replaying from --start "
+            f"{start_s:g} to it at --speedup {speedup:g} would take {_years(replay_ns / NS_PER_S)}, "
+            f"above the cap of 10 years (use --duration, or fix the timestamp)"
+        )
+    return round(replay_ns) + 1
 
-    # --- build ---------------------------------------------------------------------------------
+
+def _build(
+    names: list[str], rows: _Rows, speedup: float, duration_ns: int, rows_read: int
+) -> tuple[Workload, TraceSummary]:
+    """The workload of the kept rows, and its summary."""
     # Every kept time is inside the window, so every arrival is at most ~10 years in ns: int64 is safe.
     # Trace times before ``speedup`` may not fit in int64 (speedup up to 1e6), hence float64 here.
     if speedup == 1:
-        arrival = np.asarray(kept_t, dtype=np.int64)
+        arrival = np.asarray(rows.times_ns, dtype=np.int64)
     else:
-        arrival = np.rint(np.asarray(kept_t, dtype=np.float64) / speedup).astype(np.int64)
-    last_arrival = int(arrival.max())
-    duration_ns = max(duration_ns, last_arrival + 1, 1)
-
-    tenant_idx = np.fromiter((index_of[t] for t in kept_tenant), dtype=np.int64, count=len(kept_tenant))
-    prompt = np.asarray(kept_p, dtype=np.int64)
-    output = np.asarray(kept_o, dtype=np.int64)
+        arrival = np.rint(np.asarray(rows.times_ns, dtype=np.float64) / speedup).astype(np.int64)
+    duration_ns = max(duration_ns, int(arrival.max()) + 1, 1)
+    index_of = {name: k for k, name in enumerate(names)}
+    tenant_idx = np.fromiter((index_of[t] for t in rows.tenants), dtype=np.int64, count=len(rows.tenants))
+    prompt = np.asarray(rows.prompts, dtype=np.int64)
+    output = np.asarray(rows.outputs, dtype=np.int64)
     columns = []
     for k in range(len(names)):
         mask = tenant_idx == k
@@ -679,14 +714,13 @@ def trace_workload(
             columns.append((arrival[mask], k, prompt[mask], output[mask]))
     workload = merge(list(names), columns, duration_ns)
     workload.check()
-
     counts = np.bincount(tenant_idx, minlength=len(names))
     summary = TraceSummary(
         tenants=tuple(names),
         requests={name: int(counts[k]) for k, name in enumerate(names)},
-        skipped_failed=failed,
-        rows_read=sum(len(parsed.times_ns) for parsed in files),
-        span_s=(max(kept_t) - min(kept_t)) / NS_PER_S,
+        skipped_failed=rows.failed,
+        rows_read=rows_read,
+        span_s=(max(rows.times_ns) - min(rows.times_ns)) / NS_PER_S,
         duration_s=duration_ns / NS_PER_S,
         mean_prompt_tokens=float(prompt.mean()),
         mean_output_tokens=float(output.mean()),
