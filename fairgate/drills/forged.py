@@ -53,8 +53,8 @@ from fairgate.drills import CheckedResult, DrillOptions
 from fairgate.drills.cancellation import ADMIN_KEY, DrillStack, open_ledger, open_stack, replica_stats
 from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS
 from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
-from fairgate.gateway.identity import ON_BEHALF_OF_HEADER
 from fairgate.gateway.auth import make_on_behalf_of
+from fairgate.gateway.identity import ON_BEHALF_OF_HEADER
 
 ATTACKER, VICTIM, CLIENT, DELEGATE, OTHER_DELEGATE = "mallory", "victim", "client", "batchsvc", "othersvc"
 SECRET_ENV = "FAIRGATE_DRILL_DELEGATION_SECRET"

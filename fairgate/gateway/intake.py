@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import Request
-from starlette.requests import ClientDisconnect
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from fairgate.api import ChatRequest, CompletionRequest, estimate_prompt_tokens
 from fairgate.core.cost import CostModel
