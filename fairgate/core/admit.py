@@ -27,12 +27,15 @@ class Admitter:
         policy: the scheduling policy (``fairgate.core.policies.factory.make_policy``).
     """
 
-    __slots__ = ("_queued", "policy", "view")
+    __slots__ = ("_queued", "charge", "policy", "view")
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.view = RunningView()  # running sequences per tenant, as every pick sees them
         self._queued: dict[str, int] = {}  # requests waiting per tenant (absent: 0)
+        # Book work spent by a tenant (``Policy.charge``): the policy's own method, called as often as the
+        # simulator books iterations, so no layer is added.
+        self.charge = policy.charge
 
     def enqueue(self, request: Request, now_ms: float) -> None:
         """Hand ``request`` to the policy; it waits in its tenant's queue."""
@@ -75,12 +78,6 @@ class Admitter:
         prefill_ms = cost.prefill_ms(request.prompt_tokens)
         policy.charge(tenant, prefill_ms, request.prompt_tokens, 0, batch_size)
         return request, prefill_ms
-
-    def charge(
-        self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
-    ) -> None:
-        """Book work spent by ``tenant`` with the policy (``Policy.charge``)."""
-        self.policy.charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size, remote)
 
     def finish(self, request: Request, now_ms: float, generated_tokens: int | None = None) -> None:
         """``request`` left its slot after generating ``generated_tokens`` (None: as recorded on it)."""

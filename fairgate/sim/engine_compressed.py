@@ -19,6 +19,8 @@ ns, so boundaries computed as ``head + k * dt`` equal the reference's repeated a
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from fairgate.core.cost import NS_PER_MS, CostModel
 from fairgate.core.policy import Policy
@@ -73,6 +75,14 @@ class _Replica:
         return t == self.head_end or (t > self.head_end and (t - self.head_end) % self.dt == 0)
 
 
+@dataclass(slots=True)
+class _Requests:
+    """Per request, what its settlement needs: the replica's iteration count and slot charge at admission."""
+
+    admitted_iteration: list[int]  # iterations booked on its replica before it joined
+    slot_charge_at_admit: list[float]
+
+
 def run_compressed(workload: Workload, cost: CostModel, policy: Policy, replicas: int = 1) -> SimResult:
     """Simulate ``workload`` like ``run_reference`` does, jumping over uneventful iterations.
 
@@ -84,13 +94,61 @@ def run_compressed(workload: Workload, cost: CostModel, policy: Policy, replicas
     result = SimResult.empty(workload, replicas)
     admission = Admission(workload, policy, cost, result)
     duration_ns = workload.duration_ns
-    tenants, tenant_index = workload.tenants, workload.tenant_index
-    prompt_tokens, output_tokens = workload.prompt_tokens, workload.output_tokens
-    tenant_gpu_ms, tenant_decode_tokens = result.tenant_gpu_ms, result.tenant_decode_tokens
     reps = [_Replica(r) for r in range(replicas)]
-    admitted_iteration = [0] * len(workload)  # iterations booked on its replica before it joined
-    slot_charge_at_admit = [0.0] * len(workload)
-    max_batch = cost.max_batch
+    requests = _Requests([0] * len(workload), [0.0] * len(workload))
+    book, finish_due, settle_request = _booking(workload, admission, result, requests)
+    admit_and_start, next_event = _starting(workload, cost, admission, result, requests)
+    now = -1
+    wake: int | None = None
+    next_sample = 0
+    while True:
+        candidates = [next_event(rep, now, wake) for rep in reps if rep.busy]
+        if any(not rep.busy and not rep.stopped for rep in reps):
+            arrival = admission.next_undelivered_ns()
+            if arrival is not None:
+                candidates.append(max(arrival, now + 1))
+            if wake is not None and wake < duration_ns:
+                candidates.append(wake)
+        if not candidates:
+            break
+        now = min(candidates)
+        at_boundary = [rep for rep in reps if rep.busy and rep.is_boundary(now)]
+        for rep in reps:
+            # A lone replica at its boundary books everything up to it in one go below; otherwise
+            # iterations before `now` must be booked before any replica picks at `now`.
+            if len(at_boundary) != 1 or rep is not at_boundary[0]:
+                book(rep, now, False)
+        for rep in at_boundary:
+            book(rep, now, True)
+            finish_due(rep, now)
+            if now < duration_ns:
+                admit_and_start(rep, now)
+            else:
+                rep.busy, rep.stopped = False, True
+        if now < duration_ns:
+            for rep in reps:
+                if not rep.busy and not rep.stopped and (admission.has_undelivered_until(now) or policy.queued()):
+                    admit_and_start(rep, now)
+        wake = admission.wake_ns(now)
+        if now >= next_sample:
+            admission.sample(now)
+            next_sample = now + SAMPLE_EVERY_NS
+    for rep in reps:
+        for _, i in rep.finishes:
+            settle_request(rep, i)
+    admission.sample(max(now, 0))
+    return result
+
+
+def _booking(
+    workload: Workload, admission: Admission, result: SimResult, requests: _Requests
+) -> tuple[Callable[[_Replica, int, bool], None], Callable[[_Replica, int], None], Callable[[_Replica, int], None]]:
+    """The engine's booking steps, as closures over the run's arrays (the hot path: no attribute look-ups):
+    ``book(rep, upto, inclusive)``, ``finish_due(rep, t)``, ``settle_request(rep, i)``."""
+    tenants, tenant_index = workload.tenants, workload.tenant_index
+    tenant_gpu_ms, tenant_decode_tokens = result.tenant_gpu_ms, result.tenant_decode_tokens
+    charge = admission.admitter.charge
+    admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
 
     def book(rep: _Replica, upto: int, inclusive: bool) -> None:
         """Book every iteration of ``rep`` ending before ``upto`` (or at it, if ``inclusive``)."""
@@ -107,7 +165,7 @@ def run_compressed(workload: Workload, cost: CostModel, policy: Policy, replicas
         for k_tenant, running in rep.tenant_running.items():
             tokens = k * running
             ms = tokens * per
-            policy.charge(tenants[k_tenant], ms, 0, tokens, size)
+            charge(tenants[k_tenant], ms, 0, tokens, size)
             tenant_gpu_ms[k_tenant] += ms
             tenant_decode_tokens[k_tenant] += tokens
         rep.slot_charge_ms += k * per
@@ -134,6 +192,18 @@ def run_compressed(workload: Workload, cost: CostModel, policy: Policy, replicas
     def settle_request(rep: _Replica, i: int) -> None:
         result.request_gpu_ms[i] += rep.slot_charge_ms - slot_charge_at_admit[i]
         result.generated_tokens[i] = rep.accounted_iterations - admitted_iteration[i]
+
+    return book, finish_due, settle_request
+
+
+def _starting(
+    workload: Workload, cost: CostModel, admission: Admission, result: SimResult, requests: _Requests
+) -> tuple[Callable[[_Replica, int], None], Callable[[_Replica, int, int | None], int]]:
+    """The engine's admission steps, as closures: ``admit_and_start(rep, t)`` (fill free slots, start a
+    segment) and ``next_event(rep, now, wake)`` (the next boundary of ``rep`` where something can change)."""
+    tenant_index, prompt_tokens, output_tokens = workload.tenant_index, workload.prompt_tokens, workload.output_tokens
+    admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
+    max_batch, duration_ns, policy = cost.max_batch, workload.duration_ns, admission.policy
 
     def admit_and_start(rep: _Replica, t: int) -> None:
         admitted = admission.admit(t, rep.index, max_batch - rep.size, rep.size)
@@ -177,43 +247,4 @@ def run_compressed(workload: Workload, cost: CostModel, policy: Policy, replicas
                     best = min(best, rep.boundary_at_or_after(max(wake, now + 1)))
         return best
 
-    now = -1
-    wake: int | None = None
-    next_sample = 0
-    while True:
-        candidates = [next_event(rep, now, wake) for rep in reps if rep.busy]
-        if any(not rep.busy and not rep.stopped for rep in reps):
-            arrival = admission.next_undelivered_ns()
-            if arrival is not None:
-                candidates.append(max(arrival, now + 1))
-            if wake is not None and wake < duration_ns:
-                candidates.append(wake)
-        if not candidates:
-            break
-        now = min(candidates)
-        at_boundary = [rep for rep in reps if rep.busy and rep.is_boundary(now)]
-        for rep in reps:
-            # A lone replica at its boundary books everything up to it in one go below; otherwise
-            # iterations before `now` must be booked before any replica picks at `now`.
-            if len(at_boundary) != 1 or rep is not at_boundary[0]:
-                book(rep, now, inclusive=False)
-        for rep in at_boundary:
-            book(rep, now, inclusive=True)
-            finish_due(rep, now)
-            if now < duration_ns:
-                admit_and_start(rep, now)
-            else:
-                rep.busy, rep.stopped = False, True
-        if now < duration_ns:
-            for rep in reps:
-                if not rep.busy and not rep.stopped and (admission.has_undelivered_until(now) or policy.queued()):
-                    admit_and_start(rep, now)
-        wake = admission.wake_ns(now)
-        if now >= next_sample:
-            admission.sample(now)
-            next_sample = now + SAMPLE_EVERY_NS
-    for rep in reps:
-        for _, i in rep.finishes:
-            settle_request(rep, i)
-    admission.sample(max(now, 0))
-    return result
+    return admit_and_start, next_event

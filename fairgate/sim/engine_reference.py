@@ -36,6 +36,20 @@ class _Sequence:
     generated: int = 0
 
 
+def _next_instant(
+    iteration_end: list[int | None], stopped: list[bool], arrival: int | None, wake: int | None, duration_ns: int
+) -> int | None:
+    """The next instant anything happens: an iteration ends, a request arrives, or (while a replica idles) a
+    held request may wake; None when nothing will."""
+    candidates = [e for e in iteration_end if e is not None]
+    if arrival is not None:
+        candidates.append(arrival)
+    idle = any(end is None and not stop for end, stop in zip(iteration_end, stopped, strict=True))
+    if wake is not None and wake < duration_ns and idle:
+        candidates.append(wake)  # busy replicas ask again at their own boundaries
+    return min(candidates) if candidates else None
+
+
 def run_reference(workload: Workload, cost: CostModel, policy: Policy, replicas: int = 1) -> SimResult:
     """Simulate ``workload`` on ``replicas`` replicas of ``cost`` under ``policy``, iteration by iteration.
 
@@ -53,6 +67,7 @@ def run_reference(workload: Workload, cost: CostModel, policy: Policy, replicas:
     wake: int | None = None
     next_sample = 0
     last_t = 0
+    charge = admission.admitter.charge
 
     def end_iteration(r: int, t: int) -> None:
         batch = running[r]
@@ -66,7 +81,7 @@ def run_reference(workload: Workload, cost: CostModel, policy: Policy, replicas:
             result.generated_tokens[seq.request_id] += 1
             result.tenant_gpu_ms[seq.tenant_index] += per_sequence_ms
             result.tenant_decode_tokens[seq.tenant_index] += 1
-            policy.charge(seq.tenant, per_sequence_ms, 0, 1, size)
+            charge(seq.tenant, per_sequence_ms, 0, 1, size)
         still = [seq for seq in batch if seq.generated < seq.output_tokens]
         # Sequences ending in one iteration leave in request id order (the compressed engine's order too: a
         # policy may see who went idle last).
@@ -89,15 +104,11 @@ def run_reference(workload: Workload, cost: CostModel, policy: Policy, replicas:
             result.iterations[r] += 1
 
     while True:
-        candidates = [e for e in iteration_end if e is not None]
-        if arrived < n:
-            candidates.append(arrival_ns[arrived])
-        idle = any(end is None and not stop for end, stop in zip(iteration_end, stopped, strict=True))
-        if wake is not None and wake < duration_ns and idle:
-            candidates.append(wake)  # busy replicas ask again at their own boundaries
-        if not candidates:
+        next_arrival = arrival_ns[arrived] if arrived < n else None
+        t_next = _next_instant(iteration_end, stopped, next_arrival, wake, duration_ns)
+        if t_next is None:
             break
-        t = last_t = min(candidates)
+        t = last_t = t_next
         while arrived < n and arrival_ns[arrived] <= t:
             arrived += 1
         for r in range(replicas):
