@@ -15,7 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fairgate.cli_common import console, error_console
+from fairgate.cli_common import console, error_console, output_dir
 from fairgate.cli_common import fail as _fail
 from fairgate.cli_common import note as _note
 from fairgate.core.policies.factory import POLICY_NAMES
@@ -122,16 +122,7 @@ def _write_text(target: str, text: str, option: str) -> None:
 
 def _plot_dir(target: str) -> Path:
     """Check (and create) a ``--plot`` directory before any work is done."""
-    if not target.strip():
-        raise UsageError("--plot: give a directory")
-    path = Path(target)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--plot {target}: exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--plot {target}: cannot create the directory: {exc.strerror or exc}") from None
-    return path
+    return output_dir(target, "--plot", UsageError)
 
 
 def _check_output(target: str | None, option: str) -> None:

@@ -8,6 +8,7 @@ no rich markup, no emoji codes.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -21,6 +22,21 @@ def fail(message: str) -> typer.Exit:
     """Print ``error: <message>`` on stderr; the ``typer.Exit(2)`` to raise."""
     error_console.print(f"error: {message}", markup=False, emoji=False, highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
+
+
+def output_dir(target: str | Path, option: str, error: type[Exception]) -> Path:
+    """The folder ``target`` given as ``option`` (``--plot``, ``--out``), created if missing, checked before any
+    work is done. Raises ``error`` with one line naming the option."""
+    if not str(target).strip():
+        raise error(f"{option}: give a directory")
+    path = Path(target)
+    if path.exists() and not path.is_dir():
+        raise error(f"{option} {target}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise error(f"{option} {target}: cannot create the directory: {exc.strerror or exc}") from None
+    return path
 
 
 def note(message: str) -> None:

@@ -28,6 +28,8 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
+from fairgate.cli_common import output_dir
+
 ops_app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="Read the gateway's request log."
 )
@@ -465,18 +467,6 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
-def _out_dir(target: Path) -> Path:
-    if not str(target).strip():
-        raise OpsError("--out: give a directory")
-    if target.exists() and not target.is_dir():
-        raise OpsError(f"--out {target}: exists and is not a directory")
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OpsError(f"--out {target}: cannot create the directory: {exc.strerror or exc}") from None
-    return target
-
-
 @ops_app.command()
 def report(
     out_dir: Annotated[Path, typer.Option("--out", help="Directory for report.html and its PNG charts.")],
@@ -492,7 +482,7 @@ def report(
 
     def run() -> list[Path]:
         path, names = _source(log, config)
-        target = _out_dir(out_dir)
+        target = output_dir(out_dir, "--out", OpsError)
         try:
             live = summarise_log(r for _, _, r in read_records(path))
         except OpsError as exc:

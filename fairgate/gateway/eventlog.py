@@ -218,11 +218,8 @@ class EventLog:
                     self._delegates.popitem(last=False)
             return self._request(
                 "admitted",
-                event.time_s,
-                event.request_id,
-                event.tenant,
+                event,
                 event.delegate,
-                event.model,
                 reservation_id=event.reservation_id,
                 input_tokens=event.input_tokens,
                 max_output_tokens=event.max_output_tokens,
@@ -235,11 +232,8 @@ class EventLog:
             retry = getattr(event, "retry_after_s", None)
             return self._request(
                 "rejected",
-                event.time_s,
-                event.request_id,
-                event.tenant,
+                event,
                 delegate,
-                event.model,
                 reason=event.reason,
                 status=event.status,
                 code=getattr(event, "code", None),
@@ -252,11 +246,8 @@ class EventLog:
             delegate = self._delegates.get((event.tenant, event.request_id))
             return self._request(
                 "dispatched",
-                event.time_s,
-                event.request_id,
-                event.tenant,
+                event,
                 delegate,
-                event.model,
                 upstream=event.upstream,
                 queue_ms=_ms(event.queue_ms),
             )
@@ -264,11 +255,8 @@ class EventLog:
             delegate = self._delegates.pop((event.tenant, event.request_id), None)
             return self._request(
                 "finished",
-                event.time_s,
-                event.request_id,
-                event.tenant,
+                event,
                 delegate,
-                event.model,
                 upstream=event.upstream,
                 outcome=event.outcome,
                 queue_ms=_ms(event.queue_ms),
@@ -284,23 +272,17 @@ class EventLog:
 
     @staticmethod
     def _request(
-        kind: str,
-        ts: float,
-        request_id: str,
-        tenant: str | None,
-        delegate: str | None,
-        model: str | None,
-        **fields: Any,
+        kind: str, event: Admitted | Rejected | Dispatched | Finished, delegate: str | None, **fields: Any
     ) -> dict[str, Any]:
         return {
             "v": SCHEMA_VERSION,
             "event": kind,
-            "ts": round(ts, 3),
-            "time": iso_time(ts),
-            "request_id": request_id,
-            "tenant_hash": _hash(tenant),
+            "ts": round(event.time_s, 3),
+            "time": iso_time(event.time_s),
+            "request_id": event.request_id,
+            "tenant_hash": _hash(event.tenant),
             "delegate_hash": _hash(delegate),
-            "model": model,
+            "model": event.model,
             **fields,
         }
 

@@ -54,10 +54,7 @@ def share_over_time(results: Sequence[PolicyStats], path: Path, title: str, step
     figure.suptitle(title + (f"\n(mean of {seeds} seeds)" if seeds > 1 else ""), fontsize=11)
     figure.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), frameon=False)
     figure.tight_layout(rect=(0, 0.05, 1, 0.97))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)
-    return path
+    return _save(figure, path)
 
 
 def ratio_against(
@@ -80,6 +77,16 @@ def ratio_against(
     axis.set_title(title, fontsize=10, wrap=True)
     axis.grid(alpha=0.3, which="both")
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return _save(figure, path)
+
+
+def _titled(axis: plt.Axes, title: str, figure: plt.Figure, path: Path) -> Path:
+    axis.set_title(title, fontsize=10, wrap=True)
+    return _save(figure, path)
+
+
+def _save(figure: plt.Figure, path: Path) -> Path:
+    """Write ``figure`` to ``path`` (its folder made if needed) and close it. Returns ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
@@ -121,11 +128,7 @@ def queue_times(queue_ms: Mapping[str, Sequence[float]], path: Path, title: str)
         axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     else:
         _no_data(axis, "no request was given a slot")
-    axis.set_title(title, fontsize=10, wrap=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)
-    return path
+    return _titled(axis, title, figure, path)
 
 
 def rejections_by_reason(counts: Mapping[str, Mapping[str, int]], path: Path, title: str) -> Path:
@@ -149,8 +152,4 @@ def rejections_by_reason(counts: Mapping[str, Mapping[str, int]], path: Path, ti
         axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     else:
         _no_data(axis, "no request was rejected")
-    axis.set_title(title, fontsize=10, wrap=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)
-    return path
+    return _titled(axis, title, figure, path)

@@ -291,6 +291,14 @@ def _open_text(path: Path, label: str) -> TextIO:
         raise
 
 
+def _cell(text: str, parse: Callable[[str], int], label: str, line: int, column: str, what: str) -> int:
+    """``parse(text)``; a ``ValueError`` becomes a ``TraceError`` naming the file, line and column."""
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise TraceError(f"{label}: line {line}: column {column!r}: bad {what} {_one_line(text)} ({e})") from None
+
+
 def _parse(path: Path, fmt: _Format) -> _Parsed:
     label = _printable(str(path), limit=1000)
     try:
@@ -319,24 +327,9 @@ def _parse(path: Path, fmt: _Format) -> _Parsed:
                     line = reader.line_num
                     if len(row) != width:
                         raise TraceError(f"{label}: line {line}: {len(row)} fields, header has {width}")
-                    try:
-                        t = parse_time(row[it])
-                    except ValueError as e:
-                        raise TraceError(
-                            f"{label}: line {line}: column {fmt.time!r}: bad timestamp {_one_line(row[it])} ({e})"
-                        ) from None
-                    try:
-                        p = _tokens(row[ip])
-                    except ValueError as e:
-                        raise TraceError(
-                            f"{label}: line {line}: column {fmt.prompt!r}: bad token count {_one_line(row[ip])} ({e})"
-                        ) from None
-                    try:
-                        o = _tokens(row[io])
-                    except ValueError as e:
-                        raise TraceError(
-                            f"{label}: line {line}: column {fmt.output!r}: bad token count {_one_line(row[io])} ({e})"
-                        ) from None
+                    t = _cell(row[it], parse_time, label, line, fmt.time, "timestamp")
+                    p = _cell(row[ip], _tokens, label, line, fmt.prompt, "token count")
+                    o = _cell(row[io], _tokens, label, line, fmt.output, "token count")
                     parsed.lines.append(line)
                     parsed.times_ns.append(t)
                     parsed.prompts.append(p)

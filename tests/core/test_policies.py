@@ -2,7 +2,7 @@
 
 import pytest
 
-from fairgate.core import CostModel, PolicySpec, Request, RunningView, TenantShare, TokenBucket, make_policy
+from fairgate.core import POLICY_NAMES, CostModel, PolicySpec, Request, RunningView, TenantShare, TokenBucket, make_policy
 from fairgate.core.policies.counters import VTC, GPUFair
 from fairgate.core.policies.pools import PriorityPools
 from fairgate.core.policies.quota import RequestQuota, SlotCap
@@ -150,17 +150,8 @@ def test_factory_builds_every_policy_and_rejects_unknown():
         "token_quota": {"tokens_per_minute": 1000},
         "slot_cap": {"max_running": 2},
     }
-    for name in (
-        "fcfs",
-        "round_robin",
-        "request_quota",
-        "token_quota",
-        "slot_cap",
-        "vtc",
-        "vtc_calibrated",
-        "drr",
-        "gpu_fair",
-    ):
+    assert len(POLICY_NAMES) == 9
+    for name in POLICY_NAMES:
         assert make_policy(PolicySpec(name, params), COST, shares).name == name
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         make_policy(PolicySpec("fifo"), COST, shares)
