@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fairgate.core import ratelimit
 from fairgate.ledger.config import Limits
 from fairgate.ledger.model import InvalidUsage, QuotaExceeded, Reservation, Usage
 
@@ -121,15 +122,6 @@ def input_allowance(reserved_input_tokens: int) -> int:
     return 2 * reserved_input_tokens + 1024
 
 
-def _refill(
-    level: float | None, updated_ms: float, now_ms: float, rate_per_minute: float, burst: float
-) -> tuple[float, float]:
-    if level is None:
-        return burst, now_ms
-    elapsed = max(0.0, now_ms - updated_ms)
-    return min(burst, level + elapsed * rate_per_minute / MS_PER_MINUTE), max(updated_ms, now_ms)
-
-
 def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
     """The account with buckets refilled and the GPU window rolled forward to ``now_ms``."""
     out = replace(account)
@@ -137,12 +129,13 @@ def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
         rate = getattr(limits, f"{dimension}_per_minute")
         if rate is None:
             continue
-        level, updated = _refill(
+        level, updated = ratelimit.refill(
             getattr(out, f"{prefix}_level"),
             getattr(out, f"{prefix}_updated_ms"),
             now_ms,
             rate,
             limits.burst(dimension) or 0.0,
+            MS_PER_MINUTE,
         )
         setattr(out, f"{prefix}_level", level)
         setattr(out, f"{prefix}_updated_ms", updated)
@@ -156,7 +149,7 @@ def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
 
 
 def _bucket_wait_s(level: float, need: float, rate_per_minute: float) -> float:
-    return max(0.0, (need - level) / rate_per_minute * 60.0)
+    return ratelimit.wait(level, need, rate_per_minute, per=60.0)
 
 
 def reserve(
@@ -294,7 +287,7 @@ def settle(
     ):
         level = getattr(acc, f"{prefix}_level")
         if level is not None and diff:
-            setattr(acc, f"{prefix}_level", min(limits.burst(dimension) or 0.0, level + diff))
+            setattr(acc, f"{prefix}_level", ratelimit.credit(level, diff, limits.burst(dimension) or 0.0))
     acc.gpu_window_used_ms = max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
     acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
     if final:
