@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
-from fairgate.ledger.base import Event, IsRunning, Ledger
+from fairgate.ledger.base import Coordination, Event, IsRunning, Ledger, Operator, RequestPath
 from fairgate.ledger.config import Limits, QuotaConfigError, Quotas, load_quotas, quotas_from_dict
 from fairgate.ledger.model import (
     IdempotencyConflict,

@@ -137,6 +137,41 @@ class TenantUsage:
     by_status: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Event:
+    """One row of the usage event log: what a call billed (deltas of the cumulative billed usage).
+
+    Tokens are counts, GPU times ms, ``at_ms`` ms since the epoch on the ledger clock.
+    """
+
+    seq: int
+    tenant: str
+    reservation_id: str
+    kind: str  # reserve | settle | settle_final | cancel | expire
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    gpu_ms: float
+    overage_gpu_ms: float
+    at_ms: float
+
+
+def usage_from_events(tenant: str, window_s: float, events: list[Event], by_status: dict[str, int]) -> TenantUsage:
+    """Sum the events of ``tenant`` over a window into a ``TenantUsage``; ``by_status``: its reservations
+    by status (statuses with none left out)."""
+    return TenantUsage(
+        tenant=tenant,
+        window_s=window_s,
+        requests=sum(e.requests for e in events),
+        input_tokens=sum(e.input_tokens for e in events),
+        output_tokens=sum(e.output_tokens for e in events),
+        gpu_ms=sum(e.gpu_ms for e in events),
+        overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
+        open_reservations=by_status.get("open", 0),
+        by_status=by_status,
+    )
+
+
 def check_name(value: object, field: str, optional: bool = False) -> str | None:
     """A tenant, request id, model class or run id: a non-empty string of at most 200 characters, printable
     UTF-8 (no NUL, control or invisible format characters - U+202E, U+200B, ... - no lone surrogates). Raises ``InvalidUsage`` naming ``field``."""

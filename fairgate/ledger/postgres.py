@@ -30,7 +30,6 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
-from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import Quotas
 from fairgate.ledger.model import LedgerUnavailable
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx
@@ -285,11 +284,6 @@ class PostgresLedger(SqlLedger):
             raise LedgerUnavailable(
                 f"postgres ledger: no connection within the pool timeout ({_one_line(exc)})"
             ) from None
-
-    async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
-        statement = self._lock_statement(tenant_tag(tenant))
-        assert statement is not None
-        await tx.execute(*statement)
 
     def _lock_statement(self, tag: str) -> tuple[str, dict[str, Any]] | None:
         # The tenant tag's 64 bits, as the signed bigint the advisory lock takes.

@@ -76,32 +76,22 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from fairgate.ledger import rules
-from fairgate.ledger.base import (
-    STATUSES,
-    ChargeTotals,
-    Event,
-    IsRunning,
-    Ledger,
-    check_consumed,
-    check_name,
-    check_reserve_args,
-    check_window,
-    new_reservation_id,
-    tenant_tag,
-)
+from fairgate.ledger.backend import Backend
+from fairgate.ledger.base import ChargeTotals, Event, new_reservation_id, tenant_tag
+from fairgate.ledger.checks import check_filters, check_reservation_id, check_window
 from fairgate.ledger.config import Limits, Quotas
 from fairgate.ledger.model import (
-    IdempotencyConflict,
     InvalidUsage,
     LedgerUnavailable,
     QuotaExceeded,
     Reservation,
-    ReservationFinal,
     ReservationNotFound,
     SettlementFrozen,
     TenantUsage,
     UnknownTenant,
     Usage,
+    check_name,
+    usage_from_events,
 )
 from fairgate.ledger.text import one_line as _one_line
 from fairgate.ledger.text import redacted as _redacted
@@ -740,7 +730,7 @@ def _is_redis_failure(exc: BaseException) -> bool:
     return isinstance(exc, (redis.exceptions.RedisError, OSError))
 
 
-class RedisLedger(Ledger):
+class RedisLedger(Backend):
     """Ledger on Redis. Build with ``await RedisLedger.open(url, quotas)`` (see the module docstring).
 
     All times are ms since the epoch on the ledger clock (the server's ``TIME``, or ``clock``).
@@ -776,14 +766,14 @@ class RedisLedger(Ledger):
             )
             for name, t in quotas.tenants.items()
         }
-        self._reserve = client.register_script(_RESERVE)
+        self._reserve_script = client.register_script(_RESERVE)
         self._close_script = client.register_script(_CLOSE)
-        self._extend = client.register_script(_EXTEND)
+        self._extend_script = client.register_script(_EXTEND)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._queue_script = client.register_script(_QUEUE)
         self._freeze = client.register_script(_FREEZE)
         self._usage = client.register_script(_USAGE)
-        self._due = client.register_script(_DUE)
+        self._due_script = client.register_script(_DUE)
         self._beat = client.register_script(_BEAT)
         self._register = client.register_script(_REGISTER)
 
@@ -900,9 +890,7 @@ class RedisLedger(Ledger):
     @staticmethod
     def _tag_of(reservation_id: object) -> str | None:
         """The tenant tag a reservation id starts with (None: not an id this ledger makes)."""
-        if not isinstance(reservation_id, str) or not reservation_id:
-            raise InvalidUsage(f"reservation_id must be a non-empty string, got {reservation_id!r}")
-        match = _RESERVATION_ID.match(reservation_id)
+        match = _RESERVATION_ID.match(check_reservation_id(reservation_id))
         return match.group(1) if match else None
 
     async def _ensure_registered(self, tenant: str) -> None:
@@ -917,47 +905,26 @@ class RedisLedger(Ledger):
         return dict(await self._client.hgetall(self._tenants_key))
 
     # --- API --------------------------------------------------------------------------------------
-    async def reserve(
-        self,
-        tenant: str,
-        request_id: str,
-        input_tokens: int,
-        max_output_tokens: int,
-        gpu_ms_estimate: float = 0.0,
-        model_class: str = "default",
-        run_id: str | None = None,
-        tool_round: bool = False,
-    ) -> Reservation:
-        """Reserve every dimension (tokens, requests, GPU ms, concurrency, run limits) in one script.
-
-        See ``Ledger.reserve``. Amounts: tokens (ints), ``gpu_ms_estimate`` in ms.
-
-        Raises:
-            QuotaExceeded, IdempotencyConflict, InvalidUsage, UnknownTenant, LedgerUnavailable.
-        """
-        check_reserve_args(tenant, request_id, model_class, run_id, tool_round)
-        limits = self.limits(tenant, model_class)
-        args = rules.ReserveArgs(
-            tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, bool(tool_round)
-        )
-        rules.check_amounts(input_tokens, max_output_tokens, gpu_ms_estimate, "reserve")
+    async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
+        """One script: reads the request id's reservation, the account and the run; writes only if all fit."""
+        tenant = args.tenant
         tag = tenant_tag(tenant)
         with self._unavailable():
             await self._ensure_registered(tenant)
-            reply = await self._reserve(
+            reply = await self._reserve_script(
                 keys=self._keys(tag),
                 args=[
                     *self._head(),
                     tenant,
-                    request_id,
+                    args.request_id,
                     new_reservation_id(tenant),
-                    str(input_tokens),
-                    str(max_output_tokens),
-                    _number(float(gpu_ms_estimate)),
-                    model_class,
-                    run_id or "",
-                    "0" if run_id is None else "1",
-                    "1" if tool_round else "0",
+                    str(args.input_tokens),
+                    str(args.max_output_tokens),
+                    _number(float(args.gpu_ms_estimate)),
+                    args.model_class,
+                    args.run_id or "",
+                    "0" if args.run_id is None else "1",
+                    "1" if args.tool_round else "0",
                     json.dumps(_limits_spec(limits)),
                 ],
             )
@@ -972,24 +939,7 @@ class RedisLedger(Ledger):
                 int(remaining) if dimension in _INT_REMAINING else remaining,
             )
         r = _reservation(reply[1])
-        if code == "existing":
-            if (
-                rules.ReserveArgs(
-                    tenant,
-                    request_id,
-                    r.input_tokens,
-                    r.max_output_tokens,
-                    r.gpu_ms_estimate,
-                    r.model_class,
-                    r.run_id,
-                    r.tool_round,
-                ).fingerprint()
-                != args.fingerprint()
-            ):
-                raise IdempotencyConflict(
-                    f"request id {request_id!r} of tenant {tenant!r} was reserved with other arguments"
-                )
-        return r
+        return rules.check_retry(r, args) if code == "existing" else r
 
     async def _close_call(
         self, reservation_id: str, kind: str, final: bool, billed: Usage | None, check_frozen: bool = True
@@ -1024,49 +974,15 @@ class RedisLedger(Ledger):
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
         r = _reservation(reply[-1])
         if code == "final":
-            if final and _STATUS_OF_KIND[kind] == r.status and r.billed == billed:
-                return r  # the same final call, repeated
-            raise ReservationFinal(f"reservation {reservation_id!r} is {r.status} already")
+            return rules.check_final_again(r, billed, final, kind)
         if code == "frozen":
             raise SettlementFrozen(f"automatic settlement is frozen for tenant {r.tenant!r}")
         if code == "unknown_tenant":
             raise UnknownTenant(f"tenant {r.tenant!r} has no quota configuration")
-        if code == "above":
-            raise InvalidUsage(
-                f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
-                f"max_output_tokens {r.max_output_tokens}"
-            )
-        if code == "above_input":
-            raise InvalidUsage(
-                f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
-                f"{r.input_tokens} (at most {rules.input_allowance(r.input_tokens)})"
-            )
-        if code == "below":
-            name = reply[1]
-            raise InvalidUsage(
-                f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
-                f"({getattr(r.billed, name)}); amounts are cumulative"
-            )
+        if code in ("above", "above_input", "below"):
+            rules.check_billing(r, billed, kind)  # the script found them invalid: the rules say why
+            raise InvalidUsage(f"{kind}: invalid amounts {billed}")
         return r  # ok | unchanged
-
-    async def settle(
-        self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
-    ) -> Reservation:
-        """Bill cumulative usage (tokens, GPU ms) in one script; ``final`` closes and releases the rest.
-
-        Raises:
-            ReservationNotFound, ReservationFinal, InvalidUsage, SettlementFrozen, UnknownTenant, LedgerUnavailable.
-        """
-        rules.check_amounts(input_tokens, output_tokens, gpu_ms, "settle")
-        return await self._close(reservation_id, Usage(input_tokens, output_tokens, float(gpu_ms)), final, "settle")
-
-    async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
-        """Close the reservation billing ``consumed`` (cumulative tokens, GPU ms), releasing the rest.
-
-        Raises:
-            ReservationNotFound, ReservationFinal, InvalidUsage, SettlementFrozen, UnknownTenant, LedgerUnavailable.
-        """
-        return await self._close(reservation_id, check_consumed(consumed), True, "cancel")
 
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
         """The balances held for ``tenant`` and ``model_class`` as last written (buckets not refilled).
@@ -1106,17 +1022,7 @@ class RedisLedger(Ledger):
             )
         events = sorted((_event(tenant, raw) for raw in events_raw), key=lambda e: e.seq)
         by_status = {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2) if int(flat[i + 1]) > 0}
-        return TenantUsage(
-            tenant=tenant,
-            window_s=window_s,
-            requests=sum(e.requests for e in events),
-            input_tokens=sum(e.input_tokens for e in events),
-            output_tokens=sum(e.output_tokens for e in events),
-            gpu_ms=sum(e.gpu_ms for e in events),
-            overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
-            open_reservations=by_status.get("open", 0),
-            by_status=by_status,
-        )
+        return usage_from_events(tenant, window_s, events, by_status)
 
     async def reservations(self, tenant: str | None = None, status: str | None = None) -> list[Reservation]:
         """Reservations ordered by ``created_ms`` then id, optionally of one tenant and/or status.
@@ -1124,9 +1030,7 @@ class RedisLedger(Ledger):
         Raises:
             InvalidUsage (a bad tenant or status), LedgerUnavailable.
         """
-        check_name(tenant, "tenant", optional=True)
-        if status is not None and status not in STATUSES:
-            raise InvalidUsage(f"status must be one of {', '.join(STATUSES)}, got {status!r:.80}")
+        check_filters(tenant, status)
         with self._unavailable():
             tags = [tenant_tag(tenant)] if tenant is not None else sorted(await self._tenants())
             found: list[Reservation] = []
@@ -1148,15 +1052,6 @@ class RedisLedger(Ledger):
             return logs[0]
         return list(heapq.merge(*logs, key=lambda e: e.at_ms))
 
-    async def enqueue(self, reservation_id: str) -> Reservation:
-        """``Ledger.enqueue``. Raises ``QuotaExceeded``, ``ReservationNotFound``, ``InvalidUsage`` (not a
-        string), ``LedgerUnavailable``."""
-        return await self._queue_step(reservation_id, enter=True)
-
-    async def dequeue(self, reservation_id: str) -> Reservation:
-        """``Ledger.dequeue``. Raises ``ReservationNotFound``, ``InvalidUsage``, ``LedgerUnavailable``."""
-        return await self._queue_step(reservation_id, enter=False)
-
     async def _queue_step(self, reservation_id: str, enter: bool) -> Reservation:
         tag = self._tag_of(reservation_id)
         reply: list[Any] = ["not_found"]
@@ -1174,8 +1069,7 @@ class RedisLedger(Ledger):
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
         r = _reservation(reply[1])
         if reply[0] == "quota":
-            limit_value = self.limits(r.tenant, r.model_class).max_queued
-            raise QuotaExceeded(r.tenant, "max_queued", rules.QUEUE_RETRY_S, limit_value, 0)
+            raise rules.queue_full(r, self.limits(r.tenant, r.model_class))
         return r
 
     async def heartbeat(self, reservation_id: str) -> None:
@@ -1198,47 +1092,30 @@ class RedisLedger(Ledger):
             beat, now = await self._beat(keys=self._keys(tenant_tag(r.tenant)), args=[*self._head(), r.id])
         return (float(beat) if beat not in ("", b"") else None), float(now)
 
-    async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
-        """One sweeper pass over every registered tenant that is not frozen: open reservations past
-        ``expires_at_ms`` are extended if ``is_running`` says so (by a TTL from now), or by default if
-        heartbeat within the TTL (to a TTL after that heartbeat), otherwise expired (billing what was settled so far), each in one script.
-
-        Returns the reservations expired. Raises ``UnknownTenant`` (a tenant no longer configured),
-        ``LedgerUnavailable``.
-        """
+    async def _due(self) -> list[Reservation]:
         with self._unavailable():
             due: list[Reservation] = []
             for tag in sorted(await self._tenants()):
-                due.extend(_reservation(raw) for raw in await self._due(keys=self._keys(tag), args=self._head()))
+                due.extend(_reservation(raw) for raw in await self._due_script(keys=self._keys(tag), args=self._head()))
         due.sort(key=lambda r: (r.expires_at_ms, r.created_ms, r.id))
-        expired = []
-        for r in due:
-            ttl_s = self.limits(r.tenant, r.model_class).reservation_ttl_s
-            if is_running is not None:
-                running, since_ms = await is_running(r), None
-            else:  # the heartbeat registry: running if beaten within the TTL, and only a TTL from that beat
-                since_ms, now_ms = await self._last_beat_ms(r)
-                running = since_ms is not None and now_ms - since_ms <= ttl_s * 1000.0
-            if running:
-                with self._unavailable():
-                    await self._extend(
-                        keys=self._keys(tenant_tag(r.tenant)),
-                        args=[
-                            *self._head(),
-                            r.id,
-                            _number(float(ttl_s)),
-                            "" if since_ms is None else _number(since_ms),
-                        ],
-                    )
-                continue
-            reply = await self._close_call(r.id, "expire", True, None)
-            code = reply[0]
-            if code == "ok" or (code == "final" and _reservation(reply[-1]).status == "expired"):
-                expired.append(_reservation(reply[-1]))
-            elif code == "unknown_tenant":
-                raise UnknownTenant(f"tenant {r.tenant!r} has no quota configuration")
-            # final (settled or cancelled meanwhile), not_due (extended meanwhile), frozen, not_found: skip
-        return expired
+        return due
+
+    async def _extend(self, r: Reservation, ttl_s: float, since_ms: float | None) -> None:
+        with self._unavailable():
+            await self._extend_script(
+                keys=self._keys(tenant_tag(r.tenant)),
+                args=[*self._head(), r.id, _number(float(ttl_s)), "" if since_ms is None else _number(since_ms)],
+            )
+
+    async def _expire(self, r: Reservation) -> Reservation | None:
+        """Expires in the close script, which skips a reservation no longer due or whose tenant is frozen."""
+        reply = await self._close_call(r.id, "expire", True, None)
+        code = reply[0]
+        if code == "ok" or (code == "final" and _reservation(reply[-1]).status == "expired"):
+            return _reservation(reply[-1])
+        if code == "unknown_tenant":
+            raise UnknownTenant(f"tenant {r.tenant!r} has no quota configuration")
+        return None  # final (settled or cancelled meanwhile), not_due (extended meanwhile), frozen, not_found
 
     async def freeze(self, tenant: str, reason: str) -> None:
         """Stop automatic settlement for ``tenant`` (settle/cancel raise ``SettlementFrozen``, the sweeper

@@ -1,7 +1,7 @@
 """The ledger's semantics as pure functions over plain state (no I/O, no clock: ``now_ms`` is passed in).
 
 SQLite and PostgreSQL run these inside one transaction per call; the Redis backend's Lua scripts
-implement the same rules (in ``redis.py``) and the conformance suite holds all three to them.
+implement the same rules (``redis/scripts/*.lua``) and the conformance suite holds all three to them.
 
 Semantics (``shared/DESIGN.md`` "Ledger semantics"; seed 003; two-phase transfers as in TigerBeetle,
 idempotency keys as in Stripe's API):
@@ -15,7 +15,7 @@ idempotency keys as in Stripe's API):
   global across gateway processes) until ``dequeue`` (it got a slot) or its final settlement, whichever
   comes first; one dispatched at once never takes one. ``max_concurrent`` counts every open reservation.
 - Token buckets refill continuously up to their burst; elapsed time is never negative (a clock behind
-  the last update reads as no time passed).
+  the last update reads as no time passed). The arithmetic is ``fairgate.core.ratelimit``'s.
 """
 
 from __future__ import annotations
@@ -24,11 +24,21 @@ from dataclasses import dataclass, replace
 
 from fairgate.core import ratelimit
 from fairgate.ledger.config import Limits
-from fairgate.ledger.model import InvalidUsage, QuotaExceeded, Reservation, Usage
+from fairgate.ledger.model import (
+    IdempotencyConflict,
+    InvalidUsage,
+    QuotaExceeded,
+    Reservation,
+    ReservationFinal,
+    Status,
+    Usage,
+)
 
 MS_PER_MINUTE = 60_000.0
 CONCURRENCY_RETRY_S = 1.0  # a slot frees when some request ends: unknown, so suggest a short wait
 QUEUE_RETRY_S = 2.0  # a queue place frees when a queued request is dispatched
+# The status a final call of each kind leaves.
+STATUS_OF_KIND: dict[str, Status] = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}
 
 
 @dataclass
@@ -70,7 +80,22 @@ class ReserveArgs:
     run_id: str | None
     tool_round: bool
 
+    @classmethod
+    def of(cls, r: Reservation) -> ReserveArgs:
+        """The arguments ``r`` was reserved with."""
+        return cls(
+            r.tenant,
+            r.request_id,
+            r.input_tokens,
+            r.max_output_tokens,
+            r.gpu_ms_estimate,
+            r.model_class,
+            r.run_id,
+            r.tool_round,
+        )
+
     def fingerprint(self) -> tuple[object, ...]:
+        """What a retry must repeat (the tenant and request id are the key)."""
         return (
             self.input_tokens,
             self.max_output_tokens,
@@ -240,6 +265,52 @@ def _held(r: Reservation, billed: Usage, final: bool) -> tuple[int, int, float]:
     return (max(r.input_tokens, billed.input_tokens), r.max_output_tokens, max(r.gpu_ms_estimate, billed.gpu_ms))
 
 
+def check_billing(reservation: Reservation, billed: Usage, kind: str) -> None:
+    """Raise ``InvalidUsage`` unless cumulative usage ``billed`` fits the open ``reservation``: output at
+    most ``max_output_tokens``, input within ``input_allowance``, nothing below what was billed already.
+    Checked in that order (the Redis scripts too)."""
+    r, before = reservation, reservation.billed
+    if billed.output_tokens > r.max_output_tokens:
+        raise InvalidUsage(
+            f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
+            f"max_output_tokens {r.max_output_tokens}"
+        )
+    if billed.input_tokens > input_allowance(r.input_tokens):
+        raise InvalidUsage(
+            f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
+            f"{r.input_tokens} (at most {input_allowance(r.input_tokens)})"
+        )
+    for name in ("input_tokens", "output_tokens", "gpu_ms"):
+        if getattr(billed, name) < getattr(before, name):
+            raise InvalidUsage(
+                f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
+                f"({getattr(before, name)}); amounts are cumulative"
+            )
+
+
+def check_retry(existing: Reservation, args: ReserveArgs) -> Reservation:
+    """``existing`` (the reservation made under ``args``' request id) when ``args`` repeat its arguments.
+    Raises ``IdempotencyConflict`` otherwise."""
+    if ReserveArgs.of(existing).fingerprint() != args.fingerprint():
+        raise IdempotencyConflict(
+            f"request id {args.request_id!r} of tenant {args.tenant!r} was reserved with other arguments"
+        )
+    return existing
+
+
+def check_final_again(reservation: Reservation, billed: Usage, final: bool, kind: str) -> Reservation:
+    """A settle / cancel / expire of a ``reservation`` final already: the same final call repeated (same
+    kind, same amounts) returns it; anything else raises ``ReservationFinal``."""
+    if final and STATUS_OF_KIND[kind] == reservation.status and reservation.billed == billed:
+        return reservation
+    raise ReservationFinal(f"reservation {reservation.id!r} is {reservation.status} already")
+
+
+def queue_full(reservation: Reservation, limits: Limits) -> QuotaExceeded:
+    """The error of an ``enqueue`` over ``max_queued``."""
+    return QuotaExceeded(reservation.tenant, "max_queued", QUEUE_RETRY_S, limits.max_queued, 0)
+
+
 def settle(
     reservation: Reservation,
     account: Account,
@@ -260,23 +331,8 @@ def settle(
     r = reservation
     assert not r.is_final
     check_amounts(billed.input_tokens, billed.output_tokens, billed.gpu_ms, kind)
+    check_billing(r, billed, kind)
     before = r.billed
-    if billed.output_tokens > r.max_output_tokens:
-        raise InvalidUsage(
-            f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
-            f"max_output_tokens {r.max_output_tokens}"
-        )
-    if billed.input_tokens > input_allowance(r.input_tokens):
-        raise InvalidUsage(
-            f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
-            f"{r.input_tokens} (at most {input_allowance(r.input_tokens)})"
-        )
-    for name in ("input_tokens", "output_tokens", "gpu_ms"):
-        if getattr(billed, name) < getattr(before, name):
-            raise InvalidUsage(
-                f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
-                f"({getattr(before, name)}); amounts are cumulative"
-            )
     acc = refreshed(account, limits, now_ms)
     old_in, old_out, old_gpu = _held(r, before, False)
     new_in, new_out, new_gpu = _held(r, billed, final)
@@ -298,7 +354,7 @@ def settle(
     if run is not None and r.run_id is not None:
         new_run = replace(run, tokens=max(0, run.tokens + (new_in + new_out) - (old_in + old_out)))
     overage = max(0.0, billed.gpu_ms - r.gpu_ms_estimate)
-    status = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}[kind] if final else "open"
+    status: Status = STATUS_OF_KIND[kind] if final else "open"
     updated = replace(
         r,
         billed=billed,
@@ -329,7 +385,7 @@ def enqueue(reservation: Reservation, account: Account, limits: Limits) -> tuple
     if reservation.is_final or reservation.queued:
         return None
     if limits.max_queued is not None and account.queued >= limits.max_queued:
-        raise QuotaExceeded(reservation.tenant, "max_queued", QUEUE_RETRY_S, limits.max_queued, 0)
+        raise queue_full(reservation, limits)
     return replace(reservation, queued=True), replace(account, queued=account.queued + 1)
 
 

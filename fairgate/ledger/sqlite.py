@@ -99,9 +99,6 @@ class SqliteLedger(SqlLedger):
                 connection.execute("ROLLBACK")
                 raise LedgerUnavailable(f"sqlite ledger {self.path}: {exc}") from None
 
-    async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
-        return None  # BEGIN IMMEDIATE already holds the database's write lock
-
     async def _now_ms(self, tx: Tx) -> float:
         return float(self._clock())
 
