@@ -174,7 +174,8 @@ def usage_from_events(tenant: str, window_s: float, events: list[Event], by_stat
 
 def check_name(value: object, field: str, optional: bool = False) -> str | None:
     """A tenant, request id, model class or run id: a non-empty string of at most 200 characters, printable
-    UTF-8 (no NUL, control or invisible format characters - U+202E, U+200B, ... - no lone surrogates). Raises ``InvalidUsage`` naming ``field``."""
+    UTF-8 (no NUL, control or invisible format characters - U+202E, U+200B, ... - no lone surrogates).
+    Returns it (None when ``optional`` and None). Raises ``InvalidUsage`` naming ``field``."""
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value or len(value) > 200:

@@ -77,7 +77,7 @@ from redis.backoff import ExponentialBackoff
 
 from fairgate.ledger import rules
 from fairgate.ledger.backend import Backend
-from fairgate.ledger.base import ChargeTotals, Event, new_reservation_id, tenant_tag
+from fairgate.ledger.base import ChargeTotals, Event, Ledger, new_reservation_id, tenant_tag
 from fairgate.ledger.checks import check_filters, check_reservation_id, check_window
 from fairgate.ledger.config import Limits, Quotas
 from fairgate.ledger.model import (
@@ -728,6 +728,16 @@ def _describe(exc: BaseException, where: str, timeout_s: float, tls: bool) -> st
 
 def _is_redis_failure(exc: BaseException) -> bool:
     return isinstance(exc, (redis.exceptions.RedisError, OSError))
+
+
+def check_url(url: str) -> None:
+    """Check a Redis ledger URL without connecting. Raises ``ValueError``."""
+    _parse_url(url)
+
+
+async def open_ledger(url: str, quotas: Quotas, clock: Callable[[], float] | None, create: bool) -> Ledger:
+    """``RedisLedger.open``."""
+    return await RedisLedger.open(url, quotas, clock, create=create)
 
 
 class RedisLedger(Backend):
