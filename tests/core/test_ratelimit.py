@@ -1,15 +1,19 @@
-"""The token-bucket arithmetic (``fairgate.core.ratelimit``) against one table of cases: refill, the burst
-cap, exact boundaries, the wait before a retry, giving units back. The same table is run against the Redis
-ledger's Lua copy (``tests/ledger/test_redis_specific.py``): the two must agree bit for bit, so every
-expected value is a literal double compared with ``==``."""
+"""The token-bucket arithmetic against one table of cases: refill, the burst cap, exact boundaries, the wait
+before a retry, giving units back. Each case runs on the Python implementation (``fairgate.core.ratelimit``)
+and on the Lua one the Redis ledger runs (``fairgate/ledger/redis/scripts/bucket.lua``, on the real
+server): the two must agree bit for bit, so every expected value is a literal double compared with ``==``."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 
 from fairgate.core import ratelimit
+from fairgate.ledger.redis.lua import source
+from tests.ledger.conftest import redis_throwaway, redis_url  # noqa: F401 - fixtures
 
 MINUTE_MS = 60_000.0
 
@@ -49,15 +53,49 @@ BUCKET_CASES: list[tuple[str, str, tuple[Any, ...], Any]] = [
 ]
 
 
-def python_bucket(operation: str, args: tuple[Any, ...]) -> Any:
+Bucket = Callable[[str, tuple[Any, ...]], Awaitable[Any]]
+
+# Calls bucket.lua's functions with ARGV: the operation, then its arguments ('' for a nil level); returns
+# the results as %.17g strings, which Python reads back to the same doubles.
+_LUA_DRIVER = """
+local function arg(i) if ARGV[i] == '' then return nil end return tonumber(ARGV[i]) end
+local function fmt(x) return string.format('%.17g', x) end
+local op = ARGV[1]
+if op == 'refill' then
+  local level, updated = bucket_refill(arg(2), arg(3), arg(4), arg(5), arg(6), arg(7))
+  return {fmt(level), fmt(updated)}
+elseif op == 'wait' then
+  return fmt(bucket_wait(arg(2), arg(3), arg(4), arg(5)))
+end
+return fmt(bucket_credit(arg(2), arg(3), arg(4)))
+"""
+
+
+async def _python(operation: str, args: tuple[Any, ...]) -> Any:
     return {"refill": ratelimit.refill, "wait": ratelimit.wait, "credit": ratelimit.credit}[operation](*args)
+
+
+@pytest.fixture(params=["python", "lua"])
+async def bucket(request: pytest.FixtureRequest) -> AsyncIterator[Bucket]:
+    if request.param == "python":
+        yield _python
+        return
+    async with Redis.from_url(request.getfixturevalue("redis_url"), decode_responses=True) as client:
+        script = source("bucket") + _LUA_DRIVER
+
+        async def lua(operation: str, args: tuple[Any, ...]) -> Any:
+            argv = [operation, *("" if a is None else repr(float(a)) for a in args)]
+            reply = await client.eval(script, 0, *argv)
+            return tuple(map(float, reply)) if isinstance(reply, list) else float(reply)
+
+        yield lua
 
 
 @pytest.mark.parametrize(
     ("operation", "args", "expected"), [c[1:] for c in BUCKET_CASES], ids=[c[0] for c in BUCKET_CASES]
 )
-def test_bucket_arithmetic(operation, args, expected):
-    assert python_bucket(operation, args) == expected
+async def test_bucket_arithmetic(bucket, operation, args, expected):
+    assert await bucket(operation, args) == expected
 
 
 def test_token_bucket_is_the_same_arithmetic_per_ms():
