@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fairgate.ledger.base import Ledger
+from fairgate.ledger.base import IsRunning, Ledger, RequestPath
 from fairgate.ledger.model import (
     LedgerError,
     LedgerUnavailable,
@@ -35,6 +35,7 @@ from fairgate.ledger.model import (
     ReservationFinal,
     Usage,
 )
+from fairgate.ledger.rules import Account, ReserveArgs
 
 EMERGENCY_PREFIX = "emg-"
 
@@ -55,8 +56,15 @@ class RecoveryReport:
     left: list[str] = field(default_factory=list)
 
 
-class ResilientLedger:
-    """A ``Ledger`` front that applies each tier's ``on_ledger_unavailable`` (see module docstring).
+class ResilientLedger(RequestPath):
+    """The request path (``RequestPath``) of a ``Ledger``, applying each tier's ``on_ledger_unavailable``
+    (see module docstring) when the ledger cannot be reached.
+
+    ``RequestPath``, all of it: ``reserve`` (a grant in an outage), ``settle`` / ``cancel`` (journalled in an
+    outage), ``enqueue`` / ``dequeue`` (skipped in an outage), ``get`` and ``heartbeat`` (an emergency grant
+    answered here), ``account`` (``LedgerUnavailable`` in an outage). ``Coordination``: ``expire_due`` (the
+    liveness sweep, held while the journal is not replayed). Its own: ``recover``, ``outstanding``,
+    ``live_id``. ``Operator`` calls go to ``ledger`` (the wrapped ``Ledger``) directly.
 
     Args:
         ledger: the real ledger.
@@ -99,7 +107,7 @@ class ResilientLedger:
         run_id: str | None = None,
         tool_round: bool = False,
     ) -> Reservation:
-        """``Ledger.reserve``; when the ledger is down, the tenant's tier decides (module docstring).
+        """``RequestPath.reserve``; when the ledger is down, the tenant's tier decides (module docstring).
 
         Raises:
             LedgerUnavailable: a ``reject`` tier, or an emergency budget exhausted or expired; and every
@@ -110,46 +118,64 @@ class ResilientLedger:
                 tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, tool_round
             )
         except LedgerUnavailable:
-            limits = self.ledger.limits(tenant, model_class)  # UnknownTenant before any grant
-            tier = self.ledger.quotas.tenant(tenant).tier
-            if tier.on_ledger_unavailable != "emergency":
+            granted = self._grant(
+                ReserveArgs(
+                    tenant,
+                    request_id,
+                    input_tokens,
+                    max_output_tokens,
+                    gpu_ms_estimate,
+                    model_class,
+                    run_id,
+                    tool_round,
+                )
+            )
+            if granted is None:
                 raise
-            for record in self._grants.values():
-                if record["tenant"] == tenant and record["request_id"] == request_id:
-                    return self._grant_reservation(record)  # a retry of a granted request
-            now = self._clock()
-            budget = self._budgets.setdefault(tenant, _Budget(started_ms=now))
-            tokens = input_tokens + max_output_tokens
-            if now - budget.started_ms > tier.emergency_seconds * 1000.0:
-                raise LedgerUnavailable(
-                    f"ledger unavailable and tenant {tenant!r}'s emergency window of "
-                    f"{tier.emergency_seconds:g} s is over"
-                ) from None
-            if budget.requests + 1 > tier.emergency_requests or budget.tokens + tokens > tier.emergency_tokens:
-                raise LedgerUnavailable(
-                    f"ledger unavailable and tenant {tenant!r}'s emergency budget is spent"
-                ) from None
-            budget.requests += 1
-            budget.tokens += tokens
-            record = {
-                "type": "grant",
-                "id": f"{EMERGENCY_PREFIX}{uuid.uuid4().hex}",
-                "tenant": tenant,
-                "request_id": request_id,
-                "input_tokens": input_tokens,
-                "max_output_tokens": max_output_tokens,
-                "gpu_ms_estimate": float(gpu_ms_estimate),
-                "model_class": model_class,
-                "run_id": run_id,
-                "tool_round": tool_round,
-                "at_ms": time.time() * 1000.0,
-                "ttl_ms": limits.reservation_ttl_s * 1000.0,
-                "usage": None,
-                "status": "open",
-            }
-            self._append(record)
-            self._grants[record["id"]] = record
-            return self._grant_reservation(record)
+            return granted
+
+    def _grant(self, args: ReserveArgs) -> Reservation | None:
+        """A grant from the tenant's emergency budget (journalled before it is returned), the earlier grant of
+        a retried request, or None: the tier rejects. Raises ``UnknownTenant``, ``LedgerUnavailable`` (the
+        budget is spent or its window over)."""
+        tenant = args.tenant
+        limits = self.ledger.limits(tenant, args.model_class)  # UnknownTenant before any grant
+        tier = self.ledger.quotas.tenant(tenant).tier
+        if tier.on_ledger_unavailable != "emergency":
+            return None
+        for record in self._grants.values():
+            if record["tenant"] == tenant and record["request_id"] == args.request_id:
+                return self._grant_reservation(record)  # a retry of a granted request
+        now = self._clock()
+        budget = self._budgets.setdefault(tenant, _Budget(started_ms=now))
+        tokens = args.input_tokens + args.max_output_tokens
+        if now - budget.started_ms > tier.emergency_seconds * 1000.0:
+            raise LedgerUnavailable(
+                f"ledger unavailable and tenant {tenant!r}'s emergency window of {tier.emergency_seconds:g} s is over"
+            ) from None
+        if budget.requests + 1 > tier.emergency_requests or budget.tokens + tokens > tier.emergency_tokens:
+            raise LedgerUnavailable(f"ledger unavailable and tenant {tenant!r}'s emergency budget is spent") from None
+        budget.requests += 1
+        budget.tokens += tokens
+        record = {
+            "type": "grant",
+            "id": f"{EMERGENCY_PREFIX}{uuid.uuid4().hex}",
+            "tenant": tenant,
+            "request_id": args.request_id,
+            "input_tokens": args.input_tokens,
+            "max_output_tokens": args.max_output_tokens,
+            "gpu_ms_estimate": float(args.gpu_ms_estimate),
+            "model_class": args.model_class,
+            "run_id": args.run_id,
+            "tool_round": args.tool_round,
+            "at_ms": time.time() * 1000.0,
+            "ttl_ms": limits.reservation_ttl_s * 1000.0,
+            "usage": None,
+            "status": "open",
+        }
+        self._append(record)
+        self._grants[record["id"]] = record
+        return self._grant_reservation(record)
 
     def _grant_reservation(self, record: dict[str, Any]) -> Reservation:
         usage = Usage(*record["usage"]) if record["usage"] else Usage()
@@ -211,29 +237,67 @@ class ResilientLedger:
         """``Ledger.cancel``; journalled like ``settle`` when the ledger cannot take it."""
         return await self._close(reservation_id, consumed, True, "cancel")
 
-    async def enqueue(self, reservation_id: str) -> None:
-        """``Ledger.enqueue``; an emergency grant takes no shared queue place (its local budget bounds it),
-        nor does a request while the ledger cannot be reached (the process's own queue bound still holds).
+    async def enqueue(self, reservation_id: str) -> Reservation | None:
+        """``RequestPath.enqueue``; an emergency grant takes no shared queue place (its local budget bounds
+        it), nor does a request while the ledger cannot be reached (the process's own queue bound still
+        holds): both return None.
 
         Raises:
-            QuotaExceeded: ``max_queued``.
+            QuotaExceeded: ``max_queued``; and the other errors of ``Ledger.enqueue`` but ``LedgerUnavailable``.
         """
         if reservation_id in self._grants:
-            return
+            return None
         try:
-            await self.ledger.enqueue(reservation_id)
+            return await self.ledger.enqueue(reservation_id)
         except LedgerUnavailable:
-            return
+            return None
 
-    async def dequeue(self, reservation_id: str) -> None:
-        """``Ledger.dequeue``, best effort: if the ledger cannot take it now, the reservation's final
-        settlement gives the place back instead (never lost)."""
+    async def dequeue(self, reservation_id: str) -> Reservation | None:
+        """``RequestPath.dequeue``, best effort: if the ledger cannot take it now (None), the reservation's
+        final settlement gives the place back instead (never lost); None for an emergency grant too."""
         if reservation_id in self._grants:
-            return
+            return None
         try:
-            await self.ledger.dequeue(reservation_id)
+            return await self.ledger.dequeue(reservation_id)
         except LedgerUnavailable:
-            return
+            return None
+
+    async def get(self, reservation_id: str) -> Reservation:
+        """``RequestPath.get``: an emergency grant as this process knows it (whether the ledger answers or
+        not), any other reservation from the ledger.
+
+        Raises:
+            ReservationNotFound, InvalidUsage, LedgerUnavailable (the ledger cannot be reached).
+        """
+        grant = self._grants.get(reservation_id)
+        if grant is not None:
+            return self._grant_reservation(grant)
+        return await self.ledger.get(reservation_id)
+
+    async def account(self, tenant: str, model_class: str = "default") -> Account:
+        """``RequestPath.account``: the ledger's balances. No local stand-in: when the ledger cannot be
+        reached this raises ``LedgerUnavailable`` (the gateway then leaves the remaining-quota headers out)."""
+        return await self.ledger.account(tenant, model_class)
+
+    async def heartbeat(self, reservation_id: str) -> None:
+        """``RequestPath.heartbeat`` under the id the ledger knows (``live_id``): an emergency grant replayed
+        while still running beats its ledger reservation; one not yet in the ledger has nothing to keep
+        alive there (a no-op).
+
+        Raises:
+            ReservationNotFound, InvalidUsage, LedgerUnavailable (not journalled: a missed beat only matters
+            if none lands within the reservation's TTL).
+        """
+        live = self.live_id(reservation_id) if isinstance(reservation_id, str) else reservation_id  # InvalidUsage
+        if live is not None:
+            await self.ledger.heartbeat(live)
+
+    async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
+        """``Coordination.expire_due`` on the ledger, held (``[]``) while the journal holds records not yet
+        replayed: usage not yet in the ledger would be lost to an expiry now. Raises ``LedgerUnavailable``."""
+        if self.outstanding():
+            return []
+        return await self.ledger.expire_due(is_running)
 
     def outstanding(self) -> int:
         """Journal records not yet replayed into the ledger."""
