@@ -135,20 +135,20 @@ class _PgTx:
         async with self._connection.pipeline() as pipeline:
             cursors = [self._connection.cursor() for _ in statements]
             for cursor, (sql, params) in zip(cursors, statements, strict=True):
-                await cursor.execute(_convert(sql), params)  # type: ignore[arg-type]
+                await cursor.execute(_convert(sql), params)
             await pipeline.sync()
             return [await c.fetchall() if c.description is not None else [] for c in cursors]
 
     async def fetchone(self, sql: str, params: dict[str, Any] | None = None) -> tuple[Any, ...] | None:
-        await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
+        await self._cursor.execute(_convert(sql), params or {})
         return await self._cursor.fetchone()
 
     async def fetchall(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
-        await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
+        await self._cursor.execute(_convert(sql), params or {})
         return await self._cursor.fetchall()
 
     async def execute(self, sql: str, params: dict[str, Any] | None = None) -> None:
-        await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
+        await self._cursor.execute(_convert(sql), params or {})
 
 
 def _connect_s(dsn: str, connect_kwargs: dict[str, Any]) -> float:
@@ -202,7 +202,7 @@ async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
                 await connection.execute(pgsql.SQL("SET LOCAL search_path TO {}").format(name_sql))
                 for statement in TABLES.format(real="DOUBLE PRECISION", serial="BIGSERIAL PRIMARY KEY").split(";"):
                     if statement.strip():
-                        await connection.execute(statement)  # type: ignore[call-overload]
+                        await connection.execute(statement)
             else:
                 cursor = await connection.execute(
                     "SELECT to_regclass(format('%%I.fg_reservations', %(schema)s::text)) IS NOT NULL",

@@ -39,7 +39,7 @@ def limits_spec(limits: Limits) -> dict[str, str]:
     return spec
 
 
-def reservation(raw: str) -> Reservation:
+def reservation(raw: bytes | str) -> Reservation:
     """A reservation from the JSON ``reserve.lua`` / ``close.lua`` store."""
     d = json.loads(raw)
     final_ms = d.get("final_ms")
@@ -63,7 +63,7 @@ def reservation(raw: str) -> Reservation:
     )
 
 
-def event(tenant: str, raw: str) -> Event:
+def event(tenant: str, raw: bytes | str) -> Event:
     """An event from a member of the tenant's event log (``prelude.lua``'s ``add_event``)."""
     seq, kind, rid, requests, input_tokens, output_tokens, gpu_ms, overage, at_ms = json.loads(raw)
     return Event(
@@ -80,7 +80,7 @@ def event(tenant: str, raw: str) -> Event:
     )
 
 
-def account(raw: str | None) -> rules.Account:
+def account(raw: bytes | str | None) -> rules.Account:
     """An account from ``prelude.lua``'s ``save_account`` JSON (None: never written, a fresh account)."""
     if raw is None:
         return rules.Account()

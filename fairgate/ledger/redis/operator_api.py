@@ -7,6 +7,7 @@ tenants merges the tenants' logs by ``at_ms`` (each tenant's own order kept).
 from __future__ import annotations
 
 import heapq
+from typing import cast
 
 from fairgate.ledger.base import Event, tenant_tag
 from fairgate.ledger.checks import check_filters, check_window
@@ -47,7 +48,7 @@ class RedisOperator(RedisStore):
             tenants = {tenant_tag(tenant): tenant} if tenant is not None else await self._tenants()
             logs = []
             for tag in sorted(tenants):
-                raws = await self._client.zrange(self._keys.tenant(tag)[EVENTS], 0, -1)
+                raws = cast(list[str], await self._client.zrange(self._keys.tenant(tag)[EVENTS], 0, -1))  # no scores
                 logs.append(sorted((codec.event(tenants[tag], raw) for raw in raws), key=lambda e: e.seq))
         if len(logs) == 1:
             return logs[0]
@@ -65,9 +66,9 @@ class RedisOperator(RedisStore):
 
     async def frozen(self) -> dict[str, str]:
         with self._unavailable():
-            found = {}
+            found: dict[str, str] = {}
             for tag, name in (await self._tenants()).items():
                 reason = await self._client.hget(self._keys.tenant(tag)[FROZEN], "reason")
                 if reason is not None:
-                    found[name] = reason
+                    found[name] = codec.text(reason)
         return dict(sorted(found.items()))

@@ -81,7 +81,8 @@ class RedisStore(Backend):
 
     async def _tenants(self) -> dict[str, str]:
         """Registered tenants: tag -> name. Raises redis-py's errors (the caller wraps them)."""
-        return dict(await self._client.hgetall(self._keys.tenants))
+        registry = await self._client.hgetall(self._keys.tenants)
+        return {codec.text(tag): codec.text(name) for tag, name in registry.items()}
 
     async def _close_call(self, reservation_id: str, kind: str, final: bool, billed: Usage | None) -> list[Any]:
         """``close.lua`` (see its header for the replies); ``billed`` None: expire, billing what was billed."""
