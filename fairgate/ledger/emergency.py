@@ -324,76 +324,86 @@ class ResilientLedger(RequestPath):
     async def _recover(self) -> RecoveryReport:
         report = RecoveryReport()
         records = self._read_journal()
-        grants: dict[str, dict[str, Any]] = {}
-        pending: list[dict[str, Any]] = []
-        for record in records:
-            if record["type"] == "grant":
-                grants[record["id"]] = dict(record)
-            elif record["type"] == "grant_usage":
-                grants[record["id"]].update(usage=record["usage"], status=record["status"])
-            else:
-                pending.append(record)
-        left: list[dict[str, Any]] = []
-        for grant in grants.values():
-            try:
-                r = await self.ledger.reserve(
-                    grant["tenant"],
-                    grant["request_id"],
-                    grant["input_tokens"],
-                    grant["max_output_tokens"],
-                    grant["gpu_ms_estimate"],
-                    grant["model_class"],
-                    grant["run_id"],
-                    grant["tool_round"],
-                )
-            except LedgerUnavailable:
-                raise
-            except LedgerError as exc:
-                # Over quota now that it is counted: the grant was still given; book it as usage anyway
-                # would break the ledger's invariants, so it is reported for the operator.
-                report.left.append(f"grant {grant['id']} ({grant['tenant']}/{grant['request_id']}): {exc}")
-                left.append(grant)
-                continue
-            usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
-            if not r.is_final:
-                if grant["status"] == "open":
-                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
-                    grant["ledger_id"] = r.id  # the gateway heartbeats it under this id from now on
-                    left.append(grant)  # still running: keep it, settle again at the next recover
-                    continue
-                if grant["status"] == "cancelled":
-                    await self.ledger.cancel(r.id, usage)
-                else:
-                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
-            report.grants_settled += 1
+        grants, pending = _fold(records)
+        left = [grant for grant in grants.values() if await self._replay_grant(grant, report)]
         for record in pending:
-            usage = Usage(*record["usage"])
-            try:
-                if record["kind"] == "cancel":
-                    await self.ledger.cancel(record["id"], usage)
-                else:
-                    await self.ledger.settle(
-                        record["id"], usage.input_tokens, usage.output_tokens, usage.gpu_ms, record["final"]
-                    )
-                report.settlements_applied += 1
-            except LedgerUnavailable:
-                raise
-            except ReservationFinal:
-                report.settlements_applied += 1  # applied before (a replay of the replay)
-            except LedgerError as exc:
-                report.left.append(f"settlement of {record['id']}: {exc}")
+            await self._replay_pending(record, report)
         # Records appended while the replay waited on the ledger (a grant finishing, a settlement that could
         # not reach it) are kept after what is left, for the next replay.
         appended = self._read_journal()[len(records) :]
         tmp = self.journal.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in [*left, *appended]))
         tmp.replace(self.journal)
-        grants_now = {g["id"]: g for g in left}
-        for record in appended:
-            if record["type"] == "grant":
-                grants_now[record["id"]] = record
-            elif record["type"] == "grant_usage" and record["id"] in grants_now:
-                grants_now[record["id"]].update(usage=record["usage"], status=record["status"])
-        self._grants = grants_now
+        self._grants, _ = _fold(appended, {g["id"]: g for g in left})
         self._budgets.clear()
         return report
+
+    async def _replay_grant(self, grant: dict[str, Any], report: RecoveryReport) -> bool:
+        """Reserve ``grant`` in the ledger under its request id and bill its usage; True: keep it in the
+        journal (still running, or refused by the ledger). Raises ``LedgerUnavailable``."""
+        try:
+            r = await self.ledger.reserve(
+                grant["tenant"],
+                grant["request_id"],
+                grant["input_tokens"],
+                grant["max_output_tokens"],
+                grant["gpu_ms_estimate"],
+                grant["model_class"],
+                grant["run_id"],
+                grant["tool_round"],
+            )
+        except LedgerUnavailable:
+            raise
+        except LedgerError as exc:
+            # Over quota now that it is counted: the grant was still given; booking it as usage anyway
+            # would break the ledger's invariants, so it is reported for the operator.
+            report.left.append(f"grant {grant['id']} ({grant['tenant']}/{grant['request_id']}): {exc}")
+            return True
+        usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
+        if not r.is_final:
+            if grant["status"] == "open":
+                await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
+                grant["ledger_id"] = r.id  # the gateway heartbeats it under this id from now on
+                return True  # still running: keep it, settle again at the next recover
+            if grant["status"] == "cancelled":
+                await self.ledger.cancel(r.id, usage)
+            else:
+                await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
+        report.grants_settled += 1
+        return False
+
+    async def _replay_pending(self, record: dict[str, Any], report: RecoveryReport) -> None:
+        """Apply a settlement the ledger could not take when it was made. Raises ``LedgerUnavailable``."""
+        usage = Usage(*record["usage"])
+        try:
+            if record["kind"] == "cancel":
+                await self.ledger.cancel(record["id"], usage)
+            else:
+                await self.ledger.settle(
+                    record["id"], usage.input_tokens, usage.output_tokens, usage.gpu_ms, record["final"]
+                )
+            report.settlements_applied += 1
+        except LedgerUnavailable:
+            raise
+        except ReservationFinal:
+            report.settlements_applied += 1  # applied before (a replay of the replay)
+        except LedgerError as exc:
+            report.left.append(f"settlement of {record['id']}: {exc}")
+
+
+def _fold(
+    records: list[dict[str, Any]], grants: dict[str, dict[str, Any]] | None = None
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Journal records folded onto ``grants`` (by id): each grant with its latest usage and status, and the
+    pending settlements in order. Usage of a grant not in ``grants`` (replayed and closed) is dropped."""
+    grants = {} if grants is None else grants
+    pending: list[dict[str, Any]] = []
+    for record in records:
+        if record["type"] == "grant":
+            grants[record["id"]] = dict(record)
+        elif record["type"] == "grant_usage":
+            if record["id"] in grants:
+                grants[record["id"]].update(usage=record["usage"], status=record["status"])
+        else:
+            pending.append(record)
+    return grants, pending

@@ -182,12 +182,35 @@ def reserve(
 ) -> tuple[Account, RunUsage | None]:
     """Admit ``args`` against every dimension, atomically: returns the new account and run counters.
 
+    Checked in this order (the Redis script too): request size, request rate, input and output token
+    rates, concurrency, GPU budgets, run limits.
+
     Raises:
         InvalidUsage: negative or non-integer amounts.
         QuotaExceeded: the first dimension (in the order checked) that does not fit.
     """
     check_amounts(args.input_tokens, args.max_output_tokens, args.gpu_ms_estimate, "reserve")
     acc = refreshed(account, limits, now_ms)
+    _check_size_and_rates(acc, limits, args)
+    if limits.max_concurrent is not None and acc.concurrent >= limits.max_concurrent:
+        raise QuotaExceeded(args.tenant, "max_concurrent", CONCURRENCY_RETRY_S, limits.max_concurrent, 0)
+    estimate = float(args.gpu_ms_estimate)
+    _check_gpu(acc, limits, args.tenant, estimate, now_ms)
+    new_run = None if args.run_id is None else _counted_run(run or RunUsage(), limits, args)
+    if acc.requests_level is not None:
+        acc.requests_level -= 1.0
+    if acc.input_level is not None:
+        acc.input_level -= args.input_tokens
+    if acc.output_level is not None:
+        acc.output_level -= args.max_output_tokens
+    acc.concurrent += 1
+    acc.gpu_window_used_ms += estimate
+    acc.gpu_total_used_ms += estimate
+    return acc, new_run
+
+
+def _check_size_and_rates(acc: Account, limits: Limits, args: ReserveArgs) -> None:
+    """``max_tokens_per_request``, then the request and token buckets (refreshed)."""
     tenant = args.tenant
     tokens = args.input_tokens + args.max_output_tokens
     if limits.max_tokens_per_request is not None and tokens > limits.max_tokens_per_request:
@@ -215,47 +238,36 @@ def reserve(
             raise QuotaExceeded(tenant, f"{dimension}_per_minute", None, rate, level)
         if level < need:
             raise QuotaExceeded(tenant, f"{dimension}_per_minute", _bucket_wait_s(level, need, rate), rate, level)
-    if limits.max_concurrent is not None and acc.concurrent >= limits.max_concurrent:
-        raise QuotaExceeded(tenant, "max_concurrent", CONCURRENCY_RETRY_S, limits.max_concurrent, 0)
-    estimate = float(args.gpu_ms_estimate)
-    if limits.gpu_seconds is not None and acc.gpu_window_used_ms + estimate > limits.gpu_seconds * 1000.0:
-        window_end_ms = acc.gpu_window_start_ms + limits.gpu_window_s * 1000.0
-        retry = max(0.0, (window_end_ms - now_ms) / 1000.0) if estimate <= limits.gpu_seconds * 1000.0 else None
-        raise QuotaExceeded(
-            tenant,
-            "gpu_seconds",
-            retry,
-            limits.gpu_seconds,
-            max(0.0, limits.gpu_seconds - acc.gpu_window_used_ms / 1000.0),
-        )
-    if limits.gpu_seconds_total is not None and acc.gpu_total_used_ms + estimate > limits.gpu_seconds_total * 1000.0:
-        raise QuotaExceeded(
-            tenant,
-            "gpu_seconds_total",
-            None,
-            limits.gpu_seconds_total,
-            max(0.0, limits.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0),
-        )
-    new_run = None
-    if args.run_id is not None:
-        run = run or RunUsage()
-        if limits.max_model_calls is not None and run.model_calls + 1 > limits.max_model_calls:
-            raise QuotaExceeded(tenant, "max_model_calls", None, limits.max_model_calls, 0)
-        if args.tool_round and limits.max_tool_rounds is not None and run.tool_rounds + 1 > limits.max_tool_rounds:
-            raise QuotaExceeded(tenant, "max_tool_rounds", None, limits.max_tool_rounds, 0)
-        if limits.max_tokens is not None and run.tokens + tokens > limits.max_tokens:
-            raise QuotaExceeded(tenant, "max_tokens", None, limits.max_tokens, max(0, limits.max_tokens - run.tokens))
-        new_run = RunUsage(run.model_calls + 1, run.tool_rounds + (1 if args.tool_round else 0), run.tokens + tokens)
-    if acc.requests_level is not None:
-        acc.requests_level -= 1.0
-    if acc.input_level is not None:
-        acc.input_level -= args.input_tokens
-    if acc.output_level is not None:
-        acc.output_level -= args.max_output_tokens
-    acc.concurrent += 1
-    acc.gpu_window_used_ms += estimate
-    acc.gpu_total_used_ms += estimate
-    return acc, new_run
+
+
+def _check_gpu(acc: Account, limits: Limits, tenant: str, estimate: float, now_ms: float) -> None:
+    """The GPU budget of the window (retry when it rolls over, if the estimate fits a window at all), then
+    the lifetime budget. ``remaining`` in seconds."""
+    budgets = (
+        ("gpu_seconds", limits.gpu_seconds, acc.gpu_window_used_ms),
+        ("gpu_seconds_total", limits.gpu_seconds_total, acc.gpu_total_used_ms),
+    )
+    for dimension, budget_s, used_ms in budgets:
+        if budget_s is None or used_ms + estimate <= budget_s * 1000.0:
+            continue
+        retry = None
+        if dimension == "gpu_seconds" and estimate <= budget_s * 1000.0:
+            window_end_ms = acc.gpu_window_start_ms + limits.gpu_window_s * 1000.0
+            retry = max(0.0, (window_end_ms - now_ms) / 1000.0)
+        raise QuotaExceeded(tenant, dimension, retry, budget_s, max(0.0, budget_s - used_ms / 1000.0))
+
+
+def _counted_run(run: RunUsage, limits: Limits, args: ReserveArgs) -> RunUsage:
+    """The agent run's counters with this call counted. Raises ``QuotaExceeded`` (run limits)."""
+    tenant = args.tenant
+    tokens = args.input_tokens + args.max_output_tokens
+    if limits.max_model_calls is not None and run.model_calls + 1 > limits.max_model_calls:
+        raise QuotaExceeded(tenant, "max_model_calls", None, limits.max_model_calls, 0)
+    if args.tool_round and limits.max_tool_rounds is not None and run.tool_rounds + 1 > limits.max_tool_rounds:
+        raise QuotaExceeded(tenant, "max_tool_rounds", None, limits.max_tool_rounds, 0)
+    if limits.max_tokens is not None and run.tokens + tokens > limits.max_tokens:
+        raise QuotaExceeded(tenant, "max_tokens", None, limits.max_tokens, max(0, limits.max_tokens - run.tokens))
+    return RunUsage(run.model_calls + 1, run.tool_rounds + (1 if args.tool_round else 0), run.tokens + tokens)
 
 
 def _held(r: Reservation, billed: Usage, final: bool) -> tuple[int, int, float]:
