@@ -22,7 +22,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,20 +245,21 @@ class ResilientLedger(RequestPath):
         Raises:
             QuotaExceeded: ``max_queued``; and the other errors of ``Ledger.enqueue`` but ``LedgerUnavailable``.
         """
-        if reservation_id in self._grants:
-            return None
-        try:
-            return await self.ledger.enqueue(reservation_id)
-        except LedgerUnavailable:
-            return None
+        return await self._queue_step(self.ledger.enqueue, reservation_id)
 
     async def dequeue(self, reservation_id: str) -> Reservation | None:
         """``RequestPath.dequeue``, best effort: if the ledger cannot take it now (None), the reservation's
         final settlement gives the place back instead (never lost); None for an emergency grant too."""
+        return await self._queue_step(self.ledger.dequeue, reservation_id)
+
+    async def _queue_step(
+        self, step: Callable[[str], Awaitable[Reservation | None]], reservation_id: str
+    ) -> Reservation | None:
+        """``step`` (the ledger's enqueue or dequeue) for a reservation the ledger holds, if it answers."""
         if reservation_id in self._grants:
             return None
         try:
-            return await self.ledger.dequeue(reservation_id)
+            return await step(reservation_id)
         except LedgerUnavailable:
             return None
 

@@ -14,8 +14,9 @@ Error tree (``LedgerError`` is the base of all):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Status = Literal["open", "settled", "cancelled", "expired"]
 
@@ -115,6 +116,38 @@ class Reservation:
     @property
     def is_final(self) -> bool:
         return self.status != "open"
+
+
+def reservation_from_record(
+    record: Mapping[str, Any], whole: Callable[[Any], int], flag: Callable[[Any], bool]
+) -> Reservation:
+    """A ``Reservation`` from a stored record: its fields by name, ``billed`` as ``billed_input_tokens``,
+    ``billed_output_tokens``, ``billed_gpu_ms`` (the SQL columns and the Redis JSON alike); ``run_id``,
+    ``final_ms`` and ``queued`` may be absent. ``whole`` and ``flag`` read the backend's integers and
+    booleans; times and GPU ms are read with ``float``."""
+    final_ms = record.get("final_ms")
+    return Reservation(
+        id=record["id"],
+        tenant=record["tenant"],
+        request_id=record["request_id"],
+        model_class=record["model_class"],
+        run_id=record.get("run_id"),
+        tool_round=flag(record["tool_round"]),
+        input_tokens=whole(record["input_tokens"]),
+        max_output_tokens=whole(record["max_output_tokens"]),
+        gpu_ms_estimate=float(record["gpu_ms_estimate"]),
+        status=record["status"],
+        billed=Usage(
+            whole(record["billed_input_tokens"]),
+            whole(record["billed_output_tokens"]),
+            float(record["billed_gpu_ms"]),
+        ),
+        overage_gpu_ms=float(record["overage_gpu_ms"]),
+        created_ms=float(record["created_ms"]),
+        expires_at_ms=float(record["expires_at_ms"]),
+        final_ms=None if final_ms is None else float(final_ms),
+        queued=flag(record.get("queued")),
+    )
 
 
 @dataclass(frozen=True)

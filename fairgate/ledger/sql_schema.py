@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fairgate.ledger import rules
-from fairgate.ledger.model import Event, Reservation, Usage
+from fairgate.ledger.model import Event, Reservation, reservation_from_record
 
 Statement = tuple[str, dict[str, Any]]
 
@@ -106,44 +106,8 @@ SELECT_RUN = "SELECT model_calls, tool_rounds, tokens FROM fg_runs WHERE tenant 
 
 
 def reservation(row: tuple[Any, ...]) -> Reservation:
-    (
-        rid,
-        tenant,
-        request_id,
-        model_class,
-        run_id,
-        tool_round,
-        input_tokens,
-        max_output_tokens,
-        estimate,
-        status,
-        billed_in,
-        billed_out,
-        billed_gpu,
-        overage,
-        created,
-        expires,
-        final,
-        queued,
-    ) = row
-    return Reservation(
-        id=rid,
-        tenant=tenant,
-        request_id=request_id,
-        model_class=model_class,
-        run_id=run_id,
-        tool_round=bool(tool_round),
-        input_tokens=int(input_tokens),
-        max_output_tokens=int(max_output_tokens),
-        gpu_ms_estimate=float(estimate),
-        status=status,
-        billed=Usage(int(billed_in), int(billed_out), float(billed_gpu)),
-        overage_gpu_ms=float(overage),
-        created_ms=float(created),
-        expires_at_ms=float(expires),
-        final_ms=None if final is None else float(final),
-        queued=bool(queued),
-    )
+    """A reservation from a row of ``RESERVATION_COLUMNS``."""
+    return reservation_from_record(dict(zip(RESERVATION_FIELDS, row, strict=True)), int, bool)
 
 
 def reservation_params(r: Reservation) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from fairgate.ledger import rules
 from fairgate.ledger.config import LIMIT_FIELDS, Limits
-from fairgate.ledger.model import Event, Reservation, Usage
+from fairgate.ledger.model import Event, Reservation, reservation_from_record
 
 # The limits sent to the scripts, as numbers (the bursts are sent as ``Limits.burst()``).
 _LIMIT_NAMES = tuple(name for name in LIMIT_FIELDS if not name.endswith("_burst"))
@@ -40,27 +40,8 @@ def limits_spec(limits: Limits) -> dict[str, str]:
 
 
 def reservation(raw: bytes | str) -> Reservation:
-    """A reservation from the JSON ``reserve.lua`` / ``close.lua`` store."""
-    d = json.loads(raw)
-    final_ms = d.get("final_ms")
-    return Reservation(
-        id=d["id"],
-        tenant=d["tenant"],
-        request_id=d["request_id"],
-        model_class=d["model_class"],
-        run_id=d.get("run_id"),
-        tool_round=d["tool_round"] == "1",
-        input_tokens=to_int(d["input_tokens"]),
-        max_output_tokens=to_int(d["max_output_tokens"]),
-        gpu_ms_estimate=float(d["gpu_ms_estimate"]),
-        status=d["status"],
-        billed=Usage(to_int(d["billed_input_tokens"]), to_int(d["billed_output_tokens"]), float(d["billed_gpu_ms"])),
-        overage_gpu_ms=float(d["overage_gpu_ms"]),
-        created_ms=float(d["created_ms"]),
-        expires_at_ms=float(d["expires_at_ms"]),
-        final_ms=None if final_ms is None else float(final_ms),
-        queued=d.get("queued") == "1",
-    )
+    """A reservation from the JSON ``reserve.lua`` / ``close.lua`` store (flags as ``"1"`` / ``"0"``)."""
+    return reservation_from_record(json.loads(raw), to_int, lambda value: value == "1")
 
 
 def event(tenant: str, raw: bytes | str) -> Event:
