@@ -6,10 +6,11 @@
 schemes; ``check_url`` checks a URL without connecting.
 
 Layout: ``base`` (the interfaces: ``RequestPath``, ``Operator``, ``Coordination``, ``Ledger``), ``model``
-(reservations, usage, errors), ``config`` (quotas), ``rules`` (the semantics as pure functions), ``backend``
-(what every backend does alike), ``sql`` / ``sqlite`` / ``postgres`` and the ``redis`` package (backends),
-``schemes`` (the backends by URL scheme), ``emergency`` (``ResilientLedger``: the outage policy),
-``reconcile``.
+(reservations, usage, events, errors), ``config`` (quotas), ``rules`` (the semantics as pure functions),
+``checks`` (argument checks), ``backend`` (what every backend does alike), ``sql`` + ``sql_schema`` with
+``sqlite`` / ``postgres``, and the ``redis`` package (the backends), ``schemes`` (the backends by URL scheme),
+``urls`` and ``text`` (parsing URLs, one-line messages), ``emergency`` (``ResilientLedger``: the outage
+policy), ``reconcile``.
 
 How to add a backend:
 
@@ -19,8 +20,8 @@ How to add a backend:
    ``async open_ledger(url, quotas, clock, create)``. Wrap the driver's errors once, at the driver call,
    into ``LedgerUnavailable`` (a server fault) or ``InvalidUsage`` (the caller's input).
 2. Add one line to ``schemes._BACKENDS``: its schemes, its module, how an error shows it.
-3. Add it to ``BACKENDS`` in ``tests/ledger/conftest.py``: the conformance suite then runs every test body
-   on it too (it must pass unchanged).
+3. Add it to ``BACKENDS`` in ``tests/ledger/conftest.py`` (and a fresh URL for it in ``backend_url``): the
+   conformance suite then runs every test body on it too, and it must pass them unchanged.
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ class Reservation:
 
     @property
     def is_final(self) -> bool:
+        """Settled, cancelled or expired: nothing more is billed to it."""
         return self.status != "open"
 
 

@@ -53,14 +53,18 @@ class TenantReconciliation:
 
 @dataclass
 class ReconcileReport:
+    """Every tenant's reconciliation, and the tenants frozen by this run."""
+
     tenants: list[TenantReconciliation]
     frozen: list[str]
 
     @property
     def clean(self) -> bool:
+        """No tenant has a difference."""
         return not any(t.differences for t in self.tenants)
 
     def to_json(self) -> dict[str, object]:
+        """The report as JSON-ready data (``fairgate ledger reconcile --json``, the admin API)."""
         return {"clean": self.clean, "frozen": self.frozen, "tenants": [asdict(t) for t in self.tenants]}
 
 

@@ -111,6 +111,7 @@ def reservation(row: tuple[Any, ...]) -> Reservation:
 
 
 def reservation_params(r: Reservation) -> dict[str, Any]:
+    """``r`` as the parameters of ``INSERT_RESERVATION`` / ``UPDATE_RESERVATION``."""
     return {
         "id": r.id,
         "tenant": r.tenant,
@@ -151,14 +152,17 @@ def event(row: tuple[Any, ...]) -> Event:
 
 
 def account_write(tenant: str, model_class: str, account: rules.Account) -> Statement:
+    """The upsert of an account."""
     return SAVE_ACCOUNT, {"tenant": tenant, "model_class": model_class, **asdict(account)}
 
 
 def run_write(tenant: str, run_id: str, run: rules.RunUsage) -> Statement:
+    """The upsert of an agent run's counters."""
     return SAVE_RUN, {"tenant": tenant, "run_id": run_id, **asdict(run)}
 
 
 def event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> Statement:
+    """The insert of the event ``delta`` of ``r`` at ``now_ms``."""
     return INSERT_EVENT, {
         "tenant": r.tenant,
         "rid": r.id,
@@ -173,4 +177,5 @@ def event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> Statement:
 
 
 def reservation_write(r: Reservation) -> Statement:
+    """The update of ``r``'s status, billed amounts, expiry and queue place."""
     return UPDATE_RESERVATION, reservation_params(r)

@@ -63,6 +63,7 @@ class Keys:
         return f"{self.prefix}:tenants"
 
     def charges(self, scope: str) -> str:
+        """The shared fair-policy counters of ``scope``."""
         return f"{{{self.prefix}:charges}}:{scope}"
 
     @property
