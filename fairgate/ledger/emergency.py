@@ -230,11 +230,11 @@ class ResilientLedger(RequestPath):
     async def settle(
         self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
     ) -> Reservation:
-        """``Ledger.settle``; usage of an emergency grant, or one the ledger cannot take now, is journalled."""
+        """``RequestPath.settle``; usage of an emergency grant, or one the ledger cannot take now, is journalled."""
         return await self._close(reservation_id, Usage(input_tokens, output_tokens, float(gpu_ms)), final, "settle")
 
     async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
-        """``Ledger.cancel``; journalled like ``settle`` when the ledger cannot take it."""
+        """``RequestPath.cancel``; journalled like ``settle`` when the ledger cannot take it."""
         return await self._close(reservation_id, consumed, True, "cancel")
 
     async def enqueue(self, reservation_id: str) -> Reservation | None:
