@@ -18,11 +18,11 @@ running sequence emits one per iteration) or a request leaving - but not a token
 the time the gateway takes to read them, and a request sent amid the burst (its slot freed by a request
 that ended in it) was not in the iteration the rest of the burst ends. The default lag is half the cost
 model's shortest iteration (``iter_base_ms / 2``): closer than that, two tokens cannot end two different
-iterations. A request sent to an idle upstream starts at once. Without this, a request sent during a long prefill-heavy iteration would be charged for an
-iteration it is not in (bench/live_fairness.py's Azure replay measured prompt-heavy tenants over-billed by
-10-18 % that way).
+iterations. A request sent to an idle upstream starts at once. Without this, a request sent during a long
+prefill-heavy iteration would be charged for an iteration it is not in (bench/live_fairness.py's Azure
+replay measured prompt-heavy tenants over-billed by 10-18 % that way).
 
-Several gateway processes on one replica (issue 6, scale-out): each process sees only its own requests, yet
+Several gateway processes on one replica (scale-out): each process sees only its own requests, yet
 the replica's iterations hold everyone's. Metering its own requests alone, every process would bill the
 replica's whole busy time (x N with N processes). So each process publishes its meter's *occupancy* over
 the last round (``take_occupancy``): the time-averaged number of its requests in the iteration, and the

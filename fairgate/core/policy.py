@@ -17,6 +17,7 @@ Contract every policy keeps, on which the event-compressed engine relies:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from fairgate.core.request import Request, RunningView
@@ -40,8 +41,8 @@ class Policy(Protocol):
         """Book work spent by ``tenant``: GPU ms, prompt tokens prefilled, output tokens generated.
 
         ``batch_size`` is the number of running sequences the work was done at. ``remote``: the work was
-        done by requests another gateway process dispatched (shared counters, issue 6): it counts in the
-        tenant's usage, not against requests of this policy's.
+        done by requests another gateway process dispatched (counters shared through the ledger): it counts
+        in the tenant's usage, not against requests of this policy's.
         """
 
     def finish(self, request: Request, now_ms: float) -> None:
@@ -155,12 +156,12 @@ class QueuedPolicy:
     def _on_pick(self, request: Request, now_ms: float) -> None:
         return None
 
-    def _earliest(self, tenants: object = None) -> str | None:
+    def _earliest(self, tenants: Iterable[str] | None = None) -> str | None:
         """The tenant whose head request arrived first (ties: lower request id), among ``tenants``
         (an iterable of backlogged tenants; default all backlogged)."""
         best: str | None = None
         best_key: tuple[float, int] | None = None
-        for tenant in self._queues if tenants is None else tenants:  # type: ignore[union-attr]
+        for tenant in self._queues if tenants is None else tenants:
             head = self._queues[tenant][0]
             key = (head.arrival_ms, head.request_id)
             if best_key is None or key < best_key:

@@ -1,14 +1,50 @@
-"""Token bucket with a capped burst, on a caller-supplied clock (ms).
+"""Token-bucket arithmetic with a capped burst, on a caller-supplied clock (ms): no I/O, no clock of its own.
 
 Source: the classic token bucket (e.g. RFC 2697's committed-burst bucket); seed 003 ("the bucket
 capacity must be limited, and an entire month of unused quota cannot be released ... within a
 minute"). The bucket may go negative when usage is booked after the fact (output tokens are only
 known as they are generated): a debt that refills like any other deficit.
+
+The one implementation in Python: the simulator's quota policies (``TokenBucket``) and the ledger's
+per-minute limits (``fairgate.ledger.rules``) both call ``refill`` / ``wait`` / ``credit``. The Redis
+ledger runs the same operations in Lua (``fairgate/ledger/redis/scripts/bucket.lua``), in the same order,
+so both give the same doubles bit for bit; ``tests/core/test_ratelimit.py`` holds both to one table of cases.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def refill(
+    level: float | None, updated_ms: float, now_ms: float, rate: float, burst: float, per_ms: float = 1.0
+) -> tuple[float, float]:
+    """The bucket brought up to ``now_ms``: ``(level, updated_ms)``.
+
+    Args:
+        level: units held at ``updated_ms`` (negative: a debt); ``None``: a new bucket, full at ``now_ms``.
+        rate: units added every ``per_ms`` ms (> 0): ``rate=600, per_ms=60_000`` is 600 a minute.
+        burst: the capacity, units; the level never exceeds it (a level above a lowered capacity is cut).
+
+    Elapsed time is never negative: a clock behind ``updated_ms`` reads as no time passed, and the
+    bucket's time never moves back.
+    """
+    if level is None:
+        return burst, now_ms
+    elapsed = max(0.0, now_ms - updated_ms)
+    return min(burst, level + elapsed * rate / per_ms), max(updated_ms, now_ms)
+
+
+def wait(level: float, need: float, rate: float, per: float = 1.0) -> float:
+    """How long until a bucket holding ``level`` holds ``need`` units, refilled at ``rate`` units every
+    ``per`` (no other spending meanwhile); in the unit ``per`` is in (``per=60.0`` with a per-minute
+    rate: seconds). 0 when it holds them now. ``need`` above the burst is never reached: callers check."""
+    return max(0.0, (need - level) / rate * per)
+
+
+def credit(level: float, units: float, burst: float) -> float:
+    """The level after giving back ``units`` (negative: taking them), capped at ``burst``."""
+    return min(burst, level + units)
 
 
 @dataclass(slots=True)
@@ -38,14 +74,12 @@ class TokenBucket:
     def available(self, now_ms: float) -> float:
         """Units available at ``now_ms``. Reading changes nothing (a clock running backwards reads
         the last level)."""
-        if now_ms <= self.updated_ms:
-            return self.level
-        return min(self.burst, self.level + (now_ms - self.updated_ms) * self.rate_per_ms)
+        return refill(self.level, self.updated_ms, now_ms, self.rate_per_ms, self.burst)[0]
 
     def spend(self, units: float, now_ms: float) -> None:
         """Refill up to ``now_ms``, then take ``units`` (may leave the bucket negative)."""
-        self.level = self.available(now_ms) - units
-        self.updated_ms = max(self.updated_ms, now_ms)
+        level, self.updated_ms = refill(self.level, self.updated_ms, now_ms, self.rate_per_ms, self.burst)
+        self.level = level - units
 
     def book(self, units: float) -> None:
         """Take ``units`` as of the last ``spend`` (usage booked after the fact, without a clock).
@@ -60,8 +94,4 @@ class TokenBucket:
 
         ``units`` above ``burst`` are treated as ``burst`` (they could never be available).
         """
-        need = min(units, self.burst)
-        level = self.available(now_ms)
-        if level >= need:
-            return now_ms
-        return now_ms + (need - level) / self.rate_per_ms
+        return now_ms + wait(self.available(now_ms), min(units, self.burst), self.rate_per_ms)

@@ -83,6 +83,8 @@ Name = Annotated[str, AfterValidator(_ledger_name)]
 
 
 class LimitsConfig(_Strict):
+    """A table of limits (``[defaults]``, a tenant's ``limits``, a model class): ``None`` inherits."""
+
     requests_per_minute: Positive | None = None
     requests_burst: Annotated[float, Field(ge=1)] | None = None
     input_tokens_per_minute: Positive | None = None
@@ -109,12 +111,16 @@ class LimitsConfig(_Strict):
 
 
 class EmergencyConfig(_Strict):
+    """A tier's emergency budget: requests, tokens (prompt + max output) and seconds from the first grant."""
+
     requests: Annotated[int, Field(ge=1, le=1_000_000)]
     tokens: Annotated[int, Field(ge=1, le=10**12)]
     seconds: Annotated[float, Field(gt=0, le=86_400)]
 
 
 class TierConfig(_Strict):
+    """``[tiers.NAME]``."""
+
     on_ledger_unavailable: Literal["reject", "emergency"] = "reject"
     emergency: EmergencyConfig | None = None
 
@@ -130,6 +136,8 @@ class TierConfig(_Strict):
 
 
 class TenantConfig(_Strict):
+    """``[tenants.NAME]``."""
+
     tier: Name = "default"
     weight: Positive = 1.0
     priority: Literal["interactive", "batch", "eval"] = "interactive"
@@ -138,6 +146,8 @@ class TenantConfig(_Strict):
 
 
 class QuotaFile(_Strict):
+    """The whole quota document."""
+
     tiers: dict[Name, TierConfig] = Field(default_factory=lambda: {"default": TierConfig()})
     defaults: LimitsConfig = LimitsConfig()
     tenants: dict[Name, TenantConfig] = Field(default_factory=dict)
@@ -207,6 +217,7 @@ class TenantQuota:
     by_model_class: dict[str, Limits]
 
     def for_model_class(self, model_class: str) -> Limits:
+        """The limits of ``model_class`` (the tenant's own where the class has no table)."""
         return self.by_model_class.get(model_class, self.limits)
 
 
@@ -218,6 +229,7 @@ class Quotas:
     tiers: dict[str, Tier]
 
     def tenant(self, name: str) -> TenantQuota:
+        """The tenant's quota. Raises ``KeyError``."""
         return self.tenants[name]
 
 

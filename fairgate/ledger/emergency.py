@@ -22,12 +22,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fairgate.ledger.base import Ledger
+from fairgate.ledger.base import IsRunning, Ledger, RequestPath
 from fairgate.ledger.model import (
     LedgerError,
     LedgerUnavailable,
@@ -35,6 +35,7 @@ from fairgate.ledger.model import (
     ReservationFinal,
     Usage,
 )
+from fairgate.ledger.rules import Account, ReserveArgs
 
 EMERGENCY_PREFIX = "emg-"
 
@@ -55,8 +56,15 @@ class RecoveryReport:
     left: list[str] = field(default_factory=list)
 
 
-class ResilientLedger:
-    """A ``Ledger`` front that applies each tier's ``on_ledger_unavailable`` (see module docstring).
+class ResilientLedger(RequestPath):
+    """The request path (``RequestPath``) of a ``Ledger``, applying each tier's ``on_ledger_unavailable``
+    (see module docstring) when the ledger cannot be reached.
+
+    ``RequestPath``, all of it: ``reserve`` (a grant in an outage), ``settle`` / ``cancel`` (journalled in an
+    outage), ``enqueue`` / ``dequeue`` (skipped in an outage), ``get`` and ``heartbeat`` (an emergency grant
+    answered here), ``account`` (``LedgerUnavailable`` in an outage). ``Coordination``: ``expire_due`` (the
+    liveness sweep, held while the journal is not replayed). Its own: ``recover``, ``outstanding``,
+    ``live_id``. ``Operator`` calls go to ``ledger`` (the wrapped ``Ledger``) directly.
 
     Args:
         ledger: the real ledger.
@@ -99,7 +107,7 @@ class ResilientLedger:
         run_id: str | None = None,
         tool_round: bool = False,
     ) -> Reservation:
-        """``Ledger.reserve``; when the ledger is down, the tenant's tier decides (module docstring).
+        """``RequestPath.reserve``; when the ledger is down, the tenant's tier decides (module docstring).
 
         Raises:
             LedgerUnavailable: a ``reject`` tier, or an emergency budget exhausted or expired; and every
@@ -110,46 +118,64 @@ class ResilientLedger:
                 tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, tool_round
             )
         except LedgerUnavailable:
-            limits = self.ledger.limits(tenant, model_class)  # UnknownTenant before any grant
-            tier = self.ledger.quotas.tenant(tenant).tier
-            if tier.on_ledger_unavailable != "emergency":
+            granted = self._grant(
+                ReserveArgs(
+                    tenant,
+                    request_id,
+                    input_tokens,
+                    max_output_tokens,
+                    gpu_ms_estimate,
+                    model_class,
+                    run_id,
+                    tool_round,
+                )
+            )
+            if granted is None:
                 raise
-            for record in self._grants.values():
-                if record["tenant"] == tenant and record["request_id"] == request_id:
-                    return self._grant_reservation(record)  # a retry of a granted request
-            now = self._clock()
-            budget = self._budgets.setdefault(tenant, _Budget(started_ms=now))
-            tokens = input_tokens + max_output_tokens
-            if now - budget.started_ms > tier.emergency_seconds * 1000.0:
-                raise LedgerUnavailable(
-                    f"ledger unavailable and tenant {tenant!r}'s emergency window of "
-                    f"{tier.emergency_seconds:g} s is over"
-                ) from None
-            if budget.requests + 1 > tier.emergency_requests or budget.tokens + tokens > tier.emergency_tokens:
-                raise LedgerUnavailable(
-                    f"ledger unavailable and tenant {tenant!r}'s emergency budget is spent"
-                ) from None
-            budget.requests += 1
-            budget.tokens += tokens
-            record = {
-                "type": "grant",
-                "id": f"{EMERGENCY_PREFIX}{uuid.uuid4().hex}",
-                "tenant": tenant,
-                "request_id": request_id,
-                "input_tokens": input_tokens,
-                "max_output_tokens": max_output_tokens,
-                "gpu_ms_estimate": float(gpu_ms_estimate),
-                "model_class": model_class,
-                "run_id": run_id,
-                "tool_round": tool_round,
-                "at_ms": time.time() * 1000.0,
-                "ttl_ms": limits.reservation_ttl_s * 1000.0,
-                "usage": None,
-                "status": "open",
-            }
-            self._append(record)
-            self._grants[record["id"]] = record
-            return self._grant_reservation(record)
+            return granted
+
+    def _grant(self, args: ReserveArgs) -> Reservation | None:
+        """A grant from the tenant's emergency budget (journalled before it is returned), the earlier grant of
+        a retried request, or None: the tier rejects. Raises ``UnknownTenant``, ``LedgerUnavailable`` (the
+        budget is spent or its window over)."""
+        tenant = args.tenant
+        limits = self.ledger.limits(tenant, args.model_class)  # UnknownTenant before any grant
+        tier = self.ledger.quotas.tenant(tenant).tier
+        if tier.on_ledger_unavailable != "emergency":
+            return None
+        for record in self._grants.values():
+            if record["tenant"] == tenant and record["request_id"] == args.request_id:
+                return self._grant_reservation(record)  # a retry of a granted request
+        now = self._clock()
+        budget = self._budgets.setdefault(tenant, _Budget(started_ms=now))
+        tokens = args.input_tokens + args.max_output_tokens
+        if now - budget.started_ms > tier.emergency_seconds * 1000.0:
+            raise LedgerUnavailable(
+                f"ledger unavailable and tenant {tenant!r}'s emergency window of {tier.emergency_seconds:g} s is over"
+            ) from None
+        if budget.requests + 1 > tier.emergency_requests or budget.tokens + tokens > tier.emergency_tokens:
+            raise LedgerUnavailable(f"ledger unavailable and tenant {tenant!r}'s emergency budget is spent") from None
+        budget.requests += 1
+        budget.tokens += tokens
+        record = {
+            "type": "grant",
+            "id": f"{EMERGENCY_PREFIX}{uuid.uuid4().hex}",
+            "tenant": tenant,
+            "request_id": args.request_id,
+            "input_tokens": args.input_tokens,
+            "max_output_tokens": args.max_output_tokens,
+            "gpu_ms_estimate": float(args.gpu_ms_estimate),
+            "model_class": args.model_class,
+            "run_id": args.run_id,
+            "tool_round": args.tool_round,
+            "at_ms": time.time() * 1000.0,
+            "ttl_ms": limits.reservation_ttl_s * 1000.0,
+            "usage": None,
+            "status": "open",
+        }
+        self._append(record)
+        self._grants[record["id"]] = record
+        return self._grant_reservation(record)
 
     def _grant_reservation(self, record: dict[str, Any]) -> Reservation:
         usage = Usage(*record["usage"]) if record["usage"] else Usage()
@@ -204,36 +230,75 @@ class ResilientLedger:
     async def settle(
         self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
     ) -> Reservation:
-        """``Ledger.settle``; usage of an emergency grant, or one the ledger cannot take now, is journalled."""
+        """``RequestPath.settle``; usage of an emergency grant, or one the ledger cannot take now, is journalled."""
         return await self._close(reservation_id, Usage(input_tokens, output_tokens, float(gpu_ms)), final, "settle")
 
     async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
-        """``Ledger.cancel``; journalled like ``settle`` when the ledger cannot take it."""
+        """``RequestPath.cancel``; journalled like ``settle`` when the ledger cannot take it."""
         return await self._close(reservation_id, consumed, True, "cancel")
 
-    async def enqueue(self, reservation_id: str) -> None:
-        """``Ledger.enqueue``; an emergency grant takes no shared queue place (its local budget bounds it),
-        nor does a request while the ledger cannot be reached (the process's own queue bound still holds).
+    async def enqueue(self, reservation_id: str) -> Reservation | None:
+        """``RequestPath.enqueue``; an emergency grant takes no shared queue place (its local budget bounds
+        it), nor does a request while the ledger cannot be reached (the process's own queue bound still
+        holds): both return None.
 
         Raises:
-            QuotaExceeded: ``max_queued``.
+            QuotaExceeded: ``max_queued``; and the other errors of ``Ledger.enqueue`` but ``LedgerUnavailable``.
         """
-        if reservation_id in self._grants:
-            return
-        try:
-            await self.ledger.enqueue(reservation_id)
-        except LedgerUnavailable:
-            return
+        return await self._queue_step(self.ledger.enqueue, reservation_id)
 
-    async def dequeue(self, reservation_id: str) -> None:
-        """``Ledger.dequeue``, best effort: if the ledger cannot take it now, the reservation's final
-        settlement gives the place back instead (never lost)."""
+    async def dequeue(self, reservation_id: str) -> Reservation | None:
+        """``RequestPath.dequeue``, best effort: if the ledger cannot take it now (None), the reservation's
+        final settlement gives the place back instead (never lost); None for an emergency grant too."""
+        return await self._queue_step(self.ledger.dequeue, reservation_id)
+
+    async def _queue_step(
+        self, step: Callable[[str], Awaitable[Reservation | None]], reservation_id: str
+    ) -> Reservation | None:
+        """``step`` (the ledger's enqueue or dequeue) for a reservation the ledger holds, if it answers."""
         if reservation_id in self._grants:
-            return
+            return None
         try:
-            await self.ledger.dequeue(reservation_id)
+            return await step(reservation_id)
         except LedgerUnavailable:
-            return
+            return None
+
+    async def get(self, reservation_id: str) -> Reservation:
+        """``RequestPath.get``: an emergency grant as this process knows it (whether the ledger answers or
+        not), any other reservation from the ledger.
+
+        Raises:
+            ReservationNotFound, InvalidUsage, LedgerUnavailable (the ledger cannot be reached).
+        """
+        grant = self._grants.get(reservation_id)
+        if grant is not None:
+            return self._grant_reservation(grant)
+        return await self.ledger.get(reservation_id)
+
+    async def account(self, tenant: str, model_class: str = "default") -> Account:
+        """``RequestPath.account``: the ledger's balances. No local stand-in: when the ledger cannot be
+        reached this raises ``LedgerUnavailable`` (the gateway then leaves the remaining-quota headers out)."""
+        return await self.ledger.account(tenant, model_class)
+
+    async def heartbeat(self, reservation_id: str) -> None:
+        """``RequestPath.heartbeat`` under the id the ledger knows (``live_id``): an emergency grant replayed
+        while still running beats its ledger reservation; one not yet in the ledger has nothing to keep
+        alive there (a no-op).
+
+        Raises:
+            ReservationNotFound, InvalidUsage, LedgerUnavailable (not journalled: a missed beat only matters
+            if none lands within the reservation's TTL).
+        """
+        live = self.live_id(reservation_id) if isinstance(reservation_id, str) else reservation_id  # InvalidUsage
+        if live is not None:
+            await self.ledger.heartbeat(live)
+
+    async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
+        """``Coordination.expire_due`` on the ledger, held (``[]``) while the journal holds records not yet
+        replayed: usage not yet in the ledger would be lost to an expiry now. Raises ``LedgerUnavailable``."""
+        if self.outstanding():
+            return []
+        return await self.ledger.expire_due(is_running)
 
     def outstanding(self) -> int:
         """Journal records not yet replayed into the ledger."""
@@ -260,76 +325,86 @@ class ResilientLedger:
     async def _recover(self) -> RecoveryReport:
         report = RecoveryReport()
         records = self._read_journal()
-        grants: dict[str, dict[str, Any]] = {}
-        pending: list[dict[str, Any]] = []
-        for record in records:
-            if record["type"] == "grant":
-                grants[record["id"]] = dict(record)
-            elif record["type"] == "grant_usage":
-                grants[record["id"]].update(usage=record["usage"], status=record["status"])
-            else:
-                pending.append(record)
-        left: list[dict[str, Any]] = []
-        for grant in grants.values():
-            try:
-                r = await self.ledger.reserve(
-                    grant["tenant"],
-                    grant["request_id"],
-                    grant["input_tokens"],
-                    grant["max_output_tokens"],
-                    grant["gpu_ms_estimate"],
-                    grant["model_class"],
-                    grant["run_id"],
-                    grant["tool_round"],
-                )
-            except LedgerUnavailable:
-                raise
-            except LedgerError as exc:
-                # Over quota now that it is counted: the grant was still given; book it as usage anyway
-                # would break the ledger's invariants, so it is reported for the operator.
-                report.left.append(f"grant {grant['id']} ({grant['tenant']}/{grant['request_id']}): {exc}")
-                left.append(grant)
-                continue
-            usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
-            if not r.is_final:
-                if grant["status"] == "open":
-                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
-                    grant["ledger_id"] = r.id  # the gateway heartbeats it under this id from now on
-                    left.append(grant)  # still running: keep it, settle again at the next recover
-                    continue
-                if grant["status"] == "cancelled":
-                    await self.ledger.cancel(r.id, usage)
-                else:
-                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
-            report.grants_settled += 1
+        grants, pending = _fold(records)
+        left = [grant for grant in grants.values() if await self._replay_grant(grant, report)]
         for record in pending:
-            usage = Usage(*record["usage"])
-            try:
-                if record["kind"] == "cancel":
-                    await self.ledger.cancel(record["id"], usage)
-                else:
-                    await self.ledger.settle(
-                        record["id"], usage.input_tokens, usage.output_tokens, usage.gpu_ms, record["final"]
-                    )
-                report.settlements_applied += 1
-            except LedgerUnavailable:
-                raise
-            except ReservationFinal:
-                report.settlements_applied += 1  # applied before (a replay of the replay)
-            except LedgerError as exc:
-                report.left.append(f"settlement of {record['id']}: {exc}")
+            await self._replay_pending(record, report)
         # Records appended while the replay waited on the ledger (a grant finishing, a settlement that could
         # not reach it) are kept after what is left, for the next replay.
         appended = self._read_journal()[len(records) :]
         tmp = self.journal.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in [*left, *appended]))
         tmp.replace(self.journal)
-        grants_now = {g["id"]: g for g in left}
-        for record in appended:
-            if record["type"] == "grant":
-                grants_now[record["id"]] = record
-            elif record["type"] == "grant_usage" and record["id"] in grants_now:
-                grants_now[record["id"]].update(usage=record["usage"], status=record["status"])
-        self._grants = grants_now
+        self._grants, _ = _fold(appended, {g["id"]: g for g in left})
         self._budgets.clear()
         return report
+
+    async def _replay_grant(self, grant: dict[str, Any], report: RecoveryReport) -> bool:
+        """Reserve ``grant`` in the ledger under its request id and bill its usage; True: keep it in the
+        journal (still running, or refused by the ledger). Raises ``LedgerUnavailable``."""
+        try:
+            r = await self.ledger.reserve(
+                grant["tenant"],
+                grant["request_id"],
+                grant["input_tokens"],
+                grant["max_output_tokens"],
+                grant["gpu_ms_estimate"],
+                grant["model_class"],
+                grant["run_id"],
+                grant["tool_round"],
+            )
+        except LedgerUnavailable:
+            raise
+        except LedgerError as exc:
+            # Over quota now that it is counted: the grant was still given; booking it as usage anyway
+            # would break the ledger's invariants, so it is reported for the operator.
+            report.left.append(f"grant {grant['id']} ({grant['tenant']}/{grant['request_id']}): {exc}")
+            return True
+        usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
+        if not r.is_final:
+            if grant["status"] == "open":
+                await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
+                grant["ledger_id"] = r.id  # the gateway heartbeats it under this id from now on
+                return True  # still running: keep it, settle again at the next recover
+            if grant["status"] == "cancelled":
+                await self.ledger.cancel(r.id, usage)
+            else:
+                await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
+        report.grants_settled += 1
+        return False
+
+    async def _replay_pending(self, record: dict[str, Any], report: RecoveryReport) -> None:
+        """Apply a settlement the ledger could not take when it was made. Raises ``LedgerUnavailable``."""
+        usage = Usage(*record["usage"])
+        try:
+            if record["kind"] == "cancel":
+                await self.ledger.cancel(record["id"], usage)
+            else:
+                await self.ledger.settle(
+                    record["id"], usage.input_tokens, usage.output_tokens, usage.gpu_ms, record["final"]
+                )
+            report.settlements_applied += 1
+        except LedgerUnavailable:
+            raise
+        except ReservationFinal:
+            report.settlements_applied += 1  # applied before (a replay of the replay)
+        except LedgerError as exc:
+            report.left.append(f"settlement of {record['id']}: {exc}")
+
+
+def _fold(
+    records: list[dict[str, Any]], grants: dict[str, dict[str, Any]] | None = None
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Journal records folded onto ``grants`` (by id): each grant with its latest usage and status, and the
+    pending settlements in order. Usage of a grant not in ``grants`` (replayed and closed) is dropped."""
+    grants = {} if grants is None else grants
+    pending: list[dict[str, Any]] = []
+    for record in records:
+        if record["type"] == "grant":
+            grants[record["id"]] = dict(record)
+        elif record["type"] == "grant_usage":
+            if record["id"] in grants:
+                grants[record["id"]].update(usage=record["usage"], status=record["status"])
+        else:
+            pending.append(record)
+    return grants, pending

@@ -14,8 +14,9 @@ Error tree (``LedgerError`` is the base of all):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Status = Literal["open", "settled", "cancelled", "expired"]
 
@@ -114,7 +115,40 @@ class Reservation:
 
     @property
     def is_final(self) -> bool:
+        """Settled, cancelled or expired: nothing more is billed to it."""
         return self.status != "open"
+
+
+def reservation_from_record(
+    record: Mapping[str, Any], whole: Callable[[Any], int], flag: Callable[[Any], bool]
+) -> Reservation:
+    """A ``Reservation`` from a stored record: its fields by name, ``billed`` as ``billed_input_tokens``,
+    ``billed_output_tokens``, ``billed_gpu_ms`` (the SQL columns and the Redis JSON alike); ``run_id``,
+    ``final_ms`` and ``queued`` may be absent. ``whole`` and ``flag`` read the backend's integers and
+    booleans; times and GPU ms are read with ``float``."""
+    final_ms = record.get("final_ms")
+    return Reservation(
+        id=record["id"],
+        tenant=record["tenant"],
+        request_id=record["request_id"],
+        model_class=record["model_class"],
+        run_id=record.get("run_id"),
+        tool_round=flag(record["tool_round"]),
+        input_tokens=whole(record["input_tokens"]),
+        max_output_tokens=whole(record["max_output_tokens"]),
+        gpu_ms_estimate=float(record["gpu_ms_estimate"]),
+        status=record["status"],
+        billed=Usage(
+            whole(record["billed_input_tokens"]),
+            whole(record["billed_output_tokens"]),
+            float(record["billed_gpu_ms"]),
+        ),
+        overage_gpu_ms=float(record["overage_gpu_ms"]),
+        created_ms=float(record["created_ms"]),
+        expires_at_ms=float(record["expires_at_ms"]),
+        final_ms=None if final_ms is None else float(final_ms),
+        queued=flag(record.get("queued")),
+    )
 
 
 @dataclass(frozen=True)
@@ -137,9 +171,45 @@ class TenantUsage:
     by_status: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Event:
+    """One row of the usage event log: what a call billed (deltas of the cumulative billed usage).
+
+    Tokens are counts, GPU times ms, ``at_ms`` ms since the epoch on the ledger clock.
+    """
+
+    seq: int
+    tenant: str
+    reservation_id: str
+    kind: str  # reserve | settle | settle_final | cancel | expire
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    gpu_ms: float
+    overage_gpu_ms: float
+    at_ms: float
+
+
+def usage_from_events(tenant: str, window_s: float, events: list[Event], by_status: dict[str, int]) -> TenantUsage:
+    """Sum the events of ``tenant`` over a window into a ``TenantUsage``; ``by_status``: its reservations
+    by status (statuses with none left out)."""
+    return TenantUsage(
+        tenant=tenant,
+        window_s=window_s,
+        requests=sum(e.requests for e in events),
+        input_tokens=sum(e.input_tokens for e in events),
+        output_tokens=sum(e.output_tokens for e in events),
+        gpu_ms=sum(e.gpu_ms for e in events),
+        overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
+        open_reservations=by_status.get("open", 0),
+        by_status=by_status,
+    )
+
+
 def check_name(value: object, field: str, optional: bool = False) -> str | None:
     """A tenant, request id, model class or run id: a non-empty string of at most 200 characters, printable
-    UTF-8 (no NUL, control or invisible format characters - U+202E, U+200B, ... - no lone surrogates). Raises ``InvalidUsage`` naming ``field``."""
+    UTF-8 (no NUL, control or invisible format characters - U+202E, U+200B, ... - no lone surrogates).
+    Returns it (None when ``optional`` and None). Raises ``InvalidUsage`` naming ``field``."""
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value or len(value) > 200:

@@ -21,8 +21,9 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
+from urllib.parse import urlencode, urlunsplit
 
 import psycopg
 import psycopg_pool
@@ -30,7 +31,8 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
-from fairgate.ledger.base import tenant_tag
+from fairgate.ledger import urls
+from fairgate.ledger.base import Ledger
 from fairgate.ledger.config import Quotas
 from fairgate.ledger.model import LedgerUnavailable
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx
@@ -39,7 +41,6 @@ from fairgate.ledger.text import redacted as _redacted
 
 _NAMED = re.compile(r"(?<!:):([a-z_]+)")
 _SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-DEFAULT_TIMEOUT_S = 2.0
 # libpq's messages for a connection option it parsed but whose value it rejects (a bad URL, not an outage).
 _BAD_OPTION = re.compile(
     r"^invalid .*(value|number)|^could not match \d+ .* to \d+ |"
@@ -78,21 +79,20 @@ class _QuietPool(logging.Filter):
         return False
 
 
-def _parse_url(url: str) -> tuple[str, str, float, dict[str, Any]]:
-    """``(dsn for libpq, schema, timeout_s, connect kwargs)``; raises ``ValueError`` naming the part at fault."""
-    if not isinstance(url, str):
-        raise ValueError(f"ledger URL must be a string, got {type(url).__name__}")
-    shown = _redacted(url)
-    try:
-        parts = urlparse(url)
-    except ValueError as exc:
-        raise ValueError(f"ledger URL {shown!r}: malformed ({_one_line(exc)})") from None
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
-    names = [name for name, _ in pairs]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise ValueError(f"ledger URL {shown!r}: parameter(s) given more than once: {', '.join(map(repr, repeated))}")
-    query = dict(pairs)
+@dataclass(frozen=True)
+class PostgresUrl:
+    """A checked ``postgresql://`` ledger URL."""
+
+    dsn: str  # for libpq: the URL without our parameters (schema, timeout_s)
+    schema: str
+    timeout_s: float
+    connect_kwargs: dict[str, Any]  # libpq's connect_timeout, unless the URL sets it
+
+
+def parse_url(url: str) -> PostgresUrl:
+    """Check and split a PostgreSQL ledger URL. Raises ``ValueError`` naming the part at fault."""
+    parsed = urls.split(url)
+    _, query = parsed.query()
     schema = query.pop("schema", "public")
     if not schema:
         raise ValueError("ledger URL: schema is empty; leave it out for 'public' or name one")
@@ -100,21 +100,25 @@ def _parse_url(url: str) -> tuple[str, str, float, dict[str, Any]]:
         raise ValueError(f"ledger URL: schema {schema!r} must match {_SCHEMA.pattern}")
     if schema == "information_schema" or schema.startswith("pg_"):
         raise ValueError(f"ledger URL: schema {schema!r} is a PostgreSQL system schema; choose another name")
-    timeout = query.pop("timeout_s", str(DEFAULT_TIMEOUT_S))
-    try:
-        timeout_s = float(timeout)
-    except ValueError:
-        timeout_s = math.nan
-    if not 0 < timeout_s <= 600:
-        raise ValueError(f"ledger URL: timeout_s {timeout!r} must be a number of seconds in (0, 600]")
-    dsn = urlunparse(parts._replace(scheme="postgresql", query=urlencode(query)))
+    timeout_s = urls.timeout_s(query.pop("timeout_s", None))
+    dsn = urlunsplit(parsed.parts._replace(scheme="postgresql", query=urlencode(query)))
     try:
         conninfo_to_dict(dsn)  # libpq parses it: an unknown parameter or a malformed URL fails here
     except psycopg.Error as exc:
-        raise ValueError(f"ledger URL {shown!r}: {_one_line(exc)}") from None
+        raise ValueError(f"ledger URL {parsed.shown!r}: {_one_line(exc)}") from None
     # libpq's connect_timeout is whole seconds, at least 2; a connect_timeout in the URL wins.
     kwargs = {} if "connect_timeout" in query else {"connect_timeout": max(2, math.ceil(timeout_s))}
-    return dsn, schema, timeout_s, kwargs
+    return PostgresUrl(dsn, schema, timeout_s, kwargs)
+
+
+def check_url(url: str) -> None:
+    """Check a PostgreSQL ledger URL without connecting (``parse_url``). Raises ``ValueError``."""
+    parse_url(url)
+
+
+async def open_ledger(url: str, quotas: Quotas, clock: Callable[[], float] | None, create: bool) -> Ledger:
+    """``PostgresLedger.open``."""
+    return await PostgresLedger.open(url, quotas, clock, create=create)
 
 
 def _convert(sql: str) -> str:
@@ -130,21 +134,21 @@ class _PgTx:
         """All statements in one round trip (libpq pipeline mode), then every statement's rows."""
         async with self._connection.pipeline() as pipeline:
             cursors = [self._connection.cursor() for _ in statements]
-            for cursor, (sql, params) in zip(cursors, statements):
-                await cursor.execute(_convert(sql), params)  # type: ignore[arg-type]
+            for cursor, (sql, params) in zip(cursors, statements, strict=True):
+                await cursor.execute(_convert(sql), params)
             await pipeline.sync()
             return [await c.fetchall() if c.description is not None else [] for c in cursors]
 
     async def fetchone(self, sql: str, params: dict[str, Any] | None = None) -> tuple[Any, ...] | None:
-        await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
+        await self._cursor.execute(_convert(sql), params or {})
         return await self._cursor.fetchone()
 
     async def fetchall(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
-        await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
+        await self._cursor.execute(_convert(sql), params or {})
         return await self._cursor.fetchall()
 
     async def execute(self, sql: str, params: dict[str, Any] | None = None) -> None:
-        await self._cursor.execute(_convert(sql), params or {})  # type: ignore[arg-type]
+        await self._cursor.execute(_convert(sql), params or {})
 
 
 def _connect_s(dsn: str, connect_kwargs: dict[str, Any]) -> float:
@@ -174,6 +178,80 @@ def _open_error(exc: psycopg.Error, dsn: str, connect_kwargs: dict[str, Any]) ->
             f"postgres ledger: {reason} ({where} did not answer within {_connect_s(dsn, connect_kwargs):g} s)"
         )
     return LedgerUnavailable(f"postgres ledger: {reason}")
+
+
+async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
+    """On one direct connection: create the schema and tables (``create``) or check they exist.
+
+    A direct connection fails fast and with libpq's reason, where the pool would retry quietly until its
+    timeout and say only "pool initialization incomplete". Raises ``LedgerUnavailable``, ``ValueError``.
+    """
+    try:
+        connection = await psycopg.AsyncConnection.connect(settings.dsn, **settings.connect_kwargs)
+    except psycopg.Error as exc:
+        raise _open_error(exc, settings.dsn, settings.connect_kwargs) from None
+    except OSError as exc:
+        raise LedgerUnavailable(f"postgres ledger: {_one_line(exc) or type(exc).__name__}") from None
+    schema = settings.schema
+    try:
+        async with connection:
+            if create:
+                await connection.execute("SELECT pg_advisory_xact_lock(4242)")  # one creator at a time
+                name_sql = pgsql.Identifier(schema)
+                await connection.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name_sql))
+                await connection.execute(pgsql.SQL("SET LOCAL search_path TO {}").format(name_sql))
+                for statement in TABLES.format(real="DOUBLE PRECISION", serial="BIGSERIAL PRIMARY KEY").split(";"):
+                    if statement.strip():
+                        await connection.execute(statement)
+            else:
+                cursor = await connection.execute(
+                    "SELECT to_regclass(format('%%I.fg_reservations', %(schema)s::text)) IS NOT NULL",
+                    {"schema": schema},
+                )
+                row = await cursor.fetchone()
+                if not (row and row[0]):
+                    raise LedgerUnavailable(
+                        f"postgres ledger: no ledger at {_redacted(url)} (create=False): "
+                        f"no table {schema}.fg_reservations"
+                    )
+            await connection.commit()
+    except (psycopg.Error, OSError) as exc:
+        raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
+
+
+async def _open_pool(settings: PostgresUrl, max_connections: int) -> AsyncConnectionPool:
+    """The pool, open, every connection on the ledger's schema. Raises ``LedgerUnavailable``: the direct
+    connection worked but the pool's did not (the reason is the pool's last connection error)."""
+    schema, dsn, connect_kwargs = settings.schema, settings.dsn, settings.connect_kwargs
+
+    async def configure(connection: psycopg.AsyncConnection[Any]) -> None:
+        await connection.execute(pgsql.SQL("SET search_path TO {}").format(pgsql.Identifier(schema)))
+        await connection.commit()
+
+    name = f"fairgate-ledger-{schema}-{uuid.uuid4().hex[:8]}"
+    pool = AsyncConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=max_connections,
+        open=False,
+        configure=configure,
+        timeout=settings.timeout_s,
+        kwargs=connect_kwargs,
+        name=name,
+    )
+    quiet = _QuietPool(name)
+    _POOL_LOGGER.addFilter(quiet)
+    try:
+        await pool.open(wait=True, timeout=max(settings.timeout_s, _connect_s(dsn, connect_kwargs)) + 1.0)
+    except (psycopg.Error, psycopg_pool.PoolTimeout, OSError) as exc:
+        await pool.close()
+        raise LedgerUnavailable(f"postgres ledger: {quiet.cause or _libpq_reason(exc)}") from None
+    except BaseException:
+        await pool.close()
+        raise
+    finally:
+        _POOL_LOGGER.removeFilter(quiet)
+    return pool
 
 
 class PostgresLedger(SqlLedger):
@@ -209,70 +287,10 @@ class PostgresLedger(SqlLedger):
             LedgerUnavailable: the server cannot be reached or refuses the connection (libpq's reason, one
                 line), or ``create=False`` and there is no ledger at ``url``.
         """
-        dsn, schema, timeout_s, connect_kwargs = _parse_url(url)
-        # One direct connection first: it fails fast and with libpq's reason, where the pool would retry
-        # quietly until its timeout and say only "pool initialization incomplete".
-        try:
-            connection = await psycopg.AsyncConnection.connect(dsn, **connect_kwargs)
-        except psycopg.Error as exc:
-            raise _open_error(exc, dsn, connect_kwargs) from None
-        except OSError as exc:
-            raise LedgerUnavailable(f"postgres ledger: {_one_line(exc) or type(exc).__name__}") from None
-        try:
-            async with connection:
-                if create:
-                    await connection.execute("SELECT pg_advisory_xact_lock(4242)")  # one creator at a time
-                    name_sql = pgsql.Identifier(schema)
-                    await connection.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name_sql))
-                    await connection.execute(pgsql.SQL("SET LOCAL search_path TO {}").format(name_sql))
-                    for statement in TABLES.format(real="DOUBLE PRECISION", serial="BIGSERIAL PRIMARY KEY").split(";"):
-                        if statement.strip():
-                            await connection.execute(statement)  # type: ignore[call-overload]
-                else:
-                    cursor = await connection.execute(
-                        "SELECT to_regclass(format('%%I.fg_reservations', %(schema)s::text)) IS NOT NULL",
-                        {"schema": schema},
-                    )
-                    row = await cursor.fetchone()
-                    if not (row and row[0]):
-                        raise LedgerUnavailable(
-                            f"postgres ledger: no ledger at {_redacted(url)} (create=False): "
-                            f"no table {schema}.fg_reservations"
-                        )
-                await connection.commit()
-        except (psycopg.Error, OSError) as exc:
-            raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
-
-        async def configure(connection: psycopg.AsyncConnection[Any]) -> None:
-            await connection.execute(pgsql.SQL("SET search_path TO {}").format(pgsql.Identifier(schema)))
-            await connection.commit()
-
-        name = f"fairgate-ledger-{schema}-{uuid.uuid4().hex[:8]}"
-        pool = AsyncConnectionPool(
-            dsn,
-            min_size=1,
-            max_size=max_connections,
-            open=False,
-            configure=configure,
-            timeout=timeout_s,
-            kwargs=connect_kwargs,
-            name=name,
-        )
-        quiet = _QuietPool(name)
-        _POOL_LOGGER.addFilter(quiet)
-        try:
-            await pool.open(wait=True, timeout=max(timeout_s, _connect_s(dsn, connect_kwargs)) + 1.0)
-        except (psycopg.Error, psycopg_pool.PoolTimeout, OSError) as exc:
-            await pool.close()
-            # The direct connection worked but the pool's did not: say why the pool's failed.
-            reason = quiet.cause or _libpq_reason(exc)
-            raise LedgerUnavailable(f"postgres ledger: {reason}") from None
-        except BaseException:
-            await pool.close()
-            raise
-        finally:
-            _POOL_LOGGER.removeFilter(quiet)
-        return cls(pool, schema, quotas, clock)
+        settings = parse_url(url)
+        await _prepare(settings, url, create)
+        pool = await _open_pool(settings, max_connections)
+        return cls(pool, settings.schema, quotas, clock)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Tx]:
@@ -285,11 +303,6 @@ class PostgresLedger(SqlLedger):
             raise LedgerUnavailable(
                 f"postgres ledger: no connection within the pool timeout ({_one_line(exc)})"
             ) from None
-
-    async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
-        statement = self._lock_statement(tenant_tag(tenant))
-        assert statement is not None
-        await tx.execute(*statement)
 
     def _lock_statement(self, tag: str) -> tuple[str, dict[str, Any]] | None:
         # The tenant tag's 64 bits, as the signed bigint the advisory lock takes.

@@ -23,6 +23,7 @@ from pathlib import Path
 from prometheus_client import Counter
 
 from fairgate.ledger.base import Ledger, tenant_tag
+from fairgate.ledger.model import Usage
 
 ALERTS = Counter(
     "fairgate_reconciliation_alerts", "Reconciliation differences over the threshold", ["tenant_hash", "kind"]
@@ -34,11 +35,8 @@ class MeteredError(ValueError):
     """A bad metered-usage export; ``str()`` names the file and line."""
 
 
-@dataclass(frozen=True)
-class Totals:
-    input_tokens: int = 0
-    output_tokens: int = 0
-    gpu_ms: float = 0.0
+# Token and GPU-ms totals of one view of a tenant's usage (the same three numbers as a settlement's).
+Totals = Usage
 
 
 @dataclass
@@ -55,14 +53,18 @@ class TenantReconciliation:
 
 @dataclass
 class ReconcileReport:
+    """Every tenant's reconciliation, and the tenants frozen by this run."""
+
     tenants: list[TenantReconciliation]
     frozen: list[str]
 
     @property
     def clean(self) -> bool:
+        """No tenant has a difference."""
         return not any(t.differences for t in self.tenants)
 
     def to_json(self) -> dict[str, object]:
+        """The report as JSON-ready data (``fairgate ledger reconcile --json``, the admin API)."""
         return {"clean": self.clean, "frozen": self.frozen, "tenants": [asdict(t) for t in self.tenants]}
 
 

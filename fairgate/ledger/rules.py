@@ -1,7 +1,7 @@
 """The ledger's semantics as pure functions over plain state (no I/O, no clock: ``now_ms`` is passed in).
 
 SQLite and PostgreSQL run these inside one transaction per call; the Redis backend's Lua scripts
-implement the same rules (in ``redis.py``) and the conformance suite holds all three to them.
+implement the same rules (``redis/scripts/*.lua``) and the conformance suite holds all three to them.
 
 Semantics (``shared/DESIGN.md`` "Ledger semantics"; seed 003; two-phase transfers as in TigerBeetle,
 idempotency keys as in Stripe's API):
@@ -15,19 +15,30 @@ idempotency keys as in Stripe's API):
   global across gateway processes) until ``dequeue`` (it got a slot) or its final settlement, whichever
   comes first; one dispatched at once never takes one. ``max_concurrent`` counts every open reservation.
 - Token buckets refill continuously up to their burst; elapsed time is never negative (a clock behind
-  the last update reads as no time passed).
+  the last update reads as no time passed). The arithmetic is ``fairgate.core.ratelimit``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fairgate.core import ratelimit
 from fairgate.ledger.config import Limits
-from fairgate.ledger.model import InvalidUsage, QuotaExceeded, Reservation, Usage
+from fairgate.ledger.model import (
+    IdempotencyConflict,
+    InvalidUsage,
+    QuotaExceeded,
+    Reservation,
+    ReservationFinal,
+    Status,
+    Usage,
+)
 
 MS_PER_MINUTE = 60_000.0
 CONCURRENCY_RETRY_S = 1.0  # a slot frees when some request ends: unknown, so suggest a short wait
 QUEUE_RETRY_S = 2.0  # a queue place frees when a queued request is dispatched
+# The status a final call of each kind leaves.
+STATUS_OF_KIND: dict[str, Status] = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}
 
 
 @dataclass
@@ -69,7 +80,22 @@ class ReserveArgs:
     run_id: str | None
     tool_round: bool
 
+    @classmethod
+    def of(cls, r: Reservation) -> ReserveArgs:
+        """The arguments ``r`` was reserved with."""
+        return cls(
+            r.tenant,
+            r.request_id,
+            r.input_tokens,
+            r.max_output_tokens,
+            r.gpu_ms_estimate,
+            r.model_class,
+            r.run_id,
+            r.tool_round,
+        )
+
     def fingerprint(self) -> tuple[object, ...]:
+        """What a retry must repeat (the tenant and request id are the key)."""
         return (
             self.input_tokens,
             self.max_output_tokens,
@@ -121,15 +147,6 @@ def input_allowance(reserved_input_tokens: int) -> int:
     return 2 * reserved_input_tokens + 1024
 
 
-def _refill(
-    level: float | None, updated_ms: float, now_ms: float, rate_per_minute: float, burst: float
-) -> tuple[float, float]:
-    if level is None:
-        return burst, now_ms
-    elapsed = max(0.0, now_ms - updated_ms)
-    return min(burst, level + elapsed * rate_per_minute / MS_PER_MINUTE), max(updated_ms, now_ms)
-
-
 def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
     """The account with buckets refilled and the GPU window rolled forward to ``now_ms``."""
     out = replace(account)
@@ -137,12 +154,13 @@ def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
         rate = getattr(limits, f"{dimension}_per_minute")
         if rate is None:
             continue
-        level, updated = _refill(
+        level, updated = ratelimit.refill(
             getattr(out, f"{prefix}_level"),
             getattr(out, f"{prefix}_updated_ms"),
             now_ms,
             rate,
             limits.burst(dimension) or 0.0,
+            MS_PER_MINUTE,
         )
         setattr(out, f"{prefix}_level", level)
         setattr(out, f"{prefix}_updated_ms", updated)
@@ -156,7 +174,7 @@ def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
 
 
 def _bucket_wait_s(level: float, need: float, rate_per_minute: float) -> float:
-    return max(0.0, (need - level) / rate_per_minute * 60.0)
+    return ratelimit.wait(level, need, rate_per_minute, per=60.0)
 
 
 def reserve(
@@ -164,12 +182,35 @@ def reserve(
 ) -> tuple[Account, RunUsage | None]:
     """Admit ``args`` against every dimension, atomically: returns the new account and run counters.
 
+    Checked in this order (the Redis script too): request size, request rate, input and output token
+    rates, concurrency, GPU budgets, run limits.
+
     Raises:
         InvalidUsage: negative or non-integer amounts.
         QuotaExceeded: the first dimension (in the order checked) that does not fit.
     """
     check_amounts(args.input_tokens, args.max_output_tokens, args.gpu_ms_estimate, "reserve")
     acc = refreshed(account, limits, now_ms)
+    _check_size_and_rates(acc, limits, args)
+    if limits.max_concurrent is not None and acc.concurrent >= limits.max_concurrent:
+        raise QuotaExceeded(args.tenant, "max_concurrent", CONCURRENCY_RETRY_S, limits.max_concurrent, 0)
+    estimate = float(args.gpu_ms_estimate)
+    _check_gpu(acc, limits, args.tenant, estimate, now_ms)
+    new_run = None if args.run_id is None else _counted_run(run or RunUsage(), limits, args)
+    if acc.requests_level is not None:
+        acc.requests_level -= 1.0
+    if acc.input_level is not None:
+        acc.input_level -= args.input_tokens
+    if acc.output_level is not None:
+        acc.output_level -= args.max_output_tokens
+    acc.concurrent += 1
+    acc.gpu_window_used_ms += estimate
+    acc.gpu_total_used_ms += estimate
+    return acc, new_run
+
+
+def _check_size_and_rates(acc: Account, limits: Limits, args: ReserveArgs) -> None:
+    """``max_tokens_per_request``, then the request and token buckets (refreshed)."""
     tenant = args.tenant
     tokens = args.input_tokens + args.max_output_tokens
     if limits.max_tokens_per_request is not None and tokens > limits.max_tokens_per_request:
@@ -197,47 +238,36 @@ def reserve(
             raise QuotaExceeded(tenant, f"{dimension}_per_minute", None, rate, level)
         if level < need:
             raise QuotaExceeded(tenant, f"{dimension}_per_minute", _bucket_wait_s(level, need, rate), rate, level)
-    if limits.max_concurrent is not None and acc.concurrent >= limits.max_concurrent:
-        raise QuotaExceeded(tenant, "max_concurrent", CONCURRENCY_RETRY_S, limits.max_concurrent, 0)
-    estimate = float(args.gpu_ms_estimate)
-    if limits.gpu_seconds is not None and acc.gpu_window_used_ms + estimate > limits.gpu_seconds * 1000.0:
-        window_end_ms = acc.gpu_window_start_ms + limits.gpu_window_s * 1000.0
-        retry = max(0.0, (window_end_ms - now_ms) / 1000.0) if estimate <= limits.gpu_seconds * 1000.0 else None
-        raise QuotaExceeded(
-            tenant,
-            "gpu_seconds",
-            retry,
-            limits.gpu_seconds,
-            max(0.0, limits.gpu_seconds - acc.gpu_window_used_ms / 1000.0),
-        )
-    if limits.gpu_seconds_total is not None and acc.gpu_total_used_ms + estimate > limits.gpu_seconds_total * 1000.0:
-        raise QuotaExceeded(
-            tenant,
-            "gpu_seconds_total",
-            None,
-            limits.gpu_seconds_total,
-            max(0.0, limits.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0),
-        )
-    new_run = None
-    if args.run_id is not None:
-        run = run or RunUsage()
-        if limits.max_model_calls is not None and run.model_calls + 1 > limits.max_model_calls:
-            raise QuotaExceeded(tenant, "max_model_calls", None, limits.max_model_calls, 0)
-        if args.tool_round and limits.max_tool_rounds is not None and run.tool_rounds + 1 > limits.max_tool_rounds:
-            raise QuotaExceeded(tenant, "max_tool_rounds", None, limits.max_tool_rounds, 0)
-        if limits.max_tokens is not None and run.tokens + tokens > limits.max_tokens:
-            raise QuotaExceeded(tenant, "max_tokens", None, limits.max_tokens, max(0, limits.max_tokens - run.tokens))
-        new_run = RunUsage(run.model_calls + 1, run.tool_rounds + (1 if args.tool_round else 0), run.tokens + tokens)
-    if acc.requests_level is not None:
-        acc.requests_level -= 1.0
-    if acc.input_level is not None:
-        acc.input_level -= args.input_tokens
-    if acc.output_level is not None:
-        acc.output_level -= args.max_output_tokens
-    acc.concurrent += 1
-    acc.gpu_window_used_ms += estimate
-    acc.gpu_total_used_ms += estimate
-    return acc, new_run
+
+
+def _check_gpu(acc: Account, limits: Limits, tenant: str, estimate: float, now_ms: float) -> None:
+    """The GPU budget of the window (retry when it rolls over, if the estimate fits a window at all), then
+    the lifetime budget. ``remaining`` in seconds."""
+    budgets = (
+        ("gpu_seconds", limits.gpu_seconds, acc.gpu_window_used_ms),
+        ("gpu_seconds_total", limits.gpu_seconds_total, acc.gpu_total_used_ms),
+    )
+    for dimension, budget_s, used_ms in budgets:
+        if budget_s is None or used_ms + estimate <= budget_s * 1000.0:
+            continue
+        retry = None
+        if dimension == "gpu_seconds" and estimate <= budget_s * 1000.0:
+            window_end_ms = acc.gpu_window_start_ms + limits.gpu_window_s * 1000.0
+            retry = max(0.0, (window_end_ms - now_ms) / 1000.0)
+        raise QuotaExceeded(tenant, dimension, retry, budget_s, max(0.0, budget_s - used_ms / 1000.0))
+
+
+def _counted_run(run: RunUsage, limits: Limits, args: ReserveArgs) -> RunUsage:
+    """The agent run's counters with this call counted. Raises ``QuotaExceeded`` (run limits)."""
+    tenant = args.tenant
+    tokens = args.input_tokens + args.max_output_tokens
+    if limits.max_model_calls is not None and run.model_calls + 1 > limits.max_model_calls:
+        raise QuotaExceeded(tenant, "max_model_calls", None, limits.max_model_calls, 0)
+    if args.tool_round and limits.max_tool_rounds is not None and run.tool_rounds + 1 > limits.max_tool_rounds:
+        raise QuotaExceeded(tenant, "max_tool_rounds", None, limits.max_tool_rounds, 0)
+    if limits.max_tokens is not None and run.tokens + tokens > limits.max_tokens:
+        raise QuotaExceeded(tenant, "max_tokens", None, limits.max_tokens, max(0, limits.max_tokens - run.tokens))
+    return RunUsage(run.model_calls + 1, run.tool_rounds + (1 if args.tool_round else 0), run.tokens + tokens)
 
 
 def _held(r: Reservation, billed: Usage, final: bool) -> tuple[int, int, float]:
@@ -245,6 +275,52 @@ def _held(r: Reservation, billed: Usage, final: bool) -> tuple[int, int, float]:
     if final:
         return billed.input_tokens, billed.output_tokens, billed.gpu_ms
     return (max(r.input_tokens, billed.input_tokens), r.max_output_tokens, max(r.gpu_ms_estimate, billed.gpu_ms))
+
+
+def check_billing(reservation: Reservation, billed: Usage, kind: str) -> None:
+    """Raise ``InvalidUsage`` unless cumulative usage ``billed`` fits the open ``reservation``: output at
+    most ``max_output_tokens``, input within ``input_allowance``, nothing below what was billed already.
+    Checked in that order (the Redis scripts too)."""
+    r, before = reservation, reservation.billed
+    if billed.output_tokens > r.max_output_tokens:
+        raise InvalidUsage(
+            f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
+            f"max_output_tokens {r.max_output_tokens}"
+        )
+    if billed.input_tokens > input_allowance(r.input_tokens):
+        raise InvalidUsage(
+            f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
+            f"{r.input_tokens} (at most {input_allowance(r.input_tokens)})"
+        )
+    for name in ("input_tokens", "output_tokens", "gpu_ms"):
+        if getattr(billed, name) < getattr(before, name):
+            raise InvalidUsage(
+                f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
+                f"({getattr(before, name)}); amounts are cumulative"
+            )
+
+
+def check_retry(existing: Reservation, args: ReserveArgs) -> Reservation:
+    """``existing`` (the reservation made under ``args``' request id) when ``args`` repeat its arguments.
+    Raises ``IdempotencyConflict`` otherwise."""
+    if ReserveArgs.of(existing).fingerprint() != args.fingerprint():
+        raise IdempotencyConflict(
+            f"request id {args.request_id!r} of tenant {args.tenant!r} was reserved with other arguments"
+        )
+    return existing
+
+
+def check_final_again(reservation: Reservation, billed: Usage, final: bool, kind: str) -> Reservation:
+    """A settle / cancel / expire of a ``reservation`` final already: the same final call repeated (same
+    kind, same amounts) returns it; anything else raises ``ReservationFinal``."""
+    if final and STATUS_OF_KIND[kind] == reservation.status and reservation.billed == billed:
+        return reservation
+    raise ReservationFinal(f"reservation {reservation.id!r} is {reservation.status} already")
+
+
+def queue_full(reservation: Reservation, limits: Limits) -> QuotaExceeded:
+    """The error of an ``enqueue`` over ``max_queued``."""
+    return QuotaExceeded(reservation.tenant, "max_queued", QUEUE_RETRY_S, limits.max_queued, 0)
 
 
 def settle(
@@ -267,23 +343,8 @@ def settle(
     r = reservation
     assert not r.is_final
     check_amounts(billed.input_tokens, billed.output_tokens, billed.gpu_ms, kind)
+    check_billing(r, billed, kind)
     before = r.billed
-    if billed.output_tokens > r.max_output_tokens:
-        raise InvalidUsage(
-            f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
-            f"max_output_tokens {r.max_output_tokens}"
-        )
-    if billed.input_tokens > input_allowance(r.input_tokens):
-        raise InvalidUsage(
-            f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
-            f"{r.input_tokens} (at most {input_allowance(r.input_tokens)})"
-        )
-    for name in ("input_tokens", "output_tokens", "gpu_ms"):
-        if getattr(billed, name) < getattr(before, name):
-            raise InvalidUsage(
-                f"{kind}: {name} {getattr(billed, name)} is below what was billed already "
-                f"({getattr(before, name)}); amounts are cumulative"
-            )
     acc = refreshed(account, limits, now_ms)
     old_in, old_out, old_gpu = _held(r, before, False)
     new_in, new_out, new_gpu = _held(r, billed, final)
@@ -294,7 +355,7 @@ def settle(
     ):
         level = getattr(acc, f"{prefix}_level")
         if level is not None and diff:
-            setattr(acc, f"{prefix}_level", min(limits.burst(dimension) or 0.0, level + diff))
+            setattr(acc, f"{prefix}_level", ratelimit.credit(level, diff, limits.burst(dimension) or 0.0))
     acc.gpu_window_used_ms = max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
     acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
     if final:
@@ -305,7 +366,7 @@ def settle(
     if run is not None and r.run_id is not None:
         new_run = replace(run, tokens=max(0, run.tokens + (new_in + new_out) - (old_in + old_out)))
     overage = max(0.0, billed.gpu_ms - r.gpu_ms_estimate)
-    status = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}[kind] if final else "open"
+    status: Status = STATUS_OF_KIND[kind] if final else "open"
     updated = replace(
         r,
         billed=billed,
@@ -336,7 +397,7 @@ def enqueue(reservation: Reservation, account: Account, limits: Limits) -> tuple
     if reservation.is_final or reservation.queued:
         return None
     if limits.max_queued is not None and account.queued >= limits.max_queued:
-        raise QuotaExceeded(reservation.tenant, "max_queued", QUEUE_RETRY_S, limits.max_queued, 0)
+        raise queue_full(reservation, limits)
     return replace(reservation, queued=True), replace(account, queued=account.queued + 1)
 
 

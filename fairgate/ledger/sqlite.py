@@ -16,9 +16,30 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from fairgate.ledger.base import Ledger
 from fairgate.ledger.config import Quotas
 from fairgate.ledger.model import LedgerUnavailable
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx
+
+SCHEME = "sqlite:///"
+
+
+def file_path(url: str) -> str:
+    """The file path of ``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db`` (as in SQLAlchemy).
+    Raises ``ValueError``."""
+    if not url.startswith(SCHEME) or url == SCHEME:
+        raise ValueError(f"ledger URL {url!r}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
+    return url[len(SCHEME) :]
+
+
+def check_url(url: str) -> None:
+    """Check a ``sqlite:///`` URL (``file_path``). Raises ``ValueError``."""
+    file_path(url)
+
+
+async def open_ledger(url: str, quotas: Quotas, clock: Callable[[], float] | None, create: bool) -> Ledger:
+    """``SqliteLedger`` on the file ``url`` names. Raises ``ValueError`` (a bad URL), ``LedgerUnavailable``."""
+    return SqliteLedger(file_path(url), quotas, clock, create=create)
 
 
 class _SqliteTx:
@@ -98,9 +119,6 @@ class SqliteLedger(SqlLedger):
             except sqlite3.Error as exc:
                 connection.execute("ROLLBACK")
                 raise LedgerUnavailable(f"sqlite ledger {self.path}: {exc}") from None
-
-    async def _lock_tenant(self, tx: Tx, tenant: str) -> None:
-        return None  # BEGIN IMMEDIATE already holds the database's write lock
 
     async def _now_ms(self, tx: Tx) -> float:
         return float(self._clock())

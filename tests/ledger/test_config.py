@@ -46,7 +46,7 @@ def test_example_loads_with_overrides_per_tenant_and_model_class():
     ],
 )
 def test_bad_config_names_the_key(data, message):
-    with pytest.raises(QuotaConfigError, match="^q.toml: ") as excinfo:
+    with pytest.raises(QuotaConfigError, match=r"^q\.toml: ") as excinfo:
         quotas_from_dict(data, "q.toml")
     assert message in str(excinfo.value)
 

@@ -85,6 +85,33 @@ async def test_emergency_window_is_bounded_in_time(cut_ledger):
         await front.reserve("bank", "t2", 10, 10, 1.0)
 
 
+async def test_the_front_serves_the_whole_request_path(cut_ledger):
+    ledger, proxy, journal = cut_ledger
+    front = ResilientLedger(ledger, journal)
+    placed = await front.reserve("bank", "p0", 10, 10, 1.0)
+    assert await front.get(placed.id) == await ledger.get(placed.id)
+    assert await front.account("bank") == await ledger.account("bank")
+    await front.heartbeat(placed.id)
+    assert await front.expire_due() == []
+    proxy.cut()
+    with pytest.raises(LedgerUnavailable):
+        await front.account("bank")  # no local stand-in for the balances
+    with pytest.raises(LedgerUnavailable):
+        await front.heartbeat(placed.id)
+    grant = await front.reserve("bank", "g1", 10, 10, 1.0)
+    assert await front.get(grant.id) == grant  # answered here, ledger or not
+    await front.heartbeat(grant.id)  # nothing in the ledger to keep alive yet: a no-op
+    assert await front.enqueue(grant.id) is None and await front.dequeue(grant.id) is None
+    await front.settle(grant.id, 10, 4, 1.0)
+    assert await front.expire_due() == []  # held: the grant's usage is not in the ledger yet
+    proxy.restore()
+    await _recover_when_back(front)
+    live = front.live_id(grant.id)
+    assert live is not None and live != grant.id  # replayed while running: it lives under a ledger id now
+    await front.heartbeat(grant.id)  # beats the ledger's reservation
+    assert (await ledger.get(live)).billed == Usage(10, 4, 1.0)
+
+
 async def _recover_when_back(front: ResilientLedger):  # type: ignore[no-untyped-def]
     for _ in range(50):  # the pool reconnects on its own schedule
         try:

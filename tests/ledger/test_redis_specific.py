@@ -63,7 +63,8 @@ class Clock:
 
 @pytest.fixture
 async def redis_ledger(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
-    """``await redis_ledger(clock=None, prefix=None, quotas=QUOTAS)``: a ledger on a fresh prefix; keys dropped after."""
+    """``await redis_ledger(clock=None, prefix=None, quotas=QUOTAS)``: a ledger on a fresh prefix; keys dropped
+    after."""
     opened: list[RedisLedger] = []
     default_prefix = f"fgt_{uuid.uuid4().hex[:12]}"
 
@@ -263,6 +264,25 @@ def _tie_groups(events: list[Any]) -> list[Any]:
     return [sorted(g) for g in groups]
 
 
+def _event_rows(events: list[Any], key_of: dict[str, Any]) -> list[Any]:
+    """The events with reservation ids replaced by their (tenant, request id), in tie groups."""
+    return _tie_groups(
+        [
+            (
+                key_of[e.reservation_id],
+                e.kind,
+                e.requests,
+                e.input_tokens,
+                e.output_tokens,
+                e.gpu_ms,
+                e.overage_gpu_ms,
+                e.at_ms,
+            )
+            for e in events
+        ]
+    )
+
+
 def _normal(r: Any) -> Any:
     return (
         r.tenant,
@@ -353,7 +373,7 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
                 alive = {k for k in known if zlib.crc32(f"{k}{step}".encode()) % 3 == 0}
                 for name, ledger in ledgers.items():
                     outcomes[name] = _outcome(
-                        await ledger.expire_due(lambda r: _const((r.tenant, r.request_id) in alive))
+                        await ledger.expire_due(lambda r, alive=alive: _const((r.tenant, r.request_id) in alive))
                     )
             elif roll < 0.975:
                 key = rng.choice(known)
@@ -370,35 +390,7 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
         for tenant in ("a", "b"):
             redis_events, sql_events = [await ledgers[n].events(tenant) for n in ("redis", "sqlite")]
             back = {name: {rid: key for key, rid in ids[name].items()} for name in ids}
-            assert _tie_groups(
-                [
-                    (
-                        back["redis"][e.reservation_id],
-                        e.kind,
-                        e.requests,
-                        e.input_tokens,
-                        e.output_tokens,
-                        e.gpu_ms,
-                        e.overage_gpu_ms,
-                        e.at_ms,
-                    )
-                    for e in redis_events
-                ]
-            ) == _tie_groups(
-                [
-                    (
-                        back["sqlite"][e.reservation_id],
-                        e.kind,
-                        e.requests,
-                        e.input_tokens,
-                        e.output_tokens,
-                        e.gpu_ms,
-                        e.overage_gpu_ms,
-                        e.at_ms,
-                    )
-                    for e in sql_events
-                ]
-            )
+            assert _event_rows(redis_events, back["redis"]) == _event_rows(sql_events, back["sqlite"])
             usage = [await ledgers[n].usage(tenant, 600) for n in ("redis", "sqlite")]
             assert usage[0] == usage[1]
             for model_class in ("default", "large"):

@@ -212,28 +212,82 @@ def hostport(url: str, default_port: int) -> tuple[str, int]:
     return parts.hostname or "127.0.0.1", parts.port or default_port
 
 
-# --- Redis: a server that does not answer ------------------------------------------------------------
-async def test_redis_silent_server_fails_within_the_default_timeout(tcp_server):
-    server = await tcp_server(silent)
+# --- Redis: a peer that does not answer, or answers wrongly, at open ----------------------------------
+# (id, URL without its host (the peer is put there), the peer, the error, what the error must say
+# ({where}: the peer's host:port), within how many seconds)
+PEERS_AT_OPEN: list[tuple[str, str, Callable[[], Handler], type[Exception], list[str], float]] = [
+    (
+        "default-timeout",
+        "redis:///0",
+        lambda: silent,
+        LedgerUnavailable,
+        ["{where}", "did not answer within 2 s"],
+        FAST_S,
+    ),
+    ("timeout_s", "redis:///0?timeout_s=0.5", lambda: silent, LedgerUnavailable, ["within 0.5 s", "redis ledger"], 1.5),
+    ("rediss-silent", "rediss:///0", lambda: silent, LedgerUnavailable, ["did not answer"], FAST_S),
+    (
+        "http",
+        "redis:///0",
+        lambda: http,
+        LedgerUnavailable,
+        ["does not speak the Redis protocol", "HTTP/1.1 400"],
+        FAST_S,
+    ),
+    (
+        "db-out-of-range",
+        "redis:///5",
+        lambda: FakeRedis({"SELECT": b"-ERR DB index is out of range\r\n"}),
+        ValueError,
+        ["database 5"],
+        FAST_S,
+    ),
+    *[
+        (
+            f"reply-{'-'.join(replies)}-{needles[0]}",
+            "redis:///0",
+            lambda replies=replies: FakeRedis(replies),
+            LedgerUnavailable,
+            needles,
+            FAST_S,
+        )
+        for replies, needles in [
+            ({"PING": b"-LOADING Redis is loading the dataset in memory\r\n"}, ["LOADING", "loading"]),
+            ({"PING": b"-NOAUTH Authentication required.\r\n"}, ["Authentication required"]),
+            ({"PING": b"-MASTERDOWN Link with MASTER is down\r\n"}, ["MASTERDOWN"]),
+            ({"PING": b"-ERR max number of clients reached\r\n"}, ["max number of clients"]),
+            ({"PING": b"?what is this\r\n"}, ["does not speak the Redis protocol"]),
+            (
+                {"SCRIPT": b"-READONLY You can't write against a read only replica.\r\n"},
+                ["READONLY", "read only replica"],
+            ),
+            ({"SCRIPT": b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"}, ["OOM"]),
+            (
+                {"SCRIPT": b"-NOPERM this user has no permissions to run the 'script|load' command\r\n"},
+                ["NOPERM"],
+            ),
+            ({"SCRIPT": b"-ERR unknown command 'SCRIPT'\r\n"}, ["ERR unknown command"]),
+        ]
+    ],
+]
+
+
+@pytest.mark.parametrize(
+    ("url", "peer", "kind", "needles", "within"), [c[1:] for c in PEERS_AT_OPEN], ids=[c[0] for c in PEERS_AT_OPEN]
+)
+async def test_redis_peer_misbehaving_at_open_fails_fast_and_says_why(tcp_server, url, peer, kind, needles, within):
+    server = await tcp_server(peer())
+    where = f"127.0.0.1:{server.port}"
+    scheme, rest = url.split(":///")
     await fails(
-        RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS),
-        LedgerUnavailable,
-        f"127.0.0.1:{server.port}",
-        "did not answer within 2 s",
+        RedisLedger.open(f"{scheme}://{where}/{rest}{'&' if '?' in rest else '?'}prefix={token()}", QUOTAS),
+        kind,
+        *(needle.format(where=where) for needle in needles),
+        within=within,
     )
 
 
-async def test_redis_timeout_s_is_configurable(tcp_server):
-    server = await tcp_server(silent)
-    text = await fails(
-        RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?timeout_s=0.5&prefix={token()}", QUOTAS),
-        LedgerUnavailable,
-        "within 0.5 s",
-        within=1.5,
-    )
-    assert "redis ledger" in text
-
-
+# --- Redis: a server that stops answering, or answers wrongly, later -----------------------------------
 async def test_redis_server_that_stops_answering_fails_every_later_call_fast(tcp_server, redis_url):
     proxy = StallingProxy(*hostport(redis_url, 6379))
     server = await tcp_server(proxy)
@@ -253,44 +307,21 @@ async def test_redis_server_that_stops_answering_fails_every_later_call_fast(tcp
                 await client.delete(*keys)
 
 
-async def test_rediss_against_a_plain_text_server_fails_within_the_timeout(redis_url):
+@pytest.mark.parametrize(
+    ("url", "kind", "needles"),
+    [
+        ("rediss://{where}/0", LedgerUnavailable, ["did not answer within 2 s", "TLS"]),
+        ("redis://{where}/99", ValueError, ["database 99", "DB index is out of range"]),
+        ("redis://nobody_x:s3cr3t@{where}/0", LedgerUnavailable, ["refused the credentials"]),
+    ],
+    ids=["rediss-to-plain-text", "database-out-of-range", "wrong-credentials"],
+)
+async def test_the_real_server_refusing_the_url_fails_fast_and_says_why(redis_url, url, kind, needles):
     host, port = hostport(redis_url, 6379)
-    await fails(
-        RedisLedger.open(f"rediss://{host}:{port}/0?prefix={token()}", QUOTAS),
-        LedgerUnavailable,
-        "did not answer within 2 s",
-        "TLS",
+    text = await fails(
+        RedisLedger.open(f"{url.format(where=f'{host}:{port}')}?prefix={token()}", QUOTAS), kind, *needles
     )
-
-
-async def test_rediss_against_a_silent_server_fails_within_the_timeout(tcp_server):
-    server = await tcp_server(silent)
-    await fails(
-        RedisLedger.open(f"rediss://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS),
-        LedgerUnavailable,
-        "did not answer",
-    )
-
-
-# --- Redis: a server that answers wrongly --------------------------------------------------------
-async def test_redis_database_out_of_range_is_a_value_error(redis_url):
-    host, port = hostport(redis_url, 6379)
-    await fails(
-        RedisLedger.open(f"redis://{host}:{port}/99?prefix={token()}", QUOTAS),
-        ValueError,
-        "database 99",
-        "DB index is out of range",
-    )
-
-
-async def test_redis_peer_that_speaks_http_is_unavailable(tcp_server):
-    server = await tcp_server(http)
-    await fails(
-        RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS),
-        LedgerUnavailable,
-        "does not speak the Redis protocol",
-        "HTTP/1.1 400",
-    )
+    assert "s3cr3t" not in text
 
 
 async def test_redis_connection_refused_is_unavailable(tcp_server):
@@ -310,50 +341,6 @@ async def test_redis_unknown_host_is_unavailable():
         RedisLedger.open(f"redis://no-such-host.invalid:6379/0?prefix={token()}", QUOTAS),
         LedgerUnavailable,
         "no-such-host.invalid",
-    )
-
-
-async def test_redis_wrong_credentials_are_unavailable_and_the_password_is_not_shown(redis_url):
-    host, port = hostport(redis_url, 6379)
-    text = await fails(
-        RedisLedger.open(f"redis://nobody_{token()}:s3cr3t@{host}:{port}/0?prefix={token()}", QUOTAS),
-        LedgerUnavailable,
-        "refused the credentials",
-    )
-    assert "s3cr3t" not in text
-
-
-@pytest.mark.parametrize(
-    ("replies", "kind", "needles"),
-    [
-        ({"PING": b"-LOADING Redis is loading the dataset in memory\r\n"}, LedgerUnavailable, ["LOADING", "loading"]),
-        ({"PING": b"-NOAUTH Authentication required.\r\n"}, LedgerUnavailable, ["Authentication required"]),
-        ({"PING": b"-MASTERDOWN Link with MASTER is down\r\n"}, LedgerUnavailable, ["MASTERDOWN"]),
-        ({"PING": b"-ERR max number of clients reached\r\n"}, LedgerUnavailable, ["max number of clients"]),
-        ({"PING": b"?what is this\r\n"}, LedgerUnavailable, ["does not speak the Redis protocol"]),
-        (
-            {"SCRIPT": b"-READONLY You can't write against a read only replica.\r\n"},
-            LedgerUnavailable,
-            ["READONLY", "read only replica"],
-        ),
-        ({"SCRIPT": b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"}, LedgerUnavailable, ["OOM"]),
-        (
-            {"SCRIPT": b"-NOPERM this user has no permissions to run the 'script|load' command\r\n"},
-            LedgerUnavailable,
-            ["NOPERM"],
-        ),
-        ({"SCRIPT": b"-ERR unknown command 'SCRIPT'\r\n"}, LedgerUnavailable, ["ERR unknown command"]),
-    ],
-)
-async def test_redis_error_replies_while_opening_are_mapped(tcp_server, replies, kind, needles):
-    server = await tcp_server(FakeRedis(replies))
-    await fails(RedisLedger.open(f"redis://127.0.0.1:{server.port}/0?prefix={token()}", QUOTAS), kind, *needles)
-
-
-async def test_redis_database_out_of_range_from_a_fake_server_is_a_value_error(tcp_server):
-    server = await tcp_server(FakeRedis({"SELECT": b"-ERR DB index is out of range\r\n"}))
-    await fails(
-        RedisLedger.open(f"redis://127.0.0.1:{server.port}/5?prefix={token()}", QUOTAS), ValueError, "database 5"
     )
 
 

@@ -1,0 +1,50 @@
+"""Checks of the arguments callers pass to a ledger, the same on every backend. Each raises ``InvalidUsage``."""
+
+from __future__ import annotations
+
+from fairgate.ledger.base import STATUSES
+from fairgate.ledger.model import InvalidUsage, Usage, check_name
+from fairgate.ledger.rules import check_amounts
+
+MAX_WINDOW_S = 10 * 365 * 86_400  # ten years
+
+
+def check_reserve_args(
+    tenant: object, request_id: object, model_class: object, run_id: object, tool_round: object
+) -> None:
+    """Validate ``reserve``'s names and flags (amounts: ``rules.check_amounts``)."""
+    check_name(tenant, "tenant")
+    check_name(request_id, "request_id")
+    check_name(model_class, "model_class")
+    check_name(run_id, "run_id", optional=True)
+    if not isinstance(tool_round, bool):
+        raise InvalidUsage(f"tool_round must be true or false, got {tool_round!r:.80}")
+
+
+def check_consumed(consumed: object) -> Usage:
+    """``cancel``'s ``consumed``: a ``Usage`` of valid amounts, returned with ``gpu_ms`` as a float."""
+    if not isinstance(consumed, Usage):
+        raise InvalidUsage(f"cancel: consumed must be a Usage, got {consumed!r:.80}")
+    check_amounts(consumed.input_tokens, consumed.output_tokens, consumed.gpu_ms, "cancel")
+    return Usage(consumed.input_tokens, consumed.output_tokens, float(consumed.gpu_ms))
+
+
+def check_window(window_s: object) -> float:
+    """``usage``'s window: a number of seconds in (0, 10 years], returned as a float."""
+    if isinstance(window_s, bool) or not isinstance(window_s, int | float) or not 0 < window_s <= MAX_WINDOW_S:
+        raise InvalidUsage(f"usage: window_s must be a number of seconds in (0, 10 years], got {window_s!r:.80}")
+    return float(window_s)
+
+
+def check_filters(tenant: object, status: object) -> None:
+    """``reservations``' filters: an optional tenant name and an optional status of ``STATUSES``."""
+    check_name(tenant, "tenant", optional=True)
+    if status is not None and status not in STATUSES:
+        raise InvalidUsage(f"status must be one of {', '.join(STATUSES)}, got {status!r:.80}")
+
+
+def check_reservation_id(reservation_id: object) -> str:
+    """A reservation id as a backend looks it up: a non-empty string (an unknown one is not found, later)."""
+    if not isinstance(reservation_id, str) or not reservation_id:
+        raise InvalidUsage(f"reservation_id must be a non-empty string, got {reservation_id!r}")
+    return reservation_id

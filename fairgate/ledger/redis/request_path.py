@@ -1,0 +1,125 @@
+"""The Redis ledger's request path (``RequestPath``): each call one script, or one read."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fairgate.ledger import rules
+from fairgate.ledger.base import new_reservation_id, tenant_tag
+from fairgate.ledger.config import Limits
+from fairgate.ledger.model import (
+    InvalidUsage,
+    QuotaExceeded,
+    Reservation,
+    ReservationNotFound,
+    SettlementFrozen,
+    UnknownTenant,
+    Usage,
+)
+from fairgate.ledger.redis import codec
+from fairgate.ledger.redis.keys import ACCOUNTS, RES
+from fairgate.ledger.redis.store import RedisStore
+
+
+class RedisRequestPath(RedisStore):
+    """reserve / settle / cancel / enqueue / dequeue / get / account / heartbeat on Redis."""
+
+    async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
+        """``reserve.lua``: reads the request id's reservation, the account and the run; writes only if all fit."""
+        tenant = args.tenant
+        with self._unavailable():
+            await self._ensure_registered(tenant)
+            reply = await self._scripts.reserve(
+                keys=self._keys.tenant(tenant_tag(tenant)),
+                args=[
+                    *self._head(),
+                    tenant,
+                    args.request_id,
+                    new_reservation_id(tenant),
+                    str(args.input_tokens),
+                    str(args.max_output_tokens),
+                    codec.number(float(args.gpu_ms_estimate)),
+                    args.model_class,
+                    args.run_id or "",
+                    "0" if args.run_id is None else "1",
+                    "1" if args.tool_round else "0",
+                    json.dumps(codec.limits_spec(limits)),
+                ],
+            )
+        code = reply[0]
+        if code == "quota":
+            dimension, retry, remaining = reply[1], reply[2], float(reply[3])
+            raise QuotaExceeded(
+                tenant,
+                dimension,
+                None if retry == "" else float(retry),
+                getattr(limits, dimension),
+                int(remaining) if dimension in codec.INT_LIMITS else remaining,
+            )
+        r = codec.reservation(reply[1])
+        return rules.check_retry(r, args) if code == "existing" else r
+
+    async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str) -> Reservation:
+        """``close.lua``; its reply codes mapped to the errors ``rules.settle`` raises, with their messages."""
+        reply = await self._close_call(reservation_id, kind, final, billed)
+        code = reply[0]
+        if code == "not_found":
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+        r = codec.reservation(reply[-1])
+        if code == "final":
+            return rules.check_final_again(r, billed, final, kind)
+        if code == "frozen":
+            raise SettlementFrozen(f"automatic settlement is frozen for tenant {r.tenant!r}")
+        if code == "unknown_tenant":
+            raise UnknownTenant(f"tenant {r.tenant!r} has no quota configuration")
+        if code in ("above", "above_input", "below"):
+            rules.check_billing(r, billed, kind)  # the script found the amounts invalid: the rules say why
+            raise InvalidUsage(f"{kind}: amounts {billed} do not fit reservation {reservation_id!r}")
+        return r  # ok | unchanged
+
+    async def _queue_step(self, reservation_id: str, enter: bool) -> Reservation:
+        """``queue.lua``."""
+        tag = self._tag_of(reservation_id)
+        reply: list[Any] = ["not_found"]
+        if tag is not None:
+            limit = ""
+            if enter:
+                r = await self.get(reservation_id)
+                max_queued = self.limits(r.tenant, r.model_class).max_queued
+                limit = "" if max_queued is None else str(max_queued)
+            with self._unavailable():
+                reply = await self._scripts.queue(
+                    keys=self._keys.tenant(tag), args=[*self._head(), reservation_id, "1" if enter else "0", limit]
+                )
+        if reply[0] == "not_found":
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+        r = codec.reservation(reply[1])
+        if reply[0] == "quota":
+            raise rules.queue_full(r, self.limits(r.tenant, r.model_class))
+        return r
+
+    async def get(self, reservation_id: str) -> Reservation:
+        tag = self._tag_of(reservation_id)
+        raw = None
+        if tag is not None:
+            with self._unavailable():
+                raw = await self._client.hget(self._keys.tenant(tag)[RES], reservation_id)
+        if raw is None:
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+        return codec.reservation(raw)
+
+    async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
+        with self._unavailable():
+            raw = await self._client.hget(self._keys.tenant(tenant_tag(tenant))[ACCOUNTS], model_class)
+        return codec.account(raw)
+
+    async def heartbeat(self, reservation_id: str) -> None:
+        """``heartbeat.lua``."""
+        tag = self._tag_of(reservation_id)
+        reply = ["not_found"]
+        if tag is not None:
+            with self._unavailable():
+                reply = await self._scripts.heartbeat(keys=self._keys.tenant(tag), args=[*self._head(), reservation_id])
+        if reply[0] == "not_found":
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")

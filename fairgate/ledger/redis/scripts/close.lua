@@ -1,0 +1,93 @@
+-- rules.settle (settle, cancel, expire). ARGV[3..]: reservation id, kind (settle|cancel|expire), final (1/0),
+-- input_tokens, output_tokens, gpu_ms (ignored for expire: the billed amounts so far), the tenant's limits JSON
+-- {"base": {...}, "classes": {model_class: {...}}} or "" (tenant not configured).
+-- -> {'not_found'} | {'final', json} | {'frozen', json} | {'unknown_tenant', json} | {'not_due', json}
+--    | {'unchanged', json} | {'above', json} | {'above_input', json} | {'below', name, json} | {'ok', json}
+local rid, kind, final = ARGV[3], ARGV[4], ARGV[5] == '1'
+local raw = redis.call('HGET', RES, rid)
+if not raw then return {'not_found'} end
+local r = cjson.decode(raw)
+if r.status ~= 'open' then return {'final', raw} end
+if redis.call('EXISTS', FROZEN) == 1 then return {'frozen', raw} end
+local now = now_ms()
+local before_in, before_out, before_gpu =
+  tonumber(r.billed_input_tokens), tonumber(r.billed_output_tokens), tonumber(r.billed_gpu_ms)
+local b_in, b_out, b_gpu
+if kind == 'expire' then
+  if tonumber(r.expires_at_ms) > now then return {'not_due', raw} end
+  b_in, b_out, b_gpu = before_in, before_out, before_gpu
+else
+  b_in, b_out, b_gpu = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+end
+if (not final) and b_in == before_in and b_out == before_out and b_gpu == before_gpu then
+  return {'unchanged', raw}  -- a repeated partial settlement: nothing new
+end
+if ARGV[9] == '' then return {'unknown_tenant', raw} end
+local limits = cjson.decode(ARGV[9])
+local spec = limits.base
+if type(limits.classes) == 'table' and limits.classes[r.model_class] ~= nil then
+  spec = limits.classes[r.model_class]
+end
+local lim = decode_limits(spec)
+
+-- rules.settle
+local r_in, r_max_out, r_est = tonumber(r.input_tokens), tonumber(r.max_output_tokens), tonumber(r.gpu_ms_estimate)
+if b_out > r_max_out then return {'above', raw} end
+if b_in > 2 * r_in + 1024 then return {'above_input', raw} end  -- rules.input_allowance
+if b_in < before_in then return {'below', 'input_tokens', raw} end
+if b_out < before_out then return {'below', 'output_tokens', raw} end
+if b_gpu < before_gpu then return {'below', 'gpu_ms', raw} end
+local acc = load_account(r.model_class)
+refresh(acc, lim, now)
+local old_in, old_out, old_gpu = math.max(r_in, before_in), r_max_out, math.max(r_est, before_gpu)
+local new_in, new_out, new_gpu
+if final then
+  new_in, new_out, new_gpu = b_in, b_out, b_gpu
+else
+  new_in, new_out, new_gpu = math.max(r_in, b_in), r_max_out, math.max(r_est, b_gpu)
+end
+for _, d in ipairs({{'input_tokens', 'input', old_in - new_in}, {'output_tokens', 'output', old_out - new_out}}) do
+  local key = d[2] .. '_level'
+  if acc[key] ~= nil and d[3] ~= 0 then
+    acc[key] = bucket_credit(acc[key], d[3], lim[d[1] .. '_burst'] or 0.0)
+  end
+end
+acc.gpu_window_used_ms = math.max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
+acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
+if final then
+  acc.concurrent = math.max(0, acc.concurrent - 1)
+  if r.queued == '1' then
+    acc.queued = math.max(0, acc.queued - 1)
+    r.queued = '0'
+  end
+end
+local run = nil
+if r.run_id ~= nil then
+  run = load_run(r.run_id)
+  run.tokens = math.max(0, run.tokens + (new_in + new_out) - (old_in + old_out))
+end
+local overage = math.max(0.0, b_gpu - r_est)
+local old_overage = tonumber(r.overage_gpu_ms)
+local status, event_kind = 'open', 'settle'
+if final then
+  status = ({settle = 'settled', cancel = 'cancelled', expire = 'expired'})[kind]
+  event_kind = kind
+  if kind == 'settle' then event_kind = 'settle_final' end
+end
+r.billed_input_tokens, r.billed_output_tokens, r.billed_gpu_ms = fmt(b_in), fmt(b_out), fmt(b_gpu)
+r.overage_gpu_ms, r.status = fmt(overage), status
+if final then r.final_ms = fmt(now) end
+
+local out = cjson.encode(r)
+hset(RES, rid, out)
+save_account(r.model_class, acc)
+if run ~= nil then save_run(r.run_id, run) end
+add_event(rid, event_kind, 0, b_in - before_in, b_out - before_out, b_gpu - before_gpu, overage - old_overage, now)
+if final then
+  redis.call('ZREM', OPEN, rid)
+  count_status('open', -1)
+  count_status(status, 1)
+  redis.call('HDEL', HB, rid)
+end
+touch_all()
+return {'ok', out}

@@ -1,0 +1,9 @@
+-- ARGV[3]: reservation id. Records a heartbeat if the reservation is open.
+-- -> {'not_found'} | {'final'} | {'ok'}
+local rid = ARGV[3]
+local raw = redis.call('HGET', RES, rid)
+if not raw then return {'not_found'} end
+if cjson.decode(raw).status ~= 'open' then return {'final'} end
+hset(HB, rid, fmt(now_ms()))
+touch_all()
+return {'ok'}

@@ -1,0 +1,181 @@
+"""The SQL backends' tables, their statements, and how rows map to the ledger's objects.
+
+Statements use ``:name`` placeholders (``postgres.py`` rewrites them for psycopg); ``{real}`` and ``{serial}``
+in ``TABLES`` are the dialect's float and auto-increment key types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fairgate.ledger import rules
+from fairgate.ledger.model import Event, Reservation, reservation_from_record
+
+Statement = tuple[str, dict[str, Any]]
+
+TABLES = """
+CREATE TABLE IF NOT EXISTS fg_accounts (
+  tenant TEXT NOT NULL, model_class TEXT NOT NULL,
+  requests_level {real}, requests_updated_ms {real} NOT NULL,
+  input_level {real}, input_updated_ms {real} NOT NULL,
+  output_level {real}, output_updated_ms {real} NOT NULL,
+  concurrent INTEGER NOT NULL,
+  gpu_window_start_ms {real} NOT NULL, gpu_window_used_ms {real} NOT NULL, gpu_total_used_ms {real} NOT NULL,
+  queued INTEGER NOT NULL DEFAULT 0,
+  PRIMARY KEY (tenant, model_class));
+CREATE TABLE IF NOT EXISTS fg_runs (
+  tenant TEXT NOT NULL, run_id TEXT NOT NULL,
+  model_calls INTEGER NOT NULL, tool_rounds INTEGER NOT NULL, tokens BIGINT NOT NULL,
+  PRIMARY KEY (tenant, run_id));
+CREATE TABLE IF NOT EXISTS fg_reservations (
+  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, request_id TEXT NOT NULL, model_class TEXT NOT NULL,
+  run_id TEXT, tool_round INTEGER NOT NULL,
+  input_tokens BIGINT NOT NULL, max_output_tokens BIGINT NOT NULL, gpu_ms_estimate {real} NOT NULL,
+  status TEXT NOT NULL,
+  billed_input_tokens BIGINT NOT NULL, billed_output_tokens BIGINT NOT NULL, billed_gpu_ms {real} NOT NULL,
+  overage_gpu_ms {real} NOT NULL, created_ms {real} NOT NULL, expires_at_ms {real} NOT NULL, final_ms {real},
+  queued INTEGER NOT NULL DEFAULT 0,
+  UNIQUE (tenant, request_id));
+CREATE INDEX IF NOT EXISTS fg_reservations_open ON fg_reservations (status, expires_at_ms);
+CREATE TABLE IF NOT EXISTS fg_events (
+  seq {serial}, tenant TEXT NOT NULL, reservation_id TEXT NOT NULL, kind TEXT NOT NULL,
+  requests INTEGER NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+  gpu_ms {real} NOT NULL, overage_gpu_ms {real} NOT NULL, at_ms {real} NOT NULL);
+CREATE INDEX IF NOT EXISTS fg_events_tenant ON fg_events (tenant, at_ms);
+CREATE TABLE IF NOT EXISTS fg_frozen (tenant TEXT PRIMARY KEY, reason TEXT NOT NULL, at_ms {real} NOT NULL);
+CREATE TABLE IF NOT EXISTS fg_heartbeats (reservation_id TEXT PRIMARY KEY, beat_ms {real} NOT NULL);
+CREATE TABLE IF NOT EXISTS fg_charges (
+  scope TEXT NOT NULL, tenant TEXT NOT NULL,
+  gpu_ms {real} NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+  PRIMARY KEY (scope, tenant));
+CREATE TABLE IF NOT EXISTS fg_occupancy (
+  process TEXT NOT NULL, upstream TEXT NOT NULL, sequences {real} NOT NULL, prefill_share {real} NOT NULL,
+  expires_at_ms {real} NOT NULL, PRIMARY KEY (process, upstream));
+"""
+
+RESERVATION_COLUMNS = (
+    "id, tenant, request_id, model_class, run_id, tool_round, input_tokens, max_output_tokens, "
+    "gpu_ms_estimate, status, billed_input_tokens, billed_output_tokens, billed_gpu_ms, "
+    "overage_gpu_ms, created_ms, expires_at_ms, final_ms, queued"
+)
+ACCOUNT_FIELDS = tuple(asdict(rules.Account()).keys())
+RESERVATION_FIELDS = tuple(c.strip() for c in RESERVATION_COLUMNS.split(","))
+INSERT_RESERVATION = (
+    f"INSERT INTO fg_reservations ({RESERVATION_COLUMNS}) VALUES ({', '.join(':' + c for c in RESERVATION_FIELDS)})"
+)
+UPDATE_RESERVATION = (
+    "UPDATE fg_reservations SET status = :status, billed_input_tokens = :billed_input_tokens, "
+    "billed_output_tokens = :billed_output_tokens, billed_gpu_ms = :billed_gpu_ms, "
+    "overage_gpu_ms = :overage_gpu_ms, expires_at_ms = :expires_at_ms, final_ms = :final_ms, "
+    "queued = :queued WHERE id = :id"
+)
+INSERT_EVENT = (
+    "INSERT INTO fg_events (tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
+    "gpu_ms, overage_gpu_ms, at_ms) VALUES (:tenant, :rid, :kind, :requests, :input_tokens, "
+    ":output_tokens, :gpu_ms, :overage_gpu_ms, :at_ms)"
+)
+SAVE_RUN = (
+    "INSERT INTO fg_runs (tenant, run_id, model_calls, tool_rounds, tokens) VALUES (:tenant, :run_id, "
+    ":model_calls, :tool_rounds, :tokens) ON CONFLICT (tenant, run_id) DO UPDATE SET "
+    "model_calls = excluded.model_calls, tool_rounds = excluded.tool_rounds, tokens = excluded.tokens"
+)
+# One read for a settle/cancel/expire: the reservation, whether its tenant is frozen, its account and run.
+LOAD_FOR_CLOSE = (
+    "SELECT "
+    + ", ".join(f"r.{c}" for c in RESERVATION_FIELDS)
+    + ", f.tenant, a.tenant, "
+    + ", ".join(f"a.{c}" for c in ACCOUNT_FIELDS)
+    + ", u.model_calls, u.tool_rounds, u.tokens FROM fg_reservations r"
+    " LEFT JOIN fg_frozen f ON f.tenant = r.tenant"
+    " LEFT JOIN fg_accounts a ON a.tenant = r.tenant AND a.model_class = r.model_class"
+    " LEFT JOIN fg_runs u ON u.tenant = r.tenant AND u.run_id = r.run_id WHERE r.id = :id"
+)
+SAVE_ACCOUNT = (
+    f"INSERT INTO fg_accounts (tenant, model_class, {', '.join(ACCOUNT_FIELDS)}) VALUES (:tenant, "
+    f":model_class, {', '.join(':' + f for f in ACCOUNT_FIELDS)}) ON CONFLICT (tenant, model_class) "
+    f"DO UPDATE SET {', '.join(f'{f} = excluded.{f}' for f in ACCOUNT_FIELDS)}"
+)
+EVENT_COLUMNS = (
+    "seq, tenant, reservation_id, kind, requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms, at_ms"
+)
+SELECT_ACCOUNT = (
+    f"SELECT {', '.join(ACCOUNT_FIELDS)} FROM fg_accounts WHERE tenant = :tenant AND model_class = :model_class"
+)
+SELECT_RUN = "SELECT model_calls, tool_rounds, tokens FROM fg_runs WHERE tenant = :tenant AND run_id = :run_id"
+
+
+def reservation(row: tuple[Any, ...]) -> Reservation:
+    """A reservation from a row of ``RESERVATION_COLUMNS``."""
+    return reservation_from_record(dict(zip(RESERVATION_FIELDS, row, strict=True)), int, bool)
+
+
+def reservation_params(r: Reservation) -> dict[str, Any]:
+    """``r`` as the parameters of ``INSERT_RESERVATION`` / ``UPDATE_RESERVATION``."""
+    return {
+        "id": r.id,
+        "tenant": r.tenant,
+        "request_id": r.request_id,
+        "model_class": r.model_class,
+        "run_id": r.run_id,
+        "tool_round": int(r.tool_round),
+        "input_tokens": r.input_tokens,
+        "max_output_tokens": r.max_output_tokens,
+        "gpu_ms_estimate": r.gpu_ms_estimate,
+        "status": r.status,
+        "billed_input_tokens": r.billed.input_tokens,
+        "billed_output_tokens": r.billed.output_tokens,
+        "billed_gpu_ms": r.billed.gpu_ms,
+        "overage_gpu_ms": r.overage_gpu_ms,
+        "created_ms": r.created_ms,
+        "expires_at_ms": r.expires_at_ms,
+        "final_ms": r.final_ms,
+        "queued": int(r.queued),
+    }
+
+
+def event(row: tuple[Any, ...]) -> Event:
+    """An ``Event`` from a row of ``EVENT_COLUMNS``."""
+    seq, tenant, rid, kind, requests, input_tokens, output_tokens, gpu_ms, overage, at_ms = row
+    return Event(
+        int(seq),
+        tenant,
+        rid,
+        kind,
+        int(requests),
+        int(input_tokens),
+        int(output_tokens),
+        float(gpu_ms),
+        float(overage),
+        float(at_ms),
+    )
+
+
+def account_write(tenant: str, model_class: str, account: rules.Account) -> Statement:
+    """The upsert of an account."""
+    return SAVE_ACCOUNT, {"tenant": tenant, "model_class": model_class, **asdict(account)}
+
+
+def run_write(tenant: str, run_id: str, run: rules.RunUsage) -> Statement:
+    """The upsert of an agent run's counters."""
+    return SAVE_RUN, {"tenant": tenant, "run_id": run_id, **asdict(run)}
+
+
+def event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> Statement:
+    """The insert of the event ``delta`` of ``r`` at ``now_ms``."""
+    return INSERT_EVENT, {
+        "tenant": r.tenant,
+        "rid": r.id,
+        "kind": delta.kind,
+        "requests": delta.requests,
+        "input_tokens": delta.input_tokens,
+        "output_tokens": delta.output_tokens,
+        "gpu_ms": delta.gpu_ms,
+        "overage_gpu_ms": delta.overage_gpu_ms,
+        "at_ms": now_ms,
+    }
+
+
+def reservation_write(r: Reservation) -> Statement:
+    """The update of ``r``'s status, billed amounts, expiry and queue place."""
+    return UPDATE_RESERVATION, reservation_params(r)
