@@ -91,7 +91,7 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
     )
     balances = None
     if not reservation.id.startswith(EMERGENCY_PREFIX):
-        balances = asyncio.ensure_future(state.backend.account(caller.tenant, generation.model))
+        balances = asyncio.ensure_future(state.ledger.account(caller.tenant, generation.model))
     return Admitted(generation, caller, reservation, balances)
 
 
@@ -134,7 +134,7 @@ async def mark_readmitted(front: ResilientLedger, reservation: Reservation, now_
     if now_ms - reservation.created_ms <= READMIT_AFTER_MS:
         return
     with contextlib.suppress(LedgerError):
-        await front.ledger.heartbeat(reservation.id)
+        await front.heartbeat(reservation.id)
 
 
 async def release(state: GatewayState, admitted: Admitted) -> None:

@@ -80,12 +80,10 @@ async def sweep_once(front: ResilientLedger, running: Iterable[str], expire: boo
     if front.outstanding():
         await front.recover()
     for reservation_id in running:
-        live = front.live_id(reservation_id)
-        if live is not None:
-            await front.ledger.heartbeat(live)
-    if front.outstanding() or not expire:
-        return []  # usage not yet in the ledger: expiring now could drop it
-    return await front.ledger.expire_due()
+        await front.heartbeat(reservation_id)  # an emergency grant under the id its replay made, if any
+    if not expire:
+        return []
+    return await front.expire_due()  # nothing while the journal holds usage not yet in the ledger
 
 
 async def recover(front: ResilientLedger, interval_s: float = RECOVER_EVERY_S) -> None:

@@ -62,6 +62,7 @@ from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
 from fairgate.core.policies.params import PolicyConfig
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, is_key_hash
+from fairgate.ledger import SCHEMES
 from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
 from fairgate.tomlfile import read_toml
 
@@ -84,8 +85,6 @@ def _key_hash(text: str) -> str:
 KeyHash = Annotated[str, AfterValidator(_key_hash)]
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 TenantName = Annotated[str, Field(min_length=1, max_length=200)]
-
-_LEDGER_SCHEMES = ("sqlite", "postgresql", "postgres", "redis", "rediss")
 
 
 class GatewaySection(_Strict):
@@ -124,7 +123,7 @@ class GatewaySection(_Strict):
     @classmethod
     def _ledger_url(cls, value: str) -> str:
         scheme, sep, rest = value.partition("://")
-        if not sep or scheme not in _LEDGER_SCHEMES:
+        if not sep or scheme not in SCHEMES:
             raise ValueError(f"{value!r}: expected sqlite:///path.db, postgresql://... or redis://...")
         if scheme == "sqlite" and (not rest.startswith("/") or rest == "/"):
             raise ValueError(f"{value!r}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
