@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,28 +25,18 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fairgate.gateway.auth import hash_api_key
-from tests.support.servers import fairgate_process as process
-from tests.support.servers import free_port
+from fairgate.harness.config import TenantSpec
+from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.stack import StackSpec, replicas, start_stack
 
-KEY = "fg-bench-" + "k" * 30
-ITER_BASE_MS = 0.2
-
-
-def gateway_config(folder: Path, upstream: str) -> Path:
-    path = folder / "fairgate.toml"
-    path.write_text(
-        f'[gateway]\nledger = "sqlite:///{folder}/ledger.db"\njournal = "{folder}/j.jsonl"\n\n'
-        f'[[upstream]]\nname = "fast"\nurl = "{upstream}/v1"\nmodel = "emu"\nmax_batch = 1024\n'
-        f"iter_base_ms = {ITER_BASE_MS}\niter_slope_ms = 0.0\nprefill_ms_per_token = 0.0\n"
-        "max_model_len = 1000000\n"
-        '\n[quotas.tiers.t]\non_ledger_unavailable = "reject"\n[quotas.tenants.bench]\ntier = "t"\n'
-        f'[[key]]\ntenant = "bench"\nhash = "{hash_api_key(KEY)}"\n'
-    )
-    return path
+# A fast replica (0.2 ms iterations, no prefill cost): what is measured is the HTTP stack's and the gateway's.
+FAST = ReplicaModel(
+    iter_base_ms=0.2, iter_slope_ms=0.0, prefill_ms_per_token=0.0, max_batch=1024, max_model_len=1_000_000
+)
+SPEC = StackSpec((TenantSpec("bench"),), replicas=replicas(1), replica=FAST, processes=True)
 
 
-async def latencies(base: str, requests: int, concurrency: int) -> tuple[list[float], float]:
+async def latencies(base: str, key: str, requests: int, concurrency: int) -> tuple[list[float], float]:
     body = {"model": "emu", "prompt": "x", "max_tokens": 1, "ignore_eos": True}
     out: list[float] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -57,7 +46,7 @@ async def latencies(base: str, requests: int, concurrency: int) -> tuple[list[fl
         base_url=base,
         timeout=60,
         limits=httpx.Limits(max_connections=concurrency),
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers={"Authorization": f"Bearer {key}"},
     ) as http:
 
         async def worker() -> None:
@@ -74,9 +63,9 @@ async def latencies(base: str, requests: int, concurrency: int) -> tuple[list[fl
     return out, requests / elapsed
 
 
-async def stream_rate(base: str, tokens: int) -> float:
+async def stream_rate(base: str, key: str, tokens: int) -> float:
     body = {"model": "emu", "prompt": "x", "max_tokens": tokens, "ignore_eos": True, "stream": True}
-    async with httpx.AsyncClient(base_url=base, timeout=600, headers={"Authorization": f"Bearer {KEY}"}) as http:
+    async with httpx.AsyncClient(base_url=base, timeout=600, headers={"Authorization": f"Bearer {key}"}) as http:
         start = time.perf_counter()
         seen = 0
         async with http.stream("POST", "/v1/completions", json=body) as reply:
@@ -95,32 +84,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=20000)
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="fairgate-overhead-"))
-    up_port, gw_port = free_port(), free_port()
-    emulate = [
-        "emulate",
-        "--port",
-        str(up_port),
-        "--model",
-        "emu",
-        "--iter-base-ms",
-        str(ITER_BASE_MS),
-        "--iter-slope-ms",
-        "0",
-        "--prefill-ms-per-token",
-        "0",
-        "--max-batch",
-        "1024",
-        "--max-model-len",
-        "1000000",
-    ]
-    with process(emulate, up_port) as upstream:
-        config_path = gateway_config(folder, upstream)
-        with process(["serve", "--config", str(config_path), "--port", str(gw_port)], gw_port) as gateway:
-            direct, direct_rps = asyncio.run(latencies(upstream, args.requests, args.concurrency))
-            via, via_rps = asyncio.run(latencies(gateway, args.requests, args.concurrency))
-            direct_tps = asyncio.run(stream_rate(upstream, args.tokens))
-            via_tps = asyncio.run(stream_rate(gateway, args.tokens))
+    with start_stack(SPEC) as stack:
+        upstream, gateway, key = stack.replica_urls[0], stack.url, stack.keys["bench"]
+        direct, direct_rps = asyncio.run(latencies(upstream, key, args.requests, args.concurrency))
+        via, via_rps = asyncio.run(latencies(gateway, key, args.requests, args.concurrency))
+        direct_tps = asyncio.run(stream_rate(upstream, key, args.tokens))
+        via_tps = asyncio.run(stream_rate(gateway, key, args.tokens))
     print(f"non-streaming, {args.requests} requests, {args.concurrency} concurrent (1 output token each):")
     print(f"  direct   p50 {pct(direct, 50):7.2f} ms  p99 {pct(direct, 99):7.2f} ms  {direct_rps:7.0f} req/s")
     print(f"  gateway  p50 {pct(via, 50):7.2f} ms  p99 {pct(via, 99):7.2f} ms  {via_rps:7.0f} req/s")

@@ -9,7 +9,7 @@ tenant's lognormal (means 23.7 / 53 / 197 / 353.8 tokens, cv 0.5), sent as ``max
 ``ignore_eos``. The replicas use seed 002's cost model (9 ms + 0.55 ms x B + 0.06 ms/token, 24 slots).
 One run per policy; prints each tenant's share of the GPU time the ledger billed, and max/min.
 
-Trace (``--trace azure``, issue 4): a window of the Azure LLM inference trace 2023 replayed open loop as two
+Trace (``--trace azure``): a window of the Azure LLM inference trace 2023 replayed open loop as two
 tenants, ``code`` (the code trace) and ``conv`` (the conversation trace), time-compressed by ``--speedup``;
 then the simulator on exactly the same requests. Prints, per policy, the GPU shares the simulator predicts,
 those the ledger realised, and their difference in percentage points. See ``run_trace`` for what is compared.
@@ -23,132 +23,73 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import math
 import os
-import random
+import shutil
 import sys
-import tempfile
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
-import openai
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fairgate.core.cost import CostModel  # noqa: E402
-from fairgate.emulator.api import EmulatorSettings, create_app  # noqa: E402
-from fairgate.gateway.app import create_gateway  # noqa: E402
-from fairgate.gateway.auth import hash_api_key  # noqa: E402
-from fairgate.gateway.config import load_gateway_config  # noqa: E402
-from fairgate.ledger import connect  # noqa: E402
-from fairgate.ledger.base import tenant_tag  # noqa: E402
+from fairgate.harness.config import TenantSpec  # noqa: E402
+from fairgate.harness.loadgen import LoadGenerator, Request, TenantLoad  # noqa: E402
+from fairgate.harness.logs import quiet_hang_ups  # noqa: E402
+from fairgate.harness.records import RequestRecord  # noqa: E402
+from fairgate.harness.replica import ReplicaModel  # noqa: E402
+from fairgate.harness.run import run_on_stack  # noqa: E402
+from fairgate.harness.stack import StackSpec, replicas, start_stack  # noqa: E402
+from fairgate.ledger.config import LimitsConfig  # noqa: E402
 from fairgate.sim.experiment import simulate  # noqa: E402
 from fairgate.sim.result import NOT_YET  # noqa: E402
-from fairgate.sim.scenario import Scenario, load_scenario  # noqa: E402
+from fairgate.sim.scenario import PolicyConfig, Scenario, load_scenario  # noqa: E402
 from fairgate.sim.traces import trace_workload  # noqa: E402
 from fairgate.sim.workload import Workload  # noqa: E402
-from tests.support.servers import fairgate_process, free_port, serve  # noqa: E402
 
 MIX = {"classify": 23.7, "chat": 53.0, "summarise": 197.0, "agent": 353.8}
-PROMPT = "w " * 397  # + 3 tokens of chat overhead = 400
-SEED_COST = CostModel(iter_base_ms=9.0, iter_slope_ms=0.55, prefill_ms_per_token=0.06, max_batch=24)
 MODEL = "emu"
 MAX_MODEL_LEN = 32768
+SEED_REPLICA = ReplicaModel(9.0, 0.55, 0.06, 24, MAX_MODEL_LEN)  # seed 002's cost model, 24 slots
 
 
-def config_text(
-    folder: Path,
-    upstreams: list[str],
+def stack_spec(
+    tenants: list[str],
     policy: str,
-    keys: dict[str, str],
-    cost: CostModel = SEED_COST,
-    policy_params: dict[str, float] | None = None,
-    max_queued: int = 1000,
-) -> str:
-    """The gateway's TOML: one upstream per URL with ``cost``, a SQLite ledger in ``folder``, one tenant per
-    key (no quota but ``max_queued`` / ``max_concurrent``), and ``policy`` with ``policy_params``."""
-    ups = "".join(
-        f'[[upstream]]\nname = "emu-{i}"\nurl = "{u}/v1"\nmodel = "{MODEL}"\nmax_batch = {cost.max_batch}\n'
-        f"iter_base_ms = {cost.iter_base_ms!r}\niter_slope_ms = {cost.iter_slope_ms!r}\n"
-        f"prefill_ms_per_token = {cost.prefill_ms_per_token!r}\nmax_model_len = {MAX_MODEL_LEN}\n"
-        for i, u in enumerate(upstreams)
-    )
-    params = ""
-    if policy_params:
-        values = ", ".join(f"{k} = {v!r}" for k, v in policy_params.items())
-        params = f"[policy]\n{policy} = {{ {values} }}\n"
-    tenants = "".join(f'[quotas.tenants.{t}]\ntier = "t"\n' for t in keys)
-    key_tables = "".join(f'[[key]]\ntenant = "{t}"\nhash = "{hash_api_key(k)}"\n' for t, k in keys.items())
-    return (
-        f'[gateway]\npolicy = "{policy}"\nledger = "sqlite:///{folder}/ledger.db"\n'
-        f'journal = "{folder}/journal.jsonl"\n\n{ups}\n{params}[quotas.tiers.t]\non_ledger_unavailable = "reject"\n'
-        f"[quotas.defaults]\nmax_queued = {max_queued}\nmax_concurrent = {max_queued}\n{tenants}\n{key_tables}"
+    replica: ReplicaModel,
+    count: int,
+    processes: bool,
+    max_queued: int,
+    params: PolicyConfig | None = None,
+) -> StackSpec:
+    """``count`` replicas with ``replica``'s cost model behind one gateway with ``policy`` (and its
+    ``[policy]`` parameters), an SQLite ledger, tenants with no quota but ``max_queued`` / ``max_concurrent``."""
+    tenant_specs = tuple(TenantSpec(t) for t in tenants)
+    limits = LimitsConfig(max_queued=max_queued, max_concurrent=max_queued)
+    return StackSpec(
+        tenant_specs, policy, replicas(count, MODEL), replica, processes, policy_params=params, defaults=limits
     )
 
 
 # --- closed loop ------------------------------------------------------------------------------------------------
 
 
-async def load(url: str, keys: dict[str, str], seconds: float, clients: int, seed: int) -> dict[str, int]:
-    done = dict.fromkeys(MIX, 0)
-
-    async def worker(tenant: str, index: int) -> None:
-        rng = random.Random(f"{seed}-{tenant}-{index}")
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys[tenant], max_retries=0, timeout=600)
-        sigma2 = math.log1p(0.25)
-        mu = math.log(MIX[tenant]) - sigma2 / 2
-        while True:
-            tokens = max(1, round(rng.lognormvariate(mu, math.sqrt(sigma2))))
-            await client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": PROMPT}],
-                max_tokens=tokens,
-                extra_body={"ignore_eos": True},
-            )
-            done[tenant] += 1
-        await client.close()
-
-    # Interleaved, so no tenant's requests all arrive first.
-    tasks = [asyncio.create_task(worker(t, i)) for i in range(clients) for t in MIX]
-    await asyncio.sleep(seconds)
-    # At the deadline every client hangs up: the gateway cancels the requests in flight and bills what they
-    # consumed, so the shares are those of the window, not of a drain where only long requests remain.
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.sleep(1.0)  # let the gateway settle the cancelled ones
-    return done
-
-
-async def shares(config_path: Path) -> dict[str, float]:
-    config = load_gateway_config(config_path)
-    ledger = await connect(config.ledger_url, config.quotas)
-    gpu = dict.fromkeys(MIX, 0.0)
-    for r in await ledger.reservations():
-        gpu[r.tenant] += r.billed.gpu_ms
-    await ledger.close()
-    total = sum(gpu.values())
-    return {t: g / total for t, g in gpu.items()}
-
-
 def run(policy: str, seconds: float, clients: int) -> tuple[dict[str, float], dict[str, int]]:
-    folder = Path(tempfile.mkdtemp(prefix="fairgate-live-"))
-    keys = {t: f"fg-bench-{t}-{'k' * 20}" for t in MIX}
-    settings = EmulatorSettings(model=MODEL)
-    with serve(create_app(settings)) as u0, serve(create_app(settings)) as u1:
-        path = folder / "fairgate.toml"
-        path.write_text(config_text(folder, [u0, u1], policy, keys))
-        with serve(create_gateway(load_gateway_config(path))) as gateway:
-            done = asyncio.run(load(gateway, keys, seconds, clients, 1))
-    return asyncio.run(shares(path)), done
+    """Each tenant's share of the GPU time the ledger billed, and its requests completed, over ``seconds``
+    of ``clients`` closed-loop clients per tenant (lognormal outputs of seed 002's means, 400-token prompts).
+    At the end every client hangs up: the gateway bills what the requests in flight consumed, so the shares
+    are those of the window, not of a drain where only long requests remain."""
+    spec = stack_spec(list(MIX), policy, SEED_REPLICA, 2, False, 1000)
+    loads = [TenantLoad(t, clients=clients, mean_output_tokens=mean, prompt_tokens=400) for t, mean in MIX.items()]
+    result = run_on_stack(spec, loads, seconds, seed=1)
+    gpu = dict.fromkeys(MIX, 0.0)
+    for r in result.reservations:
+        gpu[r.tenant] += r.billed.gpu_ms
+    done = {t: result.history.stats(t).completed for t in MIX}
+    return _shares(gpu), done
 
 
-# --- trace replay (issue 4) -------------------------------------------------------------------------------------
+# --- trace replay -----------------------------------------------------------------------------------------------
 
 TRACE_FILES = {"code": "azure_llm_2023_code.csv", "conv": "azure_llm_2023_conv.csv"}
 """Tenant -> file of the Azure LLM inference trace 2023 in the traces directory."""
@@ -193,16 +134,6 @@ def azure_window(
             workload.duration_ns,
         )
     return workload
-
-
-@dataclass
-class Sent:
-    """One replayed request, as its client saw it. Times are seconds from the start of the replay."""
-
-    tenant: str
-    dispatched_s: float | None = None  # the gateway answered (it streams once the policy picked the request)
-    finished_s: float | None = None  # the whole stream was read
-    error: str | None = None
 
 
 @dataclass
@@ -261,112 +192,22 @@ def request_id(workload: Workload, i: int) -> str:
     return f"{workload.tenants[workload.tenant_index[i]]}-{i}"
 
 
-async def replay(url: str, keys: dict[str, str], workload: Workload) -> dict[str, Sent]:
-    """Send ``workload`` open loop through the gateway at ``url`` and hang up at its end.
-
-    Request ``i`` is sent at ``arrival_ns[i]`` after the start, whatever happened to the others, on the
-    completions endpoint with a prompt of ``prompt_tokens[i]`` words (the emulator counts a word as a token),
-    ``max_tokens = output_tokens[i]`` and ``ignore_eos``, streamed so that the answer's headers tell when the
-    gateway dispatched it. At ``duration_ns`` every client hangs up (the gateway stops and bills the requests
-    in flight; the ones still queued are never run for their client).
-
-    Returns:
-        request id (``request_id``) -> what its client saw.
-    """
-    loop = asyncio.get_running_loop()
-    limits = httpx.Limits(max_connections=len(workload) + 16, max_keepalive_connections=64)
-    clients = {
-        t: openai.AsyncOpenAI(
-            base_url=f"{url}/v1",
-            api_key=k,
-            max_retries=0,
-            timeout=600,
-            http_client=openai.DefaultAsyncHttpxClient(limits=limits),
-        )
-        for t, k in keys.items()
-    }
-    sent: dict[str, Sent] = {}
-    start = loop.time()
-
-    async def one(i: int) -> None:
-        tenant = workload.tenants[workload.tenant_index[i]]
-        record = sent[request_id(workload, i)] = Sent(tenant)
-        try:
-            async with clients[tenant].completions.with_streaming_response.create(
-                model=MODEL,
-                prompt="w " * workload.prompt_tokens[i],
-                max_tokens=workload.output_tokens[i],
-                stream=True,
-                extra_body={"ignore_eos": True},
-                extra_headers={"x-request-id": request_id(workload, i)},
-            ) as response:
-                record.dispatched_s = loop.time() - start
-                async for _ in response.iter_bytes():
-                    pass
-            record.finished_s = loop.time() - start
-        except openai.APIError as exc:
-            record.error = f"{type(exc).__name__}: {exc}"
-
-    tasks = []
-    for i, arrival_ns in enumerate(workload.arrival_ns):
-        delay = start + arrival_ns / 1e9 - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i)))
-    await asyncio.sleep(max(0.0, start + workload.duration_ns / 1e9 - loop.time()))
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for client in clients.values():
-        await client.close()
-    return sent
-
-
-async def _billed(config_path: Path) -> dict[str, tuple[str, float]]:
-    """Ledger request id -> (tenant, GPU ms billed)."""
-    config = load_gateway_config(config_path)
-    ledger = await connect(config.ledger_url, config.quotas)
-    try:
-        return {r.request_id: (r.tenant, r.billed.gpu_ms) for r in await ledger.reservations()}
-    finally:
-        await ledger.close()
-
-
-def _emulate_args(settings: EmulatorSettings, port: int) -> list[str]:
-    """``fairgate emulate`` arguments for a replica process with ``settings``."""
+def replay_requests(workload: Workload) -> list[Request]:
+    """Request ``i`` at ``arrival_ns[i]`` after the start, whatever happened to the others, on the completions
+    endpoint with a prompt of ``prompt_tokens[i]`` words (the emulator counts a word as a token) and
+    ``max_tokens = output_tokens[i]``, streamed so that the answer's headers tell when the gateway dispatched
+    it."""
     return [
-        "emulate",
-        "--port",
-        str(port),
-        "--model",
-        settings.model,
-        "--iter-base-ms",
-        str(settings.iter_base_ms),
-        "--iter-slope-ms",
-        str(settings.iter_slope_ms),
-        "--prefill-ms-per-token",
-        str(settings.prefill_ms_per_token),
-        "--max-batch",
-        str(settings.max_batch),
-        "--max-model-len",
-        str(settings.max_model_len),
+        Request(
+            workload.tenants[workload.tenant_index[i]],
+            request_id(workload, i),
+            workload.output_tokens[i],
+            workload.prompt_tokens[i],
+            chat=False,
+            at_s=arrival_ns / 1e9,
+        )
+        for i, arrival_ns in enumerate(workload.arrival_ns)
     ]
-
-
-def _emulator_lag(urls: list[str], tenants: list[str]) -> tuple[float, dict[str, float]]:
-    """The replicas' timing lag (measured / planned - 1) and, per tenant, the GPU ms the charge rule gives
-    on their real iterations (the emulator's ground truth for the live meter, by cache_salt)."""
-    planned = measured = 0.0
-    truth = dict.fromkeys(tenants, 0.0)
-    by_salt = {tenant_tag(t): t for t in tenants}
-    for url in urls:
-        stats = httpx.get(f"{url}/emulator/stats", timeout=10).json()
-        planned += stats["planned_ms"]
-        measured += stats["measured_ms"]
-        for salt, gpu_ms in stats["charge_rule_ms_by_cache_salt"].items():
-            if salt in by_salt:
-                truth[by_salt[salt]] += gpu_ms
-    return (measured / planned - 1 if planned else 0.0), truth
 
 
 def run_trace(policy: str, workload: Workload, scenario: Scenario) -> TraceRun:
@@ -389,11 +230,12 @@ def run_trace(policy: str, workload: Workload, scenario: Scenario) -> TraceRun:
 
     end_ns = workload.duration_ns
     ids = [request_id(workload, i) for i in range(len(workload))]
-    dispatched = [sent[r].dispatched_s is not None and sent[r].dispatched_s * 1e9 < end_ns for r in ids]
-    finished_live = [sent[r].finished_s is not None and sent[r].finished_s * 1e9 < end_ns for r in ids]
+    records = [sent.get(r) for r in ids]  # None: hung up on before it was sent
+    dispatched = [r is not None and r.headers_s is not None and r.headers_s * 1e9 < end_ns for r in records]
+    finished_live = [r is not None and r.outcome == "ok" and (r.ended_s or 0.0) * 1e9 < end_ns for r in records]
     realised_gpu = dict.fromkeys(workload.tenants, 0.0)
     late = 0.0
-    for rid, was_dispatched in zip(ids, dispatched):
+    for rid, was_dispatched in zip(ids, dispatched, strict=True):
         if rid not in billed:
             continue  # never reserved
         tenant, gpu_ms = billed[rid]
@@ -415,7 +257,7 @@ def run_trace(policy: str, workload: Workload, scenario: Scenario) -> TraceRun:
         finished_sim=_count(workload, finished_sim),
         finished_live=_count(workload, finished_live),
         late_gpu_ms=late,
-        errors=[f"{r}: {s.error}" for r, s in sent.items() if s.error],
+        errors=[f"{rid}: {r.error}" for rid, r in sent.items() if r.outcome not in ("ok", "cut")],
         emulator_lag=lag,
         replica_truth_gpu_ms=truth,
         wall_s=wall_s,
@@ -424,60 +266,36 @@ def run_trace(policy: str, workload: Workload, scenario: Scenario) -> TraceRun:
 
 def _live(
     policy: str, workload: Workload, scenario: Scenario
-) -> tuple[dict[str, Sent], dict[str, tuple[str, float]], tuple[float, dict[str, float]]]:
-    """The live side of ``run_trace``: replicas with the scenario's cost model, a gateway with a fresh SQLite
-    ledger, the replay. Returns what the clients saw, the ledger's (tenant, GPU ms) by request id, and the
-    replicas' timing lag (``TraceRun.emulator_lag``)."""
+) -> tuple[dict[str, RequestRecord], dict[str, tuple[str, float]], tuple[float, dict[str, float]]]:
+    """The live side of ``run_trace``: replicas with the scenario's cost model and the gateway, each in a
+    process of its own (as deployed: in one process they would delay each other's token delivery, and the
+    gateway's meter reads token arrival times), a fresh SQLite ledger, the replay; every client hangs up at
+    the workload's end. Returns what the clients saw by request id, the ledger's (tenant, GPU ms) by request
+    id, and the replicas' timing lag and charge-rule GPU ms per tenant (``TraceRun.emulator_lag``)."""
     cost = scenario.cost
-    settings = EmulatorSettings(
-        model=MODEL,
-        iter_base_ms=cost.iter_base_ms,
-        iter_slope_ms=cost.iter_slope_ms,
-        prefill_ms_per_token=cost.prefill_ms_per_token,
-        max_batch=cost.max_batch,
-        max_model_len=MAX_MODEL_LEN,
+    replica = ReplicaModel(
+        cost.iter_base_ms, cost.iter_slope_ms, cost.prefill_ms_per_token, cost.max_batch, MAX_MODEL_LEN
     )
-    keys = {t: f"fg-bench-{t}-{'k' * 20}" for t in workload.tenants}
-    params = dict(scenario.policy_spec(policy).params.get(policy, {}))
-    hang_ups = _QuietHangUps()
-    logging.getLogger("asyncio").addFilter(hang_ups)
+    params = PolicyConfig.model_validate({policy: dict(scenario.policy_spec(policy).params.get(policy, {}))})
+    spec = stack_spec(list(workload.tenants), policy, replica, scenario.replicas, True, len(workload) + 1, params)
+    with quiet_hang_ups(), start_stack(spec, keep_folder=True) as stack:
+
+        async def go() -> dict[str, RequestRecord]:
+            connections = len(workload) + 16
+            async with LoadGenerator(stack.url, stack.keys, MODEL, max_connections=connections) as generator:
+                await generator.run_requests(replay_requests(workload), until_s=workload.duration_ns / 1e9)
+                return {r.request_id: r for r in generator.history.records}
+
+        sent = asyncio.run(go())
+        stats = asyncio.run(stack.replica_stats())
+    # The stack has stopped: the gateway billed every request it still held (dispatched after the end).
     try:
-        with tempfile.TemporaryDirectory(prefix="fairgate-trace-") as tmp:
-            folder = Path(tmp)
-            path = folder / "fairgate.toml"
-            with ExitStack() as gateway_stack, ExitStack() as replicas:
-                # Replicas in processes of their own, as deployed: in this process they would share
-                # the interpreter with the gateway and delay each other's token delivery.
-                upstreams = [
-                    replicas.enter_context(fairgate_process(_emulate_args(settings, port), port))
-                    for port in (free_port() for _ in range(scenario.replicas))
-                ]
-                path.write_text(
-                    config_text(folder, upstreams, policy, keys, cost, params, max_queued=len(workload) + 1)
-                )
-                # The gateway in its own process too: its meter reads token arrival times, which the
-                # replay's clients would delay if they shared its interpreter.
-                gateway_port = free_port()
-                gateway = gateway_stack.enter_context(
-                    fairgate_process(["serve", "--config", str(path), "--port", str(gateway_port)], gateway_port)
-                )
-                sent = asyncio.run(replay(gateway, keys, workload))
-                lag = _emulator_lag(upstreams, list(workload.tenants))
-                # The replicas stop before the gateway: the gateway does not notice that a queued request's
-                # client hung up until it dispatches it, and each such dispatch would make a replica prefill
-                # a prompt nobody reads (seconds of shutdown after a backlog); now it fails at once.
-            billed = asyncio.run(_billed(path))
+        billed = {r.request_id: (r.tenant, r.billed.gpu_ms) for r in asyncio.run(stack.reservations())}
     finally:
-        logging.getLogger("asyncio").removeFilter(hang_ups)
-    return sent, billed, lag
-
-
-class _QuietHangUps(logging.Filter):
-    """Drops asyncio's "socket.send() raised exception." warnings: a server that writes to connections whose
-    peer just closed them logs one per write, and at the end of a replay every client hangs up at once."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "socket.send() raised exception."
+        shutil.rmtree(stack.folder, ignore_errors=True)
+    planned, measured = sum(s.planned_ms for s in stats), sum(s.measured_ms for s in stats)
+    truth = {t: sum(s.by_tenant(workload.tenants)[t] for s in stats) for t in workload.tenants}
+    return sent, billed, ((measured / planned - 1 if planned else 0.0), truth)
 
 
 def print_trace_run(result: TraceRun) -> None:

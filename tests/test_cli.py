@@ -245,7 +245,7 @@ def test_fifo_scenario_is_refused(tmp_path):
 
 
 def test_serve_without_config_runs_the_demo_and_prints_each_tenants_share(tmp_path):
-    from tests.support.servers import free_port
+    from fairgate.harness.process import free_port
 
     done = fairgate("serve", "--port", str(free_port()), "--duration", "8", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -272,7 +272,7 @@ def test_keys_add_admin_stores_a_hash_that_verifies_and_keeps_the_files_comments
         assert done.returncode == 0, done.stderr
         keys.append(done.stdout.strip())
     hashes = load_gateway_config(config).admin.key_hashes
-    assert len(hashes) == 2 and all(verify_api_key(k, h) for k, h in zip(keys, hashes))
+    assert len(hashes) == 2 and all(verify_api_key(k, h) for k, h in zip(keys, hashes, strict=False))
     assert "# two emulated replicas" in config.read_text().lower() or config.read_text().startswith("#")
     missing = fairgate("keys", "add-admin", "--config", str(tmp_path / "nope.toml"))
     assert missing.returncode == 2 and "nope.toml" in missing.stderr and "Traceback" not in missing.stderr
@@ -285,7 +285,7 @@ def test_ctrl_c_stops_the_demo_promptly_and_prints_the_shares(tmp_path):
     import signal
     import time
 
-    from tests.support.servers import free_port
+    from fairgate.harness.process import free_port
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "fairgate", "serve", "--port", str(free_port())],
@@ -314,7 +314,7 @@ def test_serve_refuses_to_start_on_a_journal_or_ledger_it_cannot_open(tmp_path):
     example = (REPO / "config" / "fairgate.example.toml").read_text()
     journal = tmp_path / "journal.toml"
     journal.write_text(example.replace('journal = "fairgate-journal.jsonl"', 'journal = "no/such/folder/j.jsonl"', 1))
-    from tests.support.servers import free_port
+    from fairgate.harness.process import free_port
 
     done = fairgate("serve", "--config", str(journal), "--port", str(free_port()))
     assert done.returncode == 2 and "Traceback" not in done.stderr

@@ -15,9 +15,10 @@ import pytest
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.config import load_gateway_config
+from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger.base import tenant_tag
+from fairgate.ledger.config import LimitsConfig
 from tests.gateway.conftest import EMULATOR, TENANTS, write_config
-from tests.support.servers import serve
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -34,15 +35,15 @@ def served(tmp_path_factory) -> tuple[Path, Path]:  # type: ignore[no-untyped-de
     """(gateway config, its request log) after: ok-1 served for alpha, beta's rate-2 refused (429 rate),
     gamma's flood of 7 with max_queued 1 (some queue_full), one bad key."""
     tmp = tmp_path_factory.mktemp("ops")
-    with serve(create_app(EMULATOR)) as emulator:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
         path, keys = write_config(
             tmp,
             [emulator],
-            defaults="max_queued = 1\n",
-            extra_quotas="[quotas.tenants.beta.limits]\nrequests_per_minute = 60\nrequests_burst = 1\n",
+            defaults=LimitsConfig(max_queued=1),
+            limits={"beta": LimitsConfig(requests_per_minute=60, requests_burst=1)},
         )
         config = load_gateway_config(path)
-        with serve(create_gateway(config)) as url:
+        with serve_in_thread(create_gateway(config)) as url:
 
             def post(tenant_key: str, request_id: str, max_tokens: int = 6) -> int:
                 body = {"model": "emu", "prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": True}
@@ -126,7 +127,7 @@ def test_a_bad_line_is_named_and_exits_2(served, tmp_path):
     _, log = served
     lines = log.read_text().splitlines()
     broken = tmp_path / "broken.jsonl"
-    broken.write_text("\n".join(lines[:4] + ['{"v": 1, "event": "finished", "ts": 5'] + lines[4:]) + "\n")
+    broken.write_text("\n".join([*lines[:4], '{"v": 1, "event": "finished", "ts": 5', *lines[4:]]) + "\n")
     for args in (["explain", "ok-1"], ["report", "--out", str(tmp_path / "out")]):
         done = fairgate(*args, "--log", str(broken))
         assert done.returncode == 2, done.stderr

@@ -43,11 +43,7 @@ class Admitter:
         self._queued[request.tenant] = self._queued.get(request.tenant, 0) + 1
 
     def admit(
-        self,
-        now_ms: float,
-        batch_size: int,
-        cost: CostModel,
-        accept: Callable[[Request], bool] | None = None,
+        self, now_ms: float, batch_size: int, cost: CostModel, accept: Callable[[Request], bool] | None = None
     ) -> tuple[Request, float] | None:
         """Fill one free slot: the policy's next request, counted running and charged its prefill.
 

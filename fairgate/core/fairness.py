@@ -28,28 +28,23 @@ def weighted(shares: Mapping[str, float], weights: Mapping[str, float]) -> dict[
     return {tenant: share / weights.get(tenant, 1.0) for tenant, share in shares.items()}
 
 
-def max_min_ratio(values: Mapping[str, float]) -> float:
-    """Largest value over smallest; ``inf`` if the smallest is 0.
-
-    Raises:
-        ValueError: no values.
-    """
+def _some(values: Mapping[str, float], figure: str) -> list[float]:
     if not values:
-        raise ValueError("max_min_ratio needs at least one value")
-    low = min(values.values())
-    high = max(values.values())
+        raise ValueError(f"{figure} needs at least one value")
+    return list(values.values())
+
+
+def max_min_ratio(values: Mapping[str, float]) -> float:
+    """Largest value over smallest; ``inf`` if the smallest is 0. Raises ``ValueError``: no values."""
+    xs = _some(values, "max_min_ratio")
+    low, high = min(xs), max(xs)
     return float("inf") if low <= 0 else high / low
 
 
 def jain_index(values: Mapping[str, float]) -> float:
-    """Jain's fairness index of ``values`` (1.0 when all equal).
-
-    Raises:
-        ValueError: no values.
-    """
-    if not values:
-        raise ValueError("jain_index needs at least one value")
-    xs = list(values.values())
+    """Jain's fairness index of ``values`` (1.0 when all equal; Jain, Chiu, Hawe, DEC-TR-301, 1984). Raises
+    ``ValueError``: no values."""
+    xs = _some(values, "jain_index")
     square_sum = sum(x * x for x in xs)
     if square_sum == 0:
         return 1.0

@@ -1,10 +1,24 @@
-"""Acceptance drills (seed 003, "During acceptance, simulate ..."): each starts a throwaway stack (emulated
-replicas behind a real gateway with an SQLite ledger), drives it with the real ``openai`` client, and checks
-one claim with measured figures.
+"""Acceptance drills (seed 003, "During acceptance, simulate ..."): each starts a throwaway stack on loopback
+(``fairgate.harness``: emulated replicas, real gateways, a real ledger), drives it with the real ``openai``
+client, injects its fault and checks one claim with measured figures. ``run_drill(name, options)`` runs one
+by name; ``fairgate drill NAME`` does the same from the command line (exit 0 when the claim holds, 1 when it
+does not). docs/drills.md lists each drill's claim, load, fault and figures.
 
-``run_drill(name, options)`` runs one by name; ``fairgate drill NAME`` does the same from the command line
-(exit 0 when the claim holds, 1 when it does not). Every drill returns a result with ``passed``, the
-figures behind it, and ``render()`` / ``summary()`` for people.
+How a new drill is written (``ultra_long.py`` is the small example to copy):
+
+1. ``fairgate/drills/NAME.py`` starts with the claim in its docstring, then a frozen ``NAMEConfig`` dataclass:
+   the setting, its defaults the acceptance scenario; ``spec()`` returns the ``StackSpec`` to start and
+   ``loads()`` the ``TenantLoad`` of each tenant (``fairgate.harness.stack`` / ``fairgate.harness.loadgen``).
+2. ``run(options: DrillOptions, config=None)`` runs it: ``run_on_stack`` (``fairgate.harness.run``) for a
+   load with ledger readings, or ``start_stack`` + ``LoadGenerator`` when the drill injects a fault on its
+   own timeline; it sums up what clients, ledger and replicas saw in frozen figures dataclasses.
+3. Its result derives ``DrillResult`` (``fairgate.drills.report``) and says only what is its own: ``checks()``
+   (each part of the claim), ``intro()``, ``body()`` (tables, with ``table``) and ``verdict()``.
+4. It joins ``DRILLS`` below (and ``COMPARISONS`` if it runs a comparison policy), gets a serial test in
+   ``tests/drills/test_NAME.py`` asserting the claim within a wall-time bound, and a row in docs/drills.md.
+
+A drill imports the harness, the drills' base (this package and ``report``) and the gateway, ledger and
+emulator; never another drill.
 
 Drills: ``burst`` (one tenant sends 20x its share; the others' p99 TTFT stays within 1.5x of their solo
 baseline), ``ultra_long`` (an agent tenant's 8k-token outputs get no more than its GPU share),
@@ -21,22 +35,13 @@ killed mid-load: batch yields first, interactive tenants keep their weighted spl
 
 from __future__ import annotations
 
-import asyncio
-import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import import_module
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rich.console import RenderableType
-
-    from fairgate.drills.loadgen import LoadReport, TenantLoad
-    from fairgate.drills.stack import LedgerReport, StackSpec
-    from fairgate.ledger import Reservation
-
-SETTLE_S = 1.0  # after the clients hang up, time for the gateway to bill what was cancelled
+    from fairgate.drills.report import DrillResult
 
 
 @dataclass(frozen=True)
@@ -57,19 +62,6 @@ class DrillOptions:
     compare: str | None = "fcfs"
     processes: bool = False
     seed: int = 1
-
-
-class DrillResult(Protocol):
-    """What every drill returns."""
-
-    name: str
-    passed: bool
-
-    def render(self) -> list[RenderableType]:
-        """Tables and lines for a rich console."""
-
-    def summary(self) -> str:
-        """The same as plain text."""
 
 
 class UnknownDrill(ValueError):
@@ -117,130 +109,4 @@ def run_drill(name: str, options: DrillOptions | None = None) -> DrillResult:
     return runner(options or DrillOptions())
 
 
-@dataclass(frozen=True)
-class Run:
-    """One load on a fresh stack: what the clients saw, and what the ledger holds.
-
-    Attributes:
-        policy: the gateway's policy.
-        load: every request as its client saw it.
-        ledger: each tenant's ledger totals at the end (after the hang-ups were billed).
-        snapshots: the ledger totals at given seconds into the load (for shares over part of it).
-        reservations: every reservation in the ledger at the end.
-        tenants: the stack's tenants, in order.
-    """
-
-    policy: str
-    load: LoadReport
-    ledger: LedgerReport
-    snapshots: dict[float, LedgerReport]
-    reservations: tuple[Reservation, ...]
-    tenants: tuple[str, ...]
-
-
-def run_on_stack(
-    spec: StackSpec, loads: Sequence[TenantLoad], seconds: float, seed: int, snapshot_at_s: Sequence[float] = ()
-) -> Run:
-    """Start ``spec``, send ``loads`` (each ``api_key`` is filled in from the stack) for ``seconds``, read the
-    ledger at each of ``snapshot_at_s`` and, once the gateway has billed the hang-ups, at the end."""
-    from fairgate.drills.loadgen import run_load
-    from fairgate.drills.stack import read_ledger, read_reservations, start_stack
-
-    with start_stack(spec) as stack:
-        keyed = [replace(load, api_key=stack.keys[load.tenant]) for load in loads]
-
-        async def snapshot(at_s: float, start: float) -> tuple[float, LedgerReport]:
-            await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
-            return at_s, await read_ledger(stack)
-
-        async def go() -> Run:
-            start = time.monotonic()
-            snapshots = [asyncio.ensure_future(snapshot(at, start)) for at in snapshot_at_s]
-            report = await run_load(stack.url, keyed, seconds, model=spec.model, seed=seed)
-            taken = dict(await asyncio.gather(*snapshots))
-            await asyncio.sleep(SETTLE_S)
-            return Run(
-                spec.policy,
-                report,
-                await read_ledger(stack),
-                taken,
-                tuple(await read_reservations(stack)),
-                tuple(t.name for t in spec.tenants),
-            )
-
-        return asyncio.run(go())
-
-
-def fmt_ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.0f}"
-
-
-def fmt_errors(errors: dict[str, int]) -> str:
-    """``{"429:insufficient_quota[max_model_calls]": 3}`` -> ``"429 max_model_calls x3"`` (``-`` for none)."""
-    parts = []
-    for code, count in errors.items():
-        status, _, rest = code.partition(":")
-        detail = rest.partition("[")[2].rstrip("]") or rest
-        parts.append(f"{status} {detail} x{count}" if rest else f"{code} x{count}")
-    return ", ".join(parts) or "-"
-
-
-class RenderedResult(ABC):
-    """Base of the drills' results: ``summary()`` is ``render()`` as plain text."""
-
-    @abstractmethod
-    def render(self) -> list[Any]:
-        """Tables and lines for a rich console (each drill lays out its own figures)."""
-
-    def summary(self) -> str:
-        return plain_text(self.render())
-
-
-class CheckedResult(RenderedResult):
-    """A drill's result whose verdict is that every one of ``checks()`` holds."""
-
-    @abstractmethod
-    def checks(self) -> dict[str, bool]:
-        """Each claim of the drill and whether it holds."""
-
-    @property
-    def passed(self) -> bool:
-        return all(self.checks().values())
-
-    def check_lines(self) -> list[str]:
-        """One line per check, ``ok`` or ``FAIL`` and its claim (rich markup)."""
-        return [
-            f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}" for check, ok in self.checks().items()
-        ]
-
-
-def plain_text(renderables: Sequence[Any], width: int = 140) -> str:
-    """Render rich objects to plain text (for ``summary()``, logs and assertion messages)."""
-    from rich.console import Console
-
-    console = Console(width=width, record=True, file=_Discard(), color_system=None, highlight=False)
-    for item in renderables:
-        console.print(item)
-    return console.export_text()
-
-
-class _Discard:
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-
-__all__ = [
-    "DRILLS",
-    "DrillOptions",
-    "DrillResult",
-    "Run",
-    "UnknownDrill",
-    "fmt_errors",
-    "fmt_ms",
-    "plain_text",
-    "run_drill",
-    "run_on_stack",
-]
+__all__ = ["COMPARISONS", "DRILLS", "DrillOptions", "UnknownDrill", "describe_runs", "run_drill"]

@@ -29,14 +29,20 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fairgate.drills import DrillOptions, RenderedResult, Run, fmt_errors, fmt_ms, run_on_stack
-from fairgate.drills.loadgen import TenantLoad, percentile
-from fairgate.drills.stack import LedgerReport, ReplicaModel, StackSpec, TenantSpec
+from fairgate.drills import DrillOptions
+from fairgate.drills.report import DrillResult, fmt_errors, fmt_ms, policy_title, table
+from fairgate.harness.config import TenantSpec
+from fairgate.harness.ledger import LedgerReport
+from fairgate.harness.loadgen import TenantLoad
+from fairgate.harness.records import percentile
+from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.run import Run, run_on_stack
+from fairgate.harness.stack import StackSpec, replicas
 
 
 @dataclass(frozen=True)
 class BurstConfig:
-    """The drill's setting (defaults: the acceptance scenario of issue 4).
+    """The drill's setting (defaults: the acceptance scenario).
 
     Attributes:
         seconds: length of each half of the run (before and during the burst).
@@ -55,11 +61,7 @@ class BurstConfig:
     others: tuple[str, ...] = ("alpha", "beta", "gamma")
     burster: str = "noisy"
     replicas: int = 4
-    replica: ReplicaModel = field(
-        default_factory=lambda: ReplicaModel(
-            iter_base_ms=500.0, iter_slope_ms=0.0, prefill_ms_per_token=0.0, max_batch=12
-        )
-    )
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(500.0, 0.0, 0.0, 12))
     output_tokens: tuple[int, int] = (1, 3)
     prompt_tokens: int = 64
     others_load: float = 0.6
@@ -74,8 +76,7 @@ class BurstConfig:
             if high - low < 2.0:
                 raise ValueError(
                     f"burst drill: {self.seconds:g} s per half leaves {max(0.0, high - low):.1f} s to "
-                    f"measure {name} the burst; give at least "
-                    f"{self.ramp_s + self.settle_s + 2.0:g} s"
+                    f"measure {name} the burst; give at least {self.ramp_s + self.settle_s + 2.0:g} s"
                 )
 
     @property
@@ -94,6 +95,10 @@ class BurstConfig:
         return self.slots / ((mean_output + 1) * iteration_s)
 
     @property
+    def others_rate_per_s(self) -> float:
+        return self.others_load * self.capacity_per_s() / len(self.tenants)
+
+    @property
     def burst_clients(self) -> int:
         return math.ceil(self.burst_factor * self.slots / len(self.tenants))
 
@@ -109,33 +114,14 @@ class BurstConfig:
         return self.seconds + self.ramp_s + self.settle_s, 2 * self.seconds
 
     def loads(self) -> list[TenantLoad]:
-        rate = self.others_load * self.capacity_per_s() / len(self.tenants)
-        loads = [
-            TenantLoad(t, "", rate_per_s=rate, output_tokens=self.output_tokens, prompt_tokens=self.prompt_tokens)
-            for t in self.others
-        ]
-        loads.append(
-            TenantLoad(
-                self.burster,
-                "",
-                clients=self.burst_clients,
-                output_tokens=self.output_tokens,
-                prompt_tokens=self.prompt_tokens,
-                start_s=self.seconds,
-                ramp_s=self.ramp_s,
-            )
-        )
-        return loads
+        lengths = {"output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens}
+        loads = [TenantLoad(t, rate_per_s=self.others_rate_per_s, **lengths) for t in self.others]
+        burst = TenantLoad(self.burster, clients=self.burst_clients, start_s=self.seconds, ramp_s=self.ramp_s)
+        return [*loads, replace(burst, **lengths)]
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
-        return StackSpec(
-            tuple(TenantSpec(t) for t in self.tenants),
-            policy=policy,
-            replicas=self.replicas,
-            replica=self.replica,
-            staggered=True,
-            processes=processes,
-        )
+        tenants = tuple(TenantSpec(t) for t in self.tenants)
+        return StackSpec(tenants, policy, replicas(self.replicas), self.replica, processes, staggered=True)
 
 
 @dataclass(frozen=True)
@@ -159,9 +145,11 @@ class TenantFigures:
 
     @property
     def ratio(self) -> float | None:
-        if self.baseline_p99_ms is None or self.burst_p99_ms is None or self.baseline_p99_ms <= 0:
-            return None
-        return self.burst_p99_ms / self.baseline_p99_ms
+        return _ratio(self.baseline_p99_ms, self.burst_p99_ms)
+
+
+def _ratio(before: float | None, during: float | None) -> float | None:
+    return None if before is None or during is None or before <= 0 else during / before
 
 
 @dataclass(frozen=True)
@@ -178,25 +166,21 @@ class PolicyFigures:
 
     @property
     def ratio(self) -> float | None:
-        if self.baseline_p99_ms is None or self.burst_p99_ms is None or self.baseline_p99_ms <= 0:
-            return None
-        return self.burst_p99_ms / self.baseline_p99_ms
+        return _ratio(self.baseline_p99_ms, self.burst_p99_ms)
 
 
 def figures(config: BurstConfig, run: Run) -> PolicyFigures:
     """Summarise ``run`` (see ``BurstConfig`` for the windows)."""
     before, during = config.baseline_window_s, config.burst_window_s
     others = list(config.others)
-    baseline = run.load.ttft_values(others, *before)
-    burst = run.load.ttft_values(others, *during)
+    baseline, burst = run.history.ttft_values(others, *before), run.history.ttft_values(others, *during)
     half = run.snapshots.get(config.seconds)
-    first = half if half is not None else run.ledger
-    second = run.ledger.minus(half) if half is not None else run.ledger
-    share_1, share_2 = first.shares(), second.shares()
+    share_1 = (half or run.ledger).shares()
+    share_2 = (run.ledger.minus(half) if half is not None else run.ledger).shares()
     tenants = {}
     for tenant in config.tenants:
-        b, d = run.load.stats(tenant, *before), run.load.stats(tenant, *during)
-        whole = run.load.stats(tenant, config.seconds if tenant == config.burster else 0.0)
+        b, d = run.history.stats(tenant, *before), run.history.stats(tenant, *during)
+        whole = run.history.stats(tenant, config.seconds if tenant == config.burster else 0.0)
         total = run.ledger.totals[tenant]
         tenants[tenant] = TenantFigures(
             tenant,
@@ -220,7 +204,7 @@ def figures(config: BurstConfig, run: Run) -> PolicyFigures:
 
 
 @dataclass(frozen=True)
-class BurstResult(RenderedResult):
+class BurstResult(DrillResult):
     """The drill's verdict and figures: ``main`` under the policy tested, ``compare`` under the comparison."""
 
     config: BurstConfig
@@ -229,85 +213,68 @@ class BurstResult(RenderedResult):
     problems: tuple[str, ...]  # why the run does not show what it should (besides the ratio)
     name: str = "burst"
 
-    @property
-    def passed(self) -> bool:
-        ratio = self.main.ratio
-        return not self.problems and ratio is not None and ratio <= self.config.ttft_ratio_max
-
-    def render(self) -> list[Any]:
-        from rich.table import Table
-
+    def checks(self) -> dict[str, bool]:
         c = self.config
-        out: list[Any] = [
+        return {
+            "the run tests the claim (enough samples, no errors, a real burst)": not self.problems,
+            f"the others' p99 TTFT during the burst <= {c.ttft_ratio_max:g} x before it": self.main.ratio is not None
+            and self.main.ratio <= c.ttft_ratio_max,
+        }
+
+    def intro(self) -> list[str]:
+        c = self.config
+        return [
             f"[bold]drill burst[/bold]: {c.burster!r} starts {c.burst_clients} closed-loop clients "
             f"({c.burst_factor:g}x its share of {c.slots} slots) at {c.seconds:g} s; {', '.join(c.others)} send "
-            f"{c.others_load * c.capacity_per_s() / len(c.tenants):.2f} req/s each throughout "
-            f"({c.others_load:.0%} of a share); {c.replicas} emulated replicas x {c.replica.max_batch} slots, "
-            f"{c.replica.iter_base_ms:g} ms iterations, outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens.",
+            f"{c.others_rate_per_s:.2f} req/s each throughout ({c.others_load:.0%} of a share); {c.replicas} "
+            f"emulated replicas x {c.replica.max_batch} slots, {c.replica.iter_base_ms:g} ms iterations, outputs "
+            f"{c.output_tokens[0]}-{c.output_tokens[1]} tokens.",
             f"Claim: the others' p99 TTFT during the burst (requests sent {c.burst_window_s[0]:g}-"
             f"{c.burst_window_s[1]:g} s) <= {c.ttft_ratio_max:g} x their p99 before it "
             f"({c.baseline_window_s[0]:g}-{c.baseline_window_s[1]:g} s, same load without {c.burster!r}).",
         ]
-        for figs in (self.main, self.compare):
-            if figs is None:
-                continue
-            table = Table(
-                title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""), title_justify="left"
+
+    def body(self) -> list[Any]:
+        out: list[Any] = [self._table(f) for f in (self.main, self.compare) if f is not None]
+        return out + [f"[red]problem[/red]: {problem}" for problem in self.problems]
+
+    def _table(self, figs: PolicyFigures) -> Any:
+        c = self.config
+        columns = ("tenant", "TTFT ms before p50/p99", "TTFT ms burst p50/p99", "p99 x", "sent/done/cut", "429")
+        columns += ("errors", "GPU % before/burst", "ledger GPU s")
+        rows = [
+            (
+                t.tenant,
+                f"{fmt_ms(t.baseline_p50_ms)} / {fmt_ms(t.baseline_p99_ms)}",
+                f"{fmt_ms(t.burst_p50_ms)} / {fmt_ms(t.burst_p99_ms)}",
+                "-" if t.ratio is None else f"{t.ratio:.2f}",
+                f"{t.sent}/{t.completed}/{t.cut}",
+                str(t.rejected),
+                fmt_errors(t.errors),
+                f"{t.share_before * 100:.1f} / {t.share_during * 100:.1f}",
+                f"{t.ledger_gpu_s:,.1f}",
             )
-            for column in (
-                "tenant",
-                "TTFT ms before p50/p99",
-                "TTFT ms burst p50/p99",
-                "p99 x",
-                "sent/done/cut",
-                "429",
-                "errors",
-                "GPU % before/burst",
-                "ledger GPU s",
-            ):
-                table.add_column(
-                    column,
-                    justify="left" if column in ("tenant", "errors") else "right",
-                    no_wrap=column != "errors",
-                    min_width=6 if column == "errors" else None,
-                )
-            for t in figs.tenants.values():
-                errors = fmt_errors(t.errors)
-                table.add_row(
-                    t.tenant,
-                    f"{fmt_ms(t.baseline_p50_ms)} / {fmt_ms(t.baseline_p99_ms)}",
-                    f"{fmt_ms(t.burst_p50_ms)} / {fmt_ms(t.burst_p99_ms)}",
-                    "-" if t.ratio is None else f"{t.ratio:.2f}",
-                    f"{t.sent}/{t.completed}/{t.cut}",
-                    str(t.rejected),
-                    errors,
-                    f"{t.share_before * 100:.1f} / {t.share_during * 100:.1f}",
-                    f"{t.ledger_gpu_s:,.1f}",
-                )
-            ratio = "-" if figs.ratio is None else f"{figs.ratio:.2f}"
-            holds = figs.ratio is not None and figs.ratio <= c.ttft_ratio_max
-            table.caption = (
-                f"others pooled: p99 {fmt_ms(figs.baseline_p99_ms)} ms before ({figs.baseline_samples} "
-                f"requests), {fmt_ms(figs.burst_p99_ms)} ms during the burst ({figs.burst_samples}): "
-                f"x{ratio} - {'within' if holds else 'OVER'} {c.ttft_ratio_max:g}x"
-            )
-            table.caption_justify = "left"
-            out.append(table)
-        for problem in self.problems:
-            out.append(f"[red]problem[/red]: {problem}")
-        verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
-        out.append(
-            f"{verdict}: under {self.main.policy} the others' p99 TTFT went x"
-            f"{'-' if self.main.ratio is None else f'{self.main.ratio:.2f}'} with the burst "
-            f"(limit {c.ttft_ratio_max:g}x)"
-            + (
-                ""
-                if self.compare is None or self.compare.ratio is None
-                else f"; under {self.compare.policy}: x{self.compare.ratio:.2f}"
-            )
-            + "."
+            for t in figs.tenants.values()
+        ]
+        holds = figs.ratio is not None and figs.ratio <= c.ttft_ratio_max
+        caption = (
+            f"others pooled: p99 {fmt_ms(figs.baseline_p99_ms)} ms before ({figs.baseline_samples} requests), "
+            f"{fmt_ms(figs.burst_p99_ms)} ms during the burst ({figs.burst_samples}): x{_fmt(figs.ratio)} - "
+            f"{'within' if holds else 'OVER'} {c.ttft_ratio_max:g}x"
         )
-        return out
+        return table(policy_title(figs.policy, figs is self.compare), columns, rows, caption)
+
+    def verdict(self) -> str:
+        compared = self.compare
+        tail = "" if compared is None or compared.ratio is None else f"; under {compared.policy}: x{compared.ratio:.2f}"
+        return (
+            f"under {self.main.policy} the others' p99 TTFT went x{_fmt(self.main.ratio)} with the burst "
+            f"(limit {self.config.ttft_ratio_max:g}x){tail}."
+        )
+
+
+def _fmt(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"
 
 
 def _problems(config: BurstConfig, figs: PolicyFigures) -> list[str]:
@@ -318,11 +285,8 @@ def _problems(config: BurstConfig, figs: PolicyFigures) -> list[str]:
             f"{figs.policy}: too few of the others' requests to measure ({figs.baseline_samples} "
             f"before, {figs.burst_samples} during the burst)"
         )
-    for t in figs.tenants.values():
-        if t.errors:
-            problems.append(f"{figs.policy}: {t.tenant} had errors: {t.errors}")
-    burster = figs.tenants[config.burster]
-    fair = 1.0 / len(config.tenants)
+    problems += [f"{figs.policy}: {t.tenant} had errors: {t.errors}" for t in figs.tenants.values() if t.errors]
+    burster, fair = figs.tenants[config.burster], 1.0 / len(config.tenants)
     if burster.share_during < fair:
         problems.append(
             f"{figs.policy}: {config.burster} got {burster.share_during:.1%} of the GPU during its burst, "
@@ -338,14 +302,8 @@ def run(options: DrillOptions, config: BurstConfig | None = None) -> BurstResult
         config = replace(config, seconds=options.seconds)
 
     def one(policy: str) -> PolicyFigures:
-        result = run_on_stack(
-            config.spec(policy, options.processes),
-            config.loads(),
-            2 * config.seconds,
-            options.seed,
-            snapshot_at_s=(config.seconds,),
-        )
-        return figures(config, result)
+        spec = config.spec(policy, options.processes)
+        return figures(config, run_on_stack(spec, config.loads(), 2 * config.seconds, options.seed, (config.seconds,)))
 
     main = one(options.policy)
     compare = one(options.compare) if options.compare and options.compare != options.policy else None

@@ -1,5 +1,5 @@
 """Drill ``capacity`` (seed 003: "simulate ... shared pool capacity reduction ... confirm that batch tasks
-actually yield resources"; issue 6): one of two upstreams is removed mid-load. Batch yields first,
+actually yield resources"): one of two upstreams is removed mid-load. Batch yields first,
 interactive tenants keep their weighted shares, and no request is lost without an error to its client.
 
 Two interactive tenants with weights 2 : 1 (``gold``, ``silver``) and a batch tenant (``bulk``, priority pool
@@ -18,10 +18,8 @@ then on demand alone (FIFO) would split what is left 1 : 1, the weights 2 : 1. T
   reported and must be within ``converge_s_max``;
 - **interactive tenants keep their weighted shares**: the capacity left is less than they want, so the fair
   policy splits it by weight: ``gold``'s GPU over ``silver``'s after the removal is 2 within
-  ``ratio_tolerance`` (10 %). Before the removal their usage follows their demand (24 : 12 by default; the
-  equal-demand variant in ``tests/drills/test_capacity.py``, 20 : 20, found ``gpu_fair`` banking the unused
-  weighted share of a tenant that ran but was not backlogged - gold then took 3-7x silver's GPU for ~30 s
-  after the removal; now lifted to the virtual time, ``fairgate.core.policies.counters``);
+  ``ratio_tolerance`` (10 %). Before the removal their usage follows their demand (24 : 12 by default; an
+  equal-demand variant, 20 : 20, is in ``tests/drills/test_capacity.py``);
 - **nothing is lost**: every request a client sent ended in a success or an explicit error (HTTP 502, or an
   error event inside a stream that was cut with the replica) - the clients wait up to ``drain_s`` after the
   load for the requests still queued, so a request that hangs shows as ``cut``; every reservation is final
@@ -35,32 +33,20 @@ small for a two-core machine, and the batch tenant's running requests end within
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
-import tempfile
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from fairgate.drills import CheckedResult, DrillOptions, fmt_errors
-from fairgate.drills.loadgen import LoadReport, TenantLoad, run_load
-from fairgate.drills.scale_out import (
-    Child,
-    ReplicaTruth,
-    TenantEntry,
-    UpstreamEntry,
-    by_tenant,
-    children,
-    emulator_spec,
-    gateway_config_text,
-    gateway_spec,
-    read_replica,
-    tenant_keys,
-    wait_settled,
-)
-from fairgate.drills.stack import LedgerReport, ReplicaModel, TenantTotals, serve_in_thread
+from fairgate.drills import DrillOptions
+from fairgate.drills.report import DrillResult, fmt_errors, holds_from, policy_title, table
+from fairgate.harness.config import TenantSpec
+from fairgate.harness.ledger import LedgerReport, ledger_totals, wait_settled
+from fairgate.harness.loadgen import LoadGenerator, TenantLoad
+from fairgate.harness.records import History
+from fairgate.harness.replica import ReplicaModel, read_replica
+from fairgate.harness.run import until
+from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack
 
 SETTLE_S_MAX = 15.0
 
@@ -93,11 +79,7 @@ class CapacityConfig:
     remove_at_s: float = 10.0
     warmup_s: float = 4.0
     replicas: int = 2
-    replica: ReplicaModel = field(
-        default_factory=lambda: ReplicaModel(
-            iter_base_ms=40.0, iter_slope_ms=1.0, prefill_ms_per_token=0.05, max_batch=24, max_model_len=4096
-        )
-    )
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(40.0, 1.0, 0.05, 24, 4096))
     weights: dict[str, float] = field(default_factory=lambda: {"gold": 2.0, "silver": 1.0})
     batch: str = "bulk"
     clients: dict[str, int] = field(default_factory=lambda: {"gold": 24, "silver": 12, "bulk": 40})
@@ -147,21 +129,20 @@ class CapacityConfig:
         first, last = self.interactive[0], self.interactive[-1]
         return self.weights[first] / self.weights[last]
 
-    def tenant_entries(self) -> list[TenantEntry]:
-        return [TenantEntry(t, weight=w) for t, w in self.weights.items()] + [TenantEntry(self.batch, priority="batch")]
+    def spec(self, policy: str, processes: bool) -> StackSpec:
+        tenants = (*(TenantSpec(t, w) for t, w in self.weights.items()), TenantSpec(self.batch, priority="batch"))
+        # The replicas are processes: one is killed.
+        return StackSpec(tenants, policy, replicas(self.replicas), self.replica, True, processes, share_charges_s=0.0)
 
-    def loads(self, keys: dict[str, str]) -> list[TenantLoad]:
-        common = {
-            "output_tokens": self.output_tokens,
-            "prompt_tokens": self.prompt_tokens,
-            "error_backoff_s": self.error_backoff_s,
-        }
-        loads = [TenantLoad(t, keys[t], clients=self.clients[t], **common) for t in self.tenants]
-        return loads + [
-            TenantLoad(t, keys[t], clients=n, start_s=self.remove_at_s, **common)
+    def loads(self) -> list[TenantLoad]:
+        lengths = {"output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens}
+        loads = [TenantLoad(t, clients=self.clients[t], error_backoff_s=self.error_backoff_s) for t in self.tenants]
+        surge = [
+            TenantLoad(t, clients=n, start_s=self.remove_at_s, error_backoff_s=self.error_backoff_s)
             for t, n in self.surge.items()
             if n > 0
         ]
+        return [replace(load, **lengths) for load in (*loads, *surge)]
 
 
 @dataclass(frozen=True)
@@ -204,11 +185,6 @@ class CapacityFigures:
         low = self.tenants[last].share_before
         return self.tenants[first].share_before / low if low > 0 else float("inf")
 
-    def truth_ratio_after(self, config: CapacityConfig) -> float:
-        first, last = config.interactive[0], config.interactive[-1]
-        low = self.tenants[last].truth_after
-        return self.tenants[first].truth_after / low if low > 0 else float("inf")
-
     @property
     def sent(self) -> int:
         return sum(t.sent for t in self.tenants.values())
@@ -239,14 +215,19 @@ def lost_requests(t: TenantFigures) -> list[str]:
     return out
 
 
-async def _totals(ledger: Any, tenants: tuple[str, ...]) -> LedgerReport:
-    out = {}
-    for tenant in tenants:
-        usage = await ledger.usage(tenant, 10 * 365 * 86_400)
-        out[tenant] = TenantTotals(
-            tenant, usage.requests, usage.input_tokens, usage.output_tokens, usage.gpu_ms, dict(usage.by_status)
-        )
-    return LedgerReport(out)
+@dataclass(frozen=True)
+class CapacityRun:
+    """What one run saw: the clients, the ledger at the warm-up, the removal, ``after_from_s`` and the end,
+    the replicas' cumulative charge-rule ms per tenant (sampled), when the replica was killed, and the ledger
+    at the end (reservations, each tenant's concurrency, how long the last bills took)."""
+
+    history: History
+    snapshots: dict[str, LedgerReport]
+    samples: list[tuple[float, dict[str, float]]]
+    killed_at_s: float
+    reservations: list[Any]
+    concurrent: dict[str, int]
+    settle_s: float
 
 
 def run_capacity(
@@ -254,125 +235,98 @@ def run_capacity(
 ) -> CapacityFigures:
     """One run on a fresh stack: replicas as processes (one is killed), the gateway in this process (or as a
     process with ``processes``), an SQLite ledger in a temporary folder."""
-    from fairgate.gateway.app import create_gateway
-    from fairgate.gateway.config import load_gateway_config
-    from fairgate.ledger import connect
-
     started = time.monotonic()
-    folder = Path(tempfile.mkdtemp(prefix="fairgate-drill-capacity-"))
-    tenants = config.tenant_entries()
-    keys = tenant_keys(tenants)
-    specs = [emulator_spec(f"emulator-{i}", config.replica) for i in range(config.replicas)]
-    with ExitStack() as servers:
-        emulators: list[Child] = servers.enter_context(children(specs, folder))
-        upstreams = [
-            UpstreamEntry(f"emu-{i}", e.url, "emu", config.replica.max_batch, config.replica)
-            for i, e in enumerate(emulators)
-        ]
-        path = folder / "gateway.toml"
-        path.write_text(
-            gateway_config_text(
-                folder, 0, policy, f"sqlite:///{folder}/ledger.db", upstreams, tenants, keys, share_charges_s=0.0
-            )
+    with start_stack(config.spec(policy, processes)) as stack:
+        run = asyncio.run(_run(stack, config, seed))
+    return capacity_figures(config, policy, run, f"emu-{config.replicas - 1}", time.monotonic() - started)
+
+
+async def _run(stack: Stack, config: CapacityConfig, seed: int) -> CapacityRun:
+    victim = stack.replicas[-1].process
+    assert victim is not None
+    ledger = await stack.open_ledger()
+    snapshots: dict[str, LedgerReport] = {}
+    samples: list[tuple[float, dict[str, float]]] = []
+    killed_at: list[float] = []
+    try:
+        async with LoadGenerator(stack.url, stack.keys, stack.spec.model, seed) as generator:
+
+            async def snapshot(name: str, at_s: float) -> None:
+                await until(generator, at_s)
+                snapshots[name] = await ledger_totals(ledger, config.tenants)
+
+            async def remove() -> None:
+                await snapshot("removal", config.remove_at_s)
+                killed_at.append(generator.now())
+                await asyncio.to_thread(victim.kill, config.kill_signal)
+
+            async def sample() -> None:
+                """Each replica's own charge-rule totals per tenant (a dead replica keeps its last)."""
+                last: dict[int, dict[str, float]] = {}
+                while generator.now() < config.seconds:
+                    for i, replica in enumerate(stack.replicas):
+                        stats = await read_replica(replica.url, timeout_s=1.0) if replica.process.alive else None
+                        if stats is not None:
+                            last[i] = stats.by_tenant(config.tenants)
+                    samples.append(
+                        (generator.now(), {t: sum(v.get(t, 0.0) for v in last.values()) for t in config.tenants})
+                    )
+                    await asyncio.sleep(config.sample_s)
+
+            timed = [snapshot("warm", config.warmup_s), snapshot("after", config.after_from_s)]
+            timed += [snapshot("end", config.seconds - 0.05), remove(), sample()]
+            tasks = [asyncio.ensure_future(t) for t in timed]
+            history = await generator.run(config.loads(), config.seconds, config.drain_s)
+            await asyncio.gather(*tasks)
+        settle_s = await wait_settled(ledger, SETTLE_S_MAX)
+        reservations = await ledger.reservations()
+        concurrent = {t: (await ledger.account(t, stack.spec.model)).concurrent for t in config.tenants}
+    finally:
+        await ledger.close()
+    kill_s = killed_at[0] if killed_at else config.remove_at_s
+    return CapacityRun(history, snapshots, samples, kill_s, reservations, concurrent, settle_s)
+
+
+def capacity_figures(
+    config: CapacityConfig, policy: str, run: CapacityRun, removed: str, wall_s: float
+) -> CapacityFigures:
+    before = run.snapshots["removal"].minus(run.snapshots["warm"])
+    after = run.snapshots["end"].minus(run.snapshots["after"])
+    timeline = _windows(run.samples, 1.0)
+    truth_before = _between(run.samples, config.warmup_s, run.killed_at_s)
+    truth_after = _between(run.samples, config.after_from_s, config.seconds)
+    share_before, share_after = before.shares(), after.shares()
+    tenants = {}
+    for tenant in config.tenants:
+        stats = run.history.stats(tenant)
+        mine = [r for r in run.reservations if r.tenant == tenant]
+        tenants[tenant] = TenantFigures(
+            tenant,
+            share_before.get(tenant, 0.0),
+            share_after.get(tenant, 0.0),
+            truth_before.get(tenant, 0.0),
+            truth_after.get(tenant, 0.0),
+            stats.requests,
+            stats.completed,
+            stats.cut,
+            stats.errors,
+            len(mine),
+            sum(r.status == "settled" for r in mine),
+            sum(r.status == "cancelled" for r in mine),
+            sum(r.status == "open" for r in mine),
+            run.concurrent[tenant],
         )
-        gateway_config = load_gateway_config(path)
-        if processes:
-            url = servers.enter_context(children([gateway_spec("gateway", path)], folder))[0].url
-        else:
-            url = servers.enter_context(serve_in_thread(create_gateway(gateway_config)))
-        victim = emulators[-1]
-
-        async def go() -> CapacityFigures:
-            ledger = await connect(gateway_config.ledger_url, gateway_config.quotas, create=False)
-            try:
-                begin = time.monotonic()
-                snapshots: dict[str, LedgerReport] = {}
-                timeline_raw: list[tuple[float, dict[str, float]]] = []
-                last_truth: dict[int, dict[str, float]] = {}
-                killed_at: list[float] = []
-
-                async def snapshot(name: str, at_s: float) -> None:
-                    await asyncio.sleep(max(0.0, begin + at_s - time.monotonic()))
-                    snapshots[name] = await _totals(ledger, config.tenants)
-
-                async def remove() -> None:
-                    await asyncio.sleep(max(0.0, begin + config.remove_at_s - time.monotonic()))
-                    snapshots["removal"] = await _totals(ledger, config.tenants)
-                    killed_at.append(time.monotonic() - begin)
-                    await asyncio.to_thread(victim.kill, config.kill_signal)
-
-                async def sample() -> None:
-                    """Each replica's own charge-rule totals per tenant (a dead replica keeps its last)."""
-                    while time.monotonic() - begin < config.seconds:
-                        for i, emulator in enumerate(emulators):
-                            if not emulator.alive:
-                                continue
-                            truth: ReplicaTruth | None = await read_replica(emulator.url, timeout_s=1.0)
-                            if truth is not None:
-                                last_truth[i] = by_tenant(truth, config.tenants)
-                        total = {t: sum(v.get(t, 0.0) for v in last_truth.values()) for t in config.tenants}
-                        timeline_raw.append((time.monotonic() - begin, total))
-                        await asyncio.sleep(config.sample_s)
-
-                tasks = [
-                    asyncio.ensure_future(snapshot("warm", config.warmup_s)),
-                    asyncio.ensure_future(snapshot("after", config.after_from_s)),
-                    asyncio.ensure_future(snapshot("end", config.seconds - 0.05)),
-                    asyncio.ensure_future(remove()),
-                    asyncio.ensure_future(sample()),
-                ]
-                report: LoadReport = await run_load(
-                    url, config.loads(keys), config.seconds, seed=seed, drain_s=config.drain_s
-                )
-                await asyncio.gather(*tasks)
-                settle_s = await wait_settled(ledger, SETTLE_S_MAX)
-                reservations = await ledger.reservations()
-                accounts = {t: (await ledger.account(t, "emu")).concurrent for t in config.tenants}
-            finally:
-                await ledger.close()
-            kill_s = killed_at[0] if killed_at else config.remove_at_s
-            before = snapshots["removal"].minus(snapshots["warm"])
-            after = snapshots["end"].minus(snapshots["after"])
-            timeline = _windows(timeline_raw, 1.0)
-            truth_before = _between(timeline_raw, config.warmup_s, kill_s)
-            truth_after = _between(timeline_raw, config.after_from_s, config.seconds)
-            converge = _converged(timeline, kill_s, config.batch, config.batch_share_after_max)
-            share_before, share_after = before.shares(), after.shares()
-            figures = {}
-            for tenant in config.tenants:
-                stats = report.stats(tenant)
-                mine = [r for r in reservations if r.tenant == tenant]
-                figures[tenant] = TenantFigures(
-                    tenant,
-                    share_before.get(tenant, 0.0),
-                    share_after.get(tenant, 0.0),
-                    truth_before.get(tenant, 0.0),
-                    truth_after.get(tenant, 0.0),
-                    stats.requests,
-                    stats.completed,
-                    stats.cut,
-                    stats.errors,
-                    len(mine),
-                    sum(r.status == "settled" for r in mine),
-                    sum(r.status == "cancelled" for r in mine),
-                    sum(r.status == "open" for r in mine),
-                    accounts[tenant],
-                )
-            return CapacityFigures(
-                policy,
-                figures,
-                "emu-" + str(len(emulators) - 1),
-                kill_s,
-                converge,
-                timeline,
-                {"before": before.gpu_ms / 1000.0, "after": after.gpu_ms / 1000.0},
-                time.monotonic() - started,
-                settle_s,
-            )
-
-        figures = asyncio.run(go())
-    shutil.rmtree(folder, ignore_errors=True)  # kept (with the servers' logs) when the run raised
-    return figures
+    return CapacityFigures(
+        policy,
+        tenants,
+        removed,
+        run.killed_at_s,
+        _converged(timeline, run.killed_at_s, config.batch, config.batch_share_after_max),
+        timeline,
+        {"before": before.gpu_ms / 1000.0, "after": after.gpu_ms / 1000.0},
+        wall_s,
+        run.settle_s,
+    )
 
 
 def _windows(samples: list[tuple[float, dict[str, float]]], width_s: float) -> list[tuple[float, dict[str, float]]]:
@@ -411,117 +365,105 @@ def _converged(
 ) -> float | None:
     """Seconds from the kill until the batch tenant's windowed share stays at most ``share_max`` (None:
     it never did, to the end of the load)."""
-    since = None
-    for at, shares in timeline:
-        if at < kill_s:
-            continue
-        if shares.get(batch, 0.0) <= share_max:
-            since = at if since is None else since
-        else:
-            since = None
+    since = holds_from((at, shares.get(batch, 0.0) <= share_max) for at, shares in timeline if at >= kill_s)
     return None if since is None else max(0.0, since - kill_s)
 
 
+def capacity_checks(c: CapacityConfig, figs: CapacityFigures) -> dict[str, bool]:
+    """Each part of the claim for one run's figures."""
+    batch = figs.tenants[c.batch]
+    target = c.weight_ratio()
+    lost = [t.tenant for t in figs.tenants.values() if lost_requests(t)]
+    share_max = c.batch_share_after_max
+    return {
+        f"batch had a share before the removal (> {share_max:.0%})": batch.share_before > share_max,
+        f"batch yields: <= {share_max:.0%} of the GPU after the removal": batch.share_after <= share_max,
+        f"batch yielded within {c.converge_s_max:g} s of the removal": figs.converge_s is not None
+        and figs.converge_s <= c.converge_s_max,
+        f"interactive GPU ratio after the removal {target:g} within {c.ratio_tolerance:.0%}": abs(
+            figs.ratio_after(c) / target - 1.0
+        )
+        <= c.ratio_tolerance,
+        "every request got a success or an explicit error (none cut, none open, counts match the ledger)": not lost,
+        "the removal cut requests (the fault was real)": figs.errors > 0,
+    }
+
+
 @dataclass(frozen=True)
-class CapacityResult(CheckedResult):
+class CapacityResult(DrillResult):
     config: CapacityConfig
     main: CapacityFigures
     compare: CapacityFigures | None
     name: str = "capacity"
 
-    def checks(self, figs: CapacityFigures | None = None) -> dict[str, bool]:
-        """Each part of the claim for ``figs`` (default: the policy tested)."""
-        figs = figs or self.main
-        c = self.config
-        batch = figs.tenants[c.batch]
-        ratio = figs.ratio_after(c)
-        target = c.weight_ratio()
-        lost = [t.tenant for t in figs.tenants.values() if lost_requests(t)]
-        return {
-            f"batch had a share before the removal (> {c.batch_share_after_max:.0%})": batch.share_before
-            > c.batch_share_after_max,
-            f"batch yields: <= {c.batch_share_after_max:.0%} of the GPU after the removal": batch.share_after
-            <= c.batch_share_after_max,
-            f"batch yielded within {c.converge_s_max:g} s of the removal": figs.converge_s is not None
-            and figs.converge_s <= c.converge_s_max,
-            f"interactive GPU ratio after the removal {target:g} within {c.ratio_tolerance:.0%}": abs(
-                ratio / target - 1.0
-            )
-            <= c.ratio_tolerance,
-            "every request got a success or an explicit error (none cut, none open, counts match the ledger)": not lost,
-            "the removal cut requests (the fault was real)": figs.errors > 0,
-        }
+    def checks(self) -> dict[str, bool]:
+        return capacity_checks(self.config, self.main)
 
-    def render(self) -> list[Any]:
-        from rich.table import Table
-
+    def intro(self) -> list[str]:
         c = self.config
-        out: list[Any] = [
-            f"[bold]drill capacity[/bold]: "
-            f"{', '.join(f'{t} (weight {w:g}, {c.clients[t]} clients' + (f', +{c.surge[t]} from the removal' if c.surge.get(t) else '') + ')' for t, w in c.weights.items())} "
-            f"interactive and {c.batch} (batch pool, {c.clients[c.batch]} clients), all sending closed loop to {c.replicas} "
-            f"emulated replica processes x {c.replica.max_batch} slots; at {c.remove_at_s:g} s one replica is killed "
-            f"({signal.Signals(c.kill_signal).name}); {c.seconds:g} s of load, then up to {c.drain_s:g} s for the "
-            f"requests still queued.",
+        interactive = ", ".join(
+            f"{t} (weight {w:g}, {c.clients[t]} clients"
+            + (f", +{c.surge[t]} from the removal" if c.surge.get(t) else "")
+            + ")"
+            for t, w in c.weights.items()
+        )
+        return [
+            f"[bold]drill capacity[/bold]: {interactive} interactive and {c.batch} (batch pool, {c.clients[c.batch]} "
+            f"clients), all sending closed loop to {c.replicas} emulated replica processes x {c.replica.max_batch} "
+            f"slots; at {c.remove_at_s:g} s one replica is killed ({signal.Signals(c.kill_signal).name}); "
+            f"{c.seconds:g} s of load, then up to {c.drain_s:g} s for the requests still queued.",
             f"Claim: after the removal {c.batch} yields (<= {c.batch_share_after_max:.0%} of the GPU billed from "
             f"{c.after_from_s:g} s, within {c.converge_s_max:g} s), the interactive tenants split what is left "
             f"{c.weight_ratio():g} : 1 (+-{c.ratio_tolerance:.0%}), and every request ends in a success or an "
-            f"explicit error.",
+            "explicit error.",
         ]
-        for figs in (self.main, self.compare):
-            if figs is None:
-                continue
-            table = Table(
-                title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""), title_justify="left"
-            )
-            for column in (
-                "tenant",
-                "GPU % before",
-                "GPU % after",
-                "replica GPU % before/after",
-                "sent/ok/cut",
-                "errors",
-                "ledger settled/cancelled/open",
-            ):
-                table.add_column(column, justify="left" if column in ("tenant", "errors") else "right")
-            for t in figs.tenants.values():
-                table.add_row(
-                    t.tenant,
-                    f"{t.share_before * 100:.1f}",
-                    f"{t.share_after * 100:.1f}",
-                    f"{t.truth_before * 100:.1f} / {t.truth_after * 100:.1f}",
-                    f"{t.sent}/{t.ok}/{t.cut}",
-                    fmt_errors(t.errors),
-                    f"{t.settled}/{t.cancelled}/{t.open_at_end}",
-                )
-            converge = "never" if figs.converge_s is None else f"{figs.converge_s:.1f} s"
-            table.caption = (
-                f"{figs.removed} killed at {figs.killed_at_s:.1f} s; the ledger billed {figs.ledger_gpu_s['before']:,.1f} "
-                f"GPU s before it ({c.warmup_s:g}-{c.remove_at_s:g} s), {figs.ledger_gpu_s['after']:,.1f} after "
-                f"({c.after_from_s:g}-{c.seconds:g} s). Interactive ratio {figs.ratio_before(c):.2f} "
-                f"before (uncontended), {figs.ratio_after(c):.2f} after (weights {c.weight_ratio():g}). Load held: "
-                f"{figs.sent} requests; faults injected: 1 replica removed; lost: "
-                f"{sum(t.cut for t in figs.tenants.values())} hung, "
-                f"{sum(t.open_at_end for t in figs.tenants.values())} open reservations ({figs.errors} requests "
-                f"ended in an explicit error); converged (batch yielded) {converge} after the removal; "
-                f"reservations all final {figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s."
-            )
-            table.caption_justify = "left"
-            out.append(table)
-        out.extend(self.check_lines())
+
+    def body(self) -> list[Any]:
+        out: list[Any] = [self._table(f) for f in (self.main, self.compare) if f is not None]
         if self.compare is not None:
-            failed = [check for check, ok in self.checks(self.compare).items() if not ok]
+            failed = [check for check, ok in capacity_checks(self.config, self.compare).items() if not ok]
             out.append(
                 f"  comparison {self.compare.policy}: " + ("holds" if not failed else "fails: " + "; ".join(failed))
             )
-        verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
-        batch = self.main.tenants[c.batch]
-        out.append(
-            f"{verdict}: under {self.main.policy} {c.batch} went from {batch.share_before:.1%} to "
-            f"{batch.share_after:.1%} of the GPU, the interactive ratio is {self.main.ratio_after(c):.2f} "
-            f"(weights {c.weight_ratio():g}), {self.main.errors} explicit errors, nothing lost."
-        )
         return out
+
+    def _table(self, figs: CapacityFigures) -> Any:
+        c = self.config
+        columns = ("tenant", "GPU % before", "GPU % after", "replica GPU % before/after", "sent/ok/cut", "errors")
+        rows = [
+            (
+                t.tenant,
+                f"{t.share_before * 100:.1f}",
+                f"{t.share_after * 100:.1f}",
+                f"{t.truth_before * 100:.1f} / {t.truth_after * 100:.1f}",
+                f"{t.sent}/{t.ok}/{t.cut}",
+                fmt_errors(t.errors),
+                f"{t.settled}/{t.cancelled}/{t.open_at_end}",
+            )
+            for t in figs.tenants.values()
+        ]
+        converge = "never" if figs.converge_s is None else f"{figs.converge_s:.1f} s"
+        tenants = figs.tenants.values()
+        caption = (
+            f"{figs.removed} killed at {figs.killed_at_s:.1f} s; the ledger billed {figs.ledger_gpu_s['before']:,.1f} "
+            f"GPU s before it ({c.warmup_s:g}-{c.remove_at_s:g} s), {figs.ledger_gpu_s['after']:,.1f} after "
+            f"({c.after_from_s:g}-{c.seconds:g} s). Interactive ratio {figs.ratio_before(c):.2f} before (uncontended), "
+            f"{figs.ratio_after(c):.2f} after (weights {c.weight_ratio():g}). Load held: {figs.sent} requests; faults "
+            f"injected: 1 replica removed; lost: {sum(t.cut for t in tenants)} hung, "
+            f"{sum(t.open_at_end for t in tenants)} open reservations ({figs.errors} requests ended in an explicit "
+            f"error); converged (batch yielded) {converge} after the removal; reservations all final "
+            f"{figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s."
+        )
+        columns += ("ledger settled/cancelled/open",)
+        return table(policy_title(figs.policy, figs is self.compare), columns, rows, caption, wrap=())
+
+    def verdict(self) -> str:
+        c, batch = self.config, self.main.tenants[self.config.batch]
+        return (
+            f"under {self.main.policy} {c.batch} went from {batch.share_before:.1%} to {batch.share_after:.1%} of the "
+            f"GPU, the interactive ratio is {self.main.ratio_after(c):.2f} (weights {c.weight_ratio():g}), "
+            f"{self.main.errors} explicit errors, nothing lost."
+        )
 
 
 def run(options: DrillOptions, config: CapacityConfig | None = None) -> CapacityResult:
@@ -535,6 +477,3 @@ def run(options: DrillOptions, config: CapacityConfig | None = None) -> Capacity
     if options.compare and options.compare != options.policy:
         compare = run_capacity(config, options.compare, options.processes, options.seed)
     return CapacityResult(config, main, compare)
-
-
-__all__ = ["CapacityConfig", "CapacityFigures", "CapacityResult", "run", "run_capacity"]

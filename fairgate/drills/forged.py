@@ -31,10 +31,9 @@ The claim, checked in the ledger and on the replicas after the run:
 - every request served reached the replica under the cache scope (``cache_salt``) of the tenant billed,
   and none under the victim's (the tap of the in-process replicas sees each request's body).
 
-Found (reported, not part of the claim): the gateway forwards tenant-like body fields it does not use
-(``tenant``, ``organization``, ``metadata``, an ``on_behalf_of`` token ...) to the replicas; it drops only
-``user``, ``priority``, ``request_id``, ``cache_salt`` and vLLM's private fields. And of two
-``X-Fairgate-On-Behalf-Of`` headers it uses the first, where two ``Authorization`` headers are refused.
+Also reported: the tenant-like body fields the gateway forwards to the replicas (it drops only ``user``,
+``priority``, ``request_id``, ``cache_salt`` and vLLM's private fields), and which of two on-behalf-of
+headers it used if it served such a request.
 """
 
 from __future__ import annotations
@@ -45,535 +44,26 @@ import json
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairgate.drills import CheckedResult, DrillOptions
-from fairgate.drills.cancellation import ADMIN_KEY, DrillStack, open_ledger, open_stack, replica_stats
-from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS
-from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
+from fairgate.drills import DrillOptions
+from fairgate.drills.report import DrillResult, fmt_counts, table
 from fairgate.gateway.auth import make_on_behalf_of
-from fairgate.gateway.identity import ON_BEHALF_OF_HEADER
+from fairgate.gateway.identity import ON_BEHALF_OF_HEADER as OBO
+from fairgate.harness.config import ADMIN_KEY, TenantSpec
+from fairgate.harness.ledger import ALL_TIME_S
+from fairgate.harness.loadgen import CHAT_OVERHEAD_TOKENS, HttpRequest, LoadGenerator
+from fairgate.harness.records import RequestRecord
+from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack
+from fairgate.ledger.base import tenant_tag
 
 ATTACKER, VICTIM, CLIENT, DELEGATE, OTHER_DELEGATE = "mallory", "victim", "client", "batchsvc", "othersvc"
 SECRET_ENV = "FAIRGATE_DRILL_DELEGATION_SECRET"
 NOBODY = "-"  # an attack that must be refused: billed to nobody
-
-
-@dataclass(frozen=True)
-class ForgedConfig:
-    """The drill's setting.
-
-    Attributes:
-        max_tokens: each attack's output (small: the drill is about who pays, not how much).
-        prompt_tokens: each prompt, as the emulator counts it (chat) or words (completions).
-        replicas / replica: the emulated fleet.
-    """
-
-    max_tokens: int = 3
-    prompt_tokens: int = 8
-    replicas: int = 1
-    replica: ReplicaModel = field(
-        default_factory=lambda: ReplicaModel(
-            iter_base_ms=10.0, iter_slope_ms=0.1, prefill_ms_per_token=0.01, max_batch=32, max_model_len=4096
-        )
-    )
-    gateway_process: bool = False
-
-    @property
-    def tenants(self) -> tuple[str, ...]:
-        return (ATTACKER, VICTIM, CLIENT, DELEGATE, OTHER_DELEGATE)
-
-    def spec(self, policy: str, processes: bool) -> StackSpec:
-        return StackSpec(
-            tuple(TenantSpec(t) for t in self.tenants),
-            policy=policy,
-            replicas=self.replicas,
-            replica=self.replica,
-            processes=processes,
-        )
-
-    def extra_config(self) -> str:
-        return f'[delegation]\nsecret_env = "{SECRET_ENV}"\ndelegates = ["{DELEGATE}", "{OTHER_DELEGATE}"]\n'
-
-
-@dataclass(frozen=True)
-class Attack:
-    """One request and what the gateway must do with it.
-
-    Attributes:
-        group / name: what is tried.
-        method / path / headers / params / body: the request (``headers`` as a list: names may repeat).
-        statuses: acceptable HTTP statuses; codes: acceptable error codes (empty: any).
-        billed_to: the tenant it must be billed to (``NOBODY``: refused, no reservation).
-        request_id: its ``X-Request-Id`` (already among ``headers``).
-        after: names of attacks that must have been answered before this one is sent.
-        concurrent_with: the name of an attack sent at the same time (the request-id collision).
-    """
-
-    group: str
-    name: str
-    method: str
-    path: str
-    headers: tuple[tuple[str, str], ...]
-    params: tuple[tuple[str, str], ...]
-    body: dict[str, Any] | None
-    statuses: frozenset[int]
-    codes: frozenset[str]
-    billed_to: str
-    request_id: str
-    stage: int = 0  # attacks run stage by stage (0 first); within a stage, all at once
-    raw: bool = False  # written byte for byte on a socket (headers an HTTP client would refuse to send)
-
-    @property
-    def generates(self) -> bool:
-        return self.path.startswith("/v1/") and self.path.endswith("completions")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    attack: Attack
-    status: int | None
-    code: str | None
-    output_tokens: int | None  # from the answer's usage (a 200)
-    error: str | None = None  # transport failure
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def attacks(config: ForgedConfig, keys: dict[str, str], secret: bytes, model: str) -> list[Attack]:
-    """The attack list for a stack with ``keys`` (tenant -> API key) and the delegation ``secret``."""
-    out: list[Attack] = []
-    filler = " ".join(["w"] * (config.prompt_tokens - CHAT_OVERHEAD_TOKENS - 1))
-    legacy_filler = " ".join(["w"] * (config.prompt_tokens - 1))
-    chat = {
-        "model": model,
-        "messages": [{"role": "user", "content": filler}],
-        "max_tokens": config.max_tokens,
-        "ignore_eos": True,
-    }
-    legacy = {
-        "model": model,
-        "prompt": " ".join(["w"] * config.prompt_tokens),
-        "max_tokens": config.max_tokens,
-        "ignore_eos": True,
-    }
-    now = time.time()
-    good_for_client = make_on_behalf_of(secret, DELEGATE, CLIENT, now + 600)
-    good_for_victim_other = make_on_behalf_of(secret, OTHER_DELEGATE, VICTIM, now + 600)
-
-    def bearer(tenant: str) -> tuple[str, str]:
-        return ("authorization", f"Bearer {keys[tenant]}")
-
-    def add(
-        group: str,
-        name: str,
-        headers: list[tuple[str, str]],
-        billed_to: str,
-        statuses: set[int],
-        codes: set[str] = frozenset(),
-        body: dict[str, Any] | None = None,
-        path: str = "/v1/chat/completions",
-        params: list[tuple[str, str]] = (),
-        method: str = "POST",
-        stage: int = 0,
-        request_id: str | None = None,
-        raw: bool = False,
-    ) -> None:
-        rid = request_id or f"forged-{len(out):03d}"
-        payload = dict(chat if path == "/v1/chat/completions" else legacy) if body is None else dict(body)
-        # The request id as the prompt's last word: the replicas' tap finds what reached them by it.
-        if "messages" in payload:
-            payload["messages"] = [{"role": "user", "content": f"{filler} {rid}"}]
-        elif "prompt" in payload:
-            payload["prompt"] = f"{legacy_filler} {rid}"
-        if method == "GET":
-            payload = None
-        out.append(
-            Attack(
-                group,
-                name,
-                method,
-                path,
-                (*headers, ("x-request-id", rid)),
-                tuple(params),
-                payload,
-                frozenset(statuses),
-                frozenset(codes),
-                billed_to,
-                rid,
-                stage,
-                raw,
-            )
-        )
-
-    me = bearer(ATTACKER)
-    # --- controls: what legitimately works, so that every refusal below means something --------------------
-    add("control", "mallory's own key", [me], ATTACKER, {200})
-    add(
-        "control",
-        "delegate acts for client (valid token)",
-        [bearer(DELEGATE), (ON_BEHALF_OF_HEADER, good_for_client)],
-        CLIENT,
-        {200},
-    )
-    add("control", "client's own key", [bearer(CLIENT)], CLIENT, {200}, request_id="client-finished")
-    add("control", "mallory's own key, legacy completions", [me], ATTACKER, {200}, path="/v1/completions")
-    # --- body --------------------------------------------------------------------------------------------------
-    for name, extra in (
-        ("user = victim", {"user": VICTIM}),
-        ("tenant / tenant_id / organization = victim", {"tenant": VICTIM, "tenant_id": VICTIM, "organization": VICTIM}),
-        ("cache_salt = the victim's cache scope", {"cache_salt": _tag(VICTIM)}),
-        (
-            "on_behalf_of token in the body",
-            {"on_behalf_of": good_for_victim_other, ON_BEHALF_OF_HEADER: good_for_victim_other},
-        ),
-        ("metadata.tenant = victim", {"metadata": {"tenant": VICTIM, "user": VICTIM}}),
-        ("request_id / priority fields", {"request_id": "victim-1", "priority": -100}),
-    ):
-        add("body", name, [me], ATTACKER, {200}, body={**chat, **extra})
-    add(
-        "body",
-        "user = victim, legacy completions",
-        [me],
-        ATTACKER,
-        {200},
-        path="/v1/completions",
-        body={**legacy, "user": VICTIM},
-    )
-    # --- headers -------------------------------------------------------------------------------------------------
-    for header in (
-        "x-tenant",
-        "x-tenant-id",
-        "x-fairgate-tenant",
-        "openai-organization",
-        "openai-project",
-        "x-forwarded-user",
-        "x-user-id",
-        "x-api-key",
-        "x-auth-request-user",
-        "x-remote-user",
-    ):
-        add("header", f"{header}: victim", [me, (header, VICTIM)], ATTACKER, {200})
-    add("header", "cookie tenant=victim", [me, ("cookie", f"tenant={VICTIM}; user={VICTIM}")], ATTACKER, {200})
-    add(
-        "header",
-        "x-forwarded-authorization: Bearer victim",
-        [me, ("x-forwarded-authorization", f"Bearer {VICTIM}"), ("proxy-authorization", f"Bearer {VICTIM}")],
-        ATTACKER,
-        {200},
-    )
-    add("header", "x-fairgate-run-id of the victim", [me, ("x-fairgate-run-id", f"{VICTIM}-run-1")], ATTACKER, {200})
-    # --- query string ----------------------------------------------------------------------------------------------
-    add("query", "?tenant=victim&user=victim", [me], ATTACKER, {200}, params=[("tenant", VICTIM), ("user", VICTIM)])
-    add("query", "?api_key= / ?key= victim", [me], ATTACKER, {200}, params=[("api_key", VICTIM), ("key", VICTIM)])
-    add(
-        "query",
-        "?x-fairgate-on-behalf-of=<token>",
-        [me],
-        ATTACKER,
-        {200},
-        params=[(ON_BEHALF_OF_HEADER, good_for_victim_other)],
-    )
-    add(
-        "query",
-        "no key, ?api_key=<mallory's key>",
-        [],
-        NOBODY,
-        {401},
-        {"invalid_api_key"},
-        params=[("api_key", keys[ATTACKER])],
-    )
-    # --- authorization -------------------------------------------------------------------------------------------
-    refused = {"invalid_api_key"}
-    add(
-        "authorization",
-        "second Authorization header (victim's name)",
-        [me, ("authorization", f"Bearer {VICTIM}")],
-        NOBODY,
-        {400, 401},
-        refused,
-    )
-    add(
-        "authorization",
-        "second Authorization header, first the victim",
-        [("authorization", f"Bearer {VICTIM}"), me],
-        NOBODY,
-        {400, 401},
-        refused,
-    )
-    add(
-        "authorization",
-        "two keys in one header",
-        [("authorization", f"Bearer {keys[ATTACKER]}, Bearer {VICTIM}")],
-        NOBODY,
-        {401},
-        refused,
-    )
-    add("authorization", "Bearer <victim's name>", [("authorization", f"Bearer {VICTIM}")], NOBODY, {401}, refused)
-    add(
-        "authorization",
-        "Bearer <key upper-cased>",
-        [("authorization", f"Bearer {keys[ATTACKER].upper()}")],
-        NOBODY,
-        {401},
-        refused,
-    )
-    add(
-        "authorization",
-        "Bearer <key> + victim suffix",
-        [("authorization", f"Bearer {keys[ATTACKER]}{VICTIM}")],
-        NOBODY,
-        {401},
-        refused,
-    )
-    add(
-        "authorization",
-        "Basic auth",
-        [("authorization", "Basic " + base64.b64encode(f"{VICTIM}:{keys[ATTACKER]}".encode()).decode())],
-        NOBODY,
-        {401},
-        refused,
-    )
-    add("authorization", "Bearer<TAB><key>", [("authorization", f"Bearer\t{keys[ATTACKER]}")], NOBODY, {401}, refused)
-    add("authorization", "no Authorization", [], NOBODY, {401}, refused)
-    add("authorization", "empty bearer", [("authorization", "Bearer ")], NOBODY, {401}, refused, raw=True)
-    # A different spelling of one's own valid key is still one's own key: served, billed to the attacker.
-    add("authorization", "bearer (lower case) <key>", [("authorization", f"bearer {keys[ATTACKER]}")], ATTACKER, {200})
-    add(
-        "authorization", "BEARER  <key> (two spaces)", [("authorization", f"BEARER  {keys[ATTACKER]}")], ATTACKER, {200}
-    )
-    add(
-        "authorization",
-        "Bearer <key> (trailing space)",
-        [("authorization", f"Bearer {keys[ATTACKER]} ")],
-        ATTACKER,
-        {200},
-        raw=True,
-    )
-    add(
-        "authorization",
-        "Authorization and AUTHORIZATION (the victim's name)",
-        [me, ("AUTHORIZATION", f"Bearer {VICTIM}")],
-        NOBODY,
-        {400, 401},
-        refused,
-        raw=True,
-    )
-    # --- delegation ------------------------------------------------------------------------------------------------
-    delegate = bearer(DELEGATE)
-    not_allowed, invalid = {"delegation_not_allowed"}, {"invalid_delegation"}
-    wrong_secret = make_on_behalf_of(secrets.token_bytes(32), DELEGATE, VICTIM, now + 600)
-    expired = make_on_behalf_of(secret, DELEGATE, VICTIM, now - 60)
-    just_expired = make_on_behalf_of(secret, DELEGATE, VICTIM, now - 0.001)
-    minted_by_mallory = make_on_behalf_of(secret, ATTACKER, VICTIM, now + 600)
-    payload, _, signature = good_for_client.partition(".")
-    document = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    victim_payload = _b64(json.dumps({**document, "t": VICTIM}, separators=(",", ":"), sort_keys=True).encode())
-    tampered = f"{victim_payload}.{signature}"
-    unsigned = f"{victim_payload}."
-    unknown = make_on_behalf_of(secret, DELEGATE, "nobody-such", now + 600)
-    add(
-        "delegation",
-        "non-delegate presents a token issued to a delegate (stolen)",
-        [me, (ON_BEHALF_OF_HEADER, good_for_victim_other)],
-        NOBODY,
-        {403},
-        not_allowed,
-    )
-    add(
-        "delegation",
-        "non-delegate mints a token naming itself (leaked secret)",
-        [me, (ON_BEHALF_OF_HEADER, minted_by_mallory)],
-        NOBODY,
-        {403},
-        not_allowed,
-    )
-    add(
-        "delegation",
-        "non-delegate replays the client's token",
-        [me, (ON_BEHALF_OF_HEADER, good_for_client)],
-        NOBODY,
-        {403},
-        not_allowed,
-    )
-    add("delegation", "non-delegate, empty token", [me, (ON_BEHALF_OF_HEADER, "")], NOBODY, {403}, not_allowed)
-    add(
-        "delegation",
-        "token signed with the wrong secret",
-        [delegate, (ON_BEHALF_OF_HEADER, wrong_secret)],
-        NOBODY,
-        {403},
-        invalid,
-    )
-    add("delegation", "expired token (60 s ago)", [delegate, (ON_BEHALF_OF_HEADER, expired)], NOBODY, {403}, invalid)
-    add(
-        "delegation",
-        "expired token (1 ms ago)",
-        [delegate, (ON_BEHALF_OF_HEADER, just_expired)],
-        NOBODY,
-        {403},
-        invalid,
-    )
-    add(
-        "delegation",
-        "token issued to another delegate",
-        [delegate, (ON_BEHALF_OF_HEADER, good_for_victim_other)],
-        NOBODY,
-        {403},
-        invalid,
-    )
-    add(
-        "delegation",
-        "another delegate replays batchsvc's token",
-        [bearer(OTHER_DELEGATE), (ON_BEHALF_OF_HEADER, good_for_client)],
-        NOBODY,
-        {403},
-        invalid,
-    )
-    add(
-        "delegation",
-        "payload changed to the victim, signature kept",
-        [delegate, (ON_BEHALF_OF_HEADER, tampered)],
-        NOBODY,
-        {403},
-        invalid,
-    )
-    add(
-        "delegation",
-        "payload changed, no signature",
-        [delegate, (ON_BEHALF_OF_HEADER, unsigned)],
-        NOBODY,
-        {403},
-        invalid,
-    )
-    add("delegation", "malformed token", [delegate, (ON_BEHALF_OF_HEADER, "a.b.c")], NOBODY, {403}, invalid)
-    add(
-        "delegation",
-        "token naming an unknown tenant",
-        [delegate, (ON_BEHALF_OF_HEADER, unknown)],
-        NOBODY,
-        {403},
-        invalid,
-    )
-    add(
-        "delegation",
-        "valid token, X-Tenant and user = victim",
-        [delegate, (ON_BEHALF_OF_HEADER, good_for_client), ("x-tenant", VICTIM)],
-        CLIENT,
-        {200},
-        body={**chat, "user": VICTIM},
-    )
-    # Two tokens: the first is the client's (valid), the second a victim's (forged). Refusing (400) or taking
-    # the first is acceptable; billing the victim is not.
-    add(
-        "delegation",
-        "two on-behalf-of headers (client's, then a forged victim's)",
-        [delegate, (ON_BEHALF_OF_HEADER, good_for_client), (ON_BEHALF_OF_HEADER, tampered)],
-        CLIENT,
-        {200, 400},
-    )
-    add("delegation", "token without a key", [(ON_BEHALF_OF_HEADER, good_for_client)], NOBODY, {401}, refused)
-    # --- admin -------------------------------------------------------------------------------------------------
-    admin = ("authorization", f"Bearer {ADMIN_KEY}")
-    add("admin", "admin key on /v1/chat/completions", [admin], NOBODY, {401, 403})
-    add("admin", "admin key on /v1/completions", [admin], NOBODY, {401, 403}, path="/v1/completions")
-    add(
-        "admin",
-        "admin key + on-behalf-of token for the client",
-        [admin, (ON_BEHALF_OF_HEADER, good_for_client)],
-        NOBODY,
-        {401, 403},
-    )
-    add("admin", "admin key + X-Tenant: victim", [admin, ("x-tenant", VICTIM)], NOBODY, {401, 403})
-    # --- request ids: the attacker reuses the client's ids (separate tenants: separate reservations) ----------
-    slow = {**chat, "max_tokens": 40}
-    add(
-        "request id",
-        "client's request (40 tokens)",
-        [bearer(CLIENT)],
-        CLIENT,
-        {200},
-        body=slow,
-        request_id="shared-running",
-        stage=1,
-    )
-    add(
-        "request id",
-        "mallory reuses it while it runs",
-        [me],
-        ATTACKER,
-        {200},
-        body=slow,
-        request_id="shared-running",
-        stage=1,
-    )
-    add(
-        "request id",
-        "mallory reuses the client's finished id",
-        [me],
-        ATTACKER,
-        {200},
-        request_id="client-finished",
-        stage=2,
-    )
-    # --- reads: nobody reads the victim's usage -----------------------------------------------------------------
-    add(
-        "read",
-        "/v1/usage?tenant=victim",
-        [me],
-        NOBODY,
-        {403},
-        {"tenant_mismatch"},
-        path="/v1/usage",
-        params=[("tenant", VICTIM)],
-        method="GET",
-    )
-    add(
-        "read",
-        "/v1/usage with X-Tenant: victim",
-        [me, ("x-tenant", VICTIM)],
-        NOBODY,
-        {403},
-        {"tenant_mismatch"},
-        path="/v1/usage",
-        method="GET",
-    )
-    add(
-        "read",
-        "/v1/usage with a forged on-behalf-of token",
-        [delegate, (ON_BEHALF_OF_HEADER, tampered)],
-        NOBODY,
-        {403},
-        invalid,
-        path="/v1/usage",
-        method="GET",
-    )
-    add(
-        "read", "/admin/usage with a tenant key", [me], NOBODY, {403}, {"admin_only"}, path="/admin/usage", method="GET"
-    )
-    add(
-        "read",
-        "/admin/reservations with a tenant key",
-        [me],
-        NOBODY,
-        {403},
-        {"admin_only"},
-        path="/admin/reservations",
-        method="GET",
-    )
-    return out
-
-
-def _tag(tenant: str) -> str:
-    from fairgate.ledger.base import tenant_tag
-
-    return tenant_tag(tenant)
-
-
+CHAT, LEGACY = "/v1/chat/completions", "/v1/completions"
 # Body fields naming a tenant, a user or a scheduling privilege: the gateway must not act on them, and an
 # upstream should not receive them as if they were trusted context.
 SUSPECT_FIELDS = (
@@ -583,28 +73,294 @@ SUSPECT_FIELDS = (
     "organization",
     "metadata",
     "on_behalf_of",
-    ON_BEHALF_OF_HEADER,
+    OBO,
     "request_id",
     "priority",
 )
 
 
 @dataclass(frozen=True)
+class ForgedConfig:
+    """The drill's setting.
+
+    Attributes:
+        max_tokens: each attack's output (small: the drill is about who pays, not how much).
+        prompt_tokens: each prompt, as the emulator counts it (chat) or words (completions).
+        replicas / replica: the emulated fleet. gateway_process: run the gateway as a process.
+    """
+
+    max_tokens: int = 3
+    prompt_tokens: int = 8
+    replicas: int = 1
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(10.0, 0.1, 0.01, 32, 4096))
+    gateway_process: bool = False
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        return (ATTACKER, VICTIM, CLIENT, DELEGATE, OTHER_DELEGATE)
+
+    def spec(self, policy: str, processes: bool, secret: str) -> StackSpec:
+        return StackSpec(
+            tuple(TenantSpec(t) for t in self.tenants),
+            policy,
+            replicas(self.replicas),
+            self.replica,
+            processes,
+            processes or self.gateway_process,
+            tapped=not processes,
+            admin=True,
+            delegates=(DELEGATE, OTHER_DELEGATE),
+            secret_env=SECRET_ENV,
+            environment={SECRET_ENV: secret},
+        )
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One request and what the gateway must do with it.
+
+    Attributes:
+        group / name: what is tried. request: the request (its ``X-Request-Id`` among its headers).
+        statuses: acceptable HTTP statuses; codes: acceptable error codes (empty: any).
+        billed_to: the tenant it must be billed to (``NOBODY``: refused, no reservation).
+        stage: attacks run stage by stage (0 first); within a stage, all at once.
+    """
+
+    group: str
+    name: str
+    request: HttpRequest
+    statuses: frozenset[int]
+    codes: frozenset[str]
+    billed_to: str
+    stage: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def generates(self) -> bool:
+        return self.request.path.startswith("/v1/") and self.request.path.endswith("completions")
+
+    @property
+    def max_tokens(self) -> int:
+        return int((self.request.body or {}).get("max_tokens", 0))
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+class _Attacks:
+    """The attack list under construction, group by group: ``add`` fills in the request id, the bodies and
+    their tags; the tokens and credentials are made once for every group."""
+
+    def __init__(self, config: ForgedConfig, keys: dict[str, str], secret: bytes, model: str) -> None:
+        self.out: list[Attack] = []
+        self.keys, self.secret, self.now = keys, secret, time.time()
+        self.filler = " ".join(["w"] * (config.prompt_tokens - CHAT_OVERHEAD_TOKENS - 1))
+        self.legacy_filler = " ".join(["w"] * (config.prompt_tokens - 1))
+        self.chat = {"model": model, "messages": [], "max_tokens": config.max_tokens, "ignore_eos": True}
+        self.legacy = {"model": model, "prompt": "", "max_tokens": config.max_tokens, "ignore_eos": True}
+        self.key, self.me, self.delegate = keys[ATTACKER], self.bearer(ATTACKER), self.bearer(DELEGATE)
+        self.for_client = self.token(DELEGATE, CLIENT)
+        self.for_victim_other = self.token(OTHER_DELEGATE, VICTIM)
+        payload, _, signature = self.for_client.partition(".")
+        document = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        self.victim_payload = _b64(
+            json.dumps({**document, "t": VICTIM}, separators=(",", ":"), sort_keys=True).encode()
+        )
+        self.tampered = f"{self.victim_payload}.{signature}"  # the client's token, naming the victim
+
+    def bearer(self, tenant: str) -> tuple[str, str]:
+        return ("authorization", f"Bearer {self.keys[tenant]}")
+
+    def token(self, issuer: str, tenant: str, expires_in_s: float = 600, secret: bytes | None = None) -> str:
+        return make_on_behalf_of(secret or self.secret, issuer, tenant, self.now + expires_in_s)
+
+    def add(
+        self,
+        group: str,
+        name: str,
+        headers: Sequence[tuple[str, str]],
+        billed_to: str,
+        statuses: Collection[int],
+        codes: Collection[str] = (),
+        body: dict[str, Any] | None = None,
+        path: str = CHAT,
+        params: Sequence[tuple[str, str]] = (),
+        method: str = "POST",
+        stage: int = 0,
+        request_id: str | None = None,
+        raw: bool = False,
+    ) -> None:
+        rid = request_id or f"forged-{len(self.out):03d}"
+        payload = dict(self.chat if path == CHAT else self.legacy) if body is None else dict(body)
+        # The request id as the prompt's last word: the replicas' tap finds what reached them by it.
+        if "messages" in payload:
+            payload["messages"] = [{"role": "user", "content": f"{self.filler} {rid}"}]
+        elif "prompt" in payload:
+            payload["prompt"] = f"{self.legacy_filler} {rid}"
+        headers = (*headers, ("x-request-id", rid))
+        body = None if method == "GET" else payload
+        request = HttpRequest(billed_to, rid, method, path, headers, tuple(params), body, on_socket=raw)
+        self.out.append(Attack(group, name, request, frozenset(statuses), frozenset(codes), billed_to, stage))
+
+    def controls_and_fields(self) -> None:
+        """What legitimately works (so that every refusal below means something), then tenant-like body
+        fields, headers and query parameters: served as the caller, never as the victim."""
+        add, me, delegate = self.add, self.me, self.delegate
+        add("control", "mallory's own key", [me], ATTACKER, {200})
+        add("control", "delegate acts for client (valid token)", [delegate, (OBO, self.for_client)], CLIENT, {200})
+        add("control", "client's own key", [self.bearer(CLIENT)], CLIENT, {200}, request_id="client-finished")
+        add("control", "mallory's own key, legacy completions", [me], ATTACKER, {200}, path=LEGACY)
+        for name, extra in (
+            ("user = victim", {"user": VICTIM}),
+            (
+                "tenant / tenant_id / organization = victim",
+                {"tenant": VICTIM, "tenant_id": VICTIM, "organization": VICTIM},
+            ),
+            ("cache_salt = the victim's cache scope", {"cache_salt": tenant_tag(VICTIM)}),
+            ("on_behalf_of token in the body", {"on_behalf_of": self.for_victim_other, OBO: self.for_victim_other}),
+            ("metadata.tenant = victim", {"metadata": {"tenant": VICTIM, "user": VICTIM}}),
+            ("request_id / priority fields", {"request_id": "victim-1", "priority": -100}),
+        ):
+            add("body", name, [me], ATTACKER, {200}, body={**self.chat, **extra})
+        legacy = {**self.legacy, "user": VICTIM}
+        add("body", "user = victim, legacy completions", [me], ATTACKER, {200}, path=LEGACY, body=legacy)
+        for header in ("x-tenant", "x-tenant-id", "x-fairgate-tenant", "openai-organization", "openai-project"):
+            add("header", f"{header}: victim", [me, (header, VICTIM)], ATTACKER, {200})
+        for header in ("x-forwarded-user", "x-user-id", "x-api-key", "x-auth-request-user", "x-remote-user"):
+            add("header", f"{header}: victim", [me, (header, VICTIM)], ATTACKER, {200})
+        add("header", "cookie tenant=victim", [me, ("cookie", f"tenant={VICTIM}; user={VICTIM}")], ATTACKER, {200})
+        forwarded = [me, ("x-forwarded-authorization", f"Bearer {VICTIM}"), ("proxy-authorization", f"Bearer {VICTIM}")]
+        add("header", "x-forwarded-authorization: Bearer victim", forwarded, ATTACKER, {200})
+        add(
+            "header", "x-fairgate-run-id of the victim", [me, ("x-fairgate-run-id", f"{VICTIM}-run-1")], ATTACKER, {200}
+        )
+        add("query", "?tenant=victim&user=victim", [me], ATTACKER, {200}, params=[("tenant", VICTIM), ("user", VICTIM)])
+        add("query", "?api_key= / ?key= victim", [me], ATTACKER, {200}, params=[("api_key", VICTIM), ("key", VICTIM)])
+        add("query", "?x-fairgate-on-behalf-of=<token>", [me], ATTACKER, {200}, params=[(OBO, self.for_victim_other)])
+        no_key = "no key, ?api_key=<mallory's key>"
+        add("query", no_key, [], NOBODY, {401}, {"invalid_api_key"}, params=[("api_key", self.key)])
+
+    def authorization(self) -> None:
+        """Credential tricks: refused (no reservation), or the caller's own key spelled otherwise (served)."""
+        key, me, auth, refused = self.key, self.me, "authorization", {"invalid_api_key"}
+        victim = (auth, f"Bearer {VICTIM}")
+        basic = "Basic " + base64.b64encode(f"{VICTIM}:{key}".encode()).decode()
+        for name, headers, statuses, raw in (
+            ("second Authorization header (victim's name)", [me, victim], {400, 401}, False),
+            ("second Authorization header, first the victim", [victim, me], {400, 401}, False),
+            ("two keys in one header", [(auth, f"Bearer {key}, Bearer {VICTIM}")], {401}, False),
+            ("Bearer <victim's name>", [victim], {401}, False),
+            ("Bearer <key upper-cased>", [(auth, f"Bearer {key.upper()}")], {401}, False),
+            ("Bearer <key> + victim suffix", [(auth, f"Bearer {key}{VICTIM}")], {401}, False),
+            ("Basic auth", [(auth, basic)], {401}, False),
+            ("Bearer<TAB><key>", [(auth, f"Bearer\t{key}")], {401}, False),
+            ("no Authorization", [], {401}, False),
+            ("empty bearer", [(auth, "Bearer ")], {401}, True),
+        ):
+            self.add("authorization", name, headers, NOBODY, statuses, refused, raw=raw)
+        # A different spelling of one's own valid key is still one's own key: served, billed to the attacker.
+        self.add("authorization", "bearer (lower case) <key>", [(auth, f"bearer {key}")], ATTACKER, {200})
+        self.add("authorization", "BEARER  <key> (two spaces)", [(auth, f"BEARER  {key}")], ATTACKER, {200})
+        trailing = [(auth, f"Bearer {key} ")]
+        self.add("authorization", "Bearer <key> (trailing space)", trailing, ATTACKER, {200}, raw=True)
+        two_cases = [me, ("AUTHORIZATION", f"Bearer {VICTIM}")]
+        name = "Authorization and AUTHORIZATION (the victim's name)"
+        self.add("authorization", name, two_cases, NOBODY, {400, 401}, refused, raw=True)
+
+    def delegation(self) -> None:
+        """On-behalf-of tokens a caller may not use, and one it may (billed to the tenant it names)."""
+        me, delegate = self.me, self.delegate
+        for name, token in (
+            ("non-delegate presents a token issued to a delegate (stolen)", self.for_victim_other),
+            ("non-delegate mints a token naming itself (leaked secret)", self.token(ATTACKER, VICTIM)),
+            ("non-delegate replays the client's token", self.for_client),
+            ("non-delegate, empty token", ""),
+        ):
+            self.add("delegation", name, [me, (OBO, token)], NOBODY, {403}, {"delegation_not_allowed"})
+        for name, caller, token in (
+            (
+                "token signed with the wrong secret",
+                delegate,
+                self.token(DELEGATE, VICTIM, secret=secrets.token_bytes(32)),
+            ),
+            ("expired token (60 s ago)", delegate, self.token(DELEGATE, VICTIM, -60)),
+            ("expired token (1 ms ago)", delegate, self.token(DELEGATE, VICTIM, -0.001)),
+            ("token issued to another delegate", delegate, self.for_victim_other),
+            ("another delegate replays batchsvc's token", self.bearer(OTHER_DELEGATE), self.for_client),
+            ("payload changed to the victim, signature kept", delegate, self.tampered),
+            ("payload changed, no signature", delegate, f"{self.victim_payload}."),
+            ("malformed token", delegate, "a.b.c"),
+            ("token naming an unknown tenant", delegate, self.token(DELEGATE, "nobody-such")),
+        ):
+            self.add("delegation", name, [caller, (OBO, token)], NOBODY, {403}, {"invalid_delegation"})
+        also = [delegate, (OBO, self.for_client), ("x-tenant", VICTIM)]
+        body = {**self.chat, "user": VICTIM}
+        self.add("delegation", "valid token, X-Tenant and user = victim", also, CLIENT, {200}, body=body)
+        # Two tokens: the first is the client's (valid), the second a victim's (forged). Refusing (400) or taking
+        # the first is acceptable; billing the victim is not.
+        two = [delegate, (OBO, self.for_client), (OBO, self.tampered)]
+        self.add("delegation", "two on-behalf-of headers (client's, then a forged victim's)", two, CLIENT, {200, 400})
+        self.add("delegation", "token without a key", [(OBO, self.for_client)], NOBODY, {401}, {"invalid_api_key"})
+
+    def admin_ids_and_reads(self) -> None:
+        """The admin key on the completion paths, the attacker reusing the client's request ids (separate
+        tenants: separate reservations), and reads of the victim's usage."""
+        add, me = self.add, self.me
+        admin = ("authorization", f"Bearer {ADMIN_KEY}")
+        add("admin", "admin key on /v1/chat/completions", [admin], NOBODY, {401, 403})
+        add("admin", "admin key on /v1/completions", [admin], NOBODY, {401, 403}, path=LEGACY)
+        add(
+            "admin",
+            "admin key + on-behalf-of token for the client",
+            [admin, (OBO, self.for_client)],
+            NOBODY,
+            {401, 403},
+        )
+        add("admin", "admin key + X-Tenant: victim", [admin, ("x-tenant", VICTIM)], NOBODY, {401, 403})
+        running = {"body": {**self.chat, "max_tokens": 40}, "request_id": "shared-running", "stage": 1}
+        add("request id", "client's request (40 tokens)", [self.bearer(CLIENT)], CLIENT, {200}, **running)
+        add("request id", "mallory reuses it while it runs", [me], ATTACKER, {200}, **running)
+        reuse = "mallory reuses the client's finished id"
+        add("request id", reuse, [me], ATTACKER, {200}, request_id="client-finished", stage=2)
+        usage: dict[str, Any] = {"path": "/v1/usage", "method": "GET"}
+        mismatch = {"tenant_mismatch"}
+        add("read", "/v1/usage?tenant=victim", [me], NOBODY, {403}, mismatch, params=[("tenant", VICTIM)], **usage)
+        add("read", "/v1/usage with X-Tenant: victim", [me, ("x-tenant", VICTIM)], NOBODY, {403}, mismatch, **usage)
+        forged = [self.delegate, (OBO, self.tampered)]
+        add(
+            "read", "/v1/usage with a forged on-behalf-of token", forged, NOBODY, {403}, {"invalid_delegation"}, **usage
+        )
+        for path in ("/admin/usage", "/admin/reservations"):
+            add("read", f"{path} with a tenant key", [me], NOBODY, {403}, {"admin_only"}, path=path, method="GET")
+
+
+def attacks(config: ForgedConfig, keys: dict[str, str], secret: bytes, model: str) -> list[Attack]:
+    """The attack list for a stack with ``keys`` (tenant -> API key) and the delegation ``secret``."""
+    a = _Attacks(config, keys, secret, model)
+    a.controls_and_fields()
+    a.authorization()
+    a.delegation()
+    a.admin_ids_and_reads()
+    return a.out
+
+
+@dataclass(frozen=True)
 class AttackFigures:
-    outcome: Outcome
+    attack: Attack
+    outcome: RequestRecord  # what its client got
     reservations: tuple[tuple[str, int], ...]  # (tenant, billed output tokens) under its request id
     upstream_salts: tuple[str, ...] | None  # cache_salt of each request the replicas got for it (None: not tapped)
     forwarded: tuple[str, ...] = ()  # SUSPECT_FIELDS the replicas received in its body
 
-    @property
-    def attack(self) -> Attack:
-        return self.outcome.attack
-
-    def problems(self, max_tokens_of: Callable[[Attack], int]) -> list[str]:
+    def problems(self) -> list[str]:
         a, o = self.attack, self.outcome
         out = []
         if o.status not in a.statuses:
-            out.append(f"answered {o.status} {o.code or o.error or ''}, expected {sorted(a.statuses)}")
+            out.append(f"answered {o.status} {o.code or ''}, expected {sorted(a.statuses)}")
         elif o.status != 200 and a.codes and o.code not in a.codes:
             out.append(f"code {o.code}, expected {sorted(a.codes)}")
         if not a.generates:
@@ -617,13 +373,13 @@ class AttackFigures:
             out.append(f"billed to {billed or 'nobody'}, expected {a.billed_to}")
         if VICTIM in billed:
             out.append("BILLED TO THE VICTIM")
-        if o.status == 200 and o.output_tokens != max_tokens_of(a):
-            out.append(f"served {o.output_tokens} tokens, expected {max_tokens_of(a)}")
+        if o.status == 200 and o.usage_output != a.max_tokens:
+            out.append(f"served {o.usage_output} tokens, expected {a.max_tokens}")
         if self.upstream_salts is not None:
             salts = set(self.upstream_salts)
-            if o.status == 200 and a.billed_to != NOBODY and _tag(a.billed_to) not in salts:
+            if o.status == 200 and a.billed_to != NOBODY and tenant_tag(a.billed_to) not in salts:
                 out.append(f"reached the replica under cache scope(s) {sorted(salts)}, not {a.billed_to}'s")
-            if _tag(VICTIM) in salts:
+            if tenant_tag(VICTIM) in salts:
                 out.append("REACHED THE REPLICA UNDER THE VICTIM'S CACHE SCOPE")
         return out
 
@@ -639,279 +395,180 @@ class ForgedFigures:
 
 
 @dataclass(frozen=True)
-class ForgedResult(CheckedResult):
+class ForgedResult(DrillResult):
     config: ForgedConfig
     main: ForgedFigures
     name: str = "forged"
 
-    def max_tokens_of(self, attack: Attack) -> int:
-        return int((attack.body or {}).get("max_tokens", self.config.max_tokens))
-
     def problems(self) -> dict[str, list[str]]:
-        out = {}
-        for f in self.main.attacks:
-            found = f.problems(self.max_tokens_of)
-            if found:
-                out[f"{f.attack.group}: {f.attack.name}"] = found
-        return out
+        found = {f"{f.attack.group}: {f.attack.name}": f.problems() for f in self.main.attacks}
+        return {name: problems for name, problems in found.items() if problems}
 
     def expected_usage(self) -> dict[str, tuple[int, int]]:
         """Tenant -> (requests, output tokens) it legitimately sent: the served attacks expected to bill it."""
-        out: dict[str, list[int]] = {t: [0, 0] for t in self.config.tenants}
+        out = dict.fromkeys(self.config.tenants, (0, 0))
         for f in self.main.attacks:
             a = f.attack
             if a.generates and a.billed_to != NOBODY and f.outcome.status == 200:
-                out[a.billed_to][0] += 1
-                out[a.billed_to][1] += self.max_tokens_of(a)
-        return {t: (n, tokens) for t, (n, tokens) in out.items()}
+                requests, tokens = out[a.billed_to]
+                out[a.billed_to] = (requests + 1, tokens + a.max_tokens)
+        return out
 
     def checks(self) -> dict[str, bool]:
         f = self.main
-        victim = f.usage[VICTIM]
         expected = self.expected_usage()
-        statuses = Counter(a.outcome.status for a in f.attacks)
+        statuses = {a.outcome.status for a in f.attacks}
+        found = [p for ps in self.problems().values() for p in ps]
         return {
             f"all {len(f.attacks)} attacks answered as expected (status, code)": not any(
-                "expected" in p or "code" in p for ps in self.problems().values() for p in ps
+                "expected" in p or "code" in p for p in found
             ),
             "no 5xx, no transport error": not any((s or 0) >= 500 for s in statuses) and None not in statuses,
             "the controls work (the refusals mean something)": all(
                 a.outcome.status == 200 for a in f.attacks if a.attack.group == "control"
             ),
-            "victim: no reservation, no event, zero usage": victim == (0, 0, 0, 0.0) and f.victim_events == 0,
+            "victim: no reservation, no event, zero usage": f.usage[VICTIM] == (0, 0, 0, 0.0) and f.victim_events == 0,
             "victim: no GPU time under its cache scope on any replica": f.victim_salt_ms == 0.0,
             "every request served reached the replica under the billed tenant's cache scope": not any(
-                p.startswith("reached") or "REACHED" in p for ps in self.problems().values() for p in ps
+                p.startswith("reached") or "REACHED" in p for p in found
             ),
             "every served request billed to exactly the tenant expected; every refused one to nobody": not any(
-                p.startswith(("billed", "refused", "BILLED")) for ps in self.problems().values() for p in ps
+                p.startswith(("billed", "refused", "BILLED")) for p in found
             ),
             "each tenant's usage == what it legitimately sent (requests, output tokens)": all(
                 (f.usage[t][0], f.usage[t][2]) == expected[t] for t in self.config.tenants
             ),
         }
 
-    def render(self) -> list[Any]:
-        from rich.table import Table
-
-        f = self.main
-        problems = self.problems()
-        out: list[Any] = [
-            f"[bold]drill forged[/bold]: {len(f.attacks)} requests by {ATTACKER!r} and the delegates "
+    def intro(self) -> list[str]:
+        return [
+            f"[bold]drill forged[/bold]: {len(self.main.attacks)} requests by {ATTACKER!r} and the delegates "
             f"{DELEGATE!r} / {OTHER_DELEGATE!r} try every header, body, query, credential and delegation trick "
             f"to be billed as {VICTIM!r} (who sends nothing), with {CLIENT!r} as the legitimate delegation target; "
-            f"policy {f.policy}.",
+            f"policy {self.main.policy}.",
             f"Claim: none is billed to another tenant; {VICTIM!r}'s usage stays exactly zero.",
         ]
-        table = Table(title="by group", title_justify="left")
-        for column in ("group", "attacks", "answers", "billed to", "wrong"):
-            table.add_column(column, justify="left" if column in ("group", "answers", "billed to") else "right")
+
+    def body(self) -> list[Any]:
+        f, problems = self.main, self.problems()
+        rows = []
         for group in dict.fromkeys(a.attack.group for a in f.attacks):
-            rows = [a for a in f.attacks if a.attack.group == group]
-            answers = Counter(f"{a.outcome.status}" + (f" {a.outcome.code}" if a.outcome.code else "") for a in rows)
-            billed = Counter(t for a in rows for t, _ in a.reservations)
-            table.add_row(
-                group,
-                str(len(rows)),
-                ", ".join(f"{k} x{v}" for k, v in sorted(answers.items())),
-                ", ".join(f"{k} x{v}" for k, v in sorted(billed.items())) or "nobody",
-                str(sum(1 for a in rows if f"{group}: {a.attack.name}" in problems)),
+            mine = [a for a in f.attacks if a.attack.group == group]
+            answers = Counter(f"{a.outcome.status}" + (f" {a.outcome.code}" if a.outcome.code else "") for a in mine)
+            billed = Counter(t for a in mine for t, _ in a.reservations)
+            wrong = sum(1 for a in mine if f"{group}: {a.attack.name}" in problems)
+            rows.append(
+                (group, str(len(mine)), fmt_counts(answers, " x"), fmt_counts(billed, " x") or "nobody", str(wrong))
             )
         refused = sum(1 for a in f.attacks if a.attack.billed_to == NOBODY)
-        table.caption = (
-            f"load: {len(f.attacks)} requests in {f.seconds:.1f} s; faults injected: "
-            f"{len(f.attacks) - sum(1 for a in f.attacks if a.attack.group == 'control')} forgery "
-            f"attempts ({refused} must be refused, the rest served as the caller)"
+        controls = sum(1 for a in f.attacks if a.attack.group == "control")
+        caption = (
+            f"load: {len(f.attacks)} requests in {f.seconds:.1f} s; faults injected: {len(f.attacks) - controls} "
+            f"forgery attempts ({refused} must be refused, the rest served as the caller)"
         )
-        table.caption_justify = "left"
-        out.append(table)
-        usage = Table(title="ledger usage per tenant (expected: what it legitimately sent)", title_justify="left")
-        for column in ("tenant", "requests", "input tok", "output tok", "GPU ms", "expected requests / output tok"):
-            usage.add_column(column, justify="left" if column == "tenant" else "right")
+        by_group = table(
+            "by group",
+            ("group", "attacks", "answers", "billed to", "wrong"),
+            rows,
+            caption,
+            ("group", "answers", "billed to"),
+            ("answers",),
+        )
         expected = self.expected_usage()
-        for tenant, (requests, input_tokens, output_tokens, gpu_ms) in f.usage.items():
-            usage.add_row(
-                tenant,
-                str(requests),
-                str(input_tokens),
-                str(output_tokens),
-                f"{gpu_ms:,.1f}",
-                f"{expected[tenant][0]} / {expected[tenant][1]}",
-            )
-        out.append(usage)
+        columns = ("tenant", "requests", "input tok", "output tok", "GPU ms", "expected requests / output tok")
+        rows = [
+            (t, str(n), str(i), str(o), f"{g:,.1f}", f"{expected[t][0]} / {expected[t][1]}")
+            for t, (n, i, o, g) in f.usage.items()
+        ]
+        usage = table("ledger usage per tenant (expected: what it legitimately sent)", columns, rows)
         wrong = sum(1 for ps in problems.values() for p in ps if "BILLED TO THE VICTIM" in p or p.startswith("billed"))
-        out.append(
+        lost = (
             f"lost: {wrong} requests billed to a wrong tenant; victim usage {f.usage[VICTIM]}, events "
             f"{f.victim_events}, GPU ms under its cache scope {f.victim_salt_ms:g}; converged: immediately "
             "(nothing to release)."
         )
-        forwarded = Counter(k for a in f.attacks for k in a.forwarded)
+        return [
+            by_group,
+            usage,
+            lost,
+            *self._notes(),
+            *(f"[red]{name}[/red]: {'; '.join(ps)}" for name, ps in problems.items()),
+        ]
+
+    def _notes(self) -> list[str]:
+        out = []
+        forwarded = Counter(k for a in self.main.attacks for k in a.forwarded)
         if forwarded:
-            fields = ", ".join(f"{k} x{v}" for k, v in sorted(forwarded.items()))
             out.append(
-                f"[yellow]found[/yellow]: the gateway forwards untrusted tenant-like body fields to the "
-                f"replicas ({fields}); it drops only user, priority, request_id, cache_salt and vLLM's private "
-                "fields. Nothing here acts on them (billing and the cache scope come from the credential), but "
-                "a hop that read a body 'tenant' would be misled."
+                f"[yellow]note[/yellow]: the gateway forwards untrusted tenant-like body fields to the replicas "
+                f"({fmt_counts(forwarded, ' x')}); it drops only user, priority, request_id, cache_salt and vLLM's "
+                "private fields. Nothing here acts on them (billing and the cache scope come from the credential), "
+                "but a hop that read a body 'tenant' would be misled."
             )
-        for a in f.attacks:
+        for a in self.main.attacks:
             if a.attack.name.startswith("two on-behalf-of headers") and a.outcome.status == 200:
-                billed = ", ".join(t for t, _ in a.reservations) or "nobody"
                 out.append(
-                    "[yellow]found[/yellow]: with two X-Fairgate-On-Behalf-Of headers the gateway uses the "
-                    f"first (billed to {billed}), where two Authorization headers are refused (400); a proxy in "
-                    "front that keeps the last would disagree about whom a request bills. Not exploitable "
-                    "without a valid token, but ambiguous."
+                    "[yellow]note[/yellow]: with two X-Fairgate-On-Behalf-Of headers the gateway used one (billed to "
+                    f"{', '.join(t for t, _ in a.reservations) or 'nobody'}) where two Authorization headers are "
+                    "refused; a proxy in front that keeps the other would disagree about whom a request bills."
                 )
-        for name, found in problems.items():
-            out.append(f"[red]{name}[/red]: {'; '.join(found)}")
-        out.extend(self.check_lines())
-        verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
-        out.append(
-            f"{verdict}: {len(f.attacks)} forgery attempts; "
-            + ("none billed to another tenant" if self.passed else "see the FAIL lines")
-            + "."
-        )
         return out
 
-
-async def _send_all(drill: DrillStack, todo: list[Attack]) -> list[Outcome]:
-    import httpx
-
-    async def send(http: httpx.AsyncClient, attack: Attack) -> Outcome:
-        try:
-            if attack.raw:
-                status, content = await _raw_request(drill.url, attack)
-            else:
-                reply = await http.request(
-                    attack.method,
-                    drill.url + attack.path,
-                    headers=list(attack.headers),
-                    params=list(attack.params),
-                    json=attack.body,
-                )
-                status, content = reply.status_code, reply.content
-        except (httpx.HTTPError, OSError, ValueError) as exc:
-            return Outcome(attack, None, None, None, f"{type(exc).__name__}: {exc}")
-        code = tokens = None
-        try:
-            document = json.loads(content)
-        except ValueError:
-            document = None
-        if isinstance(document, dict):
-            if status != 200:
-                code = (document.get("error") or {}).get("code")
-            elif isinstance(document.get("usage"), dict):
-                tokens = document["usage"].get("completion_tokens")
-        return Outcome(attack, status, code, tokens)
-
-    outcomes: dict[str, Outcome] = {}
-    async with httpx.AsyncClient(timeout=60.0) as http:
-        for stage in sorted({a.stage for a in todo}):
-            batch = [a for a in todo if a.stage == stage]
-            for attack, outcome in zip(batch, await asyncio.gather(*(send(http, a) for a in batch))):
-                outcomes[f"{attack.request_id}|{attack.name}"] = outcome
-    return [outcomes[f"{a.request_id}|{a.name}"] for a in todo]
+    def verdict(self) -> str:
+        done = "none billed to another tenant" if self.passed else "see the FAIL lines"
+        return f"{len(self.main.attacks)} forgery attempts; {done}."
 
 
-async def _raw_request(base_url: str, attack: Attack) -> tuple[int, bytes]:
-    """Send ``attack`` as HTTP/1.1 bytes, its headers exactly as given; (status, body)."""
-    from urllib.parse import urlencode, urlsplit
-
-    where = urlsplit(base_url)
-    body = b"" if attack.body is None else json.dumps(attack.body).encode("utf-8")
-    target = attack.path + (f"?{urlencode(attack.params)}" if attack.params else "")
-    lines = [
-        f"{attack.method} {target} HTTP/1.1",
-        f"host: {where.netloc}",
-        "connection: close",
-        *(f"{name}: {value}" for name, value in attack.headers),
-    ]
-    if body:
-        lines += ["content-type: application/json", f"content-length: {len(body)}"]
-    reader, writer = await asyncio.open_connection(where.hostname, where.port)
-    try:
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        await writer.drain()
-        answer = await asyncio.wait_for(reader.read(), timeout=60.0)
-    finally:
-        writer.close()
-    head, _, content = answer.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    if b"transfer-encoding: chunked" in head.lower():
-        content = _dechunk(content)
-    return status, content
-
-
-def _dechunk(data: bytes) -> bytes:
-    out = b""
-    while data:
-        size_line, _, data = data.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out, data = out + data[:size], data[size + 2 :]
-    return out
+async def send_all(generator: LoadGenerator, todo: list[Attack]) -> list[RequestRecord]:
+    """Every attack's answer, stage by stage (within a stage, all at once), in the order of ``todo``."""
+    answers: dict[int, RequestRecord] = {}
+    for stage in sorted({a.stage for a in todo}):
+        batch = [i for i, a in enumerate(todo) if a.stage == stage]
+        for i, record in zip(
+            batch, await asyncio.gather(*(generator.send_http(todo[i].request) for i in batch)), strict=True
+        ):
+            answers[i] = record
+    return [answers[i] for i in range(len(todo))]
 
 
 def run(options: DrillOptions, config: ForgedConfig | None = None) -> ForgedResult:
     """Run the drill under ``options.policy`` (``seconds`` and ``compare`` do not apply)."""
     config = config or ForgedConfig()
-    spec = config.spec(options.policy, options.processes)
     secret = secrets.token_urlsafe(32)
-    with open_stack(
-        spec,
-        extra_config=config.extra_config(),
-        environment={SECRET_ENV: secret},
-        gateway_process=config.gateway_process,
-    ) as drill:
-        todo = attacks(config, drill.keys, secret.encode("utf-8"), spec.model)
+    with start_stack(config.spec(options.policy, options.processes, secret)) as stack:
+        todo = attacks(config, stack.keys, secret.encode("utf-8"), stack.spec.model)
+        return ForgedResult(config, asyncio.run(_run(stack, config, todo, options.policy)))
 
-        async def go() -> ForgedFigures:
-            start = time.monotonic()
-            outcomes = await _send_all(drill, todo)
-            seconds = time.monotonic() - start
-            await asyncio.sleep(0.2)  # the last settlements
-            ledger = await open_ledger(drill.stack)
-            try:
-                reservations = await ledger.reservations()
-                usage = {}
-                for tenant in config.tenants:
-                    u = await ledger.usage(tenant, 10 * 365 * 86_400)
-                    usage[tenant] = (u.requests, u.input_tokens, u.output_tokens, u.gpu_ms)
-                victim_events = len(await ledger.events(VICTIM))
-            finally:
-                await ledger.close()
-            by_id: dict[str, list[tuple[str, int]]] = {}
-            for r in reservations:
-                by_id.setdefault(r.request_id, []).append((r.tenant, r.billed.output_tokens))
-            # Request ids reused across tenants (the collision attacks) are matched by the tenant billed.
-            bodies: dict[str, list[Any]] = {}
-            for tap in drill.taps:
-                for tag, received in tap.bodies.items():
-                    bodies.setdefault(tag, []).extend(received)
-            tapped = bool(drill.taps)
-            figures = []
-            for outcome in outcomes:
-                attack = outcome.attack
-                found = by_id.get(attack.request_id, [])
-                received = bodies.get(attack.request_id, [])
-                shared = sum(1 for a in todo if a.request_id == attack.request_id) > 1
-                if shared:  # the request-id collisions: each attack's share is its tenant's
-                    found = [r for r in found if r[0] == attack.billed_to]
-                    received = [b for b in received if b.get("cache_salt") == _tag(attack.billed_to)]
-                forwarded = sorted({k for b in received for k in SUSPECT_FIELDS if k in b})
-                figures.append(
-                    AttackFigures(
-                        outcome,
-                        tuple(found),
-                        tuple(str(b.get("cache_salt")) for b in received) if tapped else None,
-                        tuple(forwarded),
-                    )
-                )
-            stats = await replica_stats(drill)
-            victim_ms = sum(float(s["charge_rule_ms_by_cache_salt"].get(_tag(VICTIM), 0.0)) for s in stats)
-            return ForgedFigures(options.policy, figures, usage, victim_events, victim_ms, seconds)
 
-        figures = asyncio.run(go())
-    return ForgedResult(config, figures)
+async def _run(stack: Stack, config: ForgedConfig, todo: list[Attack], policy: str) -> ForgedFigures:
+    async with LoadGenerator(stack.url, stack.keys, stack.spec.model) as generator:
+        answers = await send_all(generator, todo)
+        seconds = generator.now()
+    await asyncio.sleep(0.2)  # the last settlements
+    ledger = await stack.open_ledger()
+    try:
+        reservations = await ledger.reservations()
+        usage = {}
+        for tenant in config.tenants:
+            u = await ledger.usage(tenant, ALL_TIME_S)
+            usage[tenant] = (u.requests, u.input_tokens, u.output_tokens, u.gpu_ms)
+        victim_events = len(await ledger.events(VICTIM))
+    finally:
+        await ledger.close()
+    by_id: dict[str, list[tuple[str, int]]] = {}
+    for r in reservations:
+        by_id.setdefault(r.request_id, []).append((r.tenant, r.billed.output_tokens))
+    bodies = stack.tapped("bodies")
+    tapped = any(r.tap is not None for r in stack.replicas)
+    shared = Counter(a.request_id for a in todo)
+    figures = []
+    for attack, answer in zip(todo, answers, strict=True):
+        found, received = by_id.get(attack.request_id, []), bodies.get(attack.request_id, [])
+        if shared[attack.request_id] > 1:  # the request-id collisions: each attack's share is its tenant's
+            found = [r for r in found if r[0] == attack.billed_to]
+            received = [b for b in received if b.get("cache_salt") == tenant_tag(attack.billed_to)]
+        forwarded = tuple(sorted({k for b in received for k in SUSPECT_FIELDS if k in b}))
+        salts = tuple(str(b.get("cache_salt")) for b in received) if tapped else None
+        figures.append(AttackFigures(attack, answer, tuple(found), salts, forwarded))
+    victim_ms = sum(s.charge_ms_by_salt.get(tenant_tag(VICTIM), 0.0) for s in await stack.replica_stats())
+    return ForgedFigures(policy, figures, usage, victim_events, victim_ms, seconds)

@@ -24,394 +24,31 @@ stopped with SIGTERM after ``warmup_s``; the load goes on ``after_s`` past its r
 stop sending and let what runs finish. Time to converge: from the ledger answering again until every
 request admitted before then has ended and is reconciled in the ledger and the journal is empty.
 
-The pieces here (a restartable throwaway Redis, a gateway configuration with tiers, a closed-loop client
-that records each request by id) are also used by the ``restart`` drill.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
-import os
-import random
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fairgate.drills import CheckedResult, DrillOptions
-from fairgate.drills.stack import STARTUP_S_MAX, ReplicaModel, fairgate_process, free_port, serve_in_thread
-from fairgate.gateway.auth import hash_api_key
+from fairgate.drills import DrillOptions
+from fairgate.drills.report import DrillResult, fmt_counts, table
+from fairgate.harness.config import UNBOUNDED, TenantSpec
+from fairgate.harness.loadgen import LoadGenerator, TenantLoad
+from fairgate.harness.logs import LogCapture, log_lines, summarise_log
+from fairgate.harness.records import RequestRecord
+from fairgate.harness.redis import redis_server, redis_url
+from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack, temporary_folder
 from fairgate.ledger.base import tenant_tag
+from fairgate.ledger.config import EmergencyConfig, TierConfig
 
 EMERGENCY_PREFIX = "emg-"  # fairgate.ledger.emergency.EMERGENCY_PREFIX (ids of emergency grants)
-MODEL = "emu"
-CHAT_OVERHEAD_TOKENS = 3  # the emulator counts 3 tokens of template per chat message
-
-
-# --- a throwaway Redis that can be stopped and started again ---------------------------------------------
-
-
-class RedisServer:
-    """A ``redis-server`` of its own on a free port of 127.0.0.1, with its data in ``folder``.
-
-    ``durable`` (default): append-only file with ``appendfsync always``, so stopping (even SIGKILL) and
-    starting it again keeps every write it acknowledged - a ledger outage, not a ledger wipe. Never the
-    shared server: ``stop`` only ever signals the process this object started.
-    """
-
-    def __init__(self, folder: Path, durable: bool = True, binary: str | None = None) -> None:
-        found = binary or shutil.which("redis-server")
-        if found is None:
-            raise RuntimeError("the drill needs redis-server (Debian: apt-get install redis-server)")
-        self.binary = found
-        self.folder = folder
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.durable = durable
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def url(self, prefix: str, timeout_s: float = 1.0) -> str:
-        return f"redis://127.0.0.1:{self.port}/0?prefix={prefix}&timeout_s={timeout_s:g}"
-
-    def start(self) -> None:
-        """Start it (again, on the same port and data) and wait until it answers PING."""
-        if self.process is not None and self.process.poll() is None:
-            return
-        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
-        log = open(self.folder / "redis.log", "ab")  # noqa: SIM115 - the child keeps it
-        try:
-            self.process = subprocess.Popen(
-                [
-                    self.binary,
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--dir",
-                    str(self.folder),
-                    "--save",
-                    "",
-                    *persistence,
-                    "--daemonize",
-                    "no",
-                    "--protected-mode",
-                    "no",
-                ],
-                stdout=log,
-                stderr=log,
-            )
-        finally:
-            log.close()
-        deadline = time.monotonic() + STARTUP_S_MAX
-        while not self.answers():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {self.port} (log: {self.folder}/redis.log)")
-            time.sleep(0.02)
-
-    def answers(self) -> bool:
-        """True when the server answers PING with PONG (not while it loads its data)."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop it (SIGTERM: a clean shutdown; SIGKILL: a crash) and wait until the process is gone."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(sig)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=30)
-
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop(signal.SIGKILL)
-
-
-# --- a gateway configuration with tiers --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DrillTenant:
-    """A tenant of a drill's gateway: its tier (``reject``, ``emergency`` or another tier's name) and limits."""
-
-    name: str
-    tier: str = "reject"
-    limits: dict[str, int | float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Emergency:
-    """An emergency tier's local budget (per gateway process, per tenant, per outage)."""
-
-    requests: int
-    tokens: int
-    seconds: float
-
-
-def api_key(tenant: str) -> str:
-    return f"fg-drill-{tenant}-{'k' * 32}"
-
-
-ADMIN_KEY = f"fg-drill-admin-{'a' * 32}"
-
-
-def gateway_config(
-    folder: Path,
-    ledger_url: str,
-    upstream_urls: list[str],
-    replica: ReplicaModel,
-    tenants: list[DrillTenant],
-    policy: str,
-    sweep_s: float,
-    reservation_ttl_s: float,
-    emergency: Emergency | None = None,
-    upstream_max_batch: int | None = None,
-    share_charges_s: float = 0.25,
-) -> str:
-    """A gateway TOML: the ledger at ``ledger_url``, journal and request log in ``folder``, one upstream per
-    URL (model ``emu``), tiers ``reject`` and (with ``emergency``) ``emergency``, a key per tenant (see
-    ``api_key``) and the admin key ``ADMIN_KEY``."""
-    r = replica
-    batch = upstream_max_batch or r.max_batch
-    upstreams = "".join(
-        f'[[upstream]]\nname = "emu-{i}"\nurl = "{url}/v1"\nmodel = "{MODEL}"\nmax_batch = {batch}\n'
-        f"iter_base_ms = {r.iter_base_ms!r}\niter_slope_ms = {r.iter_slope_ms!r}\n"
-        f"prefill_ms_per_token = {r.prefill_ms_per_token!r}\nmax_model_len = {r.max_model_len}\n\n"
-        for i, url in enumerate(upstream_urls)
-    )
-    tiers = '[quotas.tiers.reject]\non_ledger_unavailable = "reject"\n'
-    if emergency is not None:
-        tiers += (
-            f'[quotas.tiers.emergency]\non_ledger_unavailable = "emergency"\nemergency = {{ requests = '
-            f"{emergency.requests}, tokens = {emergency.tokens}, seconds = {float(emergency.seconds)!r} }}\n"
-        )
-    defaults = (
-        f"[quotas.defaults]\nmax_concurrent = 100000\nmax_queued = 100000\n"
-        f"reservation_ttl_s = {float(reservation_ttl_s)!r}\n"
-    )
-    blocks = ""
-    for t in tenants:
-        limits = ", ".join(f"{k} = {v!r}" for k, v in t.limits.items())
-        blocks += f'[quotas.tenants."{t.name}"]\ntier = "{t.tier}"\n' + (f"limits = {{ {limits} }}\n" if limits else "")
-    keys = "".join(
-        f'[[key]]\ntenant = "{t.name}"\nhash = "{hash_api_key(api_key(t.name))}"\nname = "drill"\n' for t in tenants
-    )
-    return (
-        f'[gateway]\npolicy = "{policy}"\nledger = "{ledger_url}"\njournal = "{folder}/journal.jsonl"\n'
-        f'event_log = "{folder}/events.jsonl"\ndefault_max_tokens = 256\nrequest_timeout_s = 600\n'
-        f"sweep_s = {float(sweep_s)!r}\nshare_charges_s = {float(share_charges_s)!r}\n\n"
-        f'{upstreams}[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n\n{tiers}\n{defaults}\n{blocks}\n{keys}'
-    )
-
-
-def emulator_args(replica: ReplicaModel, port: int, max_batch: int | None = None) -> list[str]:
-    r = replica
-    return [
-        "emulate",
-        "--port",
-        str(port),
-        "--model",
-        MODEL,
-        "--iter-base-ms",
-        repr(r.iter_base_ms),
-        "--iter-slope-ms",
-        repr(r.iter_slope_ms),
-        "--prefill-ms-per-token",
-        repr(r.prefill_ms_per_token),
-        "--max-batch",
-        str(max_batch or r.max_batch),
-        "--max-model-len",
-        str(r.max_model_len),
-    ]
-
-
-# --- clients that record every request by id ---------------------------------------------------------------
-
-
-@dataclass
-class Call:
-    """One request as its client saw it.
-
-    Attributes:
-        target: which gateway it was sent to (a label). request_id: its ``X-Request-Id``.
-        sent_s / first_s / ended_s: seconds since the drill's start (first_s: first content token).
-        outcome: ``ok``, ``error`` (an HTTP error status before the stream), ``connection`` (the connection
-            failed or broke), ``stream`` (an error event inside the stream), ``running`` (not ended yet).
-        status / code / retry_after: the HTTP status, OpenAI error code and ``Retry-After`` header of an error.
-        tokens: content tokens received. usage_input / usage_output: the usage chunk the client was sent.
-    """
-
-    tenant: str
-    target: str
-    request_id: str
-    max_tokens: int
-    sent_s: float
-    first_s: float | None = None
-    ended_s: float | None = None
-    outcome: str = "running"
-    status: int | None = None
-    code: str | None = None
-    retry_after: str | None = None
-    tokens: int = 0
-    usage_input: int | None = None
-    usage_output: int | None = None
-
-    @property
-    def admitted(self) -> bool:
-        """It ran (at least started) on an upstream: the ledger must hold a reservation for it."""
-        return self.outcome == "ok" or self.tokens > 0
-
-    def key(self) -> str:
-        if self.outcome == "error":
-            return f"{self.status}:{self.code}"
-        return self.outcome
-
-
-@dataclass(frozen=True)
-class ClientLoad:
-    """``clients`` closed-loop clients of ``tenant`` against the gateway labelled ``target``."""
-
-    tenant: str
-    target: str
-    clients: int
-    output_tokens: tuple[int, int]
-    prompt_tokens: int = 32
-    backoff_s: float = 0.5  # after an error
-
-
-class Clients:
-    """Closed-loop clients on the real ``openai`` client; every request recorded in ``calls`` (by id)."""
-
-    def __init__(self, urls: dict[str, str], seed: int = 1) -> None:
-        self.urls = dict(urls)  # target label -> gateway base URL
-        self.seed = seed
-        self.start = time.monotonic()
-        self.wall_start = time.time()  # the same instant on the wall clock (the ledger's clock is the machine's)
-        self.calls: list[Call] = []
-        self.active: dict[str, Call] = {}
-        self._openai: dict[tuple[str, str], Any] = {}
-
-    def now(self) -> float:
-        return time.monotonic() - self.start
-
-    def _client(self, target: str, tenant: str) -> Any:
-        import openai
-
-        key = (target, tenant)
-        if key not in self._openai:
-            self._openai[key] = openai.AsyncOpenAI(
-                base_url=f"{self.urls[target]}/v1", api_key=api_key(tenant), max_retries=0, timeout=600.0
-            )
-        return self._openai[key]
-
-    async def one(self, load: ClientLoad, request_id: str, max_tokens: int) -> Call:
-        import httpx
-        import openai
-
-        call = Call(load.tenant, load.target, request_id, max_tokens, self.now())
-        self.calls.append(call)
-        self.active[request_id] = call
-        try:
-            stream: Any = await self._client(load.target, load.tenant).chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": "w " * (load.prompt_tokens - CHAT_OVERHEAD_TOKENS)}],
-                max_tokens=max_tokens,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-                extra_headers={"x-request-id": request_id},
-            )
-            async with stream:
-                async for chunk in stream:
-                    if chunk.usage is not None:
-                        call.usage_input, call.usage_output = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        if call.first_s is None:
-                            call.first_s = self.now()
-                        call.tokens += 1
-            call.outcome = "ok"
-        except asyncio.CancelledError:
-            call.outcome = "cut"
-            raise
-        except openai.APIStatusError as exc:
-            call.outcome, call.status, call.code = "error", exc.status_code, exc.code
-            call.retry_after = exc.response.headers.get("retry-after")
-        except (openai.APIConnectionError, httpx.TransportError):
-            call.outcome = "connection"
-        except openai.APIError as exc:
-            call.outcome, call.code = "stream", exc.code
-        except Exception as exc:
-            call.outcome, call.code = "client", type(exc).__name__
-        finally:
-            call.ended_s = self.now()
-            self.active.pop(request_id, None)
-        return call
-
-    async def closed_loop(self, load: ClientLoad, index: int, until_s: float) -> None:
-        """Send one request after another until ``until_s`` (then let the last one finish)."""
-        rng = random.Random(f"{self.seed}-{load.tenant}-{load.target}-{index}")
-        n = 0
-        await asyncio.sleep(0.05 * index)  # spread the first requests a little
-        while self.now() < until_s:
-            n += 1
-            call = await self.one(load, f"{load.target}-{load.tenant}-{index}-{n}", rng.randint(*load.output_tokens))
-            if call.outcome != "ok":
-                await asyncio.sleep(load.backoff_s * (1 + 0.2 * rng.random()))
-
-    async def close(self) -> None:
-        for client in self._openai.values():
-            await client.close()
-
-
-def read_journal(path: Path) -> list[dict[str, Any]]:
-    """The records of a gateway's emergency journal (none if it does not exist)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The records of a gateway's request log (``[gateway].event_log``), rotated files included."""
-    from fairgate.gateway.eventlog import read_records
-
-    if not path.exists():
-        return []
-    return [record for _, _, record in read_records(path)]
-
-
-@contextlib.contextmanager
-def drill_folder(prefix: str, keep: bool = False) -> Iterator[Path]:
-    """A temporary folder for a drill's files, deleted after (kept with ``FAIRGATE_DRILL_KEEP=1``)."""
-    keep = keep or os.environ.get("FAIRGATE_DRILL_KEEP") == "1"
-    folder = Path(tempfile.mkdtemp(prefix=prefix))
-    try:
-        yield folder
-    finally:
-        if not keep:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-# --- the drill ---------------------------------------------------------------------------------------------
+EDGE_S = 1.0  # a request sent this close before the restart may reach the ledger once it is back
 
 
 @dataclass(frozen=True)
@@ -439,14 +76,10 @@ class OutageConfig:
     clients: int = 4
     output_tokens: tuple[int, int] = (8, 24)
     prompt_tokens: int = 32
-    emergency: Emergency = field(default_factory=lambda: Emergency(requests=6, tokens=400, seconds=120.0))
+    emergency: EmergencyConfig = field(default_factory=lambda: EmergencyConfig(requests=6, tokens=400, seconds=120.0))
     reservation_ttl_s: float = 60.0
     sweep_s: float = 1.0
-    replica: ReplicaModel = field(
-        default_factory=lambda: ReplicaModel(
-            iter_base_ms=50.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=12, max_model_len=4096
-        )
-    )
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(50.0, 0.5, 0.02, 12, 4096))
     backoff_s: float = 0.5
     converge_s_max: float = 10.0
     drain_s_max: float = 15.0
@@ -456,8 +89,37 @@ class OutageConfig:
             raise ValueError(f"outage drill: an outage of {self.outage_s:g} s is too short (at least 2 s)")
 
     @property
-    def tenants(self) -> list[DrillTenant]:
-        return [DrillTenant(self.free, "reject"), DrillTenant(self.paid, "emergency")]
+    def tenants(self) -> tuple[TenantSpec, ...]:
+        return (TenantSpec(self.free, tier="reject"), TenantSpec(self.paid, tier="emergency"))
+
+    def spec(self, policy: str, processes: bool, ledger_url: str) -> StackSpec:
+        emergency = TierConfig(on_ledger_unavailable="emergency", emergency=self.emergency)
+        return StackSpec(
+            self.tenants,
+            policy,
+            replicas(1),
+            self.replica,
+            processes,
+            ledger=ledger_url,
+            tiers={"reject": TierConfig(), "emergency": emergency},
+            defaults=UNBOUNDED.model_copy(update={"reservation_ttl_s": self.reservation_ttl_s}),
+            sweep_s=self.sweep_s,
+            admin=True,
+        )
+
+    def loads(self) -> list[TenantLoad]:
+        return [
+            TenantLoad(
+                t.name,
+                clients=self.clients,
+                output_tokens=self.output_tokens,
+                prompt_tokens=self.prompt_tokens,
+                ramp_s=0.05 * self.clients,  # spread the first requests a little
+                error_backoff_s=self.backoff_s,
+                backoff_jitter=0.2,
+            )
+            for t in self.tenants
+        ]
 
 
 @dataclass(frozen=True)
@@ -511,7 +173,7 @@ class OutageFigures:
 
 
 @dataclass(frozen=True)
-class OutageResult(CheckedResult):
+class OutageResult(DrillResult):
     config: OutageConfig
     figures: OutageFigures
     processes: bool
@@ -526,13 +188,14 @@ class OutageResult(CheckedResult):
             "load held before and after the outage (both tenants served)": all(
                 t.phases[p].ok > 0 for t in f.tenants.values() for p in ("before", "after")
             ),
-            f"reject tier: every request sent during the outage got 503 + Retry-After ({during_free.sent} sent)": during_free.sent
-            > 0
-            and during_free.refused_503 == during_free.sent,
-            f"emergency tier admitted within its budget ({budget.requests} requests, {budget.tokens} tokens)": paid.grants
-            <= budget.requests
-            and paid.grant_tokens <= budget.tokens
-            and during_paid.ok <= budget.requests,
+            f"reject tier: every request sent during the outage got 503 + Retry-After ({during_free.sent} sent)": (
+                during_free.sent > 0 and during_free.refused_503 == during_free.sent
+            ),
+            f"emergency tier admitted within its budget ({budget.requests} requests, {budget.tokens} tokens)": (
+                paid.grants <= budget.requests
+                and paid.grant_tokens <= budget.tokens
+                and during_paid.ok <= budget.requests
+            ),
             "emergency tier: the budget was used, and past it 503 + Retry-After": paid.grants > 0
             and during_paid.refused_503 > 0
             and during_paid.ok + during_paid.refused_503 == during_paid.sent,
@@ -547,9 +210,8 @@ class OutageResult(CheckedResult):
             ),
             "every request is billed exactly what its client received (or nothing, if refused)": not f.mismatches,
             "ledger totals == what the clients received (requests, input and output tokens)": all(
-                t.ledger_requests == t.client_requests
-                and t.ledger_input == t.client_input
-                and t.ledger_output == t.client_output
+                (t.ledger_requests, t.ledger_input, t.ledger_output)
+                == (t.client_requests, t.client_input, t.client_output)
                 for t in f.tenants.values()
             ),
             "ledger GPU time == the gateway's meter, per request (to the request log's 1 us)": all(
@@ -559,75 +221,76 @@ class OutageResult(CheckedResult):
             f"converged within {c.converge_s_max:g} s of the ledger's return": f.converge_s is not None,
         }
 
-    def render(self) -> list[Any]:
-        from rich.table import Table
-
+    def intro(self) -> list[str]:
         c, f = self.config, self.figures
-        out: list[Any] = [
-            f"[bold]drill outage[/bold]: ledger = a throwaway redis-server (AOF, fsync always); tenants "
-            f"{c.free!r} (tier reject) and {c.paid!r} (tier emergency: {c.emergency.requests} requests, "
-            f"{c.emergency.tokens} tokens, {c.emergency.seconds:g} s), {c.clients} closed-loop clients each "
-            f"(outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens), gateway "
-            f"{'process' if self.processes else 'in-process'}, sweep {c.sweep_s:g} s, reservation TTL "
+        e = c.emergency
+        return [
+            f"[bold]drill outage[/bold]: ledger = a throwaway redis-server (AOF, fsync always); tenants {c.free!r} "
+            f"(tier reject) and {c.paid!r} (tier emergency: {e.requests} requests, {e.tokens} tokens, {e.seconds:g} "
+            f"s), {c.clients} closed-loop clients each (outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens), "
+            f"gateway {'process' if self.processes else 'in-process'}, sweep {c.sweep_s:g} s, reservation TTL "
             f"{c.reservation_ttl_s:g} s.",
             f"Fault: SIGTERM to the ledger server at {f.stop_at_s:.1f} s (gone at {f.down_at_s:.1f} s), started "
             f"again at {f.restart_at_s:.1f} s, answering at {f.up_at_s:.1f} s: down {f.up_at_s - f.down_at_s:.1f} s. "
-            f"Journal just before the restart: "
-            + (", ".join(f"{n} {kind}" for kind, n in sorted(f.journal_at_restart.items())) or "empty")
-            + ".",
+            f"Journal just before the restart: {fmt_counts(f.journal_at_restart) or 'empty'}.",
         ]
-        table = Table(title="requests by phase (sent / ok / 503+Retry-After / other)", title_justify="left")
-        for column in ("tenant", "tier", "before", "during outage", "edges", "after", "grants (tokens)"):
-            table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
-        for t in f.tenants.values():
-            cells = []
-            for name in ("before", "during", "edge", "after"):
-                ph = t.phases[name]
-                odd = sum(ph.odd.values())
-                cells.append(f"{ph.sent} / {ph.ok} / {ph.refused_503} / {odd}")
-            table.add_row(t.tenant, t.tier, *cells, f"{t.grants} ({t.grant_tokens})")
-        table.caption = (
+
+    def body(self) -> list[Any]:
+        f = self.figures
+        tenants = f.tenants.values()
+        phases = [
+            (
+                t.tenant,
+                t.tier,
+                *(_cells(t.phases[p]) for p in ("before", "during", "edge", "after")),
+                f"{t.grants} ({t.grant_tokens})",
+            )
+            for t in tenants
+        ]
+        caption = (
             "grants: emergency reservations from the local budget (their prompt + max output tokens); "
             f"'during' = sent from the server's exit to {EDGE_S:g} s before its restart"
         )
-        table.caption_justify = "left"
-        out.append(table)
-        ledger = Table(title="clients vs ledger, whole run", title_justify="left")
-        for column in (
-            "tenant",
-            "requests ok / billed",
-            "input tokens client / billed",
-            "output tokens client / billed",
-            "GPU ms metered / billed",
-        ):
-            ledger.add_column(column, justify="left" if column == "tenant" else "right")
-        for t in f.tenants.values():
-            ledger.add_row(
+        columns = ("tenant", "tier", "before", "during outage", "edges", "after", "grants (tokens)")
+        out: list[Any] = [
+            table(
+                "requests by phase (sent / ok / 503+Retry-After / other)", columns, phases, caption, ("tenant", "tier")
+            )
+        ]
+        rows = [
+            (
                 t.tenant,
                 f"{t.client_requests} / {t.ledger_requests}",
                 f"{t.client_input:,} / {t.ledger_input:,}",
                 f"{t.client_output:,} / {t.ledger_output:,}",
                 f"{t.metered_gpu_ms:,.1f} / {t.ledger_gpu_ms:,.1f}",
             )
-        ledger.caption = (
-            f"reservations at the end: {dict(sorted(f.statuses.items()))}; open {f.open_left}, orphans "
-            f"{f.orphans}; journal records left {f.journal_left}"
+            for t in tenants
+        ]
+        columns = ("tenant", "requests ok / billed", "input tokens client / billed", "output tokens client / billed")
+        caption = (
+            f"reservations at the end: {dict(sorted(f.statuses.items()))}; open {f.open_left}, orphans {f.orphans}; "
+            f"journal records left {f.journal_left}"
         )
-        ledger.caption_justify = "left"
-        out.append(ledger)
+        out.append(table("clients vs ledger, whole run", (*columns, "GPU ms metered / billed"), rows, caption))
+        out.append(self._load_line())
+        out += [f"  [red]mismatch[/red] {line}" for line in f.mismatches[:12]]
+        out += [f"  ... and {len(f.mismatches) - 12} more"] if len(f.mismatches) > 12 else []
+        return out + [f"  gateway: {line}" for line in f.gateway_log[:8]]
+
+    def _load_line(self) -> str:
+        f, tenants = self.figures, self.figures.tenants.values()
         unbilled = {
-            kind: sum(getattr(t, f"client_{kind}") - getattr(t, f"ledger_{kind}") for t in f.tenants.values())
+            kind: sum(getattr(t, f"client_{kind}") - getattr(t, f"ledger_{kind}") for t in tenants)
             for kind in ("requests", "input", "output")
         }
-        unbilled_gpu = sum(t.metered_gpu_ms - t.ledger_gpu_ms for t in f.tenants.values())
-        gpu_mismatches = sum(t.gpu_mismatches for t in f.tenants.values())
+        unbilled_gpu = sum(t.metered_gpu_ms - t.ledger_gpu_ms for t in tenants)
+        gpu_mismatches = sum(t.gpu_mismatches for t in tenants)
         lost = [
-            f"{len({m.split(':')[0] for m in f.mismatches})} requests billed differently from what their client "
-            "received"
+            f"{len({m.split(':')[0] for m in f.mismatches})} requests billed other than what their client received"
             if f.mismatches
             else "",
-            f"{unbilled['requests']} requests, {unbilled['input']:,} input and {unbilled['output']:,} output "
-            "tokens, "
+            f"{unbilled['requests']} requests, {unbilled['input']:,} input and {unbilled['output']:,} output tokens, "
             f"{unbilled_gpu:,.1f} GPU ms ({gpu_mismatches} requests) not billed"
             if any(unbilled.values()) or gpu_mismatches
             else "",
@@ -636,191 +299,148 @@ class OutageResult(CheckedResult):
             f"{f.journal_left} journal records never replayed" if f.journal_left else "",
         ]
         lost = [item for item in lost if item]
-        refused = sum(ph.refused_503 for t in f.tenants.values() for ph in t.phases.values())
-        out.append(
-            f"Load held: {sum(ph.sent for t in f.tenants.values() for ph in t.phases.values())} requests "
-            f"sent, {sum(t.client_requests for t in f.tenants.values())} served, {refused} refused with 503 + "
-            "Retry-After while the ledger was down. Lost: "
-            f"{'; '.join(lost) if lost else 'nothing'}. Time to converge: "
-            + (f"{f.converge_s:.2f} s" if f.converge_s is not None else f"not within {c.converge_s_max:g} s")
-            + " after the ledger answered again (the gateway replays its journal by itself)."
+        refused = sum(ph.refused_503 for t in tenants for ph in t.phases.values())
+        converge = (
+            f"{f.converge_s:.2f} s" if f.converge_s is not None else f"not within {self.config.converge_s_max:g} s"
         )
-        for line in f.mismatches[:12]:
-            out.append(f"  [red]mismatch[/red] {line}")
-        if len(f.mismatches) > 12:
-            out.append(f"  ... and {len(f.mismatches) - 12} more")
-        for line in f.gateway_log[:8]:
-            out.append(f"  gateway: {line}")
-        out.extend(self.check_lines())
-        out.append(
-            f"{'[green]PASS[/green]' if self.passed else '[red]FAIL[/red]'}: ledger down "
-            f"{f.up_at_s - f.down_at_s:.1f} s under load."
+        return (
+            f"Load held: {sum(ph.sent for t in tenants for ph in t.phases.values())} requests sent, "
+            f"{sum(t.client_requests for t in tenants)} served, {refused} refused with 503 + Retry-After while the "
+            f"ledger was down. Lost: {'; '.join(lost) if lost else 'nothing'}. Time to converge: {converge} after the "
+            "ledger answered again (the gateway replays its journal by itself)."
         )
-        return out
+
+    def verdict(self) -> str:
+        f = self.figures
+        return f"ledger down {f.up_at_s - f.down_at_s:.1f} s under load."
 
 
-EDGE_S = 1.0  # a request sent this close before the restart may reach the ledger once it is back
+def _cells(ph: Phase) -> str:
+    return f"{ph.sent} / {ph.ok} / {ph.refused_503} / {sum(ph.odd.values())}"
 
 
-def _phase_of(call: Call, stop_at: float, down_at: float, restart_at: float, up_at: float) -> str:
+def _key(record: RequestRecord) -> str:
+    return record.error or record.outcome
+
+
+def _phase_of(record: RequestRecord, stop_at: float, down_at: float, restart_at: float, up_at: float) -> str:
     """``before`` the stop, ``during`` the outage (sent once the server was gone and at least ``EDGE_S``
     before its restart, so it reached the gateway's reservation while the ledger was down), ``after`` it
-    answered again, else ``edge``. (``_figures`` also counts as ``edge`` a request sent during the outage
-    that the ledger shows reserved after the restart: one that was slow to reach the gateway.)"""
-    if call.sent_s < stop_at:
+    answered again, else ``edge``. (``tenant_figures`` also counts as ``edge`` a request sent during the
+    outage that the ledger shows reserved after the restart: one that was slow to reach the gateway.)"""
+    if record.sent_s < stop_at:
         return "before"
-    if down_at <= call.sent_s < restart_at - EDGE_S:
+    if down_at <= record.sent_s < restart_at - EDGE_S:
         return "during"
-    if call.sent_s >= up_at:
-        return "after"
-    return "edge"
+    return "after" if record.sent_s >= up_at else "edge"
 
 
-def _phase(calls: list[Call]) -> Phase:
+def _phase(records: list[RequestRecord]) -> Phase:
     odd: Counter[str] = Counter()
     ok = refused = 0
-    for call in calls:
-        if call.outcome == "ok" and call.tokens == call.max_tokens:
+    for r in records:
+        if r.outcome == "ok" and r.tokens == r.max_tokens:
             ok += 1
-        elif call.outcome == "error" and call.status == 503 and call.code == "ledger_unavailable":
-            if call.retry_after is not None and call.retry_after.isdigit() and int(call.retry_after) >= 1:
+        elif r.outcome == "error" and r.status == 503 and r.code == "ledger_unavailable":
+            if r.retry_after is not None and r.retry_after.isdigit() and int(r.retry_after) >= 1:
                 refused += 1
             else:
                 odd["503 without Retry-After"] += 1
-        elif call.outcome == "ok":
-            odd[f"ok with {call.tokens}/{call.max_tokens} tokens"] += 1
+        elif r.outcome == "ok":
+            odd[f"ok with {r.tokens}/{r.max_tokens} tokens"] += 1
         else:
-            odd[call.key()] += 1
-    return Phase(len(calls), ok, refused, dict(odd), sum(c.tokens for c in calls))
+            odd[_key(r)] += 1
+    return Phase(len(records), ok, refused, dict(odd), sum(r.tokens for r in records))
 
 
-async def _reconciled(ledger: Any, calls: list[Call], active: dict[str, Call], before_s: float, journal: Path) -> bool:
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """The records of a gateway's emergency journal (none if it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The records of a gateway's request log (``[gateway].event_log``), rotated files included."""
+    from fairgate.gateway.eventlog import read_records
+
+    return [record for _, _, record in read_records(path)] if path.exists() else []
+
+
+async def _reconciled(ledger: Any, records: list[RequestRecord], before_s: float, journal: Path) -> bool:
     """Every request sent before ``before_s`` has ended, each admitted one has a final reservation billing
     exactly what its client received, and the journal is empty."""
-    if any(call.sent_s < before_s for call in list(active.values())):
-        return False
-    if read_journal(journal):
+    if any(r.sent_s < before_s and r.outcome == "running" for r in records) or read_journal(journal):
         return False
     by_request = {r.request_id: r for r in await ledger.reservations()}
-    for call in list(calls):
-        if call.sent_s >= before_s or not call.admitted:
+    for record in records:
+        if record.sent_s >= before_s or not record.admitted:
             continue
-        r = by_request.get(call.request_id)
-        if r is None or r.status != "settled" or r.billed.output_tokens != call.tokens:
+        r = by_request.get(record.request_id)
+        if r is None or r.status != "settled" or r.billed.output_tokens != record.tokens:
             return False
     return True
 
 
-def _mismatches(calls: list[Call], reservations: list[Any]) -> list[str]:
+def _mismatches(records: list[RequestRecord], reservations: list[Any]) -> list[str]:
+    """Every request whose reservation does not bill exactly what its client received (each a sentence)."""
     by_request: dict[str, list[Any]] = {}
     for r in reservations:
         by_request.setdefault(r.request_id, []).append(r)
     out = []
-    for call in calls:
-        found = by_request.get(call.request_id, [])
+    for call in records:
+        rid, found = call.request_id, by_request.get(call.request_id, [])
         if len(found) > 1:
-            out.append(f"{call.request_id}: {len(found)} reservations")
-            continue
-        if not call.admitted:
+            out.append(f"{rid}: {len(found)} reservations")
+        elif not call.admitted:
             if found:
                 out.append(
-                    f"{call.request_id}: refused ({call.key()}) but the ledger holds a {found[0].status} "
-                    f"reservation billing {found[0].billed.output_tokens} tokens"
+                    f"{rid}: refused ({_key(call)}) but the ledger holds a {found[0].status} reservation billing "
+                    f"{found[0].billed.output_tokens} tokens"
                 )
-            continue
-        if not found:
-            out.append(f"{call.request_id}: ran ({call.tokens} tokens) but the ledger has no reservation")
-            continue
-        r = found[0]
-        if r.status != "settled":
-            out.append(f"{call.request_id}: ran to the end but its reservation is {r.status}")
-        if r.billed.output_tokens != call.tokens:
-            out.append(
-                f"{call.request_id}: client received {call.tokens} tokens, ledger billed "
-                f"{r.billed.output_tokens} ({r.status}, id {r.id[:12]}...)"
-            )
-        if call.usage_input is not None and r.billed.input_tokens != call.usage_input:
-            out.append(
-                f"{call.request_id}: client's usage says {call.usage_input} prompt tokens, ledger billed "
-                f"{r.billed.input_tokens}"
-            )
-        if call.usage_output is not None and call.usage_output != call.tokens:
-            out.append(
-                f"{call.request_id}: client's usage says {call.usage_output} output tokens, received {call.tokens}"
-            )
+        elif not found:
+            out.append(f"{rid}: ran ({call.tokens} tokens) but the ledger has no reservation")
+        else:
+            r = found[0]
+            if r.status != "settled":
+                out.append(f"{rid}: ran to the end but its reservation is {r.status}")
+            if r.billed.output_tokens != call.tokens:
+                out.append(
+                    f"{rid}: client received {call.tokens} tokens, ledger billed {r.billed.output_tokens} "
+                    f"({r.status}, id {r.id[:12]}...)"
+                )
+            if call.usage_input is not None and r.billed.input_tokens != call.usage_input:
+                out.append(
+                    f"{rid}: client's usage says {call.usage_input} prompt tokens, billed {r.billed.input_tokens}"
+                )
+            if call.usage_output is not None and call.usage_output != call.tokens:
+                out.append(f"{rid}: client's usage says {call.usage_output} output tokens, received {call.tokens}")
     return out
 
 
-class LogCapture(logging.Handler):
-    """The warnings of the gateway's logger (``fairgate.gateway``) while a drill runs a gateway in this
-    process; they are reported in the summary instead of printed. Only the logger's own handlers change."""
+@dataclass(frozen=True)
+class Timeline:
+    """The outage, in seconds since the load began: SIGTERM sent, the server gone, restarted, answering."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-        self._logger = logging.getLogger("fairgate.gateway")
-        self._propagate = self._logger.propagate
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def __enter__(self) -> LogCapture:
-        self._logger.addHandler(self)
-        self._logger.propagate = False
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._logger.removeHandler(self)
-        self._logger.propagate = self._propagate
+    stop_at: float
+    down_at: float
+    restart_at: float
+    up_at: float
 
 
-LOG_WORDS = (
-    "journal",
-    "expired",
-    "sweep",
-    "settle_failed",
-    "release_failed",
-    "paused",
-    "upstream",
-    "Traceback",
-    "Error",
-)
+@dataclass(frozen=True)
+class Observed:
+    """What the drill read at the end: the clients' records, the ledger, the gateway's request log."""
 
-
-def log_lines(captured: list[str], *logs: Path) -> list[str]:
-    """Warning lines of the gateways: those captured in this process and those in process logs (the lines
-    naming the journal, the sweep, settlements, upstreams or errors)."""
-    lines = list(captured)
-    for path in logs:
-        if path.exists():
-            lines += [
-                line.strip()
-                for line in path.read_text(errors="replace").splitlines()
-                if any(word in line for word in LOG_WORDS)
-            ]
-    return lines
-
-
-def summarise_log(lines: list[str], keep_whole: tuple[str, ...] = ("replayed",)) -> list[str]:
-    """One line per kind of gateway warning, with a count; lines containing a ``keep_whole`` word each
-    in full (e.g. the journal replay reports)."""
-    counts: Counter[str] = Counter()
-    firsts: dict[str, str] = {}
-    whole = []
-    for line in lines:
-        if any(word in line for word in keep_whole):
-            whole.append(line[:300])
-            continue
-        try:
-            record = json.loads(line)
-            kind = str(record.get("event"))
-            text = f"{kind}: {record.get('error') or record.get('reservation') or ''}".rstrip(": ")
-        except (ValueError, AttributeError):
-            kind = line.split(":")[0][:80]
-            text = line
-        counts[kind] += 1
-        firsts.setdefault(kind, text[:160])
-    return whole + [f"{firsts[k]} (x{n})" if n > 1 else firsts[k] for k, n in counts.most_common()]
+    records: list[RequestRecord]
+    reservations: list[Any]
+    usage: dict[str, Any]
+    events: list[dict[str, Any]]
+    journal_left: list[dict[str, Any]]
+    journal_at_restart: dict[str, int]
+    converge_s: float | None
+    gateway_log: list[str]
+    wall_start: float
 
 
 def run(options: DrillOptions, config: OutageConfig | None = None) -> OutageResult:
@@ -828,256 +448,164 @@ def run(options: DrillOptions, config: OutageConfig | None = None) -> OutageResu
     config = config or OutageConfig()
     if options.seconds is not None:
         config = replace(config, outage_s=options.seconds)
-    return asyncio.run(_run(options, config))
-
-
-async def _run(options: DrillOptions, config: OutageConfig) -> OutageResult:
-    from fairgate.gateway.app import create_gateway
-    from fairgate.gateway.config import load_gateway_config
-    from fairgate.ledger import connect
-
-    with drill_folder("fairgate-drill-outage-") as folder, LogCapture() as capture, ExitStack() as servers:
-        redis = servers.enter_context(RedisServer(folder / "redis"))
-        ledger_url = redis.url("drill")
-        if options.processes:
-            port = free_port()
-            upstream = servers.enter_context(
-                fairgate_process(emulator_args(config.replica, port), port, folder / "emulator.log")
-            )
-        else:
-            from fairgate.emulator.api import EmulatorSettings, create_app
-
-            r = config.replica
-            upstream = servers.enter_context(
-                serve_in_thread(
-                    create_app(
-                        EmulatorSettings(
-                            model=MODEL,
-                            iter_base_ms=r.iter_base_ms,
-                            iter_slope_ms=r.iter_slope_ms,
-                            prefill_ms_per_token=r.prefill_ms_per_token,
-                            max_batch=r.max_batch,
-                            max_model_len=r.max_model_len,
-                        )
-                    )
-                )
-            )
-        config_path = folder / "fairgate.toml"
-        config_path.write_text(
-            gateway_config(
-                folder,
-                ledger_url,
-                [upstream],
-                config.replica,
-                config.tenants,
-                options.policy,
-                config.sweep_s,
-                config.reservation_ttl_s,
-                config.emergency,
-            )
-        )
-        gateway_config_loaded = load_gateway_config(config_path)
-        quotas = gateway_config_loaded.quotas
-        journal = gateway_config_loaded.journal_path
-        events_path = gateway_config_loaded.event_log_path
-        assert events_path is not None
-        gateway_stack = ExitStack()
-        if options.processes:
-            port = free_port()
-            url = gateway_stack.enter_context(
-                fairgate_process(
-                    ["serve", "--config", str(config_path), "--port", str(port)], port, folder / "gateway.log"
-                )
-            )
-        else:
-            url = gateway_stack.enter_context(serve_in_thread(create_gateway(gateway_config_loaded)))
-        with gateway_stack:
-            clients = Clients({"gw": url}, seed=options.seed)
-            loads = [
-                ClientLoad(t.name, "gw", config.clients, config.output_tokens, config.prompt_tokens, config.backoff_s)
-                for t in config.tenants
-            ]
-            send_until = config.warmup_s + config.outage_s + config.after_s
-            tasks = [
-                asyncio.ensure_future(clients.closed_loop(load, i, send_until))
-                for load in loads
-                for i in range(load.clients)
-            ]
-            try:
-                await asyncio.sleep(max(0.0, config.warmup_s - clients.now()))
-                stop_at = clients.now()
-                await asyncio.to_thread(redis.stop, signal.SIGTERM)
-                down_at = clients.now()
-                await asyncio.sleep(max(0.0, stop_at + config.outage_s - clients.now()))
-                journal_at_restart = Counter(record["type"] for record in read_journal(journal))
-                restart_at = clients.now()
-                await asyncio.to_thread(redis.start)
-                up_at = clients.now()
-                # Convergence: poll the ledger (our own connection) until everything admitted before the
-                # ledger came back is reconciled and the journal is empty.
-                converge_s: float | None = None
-                reader = await connect(ledger_url, quotas, create=False)
-                try:
-                    while clients.now() < up_at + config.converge_s_max:
-                        if await _reconciled(reader, clients.calls, clients.active, up_at, journal):
-                            converge_s = clients.now() - up_at
-                            break
-                        await asyncio.sleep(0.1)
-                    done, pending = await asyncio.wait(
-                        tasks, timeout=max(0.0, send_until - clients.now()) + config.drain_s_max
-                    )
-                    for task in pending:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    still_running = sum(1 for call in clients.calls if call.outcome == "cut")
-                    # Let the last settlements and a journal replay land.
-                    deadline = clients.now() + config.converge_s_max
-                    while clients.now() < deadline and (
-                        read_journal(journal) or await reader.reservations(status="open")
-                    ):
-                        await asyncio.sleep(0.1)
-                    reservations = await reader.reservations()
-                    usage = {t.name: await reader.usage(t.name, 86_400.0) for t in config.tenants}
-                finally:
-                    await reader.close()
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                await clients.close()
+    with (
+        temporary_folder("fairgate-drill-outage-") as folder,
+        LogCapture() as capture,
+        redis_server(folder / "redis") as redis,
+    ):
+        spec = config.spec(options.policy, options.processes, redis_url(redis, "drill"))
+        with start_stack(spec, folder=folder / "stack") as stack:
+            timeline, observed = asyncio.run(_run(stack, redis, config, options.seed))
         # The gateway has stopped: its request log is flushed.
-        events = read_events(events_path)
-        figures = _figures(
-            config,
-            clients.calls,
-            reservations,
-            usage,
-            events,
-            read_journal(journal),
-            (stop_at, down_at, restart_at, up_at),
-            dict(journal_at_restart),
-            converge_s,
-            still_running,
-            summarise_log(log_lines(capture.lines, folder / "gateway.log")),
-            clients.wall_start,
-        )
-    return OutageResult(config, figures, options.processes)
+        assert stack.config.event_log_path is not None
+        events = read_events(stack.config.event_log_path)
+        log = summarise_log(log_lines(capture.lines, stack.config.path.parent / "gateway.log"))
+    observed = replace(observed, events=events, gateway_log=log)
+    return OutageResult(config, outage_figures(config, timeline, observed), options.processes)
 
 
-def _figures(
-    config: OutageConfig,
-    calls: list[Call],
-    reservations: list[Any],
-    usage: dict[str, Any],
-    events: list[dict[str, Any]],
-    journal_left: list[dict[str, Any]],
-    marks: tuple[float, float, float, float],
-    journal_at_restart: dict[str, int],
-    converge_s: float | None,
-    still_running: int,
-    gateway_log: list[str],
-    wall_start: float,
-) -> OutageFigures:
-    stop_at, down_at, restart_at, up_at = marks
+async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tuple[Timeline, Observed]:
+    journal = stack.config.journal_path
+    send_until = config.warmup_s + config.outage_s + config.after_s
+    async with LoadGenerator(stack.url, stack.keys, stack.spec.model, seed) as generator:
+        now = generator.now
+        load = asyncio.ensure_future(generator.run(config.loads(), send_until, config.drain_s_max))
+        try:
+            await asyncio.sleep(max(0.0, config.warmup_s - now()))
+            stop_at = now()
+            await asyncio.to_thread(redis.stop)
+            down_at = now()
+            await asyncio.sleep(max(0.0, stop_at + config.outage_s - now()))
+            journal_at_restart = Counter(record["type"] for record in read_journal(journal))
+            restart_at = now()
+            await asyncio.to_thread(lambda: redis.start().wait_ready())
+            up_at = now()
+            # Convergence: poll the ledger (a connection of our own) until everything admitted before the
+            # ledger came back is reconciled and the journal is empty.
+            records = generator.history.records
+            converge_s: float | None = None
+            reader = await stack.open_ledger()
+            try:
+                while now() < up_at + config.converge_s_max:
+                    if await _reconciled(reader, records, up_at, journal):
+                        converge_s = now() - up_at
+                        break
+                    await asyncio.sleep(0.1)
+                await load
+                # Let the last settlements and a journal replay land.
+                deadline = now() + config.converge_s_max
+                while now() < deadline:
+                    if not (read_journal(journal) or await reader.reservations(status="open")):
+                        break
+                    await asyncio.sleep(0.1)
+                reservations = await reader.reservations()
+                usage = {t.name: await reader.usage(t.name, 86_400.0) for t in config.tenants}
+            finally:
+                await reader.close()
+        finally:
+            load.cancel()
+            await asyncio.gather(load, return_exceptions=True)
+    timeline = Timeline(stop_at, down_at, restart_at, up_at)
+    observed = Observed(
+        records,
+        reservations,
+        usage,
+        [],
+        read_journal(journal),
+        dict(journal_at_restart),
+        converge_s,
+        [],
+        generator.history.wall_start,
+    )
+    return timeline, observed
+
+
+def _grants_and_meter(
+    config: OutageConfig, events: list[dict[str, Any]]
+) -> tuple[dict[str, list[dict[str, Any]]], dict[tuple[str, str], float]]:
+    """From the gateway's request log: each tenant's emergency grants (``admitted`` records of grant ids),
+    and the GPU ms its meter charged per (tenant, request id)."""
     tags = {tenant_tag(t.name): t.name for t in config.tenants}
-    grants: Counter[str] = Counter()
-    grant_tokens: Counter[str] = Counter()
-    grant_requests: dict[str, set[str]] = {}
-    metered: Counter[str] = Counter()
-    metered_by_request: dict[tuple[str, str], float] = {}
+    grants: dict[str, list[dict[str, Any]]] = {t.name: [] for t in config.tenants}
+    metered: dict[tuple[str, str], float] = {}
     for record in events:
         tenant = tags.get(record.get("tenant_hash") or "")
         if tenant is None:
             continue
         if record.get("event") == "admitted" and str(record.get("reservation_id", "")).startswith(EMERGENCY_PREFIX):
-            grants[tenant] += 1
-            grant_tokens[tenant] += int(record["input_tokens"]) + int(record["max_output_tokens"])
-            grant_requests.setdefault(tenant, set()).add(str(record.get("request_id")))
+            grants[tenant].append(record)
         if record.get("event") == "finished":
-            metered[tenant] += float(record.get("gpu_ms") or 0.0)
             key = (tenant, str(record.get("request_id")))
-            metered_by_request[key] = metered_by_request.get(key, 0.0) + float(record.get("gpu_ms") or 0.0)
-    billed_by_request = {(r.tenant, r.request_id): r.billed.gpu_ms for r in reservations}
-    created_ms = {r.request_id: r.created_ms for r in reservations}
-    restart_wall_ms = (wall_start + restart_at) * 1000.0
-    tenants = {}
-    for t in config.tenants:
-        mine = [call for call in calls if call.tenant == t.name]
-        by_phase: dict[str, list[Call]] = {p: [] for p in ("before", "during", "edge", "after")}
-        for call in mine:
-            phase = _phase_of(call, stop_at, down_at, restart_at, up_at)
-            created = created_ms.get(call.request_id)
-            if (
-                phase == "during"
-                and call.outcome == "ok"
-                and call.request_id not in grant_requests.get(t.name, set())
-                and created is not None
-                and created >= restart_wall_ms
-            ):
-                phase = "edge"  # reserved in the ledger once it was back (a slow request, not a leak)
-            by_phase[phase].append(call)
-        ran = [call for call in mine if call.admitted]
-        u = usage[t.name]
-        tenants[t.name] = TenantOutage(
-            t.name,
-            t.tier,
-            {p: _phase(cs) for p, cs in by_phase.items()},
-            grants[t.name],
-            grant_tokens[t.name],
-            sum(
-                1
-                for r in reservations
-                if r.tenant == t.name and r.status == "settled" and r.request_id in grant_requests.get(t.name, set())
-            ),
-            len(ran),
-            sum(call.usage_input or 0 for call in ran),
-            sum(call.tokens for call in ran),
-            u.requests,
-            u.input_tokens,
-            u.output_tokens,
-            u.gpu_ms,
-            metered[t.name],
-            sum(
-                1
-                for key in set(metered_by_request) | set(billed_by_request)
-                if key[0] == t.name and abs(metered_by_request.get(key, 0.0) - billed_by_request.get(key, 0.0)) > 0.001
-            ),
-        )
-    known = {call.request_id for call in calls}
-    statuses = Counter(r.status for r in reservations)
+            metered[key] = metered.get(key, 0.0) + float(record.get("gpu_ms") or 0.0)
+    return grants, metered
+
+
+def outage_figures(config: OutageConfig, t: Timeline, o: Observed) -> OutageFigures:
+    grants, metered = _grants_and_meter(config, o.events)
+    statuses = Counter(r.status for r in o.reservations)
+    known = {r.request_id for r in o.records}
+    tenants = {spec.name: tenant_figures(config, spec, t, o, grants[spec.name], metered) for spec in config.tenants}
     return OutageFigures(
-        stop_at,
-        down_at,
-        restart_at,
-        up_at,
+        t.stop_at,
+        t.down_at,
+        t.restart_at,
+        t.up_at,
         tenants,
-        journal_at_restart,
-        len(journal_left),
-        converge_s,
-        tuple(_mismatches(calls, reservations)),
+        o.journal_at_restart,
+        len(o.journal_left),
+        o.converge_s,
+        tuple(_mismatches(o.records, o.reservations)),
         statuses.get("open", 0),
         dict(statuses),
-        sum(1 for r in reservations if r.request_id not in known),
-        still_running,
-        tuple(gateway_log),
+        sum(1 for r in o.reservations if r.request_id not in known),
+        sum(1 for r in o.records if r.outcome == "cut"),
+        tuple(o.gateway_log),
     )
 
 
-__all__ = [
-    "ADMIN_KEY",
-    "Call",
-    "ClientLoad",
-    "Clients",
-    "DrillTenant",
-    "Emergency",
-    "OutageConfig",
-    "OutageFigures",
-    "OutageResult",
-    "RedisServer",
-    "api_key",
-    "emulator_args",
-    "gateway_config",
-    "read_events",
-    "read_journal",
-    "run",
-]
+def tenant_figures(
+    config: OutageConfig,
+    spec: TenantSpec,
+    t: Timeline,
+    o: Observed,
+    grants: list[dict[str, Any]],
+    metered: dict[tuple[str, str], float],
+) -> TenantOutage:
+    """One tenant's requests by phase, its emergency grants, and what it received against what was billed."""
+    granted = {str(g.get("request_id")) for g in grants}
+    created_ms = {r.request_id: r.created_ms for r in o.reservations}
+    restart_wall_ms = (o.wall_start + t.restart_at) * 1000.0
+    mine = [r for r in o.records if r.tenant == spec.name]
+    by_phase: dict[str, list[RequestRecord]] = {p: [] for p in ("before", "during", "edge", "after")}
+    for r in mine:
+        phase = _phase_of(r, t.stop_at, t.down_at, t.restart_at, t.up_at)
+        created = created_ms.get(r.request_id)
+        if (
+            phase == "during"
+            and r.outcome == "ok"
+            and r.request_id not in granted
+            and (created or 0.0) >= restart_wall_ms
+        ):
+            phase = "edge"  # reserved in the ledger once it was back (a slow request, not a leak)
+        by_phase[phase].append(r)
+    ran = [r for r in mine if r.admitted]
+    billed = {(r.tenant, r.request_id): r.billed.gpu_ms for r in o.reservations if r.tenant == spec.name}
+    mine_metered = {k: v for k, v in metered.items() if k[0] == spec.name}
+    u = o.usage[spec.name]
+    return TenantOutage(
+        spec.name,
+        spec.tier,
+        {p: _phase(rs) for p, rs in by_phase.items()},
+        len(grants),
+        sum(int(g["input_tokens"]) + int(g["max_output_tokens"]) for g in grants),
+        sum(1 for r in o.reservations if r.tenant == spec.name and r.status == "settled" and r.request_id in granted),
+        len(ran),
+        sum(r.usage_input or 0 for r in ran),
+        sum(r.tokens for r in ran),
+        u.requests,
+        u.input_tokens,
+        u.output_tokens,
+        u.gpu_ms,
+        sum(mine_metered.values()),
+        sum(1 for k in set(mine_metered) | set(billed) if abs(mine_metered.get(k, 0.0) - billed.get(k, 0.0)) > 0.001),
+    )

@@ -10,7 +10,7 @@ SIGKILL while it has requests queued and in flight, and started again. The claim
   the kill until the last of them is final is held to ``reservation_ttl_s + sweep_s`` (+ slack): a sweep
   that finds a reservation due with a heartbeat less than a TTL old extends it to a TTL after that
   heartbeat (``expire_due`` with the default registry), so the first sweep a TTL after the last heartbeat
-  ends it (it used to extend it a TTL from the sweep: up to 2 x TTL + sweep, 3.5 s here);
+  ends it;
 - nothing is released while it still runs: the other process's requests, longer than the TTL, all end
   ``settled``, billed exactly what their clients received, as does every request that completed anywhere;
 - at the end no reservation is open, the ledger's concurrency and queue counts, both gateways' gauges and
@@ -28,81 +28,24 @@ with their own request id.
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
-from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from fairgate.drills import CheckedResult, DrillOptions
-from fairgate.drills.outage import (
-    ADMIN_KEY,
-    MODEL,
-    Call,
-    ClientLoad,
-    Clients,
-    DrillTenant,
-    LogCapture,
-    RedisServer,
-    drill_folder,
-    emulator_args,
-    gateway_config,
-    log_lines,
-    summarise_log,
-)
-from fairgate.drills.stack import STARTUP_S_MAX, ReplicaModel, free_port
+from fairgate.drills import DrillOptions
+from fairgate.drills.report import DrillResult, fmt_counts, table
+from fairgate.harness.config import UNBOUNDED, TenantSpec
+from fairgate.harness.gauges import gateway_gauges
+from fairgate.harness.loadgen import LoadGenerator, Request, TenantLoad
+from fairgate.harness.logs import log_lines, summarise_log
+from fairgate.harness.records import RequestRecord
+from fairgate.harness.redis import redis_server, redis_url
+from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack, temporary_folder
 
 HUNG_S = 2.0  # a client of the killed process must see its request fail within this long
-
-
-class ServerProcess:
-    """``python -m fairgate ARGS`` serving on ``port``, that can be killed and started again."""
-
-    def __init__(self, args: list[str], port: int, log_path: Path) -> None:
-        self.args, self.port, self.log_path = args, port, log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "fairgate", *self.args], stdout=log, stderr=log)
-
-    def wait_ready(self, timeout_s: float = STARTUP_S_MAX) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.process is None or self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"fairgate {self.args[0]} did not start (log: {self.log_path})")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no clean-up, as a crashed worker."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=30)
+MODEL = "emu"
 
 
 @dataclass(frozen=True)
@@ -130,11 +73,7 @@ class RestartConfig:
     load_after_s: float = 8.0
     reservation_ttl_s: float = 2.0
     sweep_s: float = 0.5
-    replica: ReplicaModel = field(
-        default_factory=lambda: ReplicaModel(
-            iter_base_ms=80.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=12, max_model_len=4096
-        )
-    )
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(80.0, 0.5, 0.02, 12, 4096))
     replicas: int = 2
     gateway_batch: int = 6
     alpha_clients: int = 18
@@ -157,8 +96,41 @@ class RestartConfig:
             raise ValueError("restart drill: the long requests must outlive the reservation TTL")
 
     @property
-    def tenants(self) -> list[DrillTenant]:
-        return [DrillTenant("alpha"), DrillTenant("long"), DrillTenant("beta")]
+    def tenants(self) -> tuple[TenantSpec, ...]:
+        return (TenantSpec("alpha"), TenantSpec("long"), TenantSpec("beta"))
+
+    def spec(self, policy: str, ledger_url: str) -> StackSpec:
+        return StackSpec(
+            self.tenants,
+            policy,
+            replicas(self.replicas, gateway_slots=self.gateway_batch),
+            self.replica,
+            processes=True,
+            gateways=2,
+            ledger=ledger_url,
+            defaults=UNBOUNDED.model_copy(update={"reservation_ttl_s": self.reservation_ttl_s}),
+            sweep_s=self.sweep_s,
+            admin=True,
+        )
+
+    def loads(self) -> list[TenantLoad]:
+        def load(tenant: str, target: str, clients: int, output: tuple[int, int]) -> TenantLoad:
+            return TenantLoad(
+                tenant,
+                target,
+                clients=clients,
+                output_tokens=output,
+                prompt_tokens=self.prompt_tokens,
+                ramp_s=0.05 * clients,  # spread the first requests a little
+                error_backoff_s=self.backoff_s,
+                backoff_jitter=0.2,
+            )
+
+        return [
+            load("alpha", "A", self.alpha_clients, self.alpha_output),
+            load("long", "B", self.long_clients, self.long_output),
+            load("beta", "B", self.beta_clients, self.beta_output),
+        ]
 
     @property
     def converge_bound_s(self) -> float:
@@ -220,7 +192,7 @@ class RestartFigures:
 
 
 @dataclass(frozen=True)
-class RestartResult(CheckedResult):
+class RestartResult(DrillResult):
     config: RestartConfig
     figures: RestartFigures
     name: str = "restart"
@@ -228,11 +200,10 @@ class RestartResult(CheckedResult):
     def checks(self) -> dict[str, bool]:
         c, f = self.config, self.figures
         queued = sum(1 for k in f.killed if k.queued)
+        in_flight, queued_clients = f.at_kill.get("in flight", 0), f.at_kill.get("queued", 0)
         return {
-            f"A had requests queued and in flight at the kill ({f.at_kill.get('in flight', 0)} in flight, "
-            f"{f.at_kill.get('queued', 0)} queued; ledger: {queued} queued)": f.at_kill.get("in flight", 0) > 0
-            and f.at_kill.get("queued", 0) > 0
-            and queued > 0,
+            f"A had requests queued and in flight at the kill ({in_flight} in flight, {queued_clients} queued; "
+            f"ledger: {queued} queued)": in_flight > 0 and queued_clients > 0 and queued > 0,
             "A's clients got connection errors (failed, nothing hung)": f.killed_clients.get("connection", 0) > 0
             and set(f.killed_clients) <= {"connection", "ok"}
             and f.hung == 0,
@@ -246,9 +217,9 @@ class RestartResult(CheckedResult):
             "queued requests retried on B with their id: re-admitted once, or refused 409": all(
                 v == "ok" or v.startswith("409") for v in f.retries.values()
             ),
-            f"B's long requests outlived the TTL ({f.long_outlived_ttl}) and all ended settled, billed exactly": f.long_outlived_ttl
-            > 0
-            and f.long_settled == f.long_outlived_ttl,
+            f"B's long requests outlived the TTL ({f.long_outlived_ttl}) and all ended settled, billed exactly": (
+                f.long_outlived_ttl > 0 and f.long_settled == f.long_outlived_ttl
+            ),
             "nothing released while running: every completed request settled, billed exactly": not f.mismatches
             and not f.expired_not_killed,
             "B served without an error": set(f.sent.get("B", {})) <= {"ok"},
@@ -261,11 +232,10 @@ class RestartResult(CheckedResult):
             "the restarted process serves again": f.a_after_restart_ok > 0,
         }
 
-    def render(self) -> list[Any]:
-        from rich.table import Table
-
+    def intro(self) -> list[str]:
         c, f = self.config, self.figures
-        out: list[Any] = [
+        b, a = f.sent.get("B", Counter()), f.sent.get("A", Counter())
+        return [
             f"[bold]drill restart[/bold]: two gateway processes (A, B) on one Redis ledger and {c.replicas} emulated "
             f"replicas ({c.gateway_batch} slots each per gateway); reservation TTL {c.reservation_ttl_s:g} s, sweep "
             f"{c.sweep_s:g} s. Load: alpha {c.alpha_clients} clients on A (outputs {c.alpha_output[0]}-"
@@ -274,41 +244,29 @@ class RestartResult(CheckedResult):
             f"Fault: SIGKILL to A at {f.kill_at_s:.1f} s with {f.at_kill.get('in flight', 0)} requests in flight and "
             f"{f.at_kill.get('queued', 0)} queued; A started again {c.restart_after_s:g} s later, answering "
             f"{f.restart_ready_s:.1f} s after the kill.",
-        ]
-        b = f.sent.get("B", Counter())
-        out.append(
             f"Load held: B served {b.get('ok', 0)} requests ({f.long_outlived_ttl} of them longer than the TTL) "
-            f"with {sum(n for k, n in b.items() if k != 'ok')} errors; A served "
-            f"{f.sent.get('A', Counter()).get('ok', 0)}"
-            f" ({f.a_after_restart_ok} after its restart)."
-        )
-        table = Table(title="requests by gateway", title_justify="left")
-        table.add_column("gateway")
-        table.add_column("outcomes")
-        for target, outcomes in sorted(f.sent.items()):
-            table.add_row(target, ", ".join(f"{k} {n}" for k, n in sorted(outcomes.items())))
-        out.append(table)
-        killed = Table(title="A's reservations open at the kill", title_justify="left")
-        for column in ("", "count", "client saw", "ended", "kill -> final s (min-max)", "tokens streamed / billed"):
-            killed.add_column(column, justify="left" if column in ("", "client saw", "ended") else "right")
-        for name, queued, retried in (
-            ("in flight", False, False),
-            ("queued", True, False),
-            ("queued, retried on B", True, True),
-        ):
-            rows = [k for k in f.killed if k.queued == queued and k.retried == retried]
-            if retried and not rows:
-                continue
-            times = [k.final_after_s for k in rows if k.final_after_s is not None]
-            killed.add_row(
-                name,
-                str(len(rows)),
-                ", ".join(f"{k} {n}" for k, n in sorted(Counter(k.client_outcome for k in rows).items())),
-                ", ".join(f"{k} {n}" for k, n in sorted(Counter(k.status for k in rows).items())),
-                f"{min(times):.2f}-{max(times):.2f}" if times else "-",
-                f"{sum(k.tokens_received for k in rows)} / {sum(k.billed_output for k in rows)}",
+            f"with {sum(n for k, n in b.items() if k != 'ok')} errors; A served {a.get('ok', 0)} "
+            f"({f.a_after_restart_ok} after its restart).",
+        ]
+
+    def body(self) -> list[Any]:
+        f = self.figures
+        rows = [(target, fmt_counts(outcomes)) for target, outcomes in sorted(f.sent.items())]
+        out: list[Any] = [table("requests by gateway", ("gateway", "outcomes"), rows, left=("gateway", "outcomes"))]
+        columns = ("", "count", "client saw", "ended", "kill -> final s (min-max)", "tokens streamed / billed")
+        rows = [
+            self._killed_row(name, queued, retried)
+            for name, queued, retried in (
+                ("in flight", False, False),
+                ("queued", True, False),
+                ("queued, retried on B", True, True),
             )
-        out.append(killed)
+        ]
+        out.append(
+            table(
+                "A's reservations open at the kill", columns, [r for r in rows if r], left=("", "client saw", "ended")
+            )
+        )
         if f.retries:
             out.append(
                 "Retried on B with the same request id: "
@@ -319,47 +277,78 @@ class RestartResult(CheckedResult):
             f"A served {f.a_after_restart_ok} requests after its restart."
         )
         out.append(
-            f"At the end: reservations {dict(sorted(f.statuses.items()))}, open {f.open_left}; ledger "
-            f"(concurrent, queued) {f.accounts}; gateway gauges (active, queued) {f.gauges}; replicas "
-            f"(running, waiting) {f.replicas}."
+            f"At the end: reservations {dict(sorted(f.statuses.items()))}, open {f.open_left}; ledger (concurrent, "
+            f"queued) {f.accounts}; gateway gauges (active, queued) {f.gauges}; replicas (running, waiting) "
+            f"{f.replicas}."
         )
-        lost = (
-            ([f"{len(f.mismatches)} completed requests billed differently"] if f.mismatches else [])
-            + ([f"{f.open_left} reservations left open"] if f.open_left else [])
-            + (
-                [f"{len(f.expired_not_killed)} reservations expired that A's death does not explain"]
-                if f.expired_not_killed
-                else []
-            )
+        return out + self._lost()
+
+    def _killed_row(self, name: str, queued: bool, retried: bool) -> tuple[str, ...] | None:
+        rows = [k for k in self.figures.killed if k.queued == queued and k.retried == retried]
+        if retried and not rows:
+            return None
+        times = [k.final_after_s for k in rows if k.final_after_s is not None]
+        return (
+            name,
+            str(len(rows)),
+            fmt_counts(Counter(k.client_outcome for k in rows)),
+            fmt_counts(Counter(k.status for k in rows)),
+            f"{min(times):.2f}-{max(times):.2f}" if times else "-",
+            f"{sum(k.tokens_received for k in rows)} / {sum(k.billed_output for k in rows)}",
         )
-        converge = f.converge_s
-        out.append(
+
+    def _lost(self) -> list[str]:
+        c, f = self.config, self.figures
+        lost = [f"{len(f.mismatches)} completed requests billed differently"] if f.mismatches else []
+        lost += [f"{f.open_left} reservations left open"] if f.open_left else []
+        if f.expired_not_killed:
+            lost.append(f"{len(f.expired_not_killed)} reservations expired that A's death does not explain")
+        converge = f"{f.converge_s:.2f} s" if f.converge_s is not None else "never"
+        out = [
             f"Lost: {'; '.join(lost) if lost else 'nothing'} ({f.unbilled_killed_tokens} tokens streamed to A's "
-            "killed clients after their last partial settlement are not billed, by design). Time to converge: "
-            + (f"{converge:.2f} s" if converge is not None else "never")
-            + f" from the kill until A's last reservation was final (TTL + sweep = "
-            f"{c.reservation_ttl_s + c.sweep_s:g} s)."
-        )
+            f"killed clients after their last partial settlement are not billed, by design). Time to converge: "
+            f"{converge} from the kill until A's last reservation was final (TTL + sweep = {c.ttl_sweep_s:g} s)."
+        ]
         late = [
             k for k in f.killed if not k.retried and k.final_after_s is not None and k.final_after_s > c.ttl_sweep_s
         ]
         if late:
             out.append(
-                f"  [yellow]note[/yellow] {len(late)} of A's {sum(not k.retried for k in f.killed)} "
-                "reservations "
-                f"were final later than TTL + sweep ({c.ttl_sweep_s:g} s) after the kill (latest "
-                f"{max(k.final_after_s or 0.0 for k in late):.2f} s): sweeps and ledger round trips late "
-                "on a loaded machine (the slack)."
+                f"  [yellow]note[/yellow] {len(late)} of A's {sum(not k.retried for k in f.killed)} reservations were "
+                f"final later than TTL + sweep ({c.ttl_sweep_s:g} s) after the kill (latest "
+                f"{max(k.final_after_s or 0.0 for k in late):.2f} s): sweeps and ledger round trips late on a loaded "
+                "machine (the slack)."
             )
-        for line in (*f.mismatches[:8], *f.expired_not_killed[:8]):
-            out.append(f"  [red]problem[/red] {line}")
-        for line in f.gateway_log[:8]:
-            out.append(f"  gateway: {line}")
-        out.extend(self.check_lines())
-        out.append(
-            f"{'[green]PASS[/green]' if self.passed else '[red]FAIL[/red]'}: gateway A killed under load and restarted."
-        )
-        return out
+        out += [f"  [red]problem[/red] {line}" for line in (*f.mismatches[:8], *f.expired_not_killed[:8])]
+        return out + [f"  gateway: {line}" for line in f.gateway_log[:8]]
+
+    def verdict(self) -> str:
+        return "gateway A killed under load and restarted."
+
+
+@dataclass(frozen=True)
+class Kill:
+    """What the drill saw of the kill: A's requests active then, its open reservations, and when each of
+    them became final; times in seconds since the load began (``wall_ms``: the kill on the wall clock)."""
+
+    active: list[RequestRecord]
+    snapshot: list[Any]
+    final_ms: dict[str, float]
+    wall_ms: float
+    at_s: float
+    restart_ready_s: float
+    retries: dict[str, RequestRecord]
+
+
+@dataclass(frozen=True)
+class End:
+    """The stack at the end: every request, every reservation, accounts, gauges and replicas."""
+
+    records: list[RequestRecord]
+    reservations: list[Any]
+    accounts: dict[str, tuple[int, int]]
+    gauges: dict[str, tuple[float, float]]
+    replicas: dict[str, tuple[int, int]]
 
 
 def run(options: DrillOptions, config: RestartConfig | None = None) -> RestartResult:
@@ -368,265 +357,129 @@ def run(options: DrillOptions, config: RestartConfig | None = None) -> RestartRe
     config = config or RestartConfig()
     if options.seconds is not None:
         config = replace(config, load_after_s=options.seconds)
-    return asyncio.run(_run(options, config))
+    with temporary_folder("fairgate-drill-restart-") as folder, redis_server(folder / "redis", durable=False) as redis:
+        with start_stack(config.spec(options.policy, redis_url(redis, "drill")), folder=folder / "stack") as stack:
+            kill, end = asyncio.run(_run(stack, config, options.seed))
+        logs = [g.config.path.parent / "gateway.log" for g in stack.gateways]
+        lines = summarise_log(log_lines([], *logs), keep_whole=("expired",))
+    return RestartResult(config, restart_figures(config, kill, end, lines))
 
 
-async def _gauges(url: str) -> tuple[float, float]:
-    """(active sequences, queued requests) summed over tenants, from the gateway's /metrics."""
-    import httpx
-
-    async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})).text
-    active = queued = 0.0
-    for line in text.splitlines():
-        if line.startswith("fairgate_active_sequences{"):
-            active += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("fairgate_queued_requests{"):
-            queued += float(line.rsplit(" ", 1)[1])
-    return active, queued
-
-
-async def _replica(url: str) -> tuple[int, int]:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=10) as http:
-        stats = (await http.get(f"{url}/emulator/stats")).json()
-    return int(stats["running"]), int(stats["waiting"])
-
-
-async def _run(options: DrillOptions, c: RestartConfig) -> RestartResult:
-    from fairgate.gateway.config import load_gateway_config
-    from fairgate.ledger import connect
-
-    with drill_folder("fairgate-drill-restart-") as folder, LogCapture() as capture, ExitStack() as stack:
-        redis = stack.enter_context(RedisServer(folder / "redis", durable=False))
-        ledger_url = redis.url("drill")
-        replicas = [
-            ServerProcess(emulator_args(c.replica, port), port, folder / f"emulator-{i}.log")
-            for i, port in enumerate(free_port() for _ in range(c.replicas))
-        ]
-        for server in replicas:
-            server.start()
-            stack.callback(server.stop)
-        for server in replicas:
-            await asyncio.to_thread(server.wait_ready)
-        gateways: dict[str, ServerProcess] = {}
-        for name in ("A", "B"):
-            sub = folder / name
-            sub.mkdir()
-            path = sub / "fairgate.toml"
-            path.write_text(
-                gateway_config(
-                    sub,
-                    ledger_url,
-                    [r.url for r in replicas],
-                    c.replica,
-                    c.tenants,
-                    options.policy,
-                    c.sweep_s,
-                    c.reservation_ttl_s,
-                    upstream_max_batch=c.gateway_batch,
-                )
-            )
-            port = free_port()
-            gateways[name] = ServerProcess(
-                ["serve", "--config", str(path), "--port", str(port)], port, sub / "gateway.log"
-            )
-            gateways[name].start()
-            stack.callback(gateways[name].stop)
-        for server in gateways.values():
-            await asyncio.to_thread(server.wait_ready)
-        quotas = load_gateway_config(folder / "A" / "fairgate.toml").quotas
-        reader = await connect(ledger_url, quotas)
-        clients = Clients({name: g.url for name, g in gateways.items()}, seed=options.seed)
-        loads = [
-            ClientLoad("alpha", "A", c.alpha_clients, c.alpha_output, c.prompt_tokens, c.backoff_s),
-            ClientLoad("long", "B", c.long_clients, c.long_output, c.prompt_tokens, c.backoff_s),
-            ClientLoad("beta", "B", c.beta_clients, c.beta_output, c.prompt_tokens, c.backoff_s),
-        ]
-        send_until = c.kill_at_s + c.load_after_s
-        tasks = [
-            asyncio.ensure_future(clients.closed_loop(load, i, send_until))
-            for load in loads
-            for i in range(load.clients)
-        ]
-        retries: dict[str, Call] = {}
+async def _run(stack: Stack, c: RestartConfig, seed: int) -> tuple[Kill, End]:
+    a = stack.gateways[0].process
+    assert a is not None
+    targets = {"A": stack.gateways[0].url, "B": stack.gateways[1].url}
+    send_until = c.kill_at_s + c.load_after_s
+    async with LoadGenerator(targets, stack.keys, MODEL, seed) as generator:
+        now = generator.now
+        load = asyncio.ensure_future(generator.run(c.loads(), send_until, c.drain_s_max))
+        reader = await stack.open_ledger()
         try:
-            await asyncio.sleep(max(0.0, c.kill_at_s - clients.now()))
-            active_at_kill = [call for call in clients.active.values() if call.target == "A"]
+            await asyncio.sleep(max(0.0, c.kill_at_s - now()))
+            active = generator.history.running("A")
             kill_wall_ms = time.time() * 1000.0
-            await asyncio.to_thread(gateways["A"].kill)
-            kill_at = clients.now()
-            at_kill = Counter("in flight" if call.first_s is not None else "queued" for call in active_at_kill)
+            await asyncio.to_thread(a.kill)
+            kill_at = now()
             snapshot = [r for r in await reader.reservations(status="open") if r.request_id.startswith("A-")]
 
             async def restart() -> float:
                 await asyncio.sleep(c.restart_after_s)
-                gateways["A"].start()
-                await asyncio.to_thread(gateways["A"].wait_ready)
-                return clients.now() - kill_at
+                await asyncio.to_thread(lambda: a.start().wait_ready())
+                return now() - kill_at
 
             restarting = asyncio.ensure_future(restart())
-            # Retry a few of A's queued requests on B with their own request id (same body).
-            calls_by_id = {call.request_id: call for call in active_at_kill}
-            queued_ids = [
-                r.request_id
-                for r in snapshot
-                if r.queued and r.billed.output_tokens == 0 and r.request_id in calls_by_id
-            ][: c.retry_queued]
-            for rid in queued_ids:
-                original = calls_by_id[rid]
-                while original.outcome == "running" and clients.now() < kill_at + 5.0:
-                    await asyncio.sleep(0.02)
-            retry_tasks = {
-                rid: asyncio.ensure_future(
-                    clients.one(
-                        ClientLoad("alpha", "B", 1, c.alpha_output, c.prompt_tokens), rid, calls_by_id[rid].max_tokens
-                    )
-                )
-                for rid in queued_ids
-            }
-            # Convergence: each of A's reservations open at the kill becomes final.
-            final_ms: dict[str, float] = {}
-            deadline = clients.now() + c.load_after_s + c.drain_s_max
-            while len(final_ms) < len(snapshot) and clients.now() < deadline:
-                for r in snapshot:
-                    if r.id not in final_ms:
-                        now = await reader.get(r.id)
-                        if now.is_final and now.final_ms is not None:
-                            final_ms[r.id] = now.final_ms
-                await asyncio.sleep(0.1)
+            retrying = await _retry_queued(generator, c, active, snapshot, kill_at)
+            final_ms = await _finals(reader, snapshot, now() + c.load_after_s + c.drain_s_max, now)
             restart_ready = await restarting
-            for rid, task in retry_tasks.items():
-                retries[rid] = await task
-            _, pending = await asyncio.wait(tasks, timeout=max(0.0, send_until - clients.now()) + c.drain_s_max)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            deadline = clients.now() + c.settle_s_max
-            while clients.now() < deadline and await reader.reservations(status="open"):
+            retries = {rid: await task for rid, task in retrying.items()}
+            await load
+            deadline = now() + c.settle_s_max
+            while now() < deadline:
+                if not await reader.reservations(status="open"):
+                    break
                 await asyncio.sleep(0.1)
             await asyncio.sleep(2 * c.sweep_s)  # the gauges follow the last requests
-            reservations = await reader.reservations()
-            accounts = {}
-            for t in c.tenants:
-                account = await reader.account(t.name, MODEL)
-                accounts[t.name] = (account.concurrent, account.queued)
-            gauges = {name: await _gauges(g.url) for name, g in gateways.items()}
-            replica_state = {f"emu-{i}": await _replica(r.url) for i, r in enumerate(replicas)}
+            end = await _end(stack, reader, c, generator.history.records)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await clients.close()
+            load.cancel()
+            await asyncio.gather(load, return_exceptions=True)
             await reader.close()
-        for server in gateways.values():
-            server.stop()
-        lines = summarise_log(
-            log_lines(capture.lines, *(folder / n / "gateway.log" for n in gateways)), keep_whole=("expired",)
-        )
-        figures = _figures(
-            c,
-            clients.calls,
-            active_at_kill,
-            snapshot,
-            final_ms,
-            kill_wall_ms,
-            kill_at,
-            restart_ready,
-            dict(at_kill),
-            retries,
-            reservations,
-            accounts,
-            gauges,
-            replica_state,
-            lines,
-        )
-    return RestartResult(c, figures)
+    return Kill(active, snapshot, final_ms, kill_wall_ms, kill_at, restart_ready, retries), end
 
 
-def _figures(
-    c: RestartConfig,
-    calls: list[Call],
-    active_at_kill: list[Call],
-    snapshot: list[Any],
-    final_ms: dict[str, float],
-    kill_wall_ms: float,
-    kill_at: float,
-    restart_ready: float,
-    at_kill: dict[str, int],
-    retries: dict[str, Call],
-    reservations: list[Any],
-    accounts: dict[str, tuple[int, int]],
-    gauges: dict[str, tuple[float, float]],
-    replica_state: dict[str, tuple[int, int]],
-    lines: list[str],
-) -> RestartFigures:
+async def _retry_queued(
+    generator: LoadGenerator, c: RestartConfig, active: list[RequestRecord], snapshot: list[Any], kill_at: float
+) -> dict[str, asyncio.Future[RequestRecord]]:
+    """Retry a few of A's queued requests on B with their own request id (same body), once their client saw
+    the connection fail."""
+    by_id = {r.request_id: r for r in active}
+    queued = [r.request_id for r in snapshot if r.queued and r.billed.output_tokens == 0 and r.request_id in by_id]
+    queued = queued[: c.retry_queued]
+    for rid in queued:
+        while generator.now() < kill_at + 5.0:
+            if by_id[rid].outcome != "running":
+                break
+            await asyncio.sleep(0.02)
+    return {
+        rid: asyncio.ensure_future(generator.send(Request("alpha", rid, by_id[rid].max_tokens, c.prompt_tokens, "B")))
+        for rid in queued
+    }
+
+
+async def _finals(reader: Any, snapshot: list[Any], deadline_s: float, now: Any) -> dict[str, float]:
+    """Reservation id -> the ledger time (ms) each of ``snapshot`` became final, polled until all are or the
+    deadline (seconds since the load began)."""
+    final_ms: dict[str, float] = {}
+    while len(final_ms) < len(snapshot) and now() < deadline_s:
+        for r in snapshot:
+            if r.id not in final_ms:
+                latest = await reader.get(r.id)
+                if latest.is_final and latest.final_ms is not None:
+                    final_ms[r.id] = latest.final_ms
+        await asyncio.sleep(0.1)
+    return final_ms
+
+
+async def _end(stack: Stack, reader: Any, c: RestartConfig, records: list[RequestRecord]) -> End:
+    accounts = {}
+    for t in c.tenants:
+        account = await reader.account(t.name, MODEL)
+        accounts[t.name] = (account.concurrent, account.queued)
+    gauges = {}
+    for name, gateway in zip(("A", "B"), stack.gateways, strict=True):
+        g = await gateway_gauges(gateway.url, stack.admin_key or "")
+        gauges[name] = (g.active_sequences, g.queued)
+    replicas_now = {f"emu-{i}": (s.running, s.waiting) for i, s in enumerate(await stack.replica_stats())}
+    return End(records, await reader.reservations(), accounts, gauges, replicas_now)
+
+
+def restart_figures(c: RestartConfig, kill: Kill, end: End, lines: list[str]) -> RestartFigures:
     by_request: dict[str, list[Any]] = {}
-    for r in reservations:
+    for r in end.reservations:
         by_request.setdefault(r.request_id, []).append(r)
-    originals = {call.request_id: call for call in active_at_kill}
-    retried = {call.request_id for call in retries.values()}
-    killed = []
-    unbilled = 0
-    for r in snapshot:
-        end = next(iter(by_request.get(r.request_id, [])), None)
+    originals = {r.request_id: r for r in kill.active}
+    retried = {r.request_id for r in kill.retries.values()}
+    killed, unbilled = [], 0
+    for r in kill.snapshot:
+        final = next(iter(by_request.get(r.request_id, [])), None)
         call = originals.get(r.request_id)
         tokens = call.tokens if call is not None else 0
-        status = end.status if end is not None else "missing"
-        billed = end.billed.output_tokens if end is not None else 0
-        if r.request_id not in retried:
-            unbilled += max(0, tokens - billed)
-        after = (final_ms[r.id] - kill_wall_ms) / 1000.0 if r.id in final_ms else None
+        billed = final.billed.output_tokens if final is not None else 0
+        unbilled += max(0, tokens - billed) if r.request_id not in retried else 0
+        after = (kill.final_ms[r.id] - kill.wall_ms) / 1000.0 if r.id in kill.final_ms else None
+        outcome = call.outcome if call is not None else "unknown"
+        status = final.status if final is not None else "missing"
         killed.append(
-            Killed(
-                r.request_id,
-                bool(r.queued),
-                tokens,
-                status,
-                billed,
-                after,
-                call.outcome if call is not None else "unknown",
-                r.request_id in retried,
-            )
+            Killed(r.request_id, bool(r.queued), tokens, status, billed, after, outcome, r.request_id in retried)
         )
     sent: dict[str, Counter[str]] = {}
-    for call in calls:
-        if call.request_id in retried and call.target == "B":
-            continue
-        sent.setdefault(call.target, Counter())[call.key()] += 1
-    # Every request that completed (anywhere) must be settled, billing exactly what its client received.
-    mismatches = []
-    for call in calls:
-        if call.outcome != "ok":
-            continue
-        found = by_request.get(call.request_id, [])
-        if len(found) != 1:
-            mismatches.append(f"{call.request_id}: {len(found)} reservations")
-            continue
-        r = found[0]
-        if (
-            r.status != "settled"
-            or r.billed.output_tokens != call.tokens
-            or (call.usage_input is not None and r.billed.input_tokens != call.usage_input)
-        ):
-            mismatches.append(
-                f"{call.request_id} ({call.target}): client received {call.tokens} tokens, ledger "
-                f"{r.status} billing {r.billed.output_tokens} (input {r.billed.input_tokens})"
-            )
-    killed_ids = {r.request_id for r in snapshot}
-    expired_not_killed = tuple(
-        f"{r.request_id}: expired, billed {r.billed.output_tokens} tokens"
-        for r in reservations
-        if r.status == "expired" and r.request_id not in killed_ids
-    )
+    for call in end.records:
+        if not (call.request_id in retried and call.target == "B"):
+            sent.setdefault(call.target, Counter())[_key(call)] += 1
     long_calls = [
         call
-        for call in calls
-        if call.tenant == "long"
-        and call.outcome == "ok"
-        and call.ended_s is not None
-        and call.ended_s - call.sent_s > c.reservation_ttl_s
+        for call in end.records
+        if call.tenant == "long" and call.outcome == "ok" and (call.ended_s or 0.0) - call.sent_s > c.reservation_ttl_s
     ]
     long_settled = sum(
         1
@@ -634,37 +487,56 @@ def _figures(
         if [(r.status, r.billed.output_tokens) for r in by_request.get(call.request_id, [])]
         == [("settled", call.tokens)]
     )
-    a_after = sum(
-        1
-        for call in calls
-        if call.target == "A" and call.outcome == "ok" and call.sent_s >= kill_at + restart_ready - 1.0
-    )
-    statuses = Counter(r.status for r in reservations)
+    ready_at = kill.at_s + kill.restart_ready_s - 1.0
+    statuses = Counter(r.status for r in end.reservations)
+    killed_ids = {r.request_id for r in kill.snapshot}
     return RestartFigures(
-        kill_at,
-        restart_ready,
+        kill.at_s,
+        kill.restart_ready_s,
         tuple(killed),
-        at_kill,
-        dict(Counter(call.outcome for call in active_at_kill)),
-        sum(1 for call in active_at_kill if call.ended_s is None or call.ended_s - kill_at > HUNG_S),
-        {
-            rid: call.key() if call.outcome != "ok" else "ok"
-            for rid, call in ((call.request_id, call) for call in retries.values())
-        },
+        dict(Counter("in flight" if call.first_s is not None else "queued" for call in kill.active)),
+        dict(Counter(call.outcome for call in kill.active)),
+        sum(1 for call in kill.active if call.ended_s is None or call.ended_s - kill.at_s > HUNG_S),
+        {rid: "ok" if call.outcome == "ok" else _key(call) for rid, call in kill.retries.items()},
         sent,
         len(long_calls),
         long_settled,
-        tuple(mismatches),
-        expired_not_killed,
-        a_after,
+        tuple(_mismatches(end.records, by_request)),
+        tuple(
+            f"{r.request_id}: expired, billed {r.billed.output_tokens} tokens"
+            for r in end.reservations
+            if r.status == "expired" and r.request_id not in killed_ids
+        ),
+        sum(1 for call in end.records if call.target == "A" and call.outcome == "ok" and call.sent_s >= ready_at),
         statuses.get("open", 0),
         dict(statuses),
-        accounts,
-        gauges,
-        replica_state,
+        end.accounts,
+        end.gauges,
+        end.replicas,
         unbilled,
         tuple(lines),
     )
 
 
-__all__ = ["RestartConfig", "RestartFigures", "RestartResult", "ServerProcess", "run"]
+def _key(record: RequestRecord) -> str:
+    return f"{record.status}:{record.code}" if record.outcome == "error" else record.outcome
+
+
+def _mismatches(records: list[RequestRecord], by_request: dict[str, list[Any]]) -> list[str]:
+    """Every request that completed (anywhere) but is not settled billing exactly what its client received."""
+    out = []
+    for call in records:
+        if call.outcome != "ok":
+            continue
+        found = by_request.get(call.request_id, [])
+        if len(found) != 1:
+            out.append(f"{call.request_id}: {len(found)} reservations")
+            continue
+        r = found[0]
+        wrong_input = call.usage_input is not None and r.billed.input_tokens != call.usage_input
+        if r.status != "settled" or r.billed.output_tokens != call.tokens or wrong_input:
+            out.append(
+                f"{call.request_id} ({call.target}): client received {call.tokens} tokens, ledger "
+                f"{r.status} billing {r.billed.output_tokens} (input {r.billed.input_tokens})"
+            )
+    return out

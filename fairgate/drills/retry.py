@@ -32,37 +32,35 @@ The claim, checked in the ledger and on the replicas (tapped, as in the ``cancel
   tenant's ids + 1, so a double deduction would also show as 429s;
 - every reservation final, and the stack idle, soon after the last answer ("converged").
 
-Found: the gateway answers 409 ``request_already_completed`` and ``idempotency_conflict`` without
-``x-should-retry: false``, so the ``openai`` SDK (which retries 408/409/429/5xx unless told not to) re-sends
-requests that can never succeed, twice by default, with back-off: harmless for billing (they are refused),
-but a wave of futile traffic; the ``sdk`` pattern counts those attempts.
+The ``sdk`` pattern also counts the SDK's futile attempts: re-sends after a 409 ``request_already_completed``,
+which can never succeed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import json
 import random
-import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fairgate.drills import CheckedResult, DrillOptions
-from fairgate.drills.cancellation import open_ledger, open_stack, replica_stats
-from fairgate.drills.loadgen import CHAT_OVERHEAD_TOKENS
-from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
+from fairgate.drills import DrillOptions
+from fairgate.drills.report import DrillResult, fmt_counts, fmt_s, table
+from fairgate.harness.config import TenantSpec
+from fairgate.harness.loadgen import Cut, LoadGenerator, Request
+from fairgate.harness.records import RequestRecord
+from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack
+from fairgate.ledger.config import LimitsConfig
 
 PATTERNS = ("jitter", "storm", "timeout", "changed", "sdk")
 # 409 codes any attempt but the one served may get (``changed``: also ``idempotency_conflict``).
 RESEND_CODES = {"request_in_progress", "request_already_completed"}
-_SDK_CALL: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("fairgate_drill_sdk_call", default=None)
 
 
 @dataclass(frozen=True)
 class RetryConfig:
-    """The drill's setting (defaults: the acceptance scenario of issue 6).
+    """The drill's setting (defaults: the acceptance scenario).
 
     Attributes:
         seconds: the originals arrive evenly over this long.
@@ -90,11 +88,7 @@ class RetryConfig:
     requests_per_minute: int = 6
     sdk_max_retries: int = 2
     replicas: int = 2
-    replica: ReplicaModel = field(
-        default_factory=lambda: ReplicaModel(
-            iter_base_ms=30.0, iter_slope_ms=0.2, prefill_ms_per_token=0.05, max_batch=24, max_model_len=4096
-        )
-    )
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(30.0, 0.2, 0.05, 24, 4096))
     converge_s_max: float = 10.0
     gateway_process: bool = True
 
@@ -107,10 +101,15 @@ class RetryConfig:
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
         tenants = tuple(
-            TenantSpec(t, limits={"requests_per_minute": self.requests_per_minute, "requests_burst": self.burst(t)})
+            TenantSpec(
+                t, limits=LimitsConfig(requests_per_minute=self.requests_per_minute, requests_burst=self.burst(t))
+            )
             for t in self.tenants
         )
-        return StackSpec(tenants, policy=policy, replicas=self.replicas, replica=self.replica, processes=processes)
+        gateway_process = processes or self.gateway_process
+        return StackSpec(
+            tenants, policy, replicas(self.replicas), self.replica, processes, gateway_process, tapped=not processes
+        )
 
 
 @dataclass(frozen=True)
@@ -277,37 +276,60 @@ class RetryFigures:
         )
 
 
+def attempts(record: RequestRecord, role: str) -> list[Attempt]:
+    """The HTTP attempts behind one sent request: one, or every answer the SDK's own retries got (the last
+    one's tokens are the request's)."""
+    cut = record.cut_at is not None
+    code = record.code if record.outcome == "error" else record.error
+    sent = record.sent_s
+    if role != "sdk" or not record.answers:
+        return [
+            Attempt(
+                record.request_id,
+                role,
+                None if cut else record.status,
+                code,
+                record.tokens,
+                cut,
+                sent,
+                record.ended_s or sent,
+            )
+        ]
+    out = [
+        Attempt(record.request_id, "sdk", a.status, a.code, 0, False, sent, record.ended_s or sent)
+        for a in record.answers
+    ]
+    if record.status == 200:
+        out[-1].tokens = record.tokens
+    return out
+
+
 @dataclass(frozen=True)
-class RetryResult(CheckedResult):
+class RetryResult(DrillResult):
     config: RetryConfig
     main: RetryFigures
     name: str = "retry"
 
     def problems(self) -> dict[str, list[str]]:
         """Request id -> why it breaks the claim."""
-        out = {}
-        for f in self.main.ids:
-            found = f.problems(self.config.prompt_tokens)
-            if found:
-                out[f.plan.request_id] = found
-        return out
+        found = {f.plan.request_id: f.problems(self.config.prompt_tokens) for f in self.main.ids}
+        return {rid: problems for rid, problems in found.items() if problems}
 
     def checks(self) -> dict[str, bool]:
         c, f = self.config, self.main
-        problems = self.problems()
         answers = f.answers
-        statuses = Counter(p.pattern for p in (i.plan for i in f.ids))
+        patterns = Counter(i.plan.pattern for i in f.ids)
         return {
             f"all {c.ids} ids sent, every pattern exercised": len(f.ids) == c.ids
-            and all(statuses[p] for p in PATTERNS),
+            and all(patterns[p] for p in PATTERNS),
             "every id: one reservation, one reserve event": all(i.reservations == 1 == i.reserve_events for i in f.ids),
             "every id: run at most once on a replica": (not f.tapped or all((i.sequences or 0) <= 1 for i in f.ids))
             and f.untagged_sequences == 0,
             "every id: at most one attempt answered 200, the others 409 (or cut by the client)": all(
                 len(i.answered_ok) <= 1 and i.served for i in f.ids
             )
-            and not any(k.startswith("5") or k.startswith("429") or k == "no answer" for k in answers),
-            "every id billed once (what its one served attempt got)": not problems,
+            and not any(k.startswith(("5", "429")) or k == "no answer" for k in answers),
+            "every id billed once (what its one served attempt got)": not self.problems(),
             "requests_per_minute deducted once per id (exact)": all(
                 abs(b.deductions - b.ids) < 1e-6 and b.usage_requests == b.ids for b in f.buckets.values()
             ),
@@ -317,21 +339,27 @@ class RetryResult(CheckedResult):
             and f.replicas_running_after == 0,
         }
 
-    def render(self) -> list[Any]:
-        from rich.table import Table
-
-        c, f = self.config, self.main
-        resends = sum(1 for a in f.attempts if a.role != "original")
-        out: list[Any] = [
+    def intro(self) -> list[str]:
+        c = self.config
+        return [
             f"[bold]drill retry[/bold]: {c.ids} request ids over {', '.join(c.tenants)} in {c.seconds:g} s, each "
             f"re-sent {c.resends[0]}-{c.resends[1]}x (patterns: {', '.join(PATTERNS)}), half streamed, outputs "
             f"{c.output_tokens[0]}-{c.output_tokens[1]} tokens; {c.replicas} emulated replicas x "
-            f"{c.replica.max_batch} slots, policy {f.policy}; requests_per_minute {c.requests_per_minute}, burst "
-            "ids+1.",
+            f"{c.replica.max_batch} slots, policy {self.main.policy}; requests_per_minute {c.requests_per_minute}, "
+            "burst ids+1.",
             "Claim: the same request id is never run, reserved, billed or deducted twice.",
         ]
-        table = Table(title="by pattern", title_justify="left")
-        for column in (
+
+    def body(self) -> list[Any]:
+        f, problems = self.main, self.problems()
+        resends = sum(1 for a in f.attempts if a.role != "original")
+        sdk = [a for a in f.attempts if a.role == "sdk"]
+        caption = (
+            f"load: {len(f.attempts):,} attempts for {self.config.ids} ids in {f.load_s:.1f} s (peak "
+            f"{f.peak_in_flight} in flight); faults injected: {resends:,} re-sends"
+            + (f" ({len(sdk)} by the SDK's own retries)" if sdk else "")
+        )
+        columns = (
             "pattern",
             "ids",
             "attempts",
@@ -340,43 +368,12 @@ class RetryResult(CheckedResult):
             "billed out tok",
             "replica runs",
             "ids wrong",
-        ):
-            table.add_column(
-                column, justify="left" if column in ("pattern", "answers") else "right", no_wrap=column != "answers"
-            )
-        problems = self.problems()
-        for pattern in PATTERNS:
-            rows = [i for i in f.ids if i.plan.pattern == pattern]
-            if not rows:
-                continue
-            answers = Counter(
-                "cut" if a.cut else ("none" if a.status is None else f"{a.status} {a.code or 'ok'}")
-                for i in rows
-                for a in i.attempts
-            )
-            table.add_row(
-                pattern,
-                str(len(rows)),
-                str(sum(len(i.attempts) for i in rows)),
-                ", ".join(f"{k} x{v}" for k, v in sorted(answers.items())),
-                str(sum(i.reservations for i in rows)),
-                f"{sum(i.billed_output for i in rows):,}",
-                "-" if not f.tapped else str(sum(i.sequences or 0 for i in rows)),
-                str(sum(1 for i in rows if i.plan.request_id in problems)),
-            )
-        sdk = [a for a in f.attempts if a.role == "sdk"]
-        table.caption = (
-            f"load: {len(f.attempts):,} attempts for {c.ids} ids in {f.load_s:.1f} s (peak "
-            f"{f.peak_in_flight} in flight); faults injected: {resends:,} re-sends"
-            + (f" ({len(sdk)} by the SDK's own retries)" if sdk else "")
         )
-        table.caption_justify = "left"
-        out.append(table)
-        buckets = Table(title="requests_per_minute bucket per tenant", title_justify="left")
-        for column in ("tenant", "ids", "burst", "refill since first", "level now", "deducted", "ledger requests"):
-            buckets.add_column(column, justify="left" if column == "tenant" else "right")
-        for b in f.buckets.values():
-            buckets.add_row(
+        rows = [self._row(p, problems) for p in PATTERNS if any(i.plan.pattern == p for i in f.ids)]
+        out: list[Any] = [table("by pattern", columns, rows, caption, ("pattern", "answers"), ("answers",))]
+        columns = ("tenant", "ids", "burst", "refill since first", "level now", "deducted", "ledger requests")
+        rows = [
+            (
                 b.tenant,
                 str(b.ids),
                 f"{b.burst:g}",
@@ -385,154 +382,85 @@ class RetryResult(CheckedResult):
                 f"{b.deductions:.6f}",
                 str(b.usage_requests),
             )
-        out.append(buckets)
+            for b in f.buckets.values()
+        ]
+        out.append(table("requests_per_minute bucket per tenant", columns, rows))
         double = sum(
             max(0, i.reservations - 1) + max(0, (i.sequences or 0) - 1) + max(0, len(i.answered_ok) - 1) for i in f.ids
         )
         extra = sum(b.deductions - b.ids for b in f.buckets.values())
-        extra = 0.0 if abs(extra) < 1e-9 else extra
         out.append(
-            f"lost: {double} double runs/reservations/answers, {extra:+.6f} extra bucket deductions, "
-            f"{len(problems)} ids wrong; reservations "
-            f"{', '.join(f'{k} {v}' for k, v in sorted(f.by_status.items()))}; "
-            "converged " + ("never" if f.converge_s is None else f"{f.converge_s:.2f} s") + " after the last answer."
+            f"lost: {double} double runs/reservations/answers, {0.0 if abs(extra) < 1e-9 else extra:+.6f} extra bucket "
+            f"deductions, {len(problems)} ids wrong; reservations {fmt_counts(f.by_status)}; converged "
+            f"{fmt_s(f.converge_s)} after the last answer."
         )
         if f.sdk_calls:
-            answered = ", ".join(f"{k} x{v}" for k, v in sorted(Counter(str(a.code or a.status) for a in sdk).items()))
+            answered = fmt_counts(Counter(str(a.code or a.status) for a in sdk), " x")
             out.append(
-                f"[yellow]found[/yellow]: {len(f.sdk_calls)} re-sends through the openai SDK (max_retries="
-                f"{c.sdk_max_retries}) became {len(sdk)} HTTP attempts ({answered}); "
-                f"{f.futile_sdk_attempts} of them came after a 409 request_already_completed, which can never "
-                "succeed: the gateway sends no x-should-retry: false, and the SDK retries every 409."
+                f"sdk: {len(f.sdk_calls)} re-sends through the openai SDK (max_retries={self.config.sdk_max_retries}) "
+                f"became {len(sdk)} HTTP attempts ({answered}); {f.futile_sdk_attempts} of them came after a 409 "
+                "request_already_completed, which can never succeed."
             )
-        for rid, found in list(problems.items())[:8]:
-            out.append(f"[red]{rid}[/red]: {'; '.join(found)}")
-        out.extend(self.check_lines())
-        verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
-        out.append(
-            f"{verdict}: {resends:,} re-sends of {c.ids} ids; "
-            + ("not one double deduction" if self.passed else "see the FAIL lines")
-            + "."
+        return out + [f"[red]{rid}[/red]: {'; '.join(found)}" for rid, found in list(problems.items())[:8]]
+
+    def _row(self, pattern: str, problems: dict[str, list[str]]) -> tuple[str, ...]:
+        rows = [i for i in self.main.ids if i.plan.pattern == pattern]
+        answers = Counter(
+            "cut" if a.cut else ("none" if a.status is None else f"{a.status} {a.code or 'ok'}")
+            for i in rows
+            for a in i.attempts
         )
-        return out
-
-
-async def _drive(
-    url: str, keys: dict[str, str], config: RetryConfig, todo: list[IdPlan], model: str
-) -> tuple[dict[str, list[Attempt]], list[list[Attempt]], int, float]:
-    """Send every id and its re-sends; the attempts by id, the HTTP attempts of each call through the SDK's
-    retries, the peak of attempts in flight, and when the last one ended (monotonic)."""
-    import httpx
-    import openai
-
-    from fairgate.drills.loadgen import _error_key
-
-    attempts: dict[str, list[Attempt]] = {p.request_id: [] for p in todo}
-    in_flight = 0
-    peak = 0
-
-    async def on_response(response: httpx.Response) -> None:
-        """Every HTTP attempt of the SDK client (its own retries included), into the calling ``send``'s list
-        (the hook runs in the task that made the call)."""
-        call = _SDK_CALL.get()
-        if call is None:
-            return
-        code = None
-        if response.status_code != 200:
-            try:
-                code = json.loads(await response.aread())["error"]["code"]
-            except (ValueError, KeyError, TypeError):
-                code = "unparsed"
-        now = time.monotonic()
-        call.append(
-            Attempt(
-                response.request.headers.get("x-request-id", ""),
-                "sdk",
-                response.status_code,
-                code,
-                sent_s=now,
-                ended_s=now,
-            )
+        return (
+            pattern,
+            str(len(rows)),
+            str(sum(len(i.attempts) for i in rows)),
+            fmt_counts(answers, " x"),
+            str(sum(i.reservations for i in rows)),
+            f"{sum(i.billed_output for i in rows):,}",
+            "-" if not self.main.tapped else str(sum(i.sequences or 0 for i in rows)),
+            str(sum(1 for i in rows if i.plan.request_id in problems)),
         )
 
-    plain = {
-        t: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=keys[t], max_retries=0, timeout=60.0)
-        for t in config.tenants
-    }
-    hooked = {
-        t: openai.AsyncOpenAI(
-            base_url=f"{url}/v1",
-            api_key=keys[t],
-            max_retries=config.sdk_max_retries,
-            timeout=60.0,
-            http_client=httpx.AsyncClient(timeout=60.0, event_hooks={"response": [on_response]}),
-        )
-        for t in config.tenants
-    }
-    filler = "w " * (config.prompt_tokens - CHAT_OVERHEAD_TOKENS - 1)
+    def verdict(self) -> str:
+        resends = sum(1 for a in self.main.attempts if a.role != "original")
+        done = "not one double deduction" if self.passed else "see the FAIL lines"
+        return f"{resends:,} re-sends of {self.config.ids} ids; {done}."
+
+
+async def drive(
+    generator: LoadGenerator, config: RetryConfig, todo: list[IdPlan]
+) -> tuple[dict[str, list[Attempt]], list[list[Attempt]]]:
+    """Send every id and its re-sends; the attempts by id, and the HTTP attempts of each call through the
+    SDK's own retries."""
+    by_id: dict[str, list[Attempt]] = {p.request_id: [] for p in todo}
     sdk_calls: list[list[Attempt]] = []
 
-    async def send(plan: IdPlan, role: str, cut_after_s: float = 0.0) -> Attempt:
-        nonlocal in_flight, peak
-        attempt = Attempt(plan.request_id, role, sent_s=time.monotonic())
-        client = hooked[plan.tenant] if role == "sdk" else plain[plan.tenant]
-        max_tokens = plan.max_tokens + (1 if role == "changed" else 0)
+    async def send(plan: IdPlan, role: str, cut_after_s: float = 0.0) -> list[Attempt]:
+        request = Request(
+            plan.tenant,
+            plan.request_id,
+            plan.max_tokens + (1 if role == "changed" else 0),
+            config.prompt_tokens,
+            stream=plan.stream,
+            tag=True,
+            cut=Cut("time", seconds=cut_after_s) if cut_after_s > 0 else None,
+            sdk_retries=config.sdk_max_retries if role == "sdk" else 0,
+        )
+        return attempts(await generator.send(request), role)
 
-        async def call() -> None:
-            result: Any = await client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": filler + plan.request_id}],
-                max_tokens=max_tokens,
-                stream=plan.stream,
-                extra_body={"ignore_eos": True},
-                extra_headers={"X-Request-Id": plan.request_id},
-                **({"stream_options": {"include_usage": True}} if plan.stream else {}),
-            )
-            if plan.stream:
-                async with result:
-                    attempt.status = 200
-                    async for chunk in result:
-                        if chunk.choices and chunk.choices[0].delta.content:
-                            attempt.tokens += 1
-            else:
-                attempt.status = 200
-                attempt.tokens = result.usage.completion_tokens if result.usage else 0
-
-        in_flight += 1
-        peak = max(peak, in_flight)
-        try:
-            if cut_after_s > 0:
-                try:
-                    await asyncio.wait_for(call(), timeout=cut_after_s)
-                except TimeoutError:
-                    attempt.cut, attempt.status = True, None
-            else:
-                await call()
-        except openai.APIStatusError as exc:
-            attempt.status, attempt.code = exc.status_code, exc.code
-        except Exception as exc:
-            attempt.code = _error_key(exc)
-        finally:
-            in_flight -= 1
-            attempt.ended_s = time.monotonic()
-        return attempt
-
-    async def one(plan: IdPlan, start: float) -> None:
-        await asyncio.sleep(max(0.0, start + plan.at_s - time.monotonic()))
-        mine = attempts[plan.request_id]
+    async def one(plan: IdPlan) -> None:
+        await asyncio.sleep(max(0.0, plan.at_s - generator.now()))
+        mine = by_id[plan.request_id]
         if plan.pattern == "storm":
-            results = await asyncio.gather(
-                send(plan, "original"), *(send(plan, "resend") for _ in plan.resend_delays_s)
-            )
-            mine.extend(results)
+            sent = await asyncio.gather(send(plan, "original"), *(send(plan, "resend") for _ in plan.resend_delays_s))
+            mine.extend(a for answer in sent for a in answer)
             return
+        original = None
         if plan.pattern == "timeout":
-            mine.append(await send(plan, "original", cut_after_s=plan.cut_after_s))
-            base = time.monotonic()
-            original = None
+            mine.extend(await send(plan, "original", cut_after_s=plan.cut_after_s))
         else:
-            base = time.monotonic()
             original = asyncio.ensure_future(send(plan, "original"))
+        base = generator.now()
 
         async def resend(index: int, delay: float) -> None:
             role = "resend"
@@ -540,129 +468,111 @@ async def _drive(
                 role = "changed"  # after the original's answer: it must not win the race to the ledger
                 await asyncio.wait([original])
                 await asyncio.sleep(delay)
-            await asyncio.sleep(max(0.0, base + delay - time.monotonic()))
+            await asyncio.sleep(max(0.0, base + delay - generator.now()))
+            sent = await send(plan, "sdk" if plan.pattern == "sdk" else role)
             if plan.pattern == "sdk":
-                call: list[Attempt] = []
-                token = _SDK_CALL.set(call)
-                try:
-                    final = await send(plan, "sdk")
-                finally:
-                    _SDK_CALL.reset(token)
-                # The hook recorded every HTTP attempt the SDK made; the last one's answer is ``final``'s.
-                if final.status == 200 and call:
-                    call[-1].tokens = final.tokens
-                mine.extend(call or [final])
-                sdk_calls.append(call)
-                return
-            mine.append(await send(plan, role))
+                sdk_calls.append(sent)
+            mine.extend(sent)
 
         await asyncio.gather(*(resend(i, d) for i, d in enumerate(plan.resend_delays_s)))
         if original is not None:
-            mine.insert(0, await original)
+            mine[:0] = await original
 
-    start = time.monotonic()
-    try:
-        await asyncio.gather(*(one(p, start) for p in todo))
-    finally:
-        for client in (*plain.values(), *hooked.values()):
-            await client.close()
-    last = max(a.ended_s for rows in attempts.values() for a in rows)
-    return attempts, sdk_calls, peak, last
+    await asyncio.gather(*(one(p) for p in todo))
+    return by_id, sdk_calls
+
+
+async def converge(stack: Stack, ledger: Any, last_s: float, limit_s: float, now: Any) -> float | None:
+    """Seconds from ``last_s`` until no reservation is open and the replicas are idle (None: not within
+    ``limit_s``)."""
+    while True:
+        open_now = len(await ledger.reservations(status="open"))
+        running = sum(s.occupancy for s in await stack.replica_stats())
+        if open_now == 0 and running == 0:
+            return now() - last_s
+        if now() - last_s > limit_s:
+            return None
+        await asyncio.sleep(0.05)
+
+
+async def buckets(ledger: Any, config: RetryConfig, model: str, events: list[Any]) -> dict[str, BucketFigures]:
+    """Each tenant's ``requests_per_minute`` bucket, replayed from its first reservation."""
+    out = {}
+    for tenant in config.tenants:
+        account = await ledger.account(tenant, model)
+        usage = await ledger.usage(tenant, 10 * 365 * 86_400)
+        reserves = [e.at_ms for e in events if e.tenant == tenant and e.kind == "reserve"]
+        first_ms = min(reserves, default=account.requests_updated_ms)
+        refill = (account.requests_updated_ms - first_ms) * config.requests_per_minute / 60_000.0
+        level = float(account.requests_level or 0.0)
+        out[tenant] = BucketFigures(
+            tenant, config.ids_of(tenant), float(config.burst(tenant)), level, refill, usage.requests
+        )
+    return out
 
 
 def run(options: DrillOptions, config: RetryConfig | None = None) -> RetryResult:
     """Run the drill under ``options.policy`` (``seconds``: how long the originals arrive over)."""
-    from fairgate.ledger.reconcile import reconcile
-
     config = config or RetryConfig()
     if options.seconds is not None:
         config = replace(config, seconds=options.seconds)
-    spec = config.spec(options.policy, options.processes)
+    with start_stack(config.spec(options.policy, options.processes)) as stack:
+        return RetryResult(config, asyncio.run(_run(stack, config, options)))
+
+
+async def _run(stack: Stack, config: RetryConfig, options: DrillOptions) -> RetryFigures:
+    from fairgate.ledger.reconcile import reconcile
+
     todo = id_plans(config, options.seed)
-
-    with open_stack(spec, gateway_process=config.gateway_process) as drill:
-
-        async def go() -> RetryFigures:
-            start = time.monotonic()
-            attempts, sdk_calls, peak, last = await _drive(drill.url, drill.keys, config, todo, spec.model)
-            load_s = last - start
-            ledger = await open_ledger(drill.stack)
-            try:
-                converge_s = None
-                while True:
-                    open_now = len(await ledger.reservations(status="open"))
-                    running = sum(s["running"] + s["waiting"] for s in await replica_stats(drill))
-                    if open_now == 0 and running == 0:
-                        converge_s = time.monotonic() - last
-                        break
-                    if time.monotonic() - last > config.converge_s_max:
-                        break
-                    await asyncio.sleep(0.05)
-                reservations = await ledger.reservations()
-                events = await ledger.events()
-                report = await reconcile(ledger, freeze=False)
-                buckets = {}
-                for tenant in config.tenants:
-                    account = await ledger.account(tenant, spec.model)
-                    usage = await ledger.usage(tenant, 10 * 365 * 86_400)
-                    first_ms = min(
-                        (e.at_ms for e in events if e.tenant == tenant and e.kind == "reserve"),
-                        default=account.requests_updated_ms,
-                    )
-                    refill = (account.requests_updated_ms - first_ms) * config.requests_per_minute / 60_000.0
-                    buckets[tenant] = BucketFigures(
-                        tenant,
-                        config.ids_of(tenant),
-                        float(config.burst(tenant)),
-                        float(account.requests_level or 0.0),
-                        refill,
-                        usage.requests,
-                    )
-            finally:
-                await ledger.close()
-            by_id: dict[tuple[str, str], list[Any]] = {}
-            for r in reservations:
-                by_id.setdefault((r.tenant, r.request_id), []).append(r)
-            reserve_events = Counter(e.reservation_id for e in events if e.kind == "reserve")
-            sequences: dict[str, list[Any]] = {}
-            for tap in drill.taps:
-                for tag, seqs in tap.sequences.items():
-                    sequences.setdefault(tag, []).extend(seqs)
-            tapped = bool(drill.taps)
-            rows = []
-            for plan in todo:
-                mine = by_id.get((plan.tenant, plan.request_id), [])
-                first = mine[0] if mine else None
-                seqs = sequences.get(plan.request_id, [])
-                rows.append(
-                    IdFigures(
-                        plan,
-                        attempts[plan.request_id],
-                        len(mine),
-                        sum(reserve_events[r.id] for r in mine),
-                        first.status if first else None,
-                        first.billed.input_tokens if first else 0,
-                        first.billed.output_tokens if first else 0,
-                        len(seqs) if tapped else None,
-                        sum(s.generated for s in seqs) if tapped else None,
-                    )
-                )
-            stats = await replica_stats(drill)
-            return RetryFigures(
-                options.policy,
-                rows,
-                buckets,
-                load_s,
-                converge_s,
-                len([r for r in reservations if r.status == "open"]),
-                dict(Counter(r.status for r in reservations)),
-                {t.tenant: t.differences for t in report.tenants if t.differences},
-                sum(s["running"] + s["waiting"] for s in stats),
-                tapped,
-                sum(t.untagged for t in drill.taps),
-                peak,
-                sdk_calls,
+    async with LoadGenerator(stack.url, stack.keys, stack.spec.model, options.seed, timeout_s=60.0) as generator:
+        begin = generator.now()
+        by_id, sdk_calls = await drive(generator, config, todo)
+    last = max(a.ended_s for rows in by_id.values() for a in rows)
+    ledger = await stack.open_ledger()
+    try:
+        converge_s = await converge(stack, ledger, last, config.converge_s_max, generator.now)
+        reservations = await ledger.reservations()
+        events = await ledger.events()
+        report = await reconcile(ledger, freeze=False)
+        bucket_figures = await buckets(ledger, config, stack.spec.model, events)
+    finally:
+        await ledger.close()
+    reserved: dict[tuple[str, str], list[Any]] = {}
+    for r in reservations:
+        reserved.setdefault((r.tenant, r.request_id), []).append(r)
+    reserve_events = Counter(e.reservation_id for e in events if e.kind == "reserve")
+    tapped = any(r.tap is not None for r in stack.replicas)
+    sequences = stack.tapped("sequences")
+    rows = []
+    for plan in todo:
+        mine = reserved.get((plan.tenant, plan.request_id), [])
+        first = mine[0] if mine else None
+        seqs = sequences.get(plan.request_id, [])
+        rows.append(
+            IdFigures(
+                plan,
+                by_id[plan.request_id],
+                len(mine),
+                sum(reserve_events[r.id] for r in mine),
+                first.status if first else None,
+                first.billed.input_tokens if first else 0,
+                first.billed.output_tokens if first else 0,
+                len(seqs) if tapped else None,
+                sum(s.generated for s in seqs) if tapped else None,
             )
-
-        figures = asyncio.run(go())
-    return RetryResult(config, figures)
+        )
+    return RetryFigures(
+        options.policy,
+        rows,
+        bucket_figures,
+        last - begin,
+        converge_s,
+        sum(1 for r in reservations if r.status == "open"),
+        dict(Counter(r.status for r in reservations)),
+        {t.tenant: t.differences for t in report.tenants if t.differences},
+        sum(s.occupancy for s in await stack.replica_stats()),
+        tapped,
+        sum(r.tap.untagged for r in stack.replicas if r.tap is not None),
+        generator.peak_in_flight,
+        sdk_calls,
+    )

@@ -1,4 +1,4 @@
-"""Drill ``scale_out`` (issue 6): several ``fairgate serve`` processes share one PostgreSQL or Redis ledger.
+"""Drill ``scale_out``: several ``fairgate serve`` processes share one PostgreSQL or Redis ledger.
 
 Two claims, each checked on real processes (``fairgate emulate`` replicas, ``fairgate serve`` gateways) driven
 by the real ``openai`` client:
@@ -50,12 +50,8 @@ by the real ``openai`` client:
    their gateway (a sixth of the GPU) and the two tenants on both gateways about a third of the GPU.
 
    Also shown: the shares by the replicas' own charge rule (``/emulator/stats``), and the GPU billed against
-   the replicas' busy time. They exposed a gateway bug (the report of issue 6): each process's live meter
-   charged the whole busy time of an upstream it shares with other processes to its own requests, so the
-   ledger billed each replica-second N times (x2.1 here; x1.96 and x3.5 at N = 2 and 4 in claim 1) and the
-   shares the ledger equalized were not the GPU shares (the replicas' max/min 1.4-1.6). The meters now share
-   their occupancy through the ledger (``Ledger.share_occupancy``, ``fairgate.core.meter``): billed / busy
-   1.03 here, 1.01 / 1.03 / 1.05 at N = 1 / 2 / 4; the replicas' own max/min 1.06.
+   the replicas' busy time: processes sharing a replica share their meters' occupancy through the ledger
+   (``Ledger.share_occupancy``, ``fairgate.core.meter``), so together they bill its busy time about once.
 
 Faults injected: none beyond the number of processes and the placement. Lost must be nothing: in claim 2 the
 clients hang up at the deadline; a reservation left open is reported.
@@ -66,25 +62,22 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from fairgate.drills import DrillOptions, RenderedResult, fmt_errors
-from fairgate.drills.loadgen import LoadReport, TenantLoad
-from fairgate.drills.stack import STARTUP_S_MAX, ReplicaModel, free_port
-from fairgate.gateway.auth import hash_api_key
+from fairgate.drills import DrillOptions
+from fairgate.drills.report import DrillResult, fmt_errors, holds_from, table
+from fairgate.harness.config import TenantSpec
+from fairgate.harness.ledger import LedgerReport, backend_of, ledger_totals, wait_settled
+from fairgate.harness.loadgen import LoadGenerator, TenantLoad
+from fairgate.harness.records import History
+from fairgate.harness.replica import ReplicaModel, ReplicaStats, read_replica, watch_occupancy
+from fairgate.harness.run import until
+from fairgate.harness.stack import ReplicaSpec, Stack, StackSpec, replicas, start_stack
+from fairgate.ledger.config import LimitsConfig as Limits
 
 if TYPE_CHECKING:
     from fairgate.ledger import Ledger, Reservation
@@ -96,218 +89,7 @@ LEDGER_ENV = "FAIRGATE_DRILL_LEDGERS"  # comma-separated base ledger URLs for ``
 DEFAULT_LEDGERS = ("postgresql://127.0.0.1:5432/test", "redis://127.0.0.1:6379/0")
 SEED_MIX = {"classify": 23.7, "chat": 53.0, "summarise": 197.0, "agent": 353.8}  # seed 002, mean output tokens
 EPSILON = 1e-6
-
-
-# --- processes --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Child:
-    """A ``python -m fairgate`` server process of a drill."""
-
-    name: str
-    url: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` (default SIGKILL: a crash, no clean-up) and wait for the process to end."""
-        if self.alive:
-            self.popen.send_signal(sig)
-        try:
-            self.popen.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(timeout=30)
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    """A server to start: ``python -m fairgate ARGS`` listening on ``port``."""
-
-    name: str
-    args: tuple[str, ...]
-    port: int
-
-
-@contextmanager
-def children(specs: Sequence[ChildSpec], folder: Path) -> Iterator[list[Child]]:
-    """Start every spec at once (logs in ``folder``), wait until each answers ``/health``, and yield them;
-    stop the ones still running (SIGTERM, then SIGKILL) when the block ends.
-
-    Raises:
-        RuntimeError: a server did not start within ``STARTUP_S_MAX`` (its log's tail in the message).
-    """
-    import httpx
-
-    started: list[Child] = []
-    logs = []
-    try:
-        for spec in specs:
-            log_path = folder / f"{spec.name}.log"
-            log = open(log_path, "wb")  # noqa: SIM115 - closed below, after the child ends
-            logs.append(log)
-            popen = subprocess.Popen([sys.executable, "-m", "fairgate", *spec.args], stdout=log, stderr=log)
-            started.append(Child(spec.name, f"http://127.0.0.1:{spec.port}", popen, log_path))
-        deadline = time.monotonic() + STARTUP_S_MAX
-        waiting = list(started)
-        while waiting:
-            for child in list(waiting):
-                try:
-                    if httpx.get(f"{child.url}/health", timeout=1).status_code == 200:
-                        waiting.remove(child)
-                        continue
-                except httpx.TransportError:
-                    pass
-                if not child.alive or time.monotonic() > deadline:
-                    raise RuntimeError(f"{child.name} did not start:\n{child.log_tail()}")
-            if waiting:
-                time.sleep(0.1)
-        yield started
-    finally:
-        for child in started:
-            if child.alive:
-                child.popen.terminate()
-        for child in started:
-            try:
-                child.popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.popen.kill()
-                child.popen.wait(timeout=30)
-        for log in logs:
-            log.close()
-
-
-def emulator_spec(name: str, replica: ReplicaModel, model: str = "emu", port: int | None = None) -> ChildSpec:
-    """A ``fairgate emulate`` replica with ``replica``'s cost model and slots."""
-    port = port or free_port()
-    return ChildSpec(
-        name,
-        (
-            "emulate",
-            "--port",
-            str(port),
-            "--model",
-            model,
-            "--iter-base-ms",
-            repr(replica.iter_base_ms),
-            "--iter-slope-ms",
-            repr(replica.iter_slope_ms),
-            "--prefill-ms-per-token",
-            repr(replica.prefill_ms_per_token),
-            "--max-batch",
-            str(replica.max_batch),
-            "--max-model-len",
-            str(replica.max_model_len),
-        ),
-        port,
-    )
-
-
-def gateway_spec(name: str, config_path: Path, port: int | None = None) -> ChildSpec:
-    port = port or free_port()
-    return ChildSpec(name, ("serve", "--config", str(config_path), "--port", str(port)), port)
-
-
-# --- configuration ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class UpstreamEntry:
-    """One ``[[upstream]]`` of a gateway: a replica serving ``model``, of which this gateway uses ``max_batch``
-    slots (its cost model is the replica's)."""
-
-    name: str
-    url: str
-    model: str
-    max_batch: int
-    replica: ReplicaModel
-
-
-@dataclass(frozen=True)
-class TenantEntry:
-    """A tenant of the quota document: weight, priority pool and ``limits`` (any key of the quota file's
-    ``limits`` table; ints for counts, floats for rates and seconds)."""
-
-    name: str
-    weight: float = 1.0
-    priority: str = "interactive"
-    limits: dict[str, int | float] = field(default_factory=dict)
-
-
-def tenant_keys(tenants: Sequence[TenantEntry]) -> dict[str, str]:
-    """An API key per tenant (deterministic: every gateway of a drill hashes the same keys)."""
-    return {t.name: f"fg-drill-{i}-{'k' * 32}" for i, t in enumerate(tenants)}
-
-
-def gateway_config_text(
-    folder: Path,
-    index: int,
-    policy: str,
-    ledger_url: str,
-    upstreams: Sequence[UpstreamEntry],
-    tenants: Sequence[TenantEntry],
-    keys: dict[str, str],
-    share_charges_s: float = 0.25,
-    default_max_tokens: int = 256,
-    sweep_s: float = 10.0,
-) -> str:
-    """Gateway ``index``'s TOML: the shared ledger, its own journal and event log in ``folder``, and the same
-    quota document and keys as every other gateway of the drill."""
-
-    def value(v: int | float) -> str:
-        return repr(v) if isinstance(v, int) else repr(float(v))
-
-    ups = "".join(
-        f'[[upstream]]\nname = "{u.name}"\nurl = "{u.url}/v1"\nmodel = "{u.model}"\nmax_batch = {u.max_batch}\n'
-        f"iter_base_ms = {u.replica.iter_base_ms!r}\niter_slope_ms = {u.replica.iter_slope_ms!r}\n"
-        f"prefill_ms_per_token = {u.replica.prefill_ms_per_token!r}\nmax_model_len = {u.replica.max_model_len}\n\n"
-        for u in upstreams
-    )
-    quota_tenants = "".join(
-        f'[quotas.tenants."{t.name}"]\ntier = "drill"\nweight = {float(t.weight)!r}\npriority = "{t.priority}"\n'
-        + ("limits = { " + ", ".join(f"{k} = {value(v)}" for k, v in t.limits.items()) + " }\n" if t.limits else "")
-        for t in tenants
-    )
-    key_tables = "".join(
-        f'[[key]]\ntenant = "{tenant}"\nhash = "{hash_api_key(key)}"\nname = "drill"\n' for tenant, key in keys.items()
-    )
-    return (
-        f'[gateway]\npolicy = "{policy}"\nledger = "{ledger_url}"\njournal = "{folder}/journal-{index}.jsonl"\n'
-        f'event_log = "{folder}/events-{index}.jsonl"\ndefault_max_tokens = {default_max_tokens}\n'
-        f"request_timeout_s = 600\nshare_charges_s = {float(share_charges_s)!r}\nsweep_s = {float(sweep_s)!r}\n\n"
-        f'{ups}[quotas.tiers.drill]\non_ledger_unavailable = "reject"\n\n'
-        f"[quotas.defaults]\nmax_concurrent = 100000\nmax_queued = 100000\n\n{quota_tenants}\n{key_tables}"
-    )
-
-
-def fresh_ledger_url(base: str, token: str) -> str:
-    """``base`` (``postgresql://...`` or ``redis://...``) with a schema / key prefix of its own (``token``);
-    an ``sqlite:///`` URL is returned as is."""
-    parts = urlparse(base)
-    if parts.scheme in ("postgresql", "postgres"):
-        name = "schema"
-    elif parts.scheme in ("redis", "rediss"):
-        name = "prefix"
-    else:
-        return base
-    query = [(k, v) for k, v in parse_qsl(parts.query) if k != name] + [(name, token)]
-    return urlunparse(parts._replace(query=urlencode(query)))
-
-
-def backend_of(url: str) -> str:
-    scheme = urlparse(url).scheme
-    return {"postgres": "postgresql", "rediss": "redis"}.get(scheme, scheme)
+T = TypeVar("T")
 
 
 def default_ledgers() -> tuple[str, ...]:
@@ -315,16 +97,6 @@ def default_ledgers() -> tuple[str, ...]:
     given = os.environ.get(LEDGER_ENV, "")
     urls = tuple(u.strip() for u in given.split(",") if u.strip())
     return urls or DEFAULT_LEDGERS
-
-
-async def drop_ledger(ledger: Ledger) -> None:
-    """Drop the drill's schema / keys (best effort)."""
-    drop = getattr(ledger, "drop_schema", None) or getattr(ledger, "drop_keys", None)
-    if drop is not None:
-        try:
-            await drop()
-        except Exception:
-            pass
 
 
 # --- checks over the ledger's reservations (pure) ---------------------------------------------------------------
@@ -395,14 +167,13 @@ class GpuBudgetUse:
     within_ms: float
     billed_ms: float
     overage_ms: float
-    estimate_ms: float
 
 
 def gpu_budget_use(reservations: Sequence[Reservation]) -> GpuBudgetUse:
     within = sum(min(r.billed.gpu_ms, r.gpu_ms_estimate) for r in reservations)
     billed = sum(r.billed.gpu_ms for r in reservations)
     overage = sum(max(0.0, r.billed.gpu_ms - r.gpu_ms_estimate) for r in reservations)
-    return GpuBudgetUse(within, billed, overage, sum(r.gpu_ms_estimate for r in reservations))
+    return GpuBudgetUse(within, billed, overage)
 
 
 def bucket_events(
@@ -481,11 +252,7 @@ class LimitsConfig:
     seconds: float = 8.0
     process_counts: tuple[int, ...] = (1, 2, 4)
     gateway_slots: int = 4
-    replica: ReplicaModel = field(
-        default_factory=lambda: ReplicaModel(
-            iter_base_ms=25.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=64, max_model_len=4096
-        )
-    )
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(25.0, 0.5, 0.02, 64, 4096))
     probes: tuple[Probe, ...] = field(default_factory=default_probes)
     gpu_budget_requests: int = 12
     sample_s: float = 0.1
@@ -526,12 +293,43 @@ class LimitsConfig:
         budget_s = round(self.gpu_budget_requests * self.gpu_estimate_ms(n, probe) / 1000.0, 3)
         return {**probe.limits, "gpu_seconds": budget_s, "gpu_seconds_total": budget_s}
 
-    def tenants(self) -> list[TenantEntry]:
-        return [
-            TenantEntry(self.tenant(p, n), limits=self.limits_of(p, n))
+    def tenants(self) -> tuple[TenantSpec, ...]:
+        return tuple(
+            TenantSpec(self.tenant(p, n), limits=Limits(**self.limits_of(p, n)))
             for n in self.process_counts
             for p in self.probes
-        ]
+        )
+
+    def spec(self, policy: str, ledger_url: str) -> StackSpec:
+        """One replica per group (serving the group's model), ``max(N)`` gateways: gateway i in front of the
+        groups whose N is larger than i, with ``gateway_slots / N`` of that group's replica each."""
+        counts = self.process_counts
+        return StackSpec(
+            self.tenants(),
+            policy,
+            tuple(ReplicaSpec(self.model(n), self.slots_per_process(n)) for n in counts),
+            self.replica,
+            processes=True,
+            gateways=self.processes,
+            gateway_replicas=tuple(tuple(k for k, n in enumerate(counts) if i < n) for i in range(self.processes)),
+            ledger=ledger_url,
+            default_max_tokens=64,
+        )
+
+    def loads(self, n: int) -> list[TenantLoad]:
+        """Group ``n``'s loads, each probe's clients dealt round robin over the group's gateways."""
+        out = []
+        for probe in self.probes:
+            load = TenantLoad(
+                self.tenant(probe, n),
+                model=self.model(n),
+                clients=probe.clients,
+                output_tokens=probe.output_tokens,
+                prompt_tokens=probe.prompt_tokens,
+                error_backoff_s=self.error_backoff_s,
+            )
+            out += spread(load, [f"g{i}" for i in range(n)])
+        return out
 
 
 @dataclass(frozen=True)
@@ -578,12 +376,11 @@ class TenantLimitFigures:
         limit = self.limits.get("max_queued")
         if limit is not None and self.queued_sampled > limit:
             out.append(f"{self.tenant}: the account showed {self.queued_sampled} queued (max_queued {limit})")
-        if self.gpu is not None and self.gpu_budget_ms is not None:
-            if self.gpu.within_ms > self.gpu_budget_ms * (1 + EPSILON):
-                out.append(
-                    f"{self.tenant}: {self.gpu.within_ms:.1f} GPU ms billed within estimates, over the "
-                    f"budget of {self.gpu_budget_ms:.1f}"
-                )
+        budget = self.gpu_budget_ms
+        if self.gpu is not None and budget is not None and self.gpu.within_ms > budget * (1 + EPSILON):
+            out.append(
+                f"{self.tenant}: {self.gpu.within_ms:.1f} GPU ms billed within estimates, over the budget {budget:.1f}"
+            )
         if self.open_at_end:
             out.append(f"{self.tenant}: {self.open_at_end} reservations still open after the hang-ups were billed")
         if self.account_after != (0, 0):
@@ -623,26 +420,11 @@ def _after_admission(error: str) -> bool:
 
 
 @dataclass(frozen=True)
-class ReplicaTruth:
-    """An emulated replica's own figures: busy ms and the charge rule's ms per tenant (``cache_salt``)."""
-
-    busy_ms: float
-    by_tenant_ms: dict[str, float]
-    running: int
-    waiting: int  # submitted, not yet admitted (a request waits for the next iteration boundary even with free slots)
-
-    @property
-    def occupancy(self) -> int:
-        """Sequences running or waiting: more than ``max_batch`` means the replica queues beyond its slots."""
-        return self.running + self.waiting
-
-
-@dataclass(frozen=True)
 class GroupFigures:
     n: int
     tenants: dict[str, TenantLimitFigures]
     ledger_gpu_ms: float  # billed to the group's tenants
-    replica: ReplicaTruth | None
+    replica: ReplicaStats | None
     occupancy_max: int  # most sequences the group's replica held (running + waiting) when sampled
 
 
@@ -679,195 +461,93 @@ async def _sample_accounts(
             pass
 
 
-async def read_replica(url: str, timeout_s: float = 2.0) -> ReplicaTruth | None:
-    """An emulator's ``/emulator/stats`` (None if it does not answer); tenants mapped back from their
-    ``cache_salt`` by the caller."""
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=timeout_s) as http:
-            stats = (await http.get(f"{url}/emulator/stats")).json()
-    except (httpx.HTTPError, ValueError):
-        return None
-    return ReplicaTruth(
-        float(stats["busy_ms"]),
-        dict(stats["charge_rule_ms_by_cache_salt"]),
-        int(stats["running"]),
-        int(stats["waiting"]),
-    )
-
-
-def by_tenant(truth: ReplicaTruth, tenants: Sequence[str]) -> dict[str, float]:
-    """The replica's charge-rule ms per tenant (its ``cache_salt`` is the tenant's tag)."""
-    from fairgate.ledger.base import tenant_tag
-
-    return {t: float(truth.by_tenant_ms.get(tenant_tag(t), 0.0)) for t in tenants}
-
-
-async def watch_replicas(
-    urls: dict[Any, str], every_s: float, occupancy: dict[Any, int], stop: asyncio.Event, until: float | None = None
-) -> None:
-    """Sample each replica's occupancy (running + waiting) every ``every_s`` until ``stop`` (or the monotonic
-    time ``until``); ``occupancy[key]`` = the most seen."""
-    while not stop.is_set() and (until is None or time.monotonic() < until):
-        for key, url in urls.items():
-            truth = await read_replica(url, timeout_s=1.0)
-            if truth is not None:
-                occupancy[key] = max(occupancy.get(key, 0), truth.occupancy)
-        try:
-            await asyncio.wait_for(stop.wait(), every_s)
-        except TimeoutError:
-            pass
-
-
-async def wait_settled(ledger: Ledger, deadline_s: float) -> float:
-    """Wait until no reservation is open (the gateways billed every hang-up) or ``deadline_s`` passes;
-    returns the seconds waited."""
-    start = time.monotonic()
-    while time.monotonic() - start < deadline_s:
-        if not await ledger.reservations(status="open"):
-            break
-        await asyncio.sleep(0.1)
-    return time.monotonic() - start
-
-
-def spread(load: TenantLoad, urls: Sequence[str]) -> list[tuple[str, TenantLoad]]:
-    """``load``'s clients dealt round robin over ``urls`` (client i to url i mod len(urls))."""
+def spread(load: TenantLoad, targets: Sequence[str]) -> list[TenantLoad]:
+    """``load``'s clients dealt round robin over the gateways ``targets`` (client i to target i mod len)."""
     out = []
-    for i, url in enumerate(urls):
-        clients = len(range(i, load.clients, len(urls)))
+    for i, target in enumerate(targets):
+        clients = len(range(i, load.clients, len(targets)))
         if clients:
-            out.append((url, replace(load, clients=clients)))
+            out.append(replace(load, target=target, clients=clients))
     return out
 
 
-async def drive(
-    assignments: Sequence[tuple[str, TenantLoad]],
-    seconds: float,
-    model_of: dict[str, str],
-    seed: int,
-    drain_s: float = 0.0,
-) -> LoadReport:
-    """Run every (gateway URL, load) at once (one ``run_load`` per URL and model, each with its own seed)
-    and merge what the clients saw into one report."""
-    from fairgate.drills.loadgen import run_load
+def _kept(stack: Stack, figures: T) -> T:
+    """``figures`` naming the stack's folder, which is kept (the servers' logs and event logs)."""
+    stack.keep_folder = True
+    return replace(figures, folder=str(stack.folder))  # type: ignore[type-var]
 
-    by_target: dict[tuple[str, str], list[TenantLoad]] = {}
-    for url, load in assignments:
-        by_target.setdefault((url, model_of[load.tenant]), []).append(load)
-    reports = await asyncio.gather(
-        *(
-            run_load(url, loads, seconds, model=model, seed=seed * 1000 + i, drain_s=drain_s)
-            for i, ((url, model), loads) in enumerate(sorted(by_target.items()))
-        )
-    )
-    merged = LoadReport(seconds)
-    for report in reports:
-        merged.samples.extend(report.samples)
-        merged.skipped.update(report.skipped)
-    return merged
+
+def _targets(stack: Stack) -> dict[str, str]:
+    return {f"g{i}": gateway.url for i, gateway in enumerate(stack.gateways)}
+
+
+@dataclass(frozen=True)
+class LimitsRun:
+    """What claim 1's run saw: the clients, every reservation, the sampled accounts (tenant -> [max
+    concurrent, max queued, samples]) and replicas (group N -> most sequences), the accounts at the end,
+    how long the last bills took, and each group's replica at the end."""
+
+    history: History
+    reservations: list[Reservation]
+    seen: dict[str, list[int]]
+    occupancy: dict[int, int]
+    accounts: dict[str, tuple[int, int]]
+    settle_s: float
+    truths: dict[int, ReplicaStats | None]
 
 
 def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair", seed: int = 1) -> LimitsFigures:
-    """Claim 1 on the ledger at ``ledger_base`` (a fresh schema / prefix, dropped after)."""
-    from fairgate.gateway.config import load_gateway_config
-    from fairgate.ledger import connect
-
+    """Claim 1 on the ledger at ``ledger_base`` (a fresh schema / prefix, dropped after). The servers' logs
+    are kept (``LimitsFigures.folder``) when a check fails."""
     started = time.monotonic()
-    token = f"fgdrill_{uuid.uuid4().hex[:10]}"
-    ledger_url = fresh_ledger_url(ledger_base, token)
-    tenants = config.tenants()
-    keys = tenant_keys(tenants)
-    folder = Path(tempfile.mkdtemp(prefix="fairgate-drill-scale-"))
-    replicas = {n: emulator_spec(f"emulator-n{n}", config.replica, model="emu") for n in config.process_counts}
-    gateway_ports = [free_port() for _ in range(config.processes)]
-    with children(list(replicas.values()), folder) as emulators:
-        urls = {n: child.url for n, child in zip(replicas, emulators)}
-        paths = []
-        for i in range(config.processes):
-            upstreams = [
-                UpstreamEntry(f"emu-n{n}", urls[n], config.model(n), config.slots_per_process(n), config.replica)
-                for n in config.process_counts
-                if i < n
-            ]
-            path = folder / f"gateway-{i}.toml"
-            path.write_text(
-                gateway_config_text(folder, i, policy, ledger_url, upstreams, tenants, keys, default_max_tokens=64)
-            )
-            paths.append(path)
-        gateway_config = load_gateway_config(paths[0])
+    with start_stack(config.spec(policy, ledger_base)) as stack:
+        run = asyncio.run(_limits_run(stack, config, seed))
+        groups = {}
+        for n in config.process_counts:
+            tenants = {
+                config.tenant(p, n): _tenant_limit_figures(
+                    config, p, n, run.reservations, run.history, run.seen, run.accounts
+                )
+                for p in config.probes
+            }
+            gpu_ms = sum(r.billed.gpu_ms for r in run.reservations if r.tenant in tenants)
+            groups[n] = GroupFigures(n, tenants, gpu_ms, run.truths.get(n), run.occupancy.get(n, 0))
+        figures = LimitsFigures(
+            backend_of(ledger_base), groups, config.seconds, time.monotonic() - started, run.settle_s
+        )
+        return _kept(stack, figures) if limits_problems(figures) else figures
 
-        async def go() -> tuple[
-            LoadReport,
-            list[Reservation],
-            dict[str, list[int]],
-            dict[int, int],
-            dict[str, tuple[int, int]],
-            float,
-            dict[int, ReplicaTruth | None],
-        ]:
-            ledger = await connect(ledger_url, gateway_config.quotas)  # creates the schema before the gateways
-            try:
-                with children(
-                    [gateway_spec(f"gateway-{i}", p, port) for i, (p, port) in enumerate(zip(paths, gateway_ports))],
-                    folder,
-                ) as gateways:
-                    assignments = []
-                    model_of = {}
-                    for n in config.process_counts:
-                        group_urls = [g.url for g in gateways[:n]]
-                        for probe in config.probes:
-                            name = config.tenant(probe, n)
-                            model_of[name] = config.model(n)
-                            load = TenantLoad(
-                                name,
-                                keys[name],
-                                clients=probe.clients,
-                                output_tokens=probe.output_tokens,
-                                prompt_tokens=probe.prompt_tokens,
-                                error_backoff_s=config.error_backoff_s,
-                            )
-                            assignments += spread(load, group_urls)
-                    stop = asyncio.Event()
-                    seen: dict[str, list[int]] = {}
-                    occupancy: dict[int, int] = {}
-                    sampled = [
-                        (config.tenant(p, n), config.model(n))
-                        for n in config.process_counts
-                        for p in config.probes
-                        if "max_concurrent" in p.limits or "max_queued" in p.limits
-                    ]
-                    sampler = asyncio.ensure_future(_sample_accounts(ledger, sampled, config.sample_s, seen, stop))
-                    watcher = asyncio.ensure_future(watch_replicas(urls, 0.25, occupancy, stop))
-                    report = await drive(assignments, config.seconds, model_of, seed, drain_s=config.drain_s)
-                    stop.set()
-                    await asyncio.gather(sampler, watcher)
-                    settle_s = await wait_settled(ledger, SETTLE_S_MAX)
-                    reservations = await ledger.reservations()
-                    accounts = {}
-                    for name, model in model_of.items():
-                        account = await ledger.account(name, model)
-                        accounts[name] = (account.concurrent, account.queued)
-                    truths = {n: await read_replica(url) for n, url in urls.items()}
-                    return report, reservations, seen, occupancy, accounts, settle_s, truths
-            finally:
-                await drop_ledger(ledger)
-                await ledger.close()
 
-        report, reservations, seen, occupancy, accounts, settle_s, truths = asyncio.run(go())
-    groups = {}
-    for n in config.process_counts:
-        tenants_n = {
-            config.tenant(p, n): _tenant_limit_figures(config, p, n, reservations, report, seen, accounts)
+async def _limits_run(stack: Stack, config: LimitsConfig, seed: int) -> LimitsRun:
+    ledger = await stack.open_ledger()
+    try:
+        stop = asyncio.Event()
+        seen: dict[str, list[int]] = {}
+        occupancy: dict[int, int] = {}
+        sampled = [
+            (config.tenant(p, n), config.model(n))
+            for n in config.process_counts
             for p in config.probes
-        }
-        gpu_ms = sum(r.billed.gpu_ms for r in reservations if r.tenant in tenants_n)
-        groups[n] = GroupFigures(n, tenants_n, gpu_ms, truths.get(n), occupancy.get(n, 0))
-    figures = LimitsFigures(backend_of(ledger_base), groups, config.seconds, time.monotonic() - started, settle_s)
-    if limits_problems(figures):
-        return replace(figures, folder=str(folder))
-    shutil.rmtree(folder, ignore_errors=True)  # kept (with the servers' logs) when the run raised or a check failed
-    return figures
+            if "max_concurrent" in p.limits or "max_queued" in p.limits
+        ]
+        urls = {n: replica.url for n, replica in zip(config.process_counts, stack.replicas, strict=True)}
+        sampler = asyncio.ensure_future(_sample_accounts(ledger, sampled, config.sample_s, seen, stop))
+        watcher = asyncio.ensure_future(watch_occupancy(urls, 0.25, occupancy, stop))  # type: ignore[arg-type]
+        loads = [load for n in config.process_counts for load in config.loads(n)]
+        async with LoadGenerator(_targets(stack), stack.keys, "emu", seed) as generator:
+            history = await generator.run(loads, config.seconds, config.drain_s)
+        stop.set()
+        await asyncio.gather(sampler, watcher)
+        settle_s = await wait_settled(ledger, SETTLE_S_MAX)
+        reservations = await ledger.reservations()
+        accounts = {}
+        for name, model in {load.tenant: load.model for load in loads}.items():
+            account = await ledger.account(name, model or "emu")
+            accounts[name] = (account.concurrent, account.queued)
+        truths = {n: await read_replica(url) for n, url in urls.items()}
+    finally:
+        await ledger.close()
+    return LimitsRun(history, reservations, seen, occupancy, accounts, settle_s, truths)
 
 
 def _tenant_limit_figures(
@@ -875,7 +555,7 @@ def _tenant_limit_figures(
     probe: Probe,
     n: int,
     reservations: Sequence[Reservation],
-    report: LoadReport,
+    report: History,
     seen: dict[str, list[int]],
     accounts: dict[str, tuple[int, int]],
 ) -> TenantLimitFigures:
@@ -961,11 +641,7 @@ class FairnessConfig:
     warmup_s: float = 0.0
     gateways: int = 2
     replicas: int = 2
-    replica: ReplicaModel = field(
-        default_factory=lambda: ReplicaModel(
-            iter_base_ms=9.0, iter_slope_ms=0.55, prefill_ms_per_token=0.06, max_batch=24, max_model_len=4096
-        )
-    )
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(9.0, 0.55, 0.06, 24, 4096))
     mix: dict[str, float] = field(default_factory=lambda: dict(SEED_MIX))
     spread: float = 0.5
     prompt_tokens: int = 400
@@ -995,6 +671,36 @@ class FairnessConfig:
         mean = self.mix[tenant]
         return max(1, round(mean * (1 - self.spread))), max(1, round(mean * (1 + self.spread)))
 
+    def spec(self, policy: str, ledger_url: str) -> StackSpec:
+        tenants = tuple(TenantSpec(t) for t in self.tenants)
+        slots = replicas(self.replicas, gateway_slots=self.replica.max_batch // self.gateways)
+        return StackSpec(
+            tenants,
+            policy,
+            slots,
+            self.replica,
+            processes=True,
+            gateways=self.gateways,
+            ledger=ledger_url,
+            default_max_tokens=1024,
+            share_charges_s=self.share_charges_s,
+        )
+
+    def loads(self) -> list[TenantLoad]:
+        """Each tenant's clients through each gateway (``clients``)."""
+        return [
+            TenantLoad(
+                tenant,
+                f"g{gateway}",
+                clients=clients,
+                output_tokens=self.output_range(tenant),
+                prompt_tokens=self.prompt_tokens,
+            )
+            for tenant, split in self.clients.items()
+            for gateway, clients in enumerate(split)
+            if clients
+        ]
+
 
 @dataclass(frozen=True)
 class FairnessFigures:
@@ -1012,19 +718,16 @@ class FairnessFigures:
     open_at_end: int
     occupancy_max: int  # most sequences a replica held during the load (<= its slots: never overfilled)
     wall_s: float
-    whole_shares: dict[str, float] = field(default_factory=dict)  # ledger, the whole run
     left_open: tuple[str, ...] = ()  # the reservations still open at the end, described
     folder: str | None = None  # the servers' logs and event logs, kept when something was left open
 
     @property
     def ratio(self) -> float:
-        values = list(self.shares.values())
-        return max(values) / min(values) if values and min(values) > 0 else math.inf
+        return _ratio(self.shares)
 
     @property
     def truth_ratio(self) -> float:
-        values = list(self.truth_shares.values())
-        return max(values) / min(values) if values and min(values) > 0 else math.inf
+        return _ratio(self.truth_shares)
 
     @property
     def billed_over_busy(self) -> float:
@@ -1043,160 +746,114 @@ def _ratio(shares: dict[str, float]) -> float:
     return max(values) / min(values) if values and min(values) > 0 else math.inf
 
 
+@dataclass(frozen=True)
+class Reading:
+    """The ledger's totals and the replicas' charge-rule GPU ms per tenant and busy ms, at ``at_s``."""
+
+    at_s: float
+    report: LedgerReport
+    gpu: dict[str, float]
+    busy_ms: float
+
+
+async def _read(stack: Stack, ledger: Ledger, tenants: Sequence[str], at_s: float) -> Reading:
+    gpu, busy = dict.fromkeys(tenants, 0.0), 0.0
+    for url in stack.replica_urls:
+        stats = await read_replica(url)
+        if stats is not None:
+            for t, ms in stats.by_tenant(tenants).items():
+                gpu[t] += ms
+            busy += stats.busy_ms
+    return Reading(at_s, await ledger_totals(ledger, tenants), gpu, busy)
+
+
+@dataclass(frozen=True)
+class FairnessRun:
+    """What claim 2's run saw: the clients, the readings every ``snapshot_every_s`` from the warm-up, the
+    reading at the end, the reservations left open, and the most sequences a replica held."""
+
+    history: History
+    readings: list[Reading]
+    end: Reading
+    left_open: list[Reservation]
+    occupancy_max: int
+
+
 def run_fairness(
     config: FairnessConfig, ledger_base: str, policy: str = "gpu_fair", seed: int = 1, keep_logs: bool = True
 ) -> FairnessFigures:
     """Claim 2 on the ledger at ``ledger_base`` (a fresh schema / prefix, dropped after). With ``keep_logs``
     the servers' logs are kept (``FairnessFigures.folder``) when a reservation was left open."""
-    from fairgate.drills.stack import LedgerReport, TenantTotals
-    from fairgate.gateway.config import load_gateway_config
-    from fairgate.ledger import connect
-
     started = time.monotonic()
-    ledger_url = fresh_ledger_url(ledger_base, f"fgdrill_{uuid.uuid4().hex[:10]}")
-    tenants = [TenantEntry(t) for t in config.tenants]
-    keys = tenant_keys(tenants)
-    folder = Path(tempfile.mkdtemp(prefix="fairgate-drill-fair-"))
-    per_gateway = config.replica.max_batch // config.gateways
-    with children([emulator_spec(f"emulator-{i}", config.replica) for i in range(config.replicas)], folder) as emus:
-        upstreams = [UpstreamEntry(f"emu-{i}", e.url, "emu", per_gateway, config.replica) for i, e in enumerate(emus)]
-        paths = []
-        for i in range(config.gateways):
-            path = folder / f"gateway-{i}.toml"
-            path.write_text(
-                gateway_config_text(
-                    folder,
-                    i,
-                    policy,
-                    ledger_url,
-                    upstreams,
-                    tenants,
-                    keys,
-                    share_charges_s=config.share_charges_s,
-                    default_max_tokens=1024,
-                )
-            )
-            paths.append(path)
-        quotas = load_gateway_config(paths[0]).quotas
+    with start_stack(config.spec(policy, ledger_base)) as stack:
+        run = asyncio.run(_fairness_run(stack, config, seed))
+        figures = _fairness_figures(config, run, time.monotonic() - started)
+        return _kept(stack, figures) if run.left_open and keep_logs else figures
 
-        async def totals(ledger: Ledger) -> LedgerReport:
-            out = {}
-            for tenant in config.tenants:
-                usage = await ledger.usage(tenant, 10 * 365 * 86_400)
-                out[tenant] = TenantTotals(
-                    tenant, usage.requests, usage.input_tokens, usage.output_tokens, usage.gpu_ms, dict(usage.by_status)
-                )
-            return LedgerReport(out)
 
-        async def truth_now() -> tuple[dict[str, float], float]:
-            found = [await read_replica(e.url) for e in emus]
-            gpu = dict.fromkeys(config.tenants, 0.0)
-            busy = 0.0
-            for truth in found:
-                if truth is None:
-                    continue
-                for t, ms in by_tenant(truth, config.tenants).items():
-                    gpu[t] += ms
-                busy += truth.busy_ms
-            return gpu, busy
+async def _fairness_run(stack: Stack, config: FairnessConfig, seed: int) -> FairnessRun:
+    ledger = await stack.open_ledger()
+    try:
+        readings: list[Reading] = []
+        occupancy: dict[int, int] = {}
+        stop = asyncio.Event()
+        async with LoadGenerator(_targets(stack), stack.keys, "emu", seed) as generator:
+            # Until just before the hang-up (a cancelled sequence holds its slot until the replica's next
+            # boundary, while the gateway has handed the slot on).
+            urls = dict(enumerate(stack.replica_urls))
+            end_at = time.monotonic() + config.seconds - 0.5
+            occupied = asyncio.ensure_future(watch_occupancy(urls, 0.25, occupancy, stop, end_at))  # type: ignore[arg-type]
 
-        async def go() -> FairnessFigures:
-            ledger = await connect(ledger_url, quotas)
-            try:
-                with children([gateway_spec(f"gateway-{i}", p) for i, p in enumerate(paths)], folder) as gateways:
-                    assignments = []
-                    for tenant, split in config.clients.items():
-                        for gateway, clients in zip(gateways, split):
-                            if clients:
-                                assignments.append(
-                                    (
-                                        gateway.url,
-                                        TenantLoad(
-                                            tenant,
-                                            keys[tenant],
-                                            clients=clients,
-                                            output_tokens=config.output_range(tenant),
-                                            prompt_tokens=config.prompt_tokens,
-                                        ),
-                                    )
-                                )
-                    model_of = dict.fromkeys(config.tenants, "emu")
-                    begin = time.monotonic()
-                    snapshots: list[tuple[float, LedgerReport]] = []
-                    warm: dict[str, Any] = {}
-                    occupancy: dict[int, int] = {}
-                    stop = asyncio.Event()
-                    # Until just before the hang-up (a cancelled sequence holds its slot until the replica's next
-                    # boundary, while the gateway has handed the slot on).
-                    occupied = asyncio.ensure_future(
-                        watch_replicas(
-                            dict(enumerate(e.url for e in emus)), 0.25, occupancy, stop, begin + config.seconds - 0.5
-                        )
-                    )
+            async def watch() -> None:
+                next_at = config.warmup_s
+                while True:
+                    await until(generator, next_at)
+                    readings.append(await _read(stack, ledger, config.tenants, generator.now()))
+                    next_at += config.snapshot_every_s
 
-                    async def watch() -> None:
-                        next_at = config.warmup_s
-                        while True:
-                            await asyncio.sleep(max(0.0, begin + next_at - time.monotonic()))
-                            report = await totals(ledger)
-                            gpu, busy = await truth_now()
-                            if not warm:
-                                warm.update(report=report, gpu=gpu, busy=busy)
-                            snapshots.append((time.monotonic() - begin, report))
-                            next_at += config.snapshot_every_s
+            watcher = asyncio.ensure_future(watch())
+            history = await generator.run(config.loads(), config.seconds)
+            watcher.cancel()
+            stop.set()
+            await asyncio.gather(watcher, occupied, return_exceptions=True)
+        await wait_settled(ledger, FAIRNESS_SETTLE_S_MAX)
+        end = await _read(stack, ledger, config.tenants, config.seconds)
+        left_open = await ledger.reservations(status="open")
+    finally:
+        await ledger.close()
+    return FairnessRun(history, readings, end, left_open, max(occupancy.values(), default=0))
 
-                    watcher = asyncio.ensure_future(watch())
-                    report = await drive(assignments, config.seconds, model_of, seed)
-                    watcher.cancel()
-                    stop.set()
-                    await asyncio.gather(watcher, occupied, return_exceptions=True)
-                    await wait_settled(ledger, FAIRNESS_SETTLE_S_MAX)
-                    end = await totals(ledger)
-                    gpu, busy = await truth_now()
-                    left_open = await ledger.reservations(status="open")
-                    open_left = len(left_open)
-            finally:
-                await drop_ledger(ledger)
-                await ledger.close()
-            base = warm.get("report")
-            window = end.minus(base) if base is not None else end
-            truth_window = {t: gpu[t] - warm.get("gpu", {}).get(t, 0.0) for t in config.tenants}
-            truth_total = sum(truth_window.values())
-            timeline = []
-            for at_s, snap in snapshots[1:]:
-                timeline.append((at_s, _ratio(snap.minus(base).shares() if base is not None else snap.shares())))
-            timeline.append((config.seconds, _ratio(window.shares())))
-            converge = None
-            for at_s, ratio in timeline:
-                if ratio <= config.ratio_max:
-                    converge = at_s if converge is None else converge
-                else:
-                    converge = None
-            stats = {t: report.stats(t) for t in config.tenants}
-            return FairnessFigures(
-                config.share_charges_s,
-                window.shares(),
-                {t: (g / truth_total if truth_total > 0 else 0.0) for t, g in truth_window.items()},
-                {t: config.clients[t] for t in config.tenants},
-                {t: s.requests for t, s in stats.items()},
-                {t: s.completed for t, s in stats.items()},
-                {t: s.errors for t, s in stats.items()},
-                window.gpu_ms,
-                busy - warm.get("busy", 0.0),
-                converge,
-                timeline,
-                open_left,
-                max(occupancy.values(), default=0),
-                time.monotonic() - started,
-                end.shares(),
-                tuple(_describe(r) for r in left_open),
-                str(folder) if left_open and keep_logs else None,
-            )
 
-        figures = asyncio.run(go())
-    if figures.folder is None:
-        shutil.rmtree(folder, ignore_errors=True)  # kept (with the servers' logs) when the run raised
-    return figures
+def _fairness_figures(config: FairnessConfig, run: FairnessRun, wall_s: float) -> FairnessFigures:
+    warm = run.readings[0] if run.readings else None
+    base = warm.report if warm is not None else None
+    window = run.end.report.minus(base) if base is not None else run.end.report
+    truth = {t: run.end.gpu[t] - (warm.gpu.get(t, 0.0) if warm else 0.0) for t in config.tenants}
+    truth_total = sum(truth.values())
+    timeline = [
+        (r.at_s, _ratio(r.report.minus(base).shares() if base is not None else r.report.shares()))
+        for r in run.readings[1:]
+    ]
+    timeline.append((config.seconds, _ratio(window.shares())))
+    converge = holds_from((at_s, ratio <= config.ratio_max) for at_s, ratio in timeline)
+    stats = {t: run.history.stats(t) for t in config.tenants}
+    return FairnessFigures(
+        config.share_charges_s,
+        window.shares(),
+        {t: (g / truth_total if truth_total > 0 else 0.0) for t, g in truth.items()},
+        {t: config.clients[t] for t in config.tenants},
+        {t: s.requests for t, s in stats.items()},
+        {t: s.completed for t, s in stats.items()},
+        {t: s.errors for t, s in stats.items()},
+        window.gpu_ms,
+        run.end.busy_ms - (warm.busy_ms if warm else 0.0),
+        converge,
+        timeline,
+        len(run.left_open),
+        run.occupancy_max,
+        wall_s,
+        tuple(_describe(r) for r in run.left_open),
+    )
 
 
 # --- the drill ----------------------------------------------------------------------------------------------------
@@ -1212,7 +869,7 @@ class ScaleOutConfig:
 
 
 @dataclass(frozen=True)
-class ScaleOutResult(RenderedResult):
+class ScaleOutResult(DrillResult):
     config: ScaleOutConfig
     limits: tuple[LimitsFigures, ...]
     fairness: FairnessFigures | None
@@ -1221,32 +878,40 @@ class ScaleOutResult(RenderedResult):
     name: str = "scale_out"
 
     def problems(self) -> list[str]:
-        out = []
-        for figs in self.limits:
-            out.extend(f"{figs.backend}: {p}" for p in limits_problems(figs))
+        out = [f"{figs.backend}: {p}" for figs in self.limits for p in limits_problems(figs)]
         if self.fairness is not None:
             out.extend(fairness_problems(self.config.fairness, self.fairness))
         return out
 
-    @property
-    def passed(self) -> bool:
-        return not self.problems()
+    def checks(self) -> dict[str, bool]:
+        counts = ", ".join(str(n) for n in self.config.limits.process_counts)
+        out = {
+            f"{figs.backend}: N = {counts} processes admit nothing beyond the limits, every limit exercised, nothing "
+            "lost": not limits_problems(figs)
+            for figs in self.limits
+        }
+        if self.fairness is not None:
+            c = self.config.fairness
+            claim = f"GPU shares across {c.gateways} processes within max/min {c.ratio_max:g}, nothing open or lost"
+            out[claim] = not fairness_problems(c, self.fairness)
+        return out
 
-    def render(self) -> list[Any]:
-        out: list[Any] = []
-        for figs in self.limits:
-            out.extend(render_limits(self.config.limits, figs))
+    def intro(self) -> list[str]:
+        return []  # each part introduces itself (render_limits, render_fairness)
+
+    def body(self) -> list[Any]:
+        out: list[Any] = [item for figs in self.limits for item in render_limits(self.config.limits, figs)]
         for figs in (self.fairness, self.compare):
             if figs is not None:
                 out.extend(render_fairness(self.config.fairness, figs, comparison=figs is self.compare))
-        problems = self.problems()
-        for problem in problems:
-            out.append(f"[red]problem[/red]: {problem}")
-        verdict = "[green]PASS[/green]" if not problems else "[red]FAIL[/red]"
-        line = f"{verdict}: under {self.policy}"
+        return out + [f"[red]problem[/red]: {problem}" for problem in self.problems()]
+
+    def verdict(self) -> str:
+        line = f"under {self.policy}"
         if self.limits:
-            exceeded = any(p for f in self.limits for p in limits_problems(f) if NOT_EXERCISED not in p)
-            unexercised = any(NOT_EXERCISED in p for f in self.limits for p in limits_problems(f))
+            found = [p for f in self.limits for p in limits_problems(f)]
+            exceeded = any(NOT_EXERCISED not in p for p in found)
+            unexercised = any(NOT_EXERCISED in p for p in found)
             line += (
                 f", N = {', '.join(str(n) for n in self.config.limits.process_counts)} processes admitted "
                 f"{'BEYOND' if exceeded else 'nothing beyond'} the limits on "
@@ -1257,8 +922,7 @@ class ScaleOutResult(RenderedResult):
             line += f"; GPU shares across {self.config.fairness.gateways} processes max/min {self.fairness.ratio:.3f}"
         if self.compare is not None:
             line += f" (without shared counters: {self.compare.ratio:.3f})"
-        out.append(line + ".")
-        return out
+        return line + "."
 
 
 def fairness_problems(config: FairnessConfig, figs: FairnessFigures) -> list[str]:
@@ -1282,81 +946,63 @@ def fairness_problems(config: FairnessConfig, figs: FairnessFigures) -> list[str
 
 
 def render_limits(config: LimitsConfig, figs: LimitsFigures) -> list[Any]:
-    from rich.table import Table
-
+    """Claim 1's figures on one backend, for people."""
+    counts = ", ".join(str(n) for n in config.process_counts)
     out: list[Any] = [
-        f"[bold]drill scale_out[/bold] - limits on {figs.backend}: groups N = "
-        f"{', '.join(str(n) for n in config.process_counts)} of `fairgate serve` processes sharing one ledger, "
-        f"{config.seconds:g} s of closed-loop load at once ({config.gateway_slots} gateway slots per group, "
-        f"split over its N processes); every reservation checked against the limits."
+        f"[bold]drill scale_out[/bold] - limits on {figs.backend}: groups N = {counts} of `fairgate serve` processes "
+        f"sharing one ledger, {config.seconds:g} s of closed-loop load at once ({config.gateway_slots} gateway slots "
+        "per group, split over its N processes); every reservation checked against the limits."
     ]
-    table = Table(title=f"limits held ({figs.backend})", title_justify="left")
-    for column in ("N", "tenant", "limits", "sent/ok/cut", "admitted", "refused (429)", "peak / allowed", "open"):
-        table.add_column(
-            column,
-            justify="left" if column in ("tenant", "limits", "refused (429)", "peak / allowed") else "right",
-            no_wrap=column not in ("limits", "refused (429)", "peak / allowed"),
-        )
-    for n, group in figs.groups.items():
-        for t in group.tenants.values():
-            peaks = [f"{b.replace('_tokens', '')} {p:.1f}/{burst:g}" for b, (p, burst) in t.peaks.items()]
-            if "max_concurrent" in t.limits:
-                peaks.append(f"open {t.concurrent_peak} (sampled {t.concurrent_sampled})/{t.limits['max_concurrent']}")
-            if "max_queued" in t.limits:
-                peaks.append(f"queued {t.queued_sampled}/{t.limits['max_queued']} ({t.samples} samples)")
-            if t.gpu is not None and t.gpu_budget_ms is not None:
-                peaks.append(
-                    f"GPU {t.gpu.within_ms / 1000:.2f}/{t.gpu_budget_ms / 1000:.2f} s "
-                    f"(+{t.gpu.overage_ms / 1000:.2f} s overage)"
-                )
-            limits = ", ".join(
-                f"{k.replace('_per_minute', '/min')}={v:g}" for k, v in t.limits.items() if k != "gpu_seconds_total"
-            )
-            table.add_row(
-                str(n),
-                t.tenant,
-                limits,
-                f"{t.sent}/{t.ok}/{t.cut}",
-                str(t.admitted),
-                fmt_errors({k: v for k, v in t.errors.items()}),
-                "; ".join(peaks),
-                str(t.open_at_end),
-            )
-    table.caption = (
-        f"peak: the most a bucket let through in one window beyond its refill (<= burst), the most "
-        f"reservations open at once, the most queue places sampled, GPU billed within estimates "
-        f"(<= budget). Hang-ups billed {figs.settle_s:.1f} s after the load; wall {figs.wall_s:.0f} s."
+    rows = [_limits_row(n, t) for n, group in figs.groups.items() for t in group.tenants.values()]
+    caption = (
+        "peak: the most a bucket let through in one window beyond its refill (<= burst), the most reservations "
+        "open at once, the most queue places sampled, GPU billed within estimates (<= budget). Hang-ups billed "
+        f"{figs.settle_s:.1f} s after the load; wall {figs.wall_s:.0f} s."
     )
-    table.caption_justify = "left"
-    out.append(table)
-    billing = Table(title="GPU billed by the ledger vs the replica's own charge rule, per group", title_justify="left")
-    for column in ("N", "ledger GPU s", "replica busy s", "billed / busy", "replica occupancy (max)"):
-        billing.add_column(column, justify="right")
+    columns = ("N", "tenant", "limits", "sent/ok/cut", "admitted", "refused (429)", "peak / allowed", "open")
+    wrapped = ("limits", "refused (429)", "peak / allowed")
+    out.append(table(f"limits held ({figs.backend})", columns, rows, caption, ("tenant", *wrapped), wrapped))
+    billing = []
     for n, group in figs.groups.items():
         busy = group.replica.busy_ms if group.replica is not None else 0.0
-        billing.add_row(
-            str(n),
-            f"{group.ledger_gpu_ms / 1000:.2f}",
-            f"{busy / 1000:.2f}",
-            f"{group.ledger_gpu_ms / busy:.2f}" if busy > 0 else "-",
-            str(group.occupancy_max),
+        ratio = f"{group.ledger_gpu_ms / busy:.2f}" if busy > 0 else "-"
+        billing.append(
+            (str(n), f"{group.ledger_gpu_ms / 1000:.2f}", f"{busy / 1000:.2f}", ratio, str(group.occupancy_max))
         )
-    out.append(billing)
-    problems = limits_problems(figs)
+    columns = ("N", "ledger GPU s", "replica busy s", "billed / busy", "replica occupancy (max)")
+    out.append(table("GPU billed by the ledger vs the replica's own charge rule, per group", columns, billing, left=()))
     if figs.folder:
         out.append(f"servers' logs and event logs kept in {figs.folder}")
+    tenants = [t for g in figs.groups.values() for t in g.tenants.values()]
+    problems = len(limits_problems(figs))
     out.append(
-        f"load held: {sum(t.sent for g in figs.groups.values() for t in g.tenants.values())} requests; "
-        f"faults injected: none (N processes); lost: "
-        f"{sum(t.open_at_end for g in figs.groups.values() for t in g.tenants.values())} open reservations, "
-        f"{len(problems)} problem{'' if len(problems) == 1 else 's'}; converged (no reservation open) {figs.settle_s:.1f} s after the hang-up."
+        f"load held: {sum(t.sent for t in tenants)} requests; faults injected: none (N processes); lost: "
+        f"{sum(t.open_at_end for t in tenants)} open reservations, {problems} problem{'' if problems == 1 else 's'}; "
+        f"converged (no reservation open) {figs.settle_s:.1f} s after the hang-up."
     )
     return out
 
 
-def render_fairness(config: FairnessConfig, figs: FairnessFigures, comparison: bool = False) -> list[Any]:
-    from rich.table import Table
+def _limits_row(n: int, t: TenantLimitFigures) -> tuple[str, ...]:
+    peaks = [f"{b.replace('_tokens', '')} {p:.1f}/{burst:g}" for b, (p, burst) in t.peaks.items()]
+    if "max_concurrent" in t.limits:
+        peaks.append(f"open {t.concurrent_peak} (sampled {t.concurrent_sampled})/{t.limits['max_concurrent']}")
+    if "max_queued" in t.limits:
+        peaks.append(f"queued {t.queued_sampled}/{t.limits['max_queued']} ({t.samples} samples)")
+    if t.gpu is not None and t.gpu_budget_ms is not None:
+        peaks.append(
+            f"GPU {t.gpu.within_ms / 1000:.2f}/{t.gpu_budget_ms / 1000:.2f} s "
+            f"(+{t.gpu.overage_ms / 1000:.2f} s overage)"
+        )
+    limits = ", ".join(
+        f"{k.replace('_per_minute', '/min')}={v:g}" for k, v in t.limits.items() if k != "gpu_seconds_total"
+    )
+    sent = f"{t.sent}/{t.ok}/{t.cut}"
+    return (str(n), t.tenant, limits, sent, str(t.admitted), fmt_errors(t.errors), "; ".join(peaks), str(t.open_at_end))
 
+
+def render_fairness(config: FairnessConfig, figs: FairnessFigures, comparison: bool = False) -> list[Any]:
+    """Claim 2's figures (or its comparison run's), for people."""
     sharing = f"share_charges_s = {figs.share_charges_s:g}" + (
         " (counters not shared)" if not figs.share_charges_s else ""
     )
@@ -1369,36 +1015,34 @@ def render_fairness(config: FairnessConfig, figs: FairnessFigures, comparison: b
             f"unevenly; {config.seconds:g} s, shares "
             + (f"after {config.warmup_s:g} s." if config.warmup_s else "over the whole run.")
         )
-    table = Table(title=f"GPU shares, {sharing}" + (" - comparison" if comparison else ""), title_justify="left")
-    for column in ("tenant", "mean out", "clients per gateway", "sent/done", "errors", "ledger GPU %", "replica GPU %"):
-        table.add_column(column, justify="left" if column in ("tenant", "errors") else "right")
-    for tenant in config.tenants:
-        table.add_row(
-            tenant,
-            f"{config.mix[tenant]:g}",
-            " / ".join(str(c) for c in figs.by_gateway[tenant]),
-            f"{figs.sent[tenant]}/{figs.completed[tenant]}",
-            fmt_errors(figs.errors[tenant]),
-            f"{figs.shares[tenant] * 100:.1f}",
-            f"{figs.truth_shares[tenant] * 100:.1f}",
+    rows = [
+        (
+            t,
+            f"{config.mix[t]:g}",
+            " / ".join(str(c) for c in figs.by_gateway[t]),
+            f"{figs.sent[t]}/{figs.completed[t]}",
+            fmt_errors(figs.errors[t]),
+            f"{figs.shares[t] * 100:.1f}",
+            f"{figs.truth_shares[t] * 100:.1f}",
         )
+        for t in config.tenants
+    ]
     converge = "never" if figs.converge_s is None else f"{figs.converge_s:.0f} s"
-    table.caption = (
+    caption = (
         f"max/min {figs.ratio:.3f} (ledger), {figs.truth_ratio:.3f} (replicas' charge rule); limit "
-        f"{config.ratio_max:g}. Within the limit from {converge} on. Ledger billed "
-        f"{figs.ledger_gpu_ms / 1000:,.1f} GPU s for {figs.replica_busy_ms / 1000:,.1f} s of replica busy "
-        f"time (x{figs.billed_over_busy:.2f}); replica occupancy max {figs.occupancy_max}/"
-        f"{config.replica.max_batch}; open at end "
-        f"{figs.open_at_end}; wall {figs.wall_s:.0f} s."
+        f"{config.ratio_max:g}. Within the limit from {converge} on. Ledger billed {figs.ledger_gpu_ms / 1000:,.1f} "
+        f"GPU s for {figs.replica_busy_ms / 1000:,.1f} s of replica busy time (x{figs.billed_over_busy:.2f}); "
+        f"replica occupancy max {figs.occupancy_max}/{config.replica.max_batch}; open at end {figs.open_at_end}; "
+        f"wall {figs.wall_s:.0f} s."
     )
-    table.caption_justify = "left"
-    out.append(table)
+    columns = ("tenant", "mean out", "clients per gateway", "sent/done", "errors", "ledger GPU %", "replica GPU %")
+    out.append(table(f"GPU shares, {sharing}" + (" - comparison" if comparison else ""), columns, rows, caption))
     errors = sum(sum(e.values()) for e in figs.errors.values())
+    placement = "uneven placement" + ("" if figs.share_charges_s else ", counters not shared")
     out.append(
-        f"load held: {sum(figs.sent.values())} requests over {config.gateways} processes for "
-        f"{config.seconds:g} s; faults injected: none (uneven placement{'' if figs.share_charges_s else ', counters not shared'}); "
-        f"lost: {figs.open_at_end} open reservations, {errors} errors; converged (max/min within "
-        f"{config.ratio_max:g} to the end) from {converge}."
+        f"load held: {sum(figs.sent.values())} requests over {config.gateways} processes for {config.seconds:g} s; "
+        f"faults injected: none ({placement}); lost: {figs.open_at_end} open reservations, {errors} errors; "
+        f"converged (max/min within {config.ratio_max:g} to the end) from {converge}."
     )
     return out
 
@@ -1419,35 +1063,3 @@ def run(options: DrillOptions, config: ScaleOutConfig | None = None) -> ScaleOut
             replace(config.fairness, share_charges_s=0.0), config.ledgers[0], options.policy, options.seed
         )
     return ScaleOutResult(config, limits, fairness, compare, options.policy)
-
-
-__all__ = [
-    "Child",
-    "ChildSpec",
-    "FairnessConfig",
-    "FairnessFigures",
-    "LimitsConfig",
-    "LimitsFigures",
-    "Probe",
-    "ReplicaTruth",
-    "ScaleOutConfig",
-    "ScaleOutResult",
-    "TenantEntry",
-    "UpstreamEntry",
-    "bucket_peak",
-    "by_tenant",
-    "children",
-    "emulator_spec",
-    "fresh_ledger_url",
-    "gateway_config_text",
-    "gateway_spec",
-    "gpu_budget_use",
-    "peak_overlap",
-    "read_replica",
-    "run",
-    "run_fairness",
-    "run_limits",
-    "tenant_keys",
-    "wait_settled",
-    "watch_replicas",
-]

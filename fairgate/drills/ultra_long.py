@@ -4,19 +4,12 @@ requests ends within the run, so every slot it is given stays its own: a policy 
 without counting GPU time lets it take the fleet, one freed slot at a time.
 
 All four tenants keep their queues full (closed loop, more clients than the fleet has slots). The claim,
-from the GPU time the ledger billed over the run (the clients hang up at the end and the gateway bills what
-ran): no tenant has more than its share plus ``agent_margin`` (seed 003: "no tenant over its share"), the
-agent included; max/min of the weighted shares is reported. Its agent runs are limited too: its clients share
-``agent_runs`` run ids (``x-fairgate-run-id``), more clients per run than ``max_model_calls`` allows, so the
-ledger must refuse the extra calls of every run (429, dimension ``max_model_calls``) and admit no run more
-than the limit.
-
-What it found: charged only as GPU time is spent, ``gpu_fair`` gave the agent about half the fleet
-(46-65 %; ``fcfs`` about 78 %): arriving on a busy fleet, the agent is lifted to the lowest active counter
-and wins every freed slot until its counter passes that minimum, and those slots stay its own for the life
-of its 8k-token sequences. ``gpu_fair`` now also counts a running request's declared output as committed
-work (up to a horizon; ``fairgate.core.policies.counters.GPUFair``): the agent gets about 22 %, the others
-about 26 % each.
+from the GPU time the ledger billed from the agent's start on (the clients hang up at the end and the
+gateway bills what ran): no tenant has more than its share plus ``agent_margin`` (seed 003: "no tenant over
+its share"), the agent included; max/min of the weighted shares is reported. Its agent runs are limited
+too: its clients share ``agent_runs`` run ids (``x-fairgate-run-id``), more clients per run than
+``max_model_calls`` allows, so the ledger must refuse the extra calls of every run (429, dimension
+``max_model_calls``) and admit no run more than the limit.
 """
 
 from __future__ import annotations
@@ -25,16 +18,21 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fairgate.drills import CheckedResult, DrillOptions, Run, fmt_errors, fmt_ms, run_on_stack
-from fairgate.drills.loadgen import TenantLoad
-from fairgate.drills.stack import ReplicaModel, StackSpec, TenantSpec
+from fairgate.drills import DrillOptions
+from fairgate.drills.report import DrillResult, fmt_errors, fmt_ms, policy_title, table
+from fairgate.harness.config import TenantSpec
+from fairgate.harness.loadgen import TenantLoad
+from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.run import Run, run_on_stack
+from fairgate.harness.stack import StackSpec, replicas
+from fairgate.ledger.config import LimitsConfig
 
 RUN_DIMENSION = "max_model_calls"
 
 
 @dataclass(frozen=True)
 class UltraLongConfig:
-    """The drill's setting (defaults: the acceptance scenario of issue 4).
+    """The drill's setting (defaults: the acceptance scenario).
 
     Attributes:
         seconds: length of the run.
@@ -58,11 +56,7 @@ class UltraLongConfig:
     agent: str = "agent"
     weights: dict[str, float] = field(default_factory=dict)
     replicas: int = 2
-    replica: ReplicaModel = field(
-        default_factory=lambda: ReplicaModel(
-            iter_base_ms=100.0, iter_slope_ms=0.5, prefill_ms_per_token=0.02, max_batch=24, max_model_len=16_384
-        )
-    )
+    replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(max_batch=24))
     agent_output_tokens: int = 8192
     other_output_tokens: tuple[int, int] = (4, 12)
     prompt_tokens: int = 64
@@ -86,53 +80,36 @@ class UltraLongConfig:
     def tenants(self) -> tuple[str, ...]:
         return (*self.others, self.agent)
 
-    @property
-    def slots(self) -> int:
-        return self.replicas * self.replica.max_batch
-
-    def weight(self, tenant: str) -> float:
-        return self.weights.get(tenant, 1.0)
-
     def fair_share(self, tenant: str) -> float:
-        return self.weight(tenant) / sum(self.weight(t) for t in self.tenants)
+        return self.weights.get(tenant, 1.0) / sum(self.weights.get(t, 1.0) for t in self.tenants)
 
     def loads(self) -> list[TenantLoad]:
-        loads = [
-            TenantLoad(
-                t,
-                "",
-                clients=self.clients_per_tenant,
-                output_tokens=self.other_output_tokens,
-                prompt_tokens=self.prompt_tokens,
-            )
-            for t in self.others
+        others = [
+            TenantLoad(t, clients=self.clients_per_tenant, output_tokens=self.other_output_tokens) for t in self.others
         ]
-        loads.append(
-            TenantLoad(
-                self.agent,
-                "",
-                clients=self.agent_clients,
-                output_tokens=(self.agent_output_tokens, self.agent_output_tokens),
-                prompt_tokens=self.prompt_tokens,
-                runs=self.agent_runs,
-                error_backoff_s=1.0,
-                start_s=self.agent_start_s,
-            )
+        agent = TenantLoad(
+            self.agent,
+            clients=self.agent_clients,
+            output_tokens=(self.agent_output_tokens, self.agent_output_tokens),
+            runs=self.agent_runs,
+            error_backoff_s=1.0,
+            start_s=self.agent_start_s,
         )
-        return loads
+        return [replace(load, prompt_tokens=self.prompt_tokens) for load in (*others, agent)]
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
-        agent_limits = {"max_model_calls": self.max_model_calls, "max_tokens": self.run_max_tokens}
+        per_run = LimitsConfig(max_model_calls=self.max_model_calls, max_tokens=self.run_max_tokens)
         tenants = tuple(
-            TenantSpec(t, weight=self.weight(t), limits=agent_limits if t == self.agent else {}) for t in self.tenants
+            TenantSpec(t, self.weights.get(t, 1.0), limits=per_run if t == self.agent else LimitsConfig())
+            for t in self.tenants
         )
-        return StackSpec(tenants, policy=policy, replicas=self.replicas, replica=self.replica, processes=processes)
+        return StackSpec(tenants, policy, replicas(self.replicas), self.replica, processes)
 
 
 @dataclass(frozen=True)
 class TenantFigures:
     tenant: str
-    share: float  # of the GPU time billed over the run
+    share: float  # of the GPU time billed from the agent's start on
     weighted: float  # share / fair share (1.0: exactly its share)
     sent: int
     completed: int
@@ -178,8 +155,7 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
     shares = window.shares()
     tenants = {}
     for tenant in config.tenants:
-        s = run.load.stats(tenant)
-        total = window.totals[tenant]
+        s, total = run.history.stats(tenant), window.totals[tenant]
         tenants[tenant] = TenantFigures(
             tenant,
             shares[tenant],
@@ -206,21 +182,16 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
 
 
 @dataclass(frozen=True)
-class UltraLongResult(CheckedResult):
+class UltraLongResult(DrillResult):
     config: UltraLongConfig
     main: PolicyFigures
     compare: PolicyFigures | None
     name: str = "ultra_long"
 
-    def checks(self, figs: PolicyFigures | None = None) -> dict[str, bool]:
-        """Each part of the claim for ``figs`` (default: the policy tested)."""
-        figs = figs or self.main
-        c = self.config
+    def checks(self) -> dict[str, bool]:
+        c, figs = self.config, self.main
         agent = figs.tenants[c.agent]
-        unexpected = {
-            t.tenant: {k: v for k, v in t.errors.items() if f"[{RUN_DIMENSION}]" not in k}
-            for t in figs.tenants.values()
-        }
+        unexpected = [k for t in figs.tenants.values() for k in t.errors if f"[{RUN_DIMENSION}]" not in k]
         return {
             f"no tenant over its share + {c.agent_margin:.0%}": all(
                 t.share <= c.fair_share(name) + c.agent_margin for name, t in figs.tenants.items()
@@ -231,15 +202,13 @@ class UltraLongResult(CheckedResult):
             "the run limit refused calls (it was exercised)": figs.runs.refused > 0,
             f"no run reserved more than {c.run_max_tokens:,} tokens": max(figs.runs.tokens.values(), default=0)
             <= c.run_max_tokens,
-            "no other errors": not any(unexpected.values()),
+            "no other errors": not unexpected,
             "the agent ran": agent.ledger_output_tokens > 0,
         }
 
-    def render(self) -> list[Any]:
-        from rich.table import Table
-
+    def intro(self) -> list[str]:
         c = self.config
-        out: list[Any] = [
+        return [
             f"[bold]drill ultra_long[/bold]: {c.agent!r} sends {c.agent_output_tokens}-token requests "
             f"({c.agent_clients} clients in {c.agent_runs} agent runs, {c.max_model_calls} calls and "
             f"{c.run_max_tokens:,} tokens per run) beside {', '.join(c.others)} ({c.clients_per_tenant} clients "
@@ -249,64 +218,45 @@ class UltraLongResult(CheckedResult):
             f"{c.share_ratio_max:g}x of each other (weighted), the agent at most its share + {c.agent_margin:.0%}; "
             "the agent's run limits hold.",
         ]
-        for figs in (self.main, self.compare):
-            if figs is None:
-                continue
-            table = Table(
-                title=f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else ""), title_justify="left"
+
+    def body(self) -> list[Any]:
+        return [self._table(f) for f in (self.main, self.compare) if f is not None]
+
+    def _table(self, figs: PolicyFigures) -> Any:
+        columns = ("tenant", "GPU %", "x share", "sent/done/cut", "errors", "TTFT ms p50/p99", "TPOT ms p50")
+        columns += ("ledger req", "ledger out tok", "ledger GPU s")
+        rows = [
+            (
+                t.tenant,
+                f"{t.share * 100:.1f}",
+                f"{t.weighted:.2f}",
+                f"{t.sent}/{t.completed}/{t.cut}",
+                fmt_errors(t.errors),
+                f"{fmt_ms(t.ttft_p50_ms)} / {fmt_ms(t.ttft_p99_ms)}",
+                fmt_ms(t.tpot_p50_ms),
+                str(t.ledger_requests),
+                f"{t.ledger_output_tokens:,}",
+                f"{t.ledger_gpu_s:,.1f}",
             )
-            for column in (
-                "tenant",
-                "GPU %",
-                "x share",
-                "sent/done/cut",
-                "errors",
-                "TTFT ms p50/p99",
-                "TPOT ms p50",
-                "ledger req",
-                "ledger out tok",
-                "ledger GPU s",
-            ):
-                table.add_column(
-                    column,
-                    justify="left" if column in ("tenant", "errors") else "right",
-                    no_wrap=column != "errors",
-                    min_width=6 if column == "errors" else None,
-                )
-            for t in figs.tenants.values():
-                errors = fmt_errors(t.errors)
-                table.add_row(
-                    t.tenant,
-                    f"{t.share * 100:.1f}",
-                    f"{t.weighted:.2f}",
-                    f"{t.sent}/{t.completed}/{t.cut}",
-                    errors,
-                    f"{fmt_ms(t.ttft_p50_ms)} / {fmt_ms(t.ttft_p99_ms)}",
-                    fmt_ms(t.tpot_p50_ms),
-                    str(t.ledger_requests),
-                    f"{t.ledger_output_tokens:,}",
-                    f"{t.ledger_gpu_s:,.1f}",
-                )
-            runs = figs.runs
-            table.caption = (
-                f"max/min {figs.ratio:.3f}; ledger billed {figs.gpu_s:,.1f} GPU s; agent runs: "
-                f"{len(runs.calls)} runs, at most {runs.most_calls} calls admitted per run, "
-                f"{runs.refused} calls refused ({RUN_DIMENSION})"
-            )
-            table.caption_justify = "left"
-            out.append(table)
-        out.extend(self.check_lines())
-        verdict = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
-        agent = self.main.tenants[c.agent]
+            for t in figs.tenants.values()
+        ]
+        caption = (
+            f"max/min {figs.ratio:.3f}; ledger billed {figs.gpu_s:,.1f} GPU s; agent runs: {len(figs.runs.calls)} "
+            f"runs, at most {figs.runs.most_calls} calls admitted per run, {figs.runs.refused} calls refused "
+            f"({RUN_DIMENSION})"
+        )
+        return table(policy_title(figs.policy, figs is self.compare), columns, rows, caption)
+
+    def verdict(self) -> str:
+        c, agent = self.config, self.main.tenants[self.config.agent]
         line = (
-            f"{verdict}: under {self.main.policy} max/min {self.main.ratio:.3f}, agent {agent.share:.1%} "
-            f"of the GPU (share {c.fair_share(c.agent):.0%})"
+            f"under {self.main.policy} max/min {self.main.ratio:.3f}, agent {agent.share:.1%} of the GPU "
+            f"(share {c.fair_share(c.agent):.0%})"
         )
         if self.compare is not None:
             other = self.compare.tenants[c.agent]
             line += f"; under {self.compare.policy}: max/min {self.compare.ratio:.3f}, agent {other.share:.1%}"
-        out.append(line + ".")
-        return out
+        return line + "."
 
 
 def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLongResult:
@@ -316,14 +266,9 @@ def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLo
         config = replace(config, seconds=options.seconds)
 
     def one(policy: str) -> PolicyFigures:
-        result = run_on_stack(
-            config.spec(policy, options.processes),
-            config.loads(),
-            config.seconds,
-            options.seed,
-            snapshot_at_s=(config.agent_start_s,) if config.agent_start_s > 0 else (),
-        )
-        return figures(config, result)
+        spec = config.spec(policy, options.processes)
+        snapshot_at_s = (config.agent_start_s,) if config.agent_start_s > 0 else ()
+        return figures(config, run_on_stack(spec, config.loads(), config.seconds, options.seed, snapshot_at_s))
 
     main = one(options.policy)
     compare = one(options.compare) if options.compare and options.compare != options.policy else None

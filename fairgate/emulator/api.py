@@ -249,12 +249,7 @@ async def _cancel_on_disconnect(request: Request, replica: EmulatedReplica, seq:
 
 
 async def _stream(
-    replica: EmulatedReplica,
-    seq: Sequence,
-    reply: _Reply,
-    prompt_tokens: int,
-    finish_reason: str,
-    include_usage: bool,
+    replica: EmulatedReplica, seq: Sequence, reply: _Reply, prompt_tokens: int, finish_reason: str, include_usage: bool
 ) -> AsyncIterator[str]:
     chat = reply.chat
 

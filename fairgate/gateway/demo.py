@@ -16,7 +16,10 @@ from pathlib import Path
 
 import httpx
 
-from fairgate.gateway.auth import hash_api_key, new_api_key
+from fairgate.gateway.auth import new_api_key
+from fairgate.gateway.config import GatewaySection, UpstreamConfig
+from fairgate.gateway.config_writer import GatewayFile, admin_keys, key_entries
+from fairgate.ledger.config import LimitsConfig, QuotaFile, TenantConfig, TierConfig
 
 DEMO_TENANTS = ("classify", "chat", "summarise", "agent")
 DEMO_MODEL = "fairgate-emulated"
@@ -66,42 +69,33 @@ def write_demo_config(folder: Path, upstream_url: str) -> tuple[Path, dict[str, 
     and ``admin``, whose key opens the admin endpoints and the dashboard's all-tenant view)."""
     keys = {tenant: new_api_key() for tenant in DEMO_TENANTS}
     admin_key = new_api_key()
-    tenants = "".join(f'[quotas.tenants.{t}]\ntier = "demo"\n' for t in DEMO_TENANTS)
-    key_tables = "".join(
-        f'[[key]]\ntenant = "{t}"\nhash = "{hash_api_key(k)}"\nname = "demo"\n' for t, k in keys.items()
+    demo = GatewayFile(
+        GatewaySection(
+            policy="gpu_fair", ledger="sqlite:///ledger.db", journal="journal.jsonl", default_max_tokens=256
+        ),
+        (
+            UpstreamConfig(
+                name="emulated-0",
+                url=f"{upstream_url}/v1",
+                model=DEMO_MODEL,
+                max_batch=24,
+                iter_base_ms=9.0,
+                iter_slope_ms=0.55,
+                prefill_ms_per_token=0.06,
+                max_model_len=32768,
+            ),
+        ),
+        QuotaFile(
+            tiers={"demo": TierConfig()},
+            defaults=LimitsConfig(requests_per_minute=6000, requests_burst=200, max_concurrent=64, max_queued=256),
+            tenants={t: TenantConfig(tier="demo") for t in DEMO_TENANTS},
+        ),
+        key_entries(keys, name="demo"),
+        admin_keys(admin_key),
+        comment="fairgate demo configuration (written by `fairgate serve` without --config).",
     )
-    text = f"""# fairgate demo configuration (written by `fairgate serve` without --config).
-[gateway]
-policy = "gpu_fair"
-ledger = "sqlite:///ledger.db"
-journal = "journal.jsonl"
-default_max_tokens = 256
-
-[[upstream]]
-name = "emulated-0"
-url = "{upstream_url}/v1"
-model = "{DEMO_MODEL}"
-max_batch = 24
-iter_base_ms = 9.0
-iter_slope_ms = 0.55
-prefill_ms_per_token = 0.06
-max_model_len = 32768
-
-[quotas.tiers.demo]
-on_ledger_unavailable = "reject"
-[quotas.defaults]
-requests_per_minute = 6000
-requests_burst = 200
-max_concurrent = 64
-max_queued = 256
-
-{tenants}
-{key_tables}
-[admin]
-key_hashes = ["{hash_api_key(admin_key)}"]
-"""
     path = folder / "fairgate.toml"
-    path.write_text(text)
+    demo.write(path)
     return path, {**keys, "admin": admin_key}
 
 

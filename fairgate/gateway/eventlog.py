@@ -244,13 +244,7 @@ class EventLog:
             )
         if isinstance(event, Dispatched):
             delegate = self._delegates.get((event.tenant, event.request_id))
-            return self._request(
-                "dispatched",
-                event,
-                delegate,
-                upstream=event.upstream,
-                queue_ms=_ms(event.queue_ms),
-            )
+            return self._request("dispatched", event, delegate, upstream=event.upstream, queue_ms=_ms(event.queue_ms))
         if isinstance(event, Finished):
             delegate = self._delegates.pop((event.tenant, event.request_id), None)
             return self._request(

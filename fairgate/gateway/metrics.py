@@ -60,7 +60,7 @@ Cost: a ``Charged`` event (one per output token) is one dictionary look-up and o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -117,66 +117,37 @@ class MetricsObserver:
 
     def __init__(self, registry: CollectorRegistry, labels: TenantLabels) -> None:
         self.labels = labels
-        self.admissions = Counter(
-            "fairgate_admissions",
-            "Requests admitted (a ledger reservation was made).",
-            ["tenant", "model"],
-            registry=registry,
+
+        def counter(name: str, text: str, *labels: str) -> Counter:
+            return Counter(name, text, ["tenant", *labels], registry=registry)
+
+        def histogram(name: str, text: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, text, ["tenant"], buckets=buckets, registry=registry)
+
+        self.admissions = counter("fairgate_admissions", "Requests admitted (a ledger reservation was made).", "model")
+        self.rejections = counter("fairgate_rejections", "Requests turned away, by reason.", "reason")
+        self.finished = counter("fairgate_requests_finished", "Upstream calls ended, by outcome.", "outcome")
+        self.queue_time = histogram(
+            "fairgate_queue_time_seconds", "Time in the tenant's queue before dispatch.", QUEUE_BUCKETS_S
         )
-        self.rejections = Counter(
-            "fairgate_rejections", "Requests turned away, by reason.", ["tenant", "reason"], registry=registry
+        self.ttft = histogram(
+            "fairgate_ttft_seconds", "Time from admission (queue included) to the first output token.", TTFT_BUCKETS_S
         )
-        self.finished = Counter(
-            "fairgate_requests_finished", "Upstream calls ended, by outcome.", ["tenant", "outcome"], registry=registry
+        self.tpot = histogram(
+            "fairgate_tpot_seconds", "Mean time per output token after the first, per request.", TPOT_BUCKETS_S
         )
-        self.queue_time = Histogram(
-            "fairgate_queue_time_seconds",
-            "Time in the tenant's queue before dispatch.",
-            ["tenant"],
-            buckets=QUEUE_BUCKETS_S,
-            registry=registry,
+        self.input_tokens = counter("fairgate_input_tokens", "Input (prompt) tokens billed.")
+        self.output_tokens = counter("fairgate_output_tokens", "Output tokens billed.")
+        self.gpu_seconds = counter(
+            "fairgate_gpu_seconds", "GPU seconds charged by the live meter (dt/B shares).", "model"
         )
-        self.ttft = Histogram(
-            "fairgate_ttft_seconds",
-            "Time from admission (queue included) to the first output token.",
-            ["tenant"],
-            buckets=TTFT_BUCKETS_S,
-            registry=registry,
+        self.settled_gpu = counter("fairgate_settled_gpu_seconds", "GPU seconds billed by finished requests.")
+        self.reserved_gpu = counter("fairgate_reserved_gpu_seconds", "GPU seconds reserved by finished requests.")
+        self.overage_gpu = counter(
+            "fairgate_overage_gpu_seconds", "GPU seconds billed above the reservation's estimate."
         )
-        self.tpot = Histogram(
-            "fairgate_tpot_seconds",
-            "Mean time per output token after the first, per request.",
-            ["tenant"],
-            buckets=TPOT_BUCKETS_S,
-            registry=registry,
-        )
-        self.input_tokens = Counter(
-            "fairgate_input_tokens", "Input (prompt) tokens billed.", ["tenant"], registry=registry
-        )
-        self.output_tokens = Counter("fairgate_output_tokens", "Output tokens billed.", ["tenant"], registry=registry)
-        self.gpu_seconds = Counter(
-            "fairgate_gpu_seconds",
-            "GPU seconds charged by the live meter (dt/B shares).",
-            ["tenant", "model"],
-            registry=registry,
-        )
-        self.settled_gpu = Counter(
-            "fairgate_settled_gpu_seconds", "GPU seconds billed by finished requests.", ["tenant"], registry=registry
-        )
-        self.reserved_gpu = Counter(
-            "fairgate_reserved_gpu_seconds", "GPU seconds reserved by finished requests.", ["tenant"], registry=registry
-        )
-        self.overage_gpu = Counter(
-            "fairgate_overage_gpu_seconds",
-            "GPU seconds billed above the reservation's estimate.",
-            ["tenant"],
-            registry=registry,
-        )
-        self.reserved_output = Counter(
-            "fairgate_reserved_output_tokens",
-            "Output tokens reserved (max_tokens) by finished requests.",
-            ["tenant"],
-            registry=registry,
+        self.reserved_output = counter(
+            "fairgate_reserved_output_tokens", "Output tokens reserved (max_tokens) by finished requests."
         )
         self._gpu_children: dict[tuple[str, str], Any] = {}
         self.window: WindowCollector | None = None  # set by ``build``

@@ -28,13 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fairgate.ledger.base import IsRunning, Ledger, RequestPath
-from fairgate.ledger.model import (
-    LedgerError,
-    LedgerUnavailable,
-    Reservation,
-    ReservationFinal,
-    Usage,
-)
+from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, ReservationFinal, Usage
 from fairgate.ledger.rules import Account, ReserveArgs
 
 EMERGENCY_PREFIX = "emg-"

@@ -139,9 +139,7 @@ def reservation_from_record(
         gpu_ms_estimate=float(record["gpu_ms_estimate"]),
         status=record["status"],
         billed=Usage(
-            whole(record["billed_input_tokens"]),
-            whole(record["billed_output_tokens"]),
-            float(record["billed_gpu_ms"]),
+            whole(record["billed_input_tokens"]), whole(record["billed_output_tokens"]), float(record["billed_gpu_ms"])
         ),
         overage_gpu_ms=float(record["overage_gpu_ms"]),
         created_ms=float(record["created_ms"]),

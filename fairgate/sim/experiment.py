@@ -9,7 +9,7 @@ Averages over seeds are plain means of the per-seed figures.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from statistics import fmean
 from typing import Any
 
@@ -183,6 +183,14 @@ def _weights(scenario: Scenario, workload: Workload) -> dict[str, float]:
     return {name: scenario.shares[name].weight if name in scenario.shares else 1.0 for name in workload.tenants}
 
 
+_TENANT_MEANS = ("gpu_ms", "gpu_share", "prefill_ms", "decode_tokens", "requests_finished", "mean_output_tokens")
+_RUN_MEANS = ("busy_ms", "charged_ms", "max_min_ratio", "jain_index", "decode_tokens", "prefill_fraction")
+
+
+def _means(rows: Sequence[object], names: Sequence[str]) -> dict[str, float]:
+    return {name: fmean(getattr(row, name) for row in rows) for name in names}
+
+
 def average(runs: list[RunStats]) -> RunStats:
     """Mean of each figure over ``runs`` (same policy, same tenants); timeline of the first run."""
     first = runs[0]
@@ -191,28 +199,6 @@ def average(runs: list[RunStats]) -> RunStats:
     tenants = []
     for k, tenant in enumerate(first.tenants):
         rows = [r.tenants[k] for r in runs]
-        tenants.append(
-            TenantStats(
-                name=tenant.name,
-                gpu_ms=fmean(t.gpu_ms for t in rows),
-                gpu_share=fmean(t.gpu_share for t in rows),
-                prefill_ms=fmean(t.prefill_ms for t in rows),
-                decode_tokens=fmean(t.decode_tokens for t in rows),
-                requests_finished=fmean(t.requests_finished for t in rows),
-                mean_output_tokens=fmean(t.mean_output_tokens for t in rows),
-                ttft_ms={q: fmean(t.ttft_ms[q] for t in rows) for q in ("p50", "p99")},
-            )
-        )
-    return RunStats(
-        policy=first.policy,
-        seed=first.seed,
-        busy_ms=fmean(r.busy_ms for r in runs),
-        charged_ms=fmean(r.charged_ms for r in runs),
-        max_min_ratio=fmean(r.max_min_ratio for r in runs),
-        jain_index=fmean(r.jain_index for r in runs),
-        decode_tokens=fmean(r.decode_tokens for r in runs),
-        prefill_fraction=fmean(r.prefill_fraction for r in runs),
-        tenants=tenants,
-        timeline_s=first.timeline_s,
-        timeline_share=first.timeline_share,
-    )
+        ttft_ms = {q: fmean(t.ttft_ms[q] for t in rows) for q in ("p50", "p99")}
+        tenants.append(TenantStats(name=tenant.name, ttft_ms=ttft_ms, **_means(rows, _TENANT_MEANS)))
+    return replace(first, tenants=tenants, **_means(runs, _RUN_MEANS))

@@ -46,6 +46,13 @@ from fairgate.sim.scenario import ScenarioError, _message, build_scenario, load_
 MAX_CONFIGURATIONS = 100_000
 
 
+def _distinct(values: list[Any], what: str) -> list[Any]:
+    """``values``, checked to hold no value twice. Raises ``ValueError`` naming ``what`` is listed twice."""
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what} is listed twice")
+    return values
+
+
 class AxisConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     key: str = Field(min_length=1)
@@ -71,16 +78,13 @@ class GridConfig(BaseModel):
             for name in value:
                 if name not in POLICY_NAMES:
                     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-            if len(set(value)) != len(value):
-                raise ValueError("a policy is listed twice")
+            _distinct(value, "a policy")
         return value
 
     @field_validator("seeds")
     @classmethod
     def _distinct_seeds(cls, value: list[int]) -> list[int]:
-        if len(set(value)) != len(value):
-            raise ValueError("a seed is listed twice")
-        return value
+        return _distinct(value, "a seed")
 
     @field_validator("axis")
     @classmethod

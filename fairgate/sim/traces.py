@@ -611,11 +611,7 @@ class _Rows:
 
 
 def _window_rows(
-    files: list[_Parsed],
-    origins: list[int],
-    per_file_tenant: list[list[str]],
-    start_s: float,
-    duration_s: float | None,
+    files: list[_Parsed], origins: list[int], per_file_tenant: list[list[str]], start_s: float, duration_s: float | None
 ) -> _Rows:
     """The rows in ``[start_s, start_s + duration_s)``. Raises ``TraceError`` when none is."""
     start_ns = round(start_s * NS_PER_S)

@@ -13,7 +13,6 @@ from fairgate.api import (
     estimate_tokens,
 )
 
-
 MODULES = ("errors", "schema", "tokens")  # the package's own modules, public by import
 
 

@@ -53,7 +53,7 @@ def test_idle_time_is_not_charged_and_backwards_clock_charges_nothing():
 )
 def test_charges_sum_to_busy_time(events):
     meter = LiveMeter(COST, 0.0)
-    now, charged, live, first_seen = 0.0, 0.0, set(), set()
+    now, charged, live, _first_seen = 0.0, 0.0, set(), set()
     finished_totals = 0.0
     for kind, index, step, prompt in events:
         now += step

@@ -2,7 +2,16 @@
 
 import pytest
 
-from fairgate.core import POLICY_NAMES, CostModel, PolicySpec, Request, RunningView, TenantShare, TokenBucket, make_policy
+from fairgate.core import (
+    POLICY_NAMES,
+    CostModel,
+    PolicySpec,
+    Request,
+    RunningView,
+    TenantShare,
+    TokenBucket,
+    make_policy,
+)
 from fairgate.core.policies.counters import VTC, GPUFair
 from fairgate.core.policies.pools import PriorityPools
 from fairgate.core.policies.quota import RequestQuota, SlotCap

@@ -32,13 +32,11 @@ import pytest
 from fairgate.core.cost import CostModel
 from fairgate.core.policies.factory import PolicySpec, TenantShare, make_policy
 from fairgate.core.request import Request
-from fairgate.drills import plain_text
-from fairgate.drills.loadgen import TenantLoad
+from fairgate.drills.report import plain_text
 from fairgate.drills.scale_out import (
     FairnessConfig,
     LimitsConfig,
     bucket_peak,
-    fresh_ledger_url,
     gpu_budget_use,
     limits_problems,
     peak_overlap,
@@ -49,6 +47,8 @@ from fairgate.drills.scale_out import (
     spread,
 )
 from fairgate.gateway.dispatch import Dispatcher, Upstream
+from fairgate.harness.ledger import fresh_ledger_url
+from fairgate.harness.loadgen import TenantLoad
 from fairgate.ledger import Reservation, Usage
 from tests.ledger.conftest import postgres_url, redis_throwaway, redis_url  # noqa: F401 - fixtures
 
@@ -109,8 +109,8 @@ def test_gpu_budget_use_splits_what_was_billed_within_the_estimates_from_overage
 def test_fresh_ledger_urls_and_spreading_clients():
     assert fresh_ledger_url("postgresql://127.0.0.1/test", "x") == "postgresql://127.0.0.1/test?schema=x"
     assert fresh_ledger_url("redis://h:6379/0?prefix=old", "y") == "redis://h:6379/0?prefix=y"
-    spread_out = spread(TenantLoad("t", "k", clients=5), ["a", "b", "c", "d"])
-    assert [(url, load.clients) for url, load in spread_out] == [("a", 2), ("b", 1), ("c", 1), ("d", 1)]
+    spread_out = spread(TenantLoad("t", clients=5), ["a", "b", "c", "d"])
+    assert [(load.target, load.clients) for load in spread_out] == [("a", 2), ("b", 1), ("c", 1), ("d", 1)]
 
 
 # --- claim 1: limits, on real processes ----------------------------------------------------------------------------

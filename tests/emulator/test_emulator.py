@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from fairgate.emulator.api import EmulatorSettings, create_app
-from tests.support.servers import serve
+from fairgate.harness.threads import serve_in_thread
 
 SETTINGS = EmulatorSettings(
     iter_base_ms=8.0,
@@ -26,7 +26,7 @@ SETTINGS = EmulatorSettings(
 
 @pytest.fixture(scope="module")
 def base_url():  # type: ignore[no-untyped-def]
-    with serve(create_app(SETTINGS)) as url:
+    with serve_in_thread(create_app(SETTINGS)) as url:
         yield url
 
 
@@ -101,7 +101,7 @@ def test_bad_requests_name_the_field(base_url, body, param):
 def emulator_process():  # type: ignore[no-untyped-def]
     """The emulator as its own process (``fairgate emulate``), as deployed: no interpreter shared with the
     test's client, so the timings are the emulator's own."""
-    from tests.support.servers import fairgate_process, free_port
+    from fairgate.harness.process import fairgate_process, free_port
 
     port = free_port()
     with fairgate_process(
@@ -170,7 +170,7 @@ def test_cli_serves_and_rejects_bad_settings():
     import subprocess
     import sys
 
-    from tests.support.servers import free_port
+    from fairgate.harness.process import free_port
 
     port = free_port()
     process = subprocess.Popen(

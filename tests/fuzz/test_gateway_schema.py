@@ -13,6 +13,7 @@ import copy
 import itertools
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +28,26 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import ignored_auth
 
-from fairgate.emulator.api import EmulatorSettings, create_app
+from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
-from fairgate.gateway.auth import hash_api_key
-from fairgate.gateway.config import load_gateway_config
+from fairgate.gateway.config import GatewaySection, load_gateway_config
+from fairgate.harness.config import TenantSpec, gateway_file, quota_file
+from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import connect
+from fairgate.ledger.config import LimitsConfig, TierConfig
 from fairgate.ledger.reconcile import reconcile
-from tests.support.servers import serve
 
 CONTEXT = 16
-EMULATOR = EmulatorSettings(
-    model="emu",
+REPLICA = ReplicaModel(
     iter_base_ms=2.0,
     iter_slope_ms=0.1,
     prefill_ms_per_token=0.01,
     max_batch=4,
-    output_mean_tokens=6.0,
     max_model_len=CONTEXT,
+    output_mean_tokens=6.0,
 )
+EMULATOR = REPLICA.settings("emu")
 TENANT_KEY = f"fg-fuzz-alpha-{'x' * 24}"
 ADMIN_KEY = f"fg-fuzz-admin-{'y' * 24}"
 # Cases per operation and generation mode: the generation routes get most (they reserve and reach the upstream).
@@ -56,24 +59,33 @@ MODELS = ("emu", "emu-lying")
 
 
 def _config(tmp: Path, upstream: str) -> Path:
-    upstreams = "".join(
-        f'[[upstream]]\nname = "{name}"\nurl = "{upstream}/v1"\nmodel = "{name}"\nmax_batch = 4\n'
-        f"iter_base_ms = 2.0\niter_slope_ms = 0.1\nprefill_ms_per_token = 0.01\nmax_model_len = {context}\n"
-        for name, context in (("emu", CONTEXT), ("emu-lying", 64))
+    section = GatewaySection(
+        policy="gpu_fair",
+        ledger=f"sqlite:///{tmp}/ledger.db",
+        journal=f"{tmp}/journal.jsonl",
+        default_max_tokens=8,
+        max_body_bytes=65536,
+        share_charges_s=0,
     )
-    text = (
-        f'[gateway]\npolicy = "gpu_fair"\nledger = "sqlite:///{tmp}/ledger.db"\njournal = "{tmp}/journal.jsonl"\n'
-        f"default_max_tokens = 8\nmax_body_bytes = 65536\nshare_charges_s = 0\n\n{upstreams}\n"
-        '[quotas.tiers.free]\non_ledger_unavailable = "reject"\n'
-        "[quotas.defaults]\nmax_queued = 16\nmax_concurrent = 4\nmax_tokens_per_request = 60\n"
-        "requests_per_minute = 60000\nrequests_burst = 1000\noutput_tokens_per_minute = 60000\n"
-        "max_model_calls = 3\nmax_tool_rounds = 1\nmax_tokens = 100\n"
-        '[quotas.tenants.alpha]\ntier = "free"\n[quotas.tenants.beta]\ntier = "free"\n'
-        f'[[key]]\ntenant = "alpha"\nhash = "{hash_api_key(TENANT_KEY)}"\n'
-        f'[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n'
+    upstreams = [
+        REPLICA.upstream("emu", upstream, "emu"),
+        replace(REPLICA, max_model_len=64).upstream("emu-lying", upstream, "emu-lying"),
+    ]
+    defaults = LimitsConfig(
+        max_queued=16,
+        max_concurrent=4,
+        max_tokens_per_request=60,
+        requests_per_minute=60000,
+        requests_burst=1000,
+        output_tokens_per_minute=60000,
+        max_model_calls=3,
+        max_tool_rounds=1,
+        max_tokens=100,
     )
+    tenants = [TenantSpec("alpha", tier="free"), TenantSpec("beta", tier="free")]
+    quotas = quota_file(tenants, {"free": TierConfig()}, defaults)
     path = tmp / "fairgate.toml"
-    path.write_text(text)
+    gateway_file(section, upstreams, quotas, {"alpha": TENANT_KEY}, ADMIN_KEY).write(path)
     return path
 
 
@@ -190,9 +202,9 @@ def test_schemathesis_finds_no_server_error_and_no_leaked_reservation(tmp_path: 
     started = time.monotonic()
     failures: dict[str, str] = {}  # one report per operation and kind of failure
     statuses: Counter[tuple[str, int]] = Counter()
-    with serve(create_app(EMULATOR)) as emulator:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
         config = load_gateway_config(_config(tmp_path, emulator))
-        with serve(create_gateway(config)) as gateway, requests.Session() as session:
+        with serve_in_thread(create_gateway(config)) as gateway, requests.Session() as session:
             spec = _complete(httpx.get(f"{gateway}/openapi.json").json())
             schema = schemathesis.openapi.from_dict(spec)
             operations = [result.ok() for result in schema.get_all_operations()]
@@ -207,6 +219,7 @@ def test_schemathesis_finds_no_server_error_and_no_leaked_reservation(tmp_path: 
                 auth = {"Authorization": f"Bearer {key}"}
                 post = operation.method.upper() == "POST"
 
+                # Called at once, within this iteration: the loop variables it reads are this iteration's.
                 @settings(
                     max_examples=EXAMPLES[mode] if post else GET_EXAMPLES,
                     deadline=None,
@@ -216,17 +229,17 @@ def test_schemathesis_finds_no_server_error_and_no_leaked_reservation(tmp_path: 
                 )
                 @given(case=_steered(operation.as_strategy(generation_mode=mode)), hang_up=st.integers(0, 4))
                 def run(case: Any, hang_up: int) -> None:
-                    if post and hang_up == 0:
-                        _hang_up(case, gateway, auth, statuses, failures)
+                    if post and hang_up == 0:  # noqa: B023
+                        _hang_up(case, gateway, auth, statuses, failures)  # noqa: B023
                         return
-                    response = case.call(base_url=gateway, session=session, headers=auth, timeout=30)
+                    response = case.call(base_url=gateway, session=session, headers=auth, timeout=30)  # noqa: B023
                     statuses[(case.operation.label, response.status_code)] += 1
                     try:
                         case.validate_response(
                             response,
                             checks=[not_a_server_error, ignored_auth],
-                            headers=auth,
-                            transport_kwargs={"base_url": gateway, "session": session, "headers": auth},
+                            headers=auth,  # noqa: B023
+                            transport_kwargs={"base_url": gateway, "session": session, "headers": auth},  # noqa: B023
                         )
                     except FailureGroup as group:
                         for failure in group.exceptions:

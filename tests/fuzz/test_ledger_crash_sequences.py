@@ -15,7 +15,7 @@ import asyncio
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -275,7 +275,7 @@ class LedgerSequences(RuleBasedStateMachine):
         k = self.known(index, open_only=True) or self.known(index)
         if k is None:
             return
-        r, b = k.reservation, k.billed
+        _r, b = k.reservation, k.billed
         amounts = Usage(
             max(0, b.input_tokens + extra_input),
             max(0, b.output_tokens + extra_output),
@@ -509,7 +509,7 @@ class LedgerSequences(RuleBasedStateMachine):
     ) -> None:
         """A refusal names a dimension that really is full."""
         limits = QUOTAS.tenant(tenant).for_model_class(model_class)
-        mine = [r for r in self.run(self.ledger.reservations(tenant))]
+        mine = list(self.run(self.ledger.reservations(tenant)))
         same_class = [r for r in mine if r.model_class == model_class]
         if exc.dimension == "max_concurrent":
             assert sum(1 for r in same_class if not r.is_final) >= (limits.max_concurrent or 0)
@@ -581,7 +581,7 @@ class LedgerSequences(RuleBasedStateMachine):
             self.loop.close()
             LedgerSequences.totals.update(self.stats)
 
-    totals: Counter[str] = Counter()
+    totals: ClassVar[Counter[str]] = Counter()
 
     def drain(self) -> None:
         """Past the TTL with nothing running, every reservation becomes final and only billed usage stays."""

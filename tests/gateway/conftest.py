@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from fairgate.emulator.api import EmulatorSettings, create_app
+from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
-from fairgate.gateway.auth import hash_api_key
-from fairgate.gateway.config import load_gateway_config
-from tests.support.servers import serve
+from fairgate.gateway.config import GatewaySection, load_gateway_config
+from fairgate.harness.config import TenantSpec, gateway_file, quota_file
+from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.threads import serve_in_thread
+from fairgate.ledger.config import LimitsConfig, TierConfig
 
-EMULATOR = EmulatorSettings(
-    model="emu",
+REPLICA = ReplicaModel(
     iter_base_ms=4.0,
     iter_slope_ms=0.25,
     prefill_ms_per_token=0.01,
     max_batch=4,
-    output_mean_tokens=20.0,
     max_model_len=2048,
+    output_mean_tokens=20.0,
 )
+EMULATOR = REPLICA.settings("emu")
 TENANTS = ("alpha", "beta", "gamma")
 
 
@@ -35,32 +37,45 @@ class Stack:
 
 
 def write_config(
-    tmp: Path, upstream_urls: list[str], extra_quotas: str = "", policy: str = "gpu_fair", defaults: str = ""
+    tmp: Path,
+    upstream_urls: list[str],
+    policy: str = "gpu_fair",
+    defaults: LimitsConfig | None = None,
+    limits: Mapping[str, LimitsConfig] | None = None,
+    admin_key: str | None = None,
+    delegates: Sequence[str] = (),
+    secret_env: str | None = None,
+    sweep_s: float | None = None,
+    name: str = "fairgate.toml",
 ) -> tuple[Path, dict[str, str]]:
+    """``tmp/<name>``: the gateway in front of ``upstream_urls`` (``REPLICA`` each) with an SQLite ledger and
+    journal in ``tmp``, ``TENANTS`` (tier ``free``, ``limits`` by tenant) over ``defaults`` (``max_queued``
+    64 unless given), and the optional admin key, delegation and sweep; returns its path and the keys."""
     keys = {tenant: f"fg-test-{tenant}-{'x' * 24}" for tenant in TENANTS}
-    upstreams = "".join(
-        f'[[upstream]]\nname = "emu-{i}"\nurl = "{url}/v1"\nmodel = "emu"\nmax_batch = 4\niter_base_ms = 4.0\n'
-        f"iter_slope_ms = 0.25\nprefill_ms_per_token = 0.01\nmax_model_len = 2048\n"
-        for i, url in enumerate(upstream_urls)
+    defaults = defaults or LimitsConfig()
+    if defaults.max_queued is None:
+        defaults = defaults.model_copy(update={"max_queued": 64})
+    section = GatewaySection(
+        policy=policy,
+        ledger=f"sqlite:///{tmp}/ledger.db",
+        journal=f"{tmp}/journal.jsonl",
+        default_max_tokens=64,
+        max_body_bytes=65536,
+        **({"sweep_s": sweep_s} if sweep_s is not None else {}),
     )
-    tenants = "".join(f'[quotas.tenants.{t}]\ntier = "free"\n' for t in TENANTS)
-    key_tables = "".join(f'[[key]]\ntenant = "{t}"\nhash = "{hash_api_key(k)}"\n' for t, k in keys.items())
-    text = (
-        f'[gateway]\npolicy = "{policy}"\nledger = "sqlite:///{tmp}/ledger.db"\njournal = "{tmp}/journal.jsonl"\n'
-        f"default_max_tokens = 64\nmax_body_bytes = 65536\n\n{upstreams}\n"
-        f'[quotas.tiers.free]\non_ledger_unavailable = "reject"\n'
-        f"[quotas.defaults]\n{'' if 'max_queued' in defaults else 'max_queued = 64'}\n{defaults}\n{tenants}"
-        f"{extra_quotas}\n{key_tables}"
-    )
-    path = tmp / "fairgate.toml"
-    path.write_text(text)
+    tenants = [TenantSpec(t, tier="free", limits=(limits or {}).get(t, LimitsConfig())) for t in TENANTS]
+    upstreams = [REPLICA.upstream(f"emu-{i}", url, "emu") for i, url in enumerate(upstream_urls)]
+    quotas = quota_file(tenants, {"free": TierConfig()}, defaults)
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / name
+    gateway_file(section, upstreams, quotas, keys, admin_key, delegates, secret_env).write(path)
     return path, keys
 
 
 @pytest.fixture
 def stack(tmp_path) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    with serve(create_app(EMULATOR)) as emulator:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
         path, keys = write_config(tmp_path, [emulator])
         config = load_gateway_config(path)
-        with serve(create_gateway(config)) as gateway:
+        with serve_in_thread(create_gateway(config)) as gateway:
             yield Stack(gateway, keys, config.ledger_url, path)

@@ -11,8 +11,9 @@ from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.gateway.config import load_gateway_config
+from fairgate.harness.threads import serve_in_thread
+from fairgate.ledger.config import LimitsConfig
 from tests.gateway.conftest import EMULATOR, write_config
-from tests.support.servers import serve
 
 
 def post(url: str, key: str, body: dict, headers: dict | None = None) -> httpx.Response:  # type: ignore[type-arg]
@@ -25,9 +26,9 @@ BODY = {"model": "emu", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
 
 
 def test_request_quota_gives_429_with_retry_after_and_headers(tmp_path):
-    with serve(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator], defaults="requests_per_minute = 60\nrequests_burst = 2\n")
-        with serve(create_gateway(load_gateway_config(path))) as url:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator], defaults=LimitsConfig(requests_per_minute=60, requests_burst=2))
+        with serve_in_thread(create_gateway(load_gateway_config(path))) as url:
             ok = [post(url, keys["alpha"], BODY) for _ in range(2)]
             assert [r.status_code for r in ok] == [200, 200]
             assert ok[0].headers["x-ratelimit-limit-requests"] == "60"
@@ -39,9 +40,9 @@ def test_request_quota_gives_429_with_retry_after_and_headers(tmp_path):
 
 
 def test_queue_bound_gives_429_queue_full(tmp_path):
-    with serve(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator], defaults="max_queued = 1\n")
-        with serve(create_gateway(load_gateway_config(path))) as url:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator], defaults=LimitsConfig(max_queued=1))
+        with serve_in_thread(create_gateway(load_gateway_config(path))) as url:
 
             async def flood() -> list[int]:
                 async with httpx.AsyncClient(base_url=url, timeout=60) as http:
@@ -64,11 +65,11 @@ def test_queue_bound_gives_429_queue_full(tmp_path):
 def test_delegation_bills_the_original_tenant(tmp_path, monkeypatch):
     secret = "s" * 32
     monkeypatch.setenv("FAIRGATE_DELEGATION_SECRET", secret)
-    with serve(create_app(EMULATOR)) as emulator:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
         path, keys = write_config(tmp_path, [emulator])
         path.write_text(path.read_text() + '\n[delegation]\ndelegates = ["gamma"]\n')
         config = load_gateway_config(path)
-        with serve(create_gateway(config)) as url:
+        with serve_in_thread(create_gateway(config)) as url:
             token = make_on_behalf_of(secret.encode(), "gamma", "alpha", time.time() + 60)
             assert post(url, keys["gamma"], BODY, {"X-Fairgate-On-Behalf-Of": token}).status_code == 200
             # Not a delegate, a token for another delegate, an expired token: 403, nothing billed.
@@ -92,6 +93,6 @@ def test_delegation_bills_the_original_tenant(tmp_path, monkeypatch):
 
 def test_no_upstream_answers_503(tmp_path):
     path, keys = write_config(tmp_path, ["http://127.0.0.1:9"])  # nothing listens there
-    with serve(create_gateway(load_gateway_config(path))) as url:
+    with serve_in_thread(create_gateway(load_gateway_config(path))) as url:
         reply = post(url, keys["alpha"], BODY)
         assert reply.status_code == 502 and reply.json()["error"]["code"] == "upstream_error"

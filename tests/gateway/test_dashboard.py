@@ -39,7 +39,7 @@ def artefacts(tmp_path: Path) -> Path:
 def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
     secret = "s" * 32
     monkeypatch.setenv("FAIRGATE_DELEGATION_SECRET", secret)
-    with admin_stack(tmp_path, extra='[delegation]\ndelegates = ["gamma"]\n') as stack:
+    with admin_stack(tmp_path, delegates=("gamma",)) as stack:
         url = stack.url
         sent = {"alpha": 2, "beta": 1, "gamma": 3}
         for tenant, n in sent.items():

@@ -28,7 +28,7 @@ def build(policy: str = "gpu_fair", max_queued: int | None = None, params=None):
 async def test_slots_are_bounded_and_placement_is_least_loaded():
     dispatcher, upstreams = build()
     leases = [await dispatcher.acquire(Request(i, "a", 10, float(i)), "m") for i in range(4)]
-    assert [l.upstream.name for l in leases] == ["u0", "u1", "u0", "u1"]
+    assert [lease.upstream.name for lease in leases] == ["u0", "u1", "u0", "u1"]
     assert [u.in_flight for u in upstreams] == [2, 2]
     waiting = asyncio.create_task(dispatcher.acquire(Request(4, "b", 10, 4.0), "m"))
     await asyncio.sleep(0.01)

@@ -21,9 +21,10 @@ from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.eventlog import EventLog, EventLogError, read_records
 from fairgate.gateway.observe import Admitted, Charged, Finished
+from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger.base import tenant_tag
+from fairgate.ledger.config import LimitsConfig
 from tests.gateway.conftest import EMULATOR, TENANTS, write_config
-from tests.support.servers import serve
 
 SECRET = "s" * 32
 BODY = {"model": "emu", "prompt": "x y", "max_tokens": 6, "ignore_eos": True}
@@ -49,17 +50,17 @@ def run(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("eventlog")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FAIRGATE_DELEGATION_SECRET", SECRET)
-        with serve(create_app(EMULATOR)) as emulator:
+        with serve_in_thread(create_app(EMULATOR)) as emulator:
             path, keys = write_config(
                 tmp,
                 [emulator],
-                defaults="max_queued = 1\n",
-                extra_quotas="[quotas.tenants.gamma.limits]\nrequests_per_minute = 60\nrequests_burst = 1\n",
+                defaults=LimitsConfig(max_queued=1),
+                limits={"gamma": LimitsConfig(requests_per_minute=60, requests_burst=1)},
+                delegates=["gamma"],
             )
-            path.write_text(path.read_text() + '\n[delegation]\ndelegates = ["gamma"]\n')
             config = load_gateway_config(path)
             statuses: dict[str, int] = {}
-            with serve(create_gateway(config)) as url:
+            with serve_in_thread(create_gateway(config)) as url:
                 reply = httpx.post(
                     f"{url}/v1/completions",
                     timeout=60,
@@ -93,7 +94,7 @@ def run(tmp_path_factory):  # type: ignore[no-untyped-def]
                                 for i in ids
                             )
                         )
-                    return {i: r.status_code for i, r in zip(ids, replies)}
+                    return {i: r.status_code for i, r in zip(ids, replies, strict=False)}
 
                 statuses.update(asyncio.run(flood()))
             # the gateway has stopped: the log is flushed and closed

@@ -13,9 +13,11 @@ from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Finished, Rejected
+from fairgate.harness.process import free_port
+from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import connect
+from fairgate.ledger.config import LimitsConfig
 from tests.gateway.conftest import EMULATOR, write_config
-from tests.support.servers import free_port, serve
 
 BODY = {"model": "emu", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
 
@@ -45,9 +47,9 @@ class Recorder:
 
 
 def test_remaining_and_reset_headers_count_down(tmp_path):
-    with serve(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator], defaults="requests_per_minute = 60\nrequests_burst = 5\n")
-        with serve(create_gateway(load_gateway_config(path))) as url:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator], defaults=LimitsConfig(requests_per_minute=60, requests_burst=5))
+        with serve_in_thread(create_gateway(load_gateway_config(path))) as url:
             first, second = post(url, keys["alpha"]), post(url, keys["alpha"])
             assert first.headers["x-ratelimit-limit-requests"] == "60"
             assert first.headers["x-ratelimit-remaining-requests"] == "4"
@@ -69,9 +71,9 @@ def test_remaining_and_reset_headers_count_down(tmp_path):
 
 def test_agent_run_limits_apply_per_run_id(tmp_path):
     recorder = Recorder()
-    with serve(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator], defaults="max_model_calls = 2\nmax_tool_rounds = 1\n")
-        with serve(create_gateway(load_gateway_config(path), observers=[recorder])) as url:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator], defaults=LimitsConfig(max_model_calls=2, max_tool_rounds=1))
+        with serve_in_thread(create_gateway(load_gateway_config(path), observers=[recorder])) as url:
             run = {"x-fairgate-run-id": "run-1"}
             assert [post(url, keys["alpha"], headers=run).status_code for _ in range(2)] == [200, 200]
             third = post(url, keys["alpha"], headers={**run, "x-request-id": "third"})
@@ -96,10 +98,10 @@ def test_agent_run_limits_apply_per_run_id(tmp_path):
 
 def test_observers_see_each_request_from_admission_to_finish(tmp_path):
     recorder = Recorder()
-    with serve(create_app(EMULATOR)) as emulator:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
         path, keys = write_config(tmp_path, [emulator])
         config = load_gateway_config(path)
-        with serve(create_gateway(config, observers=[recorder])) as url:
+        with serve_in_thread(create_gateway(config, observers=[recorder])) as url:
             body = {"model": "emu", "prompt": "one two three", "max_tokens": 6, "ignore_eos": True}
             assert post(url, keys["beta"], body, {"x-request-id": "ok-1"}).status_code == 200
             assert post(url, "fg-wrong-key-" + "y" * 20, body, {"x-request-id": "bad-1"}).status_code == 401
@@ -134,7 +136,7 @@ def test_a_dead_upstream_is_taken_out_until_it_answers_again(tmp_path):
     path, keys = write_config(tmp_path, [f"http://127.0.0.1:{port}"])  # nothing listens there yet
     config = load_gateway_config(path)
     body = dict(BODY, stream=True)
-    with serve(create_gateway(config)) as url:
+    with serve_in_thread(create_gateway(config)) as url:
         # The first request finds the upstream refusing connections (502, before any byte of the stream);
         # the upstream is then out, so the next ones are refused at once (503) rather than tried again.
         replies = [post(url, keys["alpha"], body) for _ in range(6)]
@@ -148,7 +150,7 @@ def test_a_dead_upstream_is_taken_out_until_it_answers_again(tmp_path):
                 return [r.status for r in await ledger.reservations("alpha")]
 
         assert asyncio.run(statuses()) == ["cancelled"] * 6  # nothing held, nothing billed
-        with serve(create_app(EMULATOR), port=port):  # the replica comes up: the probe puts it back
+        with serve_in_thread(create_app(EMULATOR), port=port):  # the replica comes up: the probe puts it back
             deadline = time.monotonic() + 10
             while (reply := post(url, keys["alpha"], BODY)).status_code == 503 and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -161,10 +163,10 @@ def test_a_request_sent_to_an_upstream_that_refuses_it_goes_to_another_one(tmp_p
     two a tenant), though another replica was up. The upstream never saw them: they are queued again, under
     the same reservation, for another upstream."""
     recorder = Recorder()
-    with serve(create_app(EMULATOR)) as emulator:
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
         path, keys = write_config(tmp_path, [f"http://127.0.0.1:{free_port()}", emulator])  # the first is dead
         config = load_gateway_config(path)
-        with serve(create_gateway(config, observers=[recorder])) as url:
+        with serve_in_thread(create_gateway(config, observers=[recorder])) as url:
             streamed = post(url, keys["alpha"], dict(BODY, stream=first_streams), {"x-request-id": "s-1"})
             plain = post(url, keys["alpha"], BODY, {"x-request-id": "p-1"})
             later = post(url, keys["beta"], BODY, {"x-request-id": "p-2"})
@@ -191,9 +193,8 @@ def test_a_request_sent_to_an_upstream_that_refuses_it_goes_to_another_one(tmp_p
 
 def test_the_liveness_sweep_keeps_running_requests_and_expires_abandoned_ones(tmp_path):
     slow = EMULATOR.model_copy(update={"iter_base_ms": 40.0})  # 60 tokens: about 2.5 s, past the 1-s TTL
-    with serve(create_app(slow)) as emulator:
-        path, keys = write_config(tmp_path, [emulator], defaults="reservation_ttl_s = 1\n")
-        path.write_text(path.read_text().replace("[gateway]\n", "[gateway]\nsweep_s = 0.2\n", 1))
+    with serve_in_thread(create_app(slow)) as emulator:
+        path, keys = write_config(tmp_path, [emulator], defaults=LimitsConfig(reservation_ttl_s=1), sweep_s=0.2)
         config = load_gateway_config(path)
 
         async def abandoned() -> str:  # as if reserved by a gateway process that was then killed
@@ -201,7 +202,7 @@ def test_the_liveness_sweep_keeps_running_requests_and_expires_abandoned_ones(tm
                 return (await ledger.reserve("beta", "orphan", 1, 10, 0.0)).id
 
         orphan = asyncio.run(abandoned())
-        with serve(create_gateway(config)) as url:
+        with serve_in_thread(create_gateway(config)) as url:
             long = post(url, keys["alpha"], {"model": "emu", "prompt": "x", "max_tokens": 60, "ignore_eos": True})
             assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 60
 

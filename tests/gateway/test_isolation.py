@@ -17,15 +17,16 @@ import pytest
 from fairgate.core.request import Request as CoreRequest
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
-from fairgate.gateway.state import state_of
 from fairgate.gateway.auth import KeyRing, hash_api_key
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.dispatch import QueueFull
+from fairgate.gateway.state import state_of
+from fairgate.harness.process import fairgate_process, free_port
+from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import InvalidUsage, Ledger, LedgerUnavailable, UnknownTenant, connect, quotas_from_dict
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.emergency import EMERGENCY_PREFIX, ResilientLedger
 from tests.gateway.conftest import EMULATOR, write_config
-from tests.support.servers import fairgate_process, free_port, serve
 
 STRICT_EMULATOR = EMULATOR.model_copy(update={"require_tenant_context": True})
 
@@ -80,10 +81,10 @@ class Stack:
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
     upstream = Recorder(create_app(STRICT_EMULATOR))  # refuses any request without a cache_salt
-    with serve(upstream) as emulator:
+    with serve_in_thread(upstream) as emulator:
         path, keys = write_config(tmp_path, [emulator])
         config = load_gateway_config(path)
-        with serve(create_gateway(config)) as gateway:
+        with serve_in_thread(create_gateway(config)) as gateway:
             yield Stack(gateway, keys, config.ledger_url, path, upstream)
 
 
@@ -143,7 +144,7 @@ def test_a_client_cannot_choose_its_cache_salt_or_name_a_tenant_upstream(
 
 
 def test_the_strict_emulator_refuses_a_request_without_cache_salt() -> None:
-    with serve(create_app(STRICT_EMULATOR)) as emulator:
+    with serve_in_thread(create_app(STRICT_EMULATOR)) as emulator:
         for salt in ({}, {"cache_salt": ""}, {"cache_salt": "  "}, {"cache_salt": 5}, {"cache_salt": None}):
             for path, body in (
                 ("/v1/completions", {"prompt": "x"}),
@@ -161,7 +162,7 @@ def test_the_strict_emulator_refuses_a_request_without_cache_salt() -> None:
             json={"model": "emu", "prompt": "x", "max_tokens": 2, "cache_salt": "t"},
         )
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
-    with serve(create_app(EMULATOR)) as lenient:  # the default stays as before
+    with serve_in_thread(create_app(EMULATOR)) as lenient:  # the default stays as before
         assert (
             httpx.post(
                 f"{lenient}/v1/completions", json={"model": "emu", "prompt": "x", "max_tokens": 1}, timeout=10

@@ -17,7 +17,7 @@ import pytest
 from fairgate.core.cost import CostModel
 from fairgate.gateway.dispatch import Upstream
 from fairgate.gateway.upstream import CallState, UpstreamClient
-from tests.support.servers import fairgate_process, free_port
+from fairgate.harness.process import fairgate_process, free_port
 
 COST = CostModel(9.0, 0.55, 0.06, 24)
 

@@ -18,16 +18,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
-from fairgate.gateway.state import state_of
-from fairgate.gateway.auth import hash_api_key
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.metrics import OVERFLOW_LABEL, UNAUTHENTICATED_LABEL, TenantLabels, build
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Finished, Rejected
+from fairgate.gateway.state import state_of
 from fairgate.gateway.stats import Stats
+from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import connect
 from fairgate.ledger.base import tenant_tag
+from fairgate.ledger.config import LimitsConfig
 from tests.gateway.conftest import EMULATOR, TENANTS, Stack, write_config
-from tests.support.servers import serve
 
 ADMIN_KEY = "fg-test-admin-" + "a" * 24
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "fairgate.json"
@@ -35,20 +35,14 @@ GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "fairgate
 
 @contextmanager
 def admin_stack(
-    tmp: Path, quotas: dict[str, str] | None = None, defaults: str = "", extra: str = ""
+    tmp: Path, limits: dict[str, LimitsConfig] | None = None, delegates: tuple[str, ...] = ()
 ) -> Iterator[Stack]:
-    """A gateway with an admin key (``ADMIN_KEY``) in front of one emulated replica; ``quotas``: tenant ->
-    extra lines of its ``[quotas.tenants.<t>]`` table; ``extra``: more tables for the file's end."""
-    with serve(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp, [emulator], defaults=defaults)
-        text = path.read_text()
-        for tenant, lines in (quotas or {}).items():
-            table = f'[quotas.tenants.{tenant}]\ntier = "free"\n'
-            assert table in text
-            text = text.replace(table, table + lines + "\n")
-        path.write_text(text + f'\n[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n{extra}')
+    """A gateway with an admin key (``ADMIN_KEY``) in front of one emulated replica; ``limits``: tenant ->
+    its limits; ``delegates``: the tenants that may act for others."""
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp, [emulator], limits=limits, admin_key=ADMIN_KEY, delegates=delegates)
         config = load_gateway_config(path)
-        with serve(create_gateway(config)) as gateway:
+        with serve_in_thread(create_gateway(config)) as gateway:
             yield Stack(gateway, keys, config.ledger_url, path)
 
 
@@ -92,7 +86,7 @@ async def ledger_reservations(stack: Stack):  # type: ignore[no-untyped-def]
 
 
 def test_metrics_count_a_known_sequence_exactly(tmp_path):
-    with admin_stack(tmp_path, {"gamma": "limits = { requests_per_minute = 1, requests_burst = 1 }"}) as stack:
+    with admin_stack(tmp_path, {"gamma": LimitsConfig(requests_per_minute=1, requests_burst=1)}) as stack:
         url = stack.url
         alpha = openai.OpenAI(base_url=f"{url}/v1", api_key=stack.keys["alpha"], max_retries=0)
         beta = openai.OpenAI(base_url=f"{url}/v1", api_key=stack.keys["beta"], max_retries=0)

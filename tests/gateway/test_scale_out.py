@@ -12,8 +12,9 @@ from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.observe import Rejected
+from fairgate.harness.threads import serve_in_thread
+from fairgate.ledger.config import LimitsConfig
 from tests.gateway.conftest import EMULATOR, write_config
-from tests.support.servers import serve
 
 
 class Recorder:
@@ -27,16 +28,14 @@ class Recorder:
 
 def test_the_queue_bound_holds_across_gateway_processes(tmp_path):
     recorders = [Recorder(), Recorder()]
-    with serve(create_app(EMULATOR)) as emulator_one, serve(create_app(EMULATOR)) as emulator_two:
-        path_one, keys = write_config(tmp_path, [emulator_one], defaults="max_queued = 1\n")
-        text = path_one.read_text()
-        path_two = tmp_path / "two.toml"
-        path_two.write_text(text.replace(emulator_one, emulator_two))
+    with serve_in_thread(create_app(EMULATOR)) as emulator_one, serve_in_thread(create_app(EMULATOR)) as emulator_two:
+        path_one, keys = write_config(tmp_path, [emulator_one], defaults=LimitsConfig(max_queued=1))
+        path_two, _ = write_config(tmp_path, [emulator_two], defaults=LimitsConfig(max_queued=1), name="two.toml")
         configs = [load_gateway_config(path_one), load_gateway_config(path_two)]
         assert configs[0].ledger_url == configs[1].ledger_url  # one shared ledger
         with (
-            serve(create_gateway(configs[0], observers=[recorders[0]])) as one,
-            serve(create_gateway(configs[1], observers=[recorders[1]])) as two,
+            serve_in_thread(create_gateway(configs[0], observers=[recorders[0]])) as one,
+            serve_in_thread(create_gateway(configs[1], observers=[recorders[1]])) as two,
         ):
 
             async def flood() -> list[int]:

@@ -18,21 +18,20 @@ import pytest
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
-from fairgate.gateway.auth import hash_api_key, make_on_behalf_of
+from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.observe import REJECT_REASONS, Rejected
 from fairgate.gateway.usage_api import WINDOW_MAX_S, RejectionLog
+from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import connect
+from fairgate.ledger.config import LimitsConfig
 from tests.gateway.conftest import EMULATOR, write_config
-from tests.support.servers import serve
 
 ADMIN_KEY = f"fg-test-admin-{'y' * 24}"
 SECRET_ENV = "FAIRGATE_TEST_USAGE_API_SECRET"
 SECRET = "usage-api-test-secret-0123456789"
 # beta: 2 requests per minute (burst 2) and at most 100 tokens per request, to force 429s of known reasons.
-BETA_LIMITS = (
-    "[quotas.tenants.beta.limits]\nrequests_per_minute = 2\nrequests_burst = 2\nmax_tokens_per_request = 100\n"
-)
+BETA_LIMITS = LimitsConfig(requests_per_minute=2, requests_burst=2, max_tokens_per_request=100)
 ADMIN_PATHS = ("/admin/tenants", "/admin/usage", "/admin/reservations", "/admin/frozen", "/admin/reconcile")
 
 
@@ -65,14 +64,17 @@ class Stack:
 @pytest.fixture
 def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    with serve(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator], extra_quotas=BETA_LIMITS)
-        path.write_text(
-            path.read_text() + f'\n[admin]\nkey_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n'
-            f'[delegation]\nsecret_env = "{SECRET_ENV}"\ndelegates = ["gamma"]\n'
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(
+            tmp_path,
+            [emulator],
+            limits={"beta": BETA_LIMITS},
+            admin_key=ADMIN_KEY,
+            delegates=["gamma"],
+            secret_env=SECRET_ENV,
         )
         config = load_gateway_config(path)
-        with serve(create_gateway(config)) as gateway:
+        with serve_in_thread(create_gateway(config)) as gateway:
             yield Stack(gateway, keys, config.ledger_url, path)
 
 

@@ -5,7 +5,7 @@ on 127.0.0.1:5432, database ``test``, and 127.0.0.1:6379). Where none answers (a
 throwaway server is started from the installed binaries by pytest-postgresql / pytest-redis (Debian
 packages ``postgresql`` and ``redis-server``). Each test gets a fresh schema / key prefix, dropped after.
 These tests are never skipped: a backend that cannot be reached fails them. (pytest-postgresql's own
-launcher refuses to run as root, so ``tests/support/throwaway_postgres.py`` starts PostgreSQL as the
+launcher refuses to run as root, so ``fairgate.harness.postgres`` starts PostgreSQL as the
 ``postgres`` user instead.)
 """
 
@@ -22,8 +22,8 @@ from urllib.parse import urlparse
 import pytest
 from pytest_redis import factories as redis_factories
 
+from fairgate.harness.postgres import throwaway_postgres
 from fairgate.ledger import Ledger, Quotas, connect, quotas_from_dict
-from tests.support.throwaway_postgres import throwaway_postgres
 
 BACKENDS = ("sqlite", "postgres", "redis")
 

@@ -9,9 +9,9 @@ from urllib.parse import urlparse
 
 import pytest
 
+from fairgate.harness.proxy import CuttableProxy
 from fairgate.ledger import LedgerUnavailable, Usage, connect, quotas_from_dict
 from fairgate.ledger.emergency import ResilientLedger
-from tests.support.proxy import CuttableProxy
 
 QUOTAS = {
     "tiers": {

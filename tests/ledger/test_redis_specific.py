@@ -17,15 +17,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.crc import key_slot
 
-from fairgate.ledger import (
-    LedgerError,
-    LedgerUnavailable,
-    QuotaExceeded,
-    Quotas,
-    Usage,
-    connect,
-    quotas_from_dict,
-)
+from fairgate.ledger import LedgerError, LedgerUnavailable, QuotaExceeded, Quotas, Usage, connect, quotas_from_dict
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.redis import TENANT_KEYS, RedisLedger
 

@@ -262,10 +262,7 @@ PEERS_AT_OPEN: list[tuple[str, str, Callable[[], Handler], type[Exception], list
                 ["READONLY", "read only replica"],
             ),
             ({"SCRIPT": b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"}, ["OOM"]),
-            (
-                {"SCRIPT": b"-NOPERM this user has no permissions to run the 'script|load' command\r\n"},
-                ["NOPERM"],
-            ),
+            ({"SCRIPT": b"-NOPERM this user has no permissions to run the 'script|load' command\r\n"}, ["NOPERM"]),
             ({"SCRIPT": b"-ERR unknown command 'SCRIPT'\r\n"}, ["ERR unknown command"]),
         ]
     ],

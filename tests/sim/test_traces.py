@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import csv
 import hashlib
+import itertools
 import os
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def test_read_azure_code_matches_sources(code_rows: list[TraceRow]) -> None:
     assert len(rows) == 8819
     assert rows[0].time_s == 0.0
     assert rows[-1].time_s == pytest.approx(3435.948056, abs=1e-9)  # 18:17:03.9799600 -> 19:14:19.9280160
-    assert all(a.time_s <= b.time_s for a, b in zip(rows, rows[1:]))
+    assert all(a.time_s <= b.time_s for a, b in itertools.pairwise(rows))
     assert round(sum(r.output_tokens for r in rows) / len(rows), 1) == 27.9
     assert round(sum(r.prompt_tokens for r in rows) / len(rows), 1) == 2047.8
     assert min(r.output_tokens for r in rows) == 6 and max(r.output_tokens for r in rows) == 1899
@@ -147,14 +148,14 @@ def test_window_and_speedup_on_real_slice(code_rows: list[TraceRow]) -> None:
     w.check()
     assert len(w) == len(inside) > 100
     assert w.duration_ns == 30 * 10**9  # 120 s / 4
-    for got, row in zip(w.arrival_ns, inside):
+    for got, row in zip(w.arrival_ns, inside, strict=False):
         assert got == pytest.approx((row.time_s - start) / speedup * 1e9, abs=1)
     assert w.prompt_tokens == [r.prompt_tokens for r in inside]
     assert s.span_s == pytest.approx(inside[-1].time_s - inside[0].time_s, abs=1e-9)
     assert s.duration_s == 30.0
 
     # Open-ended window: to the end of the trace, + 1 ns.
-    w2, s2 = trace_workload([AZURE_CODE], "azure", start_s=3000.0, speedup=2.0)
+    w2, _s2 = trace_workload([AZURE_CODE], "azure", start_s=3000.0, speedup=2.0)
     tail = [r for r in code_rows if r.time_s >= 3000.0]
     assert len(w2) == len(tail)
     assert w2.duration_ns == round((3435.948056 - 3000.0) / 2 * 1e9) + 1
@@ -186,7 +187,7 @@ def test_hash_tenants_spread_and_stable(code_rows: list[TraceRow]) -> None:
         return int.from_bytes(hashlib.sha256(f"{AZURE_CODE.name}:{i}".encode()).digest()[:8], "big") % 4
 
     expected = sorted((round(r.time_s * 1e9), bucket(i)) for i, r in enumerate(code_rows))
-    assert sorted(zip(w.arrival_ns, w.tenant_index)) == expected
+    assert sorted(zip(w.arrival_ns, w.tenant_index, strict=False)) == expected
 
     # A row keeps its tenant when a window cuts the trace.
     win, _ = trace_workload([AZURE_CODE], "azure", tenant_by="hash:4", start_s=1100.0, duration_s=50.0)
@@ -199,7 +200,7 @@ def test_two_real_files_side_by_side() -> None:
     w, s = trace_workload([f"code={AZURE_CODE}", AZURE_CONV], "azure")
     assert w.tenants == ["code", "azure_llm_2023_conv"]
     assert s.requests == {"code": 8819, "azure_llm_2023_conv": 19366}
-    firsts = {k: next(a for a, t in zip(w.arrival_ns, w.tenant_index) if t == k) for k in (0, 1)}
+    firsts = {k: next(a for a, t in zip(w.arrival_ns, w.tenant_index, strict=False) if t == k) for k in (0, 1)}
     assert firsts == {0: 0, 1: 0}  # each file starts at its own first row
     assert w.duration_ns == 3_501_721_937_001  # the longer file (conv, 3,501.7 s) + 1 ns
 
@@ -265,7 +266,7 @@ def test_empty_column_value_and_ties(tmp_path: Path) -> None:
         "Timestamp,Session ID,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
         "0,,ChatGPT,1,1,2,API log\n0,abc,ChatGPT,1,1,2,Conversation log\n",
     )
-    w, s = trace_workload([a], "burstgpt", tenant_by="Session ID")
+    w, _s = trace_workload([a], "burstgpt", tenant_by="Session ID")
     assert w.tenants == ["(none)", "abc"] and w.arrival_ns == [0, 0] and w.tenant_index == [0, 1]
     assert w.duration_ns == 1
 
@@ -542,7 +543,7 @@ def test_token_count_at_the_cap(tmp_path: Path) -> None:
 
     assert MAX_TOKENS_PER_REQUEST == 10_000_000
     path = azure_csv(tmp_path, "cap.csv", ["2023-11-16 18:17:03,10000000,1e7"])
-    w, s = trace_workload([path], "azure")
+    w, _s = trace_workload([path], "azure")
     assert w.prompt_tokens == [10_000_000] and w.output_tokens == [10_000_000]
     assert raises(read_trace, azure_csv(tmp_path, "neg.csv", ["2023-11-16 18:17:03,-1e400,1"]), "azure").endswith(
         "bad token count '-1e400' (negative)"

@@ -1,0 +1,135 @@
+"""The rendering and checking base of the drills' results.
+
+A result derives ``DrillResult`` and says only what is its own: ``checks()`` (each part of the claim and
+whether it holds), ``intro()`` (the setting and the claim), ``body()`` (its tables and notes) and
+``verdict()`` (the closing sentence). The base lays them out (``render()``: intro, body, one ``ok`` / ``FAIL``
+line per check, then ``PASS`` / ``FAIL`` and the verdict), gives ``passed`` and the plain-text ``summary()``.
+``table`` builds the rich tables every drill shows; ``fmt_*`` format their cells.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+
+class DrillResult(ABC):
+    """What every drill returns: ``name``, ``passed``, ``checks()``, ``render()`` and ``summary()``."""
+
+    name: str
+
+    @abstractmethod
+    def checks(self) -> dict[str, bool]:
+        """Each part of the drill's claim and whether it holds."""
+
+    @abstractmethod
+    def intro(self) -> list[str]:
+        """The setting and the claim (rich markup)."""
+
+    def body(self) -> list[Any]:
+        """Tables and notes between the intro and the checks."""
+        return []
+
+    @abstractmethod
+    def verdict(self) -> str:
+        """The closing sentence, after ``PASS`` / ``FAIL``."""
+
+    @property
+    def passed(self) -> bool:
+        return all(self.checks().values())
+
+    def check_lines(self, checks: Mapping[str, bool] | None = None) -> list[str]:
+        """One line per check, ``ok`` or ``FAIL`` and its claim (rich markup)."""
+        checks = self.checks() if checks is None else checks
+        return [f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}" for check, ok in checks.items()]
+
+    def render(self) -> list[Any]:
+        """Tables and lines for a rich console."""
+        mark = "[green]PASS[/green]" if self.passed else "[red]FAIL[/red]"
+        return [*self.intro(), *self.body(), *self.check_lines(), f"{mark}: {self.verdict()}"]
+
+    def summary(self) -> str:
+        """``render()`` as plain text."""
+        return plain_text(self.render())
+
+
+def table(
+    title: str,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    caption: str = "",
+    left: Collection[str] = ("tenant", "errors"),
+    wrap: Collection[str] = ("errors",),
+) -> Any:
+    """A rich table: ``columns`` right-aligned but those in ``left``, unwrapped but those in ``wrap``; the
+    title and the caption on the left."""
+    from rich.table import Table
+
+    out = Table(title=title, title_justify="left", caption=caption or None, caption_justify="left")
+    for column in columns:
+        out.add_column(column, justify="left" if column in left else "right", no_wrap=column not in wrap)
+    for row in rows:
+        out.add_row(*row)
+    return out
+
+
+def policy_title(policy: str, comparison: bool) -> str:
+    return f"policy {policy}" + (" (comparison)" if comparison else "")
+
+
+def fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def fmt_errors(errors: Mapping[str, int]) -> str:
+    """``{"429:insufficient_quota[max_model_calls]": 3}`` -> ``"429 max_model_calls x3"`` (``-`` for none)."""
+    parts = []
+    for code, count in errors.items():
+        status, _, rest = code.partition(":")
+        detail = rest.partition("[")[2].rstrip("]") or rest
+        parts.append(f"{status} {detail} x{count}" if rest else f"{code} x{count}")
+    return ", ".join(parts) or "-"
+
+
+def fmt_counts(counts: Mapping[Any, int], sep: str = " ") -> str:
+    """``{"settled": 3, "open": 1}`` -> ``"open 1, settled 3"`` (sorted; ``sep`` between name and count)."""
+    return ", ".join(f"{k}{sep}{v}" for k, v in sorted(counts.items()))
+
+
+def fmt_s(value: float | None, never: str = "never") -> str:
+    return never if value is None else f"{value:.2f} s"
+
+
+def holds_from(points: Iterable[tuple[float, bool]]) -> float | None:
+    """The first time from which a condition held at every later point ((time, holds) in time order); None if
+    it did not hold at the last point."""
+    since = None
+    for at, holds in points:
+        since = (at if since is None else since) if holds else None
+    return since
+
+
+def plain_text(renderables: Sequence[Any], width: int = 140) -> str:
+    """Render rich objects to plain text (for ``summary()``, logs and assertion messages)."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None, highlight=False)
+    for item in renderables:
+        console.print(item)
+    return console.export_text()
+
+
+__all__ = [
+    "DrillResult",
+    "fmt_counts",
+    "fmt_errors",
+    "fmt_ms",
+    "fmt_s",
+    "holds_from",
+    "plain_text",
+    "policy_title",
+    "table",
+]

@@ -1,0 +1,69 @@
+"""One load on a fresh stack, for a claim about what the ledger billed during a load (the ``burst`` and
+``ultra_long`` drills, the live fairness bench): ``run_on_stack`` starts the stack, sends the loads, reads
+the ledger at given seconds and, once the gateway has billed the hang-ups, at the end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fairgate.harness.ledger import LedgerReport
+from fairgate.harness.loadgen import LoadGenerator, TenantLoad
+from fairgate.harness.records import History
+from fairgate.harness.stack import StackSpec, start_stack
+
+if TYPE_CHECKING:
+    from fairgate.ledger import Reservation
+
+SETTLE_S = 1.0  # after the clients hang up, time for the gateway to bill what was cancelled
+
+
+@dataclass(frozen=True)
+class Run:
+    """One load on a fresh stack: what the clients saw, and what the ledger holds.
+
+    Attributes:
+        policy: the gateway's policy. history: every request as its client saw it.
+        ledger: each tenant's ledger totals at the end (after the hang-ups were billed).
+        snapshots: the ledger totals at given seconds into the load (for shares over part of it).
+        reservations: every reservation in the ledger at the end.
+    """
+
+    policy: str
+    history: History
+    ledger: LedgerReport
+    snapshots: dict[float, LedgerReport]
+    reservations: tuple[Reservation, ...]
+
+
+async def until(generator: LoadGenerator, at_s: float) -> None:
+    """Sleep until ``at_s`` seconds after ``generator`` started."""
+    await asyncio.sleep(max(0.0, at_s - generator.now()))
+
+
+def run_on_stack(
+    spec: StackSpec, loads: Sequence[TenantLoad], seconds: float, seed: int, snapshot_at_s: Sequence[float] = ()
+) -> Run:
+    """Start ``spec``, send ``loads`` for ``seconds``, read the ledger at each of ``snapshot_at_s`` and, once
+    the gateway has billed the hang-ups, at the end."""
+    with start_stack(spec) as stack:
+
+        async def go() -> Run:
+            async with LoadGenerator(stack.url, stack.keys, spec.model, seed) as generator:
+
+                async def snapshot(at_s: float) -> tuple[float, LedgerReport]:
+                    await until(generator, at_s)
+                    return at_s, await stack.totals()
+
+                snapshots = [asyncio.ensure_future(snapshot(at)) for at in snapshot_at_s]
+                history = await generator.run(loads, seconds)
+                taken = dict(await asyncio.gather(*snapshots))
+            await asyncio.sleep(SETTLE_S)
+            return Run(spec.policy, history, await stack.totals(), taken, tuple(await stack.reservations()))
+
+        return asyncio.run(go())
+
+
+__all__ = ["Run", "run_on_stack", "until"]
