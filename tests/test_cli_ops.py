@@ -12,13 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fairgate.emulator.api import create_app
-from fairgate.gateway.app import create_gateway
-from fairgate.gateway.config import load_gateway_config
-from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import EMULATOR, TENANTS, write_config
+from tests.gateway.conftest import TENANTS, serve_stack
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -35,47 +31,44 @@ def served(tmp_path_factory) -> tuple[Path, Path]:  # type: ignore[no-untyped-de
     """(gateway config, its request log) after: ok-1 served for alpha, beta's rate-2 refused (429 rate),
     gamma's flood of 7 with max_queued 1 (some queue_full), one bad key."""
     tmp = tmp_path_factory.mktemp("ops")
-    with serve_in_thread(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(
-            tmp,
-            [emulator],
-            defaults=LimitsConfig(max_queued=1),
-            limits={"beta": LimitsConfig(requests_per_minute=60, requests_burst=1)},
-        )
-        config = load_gateway_config(path)
-        with serve_in_thread(create_gateway(config)) as url:
+    with serve_stack(
+        tmp,
+        defaults=LimitsConfig(max_queued=1),
+        limits={"beta": LimitsConfig(requests_per_minute=60, requests_burst=1)},
+    ) as stack:
+        url, keys = stack.url, stack.keys
 
-            def post(tenant_key: str, request_id: str, max_tokens: int = 6) -> int:
-                body = {"model": "emu", "prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": True}
-                return httpx.post(
-                    f"{url}/v1/completions",
-                    timeout=60,
-                    json=body,
-                    headers={"Authorization": f"Bearer {tenant_key}", "X-Request-Id": request_id},
-                ).status_code
+        def post(tenant_key: str, request_id: str, max_tokens: int = 6) -> int:
+            body = {"model": "emu", "prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": True}
+            return httpx.post(
+                f"{url}/v1/completions",
+                timeout=60,
+                json=body,
+                headers={"Authorization": f"Bearer {tenant_key}", "X-Request-Id": request_id},
+            ).status_code
 
-            assert post(keys["alpha"], "ok-1") == 200
-            assert post(keys["beta"], "rate-1") == 200
-            assert post(keys["beta"], "rate-2") == 429
-            assert post("fg-not-a-key", "nokey-1") == 401
+        assert post(keys["alpha"], "ok-1") == 200
+        assert post(keys["beta"], "rate-1") == 200
+        assert post(keys["beta"], "rate-2") == 429
+        assert post("fg-not-a-key", "nokey-1") == 401
 
-            async def flood() -> list[int]:
-                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                    replies = await asyncio.gather(
-                        *(
-                            http.post(
-                                "/v1/completions",
-                                json={"model": "emu", "prompt": "x", "max_tokens": 40, "ignore_eos": True},
-                                headers={"Authorization": f"Bearer {keys['gamma']}", "X-Request-Id": f"flood-{i}"},
-                            )
-                            for i in range(7)
+        async def flood() -> list[int]:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                replies = await asyncio.gather(
+                    *(
+                        http.post(
+                            "/v1/completions",
+                            json={"model": "emu", "prompt": "x", "max_tokens": 40, "ignore_eos": True},
+                            headers={"Authorization": f"Bearer {keys['gamma']}", "X-Request-Id": f"flood-{i}"},
                         )
+                        for i in range(7)
                     )
-                return [r.status_code for r in replies]
+                )
+            return [r.status_code for r in replies]
 
-            assert sorted(asyncio.run(flood())) == [200] * 5 + [429] * 2
-    assert config.event_log_path is not None and config.event_log_path.is_file()
-    return path, config.event_log_path
+        assert sorted(asyncio.run(flood())) == [200] * 5 + [429] * 2
+    assert stack.config.event_log_path is not None and stack.config.event_log_path.is_file()
+    return stack.config_path, stack.config.event_log_path
 
 
 def queue_full_id(log: Path) -> str:

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
-from fairgate.gateway.config import GatewaySection, load_gateway_config
+from fairgate.gateway.config import GatewayConfig, GatewaySection, load_gateway_config
 from fairgate.harness.config import TenantSpec, gateway_file, quota_file
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.threads import serve_in_thread
+from fairgate.ledger import Ledger, Reservation, connect
 from fairgate.ledger.config import LimitsConfig, TierConfig
+
+T = TypeVar("T")
 
 REPLICA = ReplicaModel(
     iter_base_ms=4.0,
@@ -32,8 +38,24 @@ TENANTS = ("alpha", "beta", "gamma")
 class Stack:
     url: str  # the gateway's base URL
     keys: dict[str, str]  # tenant -> API key
-    ledger_url: str
     config_path: Path
+    config: GatewayConfig  # as the gateway loaded it
+
+    @property
+    def ledger_url(self) -> str:
+        return self.config.ledger_url
+
+    def ledger_call(self, work: Callable[[Ledger], Awaitable[T]]) -> T:
+        """What ``work`` returns on a connection of its own to the gateway's ledger (closed afterwards)."""
+
+        async def run() -> T:
+            async with await connect(self.ledger_url, self.config.quotas) as ledger:
+                return await work(ledger)
+
+        return asyncio.run(run())
+
+    def reservations(self) -> list[Reservation]:
+        return self.ledger_call(lambda ledger: ledger.reservations())
 
 
 def write_config(
@@ -72,10 +94,18 @@ def write_config(
     return path, keys
 
 
+@contextmanager
+def serve_stack(tmp: Path, upstream: Any = None, **config: Any) -> Iterator[Stack]:
+    """A gateway written by ``write_config(tmp, ..., **config)`` in front of ``upstream`` (an ASGI app; default
+    the ``EMULATOR`` replica), both served on loopback until the block ends."""
+    with serve_in_thread(upstream or create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp, [emulator], **config)
+        gateway_config = load_gateway_config(path)
+        with serve_in_thread(create_gateway(gateway_config)) as gateway:
+            yield Stack(gateway, keys, path, gateway_config)
+
+
 @pytest.fixture
-def stack(tmp_path) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    with serve_in_thread(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator])
-        config = load_gateway_config(path)
-        with serve_in_thread(create_gateway(config)) as gateway:
-            yield Stack(gateway, keys, config.ledger_url, path)
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    with serve_stack(tmp_path) as served:
+        yield served

@@ -15,16 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fairgate.emulator.api import create_app
-from fairgate.gateway.app import create_gateway
 from fairgate.gateway.auth import make_on_behalf_of
-from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.eventlog import EventLog, EventLogError, read_records
 from fairgate.gateway.observe import Admitted, Charged, Finished
-from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import EMULATOR, TENANTS, write_config
+from tests.gateway.conftest import TENANTS, serve_stack
 
 SECRET = "s" * 32
 BODY = {"model": "emu", "prompt": "x y", "max_tokens": 6, "ignore_eos": True}
@@ -50,54 +46,51 @@ def run(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("eventlog")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FAIRGATE_DELEGATION_SECRET", SECRET)
-        with serve_in_thread(create_app(EMULATOR)) as emulator:
-            path, keys = write_config(
-                tmp,
-                [emulator],
-                defaults=LimitsConfig(max_queued=1),
-                limits={"gamma": LimitsConfig(requests_per_minute=60, requests_burst=1)},
-                delegates=["gamma"],
+        statuses: dict[str, int] = {}
+        with serve_stack(
+            tmp,
+            defaults=LimitsConfig(max_queued=1),
+            limits={"gamma": LimitsConfig(requests_per_minute=60, requests_burst=1)},
+            delegates=["gamma"],
+        ) as stack:
+            url, keys, config = stack.url, stack.keys, stack.config
+            reply = httpx.post(
+                f"{url}/v1/completions",
+                timeout=60,
+                json={**BODY, "stream": True},
+                headers={"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "ok-1"},
             )
-            config = load_gateway_config(path)
-            statuses: dict[str, int] = {}
-            with serve_in_thread(create_gateway(config)) as url:
-                reply = httpx.post(
-                    f"{url}/v1/completions",
-                    timeout=60,
-                    json={**BODY, "stream": True},
-                    headers={"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "ok-1"},
-                )
-                statuses["ok-1"] = reply.status_code
-                token = make_on_behalf_of(SECRET.encode(), "gamma", "beta", time.time() + 60)
-                statuses["deleg-1"] = post(
-                    url, keys["gamma"], "deleg-1", headers={"X-Fairgate-On-Behalf-Of": token}
-                ).status_code
-                statuses["rate-1"] = post(url, keys["gamma"], "rate-1").status_code
-                limited = post(url, keys["gamma"], "rate-2")
-                statuses["rate-2"] = limited.status_code
-                statuses["nokey-1"] = post(url, "fg-wrong-key", "nokey-1").status_code
-                statuses["forbid-1"] = post(
-                    url, keys["alpha"], "forbid-1", headers={"X-Fairgate-On-Behalf-Of": token}
-                ).status_code
+            statuses["ok-1"] = reply.status_code
+            token = make_on_behalf_of(SECRET.encode(), "gamma", "beta", time.time() + 60)
+            statuses["deleg-1"] = post(
+                url, keys["gamma"], "deleg-1", headers={"X-Fairgate-On-Behalf-Of": token}
+            ).status_code
+            statuses["rate-1"] = post(url, keys["gamma"], "rate-1").status_code
+            limited = post(url, keys["gamma"], "rate-2")
+            statuses["rate-2"] = limited.status_code
+            statuses["nokey-1"] = post(url, "fg-wrong-key", "nokey-1").status_code
+            statuses["forbid-1"] = post(
+                url, keys["alpha"], "forbid-1", headers={"X-Fairgate-On-Behalf-Of": token}
+            ).status_code
 
-                async def flood() -> dict[str, int]:
-                    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                        body = {**BODY, "max_tokens": 60}
-                        ids = [f"flood-{i}" for i in range(8)]
-                        replies = await asyncio.gather(
-                            *(
-                                http.post(
-                                    "/v1/completions",
-                                    json=body,
-                                    headers={"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": i},
-                                )
-                                for i in ids
+            async def flood() -> dict[str, int]:
+                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                    body = {**BODY, "max_tokens": 60}
+                    ids = [f"flood-{i}" for i in range(8)]
+                    replies = await asyncio.gather(
+                        *(
+                            http.post(
+                                "/v1/completions",
+                                json=body,
+                                headers={"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": i},
                             )
+                            for i in ids
                         )
-                    return {i: r.status_code for i, r in zip(ids, replies, strict=False)}
+                    )
+                return {i: r.status_code for i, r in zip(ids, replies, strict=False)}
 
-                statuses.update(asyncio.run(flood()))
-            # the gateway has stopped: the log is flushed and closed
+            statuses.update(asyncio.run(flood()))
+        # the gateway and its replica have stopped: the log is flushed and closed
     assert config.event_log_path == tmp / "fairgate-events.jsonl"
     text = config.event_log_path.read_text()
     records = [record for _, _, record in read_records(config.event_log_path)]

@@ -3,26 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import openai
 import pytest
-
-from fairgate.gateway.config import load_gateway_config
-from fairgate.ledger import connect
 
 
 def client(stack, tenant: str = "alpha") -> openai.OpenAI:  # type: ignore[no-untyped-def]
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys[tenant], max_retries=0)
 
 
-async def reservations(stack):  # type: ignore[no-untyped-def]
-    config = load_gateway_config(stack.config_path)
-    ledger = await connect(stack.ledger_url, config.quotas)
-    try:
-        return await ledger.reservations()
-    finally:
-        await ledger.close()
+def post(  # type: ignore[no-untyped-def]
+    stack, path: str, body: dict[str, Any] | bytes, timeout: float = 30, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    """``body`` POSTed to the gateway's ``path`` with alpha's key and ``headers``; bytes go as they are, as JSON."""
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}", **(headers or {})}
+    if isinstance(body, bytes):
+        headers["Content-Type"] = "application/json"
+        return httpx.post(f"{stack.url}{path}", content=body, timeout=timeout, headers=headers)
+    return httpx.post(f"{stack.url}{path}", json=body, timeout=timeout, headers=headers)
 
 
 def test_chat_completion_is_served_and_settled(stack):
@@ -31,7 +31,7 @@ def test_chat_completion_is_served_and_settled(stack):
     )
     assert reply.choices[0].message.content == " t1 t2 t3 t4 t5 t6"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (6, 6)
-    [r] = asyncio.run(reservations(stack))
+    [r] = stack.reservations()
     assert r.tenant == "alpha" and r.status == "settled"
     assert r.billed.input_tokens == 6 and r.billed.output_tokens == 6 and r.billed.gpu_ms > 0
 
@@ -50,7 +50,7 @@ def test_streaming_with_usage_and_request_id(stack):
     chunks = list(raw.parse())
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " t1 t2 t3 t4"
     assert chunks[-1].usage.completion_tokens == 4
-    [r] = asyncio.run(reservations(stack))
+    [r] = stack.reservations()
     assert (r.tenant, r.request_id, r.status, r.billed.output_tokens) == ("beta", "my-req-1", "settled", 4)
 
 
@@ -66,7 +66,7 @@ def test_a_retry_with_the_same_request_id_is_not_charged_twice(stack):
     with pytest.raises(openai.ConflictError) as excinfo:
         make()
     assert excinfo.value.body["code"] == "request_already_completed"
-    assert len(asyncio.run(reservations(stack))) == 1
+    assert len(stack.reservations()) == 1
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_a_forged_tenant_in_body_or_header_is_ignored(stack):
         json={"model": "emu", "prompt": "x", "max_tokens": 2, "user": "alpha", "ignore_eos": True},
     )
     assert reply.status_code == 200
-    assert [r.tenant for r in asyncio.run(reservations(stack))] == ["gamma"]
+    assert [r.tenant for r in stack.reservations()] == ["gamma"]
 
 
 @pytest.mark.parametrize(
@@ -107,15 +107,10 @@ def test_a_forged_tenant_in_body_or_header_is_ignored(stack):
     ],
 )
 def test_malformed_requests_are_4xx_and_reserve_nothing(stack, body, status, param):
-    reply = httpx.post(
-        f"{stack.url}/v1/chat/completions",
-        content=body,
-        timeout=10,
-        headers={"Authorization": f"Bearer {stack.keys['alpha']}", "Content-Type": "application/json"},
-    )
+    reply = post(stack, "/v1/chat/completions", body, timeout=10)
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param
-    assert asyncio.run(reservations(stack)) == []
+    assert stack.reservations() == []
 
 
 def test_client_disconnect_bills_what_was_generated_and_frees_the_slot(stack):
@@ -133,7 +128,7 @@ def test_client_disconnect_bills_what_was_generated_and_frees_the_slot(stack):
             await asyncio.sleep(0.3)
 
     asyncio.run(run())
-    [r] = asyncio.run(reservations(stack))
+    [r] = stack.reservations()
     assert r.status == "cancelled" and 20 <= r.billed.output_tokens < 100 and r.billed.input_tokens == 1
     # The slot is free again: four more requests (max_batch 4) run at once.
     replies = [client(stack).completions.create(model="emu", prompt="y", max_tokens=2) for _ in range(4)]
@@ -151,7 +146,7 @@ def test_concurrent_duplicates_of_one_request_id_run_once(stack):
         return sorted(r.status_code for r in replies)
 
     assert asyncio.run(run()) == [200, 409, 409, 409, 409]
-    [r] = asyncio.run(reservations(stack))
+    [r] = stack.reservations()
     assert (r.status, r.billed.output_tokens) == ("settled", 30)
 
 
@@ -188,15 +183,10 @@ def test_concurrent_duplicates_of_one_request_id_run_once(stack):
     ],
 )
 def test_unsendable_or_mistyped_bodies_are_400(stack, body, param):
-    reply = httpx.post(
-        f"{stack.url}/v1/completions",
-        content=body,
-        timeout=30,
-        headers={"Authorization": f"Bearer {stack.keys['alpha']}", "Content-Type": "application/json"},
-    )
+    reply = post(stack, "/v1/completions", body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
-    assert asyncio.run(reservations(stack)) == []
+    assert stack.reservations() == []
 
 
 def test_well_formed_sampling_fields_are_served(stack):
@@ -214,9 +204,7 @@ def test_well_formed_sampling_fields_are_served(stack):
         "user": "u-1",
         "seed": 7,
     }
-    reply = httpx.post(
-        f"{stack.url}/v1/completions", json=body, timeout=30, headers={"Authorization": f"Bearer {stack.keys['alpha']}"}
-    )
+    reply = post(stack, "/v1/completions", body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 3
 
@@ -230,7 +218,7 @@ def test_unknown_route_and_double_credentials(stack):
         timeout=10,
         headers=[("Authorization", f"Bearer {stack.keys['alpha']}"), ("Authorization", f"Bearer {stack.keys['beta']}")],
     )
-    assert reply.status_code == 400 and asyncio.run(reservations(stack)) == []
+    assert reply.status_code == 400 and stack.reservations() == []
 
 
 def test_text_without_spaces_is_not_admitted_as_one_token(stack):
@@ -240,17 +228,12 @@ def test_text_without_spaces_is_not_admitted_as_one_token(stack):
 
     assert estimate_tokens("one two three") == 3 and estimate_tokens("x" * 800) == 100
     assert estimate_tokens("ü" * 40) == 10  # 80 bytes of UTF-8
-    reply = httpx.post(
-        f"{stack.url}/v1/completions",
-        json={"model": "emu", "prompt": "x" * 20_000},
-        timeout=30,
-        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
-    )
+    reply = post(stack, "/v1/completions", {"model": "emu", "prompt": "x" * 20_000})
     assert reply.status_code == 413, reply.text
     assert (
         reply.json()["error"]["code"] == "context_length_exceeded" and "2500 tokens" in reply.json()["error"]["message"]
     )
-    assert asyncio.run(reservations(stack)) == []
+    assert stack.reservations() == []
 
 
 @pytest.mark.parametrize(
@@ -270,16 +253,11 @@ def test_text_without_spaces_is_not_admitted_as_one_token(stack):
     ],
 )
 def test_chat_bodies_a_replica_would_refuse_are_400_naming_the_field(stack, body, param, words):
-    reply = httpx.post(
-        f"{stack.url}/v1/chat/completions",
-        json=body,
-        timeout=30,
-        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
-    )
+    reply = post(stack, "/v1/chat/completions", body)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
-    assert asyncio.run(reservations(stack)) == []
+    assert stack.reservations() == []
 
 
 @pytest.mark.parametrize(
@@ -308,13 +286,13 @@ def test_ambiguous_or_garbled_id_headers_are_400(stack, headers, param):
     )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
-    assert asyncio.run(reservations(stack)) == []
+    assert stack.reservations() == []
     # The same id in both headers is one id.
-    same = httpx.post(
-        f"{stack.url}/v1/completions",
-        json={"model": "emu", "prompt": "x", "max_tokens": 2},
-        timeout=30,
-        headers={"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": "k-1", "Idempotency-Key": "k-1"},
+    same = post(
+        stack,
+        "/v1/completions",
+        {"model": "emu", "prompt": "x", "max_tokens": 2},
+        headers={"X-Request-Id": "k-1", "Idempotency-Key": "k-1"},
     )
     assert same.status_code in (200, 409) and same.headers["x-request-id"] == "k-1"
 
@@ -341,12 +319,7 @@ def test_prompt_text_outside_the_messages_content_counts_at_admission(stack, whe
         messages[0]["name"] = big
     else:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"description": big}}}
-    reply = httpx.post(
-        f"{stack.url}/v1/chat/completions",
-        json=body,
-        timeout=30,
-        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
-    )
+    reply = post(stack, "/v1/chat/completions", body)
     assert reply.status_code == 413 and reply.json()["error"]["code"] == "context_length_exceeded", reply.text
     small = dict(
         body,
@@ -354,31 +327,16 @@ def test_prompt_text_outside_the_messages_content_counts_at_admission(stack, whe
         tools=[{"type": "function", "function": {"name": "f", "description": "adds two numbers"}}],
     )
     small.pop("response_format", None)
-    ok = httpx.post(
-        f"{stack.url}/v1/chat/completions",
-        json=small,
-        timeout=30,
-        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
-    )
+    ok = post(stack, "/v1/chat/completions", small)
     assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("prompt, tokens", [([11, 12, 13, 14], 4), ([[11, 12]], 2), (["one two three"], 3)])
 def test_completions_take_a_prompt_as_token_ids(stack, prompt, tokens):
     """As OpenAI's and vLLM's completions APIs do (a helper found them refused)."""
-    reply = httpx.post(
-        f"{stack.url}/v1/completions",
-        timeout=30,
-        json={"model": "emu", "prompt": prompt, "max_tokens": 2, "ignore_eos": True},
-        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
-    )
+    reply = post(stack, "/v1/completions", {"model": "emu", "prompt": prompt, "max_tokens": 2, "ignore_eos": True})
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["prompt_tokens"] == tokens
     for bad in ([], [[11], [12]], [-1]):
-        refused = httpx.post(
-            f"{stack.url}/v1/completions",
-            timeout=30,
-            json={"model": "emu", "prompt": bad},
-            headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
-        )
+        refused = post(stack, "/v1/completions", {"model": "emu", "prompt": bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text

@@ -26,6 +26,7 @@ from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import InvalidUsage, Ledger, LedgerUnavailable, UnknownTenant, connect, quotas_from_dict
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.emergency import EMERGENCY_PREFIX, ResilientLedger
+from tests.gateway import conftest
 from tests.gateway.conftest import EMULATOR, write_config
 
 STRICT_EMULATOR = EMULATOR.model_copy(update={"require_tenant_context": True})
@@ -62,11 +63,7 @@ class Recorder:
 
 
 @dataclass
-class Stack:
-    url: str
-    keys: dict[str, str]
-    ledger_url: str
-    config_path: Path
+class Stack(conftest.Stack):
     upstream: Recorder
 
     def post(
@@ -81,19 +78,8 @@ class Stack:
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
     upstream = Recorder(create_app(STRICT_EMULATOR))  # refuses any request without a cache_salt
-    with serve_in_thread(upstream) as emulator:
-        path, keys = write_config(tmp_path, [emulator])
-        config = load_gateway_config(path)
-        with serve_in_thread(create_gateway(config)) as gateway:
-            yield Stack(gateway, keys, config.ledger_url, path, upstream)
-
-
-def reservations(stack: Stack) -> list[Any]:
-    async def run() -> list[Any]:
-        async with await connect(stack.ledger_url, load_gateway_config(stack.config_path).quotas) as ledger:
-            return await ledger.reservations()
-
-    return asyncio.run(run())
+    with conftest.serve_stack(tmp_path, upstream) as served:
+        yield Stack(**vars(served), upstream=upstream)
 
 
 # --- (a) the prefix cache: one salt per tenant, set by the gateway only ------------------------------
@@ -177,7 +163,7 @@ def test_every_gateway_call_passes_tenant_context_to_a_strict_upstream(stack: St
     assert chat.status_code == 200, chat.text
     streamed = stack.post("gamma", prompt="a", max_tokens=2, stream=True, ignore_eos=True)
     assert streamed.status_code == 200 and "upstream_error" not in streamed.text and "[DONE]" in streamed.text
-    assert [r.status for r in reservations(stack)] == ["settled"] * 3
+    assert [r.status for r in stack.reservations()] == ["settled"] * 3
 
 
 def test_the_emulate_command_has_a_require_tenant_context_flag() -> None:
@@ -256,7 +242,7 @@ def test_a_request_without_a_credential_reaches_neither_ledger_nor_upstream(stac
     for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Bearer fg-unknown"}):
         reply = stack.post("", headers={**headers, "X-Tenant": "alpha"}, prompt="x", max_tokens=1, user="alpha")
         assert reply.status_code == 401
-    assert stack.upstream.bodies == [] and reservations(stack) == []
+    assert stack.upstream.bodies == [] and stack.reservations() == []
 
 
 # --- (d) shared state is keyed by tenant ------------------------------------------------------------
@@ -279,12 +265,12 @@ def test_two_tenants_may_use_the_same_request_id(stack: Stack) -> None:
             )
 
     assert [r.status_code for r in asyncio.run(both())] == [200, 200]  # in flight at once: no 409 across tenants
-    booked = {(r.tenant, r.request_id): (r.status, r.billed.output_tokens) for r in reservations(stack)}
+    booked = {(r.tenant, r.request_id): (r.status, r.billed.output_tokens) for r in stack.reservations()}
     assert booked == {("alpha", "shared-id"): ("settled", 20), ("beta", "shared-id"): ("settled", 7)}
     # A retry is answered per tenant: each sees its own completed request, nothing is charged again.
     again = stack.post("beta", headers={"Idempotency-Key": "shared-id"}, prompt="x", max_tokens=7, ignore_eos=True)
     assert again.status_code == 409 and again.json()["error"]["code"] == "request_already_completed"
-    assert len(reservations(stack)) == 2
+    assert len(stack.reservations()) == 2
 
 
 def test_the_key_cache_is_keyed_by_the_whole_credential() -> None:

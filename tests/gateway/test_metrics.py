@@ -3,12 +3,10 @@ against what it exposes, and the observer's label cap."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
@@ -16,34 +14,26 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.metrics import OVERFLOW_LABEL, UNAUTHENTICATED_LABEL, TenantLabels, build
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Finished, Rejected
 from fairgate.gateway.state import state_of
 from fairgate.gateway.stats import Stats
-from fairgate.harness.threads import serve_in_thread
-from fairgate.ledger import connect
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import EMULATOR, TENANTS, Stack, write_config
+from tests.gateway.conftest import TENANTS, Stack, serve_stack, write_config
 
 ADMIN_KEY = "fg-test-admin-" + "a" * 24
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "fairgate.json"
 
 
-@contextmanager
 def admin_stack(
     tmp: Path, limits: dict[str, LimitsConfig] | None = None, delegates: tuple[str, ...] = ()
-) -> Iterator[Stack]:
+) -> AbstractContextManager[Stack]:
     """A gateway with an admin key (``ADMIN_KEY``) in front of one emulated replica; ``limits``: tenant ->
     its limits; ``delegates``: the tenants that may act for others."""
-    with serve_in_thread(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp, [emulator], limits=limits, admin_key=ADMIN_KEY, delegates=delegates)
-        config = load_gateway_config(path)
-        with serve_in_thread(create_gateway(config)) as gateway:
-            yield Stack(gateway, keys, config.ledger_url, path)
+    return serve_stack(tmp, limits=limits, admin_key=ADMIN_KEY, delegates=delegates)
 
 
 def scrape(url: str, key: str = ADMIN_KEY) -> str:
@@ -74,15 +64,6 @@ def wait_for(check, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
         if result or time.monotonic() > deadline:
             return result
         time.sleep(0.1)
-
-
-async def ledger_reservations(stack: Stack):  # type: ignore[no-untyped-def]
-    config = load_gateway_config(stack.config_path)
-    ledger = await connect(stack.ledger_url, config.quotas)
-    try:
-        return await ledger.reservations()
-    finally:
-        await ledger.close()
 
 
 def test_metrics_count_a_known_sequence_exactly(tmp_path):
@@ -169,7 +150,7 @@ def test_metrics_count_a_known_sequence_exactly(tmp_path):
         # GPU seconds: what the ledger billed, and the reservations' estimates.
         billed: dict[str, float] = dict.fromkeys(TENANTS, 0.0)
         estimated: dict[str, float] = dict.fromkeys(TENANTS, 0.0)
-        for r in asyncio.run(ledger_reservations(stack)):
+        for r in stack.reservations():
             billed[r.tenant] += r.billed.gpu_ms / 1000.0
             estimated[r.tenant] += r.gpu_ms_estimate / 1000.0
         for tenant in TENANTS:

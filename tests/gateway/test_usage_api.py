@@ -3,29 +3,22 @@ own usage and nothing of anyone else's, through any endpoint, parameter, header 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
-from fairgate.emulator.api import create_app
-from fairgate.gateway.app import create_gateway
 from fairgate.gateway.auth import make_on_behalf_of
-from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.observe import REJECT_REASONS, Rejected
 from fairgate.gateway.usage_api import WINDOW_MAX_S, RejectionLog
-from fairgate.harness.threads import serve_in_thread
-from fairgate.ledger import connect
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import EMULATOR, write_config
+from tests.gateway import conftest
 
 ADMIN_KEY = f"fg-test-admin-{'y' * 24}"
 SECRET_ENV = "FAIRGATE_TEST_USAGE_API_SECRET"
@@ -35,13 +28,7 @@ BETA_LIMITS = LimitsConfig(requests_per_minute=2, requests_burst=2, max_tokens_p
 ADMIN_PATHS = ("/admin/tenants", "/admin/usage", "/admin/reservations", "/admin/frozen", "/admin/reconcile")
 
 
-@dataclass
-class Stack:
-    url: str
-    keys: dict[str, str]
-    ledger_url: str
-    config_path: Path
-
+class Stack(conftest.Stack):
     def headers(self, tenant: str, **extra: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {ADMIN_KEY if tenant == 'admin' else self.keys[tenant]}", **extra}
 
@@ -64,29 +51,10 @@ class Stack:
 @pytest.fixture
 def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    with serve_in_thread(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(
-            tmp_path,
-            [emulator],
-            limits={"beta": BETA_LIMITS},
-            admin_key=ADMIN_KEY,
-            delegates=["gamma"],
-            secret_env=SECRET_ENV,
-        )
-        config = load_gateway_config(path)
-        with serve_in_thread(create_gateway(config)) as gateway:
-            yield Stack(gateway, keys, config.ledger_url, path)
-
-
-def ledger_call(stack: Stack, work):  # type: ignore[no-untyped-def]
-    async def run():  # type: ignore[no-untyped-def]
-        ledger = await connect(stack.ledger_url, load_gateway_config(stack.config_path).quotas)
-        try:
-            return await work(ledger)
-        finally:
-            await ledger.close()
-
-    return asyncio.run(run())
+    with conftest.serve_stack(
+        tmp_path, limits={"beta": BETA_LIMITS}, admin_key=ADMIN_KEY, delegates=["gamma"], secret_env=SECRET_ENV
+    ) as served:
+        yield Stack(**vars(served))
 
 
 def raw_get(url: str, target: str, authorization: str) -> tuple[int, str]:
@@ -118,7 +86,7 @@ def test_own_usage_is_exact_and_excludes_other_tenants(stack: Stack) -> None:
     assert (usage["tenant"], usage["window_s"], usage["delegate"]) == ("alpha", 3600, None)
     assert (usage["requests"], usage["input_tokens"], usage["output_tokens"]) == (3, 9, 21)
     assert usage["open_reservations"] == 0 and usage["overage_gpu_seconds"] >= 0
-    billed = ledger_call(stack, lambda ledger: ledger.reservations("alpha"))
+    billed = stack.ledger_call(lambda ledger: ledger.reservations("alpha"))
     assert usage["gpu_seconds"] > 0
     assert usage["gpu_seconds"] == pytest.approx(sum(r.billed.gpu_ms for r in billed) / 1000.0)
     assert usage["rejections"] == {"total": 0, "by_reason": dict.fromkeys(REJECT_REASONS, 0), "window_s": 3600.0}
@@ -162,7 +130,7 @@ def test_rejections_are_counted_by_reason_for_the_rejected_tenant_only(stack: St
 
 
 def test_open_reservations_are_counted(stack: Stack) -> None:
-    ledger_call(stack, lambda ledger: ledger.reserve("gamma", "held-open-1", 4, 6))
+    stack.ledger_call(lambda ledger: ledger.reserve("gamma", "held-open-1", 4, 6))
     usage = stack.get("/v1/usage", "gamma").json()
     assert (usage["window_s"], usage["requests"], usage["open_reservations"]) == (86_400, 1, 1)
     assert usage["output_tokens"] == 0
@@ -331,7 +299,7 @@ def test_a_delegate_reads_the_usage_of_the_tenant_it_acts_for(stack: Stack) -> N
 
 
 def test_admin_tenants_and_frozen(stack: Stack) -> None:
-    ledger_call(stack, lambda ledger: ledger.freeze("beta", "review: metered difference"))
+    stack.ledger_call(lambda ledger: ledger.freeze("beta", "review: metered difference"))
     tenants = stack.get("/admin/tenants", "admin").json()["data"]
     assert [t["tenant"] for t in tenants] == ["alpha", "beta", "gamma"]
     beta = tenants[1]
@@ -363,7 +331,7 @@ def test_admin_reservations_filter_and_page(stack: Stack) -> None:
     for tokens in (2, 3, 4):
         assert stack.complete("alpha", tokens).status_code == 200
     assert stack.complete("beta", 5).status_code == 200
-    ledger_call(stack, lambda ledger: ledger.reserve("gamma", "held-open-2", 1, 9))
+    stack.ledger_call(lambda ledger: ledger.reserve("gamma", "held-open-2", 1, 9))
     open_now = stack.get("/admin/reservations", "admin").json()
     assert [(r["tenant"], r["request_id"], r["status"]) for r in open_now["data"]] == [("gamma", "held-open-2", "open")]
     assert (open_now["total"], open_now["has_more"], open_now["limit"]) == (1, False, 100)
