@@ -55,22 +55,43 @@ def test_bad_scenario_is_one_line_exit_2(tmp_path, edit, expected):
     "args, expected",
     [
         (["--policy", "fifo"], "--policy 'fifo': unknown policy"),
-        (["--seeds", "5-1"], "runs backwards"),
-        (["--seeds", "x"], "--seeds 'x'"),
-        (["--flood", "agent"], "--flood 'agent'"),
-        (["--flood", "nobody=2"], "no such tenant"),
-        (["--set", "replica.max_batch"], "expected KEY=VALUE"),
-        (["--set", "tenant.nobody.weight=2"], "no tenant named 'nobody'"),
-        (["--engine", "turbo"], "--engine 'turbo'"),
+        (["--policy", "fcfs", "--seeds", "5-1"], "runs backwards"),
+        (["--policy", "fcfs", "--seeds", "x"], "--seeds 'x'"),
+        (["--policy", "fcfs", "--flood", "agent"], "--flood 'agent'"),
+        (["--policy", "fcfs", "--flood", "nobody=2"], "no such tenant"),
+        (["--policy", "fcfs", "--set", "replica.max_batch"], "expected KEY=VALUE"),
+        (["--policy", "fcfs", "--set", "tenant.nobody.weight=2"], "no tenant named 'nobody'"),
+        (["--policy", "fcfs", "--engine", "turbo"], "--engine 'turbo'"),
+        # Hostile input: refused before any work, however large or odd.
+        (["-p", "[/]"], "--policy '[/]': unknown policy"),  # brackets are text, not markup
+        (["--set", "replica.iter_base_ms=inf"], "replica.iter_base_ms: Input should be a finite number"),
+        (["--set", 'replica.max_batch="24"'], "replica.max_batch: Input should be a valid integer"),
+        (["--set", "replica.max_batch=true"], "replica.max_batch: Input should be a valid integer"),
+        (
+            ["--set", "tenant.*.offered_ms_per_s=1e12"],
+            "offered_ms_per_s: Input should be less than or equal to 1000000",
+        ),
+        (["--set", "tenant.*.offered_ms_per_s=0"], "no tenant offers any load"),
+        (["--set", 'tenant.agent.output={dist="fixed", value=0}'], "at least 1 output token"),
+        (["--set", "run.duration_s=2592000"], "run.duration_s: Input should be less than or equal to 86400"),
+        (["--set", "run.seed=-1"], "run.seed"),
+        (["--set", 'tenant.chat.name="agent"'], "tenant[3].name: 'agent' is also tenant[1]'s name"),
+        (["--set", 'tenant.chat.name=" "'], "must contain a character other than spaces"),
+        (["--set", "policy.gpu_fair=1"], "policy.gpu_fair: Input should be a valid dictionary"),
+        (["-p", "drr", "--set", "policy.drr.quantum_ms=1e-6"], "policy.drr.quantum_ms"),
+        (["--flood", "agent=1e300"], "multiplier in (0, 1000]"),
+        (["--seeds", "-1"], "seeds are whole numbers"),
+        (["--seeds", "1-1000000000000"], "seeds are whole numbers"),
+        (["--seeds", "1,1"], "listed twice"),
+        (["--seeds", ""], "--seeds ''"),
+        (["--json", ""], "--json: give a file path"),
+        (["-p", "fcfs,fcfs"], "listed twice"),
+        (["--set", "tenant.*.offered_ms_per_s=900000", "--set", "run.duration_s=80000"], "at most 5,000,000"),
     ],
 )
-def test_bad_options_exit_2(args, expected):
-    done = (
-        fairgate("simulate", str(SEED), "--policy", "fcfs", *args)
-        if args[0] != "--policy"
-        else fairgate("simulate", str(SEED), *args)
-    )
-    assert done.returncode == 2, done.stderr
+def test_bad_or_hostile_options_exit_2_before_any_work(args, expected):
+    done = fairgate("simulate", str(SEED), *args)
+    assert done.returncode == 2, (done.stdout[-500:], done.stderr[-500:])
     assert expected in done.stderr and "Traceback" not in done.stderr
 
 
@@ -153,64 +174,7 @@ def test_sweep_small_grid(tmp_path):
         ('policies = ["fifo"]\n[[axis]]\nkey = "spread"\nvalues = [1]\n', "unknown policy"),
         ('[[axis]]\nkey = "spread"\nvalues = [1]\n', "long_tenants"),
         ('colour = 1\n[[axis]]\nkey = "spread"\nvalues = [1]\n', "colour: unknown key"),
-    ],
-)
-def test_bad_grid_exit_2(tmp_path, text, expected):
-    grid = tmp_path / "grid.toml"
-    grid.write_text(text)
-    done = fairgate("sweep", str(SEED), "--grid", str(grid))
-    assert done.returncode == 2, done.stderr
-    assert expected in done.stderr and str(grid) in done.stderr and "Traceback" not in done.stderr
-
-
-@pytest.mark.parametrize(
-    "args, expected",
-    [
-        (["-p", "[/]"], "--policy '[/]': unknown policy"),  # brackets are text, not markup
-        (["--set", "replica.iter_base_ms=inf"], "replica.iter_base_ms: Input should be a finite number"),
-        (["--set", 'replica.max_batch="24"'], "replica.max_batch: Input should be a valid integer"),
-        (["--set", "replica.max_batch=true"], "replica.max_batch: Input should be a valid integer"),
-        (
-            ["--set", "tenant.*.offered_ms_per_s=1e12"],
-            "offered_ms_per_s: Input should be less than or equal to 1000000",
-        ),
-        (["--set", "tenant.*.offered_ms_per_s=0"], "no tenant offers any load"),
-        (["--set", 'tenant.agent.output={dist="fixed", value=0}'], "at least 1 output token"),
-        (["--set", "run.duration_s=2592000"], "run.duration_s: Input should be less than or equal to 86400"),
-        (["--set", "run.seed=-1"], "run.seed"),
-        (["--set", 'tenant.chat.name="agent"'], "tenant[3].name: 'agent' is also tenant[1]'s name"),
-        (["--set", 'tenant.chat.name=" "'], "must contain a character other than spaces"),
-        (["--set", "policy.gpu_fair=1"], "policy.gpu_fair: Input should be a valid dictionary"),
-        (["-p", "drr", "--set", "policy.drr.quantum_ms=1e-6"], "policy.drr.quantum_ms"),
-        (["--flood", "agent=1e300"], "multiplier in (0, 1000]"),
-        (["--seeds", "-1"], "seeds are whole numbers"),
-        (["--seeds", "1-1000000000000"], "seeds are whole numbers"),
-        (["--seeds", "1,1"], "listed twice"),
-        (["--seeds", ""], "--seeds ''"),
-        (["--json", ""], "--json: give a file path"),
-        (["-p", "fcfs,fcfs"], "listed twice"),
-        (["--set", "tenant.*.offered_ms_per_s=900000", "--set", "run.duration_s=80000"], "at most 5,000,000"),
-    ],
-)
-def test_hostile_input_is_refused_before_any_work(args, expected):
-    done = fairgate("simulate", str(SEED), *args)
-    assert done.returncode == 2, (done.stdout[-500:], done.stderr[-500:])
-    assert expected in done.stderr and "Traceback" not in done.stderr
-
-
-def test_output_paths_checked_before_any_work(tmp_path):
-    a_file = tmp_path / "a_file"
-    a_file.write_text("x")
-    for option in ("--json", "--markdown"):
-        done = fairgate("simulate", str(SEED), option, str(a_file / "x.json"))
-        assert done.returncode == 2 and "is a file, not a directory" in done.stderr
-    done = fairgate("simulate", str(SEED), "--plot", str(a_file / "plots"))
-    assert done.returncode == 2 and "cannot create the directory" in done.stderr
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
+        # Hostile grids: refused before any work, however large or odd.
         ('[[axis]]\nkey = "flood.agent"\nvalues = [1]\n[[axis]]\nkey = "flood.agent"\nvalues = [2]\n', "appears twice"),
         ('policies = []\n[[axis]]\nkey = "flood.agent"\nvalues = [1]\n', "at least one policy"),
         ('[[axis]]\nkey = "flood.agent"\nvalues = [nan]\n', "flood multiplier"),
@@ -229,12 +193,22 @@ def test_output_paths_checked_before_any_work(tmp_path):
         ),
     ],
 )
-def test_hostile_grids(tmp_path, text, expected):
+def test_bad_or_hostile_grid_exit_2(tmp_path, text, expected):
     grid = tmp_path / "grid.toml"
     grid.write_text(text)
     done = fairgate("sweep", str(SEED), "--grid", str(grid))
     assert done.returncode == 2, done.stderr[-500:]
-    assert expected in done.stderr and "Traceback" not in done.stderr
+    assert expected in done.stderr and str(grid) in done.stderr and "Traceback" not in done.stderr
+
+
+def test_output_paths_checked_before_any_work(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for option in ("--json", "--markdown"):
+        done = fairgate("simulate", str(SEED), option, str(a_file / "x.json"))
+        assert done.returncode == 2 and "is a file, not a directory" in done.stderr
+    done = fairgate("simulate", str(SEED), "--plot", str(a_file / "plots"))
+    assert done.returncode == 2 and "cannot create the directory" in done.stderr
 
 
 def test_fifo_scenario_is_refused(tmp_path):

@@ -70,27 +70,20 @@ async def test_a_client_that_gives_up_while_queued_loses_its_place_not_a_slot():
     assert sum(u.in_flight for u in upstreams) == 4
 
 
-async def test_gpu_fair_serves_the_tenant_with_less_gpu_time():
+@pytest.mark.parametrize(
+    "holding, waiting, first",
+    [
+        # a has spent far more GPU time and both are active: b first, although a's requests came earlier
+        pytest.param("aabb", "aabb", ["b", "b"], id="less-gpu-time-first"),
+        # b was idle: lifted to a's counter, and a's request is older
+        pytest.param("aaaa", "ab", ["a", "b"], id="idle-tenant-banks-no-credit"),
+    ],
+)
+async def test_gpu_fair_order_once_a_slot_frees(holding: str, waiting: str, first: list[str]) -> None:
+    """Every slot held by ``holding`` (a with 5 s of GPU time charged), ``waiting`` queued in that order:
+    the first tenants served once a slot frees."""
     dispatcher, _ = build()
-    held = [await dispatcher.acquire(Request(i, t, 10, 0.0), "m") for i, t in enumerate("aabb")]
-    dispatcher.charge("m", "a", 5000.0, 100, 4)  # a has spent far more GPU time; both are active
-    order: list[str] = []
-
-    async def wait(request: Request) -> None:
-        lease = await dispatcher.acquire(request, "m")
-        order.append(request.tenant)
-        dispatcher.release(lease)
-
-    tasks = [asyncio.create_task(wait(Request(10 + i, t, 10, float(i)))) for i, t in enumerate("aabb")]
-    await asyncio.sleep(0)
-    dispatcher.release(held[0])
-    await asyncio.wait_for(asyncio.gather(*tasks), 1)
-    assert order[:2] == ["b", "b"]  # b first, although a's requests came earlier
-
-
-async def test_an_idle_tenant_banks_no_credit():
-    dispatcher, _ = build()
-    held = [await dispatcher.acquire(Request(i, "a", 10, 0.0), "m") for i in range(4)]
+    held = [await dispatcher.acquire(Request(i, t, 10, 0.0), "m") for i, t in enumerate(holding)]
     dispatcher.charge("m", "a", 5000.0, 100, 4)
     order: list[str] = []
 
@@ -99,11 +92,11 @@ async def test_an_idle_tenant_banks_no_credit():
         order.append(request.tenant)
         dispatcher.release(lease)
 
-    tasks = [asyncio.create_task(wait(Request(10 + i, t, 10, float(i)))) for i, t in enumerate("ab")]
+    tasks = [asyncio.create_task(wait(Request(10 + i, t, 10, float(i)))) for i, t in enumerate(waiting)]
     await asyncio.sleep(0)
     dispatcher.release(held[0])
     await asyncio.wait_for(asyncio.gather(*tasks), 1)
-    assert order == ["a", "b"]  # b was idle: lifted to a's counter, and a's request is older
+    assert order[: len(first)] == first
 
 
 async def test_quota_policy_wakes_up_on_time():

@@ -9,6 +9,7 @@ import pytest
 from fairgate.ledger import (
     IdempotencyConflict,
     InvalidUsage,
+    Ledger,
     QuotaExceeded,
     ReservationFinal,
     ReservationNotFound,
@@ -36,6 +37,12 @@ QUOTAS = {
     },
     "tenants": {"a": {}, "b": {}, "big": {"model_class": {"large": {"max_concurrent": 1}}}},
 }
+
+
+async def serve_one(ledger: Ledger, tenant: str, request_id: str, gpu_ms: float = 0.0) -> None:
+    """One request of a token in and a token out, reserved and at once settled with ``gpu_ms``."""
+    r = await ledger.reserve(tenant, request_id, 1, 1, gpu_ms)
+    await ledger.settle(r.id, 1, 1, gpu_ms, final=True)
 
 
 async def test_reserve_settle_releases_the_remainder(open_ledger, clock):
@@ -135,11 +142,9 @@ async def test_gpu_overage_is_booked_not_dropped(open_ledger, clock):
 async def test_gpu_window_resets_but_total_budget_does_not(open_ledger, clock):
     ledger = await open_ledger(QUOTAS, clock)
     for i in range(2):
-        r = await ledger.reserve("a", f"w{i}", 1, 1, 9000.0)
-        await ledger.settle(r.id, 1, 1, 9000.0, final=True)
+        await serve_one(ledger, "a", f"w{i}", 9000.0)
         clock.advance(3600)
-    r = await ledger.reserve("a", "w2", 1, 1, 6000.0)  # 18 s + 6 s <= 25 s total
-    await ledger.settle(r.id, 1, 1, 6000.0, final=True)
+    await serve_one(ledger, "a", "w2", 6000.0)  # 18 s + 6 s <= 25 s total
     clock.advance(3600)
     with pytest.raises(QuotaExceeded) as excinfo:
         await ledger.reserve("a", "w3", 1, 1, 2000.0)
@@ -211,8 +216,7 @@ async def test_bucket_burst_is_capped_after_idle_time(open_ledger, clock):
     ledger = await open_ledger(QUOTAS, clock)
     clock.advance(30 * 86_400)  # a month idle banks no more than the burst of 5 requests
     for i in range(5):
-        r = await ledger.reserve("b", f"b{i}", 1, 1, 0.0)
-        await ledger.settle(r.id, 1, 1, 0.0, final=True)
+        await serve_one(ledger, "b", f"b{i}")
     with pytest.raises(QuotaExceeded) as excinfo:
         await ledger.reserve("b", "b5", 1, 1, 0.0)
     assert excinfo.value.dimension == "requests_per_minute"
@@ -224,8 +228,7 @@ async def test_bucket_burst_is_capped_after_idle_time(open_ledger, clock):
 async def test_clock_running_backwards_grants_nothing(open_ledger, clock):
     ledger = await open_ledger(QUOTAS, clock)
     for i in range(5):
-        r = await ledger.reserve("a", f"t{i}", 1, 1, 0.0)
-        await ledger.settle(r.id, 1, 1, 0.0, final=True)
+        await serve_one(ledger, "a", f"t{i}")
     clock.advance(-120.0)  # another process's clock, two minutes behind
     with pytest.raises(QuotaExceeded, match="requests_per_minute"):
         await ledger.reserve("a", "t5", 1, 1, 0.0)

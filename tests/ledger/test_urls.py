@@ -333,14 +333,6 @@ async def test_redis_connection_refused_is_unavailable(tcp_server):
     )
 
 
-async def test_redis_unknown_host_is_unavailable():
-    await fails(
-        RedisLedger.open(f"redis://no-such-host.invalid:6379/0?prefix={token()}", QUOTAS),
-        LedgerUnavailable,
-        "no-such-host.invalid",
-    )
-
-
 @pytest.mark.parametrize(
     "reply",
     [
@@ -619,12 +611,17 @@ async def test_postgres_http_peer_is_unavailable(tcp_server):
     )
 
 
-async def test_postgres_unknown_host_is_unavailable():
-    await fails(
-        PostgresLedger.open(f"postgresql://postgres@no-such-host.invalid:5432/test?schema={token()}", QUOTAS),
-        LedgerUnavailable,
-        "no-such-host.invalid",
-    )
+# --- Either server: a host name that does not resolve ---------------------------------------------
+@pytest.mark.parametrize(
+    "ledger, url",
+    [
+        (RedisLedger, "redis://no-such-host.invalid:6379/0?prefix={token}"),
+        (PostgresLedger, "postgresql://postgres@no-such-host.invalid:5432/test?schema={token}"),
+    ],
+    ids=["redis", "postgres"],
+)
+async def test_unknown_host_is_unavailable(ledger, url):
+    await fails(ledger.open(url.format(token=token()), QUOTAS), LedgerUnavailable, "no-such-host.invalid")
 
 
 # --- PostgreSQL: create=False --------------------------------------------------------------------

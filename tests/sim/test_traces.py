@@ -354,19 +354,27 @@ def test_bad_azure_row_names_line(tmp_path: Path, row: str, problem: str) -> Non
     assert raises(trace_workload, [path], "azure") == message
 
 
+# Per format: its file writer, a row's fields after the timestamp, and the timestamp column's name.
+TIMESTAMP_ROWS = {"burstgpt": (burst_csv, ",m,1,1,2,x", "Timestamp"), "azure": (azure_csv, ",1,1", "TIMESTAMP")}
+
+
 @pytest.mark.parametrize(
-    ("value", "problem"),
+    ("fmt", "value", "problem"),
     [
-        ("abc", "not a number of seconds"),
-        ("", "not a number"),
-        ("inf", "not a finite number"),
-        ("NaN", "not a finite number"),
+        ("burstgpt", "abc", "not a number of seconds"),
+        ("burstgpt", "", "not a number"),
+        ("burstgpt", "inf", "not a finite number"),
+        ("burstgpt", "NaN", "not a finite number"),
+        ("azure", "2023-11-16 18:17:03+00:99", "bad UTC offset +00:99"),
+        ("azure", "2023-11-16 18:17:03+24:00", "bad UTC offset +24:00"),
+        ("azure", "0000-01-01 00:00:00", "bad timestamp '0000-01-01 00:00:00'"),
     ],
 )
-def test_bad_burstgpt_timestamp(tmp_path: Path, value: str, problem: str) -> None:
-    path = burst_csv(tmp_path, "bad.csv", [f"{value},m,1,1,2,x"])
-    message = raises(read_trace, path, "burstgpt")
-    assert message.startswith(f"{path}: line 2: column 'Timestamp': bad timestamp ")
+def test_bad_timestamp(tmp_path: Path, fmt: str, value: str, problem: str) -> None:
+    write_csv, rest, column = TIMESTAMP_ROWS[fmt]
+    path = write_csv(tmp_path, "bad.csv", [value + rest])
+    message = raises(read_trace, path, fmt)
+    assert message.startswith(f"{path}: line 2: column '{column}': bad timestamp ")
     assert problem in message
 
 
@@ -621,20 +629,6 @@ def test_duration_above_ten_years_of_replay(tmp_path: Path) -> None:
     )
     w, _ = trace_workload([path], "burstgpt", duration_s=315_576_000.0)  # exactly 10 years
     assert w.duration_ns == 315_576_000 * 10**9
-
-
-@pytest.mark.parametrize(
-    ("value", "problem"),
-    [
-        ("2023-11-16 18:17:03+00:99", "bad UTC offset +00:99"),
-        ("2023-11-16 18:17:03+24:00", "bad UTC offset +24:00"),
-        ("0000-01-01 00:00:00", "bad timestamp '0000-01-01 00:00:00'"),
-    ],
-)
-def test_azure_bad_offset_or_year(tmp_path: Path, value: str, problem: str) -> None:
-    path = azure_csv(tmp_path, "o.csv", [f"{value},1,1"])
-    message = raises(read_trace, path, "azure")
-    assert message.startswith(f"{path}: line 2: column 'TIMESTAMP': bad timestamp ") and problem in message
 
 
 def test_azure_extreme_years_read(tmp_path: Path) -> None:
