@@ -32,21 +32,15 @@ from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.config import GatewaySection, load_gateway_config
 from fairgate.harness.config import TenantSpec, gateway_file, quota_file
-from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import connect
 from fairgate.ledger.config import LimitsConfig, TierConfig
 from fairgate.ledger.reconcile import reconcile
+from tests.gateway.conftest import REPLICA as GATEWAY_REPLICA
 
 CONTEXT = 16
-REPLICA = ReplicaModel(
-    iter_base_ms=2.0,
-    iter_slope_ms=0.1,
-    prefill_ms_per_token=0.01,
-    max_batch=4,
-    max_model_len=CONTEXT,
-    output_mean_tokens=6.0,
-)
+# The gateway tests' replica, quicker per iteration, with a CONTEXT-token context and short answers.
+REPLICA = replace(GATEWAY_REPLICA, iter_base_ms=2.0, iter_slope_ms=0.1, max_model_len=CONTEXT, output_mean_tokens=6.0)
 EMULATOR = REPLICA.settings("emu")
 TENANT_KEY = f"fg-fuzz-alpha-{'x' * 24}"
 ADMIN_KEY = f"fg-fuzz-admin-{'y' * 24}"
