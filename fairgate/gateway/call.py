@@ -31,7 +31,7 @@ from fairgate.gateway.headers import rate_limit_headers
 from fairgate.gateway.observe import Finished
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.state import GatewayState
-from fairgate.gateway.upstream import CallState, UpstreamError
+from fairgate.gateway.upstream import CallState, UpstreamError, billable_usage
 from fairgate.ledger import LedgerError, Usage
 from fairgate.ledger.base import tenant_tag
 
@@ -202,7 +202,7 @@ class Call:
         """Book what the call used so far: the upstream's usage when it reported one, else what was relayed,
         and the metered GPU time (cumulative); ``final`` releases the rest of the reservation."""
         call, reservation = self.progress, self.admitted.reservation
-        usage = call.usage or {}
+        usage = billable_usage(call.usage) or {}
         input_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
         output_tokens = min(int(usage.get("completion_tokens", call.output_tokens)), reservation.max_output_tokens)
         gpu_ms = min(call.gpu_ms, GPU_MS_BILLED_MAX)

@@ -17,10 +17,12 @@ from typing import Any
 import httpx
 
 from fairgate.core.meter import LiveMeter, MeterCharge, Occupancy
+from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway.dispatch import Upstream
 
 # Charges to the policy, per request: (tenant, gpu_ms, output_tokens, batch size).
 ChargeSink = Callable[[str, float, int, int], None]
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
 
 
 class UpstreamError(Exception):
@@ -41,7 +43,7 @@ class CallState:
     tenant: str
     prompt_tokens: int  # the gateway's estimate until the upstream reports usage
     output_tokens: int = 0
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None  # as the upstream reported it (``billable_usage``: what is billed)
     finish_reason: str | None = None
     text: list[str] = field(default_factory=list)
     first_token_s: float | None = None
@@ -53,6 +55,21 @@ class CallState:
     started_s: float = field(default_factory=time.monotonic)  # dispatch time (the clock of first_token_s)
     last_token_s: float | None = None
     failed: bool = False  # the upstream failed (as opposed to completed or cancelled by the client)
+
+
+def billable_usage(usage: object) -> dict[str, int] | None:
+    """The counts of an upstream's ``usage`` the gateway bills: ``prompt_tokens`` and ``completion_tokens``
+    that are whole numbers in [0, ``MAX_TOKENS_PER_REQUEST``]; None when neither is. A count left out is
+    billed from the gateway's own (the prompt estimate, the tokens relayed), so a replica reporting a negative,
+    null or text count cannot leave a reservation unsettled (the ledger refuses such amounts)."""
+    if not isinstance(usage, dict):
+        return None
+    counts = {
+        name: value
+        for name in USAGE_FIELDS
+        if type(value := usage.get(name)) is int and 0 <= value <= MAX_TOKENS_PER_REQUEST
+    }
+    return counts or None
 
 
 class UpstreamClient:

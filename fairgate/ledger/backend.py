@@ -19,23 +19,10 @@ from fairgate.ledger.model import Reservation, Usage
 class Backend(Ledger):
     """``Ledger`` with the request path's checks and the sweep's loop written once."""
 
-    async def reserve(
-        self,
-        tenant: str,
-        request_id: str,
-        input_tokens: int,
-        max_output_tokens: int,
-        gpu_ms_estimate: float = 0.0,
-        model_class: str = "default",
-        run_id: str | None = None,
-        tool_round: bool = False,
-    ) -> Reservation:
-        check_reserve_args(tenant, request_id, model_class, run_id, tool_round)
-        limits = self.limits(tenant, model_class)
-        args = rules.ReserveArgs(
-            tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, bool(tool_round)
-        )
-        rules.check_amounts(input_tokens, max_output_tokens, gpu_ms_estimate, "reserve")
+    async def reserve_args(self, args: rules.ReserveArgs) -> Reservation:
+        check_reserve_args(args.tenant, args.request_id, args.model_class, args.run_id, args.tool_round)
+        limits = self.limits(args.tenant, args.model_class)
+        rules.check_amounts(args.input_tokens, args.max_output_tokens, args.gpu_ms_estimate, "reserve")
         return await self._reserve(args, limits)
 
     async def settle(

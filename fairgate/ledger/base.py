@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from fairgate.ledger.config import Limits, Quotas
 from fairgate.ledger.model import Event, Reservation, TenantUsage, UnknownTenant, Usage
-from fairgate.ledger.rules import Account
+from fairgate.ledger.rules import Account, ReserveArgs
 
 # An execution registry: is the request behind this reservation still running?
 IsRunning = Callable[[Reservation], Awaitable[bool]]
@@ -47,7 +47,6 @@ class RequestPath(ABC):
     ``settle(..., input_tokens=100, output_tokens=40, ...)`` means 100 and 40 *so far*, so a repeated call
     changes nothing. Tokens are counts, GPU times ms."""
 
-    @abstractmethod
     async def reserve(
         self,
         tenant: str,
@@ -67,6 +66,15 @@ class RequestPath(ABC):
         Raises:
             QuotaExceeded, IdempotencyConflict, InvalidUsage, UnknownTenant, LedgerUnavailable.
         """
+        args = ReserveArgs(
+            tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, tool_round
+        )
+        return await self.reserve_args(args)
+
+    @abstractmethod
+    async def reserve_args(self, args: ReserveArgs) -> Reservation:
+        """``reserve`` with its arguments in one record (unchecked: the implementation checks them).
+        Raises as ``reserve``."""
 
     @abstractmethod
     async def settle(

@@ -90,17 +90,7 @@ class ResilientLedger(RequestPath):
         return [json.loads(line) for line in self.journal.read_text().splitlines() if line.strip()]
 
     # --- API ----------------------------------------------------------------------------------------
-    async def reserve(
-        self,
-        tenant: str,
-        request_id: str,
-        input_tokens: int,
-        max_output_tokens: int,
-        gpu_ms_estimate: float = 0.0,
-        model_class: str = "default",
-        run_id: str | None = None,
-        tool_round: bool = False,
-    ) -> Reservation:
+    async def reserve_args(self, args: ReserveArgs) -> Reservation:
         """``RequestPath.reserve``; when the ledger is down, the tenant's tier decides (module docstring).
 
         Raises:
@@ -108,22 +98,9 @@ class ResilientLedger(RequestPath):
                 error ``Ledger.reserve`` raises.
         """
         try:
-            return await self.ledger.reserve(
-                tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, tool_round
-            )
+            return await self.ledger.reserve_args(args)
         except LedgerUnavailable:
-            granted = self._grant(
-                ReserveArgs(
-                    tenant,
-                    request_id,
-                    input_tokens,
-                    max_output_tokens,
-                    gpu_ms_estimate,
-                    model_class,
-                    run_id,
-                    tool_round,
-                )
-            )
+            granted = self._grant(args)
             if granted is None:
                 raise
             return granted

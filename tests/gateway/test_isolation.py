@@ -202,7 +202,7 @@ class DownLedger:
     def __init__(self, quotas: Any) -> None:
         self.quotas = quotas
 
-    async def reserve(self, *args: Any, **kwargs: Any) -> Any:
+    async def reserve_args(self, *args: Any, **kwargs: Any) -> Any:
         raise LedgerUnavailable("down")
 
 

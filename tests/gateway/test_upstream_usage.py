@@ -1,0 +1,90 @@
+"""A replica that reports a usage count the ledger cannot take (negative, null, text, a flag, absurdly large)
+is billed from the gateway's own counts: the reservation is settled once, the client is answered, and the
+same request id is not run again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from fairgate.gateway.app import create_gateway
+from fairgate.gateway.config import load_gateway_config
+from fairgate.gateway.upstream import billable_usage
+from fairgate.harness.threads import serve_in_thread
+from fairgate.ledger import connect
+from tests.gateway.conftest import write_config
+
+WORDS = ["one", " two", " three"]
+
+
+def replica_reporting(usage: dict[str, Any]) -> Starlette:
+    """An OpenAI-compatible replica that streams ``WORDS`` and then reports ``usage`` as it is."""
+
+    async def chat(request: Request) -> StreamingResponse:
+        await request.body()
+
+        async def events() -> AsyncIterator[str]:
+            for word in WORDS:
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': word}}]})}\n\n"
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@pytest.mark.parametrize(
+    ("usage", "billed_output"),
+    [
+        ({"prompt_tokens": -5, "completion_tokens": 999_999}, 3),  # the output count is capped at max_tokens
+        ({"prompt_tokens": None, "completion_tokens": 2}, 2),
+        ({"prompt_tokens": "abc", "completion_tokens": "abc"}, 3),
+        ({"prompt_tokens": True, "completion_tokens": 1.5}, 3),
+        ({"prompt_tokens": 10**12, "completion_tokens": -1}, 3),
+    ],
+)
+def test_a_usage_count_the_ledger_refuses_is_billed_from_the_gateways_own(
+    tmp_path: Path, usage: dict[str, Any], billed_output: int
+) -> None:
+    with serve_in_thread(replica_reporting(usage)) as replica:
+        path, keys = write_config(tmp_path, [replica])
+        config = load_gateway_config(path)
+        with serve_in_thread(create_gateway(config)) as gateway:
+            body = {"model": "emu", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+            headers = {"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "bad-usage-1"}
+            first = httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=30)
+            again = httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == "one two three"
+    assert again.status_code == 409  # the id was served: not run a second time
+
+    async def stored() -> list[Any]:
+        async with await connect(config.ledger_url, config.quotas) as ledger:
+            return await ledger.reservations()
+
+    [reservation] = asyncio.run(stored())
+    assert reservation.request_id == "bad-usage-1" and reservation.status == "settled"
+    estimate = reservation.input_tokens  # the gateway's own prompt count, reserved at admission
+    assert estimate > 0 and reservation.billed.input_tokens == estimate
+    assert reservation.billed.output_tokens == billed_output
+
+
+def test_billable_usage_keeps_whole_counts_in_range() -> None:
+    assert billable_usage({"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7}) == {
+        "prompt_tokens": 7,
+        "completion_tokens": 0,
+    }
+    assert billable_usage({"prompt_tokens": -1, "completion_tokens": 4}) == {"completion_tokens": 4}
+    assert billable_usage({"prompt_tokens": 10_000_001}) is None
+    assert billable_usage(["prompt_tokens", 3]) is None and billable_usage(None) is None
