@@ -63,6 +63,11 @@ class DrillOptions:
     processes: bool = False
     seed: int = 1
 
+    @property
+    def comparison(self) -> str | None:
+        """The policy to compare with: ``compare``, unless it is None, empty or ``policy`` itself."""
+        return self.compare if self.compare and self.compare != self.policy else None
+
 
 class UnknownDrill(ValueError):
     """No drill by that name; the message lists the known ones."""
@@ -93,10 +98,10 @@ COMPARISONS: dict[str, str] = {
 
 def describe_runs(name: str, policy: str, compare: str | None) -> str:
     """What ``run_drill(name, ...)`` will run, for people: ``"gpu_fair and fcfs for comparison"``."""
-    comparison = COMPARISONS.get(name)
-    if not compare or compare == policy or comparison is None:
+    comparison, compared = COMPARISONS.get(name), DrillOptions(policy=policy, compare=compare).comparison
+    if compared is None or comparison is None:
         return policy
-    return f"{policy} and {comparison.format(policy=compare)}"
+    return f"{policy} and {comparison.format(policy=compared)}"
 
 
 def run_drill(name: str, options: DrillOptions | None = None) -> DrillResult:

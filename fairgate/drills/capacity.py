@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_errors, holds_from, policy_title, table
+from fairgate.drills.report import ComparedResult, fmt_errors, holds_from, main_and_compare, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.ledger import LedgerReport, ledger_totals, wait_settled
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
@@ -390,10 +390,7 @@ def capacity_checks(c: CapacityConfig, figs: CapacityFigures) -> dict[str, bool]
 
 
 @dataclass(frozen=True)
-class CapacityResult(DrillResult):
-    config: CapacityConfig
-    main: CapacityFigures
-    compare: CapacityFigures | None
+class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
     name: str = "capacity"
 
     def checks(self) -> dict[str, bool]:
@@ -419,7 +416,7 @@ class CapacityResult(DrillResult):
         ]
 
     def body(self) -> list[Any]:
-        out: list[Any] = [self._table(f) for f in (self.main, self.compare) if f is not None]
+        out = self.policy_tables()
         if self.compare is not None:
             failed = [check for check, ok in capacity_checks(self.config, self.compare).items() if not ok]
             out.append(
@@ -427,7 +424,7 @@ class CapacityResult(DrillResult):
             )
         return out
 
-    def _table(self, figs: CapacityFigures) -> Any:
+    def policy_table(self, figs: CapacityFigures) -> Any:
         c = self.config
         columns = ("tenant", "GPU % before", "GPU % after", "replica GPU % before/after", "sent/ok/cut", "errors")
         rows = [
@@ -455,7 +452,7 @@ class CapacityResult(DrillResult):
             f"{figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s."
         )
         columns += ("ledger settled/cancelled/open",)
-        return table(policy_title(figs.policy, figs is self.compare), columns, rows, caption, wrap=())
+        return table(self.title(figs), columns, rows, caption, wrap=())
 
     def verdict(self) -> str:
         c, batch = self.config, self.main.tenants[self.config.batch]
@@ -472,8 +469,5 @@ def run(options: DrillOptions, config: CapacityConfig | None = None) -> Capacity
     config = config or CapacityConfig()
     if options.seconds is not None:
         config = replace(config, seconds=options.seconds)
-    main = run_capacity(config, options.policy, options.processes, options.seed)
-    compare = None
-    if options.compare and options.compare != options.policy:
-        compare = run_capacity(config, options.compare, options.processes, options.seed)
-    return CapacityResult(config, main, compare)
+    runs = main_and_compare(options, lambda policy: run_capacity(config, policy, options.processes, options.seed))
+    return CapacityResult(config, *runs)
