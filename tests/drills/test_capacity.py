@@ -38,7 +38,8 @@ def test_one_replica_removed_batch_yields_interactive_keep_weights_nothing_lost(
     # The fault was real: streams on the killed replica were cut, and their clients were told.
     assert figs.errors > 0, summary
     for t in figs.tenants.values():
-        assert all(code.startswith(("502", "stream:upstream_error", "connection")) for code in t.errors), summary
+        errors = t.requests.errors
+        assert all(code.startswith(("502", "stream:upstream_error", "connection")) for code in errors), summary
         assert not lost_requests(t), summary
     # Batch had a real share before, and yielded it after.
     assert batch.share_before > 0.10, summary
