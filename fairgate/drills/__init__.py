@@ -12,8 +12,10 @@ How a new drill is written (``ultra_long.py`` is the small example to copy):
 2. ``run(options: DrillOptions, config=None)`` runs it: ``run_on_stack`` (``fairgate.harness.run``) for a
    load with ledger readings, or ``start_stack`` + ``LoadGenerator`` when the drill injects a fault on its
    own timeline; it sums up what clients, ledger and replicas saw in frozen figures dataclasses.
-3. Its result derives ``DrillResult`` (``fairgate.drills.report``) and says only what is its own: ``checks()``
-   (each part of the claim), ``intro()``, ``body()`` (tables, with ``table``) and ``verdict()``.
+3. Its result derives ``DrillResult`` (``fairgate.drills.report``; ``ConfiguredResult`` holds the config and
+   the figures, ``ComparedResult`` a comparison run beside them, run by ``main_and_compare``) and says only
+   what is its own: ``checks()`` (each part of the claim), ``intro()``, ``body()`` (tables, with ``table``)
+   and ``verdict()``.
 4. It joins ``DRILLS`` below (and ``COMPARISONS`` if it runs a comparison policy), gets a serial test in
    ``tests/drills/test_NAME.py`` asserting the claim within a wall-time bound, and a row in docs/drills.md.
 
