@@ -12,8 +12,10 @@ How a new drill is written (``ultra_long.py`` is the small example to copy):
 2. ``run(options: DrillOptions, config=None)`` runs it: ``run_on_stack`` (``fairgate.harness.run``) for a
    load with ledger readings, or ``start_stack`` + ``LoadGenerator`` when the drill injects a fault on its
    own timeline; it sums up what clients, ledger and replicas saw in frozen figures dataclasses.
-3. Its result derives ``DrillResult`` (``fairgate.drills.report``) and says only what is its own: ``checks()``
-   (each part of the claim), ``intro()``, ``body()`` (tables, with ``table``) and ``verdict()``.
+3. Its result derives ``DrillResult`` (``fairgate.drills.report``; ``ConfiguredResult`` holds the config and
+   the figures, ``ComparedResult`` a comparison run beside them, run by ``main_and_compare``) and says only
+   what is its own: ``checks()`` (each part of the claim), ``intro()``, ``body()`` (tables, with ``table``)
+   and ``verdict()``.
 4. It joins ``DRILLS`` below (and ``COMPARISONS`` if it runs a comparison policy), gets a serial test in
    ``tests/drills/test_NAME.py`` asserting the claim within a wall-time bound, and a row in docs/drills.md.
 
@@ -63,6 +65,11 @@ class DrillOptions:
     processes: bool = False
     seed: int = 1
 
+    @property
+    def comparison(self) -> str | None:
+        """The policy to compare with: ``compare``, unless it is None, empty or ``policy`` itself."""
+        return self.compare if self.compare and self.compare != self.policy else None
+
 
 class UnknownDrill(ValueError):
     """No drill by that name; the message lists the known ones."""
@@ -93,10 +100,10 @@ COMPARISONS: dict[str, str] = {
 
 def describe_runs(name: str, policy: str, compare: str | None) -> str:
     """What ``run_drill(name, ...)`` will run, for people: ``"gpu_fair and fcfs for comparison"``."""
-    comparison = COMPARISONS.get(name)
-    if not compare or compare == policy or comparison is None:
+    comparison, compared = COMPARISONS.get(name), DrillOptions(policy=policy, compare=compare).comparison
+    if compared is None or comparison is None:
         return policy
-    return f"{policy} and {comparison.format(policy=compare)}"
+    return f"{policy} and {comparison.format(policy=compared)}"
 
 
 def run_drill(name: str, options: DrillOptions | None = None) -> DrillResult:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_errors, fmt_ms, policy_title, table
+from fairgate.drills.report import ComparedResult, fmt_errors, fmt_ms, main_and_compare, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.ledger import LedgerReport
 from fairgate.harness.loadgen import TenantLoad
@@ -204,12 +204,9 @@ def figures(config: BurstConfig, run: Run) -> PolicyFigures:
 
 
 @dataclass(frozen=True)
-class BurstResult(DrillResult):
+class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
     """The drill's verdict and figures: ``main`` under the policy tested, ``compare`` under the comparison."""
 
-    config: BurstConfig
-    main: PolicyFigures
-    compare: PolicyFigures | None
     problems: tuple[str, ...]  # why the run does not show what it should (besides the ratio)
     name: str = "burst"
 
@@ -235,10 +232,9 @@ class BurstResult(DrillResult):
         ]
 
     def body(self) -> list[Any]:
-        out: list[Any] = [self._table(f) for f in (self.main, self.compare) if f is not None]
-        return out + [f"[red]problem[/red]: {problem}" for problem in self.problems]
+        return self.policy_tables() + [f"[red]problem[/red]: {problem}" for problem in self.problems]
 
-    def _table(self, figs: PolicyFigures) -> Any:
+    def policy_table(self, figs: PolicyFigures) -> Any:
         c = self.config
         columns = ("tenant", "TTFT ms before p50/p99", "TTFT ms burst p50/p99", "p99 x", "sent/done/cut", "429")
         columns += ("errors", "GPU % before/burst", "ledger GPU s")
@@ -262,7 +258,7 @@ class BurstResult(DrillResult):
             f"{fmt_ms(figs.burst_p99_ms)} ms during the burst ({figs.burst_samples}): x{_fmt(figs.ratio)} - "
             f"{'within' if holds else 'OVER'} {c.ttft_ratio_max:g}x"
         )
-        return table(policy_title(figs.policy, figs is self.compare), columns, rows, caption)
+        return table(self.title(figs), columns, rows, caption)
 
     def verdict(self) -> str:
         compared = self.compare
@@ -305,6 +301,5 @@ def run(options: DrillOptions, config: BurstConfig | None = None) -> BurstResult
         spec = config.spec(policy, options.processes)
         return figures(config, run_on_stack(spec, config.loads(), 2 * config.seconds, options.seed, (config.seconds,)))
 
-    main = one(options.policy)
-    compare = one(options.compare) if options.compare and options.compare != options.policy else None
+    main, compare = main_and_compare(options, one)
     return BurstResult(config, main, compare, tuple(_problems(config, main)))

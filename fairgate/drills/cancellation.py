@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_counts, fmt_ms, fmt_s, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_ms, fmt_s, table
 from fairgate.gateway.state import state_of
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.gauges import gateway_gauges
@@ -315,9 +315,7 @@ class CancellationFigures:
 
 
 @dataclass(frozen=True)
-class CancellationResult(DrillResult):
-    config: CancellationConfig
-    main: CancellationFigures
+class CancellationResult(ConfiguredResult[CancellationConfig, CancellationFigures]):
     name: str = "cancellation"
 
     def checks(self) -> dict[str, bool]:

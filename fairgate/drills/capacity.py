@@ -39,9 +39,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_errors, holds_from, policy_title, table
+from fairgate.drills.report import ComparedResult, fmt_errors, holds_from, main_and_compare, table
 from fairgate.harness.config import TenantSpec
-from fairgate.harness.ledger import LedgerReport, ledger_totals, wait_settled
+from fairgate.harness.ledger import LedgerReport, RequestOutcomes, ledger_totals, wait_settled
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
 from fairgate.harness.records import History
 from fairgate.harness.replica import ReplicaModel, read_replica
@@ -152,14 +152,7 @@ class TenantFigures:
     share_after: float  # ... from after_from_s to the end of the load
     truth_before: float  # the same windows by the replicas' own charge rule
     truth_after: float
-    sent: int
-    ok: int
-    cut: int
-    errors: dict[str, int]
-    reservations: int
-    settled: int
-    cancelled: int
-    open_at_end: int
+    requests: RequestOutcomes  # what its clients saw, its reservations in the ledger after the drain
     concurrent_at_end: int  # the ledger account's concurrency after the drain
 
 
@@ -187,30 +180,30 @@ class CapacityFigures:
 
     @property
     def sent(self) -> int:
-        return sum(t.sent for t in self.tenants.values())
+        return sum(t.requests.sent for t in self.tenants.values())
 
     @property
     def errors(self) -> int:
-        return sum(sum(t.errors.values()) for t in self.tenants.values())
+        return sum(sum(t.requests.errors.values()) for t in self.tenants.values())
 
 
 def lost_requests(t: TenantFigures) -> list[str]:
     """Why some of ``t``'s requests are not accounted for (empty: each ended in a success or an explicit error
     to its client, and the ledger agrees). A transport error (``connection``: the client never got an HTTP
     answer) is explicit to the client but leaves no reservation."""
-    out = []
-    transport = t.errors.get("connection", 0)
-    if t.cut:
-        out.append(f"{t.cut} requests still unanswered after the drain")
-    if t.open_at_end or t.concurrent_at_end:
-        out.append(f"{t.open_at_end} reservations open, account concurrency {t.concurrent_at_end} at the end")
-    if t.reservations != t.sent - transport:
-        out.append(f"{t.sent} sent ({transport} transport errors) but {t.reservations} reservations")
-    if t.settled != t.ok:
-        out.append(f"{t.ok} successes but {t.settled} settled reservations")
-    if t.cancelled != sum(t.errors.values()) - transport:
+    out, r = [], t.requests
+    transport = r.errors.get("connection", 0)
+    if r.cut:
+        out.append(f"{r.cut} requests still unanswered after the drain")
+    if r.open or t.concurrent_at_end:
+        out.append(f"{r.open} reservations open, account concurrency {t.concurrent_at_end} at the end")
+    if r.reservations != r.sent - transport:
+        out.append(f"{r.sent} sent ({transport} transport errors) but {r.reservations} reservations")
+    if r.settled != r.ok:
+        out.append(f"{r.ok} successes but {r.settled} settled reservations")
+    if r.cancelled != sum(r.errors.values()) - transport:
         out.append(
-            f"{sum(t.errors.values()) - transport} errors after admission but {t.cancelled} cancelled reservations"
+            f"{sum(r.errors.values()) - transport} errors after admission but {r.cancelled} cancelled reservations"
         )
     return out
 
@@ -298,7 +291,6 @@ def capacity_figures(
     share_before, share_after = before.shares(), after.shares()
     tenants = {}
     for tenant in config.tenants:
-        stats = run.history.stats(tenant)
         mine = [r for r in run.reservations if r.tenant == tenant]
         tenants[tenant] = TenantFigures(
             tenant,
@@ -306,14 +298,7 @@ def capacity_figures(
             share_after.get(tenant, 0.0),
             truth_before.get(tenant, 0.0),
             truth_after.get(tenant, 0.0),
-            stats.requests,
-            stats.completed,
-            stats.cut,
-            stats.errors,
-            len(mine),
-            sum(r.status == "settled" for r in mine),
-            sum(r.status == "cancelled" for r in mine),
-            sum(r.status == "open" for r in mine),
+            RequestOutcomes.of(run.history.stats(tenant), mine),
             run.concurrent[tenant],
         )
     return CapacityFigures(
@@ -390,10 +375,7 @@ def capacity_checks(c: CapacityConfig, figs: CapacityFigures) -> dict[str, bool]
 
 
 @dataclass(frozen=True)
-class CapacityResult(DrillResult):
-    config: CapacityConfig
-    main: CapacityFigures
-    compare: CapacityFigures | None
+class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
     name: str = "capacity"
 
     def checks(self) -> dict[str, bool]:
@@ -419,7 +401,7 @@ class CapacityResult(DrillResult):
         ]
 
     def body(self) -> list[Any]:
-        out: list[Any] = [self._table(f) for f in (self.main, self.compare) if f is not None]
+        out = self.policy_tables()
         if self.compare is not None:
             failed = [check for check, ok in capacity_checks(self.config, self.compare).items() if not ok]
             out.append(
@@ -427,7 +409,7 @@ class CapacityResult(DrillResult):
             )
         return out
 
-    def _table(self, figs: CapacityFigures) -> Any:
+    def policy_table(self, figs: CapacityFigures) -> Any:
         c = self.config
         columns = ("tenant", "GPU % before", "GPU % after", "replica GPU % before/after", "sent/ok/cut", "errors")
         rows = [
@@ -436,9 +418,9 @@ class CapacityResult(DrillResult):
                 f"{t.share_before * 100:.1f}",
                 f"{t.share_after * 100:.1f}",
                 f"{t.truth_before * 100:.1f} / {t.truth_after * 100:.1f}",
-                f"{t.sent}/{t.ok}/{t.cut}",
-                fmt_errors(t.errors),
-                f"{t.settled}/{t.cancelled}/{t.open_at_end}",
+                f"{t.requests.sent}/{t.requests.ok}/{t.requests.cut}",
+                fmt_errors(t.requests.errors),
+                f"{t.requests.settled}/{t.requests.cancelled}/{t.requests.open}",
             )
             for t in figs.tenants.values()
         ]
@@ -449,13 +431,13 @@ class CapacityResult(DrillResult):
             f"GPU s before it ({c.warmup_s:g}-{c.remove_at_s:g} s), {figs.ledger_gpu_s['after']:,.1f} after "
             f"({c.after_from_s:g}-{c.seconds:g} s). Interactive ratio {figs.ratio_before(c):.2f} before (uncontended), "
             f"{figs.ratio_after(c):.2f} after (weights {c.weight_ratio():g}). Load held: {figs.sent} requests; faults "
-            f"injected: 1 replica removed; lost: {sum(t.cut for t in tenants)} hung, "
-            f"{sum(t.open_at_end for t in tenants)} open reservations ({figs.errors} requests ended in an explicit "
+            f"injected: 1 replica removed; lost: {sum(t.requests.cut for t in tenants)} hung, "
+            f"{sum(t.requests.open for t in tenants)} open reservations ({figs.errors} requests ended in an explicit "
             f"error); converged (batch yielded) {converge} after the removal; reservations all final "
             f"{figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s."
         )
         columns += ("ledger settled/cancelled/open",)
-        return table(policy_title(figs.policy, figs is self.compare), columns, rows, caption, wrap=())
+        return table(self.title(figs), columns, rows, caption, wrap=())
 
     def verdict(self) -> str:
         c, batch = self.config, self.main.tenants[self.config.batch]
@@ -472,8 +454,5 @@ def run(options: DrillOptions, config: CapacityConfig | None = None) -> Capacity
     config = config or CapacityConfig()
     if options.seconds is not None:
         config = replace(config, seconds=options.seconds)
-    main = run_capacity(config, options.policy, options.processes, options.seed)
-    compare = None
-    if options.compare and options.compare != options.policy:
-        compare = run_capacity(config, options.compare, options.processes, options.seed)
-    return CapacityResult(config, main, compare)
+    runs = main_and_compare(options, lambda policy: run_capacity(config, policy, options.processes, options.seed))
+    return CapacityResult(config, *runs)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_counts, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, problems_by, table
 from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.gateway.identity import ON_BEHALF_OF_HEADER as OBO
 from fairgate.harness.config import ADMIN_KEY, TenantSpec
@@ -395,14 +395,11 @@ class ForgedFigures:
 
 
 @dataclass(frozen=True)
-class ForgedResult(DrillResult):
-    config: ForgedConfig
-    main: ForgedFigures
+class ForgedResult(ConfiguredResult[ForgedConfig, ForgedFigures]):
     name: str = "forged"
 
     def problems(self) -> dict[str, list[str]]:
-        found = {f"{f.attack.group}: {f.attack.name}": f.problems() for f in self.main.attacks}
-        return {name: problems for name, problems in found.items() if problems}
+        return problems_by((f"{f.attack.group}: {f.attack.name}", f.problems()) for f in self.main.attacks)
 
     def expected_usage(self) -> dict[str, tuple[int, int]]:
         """Tenant -> (requests, output tokens) it legitimately sent: the served attacks expected to bill it."""

@@ -4,14 +4,20 @@ A result derives ``DrillResult`` and says only what is its own: ``checks()`` (ea
 whether it holds), ``intro()`` (the setting and the claim), ``body()`` (its tables and notes) and
 ``verdict()`` (the closing sentence). The base lays them out (``render()``: intro, body, one ``ok`` / ``FAIL``
 line per check, then ``PASS`` / ``FAIL`` and the verdict), gives ``passed`` and the plain-text ``summary()``.
-``table`` builds the rich tables every drill shows; ``fmt_*`` format their cells.
+Most results hold a setting and one run's figures (``ConfiguredResult``), some a run under a comparison
+policy beside it (``ComparedResult``, run by ``main_and_compare``). ``table`` builds the rich tables every
+drill shows; ``fmt_*`` format their cells.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from fairgate.drills import DrillOptions
 
 
 class DrillResult(ABC):
@@ -52,6 +58,60 @@ class DrillResult(ABC):
     def summary(self) -> str:
         """``render()`` as plain text."""
         return plain_text(self.render())
+
+
+class PolicyRun(Protocol):
+    """Figures of one run under one gateway policy."""
+
+    @property
+    def policy(self) -> str: ...
+
+
+ConfigT = TypeVar("ConfigT")
+FiguresT = TypeVar("FiguresT")
+RunT = TypeVar("RunT", bound=PolicyRun)
+
+
+@dataclass(frozen=True)
+class ConfiguredResult(DrillResult, Generic[ConfigT, FiguresT]):
+    """A drill's setting (``config``) and the figures of its run under the policy tested (``main``)."""
+
+    config: ConfigT
+    main: FiguresT
+
+
+@dataclass(frozen=True)
+class ComparedResult(ConfiguredResult[ConfigT, RunT]):
+    """A ``ConfiguredResult`` and the same load under the comparison policy (``compare``; None: not run).
+
+    A subclass shows each run with ``policy_table``; ``policy_tables()`` gives main's, then compare's."""
+
+    compare: RunT | None
+
+    def runs(self) -> list[RunT]:
+        """``main``, then ``compare`` if it ran."""
+        return [self.main] if self.compare is None else [self.main, self.compare]
+
+    @abstractmethod
+    def policy_table(self, figs: RunT) -> Any:
+        """One run's table; ``title(figs)`` names it."""
+
+    def policy_tables(self) -> list[Any]:
+        return [self.policy_table(figs) for figs in self.runs()]
+
+    def title(self, figs: RunT) -> str:
+        return policy_title(figs.policy, figs is self.compare)
+
+
+def main_and_compare(options: DrillOptions, one: Callable[[str], RunT]) -> tuple[RunT, RunT | None]:
+    """``one(policy)`` under ``options.policy``, and under ``options.comparison`` if there is one (else None)."""
+    main = one(options.policy)
+    return main, (None if options.comparison is None else one(options.comparison))
+
+
+def problems_by(found: Iterable[tuple[str, list[str]]]) -> dict[str, list[str]]:
+    """(what, its problems) pairs -> what -> problems, leaving out those without any."""
+    return {what: problems for what, problems in found if problems}
 
 
 def table(
@@ -123,13 +183,18 @@ def plain_text(renderables: Sequence[Any], width: int = 140) -> str:
 
 
 __all__ = [
+    "ComparedResult",
+    "ConfiguredResult",
     "DrillResult",
+    "PolicyRun",
     "fmt_counts",
     "fmt_errors",
     "fmt_ms",
     "fmt_s",
     "holds_from",
+    "main_and_compare",
     "plain_text",
     "policy_title",
+    "problems_by",
     "table",
 ]

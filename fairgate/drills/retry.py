@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_counts, fmt_s, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, problems_by, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.loadgen import Cut, LoadGenerator, Request
 from fairgate.harness.records import RequestRecord
@@ -305,15 +305,12 @@ def attempts(record: RequestRecord, role: str) -> list[Attempt]:
 
 
 @dataclass(frozen=True)
-class RetryResult(DrillResult):
-    config: RetryConfig
-    main: RetryFigures
+class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
     name: str = "retry"
 
     def problems(self) -> dict[str, list[str]]:
         """Request id -> why it breaks the claim."""
-        found = {f.plan.request_id: f.problems(self.config.prompt_tokens) for f in self.main.ids}
-        return {rid: problems for rid, problems in found.items() if problems}
+        return problems_by((f.plan.request_id, f.problems(self.config.prompt_tokens)) for f in self.main.ids)
 
     def checks(self) -> dict[str, bool]:
         c, f = self.config, self.main

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fairgate.drills import DrillOptions
 from fairgate.drills.report import DrillResult, fmt_errors, holds_from, table
 from fairgate.harness.config import TenantSpec
-from fairgate.harness.ledger import LedgerReport, backend_of, ledger_totals, wait_settled
+from fairgate.harness.ledger import LedgerReport, RequestOutcomes, backend_of, ledger_totals, wait_settled
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
 from fairgate.harness.records import History
 from fairgate.harness.replica import ReplicaModel, ReplicaStats, read_replica, watch_occupancy
@@ -339,13 +339,7 @@ class TenantLimitFigures:
     tenant: str
     role: str
     n: int
-    sent: int
-    ok: int
-    cut: int
-    errors: dict[str, int]
-    admitted: int  # reservations in the ledger
-    settled: int
-    open_at_end: int
+    requests: RequestOutcomes  # what its clients saw, its reservations in the ledger after the hang-up
     peaks: dict[str, tuple[float, float]]  # bucket -> (peak beyond refill, burst)
     concurrent_peak: int  # overlapping [created, final) intervals
     concurrent_sampled: int  # most the account showed when sampled
@@ -358,7 +352,7 @@ class TenantLimitFigures:
 
     def problems(self) -> list[str]:
         """Every limit exceeded and every request unaccounted for (empty: the tenant's part holds)."""
-        out = []
+        out, r = [], self.requests
         for bucket, (peak, burst) in self.peaks.items():
             if peak > burst + EPSILON * max(1.0, burst):
                 out.append(
@@ -381,8 +375,8 @@ class TenantLimitFigures:
             out.append(
                 f"{self.tenant}: {self.gpu.within_ms:.1f} GPU ms billed within estimates, over the budget {budget:.1f}"
             )
-        if self.open_at_end:
-            out.append(f"{self.tenant}: {self.open_at_end} reservations still open after the hang-ups were billed")
+        if r.open:
+            out.append(f"{self.tenant}: {r.open} reservations still open after the hang-ups were billed")
         if self.account_after != (0, 0):
             out.append(
                 f"{self.tenant}: the account holds {self.account_after[0]} concurrent and "
@@ -390,17 +384,15 @@ class TenantLimitFigures:
             )
         # A success is a settled reservation; a request settled just before its client hung up at the deadline
         # (the final settlement precedes ``[DONE]``) is settled too.
-        if not self.ok <= self.settled <= self.ok + self.cut:
-            out.append(
-                f"{self.tenant}: {self.ok} successes and {self.cut} hang-ups, but {self.settled} settled reservations"
-            )
+        if not r.ok <= r.settled <= r.ok + r.cut:
+            out.append(f"{self.tenant}: {r.ok} successes and {r.cut} hang-ups, but {r.settled} settled reservations")
         # Every reservation is a request its client saw succeed, fail after admission (queue full, upstream
         # error) or hung up on at the deadline; a hang-up may also come before the request was admitted.
-        answered = self.ok + sum(n for code, n in self.errors.items() if _after_admission(code))
-        if not answered <= self.admitted <= answered + self.cut:
+        answered = r.ok + sum(n for code, n in r.errors.items() if _after_admission(code))
+        if not answered <= r.reservations <= answered + r.cut:
             out.append(
-                f"{self.tenant}: {self.admitted} reservations, but {answered} requests answered after "
-                f"admission and {self.cut} hung up on"
+                f"{self.tenant}: {r.reservations} reservations, but {answered} requests answered after "
+                f"admission and {r.cut} hung up on"
             )
         return out
 
@@ -563,7 +555,6 @@ def _tenant_limit_figures(
     name = config.tenant(probe, n)
     limits = config.limits_of(probe, n)
     mine = [r for r in reservations if r.tenant == name]
-    stats = report.stats(name)
     peaks = {}
     for bucket in ("requests", "input_tokens", "output_tokens"):
         rate = limits.get(f"{bucket}_per_minute")
@@ -578,13 +569,7 @@ def _tenant_limit_figures(
         name,
         probe.role,
         n,
-        stats.requests,
-        stats.completed,
-        stats.cut,
-        stats.errors,
-        len(mine),
-        sum(r.status == "settled" for r in mine),
-        sum(r.status == "open" for r in mine),
+        RequestOutcomes.of(report.stats(name), mine),
         peaks,
         peak_overlap([(r.created_ms, r.final_ms) for r in mine]),
         concurrent,
@@ -603,13 +588,13 @@ def limits_problems(figs: LimitsFigures) -> list[str]:
     for group in figs.groups.values():
         for t in group.tenants.values():
             out.extend(t.problems())
-            if t.sent == 0:
+            if t.requests.sent == 0:
                 out.append(f"{t.tenant}: sent nothing")
-            unexpected = {k: v for k, v in t.errors.items() if not k.startswith("429") and k != "connection"}
+            unexpected = {k: v for k, v in t.requests.errors.items() if not k.startswith("429") and k != "connection"}
             if unexpected:
                 out.append(f"{t.tenant}: errors other than 429: {unexpected}")
     largest = figs.groups[max(figs.groups)]
-    bound = Counter(_dimension(code) for t in largest.tenants.values() for code in t.errors)
+    bound = Counter(_dimension(code) for t in largest.tenants.values() for code in t.requests.errors)
     for dimension in ("requests_per_minute", "output_tokens_per_minute", "max_concurrent", "max_queued", "gpu_seconds"):
         if not bound.get(dimension):
             out.append(f"N={largest.n}: no request was refused for {dimension}: {NOT_EXERCISED}")
@@ -976,8 +961,8 @@ def render_limits(config: LimitsConfig, figs: LimitsFigures) -> list[Any]:
     tenants = [t for g in figs.groups.values() for t in g.tenants.values()]
     problems = len(limits_problems(figs))
     out.append(
-        f"load held: {sum(t.sent for t in tenants)} requests; faults injected: none (N processes); lost: "
-        f"{sum(t.open_at_end for t in tenants)} open reservations, {problems} problem{'' if problems == 1 else 's'}; "
+        f"load held: {sum(t.requests.sent for t in tenants)} requests; faults injected: none (N processes); lost: "
+        f"{sum(t.requests.open for t in tenants)} open reservations, {problems} problem{'' if problems == 1 else 's'}; "
         f"converged (no reservation open) {figs.settle_s:.1f} s after the hang-up."
     )
     return out
@@ -997,8 +982,9 @@ def _limits_row(n: int, t: TenantLimitFigures) -> tuple[str, ...]:
     limits = ", ".join(
         f"{k.replace('_per_minute', '/min')}={v:g}" for k, v in t.limits.items() if k != "gpu_seconds_total"
     )
-    sent = f"{t.sent}/{t.ok}/{t.cut}"
-    return (str(n), t.tenant, limits, sent, str(t.admitted), fmt_errors(t.errors), "; ".join(peaks), str(t.open_at_end))
+    r = t.requests
+    sent = f"{r.sent}/{r.ok}/{r.cut}"
+    return (str(n), t.tenant, limits, sent, str(r.reservations), fmt_errors(r.errors), "; ".join(peaks), str(r.open))
 
 
 def render_fairness(config: FairnessConfig, figs: FairnessFigures, comparison: bool = False) -> list[Any]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_errors, fmt_ms, policy_title, table
+from fairgate.drills.report import ComparedResult, fmt_errors, fmt_ms, main_and_compare, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.loadgen import TenantLoad
 from fairgate.harness.replica import ReplicaModel
@@ -182,10 +182,7 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
 
 
 @dataclass(frozen=True)
-class UltraLongResult(DrillResult):
-    config: UltraLongConfig
-    main: PolicyFigures
-    compare: PolicyFigures | None
+class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
     name: str = "ultra_long"
 
     def checks(self) -> dict[str, bool]:
@@ -220,9 +217,9 @@ class UltraLongResult(DrillResult):
         ]
 
     def body(self) -> list[Any]:
-        return [self._table(f) for f in (self.main, self.compare) if f is not None]
+        return self.policy_tables()
 
-    def _table(self, figs: PolicyFigures) -> Any:
+    def policy_table(self, figs: PolicyFigures) -> Any:
         columns = ("tenant", "GPU %", "x share", "sent/done/cut", "errors", "TTFT ms p50/p99", "TPOT ms p50")
         columns += ("ledger req", "ledger out tok", "ledger GPU s")
         rows = [
@@ -245,7 +242,7 @@ class UltraLongResult(DrillResult):
             f"runs, at most {figs.runs.most_calls} calls admitted per run, {figs.runs.refused} calls refused "
             f"({RUN_DIMENSION})"
         )
-        return table(policy_title(figs.policy, figs is self.compare), columns, rows, caption)
+        return table(self.title(figs), columns, rows, caption)
 
     def verdict(self) -> str:
         c, agent = self.config, self.main.tenants[self.config.agent]
@@ -270,6 +267,4 @@ def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLo
         snapshot_at_s = (config.agent_start_s,) if config.agent_start_s > 0 else ()
         return figures(config, run_on_stack(spec, config.loads(), config.seconds, options.seed, snapshot_at_s))
 
-    main = one(options.policy)
-    compare = one(options.compare) if options.compare and options.compare != options.policy else None
-    return UltraLongResult(config, main, compare)
+    return UltraLongResult(config, *main_and_compare(options, one))

@@ -1,17 +1,20 @@
 """What a stack's ledger holds, read the way the drills compare it: each tenant's totals (``LedgerReport``,
-with differences between two readings and GPU shares), waiting until nothing is open, and a fresh schema or
-key prefix on a shared PostgreSQL / Redis server (dropped after)."""
+with differences between two readings and GPU shares), a tenant's requests as its clients saw them beside
+its reservations (``RequestOutcomes``), waiting until nothing is open, and a fresh schema or key prefix on a
+shared PostgreSQL / Redis server (dropped after)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 if TYPE_CHECKING:
-    from fairgate.ledger import Ledger
+    from fairgate.harness.records import TenantStats
+    from fairgate.ledger import Ledger, Reservation
 
 ALL_TIME_S = 10 * 365 * 86_400.0  # a usage window that covers every reservation of a drill
 
@@ -26,6 +29,36 @@ class TenantTotals:
     output_tokens: int
     gpu_ms: float
     by_status: dict[str, int]
+
+
+@dataclass(frozen=True)
+class RequestOutcomes:
+    """One tenant's requests end to end, as counts: what its clients saw (sent, answered 200, hung up on, errors
+    by ``RequestRecord.error``) and its reservations in the ledger by status."""
+
+    sent: int
+    ok: int
+    cut: int
+    errors: dict[str, int]
+    reservations: int
+    settled: int
+    cancelled: int
+    open: int
+
+    @classmethod
+    def of(cls, stats: TenantStats, reservations: Iterable[Reservation]) -> RequestOutcomes:
+        """From the tenant's client figures and its reservations (those of no other tenant)."""
+        statuses = Counter(r.status for r in reservations)
+        return cls(
+            stats.requests,
+            stats.completed,
+            stats.cut,
+            stats.errors,
+            statuses.total(),
+            statuses["settled"],
+            statuses["cancelled"],
+            statuses["open"],
+        )
 
 
 @dataclass(frozen=True)
@@ -111,6 +144,7 @@ async def drop_ledger(ledger: Ledger) -> None:
 __all__ = [
     "ALL_TIME_S",
     "LedgerReport",
+    "RequestOutcomes",
     "TenantTotals",
     "backend_of",
     "drop_ledger",

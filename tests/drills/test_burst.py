@@ -9,22 +9,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.burst import BurstConfig, run
+from tests.drills.conftest import timed_run
 
 WALL_S_MAX = 45.0
 
 
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
 def test_gpu_fair_keeps_the_other_tenants_ttft_within_1_5x_of_their_baseline():
-    start = time.monotonic()
-    result = run(DrillOptions(policy="gpu_fair", compare=None))
-    elapsed = time.monotonic() - start
-    summary = result.summary()
+    timed = timed_run(run, DrillOptions(policy="gpu_fair", compare=None))
+    result, summary = timed.result, timed.summary
     main, config = result.main, BurstConfig()
     assert not result.problems, summary
     # The burst was real: the burster took more than its share of the GPU and queued deep in the gateway.
@@ -36,19 +34,17 @@ def test_gpu_fair_keeps_the_other_tenants_ttft_within_1_5x_of_their_baseline():
     # The claim.
     assert main.ratio is not None and main.ratio <= config.ttft_ratio_max, summary
     assert result.passed, summary
-    assert elapsed <= WALL_S_MAX, f"the drill took {elapsed:.0f} s"
+    timed.assert_within(WALL_S_MAX)
 
 
 @pytest.mark.serial
 def test_fcfs_fails_the_claim():
     """The drill can fail: under FIFO the others' requests wait behind the burster's backlog."""
-    start = time.monotonic()
-    result = run(DrillOptions(policy="fcfs", compare=None))
-    elapsed = time.monotonic() - start
-    summary = result.summary()
+    timed = timed_run(run, DrillOptions(policy="fcfs", compare=None))
+    result, summary = timed.result, timed.summary
     assert result.main.ratio is not None and result.main.ratio > 3.0, summary
     assert not result.passed, summary
-    assert elapsed <= WALL_S_MAX, f"the drill took {elapsed:.0f} s"
+    timed.assert_within(WALL_S_MAX)
 
 
 def test_unknown_drill_is_a_usage_error():

@@ -13,7 +13,6 @@ gateway's liveness sweep; they are expected failures until those are fixed (``fa
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +23,16 @@ from fairgate.drills.outage import OutageConfig, run
 from fairgate.gateway.background import sweep_once
 from fairgate.ledger import Ledger, LedgerUnavailable, Usage, connect, quotas_from_dict
 from fairgate.ledger.emergency import EMERGENCY_PREFIX, ResilientLedger
+from tests.drills.conftest import timed_run
 
 WALL_S_MAX = 60.0
 
 
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
 def test_ledger_outage_rejects_bounds_emergency_and_reconciles_exactly_after_recovery():
-    start = time.monotonic()
     config = OutageConfig(outage_s=8.0)
-    result = run(DrillOptions(processes=True), config)
-    elapsed = time.monotonic() - start
-    summary = result.summary()
+    timed = timed_run(run, DrillOptions(processes=True), config)
+    result, summary = timed.result, timed.summary
     f = result.figures
     free, paid = f.tenants[config.free], f.tenants[config.paid]
     # The outage was real and exercised both tiers.
@@ -49,7 +47,7 @@ def test_ledger_outage_rejects_bounds_emergency_and_reconciles_exactly_after_rec
     assert all(t.ledger_output == t.client_output and t.ledger_input == t.client_input for t in f.tenants.values())
     assert f.converge_s is not None and f.converge_s <= config.converge_s_max, summary
     assert result.passed, summary
-    assert elapsed <= WALL_S_MAX, f"the drill took {elapsed:.0f} s"
+    timed.assert_within(WALL_S_MAX)
 
 
 # --- reproductions of what the drill found ------------------------------------------------------------------

@@ -12,7 +12,6 @@ expected failures until the ledger's expiry (``expire_due``) or the gateway's ad
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -22,17 +21,16 @@ from fairgate.drills.restart import RestartConfig, run
 from fairgate.gateway.admission import mark_readmitted
 from fairgate.ledger import Ledger, connect, quotas_from_dict
 from fairgate.ledger.emergency import ResilientLedger
+from tests.drills.conftest import timed_run
 
 WALL_S_MAX = 60.0
 
 
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
 def test_a_killed_gateway_process_converges_and_nothing_running_is_released():
-    start = time.monotonic()
     config = RestartConfig()
-    result = run(DrillOptions(), config)
-    elapsed = time.monotonic() - start
-    summary = result.summary()
+    timed = timed_run(run, DrillOptions(), config)
+    result, summary = timed.result, timed.summary
     f = result.figures
     # The fault hit requests both queued and in flight, and the survivor had requests longer than the TTL.
     assert f.at_kill.get("queued", 0) > 0 and f.at_kill.get("in flight", 0) > 0, summary
@@ -44,7 +42,7 @@ def test_a_killed_gateway_process_converges_and_nothing_running_is_released():
     assert f.converge_s is not None and f.converge_s <= config.converge_bound_s, summary
     assert f.open_left == 0 and all(v == (0, 0) for v in f.accounts.values()), summary
     assert result.passed, summary
-    assert elapsed <= WALL_S_MAX, f"the drill took {elapsed:.0f} s"
+    timed.assert_within(WALL_S_MAX)
 
 
 # --- reproductions of what the drill found ------------------------------------------------------------------

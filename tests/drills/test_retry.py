@@ -7,22 +7,19 @@ time on the shared two-core machine."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.retry import PATTERNS, RetryConfig, run
+from tests.drills.conftest import timed_run
 
 WALL_S_MAX = 45.0
 
 
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
 def test_re_sent_request_ids_are_never_run_billed_or_deducted_twice():
-    start = time.monotonic()
-    result = run(DrillOptions(compare=None))
-    elapsed = time.monotonic() - start
-    summary = result.summary()
+    timed = timed_run(run, DrillOptions(compare=None))
+    result, summary = timed.result, timed.summary
     config, figs = RetryConfig(), result.main
     # The faults were injected: every pattern, and more re-sends than ids.
     assert all(sum(1 for i in figs.ids if i.plan.pattern == p) >= 10 for p in PATTERNS), summary
@@ -41,4 +38,4 @@ def test_re_sent_request_ids_are_never_run_billed_or_deducted_twice():
         assert abs(bucket.deductions - bucket.ids) < 1e-6, summary
     assert not figs.reconcile_differences and figs.converge_s is not None, summary
     assert result.passed, summary
-    assert elapsed <= WALL_S_MAX, f"the drill took {elapsed:.0f} s"
+    timed.assert_within(WALL_S_MAX)

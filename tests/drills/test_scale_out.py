@@ -127,7 +127,8 @@ def _limits(url: str) -> None:
     for group in figs.groups.values():
         for t in group.tenants.values():
             # The clients pushed against every limit: most requests were refused, some admitted.
-            assert t.admitted > 0 and sum(n for code, n in t.errors.items() if code.startswith("429")) > 0, summary
+            refused = sum(n for code, n in t.requests.errors.items() if code.startswith("429"))
+            assert t.requests.reservations > 0 and refused > 0, summary
             for bucket, (peak, burst) in t.peaks.items():
                 assert peak <= burst + 1e-6 * burst, f"{t.tenant} {bucket}\n{summary}"
             if "max_concurrent" in t.limits:
@@ -135,7 +136,7 @@ def _limits(url: str) -> None:
                 assert t.queued_sampled <= t.limits["max_queued"] and t.samples >= 20, summary
             if t.gpu is not None:
                 assert t.gpu_budget_ms is not None and t.gpu.within_ms <= t.gpu_budget_ms * (1 + 1e-9), summary
-            assert t.open_at_end == 0 and t.account_after == (0, 0), summary
+            assert t.requests.open == 0 and t.account_after == (0, 0), summary
     for group in figs.groups.values():
         # The processes of a group share its replica: together they bill its busy time about once (each
         # billed all of it before the meters shared their occupancy: x1.96 at N = 2, x3.5 at N = 4).

@@ -10,22 +10,19 @@ agent took 46-65 %."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.ultra_long import UltraLongConfig, run
+from tests.drills.conftest import timed_run
 
 WALL_S_MAX = 45.0
 
 
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
 def test_agent_with_8k_outputs_gets_no_more_than_its_share_and_its_run_limits_hold():
-    start = time.monotonic()
-    result = run(DrillOptions(policy="gpu_fair", compare=None))
-    elapsed = time.monotonic() - start
-    summary = result.summary()
+    timed = timed_run(run, DrillOptions(policy="gpu_fair", compare=None))
+    result, summary = timed.result, timed.summary
     config, figs = UltraLongConfig(), result.main
     checks = result.checks()
     agent = figs.tenants[config.agent]
@@ -37,7 +34,7 @@ def test_agent_with_8k_outputs_gets_no_more_than_its_share_and_its_run_limits_ho
     assert figs.runs.most_calls == config.max_model_calls, summary
     assert figs.runs.refused > 0, summary
     assert max(figs.runs.tokens.values()) <= config.run_max_tokens, summary
-    assert elapsed <= WALL_S_MAX, f"the drill took {elapsed:.0f} s"
+    timed.assert_within(WALL_S_MAX)
     # The share claim: nobody over its share (+3 pp), the agent included.
     assert agent.share <= config.fair_share(config.agent) + config.agent_margin, summary
     assert all(t.share <= config.fair_share(name) + config.agent_margin for name, t in figs.tenants.items()), summary
