@@ -21,11 +21,12 @@ def check_reserve_args(
         raise InvalidUsage(f"tool_round must be true or false, got {tool_round!r:.80}")
 
 
-def check_consumed(consumed: object) -> Usage:
-    """``cancel``'s ``consumed``: a ``Usage`` of valid amounts, returned with ``gpu_ms`` as a float."""
+def check_consumed(consumed: object, what: str = "cancel") -> Usage:
+    """``cancel``'s ``consumed`` (or the usage of ``what``): a ``Usage`` of valid amounts, returned with
+    ``gpu_ms`` as a float."""
     if not isinstance(consumed, Usage):
-        raise InvalidUsage(f"cancel: consumed must be a Usage, got {consumed!r:.80}")
-    check_amounts(consumed.input_tokens, consumed.output_tokens, consumed.gpu_ms, "cancel")
+        raise InvalidUsage(f"{what}: consumed must be a Usage, got {consumed!r:.80}")
+    check_amounts(consumed.input_tokens, consumed.output_tokens, consumed.gpu_ms, what)
     return Usage(consumed.input_tokens, consumed.output_tokens, float(consumed.gpu_ms))
 
 

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from fairgate.ledger.base import IsRunning, Ledger, RequestPath
+from fairgate.ledger.checks import check_consumed
 from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, ReservationFinal, Usage
-from fairgate.ledger.rules import Account, ReserveArgs
+from fairgate.ledger.rules import Account, ReserveArgs, check_billing, check_retry
 
 EMERGENCY_PREFIX = "emg-"
 
@@ -72,11 +73,8 @@ class ResilientLedger(RequestPath):
         self.journal.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock or (lambda: time.monotonic() * 1000.0)
         self._budgets: dict[str, _Budget] = {}
-        self._grants: dict[str, dict[str, Any]] = {}
         self._recovering = asyncio.Lock()  # one replay at a time
-        for record in self._read_journal():
-            if record["type"] == "grant":
-                self._grants[record["id"]] = record
+        self._grants, _ = _fold(self._read_journal())  # each grant with its latest usage and status
 
     # --- journal ----------------------------------------------------------------------------------
     def _append(self, record: dict[str, Any]) -> None:
@@ -116,7 +114,7 @@ class ResilientLedger(RequestPath):
             return None
         for record in self._grants.values():
             if record["tenant"] == tenant and record["request_id"] == args.request_id:
-                return self._grant_reservation(record)  # a retry of a granted request
+                return check_retry(self._grant_reservation(record), args)  # a retry of a granted request
         now = self._clock()
         budget = self._budgets.setdefault(tenant, _Budget(started_ms=now))
         tokens = args.input_tokens + args.max_output_tokens
@@ -172,6 +170,9 @@ class ResilientLedger(RequestPath):
         if grant is not None:
             if grant["status"] != "open":
                 raise ReservationFinal(f"emergency grant {reservation_id!r} is {grant['status']} already")
+            # The ledger's own checks, before journalling: usage it would refuse at replay never enters.
+            usage = check_consumed(usage, kind)
+            check_billing(self._grant_reservation(grant), usage, kind)
             grant["usage"] = [usage.input_tokens, usage.output_tokens, usage.gpu_ms]
             if final:
                 grant["status"] = "settled" if kind == "settle" else "cancelled"
@@ -202,7 +203,7 @@ class ResilientLedger(RequestPath):
         self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
     ) -> Reservation:
         """``RequestPath.settle``; usage of an emergency grant, or one the ledger cannot take now, is journalled."""
-        return await self._close(reservation_id, Usage(input_tokens, output_tokens, float(gpu_ms)), final, "settle")
+        return await self._close(reservation_id, Usage(input_tokens, output_tokens, gpu_ms), final, "settle")
 
     async def cancel(self, reservation_id: str, consumed: Usage) -> Reservation:
         """``RequestPath.cancel``; journalled like ``settle`` when the ledger cannot take it."""
@@ -332,15 +333,24 @@ class ResilientLedger(RequestPath):
             report.left.append(f"grant {grant['id']} ({grant['tenant']}/{grant['request_id']}): {exc}")
             return True
         usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
-        if not r.is_final:
-            if grant["status"] == "open":
-                await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
-                grant["ledger_id"] = r.id  # the gateway heartbeats it under this id from now on
-                return True  # still running: keep it, settle again at the next recover
-            if grant["status"] == "cancelled":
-                await self.ledger.cancel(r.id, usage)
-            else:
-                await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
+        try:
+            if not r.is_final:
+                if grant["status"] == "open":
+                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
+                    grant["ledger_id"] = r.id  # the gateway heartbeats it under this id from now on
+                    return True  # still running: keep it, settle again at the next recover
+                if grant["status"] == "cancelled":
+                    await self.ledger.cancel(r.id, usage)
+                else:
+                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
+        except LedgerUnavailable:
+            raise
+        except LedgerError as exc:
+            # Usage the ledger refuses (a journal written before grants were checked, or edited): reported,
+            # not kept - kept, it would hold the sweep (``expire_due``) for good; the reservation now in the
+            # ledger expires at its TTL, billing what was settled.
+            report.left.append(f"usage of grant {grant['id']} ({grant['tenant']}/{grant['request_id']}): {exc}")
+            return False
         report.grants_settled += 1
         return False
 

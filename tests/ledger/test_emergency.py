@@ -5,12 +5,21 @@ every journalled settlement is in the ledger, reconciling exactly."""
 from __future__ import annotations
 
 import asyncio
+import json
 from urllib.parse import urlparse
 
 import pytest
 
 from fairgate.harness.proxy import CuttableProxy
-from fairgate.ledger import LedgerUnavailable, Usage, connect, quotas_from_dict
+from fairgate.ledger import (
+    IdempotencyConflict,
+    InvalidUsage,
+    LedgerUnavailable,
+    ReservationFinal,
+    Usage,
+    connect,
+    quotas_from_dict,
+)
 from fairgate.ledger.emergency import ResilientLedger
 
 QUOTAS = {
@@ -119,3 +128,50 @@ async def _recover_when_back(front: ResilientLedger):  # type: ignore[no-untyped
         except LedgerUnavailable:
             await asyncio.sleep(0.2)
     return await front.recover()
+
+
+async def test_a_grant_takes_only_usage_the_ledger_would(cut_ledger):
+    """An emergency grant is checked as the ledger checks a reservation: amounts, the output cap, amounts
+    that only grow, a retry's arguments. What it refuses is not journalled, so the replay settles the rest."""
+    ledger, proxy, journal = cut_ledger
+    proxy.cut()
+    front = ResilientLedger(ledger, journal)
+    grant = await front.reserve("bank", "g1", 10, 100, 1.0)
+    with pytest.raises(IdempotencyConflict):
+        await front.reserve("bank", "g1", 10, 99, 1.0)  # the same id, other arguments
+    await front.settle(grant.id, 10, 40, 2.0)
+    for bad in ((10, 500, 2.0), (10, 40, float("nan")), (10, 30, 2.0), (-1, 40, 2.0), (10, 40, "2")):
+        with pytest.raises(InvalidUsage):
+            await front.settle(grant.id, *bad, final=True)  # type: ignore[arg-type]
+    with pytest.raises(InvalidUsage):
+        await front.cancel(grant.id, (10, 40, 2.0))  # type: ignore[arg-type]
+    await front.settle(grant.id, 10, 60, 3.0, final=True)
+    restarted = ResilientLedger(ledger, journal)  # a new process reads the grant as it was left: final
+    with pytest.raises(ReservationFinal):
+        await restarted.settle(grant.id, 10, 70, 3.0, final=True)
+    proxy.restore()
+    report = await _recover_when_back(restarted)
+    assert (report.grants_settled, report.left, restarted.outstanding()) == (1, [], 0)
+    [row] = await ledger.reservations("bank")
+    assert row.request_id == "g1" and row.status == "settled" and row.billed == Usage(10, 60, 3.0)
+
+
+async def test_usage_the_ledger_refuses_at_replay_is_reported_and_does_not_hold_the_sweep(cut_ledger):
+    """A journal whose grant usage the ledger refuses (written by an older process, or edited): the replay
+    reports it and goes on with the rest; the sweep is not held by it for good."""
+    ledger, proxy, journal = cut_ledger
+    proxy.cut()
+    front = ResilientLedger(ledger, journal)
+    bad, good = [await front.reserve("bank", f"g{i}", 10, 100, 1.0) for i in (1, 2)]
+    await front.settle(good.id, 10, 20, 1.0, final=True)
+    with journal.open("a") as handle:  # over the reservation's output cap, as no check would let in now
+        handle.write(json.dumps({"type": "grant_usage", "id": bad.id, "usage": [10, 500, 1.0], "status": "settled"}))
+        handle.write("\n")
+    proxy.restore()
+    report = await _recover_when_back(ResilientLedger(ledger, journal))
+    assert report.grants_settled == 1 and len(report.left) == 1 and bad.id in report.left[0]
+    assert "max_output_tokens" in report.left[0]
+    rows = {r.request_id: r for r in await ledger.reservations("bank")}
+    assert rows["g2"].status == "settled" and rows["g2"].billed == Usage(10, 20, 1.0)
+    assert rows["g1"].status == "open" and rows["g1"].billed == Usage()  # expires at its TTL
+    assert ResilientLedger(ledger, journal).outstanding() == 0
