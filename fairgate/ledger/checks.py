@@ -49,3 +49,19 @@ def check_reservation_id(reservation_id: object) -> str:
     if not isinstance(reservation_id, str) or not reservation_id:
         raise InvalidUsage(f"reservation_id must be a non-empty string, got {reservation_id!r}")
     return reservation_id
+
+
+def check_charges(scope: object, deltas: object) -> None:
+    """``add_charges``' arguments: a scope name and tenant -> (GPU ms, prompt tokens, output tokens) of amounts
+    a policy books (never negative: ``core.policies`` charge only what was spent), each within one call's
+    bounds. Checked before anything is added, so a bad entry adds nothing."""
+    check_name(scope, "scope")
+    if not isinstance(deltas, dict):
+        raise InvalidUsage(
+            f"add_charges: deltas must be a dict of tenant -> (gpu_ms, input, output), got {deltas!r:.80}"
+        )
+    for tenant, delta in deltas.items():
+        check_name(tenant, "tenant")
+        if not isinstance(delta, tuple | list) or len(delta) != 3:
+            raise InvalidUsage(f"add_charges: {tenant!r:.80}: (gpu_ms, input, output) expected, got {delta!r:.80}")
+        check_amounts(delta[1], delta[2], delta[0], "add_charges")

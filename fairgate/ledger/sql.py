@@ -15,7 +15,7 @@ from fairgate.ledger import rules
 from fairgate.ledger import sql_schema as schema
 from fairgate.ledger.backend import Backend
 from fairgate.ledger.base import ChargeTotals, Event, new_reservation_id, tenant_tag
-from fairgate.ledger.checks import check_filters, check_reservation_id, check_window
+from fairgate.ledger.checks import check_charges, check_filters, check_reservation_id, check_window
 from fairgate.ledger.config import Limits
 from fairgate.ledger.model import (
     Reservation,
@@ -303,6 +303,7 @@ class SqlLedger(Backend):
             return None  # settled meanwhile
 
     async def add_charges(self, scope: str, deltas: dict[str, ChargeTotals]) -> dict[str, ChargeTotals]:
+        check_charges(scope, deltas)
         statements: list[Statement] = [
             (
                 "INSERT INTO fg_charges (scope, tenant, gpu_ms, input_tokens, output_tokens) "

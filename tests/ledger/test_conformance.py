@@ -393,6 +393,26 @@ async def test_shared_charge_totals_add_up_across_callers(open_ledger, clock):
     assert await ledger.add_charges("other-model", {"a": (1.0, 1, 1)}) == {"a": (1.0, 1, 1)}  # scopes apart
 
 
+@pytest.mark.parametrize(
+    "deltas",
+    [
+        {"b": (1.0, 1, 1), "a": (float("nan"), 2, 3)},
+        {"b": (1.0, 1, 1), "a": (-1.0, 0, 0)},
+        {"b": (1.0, 1, 1), "a": (1.0, -2, 0)},
+        {"b": (1.0, 1, 1), "a": (1.0, 0, 2.5)},
+        {"b": (1.0, 1, 1), "a": (1.0, 0)},
+        {"b": (1.0, 1, 1), "": (1.0, 0, 0)},
+        [("a", (1.0, 0, 0))],
+    ],
+)
+async def test_bad_charges_add_nothing(open_ledger, clock, deltas):
+    ledger = await open_ledger(QUOTAS, clock)
+    await ledger.add_charges("emu", {"a": (1.0, 2, 3)})
+    with pytest.raises(InvalidUsage):
+        await ledger.add_charges("emu", deltas)
+    assert await ledger.add_charges("emu", {}) == {"a": (1.0, 2, 3)}  # not even the valid entries
+
+
 async def test_each_process_sees_the_occupancy_the_other_processes_published_until_it_goes_stale(open_ledger):
     ledger = await open_ledger(QUOTAS)  # the real clock: staleness is the ledger's (Redis expires keys itself)
     u1, u2 = "http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"

@@ -4,6 +4,7 @@ shared fair-policy counters and shared replica occupancy."""
 from __future__ import annotations
 
 from fairgate.ledger.base import ChargeTotals, tenant_tag
+from fairgate.ledger.checks import check_charges
 from fairgate.ledger.model import Reservation, UnknownTenant
 from fairgate.ledger.redis import codec
 from fairgate.ledger.redis.store import RedisStore
@@ -56,6 +57,7 @@ class RedisCoordination(RedisStore):
 
     async def add_charges(self, scope: str, deltas: dict[str, ChargeTotals]) -> dict[str, ChargeTotals]:
         """One hash per scope (``keys.py``), updated and read in one MULTI/EXEC."""
+        check_charges(scope, deltas)
         key = self._keys.charges(scope)
         with self._unavailable():
             async with self._client.pipeline(transaction=True) as pipe:
