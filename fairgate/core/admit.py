@@ -7,8 +7,8 @@ request leaves its slot (``finish``), or leaves its queue unpicked (``remove``).
 on virtual time (``fairgate.sim.admission``), the gateway's dispatcher on the wall clock
 (``fairgate.gateway.dispatch``); neither calls the policy's ``pick``, ``finish`` or ``remove`` itself.
 
-The admitter is the one owner of the counts a driver reads: requests queued per tenant and requests
-running per tenant (the ``RunningView`` every ``pick`` sees). Pure: the caller passes ``now_ms``.
+Who owns which count: the policy, the requests queued (its queues); the admitter, the requests running
+per tenant (the ``RunningView`` every ``pick`` sees). Pure: the caller passes ``now_ms``.
 """
 
 from __future__ import annotations
@@ -27,20 +27,16 @@ class Admitter:
         policy: the scheduling policy (``fairgate.core.policies.factory.make_policy``).
     """
 
-    __slots__ = ("_queued", "charge", "policy", "view")
+    __slots__ = ("charge", "enqueue", "policy", "view")
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.view = RunningView()  # running sequences per tenant, as every pick sees them
-        self._queued: dict[str, int] = {}  # requests waiting per tenant (absent: 0)
-        # Book work spent by a tenant (``Policy.charge``): the policy's own method, called as often as the
-        # simulator books iterations, so no layer is added.
+        # Hand a request to the policy (``Policy.enqueue(request, now_ms)``: it waits in its tenant's queue)
+        # and book work spent (``Policy.charge``): the policy's own methods, called once per request and per
+        # booked iteration by the simulator, so no layer is added on its hot path.
+        self.enqueue = policy.enqueue
         self.charge = policy.charge
-
-    def enqueue(self, request: Request, now_ms: float) -> None:
-        """Hand ``request`` to the policy; it waits in its tenant's queue."""
-        self.policy.enqueue(request, now_ms)
-        self._queued[request.tenant] = self._queued.get(request.tenant, 0) + 1
 
     def admit(
         self, now_ms: float, batch_size: int, cost: CostModel, accept: Callable[[Request], bool] | None = None
@@ -65,7 +61,6 @@ class Admitter:
             if request is None:
                 return None
             tenant = request.tenant
-            self._queued[tenant] -= 1
             if accept is None or accept(request):
                 break
             policy.finish(request, now_ms)
@@ -84,18 +79,15 @@ class Admitter:
 
     def remove(self, request_id: int, now_ms: float) -> Request | None:
         """Take a queued request out unpicked; returns it, or ``None`` if it was not queued."""
-        request = self.policy.remove(request_id, now_ms)
-        if request is not None:
-            self._queued[request.tenant] -= 1
-        return request
+        return self.policy.remove(request_id, now_ms)
 
     def queued(self, tenant: str | None = None) -> int:
         """Requests waiting: of ``tenant``, or of every tenant (None)."""
-        return self.policy.queued() if tenant is None else self._queued.get(tenant, 0)
+        return self.policy.queued(tenant)
 
     def queued_by_tenant(self) -> dict[str, int]:
         """Requests waiting per tenant (tenants with none left out)."""
-        return {tenant: n for tenant, n in self._queued.items() if n > 0}
+        return self.policy.queued_by_tenant()
 
     def running_by_tenant(self) -> dict[str, int]:
         """Requests holding a slot per tenant (tenants with none left out)."""

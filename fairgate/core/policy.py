@@ -55,8 +55,11 @@ class Policy(Protocol):
     def wake_at(self, now_ms: float) -> float | None:
         """When a held request may become eligible (ms), or ``None`` if nothing is held by time."""
 
-    def queued(self) -> int:
-        """Requests waiting in this policy's queues."""
+    def queued(self, tenant: str | None = None) -> int:
+        """Requests waiting in this policy's queues: ``tenant``'s, or every tenant's (None)."""
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Requests waiting per tenant (tenants with none left out)."""
 
 
 class QueuedPolicy:
@@ -131,8 +134,14 @@ class QueuedPolicy:
     def wake_at(self, now_ms: float) -> float | None:
         return None
 
-    def queued(self) -> int:
-        return self._queued
+    def queued(self, tenant: str | None = None) -> int:
+        if tenant is None:
+            return self._queued
+        queue = self._queues.get(tenant)
+        return len(queue) if queue is not None else 0
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        return {tenant: len(queue) for tenant, queue in self._queues.items()}
 
     # --- for subclasses -------------------------------------------------------------------------
     def _select(self, now_ms: float, running: RunningView) -> str | None:

@@ -68,5 +68,10 @@ class PriorityPools:
         times = [t for t in (pool.wake_at(now_ms) for pool in self._ordered) if t is not None]
         return min(times) if times else None
 
-    def queued(self) -> int:
+    def queued(self, tenant: str | None = None) -> int:
+        if tenant is not None:
+            return self._pool(tenant).queued(tenant)
         return sum(pool.queued() for pool in self._ordered)
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        return {tenant: n for pool in self._ordered for tenant, n in pool.queued_by_tenant().items()}
