@@ -65,3 +65,16 @@ def check_charges(scope: object, deltas: object) -> None:
         if not isinstance(delta, tuple | list) or len(delta) != 3:
             raise InvalidUsage(f"add_charges: {tenant!r:.80}: (gpu_ms, input, output) expected, got {delta!r:.80}")
         check_amounts(delta[1], delta[2], delta[0], "add_charges")
+
+
+def check_freeze(tenant: object, reason: object) -> None:
+    """``freeze``'s arguments: a tenant name and a reason (text)."""
+    check_name(tenant, "tenant")
+    if not isinstance(reason, str):
+        raise InvalidUsage(f"freeze: reason must be text, got {reason!r:.80}")
+
+
+def check_account_args(tenant: object, model_class: object) -> None:
+    """``account``'s arguments: a tenant name and a model class name."""
+    check_name(tenant, "tenant")
+    check_name(model_class, "model_class")

@@ -15,7 +15,14 @@ from fairgate.ledger import rules
 from fairgate.ledger import sql_schema as schema
 from fairgate.ledger.backend import Backend
 from fairgate.ledger.base import ChargeTotals, Event, new_reservation_id, tenant_tag
-from fairgate.ledger.checks import check_charges, check_filters, check_reservation_id, check_window
+from fairgate.ledger.checks import (
+    check_account_args,
+    check_charges,
+    check_filters,
+    check_freeze,
+    check_reservation_id,
+    check_window,
+)
 from fairgate.ledger.config import Limits
 from fairgate.ledger.model import (
     Reservation,
@@ -139,10 +146,13 @@ class SqlLedger(Backend):
         now_ms = float(rows[1][0][0]) if clock is not None else None
         return _Loaded(schema.reservation(row[:n]), bool(row[n]), account, row[n + 2 + m :], now_ms)
 
-    async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str) -> Reservation:
+    async def _close(self, reservation_id: str, billed: Usage | None, final: bool, kind: str) -> Reservation:
+        """``Backend._close``; ``billed`` None: what the reservation holds when its row is locked (the sweep's
+        expiry: a settlement landing between a read and the close must not make the close bill less)."""
         async with self._transaction() as tx:
             loaded = await self._load_for_update(tx, reservation_id, with_clock=True)
             r, account, run_values = loaded.reservation, loaded.account, loaded.run_values
+            billed = r.billed if billed is None else billed
             if r.is_final:
                 return rules.check_final_again(r, billed, final, kind)
             if loaded.frozen:
@@ -179,6 +189,7 @@ class SqlLedger(Backend):
             return updated
 
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
+        check_account_args(tenant, model_class)
         async with self._transaction() as tx:
             row = await tx.fetchone(schema.SELECT_ACCOUNT, {"tenant": tenant, "model_class": model_class})
         return rules.Account() if row is None else rules.Account(*row)
@@ -247,6 +258,7 @@ class SqlLedger(Backend):
         return usage_from_events(tenant, window_s, [schema.event(row) for row in rows], by_status)
 
     async def freeze(self, tenant: str, reason: str) -> None:
+        check_freeze(tenant, reason)
         async with self._transaction() as tx:
             now_ms = await self._now_ms(tx)
             await tx.execute(
@@ -256,6 +268,7 @@ class SqlLedger(Backend):
             )
 
     async def unfreeze(self, tenant: str) -> None:
+        check_name(tenant, "tenant")
         async with self._transaction() as tx:
             await tx.execute("DELETE FROM fg_frozen WHERE tenant = :tenant", {"tenant": tenant})
 
@@ -297,8 +310,7 @@ class SqlLedger(Backend):
 
     async def _expire(self, r: Reservation) -> Reservation | None:
         try:
-            current = await self.get(r.id)
-            return await self._close(r.id, current.billed, True, "expire")
+            return await self._close(r.id, None, True, "expire")
         except ReservationFinal:
             return None  # settled meanwhile
 

@@ -10,7 +10,7 @@ import heapq
 from typing import cast
 
 from fairgate.ledger.base import Event, tenant_tag
-from fairgate.ledger.checks import check_filters, check_window
+from fairgate.ledger.checks import check_filters, check_freeze, check_window
 from fairgate.ledger.model import Reservation, TenantUsage, check_name, usage_from_events
 from fairgate.ledger.redis import codec
 from fairgate.ledger.redis.keys import EVENTS, FROZEN, RES
@@ -56,11 +56,13 @@ class RedisOperator(RedisStore):
 
     async def freeze(self, tenant: str, reason: str) -> None:
         """``freeze.lua`` (registers the tenant, so the sweep and ``frozen()`` find it)."""
+        check_freeze(tenant, reason)
         with self._unavailable():
             await self._ensure_registered(tenant)
             await self._scripts.freeze(keys=self._keys.tenant(tenant_tag(tenant)), args=[*self._head(), tenant, reason])
 
     async def unfreeze(self, tenant: str) -> None:
+        check_name(tenant, "tenant")
         with self._unavailable():
             await self._client.delete(self._keys.tenant(tenant_tag(tenant))[FROZEN])
 

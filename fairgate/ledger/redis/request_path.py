@@ -7,6 +7,7 @@ from typing import Any
 
 from fairgate.ledger import rules
 from fairgate.ledger.base import new_reservation_id, tenant_tag
+from fairgate.ledger.checks import check_account_args
 from fairgate.ledger.config import Limits
 from fairgate.ledger.model import (
     InvalidUsage,
@@ -110,6 +111,7 @@ class RedisRequestPath(RedisStore):
         return codec.reservation(raw)
 
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
+        check_account_args(tenant, model_class)
         with self._unavailable():
             raw = await self._client.hget(self._keys.tenant(tenant_tag(tenant))[ACCOUNTS], model_class)
         return codec.account(raw)
