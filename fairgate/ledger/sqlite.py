@@ -29,6 +29,8 @@ def file_path(url: str) -> str:
     Raises ``ValueError``."""
     if not url.startswith(SCHEME) or url == SCHEME:
         raise ValueError(f"ledger URL {url!r}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
+    if "?" in url or "#" in url:  # a query would silently become part of the file name
+        raise ValueError(f"ledger URL {url!r}: a sqlite URL takes no parameters (no '?' or '#')")
     return url[len(SCHEME) :]
 
 
