@@ -40,7 +40,10 @@ SCHEMES: tuple[str, ...] = tuple(_MODULES)
 
 
 def backend_for(url: str) -> BackendModule:
-    """The backend module for ``url``'s scheme. Raises ``ValueError`` for a scheme no backend has."""
+    """The backend module for ``url``'s scheme. Raises ``ValueError`` for a scheme no backend has (or a URL
+    that is not text)."""
+    if not isinstance(url, str):
+        raise ValueError(f"ledger URL must be a string, got {type(url).__name__}")
     scheme = urlparse(url).scheme
     module = _MODULES.get(scheme)
     if module is None:

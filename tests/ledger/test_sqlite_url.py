@@ -1,4 +1,5 @@
-"""A sqlite URL names a file and nothing else: a query or fragment is refused, not folded into the name."""
+"""A sqlite URL names a file and nothing else: a query or fragment is refused, not folded into the name; a
+ledger URL that is not text at all is a ``ValueError`` like any other bad URL."""
 
 from __future__ import annotations
 
@@ -24,3 +25,9 @@ async def test_a_plain_sqlite_url_opens_its_file(tmp_path: Path) -> None:
     async with await connect(f"sqlite:///{tmp_path}/ledger.db", quotas_from_dict({"tenants": {"a": {}}})):
         pass
     assert [p.name for p in tmp_path.iterdir()] == ["ledger.db"]
+
+
+@pytest.mark.parametrize("url", [5, None, b"sqlite:///x.db"])
+async def test_a_url_that_is_not_text_is_a_value_error(url: object) -> None:
+    with pytest.raises(ValueError, match="must be a string"):
+        await connect(url, quotas_from_dict({"tenants": {"a": {}}}))  # type: ignore[arg-type]
