@@ -207,6 +207,17 @@ class FirstOnlyProxy(StallingProxy):
             await super().__call__(reader, writer)
 
 
+@contextlib.asynccontextmanager
+async def opened(kind: type[RedisLedger] | type[PostgresLedger], url: str, **kwargs: Any) -> AsyncIterator[Any]:
+    """``kind.open(url, QUOTAS, **kwargs)``; its keys or schema dropped and it closed after."""
+    ledger = await kind.open(url, QUOTAS, **kwargs)
+    try:
+        yield ledger
+    finally:
+        await (ledger.drop_keys() if isinstance(ledger, RedisLedger) else ledger.drop_schema())
+        await ledger.close()
+
+
 def hostport(url: str, default_port: int) -> tuple[str, int]:
     parts = urlparse(url)
     return parts.hostname or "127.0.0.1", parts.port or default_port
@@ -357,23 +368,15 @@ async def test_redis_error_replies_on_later_calls_are_unavailable(tcp_server, re
 
 async def test_redis_wrong_type_under_the_prefix_is_unavailable(redis_url):
     prefix = token()
-    ledger = await RedisLedger.open(f"{redis_url}?prefix={prefix}", QUOTAS)
-    try:
+    async with opened(RedisLedger, f"{redis_url}?prefix={prefix}") as ledger:
         async with Redis.from_url(redis_url) as client:
             await client.set(f"{prefix}:tenants", "not a hash")
         await fails(ledger.events(), LedgerUnavailable, "WRONGTYPE")
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
 
 
 async def test_redis_argument_redis_py_cannot_send_is_invalid_usage_not_unavailable(redis_url):
-    ledger = await RedisLedger.open(f"{redis_url}?prefix={token()}", QUOTAS)
-    try:
+    async with opened(RedisLedger, f"{redis_url}?prefix={token()}") as ledger:
         await fails(ledger.account("a", None), InvalidUsage)  # type: ignore[arg-type]
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
 
 
 # --- Redis: bad URLs -----------------------------------------------------------------------------
@@ -429,13 +432,9 @@ async def test_redis_password_is_not_shown_in_url_errors():
 
 async def test_redis_good_url_with_explicit_timeout_and_no_path_opens(redis_url):
     host, port = hostport(redis_url, 6379)
-    ledger = await RedisLedger.open(f"redis://{host}:{port}?prefix={token()}&timeout_s=5", QUOTAS)
-    try:
+    async with opened(RedisLedger, f"redis://{host}:{port}?prefix={token()}&timeout_s=5") as ledger:
         assert ledger.timeout_s == 5.0
         await ledger.reserve("a", "r1", 1, 1)
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
 
 
 # --- Redis: create=False -------------------------------------------------------------------------
@@ -448,15 +447,11 @@ async def test_redis_create_false_refuses_a_prefix_with_no_keys(redis_url):
 
 async def test_redis_create_false_opens_a_ledger_with_a_tenant_registry(redis_url):
     url = f"{redis_url}?prefix={token()}"
-    ledger = await RedisLedger.open(url, QUOTAS)
-    try:
+    async with opened(RedisLedger, url) as ledger:
         await ledger.reserve("a", "r1", 10, 10)  # registers the tenant
         again = await RedisLedger.open(url, QUOTAS, create=False)
         assert [r.request_id for r in await again.reservations()] == ["r1"]
         await again.close()
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
 
 
 async def test_redis_create_false_accepts_any_key_under_the_prefix(redis_url):
@@ -495,16 +490,10 @@ async def test_postgres_bad_url_is_a_value_error(postgres_url, query, kind, need
 
 async def test_postgres_real_libpq_parameters_still_pass(postgres_url):
     schema = token()
-    ledger = await PostgresLedger.open(
-        f"{postgres_url}?schema={schema}&sslmode=disable&application_name=fg_test", QUOTAS
-    )
-    try:
-        async with ledger._pool.connection() as connection:
-            cursor = await connection.execute("SELECT current_setting('application_name'), current_schema()")
-            assert await cursor.fetchone() == ("fg_test", schema)
-    finally:
-        await ledger.drop_schema()
-        await ledger.close()
+    url = f"{postgres_url}?schema={schema}&sslmode=disable&application_name=fg_test"
+    async with opened(PostgresLedger, url) as ledger, ledger._pool.connection() as connection:
+        cursor = await connection.execute("SELECT current_setting('application_name'), current_schema()")
+        assert await cursor.fetchone() == ("fg_test", schema)
 
 
 async def test_postgres_sslmode_require_without_ssl_on_the_server_says_so(postgres_url):
@@ -661,12 +650,8 @@ async def test_postgres_create_false_refuses_a_schema_without_the_tables(postgre
 
 async def test_postgres_create_false_opens_an_existing_ledger(postgres_url):
     url = f"{postgres_url}?schema={token()}"
-    ledger = await PostgresLedger.open(url, QUOTAS)
-    try:
+    async with opened(PostgresLedger, url) as ledger:
         await ledger.reserve("a", "r1", 10, 10)
         again = await PostgresLedger.open(url, QUOTAS, create=False)
         assert [r.request_id for r in await again.reservations()] == ["r1"]
         await again.close()
-    finally:
-        await ledger.drop_schema()
-        await ledger.close()
