@@ -25,11 +25,6 @@ BURST1 = TRACES / "burstgpt1_first7days.csv"
 BURST3 = TRACES / "burstgpt3_first400.csv"
 
 
-def real(function):  # type: ignore[no-untyped-def]
-    """Marks a test that reads the real traces: without them it fails (file not found), never skips."""
-    return function
-
-
 @pytest.fixture(scope="module")
 def code_rows() -> list[TraceRow]:
     return read_trace(AZURE_CODE, "azure")
@@ -59,10 +54,9 @@ def burst_csv(tmp_path: Path, name: str, rows: list[str]) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Real traces
+# Real traces: without them these tests fail (file not found), never skip
 
 
-@real
 def test_read_azure_code_matches_sources(code_rows: list[TraceRow]) -> None:
     rows = code_rows
     assert len(rows) == 8819
@@ -81,7 +75,6 @@ def test_read_azure_code_matches_sources(code_rows: list[TraceRow]) -> None:
     assert rows[1].time_s == pytest.approx(0.052, abs=1e-12)  # 7th fractional digit kept
 
 
-@real
 def test_azure_code_workload(code_rows: list[TraceRow]) -> None:
     w, s = trace_workload([AZURE_CODE], "azure")
     w.check()
@@ -97,7 +90,6 @@ def test_azure_code_workload(code_rows: list[TraceRow]) -> None:
     assert w.output_tokens == [r.output_tokens for r in code_rows]
 
 
-@real
 def test_burstgpt1_by_model(burst1_raw: list[dict[str, str]]) -> None:
     total = collections.Counter(r["Model"] for r in burst1_raw)
     failed = collections.Counter(r["Model"] for r in burst1_raw if int(r["Response tokens"]) == 0)
@@ -117,7 +109,6 @@ def test_burstgpt1_by_model(burst1_raw: list[dict[str, str]]) -> None:
     assert w.arrival_ns[0] == 0 and w.duration_ns == 604_753 * 10**9 + 1
 
 
-@real
 def test_burstgpt3_columns_and_failed_row() -> None:
     rows = read_trace(BURST3, "burstgpt")
     assert len(rows) == 400
@@ -140,7 +131,6 @@ def test_burstgpt3_columns_and_failed_row() -> None:
     assert s.requests == {"API log": 6, "Conversation log": 393} and s.skipped_failed == 1
 
 
-@real
 def test_window_and_speedup_on_real_slice(code_rows: list[TraceRow]) -> None:
     start, length, speedup = 600.0, 120.0, 4.0
     inside = [r for r in code_rows if start <= r.time_s < start + length]
@@ -162,7 +152,6 @@ def test_window_and_speedup_on_real_slice(code_rows: list[TraceRow]) -> None:
     assert w2.arrival_ns[-1] == w2.duration_ns - 1
 
 
-@real
 def test_burstgpt_window_counts_failed_rows_inside_it() -> None:
     rows = read_trace(BURST1, "burstgpt")
     day = 86400.0
@@ -173,7 +162,6 @@ def test_burstgpt_window_counts_failed_rows_inside_it() -> None:
     assert w.duration_ns == 3600 * 10**9
 
 
-@real
 def test_hash_tenants_spread_and_stable(code_rows: list[TraceRow]) -> None:
     w, s = trace_workload([AZURE_CODE], "azure", tenant_by="hash:4")
     assert w.tenants == ["t0", "t1", "t2", "t3"]
@@ -195,7 +183,6 @@ def test_hash_tenants_spread_and_stable(code_rows: list[TraceRow]) -> None:
     assert win.tenant_index[0] == bucket(first)
 
 
-@real
 def test_two_real_files_side_by_side() -> None:
     w, s = trace_workload([f"code={AZURE_CODE}", AZURE_CONV], "azure")
     assert w.tenants == ["code", "azure_llm_2023_conv"]
@@ -205,7 +192,6 @@ def test_two_real_files_side_by_side() -> None:
     assert w.duration_ns == 3_501_721_937_001  # the longer file (conv, 3,501.7 s) + 1 ns
 
 
-@real
 def test_real_loads_are_fast() -> None:
     import time
 
@@ -415,15 +401,6 @@ def test_empty_window(tmp_path: Path) -> None:
     )
 
 
-def test_unknown_tenant_column(tmp_path: Path) -> None:
-    path = burst_csv(tmp_path, "t.csv", ["0,m,1,1,2,x"])
-    assert (
-        raises(trace_workload, [path], "burstgpt", tenant_by="model")
-        == f"{path}: --tenant-by column 'model' not found (has: Timestamp, Model, Request tokens, Response tokens, "
-        f"Total tokens, Log Type)"
-    )
-
-
 @pytest.mark.parametrize(
     "spec",
     [
@@ -483,11 +460,21 @@ DURATION_RANGE = "must be above 0 and at most 1e10 (seconds of trace time)"
         ({"duration_s": float("inf")}, f"--duration inf: {DURATION_RANGE}"),
         ({"duration_s": 1e300}, f"--duration 1e+300: {DURATION_RANGE}"),
         ({"tenant_by": None}, "--tenant-by None: must be file, a column name or hash:N"),
+        (
+            {"tenant_by": "model"},
+            "{path}: --tenant-by column 'model' not found (has: Timestamp, Model, Request tokens, Response tokens, "
+            "Total tokens, Log Type)",
+        ),
+        ({"duration_s": 1e10}, "--duration 1e+10 at --speedup 1 is 317 years of replay, above the cap of 10 years"),
+        (
+            {"duration_s": 1e6, "speedup": 1e-3},
+            "--duration 1e+06 at --speedup 0.001 is 31.7 years of replay, above the cap of 10 years",
+        ),
     ],
 )
 def test_bad_window_arguments(tmp_path: Path, kwargs: dict, message: str) -> None:
     path = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x"])
-    assert raises(trace_workload, [path], "burstgpt", **kwargs) == message
+    assert raises(trace_workload, [path], "burstgpt", **kwargs) == message.format(path=path)
 
 
 def test_bad_names(tmp_path: Path) -> None:
@@ -617,16 +604,8 @@ def test_span_error_names_the_earliest_row_of_another_file(tmp_path: Path) -> No
     )
 
 
-def test_duration_above_ten_years_of_replay(tmp_path: Path) -> None:
-    path = burst_csv(tmp_path, "d.csv", ["0,m,1,1,2,x"])
-    assert (
-        raises(trace_workload, [path], "burstgpt", duration_s=1e10)
-        == "--duration 1e+10 at --speedup 1 is 317 years of replay, above the cap of 10 years"
-    )
-    assert (
-        raises(trace_workload, [path], "burstgpt", duration_s=1e6, speedup=1e-3)
-        == "--duration 1e+06 at --speedup 0.001 is 31.7 years of replay, above the cap of 10 years"
-    )
+def test_duration_of_exactly_ten_years_of_replay(tmp_path: Path) -> None:
+    path = burst_csv(tmp_path, "d.csv", ["0,m,1,1,2,x"])  # above ten years: test_bad_window_arguments
     w, _ = trace_workload([path], "burstgpt", duration_s=315_576_000.0)  # exactly 10 years
     assert w.duration_ns == 315_576_000 * 10**9
 
