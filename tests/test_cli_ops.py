@@ -4,24 +4,17 @@ in front of an emulated replica, then the commands in a subprocess (output, file
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LimitsConfig
+from tests.conftest import fairgate
 from tests.gateway.conftest import TENANTS, post, post_at_once, serve_stack
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def fairgate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fairgate", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture(scope="module")

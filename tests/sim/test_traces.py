@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fairgate.sim.traces import TraceError, TraceRow, TraceSummary, read_trace, trace_workload
+from tests.conftest import fairgate
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = Path(os.environ.get("FAIRGATE_TRACES_DIR") or REPO.parent / "shared" / "data" / "traces")
@@ -704,29 +705,9 @@ def test_messages_with_line_breaks_stay_on_one_line(tmp_path: Path) -> None:
 
 
 def test_cli_reports_a_bad_option_in_one_line(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     path = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x"])
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fairgate",
-            "replay",
-            str(path),
-            "--format",
-            "burstgpt",
-            "--scenario",
-            str(REPO / "scenarios" / "replay.toml"),
-            "--speedup",
-            "1e-300",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    options = ["--format", "burstgpt", "--scenario", str(REPO / "scenarios" / "replay.toml"), "--speedup", "1e-300"]
+    done = fairgate("replay", str(path), *options, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert "--speedup 1e-300: must be between 0.001 and 1000000" in done.stderr
