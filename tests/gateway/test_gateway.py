@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from tests.gateway import conftest
+
 
 def client(stack, tenant: str = "alpha") -> openai.OpenAI:  # type: ignore[no-untyped-def]
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys[tenant], max_retries=0)
@@ -84,12 +86,9 @@ def test_missing_or_bad_credentials(stack, headers, status):
 
 def test_a_forged_tenant_in_body_or_header_is_ignored(stack):
     key = stack.keys["gamma"]
-    reply = httpx.post(
-        f"{stack.url}/v1/completions",
-        timeout=10,
-        headers={"Authorization": f"Bearer {key}", "X-Tenant": "alpha", "OpenAI-Organization": "alpha"},
-        json={"model": "emu", "prompt": "x", "max_tokens": 2, "user": "alpha", "ignore_eos": True},
-    )
+    forged = {"X-Tenant": "alpha", "OpenAI-Organization": "alpha"}
+    body = {"model": "emu", "prompt": "x", "max_tokens": 2, "user": "alpha", "ignore_eos": True}
+    reply = conftest.post(stack.url, key, body, forged, timeout=10)
     assert reply.status_code == 200
     assert [r.tenant for r in stack.reservations()] == ["gamma"]
 
@@ -136,16 +135,9 @@ def test_client_disconnect_bills_what_was_generated_and_frees_the_slot(stack):
 
 
 def test_concurrent_duplicates_of_one_request_id_run_once(stack):
-    async def run() -> list[int]:
-        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
-            body = {"model": "emu", "prompt": "x", "max_tokens": 30, "ignore_eos": True}
-            headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "Idempotency-Key": "dup-1"}
-            replies = await asyncio.gather(
-                *(http.post("/v1/completions", json=body, headers=headers) for _ in range(5))
-            )
-        return sorted(r.status_code for r in replies)
-
-    assert asyncio.run(run()) == [200, 409, 409, 409, 409]
+    body = {"model": "emu", "prompt": "x", "max_tokens": 30, "ignore_eos": True}
+    replies = conftest.post_at_once([(stack.url, stack.keys["alpha"], body, {"Idempotency-Key": "dup-1"})] * 5, 30)
+    assert sorted(r.status_code for r in replies) == [200, 409, 409, 409, 409]
     [r] = stack.reservations()
     assert (r.status, r.billed.output_tokens) == ("settled", 30)
 

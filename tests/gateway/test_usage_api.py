@@ -100,22 +100,9 @@ def test_rejections_are_counted_by_reason_for_the_rejected_tenant_only(stack: St
     over = stack.complete("beta", 200)  # 3 + 200 tokens > max_tokens_per_request 100
     assert over.status_code == 429 and over.json()["error"]["code"] == "insufficient_quota"
     assert [stack.complete("beta", 5).status_code for _ in range(3)] == [200, 200, 429]  # burst of 2 requests
-    bad = httpx.post(
-        f"{stack.url}/v1/completions",
-        headers=stack.headers("beta"),
-        timeout=10,
-        json={"model": "emu", "prompt": "x", "max_tokens": "5"},
-    )
+    bad = conftest.post(stack.url, stack.keys["beta"], {"model": "emu", "prompt": "x", "max_tokens": "5"}, timeout=10)
     assert bad.status_code == 400
-    assert (
-        httpx.post(
-            f"{stack.url}/v1/completions",
-            headers={"Authorization": "Bearer fg-nobody"},
-            timeout=10,
-            json={"model": "emu", "prompt": "x"},
-        ).status_code
-        == 401
-    )
+    assert conftest.post(stack.url, "fg-nobody", {"model": "emu", "prompt": "x"}, timeout=10).status_code == 401
     usage = stack.get("/v1/usage?window=60", "beta").json()
     assert (usage["requests"], usage["output_tokens"]) == (2, 10)  # rejected requests reserve nothing
     expected = {**dict.fromkeys(REJECT_REASONS, 0), "tokens": 1, "rate": 1, "invalid": 1}
