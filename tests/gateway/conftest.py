@@ -78,6 +78,16 @@ def post_at_once(
     return asyncio.run(run())
 
 
+class Clock:
+    """A clock (seconds) the test sets by hand."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Recorder:
     """A gateway observer that keeps every event it sees."""
 

@@ -19,6 +19,7 @@ from fairgate.gateway.observe import REJECT_REASONS, Rejected
 from fairgate.gateway.usage_api import WINDOW_MAX_S, RejectionLog
 from fairgate.ledger.config import LimitsConfig
 from tests.gateway import conftest
+from tests.gateway.conftest import Clock
 
 ADMIN_KEY = f"fg-test-admin-{'y' * 24}"
 SECRET_ENV = "FAIRGATE_TEST_USAGE_API_SECRET"
@@ -363,14 +364,6 @@ def test_admin_reconcile_is_a_dry_run_reused_for_a_while(stack: Stack, tmp_path:
 # --- the rejection counter, on its own --------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self, now_s: float) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
 def rejected(tenant: str | None, reason: str, time_s: float) -> Rejected:
     return Rejected("r", tenant, "emu", reason, 429, "no", time_s)
 
@@ -378,16 +371,16 @@ def rejected(tenant: str | None, reason: str, time_s: float) -> Rejected:
 def test_rejection_log_windows_and_tenants() -> None:
     clock = Clock(1_000_000.0)
     log = RejectionLog(["alpha", "beta"], retention_s=3600, bucket_s=10, clock=clock)
-    log.observe(rejected("alpha", "rate", clock.now_s - 100))
-    log.observe(rejected("alpha", "rate", clock.now_s - 5))
-    log.observe(rejected("alpha", "made-up", clock.now_s))
-    log.observe(rejected("mallory", "rate", clock.now_s))  # not configured: dropped
-    log.observe(rejected(None, "auth", clock.now_s))
+    log.observe(rejected("alpha", "rate", clock.now - 100))
+    log.observe(rejected("alpha", "rate", clock.now - 5))
+    log.observe(rejected("alpha", "made-up", clock.now))
+    log.observe(rejected("mallory", "rate", clock.now))  # not configured: dropped
+    log.observe(rejected(None, "auth", clock.now))
     assert log.counts("alpha", 60)["rate"] == 1 and log.counts("alpha", 60)["other"] == 1
     assert log.counts("alpha", 3600)["rate"] == 2
     assert sum(log.counts("beta", 3600).values()) == 0 and log.counts("mallory", 3600)["rate"] == 0
     assert log.counts(None, 60)["auth"] == 1
-    clock.now_s += 3700  # past the retention: forgotten
+    clock.now += 3700  # past the retention: forgotten
     assert sum(log.counts("alpha", 10**9).values()) == 0
 
 
@@ -395,8 +388,8 @@ def test_rejection_log_memory_is_bounded_under_a_flood() -> None:
     clock = Clock(0.0)
     log = RejectionLog(["alpha"], retention_s=600, bucket_s=10, clock=clock)
     for i in range(200_000):
-        clock.now_s = i * 0.05  # 20 rejections a second for 10 000 s
-        log.add("alpha", "rate", clock.now_s)
+        clock.now = i * 0.05  # 20 rejections a second for 10 000 s
+        log.add("alpha", "rate", clock.now)
     buckets = log._by_tenant["alpha"]
     assert len(buckets) <= 61
     assert log.counts("alpha", 600)["rate"] == pytest.approx(600 * 20, abs=10 * 20)
