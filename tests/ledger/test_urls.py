@@ -224,44 +224,23 @@ def hostport(url: str, default_port: int) -> tuple[str, int]:
 
 
 # --- Redis: a peer that does not answer, or answers wrongly, at open ----------------------------------
-# (id, URL without its host (the peer is put there), the peer, the error, what the error must say
-# ({where}: the peer's host:port), within how many seconds)
-PEERS_AT_OPEN: list[tuple[str, str, Callable[[], Handler], type[Exception], list[str], float]] = [
-    (
-        "default-timeout",
-        "redis:///0",
-        lambda: silent,
-        LedgerUnavailable,
-        ["{where}", "did not answer within 2 s"],
-        FAST_S,
-    ),
-    ("timeout_s", "redis:///0?timeout_s=0.5", lambda: silent, LedgerUnavailable, ["within 0.5 s", "redis ledger"], 1.5),
-    ("rediss-silent", "rediss:///0", lambda: silent, LedgerUnavailable, ["did not answer"], FAST_S),
-    (
-        "http",
-        "redis:///0",
-        lambda: http,
-        LedgerUnavailable,
-        ["does not speak the Redis protocol", "HTTP/1.1 400"],
-        FAST_S,
-    ),
+# (id, URL without its host (the peer is put there), the peer (a handler, or the replies of a FakeRedis), the
+# error, what the error must say ({where}: the peer's host:port), within how many seconds)
+PEERS_AT_OPEN: list[tuple[str, str, Handler | dict[str, bytes], type[Exception], list[str], float]] = [
+    ("default-timeout", "redis:///0", silent, LedgerUnavailable, ["{where}", "did not answer within 2 s"], FAST_S),
+    ("timeout_s", "redis:///0?timeout_s=0.5", silent, LedgerUnavailable, ["within 0.5 s", "redis ledger"], 1.5),
+    ("rediss-silent", "rediss:///0", silent, LedgerUnavailable, ["did not answer"], FAST_S),
+    ("http", "redis:///0", http, LedgerUnavailable, ["does not speak the Redis protocol", "HTTP/1.1 400"], FAST_S),
     (
         "db-out-of-range",
         "redis:///5",
-        lambda: FakeRedis({"SELECT": b"-ERR DB index is out of range\r\n"}),
+        {"SELECT": b"-ERR DB index is out of range\r\n"},
         ValueError,
         ["database 5"],
         FAST_S,
     ),
     *[
-        (
-            f"reply-{'-'.join(replies)}-{needles[0]}",
-            "redis:///0",
-            lambda replies=replies: FakeRedis(replies),
-            LedgerUnavailable,
-            needles,
-            FAST_S,
-        )
+        (f"reply-{'-'.join(replies)}-{needles[0]}", "redis:///0", replies, LedgerUnavailable, needles, FAST_S)
         for replies, needles in [
             ({"PING": b"-LOADING Redis is loading the dataset in memory\r\n"}, ["LOADING", "loading"]),
             ({"PING": b"-NOAUTH Authentication required.\r\n"}, ["Authentication required"]),
@@ -284,7 +263,7 @@ PEERS_AT_OPEN: list[tuple[str, str, Callable[[], Handler], type[Exception], list
     ("url", "peer", "kind", "needles", "within"), [c[1:] for c in PEERS_AT_OPEN], ids=[c[0] for c in PEERS_AT_OPEN]
 )
 async def test_redis_peer_misbehaving_at_open_fails_fast_and_says_why(tcp_server, url, peer, kind, needles, within):
-    server = await tcp_server(peer())
+    server = await tcp_server(FakeRedis(peer) if isinstance(peer, dict) else peer)
     where = f"127.0.0.1:{server.port}"
     scheme, rest = url.split(":///")
     await fails(
