@@ -424,11 +424,16 @@ async def test_redis_create_false_refuses_a_prefix_with_no_keys(redis_url):
     assert "s3cr3t" not in text
 
 
-async def test_redis_create_false_opens_a_ledger_with_a_tenant_registry(redis_url):
-    url = f"{redis_url}?prefix={token()}"
-    async with opened(RedisLedger, url) as ledger:
-        await ledger.reserve("a", "r1", 10, 10)  # registers the tenant
-        again = await RedisLedger.open(url, QUOTAS, create=False)
+@pytest.mark.parametrize("kind", [RedisLedger, PostgresLedger], ids=["redis", "postgres"])
+async def test_create_false_opens_an_existing_ledger(kind, request):
+    """On Redis, a ledger whose tenant registry exists (the reservation registers the tenant)."""
+    if kind is RedisLedger:
+        url = f"{request.getfixturevalue('redis_url')}?prefix={token()}"
+    else:
+        url = f"{request.getfixturevalue('postgres_url')}?schema={token()}"
+    async with opened(kind, url) as ledger:
+        await ledger.reserve("a", "r1", 10, 10)
+        again = await kind.open(url, QUOTAS, create=False)
         assert [r.request_id for r in await again.reservations()] == ["r1"]
         await again.close()
 
@@ -625,12 +630,3 @@ async def test_postgres_create_false_refuses_a_schema_without_the_tables(postgre
             )
         finally:
             await connection.execute(f"DROP SCHEMA {schema} CASCADE")
-
-
-async def test_postgres_create_false_opens_an_existing_ledger(postgres_url):
-    url = f"{postgres_url}?schema={token()}"
-    async with opened(PostgresLedger, url) as ledger:
-        await ledger.reserve("a", "r1", 10, 10)
-        again = await PostgresLedger.open(url, QUOTAS, create=False)
-        assert [r.request_id for r in await again.reservations()] == ["r1"]
-        await again.close()
