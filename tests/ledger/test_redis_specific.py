@@ -48,15 +48,15 @@ QUOTAS = quotas_from_dict(
 
 @pytest.fixture
 async def redis_ledger(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
-    """``await redis_ledger(clock=None, prefix=None, quotas=QUOTAS)``: a ledger on a fresh prefix; keys dropped
-    after."""
+    """``await redis_ledger(clock=None, prefix=None, quotas=QUOTAS, query="")``: a ledger on a fresh prefix (more
+    URL parameters in ``query``); keys dropped after."""
     opened: list[RedisLedger] = []
     default_prefix = f"fgt_{uuid.uuid4().hex[:12]}"
 
     async def make(
-        clock: Callable[[], float] | None = None, prefix: str | None = None, quotas: Quotas = QUOTAS
+        clock: Callable[[], float] | None = None, prefix: str | None = None, quotas: Quotas = QUOTAS, query: str = ""
     ) -> RedisLedger:
-        ledger = await connect(f"{redis_url}?prefix={prefix or default_prefix}", quotas, clock)
+        ledger = await connect(f"{redis_url}?prefix={prefix or default_prefix}{query}", quotas, clock)
         assert isinstance(ledger, RedisLedger)
         opened.append(ledger)
         return ledger
@@ -114,19 +114,13 @@ async def test_every_key_has_a_ttl_after_mixed_operations(redis_ledger, redis_ur
     assert all(35 * 86_400_000 - 600_000 < ttl <= 35 * 86_400_000 for ttl in ttls.values())
 
 
-async def test_retention_days_from_the_url(redis_url):
-    prefix = f"fgt_{uuid.uuid4().hex[:12]}"
-    ledger = await connect(f"{redis_url}?prefix={prefix}&retention_days=2", QUOTAS)
-    assert isinstance(ledger, RedisLedger)
-    try:
-        r = await ledger.reserve("a", "x", 1, 1, 0.0)
-        await ledger.heartbeat(r.id)
-        async with Redis.from_url(redis_url, decode_responses=True) as client:
-            ttls = [await client.pttl(k) for k in await _keys_of(ledger, client)]
-        assert ttls and all(2 * 86_400_000 - 600_000 < ttl <= 2 * 86_400_000 for ttl in ttls)
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
+async def test_retention_days_from_the_url(redis_ledger, redis_url):
+    ledger = await redis_ledger(query="&retention_days=2")
+    r = await ledger.reserve("a", "x", 1, 1, 0.0)
+    await ledger.heartbeat(r.id)
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        ttls = [await client.pttl(k) for k in await _keys_of(ledger, client)]
+    assert ttls and all(2 * 86_400_000 - 600_000 < ttl <= 2 * 86_400_000 for ttl in ttls)
 
 
 async def test_all_keys_of_a_tenant_share_one_hash_slot(redis_ledger, redis_url, clock):
