@@ -1,13 +1,22 @@
-"""Shared fixtures: where the repository and the shared trace data are."""
+"""Shared fixtures: where the repository and the shared trace data are; the command line run as a user runs it."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def fairgate(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m fairgate *args`` in ``cwd``, as a user runs it: its exit code and output (text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "fairgate", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="session")

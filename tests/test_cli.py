@@ -10,14 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import fairgate
+
 REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "scenarios" / "seed.toml"
-
-
-def fairgate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fairgate", *args], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
 
 
 def bad(tmp_path: Path, text: str) -> Path:

@@ -3,27 +3,18 @@ in front of an emulated replica, then the commands in a subprocess (output, file
 
 from __future__ import annotations
 
-import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import TENANTS, serve_stack
+from tests.conftest import fairgate
+from tests.gateway.conftest import TENANTS, post, post_at_once, serve_stack
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def fairgate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fairgate", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture(scope="module")
@@ -38,35 +29,17 @@ def served(tmp_path_factory) -> tuple[Path, Path]:  # type: ignore[no-untyped-de
     ) as stack:
         url, keys = stack.url, stack.keys
 
-        def post(tenant_key: str, request_id: str, max_tokens: int = 6) -> int:
-            body = {"model": "emu", "prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": True}
-            return httpx.post(
-                f"{url}/v1/completions",
-                timeout=60,
-                json=body,
-                headers={"Authorization": f"Bearer {tenant_key}", "X-Request-Id": request_id},
-            ).status_code
+        def status(tenant_key: str, request_id: str) -> int:
+            body = {"model": "emu", "prompt": "a b c", "max_tokens": 6, "ignore_eos": True}
+            return post(url, tenant_key, body, {"X-Request-Id": request_id}, timeout=60).status_code
 
-        assert post(keys["alpha"], "ok-1") == 200
-        assert post(keys["beta"], "rate-1") == 200
-        assert post(keys["beta"], "rate-2") == 429
-        assert post("fg-not-a-key", "nokey-1") == 401
-
-        async def flood() -> list[int]:
-            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                replies = await asyncio.gather(
-                    *(
-                        http.post(
-                            "/v1/completions",
-                            json={"model": "emu", "prompt": "x", "max_tokens": 40, "ignore_eos": True},
-                            headers={"Authorization": f"Bearer {keys['gamma']}", "X-Request-Id": f"flood-{i}"},
-                        )
-                        for i in range(7)
-                    )
-                )
-            return [r.status_code for r in replies]
-
-        assert sorted(asyncio.run(flood())) == [200] * 5 + [429] * 2
+        assert status(keys["alpha"], "ok-1") == 200
+        assert status(keys["beta"], "rate-1") == 200
+        assert status(keys["beta"], "rate-2") == 429
+        assert status("fg-not-a-key", "nokey-1") == 401
+        body = {"model": "emu", "prompt": "x", "max_tokens": 40, "ignore_eos": True}
+        replies = post_at_once([(url, keys["gamma"], body, {"X-Request-Id": f"flood-{i}"}) for i in range(7)])
+        assert sorted(r.status_code for r in replies) == [200] * 5 + [429] * 2
     assert stack.config.event_log_path is not None and stack.config.event_log_path.is_file()
     return stack.config_path, stack.config.event_log_path
 

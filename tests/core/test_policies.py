@@ -32,18 +32,18 @@ def drain(policy, view=None):
     return out
 
 
-def test_fcfs_serves_in_arrival_order():
-    p = FCFS()
-    for r in requests("a", "b", "a", "c"):
+@pytest.mark.parametrize(
+    "policy, arrivals, served",
+    [
+        (FCFS, "abac", "abac"),  # in arrival order
+        (RoundRobin, "aaabbc", "abcaba"),  # alternating
+    ],
+)
+def test_fcfs_and_round_robin_order(policy, arrivals, served):
+    p = policy()
+    for r in requests(*arrivals):
         p.enqueue(r, 0.0)
-    assert drain(p) == ["a", "b", "a", "c"]
-
-
-def test_round_robin_alternates():
-    p = RoundRobin()
-    for r in requests("a", "a", "a", "b", "b", "c"):
-        p.enqueue(r, 0.0)
-    assert drain(p) == ["a", "b", "c", "a", "b", "a"]
+    assert drain(p) == list(served)
 
 
 def test_vtc_charges_input_at_admission_and_output_twice():

@@ -7,13 +7,11 @@ fcfs x8.1-8.5 (the others queue behind the burster's backlog)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.burst import BurstConfig, run
+from tests.conftest import fairgate
 from tests.drills.conftest import timed_run
 
 WALL_S_MAX = 45.0
@@ -48,9 +46,7 @@ def test_fcfs_fails_the_claim():
 
 
 def test_unknown_drill_is_a_usage_error():
-    reply = subprocess.run(
-        [sys.executable, "-m", "fairgate", "drill", "nosuch"], capture_output=True, text=True, timeout=120
-    )
+    reply = fairgate("drill", "nosuch", timeout=120)
     assert reply.returncode == 2
     assert "unknown drill 'nosuch'" in reply.stderr and "burst" in reply.stderr and "ultra_long" in reply.stderr
     assert "Traceback" not in reply.stderr

@@ -116,7 +116,10 @@ def test_fresh_ledger_urls_and_spreading_clients():
 # --- claim 1: limits, on real processes ----------------------------------------------------------------------------
 
 
-def _limits(url: str) -> None:
+@pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
+@pytest.mark.parametrize("backend", ["postgresql", "redis"])
+def test_one_two_four_processes_never_admit_beyond_the_limits(backend: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue({"postgresql": "postgres_url", "redis": "redis_url"}[backend])
     start = time.monotonic()
     config = LimitsConfig()
     figs = run_limits(config, url)
@@ -143,16 +146,6 @@ def _limits(url: str) -> None:
         assert group.replica is not None and group.replica.busy_ms > 0, summary
         assert group.ledger_gpu_ms / group.replica.busy_ms == pytest.approx(1.0, abs=0.15), summary
     assert elapsed <= LIMITS_WALL_S_MAX, f"the drill took {elapsed:.0f} s"
-
-
-@pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
-def test_one_two_four_processes_never_admit_beyond_the_limits_on_postgresql(postgres_url: str) -> None:  # noqa: F811
-    _limits(postgres_url)
-
-
-@pytest.mark.serial
-def test_one_two_four_processes_never_admit_beyond_the_limits_on_redis(redis_url: str) -> None:  # noqa: F811
-    _limits(redis_url)
 
 
 # --- claim 2: fair dispatch across processes -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 
 from fairgate.emulator.api import EmulatorSettings, create_app
 from fairgate.harness.threads import serve_in_thread
+from tests.conftest import fairgate
 
 SETTINGS = EmulatorSettings(
     iter_base_ms=8.0,
@@ -191,7 +192,5 @@ def test_cli_serves_and_rejects_bad_settings():
     finally:
         process.terminate()
         process.communicate(timeout=20)  # also closes the stderr pipe
-    bad = subprocess.run(
-        [sys.executable, "-m", "fairgate", "emulate", "--max-batch", "0"], capture_output=True, text=True, timeout=60
-    )
+    bad = fairgate("emulate", "--max-batch", "0", timeout=60)
     assert bad.returncode == 2 and "--max-batch" in bad.stderr and "Traceback" not in bad.stderr

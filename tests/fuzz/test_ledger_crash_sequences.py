@@ -36,7 +36,7 @@ from fairgate.ledger import (
 )
 from fairgate.ledger.reconcile import reconcile
 from fairgate.ledger.rules import input_allowance
-from tests.ledger.conftest import postgres_url, redis_throwaway, redis_url  # noqa: F401 - fixtures
+from tests.ledger.conftest import FakeClock, const, postgres_url, redis_throwaway, redis_url  # noqa: F401 - fixtures
 
 TTL_S = 30.0
 QUOTAS = quotas_from_dict(
@@ -92,14 +92,6 @@ class _Tearing:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._c, name)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_ms = 1_700_000_000_000.0
-
-    def __call__(self) -> float:
-        return self.now_ms
 
 
 @dataclass
@@ -377,9 +369,6 @@ class LedgerSequences(RuleBasedStateMachine):
         open_known = [k for k in self.by_request.values() if k.status == "open"]
         ids_running = {open_known[i % len(open_known)].reservation.id for i in running} if open_known else set()
 
-        async def is_running(r: Reservation) -> bool:
-            return r.id in ids_running
-
         def runs(k: Known) -> bool:
             if registry:
                 return k.beat_ms is not None and now - k.beat_ms <= TTL_S * 1000.0
@@ -387,7 +376,7 @@ class LedgerSequences(RuleBasedStateMachine):
 
         due = [k for k in open_known if k.expires_at_ms <= now and k.reservation.tenant not in self.frozen]
         expected = {k.reservation.id for k in due if not runs(k)}
-        expired = self.run(self.ledger.expire_due(None if registry else is_running))
+        expired = self.run(self.ledger.expire_due(None if registry else lambda r: const(r.id in ids_running)))
         assert {r.id for r in expired} == expected
         for k in due:
             if runs(k):
@@ -437,11 +426,7 @@ class LedgerSequences(RuleBasedStateMachine):
             call = self.ledger.cancel(open_one.reservation.id, open_one.billed)
         else:
             self.clock.now_ms += (TTL_S + 1) * 1000.0
-
-            async def not_running(_r: Reservation) -> bool:
-                return False
-
-            call = self.ledger.expire_due(not_running)
+            call = self.ledger.expire_due(lambda _r: const(False))
         frozen = open_one is not None and open_one.reservation.tenant in self.frozen
         self.run(self.torn(call, at))
         self.reopen(close=True)
@@ -589,11 +574,7 @@ class LedgerSequences(RuleBasedStateMachine):
             self.run(self.ledger.unfreeze(tenant))
         self.frozen.clear()
         self.clock.now_ms += (TTL_S + 1) * 1000.0
-
-        async def not_running(_r: Reservation) -> bool:
-            return False
-
-        self.run(self.ledger.expire_due(not_running))
+        self.run(self.ledger.expire_due(lambda _r: const(False)))
         reservations = self.run(self.ledger.reservations())
         assert all(r.is_final for r in reservations), [r for r in reservations if not r.is_final]
         for r in reservations:
@@ -620,8 +601,15 @@ class LedgerSequences(RuleBasedStateMachine):
         assert report.clean, report.to_json()
 
 
-def _run(machine: type[LedgerSequences], backend: str, url: str) -> None:
-    machine.url, machine.backend = url, backend
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=SLOW), pytest.param("redis", marks=SLOW)])
+def test_sequences(backend: str, request: pytest.FixtureRequest, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Operation sequences on ``backend``, each on a fresh file, schema or key prefix (``{token}``)."""
+    base = f"sqlite:///{tmp_path}/{{token}}.db" if backend == "sqlite" else request.getfixturevalue(f"{backend}_url")
+    url = base + {"sqlite": "", "postgres": "?schema={token}", "redis": "?prefix={token}"}[backend]
+    machine = type(f"{backend.title()}Sequences", (LedgerSequences,), {"url": url, "backend": backend})
     LedgerSequences.totals = Counter()
     run_state_machine_as_test(
         machine,
@@ -634,29 +622,3 @@ def _run(machine: type[LedgerSequences], backend: str, url: str) -> None:
         ),
     )
     print(f"\n{backend}: {dict(sorted(LedgerSequences.totals.items()))}")
-
-
-class SqliteSequences(LedgerSequences):
-    pass
-
-
-class PostgresSequences(LedgerSequences):
-    pass
-
-
-class RedisSequences(LedgerSequences):
-    pass
-
-
-def test_sqlite_sequences(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    _run(SqliteSequences, "sqlite", f"sqlite:///{tmp_path}/{{token}}.db")
-
-
-@pytest.mark.slow
-def test_postgres_sequences(postgres_url: str) -> None:  # noqa: F811
-    _run(PostgresSequences, "postgres", f"{postgres_url}?schema={{token}}")
-
-
-@pytest.mark.slow
-def test_redis_sequences(redis_url: str) -> None:  # noqa: F811
-    _run(RedisSequences, "redis", f"{redis_url}?prefix={{token}}")

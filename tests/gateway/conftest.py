@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 
 from fairgate.emulator.api import create_app
@@ -32,6 +33,76 @@ REPLICA = ReplicaModel(
 )
 EMULATOR = REPLICA.settings("emu")
 TENANTS = ("alpha", "beta", "gamma")
+BODY = {"model": "emu", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
+
+
+def ledger_call(config: GatewayConfig, work: Callable[[Ledger], Awaitable[T]]) -> T:
+    """What ``work`` returns on a connection of its own to ``config``'s ledger (closed afterwards)."""
+
+    async def run() -> T:
+        async with await connect(config.ledger_url, config.quotas) as ledger:
+            return await work(ledger)
+
+    return asyncio.run(run())
+
+
+def post(
+    url: str,
+    key: str,
+    body: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+) -> httpx.Response:
+    """``body`` (default ``BODY``) POSTed to the gateway's /v1/completions with ``key`` and ``headers``."""
+    return httpx.post(
+        f"{url}/v1/completions",
+        json=body or BODY,
+        timeout=timeout,
+        headers={"Authorization": f"Bearer {key}", **(headers or {})},
+    )
+
+
+def post_at_once(
+    requests: Sequence[tuple[str, str, Mapping[str, Any], Mapping[str, str] | None]], timeout: float = 60.0
+) -> list[httpx.Response]:
+    """Each ``(gateway url, key, body, headers)`` POSTed to /v1/completions, all at once; the replies in order."""
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            calls = [
+                http.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}", **(h or {})})
+                for url, key, body, h in requests
+            ]
+            return list(await asyncio.gather(*calls))
+
+    return asyncio.run(run())
+
+
+class Clock:
+    """A clock (seconds) the test sets by hand."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder:
+    """A gateway observer that keeps every event it sees."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def observe(self, event: object) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type, request_id: str | None = None) -> list:  # type: ignore[type-arg]
+        return [
+            e
+            for e in self.events
+            if isinstance(e, kind) and (request_id is None or getattr(e, "request_id", None) == request_id)
+        ]
 
 
 @dataclass
@@ -47,12 +118,7 @@ class Stack:
 
     def ledger_call(self, work: Callable[[Ledger], Awaitable[T]]) -> T:
         """What ``work`` returns on a connection of its own to the gateway's ledger (closed afterwards)."""
-
-        async def run() -> T:
-            async with await connect(self.ledger_url, self.config.quotas) as ledger:
-                return await work(ledger)
-
-        return asyncio.run(run())
+        return ledger_call(self.config, work)
 
     def reservations(self) -> list[Reservation]:
         return self.ledger_call(lambda ledger: ledger.reservations())
@@ -95,13 +161,13 @@ def write_config(
 
 
 @contextmanager
-def serve_stack(tmp: Path, upstream: Any = None, **config: Any) -> Iterator[Stack]:
+def serve_stack(tmp: Path, upstream: Any = None, observers: Sequence[Any] = (), **config: Any) -> Iterator[Stack]:
     """A gateway written by ``write_config(tmp, ..., **config)`` in front of ``upstream`` (an ASGI app; default
-    the ``EMULATOR`` replica), both served on loopback until the block ends."""
+    the ``EMULATOR`` replica), both served on loopback until the block ends; ``observers`` see its events."""
     with serve_in_thread(upstream or create_app(EMULATOR)) as emulator:
         path, keys = write_config(tmp, [emulator], **config)
         gateway_config = load_gateway_config(path)
-        with serve_in_thread(create_gateway(gateway_config)) as gateway:
+        with serve_in_thread(create_gateway(gateway_config, observers=list(observers))) as gateway:
             yield Stack(gateway, keys, path, gateway_config)
 
 

@@ -7,8 +7,6 @@ import hashlib
 import hmac
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from fairgate.gateway.auth import (
     verify_on_behalf_of,
 )
 from fairgate.gateway.config import load_gateway_config
+from tests.conftest import fairgate
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "config" / "fairgate.example.toml"
@@ -182,12 +181,6 @@ def test_secrets_and_arguments_are_checked() -> None:
 
 
 # --- fairgate keys ----------------------------------------------------------------------------------
-
-
-def fairgate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fairgate", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
 
 
 def test_keys_add_and_list_end_to_end(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.ledger.base import tenant_tag
-from tests.gateway.conftest import TENANTS
+from tests.gateway.conftest import TENANTS, post
 from tests.gateway.test_metrics import ADMIN_KEY, admin_stack
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package `chromium` (scripts/setup installs it)
@@ -44,20 +44,8 @@ def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
         sent = {"alpha": 2, "beta": 1, "gamma": 3}
         for tenant, n in sent.items():
             for _ in range(n):
-                reply = httpx.post(
-                    f"{url}/v1/completions",
-                    json=BODY,
-                    timeout=30,
-                    headers={"Authorization": f"Bearer {stack.keys[tenant]}"},
-                )
-                assert reply.status_code == 200
-        bad = httpx.post(
-            f"{url}/v1/completions",
-            json={"model": "emu"},
-            timeout=30,
-            headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
-        )
-        assert bad.status_code == 400
+                assert post(url, stack.keys[tenant], BODY).status_code == 200
+        assert post(url, stack.keys["alpha"], {"model": "emu"}).status_code == 400
 
         admin = get_data(url, ADMIN_KEY).json()
         assert admin["scope"] == "admin" and set(admin["series"]) == set(TENANTS)

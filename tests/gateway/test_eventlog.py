@@ -6,7 +6,6 @@ that overflows the queue (queue_full), a bad key and a forbidden delegation (who
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -20,25 +19,15 @@ from fairgate.gateway.eventlog import EventLog, EventLogError, read_records
 from fairgate.gateway.observe import Admitted, Charged, Finished
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import TENANTS, serve_stack
+from tests.gateway import conftest
+from tests.gateway.conftest import TENANTS, post_at_once, serve_stack
 
 SECRET = "s" * 32
 BODY = {"model": "emu", "prompt": "x y", "max_tokens": 6, "ignore_eos": True}
 
 
-def post(
-    url: str,
-    key: str,
-    request_id: str,
-    body: dict | None = None,  # type: ignore[type-arg]
-    headers: dict | None = None,
-) -> httpx.Response:  # type: ignore[type-arg]
-    return httpx.post(
-        f"{url}/v1/completions",
-        json=body or BODY,
-        timeout=60,
-        headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id, **(headers or {})},
-    )
+def post(url: str, key: str, request_id: str, headers: dict | None = None) -> httpx.Response:  # type: ignore[type-arg]
+    return conftest.post(url, key, BODY, {"X-Request-Id": request_id, **(headers or {})}, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +43,7 @@ def run(tmp_path_factory):  # type: ignore[no-untyped-def]
             delegates=["gamma"],
         ) as stack:
             url, keys, config = stack.url, stack.keys, stack.config
-            reply = httpx.post(
-                f"{url}/v1/completions",
-                timeout=60,
-                json={**BODY, "stream": True},
-                headers={"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "ok-1"},
-            )
+            reply = conftest.post(url, keys["alpha"], {**BODY, "stream": True}, {"X-Request-Id": "ok-1"}, timeout=60)
             statuses["ok-1"] = reply.status_code
             token = make_on_behalf_of(SECRET.encode(), "gamma", "beta", time.time() + 60)
             statuses["deleg-1"] = post(
@@ -73,23 +57,10 @@ def run(tmp_path_factory):  # type: ignore[no-untyped-def]
                 url, keys["alpha"], "forbid-1", headers={"X-Fairgate-On-Behalf-Of": token}
             ).status_code
 
-            async def flood() -> dict[str, int]:
-                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                    body = {**BODY, "max_tokens": 60}
-                    ids = [f"flood-{i}" for i in range(8)]
-                    replies = await asyncio.gather(
-                        *(
-                            http.post(
-                                "/v1/completions",
-                                json=body,
-                                headers={"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": i},
-                            )
-                            for i in ids
-                        )
-                    )
-                return {i: r.status_code for i, r in zip(ids, replies, strict=False)}
-
-            statuses.update(asyncio.run(flood()))
+            ids = [f"flood-{i}" for i in range(8)]
+            body = {**BODY, "max_tokens": 60}
+            replies = post_at_once([(url, keys["alpha"], body, {"X-Request-Id": i}) for i in ids])
+            statuses.update({i: r.status_code for i, r in zip(ids, replies, strict=False)})
         # the gateway and its replica have stopped: the log is flushed and closed
     assert config.event_log_path == tmp / "fairgate-events.jsonl"
     text = config.event_log_path.read_text()

@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from tests.gateway import conftest
+
 
 def client(stack, tenant: str = "alpha") -> openai.OpenAI:  # type: ignore[no-untyped-def]
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys[tenant], max_retries=0)
@@ -84,30 +86,59 @@ def test_missing_or_bad_credentials(stack, headers, status):
 
 def test_a_forged_tenant_in_body_or_header_is_ignored(stack):
     key = stack.keys["gamma"]
-    reply = httpx.post(
-        f"{stack.url}/v1/completions",
-        timeout=10,
-        headers={"Authorization": f"Bearer {key}", "X-Tenant": "alpha", "OpenAI-Organization": "alpha"},
-        json={"model": "emu", "prompt": "x", "max_tokens": 2, "user": "alpha", "ignore_eos": True},
-    )
+    forged = {"X-Tenant": "alpha", "OpenAI-Organization": "alpha"}
+    body = {"model": "emu", "prompt": "x", "max_tokens": 2, "user": "alpha", "ignore_eos": True}
+    reply = conftest.post(stack.url, key, body, forged, timeout=10)
     assert reply.status_code == 200
     assert [r.tenant for r in stack.reservations()] == ["gamma"]
 
 
+MALFORMED_CHAT = [  # (body, status, param) POSTed to /v1/chat/completions
+    (b"{not json", 400, None),
+    (b'{"model": "emu", "messages": "hi"}', 400, "messages"),
+    (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "max_tokens"),
+    (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w " * 3000 + b'"}]}', 413, "messages"),
+    (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}', 400, "max_tokens"),
+    (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w" * 70000 + b'"}]}', 413, None),
+]
+MISTYPED_COMPLETIONS = [  # (body, param) POSTed to /v1/completions: 400
+    (b'{"model": "emu", "prompt": "x", "temperature": NaN}', None),
+    (b'{"model": "emu", "prompt": "x", "temperature": 1e400}', "temperature"),
+    (b'{"model": "emu", "prompt": "\\ud800"}', "prompt"),
+    (b'{"model": "emu", "prompt": "x", "x": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", None),
+    (b'{"model": "emu", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    (b'{"model": "emu", "prompt": "x", "stream": "yes"}', "stream"),
+    (b'{"model": "", "prompt": "x"}', "model"),
+    # Found by a helper: 950 levels passed the parser, then the upstream call's re-encoding recursed (500).
+    (b'{"model": "emu", "prompt": "x", "stream": true, "junk": ' + b"[" * 950 + b"]" * 950 + b"}", "junk" + ".0" * 64),
+    (b'{"model": "nope", "model": "emu", "prompt": "x"}', "model"),  # a key twice: which one was meant?
+    # Found by a helper: accepted silently before.
+    (b'{"model": "emu", "prompt": ["a b", "c d"]}', "prompt"),  # a batch would be one choice each
+    (b'{"model": "emu", "prompt": "x", "max_tokens": 4, "max_completion_tokens": 8}', "max_tokens"),
+    # OpenAI's sampling fields: the type and range vLLM would hold them to, named in the error.
+    (b'{"model": "emu", "prompt": "x", "temperature": "hot"}', "temperature"),
+    (b'{"model": "emu", "prompt": "x", "temperature": 2.5}', "temperature"),
+    (b'{"model": "emu", "prompt": "x", "top_p": -0.1}', "top_p"),
+    (b'{"model": "emu", "prompt": "x", "presence_penalty": "1"}', "presence_penalty"),
+    (b'{"model": "emu", "prompt": "x", "frequency_penalty": 3}', "frequency_penalty"),
+    (b'{"model": "emu", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
+    (b'{"model": "emu", "prompt": "x", "stop": 7}', "stop"),
+    (b'{"model": "emu", "prompt": "x", "logit_bias": {"50256": 101}}', "logit_bias.50256"),
+    (b'{"model": "emu", "prompt": "x", "logprobs": 9}', "logprobs"),
+    (b'{"model": "emu", "prompt": "x", "user": 12}', "user"),
+]
+
+
 @pytest.mark.parametrize(
-    "body, status, param",
+    "path, body, status, param",
     [
-        (b"{not json", 400, None),
-        (b'{"model": "emu", "messages": "hi"}', 400, "messages"),
-        (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "max_tokens"),
-        (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
-        (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w " * 3000 + b'"}]}', 413, "messages"),
-        (b'{"model": "emu", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}', 400, "max_tokens"),
-        (b'{"model": "emu", "messages": [{"role": "user", "content": "' + b"w" * 70000 + b'"}]}', 413, None),
+        *(("/v1/chat/completions", body, status, param) for body, status, param in MALFORMED_CHAT),
+        *(("/v1/completions", body, 400, param) for body, param in MISTYPED_COMPLETIONS),
     ],
 )
-def test_malformed_requests_are_4xx_and_reserve_nothing(stack, body, status, param):
-    reply = post(stack, "/v1/chat/completions", body, timeout=10)
+def test_malformed_unsendable_or_mistyped_bodies_are_4xx_and_reserve_nothing(stack, path, body, status, param):
+    reply = post(stack, path, body)
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param
     assert stack.reservations() == []
@@ -136,57 +167,11 @@ def test_client_disconnect_bills_what_was_generated_and_frees_the_slot(stack):
 
 
 def test_concurrent_duplicates_of_one_request_id_run_once(stack):
-    async def run() -> list[int]:
-        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
-            body = {"model": "emu", "prompt": "x", "max_tokens": 30, "ignore_eos": True}
-            headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "Idempotency-Key": "dup-1"}
-            replies = await asyncio.gather(
-                *(http.post("/v1/completions", json=body, headers=headers) for _ in range(5))
-            )
-        return sorted(r.status_code for r in replies)
-
-    assert asyncio.run(run()) == [200, 409, 409, 409, 409]
+    body = {"model": "emu", "prompt": "x", "max_tokens": 30, "ignore_eos": True}
+    replies = conftest.post_at_once([(stack.url, stack.keys["alpha"], body, {"Idempotency-Key": "dup-1"})] * 5, 30)
+    assert sorted(r.status_code for r in replies) == [200, 409, 409, 409, 409]
     [r] = stack.reservations()
     assert (r.status, r.billed.output_tokens) == ("settled", 30)
-
-
-@pytest.mark.parametrize(
-    "body, param",
-    [
-        (b'{"model": "emu", "prompt": "x", "temperature": NaN}', None),
-        (b'{"model": "emu", "prompt": "x", "temperature": 1e400}', "temperature"),
-        (b'{"model": "emu", "prompt": "\\ud800"}', "prompt"),
-        (b'{"model": "emu", "prompt": "x", "x": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", None),
-        (b'{"model": "emu", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
-        (b'{"model": "emu", "prompt": "x", "stream": "yes"}', "stream"),
-        (b'{"model": "", "prompt": "x"}', "model"),
-        # Found by a helper: 950 levels passed the parser, then the upstream call's re-encoding recursed (500).
-        (
-            b'{"model": "emu", "prompt": "x", "stream": true, "junk": ' + b"[" * 950 + b"]" * 950 + b"}",
-            "junk" + ".0" * 64,
-        ),
-        (b'{"model": "nope", "model": "emu", "prompt": "x"}', "model"),  # a key twice: which one was meant?
-        # Found by a helper: accepted silently before.
-        (b'{"model": "emu", "prompt": ["a b", "c d"]}', "prompt"),  # a batch would be one choice each
-        (b'{"model": "emu", "prompt": "x", "max_tokens": 4, "max_completion_tokens": 8}', "max_tokens"),
-        # OpenAI's sampling fields: the type and range vLLM would hold them to, named in the error.
-        (b'{"model": "emu", "prompt": "x", "temperature": "hot"}', "temperature"),
-        (b'{"model": "emu", "prompt": "x", "temperature": 2.5}', "temperature"),
-        (b'{"model": "emu", "prompt": "x", "top_p": -0.1}', "top_p"),
-        (b'{"model": "emu", "prompt": "x", "presence_penalty": "1"}', "presence_penalty"),
-        (b'{"model": "emu", "prompt": "x", "frequency_penalty": 3}', "frequency_penalty"),
-        (b'{"model": "emu", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
-        (b'{"model": "emu", "prompt": "x", "stop": 7}', "stop"),
-        (b'{"model": "emu", "prompt": "x", "logit_bias": {"50256": 101}}', "logit_bias.50256"),
-        (b'{"model": "emu", "prompt": "x", "logprobs": 9}', "logprobs"),
-        (b'{"model": "emu", "prompt": "x", "user": 12}', "user"),
-    ],
-)
-def test_unsendable_or_mistyped_bodies_are_400(stack, body, param):
-    reply = post(stack, "/v1/completions", body)
-    assert reply.status_code == 400, reply.text
-    assert reply.json()["error"]["param"] == param
-    assert stack.reservations() == []
 
 
 def test_well_formed_sampling_fields_are_served(stack):

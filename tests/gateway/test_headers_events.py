@@ -3,10 +3,8 @@ before the first streamed byte - over real HTTP against a real emulator and SQLi
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-import httpx
 import pytest
 
 from fairgate.emulator.api import create_app
@@ -15,103 +13,64 @@ from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Finished, Rejected
 from fairgate.harness.process import free_port
 from fairgate.harness.threads import serve_in_thread
-from fairgate.ledger import connect
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import EMULATOR, write_config
-
-BODY = {"model": "emu", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
-
-
-def post(url: str, key: str, body: dict | None = None, headers: dict | None = None) -> httpx.Response:  # type: ignore[type-arg]
-    return httpx.post(
-        f"{url}/v1/completions",
-        json=body or BODY,
-        timeout=30,
-        headers={"Authorization": f"Bearer {key}", **(headers or {})},
-    )
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[object] = []
-
-    def observe(self, event: object) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type, request_id: str | None = None) -> list:  # type: ignore[type-arg]
-        return [
-            e
-            for e in self.events
-            if isinstance(e, kind) and (request_id is None or getattr(e, "request_id", None) == request_id)
-        ]
+from tests.gateway.conftest import BODY, EMULATOR, Recorder, ledger_call, post, serve_stack, write_config
 
 
 def test_remaining_and_reset_headers_count_down(tmp_path):
-    with serve_in_thread(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator], defaults=LimitsConfig(requests_per_minute=60, requests_burst=5))
-        with serve_in_thread(create_gateway(load_gateway_config(path))) as url:
-            first, second = post(url, keys["alpha"]), post(url, keys["alpha"])
-            assert first.headers["x-ratelimit-limit-requests"] == "60"
-            assert first.headers["x-ratelimit-remaining-requests"] == "4"
-            assert second.headers["x-ratelimit-remaining-requests"] == "3"
-            # 60/min refills one request per second: up to 1 s (first) and 2 s (second) to be full again, less
-            # the time between the reservation and the header (short, but a loaded machine stretches it).
-            first_reset = float(first.headers["x-ratelimit-reset-requests"].rstrip("s"))
-            second_reset = float(second.headers["x-ratelimit-reset-requests"].rstrip("s"))
-            assert 0.5 <= first_reset <= 1.0 and 1.5 <= second_reset <= 2.0
-            assert "x-ratelimit-remaining-tokens" not in first.headers  # no token limit configured
-            for _ in range(3):
-                post(url, keys["alpha"])
-            refused = post(url, keys["alpha"])
-            assert refused.status_code == 429
-            assert refused.headers["x-fairgate-quota-dimension"] == "requests_per_minute"
-            assert refused.headers["x-ratelimit-remaining-requests"] == "0"
-            assert refused.headers["x-ratelimit-limit-requests"] == "60"
+    with serve_stack(tmp_path, defaults=LimitsConfig(requests_per_minute=60, requests_burst=5)) as stack:
+        url, keys = stack.url, stack.keys
+        first, second = post(url, keys["alpha"]), post(url, keys["alpha"])
+        assert first.headers["x-ratelimit-limit-requests"] == "60"
+        assert first.headers["x-ratelimit-remaining-requests"] == "4"
+        assert second.headers["x-ratelimit-remaining-requests"] == "3"
+        # 60/min refills one request per second: up to 1 s (first) and 2 s (second) to be full again, less
+        # the time between the reservation and the header (short, but a loaded machine stretches it).
+        first_reset = float(first.headers["x-ratelimit-reset-requests"].rstrip("s"))
+        second_reset = float(second.headers["x-ratelimit-reset-requests"].rstrip("s"))
+        assert 0.5 <= first_reset <= 1.0 and 1.5 <= second_reset <= 2.0
+        assert "x-ratelimit-remaining-tokens" not in first.headers  # no token limit configured
+        for _ in range(3):
+            post(url, keys["alpha"])
+        refused = post(url, keys["alpha"])
+        assert refused.status_code == 429
+        assert refused.headers["x-fairgate-quota-dimension"] == "requests_per_minute"
+        assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+        assert refused.headers["x-ratelimit-limit-requests"] == "60"
 
 
 def test_agent_run_limits_apply_per_run_id(tmp_path):
     recorder = Recorder()
-    with serve_in_thread(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator], defaults=LimitsConfig(max_model_calls=2, max_tool_rounds=1))
-        with serve_in_thread(create_gateway(load_gateway_config(path), observers=[recorder])) as url:
-            run = {"x-fairgate-run-id": "run-1"}
-            assert [post(url, keys["alpha"], headers=run).status_code for _ in range(2)] == [200, 200]
-            third = post(url, keys["alpha"], headers={**run, "x-request-id": "third"})
-            assert third.status_code == 429 and third.headers["x-fairgate-quota-dimension"] == "max_model_calls"
-            # Waiting never frees a run's calls: no Retry-After, and OpenAI's code for a spent quota.
-            assert "retry-after" not in third.headers and third.json()["error"]["code"] == "insufficient_quota"
-            assert post(url, keys["alpha"], headers={"x-fairgate-run-id": "run-2"}).status_code == 200
-            assert post(url, keys["alpha"]).status_code == 200  # calls outside a run are not limited by it
-            tool = {"x-fairgate-run-id": "run-3", "x-fairgate-tool-round": "1"}
-            assert [post(url, keys["alpha"], headers=tool).status_code for _ in range(2)] == [200, 429]
-            bad = post(url, keys["alpha"], headers={"x-fairgate-tool-round": "1"})
-            assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-fairgate-tool-round"
-            assert post(url, keys["alpha"], headers={"x-fairgate-tool-round": "maybe"}).status_code == 400
+    limits = LimitsConfig(max_model_calls=2, max_tool_rounds=1)
+    with serve_stack(tmp_path, observers=[recorder], defaults=limits) as stack:
+        url, keys = stack.url, stack.keys
+        run = {"x-fairgate-run-id": "run-1"}
+        assert [post(url, keys["alpha"], headers=run).status_code for _ in range(2)] == [200, 200]
+        third = post(url, keys["alpha"], headers={**run, "x-request-id": "third"})
+        assert third.status_code == 429 and third.headers["x-fairgate-quota-dimension"] == "max_model_calls"
+        # Waiting never frees a run's calls: no Retry-After, and OpenAI's code for a spent quota.
+        assert "retry-after" not in third.headers and third.json()["error"]["code"] == "insufficient_quota"
+        assert post(url, keys["alpha"], headers={"x-fairgate-run-id": "run-2"}).status_code == 200
+        assert post(url, keys["alpha"]).status_code == 200  # calls outside a run are not limited by it
+        tool = {"x-fairgate-run-id": "run-3", "x-fairgate-tool-round": "1"}
+        assert [post(url, keys["alpha"], headers=tool).status_code for _ in range(2)] == [200, 429]
+        bad = post(url, keys["alpha"], headers={"x-fairgate-tool-round": "1"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-fairgate-tool-round"
+        assert post(url, keys["alpha"], headers={"x-fairgate-tool-round": "maybe"}).status_code == 400
     [rejected] = recorder.of(Rejected, "third")
-    assert (rejected.reason, rejected.dimension, rejected.tenant, rejected.status) == (
-        "agent_run",
-        "max_model_calls",
-        "alpha",
-        429,
-    )
+    expected = ("agent_run", "max_model_calls", "alpha", 429)
+    assert (rejected.reason, rejected.dimension, rejected.tenant, rejected.status) == expected
 
 
 def test_observers_see_each_request_from_admission_to_finish(tmp_path):
     recorder = Recorder()
-    with serve_in_thread(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator])
-        config = load_gateway_config(path)
-        with serve_in_thread(create_gateway(config, observers=[recorder])) as url:
-            body = {"model": "emu", "prompt": "one two three", "max_tokens": 6, "ignore_eos": True}
-            assert post(url, keys["beta"], body, {"x-request-id": "ok-1"}).status_code == 200
-            assert post(url, "fg-wrong-key-" + "y" * 20, body, {"x-request-id": "bad-1"}).status_code == 401
-
-            async def billed() -> float:
-                async with await connect(config.ledger_url, config.quotas) as ledger:
-                    [reservation] = await ledger.reservations("beta")
-                    return reservation.billed.gpu_ms
-
-            ledger_gpu_ms = asyncio.run(billed())
+    with serve_stack(tmp_path, observers=[recorder]) as stack:
+        url, keys, config = stack.url, stack.keys, stack.config
+        body = {"model": "emu", "prompt": "one two three", "max_tokens": 6, "ignore_eos": True}
+        assert post(url, keys["beta"], body, {"x-request-id": "ok-1"}).status_code == 200
+        assert post(url, "fg-wrong-key-" + "y" * 20, body, {"x-request-id": "bad-1"}).status_code == 401
+        [reservation] = stack.ledger_call(lambda ledger: ledger.reservations("beta"))
+        ledger_gpu_ms = reservation.billed.gpu_ms
     [admitted] = recorder.of(Admitted, "ok-1")
     [dispatched] = recorder.of(Dispatched, "ok-1")
     [finished] = recorder.of(Finished, "ok-1")
@@ -144,12 +103,8 @@ def test_a_dead_upstream_is_taken_out_until_it_answers_again(tmp_path):
         assert replies[0].json()["error"]["code"] == "upstream_error"
         assert {r.json()["error"]["code"] for r in replies[1:]} == {"no_upstream"}
         assert all(1 <= int(r.headers["retry-after"]) <= 7 for r in replies[1:])
-
-        async def statuses() -> list[str]:
-            async with await connect(config.ledger_url, config.quotas) as ledger:
-                return [r.status for r in await ledger.reservations("alpha")]
-
-        assert asyncio.run(statuses()) == ["cancelled"] * 6  # nothing held, nothing billed
+        reservations = ledger_call(config, lambda ledger: ledger.reservations("alpha"))
+        assert [r.status for r in reservations] == ["cancelled"] * 6  # nothing held, nothing billed
         with serve_in_thread(create_app(EMULATOR), port=port):  # the replica comes up: the probe puts it back
             deadline = time.monotonic() + 10
             while (reply := post(url, keys["alpha"], BODY)).status_code == 503 and time.monotonic() < deadline:
@@ -170,12 +125,8 @@ def test_a_request_sent_to_an_upstream_that_refuses_it_goes_to_another_one(tmp_p
             streamed = post(url, keys["alpha"], dict(BODY, stream=first_streams), {"x-request-id": "s-1"})
             plain = post(url, keys["alpha"], BODY, {"x-request-id": "p-1"})
             later = post(url, keys["beta"], BODY, {"x-request-id": "p-2"})
-
-            async def reservations() -> list[tuple[str, str, int]]:
-                async with await connect(config.ledger_url, config.quotas) as ledger:
-                    return sorted((r.request_id, r.status, r.billed.output_tokens) for r in await ledger.reservations())
-
-            billed = asyncio.run(reservations())
+            reservations = ledger_call(config, lambda ledger: ledger.reservations())
+    billed = sorted((r.request_id, r.status, r.billed.output_tokens) for r in reservations)
     assert [streamed.status_code, plain.status_code, later.status_code] == [200, 200, 200], streamed.text
     if first_streams:
         assert streamed.text.rstrip().endswith("data: [DONE]")
@@ -196,22 +147,12 @@ def test_the_liveness_sweep_keeps_running_requests_and_expires_abandoned_ones(tm
     with serve_in_thread(create_app(slow)) as emulator:
         path, keys = write_config(tmp_path, [emulator], defaults=LimitsConfig(reservation_ttl_s=1), sweep_s=0.2)
         config = load_gateway_config(path)
-
-        async def abandoned() -> str:  # as if reserved by a gateway process that was then killed
-            async with await connect(config.ledger_url, config.quotas) as ledger:
-                return (await ledger.reserve("beta", "orphan", 1, 10, 0.0)).id
-
-        orphan = asyncio.run(abandoned())
+        # As if reserved by a gateway process that was then killed:
+        orphan = ledger_call(config, lambda ledger: ledger.reserve("beta", "orphan", 1, 10, 0.0)).id
         with serve_in_thread(create_gateway(config)) as url:
             long = post(url, keys["alpha"], {"model": "emu", "prompt": "x", "max_tokens": 60, "ignore_eos": True})
             assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 60
-
-            async def statuses() -> dict[str, str]:
-                async with await connect(config.ledger_url, config.quotas) as ledger:
-                    return {r.request_id: r.status for r in await ledger.reservations()} | {
-                        "orphan-id": (await ledger.get(orphan)).status
-                    }
-
-            found = asyncio.run(statuses())
+            found = {r.request_id: r.status for r in ledger_call(config, lambda ledger: ledger.reservations())}
+            found["orphan-id"] = ledger_call(config, lambda ledger: ledger.get(orphan)).status
     assert [s for r, s in found.items() if r not in ("orphan", "orphan-id")] == ["settled"]  # never expired
     assert found["orphan-id"] == "expired"

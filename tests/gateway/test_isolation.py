@@ -4,7 +4,6 @@ across tenants. Over real HTTP: gateway -> recorded emulated replica, with a rea
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from fairgate.ledger import InvalidUsage, Ledger, LedgerUnavailable, UnknownTena
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.emergency import EMERGENCY_PREFIX, ResilientLedger
 from tests.gateway import conftest
-from tests.gateway.conftest import EMULATOR, write_config
+from tests.gateway.conftest import EMULATOR, post_at_once, write_config
 
 STRICT_EMULATOR = EMULATOR.model_copy(update={"require_tenant_context": True})
 
@@ -249,22 +248,10 @@ def test_a_request_without_a_credential_reaches_neither_ledger_nor_upstream(stac
 
 
 def test_two_tenants_may_use_the_same_request_id(stack: Stack) -> None:
-    async def both() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
-            return list(
-                await asyncio.gather(
-                    *(
-                        http.post(
-                            "/v1/completions",
-                            json={"model": "emu", "prompt": "x", "max_tokens": n, "ignore_eos": True},
-                            headers={"Authorization": f"Bearer {stack.keys[t]}", "Idempotency-Key": "shared-id"},
-                        )
-                        for t, n in (("alpha", 20), ("beta", 7))
-                    )
-                )
-            )
-
-    assert [r.status_code for r in asyncio.run(both())] == [200, 200]  # in flight at once: no 409 across tenants
+    key = {"Idempotency-Key": "shared-id"}
+    both = [(stack.url, stack.keys[t], dict(conftest.BODY, max_tokens=n), key) for t, n in (("alpha", 20), ("beta", 7))]
+    replies = post_at_once(both, timeout=30)
+    assert [r.status_code for r in replies] == [200, 200]  # in flight at once: no 409 across tenants
     booked = {(r.tenant, r.request_id): (r.status, r.billed.output_tokens) for r in stack.reservations()}
     assert booked == {("alpha", "shared-id"): ("settled", 20), ("beta", "shared-id"): ("settled", 7)}
     # A retry is answered per tenant: each sees its own completed request, nothing is charged again.

@@ -4,26 +4,13 @@ to the same queue semantics)."""
 
 from __future__ import annotations
 
-import asyncio
-
-import httpx
-
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.observe import Rejected
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import EMULATOR, write_config
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.rejected: list[Rejected] = []
-
-    def observe(self, event: object) -> None:
-        if isinstance(event, Rejected):
-            self.rejected.append(event)
+from tests.gateway.conftest import EMULATOR, Recorder, post_at_once, write_config
 
 
 def test_the_queue_bound_holds_across_gateway_processes(tmp_path):
@@ -37,25 +24,12 @@ def test_the_queue_bound_holds_across_gateway_processes(tmp_path):
             serve_in_thread(create_gateway(configs[0], observers=[recorders[0]])) as one,
             serve_in_thread(create_gateway(configs[1], observers=[recorders[1]])) as two,
         ):
-
-            async def flood() -> list[int]:
-                body = {"model": "emu", "prompt": "x", "max_tokens": 80, "ignore_eos": True}
-                headers = {"Authorization": f"Bearer {keys['alpha']}"}
-                async with httpx.AsyncClient(timeout=60) as http:
-                    replies = await asyncio.gather(
-                        *(
-                            http.post(f"{url}/v1/completions", json=body, headers=headers)
-                            for url in (one, two)
-                            for _ in range(6)
-                        )
-                    )
-                return [r.status_code for r in replies]
-
-            codes = asyncio.run(flood())
+            body = {"model": "emu", "prompt": "x", "max_tokens": 80, "ignore_eos": True}
+            codes = [r.status_code for r in post_at_once([(url, keys["alpha"], body, None) for url in (one, two)] * 6)]
     # Each gateway runs 4 at once (max_batch); of the 4 that must wait, the one queue place is global:
     # one waits, three are refused - a per-process bound would have let two wait.
     assert sorted(codes) == [200] * 9 + [429] * 3
-    refused = [r for recorder in recorders for r in recorder.rejected]
+    refused = [r for recorder in recorders for r in recorder.of(Rejected)]
     assert [r.reason for r in refused] == ["queue_full"] * 3
     # The ledger's global count refused at least one (the process's own bound may refuse the others first).
     assert any(r.dimension == "max_queued" for r in refused)

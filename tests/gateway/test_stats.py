@@ -8,14 +8,7 @@ import pytest
 from fairgate.core.fairness import jain_index, max_min_ratio
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Finished, Rejected
 from fairgate.gateway.stats import Probe, Stats, UpstreamProbe, p99
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from tests.gateway.conftest import Clock
 
 
 def finished(

@@ -4,7 +4,6 @@ same request id is not run again."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,12 +16,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from fairgate.gateway.app import create_gateway
-from fairgate.gateway.config import load_gateway_config
 from fairgate.gateway.upstream import billable_usage
-from fairgate.harness.threads import serve_in_thread
-from fairgate.ledger import connect
-from tests.gateway.conftest import write_config
+from tests.gateway.conftest import serve_stack
 
 WORDS = ["one", " two", " three"]
 
@@ -58,22 +53,14 @@ def replica_reporting(usage: dict[str, Any]) -> Starlette:
 def test_a_usage_count_the_ledger_refuses_is_billed_from_the_gateways_own(
     tmp_path: Path, usage: dict[str, Any], billed_output: int
 ) -> None:
-    with serve_in_thread(replica_reporting(usage)) as replica:
-        path, keys = write_config(tmp_path, [replica])
-        config = load_gateway_config(path)
-        with serve_in_thread(create_gateway(config)) as gateway:
-            body = {"model": "emu", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
-            headers = {"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "bad-usage-1"}
-            first = httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=30)
-            again = httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=30)
+    with serve_stack(tmp_path, replica_reporting(usage)) as stack:
+        body = {"model": "emu", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+        headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": "bad-usage-1"}
+        first = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+        again = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
     assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == "one two three"
     assert again.status_code == 409  # the id was served: not run a second time
-
-    async def stored() -> list[Any]:
-        async with await connect(config.ledger_url, config.quotas) as ledger:
-            return await ledger.reservations()
-
-    [reservation] = asyncio.run(stored())
+    [reservation] = stack.reservations()
     assert reservation.request_id == "bad-usage-1" and reservation.status == "settled"
     estimate = reservation.input_tokens  # the gateway's own prompt count, reserved at admission
     assert estimate > 0 and reservation.billed.input_tokens == estimate

@@ -19,6 +19,7 @@ from fairgate.gateway.observe import REJECT_REASONS, Rejected
 from fairgate.gateway.usage_api import WINDOW_MAX_S, RejectionLog
 from fairgate.ledger.config import LimitsConfig
 from tests.gateway import conftest
+from tests.gateway.conftest import Clock
 
 ADMIN_KEY = f"fg-test-admin-{'y' * 24}"
 SECRET_ENV = "FAIRGATE_TEST_USAGE_API_SECRET"
@@ -100,22 +101,9 @@ def test_rejections_are_counted_by_reason_for_the_rejected_tenant_only(stack: St
     over = stack.complete("beta", 200)  # 3 + 200 tokens > max_tokens_per_request 100
     assert over.status_code == 429 and over.json()["error"]["code"] == "insufficient_quota"
     assert [stack.complete("beta", 5).status_code for _ in range(3)] == [200, 200, 429]  # burst of 2 requests
-    bad = httpx.post(
-        f"{stack.url}/v1/completions",
-        headers=stack.headers("beta"),
-        timeout=10,
-        json={"model": "emu", "prompt": "x", "max_tokens": "5"},
-    )
+    bad = conftest.post(stack.url, stack.keys["beta"], {"model": "emu", "prompt": "x", "max_tokens": "5"}, timeout=10)
     assert bad.status_code == 400
-    assert (
-        httpx.post(
-            f"{stack.url}/v1/completions",
-            headers={"Authorization": "Bearer fg-nobody"},
-            timeout=10,
-            json={"model": "emu", "prompt": "x"},
-        ).status_code
-        == 401
-    )
+    assert conftest.post(stack.url, "fg-nobody", {"model": "emu", "prompt": "x"}, timeout=10).status_code == 401
     usage = stack.get("/v1/usage?window=60", "beta").json()
     assert (usage["requests"], usage["output_tokens"]) == (2, 10)  # rejected requests reserve nothing
     expected = {**dict.fromkeys(REJECT_REASONS, 0), "tokens": 1, "rate": 1, "invalid": 1}
@@ -376,14 +364,6 @@ def test_admin_reconcile_is_a_dry_run_reused_for_a_while(stack: Stack, tmp_path:
 # --- the rejection counter, on its own --------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self, now_s: float) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
 def rejected(tenant: str | None, reason: str, time_s: float) -> Rejected:
     return Rejected("r", tenant, "emu", reason, 429, "no", time_s)
 
@@ -391,16 +371,16 @@ def rejected(tenant: str | None, reason: str, time_s: float) -> Rejected:
 def test_rejection_log_windows_and_tenants() -> None:
     clock = Clock(1_000_000.0)
     log = RejectionLog(["alpha", "beta"], retention_s=3600, bucket_s=10, clock=clock)
-    log.observe(rejected("alpha", "rate", clock.now_s - 100))
-    log.observe(rejected("alpha", "rate", clock.now_s - 5))
-    log.observe(rejected("alpha", "made-up", clock.now_s))
-    log.observe(rejected("mallory", "rate", clock.now_s))  # not configured: dropped
-    log.observe(rejected(None, "auth", clock.now_s))
+    log.observe(rejected("alpha", "rate", clock.now - 100))
+    log.observe(rejected("alpha", "rate", clock.now - 5))
+    log.observe(rejected("alpha", "made-up", clock.now))
+    log.observe(rejected("mallory", "rate", clock.now))  # not configured: dropped
+    log.observe(rejected(None, "auth", clock.now))
     assert log.counts("alpha", 60)["rate"] == 1 and log.counts("alpha", 60)["other"] == 1
     assert log.counts("alpha", 3600)["rate"] == 2
     assert sum(log.counts("beta", 3600).values()) == 0 and log.counts("mallory", 3600)["rate"] == 0
     assert log.counts(None, 60)["auth"] == 1
-    clock.now_s += 3700  # past the retention: forgotten
+    clock.now += 3700  # past the retention: forgotten
     assert sum(log.counts("alpha", 10**9).values()) == 0
 
 
@@ -408,8 +388,8 @@ def test_rejection_log_memory_is_bounded_under_a_flood() -> None:
     clock = Clock(0.0)
     log = RejectionLog(["alpha"], retention_s=600, bucket_s=10, clock=clock)
     for i in range(200_000):
-        clock.now_s = i * 0.05  # 20 rejections a second for 10 000 s
-        log.add("alpha", "rate", clock.now_s)
+        clock.now = i * 0.05  # 20 rejections a second for 10 000 s
+        log.add("alpha", "rate", clock.now)
     buckets = log._by_tenant["alpha"]
     assert len(buckets) <= 61
     assert log.counts("alpha", 600)["rate"] == pytest.approx(600 * 20, abs=10 * 20)

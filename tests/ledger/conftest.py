@@ -123,3 +123,8 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+async def const(value: bool) -> bool:
+    """An awaitable of ``value``: what an ``is_running`` callback given to ``expire_due`` returns."""
+    return value

@@ -17,6 +17,7 @@ from fairgate.ledger import (
     UnknownTenant,
     Usage,
 )
+from tests.ledger.conftest import const
 
 QUOTAS = {
     "defaults": {
@@ -39,14 +40,18 @@ QUOTAS = {
 }
 
 
+@pytest.fixture
+async def ledger(open_ledger, clock):  # type: ignore[no-untyped-def]
+    return await open_ledger(QUOTAS, clock)
+
+
 async def serve_one(ledger: Ledger, tenant: str, request_id: str, gpu_ms: float = 0.0) -> None:
     """One request of a token in and a token out, reserved and at once settled with ``gpu_ms``."""
     r = await ledger.reserve(tenant, request_id, 1, 1, gpu_ms)
     await ledger.settle(r.id, 1, 1, gpu_ms, final=True)
 
 
-async def test_reserve_settle_releases_the_remainder(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_reserve_settle_releases_the_remainder(ledger, clock):
     r = await ledger.reserve("a", "r1", 1000, 1500, 2000.0)
     assert (r.status, r.input_tokens, r.max_output_tokens, r.gpu_ms_estimate) == ("open", 1000, 1500, 2000.0)
     assert r.expires_at_ms == clock.now_ms + 60_000
@@ -63,8 +68,7 @@ async def test_reserve_settle_releases_the_remainder(open_ledger, clock):
     assert (await ledger.reserve("a", "r2", 10, 600, 0.0)).status == "open"
 
 
-async def test_same_request_id_is_deducted_once(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_same_request_id_is_deducted_once(ledger):
     first = await ledger.reserve("a", "same", 10, 10, 1.0)
     again = await ledger.reserve("a", "same", 10, 10, 1.0)
     assert again == first
@@ -78,8 +82,7 @@ async def test_same_request_id_is_deducted_once(open_ledger, clock):
     assert (await ledger.reserve("a", "same", 10, 10, 1.0)).status == "settled"
 
 
-async def test_same_request_id_other_arguments_conflicts(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_same_request_id_other_arguments_conflicts(ledger):
     await ledger.reserve("a", "r", 10, 10, 1.0)
     with pytest.raises(IdempotencyConflict):
         await ledger.reserve("a", "r", 10, 11, 1.0)
@@ -87,8 +90,7 @@ async def test_same_request_id_other_arguments_conflicts(open_ledger, clock):
     assert (await ledger.reserve("b", "r", 10, 11, 1.0)).tenant == "b"
 
 
-async def test_concurrent_reserves_on_one_balance_never_overshoot(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_concurrent_reserves_on_one_balance_never_overshoot(ledger):
     results = await asyncio.gather(
         *(ledger.reserve("a", f"c{i}", 1, 1, 0.0) for i in range(20)), return_exceptions=True
     )
@@ -97,8 +99,7 @@ async def test_concurrent_reserves_on_one_balance_never_overshoot(open_ledger, c
     assert len(admitted) == 3 and len(rejected) == 17
 
 
-async def test_final_settle_once_repeats_return_the_same(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_final_settle_once_repeats_return_the_same(ledger):
     r = await ledger.reserve("a", "r", 100, 100, 100.0)
     first = await ledger.settle(r.id, 100, 50, 80.0, final=True)
     assert await ledger.settle(r.id, 100, 50, 80.0, final=True) == first
@@ -112,8 +113,7 @@ async def test_final_settle_once_repeats_return_the_same(open_ledger, clock):
     assert (usage.input_tokens, usage.output_tokens, usage.gpu_ms) == (100, 50, 80.0)  # counted once
 
 
-async def test_repeated_partial_settlement_changes_nothing(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_repeated_partial_settlement_changes_nothing(ledger):
     r = await ledger.reserve("a", "r", 100, 100, 100.0)
     await ledger.settle(r.id, 100, 20, 30.0)
     await ledger.settle(r.id, 100, 20, 30.0)
@@ -122,8 +122,7 @@ async def test_repeated_partial_settlement_changes_nothing(open_ledger, clock):
         await ledger.settle(r.id, 100, 10, 30.0)
 
 
-async def test_gpu_overage_is_booked_not_dropped(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_gpu_overage_is_booked_not_dropped(ledger):
     r = await ledger.reserve("a", "r", 10, 10, 1000.0)
     done = await ledger.settle(r.id, 10, 10, 9500.0, final=True)
     assert done.overage_gpu_ms == 8500.0
@@ -139,8 +138,7 @@ async def test_gpu_overage_is_booked_not_dropped(open_ledger, clock):
         await ledger.reserve("b", "r4", 10, 10, 100.0)
 
 
-async def test_gpu_window_resets_but_total_budget_does_not(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_gpu_window_resets_but_total_budget_does_not(ledger, clock):
     for i in range(2):
         await serve_one(ledger, "a", f"w{i}", 9000.0)
         clock.advance(3600)
@@ -151,8 +149,7 @@ async def test_gpu_window_resets_but_total_budget_does_not(open_ledger, clock):
     assert excinfo.value.dimension == "gpu_seconds_total" and excinfo.value.retry_after_s is None
 
 
-async def test_cancel_bills_what_was_consumed_and_frees_the_slot(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_cancel_bills_what_was_consumed_and_frees_the_slot(ledger, clock):
     reservations = [await ledger.reserve("a", f"k{i}", 100, 500, 300.0) for i in range(3)]
     for i, r in enumerate(reservations):
         cancelled = await ledger.cancel(r.id, Usage(100, 7 * i, 20.0))
@@ -177,8 +174,7 @@ async def test_cancel_bills_what_was_consumed_and_frees_the_slot(open_ledger, cl
         (lambda L, rid: L.cancel(rid, Usage(1, -2, 0.0)), "output_tokens"),
     ],
 )
-async def test_bad_amounts_change_nothing(open_ledger, clock, call, match):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_bad_amounts_change_nothing(ledger, call, match):
     r = await ledger.reserve("a", "r", 10, 100, 1.0)
     with pytest.raises(InvalidUsage, match=match):
         await call(ledger, r.id)
@@ -195,15 +191,13 @@ async def test_bad_amounts_change_nothing(open_ledger, clock, call, match):
         ((True, 10, 1.0), "input_tokens"),
     ],
 )
-async def test_bad_reserve_changes_nothing(open_ledger, clock, args, match):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_bad_reserve_changes_nothing(ledger, args, match):
     with pytest.raises(InvalidUsage, match=match):
         await ledger.reserve("a", "r", *args)
     assert await ledger.events() == [] and await ledger.reservations() == []
 
 
-async def test_unknown_reservation_and_tenant(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_unknown_reservation_and_tenant(ledger):
     with pytest.raises(ReservationNotFound):
         await ledger.settle("ca978112ca1bbdca-00000000000000000000000000000000", 1, 1, 1.0)
     with pytest.raises(ReservationNotFound):
@@ -212,8 +206,7 @@ async def test_unknown_reservation_and_tenant(open_ledger, clock):
         await ledger.reserve("mallory", "r", 1, 1, 0.0)
 
 
-async def test_bucket_burst_is_capped_after_idle_time(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_bucket_burst_is_capped_after_idle_time(ledger, clock):
     clock.advance(30 * 86_400)  # a month idle banks no more than the burst of 5 requests
     for i in range(5):
         await serve_one(ledger, "b", f"b{i}")
@@ -225,8 +218,7 @@ async def test_bucket_burst_is_capped_after_idle_time(open_ledger, clock):
     await ledger.reserve("b", "b5", 1, 1, 0.0)
 
 
-async def test_clock_running_backwards_grants_nothing(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_clock_running_backwards_grants_nothing(ledger, clock):
     for i in range(5):
         await serve_one(ledger, "a", f"t{i}")
     clock.advance(-120.0)  # another process's clock, two minutes behind
@@ -236,8 +228,7 @@ async def test_clock_running_backwards_grants_nothing(open_ledger, clock):
     await ledger.reserve("a", "t5", 1, 1, 0.0)
 
 
-async def test_agent_run_limits(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_agent_run_limits(ledger):
     r1 = await ledger.reserve("a", "m1", 100, 400, 0.0, run_id="run-1")
     await ledger.settle(r1.id, 100, 50, 0.0, final=True)  # the run holds 150 tokens, not 500
     await ledger.reserve("a", "m2", 100, 400, 0.0, run_id="run-1", tool_round=True)
@@ -251,36 +242,33 @@ async def test_agent_run_limits(open_ledger, clock):
     await ledger.reserve("a", "m4", 1, 1, 0.0, run_id="run-2")  # another run has its own counters
 
 
-async def test_limits_per_model_class(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_limits_per_model_class(ledger):
     await ledger.reserve("big", "l1", 1, 1, 0.0, model_class="large")
     with pytest.raises(QuotaExceeded, match="max_concurrent"):
         await ledger.reserve("big", "l2", 1, 1, 0.0, model_class="large")
     await ledger.reserve("big", "s1", 1, 1, 0.0)  # the default class has its own balance
 
 
-async def test_expiry_waits_for_the_execution_registry(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_expiry_waits_for_the_execution_registry(ledger, clock):
     running = await ledger.reserve("a", "long", 100, 100, 10.0)
     dead = await ledger.reserve("a", "dead", 100, 100, 10.0)
     await ledger.settle(dead.id, 100, 5, 4.0)
     clock.advance(59)
-    assert await ledger.expire_due(lambda r: _const(False)) == []  # not due yet
+    assert await ledger.expire_due(lambda r: const(False)) == []  # not due yet
     clock.advance(2)
     alive = {running.id}
-    expired = await ledger.expire_due(lambda r: _const(r.id in alive))
+    expired = await ledger.expire_due(lambda r: const(r.id in alive))
     assert [r.id for r in expired] == [dead.id]
     assert expired[0].status == "expired" and expired[0].billed == Usage(100, 5, 4.0)
     extended = await ledger.get(running.id)
     assert extended.status == "open" and extended.expires_at_ms == clock.now_ms + 60_000
     alive.clear()
     clock.advance(61)
-    assert [r.id for r in await ledger.expire_due(lambda r: _const(False))] == [running.id]
+    assert [r.id for r in await ledger.expire_due(lambda r: const(False))] == [running.id]
     assert (await ledger.usage("a", 3600)).open_reservations == 0
 
 
-async def test_default_registry_is_the_heartbeat(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_default_registry_is_the_heartbeat(ledger, clock):
     r = await ledger.reserve("a", "hb", 1, 1, 0.0)
     clock.advance(50)
     await ledger.heartbeat(r.id)
@@ -294,21 +282,19 @@ async def test_default_registry_is_the_heartbeat(open_ledger, clock):
     assert [x.id for x in await ledger.expire_due()] == [r.id]
 
 
-async def test_frozen_tenant_cannot_settle_automatically(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_frozen_tenant_cannot_settle_automatically(ledger, clock):
     r = await ledger.reserve("a", "f", 1, 10, 0.0)
     await ledger.freeze("a", "reservations and events differ by 12 tokens")
     assert await ledger.frozen() == {"a": "reservations and events differ by 12 tokens"}
     with pytest.raises(SettlementFrozen):
         await ledger.settle(r.id, 1, 5, 0.0, final=True)
     clock.advance(3600)
-    assert await ledger.expire_due(lambda r: _const(False)) == []  # frozen: left for the operator
+    assert await ledger.expire_due(lambda r: const(False)) == []  # frozen: left for the operator
     await ledger.unfreeze("a")
     assert (await ledger.settle(r.id, 1, 5, 0.0, final=True)).status == "settled"
 
 
-async def test_usage_is_per_tenant_and_matches_the_event_log(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_usage_is_per_tenant_and_matches_the_event_log(ledger, clock):
     ra = await ledger.reserve("a", "u", 10, 20, 5.0)
     rb = await ledger.reserve("b", "u", 30, 40, 7.0)
     await ledger.settle(ra.id, 10, 20, 5.0, final=True)
@@ -320,13 +306,6 @@ async def test_usage_is_per_tenant_and_matches_the_event_log(open_ledger, clock)
     assert sum(e.output_tokens for e in events) == 53
     clock.advance(120)
     assert (await ledger.usage("a", 60)).requests == 0  # outside the window
-
-
-def _const(value: bool):  # type: ignore[no-untyped-def]
-    async def answer() -> bool:
-        return value
-
-    return answer()
 
 
 @pytest.mark.parametrize(
@@ -345,8 +324,7 @@ def _const(value: bool):  # type: ignore[no-untyped-def]
         ({"tool_round": "no"}, "tool_round"),
     ],
 )
-async def test_bad_names_and_huge_amounts_change_nothing(open_ledger, clock, kwargs, match):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_bad_names_and_huge_amounts_change_nothing(ledger, kwargs, match):
     args = {
         "tenant": "a",
         "request_id": "r",
@@ -359,8 +337,7 @@ async def test_bad_names_and_huge_amounts_change_nothing(open_ledger, clock, kwa
     assert await ledger.events() == [] and await ledger.reservations() == []
 
 
-async def test_wild_usage_cannot_lock_a_tenant_out(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_wild_usage_cannot_lock_a_tenant_out(ledger):
     r = await ledger.reserve("a", "r", 10, 10, 1.0)
     with pytest.raises(InvalidUsage, match="far above the reservation"):
         await ledger.settle(r.id, 10**6, 5, 1.0, final=True)
@@ -369,8 +346,7 @@ async def test_wild_usage_cannot_lock_a_tenant_out(open_ledger, clock):
     assert (await ledger.settle(r.id, 1044, 5, 1.0, final=True)).billed.input_tokens == 1044  # 2 x 10 + 1,024
 
 
-async def test_bad_query_arguments(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_bad_query_arguments(ledger):
     with pytest.raises(InvalidUsage, match="window_s"):
         await ledger.usage("a", True)
     with pytest.raises(InvalidUsage, match="status"):
@@ -379,8 +355,7 @@ async def test_bad_query_arguments(open_ledger, clock):
         await ledger.usage(["a"], 60)
 
 
-async def test_shared_charge_totals_add_up_across_callers(open_ledger, clock):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_shared_charge_totals_add_up_across_callers(ledger):
     assert await ledger.add_charges("emu", {}) == {}
     assert await ledger.add_charges("emu", {"a": (12.5, 400, 3)}) == {"a": (12.5, 400, 3)}
     # Two gateway processes add at once: nothing is lost, each sees both.
@@ -405,8 +380,7 @@ async def test_shared_charge_totals_add_up_across_callers(open_ledger, clock):
         [("a", (1.0, 0, 0))],
     ],
 )
-async def test_bad_charges_add_nothing(open_ledger, clock, deltas):
-    ledger = await open_ledger(QUOTAS, clock)
+async def test_bad_charges_add_nothing(ledger, deltas):
     await ledger.add_charges("emu", {"a": (1.0, 2, 3)})
     with pytest.raises(InvalidUsage):
         await ledger.add_charges("emu", deltas)
@@ -464,7 +438,7 @@ async def test_queue_places_are_taken_by_waiting_requests_only_and_always_given_
     # An expired queued request gives its place back too.
     await ledger.enqueue(r[3].id)
     clock.advance(61)
-    await ledger.expire_due(lambda _r: _const(False))
+    await ledger.expire_due(lambda _r: const(False))
     assert (await ledger.account("a")).queued == 0
     with pytest.raises(ReservationNotFound):
         await ledger.enqueue("nope")

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from prometheus_client import REGISTRY
 
 from fairgate.ledger import SettlementFrozen, Usage, connect, quotas_from_dict
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.reconcile import MeteredError, Totals, read_metered, reconcile
+from tests.conftest import fairgate
 
 QUOTAS = {"defaults": {"max_concurrent": 10}, "tenants": {"a": {}, "b": {}}}
 
@@ -84,9 +82,9 @@ async def test_cli_reconcile_exit_codes(tmp_path):
     await ledger.close()
     metered = tmp_path / "m.csv"
     metered.write_text("tenant,input_tokens,output_tokens,gpu_ms\na,10,4,1.0\n")
-    base = [sys.executable, "-m", "fairgate", "ledger", "reconcile", "--ledger", url, "--quotas", str(quotas)]
-    assert subprocess.run([*base, "--metered", str(metered)], capture_output=True).returncode == 0
+    base = ["ledger", "reconcile", "--ledger", url, "--quotas", str(quotas)]
+    assert fairgate(*base, "--metered", str(metered)).returncode == 0
     metered.write_text("tenant,input_tokens,output_tokens,gpu_ms\na,10,40,1.0\n")
-    assert subprocess.run([*base, "--metered", str(metered), "--dry-run"], capture_output=True).returncode == 1
-    bad = subprocess.run([*base, "--metered", str(tmp_path / "none.csv")], capture_output=True, text=True)
+    assert fairgate(*base, "--metered", str(metered), "--dry-run").returncode == 1
+    bad = fairgate(*base, "--metered", str(tmp_path / "none.csv"))
     assert bad.returncode == 2 and "none.csv" in bad.stderr and "Traceback" not in bad.stderr

@@ -20,6 +20,7 @@ from redis.crc import key_slot
 from fairgate.ledger import LedgerError, LedgerUnavailable, QuotaExceeded, Quotas, Usage, connect, quotas_from_dict
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.redis import TENANT_KEYS, RedisLedger
+from tests.ledger.conftest import FakeClock, const
 
 QUOTAS = quotas_from_dict(
     {
@@ -45,25 +46,17 @@ QUOTAS = quotas_from_dict(
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now_ms = 1_700_000_000_000.0
-
-    def __call__(self) -> float:
-        return self.now_ms
-
-
 @pytest.fixture
 async def redis_ledger(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
-    """``await redis_ledger(clock=None, prefix=None, quotas=QUOTAS)``: a ledger on a fresh prefix; keys dropped
-    after."""
+    """``await redis_ledger(clock=None, prefix=None, quotas=QUOTAS, query="")``: a ledger on a fresh prefix (more
+    URL parameters in ``query``); keys dropped after."""
     opened: list[RedisLedger] = []
     default_prefix = f"fgt_{uuid.uuid4().hex[:12]}"
 
     async def make(
-        clock: Callable[[], float] | None = None, prefix: str | None = None, quotas: Quotas = QUOTAS
+        clock: Callable[[], float] | None = None, prefix: str | None = None, quotas: Quotas = QUOTAS, query: str = ""
     ) -> RedisLedger:
-        ledger = await connect(f"{redis_url}?prefix={prefix or default_prefix}", quotas, clock)
+        ledger = await connect(f"{redis_url}?prefix={prefix or default_prefix}{query}", quotas, clock)
         assert isinstance(ledger, RedisLedger)
         opened.append(ledger)
         return ledger
@@ -79,7 +72,7 @@ async def _keys_of(ledger: RedisLedger, client: Redis) -> list[str]:
     return keys + [k async for k in client.scan_iter(match=f"{ledger.prefix}:*")]
 
 
-async def _mixed_operations(ledger: RedisLedger, clock: Clock) -> None:
+async def _mixed_operations(ledger: RedisLedger, clock: FakeClock) -> None:
     r1 = await ledger.reserve("a", "r1", 100, 200, 500.0, run_id="run-1", tool_round=True)
     r2 = await ledger.reserve("a", "r2", 100, 200, 500.0)
     r3 = await ledger.reserve("b", "r3", 10, 20, 50.0, model_class="large")
@@ -100,12 +93,11 @@ async def _mixed_operations(ledger: RedisLedger, clock: Clock) -> None:
     await ledger.freeze("a", "reconciliation")
     await ledger.unfreeze("a")
     clock.now_ms += 30_000
-    await ledger.expire_due(lambda r: _const(False))
+    await ledger.expire_due(lambda r: const(False))
     await ledger.usage("a", 3600)
 
 
-async def test_every_key_has_a_ttl_after_mixed_operations(redis_ledger, redis_url):
-    clock = Clock()
+async def test_every_key_has_a_ttl_after_mixed_operations(redis_ledger, redis_url, clock):
     ledger = await redis_ledger(clock)
     await _mixed_operations(ledger, clock)
     await ledger.freeze("b", "left frozen")  # the frozen key exists at the end too
@@ -122,23 +114,16 @@ async def test_every_key_has_a_ttl_after_mixed_operations(redis_ledger, redis_ur
     assert all(35 * 86_400_000 - 600_000 < ttl <= 35 * 86_400_000 for ttl in ttls.values())
 
 
-async def test_retention_days_from_the_url(redis_url):
-    prefix = f"fgt_{uuid.uuid4().hex[:12]}"
-    ledger = await connect(f"{redis_url}?prefix={prefix}&retention_days=2", QUOTAS)
-    assert isinstance(ledger, RedisLedger)
-    try:
-        r = await ledger.reserve("a", "x", 1, 1, 0.0)
-        await ledger.heartbeat(r.id)
-        async with Redis.from_url(redis_url, decode_responses=True) as client:
-            ttls = [await client.pttl(k) for k in await _keys_of(ledger, client)]
-        assert ttls and all(2 * 86_400_000 - 600_000 < ttl <= 2 * 86_400_000 for ttl in ttls)
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
+async def test_retention_days_from_the_url(redis_ledger, redis_url):
+    ledger = await redis_ledger(query="&retention_days=2")
+    r = await ledger.reserve("a", "x", 1, 1, 0.0)
+    await ledger.heartbeat(r.id)
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        ttls = [await client.pttl(k) for k in await _keys_of(ledger, client)]
+    assert ttls and all(2 * 86_400_000 - 600_000 < ttl <= 2 * 86_400_000 for ttl in ttls)
 
 
-async def test_all_keys_of_a_tenant_share_one_hash_slot(redis_ledger, redis_url):
-    clock = Clock()
+async def test_all_keys_of_a_tenant_share_one_hash_slot(redis_ledger, redis_url, clock):
     ledger = await redis_ledger(clock)
     await _mixed_operations(ledger, clock)
     r = await ledger.reserve("b", "open-one", 1, 1, 0.0)
@@ -182,8 +167,7 @@ async def test_server_clock_is_used_without_a_clock(redis_ledger):
     assert [e.kind for e in await ledger.events("a")] == ["reserve", "settle_final"]
 
 
-async def test_two_clients_never_both_take_the_last_slot(redis_ledger):
-    clock = Clock()
+async def test_two_clients_never_both_take_the_last_slot(redis_ledger, clock):
     first, second = await redis_ledger(clock), await redis_ledger(clock)  # separate connection pools
     calls = [(first if i % 2 else second).reserve("a", f"c{i}", 1, 1, 0.0) for i in range(30)]
     results = await asyncio.gather(*calls, return_exceptions=True)
@@ -192,8 +176,7 @@ async def test_two_clients_never_both_take_the_last_slot(redis_ledger):
     assert (await first.account("a")).concurrent == 4
 
 
-async def test_events_of_all_tenants_keep_each_tenants_order(redis_ledger):
-    clock = Clock()
+async def test_events_of_all_tenants_keep_each_tenants_order(redis_ledger, clock):
     ledger = await redis_ledger(clock)
     ra = await ledger.reserve("a", "x", 1, 1, 0.0)
     clock.now_ms += 1000
@@ -305,8 +288,7 @@ def _outcome(result: Any) -> Any:
 
 
 @pytest.mark.parametrize("seed", [20240601, 7, 11])
-async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_ledger, tmp_path, seed):
-    clock = Clock()
+async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_ledger, tmp_path, seed, clock):
     ledgers = {
         "redis": await redis_ledger(clock, quotas=DIFF_QUOTAS),
         "sqlite": await connect(f"sqlite:///{tmp_path}/diff.db", DIFF_QUOTAS, clock),
@@ -365,7 +347,7 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
                 alive = {k for k in known if zlib.crc32(f"{k}{step}".encode()) % 3 == 0}
                 for name, ledger in ledgers.items():
                     outcomes[name] = _outcome(
-                        await ledger.expire_due(lambda r, alive=alive: _const((r.tenant, r.request_id) in alive))
+                        await ledger.expire_due(lambda r, alive=alive: const((r.tenant, r.request_id) in alive))
                     )
             elif roll < 0.975:
                 key = rng.choice(known)
@@ -393,10 +375,3 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
         assert {"settled", "cancelled", "expired"} <= statuses, "the sequence exercised too little"
     finally:
         await ledgers["sqlite"].close()
-
-
-def _const(value: bool):  # type: ignore[no-untyped-def]
-    async def answer() -> bool:
-        return value
-
-    return answer()

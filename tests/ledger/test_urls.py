@@ -207,50 +207,40 @@ class FirstOnlyProxy(StallingProxy):
             await super().__call__(reader, writer)
 
 
+@contextlib.asynccontextmanager
+async def opened(kind: type[RedisLedger] | type[PostgresLedger], url: str, **kwargs: Any) -> AsyncIterator[Any]:
+    """``kind.open(url, QUOTAS, **kwargs)``; its keys or schema dropped and it closed after."""
+    ledger = await kind.open(url, QUOTAS, **kwargs)
+    try:
+        yield ledger
+    finally:
+        await (ledger.drop_keys() if isinstance(ledger, RedisLedger) else ledger.drop_schema())
+        await ledger.close()
+
+
 def hostport(url: str, default_port: int) -> tuple[str, int]:
     parts = urlparse(url)
     return parts.hostname or "127.0.0.1", parts.port or default_port
 
 
 # --- Redis: a peer that does not answer, or answers wrongly, at open ----------------------------------
-# (id, URL without its host (the peer is put there), the peer, the error, what the error must say
-# ({where}: the peer's host:port), within how many seconds)
-PEERS_AT_OPEN: list[tuple[str, str, Callable[[], Handler], type[Exception], list[str], float]] = [
-    (
-        "default-timeout",
-        "redis:///0",
-        lambda: silent,
-        LedgerUnavailable,
-        ["{where}", "did not answer within 2 s"],
-        FAST_S,
-    ),
-    ("timeout_s", "redis:///0?timeout_s=0.5", lambda: silent, LedgerUnavailable, ["within 0.5 s", "redis ledger"], 1.5),
-    ("rediss-silent", "rediss:///0", lambda: silent, LedgerUnavailable, ["did not answer"], FAST_S),
-    (
-        "http",
-        "redis:///0",
-        lambda: http,
-        LedgerUnavailable,
-        ["does not speak the Redis protocol", "HTTP/1.1 400"],
-        FAST_S,
-    ),
+# (id, URL without its host (the peer is put there), the peer (a handler, or the replies of a FakeRedis), the
+# error, what the error must say ({where}: the peer's host:port), within how many seconds)
+PEERS_AT_OPEN: list[tuple[str, str, Handler | dict[str, bytes], type[Exception], list[str], float]] = [
+    ("default-timeout", "redis:///0", silent, LedgerUnavailable, ["{where}", "did not answer within 2 s"], FAST_S),
+    ("timeout_s", "redis:///0?timeout_s=0.5", silent, LedgerUnavailable, ["within 0.5 s", "redis ledger"], 1.5),
+    ("rediss-silent", "rediss:///0", silent, LedgerUnavailable, ["did not answer"], FAST_S),
+    ("http", "redis:///0", http, LedgerUnavailable, ["does not speak the Redis protocol", "HTTP/1.1 400"], FAST_S),
     (
         "db-out-of-range",
         "redis:///5",
-        lambda: FakeRedis({"SELECT": b"-ERR DB index is out of range\r\n"}),
+        {"SELECT": b"-ERR DB index is out of range\r\n"},
         ValueError,
         ["database 5"],
         FAST_S,
     ),
     *[
-        (
-            f"reply-{'-'.join(replies)}-{needles[0]}",
-            "redis:///0",
-            lambda replies=replies: FakeRedis(replies),
-            LedgerUnavailable,
-            needles,
-            FAST_S,
-        )
+        (f"reply-{'-'.join(replies)}-{needles[0]}", "redis:///0", replies, LedgerUnavailable, needles, FAST_S)
         for replies, needles in [
             ({"PING": b"-LOADING Redis is loading the dataset in memory\r\n"}, ["LOADING", "loading"]),
             ({"PING": b"-NOAUTH Authentication required.\r\n"}, ["Authentication required"]),
@@ -273,7 +263,7 @@ PEERS_AT_OPEN: list[tuple[str, str, Callable[[], Handler], type[Exception], list
     ("url", "peer", "kind", "needles", "within"), [c[1:] for c in PEERS_AT_OPEN], ids=[c[0] for c in PEERS_AT_OPEN]
 )
 async def test_redis_peer_misbehaving_at_open_fails_fast_and_says_why(tcp_server, url, peer, kind, needles, within):
-    server = await tcp_server(peer())
+    server = await tcp_server(FakeRedis(peer) if isinstance(peer, dict) else peer)
     where = f"127.0.0.1:{server.port}"
     scheme, rest = url.split(":///")
     await fails(
@@ -357,58 +347,46 @@ async def test_redis_error_replies_on_later_calls_are_unavailable(tcp_server, re
 
 async def test_redis_wrong_type_under_the_prefix_is_unavailable(redis_url):
     prefix = token()
-    ledger = await RedisLedger.open(f"{redis_url}?prefix={prefix}", QUOTAS)
-    try:
+    async with opened(RedisLedger, f"{redis_url}?prefix={prefix}") as ledger:
         async with Redis.from_url(redis_url) as client:
             await client.set(f"{prefix}:tenants", "not a hash")
         await fails(ledger.events(), LedgerUnavailable, "WRONGTYPE")
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
 
 
 async def test_redis_argument_redis_py_cannot_send_is_invalid_usage_not_unavailable(redis_url):
-    ledger = await RedisLedger.open(f"{redis_url}?prefix={token()}", QUOTAS)
-    try:
+    async with opened(RedisLedger, f"{redis_url}?prefix={token()}") as ledger:
         await fails(ledger.account("a", None), InvalidUsage)  # type: ignore[arg-type]
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
 
 
 # --- Redis: bad URLs -----------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("tail", "needles"),
-    [
-        ("/abc?prefix=x", ["path", "/abc", "database number"]),
-        ("/0/1?prefix=x", ["path", "/0/1"]),
-        ("/-1?prefix=x", ["path", "/-1"]),
-        ("/0?foo=1", ["unknown parameter", "foo"]),
-        ("/0?prefix=x&socket_timeout=1", ["unknown parameter", "socket_timeout"]),
-        ("/0?db=1", ["unknown parameter", "db"]),
-        ("/0?prefix=a&prefix=b", ["more than once", "prefix"]),
-        ("/0?timeout_s=1&timeout_s=2", ["more than once", "timeout_s"]),
-        ("/0?timeout_s=0", ["timeout_s", "(0, 600]"]),
-        ("/0?timeout_s=-1", ["timeout_s"]),
-        ("/0?timeout_s=601", ["timeout_s"]),
-        ("/0?timeout_s=nan", ["timeout_s"]),
-        ("/0?timeout_s=inf", ["timeout_s"]),
-        ("/0?timeout_s=soon", ["timeout_s"]),
-        ("/0?timeout_s=", ["timeout_s"]),
-        ("/0?prefix=", ["prefix"]),
-        ("/0?retention_days=0", ["retention_days"]),
-        ("/0?ssl_cert_reqs=none", ["ssl_cert_reqs", "rediss://"]),
-        ("/0#frag", ["fragment"]),
-    ],
-)
-async def test_redis_bad_url_is_a_value_error(redis_url, tail, needles):
-    host, port = hostport(redis_url, 6379)
-    await fails(RedisLedger.open(f"redis://{host}:{port}{tail}", QUOTAS), ValueError, *needles, within=0.5)
+# What follows the real server's host:port in a Redis URL the ledger refuses, and what the error must say.
+BAD_REDIS_TAILS = [
+    ("/abc?prefix=x", ["path", "/abc", "database number"]),
+    ("/0/1?prefix=x", ["path", "/0/1"]),
+    ("/-1?prefix=x", ["path", "/-1"]),
+    ("/0?foo=1", ["unknown parameter", "foo"]),
+    ("/0?prefix=x&socket_timeout=1", ["unknown parameter", "socket_timeout"]),
+    ("/0?db=1", ["unknown parameter", "db"]),
+    ("/0?prefix=a&prefix=b", ["more than once", "prefix"]),
+    ("/0?timeout_s=1&timeout_s=2", ["more than once", "timeout_s"]),
+    ("/0?timeout_s=0", ["timeout_s", "(0, 600]"]),
+    ("/0?timeout_s=-1", ["timeout_s"]),
+    ("/0?timeout_s=601", ["timeout_s"]),
+    ("/0?timeout_s=nan", ["timeout_s"]),
+    ("/0?timeout_s=inf", ["timeout_s"]),
+    ("/0?timeout_s=soon", ["timeout_s"]),
+    ("/0?timeout_s=", ["timeout_s"]),
+    ("/0?prefix=", ["prefix"]),
+    ("/0?retention_days=0", ["retention_days"]),
+    ("/0?ssl_cert_reqs=none", ["ssl_cert_reqs", "rediss://"]),
+    ("/0#frag", ["fragment"]),
+]
 
 
 @pytest.mark.parametrize(
     ("url", "needles"),
     [
+        *((f"redis://{{where}}{tail}", needles) for tail, needles in BAD_REDIS_TAILS),
         ("redis://127.0.0.1:99999/0", ["port"]),
         ("redis://127.0.0.1:abc/0", ["port"]),
         ("redis:///0", ["no host"]),
@@ -418,8 +396,9 @@ async def test_redis_bad_url_is_a_value_error(redis_url, tail, needles):
         ("rediss://127.0.0.1:6379/0?ssl_check_hostname=perhaps", ["ssl_check_hostname"]),
     ],
 )
-async def test_redis_bad_url_parts_are_value_errors(url, needles):
-    await fails(RedisLedger.open(url, QUOTAS), ValueError, *needles, within=0.5)
+async def test_redis_bad_url_is_a_value_error(redis_url, url, needles):
+    where = "{}:{}".format(*hostport(redis_url, 6379))
+    await fails(RedisLedger.open(url.format(where=where), QUOTAS), ValueError, *needles, within=0.5)
 
 
 async def test_redis_password_is_not_shown_in_url_errors():
@@ -429,13 +408,9 @@ async def test_redis_password_is_not_shown_in_url_errors():
 
 async def test_redis_good_url_with_explicit_timeout_and_no_path_opens(redis_url):
     host, port = hostport(redis_url, 6379)
-    ledger = await RedisLedger.open(f"redis://{host}:{port}?prefix={token()}&timeout_s=5", QUOTAS)
-    try:
+    async with opened(RedisLedger, f"redis://{host}:{port}?prefix={token()}&timeout_s=5") as ledger:
         assert ledger.timeout_s == 5.0
         await ledger.reserve("a", "r1", 1, 1)
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
 
 
 # --- Redis: create=False -------------------------------------------------------------------------
@@ -446,17 +421,18 @@ async def test_redis_create_false_refuses_a_prefix_with_no_keys(redis_url):
     assert "s3cr3t" not in text
 
 
-async def test_redis_create_false_opens_a_ledger_with_a_tenant_registry(redis_url):
-    url = f"{redis_url}?prefix={token()}"
-    ledger = await RedisLedger.open(url, QUOTAS)
-    try:
-        await ledger.reserve("a", "r1", 10, 10)  # registers the tenant
-        again = await RedisLedger.open(url, QUOTAS, create=False)
+@pytest.mark.parametrize("kind", [RedisLedger, PostgresLedger], ids=["redis", "postgres"])
+async def test_create_false_opens_an_existing_ledger(kind, request):
+    """On Redis, a ledger whose tenant registry exists (the reservation registers the tenant)."""
+    if kind is RedisLedger:
+        url = f"{request.getfixturevalue('redis_url')}?prefix={token()}"
+    else:
+        url = f"{request.getfixturevalue('postgres_url')}?schema={token()}"
+    async with opened(kind, url) as ledger:
+        await ledger.reserve("a", "r1", 10, 10)
+        again = await kind.open(url, QUOTAS, create=False)
         assert [r.request_id for r in await again.reservations()] == ["r1"]
         await again.close()
-    finally:
-        await ledger.drop_keys()
-        await ledger.close()
 
 
 async def test_redis_create_false_accepts_any_key_under_the_prefix(redis_url):
@@ -495,16 +471,10 @@ async def test_postgres_bad_url_is_a_value_error(postgres_url, query, kind, need
 
 async def test_postgres_real_libpq_parameters_still_pass(postgres_url):
     schema = token()
-    ledger = await PostgresLedger.open(
-        f"{postgres_url}?schema={schema}&sslmode=disable&application_name=fg_test", QUOTAS
-    )
-    try:
-        async with ledger._pool.connection() as connection:
-            cursor = await connection.execute("SELECT current_setting('application_name'), current_schema()")
-            assert await cursor.fetchone() == ("fg_test", schema)
-    finally:
-        await ledger.drop_schema()
-        await ledger.close()
+    url = f"{postgres_url}?schema={schema}&sslmode=disable&application_name=fg_test"
+    async with opened(PostgresLedger, url) as ledger, ledger._pool.connection() as connection:
+        cursor = await connection.execute("SELECT current_setting('application_name'), current_schema()")
+        assert await cursor.fetchone() == ("fg_test", schema)
 
 
 async def test_postgres_sslmode_require_without_ssl_on_the_server_says_so(postgres_url):
@@ -657,16 +627,3 @@ async def test_postgres_create_false_refuses_a_schema_without_the_tables(postgre
             )
         finally:
             await connection.execute(f"DROP SCHEMA {schema} CASCADE")
-
-
-async def test_postgres_create_false_opens_an_existing_ledger(postgres_url):
-    url = f"{postgres_url}?schema={token()}"
-    ledger = await PostgresLedger.open(url, QUOTAS)
-    try:
-        await ledger.reserve("a", "r1", 10, 10)
-        again = await PostgresLedger.open(url, QUOTAS, create=False)
-        assert [r.request_id for r in await again.reservations()] == ["r1"]
-        await again.close()
-    finally:
-        await ledger.drop_schema()
-        await ledger.close()

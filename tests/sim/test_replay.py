@@ -4,8 +4,6 @@ BurstGPT (tenants by Model), every policy, via the CLI as a user runs it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from fairgate.core import POLICY_NAMES
 from fairgate.sim.experiment import run_workload
 from fairgate.sim.scenario import load_scenario
 from fairgate.sim.traces import trace_workload
+from tests.conftest import fairgate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,36 +35,27 @@ def test_azure_slice_every_policy(traces_dir):
 
 def test_burstgpt_slice_by_model_through_the_cli(traces_dir, tmp_path):
     out = tmp_path / "burst.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fairgate",
-            "replay",
-            str(traces_dir / "burstgpt1_first7days.csv"),
-            "--format",
-            "burstgpt",
-            "--tenant-by",
-            "Model",
-            "--scenario",
-            str(REPO / "scenarios" / "replay.toml"),
-            "--set",
-            "replica.replicas=1",
-            "--speedup",
-            "50",
-            "--duration",
-            "43200",
-            "--policy",
-            "fcfs,gpu_fair",
-            "--json",
-            str(out),
-            "--plot",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+    done = fairgate(
+        "replay",
+        str(traces_dir / "burstgpt1_first7days.csv"),
+        "--format",
+        "burstgpt",
+        "--tenant-by",
+        "Model",
+        "--scenario",
+        str(REPO / "scenarios" / "replay.toml"),
+        "--set",
+        "replica.replicas=1",
+        "--speedup",
+        "50",
+        "--duration",
+        "43200",
+        "--policy",
+        "fcfs,gpu_fair",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path),
     )
     assert done.returncode == 0, done.stderr
     assert "failed rows" in done.stderr
@@ -80,22 +70,7 @@ def test_burstgpt_slice_by_model_through_the_cli(traces_dir, tmp_path):
 def test_replay_bad_trace_is_exit_2(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:17:03.9799600,10\n")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fairgate",
-            "replay",
-            str(bad),
-            "--format",
-            "azure",
-            "--scenario",
-            str(REPO / "scenarios" / "replay.toml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    scenario = str(REPO / "scenarios" / "replay.toml")
+    done = fairgate("replay", str(bad), "--format", "azure", "--scenario", scenario, timeout=120)
     assert done.returncode == 2
     assert "GeneratedTokens" in done.stderr and str(bad) in done.stderr and "Traceback" not in done.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fairgate.sim.traces import TraceError, TraceRow, TraceSummary, read_trace, trace_workload
+from tests.conftest import fairgate
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = Path(os.environ.get("FAIRGATE_TRACES_DIR") or REPO.parent / "shared" / "data" / "traces")
@@ -23,11 +24,6 @@ AZURE_CODE = TRACES / "azure_llm_2023_code.csv"
 AZURE_CONV = TRACES / "azure_llm_2023_conv.csv"
 BURST1 = TRACES / "burstgpt1_first7days.csv"
 BURST3 = TRACES / "burstgpt3_first400.csv"
-
-
-def real(function):  # type: ignore[no-untyped-def]
-    """Marks a test that reads the real traces: without them it fails (file not found), never skips."""
-    return function
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +55,9 @@ def burst_csv(tmp_path: Path, name: str, rows: list[str]) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Real traces
+# Real traces: without them these tests fail (file not found), never skip
 
 
-@real
 def test_read_azure_code_matches_sources(code_rows: list[TraceRow]) -> None:
     rows = code_rows
     assert len(rows) == 8819
@@ -81,7 +76,6 @@ def test_read_azure_code_matches_sources(code_rows: list[TraceRow]) -> None:
     assert rows[1].time_s == pytest.approx(0.052, abs=1e-12)  # 7th fractional digit kept
 
 
-@real
 def test_azure_code_workload(code_rows: list[TraceRow]) -> None:
     w, s = trace_workload([AZURE_CODE], "azure")
     w.check()
@@ -97,7 +91,6 @@ def test_azure_code_workload(code_rows: list[TraceRow]) -> None:
     assert w.output_tokens == [r.output_tokens for r in code_rows]
 
 
-@real
 def test_burstgpt1_by_model(burst1_raw: list[dict[str, str]]) -> None:
     total = collections.Counter(r["Model"] for r in burst1_raw)
     failed = collections.Counter(r["Model"] for r in burst1_raw if int(r["Response tokens"]) == 0)
@@ -117,7 +110,6 @@ def test_burstgpt1_by_model(burst1_raw: list[dict[str, str]]) -> None:
     assert w.arrival_ns[0] == 0 and w.duration_ns == 604_753 * 10**9 + 1
 
 
-@real
 def test_burstgpt3_columns_and_failed_row() -> None:
     rows = read_trace(BURST3, "burstgpt")
     assert len(rows) == 400
@@ -140,7 +132,6 @@ def test_burstgpt3_columns_and_failed_row() -> None:
     assert s.requests == {"API log": 6, "Conversation log": 393} and s.skipped_failed == 1
 
 
-@real
 def test_window_and_speedup_on_real_slice(code_rows: list[TraceRow]) -> None:
     start, length, speedup = 600.0, 120.0, 4.0
     inside = [r for r in code_rows if start <= r.time_s < start + length]
@@ -162,7 +153,6 @@ def test_window_and_speedup_on_real_slice(code_rows: list[TraceRow]) -> None:
     assert w2.arrival_ns[-1] == w2.duration_ns - 1
 
 
-@real
 def test_burstgpt_window_counts_failed_rows_inside_it() -> None:
     rows = read_trace(BURST1, "burstgpt")
     day = 86400.0
@@ -173,7 +163,6 @@ def test_burstgpt_window_counts_failed_rows_inside_it() -> None:
     assert w.duration_ns == 3600 * 10**9
 
 
-@real
 def test_hash_tenants_spread_and_stable(code_rows: list[TraceRow]) -> None:
     w, s = trace_workload([AZURE_CODE], "azure", tenant_by="hash:4")
     assert w.tenants == ["t0", "t1", "t2", "t3"]
@@ -195,7 +184,6 @@ def test_hash_tenants_spread_and_stable(code_rows: list[TraceRow]) -> None:
     assert win.tenant_index[0] == bucket(first)
 
 
-@real
 def test_two_real_files_side_by_side() -> None:
     w, s = trace_workload([f"code={AZURE_CODE}", AZURE_CONV], "azure")
     assert w.tenants == ["code", "azure_llm_2023_conv"]
@@ -205,7 +193,6 @@ def test_two_real_files_side_by_side() -> None:
     assert w.duration_ns == 3_501_721_937_001  # the longer file (conv, 3,501.7 s) + 1 ns
 
 
-@real
 def test_real_loads_are_fast() -> None:
     import time
 
@@ -415,15 +402,6 @@ def test_empty_window(tmp_path: Path) -> None:
     )
 
 
-def test_unknown_tenant_column(tmp_path: Path) -> None:
-    path = burst_csv(tmp_path, "t.csv", ["0,m,1,1,2,x"])
-    assert (
-        raises(trace_workload, [path], "burstgpt", tenant_by="model")
-        == f"{path}: --tenant-by column 'model' not found (has: Timestamp, Model, Request tokens, Response tokens, "
-        f"Total tokens, Log Type)"
-    )
-
-
 @pytest.mark.parametrize(
     "spec",
     [
@@ -483,11 +461,21 @@ DURATION_RANGE = "must be above 0 and at most 1e10 (seconds of trace time)"
         ({"duration_s": float("inf")}, f"--duration inf: {DURATION_RANGE}"),
         ({"duration_s": 1e300}, f"--duration 1e+300: {DURATION_RANGE}"),
         ({"tenant_by": None}, "--tenant-by None: must be file, a column name or hash:N"),
+        (
+            {"tenant_by": "model"},
+            "{path}: --tenant-by column 'model' not found (has: Timestamp, Model, Request tokens, Response tokens, "
+            "Total tokens, Log Type)",
+        ),
+        ({"duration_s": 1e10}, "--duration 1e+10 at --speedup 1 is 317 years of replay, above the cap of 10 years"),
+        (
+            {"duration_s": 1e6, "speedup": 1e-3},
+            "--duration 1e+06 at --speedup 0.001 is 31.7 years of replay, above the cap of 10 years",
+        ),
     ],
 )
 def test_bad_window_arguments(tmp_path: Path, kwargs: dict, message: str) -> None:
     path = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x"])
-    assert raises(trace_workload, [path], "burstgpt", **kwargs) == message
+    assert raises(trace_workload, [path], "burstgpt", **kwargs) == message.format(path=path)
 
 
 def test_bad_names(tmp_path: Path) -> None:
@@ -617,16 +605,8 @@ def test_span_error_names_the_earliest_row_of_another_file(tmp_path: Path) -> No
     )
 
 
-def test_duration_above_ten_years_of_replay(tmp_path: Path) -> None:
-    path = burst_csv(tmp_path, "d.csv", ["0,m,1,1,2,x"])
-    assert (
-        raises(trace_workload, [path], "burstgpt", duration_s=1e10)
-        == "--duration 1e+10 at --speedup 1 is 317 years of replay, above the cap of 10 years"
-    )
-    assert (
-        raises(trace_workload, [path], "burstgpt", duration_s=1e6, speedup=1e-3)
-        == "--duration 1e+06 at --speedup 0.001 is 31.7 years of replay, above the cap of 10 years"
-    )
+def test_duration_of_exactly_ten_years_of_replay(tmp_path: Path) -> None:
+    path = burst_csv(tmp_path, "d.csv", ["0,m,1,1,2,x"])  # above ten years: test_bad_window_arguments
     w, _ = trace_workload([path], "burstgpt", duration_s=315_576_000.0)  # exactly 10 years
     assert w.duration_ns == 315_576_000 * 10**9
 
@@ -725,29 +705,9 @@ def test_messages_with_line_breaks_stay_on_one_line(tmp_path: Path) -> None:
 
 
 def test_cli_reports_a_bad_option_in_one_line(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     path = burst_csv(tmp_path, "a.csv", ["0,m,1,1,2,x"])
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fairgate",
-            "replay",
-            str(path),
-            "--format",
-            "burstgpt",
-            "--scenario",
-            str(REPO / "scenarios" / "replay.toml"),
-            "--speedup",
-            "1e-300",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    options = ["--format", "burstgpt", "--scenario", str(REPO / "scenarios" / "replay.toml"), "--speedup", "1e-300"]
+    done = fairgate("replay", str(path), *options, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert "--speedup 1e-300: must be between 0.001 and 1000000" in done.stderr
