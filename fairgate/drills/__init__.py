@@ -38,12 +38,14 @@ killed mid-load: batch yields first, interactive tenants keep their weighted spl
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import import_module
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from fairgate.drills.report import DrillResult
+
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class DrillOptions:
     compare: str | None = "fcfs"
     processes: bool = False
     seed: int = 1
+
+    def setting(self, config: C, name: str = "seconds") -> C:
+        """``config`` with its field ``name`` set to ``seconds``, if given (a drill's length setting)."""
+        return config if self.seconds is None else replace(config, **{name: self.seconds})  # type: ignore[type-var]
 
     @property
     def comparison(self) -> str | None:

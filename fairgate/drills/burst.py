@@ -293,9 +293,7 @@ def _problems(config: BurstConfig, figs: PolicyFigures) -> list[str]:
 
 def run(options: DrillOptions, config: BurstConfig | None = None) -> BurstResult:
     """Run the drill under ``options.policy`` (and ``options.compare``, if any)."""
-    config = config or BurstConfig()
-    if options.seconds is not None:
-        config = replace(config, seconds=options.seconds)
+    config = options.setting(config or BurstConfig())
 
     def one(policy: str) -> PolicyFigures:
         spec = config.spec(policy, options.processes)

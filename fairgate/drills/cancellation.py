@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_ms, fmt_s, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_ms, fmt_s, grouped, table
 from fairgate.gateway.state import state_of
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.gauges import gateway_gauges
@@ -535,17 +535,12 @@ async def _run(stack: Stack, config: CancellationConfig, options: DrillOptions) 
         records = await generator.run_requests(todo, config.concurrency)
     start = generator.history.start
     last = start + max(r.ended_s or 0.0 for r in records)
-    ledger = await stack.open_ledger()
-    try:
+    async with stack.ledger() as ledger:
         converge_s, after = await converge(stack, ledger, last, config.converge_s_max)
         reservations = await ledger.reservations()
         report = await reconcile(ledger, freeze=False)
-    finally:
-        await ledger.close()
-    by_id: dict[str, list[Any]] = {}
-    for r in reservations:
-        by_id.setdefault(r.request_id, []).append(r)
-    tapped = any(r.tap is not None for r in stack.replicas)
+    by_id = grouped(reservations, lambda r: r.request_id)
+    tapped = stack.is_tapped
     sequences = stack.tapped("sequences")
     rows = []
     for record in records:
@@ -572,5 +567,5 @@ async def _run(stack: Stack, config: CancellationConfig, options: DrillOptions) 
         {t.tenant: t.differences for t in report.tenants if t.differences},
         tenant_gpu,
         tapped,
-        sum(r.tap.untagged for r in stack.replicas if r.tap is not None),
+        stack.untagged,
     )

@@ -237,11 +237,10 @@ def run_capacity(
 async def _run(stack: Stack, config: CapacityConfig, seed: int) -> CapacityRun:
     victim = stack.replicas[-1].process
     assert victim is not None
-    ledger = await stack.open_ledger()
     snapshots: dict[str, LedgerReport] = {}
     samples: list[tuple[float, dict[str, float]]] = []
     killed_at: list[float] = []
-    try:
+    async with stack.ledger() as ledger:
         async with LoadGenerator(stack.url, stack.keys, stack.spec.model, seed) as generator:
 
             async def snapshot(name: str, at_s: float) -> None:
@@ -274,8 +273,6 @@ async def _run(stack: Stack, config: CapacityConfig, seed: int) -> CapacityRun:
         settle_s = await wait_settled(ledger, SETTLE_S_MAX)
         reservations = await ledger.reservations()
         concurrent = {t: (await ledger.account(t, stack.spec.model)).concurrent for t in config.tenants}
-    finally:
-        await ledger.close()
     kill_s = killed_at[0] if killed_at else config.remove_at_s
     return CapacityRun(history, snapshots, samples, kill_s, reservations, concurrent, settle_s)
 
@@ -451,8 +448,6 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
 def run(options: DrillOptions, config: CapacityConfig | None = None) -> CapacityResult:
     """Run the drill under ``options.policy`` (and ``options.compare``, if any). ``options.seconds`` sets the
     load's length (the removal stays at ``remove_at_s``)."""
-    config = config or CapacityConfig()
-    if options.seconds is not None:
-        config = replace(config, seconds=options.seconds)
+    config = options.setting(config or CapacityConfig())
     runs = main_and_compare(options, lambda policy: run_capacity(config, policy, options.processes, options.seed))
     return CapacityResult(config, *runs)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, problems_by, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, grouped, problems_by, table
 from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.gateway.identity import ON_BEHALF_OF_HEADER as OBO
 from fairgate.harness.config import ADMIN_KEY, TenantSpec
@@ -542,21 +542,19 @@ async def _run(stack: Stack, config: ForgedConfig, todo: list[Attack], policy: s
         answers = await send_all(generator, todo)
         seconds = generator.now()
     await asyncio.sleep(0.2)  # the last settlements
-    ledger = await stack.open_ledger()
-    try:
+    async with stack.ledger() as ledger:
         reservations = await ledger.reservations()
         usage = {}
         for tenant in config.tenants:
             u = await ledger.usage(tenant, ALL_TIME_S)
             usage[tenant] = (u.requests, u.input_tokens, u.output_tokens, u.gpu_ms)
         victim_events = len(await ledger.events(VICTIM))
-    finally:
-        await ledger.close()
-    by_id: dict[str, list[tuple[str, int]]] = {}
-    for r in reservations:
-        by_id.setdefault(r.request_id, []).append((r.tenant, r.billed.output_tokens))
+    by_id = {
+        rid: [(r.tenant, r.billed.output_tokens) for r in found]
+        for rid, found in grouped(reservations, lambda r: r.request_id).items()
+    }
     bodies = stack.tapped("bodies")
-    tapped = any(r.tap is not None for r in stack.replicas)
+    tapped = stack.is_tapped
     shared = Counter(a.request_id for a in todo)
     figures = []
     for attack, answer in zip(todo, answers, strict=True):

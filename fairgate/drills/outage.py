@@ -445,9 +445,7 @@ class Observed:
 
 def run(options: DrillOptions, config: OutageConfig | None = None) -> OutageResult:
     """Run the drill (``options.seconds``: the outage's length; ``options.policy``: the gateway's policy)."""
-    config = config or OutageConfig()
-    if options.seconds is not None:
-        config = replace(config, outage_s=options.seconds)
+    config = options.setting(config or OutageConfig(), "outage_s")
     with (
         temporary_folder("fairgate-drill-outage-") as folder,
         LogCapture() as capture,

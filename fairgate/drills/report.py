@@ -70,6 +70,8 @@ class PolicyRun(Protocol):
 ConfigT = TypeVar("ConfigT")
 FiguresT = TypeVar("FiguresT")
 RunT = TypeVar("RunT", bound=PolicyRun)
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,14 @@ def main_and_compare(options: DrillOptions, one: Callable[[str], RunT]) -> tuple
 def problems_by(found: Iterable[tuple[str, list[str]]]) -> dict[str, list[str]]:
     """(what, its problems) pairs -> what -> problems, leaving out those without any."""
     return {what: problems for what, problems in found if problems}
+
+
+def grouped(items: Iterable[V], key: Callable[[V], K]) -> dict[K, list[V]]:
+    """``items`` by ``key(item)``, each group in their order."""
+    out: dict[K, list[V]] = {}
+    for item in items:
+        out.setdefault(key(item), []).append(item)
+    return out
 
 
 def table(
@@ -191,6 +201,7 @@ __all__ = [
     "fmt_errors",
     "fmt_ms",
     "fmt_s",
+    "grouped",
     "holds_from",
     "main_and_compare",
     "plain_text",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
@@ -354,9 +354,7 @@ class End:
 def run(options: DrillOptions, config: RestartConfig | None = None) -> RestartResult:
     """Run the drill (``options.seconds``: how long the load goes on after the kill; ``options.policy``: the
     gateways' policy). The gateways and replicas are always processes (one of them is killed)."""
-    config = config or RestartConfig()
-    if options.seconds is not None:
-        config = replace(config, load_after_s=options.seconds)
+    config = options.setting(config or RestartConfig(), "load_after_s")
     with temporary_folder("fairgate-drill-restart-") as folder, redis_server(folder / "redis", durable=False) as redis:
         with start_stack(config.spec(options.policy, redis_url(redis, "drill")), folder=folder / "stack") as stack:
             kill, end = asyncio.run(_run(stack, config, options.seed))

@@ -41,11 +41,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, problems_by, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, problems_by, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.loadgen import Cut, LoadGenerator, Request
 from fairgate.harness.records import RequestRecord
@@ -510,9 +510,7 @@ async def buckets(ledger: Any, config: RetryConfig, model: str, events: list[Any
 
 def run(options: DrillOptions, config: RetryConfig | None = None) -> RetryResult:
     """Run the drill under ``options.policy`` (``seconds``: how long the originals arrive over)."""
-    config = config or RetryConfig()
-    if options.seconds is not None:
-        config = replace(config, seconds=options.seconds)
+    config = options.setting(config or RetryConfig())
     with start_stack(config.spec(options.policy, options.processes)) as stack:
         return RetryResult(config, asyncio.run(_run(stack, config, options)))
 
@@ -525,20 +523,15 @@ async def _run(stack: Stack, config: RetryConfig, options: DrillOptions) -> Retr
         begin = generator.now()
         by_id, sdk_calls = await drive(generator, config, todo)
     last = max(a.ended_s for rows in by_id.values() for a in rows)
-    ledger = await stack.open_ledger()
-    try:
+    async with stack.ledger() as ledger:
         converge_s = await converge(stack, ledger, last, config.converge_s_max, generator.now)
         reservations = await ledger.reservations()
         events = await ledger.events()
         report = await reconcile(ledger, freeze=False)
         bucket_figures = await buckets(ledger, config, stack.spec.model, events)
-    finally:
-        await ledger.close()
-    reserved: dict[tuple[str, str], list[Any]] = {}
-    for r in reservations:
-        reserved.setdefault((r.tenant, r.request_id), []).append(r)
+    reserved = grouped(reservations, lambda r: (r.tenant, r.request_id))
     reserve_events = Counter(e.reservation_id for e in events if e.kind == "reserve")
-    tapped = any(r.tap is not None for r in stack.replicas)
+    tapped = stack.is_tapped
     sequences = stack.tapped("sequences")
     rows = []
     for plan in todo:
@@ -569,7 +562,7 @@ async def _run(stack: Stack, config: RetryConfig, options: DrillOptions) -> Retr
         {t.tenant: t.differences for t in report.tenants if t.differences},
         sum(s.occupancy for s in await stack.replica_stats()),
         tapped,
-        sum(r.tap.untagged for r in stack.replicas if r.tap is not None),
+        stack.untagged,
         generator.peak_in_flight,
         sdk_calls,
     )

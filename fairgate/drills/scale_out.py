@@ -511,8 +511,7 @@ def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair",
 
 
 async def _limits_run(stack: Stack, config: LimitsConfig, seed: int) -> LimitsRun:
-    ledger = await stack.open_ledger()
-    try:
+    async with stack.ledger() as ledger:
         stop = asyncio.Event()
         seen: dict[str, list[int]] = {}
         occupancy: dict[int, int] = {}
@@ -537,8 +536,6 @@ async def _limits_run(stack: Stack, config: LimitsConfig, seed: int) -> LimitsRu
             account = await ledger.account(name, model or "emu")
             accounts[name] = (account.concurrent, account.queued)
         truths = {n: await read_replica(url) for n, url in urls.items()}
-    finally:
-        await ledger.close()
     return LimitsRun(history, reservations, seen, occupancy, accounts, settle_s, truths)
 
 
@@ -777,8 +774,7 @@ def run_fairness(
 
 
 async def _fairness_run(stack: Stack, config: FairnessConfig, seed: int) -> FairnessRun:
-    ledger = await stack.open_ledger()
-    try:
+    async with stack.ledger() as ledger:
         readings: list[Reading] = []
         occupancy: dict[int, int] = {}
         stop = asyncio.Event()
@@ -804,8 +800,6 @@ async def _fairness_run(stack: Stack, config: FairnessConfig, seed: int) -> Fair
         await wait_settled(ledger, FAIRNESS_SETTLE_S_MAX)
         end = await _read(stack, ledger, config.tenants, config.seconds)
         left_open = await ledger.reservations(status="open")
-    finally:
-        await ledger.close()
     return FairnessRun(history, readings, end, left_open, max(occupancy.values(), default=0))
 
 
@@ -1037,8 +1031,7 @@ def run(options: DrillOptions, config: ScaleOutConfig | None = None) -> ScaleOut
     """Both claims (``options.seconds`` sets the limits load; ``options.compare``, if set, adds the
     no-sharing comparison run of claim 2; the drill always runs processes)."""
     config = config or ScaleOutConfig()
-    if options.seconds is not None:
-        config = replace(config, limits=replace(config.limits, seconds=options.seconds))
+    config = replace(config, limits=options.setting(config.limits))
     limits = tuple(run_limits(config.limits, url, options.policy, options.seed) for url in config.ledgers)
     fairness = (
         run_fairness(config.fairness, config.ledgers[0], options.policy, options.seed) if config.ledgers else None

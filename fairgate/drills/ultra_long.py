@@ -258,9 +258,7 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
 
 def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLongResult:
     """Run the drill under ``options.policy`` (and ``options.compare``, if any)."""
-    config = config or UltraLongConfig()
-    if options.seconds is not None:
-        config = replace(config, seconds=options.seconds)
+    config = options.setting(config or UltraLongConfig())
 
     def one(policy: str) -> PolicyFigures:
         spec = config.spec(policy, options.processes)

@@ -14,8 +14,8 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Coroutine, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -183,24 +183,36 @@ class Stack:
 
         return await connect(self.ledger_url, self.config.quotas, create=self.spec.ledger is not None)
 
-    async def totals(self) -> LedgerReport:
-        """Every tenant's ledger totals now."""
+    @asynccontextmanager
+    async def ledger(self) -> AsyncIterator[Ledger]:
+        """``open_ledger()``, closed when the block ends."""
         ledger = await self.open_ledger()
         try:
-            return await ledger_totals(ledger, self.spec.tenant_names)
+            yield ledger
         finally:
             await ledger.close()
+
+    async def totals(self) -> LedgerReport:
+        """Every tenant's ledger totals now."""
+        async with self.ledger() as ledger:
+            return await ledger_totals(ledger, self.spec.tenant_names)
 
     async def reservations(self) -> list[Reservation]:
         """Every reservation in the ledger now."""
-        ledger = await self.open_ledger()
-        try:
+        async with self.ledger() as ledger:
             return await ledger.reservations()
-        finally:
-            await ledger.close()
 
     async def replica_stats(self) -> list[ReplicaStats]:
         return await read_replicas(self.replica_urls)
+
+    @property
+    def is_tapped(self) -> bool:
+        return any(r.tap is not None for r in self.replicas)
+
+    @property
+    def untagged(self) -> int:
+        """Sequences the taps saw without a request's tag."""
+        return sum(r.tap.untagged for r in self.replicas if r.tap is not None)
 
     def tapped(self, what: str = "sequences") -> dict[str, list[Any]]:
         """Over every tap: tag -> the ``sequences`` (or ``bodies``) it saw under that tag."""
