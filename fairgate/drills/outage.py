@@ -31,18 +31,19 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_counts, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, grouped, table
 from fairgate.harness.config import UNBOUNDED, TenantSpec
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
 from fairgate.harness.logs import LogCapture, log_lines, summarise_log
 from fairgate.harness.records import RequestRecord
 from fairgate.harness.redis import redis_server, redis_url
 from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.run import poll
 from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack, temporary_folder
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import EmergencyConfig, TierConfig
@@ -173,14 +174,12 @@ class OutageFigures:
 
 
 @dataclass(frozen=True)
-class OutageResult(DrillResult):
-    config: OutageConfig
-    figures: OutageFigures
+class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
     processes: bool
     name: str = "outage"
 
     def checks(self) -> dict[str, bool]:
-        c, f = self.config, self.figures
+        c, f = self.config, self.main
         free, paid = f.tenants[c.free], f.tenants[c.paid]
         budget = c.emergency
         during_free, during_paid = free.phases["during"], paid.phases["during"]
@@ -222,7 +221,7 @@ class OutageResult(DrillResult):
         }
 
     def intro(self) -> list[str]:
-        c, f = self.config, self.figures
+        c, f = self.config, self.main
         e = c.emergency
         return [
             f"[bold]drill outage[/bold]: ledger = a throwaway redis-server (AOF, fsync always); tenants {c.free!r} "
@@ -236,7 +235,7 @@ class OutageResult(DrillResult):
         ]
 
     def body(self) -> list[Any]:
-        f = self.figures
+        f = self.main
         tenants = f.tenants.values()
         phases = [
             (
@@ -279,7 +278,7 @@ class OutageResult(DrillResult):
         return out + [f"  gateway: {line}" for line in f.gateway_log[:8]]
 
     def _load_line(self) -> str:
-        f, tenants = self.figures, self.figures.tenants.values()
+        f, tenants = self.main, self.main.tenants.values()
         unbilled = {
             kind: sum(getattr(t, f"client_{kind}") - getattr(t, f"ledger_{kind}") for t in tenants)
             for kind in ("requests", "input", "output")
@@ -311,7 +310,7 @@ class OutageResult(DrillResult):
         )
 
     def verdict(self) -> str:
-        f = self.figures
+        f = self.main
         return f"ledger down {f.up_at_s - f.down_at_s:.1f} s under load."
 
 
@@ -384,9 +383,7 @@ async def _reconciled(ledger: Any, records: list[RequestRecord], before_s: float
 
 def _mismatches(records: list[RequestRecord], reservations: list[Any]) -> list[str]:
     """Every request whose reservation does not bill exactly what its client received (each a sentence)."""
-    by_request: dict[str, list[Any]] = {}
-    for r in reservations:
-        by_request.setdefault(r.request_id, []).append(r)
+    by_request = grouped(reservations, lambda r: r.request_id)
     out = []
     for call in records:
         rid, found = call.request_id, by_request.get(call.request_id, [])
@@ -435,11 +432,9 @@ class Observed:
     records: list[RequestRecord]
     reservations: list[Any]
     usage: dict[str, Any]
-    events: list[dict[str, Any]]
     journal_left: list[dict[str, Any]]
     journal_at_restart: dict[str, int]
     converge_s: float | None
-    gateway_log: list[str]
     wall_start: float
 
 
@@ -458,12 +453,11 @@ def run(options: DrillOptions, config: OutageConfig | None = None) -> OutageResu
         assert stack.config.event_log_path is not None
         events = read_events(stack.config.event_log_path)
         log = summarise_log(log_lines(capture.lines, stack.config.path.parent / "gateway.log"))
-    observed = replace(observed, events=events, gateway_log=log)
-    return OutageResult(config, outage_figures(config, timeline, observed), options.processes)
+    return OutageResult(config, outage_figures(config, timeline, observed, events, log), options.processes)
 
 
 async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tuple[Timeline, Observed]:
-    journal = stack.config.journal_path
+    journal, limit_s = stack.config.journal_path, config.converge_s_max
     send_until = config.warmup_s + config.outage_s + config.after_s
     async with LoadGenerator(stack.url, stack.keys, stack.spec.model, seed) as generator:
         now = generator.now
@@ -481,25 +475,18 @@ async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tup
             # Convergence: poll the ledger (a connection of our own) until everything admitted before the
             # ledger came back is reconciled and the journal is empty.
             records = generator.history.records
-            converge_s: float | None = None
-            reader = await stack.open_ledger()
-            try:
-                while now() < up_at + config.converge_s_max:
-                    if await _reconciled(reader, records, up_at, journal):
-                        converge_s = now() - up_at
-                        break
-                    await asyncio.sleep(0.1)
+            async with stack.ledger() as reader:
+                reconciled = await poll(lambda: _reconciled(reader, records, up_at, journal), up_at + limit_s, now)
+                converge_s = None if reconciled is None else reconciled - up_at
                 await load
-                # Let the last settlements and a journal replay land.
-                deadline = now() + config.converge_s_max
-                while now() < deadline:
-                    if not (read_journal(journal) or await reader.reservations(status="open")):
-                        break
-                    await asyncio.sleep(0.1)
+
+                async def landed() -> bool:
+                    """The last settlements and a journal replay have landed."""
+                    return not (read_journal(journal) or await reader.reservations(status="open"))
+
+                await poll(landed, now() + limit_s, now)
                 reservations = await reader.reservations()
                 usage = {t.name: await reader.usage(t.name, 86_400.0) for t in config.tenants}
-            finally:
-                await reader.close()
         finally:
             load.cancel()
             await asyncio.gather(load, return_exceptions=True)
@@ -508,11 +495,9 @@ async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tup
         records,
         reservations,
         usage,
-        [],
         read_journal(journal),
         dict(journal_at_restart),
         converge_s,
-        [],
         generator.history.wall_start,
     )
     return timeline, observed
@@ -538,8 +523,10 @@ def _grants_and_meter(
     return grants, metered
 
 
-def outage_figures(config: OutageConfig, t: Timeline, o: Observed) -> OutageFigures:
-    grants, metered = _grants_and_meter(config, o.events)
+def outage_figures(
+    config: OutageConfig, t: Timeline, o: Observed, events: list[dict[str, Any]], gateway_log: list[str]
+) -> OutageFigures:
+    grants, metered = _grants_and_meter(config, events)
     statuses = Counter(r.status for r in o.reservations)
     known = {r.request_id for r in o.records}
     tenants = {spec.name: tenant_figures(config, spec, t, o, grants[spec.name], metered) for spec in config.tenants}
@@ -557,7 +544,7 @@ def outage_figures(config: OutageConfig, t: Timeline, o: Observed) -> OutageFigu
         dict(statuses),
         sum(1 for r in o.reservations if r.request_id not in known),
         sum(1 for r in o.records if r.outcome == "cut"),
-        tuple(o.gateway_log),
+        tuple(gateway_log),
     )
 
 

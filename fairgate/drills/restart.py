@@ -34,14 +34,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_counts, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, grouped, table
 from fairgate.harness.config import UNBOUNDED, TenantSpec
 from fairgate.harness.gauges import gateway_gauges
+from fairgate.harness.ledger import wait_settled
 from fairgate.harness.loadgen import LoadGenerator, Request, TenantLoad
 from fairgate.harness.logs import log_lines, summarise_log
 from fairgate.harness.records import RequestRecord
 from fairgate.harness.redis import redis_server, redis_url
 from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.run import until
 from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack, temporary_folder
 
 HUNG_S = 2.0  # a client of the killed process must see its request fail within this long
@@ -192,13 +194,11 @@ class RestartFigures:
 
 
 @dataclass(frozen=True)
-class RestartResult(DrillResult):
-    config: RestartConfig
-    figures: RestartFigures
+class RestartResult(ConfiguredResult[RestartConfig, RestartFigures]):
     name: str = "restart"
 
     def checks(self) -> dict[str, bool]:
-        c, f = self.config, self.figures
+        c, f = self.config, self.main
         queued = sum(1 for k in f.killed if k.queued)
         in_flight, queued_clients = f.at_kill.get("in flight", 0), f.at_kill.get("queued", 0)
         return {
@@ -233,7 +233,7 @@ class RestartResult(DrillResult):
         }
 
     def intro(self) -> list[str]:
-        c, f = self.config, self.figures
+        c, f = self.config, self.main
         b, a = f.sent.get("B", Counter()), f.sent.get("A", Counter())
         return [
             f"[bold]drill restart[/bold]: two gateway processes (A, B) on one Redis ledger and {c.replicas} emulated "
@@ -250,7 +250,7 @@ class RestartResult(DrillResult):
         ]
 
     def body(self) -> list[Any]:
-        f = self.figures
+        f = self.main
         rows = [(target, fmt_counts(outcomes)) for target, outcomes in sorted(f.sent.items())]
         out: list[Any] = [table("requests by gateway", ("gateway", "outcomes"), rows, left=("gateway", "outcomes"))]
         columns = ("", "count", "client saw", "ended", "kill -> final s (min-max)", "tokens streamed / billed")
@@ -284,7 +284,7 @@ class RestartResult(DrillResult):
         return out + self._lost()
 
     def _killed_row(self, name: str, queued: bool, retried: bool) -> tuple[str, ...] | None:
-        rows = [k for k in self.figures.killed if k.queued == queued and k.retried == retried]
+        rows = [k for k in self.main.killed if k.queued == queued and k.retried == retried]
         if retried and not rows:
             return None
         times = [k.final_after_s for k in rows if k.final_after_s is not None]
@@ -298,7 +298,7 @@ class RestartResult(DrillResult):
         )
 
     def _lost(self) -> list[str]:
-        c, f = self.config, self.figures
+        c, f = self.config, self.main
         lost = [f"{len(f.mismatches)} completed requests billed differently"] if f.mismatches else []
         lost += [f"{f.open_left} reservations left open"] if f.open_left else []
         if f.expired_not_killed:
@@ -373,7 +373,7 @@ async def _run(stack: Stack, c: RestartConfig, seed: int) -> tuple[Kill, End]:
         load = asyncio.ensure_future(generator.run(c.loads(), send_until, c.drain_s_max))
         reader = await stack.open_ledger()
         try:
-            await asyncio.sleep(max(0.0, c.kill_at_s - now()))
+            await until(generator, c.kill_at_s)
             active = generator.history.running("A")
             kill_wall_ms = time.time() * 1000.0
             await asyncio.to_thread(a.kill)
@@ -391,11 +391,7 @@ async def _run(stack: Stack, c: RestartConfig, seed: int) -> tuple[Kill, End]:
             restart_ready = await restarting
             retries = {rid: await task for rid, task in retrying.items()}
             await load
-            deadline = now() + c.settle_s_max
-            while now() < deadline:
-                if not await reader.reservations(status="open"):
-                    break
-                await asyncio.sleep(0.1)
+            await wait_settled(reader, c.settle_s_max)
             await asyncio.sleep(2 * c.sweep_s)  # the gauges follow the last requests
             end = await _end(stack, reader, c, generator.history.records)
         finally:
@@ -452,9 +448,7 @@ async def _end(stack: Stack, reader: Any, c: RestartConfig, records: list[Reques
 
 
 def restart_figures(c: RestartConfig, kill: Kill, end: End, lines: list[str]) -> RestartFigures:
-    by_request: dict[str, list[Any]] = {}
-    for r in end.reservations:
-        by_request.setdefault(r.request_id, []).append(r)
+    by_request = grouped(end.reservations, lambda r: r.request_id)
     originals = {r.request_id: r for r in kill.active}
     retried = {r.request_id for r in kill.retries.values()}
     killed, unbilled = [], 0

@@ -50,6 +50,7 @@ from fairgate.harness.config import TenantSpec
 from fairgate.harness.loadgen import Cut, LoadGenerator, Request
 from fairgate.harness.records import RequestRecord
 from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.run import poll
 from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack
 from fairgate.ledger.config import LimitsConfig
 
@@ -479,17 +480,10 @@ async def drive(
     return by_id, sdk_calls
 
 
-async def converge(stack: Stack, ledger: Any, last_s: float, limit_s: float, now: Any) -> float | None:
-    """Seconds from ``last_s`` until no reservation is open and the replicas are idle (None: not within
-    ``limit_s``)."""
-    while True:
-        open_now = len(await ledger.reservations(status="open"))
-        running = sum(s.occupancy for s in await stack.replica_stats())
-        if open_now == 0 and running == 0:
-            return now() - last_s
-        if now() - last_s > limit_s:
-            return None
-        await asyncio.sleep(0.05)
+async def idle(stack: Stack, ledger: Any) -> bool:
+    """No reservation is open and the replicas are idle."""
+    open_now = await ledger.reservations(status="open")
+    return not open_now and not any(s.occupancy for s in await stack.replica_stats())
 
 
 async def buckets(ledger: Any, config: RetryConfig, model: str, events: list[Any]) -> dict[str, BucketFigures]:
@@ -524,7 +518,8 @@ async def _run(stack: Stack, config: RetryConfig, options: DrillOptions) -> Retr
         by_id, sdk_calls = await drive(generator, config, todo)
     last = max(a.ended_s for rows in by_id.values() for a in rows)
     async with stack.ledger() as ledger:
-        converge_s = await converge(stack, ledger, last, config.converge_s_max, generator.now)
+        idle_at = await poll(lambda: idle(stack, ledger), last + config.converge_s_max, generator.now, 0.05)
+        converge_s = None if idle_at is None else idle_at - last
         reservations = await ledger.reservations()
         events = await ledger.events()
         report = await reconcile(ledger, freeze=False)

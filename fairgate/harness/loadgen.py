@@ -118,7 +118,6 @@ class TenantLoad:
         prompt_tokens: prompt length as the emulator counts it (>= 4).
         start_s: seconds after the run starts before this tenant sends. ramp_s: closed loop: the clients start
             one after another, evenly over this many seconds from ``start_s``.
-        requests_max: at most this many requests (None: as many as fit in the run).
         in_flight_max: open loop: arrivals while this many are in flight are not sent (counted as skipped).
         runs: closed loop: the clients belong to this many agent runs (client ``i`` to run ``i % runs``).
         error_backoff_s / backoff_jitter: closed loop: after an error a client waits
@@ -135,7 +134,6 @@ class TenantLoad:
     prompt_tokens: int = 64
     start_s: float = 0.0
     ramp_s: float = 0.0
-    requests_max: int | None = None
     in_flight_max: int = 2000
     runs: int | None = None
     error_backoff_s: float = 0.5
@@ -371,9 +369,6 @@ class LoadGenerator:
         deadline = begin + seconds
         sent: Counter[tuple[int, str]] = Counter()
 
-        def may_send(k: int, load: TenantLoad) -> bool:
-            return self.now() < deadline and (load.requests_max is None or sent[(k, load.tenant)] < load.requests_max)
-
         def request(k: int, load: TenantLoad, rng: random.Random, name: str, run_id: str | None = None) -> Request:
             sent[(k, load.tenant)] += 1
             n = sent[(k, load.tenant)]
@@ -385,7 +380,7 @@ class LoadGenerator:
             rng = random.Random(f"{self.seed}-{load.target}-{load.tenant}-{k}-{index}")
             await asyncio.sleep(max(0.0, begin + load.start_s + load.ramp_s * index / load.clients - self.now()))
             run_id = None if load.runs is None else f"{load.tenant}-run-{index % load.runs}"
-            while may_send(k, load):
+            while self.now() < deadline:
                 record = await self.send(request(k, load, rng, str(index), run_id))
                 if record.outcome != "ok" and load.error_backoff_s > 0:
                     await asyncio.sleep(load.error_backoff_s * (1 + load.backoff_jitter * rng.random()))
@@ -397,7 +392,7 @@ class LoadGenerator:
             try:
                 while True:
                     await asyncio.sleep(max(0.0, next_at - self.now()))
-                    if not may_send(k, load):
+                    if self.now() >= deadline:
                         break
                     if self._running[load.tenant] >= load.in_flight_max:
                         self.history.skipped[load.tenant] += 1

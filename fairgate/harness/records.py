@@ -92,17 +92,13 @@ class RequestRecord:
         return (self.last_s - self.first_s) * 1000.0 / (self.tokens - 1)
 
     @property
-    def waited_ms(self) -> float:
-        return ((self.ended_s if self.ended_s is not None else self.sent_s) - self.sent_s) * 1000.0
-
-    @property
     def ttft_bound_ms(self) -> float | None:
         """TTFT, or for a request cut before its first token the wait (a lower bound); None for errors.
 
         A request the load left queued past its end cannot look good by dropping out of the percentiles."""
         if self.ttft_ms is not None:
             return self.ttft_ms
-        return self.waited_ms if self.outcome == "cut" else None
+        return ((self.ended_s or self.sent_s) - self.sent_s) * 1000.0 if self.outcome == "cut" else None
 
 
 def percentile(values: list[float], q: float) -> float | None:

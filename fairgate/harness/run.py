@@ -5,7 +5,7 @@ the ledger at given seconds and, once the gateway has billed the hang-ups, at th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,17 @@ async def until(generator: LoadGenerator, at_s: float) -> None:
     await asyncio.sleep(max(0.0, at_s - generator.now()))
 
 
+async def poll(
+    ready: Callable[[], Awaitable[bool]], deadline_s: float, now: Callable[[], float], every_s: float = 0.1
+) -> float | None:
+    """Await ``ready()`` every ``every_s`` until it is true: ``now()`` then (None: still not after ``deadline_s``)."""
+    while not await ready():
+        if now() > deadline_s:
+            return None
+        await asyncio.sleep(every_s)
+    return now()
+
+
 def run_on_stack(
     spec: StackSpec, loads: Sequence[TenantLoad], seconds: float, seed: int, snapshot_at_s: Sequence[float] = ()
 ) -> Run:
@@ -66,4 +77,4 @@ def run_on_stack(
         return asyncio.run(go())
 
 
-__all__ = ["Run", "run_on_stack", "until"]
+__all__ = ["Run", "poll", "run_on_stack", "until"]

@@ -33,7 +33,7 @@ def test_ledger_outage_rejects_bounds_emergency_and_reconciles_exactly_after_rec
     config = OutageConfig(outage_s=8.0)
     timed = timed_run(run, DrillOptions(processes=True), config)
     result, summary = timed.result, timed.summary
-    f = result.figures
+    f = result.main
     free, paid = f.tenants[config.free], f.tenants[config.paid]
     # The outage was real and exercised both tiers.
     assert f.up_at_s - f.down_at_s >= config.outage_s - 0.5, summary
