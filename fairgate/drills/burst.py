@@ -34,7 +34,7 @@ from fairgate.drills.report import ComparedResult, fmt_errors, fmt_ms, main_and_
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.ledger import LedgerReport
 from fairgate.harness.loadgen import TenantLoad
-from fairgate.harness.records import percentile
+from fairgate.harness.records import TenantStats, percentile
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.run import Run, run_on_stack
 from fairgate.harness.stack import StackSpec, replicas
@@ -133,11 +133,7 @@ class TenantFigures:
     baseline_p99_ms: float | None
     burst_p50_ms: float | None
     burst_p99_ms: float | None
-    sent: int
-    completed: int
-    cut: int
-    rejected: int  # 429s
-    errors: dict[str, int]
+    clients: TenantStats  # what its clients saw (the burster: from its start on)
     share_before: float  # of the GPU time billed in the first half
     share_during: float  # ... in the second half
     ledger_requests: int
@@ -146,6 +142,11 @@ class TenantFigures:
     @property
     def ratio(self) -> float | None:
         return _ratio(self.baseline_p99_ms, self.burst_p99_ms)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Its clients' errors but 429s (``clients.rejected``)."""
+        return {k: v for k, v in self.clients.errors.items() if not k.startswith("429")}
 
 
 def _ratio(before: float | None, during: float | None) -> float | None:
@@ -180,7 +181,6 @@ def figures(config: BurstConfig, run: Run) -> PolicyFigures:
     tenants = {}
     for tenant in config.tenants:
         b, d = run.history.stats(tenant, *before), run.history.stats(tenant, *during)
-        whole = run.history.stats(tenant, config.seconds if tenant == config.burster else 0.0)
         total = run.ledger.totals[tenant]
         tenants[tenant] = TenantFigures(
             tenant,
@@ -188,11 +188,7 @@ def figures(config: BurstConfig, run: Run) -> PolicyFigures:
             b.ttft_p99_ms,
             d.ttft_p50_ms,
             d.ttft_p99_ms,
-            whole.requests,
-            whole.completed,
-            whole.cut,
-            whole.rejected,
-            {k: v for k, v in whole.errors.items() if not k.startswith("429")},
+            run.history.stats(tenant, config.seconds if tenant == config.burster else 0.0),
             share_1.get(tenant, 0.0),
             share_2.get(tenant, 0.0),
             total.requests,
@@ -244,8 +240,8 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
                 f"{fmt_ms(t.baseline_p50_ms)} / {fmt_ms(t.baseline_p99_ms)}",
                 f"{fmt_ms(t.burst_p50_ms)} / {fmt_ms(t.burst_p99_ms)}",
                 "-" if t.ratio is None else f"{t.ratio:.2f}",
-                f"{t.sent}/{t.completed}/{t.cut}",
-                str(t.rejected),
+                f"{t.clients.requests}/{t.clients.completed}/{t.clients.cut}",
+                str(t.clients.rejected),
                 fmt_errors(t.errors),
                 f"{t.share_before * 100:.1f} / {t.share_during * 100:.1f}",
                 f"{t.ledger_gpu_s:,.1f}",

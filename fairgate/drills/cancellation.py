@@ -252,14 +252,14 @@ class Held:
     open_reservations: int
 
     @property
+    def slots(self) -> list[float]:
+        """Each count of slots, queue places or sequences held (gateway, replicas, ledger)."""
+        replicas = (s.occupancy for s in self.replicas)
+        return [*self.gateway.values(), *replicas, *self.concurrent.values(), *self.queued.values()]
+
+    @property
     def idle(self) -> bool:
-        return not (
-            any(self.gateway.values())
-            or any(s.occupancy for s in self.replicas)
-            or any(self.concurrent.values())
-            or any(self.queued.values())
-            or self.open_reservations
-        )
+        return not (any(self.slots) or self.open_reservations)
 
 
 @dataclass(frozen=True)
@@ -300,13 +300,7 @@ class CancellationFigures:
     @property
     def held_slots(self) -> float:
         """Slots, queue places and sequences still held after the run (gateway, replicas, ledger)."""
-        a = self.after
-        return (
-            sum(a.gateway.values())
-            + sum(s.occupancy for s in a.replicas)
-            + sum(a.concurrent.values())
-            + sum(a.queued.values())
-        )
+        return sum(self.after.slots)
 
     @property
     def late(self) -> list[RequestFigures]:

@@ -168,15 +168,11 @@ class CapacityFigures:
     wall_s: float
     settle_s: float  # after the drain, until no reservation was open
 
-    def ratio_after(self, config: CapacityConfig) -> float:
-        first, last = config.interactive[0], config.interactive[-1]
-        low = self.tenants[last].share_after
-        return self.tenants[first].share_after / low if low > 0 else float("inf")
-
-    def ratio_before(self, config: CapacityConfig) -> float:
-        first, last = config.interactive[0], config.interactive[-1]
-        low = self.tenants[last].share_before
-        return self.tenants[first].share_before / low if low > 0 else float("inf")
+    def ratio(self, config: CapacityConfig, before: bool = False) -> float:
+        """The first interactive tenant's GPU share over the last's, after (or ``before``) the removal."""
+        first, last = (self.tenants[t] for t in (config.interactive[0], config.interactive[-1]))
+        high, low = (first.share_before, last.share_before) if before else (first.share_after, last.share_after)
+        return high / low if low > 0 else float("inf")
 
     @property
     def sent(self) -> int:
@@ -363,7 +359,7 @@ def capacity_checks(c: CapacityConfig, figs: CapacityFigures) -> dict[str, bool]
         f"batch yielded within {c.converge_s_max:g} s of the removal": figs.converge_s is not None
         and figs.converge_s <= c.converge_s_max,
         f"interactive GPU ratio after the removal {target:g} within {c.ratio_tolerance:.0%}": abs(
-            figs.ratio_after(c) / target - 1.0
+            figs.ratio(c) / target - 1.0
         )
         <= c.ratio_tolerance,
         "every request got a success or an explicit error (none cut, none open, counts match the ledger)": not lost,
@@ -426,9 +422,9 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
         caption = (
             f"{figs.removed} killed at {figs.killed_at_s:.1f} s; the ledger billed {figs.ledger_gpu_s['before']:,.1f} "
             f"GPU s before it ({c.warmup_s:g}-{c.remove_at_s:g} s), {figs.ledger_gpu_s['after']:,.1f} after "
-            f"({c.after_from_s:g}-{c.seconds:g} s). Interactive ratio {figs.ratio_before(c):.2f} before (uncontended), "
-            f"{figs.ratio_after(c):.2f} after (weights {c.weight_ratio():g}). Load held: {figs.sent} requests; faults "
-            f"injected: 1 replica removed; lost: {sum(t.requests.cut for t in tenants)} hung, "
+            f"({c.after_from_s:g}-{c.seconds:g} s). Interactive ratio {figs.ratio(c, before=True):.2f} before "
+            f"(uncontended), {figs.ratio(c):.2f} after (weights {c.weight_ratio():g}). Load held: {figs.sent} "
+            f"requests; faults injected: 1 replica removed; lost: {sum(t.requests.cut for t in tenants)} hung, "
             f"{sum(t.requests.open for t in tenants)} open reservations ({figs.errors} requests ended in an explicit "
             f"error); converged (batch yielded) {converge} after the removal; reservations all final "
             f"{figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s."
@@ -440,7 +436,7 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
         c, batch = self.config, self.main.tenants[self.config.batch]
         return (
             f"under {self.main.policy} {c.batch} went from {batch.share_before:.1%} to {batch.share_after:.1%} of the "
-            f"GPU, the interactive ratio is {self.main.ratio_after(c):.2f} (weights {c.weight_ratio():g}), "
+            f"GPU, the interactive ratio is {self.main.ratio(c):.2f} (weights {c.weight_ratio():g}), "
             f"{self.main.errors} explicit errors, nothing lost."
         )
 

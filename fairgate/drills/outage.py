@@ -154,17 +154,28 @@ class TenantOutage:
 
 
 @dataclass(frozen=True)
-class OutageFigures:
-    """What was measured. Times in seconds since the drill's start."""
+class Timeline:
+    """The outage, in seconds since the load began."""
 
     stop_at_s: float  # SIGTERM sent
     down_at_s: float  # the server process was gone
     restart_at_s: float
     up_at_s: float  # answering again
+
+    @property
+    def down_s(self) -> float:
+        return self.up_at_s - self.down_at_s
+
+
+@dataclass(frozen=True)
+class OutageFigures:
+    """What was measured. Times in seconds since the drill's start."""
+
+    timeline: Timeline
     tenants: dict[str, TenantOutage]
     journal_at_restart: dict[str, int]  # record type -> count, just before the restart
     journal_left: int  # records left at the end
-    converge_s: float | None  # from up_at_s until everything reconciled (None: not within converge_s_max)
+    converge_s: float | None  # from timeline.up_at_s until everything reconciled (None: not within converge_s_max)
     mismatches: tuple[str, ...]  # per-request differences between client and ledger (each a sentence)
     open_left: int  # open reservations at the end
     statuses: dict[str, int]  # reservations by status at the end
@@ -221,7 +232,7 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
         }
 
     def intro(self) -> list[str]:
-        c, f = self.config, self.main
+        c, f, t = self.config, self.main, self.main.timeline
         e = c.emergency
         return [
             f"[bold]drill outage[/bold]: ledger = a throwaway redis-server (AOF, fsync always); tenants {c.free!r} "
@@ -229,8 +240,8 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
             f"s), {c.clients} closed-loop clients each (outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens), "
             f"gateway {'process' if self.processes else 'in-process'}, sweep {c.sweep_s:g} s, reservation TTL "
             f"{c.reservation_ttl_s:g} s.",
-            f"Fault: SIGTERM to the ledger server at {f.stop_at_s:.1f} s (gone at {f.down_at_s:.1f} s), started "
-            f"again at {f.restart_at_s:.1f} s, answering at {f.up_at_s:.1f} s: down {f.up_at_s - f.down_at_s:.1f} s. "
+            f"Fault: SIGTERM to the ledger server at {t.stop_at_s:.1f} s (gone at {t.down_at_s:.1f} s), started "
+            f"again at {t.restart_at_s:.1f} s, answering at {t.up_at_s:.1f} s: down {t.down_s:.1f} s. "
             f"Journal just before the restart: {fmt_counts(f.journal_at_restart) or 'empty'}.",
         ]
 
@@ -310,8 +321,7 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
         )
 
     def verdict(self) -> str:
-        f = self.main
-        return f"ledger down {f.up_at_s - f.down_at_s:.1f} s under load."
+        return f"ledger down {self.main.timeline.down_s:.1f} s under load."
 
 
 def _cells(ph: Phase) -> str:
@@ -322,16 +332,16 @@ def _key(record: RequestRecord) -> str:
     return record.error or record.outcome
 
 
-def _phase_of(record: RequestRecord, stop_at: float, down_at: float, restart_at: float, up_at: float) -> str:
+def _phase_of(record: RequestRecord, t: Timeline) -> str:
     """``before`` the stop, ``during`` the outage (sent once the server was gone and at least ``EDGE_S``
     before its restart, so it reached the gateway's reservation while the ledger was down), ``after`` it
     answered again, else ``edge``. (``tenant_figures`` also counts as ``edge`` a request sent during the
     outage that the ledger shows reserved after the restart: one that was slow to reach the gateway.)"""
-    if record.sent_s < stop_at:
+    if record.sent_s < t.stop_at_s:
         return "before"
-    if down_at <= record.sent_s < restart_at - EDGE_S:
+    if t.down_at_s <= record.sent_s < t.restart_at_s - EDGE_S:
         return "during"
-    return "after" if record.sent_s >= up_at else "edge"
+    return "after" if record.sent_s >= t.up_at_s else "edge"
 
 
 def _phase(records: list[RequestRecord]) -> Phase:
@@ -413,16 +423,6 @@ def _mismatches(records: list[RequestRecord], reservations: list[Any]) -> list[s
             if call.usage_output is not None and call.usage_output != call.tokens:
                 out.append(f"{rid}: client's usage says {call.usage_output} output tokens, received {call.tokens}")
     return out
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """The outage, in seconds since the load began: SIGTERM sent, the server gone, restarted, answering."""
-
-    stop_at: float
-    down_at: float
-    restart_at: float
-    up_at: float
 
 
 @dataclass(frozen=True)
@@ -531,10 +531,7 @@ def outage_figures(
     known = {r.request_id for r in o.records}
     tenants = {spec.name: tenant_figures(config, spec, t, o, grants[spec.name], metered) for spec in config.tenants}
     return OutageFigures(
-        t.stop_at,
-        t.down_at,
-        t.restart_at,
-        t.up_at,
+        t,
         tenants,
         o.journal_at_restart,
         len(o.journal_left),
@@ -559,11 +556,11 @@ def tenant_figures(
     """One tenant's requests by phase, its emergency grants, and what it received against what was billed."""
     granted = {str(g.get("request_id")) for g in grants}
     created_ms = {r.request_id: r.created_ms for r in o.reservations}
-    restart_wall_ms = (o.wall_start + t.restart_at) * 1000.0
+    restart_wall_ms = (o.wall_start + t.restart_at_s) * 1000.0
     mine = [r for r in o.records if r.tenant == spec.name]
     by_phase: dict[str, list[RequestRecord]] = {p: [] for p in ("before", "during", "edge", "after")}
     for r in mine:
-        phase = _phase_of(r, t.stop_at, t.down_at, t.restart_at, t.up_at)
+        phase = _phase_of(r, t)
         created = created_ms.get(r.request_id)
         if (
             phase == "during"

@@ -135,15 +135,14 @@ class RestartConfig:
         ]
 
     @property
-    def converge_bound_s(self) -> float:
+    def ttl_sweep_s(self) -> float:
         """What the ledger guarantees for a reservation nobody heartbeats any more: final by the first sweep
-        a TTL after its last heartbeat (see the module docstring); plus ``converge_slack_s``."""
-        return self.reservation_ttl_s + self.sweep_s + self.converge_slack_s
+        a TTL after its last heartbeat (see the module docstring)."""
+        return self.reservation_ttl_s + self.sweep_s
 
     @property
-    def ttl_sweep_s(self) -> float:
-        """TTL + sweep: the bound one would expect from the TTL alone."""
-        return self.reservation_ttl_s + self.sweep_s
+    def converge_bound_s(self) -> float:
+        return self.ttl_sweep_s + self.converge_slack_s
 
 
 @dataclass(frozen=True)

@@ -282,24 +282,10 @@ def attempts(record: RequestRecord, role: str) -> list[Attempt]:
     one's tokens are the request's)."""
     cut = record.cut_at is not None
     code = record.code if record.outcome == "error" else record.error
-    sent = record.sent_s
+    rid, sent, ended = record.request_id, record.sent_s, record.ended_s or record.sent_s
     if role != "sdk" or not record.answers:
-        return [
-            Attempt(
-                record.request_id,
-                role,
-                None if cut else record.status,
-                code,
-                record.tokens,
-                cut,
-                sent,
-                record.ended_s or sent,
-            )
-        ]
-    out = [
-        Attempt(record.request_id, "sdk", a.status, a.code, 0, False, sent, record.ended_s or sent)
-        for a in record.answers
-    ]
+        return [Attempt(rid, role, None if cut else record.status, code, record.tokens, cut, sent, ended)]
+    out = [Attempt(rid, "sdk", a.status, a.code, 0, False, sent, ended) for a in record.answers]
     if record.status == 200:
         out[-1].tokens = record.tokens
     return out

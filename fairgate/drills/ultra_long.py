@@ -22,6 +22,7 @@ from fairgate.drills import DrillOptions
 from fairgate.drills.report import ComparedResult, fmt_errors, fmt_ms, main_and_compare, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.loadgen import TenantLoad
+from fairgate.harness.records import TenantStats
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.run import Run, run_on_stack
 from fairgate.harness.stack import StackSpec, replicas
@@ -111,13 +112,7 @@ class TenantFigures:
     tenant: str
     share: float  # of the GPU time billed from the agent's start on
     weighted: float  # share / fair share (1.0: exactly its share)
-    sent: int
-    completed: int
-    cut: int
-    errors: dict[str, int]  # "<status>:<code>[dimension]" -> count
-    ttft_p50_ms: float | None
-    ttft_p99_ms: float | None
-    tpot_p50_ms: float | None
+    clients: TenantStats  # what its clients saw over the whole run (errors: "<status>:<code>[dimension]")
     ledger_requests: int
     ledger_output_tokens: int
     ledger_gpu_s: float
@@ -155,18 +150,12 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
     shares = window.shares()
     tenants = {}
     for tenant in config.tenants:
-        s, total = run.history.stats(tenant), window.totals[tenant]
+        total = window.totals[tenant]
         tenants[tenant] = TenantFigures(
             tenant,
             shares[tenant],
             shares[tenant] / config.fair_share(tenant),
-            s.requests,
-            s.completed,
-            s.cut,
-            s.errors,
-            s.ttft_p50_ms,
-            s.ttft_p99_ms,
-            s.tpot_p50_ms,
+            run.history.stats(tenant),
             total.requests,
             total.output_tokens,
             total.gpu_ms / 1000.0,
@@ -177,7 +166,7 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
         if r.tenant == config.agent and r.run_id is not None:
             calls[r.run_id] += 1
             tokens[r.run_id] += r.input_tokens + r.max_output_tokens
-    refused = sum(n for code, n in tenants[config.agent].errors.items() if f"[{RUN_DIMENSION}]" in code)
+    refused = sum(n for code, n in tenants[config.agent].clients.errors.items() if f"[{RUN_DIMENSION}]" in code)
     return PolicyFigures(run.policy, tenants, RunLimits(dict(calls), dict(tokens), refused), window.gpu_ms / 1000.0)
 
 
@@ -188,7 +177,7 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
     def checks(self) -> dict[str, bool]:
         c, figs = self.config, self.main
         agent = figs.tenants[c.agent]
-        unexpected = [k for t in figs.tenants.values() for k in t.errors if f"[{RUN_DIMENSION}]" not in k]
+        unexpected = [k for t in figs.tenants.values() for k in t.clients.errors if f"[{RUN_DIMENSION}]" not in k]
         return {
             f"no tenant over its share + {c.agent_margin:.0%}": all(
                 t.share <= c.fair_share(name) + c.agent_margin for name, t in figs.tenants.items()
@@ -227,10 +216,10 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
                 t.tenant,
                 f"{t.share * 100:.1f}",
                 f"{t.weighted:.2f}",
-                f"{t.sent}/{t.completed}/{t.cut}",
-                fmt_errors(t.errors),
-                f"{fmt_ms(t.ttft_p50_ms)} / {fmt_ms(t.ttft_p99_ms)}",
-                fmt_ms(t.tpot_p50_ms),
+                f"{t.clients.requests}/{t.clients.completed}/{t.clients.cut}",
+                fmt_errors(t.clients.errors),
+                f"{fmt_ms(t.clients.ttft_p50_ms)} / {fmt_ms(t.clients.ttft_p99_ms)}",
+                fmt_ms(t.clients.tpot_p50_ms),
                 str(t.ledger_requests),
                 f"{t.ledger_output_tokens:,}",
                 f"{t.ledger_gpu_s:,.1f}",

@@ -1,6 +1,5 @@
 """What the load generator records: every HTTP request as its client saw it (``RequestRecord``), kept in
-send order and by request id (``History``), with per-tenant latency figures over a window of send times
-(``TenantStats``).
+send order (``History``), with per-tenant latency figures over a window of send times (``TenantStats``).
 
 The request id is the one the client sent as ``X-Request-Id``: the ledger's reservation for the request
 carries it, so what each client received can be set beside what the ledger holds, id by id.
@@ -144,13 +143,6 @@ class History:
     def now(self) -> float:
         """Seconds since the start."""
         return time.monotonic() - self.start
-
-    def by_id(self) -> dict[str, list[RequestRecord]]:
-        """Request id -> every request sent under it (re-sends after the first)."""
-        out: dict[str, list[RequestRecord]] = {}
-        for record in self.records:
-            out.setdefault(record.request_id, []).append(record)
-        return out
 
     def running(self, target: str | None = None) -> list[RequestRecord]:
         """The requests not ended yet (to the gateway ``target``, if given)."""
