@@ -228,7 +228,7 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
         ]
 
     def body(self) -> list[Any]:
-        return self.policy_tables() + [f"[red]problem[/red]: {problem}" for problem in self.problems]
+        return super().body() + [f"[red]problem[/red]: {problem}" for problem in self.problems]
 
     def policy_table(self, figs: PolicyFigures) -> Any:
         c = self.config

@@ -206,17 +206,15 @@ def lost_requests(t: TenantFigures) -> list[str]:
 
 @dataclass(frozen=True)
 class CapacityRun:
-    """What one run saw: the clients, the ledger at the warm-up, the removal, ``after_from_s`` and the end,
-    the replicas' cumulative charge-rule ms per tenant (sampled), when the replica was killed, and the ledger
-    at the end (reservations, each tenant's concurrency, how long the last bills took)."""
+    """What one run saw; the ledger's ``reservations`` and ``concurrent`` are those at the end."""
 
     history: History
-    snapshots: dict[str, LedgerReport]
-    samples: list[tuple[float, dict[str, float]]]
+    snapshots: dict[str, LedgerReport]  # "warm", "removal", "after" (after_from_s), "end"
+    samples: list[tuple[float, dict[str, float]]]  # (s, tenant -> the replicas' cumulative charge-rule ms)
     killed_at_s: float
     reservations: list[Any]
     concurrent: dict[str, int]
-    settle_s: float
+    settle_s: float  # how long the last bills took
 
 
 def run_capacity(
@@ -394,7 +392,7 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
         ]
 
     def body(self) -> list[Any]:
-        out = self.policy_tables()
+        out = super().body()
         if self.compare is not None:
             failed = [check for check, ok in capacity_checks(self.config, self.compare).items() if not ok]
             out.append(

@@ -449,8 +449,7 @@ class ForgedResult(ConfiguredResult[ForgedConfig, ForgedFigures]):
     def body(self) -> list[Any]:
         f, problems = self.main, self.problems()
         rows = []
-        for group in dict.fromkeys(a.attack.group for a in f.attacks):
-            mine = [a for a in f.attacks if a.attack.group == group]
+        for group, mine in grouped(f.attacks, lambda a: a.attack.group).items():
             answers = Counter(f"{a.outcome.status}" + (f" {a.outcome.code}" if a.outcome.code else "") for a in mine)
             billed = Counter(t for a in mine for t, _ in a.reservations)
             wrong = sum(1 for a in mine if f"{group}: {a.attack.name}" in problems)

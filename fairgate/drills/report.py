@@ -86,7 +86,7 @@ class ConfiguredResult(DrillResult, Generic[ConfigT, FiguresT]):
 class ComparedResult(ConfiguredResult[ConfigT, RunT]):
     """A ``ConfiguredResult`` and the same load under the comparison policy (``compare``; None: not run).
 
-    A subclass shows each run with ``policy_table``; ``policy_tables()`` gives main's, then compare's."""
+    A subclass shows each run with ``policy_table``; ``body()`` gives main's, then compare's."""
 
     compare: RunT | None
 
@@ -98,7 +98,7 @@ class ComparedResult(ConfiguredResult[ConfigT, RunT]):
     def policy_table(self, figs: RunT) -> Any:
         """One run's table; ``title(figs)`` names it."""
 
-    def policy_tables(self) -> list[Any]:
+    def body(self) -> list[Any]:
         return [self.policy_table(figs) for figs in self.runs()]
 
     def title(self, figs: RunT) -> str:

@@ -327,13 +327,12 @@ class RestartResult(ConfiguredResult[RestartConfig, RestartFigures]):
 
 @dataclass(frozen=True)
 class Kill:
-    """What the drill saw of the kill: A's requests active then, its open reservations, and when each of
-    them became final; times in seconds since the load began (``wall_ms``: the kill on the wall clock)."""
+    """What the drill saw of the kill; times in seconds since the load began."""
 
-    active: list[RequestRecord]
-    snapshot: list[Any]
-    final_ms: dict[str, float]
-    wall_ms: float
+    active: list[RequestRecord]  # A's requests active at the kill
+    snapshot: list[Any]  # A's open reservations
+    final_ms: dict[str, float]  # reservation id -> when it became final (ledger ms)
+    wall_ms: float  # the kill on the wall clock
     at_s: float
     restart_ready_s: float
     retries: dict[str, RequestRecord]

@@ -475,17 +475,15 @@ def _targets(stack: Stack) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class LimitsRun:
-    """What claim 1's run saw: the clients, every reservation, the sampled accounts (tenant -> [max
-    concurrent, max queued, samples]) and replicas (group N -> most sequences), the accounts at the end,
-    how long the last bills took, and each group's replica at the end."""
+    """What claim 1's run saw."""
 
     history: History
     reservations: list[Reservation]
-    seen: dict[str, list[int]]
-    occupancy: dict[int, int]
-    accounts: dict[str, tuple[int, int]]
-    settle_s: float
-    truths: dict[int, ReplicaStats | None]
+    seen: dict[str, list[int]]  # the sampled accounts: tenant -> [max concurrent, max queued, samples]
+    occupancy: dict[int, int]  # group N -> most sequences its replica held
+    accounts: dict[str, tuple[int, int]]  # (concurrent, queued) at the end
+    settle_s: float  # how long the last bills took
+    truths: dict[int, ReplicaStats | None]  # each group's replica at the end
 
 
 def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair", seed: int = 1) -> LimitsFigures:
@@ -751,11 +749,10 @@ async def _read(stack: Stack, ledger: Ledger, tenants: Sequence[str], at_s: floa
 
 @dataclass(frozen=True)
 class FairnessRun:
-    """What claim 2's run saw: the clients, the readings every ``snapshot_every_s`` from the warm-up, the
-    reading at the end, the reservations left open, and the most sequences a replica held."""
+    """What claim 2's run saw."""
 
     history: History
-    readings: list[Reading]
+    readings: list[Reading]  # every snapshot_every_s from the warm-up
     end: Reading
     left_open: list[Reservation]
     occupancy_max: int

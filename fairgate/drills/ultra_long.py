@@ -205,9 +205,6 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
             "the agent's run limits hold.",
         ]
 
-    def body(self) -> list[Any]:
-        return self.policy_tables()
-
     def policy_table(self, figs: PolicyFigures) -> Any:
         columns = ("tenant", "GPU %", "x share", "sent/done/cut", "errors", "TTFT ms p50/p99", "TPOT ms p50")
         columns += ("ledger req", "ledger out tok", "ledger GPU s")
