@@ -393,7 +393,8 @@ class CancellationResult(ConfiguredResult[CancellationConfig, CancellationFigure
             "replica stopping the sequence."
         )
         columns = ("cut at", "n", "tokens recv/billed/gen", "unbilled", "GPU s billed/rule", "late", "hang-up ms")
-        rows = [self._row(p) for p in (*CUTS, "completed", "error") if any(r.cut_at == p for r in f.requests)]
+        cut_at = grouped(f.requests, lambda r: r.cut_at)
+        rows = [self._row(p, cut_at[p]) for p in (*CUTS, "completed", "error") if p in cut_at]
         by_cut = table("by where the client cut", (*columns, "reservations"), rows, caption, ("cut at", "reservations"))
         gpu = table(
             "GPU time per tenant",
@@ -405,8 +406,7 @@ class CancellationResult(ConfiguredResult[CancellationConfig, CancellationFigure
         )
         return [by_cut, gpu, *self._notes()]
 
-    def _row(self, point: str) -> tuple[str, ...]:
-        rows = [r for r in self.main.requests if r.cut_at == point]
+    def _row(self, point: str, rows: list[RequestFigures]) -> tuple[str, ...]:
         tapped = self.main.tapped
         hangups = [r.hangup_ms for r in rows if r.hangup_ms is not None]
         oldest = max((r.oldest_unbilled_ms for r in rows if r.oldest_unbilled_ms is not None), default=None)

@@ -487,7 +487,7 @@ def restart_figures(c: RestartConfig, kill: Kill, end: End, lines: list[str]) ->
         dict(Counter("in flight" if call.first_s is not None else "queued" for call in kill.active)),
         dict(Counter(call.outcome for call in kill.active)),
         sum(1 for call in kill.active if call.ended_s is None or call.ended_s - kill.at_s > HUNG_S),
-        {rid: "ok" if call.outcome == "ok" else _key(call) for rid, call in kill.retries.items()},
+        {rid: _key(call) for rid, call in kill.retries.items()},
         sent,
         len(long_calls),
         long_settled,

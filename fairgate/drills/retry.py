@@ -353,7 +353,8 @@ class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
             "replica runs",
             "ids wrong",
         )
-        rows = [self._row(p, problems) for p in PATTERNS if any(i.plan.pattern == p for i in f.ids)]
+        by_pattern = grouped(f.ids, lambda i: i.plan.pattern)
+        rows = [self._row(p, by_pattern[p], problems) for p in PATTERNS if p in by_pattern]
         out: list[Any] = [table("by pattern", columns, rows, caption, ("pattern", "answers"), ("answers",))]
         columns = ("tenant", "ids", "burst", "refill since first", "level now", "deducted", "ledger requests")
         rows = [
@@ -387,8 +388,7 @@ class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
             )
         return out + [f"[red]{rid}[/red]: {'; '.join(found)}" for rid, found in list(problems.items())[:8]]
 
-    def _row(self, pattern: str, problems: dict[str, list[str]]) -> tuple[str, ...]:
-        rows = [i for i in self.main.ids if i.plan.pattern == pattern]
+    def _row(self, pattern: str, rows: list[IdFigures], problems: dict[str, list[str]]) -> tuple[str, ...]:
         answers = Counter(
             "cut" if a.cut else ("none" if a.status is None else f"{a.status} {a.code or 'ok'}")
             for i in rows
