@@ -42,34 +42,21 @@ from fairgate.harness.stack import StackSpec, replicas
 
 @dataclass(frozen=True)
 class BurstConfig:
-    """The drill's setting (defaults: the acceptance scenario).
+    """The drill's setting (defaults: the acceptance scenario)."""
 
-    Attributes:
-        seconds: length of each half of the run (before and during the burst).
-        others / burster: tenant names.
-        replicas / replica: the emulated fleet.
-        output_tokens / prompt_tokens: every request's length (uniform range) and prompt.
-        others_load: each other tenant's offered load, as a fraction of its share of the capacity.
-        burst_factor: the burster's closed-loop clients, as a multiple of its share of the slots.
-        ramp_s: the burster's clients start over this long.
-        settle_s: after the ramp, the onset transient left out of the burst window.
-        baseline_skip_s: the start of the run left out of the baseline window (the fleet warming up).
-        ttft_ratio_max: the claim: others' p99 TTFT during the burst <= this times their baseline p99.
-    """
-
-    seconds: float = 12.0
+    seconds: float = 12.0  # length of each half of the run (before and during the burst)
     others: tuple[str, ...] = ("alpha", "beta", "gamma")
     burster: str = "noisy"
-    replicas: int = 4
+    replicas: int = 4  # the emulated fleet
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(500.0, 0.0, 0.0, 12))
-    output_tokens: tuple[int, int] = (1, 3)
+    output_tokens: tuple[int, int] = (1, 3)  # every request's length (uniform range)
     prompt_tokens: int = 64
-    others_load: float = 0.6
-    burst_factor: float = 20.0
-    ramp_s: float = 2.0
-    settle_s: float = 1.5
-    baseline_skip_s: float = 1.0
-    ttft_ratio_max: float = 1.5
+    others_load: float = 0.6  # each other tenant's offered load, as a fraction of its share of the capacity
+    burst_factor: float = 20.0  # the burster's closed-loop clients, as a multiple of its share of the slots
+    ramp_s: float = 2.0  # the burster's clients start over this long
+    settle_s: float = 1.5  # after the ramp, the onset transient left out of the burst window
+    baseline_skip_s: float = 1.0  # the start of the run left out of the baseline window (the fleet warming up)
+    ttft_ratio_max: float = 1.5  # the claim: others' p99 TTFT during the burst <= this times their baseline p99
 
     def __post_init__(self) -> None:
         for name, (low, high) in (("before", self.baseline_window_s), ("during", self.burst_window_s)):

@@ -53,46 +53,33 @@ SETTLE_S_MAX = 15.0
 
 @dataclass(frozen=True)
 class CapacityConfig:
-    """The drill's setting.
+    """The drill's setting."""
 
-    Attributes:
-        seconds: the load; ``remove_at_s``: when one replica is killed; ``warmup_s``: the start of the load
-            left out of the shares before the removal.
-        replicas / replica: the emulated fleet (``fairgate emulate`` processes).
-        weights: the interactive tenants and their weights; ``batch``: the batch tenant.
-        clients: closed-loop clients per tenant. The default gives the interactive tenants demand in their
-            weight ratio (24 : 12), together 36 requests: less than two replicas' 48 slots, more than one's 24.
-        surge: more closed-loop clients per tenant from the removal on (default: ``silver`` doubles to 24, as
-            many as ``gold``: from then on demand alone would split the capacity 1 : 1, the weights 2 : 1).
-        output_tokens / prompt_tokens: every request's length (uniform range) and prompt.
-        kill_signal: how the replica is removed (SIGKILL: a crash; SIGTERM: a shutdown).
-        converge_s_max: the claim: the batch tenant has yielded within this long of the removal; the shares
-            after the removal are those billed from then on.
-        batch_share_after_max: the claim: the batch tenant's share of the GPU after the removal.
-        ratio_tolerance: the claim: the interactive tenants' GPU ratio within this of their weight ratio.
-        drain_s: after the load, how long the clients wait for the requests still queued or running.
-        sample_s: how often the replicas' own charge-rule totals are read (the convergence timeline).
-        error_backoff_s: a client that got an error waits this long before its next request.
-    """
-
-    seconds: float = 34.0
-    remove_at_s: float = 10.0
-    warmup_s: float = 4.0
-    replicas: int = 2
+    seconds: float = 34.0  # the load
+    remove_at_s: float = 10.0  # when one replica is killed
+    warmup_s: float = 4.0  # the start of the load left out of the shares before the removal
+    replicas: int = 2  # the emulated fleet (``fairgate emulate`` processes)
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(40.0, 1.0, 0.05, 24, 4096))
+    # the interactive tenants and their weights
     weights: dict[str, float] = field(default_factory=lambda: {"gold": 2.0, "silver": 1.0})
-    batch: str = "bulk"
+    batch: str = "bulk"  # the batch tenant
+    # closed-loop clients per tenant. The default gives the interactive tenants demand in their weight ratio
+    # (24 : 12), together 36 requests: less than two replicas' 48 slots, more than one's 24.
     clients: dict[str, int] = field(default_factory=lambda: {"gold": 24, "silver": 12, "bulk": 40})
+    # more closed-loop clients per tenant from the removal on (default: ``silver`` doubles to 24, as many as
+    # ``gold``: from then on demand alone would split the capacity 1 : 1, the weights 2 : 1)
     surge: dict[str, int] = field(default_factory=lambda: {"silver": 12})
-    output_tokens: tuple[int, int] = (20, 60)
+    output_tokens: tuple[int, int] = (20, 60)  # every request's length (uniform range)
     prompt_tokens: int = 64
-    kill_signal: int = signal.SIGKILL
+    kill_signal: int = signal.SIGKILL  # how the replica is removed (SIGKILL: a crash; SIGTERM: a shutdown)
+    # the claim: the batch tenant has yielded within this long of the removal; the shares after the
+    # removal are those billed from then on
     converge_s_max: float = 8.0
-    batch_share_after_max: float = 0.05
-    ratio_tolerance: float = 0.10
-    drain_s: float = 20.0
-    sample_s: float = 0.5
-    error_backoff_s: float = 0.5
+    batch_share_after_max: float = 0.05  # the claim: the batch tenant's share of the GPU after the removal
+    ratio_tolerance: float = 0.10  # the claim: the interactive tenants' GPU ratio within this of their weight ratio
+    drain_s: float = 20.0  # after the load, how long the clients wait for the requests still queued or running
+    sample_s: float = 0.5  # how often the replicas' own charge-rule totals are read (the convergence timeline)
+    error_backoff_s: float = 0.5  # a client that got an error waits this long before its next request
 
     def __post_init__(self) -> None:
         if self.replicas < 2:

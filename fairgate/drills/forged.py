@@ -81,19 +81,13 @@ SUSPECT_FIELDS = (
 
 @dataclass(frozen=True)
 class ForgedConfig:
-    """The drill's setting.
+    """The drill's setting."""
 
-    Attributes:
-        max_tokens: each attack's output (small: the drill is about who pays, not how much).
-        prompt_tokens: each prompt, as the emulator counts it (chat) or words (completions).
-        replicas / replica: the emulated fleet. gateway_process: run the gateway as a process.
-    """
-
-    max_tokens: int = 3
-    prompt_tokens: int = 8
-    replicas: int = 1
+    max_tokens: int = 3  # each attack's output (small: the drill is about who pays, not how much)
+    prompt_tokens: int = 8  # each prompt, as the emulator counts it (chat) or words (completions)
+    replicas: int = 1  # the emulated fleet
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(10.0, 0.1, 0.01, 32, 4096))
-    gateway_process: bool = False
+    gateway_process: bool = False  # run the gateway as a process
 
     @property
     def tenants(self) -> tuple[str, ...]:
@@ -117,22 +111,15 @@ class ForgedConfig:
 
 @dataclass(frozen=True)
 class Attack:
-    """One request and what the gateway must do with it.
+    """One request (its ``X-Request-Id`` among its headers) and what the gateway must do with it."""
 
-    Attributes:
-        group / name: what is tried. request: the request (its ``X-Request-Id`` among its headers).
-        statuses: acceptable HTTP statuses; codes: acceptable error codes (empty: any).
-        billed_to: the tenant it must be billed to (``NOBODY``: refused, no reservation).
-        stage: attacks run stage by stage (0 first); within a stage, all at once.
-    """
-
-    group: str
+    group: str  # what is tried, with ``name``
     name: str
     request: HttpRequest
-    statuses: frozenset[int]
-    codes: frozenset[str]
-    billed_to: str
-    stage: int = 0
+    statuses: frozenset[int]  # acceptable HTTP statuses
+    codes: frozenset[str]  # acceptable error codes (empty: any)
+    billed_to: str  # the tenant it must be billed to (``NOBODY``: refused, no reservation)
+    stage: int = 0  # attacks run stage by stage (0 first); within a stage, all at once
 
     @property
     def request_id(self) -> str:

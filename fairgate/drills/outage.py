@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, grouped, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, table
 from fairgate.harness.config import UNBOUNDED, TenantSpec
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
 from fairgate.harness.logs import LogCapture, log_lines, summarise_log
@@ -54,36 +54,24 @@ EDGE_S = 1.0  # a request sent this close before the restart may reach the ledge
 
 @dataclass(frozen=True)
 class OutageConfig:
-    """The drill's setting.
+    """The drill's setting."""
 
-    Attributes:
-        outage_s: how long the ledger server is down (30 s; the test uses less to fit its time bound).
-        warmup_s / after_s: load before the stop and after the restart.
-        free / paid: the ``reject`` and the ``emergency`` tier's tenants.
-        clients: closed-loop clients per tenant. output_tokens: (min, max) per request. prompt_tokens.
-        emergency: the paid tier's local budget.
-        reservation_ttl_s / sweep_s: the ledger's TTL and the gateway's liveness sweep.
-        replica: the emulated replica.
-        backoff_s: a client's wait after an error.
-        converge_s_max: time allowed, after the ledger answers again, for everything to reconcile.
-        drain_s_max: time allowed for the requests running when the clients stop sending.
-    """
-
-    outage_s: float = 30.0
-    warmup_s: float = 4.0
-    after_s: float = 4.0
-    free: str = "free"
-    paid: str = "paid"
-    clients: int = 4
-    output_tokens: tuple[int, int] = (8, 24)
+    outage_s: float = 30.0  # how long the ledger server is down (the test uses less to fit its time bound)
+    warmup_s: float = 4.0  # load before the stop
+    after_s: float = 4.0  # load after the restart
+    free: str = "free"  # the ``reject`` tier's tenant
+    paid: str = "paid"  # the ``emergency`` tier's tenant
+    clients: int = 4  # closed-loop clients per tenant
+    output_tokens: tuple[int, int] = (8, 24)  # (min, max) per request
     prompt_tokens: int = 32
+    # the paid tier's local budget
     emergency: EmergencyConfig = field(default_factory=lambda: EmergencyConfig(requests=6, tokens=400, seconds=120.0))
-    reservation_ttl_s: float = 60.0
-    sweep_s: float = 1.0
+    reservation_ttl_s: float = 60.0  # the ledger's TTL
+    sweep_s: float = 1.0  # the gateway's liveness sweep
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(50.0, 0.5, 0.02, 12, 4096))
-    backoff_s: float = 0.5
-    converge_s_max: float = 10.0
-    drain_s_max: float = 15.0
+    backoff_s: float = 0.5  # a client's wait after an error
+    converge_s_max: float = 10.0  # time allowed, after the ledger answers again, for everything to reconcile
+    drain_s_max: float = 15.0  # time allowed for the requests running when the clients stop sending
 
     def __post_init__(self) -> None:
         if self.outage_s < 2.0:
@@ -310,9 +298,7 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
         ]
         lost = [item for item in lost if item]
         refused = sum(ph.refused_503 for t in tenants for ph in t.phases.values())
-        converge = (
-            f"{f.converge_s:.2f} s" if f.converge_s is not None else f"not within {self.config.converge_s_max:g} s"
-        )
+        converge = fmt_s(f.converge_s, f"not within {self.config.converge_s_max:g} s")
         return (
             f"Load held: {sum(ph.sent for t in tenants for ph in t.phases.values())} requests sent, "
             f"{sum(t.client_requests for t in tenants)} served, {refused} refused with 503 + Retry-After while the "

@@ -45,10 +45,10 @@ class DrillResult(ABC):
     def passed(self) -> bool:
         return all(self.checks().values())
 
-    def check_lines(self, checks: Mapping[str, bool] | None = None) -> list[str]:
+    def check_lines(self) -> list[str]:
         """One line per check, ``ok`` or ``FAIL`` and its claim (rich markup)."""
-        checks = self.checks() if checks is None else checks
-        return [f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}" for check, ok in checks.items()]
+        checks = self.checks().items()
+        return [f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}" for check, ok in checks]
 
     def render(self) -> list[Any]:
         """Tables and lines for a rich console."""
@@ -102,7 +102,7 @@ class ComparedResult(ConfiguredResult[ConfigT, RunT]):
         return [self.policy_table(figs) for figs in self.runs()]
 
     def title(self, figs: RunT) -> str:
-        return policy_title(figs.policy, figs is self.compare)
+        return f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else "")
 
 
 def main_and_compare(options: DrillOptions, one: Callable[[str], RunT]) -> tuple[RunT, RunT | None]:
@@ -142,10 +142,6 @@ def table(
     for row in rows:
         out.add_row(*row)
     return out
-
-
-def policy_title(policy: str, comparison: bool) -> str:
-    return f"policy {policy}" + (" (comparison)" if comparison else "")
 
 
 def fmt_ms(value: float | None) -> str:
@@ -205,7 +201,6 @@ __all__ = [
     "holds_from",
     "main_and_compare",
     "plain_text",
-    "policy_title",
     "problems_by",
     "table",
 ]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, grouped, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, table
 from fairgate.harness.config import UNBOUNDED, TenantSpec
 from fairgate.harness.gauges import gateway_gauges
 from fairgate.harness.ledger import wait_settled
@@ -52,43 +52,32 @@ MODEL = "emu"
 
 @dataclass(frozen=True)
 class RestartConfig:
-    """The drill's setting.
+    """The drill's setting."""
 
-    Attributes:
-        kill_at_s: when A is killed. restart_after_s: when it is started again, after the kill.
-        load_after_s: how long the clients go on sending after the kill.
-        reservation_ttl_s / sweep_s: the ledger's TTL and the gateways' liveness sweep (small, so that
-            expiry happens within the drill and B's long requests outlive several TTLs).
-        replica: the emulated replicas (each gateway is configured with ``gateway_batch`` of their slots).
-        alpha_clients / alpha_output: tenant ``alpha``'s clients on A (more than A's slots) and outputs.
-        long_clients / long_output: tenant ``long``'s clients on B, outputs longer than the TTL.
-        beta_clients / beta_output: tenant ``beta``'s clients on B.
-        retry_queued: how many of A's queued requests are retried on B with the same request id.
-        drain_s_max: time allowed for the requests running when the clients stop sending.
-        settle_s_max: time allowed, after that, for the last reservations to close.
-        converge_slack_s: allowance over ``reservation_ttl_s + sweep_s`` for the kill-to-expiry bound
-            (scheduling and ledger round trips on a loaded machine).
-    """
-
-    kill_at_s: float = 5.0
-    restart_after_s: float = 0.5
-    load_after_s: float = 8.0
+    kill_at_s: float = 5.0  # when A is killed
+    restart_after_s: float = 0.5  # when it is started again, after the kill
+    load_after_s: float = 8.0  # how long the clients go on sending after the kill
+    # the ledger's TTL and the gateways' liveness sweep (small, so that expiry happens within the
+    # drill and B's long requests outlive several TTLs)
     reservation_ttl_s: float = 2.0
     sweep_s: float = 0.5
+    # the emulated replicas (each gateway is configured with ``gateway_batch`` of their slots)
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(80.0, 0.5, 0.02, 12, 4096))
     replicas: int = 2
     gateway_batch: int = 6
-    alpha_clients: int = 18
+    alpha_clients: int = 18  # tenant ``alpha``'s clients on A (more than A's slots) and outputs
     alpha_output: tuple[int, int] = (10, 40)
-    long_clients: int = 4
+    long_clients: int = 4  # tenant ``long``'s clients on B, outputs longer than the TTL
     long_output: tuple[int, int] = (50, 60)
-    beta_clients: int = 6
+    beta_clients: int = 6  # tenant ``beta``'s clients on B
     beta_output: tuple[int, int] = (8, 24)
     prompt_tokens: int = 32
-    retry_queued: int = 2
+    retry_queued: int = 2  # how many of A's queued requests are retried on B with the same request id
     backoff_s: float = 0.5
-    drain_s_max: float = 15.0
-    settle_s_max: float = 10.0
+    drain_s_max: float = 15.0  # time allowed for the requests running when the clients stop sending
+    settle_s_max: float = 10.0  # time allowed, after that, for the last reservations to close
+    # allowance over ``reservation_ttl_s + sweep_s`` for the kill-to-expiry bound (scheduling and
+    # ledger round trips on a loaded machine)
     converge_slack_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -302,11 +291,11 @@ class RestartResult(ConfiguredResult[RestartConfig, RestartFigures]):
         lost += [f"{f.open_left} reservations left open"] if f.open_left else []
         if f.expired_not_killed:
             lost.append(f"{len(f.expired_not_killed)} reservations expired that A's death does not explain")
-        converge = f"{f.converge_s:.2f} s" if f.converge_s is not None else "never"
         out = [
             f"Lost: {'; '.join(lost) if lost else 'nothing'} ({f.unbilled_killed_tokens} tokens streamed to A's "
             f"killed clients after their last partial settlement are not billed, by design). Time to converge: "
-            f"{converge} from the kill until A's last reservation was final (TTL + sweep = {c.ttl_sweep_s:g} s)."
+            f"{fmt_s(f.converge_s)} from the kill until A's last reservation was final (TTL + sweep = "
+            f"{c.ttl_sweep_s:g} s)."
         ]
         late = [
             k for k in f.killed if not k.retried and k.final_after_s is not None and k.final_after_s > c.ttl_sweep_s

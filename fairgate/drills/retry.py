@@ -61,36 +61,22 @@ RESEND_CODES = {"request_in_progress", "request_already_completed"}
 
 @dataclass(frozen=True)
 class RetryConfig:
-    """The drill's setting (defaults: the acceptance scenario).
+    """The drill's setting (defaults: the acceptance scenario)."""
 
-    Attributes:
-        seconds: the originals arrive evenly over this long.
-        ids: request ids, split evenly over ``tenants``.
-        resends: (min, max) re-sends per id, uniform.
-        patterns: weight of each pattern (``PATTERNS`` order).
-        jitter_s: a re-send leaves ``uniform(0, jitter_s)`` after its original (``timeout``: after the cut).
-        timeout_s: ``timeout`` originals are cut ``uniform(*timeout_s)`` after sending.
-        output_tokens / prompt_tokens: each request's ``max_tokens`` (uniform, ``ignore_eos``) and prompt.
-        requests_per_minute: the tenants' request rate; their burst is their ids + 1.
-        sdk_max_retries: the ``openai`` client's own retries in the ``sdk`` pattern.
-        replicas / replica: the emulated fleet.
-        converge_s_max: after the last answer, how long the stack may take to hold nothing.
-    """
-
-    seconds: float = 8.0
-    ids: int = 300
+    seconds: float = 8.0  # the originals arrive evenly over this long
+    ids: int = 300  # request ids, split evenly over ``tenants``
     tenants: tuple[str, ...] = ("alpha", "beta")
-    resends: tuple[int, int] = (1, 3)
-    patterns: tuple[float, ...] = (0.45, 0.15, 0.15, 0.1, 0.15)
-    jitter_s: float = 1.2
-    timeout_s: tuple[float, float] = (0.1, 0.4)
-    output_tokens: tuple[int, int] = (4, 24)
+    resends: tuple[int, int] = (1, 3)  # (min, max) re-sends per id, uniform
+    patterns: tuple[float, ...] = (0.45, 0.15, 0.15, 0.1, 0.15)  # weight of each pattern (``PATTERNS`` order)
+    jitter_s: float = 1.2  # a re-send leaves uniform(0, jitter_s) after its original (``timeout``: after the cut)
+    timeout_s: tuple[float, float] = (0.1, 0.4)  # ``timeout`` originals are cut uniform(*timeout_s) after sending
+    output_tokens: tuple[int, int] = (4, 24)  # each request's max_tokens (uniform, ignore_eos)
     prompt_tokens: int = 12
-    requests_per_minute: int = 6
-    sdk_max_retries: int = 2
-    replicas: int = 2
+    requests_per_minute: int = 6  # the tenants' request rate; their burst is their ids + 1
+    sdk_max_retries: int = 2  # the openai client's own retries in the ``sdk`` pattern
+    replicas: int = 2  # the emulated fleet
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(30.0, 0.2, 0.05, 24, 4096))
-    converge_s_max: float = 10.0
+    converge_s_max: float = 10.0  # after the last answer, how long the stack may take to hold nothing
     gateway_process: bool = True
 
     def ids_of(self, tenant: str) -> int:

@@ -33,41 +33,28 @@ RUN_DIMENSION = "max_model_calls"
 
 @dataclass(frozen=True)
 class UltraLongConfig:
-    """The drill's setting (defaults: the acceptance scenario).
+    """The drill's setting (defaults: the acceptance scenario)."""
 
-    Attributes:
-        seconds: length of the run.
-        agent_start_s: when the agent starts (the others are backlogged by then, as on a busy fleet); the
-            shares are those of the GPU time billed from then on.
-        others / agent: tenant names. weights: tenant -> share weight (default 1).
-        replicas / replica: the emulated fleet.
-        agent_output_tokens: every agent request's output (8192).
-        other_output_tokens: the others' outputs (uniform range).
-        clients_per_tenant: the others' closed-loop clients (each tenant alone could fill the fleet).
-        agent_clients / agent_runs: the agent's clients, sharing this many run ids.
-        max_model_calls / run_max_tokens: the agent's limits per run (the ledger's ``max_model_calls`` and
-            ``max_tokens``).
-        share_ratio_max: reported: max / min of the weighted GPU shares (not part of the claim: over a
-            window shorter than one agent request, a policy can only approximate the shares).
-        agent_margin: the claim: every tenant's share <= its fair share + this.
-    """
-
-    seconds: float = 20.0
-    others: tuple[str, ...] = ("alpha", "beta", "gamma")
+    seconds: float = 20.0  # length of the run
+    others: tuple[str, ...] = ("alpha", "beta", "gamma")  # tenant names (``agent``: the agent's)
     agent: str = "agent"
-    weights: dict[str, float] = field(default_factory=dict)
-    replicas: int = 2
+    weights: dict[str, float] = field(default_factory=dict)  # tenant -> share weight (default 1)
+    replicas: int = 2  # the emulated fleet
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(max_batch=24))
-    agent_output_tokens: int = 8192
-    other_output_tokens: tuple[int, int] = (4, 12)
+    agent_output_tokens: int = 8192  # every agent request's output
+    other_output_tokens: tuple[int, int] = (4, 12)  # the others' outputs (uniform range)
     prompt_tokens: int = 64
-    clients_per_tenant: int = 48
-    agent_clients: int = 64
+    clients_per_tenant: int = 48  # the others' closed-loop clients (each tenant alone could fill the fleet)
+    agent_clients: int = 64  # the agent's clients, sharing ``agent_runs`` run ids
     agent_runs: int = 16
-    max_model_calls: int = 3
+    max_model_calls: int = 3  # the agent's limits per run (the ledger's ``max_model_calls`` and ``max_tokens``)
     run_max_tokens: int = 30_000
+    # reported: max / min of the weighted GPU shares (not part of the claim: over a window shorter
+    # than one agent request, a policy can only approximate the shares)
     share_ratio_max: float = 1.10
-    agent_margin: float = 0.03
+    agent_margin: float = 0.03  # the claim: every tenant's share <= its fair share + this
+    # when the agent starts (the others are backlogged by then, as on a busy fleet); the shares are
+    # those of the GPU time billed from then on
     agent_start_s: float = 3.0
 
     def __post_init__(self) -> None:

@@ -113,7 +113,6 @@ class TenantStats:
     requests: int  # sent
     completed: int
     cut: int  # hung up on (still running at the load's end)
-    skipped: int  # open loop: not sent (too many in flight)
     errors: dict[str, int]  # ``RequestRecord.error`` -> count
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
@@ -128,17 +127,11 @@ class TenantStats:
 
 @dataclass
 class History:
-    """Every request a load generator sent, in send order.
+    """Every request a load generator sent, in send order."""
 
-    Attributes:
-        start / wall_start: when the generator started (``time.monotonic()`` and ``time.time()``).
-        records: the requests. skipped: open loop: tenant -> arrivals not sent.
-    """
-
-    start: float = field(default_factory=time.monotonic)
-    wall_start: float = field(default_factory=time.time)
+    start: float = field(default_factory=time.monotonic)  # when the generator started, ``time.monotonic()``
+    wall_start: float = field(default_factory=time.time)  # and ``time.time()``
     records: list[RequestRecord] = field(default_factory=list)
-    skipped: Counter[str] = field(default_factory=Counter)
 
     def now(self) -> float:
         """Seconds since the start."""
@@ -162,7 +155,6 @@ class History:
             requests=len(chosen),
             completed=sum(r.outcome == "ok" for r in chosen),
             cut=sum(r.outcome == "cut" for r in chosen),
-            skipped=self.skipped[tenant],
             errors=dict(sorted(errors.items())),
             ttft_p50_ms=percentile(ttft, 50),
             ttft_p99_ms=percentile(ttft, 99),

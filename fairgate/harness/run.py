@@ -22,20 +22,13 @@ SETTLE_S = 1.0  # after the clients hang up, time for the gateway to bill what w
 
 @dataclass(frozen=True)
 class Run:
-    """One load on a fresh stack: what the clients saw, and what the ledger holds.
+    """One load on a fresh stack: what the clients saw, and what the ledger holds."""
 
-    Attributes:
-        policy: the gateway's policy. history: every request as its client saw it.
-        ledger: each tenant's ledger totals at the end (after the hang-ups were billed).
-        snapshots: the ledger totals at given seconds into the load (for shares over part of it).
-        reservations: every reservation in the ledger at the end.
-    """
-
-    policy: str
-    history: History
-    ledger: LedgerReport
-    snapshots: dict[float, LedgerReport]
-    reservations: tuple[Reservation, ...]
+    policy: str  # the gateway's policy
+    history: History  # every request as its client saw it
+    ledger: LedgerReport  # each tenant's ledger totals at the end (after the hang-ups were billed)
+    snapshots: dict[float, LedgerReport]  # the ledger totals at given seconds into the load (shares over part of it)
+    reservations: tuple[Reservation, ...]  # every reservation in the ledger at the end
 
 
 async def until(generator: LoadGenerator, at_s: float) -> None:
