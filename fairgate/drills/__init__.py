@@ -9,13 +9,15 @@ How a new drill is written (``ultra_long.py`` is the small example to copy):
 1. ``fairgate/drills/NAME.py`` starts with the claim in its docstring, then a frozen ``NAMEConfig`` dataclass:
    the setting, its defaults the acceptance scenario; ``spec()`` returns the ``StackSpec`` to start and
    ``loads()`` the ``TenantLoad`` of each tenant (``fairgate.harness.stack`` / ``fairgate.harness.loadgen``).
-2. ``run(options: DrillOptions, config=None)`` runs it: ``run_on_stack`` (``fairgate.harness.run``) for a
-   load with ledger readings, or ``start_stack`` + ``LoadGenerator`` when the drill injects a fault on its
-   own timeline; it sums up what clients, ledger and replicas saw in frozen figures dataclasses.
+2. ``run(options: DrillOptions, config=None)`` runs it (``options.setting(config)`` applies ``--seconds``):
+   ``run_on_stack`` (``fairgate.harness.run``) for a load with ledger readings, or ``start_stack`` +
+   ``LoadGenerator`` when the drill injects a fault on its own timeline (``Stack.ledger()`` to read the
+   ledger, ``poll`` to wait for convergence); it sums up what clients, ledger and replicas saw in frozen
+   figures dataclasses.
 3. Its result derives ``DrillResult`` (``fairgate.drills.report``; ``ConfiguredResult`` holds the config and
-   the figures, ``ComparedResult`` a comparison run beside them, run by ``main_and_compare``) and says only
-   what is its own: ``checks()`` (each part of the claim), ``intro()``, ``body()`` (tables, with ``table``)
-   and ``verdict()``.
+   the figures, ``ComparedResult`` a comparison run beside them, run by ``main_and_compare``, each shown by
+   ``policy_table``) and says only what is its own: ``checks()`` (each part of the claim), ``intro()``,
+   ``body()`` (tables, with ``table``; ``grouped`` for rows by a key) and ``verdict()``.
 4. It joins ``DRILLS`` below (and ``COMPARISONS`` if it runs a comparison policy), gets a serial test in
    ``tests/drills/test_NAME.py`` asserting the claim within a wall-time bound, and a row in docs/drills.md.
 
@@ -38,32 +40,31 @@ killed mid-load: batch yields first, interactive tenants keep their weighted spl
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import import_module
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from fairgate.drills.report import DrillResult
 
+C = TypeVar("C")
+
 
 @dataclass(frozen=True)
 class DrillOptions:
-    """What a caller may change in any drill.
+    """What a caller may change in any drill."""
 
-    Attributes:
-        seconds: length of each load phase (None: the drill's default).
-        policy: the gateway's policy under test.
-        compare: a second policy run on the same load for comparison (None: none). It does not change
-            the verdict, which is about ``policy``.
-        processes: run replicas and gateway as ``fairgate`` processes instead of threads of this process.
-        seed: the load's random seed.
-    """
-
-    seconds: float | None = None
-    policy: str = "gpu_fair"
+    seconds: float | None = None  # length of each load phase (None: the drill's default)
+    policy: str = "gpu_fair"  # the gateway's policy under test
+    # a second policy run on the same load for comparison (None: none). It does not change the verdict,
+    # which is about ``policy``.
     compare: str | None = "fcfs"
-    processes: bool = False
-    seed: int = 1
+    processes: bool = False  # run replicas and gateway as ``fairgate`` processes instead of threads of this process
+    seed: int = 1  # the load's random seed
+
+    def setting(self, config: C, name: str = "seconds") -> C:
+        """``config`` with its field ``name`` set to ``seconds``, if given (a drill's length setting)."""
+        return config if self.seconds is None else replace(config, **{name: self.seconds})  # type: ignore[type-var]
 
     @property
     def comparison(self) -> str | None:

@@ -34,7 +34,7 @@ from fairgate.drills.report import ComparedResult, fmt_errors, fmt_ms, main_and_
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.ledger import LedgerReport
 from fairgate.harness.loadgen import TenantLoad
-from fairgate.harness.records import percentile
+from fairgate.harness.records import TenantStats, percentile
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.run import Run, run_on_stack
 from fairgate.harness.stack import StackSpec, replicas
@@ -42,34 +42,21 @@ from fairgate.harness.stack import StackSpec, replicas
 
 @dataclass(frozen=True)
 class BurstConfig:
-    """The drill's setting (defaults: the acceptance scenario).
+    """The drill's setting (defaults: the acceptance scenario)."""
 
-    Attributes:
-        seconds: length of each half of the run (before and during the burst).
-        others / burster: tenant names.
-        replicas / replica: the emulated fleet.
-        output_tokens / prompt_tokens: every request's length (uniform range) and prompt.
-        others_load: each other tenant's offered load, as a fraction of its share of the capacity.
-        burst_factor: the burster's closed-loop clients, as a multiple of its share of the slots.
-        ramp_s: the burster's clients start over this long.
-        settle_s: after the ramp, the onset transient left out of the burst window.
-        baseline_skip_s: the start of the run left out of the baseline window (the fleet warming up).
-        ttft_ratio_max: the claim: others' p99 TTFT during the burst <= this times their baseline p99.
-    """
-
-    seconds: float = 12.0
+    seconds: float = 12.0  # length of each half of the run (before and during the burst)
     others: tuple[str, ...] = ("alpha", "beta", "gamma")
     burster: str = "noisy"
-    replicas: int = 4
+    replicas: int = 4  # the emulated fleet
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(500.0, 0.0, 0.0, 12))
-    output_tokens: tuple[int, int] = (1, 3)
+    output_tokens: tuple[int, int] = (1, 3)  # every request's length (uniform range)
     prompt_tokens: int = 64
-    others_load: float = 0.6
-    burst_factor: float = 20.0
-    ramp_s: float = 2.0
-    settle_s: float = 1.5
-    baseline_skip_s: float = 1.0
-    ttft_ratio_max: float = 1.5
+    others_load: float = 0.6  # each other tenant's offered load, as a fraction of its share of the capacity
+    burst_factor: float = 20.0  # the burster's closed-loop clients, as a multiple of its share of the slots
+    ramp_s: float = 2.0  # the burster's clients start over this long
+    settle_s: float = 1.5  # after the ramp, the onset transient left out of the burst window
+    baseline_skip_s: float = 1.0  # the start of the run left out of the baseline window (the fleet warming up)
+    ttft_ratio_max: float = 1.5  # the claim: others' p99 TTFT during the burst <= this times their baseline p99
 
     def __post_init__(self) -> None:
         for name, (low, high) in (("before", self.baseline_window_s), ("during", self.burst_window_s)):
@@ -133,11 +120,7 @@ class TenantFigures:
     baseline_p99_ms: float | None
     burst_p50_ms: float | None
     burst_p99_ms: float | None
-    sent: int
-    completed: int
-    cut: int
-    rejected: int  # 429s
-    errors: dict[str, int]
+    clients: TenantStats  # what its clients saw (the burster: from its start on)
     share_before: float  # of the GPU time billed in the first half
     share_during: float  # ... in the second half
     ledger_requests: int
@@ -146,6 +129,11 @@ class TenantFigures:
     @property
     def ratio(self) -> float | None:
         return _ratio(self.baseline_p99_ms, self.burst_p99_ms)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Its clients' errors but 429s (``clients.rejected``)."""
+        return {k: v for k, v in self.clients.errors.items() if not k.startswith("429")}
 
 
 def _ratio(before: float | None, during: float | None) -> float | None:
@@ -180,7 +168,6 @@ def figures(config: BurstConfig, run: Run) -> PolicyFigures:
     tenants = {}
     for tenant in config.tenants:
         b, d = run.history.stats(tenant, *before), run.history.stats(tenant, *during)
-        whole = run.history.stats(tenant, config.seconds if tenant == config.burster else 0.0)
         total = run.ledger.totals[tenant]
         tenants[tenant] = TenantFigures(
             tenant,
@@ -188,11 +175,7 @@ def figures(config: BurstConfig, run: Run) -> PolicyFigures:
             b.ttft_p99_ms,
             d.ttft_p50_ms,
             d.ttft_p99_ms,
-            whole.requests,
-            whole.completed,
-            whole.cut,
-            whole.rejected,
-            {k: v for k, v in whole.errors.items() if not k.startswith("429")},
+            run.history.stats(tenant, config.seconds if tenant == config.burster else 0.0),
             share_1.get(tenant, 0.0),
             share_2.get(tenant, 0.0),
             total.requests,
@@ -232,7 +215,7 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
         ]
 
     def body(self) -> list[Any]:
-        return self.policy_tables() + [f"[red]problem[/red]: {problem}" for problem in self.problems]
+        return super().body() + [f"[red]problem[/red]: {problem}" for problem in self.problems]
 
     def policy_table(self, figs: PolicyFigures) -> Any:
         c = self.config
@@ -244,8 +227,8 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
                 f"{fmt_ms(t.baseline_p50_ms)} / {fmt_ms(t.baseline_p99_ms)}",
                 f"{fmt_ms(t.burst_p50_ms)} / {fmt_ms(t.burst_p99_ms)}",
                 "-" if t.ratio is None else f"{t.ratio:.2f}",
-                f"{t.sent}/{t.completed}/{t.cut}",
-                str(t.rejected),
+                f"{t.clients.requests}/{t.clients.completed}/{t.clients.cut}",
+                str(t.clients.rejected),
                 fmt_errors(t.errors),
                 f"{t.share_before * 100:.1f} / {t.share_during * 100:.1f}",
                 f"{t.ledger_gpu_s:,.1f}",
@@ -293,9 +276,7 @@ def _problems(config: BurstConfig, figs: PolicyFigures) -> list[str]:
 
 def run(options: DrillOptions, config: BurstConfig | None = None) -> BurstResult:
     """Run the drill under ``options.policy`` (and ``options.compare``, if any)."""
-    config = config or BurstConfig()
-    if options.seconds is not None:
-        config = replace(config, seconds=options.seconds)
+    config = options.setting(config or BurstConfig())
 
     def one(policy: str) -> PolicyFigures:
         spec = config.spec(policy, options.processes)

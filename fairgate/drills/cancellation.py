@@ -52,14 +52,14 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_ms, fmt_s, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_ms, fmt_s, grouped, table
 from fairgate.gateway.state import state_of
 from fairgate.harness.config import TenantSpec
-from fairgate.harness.gauges import gateway_gauges
+from fairgate.harness.gauges import GatewayGauges, gateway_gauges
 from fairgate.harness.loadgen import Cut, LoadGenerator, Request
 from fairgate.harness.logs import quiet_hang_ups
 from fairgate.harness.records import RequestRecord, percentile
@@ -72,45 +72,37 @@ CUTS = ("before_bytes", "after_headers", "after_chunks")  # where a client hangs
 
 @dataclass(frozen=True)
 class CancellationConfig:
-    """The drill's setting (defaults: the acceptance scenario).
+    """The drill's setting (defaults: the acceptance scenario)."""
 
-    Attributes:
-        requests: streamed requests sent, over ``tenants``, ``concurrency`` at a time.
-        cut_weights: how often each cut point is drawn (``CUT_POINTS`` order).
-        before_bytes_s: a "before any byte" cut comes this long (uniform) after sending: while the request
-            waits in the gateway's queue, in the replica's, or is prefilled.
-        output_tokens: ``max_tokens`` (log-uniform, inclusive), with ``ignore_eos``.
-        prompt_tokens: prompt length as the emulator counts it.
-        replicas / replica: the emulated fleet (fast iterations, so 1,000 streams fit the time).
-        converge_s_max: after the last client is done, how long the stack may take to release everything.
-        read_lag_ms_max: per request cut while running, every token generated more than this long before its
-            client hung up must be billed (younger ones may still have been on their way to, or unread in, the
-            gateway when it closed the stream; see the module docstring).
-        untapped_hangup_tokens_max: with processes (no per-token times), the most tokens a replica may
-            generate after a hang-up that are not billed, per hang-up of a running stream (totals check only).
-        gpu_ratio_tolerance: billed GPU time vs the replicas' charge-rule figure, per tenant (relative; the live
-            meter sees the replicas' real iteration times, which run late on a loaded machine, where the charge
-            rule counts planned ones: a loose bound against gross errors, not a meter accuracy test).
-        late_dispatches_max: if set, a check: at most this many requests reach a replica after their
-            client hung up (None: reported only).
-        gateway_process: with in-process (tapped) replicas, run the gateway as a process of its own (its
-            own core: the drill takes about half the time).
-    """
-
-    requests: int = 1000
+    requests: int = 1000  # streamed requests sent, over ``tenants``, ``concurrency`` at a time
     tenants: tuple[str, ...] = ("alpha", "beta", "gamma", "delta")
     concurrency: int = 48
+    # how often each cut point is drawn (``CUT_POINTS`` order)
     cut_weights: tuple[float, float, float, float] = (0.2, 0.2, 0.4, 0.2)
+    # a "before any byte" cut comes this long (uniform) after sending: while the request waits in the
+    # gateway's queue, in the replica's, or is prefilled
     before_bytes_s: tuple[float, float] = (0.0, 0.08)
-    output_tokens: tuple[int, int] = (20, 200)
-    prompt_tokens: int = 12
-    replicas: int = 2
+    output_tokens: tuple[int, int] = (20, 200)  # max_tokens (log-uniform, inclusive), with ignore_eos
+    prompt_tokens: int = 12  # prompt length as the emulator counts it
+    replicas: int = 2  # the emulated fleet (fast iterations, so 1,000 streams fit the time)
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(20.0, 0.1, 0.05, 16, 4096))
+    # with in-process (tapped) replicas, run the gateway as a process of its own (its own core: the
+    # drill takes about half the time)
     gateway_process: bool = True
-    converge_s_max: float = 10.0
+    converge_s_max: float = 10.0  # after the last client is done, how long the stack may take to release everything
+    # per request cut while running, every token generated more than this long before its client hung
+    # up must be billed (younger ones may still have been on their way to, or unread in, the gateway
+    # when it closed the stream; see the module docstring)
     read_lag_ms_max: float = 250.0
+    # with processes (no per-token times), the most tokens a replica may generate after a
+    # hang-up that are not billed, per hang-up of a running stream (totals check only)
     untapped_hangup_tokens_max: int = 4
+    # billed GPU time vs the replicas' charge-rule figure, per tenant (relative; the live meter
+    # sees the replicas' real iteration times, which run late on a loaded machine, where the charge
+    # rule counts planned ones: a loose bound against gross errors, not a meter accuracy test)
     gpu_ratio_tolerance: float = 0.25
+    # if set, a check: at most this many requests reach a replica after their client hung up
+    # (None: reported only)
     late_dispatches_max: int | None = None
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
@@ -252,14 +244,14 @@ class Held:
     open_reservations: int
 
     @property
+    def slots(self) -> list[float]:
+        """Each count of slots, queue places or sequences held (gateway, replicas, ledger)."""
+        replicas = (s.occupancy for s in self.replicas)
+        return [*self.gateway.values(), *replicas, *self.concurrent.values(), *self.queued.values()]
+
+    @property
     def idle(self) -> bool:
-        return not (
-            any(self.gateway.values())
-            or any(s.occupancy for s in self.replicas)
-            or any(self.concurrent.values())
-            or any(self.queued.values())
-            or self.open_reservations
-        )
+        return not (any(self.slots) or self.open_reservations)
 
 
 @dataclass(frozen=True)
@@ -300,13 +292,7 @@ class CancellationFigures:
     @property
     def held_slots(self) -> float:
         """Slots, queue places and sequences still held after the run (gateway, replicas, ledger)."""
-        a = self.after
-        return (
-            sum(a.gateway.values())
-            + sum(s.occupancy for s in a.replicas)
-            + sum(a.concurrent.values())
-            + sum(a.queued.values())
-        )
+        return sum(self.after.slots)
 
     @property
     def late(self) -> list[RequestFigures]:
@@ -399,7 +385,8 @@ class CancellationResult(ConfiguredResult[CancellationConfig, CancellationFigure
             "replica stopping the sequence."
         )
         columns = ("cut at", "n", "tokens recv/billed/gen", "unbilled", "GPU s billed/rule", "late", "hang-up ms")
-        rows = [self._row(p) for p in (*CUTS, "completed", "error") if any(r.cut_at == p for r in f.requests)]
+        cut_at = grouped(f.requests, lambda r: r.cut_at)
+        rows = [self._row(p, cut_at[p]) for p in (*CUTS, "completed", "error") if p in cut_at]
         by_cut = table("by where the client cut", (*columns, "reservations"), rows, caption, ("cut at", "reservations"))
         gpu = table(
             "GPU time per tenant",
@@ -411,8 +398,7 @@ class CancellationResult(ConfiguredResult[CancellationConfig, CancellationFigure
         )
         return [by_cut, gpu, *self._notes()]
 
-    def _row(self, point: str) -> tuple[str, ...]:
-        rows = [r for r in self.main.requests if r.cut_at == point]
+    def _row(self, point: str, rows: list[RequestFigures]) -> tuple[str, ...]:
         tapped = self.main.tapped
         hangups = [r.hangup_ms for r in rows if r.hangup_ms is not None]
         oldest = max((r.oldest_unbilled_ms for r in rows if r.oldest_unbilled_ms is not None), default=None)
@@ -478,20 +464,13 @@ async def gateway_load(stack: Stack) -> dict[str, float]:
     """What the gateway holds now: requests on upstream slots, queued, active sequences (from
     ``state_of(app).dispatcher`` in process, else ``/metrics`` with the admin key)."""
     app = stack.gateways[0].app
-    if app is not None:
-        dispatcher = state_of(app).dispatcher
-        return {
-            "upstream_in_flight": float(sum(u.in_flight for u in dispatcher.upstreams())),
-            "queued": float(sum(dispatcher.queued_by_tenant().values())),
-            "active_sequences": float(sum(dispatcher.running_by_tenant().values())),
-        }
-    assert stack.admin_key is not None
-    gauges = await gateway_gauges(stack.url, stack.admin_key)
-    return {
-        "upstream_in_flight": gauges.upstream_in_flight,
-        "queued": gauges.queued,
-        "active_sequences": gauges.active_sequences,
-    }
+    if app is None:
+        assert stack.admin_key is not None
+        return asdict(await gateway_gauges(stack.url, stack.admin_key))
+    dispatcher = state_of(app).dispatcher
+    in_flight = float(sum(u.in_flight for u in dispatcher.upstreams()))
+    queued, running = dispatcher.queued_by_tenant().values(), dispatcher.running_by_tenant().values()
+    return asdict(GatewayGauges(in_flight, float(sum(queued)), float(sum(running))))
 
 
 async def held(stack: Stack, ledger: Any) -> Held:
@@ -535,17 +514,12 @@ async def _run(stack: Stack, config: CancellationConfig, options: DrillOptions) 
         records = await generator.run_requests(todo, config.concurrency)
     start = generator.history.start
     last = start + max(r.ended_s or 0.0 for r in records)
-    ledger = await stack.open_ledger()
-    try:
+    async with stack.ledger() as ledger:
         converge_s, after = await converge(stack, ledger, last, config.converge_s_max)
         reservations = await ledger.reservations()
         report = await reconcile(ledger, freeze=False)
-    finally:
-        await ledger.close()
-    by_id: dict[str, list[Any]] = {}
-    for r in reservations:
-        by_id.setdefault(r.request_id, []).append(r)
-    tapped = any(r.tap is not None for r in stack.replicas)
+    by_id = grouped(reservations, lambda r: r.request_id)
+    tapped = stack.is_tapped
     sequences = stack.tapped("sequences")
     rows = []
     for record in records:
@@ -572,5 +546,5 @@ async def _run(stack: Stack, config: CancellationConfig, options: DrillOptions) 
         {t.tenant: t.differences for t in report.tenants if t.differences},
         tenant_gpu,
         tapped,
-        sum(r.tap.untagged for r in stack.replicas if r.tap is not None),
+        stack.untagged,
     )

@@ -53,46 +53,33 @@ SETTLE_S_MAX = 15.0
 
 @dataclass(frozen=True)
 class CapacityConfig:
-    """The drill's setting.
+    """The drill's setting."""
 
-    Attributes:
-        seconds: the load; ``remove_at_s``: when one replica is killed; ``warmup_s``: the start of the load
-            left out of the shares before the removal.
-        replicas / replica: the emulated fleet (``fairgate emulate`` processes).
-        weights: the interactive tenants and their weights; ``batch``: the batch tenant.
-        clients: closed-loop clients per tenant. The default gives the interactive tenants demand in their
-            weight ratio (24 : 12), together 36 requests: less than two replicas' 48 slots, more than one's 24.
-        surge: more closed-loop clients per tenant from the removal on (default: ``silver`` doubles to 24, as
-            many as ``gold``: from then on demand alone would split the capacity 1 : 1, the weights 2 : 1).
-        output_tokens / prompt_tokens: every request's length (uniform range) and prompt.
-        kill_signal: how the replica is removed (SIGKILL: a crash; SIGTERM: a shutdown).
-        converge_s_max: the claim: the batch tenant has yielded within this long of the removal; the shares
-            after the removal are those billed from then on.
-        batch_share_after_max: the claim: the batch tenant's share of the GPU after the removal.
-        ratio_tolerance: the claim: the interactive tenants' GPU ratio within this of their weight ratio.
-        drain_s: after the load, how long the clients wait for the requests still queued or running.
-        sample_s: how often the replicas' own charge-rule totals are read (the convergence timeline).
-        error_backoff_s: a client that got an error waits this long before its next request.
-    """
-
-    seconds: float = 34.0
-    remove_at_s: float = 10.0
-    warmup_s: float = 4.0
-    replicas: int = 2
+    seconds: float = 34.0  # the load
+    remove_at_s: float = 10.0  # when one replica is killed
+    warmup_s: float = 4.0  # the start of the load left out of the shares before the removal
+    replicas: int = 2  # the emulated fleet (``fairgate emulate`` processes)
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(40.0, 1.0, 0.05, 24, 4096))
+    # the interactive tenants and their weights
     weights: dict[str, float] = field(default_factory=lambda: {"gold": 2.0, "silver": 1.0})
-    batch: str = "bulk"
+    batch: str = "bulk"  # the batch tenant
+    # closed-loop clients per tenant. The default gives the interactive tenants demand in their weight ratio
+    # (24 : 12), together 36 requests: less than two replicas' 48 slots, more than one's 24.
     clients: dict[str, int] = field(default_factory=lambda: {"gold": 24, "silver": 12, "bulk": 40})
+    # more closed-loop clients per tenant from the removal on (default: ``silver`` doubles to 24, as many as
+    # ``gold``: from then on demand alone would split the capacity 1 : 1, the weights 2 : 1)
     surge: dict[str, int] = field(default_factory=lambda: {"silver": 12})
-    output_tokens: tuple[int, int] = (20, 60)
+    output_tokens: tuple[int, int] = (20, 60)  # every request's length (uniform range)
     prompt_tokens: int = 64
-    kill_signal: int = signal.SIGKILL
+    kill_signal: int = signal.SIGKILL  # how the replica is removed (SIGKILL: a crash; SIGTERM: a shutdown)
+    # the claim: the batch tenant has yielded within this long of the removal; the shares after the
+    # removal are those billed from then on
     converge_s_max: float = 8.0
-    batch_share_after_max: float = 0.05
-    ratio_tolerance: float = 0.10
-    drain_s: float = 20.0
-    sample_s: float = 0.5
-    error_backoff_s: float = 0.5
+    batch_share_after_max: float = 0.05  # the claim: the batch tenant's share of the GPU after the removal
+    ratio_tolerance: float = 0.10  # the claim: the interactive tenants' GPU ratio within this of their weight ratio
+    drain_s: float = 20.0  # after the load, how long the clients wait for the requests still queued or running
+    sample_s: float = 0.5  # how often the replicas' own charge-rule totals are read (the convergence timeline)
+    error_backoff_s: float = 0.5  # a client that got an error waits this long before its next request
 
     def __post_init__(self) -> None:
         if self.replicas < 2:
@@ -168,15 +155,11 @@ class CapacityFigures:
     wall_s: float
     settle_s: float  # after the drain, until no reservation was open
 
-    def ratio_after(self, config: CapacityConfig) -> float:
-        first, last = config.interactive[0], config.interactive[-1]
-        low = self.tenants[last].share_after
-        return self.tenants[first].share_after / low if low > 0 else float("inf")
-
-    def ratio_before(self, config: CapacityConfig) -> float:
-        first, last = config.interactive[0], config.interactive[-1]
-        low = self.tenants[last].share_before
-        return self.tenants[first].share_before / low if low > 0 else float("inf")
+    def ratio(self, config: CapacityConfig, before: bool = False) -> float:
+        """The first interactive tenant's GPU share over the last's, after (or ``before``) the removal."""
+        first, last = (self.tenants[t] for t in (config.interactive[0], config.interactive[-1]))
+        high, low = (first.share_before, last.share_before) if before else (first.share_after, last.share_after)
+        return high / low if low > 0 else float("inf")
 
     @property
     def sent(self) -> int:
@@ -210,17 +193,15 @@ def lost_requests(t: TenantFigures) -> list[str]:
 
 @dataclass(frozen=True)
 class CapacityRun:
-    """What one run saw: the clients, the ledger at the warm-up, the removal, ``after_from_s`` and the end,
-    the replicas' cumulative charge-rule ms per tenant (sampled), when the replica was killed, and the ledger
-    at the end (reservations, each tenant's concurrency, how long the last bills took)."""
+    """What one run saw; the ledger's ``reservations`` and ``concurrent`` are those at the end."""
 
     history: History
-    snapshots: dict[str, LedgerReport]
-    samples: list[tuple[float, dict[str, float]]]
+    snapshots: dict[str, LedgerReport]  # "warm", "removal", "after" (after_from_s), "end"
+    samples: list[tuple[float, dict[str, float]]]  # (s, tenant -> the replicas' cumulative charge-rule ms)
     killed_at_s: float
     reservations: list[Any]
     concurrent: dict[str, int]
-    settle_s: float
+    settle_s: float  # how long the last bills took
 
 
 def run_capacity(
@@ -237,11 +218,10 @@ def run_capacity(
 async def _run(stack: Stack, config: CapacityConfig, seed: int) -> CapacityRun:
     victim = stack.replicas[-1].process
     assert victim is not None
-    ledger = await stack.open_ledger()
     snapshots: dict[str, LedgerReport] = {}
     samples: list[tuple[float, dict[str, float]]] = []
     killed_at: list[float] = []
-    try:
+    async with stack.ledger() as ledger:
         async with LoadGenerator(stack.url, stack.keys, stack.spec.model, seed) as generator:
 
             async def snapshot(name: str, at_s: float) -> None:
@@ -274,8 +254,6 @@ async def _run(stack: Stack, config: CapacityConfig, seed: int) -> CapacityRun:
         settle_s = await wait_settled(ledger, SETTLE_S_MAX)
         reservations = await ledger.reservations()
         concurrent = {t: (await ledger.account(t, stack.spec.model)).concurrent for t in config.tenants}
-    finally:
-        await ledger.close()
     kill_s = killed_at[0] if killed_at else config.remove_at_s
     return CapacityRun(history, snapshots, samples, kill_s, reservations, concurrent, settle_s)
 
@@ -366,7 +344,7 @@ def capacity_checks(c: CapacityConfig, figs: CapacityFigures) -> dict[str, bool]
         f"batch yielded within {c.converge_s_max:g} s of the removal": figs.converge_s is not None
         and figs.converge_s <= c.converge_s_max,
         f"interactive GPU ratio after the removal {target:g} within {c.ratio_tolerance:.0%}": abs(
-            figs.ratio_after(c) / target - 1.0
+            figs.ratio(c) / target - 1.0
         )
         <= c.ratio_tolerance,
         "every request got a success or an explicit error (none cut, none open, counts match the ledger)": not lost,
@@ -401,7 +379,7 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
         ]
 
     def body(self) -> list[Any]:
-        out = self.policy_tables()
+        out = super().body()
         if self.compare is not None:
             failed = [check for check, ok in capacity_checks(self.config, self.compare).items() if not ok]
             out.append(
@@ -429,9 +407,9 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
         caption = (
             f"{figs.removed} killed at {figs.killed_at_s:.1f} s; the ledger billed {figs.ledger_gpu_s['before']:,.1f} "
             f"GPU s before it ({c.warmup_s:g}-{c.remove_at_s:g} s), {figs.ledger_gpu_s['after']:,.1f} after "
-            f"({c.after_from_s:g}-{c.seconds:g} s). Interactive ratio {figs.ratio_before(c):.2f} before (uncontended), "
-            f"{figs.ratio_after(c):.2f} after (weights {c.weight_ratio():g}). Load held: {figs.sent} requests; faults "
-            f"injected: 1 replica removed; lost: {sum(t.requests.cut for t in tenants)} hung, "
+            f"({c.after_from_s:g}-{c.seconds:g} s). Interactive ratio {figs.ratio(c, before=True):.2f} before "
+            f"(uncontended), {figs.ratio(c):.2f} after (weights {c.weight_ratio():g}). Load held: {figs.sent} "
+            f"requests; faults injected: 1 replica removed; lost: {sum(t.requests.cut for t in tenants)} hung, "
             f"{sum(t.requests.open for t in tenants)} open reservations ({figs.errors} requests ended in an explicit "
             f"error); converged (batch yielded) {converge} after the removal; reservations all final "
             f"{figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s."
@@ -443,7 +421,7 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
         c, batch = self.config, self.main.tenants[self.config.batch]
         return (
             f"under {self.main.policy} {c.batch} went from {batch.share_before:.1%} to {batch.share_after:.1%} of the "
-            f"GPU, the interactive ratio is {self.main.ratio_after(c):.2f} (weights {c.weight_ratio():g}), "
+            f"GPU, the interactive ratio is {self.main.ratio(c):.2f} (weights {c.weight_ratio():g}), "
             f"{self.main.errors} explicit errors, nothing lost."
         )
 
@@ -451,8 +429,6 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
 def run(options: DrillOptions, config: CapacityConfig | None = None) -> CapacityResult:
     """Run the drill under ``options.policy`` (and ``options.compare``, if any). ``options.seconds`` sets the
     load's length (the removal stays at ``remove_at_s``)."""
-    config = config or CapacityConfig()
-    if options.seconds is not None:
-        config = replace(config, seconds=options.seconds)
+    config = options.setting(config or CapacityConfig())
     runs = main_and_compare(options, lambda policy: run_capacity(config, policy, options.processes, options.seed))
     return CapacityResult(config, *runs)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, problems_by, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, grouped, problems_by, table
 from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.gateway.identity import ON_BEHALF_OF_HEADER as OBO
 from fairgate.harness.config import ADMIN_KEY, TenantSpec
@@ -81,19 +81,13 @@ SUSPECT_FIELDS = (
 
 @dataclass(frozen=True)
 class ForgedConfig:
-    """The drill's setting.
+    """The drill's setting."""
 
-    Attributes:
-        max_tokens: each attack's output (small: the drill is about who pays, not how much).
-        prompt_tokens: each prompt, as the emulator counts it (chat) or words (completions).
-        replicas / replica: the emulated fleet. gateway_process: run the gateway as a process.
-    """
-
-    max_tokens: int = 3
-    prompt_tokens: int = 8
-    replicas: int = 1
+    max_tokens: int = 3  # each attack's output (small: the drill is about who pays, not how much)
+    prompt_tokens: int = 8  # each prompt, as the emulator counts it (chat) or words (completions)
+    replicas: int = 1  # the emulated fleet
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(10.0, 0.1, 0.01, 32, 4096))
-    gateway_process: bool = False
+    gateway_process: bool = False  # run the gateway as a process
 
     @property
     def tenants(self) -> tuple[str, ...]:
@@ -117,22 +111,15 @@ class ForgedConfig:
 
 @dataclass(frozen=True)
 class Attack:
-    """One request and what the gateway must do with it.
+    """One request (its ``X-Request-Id`` among its headers) and what the gateway must do with it."""
 
-    Attributes:
-        group / name: what is tried. request: the request (its ``X-Request-Id`` among its headers).
-        statuses: acceptable HTTP statuses; codes: acceptable error codes (empty: any).
-        billed_to: the tenant it must be billed to (``NOBODY``: refused, no reservation).
-        stage: attacks run stage by stage (0 first); within a stage, all at once.
-    """
-
-    group: str
+    group: str  # what is tried, with ``name``
     name: str
     request: HttpRequest
-    statuses: frozenset[int]
-    codes: frozenset[str]
-    billed_to: str
-    stage: int = 0
+    statuses: frozenset[int]  # acceptable HTTP statuses
+    codes: frozenset[str]  # acceptable error codes (empty: any)
+    billed_to: str  # the tenant it must be billed to (``NOBODY``: refused, no reservation)
+    stage: int = 0  # attacks run stage by stage (0 first); within a stage, all at once
 
     @property
     def request_id(self) -> str:
@@ -449,8 +436,7 @@ class ForgedResult(ConfiguredResult[ForgedConfig, ForgedFigures]):
     def body(self) -> list[Any]:
         f, problems = self.main, self.problems()
         rows = []
-        for group in dict.fromkeys(a.attack.group for a in f.attacks):
-            mine = [a for a in f.attacks if a.attack.group == group]
+        for group, mine in grouped(f.attacks, lambda a: a.attack.group).items():
             answers = Counter(f"{a.outcome.status}" + (f" {a.outcome.code}" if a.outcome.code else "") for a in mine)
             billed = Counter(t for a in mine for t, _ in a.reservations)
             wrong = sum(1 for a in mine if f"{group}: {a.attack.name}" in problems)
@@ -542,21 +528,19 @@ async def _run(stack: Stack, config: ForgedConfig, todo: list[Attack], policy: s
         answers = await send_all(generator, todo)
         seconds = generator.now()
     await asyncio.sleep(0.2)  # the last settlements
-    ledger = await stack.open_ledger()
-    try:
+    async with stack.ledger() as ledger:
         reservations = await ledger.reservations()
         usage = {}
         for tenant in config.tenants:
             u = await ledger.usage(tenant, ALL_TIME_S)
             usage[tenant] = (u.requests, u.input_tokens, u.output_tokens, u.gpu_ms)
         victim_events = len(await ledger.events(VICTIM))
-    finally:
-        await ledger.close()
-    by_id: dict[str, list[tuple[str, int]]] = {}
-    for r in reservations:
-        by_id.setdefault(r.request_id, []).append((r.tenant, r.billed.output_tokens))
+    by_id = {
+        rid: [(r.tenant, r.billed.output_tokens) for r in found]
+        for rid, found in grouped(reservations, lambda r: r.request_id).items()
+    }
     bodies = stack.tapped("bodies")
-    tapped = any(r.tap is not None for r in stack.replicas)
+    tapped = stack.is_tapped
     shared = Counter(a.request_id for a in todo)
     figures = []
     for attack, answer in zip(todo, answers, strict=True):

@@ -31,18 +31,19 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_counts, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, table
 from fairgate.harness.config import UNBOUNDED, TenantSpec
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
 from fairgate.harness.logs import LogCapture, log_lines, summarise_log
 from fairgate.harness.records import RequestRecord
 from fairgate.harness.redis import redis_server, redis_url
 from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.run import poll
 from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack, temporary_folder
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import EmergencyConfig, TierConfig
@@ -53,36 +54,24 @@ EDGE_S = 1.0  # a request sent this close before the restart may reach the ledge
 
 @dataclass(frozen=True)
 class OutageConfig:
-    """The drill's setting.
+    """The drill's setting."""
 
-    Attributes:
-        outage_s: how long the ledger server is down (30 s; the test uses less to fit its time bound).
-        warmup_s / after_s: load before the stop and after the restart.
-        free / paid: the ``reject`` and the ``emergency`` tier's tenants.
-        clients: closed-loop clients per tenant. output_tokens: (min, max) per request. prompt_tokens.
-        emergency: the paid tier's local budget.
-        reservation_ttl_s / sweep_s: the ledger's TTL and the gateway's liveness sweep.
-        replica: the emulated replica.
-        backoff_s: a client's wait after an error.
-        converge_s_max: time allowed, after the ledger answers again, for everything to reconcile.
-        drain_s_max: time allowed for the requests running when the clients stop sending.
-    """
-
-    outage_s: float = 30.0
-    warmup_s: float = 4.0
-    after_s: float = 4.0
-    free: str = "free"
-    paid: str = "paid"
-    clients: int = 4
-    output_tokens: tuple[int, int] = (8, 24)
+    outage_s: float = 30.0  # how long the ledger server is down (the test uses less to fit its time bound)
+    warmup_s: float = 4.0  # load before the stop
+    after_s: float = 4.0  # load after the restart
+    free: str = "free"  # the ``reject`` tier's tenant
+    paid: str = "paid"  # the ``emergency`` tier's tenant
+    clients: int = 4  # closed-loop clients per tenant
+    output_tokens: tuple[int, int] = (8, 24)  # (min, max) per request
     prompt_tokens: int = 32
+    # the paid tier's local budget
     emergency: EmergencyConfig = field(default_factory=lambda: EmergencyConfig(requests=6, tokens=400, seconds=120.0))
-    reservation_ttl_s: float = 60.0
-    sweep_s: float = 1.0
+    reservation_ttl_s: float = 60.0  # the ledger's TTL
+    sweep_s: float = 1.0  # the gateway's liveness sweep
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(50.0, 0.5, 0.02, 12, 4096))
-    backoff_s: float = 0.5
-    converge_s_max: float = 10.0
-    drain_s_max: float = 15.0
+    backoff_s: float = 0.5  # a client's wait after an error
+    converge_s_max: float = 10.0  # time allowed, after the ledger answers again, for everything to reconcile
+    drain_s_max: float = 15.0  # time allowed for the requests running when the clients stop sending
 
     def __post_init__(self) -> None:
         if self.outage_s < 2.0:
@@ -153,17 +142,28 @@ class TenantOutage:
 
 
 @dataclass(frozen=True)
-class OutageFigures:
-    """What was measured. Times in seconds since the drill's start."""
+class Timeline:
+    """The outage, in seconds since the load began."""
 
     stop_at_s: float  # SIGTERM sent
     down_at_s: float  # the server process was gone
     restart_at_s: float
     up_at_s: float  # answering again
+
+    @property
+    def down_s(self) -> float:
+        return self.up_at_s - self.down_at_s
+
+
+@dataclass(frozen=True)
+class OutageFigures:
+    """What was measured. Times in seconds since the drill's start."""
+
+    timeline: Timeline
     tenants: dict[str, TenantOutage]
     journal_at_restart: dict[str, int]  # record type -> count, just before the restart
     journal_left: int  # records left at the end
-    converge_s: float | None  # from up_at_s until everything reconciled (None: not within converge_s_max)
+    converge_s: float | None  # from timeline.up_at_s until everything reconciled (None: not within converge_s_max)
     mismatches: tuple[str, ...]  # per-request differences between client and ledger (each a sentence)
     open_left: int  # open reservations at the end
     statuses: dict[str, int]  # reservations by status at the end
@@ -173,14 +173,12 @@ class OutageFigures:
 
 
 @dataclass(frozen=True)
-class OutageResult(DrillResult):
-    config: OutageConfig
-    figures: OutageFigures
+class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
     processes: bool
     name: str = "outage"
 
     def checks(self) -> dict[str, bool]:
-        c, f = self.config, self.figures
+        c, f = self.config, self.main
         free, paid = f.tenants[c.free], f.tenants[c.paid]
         budget = c.emergency
         during_free, during_paid = free.phases["during"], paid.phases["during"]
@@ -222,7 +220,7 @@ class OutageResult(DrillResult):
         }
 
     def intro(self) -> list[str]:
-        c, f = self.config, self.figures
+        c, f, t = self.config, self.main, self.main.timeline
         e = c.emergency
         return [
             f"[bold]drill outage[/bold]: ledger = a throwaway redis-server (AOF, fsync always); tenants {c.free!r} "
@@ -230,13 +228,13 @@ class OutageResult(DrillResult):
             f"s), {c.clients} closed-loop clients each (outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens), "
             f"gateway {'process' if self.processes else 'in-process'}, sweep {c.sweep_s:g} s, reservation TTL "
             f"{c.reservation_ttl_s:g} s.",
-            f"Fault: SIGTERM to the ledger server at {f.stop_at_s:.1f} s (gone at {f.down_at_s:.1f} s), started "
-            f"again at {f.restart_at_s:.1f} s, answering at {f.up_at_s:.1f} s: down {f.up_at_s - f.down_at_s:.1f} s. "
+            f"Fault: SIGTERM to the ledger server at {t.stop_at_s:.1f} s (gone at {t.down_at_s:.1f} s), started "
+            f"again at {t.restart_at_s:.1f} s, answering at {t.up_at_s:.1f} s: down {t.down_s:.1f} s. "
             f"Journal just before the restart: {fmt_counts(f.journal_at_restart) or 'empty'}.",
         ]
 
     def body(self) -> list[Any]:
-        f = self.figures
+        f = self.main
         tenants = f.tenants.values()
         phases = [
             (
@@ -279,7 +277,7 @@ class OutageResult(DrillResult):
         return out + [f"  gateway: {line}" for line in f.gateway_log[:8]]
 
     def _load_line(self) -> str:
-        f, tenants = self.figures, self.figures.tenants.values()
+        f, tenants = self.main, self.main.tenants.values()
         unbilled = {
             kind: sum(getattr(t, f"client_{kind}") - getattr(t, f"ledger_{kind}") for t in tenants)
             for kind in ("requests", "input", "output")
@@ -300,9 +298,7 @@ class OutageResult(DrillResult):
         ]
         lost = [item for item in lost if item]
         refused = sum(ph.refused_503 for t in tenants for ph in t.phases.values())
-        converge = (
-            f"{f.converge_s:.2f} s" if f.converge_s is not None else f"not within {self.config.converge_s_max:g} s"
-        )
+        converge = fmt_s(f.converge_s, f"not within {self.config.converge_s_max:g} s")
         return (
             f"Load held: {sum(ph.sent for t in tenants for ph in t.phases.values())} requests sent, "
             f"{sum(t.client_requests for t in tenants)} served, {refused} refused with 503 + Retry-After while the "
@@ -311,8 +307,7 @@ class OutageResult(DrillResult):
         )
 
     def verdict(self) -> str:
-        f = self.figures
-        return f"ledger down {f.up_at_s - f.down_at_s:.1f} s under load."
+        return f"ledger down {self.main.timeline.down_s:.1f} s under load."
 
 
 def _cells(ph: Phase) -> str:
@@ -323,16 +318,16 @@ def _key(record: RequestRecord) -> str:
     return record.error or record.outcome
 
 
-def _phase_of(record: RequestRecord, stop_at: float, down_at: float, restart_at: float, up_at: float) -> str:
+def _phase_of(record: RequestRecord, t: Timeline) -> str:
     """``before`` the stop, ``during`` the outage (sent once the server was gone and at least ``EDGE_S``
     before its restart, so it reached the gateway's reservation while the ledger was down), ``after`` it
     answered again, else ``edge``. (``tenant_figures`` also counts as ``edge`` a request sent during the
     outage that the ledger shows reserved after the restart: one that was slow to reach the gateway.)"""
-    if record.sent_s < stop_at:
+    if record.sent_s < t.stop_at_s:
         return "before"
-    if down_at <= record.sent_s < restart_at - EDGE_S:
+    if t.down_at_s <= record.sent_s < t.restart_at_s - EDGE_S:
         return "during"
-    return "after" if record.sent_s >= up_at else "edge"
+    return "after" if record.sent_s >= t.up_at_s else "edge"
 
 
 def _phase(records: list[RequestRecord]) -> Phase:
@@ -384,9 +379,7 @@ async def _reconciled(ledger: Any, records: list[RequestRecord], before_s: float
 
 def _mismatches(records: list[RequestRecord], reservations: list[Any]) -> list[str]:
     """Every request whose reservation does not bill exactly what its client received (each a sentence)."""
-    by_request: dict[str, list[Any]] = {}
-    for r in reservations:
-        by_request.setdefault(r.request_id, []).append(r)
+    by_request = grouped(reservations, lambda r: r.request_id)
     out = []
     for call in records:
         rid, found = call.request_id, by_request.get(call.request_id, [])
@@ -419,35 +412,21 @@ def _mismatches(records: list[RequestRecord], reservations: list[Any]) -> list[s
 
 
 @dataclass(frozen=True)
-class Timeline:
-    """The outage, in seconds since the load began: SIGTERM sent, the server gone, restarted, answering."""
-
-    stop_at: float
-    down_at: float
-    restart_at: float
-    up_at: float
-
-
-@dataclass(frozen=True)
 class Observed:
     """What the drill read at the end: the clients' records, the ledger, the gateway's request log."""
 
     records: list[RequestRecord]
     reservations: list[Any]
     usage: dict[str, Any]
-    events: list[dict[str, Any]]
     journal_left: list[dict[str, Any]]
     journal_at_restart: dict[str, int]
     converge_s: float | None
-    gateway_log: list[str]
     wall_start: float
 
 
 def run(options: DrillOptions, config: OutageConfig | None = None) -> OutageResult:
     """Run the drill (``options.seconds``: the outage's length; ``options.policy``: the gateway's policy)."""
-    config = config or OutageConfig()
-    if options.seconds is not None:
-        config = replace(config, outage_s=options.seconds)
+    config = options.setting(config or OutageConfig(), "outage_s")
     with (
         temporary_folder("fairgate-drill-outage-") as folder,
         LogCapture() as capture,
@@ -460,12 +439,11 @@ def run(options: DrillOptions, config: OutageConfig | None = None) -> OutageResu
         assert stack.config.event_log_path is not None
         events = read_events(stack.config.event_log_path)
         log = summarise_log(log_lines(capture.lines, stack.config.path.parent / "gateway.log"))
-    observed = replace(observed, events=events, gateway_log=log)
-    return OutageResult(config, outage_figures(config, timeline, observed), options.processes)
+    return OutageResult(config, outage_figures(config, timeline, observed, events, log), options.processes)
 
 
 async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tuple[Timeline, Observed]:
-    journal = stack.config.journal_path
+    journal, limit_s = stack.config.journal_path, config.converge_s_max
     send_until = config.warmup_s + config.outage_s + config.after_s
     async with LoadGenerator(stack.url, stack.keys, stack.spec.model, seed) as generator:
         now = generator.now
@@ -483,25 +461,18 @@ async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tup
             # Convergence: poll the ledger (a connection of our own) until everything admitted before the
             # ledger came back is reconciled and the journal is empty.
             records = generator.history.records
-            converge_s: float | None = None
-            reader = await stack.open_ledger()
-            try:
-                while now() < up_at + config.converge_s_max:
-                    if await _reconciled(reader, records, up_at, journal):
-                        converge_s = now() - up_at
-                        break
-                    await asyncio.sleep(0.1)
+            async with stack.ledger() as reader:
+                reconciled = await poll(lambda: _reconciled(reader, records, up_at, journal), up_at + limit_s, now)
+                converge_s = None if reconciled is None else reconciled - up_at
                 await load
-                # Let the last settlements and a journal replay land.
-                deadline = now() + config.converge_s_max
-                while now() < deadline:
-                    if not (read_journal(journal) or await reader.reservations(status="open")):
-                        break
-                    await asyncio.sleep(0.1)
+
+                async def landed() -> bool:
+                    """The last settlements and a journal replay have landed."""
+                    return not (read_journal(journal) or await reader.reservations(status="open"))
+
+                await poll(landed, now() + limit_s, now)
                 reservations = await reader.reservations()
                 usage = {t.name: await reader.usage(t.name, 86_400.0) for t in config.tenants}
-            finally:
-                await reader.close()
         finally:
             load.cancel()
             await asyncio.gather(load, return_exceptions=True)
@@ -510,11 +481,9 @@ async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tup
         records,
         reservations,
         usage,
-        [],
         read_journal(journal),
         dict(journal_at_restart),
         converge_s,
-        [],
         generator.history.wall_start,
     )
     return timeline, observed
@@ -540,16 +509,15 @@ def _grants_and_meter(
     return grants, metered
 
 
-def outage_figures(config: OutageConfig, t: Timeline, o: Observed) -> OutageFigures:
-    grants, metered = _grants_and_meter(config, o.events)
+def outage_figures(
+    config: OutageConfig, t: Timeline, o: Observed, events: list[dict[str, Any]], gateway_log: list[str]
+) -> OutageFigures:
+    grants, metered = _grants_and_meter(config, events)
     statuses = Counter(r.status for r in o.reservations)
     known = {r.request_id for r in o.records}
     tenants = {spec.name: tenant_figures(config, spec, t, o, grants[spec.name], metered) for spec in config.tenants}
     return OutageFigures(
-        t.stop_at,
-        t.down_at,
-        t.restart_at,
-        t.up_at,
+        t,
         tenants,
         o.journal_at_restart,
         len(o.journal_left),
@@ -559,7 +527,7 @@ def outage_figures(config: OutageConfig, t: Timeline, o: Observed) -> OutageFigu
         dict(statuses),
         sum(1 for r in o.reservations if r.request_id not in known),
         sum(1 for r in o.records if r.outcome == "cut"),
-        tuple(o.gateway_log),
+        tuple(gateway_log),
     )
 
 
@@ -574,11 +542,11 @@ def tenant_figures(
     """One tenant's requests by phase, its emergency grants, and what it received against what was billed."""
     granted = {str(g.get("request_id")) for g in grants}
     created_ms = {r.request_id: r.created_ms for r in o.reservations}
-    restart_wall_ms = (o.wall_start + t.restart_at) * 1000.0
+    restart_wall_ms = (o.wall_start + t.restart_at_s) * 1000.0
     mine = [r for r in o.records if r.tenant == spec.name]
     by_phase: dict[str, list[RequestRecord]] = {p: [] for p in ("before", "during", "edge", "after")}
     for r in mine:
-        phase = _phase_of(r, t.stop_at, t.down_at, t.restart_at, t.up_at)
+        phase = _phase_of(r, t)
         created = created_ms.get(r.request_id)
         if (
             phase == "during"

@@ -45,10 +45,10 @@ class DrillResult(ABC):
     def passed(self) -> bool:
         return all(self.checks().values())
 
-    def check_lines(self, checks: Mapping[str, bool] | None = None) -> list[str]:
+    def check_lines(self) -> list[str]:
         """One line per check, ``ok`` or ``FAIL`` and its claim (rich markup)."""
-        checks = self.checks() if checks is None else checks
-        return [f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}" for check, ok in checks.items()]
+        checks = self.checks().items()
+        return [f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {check}" for check, ok in checks]
 
     def render(self) -> list[Any]:
         """Tables and lines for a rich console."""
@@ -70,6 +70,8 @@ class PolicyRun(Protocol):
 ConfigT = TypeVar("ConfigT")
 FiguresT = TypeVar("FiguresT")
 RunT = TypeVar("RunT", bound=PolicyRun)
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class ConfiguredResult(DrillResult, Generic[ConfigT, FiguresT]):
 class ComparedResult(ConfiguredResult[ConfigT, RunT]):
     """A ``ConfiguredResult`` and the same load under the comparison policy (``compare``; None: not run).
 
-    A subclass shows each run with ``policy_table``; ``policy_tables()`` gives main's, then compare's."""
+    A subclass shows each run with ``policy_table``; ``body()`` gives main's, then compare's."""
 
     compare: RunT | None
 
@@ -96,11 +98,11 @@ class ComparedResult(ConfiguredResult[ConfigT, RunT]):
     def policy_table(self, figs: RunT) -> Any:
         """One run's table; ``title(figs)`` names it."""
 
-    def policy_tables(self) -> list[Any]:
+    def body(self) -> list[Any]:
         return [self.policy_table(figs) for figs in self.runs()]
 
     def title(self, figs: RunT) -> str:
-        return policy_title(figs.policy, figs is self.compare)
+        return f"policy {figs.policy}" + (" (comparison)" if figs is self.compare else "")
 
 
 def main_and_compare(options: DrillOptions, one: Callable[[str], RunT]) -> tuple[RunT, RunT | None]:
@@ -112,6 +114,14 @@ def main_and_compare(options: DrillOptions, one: Callable[[str], RunT]) -> tuple
 def problems_by(found: Iterable[tuple[str, list[str]]]) -> dict[str, list[str]]:
     """(what, its problems) pairs -> what -> problems, leaving out those without any."""
     return {what: problems for what, problems in found if problems}
+
+
+def grouped(items: Iterable[V], key: Callable[[V], K]) -> dict[K, list[V]]:
+    """``items`` by ``key(item)``, each group in their order."""
+    out: dict[K, list[V]] = {}
+    for item in items:
+        out.setdefault(key(item), []).append(item)
+    return out
 
 
 def table(
@@ -132,10 +142,6 @@ def table(
     for row in rows:
         out.add_row(*row)
     return out
-
-
-def policy_title(policy: str, comparison: bool) -> str:
-    return f"policy {policy}" + (" (comparison)" if comparison else "")
 
 
 def fmt_ms(value: float | None) -> str:
@@ -191,10 +197,10 @@ __all__ = [
     "fmt_errors",
     "fmt_ms",
     "fmt_s",
+    "grouped",
     "holds_from",
     "main_and_compare",
     "plain_text",
-    "policy_title",
     "problems_by",
     "table",
 ]

@@ -30,18 +30,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_counts, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, table
 from fairgate.harness.config import UNBOUNDED, TenantSpec
 from fairgate.harness.gauges import gateway_gauges
+from fairgate.harness.ledger import wait_settled
 from fairgate.harness.loadgen import LoadGenerator, Request, TenantLoad
 from fairgate.harness.logs import log_lines, summarise_log
 from fairgate.harness.records import RequestRecord
 from fairgate.harness.redis import redis_server, redis_url
 from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.run import until
 from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack, temporary_folder
 
 HUNG_S = 2.0  # a client of the killed process must see its request fail within this long
@@ -50,43 +52,32 @@ MODEL = "emu"
 
 @dataclass(frozen=True)
 class RestartConfig:
-    """The drill's setting.
+    """The drill's setting."""
 
-    Attributes:
-        kill_at_s: when A is killed. restart_after_s: when it is started again, after the kill.
-        load_after_s: how long the clients go on sending after the kill.
-        reservation_ttl_s / sweep_s: the ledger's TTL and the gateways' liveness sweep (small, so that
-            expiry happens within the drill and B's long requests outlive several TTLs).
-        replica: the emulated replicas (each gateway is configured with ``gateway_batch`` of their slots).
-        alpha_clients / alpha_output: tenant ``alpha``'s clients on A (more than A's slots) and outputs.
-        long_clients / long_output: tenant ``long``'s clients on B, outputs longer than the TTL.
-        beta_clients / beta_output: tenant ``beta``'s clients on B.
-        retry_queued: how many of A's queued requests are retried on B with the same request id.
-        drain_s_max: time allowed for the requests running when the clients stop sending.
-        settle_s_max: time allowed, after that, for the last reservations to close.
-        converge_slack_s: allowance over ``reservation_ttl_s + sweep_s`` for the kill-to-expiry bound
-            (scheduling and ledger round trips on a loaded machine).
-    """
-
-    kill_at_s: float = 5.0
-    restart_after_s: float = 0.5
-    load_after_s: float = 8.0
+    kill_at_s: float = 5.0  # when A is killed
+    restart_after_s: float = 0.5  # when it is started again, after the kill
+    load_after_s: float = 8.0  # how long the clients go on sending after the kill
+    # the ledger's TTL and the gateways' liveness sweep (small, so that expiry happens within the
+    # drill and B's long requests outlive several TTLs)
     reservation_ttl_s: float = 2.0
     sweep_s: float = 0.5
+    # the emulated replicas (each gateway is configured with ``gateway_batch`` of their slots)
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(80.0, 0.5, 0.02, 12, 4096))
     replicas: int = 2
     gateway_batch: int = 6
-    alpha_clients: int = 18
+    alpha_clients: int = 18  # tenant ``alpha``'s clients on A (more than A's slots) and outputs
     alpha_output: tuple[int, int] = (10, 40)
-    long_clients: int = 4
+    long_clients: int = 4  # tenant ``long``'s clients on B, outputs longer than the TTL
     long_output: tuple[int, int] = (50, 60)
-    beta_clients: int = 6
+    beta_clients: int = 6  # tenant ``beta``'s clients on B
     beta_output: tuple[int, int] = (8, 24)
     prompt_tokens: int = 32
-    retry_queued: int = 2
+    retry_queued: int = 2  # how many of A's queued requests are retried on B with the same request id
     backoff_s: float = 0.5
-    drain_s_max: float = 15.0
-    settle_s_max: float = 10.0
+    drain_s_max: float = 15.0  # time allowed for the requests running when the clients stop sending
+    settle_s_max: float = 10.0  # time allowed, after that, for the last reservations to close
+    # allowance over ``reservation_ttl_s + sweep_s`` for the kill-to-expiry bound (scheduling and
+    # ledger round trips on a loaded machine)
     converge_slack_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -133,15 +124,14 @@ class RestartConfig:
         ]
 
     @property
-    def converge_bound_s(self) -> float:
+    def ttl_sweep_s(self) -> float:
         """What the ledger guarantees for a reservation nobody heartbeats any more: final by the first sweep
-        a TTL after its last heartbeat (see the module docstring); plus ``converge_slack_s``."""
-        return self.reservation_ttl_s + self.sweep_s + self.converge_slack_s
+        a TTL after its last heartbeat (see the module docstring)."""
+        return self.reservation_ttl_s + self.sweep_s
 
     @property
-    def ttl_sweep_s(self) -> float:
-        """TTL + sweep: the bound one would expect from the TTL alone."""
-        return self.reservation_ttl_s + self.sweep_s
+    def converge_bound_s(self) -> float:
+        return self.ttl_sweep_s + self.converge_slack_s
 
 
 @dataclass(frozen=True)
@@ -192,13 +182,11 @@ class RestartFigures:
 
 
 @dataclass(frozen=True)
-class RestartResult(DrillResult):
-    config: RestartConfig
-    figures: RestartFigures
+class RestartResult(ConfiguredResult[RestartConfig, RestartFigures]):
     name: str = "restart"
 
     def checks(self) -> dict[str, bool]:
-        c, f = self.config, self.figures
+        c, f = self.config, self.main
         queued = sum(1 for k in f.killed if k.queued)
         in_flight, queued_clients = f.at_kill.get("in flight", 0), f.at_kill.get("queued", 0)
         return {
@@ -233,7 +221,7 @@ class RestartResult(DrillResult):
         }
 
     def intro(self) -> list[str]:
-        c, f = self.config, self.figures
+        c, f = self.config, self.main
         b, a = f.sent.get("B", Counter()), f.sent.get("A", Counter())
         return [
             f"[bold]drill restart[/bold]: two gateway processes (A, B) on one Redis ledger and {c.replicas} emulated "
@@ -250,7 +238,7 @@ class RestartResult(DrillResult):
         ]
 
     def body(self) -> list[Any]:
-        f = self.figures
+        f = self.main
         rows = [(target, fmt_counts(outcomes)) for target, outcomes in sorted(f.sent.items())]
         out: list[Any] = [table("requests by gateway", ("gateway", "outcomes"), rows, left=("gateway", "outcomes"))]
         columns = ("", "count", "client saw", "ended", "kill -> final s (min-max)", "tokens streamed / billed")
@@ -284,7 +272,7 @@ class RestartResult(DrillResult):
         return out + self._lost()
 
     def _killed_row(self, name: str, queued: bool, retried: bool) -> tuple[str, ...] | None:
-        rows = [k for k in self.figures.killed if k.queued == queued and k.retried == retried]
+        rows = [k for k in self.main.killed if k.queued == queued and k.retried == retried]
         if retried and not rows:
             return None
         times = [k.final_after_s for k in rows if k.final_after_s is not None]
@@ -298,16 +286,16 @@ class RestartResult(DrillResult):
         )
 
     def _lost(self) -> list[str]:
-        c, f = self.config, self.figures
+        c, f = self.config, self.main
         lost = [f"{len(f.mismatches)} completed requests billed differently"] if f.mismatches else []
         lost += [f"{f.open_left} reservations left open"] if f.open_left else []
         if f.expired_not_killed:
             lost.append(f"{len(f.expired_not_killed)} reservations expired that A's death does not explain")
-        converge = f"{f.converge_s:.2f} s" if f.converge_s is not None else "never"
         out = [
             f"Lost: {'; '.join(lost) if lost else 'nothing'} ({f.unbilled_killed_tokens} tokens streamed to A's "
             f"killed clients after their last partial settlement are not billed, by design). Time to converge: "
-            f"{converge} from the kill until A's last reservation was final (TTL + sweep = {c.ttl_sweep_s:g} s)."
+            f"{fmt_s(f.converge_s)} from the kill until A's last reservation was final (TTL + sweep = "
+            f"{c.ttl_sweep_s:g} s)."
         ]
         late = [
             k for k in f.killed if not k.retried and k.final_after_s is not None and k.final_after_s > c.ttl_sweep_s
@@ -328,13 +316,12 @@ class RestartResult(DrillResult):
 
 @dataclass(frozen=True)
 class Kill:
-    """What the drill saw of the kill: A's requests active then, its open reservations, and when each of
-    them became final; times in seconds since the load began (``wall_ms``: the kill on the wall clock)."""
+    """What the drill saw of the kill; times in seconds since the load began."""
 
-    active: list[RequestRecord]
-    snapshot: list[Any]
-    final_ms: dict[str, float]
-    wall_ms: float
+    active: list[RequestRecord]  # A's requests active at the kill
+    snapshot: list[Any]  # A's open reservations
+    final_ms: dict[str, float]  # reservation id -> when it became final (ledger ms)
+    wall_ms: float  # the kill on the wall clock
     at_s: float
     restart_ready_s: float
     retries: dict[str, RequestRecord]
@@ -354,9 +341,7 @@ class End:
 def run(options: DrillOptions, config: RestartConfig | None = None) -> RestartResult:
     """Run the drill (``options.seconds``: how long the load goes on after the kill; ``options.policy``: the
     gateways' policy). The gateways and replicas are always processes (one of them is killed)."""
-    config = config or RestartConfig()
-    if options.seconds is not None:
-        config = replace(config, load_after_s=options.seconds)
+    config = options.setting(config or RestartConfig(), "load_after_s")
     with temporary_folder("fairgate-drill-restart-") as folder, redis_server(folder / "redis", durable=False) as redis:
         with start_stack(config.spec(options.policy, redis_url(redis, "drill")), folder=folder / "stack") as stack:
             kill, end = asyncio.run(_run(stack, config, options.seed))
@@ -375,7 +360,7 @@ async def _run(stack: Stack, c: RestartConfig, seed: int) -> tuple[Kill, End]:
         load = asyncio.ensure_future(generator.run(c.loads(), send_until, c.drain_s_max))
         reader = await stack.open_ledger()
         try:
-            await asyncio.sleep(max(0.0, c.kill_at_s - now()))
+            await until(generator, c.kill_at_s)
             active = generator.history.running("A")
             kill_wall_ms = time.time() * 1000.0
             await asyncio.to_thread(a.kill)
@@ -393,11 +378,7 @@ async def _run(stack: Stack, c: RestartConfig, seed: int) -> tuple[Kill, End]:
             restart_ready = await restarting
             retries = {rid: await task for rid, task in retrying.items()}
             await load
-            deadline = now() + c.settle_s_max
-            while now() < deadline:
-                if not await reader.reservations(status="open"):
-                    break
-                await asyncio.sleep(0.1)
+            await wait_settled(reader, c.settle_s_max)
             await asyncio.sleep(2 * c.sweep_s)  # the gauges follow the last requests
             end = await _end(stack, reader, c, generator.history.records)
         finally:
@@ -454,9 +435,7 @@ async def _end(stack: Stack, reader: Any, c: RestartConfig, records: list[Reques
 
 
 def restart_figures(c: RestartConfig, kill: Kill, end: End, lines: list[str]) -> RestartFigures:
-    by_request: dict[str, list[Any]] = {}
-    for r in end.reservations:
-        by_request.setdefault(r.request_id, []).append(r)
+    by_request = grouped(end.reservations, lambda r: r.request_id)
     originals = {r.request_id: r for r in kill.active}
     retried = {r.request_id for r in kill.retries.values()}
     killed, unbilled = [], 0
@@ -497,7 +476,7 @@ def restart_figures(c: RestartConfig, kill: Kill, end: End, lines: list[str]) ->
         dict(Counter("in flight" if call.first_s is not None else "queued" for call in kill.active)),
         dict(Counter(call.outcome for call in kill.active)),
         sum(1 for call in kill.active if call.ended_s is None or call.ended_s - kill.at_s > HUNG_S),
-        {rid: "ok" if call.outcome == "ok" else _key(call) for rid, call in kill.retries.items()},
+        {rid: _key(call) for rid, call in kill.retries.items()},
         sent,
         len(long_calls),
         long_settled,

@@ -41,15 +41,16 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, problems_by, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, problems_by, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.loadgen import Cut, LoadGenerator, Request
 from fairgate.harness.records import RequestRecord
 from fairgate.harness.replica import ReplicaModel
+from fairgate.harness.run import poll
 from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack
 from fairgate.ledger.config import LimitsConfig
 
@@ -60,36 +61,22 @@ RESEND_CODES = {"request_in_progress", "request_already_completed"}
 
 @dataclass(frozen=True)
 class RetryConfig:
-    """The drill's setting (defaults: the acceptance scenario).
+    """The drill's setting (defaults: the acceptance scenario)."""
 
-    Attributes:
-        seconds: the originals arrive evenly over this long.
-        ids: request ids, split evenly over ``tenants``.
-        resends: (min, max) re-sends per id, uniform.
-        patterns: weight of each pattern (``PATTERNS`` order).
-        jitter_s: a re-send leaves ``uniform(0, jitter_s)`` after its original (``timeout``: after the cut).
-        timeout_s: ``timeout`` originals are cut ``uniform(*timeout_s)`` after sending.
-        output_tokens / prompt_tokens: each request's ``max_tokens`` (uniform, ``ignore_eos``) and prompt.
-        requests_per_minute: the tenants' request rate; their burst is their ids + 1.
-        sdk_max_retries: the ``openai`` client's own retries in the ``sdk`` pattern.
-        replicas / replica: the emulated fleet.
-        converge_s_max: after the last answer, how long the stack may take to hold nothing.
-    """
-
-    seconds: float = 8.0
-    ids: int = 300
+    seconds: float = 8.0  # the originals arrive evenly over this long
+    ids: int = 300  # request ids, split evenly over ``tenants``
     tenants: tuple[str, ...] = ("alpha", "beta")
-    resends: tuple[int, int] = (1, 3)
-    patterns: tuple[float, ...] = (0.45, 0.15, 0.15, 0.1, 0.15)
-    jitter_s: float = 1.2
-    timeout_s: tuple[float, float] = (0.1, 0.4)
-    output_tokens: tuple[int, int] = (4, 24)
+    resends: tuple[int, int] = (1, 3)  # (min, max) re-sends per id, uniform
+    patterns: tuple[float, ...] = (0.45, 0.15, 0.15, 0.1, 0.15)  # weight of each pattern (``PATTERNS`` order)
+    jitter_s: float = 1.2  # a re-send leaves uniform(0, jitter_s) after its original (``timeout``: after the cut)
+    timeout_s: tuple[float, float] = (0.1, 0.4)  # ``timeout`` originals are cut uniform(*timeout_s) after sending
+    output_tokens: tuple[int, int] = (4, 24)  # each request's max_tokens (uniform, ignore_eos)
     prompt_tokens: int = 12
-    requests_per_minute: int = 6
-    sdk_max_retries: int = 2
-    replicas: int = 2
+    requests_per_minute: int = 6  # the tenants' request rate; their burst is their ids + 1
+    sdk_max_retries: int = 2  # the openai client's own retries in the ``sdk`` pattern
+    replicas: int = 2  # the emulated fleet
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(30.0, 0.2, 0.05, 24, 4096))
-    converge_s_max: float = 10.0
+    converge_s_max: float = 10.0  # after the last answer, how long the stack may take to hold nothing
     gateway_process: bool = True
 
     def ids_of(self, tenant: str) -> int:
@@ -281,24 +268,10 @@ def attempts(record: RequestRecord, role: str) -> list[Attempt]:
     one's tokens are the request's)."""
     cut = record.cut_at is not None
     code = record.code if record.outcome == "error" else record.error
-    sent = record.sent_s
+    rid, sent, ended = record.request_id, record.sent_s, record.ended_s or record.sent_s
     if role != "sdk" or not record.answers:
-        return [
-            Attempt(
-                record.request_id,
-                role,
-                None if cut else record.status,
-                code,
-                record.tokens,
-                cut,
-                sent,
-                record.ended_s or sent,
-            )
-        ]
-    out = [
-        Attempt(record.request_id, "sdk", a.status, a.code, 0, False, sent, record.ended_s or sent)
-        for a in record.answers
-    ]
+        return [Attempt(rid, role, None if cut else record.status, code, record.tokens, cut, sent, ended)]
+    out = [Attempt(rid, "sdk", a.status, a.code, 0, False, sent, ended) for a in record.answers]
     if record.status == 200:
         out[-1].tokens = record.tokens
     return out
@@ -366,7 +339,8 @@ class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
             "replica runs",
             "ids wrong",
         )
-        rows = [self._row(p, problems) for p in PATTERNS if any(i.plan.pattern == p for i in f.ids)]
+        by_pattern = grouped(f.ids, lambda i: i.plan.pattern)
+        rows = [self._row(p, by_pattern[p], problems) for p in PATTERNS if p in by_pattern]
         out: list[Any] = [table("by pattern", columns, rows, caption, ("pattern", "answers"), ("answers",))]
         columns = ("tenant", "ids", "burst", "refill since first", "level now", "deducted", "ledger requests")
         rows = [
@@ -400,8 +374,7 @@ class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
             )
         return out + [f"[red]{rid}[/red]: {'; '.join(found)}" for rid, found in list(problems.items())[:8]]
 
-    def _row(self, pattern: str, problems: dict[str, list[str]]) -> tuple[str, ...]:
-        rows = [i for i in self.main.ids if i.plan.pattern == pattern]
+    def _row(self, pattern: str, rows: list[IdFigures], problems: dict[str, list[str]]) -> tuple[str, ...]:
         answers = Counter(
             "cut" if a.cut else ("none" if a.status is None else f"{a.status} {a.code or 'ok'}")
             for i in rows
@@ -479,17 +452,10 @@ async def drive(
     return by_id, sdk_calls
 
 
-async def converge(stack: Stack, ledger: Any, last_s: float, limit_s: float, now: Any) -> float | None:
-    """Seconds from ``last_s`` until no reservation is open and the replicas are idle (None: not within
-    ``limit_s``)."""
-    while True:
-        open_now = len(await ledger.reservations(status="open"))
-        running = sum(s.occupancy for s in await stack.replica_stats())
-        if open_now == 0 and running == 0:
-            return now() - last_s
-        if now() - last_s > limit_s:
-            return None
-        await asyncio.sleep(0.05)
+async def idle(stack: Stack, ledger: Any) -> bool:
+    """No reservation is open and the replicas are idle."""
+    open_now = await ledger.reservations(status="open")
+    return not open_now and not any(s.occupancy for s in await stack.replica_stats())
 
 
 async def buckets(ledger: Any, config: RetryConfig, model: str, events: list[Any]) -> dict[str, BucketFigures]:
@@ -510,9 +476,7 @@ async def buckets(ledger: Any, config: RetryConfig, model: str, events: list[Any
 
 def run(options: DrillOptions, config: RetryConfig | None = None) -> RetryResult:
     """Run the drill under ``options.policy`` (``seconds``: how long the originals arrive over)."""
-    config = config or RetryConfig()
-    if options.seconds is not None:
-        config = replace(config, seconds=options.seconds)
+    config = options.setting(config or RetryConfig())
     with start_stack(config.spec(options.policy, options.processes)) as stack:
         return RetryResult(config, asyncio.run(_run(stack, config, options)))
 
@@ -525,20 +489,16 @@ async def _run(stack: Stack, config: RetryConfig, options: DrillOptions) -> Retr
         begin = generator.now()
         by_id, sdk_calls = await drive(generator, config, todo)
     last = max(a.ended_s for rows in by_id.values() for a in rows)
-    ledger = await stack.open_ledger()
-    try:
-        converge_s = await converge(stack, ledger, last, config.converge_s_max, generator.now)
+    async with stack.ledger() as ledger:
+        idle_at = await poll(lambda: idle(stack, ledger), last + config.converge_s_max, generator.now, 0.05)
+        converge_s = None if idle_at is None else idle_at - last
         reservations = await ledger.reservations()
         events = await ledger.events()
         report = await reconcile(ledger, freeze=False)
         bucket_figures = await buckets(ledger, config, stack.spec.model, events)
-    finally:
-        await ledger.close()
-    reserved: dict[tuple[str, str], list[Any]] = {}
-    for r in reservations:
-        reserved.setdefault((r.tenant, r.request_id), []).append(r)
+    reserved = grouped(reservations, lambda r: (r.tenant, r.request_id))
     reserve_events = Counter(e.reservation_id for e in events if e.kind == "reserve")
-    tapped = any(r.tap is not None for r in stack.replicas)
+    tapped = stack.is_tapped
     sequences = stack.tapped("sequences")
     rows = []
     for plan in todo:
@@ -569,7 +529,7 @@ async def _run(stack: Stack, config: RetryConfig, options: DrillOptions) -> Retr
         {t.tenant: t.differences for t in report.tenants if t.differences},
         sum(s.occupancy for s in await stack.replica_stats()),
         tapped,
-        sum(r.tap.untagged for r in stack.replicas if r.tap is not None),
+        stack.untagged,
         generator.peak_in_flight,
         sdk_calls,
     )

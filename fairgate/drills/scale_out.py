@@ -234,29 +234,20 @@ def default_probes() -> tuple[Probe, ...]:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """Claim 1's setting.
+    """Claim 1's setting."""
 
-    Attributes:
-        seconds: the load (all groups at once).
-        process_counts: the groups' N (gateway processes each group's traffic is spread over).
-        gateway_slots: a group's slots on its replica, in total over its N processes (``/ N`` each).
-        replica: each group's emulated replica (one per group, with slots to spare: it never queues).
-        probes: the tenants of each group.
-        gpu_budget_requests: the gpu tenant's budget, in estimated requests of mean length.
-        sample_s: how often the ledger accounts of the slots tenants are read during the load.
-        error_backoff_s: a client that got an error waits this long before its next request.
-        drain_s: after the load the clients send nothing more and wait this long for the requests in flight
-            (queued ones included) before hanging up, so every admitted request ends in an answer.
-    """
-
-    seconds: float = 8.0
-    process_counts: tuple[int, ...] = (1, 2, 4)
-    gateway_slots: int = 4
+    seconds: float = 8.0  # the load (all groups at once)
+    process_counts: tuple[int, ...] = (1, 2, 4)  # the groups' N (gateway processes each group's traffic is spread over)
+    gateway_slots: int = 4  # a group's slots on its replica, in total over its N processes (``/ N`` each)
+    # each group's emulated replica (one per group, with slots to spare: it never queues)
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(25.0, 0.5, 0.02, 64, 4096))
+    # the tenants of each group
     probes: tuple[Probe, ...] = field(default_factory=default_probes)
-    gpu_budget_requests: int = 12
-    sample_s: float = 0.1
-    error_backoff_s: float = 0.5
+    gpu_budget_requests: int = 12  # the gpu tenant's budget, in estimated requests of mean length
+    sample_s: float = 0.1  # how often the ledger accounts of the slots tenants are read during the load
+    error_backoff_s: float = 0.5  # a client that got an error waits this long before its next request
+    # after the load the clients send nothing more and wait this long for the requests in flight (queued
+    # ones included) before hanging up, so every admitted request ends in an answer
     drain_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -337,8 +328,6 @@ class TenantLimitFigures:
     """One probe tenant's figures: what the ledger admitted against each limit, and what its clients saw."""
 
     tenant: str
-    role: str
-    n: int
     requests: RequestOutcomes  # what its clients saw, its reservations in the ledger after the hang-up
     peaks: dict[str, tuple[float, float]]  # bucket -> (peak beyond refill, burst)
     concurrent_peak: int  # overlapping [created, final) intervals
@@ -475,17 +464,15 @@ def _targets(stack: Stack) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class LimitsRun:
-    """What claim 1's run saw: the clients, every reservation, the sampled accounts (tenant -> [max
-    concurrent, max queued, samples]) and replicas (group N -> most sequences), the accounts at the end,
-    how long the last bills took, and each group's replica at the end."""
+    """What claim 1's run saw."""
 
     history: History
     reservations: list[Reservation]
-    seen: dict[str, list[int]]
-    occupancy: dict[int, int]
-    accounts: dict[str, tuple[int, int]]
-    settle_s: float
-    truths: dict[int, ReplicaStats | None]
+    seen: dict[str, list[int]]  # the sampled accounts: tenant -> [max concurrent, max queued, samples]
+    occupancy: dict[int, int]  # group N -> most sequences its replica held
+    accounts: dict[str, tuple[int, int]]  # (concurrent, queued) at the end
+    settle_s: float  # how long the last bills took
+    truths: dict[int, ReplicaStats | None]  # each group's replica at the end
 
 
 def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair", seed: int = 1) -> LimitsFigures:
@@ -511,8 +498,7 @@ def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair",
 
 
 async def _limits_run(stack: Stack, config: LimitsConfig, seed: int) -> LimitsRun:
-    ledger = await stack.open_ledger()
-    try:
+    async with stack.ledger() as ledger:
         stop = asyncio.Event()
         seen: dict[str, list[int]] = {}
         occupancy: dict[int, int] = {}
@@ -537,8 +523,6 @@ async def _limits_run(stack: Stack, config: LimitsConfig, seed: int) -> LimitsRu
             account = await ledger.account(name, model or "emu")
             accounts[name] = (account.concurrent, account.queued)
         truths = {n: await read_replica(url) for n, url in urls.items()}
-    finally:
-        await ledger.close()
     return LimitsRun(history, reservations, seen, occupancy, accounts, settle_s, truths)
 
 
@@ -567,8 +551,6 @@ def _tenant_limit_figures(
     concurrent, queued, samples = seen.get(name, [0, 0, 0])
     return TenantLimitFigures(
         name,
-        probe.role,
-        n,
         RequestOutcomes.of(report.stats(name), mine),
         peaks,
         peak_overlap([(r.created_ms, r.final_ms) for r in mine]),
@@ -606,36 +588,27 @@ def limits_problems(figs: LimitsFigures) -> list[str]:
 
 @dataclass(frozen=True)
 class FairnessConfig:
-    """Claim 2's setting.
-
-    Attributes:
-        seconds / warmup_s: the load, and the start of it left out of the shares (default none: the policy
-            equalizes the counters every tenant has run up since its first request, so the whole run is what
-            it answers for; a window after a warm-up also counts the repayment of what the start owed).
-        gateways / replicas / replica: the processes (each gateway gets ``max_batch / gateways`` of every
-            replica's slots).
-        mix: tenant -> mean output tokens (seed 002); lengths uniform within +-``spread`` of the mean.
-        clients: tenant -> closed-loop clients through each gateway (a tenant absent from a gateway sends
-            nothing there).
-        share_charges_s: the gateways' ``[gateway].share_charges_s``.
-        ratio_max: the claim: max/min of the GPU shares billed (after the warm-up, if any).
-        snapshot_every_s: ledger snapshots for the convergence time.
-    """
+    """Claim 2's setting."""
 
     seconds: float = 30.0
+    # the start of the load left out of the shares (default none: the policy equalizes the counters every
+    # tenant has run up since its first request, so the whole run is what it answers for; a window after a
+    # warm-up also counts the repayment of what the start owed)
     warmup_s: float = 0.0
-    gateways: int = 2
+    gateways: int = 2  # each gateway gets ``max_batch / gateways`` of every replica's slots
     replicas: int = 2
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(9.0, 0.55, 0.06, 24, 4096))
+    # tenant -> mean output tokens (seed 002); lengths uniform within +-``spread`` of the mean
     mix: dict[str, float] = field(default_factory=lambda: dict(SEED_MIX))
     spread: float = 0.5
     prompt_tokens: int = 400
+    # tenant -> closed-loop clients through each gateway (a tenant absent from a gateway sends nothing there)
     clients: dict[str, tuple[int, ...]] = field(
         default_factory=lambda: {"classify": (32, 0), "chat": (24, 8), "summarise": (8, 24), "agent": (0, 32)}
     )
-    share_charges_s: float = 0.25
-    ratio_max: float = 1.10
-    snapshot_every_s: float = 2.0
+    share_charges_s: float = 0.25  # the gateways' ``[gateway].share_charges_s``
+    ratio_max: float = 1.10  # the claim: max/min of the GPU shares billed (after the warm-up, if any)
+    snapshot_every_s: float = 2.0  # ledger snapshots for the convergence time
 
     def __post_init__(self) -> None:
         if self.replica.max_batch % self.gateways:
@@ -754,11 +727,10 @@ async def _read(stack: Stack, ledger: Ledger, tenants: Sequence[str], at_s: floa
 
 @dataclass(frozen=True)
 class FairnessRun:
-    """What claim 2's run saw: the clients, the readings every ``snapshot_every_s`` from the warm-up, the
-    reading at the end, the reservations left open, and the most sequences a replica held."""
+    """What claim 2's run saw."""
 
     history: History
-    readings: list[Reading]
+    readings: list[Reading]  # every snapshot_every_s from the warm-up
     end: Reading
     left_open: list[Reservation]
     occupancy_max: int
@@ -777,8 +749,7 @@ def run_fairness(
 
 
 async def _fairness_run(stack: Stack, config: FairnessConfig, seed: int) -> FairnessRun:
-    ledger = await stack.open_ledger()
-    try:
+    async with stack.ledger() as ledger:
         readings: list[Reading] = []
         occupancy: dict[int, int] = {}
         stop = asyncio.Event()
@@ -804,8 +775,6 @@ async def _fairness_run(stack: Stack, config: FairnessConfig, seed: int) -> Fair
         await wait_settled(ledger, FAIRNESS_SETTLE_S_MAX)
         end = await _read(stack, ledger, config.tenants, config.seconds)
         left_open = await ledger.reservations(status="open")
-    finally:
-        await ledger.close()
     return FairnessRun(history, readings, end, left_open, max(occupancy.values(), default=0))
 
 
@@ -1037,8 +1006,7 @@ def run(options: DrillOptions, config: ScaleOutConfig | None = None) -> ScaleOut
     """Both claims (``options.seconds`` sets the limits load; ``options.compare``, if set, adds the
     no-sharing comparison run of claim 2; the drill always runs processes)."""
     config = config or ScaleOutConfig()
-    if options.seconds is not None:
-        config = replace(config, limits=replace(config.limits, seconds=options.seconds))
+    config = replace(config, limits=options.setting(config.limits))
     limits = tuple(run_limits(config.limits, url, options.policy, options.seed) for url in config.ledgers)
     fairness = (
         run_fairness(config.fairness, config.ledgers[0], options.policy, options.seed) if config.ledgers else None

@@ -22,6 +22,7 @@ from fairgate.drills import DrillOptions
 from fairgate.drills.report import ComparedResult, fmt_errors, fmt_ms, main_and_compare, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.loadgen import TenantLoad
+from fairgate.harness.records import TenantStats
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.run import Run, run_on_stack
 from fairgate.harness.stack import StackSpec, replicas
@@ -32,41 +33,28 @@ RUN_DIMENSION = "max_model_calls"
 
 @dataclass(frozen=True)
 class UltraLongConfig:
-    """The drill's setting (defaults: the acceptance scenario).
+    """The drill's setting (defaults: the acceptance scenario)."""
 
-    Attributes:
-        seconds: length of the run.
-        agent_start_s: when the agent starts (the others are backlogged by then, as on a busy fleet); the
-            shares are those of the GPU time billed from then on.
-        others / agent: tenant names. weights: tenant -> share weight (default 1).
-        replicas / replica: the emulated fleet.
-        agent_output_tokens: every agent request's output (8192).
-        other_output_tokens: the others' outputs (uniform range).
-        clients_per_tenant: the others' closed-loop clients (each tenant alone could fill the fleet).
-        agent_clients / agent_runs: the agent's clients, sharing this many run ids.
-        max_model_calls / run_max_tokens: the agent's limits per run (the ledger's ``max_model_calls`` and
-            ``max_tokens``).
-        share_ratio_max: reported: max / min of the weighted GPU shares (not part of the claim: over a
-            window shorter than one agent request, a policy can only approximate the shares).
-        agent_margin: the claim: every tenant's share <= its fair share + this.
-    """
-
-    seconds: float = 20.0
-    others: tuple[str, ...] = ("alpha", "beta", "gamma")
+    seconds: float = 20.0  # length of the run
+    others: tuple[str, ...] = ("alpha", "beta", "gamma")  # tenant names (``agent``: the agent's)
     agent: str = "agent"
-    weights: dict[str, float] = field(default_factory=dict)
-    replicas: int = 2
+    weights: dict[str, float] = field(default_factory=dict)  # tenant -> share weight (default 1)
+    replicas: int = 2  # the emulated fleet
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(max_batch=24))
-    agent_output_tokens: int = 8192
-    other_output_tokens: tuple[int, int] = (4, 12)
+    agent_output_tokens: int = 8192  # every agent request's output
+    other_output_tokens: tuple[int, int] = (4, 12)  # the others' outputs (uniform range)
     prompt_tokens: int = 64
-    clients_per_tenant: int = 48
-    agent_clients: int = 64
+    clients_per_tenant: int = 48  # the others' closed-loop clients (each tenant alone could fill the fleet)
+    agent_clients: int = 64  # the agent's clients, sharing ``agent_runs`` run ids
     agent_runs: int = 16
-    max_model_calls: int = 3
+    max_model_calls: int = 3  # the agent's limits per run (the ledger's ``max_model_calls`` and ``max_tokens``)
     run_max_tokens: int = 30_000
+    # reported: max / min of the weighted GPU shares (not part of the claim: over a window shorter
+    # than one agent request, a policy can only approximate the shares)
     share_ratio_max: float = 1.10
-    agent_margin: float = 0.03
+    agent_margin: float = 0.03  # the claim: every tenant's share <= its fair share + this
+    # when the agent starts (the others are backlogged by then, as on a busy fleet); the shares are
+    # those of the GPU time billed from then on
     agent_start_s: float = 3.0
 
     def __post_init__(self) -> None:
@@ -111,13 +99,7 @@ class TenantFigures:
     tenant: str
     share: float  # of the GPU time billed from the agent's start on
     weighted: float  # share / fair share (1.0: exactly its share)
-    sent: int
-    completed: int
-    cut: int
-    errors: dict[str, int]  # "<status>:<code>[dimension]" -> count
-    ttft_p50_ms: float | None
-    ttft_p99_ms: float | None
-    tpot_p50_ms: float | None
+    clients: TenantStats  # what its clients saw over the whole run (errors: "<status>:<code>[dimension]")
     ledger_requests: int
     ledger_output_tokens: int
     ledger_gpu_s: float
@@ -155,18 +137,12 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
     shares = window.shares()
     tenants = {}
     for tenant in config.tenants:
-        s, total = run.history.stats(tenant), window.totals[tenant]
+        total = window.totals[tenant]
         tenants[tenant] = TenantFigures(
             tenant,
             shares[tenant],
             shares[tenant] / config.fair_share(tenant),
-            s.requests,
-            s.completed,
-            s.cut,
-            s.errors,
-            s.ttft_p50_ms,
-            s.ttft_p99_ms,
-            s.tpot_p50_ms,
+            run.history.stats(tenant),
             total.requests,
             total.output_tokens,
             total.gpu_ms / 1000.0,
@@ -177,7 +153,7 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
         if r.tenant == config.agent and r.run_id is not None:
             calls[r.run_id] += 1
             tokens[r.run_id] += r.input_tokens + r.max_output_tokens
-    refused = sum(n for code, n in tenants[config.agent].errors.items() if f"[{RUN_DIMENSION}]" in code)
+    refused = sum(n for code, n in tenants[config.agent].clients.errors.items() if f"[{RUN_DIMENSION}]" in code)
     return PolicyFigures(run.policy, tenants, RunLimits(dict(calls), dict(tokens), refused), window.gpu_ms / 1000.0)
 
 
@@ -188,7 +164,7 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
     def checks(self) -> dict[str, bool]:
         c, figs = self.config, self.main
         agent = figs.tenants[c.agent]
-        unexpected = [k for t in figs.tenants.values() for k in t.errors if f"[{RUN_DIMENSION}]" not in k]
+        unexpected = [k for t in figs.tenants.values() for k in t.clients.errors if f"[{RUN_DIMENSION}]" not in k]
         return {
             f"no tenant over its share + {c.agent_margin:.0%}": all(
                 t.share <= c.fair_share(name) + c.agent_margin for name, t in figs.tenants.items()
@@ -216,9 +192,6 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
             "the agent's run limits hold.",
         ]
 
-    def body(self) -> list[Any]:
-        return self.policy_tables()
-
     def policy_table(self, figs: PolicyFigures) -> Any:
         columns = ("tenant", "GPU %", "x share", "sent/done/cut", "errors", "TTFT ms p50/p99", "TPOT ms p50")
         columns += ("ledger req", "ledger out tok", "ledger GPU s")
@@ -227,10 +200,10 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
                 t.tenant,
                 f"{t.share * 100:.1f}",
                 f"{t.weighted:.2f}",
-                f"{t.sent}/{t.completed}/{t.cut}",
-                fmt_errors(t.errors),
-                f"{fmt_ms(t.ttft_p50_ms)} / {fmt_ms(t.ttft_p99_ms)}",
-                fmt_ms(t.tpot_p50_ms),
+                f"{t.clients.requests}/{t.clients.completed}/{t.clients.cut}",
+                fmt_errors(t.clients.errors),
+                f"{fmt_ms(t.clients.ttft_p50_ms)} / {fmt_ms(t.clients.ttft_p99_ms)}",
+                fmt_ms(t.clients.tpot_p50_ms),
                 str(t.ledger_requests),
                 f"{t.ledger_output_tokens:,}",
                 f"{t.ledger_gpu_s:,.1f}",
@@ -258,9 +231,7 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
 
 def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLongResult:
     """Run the drill under ``options.policy`` (and ``options.compare``, if any)."""
-    config = config or UltraLongConfig()
-    if options.seconds is not None:
-        config = replace(config, seconds=options.seconds)
+    config = options.setting(config or UltraLongConfig())
 
     def one(policy: str) -> PolicyFigures:
         spec = config.spec(policy, options.processes)

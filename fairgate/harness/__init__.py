@@ -11,7 +11,7 @@
 - ``stack``: the loopback stack (``StackSpec`` -> ``start_stack`` -> ``Stack``): N replicas, 1..N
   gateways, on threads or as processes, an SQLite or shared ledger.
 - ``loadgen`` / ``records``: the load generator on the real ``openai`` client (``LoadGenerator``,
-  ``TenantLoad``, ``Request``, ``Cut``, ``HttpRequest``) and what it records, by request id (``History``);
+  ``TenantLoad``, ``Request``, ``Cut``, ``HttpRequest``) and what it records (``History``);
   ``rawhttp``: requests written byte for byte.
 - ``run``: one load on a fresh stack with ledger readings (``run_on_stack``).
 - ``ledger``, ``gauges``, ``logs``: what the ledger, a gateway's ``/metrics`` and the gateways' logs say

@@ -51,32 +51,21 @@ class Cut:
 
 @dataclass(frozen=True)
 class Request:
-    """One request to send.
+    """One request to send."""
 
-    Attributes:
-        tenant / request_id / max_tokens: who sends it, its ``X-Request-Id``, its output (``ignore_eos``).
-        prompt_tokens: the prompt as the emulator counts it (chat: >= 4, the template included).
-        target: the gateway's label. model: the model asked for (None: the generator's).
-        stream: streamed (with the usage chunk) or not. chat: ``/v1/chat/completions`` or ``/v1/completions``.
-        tag: the request id as the prompt's last word (an ``EmulatorTap`` finds the request by it).
-        run_id: its agent run (``x-fairgate-run-id``). cut: where its client hangs up (None: never).
-        sdk_retries: let the ``openai`` client retry by itself this many times (each answer recorded).
-        at_s: for ``run_requests``: when to send it, seconds after the generator started.
-    """
-
-    tenant: str
-    request_id: str
-    max_tokens: int
-    prompt_tokens: int = 64
-    target: str = DEFAULT_TARGET
-    model: str | None = None
-    stream: bool = True
-    chat: bool = True
-    tag: bool = False
-    run_id: str | None = None
-    cut: Cut | None = None
-    sdk_retries: int = 0
-    at_s: float = 0.0
+    tenant: str  # who sends it
+    request_id: str  # its ``X-Request-Id``
+    max_tokens: int  # its output (``ignore_eos``)
+    prompt_tokens: int = 64  # the prompt as the emulator counts it (chat: >= 4, the template included)
+    target: str = DEFAULT_TARGET  # the gateway's label
+    model: str | None = None  # the model asked for (None: the generator's)
+    stream: bool = True  # streamed (with the usage chunk) or not
+    chat: bool = True  # ``/v1/chat/completions`` or ``/v1/completions``
+    tag: bool = False  # the request id as the prompt's last word (an ``EmulatorTap`` finds the request by it)
+    run_id: str | None = None  # its agent run (``x-fairgate-run-id``)
+    cut: Cut | None = None  # where its client hangs up (None: never)
+    sdk_retries: int = 0  # let the ``openai`` client retry by itself this many times (each answer recorded)
+    at_s: float = 0.0  # for ``run_requests``: when to send it, seconds after the generator started
 
     def prompt(self) -> str:
         words = self.prompt_tokens - (CHAT_OVERHEAD_TOKENS if self.chat else 0) - int(self.tag)
@@ -86,19 +75,13 @@ class Request:
 @dataclass(frozen=True)
 class HttpRequest:
     """A request the ``openai`` client cannot make (forged headers, query strings, other paths), sent as
-    given with ``httpx``, or byte for byte on a socket (``on_socket``: headers an HTTP client would refuse).
+    given with ``httpx``, or byte for byte on a socket (``on_socket``: headers an HTTP client would refuse)."""
 
-    Attributes:
-        tenant: whom it is recorded under (the tenant it claims to be, or is expected to bill).
-        request_id: its ``X-Request-Id`` (already among ``headers``, if it is to be sent).
-        method / path / headers / params / body: the request (``headers`` as pairs: names may repeat).
-    """
-
-    tenant: str
-    request_id: str
+    tenant: str  # whom it is recorded under (the tenant it claims to be, or is expected to bill)
+    request_id: str  # its ``X-Request-Id`` (already among ``headers``, if it is to be sent)
     method: str
     path: str
-    headers: tuple[tuple[str, str], ...]
+    headers: tuple[tuple[str, str], ...]  # as pairs: names may repeat
     params: tuple[tuple[str, str], ...] = ()
     body: dict[str, Any] | None = None
     target: str = DEFAULT_TARGET
@@ -107,37 +90,22 @@ class HttpRequest:
 
 @dataclass(frozen=True)
 class TenantLoad:
-    """One tenant's load. Exactly one of ``clients`` (closed loop) and ``rate_per_s`` (open loop) is set.
+    """One tenant's load. Exactly one of ``clients`` (closed loop) and ``rate_per_s`` (open loop) is set."""
 
-    Attributes:
-        tenant / target / model: who sends, to which gateway (label), asking which model (None: the
-            generator's).
-        clients: closed loop: concurrent clients. rate_per_s: open loop: mean arrivals per second (Poisson).
-        output_tokens: (min, max) output length, uniform, inclusive. mean_output_tokens: if set instead, a
-            lognormal length of this mean (tokens, coefficient of variation 0.5).
-        prompt_tokens: prompt length as the emulator counts it (>= 4).
-        start_s: seconds after the run starts before this tenant sends. ramp_s: closed loop: the clients start
-            one after another, evenly over this many seconds from ``start_s``.
-        requests_max: at most this many requests (None: as many as fit in the run).
-        in_flight_max: open loop: arrivals while this many are in flight are not sent (counted as skipped).
-        runs: closed loop: the clients belong to this many agent runs (client ``i`` to run ``i % runs``).
-        error_backoff_s / backoff_jitter: closed loop: after an error a client waits
-            ``error_backoff_s * (1 + backoff_jitter * uniform(0, 1))``.
-    """
-
-    tenant: str
-    target: str = DEFAULT_TARGET
-    model: str | None = None
-    clients: int = 0
-    rate_per_s: float = 0.0
-    output_tokens: tuple[int, int] = (16, 16)
+    tenant: str  # who sends
+    target: str = DEFAULT_TARGET  # to which gateway (label)
+    model: str | None = None  # asking which model (None: the generator's)
+    clients: int = 0  # closed loop: concurrent clients
+    rate_per_s: float = 0.0  # open loop: mean arrivals per second (Poisson)
+    output_tokens: tuple[int, int] = (16, 16)  # (min, max) output length, uniform, inclusive
+    # if set instead, a lognormal length of this mean (tokens, coefficient of variation 0.5)
     mean_output_tokens: float | None = None
-    prompt_tokens: int = 64
-    start_s: float = 0.0
-    ramp_s: float = 0.0
-    requests_max: int | None = None
-    in_flight_max: int = 2000
-    runs: int | None = None
+    prompt_tokens: int = 64  # prompt length as the emulator counts it (>= 4)
+    start_s: float = 0.0  # seconds after the run starts before this tenant sends
+    ramp_s: float = 0.0  # closed loop: the clients start one after another, evenly over this long from ``start_s``
+    in_flight_max: int = 2000  # open loop: arrivals while this many are in flight are not sent
+    runs: int | None = None  # closed loop: the clients belong to this many agent runs (client i to run i % runs)
+    # closed loop: after an error a client waits ``error_backoff_s * (1 + backoff_jitter * uniform(0, 1))``
     error_backoff_s: float = 0.5
     backoff_jitter: float = 0.0
 
@@ -371,9 +339,6 @@ class LoadGenerator:
         deadline = begin + seconds
         sent: Counter[tuple[int, str]] = Counter()
 
-        def may_send(k: int, load: TenantLoad) -> bool:
-            return self.now() < deadline and (load.requests_max is None or sent[(k, load.tenant)] < load.requests_max)
-
         def request(k: int, load: TenantLoad, rng: random.Random, name: str, run_id: str | None = None) -> Request:
             sent[(k, load.tenant)] += 1
             n = sent[(k, load.tenant)]
@@ -385,7 +350,7 @@ class LoadGenerator:
             rng = random.Random(f"{self.seed}-{load.target}-{load.tenant}-{k}-{index}")
             await asyncio.sleep(max(0.0, begin + load.start_s + load.ramp_s * index / load.clients - self.now()))
             run_id = None if load.runs is None else f"{load.tenant}-run-{index % load.runs}"
-            while may_send(k, load):
+            while self.now() < deadline:
                 record = await self.send(request(k, load, rng, str(index), run_id))
                 if record.outcome != "ok" and load.error_backoff_s > 0:
                     await asyncio.sleep(load.error_backoff_s * (1 + load.backoff_jitter * rng.random()))
@@ -397,11 +362,9 @@ class LoadGenerator:
             try:
                 while True:
                     await asyncio.sleep(max(0.0, next_at - self.now()))
-                    if not may_send(k, load):
+                    if self.now() >= deadline:
                         break
-                    if self._running[load.tenant] >= load.in_flight_max:
-                        self.history.skipped[load.tenant] += 1
-                    else:
+                    if self._running[load.tenant] < load.in_flight_max:
                         child = asyncio.create_task(self.send(request(k, load, rng, "o")))
                         children.add(child)
                         child.add_done_callback(children.discard)

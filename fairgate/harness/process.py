@@ -111,12 +111,6 @@ class ServerProcess:
             assert self.popen is not None
             self.popen.send_signal(sig)
 
-    def pause(self) -> None:
-        self.send(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.send(signal.SIGCONT)
-
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` (default SIGKILL: a crash, no clean-up) and reap it; SIGKILL if it outlives STOP_S_MAX."""
         if sig != signal.SIGKILL:

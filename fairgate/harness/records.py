@@ -1,6 +1,5 @@
 """What the load generator records: every HTTP request as its client saw it (``RequestRecord``), kept in
-send order and by request id (``History``), with per-tenant latency figures over a window of send times
-(``TenantStats``).
+send order (``History``), with per-tenant latency figures over a window of send times (``TenantStats``).
 
 The request id is the one the client sent as ``X-Request-Id``: the ledger's reservation for the request
 carries it, so what each client received can be set beside what the ledger holds, id by id.
@@ -92,17 +91,13 @@ class RequestRecord:
         return (self.last_s - self.first_s) * 1000.0 / (self.tokens - 1)
 
     @property
-    def waited_ms(self) -> float:
-        return ((self.ended_s if self.ended_s is not None else self.sent_s) - self.sent_s) * 1000.0
-
-    @property
     def ttft_bound_ms(self) -> float | None:
         """TTFT, or for a request cut before its first token the wait (a lower bound); None for errors.
 
         A request the load left queued past its end cannot look good by dropping out of the percentiles."""
         if self.ttft_ms is not None:
             return self.ttft_ms
-        return self.waited_ms if self.outcome == "cut" else None
+        return ((self.ended_s or self.sent_s) - self.sent_s) * 1000.0 if self.outcome == "cut" else None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -118,7 +113,6 @@ class TenantStats:
     requests: int  # sent
     completed: int
     cut: int  # hung up on (still running at the load's end)
-    skipped: int  # open loop: not sent (too many in flight)
     errors: dict[str, int]  # ``RequestRecord.error`` -> count
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
@@ -133,28 +127,15 @@ class TenantStats:
 
 @dataclass
 class History:
-    """Every request a load generator sent, in send order.
+    """Every request a load generator sent, in send order."""
 
-    Attributes:
-        start / wall_start: when the generator started (``time.monotonic()`` and ``time.time()``).
-        records: the requests. skipped: open loop: tenant -> arrivals not sent.
-    """
-
-    start: float = field(default_factory=time.monotonic)
-    wall_start: float = field(default_factory=time.time)
+    start: float = field(default_factory=time.monotonic)  # when the generator started, ``time.monotonic()``
+    wall_start: float = field(default_factory=time.time)  # and ``time.time()``
     records: list[RequestRecord] = field(default_factory=list)
-    skipped: Counter[str] = field(default_factory=Counter)
 
     def now(self) -> float:
         """Seconds since the start."""
         return time.monotonic() - self.start
-
-    def by_id(self) -> dict[str, list[RequestRecord]]:
-        """Request id -> every request sent under it (re-sends after the first)."""
-        out: dict[str, list[RequestRecord]] = {}
-        for record in self.records:
-            out.setdefault(record.request_id, []).append(record)
-        return out
 
     def running(self, target: str | None = None) -> list[RequestRecord]:
         """The requests not ended yet (to the gateway ``target``, if given)."""
@@ -174,7 +155,6 @@ class History:
             requests=len(chosen),
             completed=sum(r.outcome == "ok" for r in chosen),
             cut=sum(r.outcome == "cut" for r in chosen),
-            skipped=self.skipped[tenant],
             errors=dict(sorted(errors.items())),
             ttft_p50_ms=percentile(ttft, 50),
             ttft_p99_ms=percentile(ttft, 99),

@@ -64,23 +64,15 @@ class ReplicaModel:
 
 @dataclass(frozen=True)
 class ReplicaStats:
-    """One reading of a replica's ``/emulator/stats``.
+    """One reading of a replica's ``/emulator/stats``."""
 
-    Attributes:
-        busy_ms: time it spent in iterations. charge_ms_by_salt: its own charge rule's GPU ms per cache
-            scope (a tenant's ``cache_salt``: ``fairgate.ledger.base.tenant_tag``).
-        running / waiting: sequences in its batch, and submitted but not yet admitted.
-        tokens_generated: output tokens generated so far.
-        planned_ms / measured_ms: its recent iterations' planned and measured time (its timing lag).
-    """
-
-    busy_ms: float
+    busy_ms: float  # time it spent in iterations
+    # its own charge rule's GPU ms per cache scope (a tenant's ``cache_salt``:
+    # ``fairgate.ledger.base.tenant_tag``)
     charge_ms_by_salt: dict[str, float]
-    running: int
-    waiting: int
-    tokens_generated: int
-    planned_ms: float
-    measured_ms: float
+    running: int  # sequences in its batch
+    waiting: int  # submitted but not yet admitted
+    tokens_generated: int  # output tokens generated so far
 
     @property
     def occupancy(self) -> int:
@@ -109,8 +101,6 @@ async def read_replica(url: str, timeout_s: float = 2.0) -> ReplicaStats | None:
         int(stats["running"]),
         int(stats["waiting"]),
         int(stats["tokens_generated"]),
-        float(stats["planned_ms"]),
-        float(stats["measured_ms"]),
     )
 
 

@@ -5,7 +5,7 @@ the ledger at given seconds and, once the gateway has billed the hang-ups, at th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,25 +22,29 @@ SETTLE_S = 1.0  # after the clients hang up, time for the gateway to bill what w
 
 @dataclass(frozen=True)
 class Run:
-    """One load on a fresh stack: what the clients saw, and what the ledger holds.
+    """One load on a fresh stack: what the clients saw, and what the ledger holds."""
 
-    Attributes:
-        policy: the gateway's policy. history: every request as its client saw it.
-        ledger: each tenant's ledger totals at the end (after the hang-ups were billed).
-        snapshots: the ledger totals at given seconds into the load (for shares over part of it).
-        reservations: every reservation in the ledger at the end.
-    """
-
-    policy: str
-    history: History
-    ledger: LedgerReport
-    snapshots: dict[float, LedgerReport]
-    reservations: tuple[Reservation, ...]
+    policy: str  # the gateway's policy
+    history: History  # every request as its client saw it
+    ledger: LedgerReport  # each tenant's ledger totals at the end (after the hang-ups were billed)
+    snapshots: dict[float, LedgerReport]  # the ledger totals at given seconds into the load (shares over part of it)
+    reservations: tuple[Reservation, ...]  # every reservation in the ledger at the end
 
 
 async def until(generator: LoadGenerator, at_s: float) -> None:
     """Sleep until ``at_s`` seconds after ``generator`` started."""
     await asyncio.sleep(max(0.0, at_s - generator.now()))
+
+
+async def poll(
+    ready: Callable[[], Awaitable[bool]], deadline_s: float, now: Callable[[], float], every_s: float = 0.1
+) -> float | None:
+    """Await ``ready()`` every ``every_s`` until it is true: ``now()`` then (None: still not after ``deadline_s``)."""
+    while not await ready():
+        if now() > deadline_s:
+            return None
+        await asyncio.sleep(every_s)
+    return now()
 
 
 def run_on_stack(
@@ -66,4 +70,4 @@ def run_on_stack(
         return asyncio.run(go())
 
 
-__all__ = ["Run", "run_on_stack", "until"]
+__all__ = ["Run", "poll", "run_on_stack", "until"]

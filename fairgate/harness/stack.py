@@ -14,8 +14,8 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Coroutine, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -54,50 +54,40 @@ def replicas(count: int, model: str = "emu", gateway_slots: int | None = None) -
 
 @dataclass(frozen=True)
 class StackSpec:
-    """What to start; every field but ``tenants`` has the plain stack's value.
+    """What to start; every field but ``tenants`` has the plain stack's value."""
 
-    Attributes:
-        tenants: the tenants (one API key each: ``fairgate.harness.config.tenant_key``).
-        policy / policy_params: the gateways' policy and its ``[policy]`` parameters.
-        replicas / replica: the emulated replicas and their common cost model.
-        processes: run the replicas and the gateways as ``fairgate`` processes (as deployed) instead of on
-            threads of this process; gateway_process: the gateways' own choice (None: as ``processes``).
-        gateways: how many gateways; gateway_replicas: gateway i -> the indexes of the replicas it sends to
-            (None: every gateway to every replica).
-        ledger: a PostgreSQL / Redis server URL (the stack uses a fresh schema / prefix of it, dropped when
-            it stops); None: an SQLite file in the stack's folder.
-        tiers / defaults: the quota document's tiers (default: one, ``drill``, rejecting while the ledger is
-            down) and default limits (default: no bound on concurrency or queueing).
-        default_max_tokens / request_timeout_s / share_charges_s / sweep_s: the gateways' ``[gateway]``.
-        staggered: spread the replicas' iteration boundaries (``fairgate.harness.pacer``; each emulator
-            gets one slot more than the gateways use, for its pacer).
-        tapped: wrap each in-process replica in an ``EmulatorTap``.
-        admin: give the gateways the admin key ``ADMIN_KEY``.
-        delegates / secret_env: the gateways' ``[delegation]``.
-        environment: variables set in this process while the stack runs (gateway processes inherit them).
-    """
-
-    tenants: tuple[TenantSpec, ...]
+    tenants: tuple[TenantSpec, ...]  # one API key each (``fairgate.harness.config.tenant_key``)
     policy: str = "gpu_fair"
     replicas: tuple[ReplicaSpec, ...] = replicas(2)
-    replica: ReplicaModel = field(default_factory=ReplicaModel)
+    replica: ReplicaModel = field(default_factory=ReplicaModel)  # the replicas' common cost model
+    # run the replicas and the gateways as ``fairgate`` processes (as deployed) instead of on threads of
+    # this process; gateway_process: the gateways' own choice (None: as ``processes``)
     processes: bool = False
     gateway_process: bool | None = None
-    policy_params: PolicyConfig | None = None
+    policy_params: PolicyConfig | None = None  # the gateways' ``[policy]`` parameters
     gateways: int = 1
+    # gateway i -> the indexes of the replicas it sends to (None: every gateway to every replica)
     gateway_replicas: tuple[tuple[int, ...], ...] | None = None
+    # a PostgreSQL / Redis server URL (the stack uses a fresh schema / prefix of it, dropped when it stops);
+    # None: an SQLite file in the stack's folder
     ledger: str | None = None
+    # the quota document's tiers (default: one, ``drill``, rejecting while the ledger is down) and default
+    # limits (default: no bound on concurrency or queueing)
     tiers: Mapping[str, TierConfig] | None = None
     defaults: LimitsConfig = UNBOUNDED
+    # default_max_tokens / request_timeout_s / share_charges_s / sweep_s: the gateways' ``[gateway]``
     default_max_tokens: int = 256
     request_timeout_s: float = 3600.0
     share_charges_s: float = 0.25
     sweep_s: float = 10.0
+    # spread the replicas' iteration boundaries (``fairgate.harness.pacer``; each emulator gets one slot
+    # more than the gateways use, for its pacer)
     staggered: bool = False
-    tapped: bool = False
-    admin: bool = False
-    delegates: tuple[str, ...] = ()
+    tapped: bool = False  # wrap each in-process replica in an ``EmulatorTap``
+    admin: bool = False  # give the gateways the admin key ``ADMIN_KEY``
+    delegates: tuple[str, ...] = ()  # the gateways' ``[delegation]``, with ``secret_env``
     secret_env: str | None = None
+    # variables set in this process while the stack runs (gateway processes inherit them)
     environment: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -183,24 +173,36 @@ class Stack:
 
         return await connect(self.ledger_url, self.config.quotas, create=self.spec.ledger is not None)
 
-    async def totals(self) -> LedgerReport:
-        """Every tenant's ledger totals now."""
+    @asynccontextmanager
+    async def ledger(self) -> AsyncIterator[Ledger]:
+        """``open_ledger()``, closed when the block ends."""
         ledger = await self.open_ledger()
         try:
-            return await ledger_totals(ledger, self.spec.tenant_names)
+            yield ledger
         finally:
             await ledger.close()
+
+    async def totals(self) -> LedgerReport:
+        """Every tenant's ledger totals now."""
+        async with self.ledger() as ledger:
+            return await ledger_totals(ledger, self.spec.tenant_names)
 
     async def reservations(self) -> list[Reservation]:
         """Every reservation in the ledger now."""
-        ledger = await self.open_ledger()
-        try:
+        async with self.ledger() as ledger:
             return await ledger.reservations()
-        finally:
-            await ledger.close()
 
     async def replica_stats(self) -> list[ReplicaStats]:
         return await read_replicas(self.replica_urls)
+
+    @property
+    def is_tapped(self) -> bool:
+        return any(r.tap is not None for r in self.replicas)
+
+    @property
+    def untagged(self) -> int:
+        """Sequences the taps saw without a request's tag."""
+        return sum(r.tap.untagged for r in self.replicas if r.tap is not None)
 
     def tapped(self, what: str = "sequences") -> dict[str, list[Any]]:
         """Over every tap: tag -> the ``sequences`` (or ``bodies``) it saw under that tag."""

@@ -46,7 +46,7 @@ def test_one_replica_removed_batch_yields_interactive_keep_weights_nothing_lost(
     assert batch.share_after <= config.batch_share_after_max, summary
     assert figs.converge_s is not None and figs.converge_s <= config.converge_s_max, summary
     # The interactive tenants split the capacity left by weight.
-    assert abs(figs.ratio_after(config) / config.weight_ratio() - 1) <= config.ratio_tolerance, summary
+    assert abs(figs.ratio(config) / config.weight_ratio() - 1) <= config.ratio_tolerance, summary
     assert result.passed, summary
     timed.assert_within(WALL_S_MAX)
 
@@ -60,4 +60,4 @@ def test_equal_demand_before_the_removal_the_weights_still_hold_after_it():
     config = replace(CapacityConfig(), clients={"gold": 20, "silver": 20, "bulk": 40}, surge={})
     result = run(DrillOptions(policy="gpu_fair", compare=None), config)
     print(result.summary())
-    assert abs(result.main.ratio_after(config) / config.weight_ratio() - 1) <= config.ratio_tolerance, result.summary()
+    assert abs(result.main.ratio(config) / config.weight_ratio() - 1) <= config.ratio_tolerance, result.summary()

@@ -33,10 +33,10 @@ def test_ledger_outage_rejects_bounds_emergency_and_reconciles_exactly_after_rec
     config = OutageConfig(outage_s=8.0)
     timed = timed_run(run, DrillOptions(processes=True), config)
     result, summary = timed.result, timed.summary
-    f = result.figures
+    f = result.main
     free, paid = f.tenants[config.free], f.tenants[config.paid]
     # The outage was real and exercised both tiers.
-    assert f.up_at_s - f.down_at_s >= config.outage_s - 0.5, summary
+    assert f.timeline.down_s >= config.outage_s - 0.5, summary
     assert free.phases["during"].sent >= 10 and paid.phases["during"].sent >= 10, summary
     assert f.journal_at_restart.get("grant", 0) == paid.grants > 0, summary
     assert f.journal_at_restart.get("pending", 0) > 0, summary  # settlements kept while it was down

@@ -31,7 +31,7 @@ def test_a_killed_gateway_process_converges_and_nothing_running_is_released():
     config = RestartConfig()
     timed = timed_run(run, DrillOptions(), config)
     result, summary = timed.result, timed.summary
-    f = result.figures
+    f = result.main
     # The fault hit requests both queued and in flight, and the survivor had requests longer than the TTL.
     assert f.at_kill.get("queued", 0) > 0 and f.at_kill.get("in flight", 0) > 0, summary
     assert f.long_outlived_ttl >= config.long_clients, summary

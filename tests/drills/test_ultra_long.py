@@ -28,7 +28,7 @@ def test_agent_with_8k_outputs_gets_no_more_than_its_share_and_its_run_limits_ho
     agent = figs.tenants[config.agent]
     # The agent ran its 8k-token requests and nobody else saw an error.
     assert agent.ledger_output_tokens > 0 and checks["no other errors"], summary
-    assert all(t.completed > 0 for name, t in figs.tenants.items() if name != config.agent), summary
+    assert all(t.clients.completed > 0 for name, t in figs.tenants.items() if name != config.agent), summary
     # Agent-run limits: the ledger admitted no run more than max_model_calls calls, and refused the rest.
     assert len(figs.runs.calls) == config.agent_runs, summary
     assert figs.runs.most_calls == config.max_model_calls, summary
