@@ -405,6 +405,16 @@ async def test_each_process_sees_the_occupancy_the_other_processes_published_unt
     assert await ledger.share_occupancy("p3", {}, 300.0) == {u1: (1.0, 0.0)}
 
 
+async def test_occupancy_goes_stale_on_the_ledger_clock(open_ledger, clock):  # type: ignore[no-untyped-def]
+    ledger = await open_ledger(QUOTAS, clock)  # an injected clock: staleness follows it, not the server's
+    u1 = "http://127.0.0.1:1"
+    await ledger.share_occupancy("p1", {u1: (2.0, 0.25)}, 1000.0)
+    clock.advance(0.5)
+    assert await ledger.share_occupancy("p2", {}, 1000.0) == {u1: (2.0, 0.25)}
+    clock.advance(1.0)  # p1 wrote 1.5 s ago on the ledger clock
+    assert await ledger.share_occupancy("p2", {}, 1000.0) == {}
+
+
 QUEUE_QUOTAS = {
     "defaults": {"max_queued": 2, "max_concurrent": 10, "reservation_ttl_s": 60},
     "tenants": {"a": {}, "b": {}},

@@ -9,6 +9,10 @@ from fairgate.ledger.model import Reservation, UnknownTenant
 from fairgate.ledger.redis import codec
 from fairgate.ledger.redis.store import RedisStore
 
+# The field of a process's occupancy hash holding when it was written (ledger clock, ms); no upstream URL
+# holds a newline, so it cannot be an upstream's name.
+WRITTEN_AT = "\nwritten_at_ms"
+
 
 class RedisCoordination(RedisStore):
     """expire_due's steps (``Backend.expire_due`` runs them), add_charges and share_occupancy on Redis."""
@@ -80,20 +84,21 @@ class RedisCoordination(RedisStore):
         self, process: str, occupancy: dict[str, tuple[float, float]], stale_after_ms: float
     ) -> dict[str, tuple[float, float]]:
         """A hash per process that expires ``stale_after_ms`` after its last write, and a set of the processes
-        (``keys.py``); two round trips."""
+        (``keys.py``); two round trips. Redis expires the hash on its own clock, the ledger clock unless one was
+        injected: then the hash also holds its write time on that clock, and a stale one is not counted."""
         members = self._keys.occupancy
         mine = f"{members}:{process}"
         with self._unavailable():
             async with self._client.pipeline(transaction=True) as pipe:
                 pipe.delete(mine)
                 if occupancy:
-                    pipe.hset(
-                        mine,
-                        mapping={
-                            upstream: f"{float(sequences)!r} {float(prefill_share)!r}"
-                            for upstream, (sequences, prefill_share) in occupancy.items()
-                        },
-                    )
+                    mapping = {
+                        upstream: f"{float(sequences)!r} {float(prefill_share)!r}"
+                        for upstream, (sequences, prefill_share) in occupancy.items()
+                    }
+                    if self._clock is not None:
+                        mapping[WRITTEN_AT] = repr(float(self._clock()))
+                    pipe.hset(mine, mapping=mapping)
                     pipe.pexpire(mine, max(1, int(stale_after_ms)))
                 pipe.sadd(members, process)
                 pipe.smembers(members)
@@ -107,9 +112,14 @@ class RedisCoordination(RedisStore):
             if gone:
                 await self._client.srem(members, *gone)
         totals: dict[str, tuple[float, float]] = {}
+        now_ms = self._clock() if self._clock is not None else None
         for fields in published:
-            for upstream, value in fields.items():
-                sequences, prefill_share = map(float, codec.text(value).split())
-                before = totals.get(codec.text(upstream), (0.0, 0.0))
-                totals[codec.text(upstream)] = (before[0] + sequences, before[1] + prefill_share)
+            texts = {codec.text(name): codec.text(value) for name, value in fields.items()}
+            written_ms = texts.pop(WRITTEN_AT, None)
+            if now_ms is not None and written_ms is not None and now_ms - float(written_ms) > stale_after_ms:
+                continue
+            for upstream, value in texts.items():
+                sequences, prefill_share = map(float, value.split())
+                before = totals.get(upstream, (0.0, 0.0))
+                totals[upstream] = (before[0] + sequences, before[1] + prefill_share)
         return totals
