@@ -3,6 +3,8 @@ shared fair-policy counters and shared replica occupancy."""
 
 from __future__ import annotations
 
+from redis.typing import EncodableT, FieldT
+
 from fairgate.ledger.base import ChargeTotals, tenant_tag
 from fairgate.ledger.checks import check_charges
 from fairgate.ledger.model import Reservation, UnknownTenant
@@ -92,7 +94,7 @@ class RedisCoordination(RedisStore):
             async with self._client.pipeline(transaction=True) as pipe:
                 pipe.delete(mine)
                 if occupancy:
-                    mapping = {
+                    mapping: dict[FieldT, EncodableT] = {
                         upstream: f"{float(sequences)!r} {float(prefill_share)!r}"
                         for upstream, (sequences, prefill_share) in occupancy.items()
                     }
