@@ -73,6 +73,10 @@ class ReplicaStats:
     running: int  # sequences in its batch
     waiting: int  # submitted but not yet admitted
     tokens_generated: int  # output tokens generated so far
+    # its recent iterations' planned and measured time, ms: their ratio is its timing lag
+    # (bench/live_fairness.py reports it beside the shares)
+    planned_ms: float
+    measured_ms: float
 
     @property
     def occupancy(self) -> int:
@@ -101,6 +105,8 @@ async def read_replica(url: str, timeout_s: float = 2.0) -> ReplicaStats | None:
         int(stats["running"]),
         int(stats["waiting"]),
         int(stats["tokens_generated"]),
+        float(stats["planned_ms"]),
+        float(stats["measured_ms"]),
     )
 
 
