@@ -55,7 +55,7 @@ def measure(url: str, clients: int, seconds: float) -> float:
     processes = [mp.Process(target=_client, args=(url, i, seconds, start_at, queue)) for i in range(clients)]
     for p in processes:
         p.start()
-    total = sum(queue.get(timeout=seconds + 60) for _ in processes)
+    total: float = sum(queue.get(timeout=seconds + 60) for _ in processes)
     for p in processes:
         p.join()
     return total / seconds

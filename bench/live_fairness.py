@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fairgate.core.policies.params import PolicyConfig  # noqa: E402
 from fairgate.harness.config import TenantSpec  # noqa: E402
 from fairgate.harness.loadgen import LoadGenerator, Request, TenantLoad  # noqa: E402
 from fairgate.harness.logs import quiet_hang_ups  # noqa: E402
@@ -43,7 +44,7 @@ from fairgate.harness.stack import StackSpec, replicas, start_stack  # noqa: E40
 from fairgate.ledger.config import LimitsConfig  # noqa: E402
 from fairgate.sim.experiment import simulate  # noqa: E402
 from fairgate.sim.result import NOT_YET  # noqa: E402
-from fairgate.sim.scenario import PolicyConfig, Scenario, load_scenario  # noqa: E402
+from fairgate.sim.scenario import Scenario, load_scenario  # noqa: E402
 from fairgate.sim.traces import trace_workload  # noqa: E402
 from fairgate.sim.workload import Workload  # noqa: E402
 

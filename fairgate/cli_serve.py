@@ -141,9 +141,8 @@ async def _run(plan: Plan, traffic: bool, duration: float | None) -> None:
     driver = await _start_traffic(plan, serving) if traffic else None
     if duration is not None or plan.keys:
         timeout = None if duration is None else max(0.0, duration - (loop.time() - started))
-        await asyncio.wait(
-            [asyncio.ensure_future(stop.wait()), serving], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
+        ends: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait()), serving]
+        await asyncio.wait(ends, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if not serving.done():
             if driver is not None:
                 driver.cancel()

@@ -101,7 +101,7 @@ class BurstConfig:
         return self.seconds + self.ramp_s + self.settle_s, 2 * self.seconds
 
     def loads(self) -> list[TenantLoad]:
-        lengths = {"output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens}
+        lengths: dict[str, Any] = {"output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens}
         loads = [TenantLoad(t, rate_per_s=self.others_rate_per_s, **lengths) for t in self.others]
         burst = TenantLoad(self.burster, clients=self.burst_clients, start_s=self.seconds, ramp_s=self.ramp_s)
         return [*loads, replace(burst, **lengths)]
@@ -219,7 +219,14 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
 
     def policy_table(self, figs: PolicyFigures) -> Any:
         c = self.config
-        columns = ("tenant", "TTFT ms before p50/p99", "TTFT ms burst p50/p99", "p99 x", "sent/done/cut", "429")
+        columns: tuple[str, ...] = (
+            "tenant",
+            "TTFT ms before p50/p99",
+            "TTFT ms burst p50/p99",
+            "p99 x",
+            "sent/done/cut",
+            "429",
+        )
         columns += ("errors", "GPU % before/burst", "ledger GPU s")
         rows = [
             (

@@ -122,7 +122,7 @@ class CapacityConfig:
         return StackSpec(tenants, policy, replicas(self.replicas), self.replica, True, processes, share_charges_s=0.0)
 
     def loads(self) -> list[TenantLoad]:
-        lengths = {"output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens}
+        lengths: dict[str, Any] = {"output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens}
         loads = [TenantLoad(t, clients=self.clients[t], error_backoff_s=self.error_backoff_s) for t in self.tenants]
         surge = [
             TenantLoad(t, clients=n, start_s=self.remove_at_s, error_backoff_s=self.error_backoff_s)
@@ -238,7 +238,8 @@ async def _run(stack: Stack, config: CapacityConfig, seed: int) -> CapacityRun:
                 last: dict[int, dict[str, float]] = {}
                 while generator.now() < config.seconds:
                     for i, replica in enumerate(stack.replicas):
-                        stats = await read_replica(replica.url, timeout_s=1.0) if replica.process.alive else None
+                        alive = replica.process is not None and replica.process.alive
+                        stats = await read_replica(replica.url, timeout_s=1.0) if alive else None
                         if stats is not None:
                             last[i] = stats.by_tenant(config.tenants)
                     samples.append(
@@ -389,7 +390,14 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
 
     def policy_table(self, figs: CapacityFigures) -> Any:
         c = self.config
-        columns = ("tenant", "GPU % before", "GPU % after", "replica GPU % before/after", "sent/ok/cut", "errors")
+        columns: tuple[str, ...] = (
+            "tenant",
+            "GPU % before",
+            "GPU % after",
+            "replica GPU % before/after",
+            "sent/ok/cut",
+            "errors",
+        )
         rows = [
             (
                 t.tenant,

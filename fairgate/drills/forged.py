@@ -308,7 +308,7 @@ class _Attacks:
             {401, 403},
         )
         add("admin", "admin key + X-Tenant: victim", [admin, ("x-tenant", VICTIM)], NOBODY, {401, 403})
-        running = {"body": {**self.chat, "max_tokens": 40}, "request_id": "shared-running", "stage": 1}
+        running: dict[str, Any] = {"body": {**self.chat, "max_tokens": 40}, "request_id": "shared-running", "stage": 1}
         add("request id", "client's request (40 tokens)", [self.bearer(CLIENT)], CLIENT, {200}, **running)
         add("request id", "mallory reuses it while it runs", [me], ATTACKER, {200}, **running)
         reuse = "mallory reuses the client's finished id"
@@ -435,7 +435,7 @@ class ForgedResult(ConfiguredResult[ForgedConfig, ForgedFigures]):
 
     def body(self) -> list[Any]:
         f, problems = self.main, self.problems()
-        rows = []
+        rows: list[tuple[str, ...]] = []
         for group, mine in grouped(f.attacks, lambda a: a.attack.group).items():
             answers = Counter(f"{a.outcome.status}" + (f" {a.outcome.code}" if a.outcome.code else "") for a in mine)
             billed = Counter(t for a in mine for t, _ in a.reservations)

@@ -249,7 +249,7 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
             "grants: emergency reservations from the local budget (their prompt + max output tokens); "
             f"'during' = sent from the server's exit to {EDGE_S:g} s before its restart"
         )
-        columns = ("tenant", "tier", "before", "during outage", "edges", "after", "grants (tokens)")
+        columns: tuple[str, ...] = ("tenant", "tier", "before", "during outage", "edges", "after", "grants (tokens)")
         out: list[Any] = [
             table(
                 "requests by phase (sent / ok / 503+Retry-After / other)", columns, phases, caption, ("tenant", "tier")

@@ -242,7 +242,7 @@ class RestartResult(ConfiguredResult[RestartConfig, RestartFigures]):
         rows = [(target, fmt_counts(outcomes)) for target, outcomes in sorted(f.sent.items())]
         out: list[Any] = [table("requests by gateway", ("gateway", "outcomes"), rows, left=("gateway", "outcomes"))]
         columns = ("", "count", "client saw", "ended", "kill -> final s (min-max)", "tokens streamed / billed")
-        rows = [
+        killed = [
             self._killed_row(name, queued, retried)
             for name, queued, retried in (
                 ("in flight", False, False),
@@ -252,7 +252,7 @@ class RestartResult(ConfiguredResult[RestartConfig, RestartFigures]):
         ]
         out.append(
             table(
-                "A's reservations open at the kill", columns, [r for r in rows if r], left=("", "client saw", "ended")
+                "A's reservations open at the kill", columns, [r for r in killed if r], left=("", "client saw", "ended")
             )
         )
         if f.retries:

@@ -329,7 +329,7 @@ class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
             f"{f.peak_in_flight} in flight); faults injected: {resends:,} re-sends"
             + (f" ({len(sdk)} by the SDK's own retries)" if sdk else "")
         )
-        columns = (
+        columns: tuple[str, ...] = (
             "pattern",
             "ids",
             "attempts",

@@ -278,7 +278,7 @@ class LimitsConfig:
         mean = (probe.output_tokens[0] + probe.output_tokens[1]) / 2
         return cost.prefill_ms(probe.prompt_tokens) + mean * cost.decode_charge_ms(cost.max_batch)
 
-    def limits_of(self, probe: Probe, n: int) -> dict[str, int | float]:
+    def limits_of(self, probe: Probe, n: int) -> dict[str, Any]:
         if probe.role != "gpu":
             return dict(probe.limits)
         budget_s = round(self.gpu_budget_requests * self.gpu_estimate_ms(n, probe) / 1000.0, 3)
@@ -913,7 +913,16 @@ def render_limits(config: LimitsConfig, figs: LimitsFigures) -> list[Any]:
         "open at once, the most queue places sampled, GPU billed within estimates (<= budget). Hang-ups billed "
         f"{figs.settle_s:.1f} s after the load; wall {figs.wall_s:.0f} s."
     )
-    columns = ("N", "tenant", "limits", "sent/ok/cut", "admitted", "refused (429)", "peak / allowed", "open")
+    columns: tuple[str, ...] = (
+        "N",
+        "tenant",
+        "limits",
+        "sent/ok/cut",
+        "admitted",
+        "refused (429)",
+        "peak / allowed",
+        "open",
+    )
     wrapped = ("limits", "refused (429)", "peak / allowed")
     out.append(table(f"limits held ({figs.backend})", columns, rows, caption, ("tenant", *wrapped), wrapped))
     billing = []

@@ -193,7 +193,15 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
         ]
 
     def policy_table(self, figs: PolicyFigures) -> Any:
-        columns = ("tenant", "GPU %", "x share", "sent/done/cut", "errors", "TTFT ms p50/p99", "TPOT ms p50")
+        columns: tuple[str, ...] = (
+            "tenant",
+            "GPU %",
+            "x share",
+            "sent/done/cut",
+            "errors",
+            "TTFT ms p50/p99",
+            "TPOT ms p50",
+        )
         columns += ("ledger req", "ledger out tok", "ledger GPU s")
         rows = [
             (

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from fairgate.core.policies.params import PolicyConfig
 from fairgate.gateway.config import DelegationConfig, GatewaySection, UpstreamConfig
 from fairgate.gateway.config_writer import GatewayFile, admin_keys, key_entries
 from fairgate.ledger.config import LimitsConfig, QuotaFile, TenantConfig, TierConfig
-from fairgate.sim.scenario import PolicyConfig
 
 ADMIN_KEY = f"fg-harness-admin-{'a' * 32}"
 UNBOUNDED = LimitsConfig(max_concurrent=100_000, max_queued=100_000)  # scheduling, not a quota, decides
@@ -30,7 +30,12 @@ class TenantSpec:
 
     def config(self) -> TenantConfig:
         """Its ``[quotas.tenants.<name>]`` table (what differs from the table's defaults)."""
-        given = {"tier": self.tier, "weight": float(self.weight), "priority": self.priority, "limits": self.limits}
+        given: dict[str, Any] = {
+            "tier": self.tier,
+            "weight": float(self.weight),
+            "priority": self.priority,
+            "limits": self.limits,
+        }
         return TenantConfig(**{k: v for k, v in given.items() if v != TenantConfig.model_fields[k].default})
 
 

@@ -81,9 +81,14 @@ def pace_replicas(replica: ReplicaModel, model: str, urls: list[str]) -> Iterato
             raise RuntimeError(f"could not start the replicas' pacer sequences: {failure[:1]}")
         yield
     finally:
-        loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))
+        loop.call_soon_threadsafe(_resolve, stop)
         thread.join(timeout=30)
         loop.close()
+
+
+def _resolve(stop: asyncio.Future[None]) -> None:
+    if not stop.done():
+        stop.set_result(None)
 
 
 __all__ = ["pace_replicas"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from fairgate.core.policies.params import PolicyConfig
 from fairgate.gateway.config import GatewayConfig, GatewaySection
 from fairgate.harness.config import ADMIN_KEY, UNBOUNDED, TenantSpec, gateway_file, quota_file, tenant_key
 from fairgate.harness.ledger import LedgerReport, drop_ledger, fresh_ledger_url, ledger_totals
@@ -29,7 +30,6 @@ from fairgate.harness.replica import ReplicaModel, ReplicaStats, read_replicas
 from fairgate.harness.tap import EmulatorTap
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger.config import LimitsConfig, TierConfig
-from fairgate.sim.scenario import PolicyConfig
 
 if TYPE_CHECKING:
     from fairgate.ledger import Ledger, Reservation
@@ -227,9 +227,10 @@ def start_stack(spec: StackSpec, keep_folder: bool = False, folder: Path | None 
     folder = folder or Path(tempfile.mkdtemp(prefix="fairgate-stack-"))
     folder.mkdir(parents=True, exist_ok=True)
     keys = {t: tenant_key(t) for t in spec.tenant_names}
-    shared = spec.ledger is not None
     ledger_url = (
-        fresh_ledger_url(spec.ledger, f"fgh_{uuid.uuid4().hex[:10]}") if shared else f"sqlite:///{folder}/ledger.db"
+        fresh_ledger_url(spec.ledger, f"fgh_{uuid.uuid4().hex[:10]}")
+        if spec.ledger is not None
+        else f"sqlite:///{folder}/ledger.db"
     )
     stack = Stack(spec, folder, keys, ledger_url, [], [], keep_folder)
     try:
@@ -238,7 +239,7 @@ def start_stack(spec: StackSpec, keep_folder: bool = False, folder: Path | None 
             if spec.staggered:
                 servers.enter_context(pace_replicas(spec.replica, spec.model, stack.replica_urls))
             configs = [_write_config(spec, stack, i) for i in range(spec.gateways)]
-            if shared:  # create the schema once, before several gateways race to
+            if spec.ledger is not None:  # a shared server: create the schema once, before several gateways race to
                 _run_sync(_touch(ledger_url, configs[0]))
                 servers.callback(lambda: _run_sync(_drop(ledger_url, configs[0])))
             stack.gateways = _start_gateways(spec, configs, servers)

@@ -77,8 +77,9 @@ class EmulatorTap:
                 seq.cancelled_at_s = time.monotonic()  # when the hang-up reached the replica
             original_cancel(seq)
 
-        replica.submit = submit
-        replica.cancel = cancel
+        # Wrapped in place: the replica serves on this process's thread, and its routes call these methods.
+        replica.submit = submit  # type: ignore[method-assign]
+        replica.cancel = cancel  # type: ignore[method-assign]
 
     @property
     def replica(self) -> Any:
@@ -104,7 +105,8 @@ def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
     async def replayed() -> dict[str, Any]:
         if pending:
             return pending.pop(0)
-        return await receive()
+        message: dict[str, Any] = await receive()
+        return message
 
     return replayed
 

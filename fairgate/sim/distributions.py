@@ -38,7 +38,8 @@ class LogNormal:
         sigma2 = math.log1p(self.cv * self.cv)
         mu = math.log(self.mean) - sigma2 / 2
         values = rng.lognormal(mu, math.sqrt(sigma2), size) if sigma2 > 0 else np.full(size, self.mean)
-        return np.maximum(np.rint(values), minimum).astype(np.int64).tolist()
+        counts: list[int] = np.maximum(np.rint(values), minimum).astype(np.int64).tolist()
+        return counts
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class Empirical:
     def sample(self, rng: np.random.Generator, size: int, minimum: int) -> list[int]:
         picks = rng.integers(0, len(self.values), size)
         values = np.asarray(self.values, dtype=np.int64)[picks]
-        return np.maximum(values, minimum).tolist()
+        counts: list[int] = np.maximum(values, minimum).tolist()
+        return counts
 
 
 Distribution = Fixed | LogNormal | Empirical

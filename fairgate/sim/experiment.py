@@ -187,7 +187,7 @@ _TENANT_MEANS = ("gpu_ms", "gpu_share", "prefill_ms", "decode_tokens", "requests
 _RUN_MEANS = ("busy_ms", "charged_ms", "max_min_ratio", "jain_index", "decode_tokens", "prefill_fraction")
 
 
-def _means(rows: Sequence[object], names: Sequence[str]) -> dict[str, float]:
+def _means(rows: Sequence[object], names: Sequence[str]) -> dict[str, Any]:
     return {name: fmean(getattr(row, name) for row in rows) for name in names}
 
 

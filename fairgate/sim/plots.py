@@ -11,6 +11,8 @@ import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
 from fairgate.sim.experiment import PolicyStats
@@ -80,12 +82,12 @@ def ratio_against(
     return _save(figure, path)
 
 
-def _titled(axis: plt.Axes, title: str, figure: plt.Figure, path: Path) -> Path:
+def _titled(axis: Axes, title: str, figure: Figure, path: Path) -> Path:
     axis.set_title(title, fontsize=10, wrap=True)
     return _save(figure, path)
 
 
-def _save(figure: plt.Figure, path: Path) -> Path:
+def _save(figure: Figure, path: Path) -> Path:
     """Write ``figure`` to ``path`` (its folder made if needed) and close it. Returns ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110, bbox_inches="tight")
@@ -93,7 +95,7 @@ def _save(figure: plt.Figure, path: Path) -> Path:
     return path
 
 
-def _no_data(axis: plt.Axes, text: str) -> None:
+def _no_data(axis: Axes, text: str) -> None:
     axis.text(0.5, 0.5, text, ha="center", va="center", transform=axis.transAxes, fontsize=10, color="0.4")
     axis.set_xticks([])
     axis.set_yticks([])
