@@ -44,11 +44,12 @@ class RecordedRoute(APIRoute):
 
         async def recorded(request: Request) -> Response:
             state = gateway_of(request)
-            request_id = intake.new_request_id()
+            request_id: str | None = None
             try:
                 request.state.request_id = request_id = intake.request_id_of(request)
                 return await handler(request)
             except Rejection as rejection:
+                request_id = request_id or intake.new_request_id()  # the id itself was refused
                 if rejection.answer.recorded:
                     state.events.observe(rejection.event(request_id, state.clock.wall_s()))
                 return respond(rejection, request_id, state.rng)
