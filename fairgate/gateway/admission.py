@@ -4,15 +4,16 @@ The reservation holds the estimated prompt, ``max_tokens`` and the GPU-time esti
 dimension of the tenant's quota vector at once (``fairgate.ledger``): 429 with ``Retry-After`` and the
 dimension at fault when one is full, 503 when the ledger is down for a ``reject`` tier (an ``emergency``
 tier gets a grant from its local budget instead, ``fairgate.ledger.emergency``). A request id seen before
-returns its original reservation: a final one is not run or charged again (409), and one this process is
-serving already is not run twice (409). The admitted request is registered with this process's calls (the
-liveness sweep heartbeats its reservation) and announced as ``Admitted``.
+returns its original reservation: a final one is not run or charged again (409), and one another request is
+being served under already is not run twice (409 ``request_in_progress``): in this process by its call
+registry, across the processes sharing the ledger by the reservation's run claim (``Ledger.claim``), which
+this process takes before it runs the request and its liveness sweep renews. The admitted request is
+registered with this process's calls and announced as ``Admitted``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -29,16 +30,14 @@ from fairgate.ledger import (
     LedgerUnavailable,
     QuotaExceeded,
     Reservation,
+    ReservationFinal,
     UnknownTenant,
     Usage,
 )
-from fairgate.ledger.emergency import EMERGENCY_PREFIX, ResilientLedger
+from fairgate.ledger.emergency import EMERGENCY_PREFIX
 from fairgate.ledger.rules import Account
 
 log = logging.getLogger("fairgate.gateway")
-# A reservation older than this when its request is admitted again (a client's retry of a request whose
-# gateway process died) is heartbeat at once, before another process's liveness sweep could expire it.
-READMIT_AFTER_MS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -63,19 +62,14 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
     """Reserve and register ``generation`` (see module docstring). Raises ``Rejection`` 403/409/429/503."""
     reservation = await _reserve(state, caller.tenant, generation)
     if reservation.is_final:
-        raise Rejection(
-            Outcome.REQUEST_ALREADY_COMPLETED,
-            f"Request {generation.request_id!r} has completed already ({reservation.status}); it is not "
-            "run or charged again.",
-            "x-request-id",
-        )
-    await mark_readmitted(state.ledger, reservation, state.wall_ms())
+        raise _completed(generation.request_id, reservation.status)
     if not state.calls.claim(caller.tenant, generation.request_id, reservation.id):
-        raise Rejection(
-            Outcome.REQUEST_IN_PROGRESS,
-            f"Request {generation.request_id!r} is being served already; it is not run twice.",
-            "x-request-id",
-        )
+        raise _in_progress(generation.request_id, None)
+    try:
+        await _claim_run(state, generation.request_id, reservation)
+    except Rejection:
+        state.calls.release(caller.tenant, generation.request_id)
+        raise
     state.events.observe(
         AdmittedEvent(
             generation.request_id,
@@ -127,14 +121,36 @@ async def _reserve(state: GatewayState, tenant: str, generation: Generation) -> 
         raise Rejection(Outcome.TENANT_NOT_CONFIGURED, "This tenant has no quota configuration.") from None
 
 
-async def mark_readmitted(front: ResilientLedger, reservation: Reservation, now_ms: float) -> None:
-    """Mark an open reservation made more than ``READMIT_AFTER_MS`` before ``now_ms`` running at once."""
-    if reservation.is_final or reservation.id.startswith(EMERGENCY_PREFIX):
-        return
-    if now_ms - reservation.created_ms <= READMIT_AFTER_MS:
-        return
-    with contextlib.suppress(LedgerError):
-        await front.heartbeat(reservation.id)
+async def _claim_run(state: GatewayState, request_id: str, reservation: Reservation) -> None:
+    """Take the reservation's run claim for this process. Raises ``Rejection``: 409 when another process
+    holds it (``Retry-After``: until its lease lapses) or the reservation closed meanwhile, 503 when the
+    ledger cannot say (running the request then could run it twice)."""
+    try:
+        claim = await state.ledger.claim(reservation.id, state.process_id, state.claim_lease_ms)
+    except ReservationFinal:
+        raise _completed(request_id, "closed") from None
+    except LedgerError as exc:
+        log.warning(json.dumps({"event": "claim_failed", "reservation": reservation.id, "error": str(exc)}))
+        raise Rejection(Outcome.LEDGER_UNAVAILABLE, "Accounting is unavailable; retry later.") from None
+    if not claim.held_by(state.process_id):
+        raise _in_progress(request_id, claim.remaining_ms / 1000.0)
+
+
+def _in_progress(request_id: str, retry_after_s: float | None) -> Rejection:
+    return Rejection(
+        Outcome.REQUEST_IN_PROGRESS,
+        f"Request {request_id!r} is being served already; it is not run twice.",
+        "x-request-id",
+        retry_after_s=retry_after_s,
+    )
+
+
+def _completed(request_id: str, status: str) -> Rejection:
+    return Rejection(
+        Outcome.REQUEST_ALREADY_COMPLETED,
+        f"Request {request_id!r} has completed already ({status}); it is not run or charged again.",
+        "x-request-id",
+    )
 
 
 async def release(state: GatewayState, admitted: Admitted) -> None:

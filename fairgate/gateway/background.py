@@ -8,12 +8,13 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import httpx
 
 from fairgate.gateway.sharing import ChargeSync
 from fairgate.gateway.state import GatewayState
-from fairgate.ledger import LedgerError, Reservation
+from fairgate.ledger import LedgerError, Reservation, ReservationFinal, ReservationNotFound
 from fairgate.ledger.emergency import ResilientLedger
 
 log = logging.getLogger("fairgate.gateway")
@@ -34,31 +35,51 @@ def start(state: GatewayState) -> list[asyncio.Task[None]]:
         default=0.0,
     )
     tasks = [
-        asyncio.ensure_future(sweep(state.ledger, state.calls.reservation_ids, config.gateway.sweep_s, longest_ttl_s)),
+        asyncio.ensure_future(
+            sweep(
+                state.ledger,
+                Claimant(state.calls.reservation_ids, state.process_id, state.claim_lease_ms),
+                config.gateway.sweep_s,
+                longest_ttl_s,
+            )
+        ),
         asyncio.ensure_future(probe(state)),
         asyncio.ensure_future(recover(state.ledger)),
     ]
     if config.gateway.share_charges_s > 0:
-        sync = ChargeSync(state.backend, state.dispatcher, config.gateway.share_charges_s, state.upstreams)
+        sync = ChargeSync(
+            state.backend, state.dispatcher, config.gateway.share_charges_s, state.upstreams, state.process_id
+        )
         tasks.append(asyncio.ensure_future(sync.run()))
     return tasks
 
 
+@dataclass(frozen=True)
+class Claimant:
+    """Whose requests a sweep keeps alive: ``running()`` names the reservations of the requests this process
+    serves, ``owner`` is the process (the owner of their run claims), ``lease_ms`` how long a renewed claim
+    holds."""
+
+    running: Callable[[], Iterable[str]]
+    owner: str
+    lease_ms: float
+
+
 async def sweep(
-    front: ResilientLedger, running: Callable[[], Iterable[str]], interval_s: float, hold_after_outage_s: float = 0.0
+    front: ResilientLedger, claimant: Claimant, interval_s: float, hold_after_outage_s: float = 0.0
 ) -> None:
-    """The liveness check, every ``interval_s`` (``sweep_once`` of the reservations ``running()`` names: this
-    process's requests). After a ledger outage no process expires
-    anything for ``hold_after_outage_s`` (the longest reservation TTL): nobody could heartbeat during the
-    outage, and every other process gets that long to replay its journal and heartbeat its requests before
-    their reservations could be expired with their usage still in its journal."""
+    """The liveness check, every ``interval_s`` (``sweep_once`` for ``claimant``: this process's requests).
+    After a ledger outage no process expires anything for ``hold_after_outage_s`` (the longest reservation
+    TTL): nobody could heartbeat during the outage, and every other process gets that long to replay its
+    journal and heartbeat its requests before their reservations could be expired with their usage still in
+    its journal."""
     loop = asyncio.get_running_loop()
     hold_until = 0.0
     outage = False
     while True:
         await asyncio.sleep(interval_s)
         try:
-            expired = await sweep_once(front, running(), expire=loop.time() >= hold_until)
+            expired = await sweep_once(front, claimant, expire=loop.time() >= hold_until)
             if outage:
                 outage, hold_until = False, loop.time() + hold_after_outage_s
             if expired:
@@ -69,18 +90,23 @@ async def sweep(
             log.warning("liveness sweep skipped: %s", exc)
 
 
-async def sweep_once(front: ResilientLedger, running: Iterable[str], expire: bool = True) -> list[Reservation]:
+async def sweep_once(front: ResilientLedger, claimant: Claimant, expire: bool = True) -> list[Reservation]:
     """One liveness sweep: replay this process's emergency journal if it holds anything (so usage kept
-    during an outage is billed before its reservation could expire), heartbeat the reservations of the
-    requests this process serves (``running``; emergency grants under the id their replay made), then
+    during an outage is billed before its reservation could expire), renew the run claims (which heartbeat)
+    of the requests this process serves (``claimant``; emergency grants under the id their replay made), then
     expire the open reservations nobody has heartbeat within their TTL (those of a process that died;
     billing what was settled so far). Every gateway process runs it; expiry is idempotent. A process that
     still holds journal records expires nothing, nor does ``expire=False``. Returns the reservations
     expired. Raises ``LedgerError``."""
     if front.outstanding():
         await front.recover()
-    for reservation_id in running:
-        await front.heartbeat(reservation_id)  # an emergency grant under the id its replay made, if any
+    for reservation_id in claimant.running():
+        try:
+            claim = await front.claim(reservation_id, claimant.owner, claimant.lease_ms)
+        except (ReservationFinal, ReservationNotFound):
+            continue  # closed since it was listed: nothing to keep alive
+        if not claim.held_by(claimant.owner):  # this process missed three sweeps: another took the request
+            log.warning("run claim of %s lost to %s", reservation_id, claim.owner)
     if not expire:
         return []
     return await front.expire_due()  # nothing while the journal holds usage not yet in the ledger

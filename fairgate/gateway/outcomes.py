@@ -211,8 +211,8 @@ def respond(rejection: Rejection, request_id: str, rng: random.Random) -> JSONRe
     """The client's answer to ``rejection`` (see module docstring); ``rng`` draws the jitter."""
     answer = rejection.answer
     headers = {"x-request-id": request_id, **rejection.headers}
-    if rejection.status in _FINAL_STATUSES:
-        headers["x-should-retry"] = "false"
+    if rejection.status in _FINAL_STATUSES and rejection.retry_after_s is None:
+        headers["x-should-retry"] = "false"  # a retry would get the same answer (one with a wait may not)
     if rejection.retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(rejection.retry_after_s * (1 + 0.25 * rng.random()))))
     body = error_body(rejection.message, answer.kind, rejection.param, answer.code)

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import socket
 import time
+import uuid
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 log = logging.getLogger("fairgate.gateway")
+CLAIM_LEASE_SWEEPS = 3
 
 
 class Clock(Protocol):
@@ -97,6 +101,8 @@ class GatewayState:
         calls: the requests this process serves now.
         upstreams: upstream name -> its client and live meter (from start-up).
         metrics_registry: the Prometheus registry of ``/metrics``, once installed.
+        process_id: this process's name among the gateway processes sharing the ledger (the owner of its
+            run claims and of its shared occupancy): host, pid and a random part, unique per start.
     """
 
     config: GatewayConfig
@@ -108,6 +114,7 @@ class GatewayState:
     calls: CallRegistry = field(default_factory=CallRegistry)
     upstreams: dict[str, UpstreamClient] = field(default_factory=dict)
     metrics_registry: CollectorRegistry | None = None
+    process_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
     _ledger: ResilientLedger | None = None
     _backend: Ledger | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -134,6 +141,13 @@ class GatewayState:
 
     def wall_ms(self) -> float:
         return self.clock.wall_s() * 1000.0
+
+    @property
+    def claim_lease_ms(self) -> float:
+        """How long a run claim holds unless renewed: three liveness sweeps (each renews the claims of the
+        requests this process serves), so one late or failed sweep loses none, and a process that died
+        frees its requests for another process within three sweeps."""
+        return CLAIM_LEASE_SWEEPS * self.config.gateway.sweep_s * 1000.0
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` without waiting for it; a failure is logged, the task kept alive until done."""

@@ -1,7 +1,7 @@
 """What every backend implements alike: argument checks, then the backend's storage steps.
 
-A backend subclasses ``Backend`` and supplies the steps (``_reserve``, ``_close``, ``_queue_step``, and for
-the sweep ``_due``, ``_last_beat_ms``, ``_extend``, ``_expire``) plus the rest of ``Ledger``; the checks, the
+A backend subclasses ``Backend`` and supplies the steps (``_reserve``, ``_claim``, ``_close``, ``_queue_step``, and
+for the sweep ``_due``, ``_last_beat_ms``, ``_extend``, ``_expire``) plus the rest of ``Ledger``; the checks, the
 order they run in, and the sweep's decision (running or not, extended until when) are written once here.
 """
 
@@ -11,9 +11,9 @@ from abc import abstractmethod
 
 from fairgate.ledger import rules
 from fairgate.ledger.base import IsRunning, Ledger
-from fairgate.ledger.checks import check_consumed, check_reserve_args
+from fairgate.ledger.checks import check_claim_args, check_consumed, check_reservation_id, check_reserve_args
 from fairgate.ledger.config import Limits
-from fairgate.ledger.model import Reservation, Usage
+from fairgate.ledger.model import Reservation, RunClaim, Usage
 
 
 class Backend(Ledger):
@@ -24,6 +24,10 @@ class Backend(Ledger):
         limits = self.limits(args.tenant, args.model_class)
         rules.check_amounts(args.input_tokens, args.max_output_tokens, args.gpu_ms_estimate, "reserve")
         return await self._reserve(args, limits)
+
+    async def claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
+        check_claim_args(owner, lease_ms)
+        return await self._claim(check_reservation_id(reservation_id), owner, float(lease_ms))
 
     async def settle(
         self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
@@ -63,6 +67,10 @@ class Backend(Ledger):
         """``reserve`` once its arguments are checked: the reservation made, or the one ``args.request_id``
         made before (``rules.check_retry``). Raises ``QuotaExceeded``, ``IdempotencyConflict``,
         ``LedgerUnavailable``."""
+
+    @abstractmethod
+    async def _claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
+        """``claim`` once its arguments are checked (``rules.claim`` decides). Raises as ``claim``."""
 
     @abstractmethod
     async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str) -> Reservation:

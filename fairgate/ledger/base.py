@@ -1,7 +1,8 @@
 """The ledger's interfaces, split by who calls them, and the ids every backend makes.
 
-- ``RequestPath``: what serving one request needs - reserve, settle, cancel, enqueue, dequeue, get,
-  account (the balances behind the rate-limit headers) and heartbeat (the request is still running).
+- ``RequestPath``: what serving one request needs - reserve, claim (the run claim: which gateway process
+  runs it), settle, cancel, enqueue, dequeue, get, account (the balances behind the rate-limit headers) and
+  heartbeat (the request is still running).
   ``ResilientLedger`` (``emergency.py``) implements it too, applying each tier's outage policy.
 - ``Operator``: what an operator (the ``fairgate ledger`` commands, the admin API, reconciliation) asks:
   usage, reservations, events, freeze / unfreeze / frozen.
@@ -21,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
 from fairgate.ledger.config import Limits, Quotas
-from fairgate.ledger.model import Event, Reservation, TenantUsage, UnknownTenant, Usage
+from fairgate.ledger.model import Event, Reservation, RunClaim, TenantUsage, UnknownTenant, Usage
 from fairgate.ledger.rules import Account, ReserveArgs
 
 # An execution registry: is the request behind this reservation still running?
@@ -75,6 +76,21 @@ class RequestPath(ABC):
     async def reserve_args(self, args: ReserveArgs) -> Reservation:
         """``reserve`` with its arguments in one record (unchecked: the implementation checks them).
         Raises as ``reserve``."""
+
+    @abstractmethod
+    async def claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
+        """Take or renew the run claim on an open reservation for gateway process ``owner``, for ``lease_ms``
+        from now (ledger clock), unless another process holds it unlapsed; either way return the claim as it
+        stands, so ``claim(...).held_by(owner)`` says whether ``owner`` may run the request. A claim taken
+        also records a heartbeat (``heartbeat``). Closing the reservation ends its claim.
+
+        A reservation returns to every process that reserves its request id again (``reserve``); the claim
+        is what keeps a request from running on two processes at once.
+
+        Raises:
+            ReservationNotFound, ReservationFinal (closed already), InvalidUsage (a bad owner or lease),
+            LedgerUnavailable.
+        """
 
     @abstractmethod
     async def settle(
@@ -234,6 +250,7 @@ __all__ = [
     "Ledger",
     "Operator",
     "RequestPath",
+    "RunClaim",
     "new_reservation_id",
     "tenant_tag",
 ]

@@ -78,3 +78,13 @@ def check_account_args(tenant: object, model_class: object) -> None:
     """``account``'s arguments: a tenant name and a model class name."""
     check_name(tenant, "tenant")
     check_name(model_class, "model_class")
+
+
+MAX_CLAIM_LEASE_MS = 86_400_000.0  # a day: a lease is a few sweep intervals
+
+
+def check_claim_args(owner: object, lease_ms: object) -> None:
+    """``claim``'s arguments: the owner's name and a lease in (0, a day] ms."""
+    check_name(owner, "owner")
+    if isinstance(lease_ms, bool) or not isinstance(lease_ms, int | float) or not 0 < lease_ms <= MAX_CLAIM_LEASE_MS:
+        raise InvalidUsage(f"claim: lease_ms must be a number of ms in (0, 86400000], got {lease_ms!r:.80}")

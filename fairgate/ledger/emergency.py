@@ -29,7 +29,7 @@ from typing import Any
 
 from fairgate.ledger.base import IsRunning, Ledger, RequestPath
 from fairgate.ledger.checks import check_consumed
-from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, ReservationFinal, Usage
+from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, ReservationFinal, RunClaim, Usage
 from fairgate.ledger.rules import Account, ReserveArgs, check_billing, check_retry
 
 EMERGENCY_PREFIX = "emg-"
@@ -56,8 +56,8 @@ class ResilientLedger(RequestPath):
     (see module docstring) when the ledger cannot be reached.
 
     ``RequestPath``, all of it: ``reserve`` (a grant in an outage), ``settle`` / ``cancel`` (journalled in an
-    outage), ``enqueue`` / ``dequeue`` (skipped in an outage), ``get`` and ``heartbeat`` (an emergency grant
-    answered here), ``account`` (``LedgerUnavailable`` in an outage). ``Coordination``: ``expire_due`` (the
+    outage), ``enqueue`` / ``dequeue`` (skipped in an outage), ``get``, ``claim`` and ``heartbeat`` (an emergency
+    grant answered here), ``account`` (``LedgerUnavailable`` in an outage). ``Coordination``: ``expire_due`` (the
     liveness sweep, held while the journal is not replayed). Its own: ``recover``, ``outstanding``,
     ``live_id``. ``Operator`` calls go to ``ledger`` (the wrapped ``Ledger``) directly.
 
@@ -264,6 +264,20 @@ class ResilientLedger(RequestPath):
         live = self.live_id(reservation_id) if isinstance(reservation_id, str) else reservation_id  # InvalidUsage
         if live is not None:
             await self.ledger.heartbeat(live)
+
+    async def claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
+        """``RequestPath.claim`` under the id the ledger knows (``live_id``). An emergency grant not yet in the
+        ledger is this process's alone: its claim is ``owner``'s, unlapsed, answered here.
+
+        Raises:
+            as ``RequestPath.claim``; ``LedgerUnavailable`` is not journalled (the caller decides: a request
+            not yet running is refused, a running one renews at the next sweep).
+        """
+        live = self.live_id(reservation_id) if isinstance(reservation_id, str) else reservation_id  # InvalidUsage
+        if live is None:
+            now_ms = self._clock()
+            return RunClaim(owner, now_ms + lease_ms, now_ms)
+        return await self.ledger.claim(live, owner, lease_ms)
 
     async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
         """``Coordination.expire_due`` on the ledger, held (``[]``) while the journal holds records not yet

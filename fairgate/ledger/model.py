@@ -119,6 +119,34 @@ class Reservation:
         return self.status != "open"
 
 
+@dataclass(frozen=True)
+class RunClaim:
+    """Who runs the request behind an open reservation: the run claim, held by one gateway process.
+
+    A process takes the claim before it runs a request and renews it while the request runs; another
+    process asking for it while it is held is told who holds it and for how long, so one request id is
+    never run by two processes at once (seed 003: "the same request is not double-deducted").
+
+    Attributes:
+        owner: the holding process's id.
+        until_ms: when the claim lapses unless renewed (ledger clock, ms since the epoch).
+        now_ms: the ledger clock when the claim was read.
+    """
+
+    owner: str
+    until_ms: float
+    now_ms: float
+
+    def held_by(self, owner: str) -> bool:
+        """``owner`` holds the claim (it was taken or renewed for it)."""
+        return self.owner == owner
+
+    @property
+    def remaining_ms(self) -> float:
+        """How long the claim is held from ``now_ms`` on (0 when it has lapsed)."""
+        return max(0.0, self.until_ms - self.now_ms)
+
+
 def reservation_from_record(
     record: Mapping[str, Any], whole: Callable[[Any], int], flag: Callable[[Any], bool]
 ) -> Reservation:

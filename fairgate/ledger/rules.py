@@ -30,6 +30,7 @@ from fairgate.ledger.model import (
     QuotaExceeded,
     Reservation,
     ReservationFinal,
+    RunClaim,
     Status,
     Usage,
 )
@@ -316,6 +317,14 @@ def check_final_again(reservation: Reservation, billed: Usage, final: bool, kind
     if final and STATUS_OF_KIND[kind] == reservation.status and reservation.billed == billed:
         return reservation
     raise ReservationFinal(f"reservation {reservation.id!r} is {reservation.status} already")
+
+
+def claim(current: RunClaim | None, owner: str, lease_ms: float, now_ms: float) -> RunClaim:
+    """The run claim after ``owner`` asks for it at ``now_ms``: taken (or renewed) for ``lease_ms`` when nobody
+    holds it, ``owner`` holds it, or the holder's lease has lapsed; otherwise the holder's claim unchanged."""
+    if current is None or current.owner == owner or current.until_ms <= now_ms:
+        return RunClaim(owner, now_ms + lease_ms, now_ms)
+    return RunClaim(current.owner, current.until_ms, now_ms)
 
 
 def queue_full(reservation: Reservation, limits: Limits) -> QuotaExceeded:

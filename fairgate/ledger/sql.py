@@ -28,6 +28,7 @@ from fairgate.ledger.model import (
     Reservation,
     ReservationFinal,
     ReservationNotFound,
+    RunClaim,
     SettlementFrozen,
     TenantUsage,
     Usage,
@@ -175,6 +176,37 @@ class SqlLedger(Backend):
             await tx.batch(writes)
             return updated
 
+    async def _claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
+        """Under the tenant's lock: the reservation, its claim and the clock; the claim and a heartbeat written
+        when ``owner`` takes it."""
+        async with self._transaction() as tx:
+            loaded = await self._load_for_update(tx, reservation_id, with_clock=True)
+            r = loaded.reservation
+            if r.is_final:
+                raise ReservationFinal(f"reservation {r.id!r} is {r.status} already")
+            now_ms = loaded.now_ms if loaded.now_ms is not None else await self._now_ms(tx)
+            row = await tx.fetchone("SELECT owner, until_ms FROM fg_claims WHERE reservation_id = :id", {"id": r.id})
+            held = None if row is None else RunClaim(str(row[0]), float(row[1]), now_ms)
+            decided = rules.claim(held, owner, lease_ms, now_ms)
+            if decided.held_by(owner):
+                params = {"id": r.id, "owner": owner, "until": decided.until_ms, "now": now_ms}
+                await tx.batch(
+                    [
+                        (
+                            "INSERT INTO fg_claims (reservation_id, owner, until_ms) VALUES (:id, :owner, :until) "
+                            "ON CONFLICT (reservation_id) DO UPDATE SET owner = excluded.owner, "
+                            "until_ms = excluded.until_ms",
+                            params,
+                        ),
+                        (
+                            "INSERT INTO fg_heartbeats (reservation_id, beat_ms) VALUES (:id, :now) ON CONFLICT "
+                            "(reservation_id) DO UPDATE SET beat_ms = excluded.beat_ms",
+                            params,
+                        ),
+                    ]
+                )
+            return decided
+
     async def _queue_step(self, reservation_id: str, enter: bool) -> Reservation:
         async with self._transaction() as tx:
             loaded = await self._load_for_update(tx, reservation_id, with_clock=False)
@@ -279,13 +311,14 @@ class SqlLedger(Backend):
 
     # --- coordination ----------------------------------------------------------------------------
     async def _due(self) -> list[Reservation]:
-        """Also forgets the heartbeats of reservations closed since the last sweep."""
+        """Also forgets the heartbeats and run claims of reservations closed since the last sweep."""
         async with self._transaction() as tx:
             now_ms = await self._now_ms(tx)
-            await tx.execute(
-                "DELETE FROM fg_heartbeats WHERE reservation_id IN (SELECT id FROM fg_reservations "
-                "WHERE status <> 'open')"
-            )
+            for table in ("fg_heartbeats", "fg_claims"):
+                await tx.execute(
+                    f"DELETE FROM {table} WHERE reservation_id IN (SELECT id FROM fg_reservations "
+                    "WHERE status <> 'open')"
+                )
             rows = await tx.fetchall(
                 f"SELECT {schema.RESERVATION_COLUMNS} FROM fg_reservations WHERE status = 'open' AND "
                 "expires_at_ms <= :now AND tenant NOT IN (SELECT tenant FROM fg_frozen) "

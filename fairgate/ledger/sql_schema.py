@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS fg_events (
 CREATE INDEX IF NOT EXISTS fg_events_tenant ON fg_events (tenant, at_ms);
 CREATE TABLE IF NOT EXISTS fg_frozen (tenant TEXT PRIMARY KEY, reason TEXT NOT NULL, at_ms {real} NOT NULL);
 CREATE TABLE IF NOT EXISTS fg_heartbeats (reservation_id TEXT PRIMARY KEY, beat_ms {real} NOT NULL);
+CREATE TABLE IF NOT EXISTS fg_claims (reservation_id TEXT PRIMARY KEY, owner TEXT NOT NULL, until_ms {real} NOT NULL);
 CREATE TABLE IF NOT EXISTS fg_charges (
   scope TEXT NOT NULL, tenant TEXT NOT NULL,
   gpu_ms {real} NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,

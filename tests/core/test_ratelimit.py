@@ -13,7 +13,6 @@ from redis.asyncio import Redis
 
 from fairgate.core import ratelimit
 from fairgate.ledger.redis.lua import source
-from tests.ledger.conftest import redis_throwaway, redis_url  # noqa: F401 - fixtures
 
 MINUTE_MS = 60_000.0
 

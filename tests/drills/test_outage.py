@@ -20,7 +20,7 @@ import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.outage import OutageConfig, run
-from fairgate.gateway.background import sweep_once
+from fairgate.gateway.background import Claimant, sweep_once
 from fairgate.ledger import Ledger, LedgerUnavailable, Usage, connect, quotas_from_dict
 from fairgate.ledger.emergency import EMERGENCY_PREFIX, ResilientLedger
 from tests.drills.conftest import timed_run
@@ -61,6 +61,9 @@ QUOTAS = {
     "defaults": {"reservation_ttl_s": TTL_S},
     "tenants": {"free": {"tier": "free"}, "paid": {"tier": "paid"}},
 }
+
+
+LEASE_MS = 30_000.0  # a run claim's lease (three sweeps of 10 s)
 
 
 class Switchable:
@@ -108,7 +111,8 @@ async def test_a_settlement_journalled_during_an_outage_longer_than_the_ttl_is_b
         await front.settle(r.id, 10, 100, 30.0, final=True)
     now[0] += (TTL_S + 1.0) * 1000.0  # the outage outlasts the TTL
     switch.down = False
-    await sweep_once(front, [])  # the sweep (every sweep_s) may run before the journal replay (every 1 s)
+    # the sweep (every sweep_s) may run before the journal replay (every 1 s)
+    await sweep_once(front, Claimant(list, "a", LEASE_MS))
     assert front.outstanding() == 0
     billed = await real.get(r.id)
     assert (billed.status, billed.billed) == ("settled", Usage(10, 100, 30.0)), billed
@@ -127,7 +131,7 @@ async def test_an_emergency_grant_still_running_when_the_ledger_returns_is_not_e
     in_flight = [grant.id]  # the gateway's registry holds the grant's id, not the ledger's
     for _ in range(int(3 * TTL_S / 0.5)):  # it keeps running for 3 TTLs, the sweep every 0.5 s
         now[0] += 500.0
-        await sweep_once(front, in_flight)
+        await sweep_once(front, Claimant(lambda: in_flight, "a", LEASE_MS))
     await front.settle(grant.id, 10, 100, 30.0, final=True)  # it ends
     await front.recover()
     [r] = await real.reservations("paid")
@@ -168,7 +172,7 @@ async def test_after_an_outage_no_process_expires_a_reservation_another_still_ha
     r = await front_a.reserve("free", "req-1", 10, 100, 50.0)
     orphan = await real.reserve("free", "orphan", 1, 10, 0.0)  # a process that died before the outage
     hold_s = 0.4
-    sweeping = asyncio.ensure_future(sweep(front_b, list, 0.02, hold_after_outage_s=hold_s))
+    sweeping = asyncio.ensure_future(sweep(front_b, Claimant(list, "b", LEASE_MS), 0.02, hold_after_outage_s=hold_s))
     try:
         switch.down = True
         with pytest.raises(LedgerUnavailable):

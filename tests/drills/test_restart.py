@@ -18,7 +18,6 @@ import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.restart import RestartConfig, run
-from fairgate.gateway.admission import mark_readmitted
 from fairgate.ledger import Ledger, connect, quotas_from_dict
 from fairgate.ledger.emergency import ResilientLedger
 from tests.drills.conftest import timed_run
@@ -100,8 +99,10 @@ async def test_a_request_re_admitted_under_an_open_reservation_is_not_expired_wh
     # reservation back and runs it; B heartbeats it at its next sweep, up to sweep_s later.
     again = await real.reserve("alpha", "req-1", 10, 10, 1.0)
     assert again.id == r.id and not again.is_final
-    # Found by the drill and fixed: the gateway marks a re-admitted reservation running at once.
-    await mark_readmitted(ResilientLedger(real, tmp_path / "journal.jsonl"), again, now[0])
+    # Found by the drill and fixed: the gateway takes the run claim of a re-admitted reservation (A's has
+    # lapsed), which marks it running at once.
+    claim = await ResilientLedger(real, tmp_path / "journal.jsonl").claim(again.id, "gw-b", 3 * SWEEP_S * 1000.0)
+    assert claim.held_by("gw-b")
     now[0] += 100.0
     await real.expire_due()  # another process's sweep comes first
     assert not (await real.get(r.id)).is_final  # not expired while B runs it

@@ -50,7 +50,6 @@ from fairgate.gateway.dispatch import Dispatcher, Upstream
 from fairgate.harness.ledger import fresh_ledger_url
 from fairgate.harness.loadgen import TenantLoad
 from fairgate.ledger import Reservation, Usage
-from tests.ledger.conftest import postgres_url, redis_throwaway, redis_url  # noqa: F401 - fixtures
 
 LIMITS_WALL_S_MAX = 60.0
 FAIRNESS_WALL_S_MAX = 60.0
@@ -152,7 +151,7 @@ def test_one_two_four_processes_never_admit_beyond_the_limits(backend: str, requ
 
 
 @pytest.fixture(scope="module")
-def shared(postgres_url: str):  # noqa: F811
+def shared(postgres_url: str):
     """One run of claim 2 with shared counters (share_charges_s = 0.25), for the tests below."""
     config = FairnessConfig()
     start = time.monotonic()
@@ -177,7 +176,7 @@ def test_gpu_shares_stay_fair_when_tenants_traffic_lands_on_different_processes(
 
 
 @pytest.mark.serial
-def test_without_shared_counters_each_process_is_fair_only_among_its_own_tenants(postgres_url: str) -> None:  # noqa: F811
+def test_without_shared_counters_each_process_is_fair_only_among_its_own_tenants(postgres_url: str) -> None:
     """The drill can fail: each process splits its half of the slots among the tenants it sees, so
     classify (gateway 0 only) and agent (gateway 1 only) get about a sixth each, chat and summarise a third."""
     config = replace(FairnessConfig(), share_charges_s=0.0)

@@ -36,7 +36,7 @@ from fairgate.ledger import (
 )
 from fairgate.ledger.reconcile import reconcile
 from fairgate.ledger.rules import input_allowance
-from tests.ledger.conftest import FakeClock, const, postgres_url, redis_throwaway, redis_url  # noqa: F401 - fixtures
+from tests.ledger.conftest import FakeClock, const
 
 TTL_S = 30.0
 QUOTAS = quotas_from_dict(

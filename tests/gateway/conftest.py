@@ -135,17 +135,19 @@ def write_config(
     secret_env: str | None = None,
     sweep_s: float | None = None,
     name: str = "fairgate.toml",
+    ledger: str | None = None,
 ) -> tuple[Path, dict[str, str]]:
     """``tmp/<name>``: the gateway in front of ``upstream_urls`` (``REPLICA`` each) with an SQLite ledger and
-    journal in ``tmp``, ``TENANTS`` (tier ``free``, ``limits`` by tenant) over ``defaults`` (``max_queued``
-    64 unless given), and the optional admin key, delegation and sweep; returns its path and the keys."""
+    journal in ``tmp`` (or the ledger at URL ``ledger``), ``TENANTS`` (tier ``free``, ``limits`` by tenant)
+    over ``defaults`` (``max_queued`` 64 unless given), and the optional admin key, delegation and sweep;
+    returns its path and the keys."""
     keys = {tenant: f"fg-test-{tenant}-{'x' * 24}" for tenant in TENANTS}
     defaults = defaults or LimitsConfig()
     if defaults.max_queued is None:
         defaults = defaults.model_copy(update={"max_queued": 64})
     section = GatewaySection(
         policy=policy,
-        ledger=f"sqlite:///{tmp}/ledger.db",
+        ledger=ledger or f"sqlite:///{tmp}/ledger.db",
         journal=f"{tmp}/journal.jsonl",
         default_max_tokens=64,
         max_body_bytes=65536,

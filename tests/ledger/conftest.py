@@ -1,81 +1,18 @@
-"""Ledger backends for the conformance suite: a real SQLite file, a real PostgreSQL and a real Redis.
-
-PostgreSQL and Redis: ``$FAIRGATE_TEST_POSTGRES_URL`` / ``$FAIRGATE_TEST_REDIS_URL`` (default: the servers
-on 127.0.0.1:5432, database ``test``, and 127.0.0.1:6379). Where none answers (a fresh machine), a
-throwaway server is started from the installed binaries by pytest-postgresql / pytest-redis (Debian
-packages ``postgresql`` and ``redis-server``). Each test gets a fresh schema / key prefix, dropped after.
-These tests are never skipped: a backend that cannot be reached fails them. (pytest-postgresql's own
-launcher refuses to run as root, so ``fairgate.harness.postgres`` starts PostgreSQL as the
-``postgres`` user instead.)
+"""Ledger backends for the conformance suite: a real SQLite file, a real PostgreSQL and a real Redis
+(``backend_url`` and the servers: ``tests/conftest.py``). Each test gets a fresh schema / key prefix,
+dropped after. These tests are never skipped: a backend that cannot be reached fails them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import socket
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from urllib.parse import urlparse
+from collections.abc import AsyncIterator, Callable
 
 import pytest
-from pytest_redis import factories as redis_factories
 
-from fairgate.harness.postgres import throwaway_postgres
 from fairgate.ledger import Ledger, Quotas, connect, quotas_from_dict
 
 BACKENDS = ("sqlite", "postgres", "redis")
-
-
-def _answers(url: str, default_port: int) -> bool:
-    parts = urlparse(url)
-    try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-redis_throwaway = redis_factories.redis_proc(executable=shutil.which("redis-server") or "redis-server", port=None)
-
-
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    url = os.environ.get("FAIRGATE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-    if _answers(url, 5432):
-        yield url
-        return
-    with throwaway_postgres() as throwaway:
-        yield throwaway
-
-
-@pytest.fixture(scope="session")
-def redis_url(request: pytest.FixtureRequest) -> str:
-    url = os.environ.get("FAIRGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if _answers(url, 6379):
-        return url
-    proc = request.getfixturevalue("redis_throwaway")
-    return f"redis://{proc.host}:{proc.port}/0"
-
-
-def run_token() -> str:
-    return f"fgt_{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-def backend_url(request: pytest.FixtureRequest, tmp_path) -> Callable[[str], str]:  # type: ignore[no-untyped-def]
-    """``backend_url(name)``: a fresh URL for backend ``name`` (a new file, schema or key prefix)."""
-    token = run_token()
-
-    def make(name: str) -> str:
-        if name == "sqlite":
-            return f"sqlite:///{tmp_path}/{token}.db"
-        if name == "postgres":
-            return f"{request.getfixturevalue('postgres_url')}?schema={token}"
-        return f"{request.getfixturevalue('redis_url')}?prefix={token}"
-
-    return make
 
 
 @pytest.fixture(params=BACKENDS)

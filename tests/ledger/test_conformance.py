@@ -282,6 +282,62 @@ async def test_default_registry_is_the_heartbeat(ledger, clock):
     assert [x.id for x in await ledger.expire_due()] == [r.id]
 
 
+async def test_one_process_holds_a_run_claim_until_its_lease_lapses(ledger, clock):
+    r = await ledger.reserve("a", "claimed", 1, 1, 0.0)
+    taken = await ledger.claim(r.id, "gw-1", 30_000.0)
+    assert taken.held_by("gw-1") and taken.remaining_ms == pytest.approx(30_000.0)
+    clock.advance(10)
+    refused = await ledger.claim(r.id, "gw-2", 30_000.0)  # the same request id, another process
+    assert not refused.held_by("gw-2") and refused.owner == "gw-1"
+    assert refused.remaining_ms == pytest.approx(20_000.0)
+    renewed = await ledger.claim(r.id, "gw-1", 30_000.0)  # the holder's sweep renews it
+    assert renewed.held_by("gw-1") and renewed.remaining_ms == pytest.approx(30_000.0)
+    clock.advance(29)
+    assert (await ledger.claim(r.id, "gw-2", 30_000.0)).owner == "gw-1"
+    clock.advance(2)  # the holder missed its renewals (it died): the request is free for another process
+    assert (await ledger.claim(r.id, "gw-2", 30_000.0)).held_by("gw-2")
+    assert (await ledger.claim(r.id, "gw-1", 30_000.0)).owner == "gw-2"
+
+
+async def test_a_run_claim_heartbeats_and_ends_with_its_reservation(ledger, clock):
+    r = await ledger.reserve("a", "claim-beat", 1, 1, 0.0)
+    clock.advance(50)
+    await ledger.claim(r.id, "gw-1", 30_000.0)
+    clock.advance(20)
+    assert await ledger.expire_due() == []  # the claim beat 20 s ago, within the 60 s TTL
+    await ledger.settle(r.id, 1, 1, 0.0, final=True)
+    with pytest.raises(ReservationFinal):
+        await ledger.claim(r.id, "gw-2", 30_000.0)
+    with pytest.raises(ReservationNotFound):
+        await ledger.claim("0123456789abcdef-" + "0" * 32, "gw-1", 30_000.0)
+
+
+async def test_concurrent_claims_leave_exactly_one_holder(ledger):
+    r = await ledger.reserve("a", "raced", 1, 1, 0.0)
+    claims = await asyncio.gather(*(ledger.claim(r.id, f"gw-{i}", 30_000.0) for i in range(8)))
+    winners = [f"gw-{i}" for i, c in enumerate(claims) if c.held_by(f"gw-{i}")]
+    assert len(winners) == 1 and {c.owner for c in claims} == set(winners), claims
+
+
+@pytest.mark.parametrize(
+    ("owner", "lease_ms", "match"),
+    [
+        ("", 1000.0, "owner"),
+        ("gw\n1", 1000.0, "owner"),
+        (None, 1000.0, "owner"),
+        ("gw", 0.0, "lease_ms"),
+        ("gw", float("nan"), "lease_ms"),
+        ("gw", True, "lease_ms"),
+        ("gw", 1e12, "lease_ms"),
+    ],
+)
+async def test_bad_claims_take_nothing(ledger, owner, lease_ms, match):
+    r = await ledger.reserve("a", "bad-claim", 1, 1, 0.0)
+    with pytest.raises(InvalidUsage, match=match):
+        await ledger.claim(r.id, owner, lease_ms)
+    assert (await ledger.claim(r.id, "gw-1", 1000.0)).held_by("gw-1")
+
+
 async def test_frozen_tenant_cannot_settle_automatically(ledger, clock):
     r = await ledger.reserve("a", "f", 1, 10, 0.0)
     await ledger.freeze("a", "reservations and events differ by 12 tokens")

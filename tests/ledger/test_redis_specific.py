@@ -101,7 +101,7 @@ async def test_every_key_has_a_ttl_after_mixed_operations(redis_ledger, redis_ur
     ledger = await redis_ledger(clock)
     await _mixed_operations(ledger, clock)
     await ledger.freeze("b", "left frozen")  # the frozen key exists at the end too
-    await ledger.heartbeat((await ledger.reserve("a", "still-open", 1, 1, 0.0)).id)  # and open, hb
+    await ledger.claim((await ledger.reserve("a", "still-open", 1, 1, 0.0)).id, "gw-1", 1000.0)  # open, hb, claims
     async with Redis.from_url(redis_url, decode_responses=True) as client:
         keys = await _keys_of(ledger, client)
         suffixes = {k.rsplit(":", 1)[1] for k in keys}

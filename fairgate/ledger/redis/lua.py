@@ -37,6 +37,7 @@ class Scripts:
     """Every script, registered on one client (each a callable ``(keys=..., args=...)``)."""
 
     reserve: AsyncScript
+    claim: AsyncScript
     close: AsyncScript
     extend: AsyncScript
     heartbeat: AsyncScript

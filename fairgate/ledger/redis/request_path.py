@@ -13,7 +13,9 @@ from fairgate.ledger.model import (
     InvalidUsage,
     QuotaExceeded,
     Reservation,
+    ReservationFinal,
     ReservationNotFound,
+    RunClaim,
     SettlementFrozen,
     UnknownTenant,
     Usage,
@@ -24,7 +26,7 @@ from fairgate.ledger.redis.store import RedisStore
 
 
 class RedisRequestPath(RedisStore):
-    """reserve / settle / cancel / enqueue / dequeue / get / account / heartbeat on Redis."""
+    """reserve / claim / settle / cancel / enqueue / dequeue / get / account / heartbeat on Redis."""
 
     async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
         """``reserve.lua``: reads the request id's reservation, the account and the run; writes only if all fit."""
@@ -115,6 +117,21 @@ class RedisRequestPath(RedisStore):
         with self._unavailable():
             raw = await self._client.hget(self._keys.tenant(tenant_tag(tenant))[ACCOUNTS], model_class)
         return codec.account(raw)
+
+    async def _claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
+        """``claim.lua``."""
+        tag = self._tag_of(reservation_id)
+        reply = ["not_found"]
+        if tag is not None:
+            with self._unavailable():
+                reply = await self._scripts.claim(
+                    keys=self._keys.tenant(tag), args=[*self._head(), reservation_id, owner, codec.number(lease_ms)]
+                )
+        if reply[0] == "not_found":
+            raise ReservationNotFound(f"no reservation {reservation_id!r}")
+        if reply[0] == "final":
+            raise ReservationFinal(f"reservation {reservation_id!r} is final already")
+        return RunClaim(str(reply[1]), float(reply[2]), float(reply[3]))
 
     async def heartbeat(self, reservation_id: str) -> None:
         """``heartbeat.lua``."""

@@ -88,6 +88,7 @@ if final then
   count_status('open', -1)
   count_status(status, 1)
   redis.call('HDEL', HB, rid)
+  redis.call('HDEL', CLAIMS, rid)
 end
 touch_all()
 return {'ok', out}

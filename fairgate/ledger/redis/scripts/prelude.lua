@@ -2,8 +2,8 @@
 -- KEYS are the tenant's keys in keys.TENANT_KEYS order; ARGV[1] is now in ms ("" = the server's TIME),
 -- ARGV[2] the retention TTL in ms; a script's own arguments start at ARGV[3].
 if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes (Redis < 5)
-local ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN, CLAIMS =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local RETENTION_MS = ARGV[2]
 local MS_PER_MINUTE = 60000.0
 

@@ -1,0 +1,71 @@
+"""One request id sent to two gateway processes sharing a ledger runs once: the reservation's run claim
+(``Ledger.claim``) is the ledger's, not a process's. What the clients received is compared with what the
+ledger holds and what the replica generated, per request id, on every backend."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fairgate.emulator.api import create_app
+from fairgate.gateway.app import create_gateway
+from fairgate.gateway.config import load_gateway_config
+from fairgate.harness.threads import serve_in_thread
+from fairgate.ledger import Ledger
+from tests.gateway.conftest import EMULATOR, ledger_call, write_config
+
+REQUESTS = 6
+MAX_TOKENS = 120  # ~0.6 s on the emulated replica: the second copy arrives while the first runs
+SECOND_AFTER_S = 0.05
+
+
+async def _send_twice(urls: tuple[str, str], key: str, request_ids: list[str]) -> dict[str, list[httpx.Response]]:
+    """Each request id POSTed to the first gateway, then ``SECOND_AFTER_S`` later to the second."""
+    body = {"model": "emu", "prompt": "x", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+    async def one(http: httpx.AsyncClient, url: str, request_id: str, delay_s: float) -> httpx.Response:
+        await asyncio.sleep(delay_s)
+        headers = {"Authorization": f"Bearer {key}", "X-Request-Id": request_id}
+        return await http.post(f"{url}/v1/completions", json=body, headers=headers)
+
+    async with httpx.AsyncClient(timeout=60.0) as http:
+        calls = [one(http, url, rid, i * SECOND_AFTER_S) for rid in request_ids for i, url in enumerate(urls)]
+        replies = await asyncio.gather(*calls)
+    return {rid: list(replies[2 * n : 2 * n + 2]) for n, rid in enumerate(request_ids)}
+
+
+async def _drop(ledger: Ledger) -> None:
+    drop = getattr(ledger, "drop_schema", None) or getattr(ledger, "drop_keys", None)
+    if drop is not None:
+        await drop()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres", "redis"])
+def test_one_request_id_sent_to_two_gateway_processes_runs_once(tmp_path: Path, backend: str, backend_url) -> None:  # type: ignore[no-untyped-def]
+    url = backend_url(backend) if backend != "sqlite" else f"sqlite:///{tmp_path}/shared.db"
+    request_ids = [f"twice-{n}" for n in range(REQUESTS)]
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
+        configs = []
+        for name in ("a", "b"):
+            path, keys = write_config(tmp_path / name, [emulator], ledger=url)
+            configs.append(load_gateway_config(path))
+        try:
+            with serve_in_thread(create_gateway(configs[0])) as a, serve_in_thread(create_gateway(configs[1])) as b:
+                replies = asyncio.run(_send_twice((a, b), keys["alpha"], request_ids))
+                stats = httpx.get(f"{emulator}/emulator/stats").json()
+            reservations = ledger_call(configs[0], lambda ledger: ledger.reservations("alpha"))
+        finally:
+            ledger_call(configs[0], _drop)
+    for rid, (first, second) in replies.items():
+        assert first.status_code == 200, (rid, first.text)
+        assert first.json()["usage"]["completion_tokens"] == MAX_TOKENS, first.text
+        assert second.status_code == 409 and second.json()["error"]["code"] == "request_in_progress", second.text
+        assert int(second.headers["retry-after"]) >= 1 and "x-should-retry" not in second.headers
+    # What the ledger holds: one reservation per id, billed what its client received; the replica ran each once.
+    assert sorted(r.request_id for r in reservations) == sorted(request_ids)
+    assert all((r.status, r.billed.output_tokens) == ("settled", MAX_TOKENS) for r in reservations), reservations
+    assert stats["sequences_finished"] == REQUESTS and stats["tokens_generated"] == REQUESTS * MAX_TOKENS, stats
+    assert stats["running"] == 0
