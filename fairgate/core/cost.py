@@ -74,6 +74,13 @@ class CostModel:
         """What one running sequence is charged for one iteration: ``dt_decode / B``, ms."""
         return self.decode_ns(batch) / batch / NS_PER_MS
 
+    def worst_case_ms(self, prompt_tokens: int, output_tokens: int) -> float:
+        """The most the charge rule (seed 002: each running sequence pays ``dt / B`` of every iteration) can
+        charge one request of ``prompt_tokens`` and ``output_tokens``, ms: its prefill, plus every token
+        decoded alone. ``decode_charge_ms(B) = iter_base / B + iter_slope`` falls with ``B``, so a batch of
+        one is the dearest; a reservation of this much is never outspent by a replica the model describes."""
+        return self.prefill_ms(prompt_tokens) + output_tokens * self.decode_charge_ms(1)
+
     def vtc_exchange_rate(self, batch: int) -> float:
         """Output-token weight that makes VTC's counter equal GPU time at batch size ``batch``.
 

@@ -4,8 +4,9 @@ Reads the request id (``X-Request-Id`` or ``Idempotency-Key``; generated when ab
 ``x-request-id``), the agent-run headers, and the body (size bound, JSON, the OpenAI schema of
 ``fairgate.api``), then sizes the request against its model: the model must exist (404), the prompt fit
 its context (413), ``max_tokens`` plus the prompt too (400); the prompt is estimated
-(``fairgate.api.estimate_prompt_tokens``) and the GPU time reserved for it is the cost model's prefill
-plus ``max_tokens`` decode charges at a full batch. Every refusal is a ``Rejection`` naming the field.
+(``fairgate.api.estimate_prompt_tokens``) and the GPU time reserved for it is the most the cost model can
+charge it (``CostModel.worst_case_ms``: prefill, and ``max_tokens`` decoded at a batch of one), so that a GPU
+budget is a bound, not a hope. Every refusal is a ``Rejection`` naming the field.
 """
 
 from __future__ import annotations
@@ -192,5 +193,5 @@ def size_up(
             "max_tokens",
         )
     cost = serving[0].cost
-    estimate = cost.prefill_ms(prompt_tokens) + max_tokens * cost.decode_charge_ms(cost.max_batch)
+    estimate = cost.worst_case_ms(prompt_tokens, max_tokens)
     return Generation(request_id, chat, body, body.model, run, prompt_tokens, max_tokens, estimate, cost)

@@ -20,6 +20,7 @@ idempotency keys as in Stripe's API):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from fairgate.core import ratelimit
@@ -256,6 +257,20 @@ def _check_gpu(acc: Account, limits: Limits, tenant: str, estimate: float, now_m
             window_end_ms = acc.gpu_window_start_ms + limits.gpu_window_s * 1000.0
             retry = max(0.0, (window_end_ms - now_ms) / 1000.0)
         raise QuotaExceeded(tenant, dimension, retry, budget_s, max(0.0, budget_s - used_ms / 1000.0))
+
+
+def gpu_left_ms(account: Account, limits: Limits) -> float:
+    """GPU ms the tenant's budgets leave (``account`` as ``refreshed`` at the time asked): the least of what
+    the window's (``gpu_seconds``) and the lifetime's (``gpu_seconds_total``) leave, holds of open reservations
+    counted; ``inf`` with neither set; negative when overspent."""
+    left = math.inf
+    for budget_s, used_ms in (
+        (limits.gpu_seconds, account.gpu_window_used_ms),
+        (limits.gpu_seconds_total, account.gpu_total_used_ms),
+    ):
+        if budget_s is not None:
+            left = min(left, budget_s * 1000.0 - used_ms)
+    return left
 
 
 def _counted_run(run: RunUsage, limits: Limits, args: ReserveArgs) -> RunUsage:
