@@ -24,7 +24,7 @@ max_model_len = 32768
 
 [[key]]                                    # an API key, stored hashed (make one with `fairgate keys add`)
 tenant = "acme"                            # a tenant of [quotas.tenants]
-hash = "sha256$<salt hex>$<digest hex>"
+hash = "sha256$<64 hex digits>"            # the key's SHA-256 (a salted sha256$<salt hex>$<digest> works too)
 name = "ci"                                # optional label
 
 [admin]
@@ -61,7 +61,7 @@ from fairgate.core.cost import CostModel
 from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
 from fairgate.core.policies.params import PolicyConfig
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
-from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, is_key_hash
+from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, KEY_HASH_FORMS, is_key_hash
 from fairgate.ledger import SCHEMES
 from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
 from fairgate.tomlfile import read_toml
@@ -78,7 +78,7 @@ class _Strict(BaseModel):
 
 def _key_hash(text: str) -> str:
     if not is_key_hash(text):
-        raise ValueError("must look like sha256$<salt hex>$<64 hex digits> (make keys with `fairgate keys add`)")
+        raise ValueError(f"must look like {KEY_HASH_FORMS} (make keys with `fairgate keys add`)")
     return text
 
 
