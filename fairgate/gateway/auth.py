@@ -12,7 +12,10 @@ accepted too, but each costs one hash per lookup of a key not found otherwise.
 An internal service (a *delegate*, itself a tenant) acting for another tenant presents an on-behalf-of
 token: ``<payload>.<signature>``, both base64url without padding, where the payload is the compact
 JSON ``{"d":delegate,"exp":expires_at_s,"t":tenant,"v":1}`` and the signature is HMAC-SHA256 of the
-payload's base64url text under a secret shared by the gateway and its delegates.
+payload's base64url text under a secret shared by the gateway and its delegates. A payload with a key given
+twice is malformed (which value would count?), and a token that expires further ahead than the verifier's
+``lifetime_max_s`` (the gateway's ``[delegation].max_token_lifetime_s``, default 24 h) is refused: a
+leaked token must not stay good for long.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ KEY_HASH_FORMS = "sha256$<64 hex digits> (or sha256$<salt hex>$<64 hex digits>)"
 KEY_LENGTH_MAX = 512  # a longer presented key is rejected without hashing
 DELEGATION_SECRET_BYTES_MIN = 16
 TOKEN_LENGTH_MAX = 4096  # a longer on-behalf-of token is malformed
+TOKEN_LIFETIME_MAX_S = 86_400.0  # the default bound on how far ahead a presented token may expire
 _TOKEN_VERSION = 1
 
 
@@ -165,8 +169,8 @@ class KeyRing:
 
 
 class DelegationError(ValueError):
-    """An on-behalf-of token was refused. ``reason``: ``malformed``, ``bad_signature``, ``wrong_delegate``
-    or ``expired``; ``str()`` is one line saying why."""
+    """An on-behalf-of token was refused. ``reason``: ``malformed``, ``bad_signature``, ``wrong_delegate``,
+    ``expired`` or ``lifetime_too_long``; ``str()`` is one line saying why."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -211,14 +215,18 @@ def make_on_behalf_of(secret: bytes, delegate: str, tenant: str, expires_at_s: f
     return f"{payload}.{_b64encode(_sign(secret, payload))}"
 
 
-def verify_on_behalf_of(secret: bytes, token: str, delegate: str, now_s: float) -> str:
+def verify_on_behalf_of(
+    secret: bytes, token: str, delegate: str, now_s: float, lifetime_max_s: float = TOKEN_LIFETIME_MAX_S
+) -> str:
     """The tenant ``token`` lets ``delegate`` (the authenticated caller) act for, at time ``now_s``.
 
-    Checks, in order: the shape, the signature (constant time), the payload, the delegate, the expiry
-    (a token is expired from ``exp`` on).
+    Checks, in order: the shape, the signature (constant time), the payload (each key once), the
+    delegate, the expiry (a token is expired from ``exp`` on), the lifetime (``exp`` at most
+    ``lifetime_max_s`` after ``now_s``).
 
     Raises:
-        DelegationError: ``reason`` ``malformed``, ``bad_signature``, ``wrong_delegate`` or ``expired``.
+        DelegationError: ``reason`` ``malformed``, ``bad_signature``, ``wrong_delegate``, ``expired`` or
+            ``lifetime_too_long``.
         ValueError: a secret shorter than 16 bytes (a configuration error, not the caller's).
     """
     _check_secret(secret)
@@ -239,13 +247,36 @@ def verify_on_behalf_of(secret: bytes, token: str, delegate: str, now_s: float) 
         )
     if now_s >= document["exp"]:
         raise DelegationError("expired", f"on-behalf-of token expired {now_s - document['exp']:.0f} s ago")
+    if document["exp"] - now_s > lifetime_max_s:
+        raise DelegationError(
+            "lifetime_too_long",
+            f"on-behalf-of token expires in {document['exp'] - now_s:,.0f} s; "
+            f"this gateway accepts at most {lifetime_max_s:,.0f} s",
+        )
     tenant: str = document["t"]
     return tenant
 
 
+class _KeyTwice(ValueError):
+    pass
+
+
+def _each_key_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise _KeyTwice(key)
+        document[key] = value
+    return document
+
+
 def _parse_payload(raw: bytes) -> dict[str, Any]:
     try:
-        document = json.loads(raw.decode("utf-8"))
+        document = json.loads(raw.decode("utf-8"), object_pairs_hook=_each_key_once)
+    except _KeyTwice as twice:
+        key = str(twice)[:40]
+        message = f"on-behalf-of token is malformed: key {key!r} given twice in its payload"
+        raise DelegationError("malformed", message) from None
     except (UnicodeDecodeError, ValueError):
         document = None
     valid = (

@@ -33,6 +33,7 @@ key_hashes = ["sha256$…"]                  # admin credentials, hashed like AP
 [delegation]
 secret_env = "FAIRGATE_DELEGATION_SECRET"  # the NAME of the variable holding the HMAC secret, never the secret
 delegates = ["batch-service"]              # tenants allowed to act for other tenants
+max_token_lifetime_s = 86400               # a token expiring further ahead than this is refused (default 24 h)
 ```
 
 Relative paths (a ``sqlite:///`` ledger, the journal) are relative to the configuration file's folder
@@ -61,7 +62,7 @@ from fairgate.core.cost import CostModel
 from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
 from fairgate.core.policies.params import PolicyConfig
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
-from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, KEY_HASH_FORMS, is_key_hash
+from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, KEY_HASH_FORMS, TOKEN_LIFETIME_MAX_S, is_key_hash
 from fairgate.ledger import SCHEMES
 from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
 from fairgate.tomlfile import read_toml
@@ -189,12 +190,14 @@ class AdminConfig(_Strict):
 
 
 class DelegationConfig(_Strict):
-    """``[delegation]``: the environment variable holding the on-behalf-of secret, and who may delegate."""
+    """``[delegation]``: the environment variable holding the on-behalf-of secret, who may delegate, and how
+    far ahead of its use a token may expire (seconds)."""
 
     secret_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)] = (
         "FAIRGATE_DELEGATION_SECRET"
     )
     delegates: list[TenantName] = Field(default_factory=list)
+    max_token_lifetime_s: Annotated[float, Field(gt=0)] = TOKEN_LIFETIME_MAX_S
 
 
 class GatewayConfig(_Strict):
