@@ -14,7 +14,7 @@ token: ``<payload>.<signature>``, both base64url without padding, where the payl
 JSON ``{"d":delegate,"exp":expires_at_s,"t":tenant,"v":1}`` and the signature is HMAC-SHA256 of the
 payload's base64url text under a secret shared by the gateway and its delegates. A payload with a key given
 twice is malformed (which value would count?), and a token that expires further ahead than the verifier's
-``lifetime_max_s`` (the gateway's ``[delegation].max_token_lifetime_s``, default 24 h) is refused: a
+``lifetime_max_s`` (the gateway's ``[gateway].delegation_token_lifetime_max_s``, default 24 h) is refused: a
 leaked token must not stay good for long.
 """
 

@@ -8,6 +8,7 @@ journal = "fairgate-journal.jsonl"         # emergency journal
 default_max_tokens = 512                   # output cap of a request that gives none
 max_body_bytes = 1048576
 request_timeout_s = 600
+delegation_token_lifetime_max_s = 86400    # an on-behalf-of token expiring further ahead is refused
 
 [[upstream]]                               # at least one; names unique
 name = "emu-0"
@@ -33,7 +34,6 @@ key_hashes = ["sha256$…"]                  # admin credentials, hashed like AP
 [delegation]
 secret_env = "FAIRGATE_DELEGATION_SECRET"  # the NAME of the variable holding the HMAC secret, never the secret
 delegates = ["batch-service"]              # tenants allowed to act for other tenants
-max_token_lifetime_s = 86400               # a token expiring further ahead than this is refused (default 24 h)
 ```
 
 Relative paths (a ``sqlite:///`` ledger, the journal) are relative to the configuration file's folder
@@ -105,6 +105,8 @@ class GatewaySection(_Strict):
     slo_ttft_p99_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
     # Seconds between liveness sweeps: heartbeat this process's reservations, expire abandoned ones.
     sweep_s: Annotated[float, Field(ge=0.05, le=3600)] = 10.0
+    # How far ahead of its use an on-behalf-of token may expire: a leaked token stays good at most this long.
+    delegation_token_lifetime_max_s: Annotated[float, Field(gt=0, le=365 * 86_400)] = TOKEN_LIFETIME_MAX_S
 
     @field_validator("policy")
     @classmethod
@@ -190,14 +192,13 @@ class AdminConfig(_Strict):
 
 
 class DelegationConfig(_Strict):
-    """``[delegation]``: the environment variable holding the on-behalf-of secret, who may delegate, and how
-    far ahead of its use a token may expire (seconds)."""
+    """``[delegation]``: the environment variable holding the on-behalf-of secret, and who may delegate (how
+    long a token may live is ``[gateway].delegation_token_lifetime_max_s``)."""
 
     secret_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)] = (
         "FAIRGATE_DELEGATION_SECRET"
     )
     delegates: list[TenantName] = Field(default_factory=list)
-    max_token_lifetime_s: Annotated[float, Field(gt=0)] = TOKEN_LIFETIME_MAX_S
 
 
 class GatewayConfig(_Strict):
