@@ -55,7 +55,7 @@ def _guard(action: Callable[[], T]) -> T:
     try:
         return action()
     except (OpsError, EventLogError, GatewayConfigError) as exc:
-        errors.print(f"error: {exc}")
+        errors.print(printable(f"error: {exc}"))  # a bad log line is quoted in the message
         raise typer.Exit(2) from None
 
 
@@ -87,6 +87,13 @@ def _label(tag: str | None, names: dict[str, str]) -> str:
     if tag is None:
         return "(no tenant)"
     return f"{names[tag]} ({tag})" if tag in names else tag
+
+
+def printable(text: str) -> str:
+    """``text`` with each character a terminal could act on (control and format characters: ESC, BEL, C1
+    controls, line breaks, bidi overrides) written as its Python escape (``\\x1b``): request fields come
+    from callers, and what they sent must be shown to the operator, never obeyed by the terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _clock(ts: float) -> str:
@@ -179,7 +186,7 @@ _ADVICE = {
 
 def explain_lines(request_id: str, records: Sequence[dict[str, Any]], names: dict[str, str]) -> list[str]:
     """The story of ``request_id`` from its log records (in log order), one paragraph per tenant that used
-    the id."""
+    the id; every line ``printable``."""
     by_tenant: dict[str | None, list[dict[str, Any]]] = {}
     for record in records:
         by_tenant.setdefault(record["tenant_hash"], []).append(record)
@@ -198,7 +205,7 @@ def explain_lines(request_id: str, records: Sequence[dict[str, Any]], names: dic
             lines.extend(_step(record, names))
         lines.append(_summary(story))
         lines.append("")
-    return lines[:-1]
+    return [printable(line) for line in lines[:-1]]
 
 
 def _step(record: dict[str, Any], names: dict[str, str]) -> list[str]:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -24,7 +24,7 @@ from fairgate.core.policies.factory import TenantShare, make_policy
 from fairgate.gateway import background, completions, dashboard, eventlog, metrics, usage_api
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.dispatch import Dispatcher, Upstream
-from fairgate.gateway.identity import Identity
+from fairgate.gateway.identity import Identity, require_admin
 from fairgate.gateway.intake import lenient_request_id
 from fairgate.gateway.observe import Charged, Fanout, Observer
 from fairgate.gateway.outcomes import Outcome, Rejection, respond
@@ -55,11 +55,16 @@ def create_gateway(
         rng: the random source of ``Retry-After`` jitter (default: seeded from the system).
     """
     state = build_state(config, observers, clock or SystemClock(), rng or random.Random())
-    app = FastAPI(title="fairgate gateway", lifespan=_lifespan(state, ledger))
+    # No Swagger UI or ReDoc: their pages load scripts from a CDN, which the gateway's hosts cannot reach and
+    # its callers should not be sent to; the schema is served to admin keys only (``_install_schema``).
+    app = FastAPI(
+        title="fairgate gateway", lifespan=_lifespan(state, ledger), docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.gateway = state  # for ``state_of(app)`` only: requests get it from the lifespan
     _install_error_handlers(app, state)
     completions.install(app)
     _install_views(app, state)
+    _install_schema(app)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -105,6 +110,14 @@ def _install_views(app: FastAPI, state: GatewayState) -> None:
     usage_api.install(app, config, state.events)
     eventlog.install(app, config, state.events)
     dashboard.install(app, stats, config.gateway.slo_ttft_p99_s * 1000.0)
+
+
+def _install_schema(app: FastAPI) -> None:
+    """``GET /openapi.json``: the OpenAPI schema, for admin keys only (it lists the admin routes)."""
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_admin)])
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
 
 def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:

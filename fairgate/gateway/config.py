@@ -8,6 +8,7 @@ journal = "fairgate-journal.jsonl"         # emergency journal
 default_max_tokens = 512                   # output cap of a request that gives none
 max_body_bytes = 1048576
 request_timeout_s = 600
+delegation_token_lifetime_max_s = 86400    # an on-behalf-of token expiring further ahead is refused
 
 [[upstream]]                               # at least one; names unique
 name = "emu-0"
@@ -24,7 +25,7 @@ max_model_len = 32768
 
 [[key]]                                    # an API key, stored hashed (make one with `fairgate keys add`)
 tenant = "acme"                            # a tenant of [quotas.tenants]
-hash = "sha256$<salt hex>$<digest hex>"
+hash = "sha256$<64 hex digits>"            # the key's SHA-256 (a salted sha256$<salt hex>$<digest> works too)
 name = "ci"                                # optional label
 
 [admin]
@@ -61,7 +62,7 @@ from fairgate.core.cost import CostModel
 from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
 from fairgate.core.policies.params import PolicyConfig
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
-from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, is_key_hash
+from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, KEY_HASH_FORMS, TOKEN_LIFETIME_MAX_S, is_key_hash
 from fairgate.ledger import SCHEMES
 from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
 from fairgate.tomlfile import read_toml
@@ -78,7 +79,7 @@ class _Strict(BaseModel):
 
 def _key_hash(text: str) -> str:
     if not is_key_hash(text):
-        raise ValueError("must look like sha256$<salt hex>$<64 hex digits> (make keys with `fairgate keys add`)")
+        raise ValueError(f"must look like {KEY_HASH_FORMS} (make keys with `fairgate keys add`)")
     return text
 
 
@@ -104,6 +105,8 @@ class GatewaySection(_Strict):
     slo_ttft_p99_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
     # Seconds between liveness sweeps: heartbeat this process's reservations, expire abandoned ones.
     sweep_s: Annotated[float, Field(ge=0.05, le=3600)] = 10.0
+    # How far ahead of its use an on-behalf-of token may expire: a leaked token stays good at most this long.
+    delegation_token_lifetime_max_s: Annotated[float, Field(gt=0, le=365 * 86_400)] = TOKEN_LIFETIME_MAX_S
 
     @field_validator("policy")
     @classmethod
@@ -189,7 +192,8 @@ class AdminConfig(_Strict):
 
 
 class DelegationConfig(_Strict):
-    """``[delegation]``: the environment variable holding the on-behalf-of secret, and who may delegate."""
+    """``[delegation]``: the environment variable holding the on-behalf-of secret, and who may delegate (how
+    long a token may live is ``[gateway].delegation_token_lifetime_max_s``)."""
 
     secret_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)] = (
         "FAIRGATE_DELEGATION_SECRET"

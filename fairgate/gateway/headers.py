@@ -1,12 +1,22 @@
 """OpenAI's rate-limit response headers, from a tenant's limits and ledger balances.
 
 Names and formats follow OpenAI's API (``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-tokens``,
-``x-ratelimit-reset-requests`` as a duration such as ``"1.5s"``). "tokens" is the input-token bucket, the
-dimension a client controls before sending. Remaining amounts are the bucket levels refilled to ``now_ms``
-(``fairgate.ledger.rules.refreshed``); reset is the time until the bucket is full again.
+``x-ratelimit-reset-requests``). "tokens" is the input-token bucket, the dimension a client controls before
+sending. Remaining amounts are the bucket levels refilled to ``now_ms`` (``fairgate.ledger.rules.refreshed``);
+reset is the time until the bucket is full again.
+
+Formats, never in exponent notation: limits are plain decimals (``4000000``; a fractional rate as
+``2.5``), remaining amounts whole units, floored. Reset times are written as OpenAI writes them, in the
+form of Go's ``time.Duration`` (``0s``, ``20ms``, ``1s``, ``8.64s``, ``6m0s``, ``1h2m3.004s``): below a
+second whole milliseconds, from a second on hours and minutes when non-zero, then seconds with up to three
+decimals; always rounded *up* to the millisecond, so a client that waits that long is not refused for
+being early.
 """
 
 from __future__ import annotations
+
+import math
+from decimal import Decimal
 
 from fairgate.ledger.config import Limits
 from fairgate.ledger.model import QuotaExceeded
@@ -15,8 +25,26 @@ from fairgate.ledger.rules import Account, refreshed
 _BUCKETS = (("requests", "requests", "requests"), ("tokens", "input_tokens", "input"))
 
 
+def _number(value: float) -> str:
+    """``value`` as a plain decimal: an integer without a fraction, else its shortest exact digits."""
+    if value == int(value):
+        return str(int(value))
+    return format(Decimal(repr(value)), "f")
+
+
 def _duration(seconds: float) -> str:
-    return f"{max(0.0, seconds):.3g}s"
+    """``seconds`` (finite) as a Go duration, rounded up to the millisecond (see the module docstring)."""
+    # round() first: 0.3 s arrives as 300.00000000000006 ms, which must not round up to 301 ms.
+    ms = max(0, math.ceil(round(seconds * 1000.0, 6)))
+    if ms < 1000:
+        return f"{ms}ms" if ms else "0s"
+    hours, rest_ms = divmod(ms, 3_600_000)
+    minutes, rest_ms = divmod(rest_ms, 60_000)
+    whole, fraction = divmod(rest_ms, 1000)
+    text = f"{whole}.{fraction:03d}".rstrip("0").rstrip(".") + "s"
+    if hours or minutes:
+        text = f"{minutes}m{text}"
+    return f"{hours}h{text}" if hours else text
 
 
 def rate_limit_headers(limits: Limits, account: Account | None, now_ms: float) -> dict[str, str]:
@@ -28,7 +56,7 @@ def rate_limit_headers(limits: Limits, account: Account | None, now_ms: float) -
         rate = getattr(limits, f"{dimension}_per_minute")
         if rate is None:
             continue
-        headers[f"x-ratelimit-limit-{name}"] = f"{rate:g}"
+        headers[f"x-ratelimit-limit-{name}"] = _number(rate)
         if current is None:
             continue
         level = getattr(current, f"{prefix}_level")
@@ -45,7 +73,7 @@ def quota_headers(error: QuotaExceeded) -> dict[str, str]:
     name = {"requests_per_minute": "requests", "input_tokens_per_minute": "tokens"}.get(error.dimension)
     if name is not None:
         if error.limit is not None:
-            headers[f"x-ratelimit-limit-{name}"] = f"{error.limit:g}"
+            headers[f"x-ratelimit-limit-{name}"] = _number(error.limit)
         if error.remaining is not None:
             headers[f"x-ratelimit-remaining-{name}"] = str(max(0, int(error.remaining)))
         if error.retry_after_s is not None:

@@ -85,7 +85,8 @@ class Identity:
         if secret is None:
             raise refuse(Outcome.DELEGATION_NOT_ALLOWED, "Delegation is not configured on this gateway.")
         try:
-            tenant = verify_on_behalf_of(secret, token, caller, self._wall_s())
+            lifetime_max_s = self._config.gateway.delegation_token_lifetime_max_s
+            tenant = verify_on_behalf_of(secret, token, caller, self._wall_s(), lifetime_max_s)
         except DelegationError as exc:
             raise refuse(Outcome.DELEGATION_INVALID, f"On-behalf-of token rejected: {exc}") from None
         if tenant not in self._config.quotas.tenants:

@@ -2,8 +2,10 @@
 
 Refused: a key given twice in one object (RFC 8259 leaves its meaning open: the gateway and the upstream
 could read different values), ``NaN`` and ``Infinity`` (not JSON), text that is not UTF-8 (lone
-surrogates), and nesting deeper than ``MAX_JSON_DEPTH`` (the upstream call re-encodes the body, and
-Python's encoder recurses once per level).
+surrogates), nesting deeper than ``MAX_JSON_DEPTH`` (the upstream call re-encodes the body, and
+Python's encoder recurses once per level), and numbers longer than ``NUMBER_LENGTH_MAX`` characters or
+beyond a 64-bit float (no field of the API needs more; Python refuses integers of over 4,300 digits with a
+message about something else, and a float that overflows would be sent on as infinity).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 from typing import Any
 
 MAX_JSON_DEPTH = 64
+NUMBER_LENGTH_MAX = 100  # characters of one number, sign, point and exponent included
 
 
 class BodyError(ValueError):
@@ -27,11 +30,21 @@ class DuplicateKey(BodyError):
     """A key given twice in one object."""
 
 
+class Unreadable:
+    """Where a number of the body could not be read: ``decode`` leaves one in its place, ``unsendable``
+    names its path (the parser does not know where it is)."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
 def decode(raw: bytes) -> dict[str, Any]:
-    """``raw`` as a JSON object. Raises ``DuplicateKey``, or ``BodyError`` (not JSON, not an object, not
-    forwardable)."""
+    """``raw`` as a JSON object, an ``Unreadable`` in place of each number too long or out of range (call
+    ``unsendable`` on it). Raises ``DuplicateKey``, or ``BodyError`` (not JSON, not an object)."""
     try:
-        data = json.loads(raw, parse_constant=_reject_constant, object_pairs_hook=_object_once)
+        data = json.loads(
+            raw, parse_constant=_reject_constant, parse_int=_integer, parse_float=_float, object_pairs_hook=_object_once
+        )
     except DuplicateKey:
         raise
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
@@ -43,9 +56,11 @@ def decode(raw: bytes) -> dict[str, Any]:
 
 def unsendable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | None:
     """The first value that cannot be forwarded as JSON, as ``(dotted path, problem)``: a non-finite
-    number, text that is not UTF-8, or nesting deeper than ``MAX_JSON_DEPTH``."""
+    number, an ``Unreadable`` one, text that is not UTF-8, or nesting deeper than ``MAX_JSON_DEPTH``."""
     if depth > MAX_JSON_DEPTH:
         return path, f"nested deeper than {MAX_JSON_DEPTH} levels"
+    if isinstance(value, Unreadable):
+        return path, value.problem
     if isinstance(value, float) and not math.isfinite(value):
         return path, "numbers must be finite"
     if isinstance(value, str):
@@ -65,6 +80,24 @@ def unsendable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | 
             if found:
                 return found
     return None
+
+
+def _too_long(text: str) -> Unreadable | None:
+    if len(text) <= NUMBER_LENGTH_MAX:
+        return None
+    return Unreadable(f"number too long ({len(text):,} characters; at most {NUMBER_LENGTH_MAX})")
+
+
+def _integer(text: str) -> int | Unreadable:
+    return _too_long(text) or int(text)
+
+
+def _float(text: str) -> float | Unreadable:
+    too_long = _too_long(text)
+    if too_long is not None:
+        return too_long
+    value = float(text)
+    return value if math.isfinite(value) else Unreadable("number out of range (beyond what a 64-bit float holds)")
 
 
 def _reject_constant(name: str) -> Any:

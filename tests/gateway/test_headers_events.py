@@ -15,6 +15,7 @@ from fairgate.harness.process import free_port
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger.config import LimitsConfig
 from tests.gateway.conftest import BODY, EMULATOR, Recorder, ledger_call, post, serve_stack, write_config
+from tests.gateway.test_headers import seconds_of
 
 
 def test_remaining_and_reset_headers_count_down(tmp_path):
@@ -26,8 +27,8 @@ def test_remaining_and_reset_headers_count_down(tmp_path):
         assert second.headers["x-ratelimit-remaining-requests"] == "3"
         # 60/min refills one request per second: up to 1 s (first) and 2 s (second) to be full again, less
         # the time between the reservation and the header (short, but a loaded machine stretches it).
-        first_reset = float(first.headers["x-ratelimit-reset-requests"].rstrip("s"))
-        second_reset = float(second.headers["x-ratelimit-reset-requests"].rstrip("s"))
+        first_reset = seconds_of(first.headers["x-ratelimit-reset-requests"])
+        second_reset = seconds_of(second.headers["x-ratelimit-reset-requests"])
         assert 0.5 <= first_reset <= 1.0 and 1.5 <= second_reset <= 2.0
         assert "x-ratelimit-remaining-tokens" not in first.headers  # no token limit configured
         for _ in range(3):

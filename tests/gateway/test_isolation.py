@@ -267,4 +267,7 @@ def test_the_key_cache_is_keyed_by_the_whole_credential() -> None:
     for near in (alpha[:-1], alpha + "0", alpha.upper(), alpha[:-1] + "1", " " + alpha):
         assert ring.tenant_for(near) is None
     assert ring.tenant_for(beta) == "beta" and ring.tenant_for(alpha) == "alpha"
-    assert len(ring._found) == 2 and all(len(fingerprint) == 32 for fingerprint in ring._found)  # SHA-256 of the key
+    salted = KeyRing([("alpha", hash_api_key(alpha, bytes(16))), ("beta", hash_api_key(beta, bytes(16)))])
+    assert salted.tenant_for(alpha) == "alpha"  # now cached
+    assert [salted.tenant_for(near) for near in (alpha[:-1], alpha + "0", " " + alpha)] == [None] * 3
+    assert salted.tenant_for(beta) == "beta" and salted.tenant_for(alpha) == "alpha"
