@@ -32,9 +32,13 @@ limits = { max_concurrent = 32 }          # overrides of [defaults]
 gpu_seconds = 1800
 ```
 
+A table overrides the tables under it key by key (a tenant's ``limits`` over ``[defaults]``, a model class
+over its tenant's limits): a tenant may set only ``requests_burst`` and take ``requests_per_minute`` from
+``[defaults]``.
+
 Every key is checked: an unknown key, a negative limit, a burst below the largest single request it must
-admit (``requests_burst < 1``, ``*_tokens_burst`` below ``max_tokens_per_request``) raise ``QuotaConfigError``
-naming the file and key.
+admit (``requests_burst < 1``, ``*_tokens_burst`` below ``max_tokens_per_request``), a burst with no rate
+in its table or the ones it overrides raise ``QuotaConfigError`` naming the file and key.
 """
 
 from __future__ import annotations
@@ -101,13 +105,6 @@ class LimitsConfig(_Strict):
     max_tool_rounds: Count | None = None
     max_tokens: Count | None = None
     reservation_ttl_s: Positive | None = None
-
-    @model_validator(mode="after")
-    def _burst_needs_rate(self) -> LimitsConfig:
-        for dimension in ("requests", "input_tokens", "output_tokens"):
-            if getattr(self, f"{dimension}_burst") is not None and getattr(self, f"{dimension}_per_minute") is None:
-                raise ValueError(f"{dimension}_burst is set but {dimension}_per_minute is not: a burst needs a rate")
-        return self
 
 
 class EmergencyConfig(_Strict):
@@ -239,6 +236,14 @@ def _merge(base: Limits, override: LimitsConfig) -> Limits:
 
 
 def _check_bursts(limits: Limits, where: str) -> None:
+    """Each burst of ``limits`` (a table merged over the ones it overrides) has a rate and admits the
+    largest request. Raises ``QuotaConfigError``."""
+    for dimension in ("requests", "input_tokens", "output_tokens"):
+        if getattr(limits, f"{dimension}_burst") is not None and getattr(limits, f"{dimension}_per_minute") is None:
+            raise QuotaConfigError(
+                f"{where}.{dimension}_burst: set, but no {dimension}_per_minute applies (neither in this table "
+                "nor in the ones it overrides): a burst needs a rate"
+            )
     largest = limits.max_tokens_per_request
     for dimension in ("input_tokens", "output_tokens"):
         burst = limits.burst(dimension)

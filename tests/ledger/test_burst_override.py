@@ -10,12 +10,6 @@ from fairgate.ledger import QuotaConfigError, quotas_from_dict
 from fairgate.ledger.config import LimitsConfig
 from tests.gateway.conftest import post, serve_stack
 
-# Applying the fairgate/ledger/config.py change of issue 12, item 3 (bursts checked on the merged limits)
-# turns these into passes; strict, so the marker cannot outlive the change.
-pytestmark = pytest.mark.xfail(
-    strict=True, reason="needs the burst check on merged limits in fairgate/ledger/config.py (issue 12, item 3)"
-)
-
 
 def test_a_tenant_may_override_the_burst_alone():
     quotas = quotas_from_dict(
