@@ -1,4 +1,5 @@
-"""``fairgate ledger ...``: operator commands on a quota ledger (reconcile, sweep, freeze, unfreeze, usage)."""
+"""``fairgate ledger ...``: operator commands on a quota ledger (reconcile, sweep, freeze, unfreeze, usage) and on
+a gateway's emergency journal (journal)."""
 
 from __future__ import annotations
 
@@ -177,3 +178,51 @@ def usage(
         return await opened.usage(tenant, window_s)
 
     sys.stdout.write(json.dumps(asdict(_run(work, ledger, quotas)), indent=2) + "\n")
+
+
+@ledger_app.command()
+def journal(
+    path: Annotated[str, typer.Argument(help="The gateway's emergency journal ([gateway] journal).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """What a gateway's emergency journal holds: grants and settlements not yet replayed into the ledger,
+    and grants parked because the ledger would not take them (their usage is not billed: review them).
+
+    Exit code 0 when nothing is parked, 1 when something is, 2 on a bad file.
+    """
+    from pathlib import Path
+
+    from fairgate.ledger.emergency import read_journal, read_parked
+
+    journal_path = Path(path)
+    if journal_path.is_dir():
+        raise _fail(f"{path}: a directory, not a journal file")
+    try:
+        grants, pending = read_journal(journal_path)
+        parked = read_parked(journal_path.with_suffix(".parked.jsonl"))
+    except (OSError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    if json_out:
+        sys.stdout.write(json.dumps({"grants": grants, "pending": pending, "parked": parked}, indent=2) + "\n")
+        raise typer.Exit(1 if parked else 0)
+    table = Table(title=f"journal {escape(path)}: {len(grants)} grant(s), {len(pending)} settlement(s) pending")
+    for column in ("kind", "tenant / request id", "usage in/out/GPU ms", "status or reason"):
+        table.add_column(column)
+    for record in [*grants, *parked]:
+        usage = record.get("usage") or [0, 0, 0.0]
+        table.add_row(
+            "parked" if record["type"] == "parked" else "grant",
+            escape(f"{record.get('tenant')}/{record.get('request_id')}"),
+            f"{usage[0]}/{usage[1]}/{float(usage[2]):.1f}",
+            escape(str(record.get("reason") or record.get("status"))),
+        )
+    for record in pending:
+        usage = record.get("usage") or [0, 0, 0.0]
+        table.add_row(
+            "pending",
+            escape(str(record.get("id"))),
+            f"{usage[0]}/{usage[1]}/{float(usage[2]):.1f}",
+            str(record.get("kind")),
+        )
+    console.print(table)
+    raise typer.Exit(1 if parked else 0)

@@ -49,7 +49,10 @@ Operator view (an ``[admin]`` key only: 401 without a key or with an unknown one
 ``/admin/reconcile`` is read-only (safe to poll): it runs a *dry run* (nobody is frozen; the alert is
 still logged and counted) over reservations and the event log, and answers the last report when it is
 younger than ``RECONCILE_REUSE_S`` (``refresh=true`` forces a new run; concurrent callers share one run).
-Freezing stays an operator decision: ``fairgate ledger reconcile``.
+It also lists this process's ``parked_grants`` (emergency grants the ledger would not take at replay, with
+their usage and reason; ``fairgate.ledger.emergency``), which make it not ``clean``. Freezing stays an
+operator decision: ``fairgate ledger reconcile``; ``fairgate ledger journal`` shows a journal and its parked
+grants.
 
 Errors are OpenAI-shaped (``fairgate.gateway.outcomes``); a ledger that cannot be reached is a 503
 ``ledger_unavailable`` with ``Retry-After``. Figures are what the ledger has booked: emergency grants made
@@ -231,7 +234,9 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
         refresh = params.get("refresh", "false")
         if refresh not in ("true", "false", "1", "0"):
             raise Rejection(Outcome.INVALID_REQUEST, "refresh must be true or false.", "refresh")
-        return _answer(request, await reconciler.report(state.backend, refresh in ("true", "1")))
+        document = await reconciler.report(state.backend, refresh in ("true", "1"))
+        parked = state.ledger.parked()  # emergency grants the ledger would not take: usage not billed
+        return _answer(request, {**document, "clean": document["clean"] and not parked, "parked_grants": parked})
 
     return rejections
 

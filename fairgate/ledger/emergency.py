@@ -11,6 +11,16 @@ quotas, but you must never fail-open indefinitely". ``ResilientLedger`` wraps a 
 - ``recover()`` replays the journal into the ledger once it answers again: each grant is reserved under
   its original request id (idempotent, so a replay interrupted half-way can run again) and closed with
   the usage recorded; pending settlements are applied. The local budgets reset.
+- A grant the ledger will not take (its request id was final there already, or reserved with other
+  arguments; a quota now full; usage it refuses) is **parked**: moved from the journal to the parked file
+  beside it (``<journal>.parked.jsonl``) with its usage and the reason, for the operator (``parked()``,
+  ``/admin/reconcile``, ``fairgate ledger journal``). It never stays in the journal, where it would hold
+  the liveness sweep's expiry (``expire_due``) for good.
+- A grant still open in the journal a process starts with was its predecessor's (killed mid-request): it
+  is cancelled with the usage last journalled, so no grant stays open, and holds expiry, for good.
+- A process does not grant a request id it has seen final (or open) in the ledger: it remembers the last
+  ``KNOWN_IDS_MAX`` reservations the ledger returned to it, and answers a retry of one of them from memory
+  during an outage (a final one is not run again).
 
 The budget is per process: with N gateway processes an outage grants at most N times the tier's budget,
 still bounded.
@@ -22,6 +32,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +44,7 @@ from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, R
 from fairgate.ledger.rules import Account, ReserveArgs, check_billing, check_retry
 
 EMERGENCY_PREFIX = "emg-"
+KNOWN_IDS_MAX = 100_000  # reservations remembered per process (~200 bytes each: ~20 MB at most)
 
 
 @dataclass
@@ -75,6 +87,21 @@ class ResilientLedger(RequestPath):
         self._budgets: dict[str, _Budget] = {}
         self._recovering = asyncio.Lock()  # one replay at a time
         self._grants, _ = _fold(self._read_journal())  # each grant with its latest usage and status
+        for grant in self._grants.values():
+            if grant["status"] == "open":  # its process has ended (this one is new): its request is gone
+                grant["status"] = "cancelled"
+                self._append({"type": "grant_usage", "id": grant["id"], "usage": grant["usage"], "status": "cancelled"})
+        self._known: OrderedDict[tuple[str, str], Reservation] = OrderedDict()  # (tenant, request id) -> last seen
+        self.parked_path = self.journal.with_suffix(".parked.jsonl")
+
+    def _remember(self, r: Reservation) -> Reservation:
+        """Keep ``r`` (the ledger's latest answer about its request id), the oldest forgotten past the bound."""
+        key = (r.tenant, r.request_id)
+        self._known[key] = r
+        self._known.move_to_end(key)
+        if len(self._known) > KNOWN_IDS_MAX:
+            self._known.popitem(last=False)
+        return r
 
     # --- journal ----------------------------------------------------------------------------------
     def _append(self, record: dict[str, Any]) -> None:
@@ -83,9 +110,7 @@ class ResilientLedger(RequestPath):
             handle.flush()
 
     def _read_journal(self) -> list[dict[str, Any]]:
-        if not self.journal.exists():
-            return []
-        return [json.loads(line) for line in self.journal.read_text().splitlines() if line.strip()]
+        return _read_records(self.journal)
 
     # --- API ----------------------------------------------------------------------------------------
     async def reserve_args(self, args: ReserveArgs) -> Reservation:
@@ -96,8 +121,11 @@ class ResilientLedger(RequestPath):
                 error ``Ledger.reserve`` raises.
         """
         try:
-            return await self.ledger.reserve_args(args)
+            return self._remember(await self.ledger.reserve_args(args))
         except LedgerUnavailable:
+            known = self._known.get((args.tenant, args.request_id))
+            if known is not None:  # seen in the ledger: not granted (nor run) again
+                return check_retry(known, args)
             granted = self._grant(args)
             if granted is None:
                 raise
@@ -182,9 +210,9 @@ class ResilientLedger(RequestPath):
             return self._grant_reservation(grant)
         try:
             if kind == "cancel":
-                return await self.ledger.cancel(reservation_id, usage)
-            return await self.ledger.settle(
-                reservation_id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final
+                return self._remember(await self.ledger.cancel(reservation_id, usage))
+            return self._remember(
+                await self.ledger.settle(reservation_id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final)
             )
         except LedgerUnavailable:
             # Usage must not be lost: keep it for recover(). The caller learns the ledger is down.
@@ -317,7 +345,8 @@ class ResilientLedger(RequestPath):
             await self._replay_pending(record, report)
         # Records appended while the replay waited on the ledger (a grant finishing, a settlement that could
         # not reach it) are kept after what is left, for the next replay.
-        appended = self._read_journal()[len(records) :]
+        # (The replay's own ``grant_ledger_id`` marks are not kept: a grant kept holds its ledger id itself.)
+        appended = [r for r in self._read_journal()[len(records) :] if r["type"] != "grant_ledger_id"]
         tmp = self.journal.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in [*left, *appended]))
         tmp.replace(self.journal)
@@ -327,46 +356,51 @@ class ResilientLedger(RequestPath):
 
     async def _replay_grant(self, grant: dict[str, Any], report: RecoveryReport) -> bool:
         """Reserve ``grant`` in the ledger under its request id and bill its usage; True: keep it in the
-        journal (still running, or refused by the ledger). Raises ``LedgerUnavailable``."""
+        journal (still running). One the ledger will not take is parked (module docstring). Raises
+        ``LedgerUnavailable``."""
         try:
-            r = await self.ledger.reserve(
-                grant["tenant"],
-                grant["request_id"],
-                grant["input_tokens"],
-                grant["max_output_tokens"],
-                grant["gpu_ms_estimate"],
-                grant["model_class"],
-                grant["run_id"],
-                grant["tool_round"],
-            )
+            r = await self.ledger.reserve_args(ReserveArgs.of(self._grant_reservation(grant)))
         except LedgerUnavailable:
             raise
         except LedgerError as exc:
-            # Over quota now that it is counted: the grant was still given; booking it as usage anyway
-            # would break the ledger's invariants, so it is reported for the operator.
-            report.left.append(f"grant {grant['id']} ({grant['tenant']}/{grant['request_id']}): {exc}")
-            return True
+            return self._park(grant, f"the ledger refused its reservation: {exc}", report)
         usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
+        if r.is_final and grant.get("ledger_id") == r.id:  # closed by a replay interrupted before the rewrite
+            report.grants_settled += 1
+            return False
+        if r.is_final:  # the id ran and closed in the ledger before: the grant ran it a second time
+            return self._park(grant, f"request id {grant['request_id']!r} was {r.status} in the ledger already", report)
+        if grant.get("ledger_id") != r.id:  # journalled before it is closed: a replay again knows it as its own
+            grant["ledger_id"] = r.id
+            self._append({"type": "grant_ledger_id", "id": grant["id"], "ledger_id": r.id})
         try:
-            if not r.is_final:
-                if grant["status"] == "open":
-                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
-                    grant["ledger_id"] = r.id  # the gateway heartbeats it under this id from now on
-                    return True  # still running: keep it, settle again at the next recover
-                if grant["status"] == "cancelled":
-                    await self.ledger.cancel(r.id, usage)
-                else:
-                    await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
+            if grant["status"] == "open":  # the gateway heartbeats it under its ledger id from now on
+                await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms)
+                return True  # still running: keep it, settle again at the next recover
+            if grant["status"] == "cancelled":
+                await self.ledger.cancel(r.id, usage)
+            else:
+                await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
         except LedgerUnavailable:
             raise
         except LedgerError as exc:
-            # Usage the ledger refuses (a journal written before grants were checked, or edited): reported,
-            # not kept - kept, it would hold the sweep (``expire_due``) for good; the reservation now in the
-            # ledger expires at its TTL, billing what was settled.
-            report.left.append(f"usage of grant {grant['id']} ({grant['tenant']}/{grant['request_id']}): {exc}")
-            return False
+            # The reservation now in the ledger expires at its TTL, billing what was settled.
+            return self._park(grant, f"the ledger refused its usage: {exc}", report)
         report.grants_settled += 1
         return False
+
+    def _park(self, grant: dict[str, Any], reason: str, report: RecoveryReport) -> bool:
+        """Move ``grant`` to the parked file with ``reason`` (appended and flushed); False: not kept."""
+        record = {**grant, "type": "parked", "reason": reason, "parked_at_ms": time.time() * 1000.0}
+        with self.parked_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+        report.left.append(f"grant {grant['id']} ({grant['tenant']}/{grant['request_id']}) parked: {reason}")
+        return False
+
+    def parked(self) -> list[dict[str, Any]]:
+        """The grants parked for the operator, oldest first (``read_parked``)."""
+        return read_parked(self.parked_path)
 
     async def _replay_pending(self, record: dict[str, Any], report: RecoveryReport) -> None:
         """Apply a settlement the ledger could not take when it was made. Raises ``LedgerUnavailable``."""
@@ -400,6 +434,40 @@ def _fold(
         elif record["type"] == "grant_usage":
             if record["id"] in grants:
                 grants[record["id"]].update(usage=record["usage"], status=record["status"])
+        elif record["type"] == "grant_ledger_id":
+            if record["id"] in grants:
+                grants[record["id"]]["ledger_id"] = record["ledger_id"]
         else:
             pending.append(record)
     return grants, pending
+
+
+def read_parked(path: Path) -> list[dict[str, Any]]:
+    """The parked grants in the file at ``path`` (none if it does not exist): each grant's journal record
+    (tenant, request id, what was reserved, ``usage`` [input, output, GPU ms] or None, ``status``) with
+    ``reason`` and ``parked_at_ms``. Raises ``ValueError`` naming the line of a record that is not JSON."""
+    return _read_records(path)
+
+
+def read_journal(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """What the journal at ``path`` holds, not yet replayed: the grants (each with its latest usage and
+    status) and the pending settlements. Raises ``ValueError`` naming the line of a bad record."""
+    grants, pending = _fold(_read_records(path))
+    return list(grants.values()), pending
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+            raise ValueError(f"{path}:{number}: not a journal record (an object with a type)")
+        records.append(record)
+    return records

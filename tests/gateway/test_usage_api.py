@@ -361,6 +361,14 @@ def test_admin_reconcile_is_a_dry_run_reused_for_a_while(stack: Stack, tmp_path:
     assert stack.get("/admin/reconcile?refresh=maybe", "admin").json()["error"]["param"] == "refresh"
 
 
+def test_admin_reconcile_lists_parked_emergency_grants(stack: Stack, tmp_path: Path) -> None:
+    assert stack.get("/admin/reconcile", "admin").json()["parked_grants"] == []
+    parked = {"type": "parked", "tenant": "alpha", "request_id": "twice", "usage": [10, 30, 2.0], "reason": "final"}
+    (tmp_path / "journal.parked.jsonl").write_text(json.dumps(parked) + "\n")  # beside [gateway] journal
+    report = stack.get("/admin/reconcile", "admin").json()
+    assert report["parked_grants"] == [parked] and not report["clean"], report
+
+
 # --- the rejection counter, on its own --------------------------------------------------------------
 
 

@@ -175,3 +175,100 @@ async def test_usage_the_ledger_refuses_at_replay_is_reported_and_does_not_hold_
     assert rows["g2"].status == "settled" and rows["g2"].billed == Usage(10, 20, 1.0)
     assert rows["g1"].status == "open" and rows["g1"].billed == Usage()  # expires at its TTL
     assert ResilientLedger(ledger, journal).outstanding() == 0
+
+
+async def test_a_process_does_not_grant_a_request_id_it_saw_final(cut_ledger):
+    """The ledger is down; a client retries a request this process completed before it. Granting it would
+    run it a second time; the process answers from what the ledger last told it instead."""
+    ledger, proxy, journal = cut_ledger
+    front = ResilientLedger(ledger, journal)
+    done = await front.reserve("bank", "done", 10, 100, 1.0)
+    await front.settle(done.id, 10, 30, 2.0, final=True)
+    proxy.cut()
+    again = await front.reserve("bank", "done", 10, 100, 1.0)
+    assert (again.id, again.status, again.billed) == (done.id, "settled", Usage(10, 30, 2.0))
+    with pytest.raises(IdempotencyConflict):
+        await front.reserve("bank", "done", 10, 50, 1.0)  # another max_tokens: not a retry, not granted
+    assert front.outstanding() == 0 and not journal.exists()
+
+
+async def test_a_grant_the_ledger_will_not_take_is_parked_and_does_not_hold_expiry(cut_ledger):
+    """Process B never saw request "done" (A served it). During an outage B grants a retry of it, which runs
+    and delivers 30 tokens. At replay the ledger has "done" final already: the grant is parked with its usage
+    and reason for the operator, the journal empties, and expiry resumes (an orphan past its TTL expires)."""
+    ledger, proxy, journal = cut_ledger
+    done = await ledger.reserve("bank", "done", 10, 100, 1.0)  # process A's
+    await ledger.settle(done.id, 10, 30, 2.0, final=True)
+    other = await ledger.reserve("bank", "other-args", 10, 100, 1.0)
+    await ledger.settle(other.id, 10, 5, 1.0, final=True)
+    orphan = await ledger.reserve("bank", "orphan", 1, 1, 0.0)  # a dead process's: never heartbeat
+    front_b = ResilientLedger(ledger, journal)
+    proxy.cut()
+    twice = await front_b.reserve("bank", "done", 10, 100, 1.0)
+    conflicting = await front_b.reserve("bank", "other-args", 10, 60, 1.0)
+    assert twice.id.startswith("emg-") and conflicting.id.startswith("emg-")
+    await front_b.settle(twice.id, 10, 30, 2.0, final=True)
+    await front_b.settle(conflicting.id, 10, 7, 1.0, final=True)
+    proxy.restore()
+    report = await _recover_when_back(front_b)
+    assert front_b.outstanding() == 0 and report.grants_settled == 0 and len(report.left) == 2, report
+    parked = {p["request_id"]: p for p in front_b.parked()}
+    assert parked["done"]["usage"] == [10, 30, 2.0] and "settled in the ledger already" in parked["done"]["reason"]
+    assert parked["other-args"]["usage"] == [10, 7, 1.0] and "other arguments" in parked["other-args"]["reason"]
+    assert (await ledger.get(done.id)).billed == Usage(10, 30, 2.0)  # A's billing untouched
+    assert not (await ledger.get(orphan.id)).is_final  # expiry, no longer held by the journal, ends it at its TTL
+
+
+async def test_a_grant_left_open_by_a_killed_process_is_cancelled_with_its_usage(cut_ledger):
+    """The process died mid-request during the outage; the one started after it must not keep the grant
+    open (still running, as far as the journal says) forever, holding expiry."""
+    ledger, proxy, journal = cut_ledger
+    proxy.cut()
+    killed = ResilientLedger(ledger, journal)
+    grant = await killed.reserve("bank", "cut", 10, 100, 1.0)
+    await killed.settle(grant.id, 10, 12, 1.5)  # a partial settlement, then kill -9
+    restarted = ResilientLedger(ledger, journal)
+    proxy.restore()
+    report = await _recover_when_back(restarted)
+    assert (report.grants_settled, report.left, restarted.outstanding()) == (1, [], 0)
+    [row] = await ledger.reservations("bank")
+    assert (row.request_id, row.status, row.billed) == ("cut", "cancelled", Usage(10, 12, 1.5))
+
+
+class _FailsAfter:
+    """The ledger, but ``reserve_args`` raises ``LedgerUnavailable`` after ``calls`` calls (an outage that
+    comes back in the middle of a replay)."""
+
+    def __init__(self, ledger, calls: int) -> None:  # type: ignore[no-untyped-def]
+        self.ledger, self.quotas, self.calls = ledger, ledger.quotas, calls
+
+    def limits(self, tenant: str, model_class: str):  # type: ignore[no-untyped-def]
+        return self.ledger.limits(tenant, model_class)
+
+    async def reserve_args(self, args):  # type: ignore[no-untyped-def]
+        self.calls -= 1
+        if self.calls < 0:
+            raise LedgerUnavailable("down again")
+        return await self.ledger.reserve_args(args)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.ledger, name)
+
+
+async def test_a_replay_cut_after_its_first_grant_counts_it_once_when_run_again(cut_ledger, tmp_path):
+    ledger, proxy, _ = cut_ledger
+    journal = tmp_path / "cut-replay.jsonl"
+    proxy.cut()
+    front = ResilientLedger(ledger, journal)
+    for i in (1, 2):
+        grant = await front.reserve("bank", f"c{i}", 10, 100, 1.0)
+        await front.settle(grant.id, 10, 20 * i, 1.0, final=True)
+    proxy.restore()
+    await _recover_when_back(ResilientLedger(ledger, tmp_path / "warm-up.jsonl"))  # the pool has reconnected
+    with pytest.raises(LedgerUnavailable):  # c1 reserved and settled, then the ledger goes away again
+        await ResilientLedger(_FailsAfter(ledger, 1), journal).recover()  # type: ignore[arg-type]
+    again = ResilientLedger(ledger, journal)
+    report = await again.recover()
+    assert (report.grants_settled, report.left, again.outstanding(), again.parked()) == (2, [], 0, [])
+    rows = {r.request_id: r for r in await ledger.reservations("bank")}
+    assert rows["c1"].billed == Usage(10, 20, 1.0) and rows["c2"].billed == Usage(10, 40, 1.0)
