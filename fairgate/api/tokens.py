@@ -3,9 +3,11 @@
 The emulated replica's tokenizer is one token per whitespace-separated word, plus
 ``CHAT_MESSAGE_OVERHEAD_TOKENS`` per chat message (the role and template markers). The gateway has no
 tokenizer of the upstream's model, so it estimates: the same count, but at least one token per
-``BYTES_PER_TOKEN_MAX`` bytes of UTF-8 text, and counting everything else a chat model reads as prompt
-(tool definitions, tool calls, names, a response schema). The estimate bounds the reservation and the
-context check; the upstream's reported usage settles the exact count.
+``BYTES_PER_TOKEN_MAX`` bytes of UTF-8 text, and counting everything else the upstream receives as prompt
+(tool definitions, tool calls, names, a response schema, content parts that are not text - an image's
+data - and fields the gateway does not know, which it passes on). The estimate bounds the reservation and
+the context check; the upstream's reported usage settles the exact count (up to the ledger's
+``rules.input_allowance`` of the estimate, so an estimate must not leave anything out).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 
-from fairgate.api.schema import ChatRequest, CompletionRequest
+from fairgate.api.schema import ChatMessage, ChatRequest, CompletionRequest
 
 CHAT_MESSAGE_OVERHEAD_TOKENS = 3
 # BPE tokenizers give one token per ~4 bytes of English; none in use gives fewer than one per 8 bytes, so
@@ -43,11 +45,23 @@ def estimate_tokens(text: str) -> int:
 
 def estimate_prompt_tokens(body: ChatRequest | CompletionRequest) -> int:
     """The gateway's admission estimate of ``body``'s prompt tokens (see module docstring)."""
+    unknown = estimate_tokens(json.dumps(body.model_extra)) if body.model_extra else 0
     if isinstance(body, ChatRequest):
-        tokens = sum(estimate_tokens(m.text()) + CHAT_MESSAGE_OVERHEAD_TOKENS for m in body.messages)
-        return tokens + estimate_tokens(prompt_extras(body))
+        tokens = sum(
+            estimate_tokens(m.text()) + estimate_tokens(other_parts(m)) + CHAT_MESSAGE_OVERHEAD_TOKENS
+            for m in body.messages
+        )
+        return tokens + estimate_tokens(prompt_extras(body)) + unknown
     text = body.prompt_text()
-    return estimate_tokens(text) if text is not None else len(body.prompt_token_ids())
+    return (estimate_tokens(text) if text is not None else len(body.prompt_token_ids())) + unknown
+
+
+def other_parts(message: ChatMessage) -> str:
+    """A message's content parts other than text (images, audio, files: their data is sent), as JSON."""
+    if not isinstance(message.content, list):
+        return ""
+    parts = [part.model_dump() for part in message.content if part.type != "text" or part.model_extra]
+    return json.dumps(parts) if parts else ""
 
 
 def prompt_extras(body: ChatRequest) -> str:

@@ -267,7 +267,17 @@ class Call:
         and the metered GPU time (cumulative); ``final`` releases the rest of the reservation."""
         call, reservation = self.progress, self.admitted.reservation
         usage = billable_usage(call.usage) or {}
-        input_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
+        reported_input = int(usage.get("prompt_tokens", call.prompt_tokens))
+        # The ledger takes at most ``input_allowance`` of the estimate; more is billed up to it (and flagged)
+        # rather than refused, which would leave the reservation open to expire billing nothing.
+        input_tokens = min(reported_input, rules.input_allowance(reservation.input_tokens))
+        if final and input_tokens < reported_input:
+            flagged = {
+                "event": "usage_above_reservation",
+                "reservation": reservation.id,
+                "input_tokens": reported_input,
+            }
+            log.warning(json.dumps({**flagged, "billed_input_tokens": input_tokens}))
         output_tokens = min(int(usage.get("completion_tokens", call.output_tokens)), reservation.max_output_tokens)
         gpu_ms = min(call.gpu_ms, GPU_MS_BILLED_MAX)
         if final:

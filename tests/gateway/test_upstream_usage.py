@@ -75,3 +75,36 @@ def test_billable_usage_keeps_whole_counts_in_range() -> None:
     assert billable_usage({"prompt_tokens": -1, "completion_tokens": 4}) == {"completion_tokens": 4}
     assert billable_usage({"prompt_tokens": 10_000_001}) is None
     assert billable_usage(["prompt_tokens", 3]) is None and billable_usage(None) is None
+
+
+def test_a_prompt_the_upstream_counts_far_above_the_estimate_is_billed_and_closed(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The estimate was 2 tokens; the upstream says 5,000. The ledger takes at most its input allowance
+    (2 x 2 + 1,024): that much is billed, the reservation is closed (not left to expire billing 0), and the
+    difference is logged."""
+    with serve_stack(tmp_path, replica_reporting({"prompt_tokens": 5000, "completion_tokens": 3})) as stack:
+        body = {"model": "emu", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+        headers = {"Authorization": f"Bearer {stack.keys['alpha']}"}
+        reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+        [r] = stack.reservations()
+    assert reply.status_code == 200, reply.text
+    assert r.status == "settled" and r.billed.input_tokens == 2 * r.input_tokens + 1024, r
+    assert any("usage_above_reservation" in m and '"input_tokens": 5000' in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x" * 60_000}}]}]},
+        {"messages": [{"role": "user", "content": "hi"}], "extra_document": "y" * 60_000},
+        {"prompt": "hi", "extra_document": "y " * 30_000},
+    ],
+)
+def test_every_part_the_upstream_receives_is_estimated(tmp_path: Path, body: dict[str, Any]) -> None:
+    """60 KB in an image part or an unknown field is ~7,500 tokens, not 5: over this model's 2,048-token
+    context, refused before anything is reserved."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with serve_stack(tmp_path) as stack:
+        headers = {"Authorization": f"Bearer {stack.keys['alpha']}"}
+        reply = httpx.post(f"{stack.url}{path}", json={"model": "emu", **body}, headers=headers, timeout=30)
+        assert stack.reservations() == []
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "context_length_exceeded", reply.text
