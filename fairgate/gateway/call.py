@@ -95,6 +95,7 @@ class Call:
         self._ended = False
         self._settled_at = (0, state.clock.monotonic_s())  # (output tokens, time) of the last partial settlement
         self.stopped: str | None = None  # why the gateway stopped the request (``BudgetSpent.code``)
+        self.delivered = False  # the client has received something of the generation
 
     async def respond(self, request: Request) -> Response:
         """Run the call and answer the client: a relayed stream, or one collected response. Raises
@@ -163,7 +164,7 @@ class Call:
                 if not include_usage:
                     chunk.pop("usage", None)
                 yield f"data: {json.dumps(chunk)}\n\n"
-                sent = True
+                sent = self.delivered = True
                 await self._checkpoint()
             finished = True
             await self._end(stream, finished, retrying)  # settled before the client reads [DONE]
@@ -264,8 +265,13 @@ class Call:
 
     async def _settle(self, final: bool, cancelled: bool) -> None:
         """Book what the call used so far: the upstream's usage when it reported one, else what was relayed,
-        and the metered GPU time (cumulative); ``final`` releases the rest of the reservation."""
+        and the metered GPU time (cumulative); ``final`` releases the rest of the reservation. A call that
+        failed on the platform's side before the client received anything is not the tenant's to pay: its
+        reservation is cancelled billing nothing (``_refund``)."""
         call, reservation = self.progress, self.admitted.reservation
+        if final and call.failed and not self.delivered:
+            await self._refund()
+            return
         usage = billable_usage(call.usage) or {}
         reported_input = int(usage.get("prompt_tokens", call.prompt_tokens))
         # The ledger takes at most ``input_allowance`` of the estimate; more is billed up to it (and flagged)
@@ -288,6 +294,19 @@ class Call:
                 await self.state.ledger.cancel(reservation.id, Usage(input_tokens, output_tokens, gpu_ms))
             else:
                 await self.state.ledger.settle(reservation.id, input_tokens, output_tokens, gpu_ms, final)
+        except LedgerError as exc:
+            log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
+
+    async def _refund(self) -> None:
+        """Cancel the reservation of a call the upstream failed (refused, died) before the client received
+        anything, billing nothing; what it used is logged (``platform_failure``), the fair policy keeps the
+        GPU time it charged (the replica did spend it), and the client's 5xx is counted as a rejection."""
+        call, reservation = self.progress, self.admitted.reservation
+        self.state.events.observe(self._finished("error", 0, 0, 0.0))
+        used = {"input_tokens": call.prompt_tokens, "output_tokens": call.output_tokens, "gpu_ms": call.gpu_ms}
+        log.warning(json.dumps({"event": "platform_failure", "reservation": reservation.id, "unbilled": used}))
+        try:
+            await self.state.ledger.cancel(reservation.id, Usage())
         except LedgerError as exc:
             log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
 

@@ -1,0 +1,65 @@
+"""A call the platform fails - the upstream refuses it or dies - before the client has received anything is
+not the tenant's to pay: its reservation is cancelled billing nothing. Once the client has received tokens,
+what it received is billed. What each client received is compared with what the ledger holds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from fairgate.ledger import Usage
+from tests.gateway.conftest import serve_stack
+
+
+def replica_failing(tokens_before_dying: int | None) -> Starlette:
+    """A replica that answers 401 (``None``), or streams ``tokens_before_dying`` tokens and drops the connection."""
+
+    async def completions(request: Request) -> Response:
+        await request.body()
+        if tokens_before_dying is None:
+            return JSONResponse({"error": {"message": "bad key", "code": "invalid_api_key"}}, status_code=401)
+
+        async def events() -> AsyncIterator[str]:
+            for _ in range(tokens_before_dying):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': ' w'}]})}\n\n"
+            raise ConnectionResetError("replica died")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+def _post(url: str, key: str, stream: bool) -> httpx.Response:
+    body = {"model": "emu", "prompt": "a b c", "max_tokens": 50, "stream": stream}
+    return httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+@pytest.mark.parametrize(("tokens_before_dying", "stream"), [(None, False), (None, True), (20, False), (0, True)])
+def test_a_call_failed_before_the_client_received_anything_bills_nothing(
+    tmp_path: Path, tokens_before_dying: int | None, stream: bool
+) -> None:
+    with serve_stack(tmp_path, replica_failing(tokens_before_dying)) as stack:
+        reply = _post(stack.url, stack.keys["alpha"], stream)
+        [r] = stack.reservations()
+        events = stack.ledger_call(lambda ledger: ledger.events("alpha"))
+    assert reply.status_code >= 400 and "error" in reply.json(), reply.text
+    assert (r.status, r.billed) == ("cancelled", Usage()), r
+    assert sum(e.input_tokens + e.output_tokens for e in events) == 0 and sum(e.gpu_ms for e in events) == 0.0
+
+
+def test_a_stream_cut_by_the_replica_bills_what_the_client_received(tmp_path: Path) -> None:
+    with serve_stack(tmp_path, replica_failing(7)) as stack:
+        reply = _post(stack.url, stack.keys["alpha"], stream=True)
+        [r] = stack.reservations()
+    chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    received = sum(1 for c in chunks if c.get("choices") and c["choices"][0].get("text"))
+    assert received == 7 and chunks[-1]["error"]["code"] == "upstream_error", reply.text
+    assert r.status == "cancelled" and r.billed.output_tokens == received and r.billed.input_tokens > 0, r
