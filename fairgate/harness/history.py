@@ -241,7 +241,8 @@ def _check_id(
         flag(Kind.UNRESERVED, f"client received {received} tokens, the ledger has no reservation")
         return out
     cut = sum(1 for a in tried if a.outcome in CUT_OUTCOMES)
-    seen = f"client received {received} ({_outcomes(tried)}), billed {billed}"
+    statuses = "/".join(r.status for r in found)
+    seen = f"client received {received} ({_outcomes(tried)}), billed {billed} ({statuses})"
     if received - billed > bounds.unbilled_per_cut * cut:
         flag(Kind.UNBILLED, f"{seen}: {received - billed} unbilled (bound {bounds.unbilled_per_cut * cut})")
     if billed - received > bounds.overbilled_per_cut * cut:

@@ -83,7 +83,7 @@ async def test_unbilled_and_overbilled_are_exact_for_whole_answers(ledger):
     report = check_history([ok("short", 20), ok("long", 20)], await state(ledger))
     assert kinds(report) == [("overbilled", "long"), ("unbilled", "short")]
     unbilled = next(d for d in report.discrepancies if d.kind is Kind.UNBILLED)
-    assert unbilled.detail == "client received 20 (A:ok@20), billed 19: 1 unbilled (bound 0)"
+    assert unbilled.detail == "client received 20 (A:ok@20), billed 19 (settled): 1 unbilled (bound 0)"
 
 
 async def test_a_cut_attempt_is_allowed_the_in_flight_bound_and_no_more(ledger):
