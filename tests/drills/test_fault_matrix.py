@@ -27,7 +27,7 @@ RERUN_AFTER_KILL = (
     "kill -9: an id its client retries after the gateway died is run again from scratch under its still-open "
     "reservation once the run claim lapses (replicas: more sequences than ids); the re-run's cumulative "
     "settlements restart from 0 and the ledger refuses them as below what the first run billed (the final one "
-    "too, by GPU ms), so a 200 answer is left to expire billing only the first run's partial settlement"
+    "too, by GPU ms), so its 200 answer can be left to expire billing only the first run's partial settlement"
 )
 COLLECTED_UPSTREAM_FAILURE = (
     "replica killed: a collected (not streamed) request whose replica dies mid-generation is answered 502 with no "
