@@ -37,6 +37,7 @@ from fairgate.drills import DrillOptions
 from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, table
 from fairgate.harness.config import UNBOUNDED, TenantSpec
 from fairgate.harness.gauges import gateway_gauges
+from fairgate.harness.history import HistoryReport, check_history, read_ledger_state, read_replica_counts
 from fairgate.harness.ledger import wait_settled
 from fairgate.harness.loadgen import LoadGenerator, Request, TenantLoad
 from fairgate.harness.logs import log_lines, summarise_log
@@ -171,6 +172,7 @@ class RestartFigures:
     replicas: dict[str, tuple[int, int]]  # replica -> (running, waiting) at the end
     unbilled_killed_tokens: int  # streamed to A's killed clients beyond what was settled before the kill
     gateway_log: tuple[str, ...]
+    history: HistoryReport  # the history checker: every id's attempts against the ledger and the replicas
 
     @property
     def converge_s(self) -> float | None:
@@ -218,6 +220,7 @@ class RestartResult(ConfiguredResult[RestartConfig, RestartFigures]):
             )
             and all(v == (0, 0) for v in f.replicas.values()),
             "the restarted process serves again": f.a_after_restart_ok > 0,
+            f"history checker: {f.history.summary()}": f.history.ok,
         }
 
     def intro(self) -> list[str]:
@@ -308,6 +311,7 @@ class RestartResult(ConfiguredResult[RestartConfig, RestartFigures]):
                 "machine (the slack)."
             )
         out += [f"  [red]problem[/red] {line}" for line in (*f.mismatches[:8], *f.expired_not_killed[:8])]
+        out += [f"  [red]history[/red] {d.kind.value} {d.subject}: {d.detail}" for d in f.history.discrepancies[:8]]
         return out + [f"  gateway: {line}" for line in f.gateway_log[:8]]
 
     def verdict(self) -> str:
@@ -336,6 +340,7 @@ class End:
     accounts: dict[str, tuple[int, int]]
     gauges: dict[str, tuple[float, float]]
     replicas: dict[str, tuple[int, int]]
+    history: HistoryReport
 
 
 def run(options: DrillOptions, config: RestartConfig | None = None) -> RestartResult:
@@ -431,7 +436,9 @@ async def _end(stack: Stack, reader: Any, c: RestartConfig, records: list[Reques
         g = await gateway_gauges(gateway.url, stack.admin_key or "")
         gauges[name] = (g.active_sequences, g.queued)
     replicas_now = {f"emu-{i}": (s.running, s.waiting) for i, s in enumerate(await stack.replica_stats())}
-    return End(records, await reader.reservations(), accounts, gauges, replicas_now)
+    state = await read_ledger_state(reader, [t.name for t in c.tenants], [MODEL])
+    history = check_history(records, state, await read_replica_counts(stack.replica_urls))
+    return End(records, list(state.reservations), accounts, gauges, replicas_now, history)
 
 
 def restart_figures(c: RestartConfig, kill: Kill, end: End, lines: list[str]) -> RestartFigures:
@@ -494,6 +501,7 @@ def restart_figures(c: RestartConfig, kill: Kill, end: End, lines: list[str]) ->
         end.replicas,
         unbilled,
         tuple(lines),
+        end.history,
     )
 
 

@@ -14,6 +14,8 @@
   ``TenantLoad``, ``Request``, ``Cut``, ``HttpRequest``) and what it records (``History``);
   ``rawhttp``: requests written byte for byte.
 - ``run``: one load on a fresh stack with ledger readings (``run_on_stack``).
+- ``history``: the history checker (``check_history``): every client's attempts, id by id, against the
+  ledger's reservations, events and accounts and the replicas' own counts; a typed report of what differs.
 - ``ledger``, ``gauges``, ``logs``: what the ledger, a gateway's ``/metrics`` and the gateways' logs say
   (``quiet_hang_ups`` silences what thousands of client hang-ups make servers log).
 

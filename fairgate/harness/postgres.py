@@ -37,6 +37,14 @@ def throwaway_postgres() -> Iterator[str]:
     Raises:
         RuntimeError: no PostgreSQL binaries, or the server did not start.
     """
+    with throwaway_postgres_server() as server:
+        yield server.url
+
+
+@contextmanager
+def throwaway_postgres_server() -> Iterator[ServerProcess]:
+    """``throwaway_postgres``, yielding the running server itself, which a drill may stop and start again
+    (same port and data) or pause. Raises as ``throwaway_postgres``."""
     bindir = _bindir()
     base = Path(tempfile.mkdtemp(prefix="fairgate-pg-"))
     user = "postgres" if os.geteuid() == 0 else None
@@ -63,9 +71,9 @@ def throwaway_postgres() -> Iterator[str]:
             user=user,
         )
         with server:
-            yield server.url
+            yield server
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
-__all__ = ["throwaway_postgres"]
+__all__ = ["throwaway_postgres", "throwaway_postgres_server"]

@@ -111,6 +111,17 @@ class ServerProcess:
             assert self.popen is not None
             self.popen.send_signal(sig)
 
+    def send_tree(self, sig: int) -> None:
+        """Send ``sig`` to it and every process it started (a PostgreSQL server's backends serve the open
+        connections: SIGSTOP to the postmaster alone pauses nothing a client holds)."""
+        if self.alive:
+            assert self.popen is not None
+            for pid in [self.popen.pid, *descendants(self.popen.pid)]:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass  # it ended meanwhile
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` (default SIGKILL: a crash, no clean-up) and reap it; SIGKILL if it outlives STOP_S_MAX."""
         if sig != signal.SIGKILL:
@@ -144,6 +155,23 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (children, their children, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended while being read
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        found = children.get(todo.pop(), [])
+        out += found
+        todo += found
+    return out
 
 
 def fairgate_server(args: Sequence[str], port: int | None = None, log_path: Path | None = None) -> ServerProcess:
@@ -199,6 +227,7 @@ def environment(values: dict[str, str]) -> ExitStack:
 __all__ = [
     "STARTUP_S_MAX",
     "ServerProcess",
+    "descendants",
     "environment",
     "fairgate_process",
     "fairgate_server",

@@ -77,6 +77,8 @@ class ReplicaStats:
     # (bench/live_fairness.py reports it beside the shares)
     planned_ms: float
     measured_ms: float
+    sequences_finished: int = 0  # sequences it ran to their end
+    sequences_cancelled: int = 0  # sequences stopped before their end (the gateway closed the stream)
 
     @property
     def occupancy(self) -> int:
@@ -107,6 +109,8 @@ async def read_replica(url: str, timeout_s: float = 2.0) -> ReplicaStats | None:
         int(stats["tokens_generated"]),
         float(stats["planned_ms"]),
         float(stats["measured_ms"]),
+        int(stats["sequences_finished"]),
+        int(stats["sequences_cancelled"]),
     )
 
 

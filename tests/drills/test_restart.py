@@ -40,6 +40,10 @@ def test_a_killed_gateway_process_converges_and_nothing_running_is_released():
     assert all(k.status == "expired" for k in f.killed if not k.retried), summary
     assert f.converge_s is not None and f.converge_s <= config.converge_bound_s, summary
     assert f.open_left == 0 and all(v == (0, 0) for v in f.accounts.values()), summary
+    # The history checker: no id run, reserved or billed twice; what each client received billed (a killed
+    # request within one partial-settlement interval); nothing open or held; the replicas agree.
+    assert f.history.ok, f.history.table()
+    assert f.history.requests > 0 and f.history.reservations > 0
     assert result.passed, summary
     timed.assert_within(WALL_S_MAX)
 
