@@ -67,6 +67,8 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
         raise _in_progress(generation.request_id, None)
     try:
         await _claim_run(state, generation.request_id, reservation)
+        if reservation.billed != Usage():
+            await _close_abandoned(state, generation.request_id, reservation)
     except Rejection:
         state.calls.release(caller.tenant, generation.request_id)
         raise
@@ -134,6 +136,22 @@ async def _claim_run(state: GatewayState, request_id: str, reservation: Reservat
         raise Rejection(Outcome.LEDGER_UNAVAILABLE, "Accounting is unavailable; retry later.") from None
     if not claim.held_by(state.process_id):
         raise _in_progress(request_id, claim.remaining_ms / 1000.0)
+
+
+async def _close_abandoned(state: GatewayState, request_id: str, reservation: Reservation) -> None:
+    """A reservation open with usage billed, whose run claim this process could take: its request ran on a
+    process that stopped (the claim lapsed; a call settles at its first token). It is not run again - its
+    client received part of it, billed - but closed billing what was settled. Raises ``Rejection`` 409."""
+    try:
+        await state.ledger.cancel(reservation.id, reservation.billed)
+    except LedgerError as exc:  # the sweep expires it at its TTL, billing the same
+        log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
+    raise Rejection(
+        Outcome.REQUEST_ALREADY_COMPLETED,
+        f"Request {request_id!r} ran on a gateway process that stopped; it is not run again (what it generated "
+        "is billed). Send it with a new request id.",
+        "x-request-id",
+    )
 
 
 def _in_progress(request_id: str, retry_after_s: float | None) -> Rejection:

@@ -2,17 +2,18 @@
 
 A ``Call`` owns everything a request holds while it runs: the slot (``Lease``), the reservation, and its
 registration with the upstream's live meter (``CallState``). It sends the body upstream (always streamed,
-with usage), relays the stream to the client (server-sent events) or collects it into one response, books
-partial settlements every ``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S`` while it runs (so a gateway
-killed mid-stream leaves at most that much delivered and unbilled per request), stops a request that has
-used the GPU time its reservation holds once its tenant's GPU budget has nothing left (``BudgetSpent``: the
-overspend is at most one settlement interval's charges per request) or that generates past its
-``max_tokens``, and on every path - completed,
-client gone, upstream failed, this task cancelled - closes the upstream stream (the replica stops the
-sequence within an iteration), frees the slot, settles the reservation finally (cancelled ones billed for
-what was generated) and forgets the request, once. An upstream that refused the connection before
-anything was relayed raises ``TryAnotherUpstream`` instead, leaving the reservation open for the next
-upstream of the model.
+with usage) and relays the stream to the client (server-sent events) or collects it into one response.
+A stream is settled partially at its first token (the ledger then knows the request has run), then every
+``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S``: a gateway killed mid-stream leaves at most that much
+delivered and unbilled per request. A collected call delivers nothing before it ends, so it settles only
+then. A request that has used the GPU time its reservation holds is stopped once its tenant's GPU budget has
+nothing left (``BudgetSpent``: the overspend is at most one settlement interval's charges per request), and
+so is one generating past its ``max_tokens``. On every path - completed, client gone, upstream failed, this
+task cancelled - the call closes the upstream stream (the replica stops the sequence within an iteration),
+frees the slot, settles the reservation finally (cancelled ones billed for what was generated; nothing, when
+the platform failed before the client received anything) and forgets the request, once. An upstream that
+refused the connection before anything was relayed raises ``TryAnotherUpstream`` instead, leaving the
+reservation open for the next upstream of the model.
 """
 
 from __future__ import annotations
@@ -231,9 +232,10 @@ class Call:
                     self.state.calls.release(self.admitted.caller.tenant, self.admitted.generation.request_id)
 
     async def _checkpoint(self) -> None:
-        """After each chunk: stop a request generating past its ``max_tokens``; settle partially every
-        ``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S``, then, once the request has used the GPU time its
-        reservation holds, stop it if its tenant's GPU budget has nothing left. Raises ``BudgetSpent``."""
+        """After each chunk: stop a request generating past its ``max_tokens``; at its first token and then
+        every ``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S``, settle it partially (a stream), and once it
+        has used the GPU time its reservation holds, stop it if its tenant's GPU budget has nothing left.
+        Raises ``BudgetSpent``."""
         call, reservation = self.progress, self.admitted.reservation
         if call.output_tokens > reservation.max_output_tokens:
             raise BudgetSpent(
@@ -241,10 +243,12 @@ class Call:
             )
         tokens, at_s = self._settled_at
         now_s = self.state.clock.monotonic_s()
-        if call.output_tokens - tokens < SETTLE_EVERY_TOKENS and now_s - at_s < SETTLE_EVERY_S:
+        first = tokens == 0 < call.output_tokens  # the ledger learns at once that the request has run
+        if not first and call.output_tokens - tokens < SETTLE_EVERY_TOKENS and now_s - at_s < SETTLE_EVERY_S:
             return
         self._settled_at = (call.output_tokens, now_s)
-        await self._settle(final=False, cancelled=False)
+        if self.admitted.generation.body.stream:  # a collected call delivers nothing until it ends: not billed
+            await self._settle(final=False, cancelled=False)  # before then (a platform failure refunds it all)
         if call.gpu_ms > reservation.gpu_ms_estimate and await self._gpu_left_ms() <= 0:
             raise BudgetSpent(
                 "gpu_budget_exhausted",
@@ -261,7 +265,10 @@ class Call:
             account = await self.state.ledger.account(tenant, model)
         except (KeyError, LedgerError):
             return math.inf
-        return rules.gpu_left_ms(rules.refreshed(account, limits, self.state.wall_ms()), limits)
+        left = rules.gpu_left_ms(rules.refreshed(account, limits, self.state.wall_ms()), limits)
+        if not self.admitted.generation.body.stream:  # the ledger holds its estimate; the rest is not booked yet
+            left -= max(0.0, self.progress.gpu_ms - self.admitted.reservation.gpu_ms_estimate)
+        return left
 
     async def _settle(self, final: bool, cancelled: bool) -> None:
         """Book what the call used so far: the upstream's usage when it reported one, else what was relayed,

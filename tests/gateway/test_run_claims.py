@@ -5,17 +5,19 @@ ledger holds and what the replica generated, per request id, on every backend.""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from fairgate.core.cost import CostModel
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.config import load_gateway_config
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import Ledger
-from tests.gateway.conftest import EMULATOR, ledger_call, write_config
+from tests.gateway.conftest import EMULATOR, REPLICA, ledger_call, write_config
 
 REQUESTS = 6
 MAX_TOKENS = 120  # ~0.6 s on the emulated replica: the second copy arrives while the first runs
@@ -69,3 +71,36 @@ def test_one_request_id_sent_to_two_gateway_processes_runs_once(tmp_path: Path, 
     assert all((r.status, r.billed.output_tokens) == ("settled", MAX_TOKENS) for r in reservations), reservations
     assert stats["sequences_finished"] == REQUESTS and stats["tokens_generated"] == REQUESTS * MAX_TOKENS, stats
     assert stats["running"] == 0
+
+
+def test_a_request_that_ran_on_a_process_that_stopped_is_not_run_again(tmp_path: Path) -> None:
+    """Process A (gone) reserved two requests: one it had started (settled at its first token), one still
+    queued (nothing billed). Once A's run claims lapse, their clients' retries on B: the started one is closed
+    billing what A settled (409: send a new id), the queued one runs."""
+    with serve_in_thread(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator])
+        config = load_gateway_config(path)
+        cost = CostModel(REPLICA.iter_base_ms, REPLICA.iter_slope_ms, REPLICA.prefill_ms_per_token, REPLICA.max_batch)
+
+        async def as_process_a(ledger: Ledger) -> None:
+            for request_id, ran in (("started", True), ("queued", False)):
+                r = await ledger.reserve("alpha", request_id, 1, 10, cost.worst_case_ms(1, 10), "emu")
+                await ledger.claim(r.id, "gateway-a", 300.0)
+                if ran:
+                    await ledger.settle(r.id, 1, 1, 5.0)
+
+        ledger_call(config, as_process_a)
+        body = {"model": "emu", "prompt": "x", "max_tokens": 10}
+        with serve_in_thread(create_gateway(config)) as b:
+            headers = {"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "started"}
+            early = httpx.post(f"{b}/v1/completions", json=body, headers=headers, timeout=30)
+            time.sleep(0.4)  # A's claims lapse
+            started = httpx.post(f"{b}/v1/completions", json=body, headers=headers, timeout=30)
+            headers["X-Request-Id"] = "queued"
+            queued = httpx.post(f"{b}/v1/completions", json=body, headers=headers, timeout=30)
+        rows = {r.request_id: r for r in ledger_call(config, lambda ledger: ledger.reservations("alpha"))}
+    assert early.status_code == 409 and early.json()["error"]["code"] == "request_in_progress", early.text
+    assert started.status_code == 409 and started.json()["error"]["code"] == "request_already_completed"
+    assert "stopped" in started.json()["error"]["message"]
+    assert (rows["started"].status, rows["started"].billed.output_tokens) == ("cancelled", 1), rows["started"]
+    assert queued.status_code == 200 and rows["queued"].status == "settled", queued.text
