@@ -23,17 +23,6 @@ CELL_WALL_S_MAX = 60.0
 RESULTS: list[CellResult] = []
 
 # The defects the matrix finds, as the xfail reasons of the cells they fail.
-RERUN_AFTER_KILL = (
-    "kill -9: an id its client retries after the gateway died is run again from scratch under its still-open "
-    "reservation once the run claim lapses (replicas: more sequences than ids); the re-run's cumulative "
-    "settlements restart from 0 and the ledger refuses them as below what the first run billed (the final one "
-    "too, by GPU ms), so its 200 answer can be left to expire billing only the first run's partial settlement"
-)
-COLLECTED_UPSTREAM_FAILURE = (
-    "replica killed: a collected (not streamed) request whose replica dies mid-generation is answered 502 with no "
-    "output, yet its reservation is cancelled billing the tokens generated (its retries get 409 "
-    "request_already_completed)"
-)
 SQLITE_LOCK_EXPIRY = (
     "SQLite file locked longer than the reservation TTL: ledger calls wait (busy timeout) instead of failing, so no "
     "outage is declared; once the lock goes, the liveness sweep expires running reservations whose heartbeats "
@@ -41,12 +30,6 @@ SQLITE_LOCK_EXPIRY = (
 )
 EXPECTED_FAILURES: dict[tuple[str, str], str] = {
     ("sqlite", "ledger_stop"): SQLITE_LOCK_EXPIRY,
-    ("sqlite", "upstream_kill"): COLLECTED_UPSTREAM_FAILURE,
-    ("postgresql", "upstream_kill"): COLLECTED_UPSTREAM_FAILURE,
-    ("redis", "upstream_kill"): COLLECTED_UPSTREAM_FAILURE,
-    ("sqlite", "kill9"): RERUN_AFTER_KILL,
-    ("postgresql", "kill9"): RERUN_AFTER_KILL,
-    ("redis", "kill9"): RERUN_AFTER_KILL,
 }
 
 
