@@ -95,7 +95,7 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        # uvicorn arms keep-alive only after a response: a connection that never sends stayed open.
+        # uvicorn arms keep-alive only after a response: a connection that never sends would stay open.
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -119,7 +119,8 @@ class BoundedHttpTools(HttpToolsProtocol):
                 return
         if data:
             # The body, and possibly (pipelined) the start of the next head: its bytes in this read are not
-            # counted against the next head's bound, so that bound may be exceeded by one read (<= 256 KiB).
+            # counted against the next head's bound, which may so be exceeded by one read (at most 256 KB:
+            # uvloop's UV_STREAM_RECV_BUF_SIZE, asyncio's _SelectorTransport.max_size).
             self._feed(data)
 
     def _feed(self, data: bytes) -> bool:
