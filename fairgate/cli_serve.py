@@ -118,15 +118,17 @@ def _load(path: Path) -> GatewayConfig:
 
 def _gateway_server(plan: Plan) -> uvicorn.Server:
     from fairgate.gateway.app import create_gateway
+    from fairgate.gateway.serving import uvicorn_config
 
     app = create_gateway(plan.config)
+    section = plan.config.gateway
     if plan.keys:  # the demo: Ctrl-C stops the traffic, prints the shares and closes the streams at once
-        config = uvicorn.Config(
-            app, host=plan.host, port=plan.port, log_level="warning", timeout_graceful_shutdown=DEMO_GRACE_S
+        config = uvicorn_config(
+            app, section, plan.host, plan.port, log_level="warning", timeout_graceful_shutdown=DEMO_GRACE_S
         )
         return DemoServer(config)
     # uvicorn's own signal handling: a graceful shutdown waits for the streams in flight
-    return uvicorn.Server(uvicorn.Config(app, host=plan.host, port=plan.port, log_level="warning"))
+    return uvicorn.Server(uvicorn_config(app, section, plan.host, plan.port, log_level="warning"))
 
 
 async def _run(plan: Plan, traffic: bool, duration: float | None) -> None:

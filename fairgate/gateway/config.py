@@ -9,6 +9,12 @@ default_max_tokens = 512                   # output cap of a request that gives 
 max_body_bytes = 1048576
 request_timeout_s = 600
 delegation_token_lifetime_max_s = 86400    # an on-behalf-of token expiring further ahead is refused
+max_header_bytes = 65536                   # request line and headers; longer: 431
+max_headers = 100                          # header fields; more: 431
+header_timeout_s = 10                      # a head not complete this long after its first byte: 408
+body_timeout_s = 30                        # a body not complete this long after its head: 408
+keep_alive_s = 5                           # a connection with no request open is closed after this
+max_connections = 1000                     # open connections; a request beyond them gets a 503
 
 [[upstream]]                               # at least one; names unique
 name = "emu-0"
@@ -107,6 +113,16 @@ class GatewaySection(_Strict):
     sweep_s: Annotated[float, Field(ge=0.05, le=3600)] = 10.0
     # How far ahead of its use an on-behalf-of token may expire: a leaked token stays good at most this long.
     delegation_token_lifetime_max_s: Annotated[float, Field(gt=0, le=365 * 86_400)] = TOKEN_LIFETIME_MAX_S
+    # What a connection may make the gateway hold before its request reaches the app, and for how long
+    # (enforced as bytes arrive: fairgate.gateway.serving). 64 KiB and 100 fields leave room for many
+    # headers of a few KiB (nginx's default is 4 x 8 KiB, Apache's 100 fields of 8 KiB each).
+    max_header_bytes: Annotated[int, Field(ge=1024, le=1024**2)] = 64 * 1024  # request line and headers
+    max_headers: Annotated[int, Field(ge=8, le=10_000)] = 100
+    header_timeout_s: Annotated[float, Field(ge=0.05, le=3600)] = 10.0  # from a head's first byte to its end
+    # From the end of the head to the end of the body: the default body (1 MiB) at 35 KB/s.
+    body_timeout_s: Annotated[float, Field(ge=0.05, le=3600)] = 30.0
+    keep_alive_s: Annotated[float, Field(ge=0.05, le=3600)] = 5.0  # a connection with no request open
+    max_connections: Annotated[int, Field(ge=1, le=1_000_000)] = 1000  # beyond: requests get a 503
 
     @field_validator("policy")
     @classmethod
