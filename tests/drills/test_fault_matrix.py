@@ -28,9 +28,7 @@ SQLITE_LOCK_EXPIRY = (
     "outage is declared; once the lock goes, the liveness sweep expires running reservations whose heartbeats "
     "waited behind it, and their final settlements are refused: 200 answers billed their last partial settlement"
 )
-EXPECTED_FAILURES: dict[tuple[str, str], str] = {
-    ("sqlite", "ledger_stop"): SQLITE_LOCK_EXPIRY,
-}
+EXPECTED_FAILURES: dict[tuple[str, str], str] = {("sqlite", "ledger_stop"): SQLITE_LOCK_EXPIRY}
 
 
 def _cells() -> list[object]:

@@ -5,7 +5,9 @@ ledger holds and what the replica generated, per request id, on every backend.""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -21,22 +23,35 @@ from tests.gateway.conftest import EMULATOR, REPLICA, ledger_call, write_config
 
 REQUESTS = 6
 MAX_TOKENS = 120  # ~0.6 s on the emulated replica: the second copy arrives while the first runs
-SECOND_AFTER_S = 0.05
 
 
 async def _send_twice(urls: tuple[str, str], key: str, request_ids: list[str]) -> dict[str, list[httpx.Response]]:
-    """Each request id POSTed to the first gateway, then ``SECOND_AFTER_S`` later to the second."""
-    body = {"model": "emu", "prompt": "x", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    """Each request id streamed from the first gateway and, once its first token has arrived (it runs), sent
+    to the second; the replies (the first read to its end)."""
+    body = {"model": "emu", "prompt": "x", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
 
-    async def one(http: httpx.AsyncClient, url: str, request_id: str, delay_s: float) -> httpx.Response:
-        await asyncio.sleep(delay_s)
+    async def twice(http: httpx.AsyncClient, request_id: str) -> list[httpx.Response]:
         headers = {"Authorization": f"Bearer {key}", "X-Request-Id": request_id}
-        return await http.post(f"{url}/v1/completions", json=body, headers=headers)
+        first_url, second_url = urls
+        async with http.stream("POST", f"{first_url}/v1/completions", json=body, headers=headers) as first:
+            lines = first.aiter_lines()
+            head = [line async for line in _until_data(lines)]
+            second = await http.post(f"{second_url}/v1/completions", json=body, headers=headers)
+            rest = [line async for line in lines]
+        first._content = "\n".join(head + rest).encode()
+        return [first, second]
 
     async with httpx.AsyncClient(timeout=60.0) as http:
-        calls = [one(http, url, rid, i * SECOND_AFTER_S) for rid in request_ids for i, url in enumerate(urls)]
-        replies = await asyncio.gather(*calls)
-    return {rid: list(replies[2 * n : 2 * n + 2]) for n, rid in enumerate(request_ids)}
+        replies = await asyncio.gather(*(twice(http, rid) for rid in request_ids))
+    return dict(zip(request_ids, replies, strict=True))
+
+
+async def _until_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines up to and including the first ``data:`` line (the first token)."""
+    async for line in lines:
+        yield line
+        if line.startswith("data:"):
+            return
 
 
 async def _drop(ledger: Ledger) -> None:
@@ -62,8 +77,9 @@ def test_one_request_id_sent_to_two_gateway_processes_runs_once(tmp_path: Path, 
         finally:
             ledger_call(configs[0], _drop)
     for rid, (first, second) in replies.items():
-        assert first.status_code == 200, (rid, first.text)
-        assert first.json()["usage"]["completion_tokens"] == MAX_TOKENS, first.text
+        chunks = [json.loads(line[6:]) for line in first.text.splitlines() if line.startswith("data: {")]
+        received = sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"])
+        assert first.status_code == 200 and received == MAX_TOKENS, (rid, first.text)
         assert second.status_code == 409 and second.json()["error"]["code"] == "request_in_progress", second.text
         assert int(second.headers["retry-after"]) >= 1 and "x-should-retry" not in second.headers
     # What the ledger holds: one reservation per id, billed what its client received; the replica ran each once.
