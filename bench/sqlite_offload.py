@@ -78,7 +78,7 @@ def _slowest_call(path: Path, processes: int, seconds: float) -> float:
     workers = [mp.Process(target=_contender, args=(str(path), i, seconds, queue)) for i in range(processes)]
     for w in workers:
         w.start()
-    slowest = max(queue.get(timeout=seconds + 60) for _ in workers)
+    slowest = max(float(queue.get(timeout=seconds + 60)) for _ in workers)
     for w in workers:
         w.join()
     return slowest

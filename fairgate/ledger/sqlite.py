@@ -3,8 +3,8 @@
 ``BEGIN IMMEDIATE`` takes the database's write lock at the start, so calls from every process on the
 file are serialised and each one reads the balances it then writes.
 
-Every call runs off the event loop, whole, on the connection's own thread (issue 12, item 6: with calls on
-the loop, another process holding the write lock for 40 s froze /health and every stream for 40 s). A
+Every call runs off the event loop, whole, on the connection's own thread: with calls on the loop, another
+process holding the write lock for 40 s froze /health and every stream for 40 s. A
 call's coroutine (``SqlLedger``'s code) is driven to completion on that thread: its statements never
 suspend there, so a transaction is one uninterrupted piece of work on one thread, and a caller cancelled
 meanwhile gets no half-done transaction. Waiting for the write lock is bounded by ``busy_timeout_ms``
@@ -137,7 +137,7 @@ class SqliteLedger(SqlLedger):
             this process's earlier calls) before it fails.
         create: make the file and tables if missing (``False``: the file must exist).
         in_thread: run calls on the connection's thread (the default); ``False`` runs them on the event
-            loop, as before issue 12 - only ``bench/sqlite_offload.py`` does, as its baseline.
+            loop, blocking it - only ``bench/sqlite_offload.py`` does, as its baseline.
 
     Raises:
         LedgerUnavailable: the file cannot be opened or stays locked past ``busy_timeout_s``.
