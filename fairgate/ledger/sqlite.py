@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl
@@ -173,7 +173,11 @@ class SqliteLedger(SqlLedger):
             self._connection.execute("PRAGMA journal_mode=WAL")
             self._connection.execute("PRAGMA synchronous=NORMAL")
             self._connection.executescript(
-                "BEGIN IMMEDIATE;" + TABLES.format(real="REAL", serial="INTEGER PRIMARY KEY AUTOINCREMENT") + "COMMIT;"
+                "BEGIN IMMEDIATE;"
+                + TABLES.format(
+                    real="REAL", serial="INTEGER PRIMARY KEY AUTOINCREMENT", minute="CAST(at_ms / 60000 AS INTEGER)"
+                )
+                + "COMMIT;"
             )
         except (sqlite3.Error, OSError) as exc:
             raise LedgerUnavailable(f"sqlite ledger {self.path}: {exc}") from None
@@ -224,6 +228,11 @@ class SqliteLedger(SqlLedger):
         except sqlite3.Error as exc:
             connection.execute("ROLLBACK")
             raise LedgerUnavailable(f"sqlite ledger {self.path}: {exc}") from None
+
+    def _read_transaction(self) -> AbstractAsyncContextManager[Tx]:
+        # BEGIN DEFERRED reads a WAL snapshot without the write lock: usage() neither waits for nor holds up
+        # writers in other processes.
+        return self._transaction("BEGIN")
 
     async def _now_ms(self, tx: Tx) -> float:
         return float(self._clock())
