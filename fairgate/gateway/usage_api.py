@@ -33,6 +33,8 @@ Rejections are per process (several gateway processes each count their own), for
   and that tenant, and expires, and it already lets the delegate spend that tenant's quota, which is more
   than reading the totals of it. The answer names the delegate (``delegate``). Without a token a delegate
   sees its own usage, as any tenant.
+- Reads are rate-limited per caller (tenant and delegate; ``CallLimit``: a burst of 10, then 1 a second,
+  per gateway process): past that, 429 ``rate_limit_exceeded`` with ``Retry-After``.
 - An unknown query parameter, a repeated one, or a ``window`` that is not a whole number of seconds in
   range is a 400 naming the parameter.
 
