@@ -33,6 +33,8 @@ Rejections are per process (several gateway processes each count their own), for
   and that tenant, and expires, and it already lets the delegate spend that tenant's quota, which is more
   than reading the totals of it. The answer names the delegate (``delegate``). Without a token a delegate
   sees its own usage, as any tenant.
+- Reads are rate-limited per caller (tenant and delegate; ``CallLimit``: a burst of 10, then 1 a second,
+  per gateway process): past that, 429 ``rate_limit_exceeded`` with ``Retry-After``.
 - An unknown query parameter, a repeated one, or a ``window`` that is not a whole number of seconds in
   range is a 400 naming the parameter.
 
@@ -167,6 +169,29 @@ class RejectionLog:
         return out
 
 
+class CallLimit:
+    """A token bucket per caller: ``burst`` calls at once, then ``per_s`` a second; ``take`` answers how long
+    to wait (0: go). A usage read costs the ledger ~2 ms (``bench/usage_scan.py``), so one a second per
+    caller keeps a polling dashboard, or a client in a loop, from becoming the ledger's load."""
+
+    def __init__(self, burst: float = 10.0, per_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.per_s, self._clock = burst, per_s, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # caller -> (tokens, at)
+
+    def take(self, caller: str) -> float:
+        now = self._clock()
+        if len(self._buckets) > 10_000:  # forget callers whose buckets are full again (bounded memory)
+            full_after = self.burst / self.per_s
+            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < full_after}
+        tokens, at = self._buckets.get(caller, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.per_s)
+        if tokens < 1.0:
+            self._buckets[caller] = (tokens, now)
+            return (1.0 - tokens) / self.per_s
+        self._buckets[caller] = (tokens - 1.0, now)
+        return 0.0
+
+
 def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog:
     """Add the rejection counter (an observer of ``events``) and the routes of this module's docstring to the
     gateway ``app`` (built, not yet started). Returns the counter."""
@@ -174,6 +199,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
     rejections = RejectionLog(tenants)
     events.add(rejections)
     reconciler = _Reconciler()
+    limit = CallLimit()
 
     async def usage_of(ledger: Ledger, tenant: str, window_s: int) -> dict[str, Any]:
         booked = await ledger.usage(tenant, float(window_s))
@@ -193,6 +219,13 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
                 "This key can only read its own tenant's usage; the tenant comes from the "
                 "credential, not from a parameter or header.",
                 "tenant",
+            )
+        wait_s = limit.take(f"{caller.tenant}\n{caller.delegate or ''}")
+        if wait_s > 0:
+            raise Rejection(
+                Outcome.RATE_LIMITED,
+                f"Too many usage reads; at most {limit.per_s:g} a second after a burst of {limit.burst:g}.",
+                retry_after_s=math.ceil(wait_s),
             )
         usage = await usage_of(state.backend, caller.tenant, window_s)
         return _answer(request, {**usage, "delegate": caller.delegate})

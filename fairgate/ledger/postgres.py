@@ -200,7 +200,11 @@ async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
                 name_sql = pgsql.Identifier(schema)
                 await connection.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name_sql))
                 await connection.execute(pgsql.SQL("SET LOCAL search_path TO {}").format(name_sql))
-                for statement in TABLES.format(real="DOUBLE PRECISION", serial="BIGSERIAL PRIMARY KEY").split(";"):
+                for statement in TABLES.format(
+                    real="DOUBLE PRECISION",
+                    serial="BIGSERIAL PRIMARY KEY",
+                    minute="CAST(FLOOR(at_ms / 60000) AS BIGINT)",
+                ).split(";"):
                     if statement.strip():
                         await connection.execute(statement)
             else:

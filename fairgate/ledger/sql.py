@@ -33,9 +33,9 @@ from fairgate.ledger.model import (
     TenantUsage,
     Usage,
     check_name,
-    usage_from_events,
 )
 from fairgate.ledger.sql_schema import TABLES, Statement
+from fairgate.ledger.usage_minutes import MINUTE_MS, first_full_minute, usage_from_totals
 
 
 class Tx(Protocol):
@@ -81,6 +81,10 @@ class SqlLedger(Backend):
     async def _now_ms(self, tx: Tx) -> float:
         """The ledger clock, ms since the epoch."""
 
+    def _read_transaction(self) -> AbstractAsyncContextManager[Tx]:
+        """A transaction that only reads (default: ``_transaction``; SQLite's takes no write lock)."""
+        return self._transaction()
+
     def _lock_statement(self, tag: str) -> Statement | None:
         """A statement that takes the tenant lock for tenant tag ``tag`` (None: the transaction is enough)."""
         return None
@@ -123,7 +127,7 @@ class SqlLedger(Backend):
             writes = [
                 (schema.INSERT_RESERVATION, schema.reservation_params(r)),
                 schema.account_write(args.tenant, args.model_class, account),
-                schema.event_write(r, rules.Delta("reserve", requests=1), now_ms),
+                *schema.event_writes(r, rules.Delta("reserve", requests=1), now_ms),
             ]
             if args.run_id is not None and run is not None:
                 writes.append(schema.run_write(args.tenant, args.run_id, run))
@@ -169,7 +173,7 @@ class SqlLedger(Backend):
             writes = [
                 schema.reservation_write(updated),
                 schema.account_write(r.tenant, r.model_class, account),
-                schema.event_write(updated, delta, now_ms),
+                *schema.event_writes(updated, delta, now_ms),
             ]
             if r.run_id is not None and run is not None:
                 writes.append(schema.run_write(r.tenant, r.run_id, run))
@@ -274,20 +278,23 @@ class SqlLedger(Backend):
         return [schema.event(row) for row in rows]
 
     async def usage(self, tenant: str, window_s: float) -> TenantUsage:
+        """The window's whole minutes from ``fg_usage_minutes`` and its first, partial minute's events
+        (``usage_minutes``), in a read transaction."""
         check_name(tenant, "tenant")
         window_s = check_window(window_s)
-        async with self._transaction() as tx:
-            now_ms = await self._now_ms(tx)
-            rows = await tx.fetchall(
-                f"SELECT {schema.EVENT_COLUMNS} FROM fg_events WHERE tenant = :tenant AND at_ms >= :since ORDER BY seq",
-                {"tenant": tenant, "since": now_ms - window_s * 1e3},
-            )
-            statuses = await tx.fetchall(
-                "SELECT status, COUNT(*) FROM fg_reservations WHERE tenant = :tenant GROUP BY status",
-                {"tenant": tenant},
+        async with self._read_transaction() as tx:
+            since = await self._now_ms(tx) - window_s * 1e3
+            first = first_full_minute(since)
+            edge = {"tenant": tenant, "since": since, "edge": float(first * MINUTE_MS)}
+            minutes, edge_events, statuses = await tx.batch(
+                [
+                    (schema.SELECT_MINUTES, {"tenant": tenant, "first": first}),
+                    (schema.SELECT_EDGE_EVENTS, edge),
+                    ("SELECT status, COUNT(*) FROM fg_reservations WHERE tenant = :tenant GROUP BY status", edge),
+                ]
             )
         by_status = {status: int(n) for status, n in statuses}
-        return usage_from_events(tenant, window_s, [schema.event(row) for row in rows], by_status)
+        return usage_from_totals(tenant, window_s, [*minutes, *edge_events], by_status)
 
     async def freeze(self, tenant: str, reason: str) -> None:
         check_freeze(tenant, reason)

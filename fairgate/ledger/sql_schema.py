@@ -1,7 +1,8 @@
 """The SQL backends' tables, their statements, and how rows map to the ledger's objects.
 
 Statements use ``:name`` placeholders (``postgres.py`` rewrites them for psycopg); ``{real}`` and ``{serial}``
-in ``TABLES`` are the dialect's float and auto-increment key types.
+in ``TABLES`` are the dialect's float and auto-increment key types, ``{minute}`` its floor of ``at_ms / 60000``
+(corrected in SQL where the division rounds up to the next minute).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from fairgate.ledger import rules
 from fairgate.ledger.model import Event, Reservation, reservation_from_record
+from fairgate.ledger.usage_minutes import minute_of
 
 Statement = tuple[str, dict[str, Any]]
 
@@ -43,6 +45,16 @@ CREATE TABLE IF NOT EXISTS fg_events (
   requests INTEGER NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
   gpu_ms {real} NOT NULL, overage_gpu_ms {real} NOT NULL, at_ms {real} NOT NULL);
 CREATE INDEX IF NOT EXISTS fg_events_tenant ON fg_events (tenant, at_ms);
+CREATE TABLE IF NOT EXISTS fg_usage_minutes (
+  tenant TEXT NOT NULL, minute BIGINT NOT NULL,
+  requests BIGINT NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+  gpu_ms {real} NOT NULL, overage_gpu_ms {real} NOT NULL,
+  PRIMARY KEY (tenant, minute));
+INSERT INTO fg_usage_minutes (tenant, minute, requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms)
+  SELECT tenant, m, SUM(requests), SUM(input_tokens), SUM(output_tokens), SUM(gpu_ms), SUM(overage_gpu_ms)
+  FROM (SELECT tenant, {minute} - CASE WHEN {minute} * 60000 > at_ms THEN 1 ELSE 0 END AS m, requests,
+        input_tokens, output_tokens, gpu_ms, overage_gpu_ms FROM fg_events) e
+  WHERE NOT EXISTS (SELECT 1 FROM fg_usage_minutes) GROUP BY tenant, m;
 CREATE TABLE IF NOT EXISTS fg_frozen (tenant TEXT PRIMARY KEY, reason TEXT NOT NULL, at_ms {real} NOT NULL);
 CREATE TABLE IF NOT EXISTS fg_heartbeats (reservation_id TEXT PRIMARY KEY, beat_ms {real} NOT NULL);
 CREATE TABLE IF NOT EXISTS fg_claims (reservation_id TEXT PRIMARY KEY, owner TEXT NOT NULL, until_ms {real} NOT NULL);
@@ -103,6 +115,21 @@ EVENT_COLUMNS = (
 SELECT_ACCOUNT = (
     f"SELECT {', '.join(ACCOUNT_FIELDS)} FROM fg_accounts WHERE tenant = :tenant AND model_class = :model_class"
 )
+# The event's amounts added to its tenant's minute (usage_minutes.py); written with every event.
+ADD_TO_MINUTE = (
+    "INSERT INTO fg_usage_minutes (tenant, minute, requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms) "
+    "VALUES (:tenant, :minute, :requests, :input_tokens, :output_tokens, :gpu_ms, :overage_gpu_ms) "
+    "ON CONFLICT (tenant, minute) DO UPDATE SET requests = fg_usage_minutes.requests + excluded.requests, "
+    "input_tokens = fg_usage_minutes.input_tokens + excluded.input_tokens, "
+    "output_tokens = fg_usage_minutes.output_tokens + excluded.output_tokens, "
+    "gpu_ms = fg_usage_minutes.gpu_ms + excluded.gpu_ms, "
+    "overage_gpu_ms = fg_usage_minutes.overage_gpu_ms + excluded.overage_gpu_ms"
+)
+_AMOUNTS = "requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms"
+# usage(): the whole minutes in the window, then the events of its first, partial minute (added up in Python,
+# in an order that does not depend on the backend: usage_minutes.usage_from_totals).
+SELECT_MINUTES = f"SELECT {_AMOUNTS} FROM fg_usage_minutes WHERE tenant = :tenant AND minute >= :first"
+SELECT_EDGE_EVENTS = f"SELECT {_AMOUNTS} FROM fg_events WHERE tenant = :tenant AND at_ms >= :since AND at_ms < :edge"
 SELECT_RUN = "SELECT model_calls, tool_rounds, tokens FROM fg_runs WHERE tenant = :tenant AND run_id = :run_id"
 
 
@@ -175,6 +202,12 @@ def event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> Statement:
         "overage_gpu_ms": delta.overage_gpu_ms,
         "at_ms": now_ms,
     }
+
+
+def event_writes(r: Reservation, delta: rules.Delta, now_ms: float) -> list[Statement]:
+    """The insert of the event ``delta`` of ``r`` at ``now_ms``, and its addition to the tenant's minute."""
+    insert = event_write(r, delta, now_ms)
+    return [insert, (ADD_TO_MINUTE, {**insert[1], "minute": minute_of(now_ms)})]
 
 
 def reservation_write(r: Reservation) -> Statement:

@@ -16,7 +16,7 @@ import pytest
 
 from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.gateway.observe import REJECT_REASONS, Rejected
-from fairgate.gateway.usage_api import WINDOW_MAX_S, RejectionLog
+from fairgate.gateway.usage_api import WINDOW_MAX_S, CallLimit, RejectionLog
 from fairgate.ledger.config import LimitsConfig
 from tests.gateway import conftest
 from tests.gateway.conftest import Clock
@@ -401,3 +401,27 @@ def test_rejection_log_memory_is_bounded_under_a_flood() -> None:
     buckets = log._by_tenant["alpha"]
     assert len(buckets) <= 61
     assert log.counts("alpha", 600)["rate"] == pytest.approx(600 * 20, abs=10 * 20)
+
+
+# --- reads are rate-limited per caller --------------------------------------------------------------
+
+
+def test_usage_reads_past_the_burst_are_429_with_retry_after_per_caller(stack: Stack) -> None:
+    burst = int(CallLimit().burst)
+    answers = [stack.get("/v1/usage", "alpha") for _ in range(burst + 3)]
+    assert [r.status_code for r in answers[:burst]] == [200] * burst  # a burst is served
+    limited = answers[burst]
+    assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(limited.headers["retry-after"]) >= 1
+    assert stack.get("/v1/usage", "beta").status_code == 200  # another caller has its own bucket
+
+
+def test_a_call_limit_refills_at_its_rate() -> None:
+    clock = Clock(100.0)
+    limit = CallLimit(burst=2, per_s=0.5, clock=clock)
+    assert [limit.take("a"), limit.take("a")] == [0.0, 0.0]
+    assert limit.take("a") == pytest.approx(2.0) and limit.take("b") == 0.0
+    clock.now += 1.0
+    assert limit.take("a") == pytest.approx(1.0)
+    clock.now += 1.0
+    assert limit.take("a") == 0.0

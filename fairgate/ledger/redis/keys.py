@@ -20,6 +20,9 @@ key                         type    content
 ``{P:T}:hb``                hash    reservation id -> last heartbeat ms (open reservations only)
 ``{P:T}:claims``            hash    reservation id -> ``"OWNER\\nUNTIL_MS"``: its run claim (open reservations only)
 ``{P:T}:frozen``            hash    ``tenant``, ``reason``, ``at_ms`` while settlement is frozen
+``{P:T}:minutes``           hash    minute (``usage_minutes.minute_of``) -> JSON ``[requests, input, output,
+                                    gpu_ms, overage_gpu_ms]``, the sums of its events; ``hi``: the
+                                    newest minute written (``usage()`` reads these, not every event)
 ``P:tenants``               hash    tenant tag -> tenant name: the registry ``events()``,
                                     ``reservations()``, ``expire_due()`` and ``frozen()`` iterate over
                                     (the one key outside a tenant's slot; written by its own script)
@@ -29,7 +32,7 @@ key                         type    content
 ==========================  ======  =====================================================================
 
 TTL: every key carries a retention TTL (default 35 days). Each write sets the TTL of the key written in
-the same script call, and every tenant script that writes refreshes the TTL of all eleven of the tenant's
+the same script call, and every tenant script that writes refreshes the TTL of all twelve of the tenant's
 keys, so a tenant's state lives as a whole while it is written at least once per retention period and
 then expires as a whole (an idle tenant's history, freeze and open reservations included). The
 registry's TTL is refreshed whenever a process registers a tenant (at most every
@@ -43,7 +46,20 @@ import re
 from dataclasses import dataclass
 
 # The tenant keys, in the order of the scripts' KEYS (prelude.lua names them).
-TENANT_KEYS = ("accounts", "runs", "res", "reqs", "open", "status", "events", "seq", "hb", "frozen", "claims")
+TENANT_KEYS = (
+    "accounts",
+    "runs",
+    "res",
+    "reqs",
+    "open",
+    "status",
+    "events",
+    "seq",
+    "hb",
+    "frozen",
+    "claims",
+    "minutes",
+)
 ACCOUNTS, RES, EVENTS, FROZEN = (TENANT_KEYS.index(name) for name in ("accounts", "res", "events", "frozen"))
 _RESERVATION_ID = re.compile(r"^([0-9a-f]{16})-")
 

@@ -7,30 +7,38 @@ tenants merges the tenants' logs by ``at_ms`` (each tenant's own order kept).
 from __future__ import annotations
 
 import heapq
+import json
+from collections.abc import Sequence
 from typing import cast
 
 from fairgate.ledger.base import Event, tenant_tag
 from fairgate.ledger.checks import check_filters, check_freeze, check_window
-from fairgate.ledger.model import Reservation, TenantUsage, check_name, usage_from_events
+from fairgate.ledger.model import Reservation, TenantUsage, check_name
 from fairgate.ledger.redis import codec
 from fairgate.ledger.redis.keys import EVENTS, FROZEN, RES
 from fairgate.ledger.redis.store import RedisStore
+from fairgate.ledger.usage_minutes import usage_from_totals
 
 
 class RedisOperator(RedisStore):
     """usage / reservations / events / freeze / unfreeze / frozen on Redis."""
 
     async def usage(self, tenant: str, window_s: float) -> TenantUsage:
-        """``usage.lua``: the events in the window and the status counts, read at one instant."""
+        """``usage.lua``: the window's first, partial minute's events, its whole minutes' buckets
+        (``usage_minutes``) and the status counts, read at one instant."""
         check_name(tenant, "tenant")
         window_s = check_window(window_s)
         with self._unavailable():
-            events_raw, flat = await self._scripts.usage(
+            edge_raw, buckets, flat = await self._scripts.usage(
                 keys=self._keys.tenant(tenant_tag(tenant)), args=[*self._head(), codec.number(window_s)]
             )
-        events = sorted((codec.event(tenant, raw) for raw in events_raw), key=lambda e: e.seq)
+        edge = (codec.event(tenant, raw) for raw in edge_raw)
+        parts: list[Sequence[float]] = [
+            (e.requests, e.input_tokens, e.output_tokens, e.gpu_ms, e.overage_gpu_ms) for e in edge
+        ]
+        parts += [[float(x) for x in json.loads(codec.text(raw))] for raw in buckets]
         by_status = {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2) if int(flat[i + 1]) > 0}
-        return usage_from_events(tenant, window_s, events, by_status)
+        return usage_from_totals(tenant, window_s, parts, by_status)
 
     async def reservations(self, tenant: str | None = None, status: str | None = None) -> list[Reservation]:
         check_filters(tenant, status)

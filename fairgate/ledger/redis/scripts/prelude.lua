@@ -2,8 +2,8 @@
 -- KEYS are the tenant's keys in keys.TENANT_KEYS order; ARGV[1] is now in ms ("" = the server's TIME),
 -- ARGV[2] the retention TTL in ms; a script's own arguments start at ARGV[3].
 if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes (Redis < 5)
-local ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN, CLAIMS =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
+local ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN, CLAIMS, MINUTES =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
 local RETENTION_MS = ARGV[2]
 local MS_PER_MINUTE = 60000.0
 
@@ -88,7 +88,38 @@ local function refresh(acc, lim, now)
   end
 end
 
+-- usage_minutes.py: an event's amounts are added to its minute's bucket in MINUTES, so usage() reads
+-- buckets, not every event. minute_of: the exact floor (the division may round up to the next minute).
+local MINUTE_MS = 60000
+local function minute_of(at_ms)
+  local m = math.floor(at_ms / MINUTE_MS)
+  if m * MINUTE_MS > at_ms then m = m - 1 end
+  return m
+end
+
+local function add_to_minute(at_ms, amounts)
+  local field = fmt(minute_of(at_ms))
+  local raw = redis.call('HGET', MINUTES, field)
+  local sums = raw and cjson.decode(raw) or {'0', '0', '0', '0', '0'}
+  for i = 1, 5 do sums[i] = fmt(tonumber(sums[i]) + amounts[i]) end  -- doubles, as a sum over events adds
+  redis.call('HSET', MINUTES, field, cjson.encode(sums))
+  local hi = num(redis.call('HGET', MINUTES, 'hi'))
+  if hi == nil or minute_of(at_ms) > hi then redis.call('HSET', MINUTES, 'hi', field) end
+  expire(MINUTES)
+end
+
+-- A tenant whose events predate the buckets gets them from its whole log, once, before its next event.
+local function backfill_minutes()
+  if redis.call('EXISTS', MINUTES) == 1 then return end
+  for _, member in ipairs(redis.call('ZRANGE', EVENTS, 0, -1)) do
+    local e = cjson.decode(member)
+    add_to_minute(tonumber(e[9]), {tonumber(e[4]), tonumber(e[5]), tonumber(e[6]), tonumber(e[7]), tonumber(e[8])})
+  end
+end
+
 local function add_event(rid, kind, requests, d_in, d_out, d_gpu, d_over, now)
+  backfill_minutes()
+  add_to_minute(now, {requests, d_in, d_out, d_gpu, d_over})
   local seq = redis.call('INCR', SEQ)
   expire(SEQ)
   local member = cjson.encode({fmt(seq), kind, rid, fmt(requests), fmt(d_in), fmt(d_out), fmt(d_gpu),
