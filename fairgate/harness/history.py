@@ -7,7 +7,9 @@ What it holds the run to (each a ``Kind`` when it fails):
 
 - ``reserved_twice``: at most one reservation per request id, with one ``reserve`` event;
 - ``ran_twice``: at most one attempt of a request id received tokens; and the replicas started no more
-  sequences than request ids were admitted (each admitted id runs once at most);
+  sequences than request ids were admitted, plus one per attempt whose gateway connection broke before it
+  received anything (a collected request on a gateway killed mid-generation: that run delivered and billed
+  nothing, and its retry runs it for the client once - the replica's lost time is the platform's);
 - ``billed_twice``: at most one final event (``settle_final`` / ``cancel`` / ``expire``) per reservation, and
   the event log sums to the reservation's billed output (a settlement booked twice shows there);
 - ``unbilled`` / ``overbilled``: billed output tokens = tokens the client received. Exact when every attempt
@@ -213,7 +215,8 @@ def check_history(
     ]
     if replicas is not None:
         cuts = sum(1 for r in records if r.outcome in CUT_OUTCOMES)
-        out += _check_replicas(replicas, ledger.reservations, len(by_id), cuts, bounds)
+        lost = sum(1 for r in records if r.outcome == "connection" and r.tokens == 0)
+        out += _check_replicas(replicas, ledger.reservations, len(by_id) + lost, cuts, bounds)
     return HistoryReport(len(attempts), len(records), len(ledger.reservations), tuple(out))
 
 

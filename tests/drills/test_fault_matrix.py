@@ -22,13 +22,8 @@ from fairgate.drills.matrix import BACKENDS, FAULTS, NOT_APPLICABLE, CellResult,
 CELL_WALL_S_MAX = 60.0
 RESULTS: list[CellResult] = []
 
-# The defects the matrix finds, as the xfail reasons of the cells they fail.
-SQLITE_LOCK_EXPIRY = (
-    "SQLite file locked longer than the reservation TTL: ledger calls wait (busy timeout) instead of failing, so no "
-    "outage is declared; once the lock goes, the liveness sweep expires running reservations whose heartbeats "
-    "waited behind it, and their final settlements are refused: 200 answers billed their last partial settlement"
-)
-EXPECTED_FAILURES: dict[tuple[str, str], str] = {("sqlite", "ledger_stop"): SQLITE_LOCK_EXPIRY}
+# The defects the matrix finds, as the xfail reasons of the cells they fail (none open now).
+EXPECTED_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def _cells() -> list[object]:
