@@ -22,7 +22,9 @@ What it holds the run to (each a ``Kind`` when it fails):
 - ``open``: no reservation open at the end; ``counters``: every account's concurrent and queued back to 0;
 - ``unknown``: no reservation for a request id no client sent;
 - ``replica_tokens``: the replicas generated no less than was billed (counts of a replica lost midway are a
-  lower bound: this half is then skipped) and no more than billed + the in-flight bound per cut attempt;
+  lower bound: this half is then skipped) and no more than billed + the in-flight bound per cut attempt +
+  the ``max_tokens`` of each attempt the upstream failed before it received anything (refunded: the
+  platform's failure is not the tenant's to pay);
   ``replica_busy``: nothing running or waiting on a replica at the end.
 """
 
@@ -216,7 +218,8 @@ def check_history(
     if replicas is not None:
         cuts = sum(1 for r in records if r.outcome in CUT_OUTCOMES)
         lost = sum(1 for r in records if r.outcome == "connection" and r.tokens == 0)
-        out += _check_replicas(replicas, ledger.reservations, len(by_id) + lost, cuts, bounds)
+        refunded = sum(r.max_tokens for r in records if r.tokens == 0 and r.code == "upstream_error")
+        out += _check_replicas(replicas, ledger.reservations, len(by_id) + lost, cuts, bounds, refunded)
     return HistoryReport(len(attempts), len(records), len(ledger.reservations), tuple(out))
 
 
@@ -281,9 +284,16 @@ def _check_events(r: Reservation, events: list[Event]) -> list[tuple[Kind, str]]
 
 
 def _check_replicas(
-    replicas: Sequence[ReplicaCounts], reservations: Sequence[Reservation], admitted: int, cuts: int, bounds: Bounds
+    replicas: Sequence[ReplicaCounts],
+    reservations: Sequence[Reservation],
+    admitted: int,
+    cuts: int,
+    bounds: Bounds,
+    refunded: int = 0,
 ) -> list[Discrepancy]:
-    """The replicas' own counts against the ledger's: sequences per admitted id, tokens generated against billed."""
+    """The replicas' own counts against the ledger's: sequences per admitted id, tokens generated against billed
+    (beyond which ``refunded`` tokens at most: what calls the upstream failed before the client received
+    anything may have generated, which the tenant does not pay)."""
     out = []
     sequences = sum(r.sequences for r in replicas)
     if sequences > admitted:
@@ -299,12 +309,11 @@ def _check_replicas(
         out.append(
             Discrepancy(Kind.REPLICA_TOKENS, "replicas", f"generated {generated} output tokens, billed {billed}")
         )
-    if generated > billed + bounds.unbilled_per_cut * cuts:
+    if generated > billed + bounds.unbilled_per_cut * cuts + refunded:
+        bound = f"bound {bounds.unbilled_per_cut} x {cuts} cut + {refunded} refunded"
         out.append(
             Discrepancy(
-                Kind.REPLICA_TOKENS,
-                "replicas",
-                f"generated {generated} output tokens, billed {billed} (bound {bounds.unbilled_per_cut} x {cuts} cut)",
+                Kind.REPLICA_TOKENS, "replicas", f"generated {generated} output tokens, billed {billed} ({bound})"
             )
         )
     for r in replicas:
