@@ -44,7 +44,7 @@ def start(state: GatewayState) -> list[asyncio.Task[None]]:
             )
         ),
         asyncio.ensure_future(probe(state)),
-        asyncio.ensure_future(recover(state.ledger)),
+        asyncio.ensure_future(recover(state.ledger, f"{state.process_id}/doubts", state.claim_lease_ms)),
     ]
     if config.gateway.share_charges_s > 0:
         sync = ChargeSync(
@@ -112,18 +112,22 @@ async def sweep_once(front: ResilientLedger, claimant: Claimant, expire: bool = 
     return await front.expire_due()  # nothing while the journal holds usage not yet in the ledger
 
 
-async def recover(front: ResilientLedger, interval_s: float = RECOVER_EVERY_S) -> None:
+async def recover(front: ResilientLedger, owner: str, lease_ms: float, interval_s: float = RECOVER_EVERY_S) -> None:
     """Every ``interval_s`` while the emergency journal holds records (grants made or settlements kept
-    while the ledger was down), replay it into the ledger once it answers (``ResilientLedger.recover``)."""
+    while the ledger was down), replay it into the ledger once it answers (``ResilientLedger.recover``); while
+    refused reserves may have committed after all, cancel what they left (``clear_doubts``, claiming as
+    ``owner``: not this process's request claims, so a retry running here is never taken for one)."""
     while True:
         await asyncio.sleep(interval_s)
-        if not front.outstanding():
-            continue
         try:
-            report = await front.recover()
+            if front.outstanding():
+                log.warning("emergency journal replayed into the ledger: %s", await front.recover())
+            if front.doubtful():
+                cancelled = await front.clear_doubts(owner, lease_ms)
+                if cancelled:
+                    log.warning("cancelled %d reservation(s) committed after their reserve timed out", cancelled)
         except LedgerError:
-            continue  # still down: the journal is kept whole
-        log.warning("emergency journal replayed into the ledger: %s", report)
+            continue  # still down: the journal is kept whole, the doubts too
 
 
 async def probe(state: GatewayState, interval_s: float = PROBE_EVERY_S) -> None:

@@ -93,6 +93,9 @@ class ResilientLedger(RequestPath):
                 self._append({"type": "grant_usage", "id": grant["id"], "usage": grant["usage"], "status": "cancelled"})
         self._known: OrderedDict[tuple[str, str], Reservation] = OrderedDict()  # (tenant, request id) -> last seen
         self.parked_path = self.journal.with_suffix(".parked.jsonl")
+        # Request ids whose reserve failed as unavailable and was refused: the ledger may have committed it
+        # after the caller stopped waiting (``clear_doubts``).
+        self._doubts: set[tuple[str, str]] = set()
 
     def _remember(self, r: Reservation) -> Reservation:
         """Keep ``r`` (the ledger's latest answer about its request id), the oldest forgotten past the bound."""
@@ -120,16 +123,20 @@ class ResilientLedger(RequestPath):
             LedgerUnavailable: a ``reject`` tier, or an emergency budget exhausted or expired; and every
                 error ``Ledger.reserve`` raises.
         """
+        key = (args.tenant, args.request_id)
         try:
-            return self._remember(await self.ledger.reserve_args(args))
+            reserved = self._remember(await self.ledger.reserve_args(args))
         except LedgerUnavailable:
-            known = self._known.get((args.tenant, args.request_id))
+            known = self._known.get(key)
             if known is not None:  # seen in the ledger: not granted (nor run) again
                 return check_retry(known, args)
             granted = self._grant(args)
             if granted is None:
+                self._doubts.add(key)
                 raise
             return granted
+        self._doubts.discard(key)  # the caller has it now
+        return reserved
 
     def _grant(self, args: ReserveArgs) -> Reservation | None:
         """A grant from the tenant's emergency budget (journalled before it is returned), the earlier grant of
@@ -313,6 +320,30 @@ class ResilientLedger(RequestPath):
         if self.outstanding():
             return []
         return await self.ledger.expire_due(is_running)
+
+    def doubtful(self) -> int:
+        """Refused reserves the ledger may have committed after all (``clear_doubts``)."""
+        return len(self._doubts)
+
+    async def clear_doubts(self, owner: str, lease_ms: float) -> int:
+        """Cancel, billing nothing, the reservations a refused reserve left behind: a reserve that timed out may
+        still commit once the ledger answers, and its open reservation would hold a concurrency slot, unseen,
+        for a TTL. For each request id in doubt, an open reservation with nothing billed whose run claim
+        ``owner`` can take (nobody runs it: a retry would hold the claim) is cancelled. Returns how many were.
+
+        Raises:
+            LedgerUnavailable: still down (the doubts are kept for the next call).
+        """
+        cancelled = 0
+        for tenant, request_id in sorted(self._doubts):
+            for r in await self.ledger.reservations(tenant, "open"):
+                if r.request_id != request_id or r.billed != Usage():
+                    continue
+                if (await self.ledger.claim(r.id, owner, lease_ms)).held_by(owner):
+                    await self.ledger.cancel(r.id, Usage())
+                    cancelled += 1
+            self._doubts.discard((tenant, request_id))
+        return cancelled
 
     def outstanding(self) -> int:
         """Journal records not yet replayed into the ledger."""
