@@ -19,6 +19,7 @@ from rich.table import Table
 from fairgate.cli_common import fail as _fail
 from fairgate.cli_common import note as _note
 from fairgate.gateway.config import GatewayConfig
+from fairgate.ledger import LedgerError
 
 DEMO_GRACE_S = 2  # the demo's servers wait this long for streams still open when they stop
 SETTLED_WAIT_S = 3.0  # at the end of the demo, how long cancelled requests get to settle what they generated
@@ -150,7 +151,10 @@ async def _run(plan: Plan, traffic: bool, duration: float | None) -> None:
                 driver.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await driver
-            await print_shares(plan.config)
+            try:
+                await print_shares(plan.config)
+            except LedgerError as exc:  # an outage at the end: nothing to print, the gateway still stops cleanly
+                _note(f"no billed shares to print: {exc}")
             for server in plan.servers:
                 server.should_exit = True
     await serving
@@ -178,8 +182,9 @@ async def _start_traffic(plan: Plan, serving: asyncio.Future[Any]) -> asyncio.Ta
 
 def startup_problem(config: GatewayConfig, path: Path) -> str | None:
     """What would stop the gateway starting, as one line naming the key: a journal or event log that
-    cannot be written, a ledger that cannot be opened (checked by opening it, as the gateway will)."""
-    from fairgate.ledger import LedgerError, connect
+    cannot be written, a ledger that cannot be opened (checked by opening it, as the gateway will; a ledger
+    server that does not answer is an outage, not a configuration problem: the gateway starts)."""
+    from fairgate.ledger import LedgerError, LedgerUnavailable, connect
 
     for key, file in (("journal", config.journal_path), ("event_log", config.event_log_path)):
         if file is None:
@@ -196,6 +201,11 @@ def startup_problem(config: GatewayConfig, path: Path) -> str | None:
 
     try:
         asyncio.run(open_ledger())
+    except LedgerUnavailable as exc:
+        if config.ledger_url.startswith("sqlite"):  # a local file that cannot be opened: the config's fault
+            return f"{path}: gateway.ledger: cannot open the ledger ({exc})"
+        # A server that does not answer: start anyway, serving each tier's outage policy until it does.
+        _note(f"warning: the ledger does not answer ({exc}); serving each tier's outage policy until it does")
     except (LedgerError, ValueError, OSError) as exc:
         return f"{path}: gateway.ledger: cannot open the ledger ({exc})"
     return None

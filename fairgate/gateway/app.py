@@ -10,6 +10,7 @@ The operator views (metrics, usage, request log, dashboard) observe the request 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator, Iterable
@@ -32,8 +33,10 @@ from fairgate.gateway.state import Clock, GatewayState, SystemClock
 from fairgate.gateway.stats import Stats, gateway_probe
 from fairgate.gateway.upstream import UpstreamClient
 from fairgate.ledger import Ledger, LedgerUnavailable, connect
+from fairgate.ledger.deferred import DeferredLedger
 
 log = logging.getLogger("fairgate.gateway")
+CONNECT_WAIT_S = 2.0  # the start waits this long for the ledger, then serves its outage policy meanwhile
 _STARLETTE_OUTCOMES = {404: Outcome.ROUTE_NOT_FOUND, 405: Outcome.METHOD_NOT_ALLOWED}
 
 
@@ -126,7 +129,13 @@ def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
         config = state.config
-        opened = ledger if ledger is not None else await connect(config.ledger_url, config.quotas)
+        opened = ledger
+        connecting = None
+        if opened is None:  # started during an outage, it serves the outage policy until the ledger answers
+            deferred = DeferredLedger(config.quotas, lambda: connect(config.ledger_url, config.quotas))
+            connecting = asyncio.ensure_future(deferred.connect())
+            await asyncio.wait({connecting}, timeout=CONNECT_WAIT_S)
+            opened = deferred
         state.open_ledger(opened)
         for upstream in state.dispatcher.upstreams():
             state.upstreams[upstream.name] = UpstreamClient(
@@ -140,6 +149,8 @@ def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:
         yield {"gateway": state}
         for task in tasks:
             task.cancel()
+        if connecting is not None:
+            connecting.cancel()
         for client in state.upstreams.values():
             await client.close()
         if ledger is None:
