@@ -11,11 +11,14 @@ quotas, but you must never fail-open indefinitely". ``ResilientLedger`` wraps a 
 - ``recover()`` replays the journal into the ledger once it answers again: each grant is reserved under
   its original request id (idempotent, so a replay interrupted half-way can run again) and closed with
   the usage recorded; pending settlements are applied. The local budgets reset.
-- A grant the ledger will not take (its request id was final there already, or reserved with other
-  arguments; a quota now full; usage it refuses) is **parked**: moved from the journal to the parked file
-  beside it (``<journal>.parked.jsonl``) with its usage and the reason, for the operator (``parked()``,
-  ``/admin/reconcile``, ``fairgate ledger journal``). It never stays in the journal, where it would hold
-  the liveness sweep's expiry (``expire_due``) for good.
+- A grant whose request id ran elsewhere as well (another process granted or ran it during the outage; it
+  was final in the ledger already): both runs were delivered, so both are billed - the grant under its own
+  reservation, request id ``duplicate_id`` (``<id>#dup-<grant>``). Exactly once across processes needs the
+  ledger; an ``emergency`` tier trades it for availability while the ledger is down, not billing.
+- A grant the ledger will not take (a quota now full; usage it refuses) is **parked**: moved from the
+  journal to the parked file beside it (``<journal>.parked.jsonl``) with its usage and the reason, for
+  the operator (``parked()``, ``/admin/reconcile``, ``fairgate ledger journal``). It never stays in the
+  journal, where it would hold the liveness sweep's expiry (``expire_due``) for good.
 - A grant still open in the journal a process starts with was its predecessor's (killed mid-request): it
   is cancelled with the usage last journalled, so no grant stays open, and holds expiry, for good.
 - A process does not grant a request id it has seen final (or open) in the ledger: it remembers the last
@@ -34,13 +37,21 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from fairgate.ledger.base import IsRunning, Ledger, RequestPath
 from fairgate.ledger.checks import check_consumed
-from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, ReservationFinal, RunClaim, Usage
+from fairgate.ledger.model import (
+    IdempotencyConflict,
+    LedgerError,
+    LedgerUnavailable,
+    Reservation,
+    ReservationFinal,
+    RunClaim,
+    Usage,
+)
 from fairgate.ledger.rules import Account, ReserveArgs, check_billing, check_retry
 
 EMERGENCY_PREFIX = "emg-"
@@ -389,18 +400,26 @@ class ResilientLedger(RequestPath):
         """Reserve ``grant`` in the ledger under its request id and bill its usage; True: keep it in the
         journal (still running). One the ledger will not take is parked (module docstring). Raises
         ``LedgerUnavailable``."""
+        args = ReserveArgs.of(self._grant_reservation(grant))
         try:
-            r = await self.ledger.reserve_args(ReserveArgs.of(self._grant_reservation(grant)))
+            r = await self.ledger.reserve_args(args)
+        except IdempotencyConflict:  # the id ran elsewhere with other arguments: this run is billed on its own
+            r = None
         except LedgerUnavailable:
             raise
         except LedgerError as exc:
             return self._park(grant, f"the ledger refused its reservation: {exc}", report)
-        usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
-        if r.is_final and grant.get("ledger_id") == r.id:  # closed by a replay interrupted before the rewrite
+        if r is not None and r.is_final and grant.get("ledger_id") == r.id:  # an interrupted replay closed it
             report.grants_settled += 1
             return False
-        if r.is_final:  # the id ran and closed in the ledger before: the grant ran it a second time
-            return self._park(grant, f"request id {grant['request_id']!r} was {r.status} in the ledger already", report)
+        if r is None or _ran_elsewhere(r, grant):
+            try:
+                r = await self.ledger.reserve_args(replace(args, request_id=duplicate_id(grant)))
+            except LedgerUnavailable:
+                raise
+            except LedgerError as exc:
+                return self._park(grant, f"request id {grant['request_id']!r} ran elsewhere too; {exc}", report)
+        usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
         if grant.get("ledger_id") != r.id:  # journalled before it is closed: a replay again knows it as its own
             grant["ledger_id"] = r.id
             self._append({"type": "grant_ledger_id", "id": grant["id"], "ledger_id": r.id})
@@ -502,3 +521,18 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{number}: not a journal record (an object with a type)")
         records.append(record)
     return records
+
+
+def duplicate_id(grant: dict[str, Any]) -> str:
+    """The request id a grant is billed under when its own id ran elsewhere as well (on another process
+    during the outage, or before it): ``<request id>#dup-<grant>``, within the 200 characters of an id."""
+    suffix = f"#dup-{grant['id'][len(EMERGENCY_PREFIX) :][:12]}"
+    return f"{grant['request_id'][: 200 - len(suffix)]}{suffix}"
+
+
+def _ran_elsewhere(r: Reservation, grant: dict[str, Any]) -> bool:
+    """The ledger's reservation of the grant's request id is another run's: closed, or holding usage this
+    journal did not settle into it."""
+    if grant.get("ledger_id") == r.id:
+        return False
+    return r.is_final or r.billed != Usage()

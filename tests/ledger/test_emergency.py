@@ -20,7 +20,7 @@ from fairgate.ledger import (
     connect,
     quotas_from_dict,
 )
-from fairgate.ledger.emergency import ResilientLedger
+from fairgate.ledger.emergency import ResilientLedger, duplicate_id
 
 QUOTAS = {
     "tiers": {
@@ -192,16 +192,15 @@ async def test_a_process_does_not_grant_a_request_id_it_saw_final(cut_ledger):
     assert front.outstanding() == 0 and not journal.exists()
 
 
-async def test_a_grant_the_ledger_will_not_take_is_parked_and_does_not_hold_expiry(cut_ledger):
+async def test_a_request_id_that_ran_elsewhere_too_is_billed_under_a_duplicate_id(cut_ledger):
     """Process B never saw request "done" (A served it). During an outage B grants a retry of it, which runs
-    and delivers 30 tokens. At replay the ledger has "done" final already: the grant is parked with its usage
-    and reason for the operator, the journal empties, and expiry resumes (an orphan past its TTL expires)."""
+    and delivers 30 tokens; it grants "other-args" too, which A had reserved with other arguments. Both runs
+    were delivered, so both are billed: B's under ``<id>#dup-<grant>``; A's billing is untouched."""
     ledger, proxy, journal = cut_ledger
     done = await ledger.reserve("bank", "done", 10, 100, 1.0)  # process A's
     await ledger.settle(done.id, 10, 30, 2.0, final=True)
     other = await ledger.reserve("bank", "other-args", 10, 100, 1.0)
     await ledger.settle(other.id, 10, 5, 1.0, final=True)
-    orphan = await ledger.reserve("bank", "orphan", 1, 1, 0.0)  # a dead process's: never heartbeat
     front_b = ResilientLedger(ledger, journal)
     proxy.cut()
     twice = await front_b.reserve("bank", "done", 10, 100, 1.0)
@@ -211,12 +210,30 @@ async def test_a_grant_the_ledger_will_not_take_is_parked_and_does_not_hold_expi
     await front_b.settle(conflicting.id, 10, 7, 1.0, final=True)
     proxy.restore()
     report = await _recover_when_back(front_b)
-    assert front_b.outstanding() == 0 and report.grants_settled == 0 and len(report.left) == 2, report
-    parked = {p["request_id"]: p for p in front_b.parked()}
-    assert parked["done"]["usage"] == [10, 30, 2.0] and "settled in the ledger already" in parked["done"]["reason"]
-    assert parked["other-args"]["usage"] == [10, 7, 1.0] and "other arguments" in parked["other-args"]["reason"]
-    assert (await ledger.get(done.id)).billed == Usage(10, 30, 2.0)  # A's billing untouched
-    assert not (await ledger.get(orphan.id)).is_final  # expiry, no longer held by the journal, ends it at its TTL
+    assert (report.grants_settled, report.left, front_b.outstanding(), front_b.parked()) == (2, [], 0, [])
+    rows = {r.request_id: r for r in await ledger.reservations("bank")}
+    assert rows[duplicate_id({"id": twice.id, "request_id": "done"})].billed == Usage(10, 30, 2.0)
+    assert rows[duplicate_id({"id": conflicting.id, "request_id": "other-args"})].billed == Usage(10, 7, 1.0)
+    assert rows["done"].billed == Usage(10, 30, 2.0) and rows["other-args"].billed == Usage(10, 5, 1.0)
+
+
+async def test_a_grant_the_ledger_will_not_take_is_parked_and_does_not_hold_expiry(cut_ledger):
+    """A grant whose usage the ledger refuses at replay (here: settlement frozen for the tenant meanwhile) is
+    parked with its usage and reason for the operator, and the journal empties, so expiry resumes
+    (``expire_due`` is held only while the journal holds records)."""
+    ledger, proxy, journal = cut_ledger
+    front = ResilientLedger(ledger, journal)
+    proxy.cut()
+    grant = await front.reserve("bank", "frozen-out", 10, 100, 1.0)
+    await front.settle(grant.id, 10, 30, 2.0, final=True)
+    proxy.restore()
+    await _recover_when_back(ResilientLedger(ledger, journal.with_name("warm-up.jsonl")))  # reconnected
+    await ledger.freeze("bank", "reconciliation found a difference")
+    report = await front.recover()
+    assert front.outstanding() == 0 and report.grants_settled == 0 and len(report.left) == 1, report
+    [parked] = front.parked()
+    assert parked["request_id"] == "frozen-out" and parked["usage"] == [10, 30, 2.0], parked
+    assert "frozen" in parked["reason"]
 
 
 async def test_a_grant_left_open_by_a_killed_process_is_cancelled_with_its_usage(cut_ledger):
