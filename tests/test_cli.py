@@ -290,15 +290,29 @@ def test_serve_refuses_to_start_on_a_journal_or_ledger_it_cannot_open(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "gateway.journal: cannot write" in done.stderr and "no/such/folder/j.jsonl" in done.stderr
 
+    ledger = tmp_path / "ledger.toml"  # a file that cannot be created (under a file): the configuration's fault
+    (tmp_path / "a-file").write_text("")
+    unopenable = f'ledger = "sqlite:///{tmp_path}/a-file/l.db"'
+    ledger.write_text(example.replace('ledger = "sqlite:///fairgate-ledger.db"', unopenable, 1))
+    done = fairgate("serve", "--config", str(ledger), "--port", str(free_port()))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "gateway.ledger: cannot open the ledger" in done.stderr, done.stderr
+
+
+def test_serve_starts_while_its_ledger_server_does_not_answer(tmp_path):
+    """An outage is not a configuration error: the gateway starts and serves each tier's outage policy."""
+    example = (REPO / "config" / "fairgate.example.toml").read_text()
+    from fairgate.harness.process import free_port
+
     ledger = tmp_path / "ledger.toml"  # nothing listens on that port
     ledger.write_text(
         example.replace(
             'ledger = "sqlite:///fairgate-ledger.db"', f'ledger = "postgresql://127.0.0.1:{free_port()}/test"', 1
         )
     )
-    done = fairgate("serve", "--config", str(ledger), "--port", str(free_port()))
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "gateway.ledger: cannot open the ledger" in done.stderr, done.stderr
+    done = fairgate("serve", "--config", str(ledger), "--port", str(free_port()), "--duration", "3", cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "the ledger does not answer" in done.stderr + done.stdout
 
 
 def test_ledger_commands_take_the_ledger_from_a_gateway_config(tmp_path):
