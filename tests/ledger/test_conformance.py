@@ -630,3 +630,59 @@ async def test_queue_places_are_tenant_wide(across):
     assert (await across.enqueue(rs[2].id)).queued
     await across.cancel(rs[1].id, Usage())
     assert (await across.account("plain", "model-7")).queued == 1
+
+
+# A reservation cancelled before it ran may be retried with its request id (issue 12, item 9).
+async def test_a_retry_reopens_a_reservation_cancelled_with_nothing_billed(ledger, clock):
+    first = await ledger.reserve("a", "queued", 10, 20, 5.0)
+    await ledger.claim(first.id, "gw-1", 30_000.0)
+    await ledger.enqueue(first.id)
+    await ledger.cancel(first.id, Usage())  # the client hung up while it waited for a slot
+    clock.advance(5)
+    again = await ledger.reserve("a", "queued", 10, 20, 5.0)
+    assert (again.id, again.status, again.billed, again.queued) == (first.id, "open", Usage(), False)
+    assert (again.expires_at_ms, again.final_ms) == (clock.now_ms + 60_000, None)
+    assert await ledger.get(first.id) == again
+    assert (await ledger.account("a")).concurrent == 1  # charged again
+    assert [e.kind for e in await ledger.events("a")] == ["reserve", "cancel", "reserve"]
+    assert (await ledger.usage("a", 3600)).by_status == {"open": 1}
+    assert (await ledger.claim(again.id, "gw-2", 30_000.0)).held_by("gw-2")  # the old run claim went with it
+    assert await ledger.reserve("a", "queued", 10, 20, 5.0) == again  # open: returned as it is
+    done = await ledger.settle(again.id, 10, 20, 5.0, final=True)
+    assert (await ledger.usage("a", 3600)).output_tokens == 20
+    assert await ledger.reserve("a", "queued", 10, 20, 5.0) == done  # billed: final for good
+
+
+async def test_other_final_reservations_are_returned_as_they_are(ledger, clock):
+    ran = await ledger.reserve("a", "ran", 10, 20, 5.0)
+    ran = await ledger.cancel(ran.id, Usage(10, 0, 0.0))  # it ran: its prompt is billed
+    assert await ledger.reserve("a", "ran", 10, 20, 5.0) == ran
+    lost = await ledger.reserve("a", "lost", 10, 20, 5.0)
+    clock.advance(61)
+    [lost] = await ledger.expire_due(lambda r: const(False))
+    assert await ledger.reserve("a", "lost", 10, 20, 5.0) == lost  # expired: returned, even with nothing billed
+    other = await ledger.reserve("a", "other", 10, 20, 5.0)
+    await ledger.cancel(other.id, Usage())
+    with pytest.raises(IdempotencyConflict):
+        await ledger.reserve("a", "other", 10, 21, 5.0)
+    assert (await ledger.account("a")).concurrent == 0
+    assert [e.kind for e in await ledger.events("a")].count("reserve") == 3
+
+
+async def test_a_reopen_the_quota_refuses_leaves_the_reservation_cancelled(ledger):
+    first = await ledger.reserve("a", "later", 1, 1, 0.0)
+    cancelled = await ledger.cancel(first.id, Usage())
+    for i in range(3):
+        await ledger.reserve("a", f"busy{i}", 1, 1, 0.0)
+    with pytest.raises(QuotaExceeded, match="max_concurrent"):
+        await ledger.reserve("a", "later", 1, 1, 0.0)
+    assert await ledger.get(first.id) == cancelled
+
+
+async def test_concurrent_retries_reopen_once(ledger):
+    first = await ledger.reserve("a", "raced", 1, 1, 0.0)
+    await ledger.cancel(first.id, Usage())
+    retries = await asyncio.gather(*(ledger.reserve("a", "raced", 1, 1, 0.0) for _ in range(6)))
+    assert {(r.id, r.status) for r in retries} == {(first.id, "open")}
+    assert (await ledger.account("a")).concurrent == 1
+    assert [e.kind for e in await ledger.events("a")].count("reserve") == 2
