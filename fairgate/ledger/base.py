@@ -21,7 +21,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
-from fairgate.ledger.config import TENANT_ACCOUNT, Limits, Quotas, TenantQuota
+from fairgate.ledger.config import TENANT_ACCOUNT, Limits, Quotas
 from fairgate.ledger.model import Event, Reservation, RunClaim, TenantUsage, UnknownTenant, Usage
 from fairgate.ledger.rules import Account, ReserveArgs
 
@@ -242,12 +242,18 @@ class Ledger(RequestPath, Operator, Coordination):
     def limits(self, tenant: str, model_class: str) -> Limits:
         """The tenant's limits for ``model_class`` (``TenantQuota.for_model_class``: its run limits and TTL).
         Raises ``UnknownTenant``."""
-        return self._quota(tenant).for_model_class(model_class)
+        try:
+            return self.quotas.tenant(tenant).for_model_class(model_class)
+        except KeyError:
+            raise UnknownTenant(f"tenant {tenant!r} has no quota configuration") from None
 
     def books(self, tenant: str, model_class: str) -> tuple[tuple[str, Limits], ...]:
         """The accounts a reservation of ``tenant`` in ``model_class`` is charged to, with their limits
         (``TenantQuota.accounts``). Raises ``UnknownTenant``."""
-        return self._quota(tenant).accounts(model_class)
+        try:
+            return self.quotas.tenant(tenant).accounts(model_class)
+        except KeyError:
+            raise UnknownTenant(f"tenant {tenant!r} has no quota configuration") from None
 
     def account_keys(self, tenant: str, model_class: str) -> list[str]:
         """The keys of ``books`` (for a tenant no longer configured: the tenant-wide account's)."""
@@ -257,12 +263,6 @@ class Ledger(RequestPath, Operator, Coordination):
     def account_key(self, tenant: str, model_class: str) -> str:
         """The key of the account that binds for ``model_class``: the last of ``account_keys``."""
         return self.account_keys(tenant, model_class)[-1]
-
-    def _quota(self, tenant: str) -> TenantQuota:
-        try:
-            return self.quotas.tenant(tenant)
-        except KeyError:
-            raise UnknownTenant(f"tenant {tenant!r} has no quota configuration") from None
 
     @abstractmethod
     async def close(self) -> None:
