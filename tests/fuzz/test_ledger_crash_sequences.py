@@ -369,18 +369,24 @@ class LedgerSequences(RuleBasedStateMachine):
         if k is None or not hasattr(Ledger, "enqueue"):
             return
         before = self.snapshot()
-        limit = QUOTAS.tenant(k.reservation.tenant).for_model_class(k.reservation.model_class).max_queued
-        held = sum(1 for o in self.by_request.values() if o.key == k.key and o.queued)
+        tenant = k.reservation.tenant
+        full = [  # the accounts k is charged to with every queue place taken
+            key
+            for key, limits in QUOTAS.tenant(tenant).accounts(k.reservation.model_class)
+            if limits.max_queued is not None
+            and sum(o.queued for o in self.by_request.values() if o.key[0] == tenant and key in ("*", o.key[1]))
+            >= limits.max_queued
+        ]
         try:
             out = self.run((self.ledger.enqueue if enter else self.ledger.dequeue)(k.reservation.id))
         except QuotaExceeded as exc:
             assert enter and exc.dimension == "max_queued" and k.status == "open" and not k.queued
-            assert limit is not None and held >= limit
+            assert full
             assert self.snapshot() == before
             self.stats["refused max_queued"] += 1
             return
         if k.status == "open":
-            assert not enter or limit is None or k.queued or held < limit
+            assert not enter or k.queued or not full
             k.queued = enter
         assert out.queued == k.queued and out.status == k.status
         self.stats["enqueue" if enter else "dequeue"] += 1
