@@ -260,12 +260,13 @@ class Call:
         """GPU ms the tenant's budgets leave now (``rules.gpu_left_ms``); ``inf`` when the ledger cannot say
         (its outage policy bounds what runs meanwhile)."""
         tenant, model = self.admitted.caller.tenant, self.admitted.generation.model
-        try:
-            limits = self.state.config.quotas.tenant(tenant).for_model_class(model)
-            account = await self.state.ledger.account(tenant, model)
+        left = math.inf
+        try:  # the tenant-wide budgets, and the model class's when it has its own (``TenantQuota.accounts``)
+            for key, limits in self.state.config.quotas.tenant(tenant).accounts(model):
+                account = rules.refreshed(await self.state.ledger.account(tenant, key), limits, self.state.wall_ms())
+                left = min(left, rules.gpu_left_ms(account, limits))
         except (KeyError, LedgerError):
             return math.inf
-        left = rules.gpu_left_ms(rules.refreshed(account, limits, self.state.wall_ms()), limits)
         if not self.admitted.generation.body.stream:  # the ledger holds its estimate; the rest is not booked yet
             left -= max(0.0, self.progress.gpu_ms - self.admitted.reservation.gpu_ms_estimate)
         return left

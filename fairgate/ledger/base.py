@@ -21,7 +21,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
-from fairgate.ledger.config import Limits, Quotas
+from fairgate.ledger.config import TENANT_ACCOUNT, Limits, Quotas
 from fairgate.ledger.model import Event, Reservation, RunClaim, TenantUsage, UnknownTenant, Usage
 from fairgate.ledger.rules import Account, ReserveArgs
 
@@ -61,8 +61,17 @@ class RequestPath(ABC):
     ) -> Reservation:
         """Reserve every dimension for one request, atomically, once per ``(tenant, request_id)``.
 
+        The reservation is checked against, and charged to, the tenant-wide account (the tenant's own limits,
+        every model class counted) and, when the tenant's quota has a table for ``model_class``, that class's
+        account too (its merged limits): a class's limits cap inside the tenant's, never beyond them
+        (``TenantQuota.accounts``). Settle, cancel, expiry, enqueue and dequeue update every account it was
+        charged to. Run limits apply per ``run_id``, whatever the class.
+
         The same ``request_id`` with the same arguments returns the original reservation (whatever its
-        status now) and deducts nothing; with other arguments raises ``IdempotencyConflict``.
+        status now) and deducts nothing - except a reservation cancelled with nothing billed (``Usage()``:
+        it never ran, since a request that ran bills its prompt at least), which it re-opens: same id,
+        charged again as a new reservation (``QuotaExceeded`` leaves it cancelled), a new TTL and a
+        ``reserve`` event. With other arguments it raises ``IdempotencyConflict``.
 
         Raises:
             QuotaExceeded, IdempotencyConflict, InvalidUsage, UnknownTenant, LedgerUnavailable.
@@ -139,8 +148,15 @@ class RequestPath(ABC):
 
     @abstractmethod
     async def account(self, tenant: str, model_class: str = "default") -> Account:
-        """The balances held for ``tenant`` and ``model_class`` now (as last written; buckets not refilled).
-        Raises ``LedgerUnavailable``."""
+        """The balances that bind for ``tenant``'s requests in ``model_class`` now (as last written; buckets
+        not refilled), against ``Quotas.tenant(tenant).for_model_class(model_class)``: the class's own account
+        when the tenant's quota has a table for it, else the tenant-wide one (``TENANT_ACCOUNT``, ``"*"``,
+        which ``model_class="*"`` names). Raises ``LedgerUnavailable``.
+
+        A ledger written before tenant-wide accounts kept every class's balances under the class name: those
+        of a class with a table of its own carry on; the tenant-wide account starts fresh (full buckets, no
+        slot or GPU time held), and reservations open at the upgrade give back to it what they never took
+        from it (floored at zero)."""
 
     @abstractmethod
     async def heartbeat(self, reservation_id: str) -> None:
@@ -224,11 +240,29 @@ class Ledger(RequestPath, Operator, Coordination):
         self.quotas = quotas
 
     def limits(self, tenant: str, model_class: str) -> Limits:
-        """The tenant's limits for ``model_class``. Raises ``UnknownTenant``."""
+        """The tenant's limits for ``model_class`` (``TenantQuota.for_model_class``: its run limits and TTL).
+        Raises ``UnknownTenant``."""
         try:
             return self.quotas.tenant(tenant).for_model_class(model_class)
         except KeyError:
             raise UnknownTenant(f"tenant {tenant!r} has no quota configuration") from None
+
+    def books(self, tenant: str, model_class: str) -> tuple[tuple[str, Limits], ...]:
+        """The accounts a reservation of ``tenant`` in ``model_class`` is charged to, with their limits
+        (``TenantQuota.accounts``). Raises ``UnknownTenant``."""
+        try:
+            return self.quotas.tenant(tenant).accounts(model_class)
+        except KeyError:
+            raise UnknownTenant(f"tenant {tenant!r} has no quota configuration") from None
+
+    def account_keys(self, tenant: str, model_class: str) -> list[str]:
+        """The keys of ``books`` (for a tenant no longer configured: the tenant-wide account's)."""
+        quota = self.quotas.tenants.get(tenant)
+        return [TENANT_ACCOUNT] if quota is None else [key for key, _ in quota.accounts(model_class)]
+
+    def account_key(self, tenant: str, model_class: str) -> str:
+        """The key of the account that binds for ``model_class``: the last of ``account_keys``."""
+        return self.account_keys(tenant, model_class)[-1]
 
     @abstractmethod
     async def close(self) -> None:

@@ -28,13 +28,19 @@ reservation_ttl_s = 600
 tier = "paid"
 weight = 2.0
 limits = { max_concurrent = 32 }          # overrides of [defaults]
-[tenants.acme.model_class.large]          # per model class, over the tenant's limits
+[tenants.acme.model_class.large]          # per model class, inside the tenant's limits
 gpu_seconds = 1800
 ```
 
 A table overrides the tables under it key by key (a tenant's ``limits`` over ``[defaults]``, a model class
 over its tenant's limits): a tenant may set only ``requests_burst`` and take ``requests_per_minute`` from
 ``[defaults]``.
+
+A tenant's limits hold across its model classes: every reservation is checked against, and charged to, the
+tenant-wide account (key ``TENANT_ACCOUNT``, ``"*"``, which is therefore not a model class name), and a
+class with a table of its own is in addition checked against, and charged to, its own account with its
+merged limits: the class's table caps inside the tenant's limits, never beyond them
+(``TenantQuota.accounts``).
 
 Every key is checked: an unknown key, a negative limit, a burst below the largest single request it must
 admit (``requests_burst < 1``, ``*_tokens_burst`` below ``max_tokens_per_request``), a burst with no rate
@@ -84,6 +90,21 @@ def _ledger_name(value: str) -> str:
 # A tenant, tier or model class name: what the ledger accepts (non-empty, at most 200 characters, no control
 # characters), so a name the configuration takes is never refused by the ledger at request time.
 Name = Annotated[str, AfterValidator(_ledger_name)]
+
+# The key of a tenant's tenant-wide account (``TenantQuota.accounts``); a model class cannot be named so.
+TENANT_ACCOUNT = "*"
+
+
+def _class_name(value: str) -> str:
+    if value == TENANT_ACCOUNT:
+        raise ValueError(
+            f"{TENANT_ACCOUNT!r} cannot name a model class: it is the key of the tenant-wide account, which the "
+            "tenant's own limits apply to"
+        )
+    return value
+
+
+ClassName = Annotated[Name, AfterValidator(_class_name)]
 
 
 class LimitsConfig(_Strict):
@@ -139,7 +160,7 @@ class TenantConfig(_Strict):
     weight: Positive = 1.0
     priority: Literal["interactive", "batch", "eval"] = "interactive"
     limits: LimitsConfig = LimitsConfig()
-    model_class: dict[Name, LimitsConfig] = Field(default_factory=dict)
+    model_class: dict[ClassName, LimitsConfig] = Field(default_factory=dict)
 
 
 class QuotaFile(_Strict):
@@ -214,8 +235,18 @@ class TenantQuota:
     by_model_class: dict[str, Limits]
 
     def for_model_class(self, model_class: str) -> Limits:
-        """The limits of ``model_class`` (the tenant's own where the class has no table)."""
+        """The limits of ``model_class`` (the tenant's own where the class has no table): those of the account
+        that binds for it (the last of ``accounts``), its run limits and reservation TTL."""
         return self.by_model_class.get(model_class, self.limits)
+
+    def accounts(self, model_class: str) -> tuple[tuple[str, Limits], ...]:
+        """The accounts a reservation in ``model_class`` is checked against and charged to, each with the
+        limits it is checked against: the tenant-wide account (``TENANT_ACCOUNT``, the tenant's limits, every
+        class counted), then, when the class has a table of its own, the class's (key: the class name, its
+        merged limits)."""
+        own = self.by_model_class.get(model_class)
+        tenant_wide = ((TENANT_ACCOUNT, self.limits),)
+        return tenant_wide if own is None else (*tenant_wide, (model_class, own))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,12 @@ implement the same rules (``redis/scripts/*.lua``) and the conformance suite hol
 Semantics (``shared/DESIGN.md`` "Ledger semantics"; seed 003; two-phase transfers as in TigerBeetle,
 idempotency keys as in Stripe's API):
 
-- ``reserve`` checks every dimension of the quota vector and, only if all fit, deducts them all.
+- A reservation is checked against, and charged to, every account of ``TenantQuota.accounts``: the
+  tenant-wide one (the tenant's limits, every model class counted) and, for a class with limits of its
+  own, the class's; each call below updates every account the reservation was charged to. Run limits are
+  per agent run (the class's limits), whatever the class.
+- ``reserve`` checks every dimension of the quota vector on every account and, only if all fit, deducts
+  them all.
 - While a reservation is open the account *holds* ``max(estimate, billed)`` of each dimension: GPU time
   billed above the estimate is booked at once as overage, never dropped.
 - The final settlement (or cancel, or expiry) replaces what is held by what was billed: the unused
@@ -14,6 +19,9 @@ idempotency keys as in Stripe's API):
 - A request that has to wait for an upstream slot takes a queue place (``enqueue``; ``max_queued``,
   global across gateway processes) until ``dequeue`` (it got a slot) or its final settlement, whichever
   comes first; one dispatched at once never takes one. ``max_concurrent`` counts every open reservation.
+- A retry of a request id returns its reservation as it is (whatever its status) - except one cancelled
+  with nothing billed (it never ran: a request that ran bills its prompt at least), which the retry
+  re-opens (``reopens``) and which is charged as a new reservation.
 - Token buckets refill continuously up to their burst; elapsed time is never negative (a clock behind
   the last update reads as no time passed). The arithmetic is ``fairgate.core.ratelimit``'s.
 """
@@ -21,6 +29,7 @@ idempotency keys as in Stripe's API):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fairgate.core import ratelimit
@@ -45,7 +54,8 @@ STATUS_OF_KIND: dict[str, Status] = {"settle": "settled", "cancel": "cancelled",
 
 @dataclass
 class Account:
-    """Balances of one tenant and model class. Bucket levels are in units (requests, tokens)."""
+    """Balances of one account of a tenant: its tenant-wide account or a model class's
+    (``TenantQuota.accounts``). Bucket levels are in units (requests, tokens)."""
 
     requests_level: float | None = None  # None: not yet initialised (starts full)
     requests_updated_ms: float = 0.0
@@ -58,6 +68,10 @@ class Account:
     gpu_window_used_ms: float = 0.0
     gpu_total_used_ms: float = 0.0
     queued: int = 0  # queue places taken: requests waiting for an upstream slot (``enqueue``)
+
+
+# An account with the limits it is checked against (``TenantQuota.accounts``, in that order).
+Book = tuple[Account, Limits]
 
 
 @dataclass
@@ -180,35 +194,41 @@ def _bucket_wait_s(level: float, need: float, rate_per_minute: float) -> float:
 
 
 def reserve(
-    account: Account, run: RunUsage | None, limits: Limits, args: ReserveArgs, now_ms: float
-) -> tuple[Account, RunUsage | None]:
-    """Admit ``args`` against every dimension, atomically: returns the new account and run counters.
+    books: Sequence[Book], run: RunUsage | None, args: ReserveArgs, now_ms: float
+) -> tuple[list[Account], RunUsage | None]:
+    """Admit ``args`` against every dimension of every account, atomically: returns the new accounts (in the
+    order of ``books``: ``TenantQuota.accounts``) and run counters. Run limits are the last book's (the
+    class's limits).
 
-    Checked in this order (the Redis script too): request size, request rate, input and output token
-    rates, concurrency, GPU budgets, run limits.
+    Checked in this order (the Redis script too), each on every account in turn: request size and rates
+    (request size, request rate, input and output token rates), concurrency, GPU budgets; then run limits.
 
     Raises:
         InvalidUsage: negative or non-integer amounts.
         QuotaExceeded: the first dimension (in the order checked) that does not fit.
     """
     check_amounts(args.input_tokens, args.max_output_tokens, args.gpu_ms_estimate, "reserve")
-    acc = refreshed(account, limits, now_ms)
-    _check_size_and_rates(acc, limits, args)
-    if limits.max_concurrent is not None and acc.concurrent >= limits.max_concurrent:
-        raise QuotaExceeded(args.tenant, "max_concurrent", CONCURRENCY_RETRY_S, limits.max_concurrent, 0)
+    refreshed_books = [(refreshed(account, limits, now_ms), limits) for account, limits in books]
+    for acc, limits in refreshed_books:
+        _check_size_and_rates(acc, limits, args)
+    for acc, limits in refreshed_books:
+        if limits.max_concurrent is not None and acc.concurrent >= limits.max_concurrent:
+            raise QuotaExceeded(args.tenant, "max_concurrent", CONCURRENCY_RETRY_S, limits.max_concurrent, 0)
     estimate = float(args.gpu_ms_estimate)
-    _check_gpu(acc, limits, args.tenant, estimate, now_ms)
-    new_run = None if args.run_id is None else _counted_run(run or RunUsage(), limits, args)
-    if acc.requests_level is not None:
-        acc.requests_level -= 1.0
-    if acc.input_level is not None:
-        acc.input_level -= args.input_tokens
-    if acc.output_level is not None:
-        acc.output_level -= args.max_output_tokens
-    acc.concurrent += 1
-    acc.gpu_window_used_ms += estimate
-    acc.gpu_total_used_ms += estimate
-    return acc, new_run
+    for acc, limits in refreshed_books:
+        _check_gpu(acc, limits, args.tenant, estimate, now_ms)
+    new_run = None if args.run_id is None else _counted_run(run or RunUsage(), books[-1][1], args)
+    for acc, _ in refreshed_books:
+        if acc.requests_level is not None:
+            acc.requests_level -= 1.0
+        if acc.input_level is not None:
+            acc.input_level -= args.input_tokens
+        if acc.output_level is not None:
+            acc.output_level -= args.max_output_tokens
+        acc.concurrent += 1
+        acc.gpu_window_used_ms += estimate
+        acc.gpu_total_used_ms += estimate
+    return [acc for acc, _ in refreshed_books], new_run
 
 
 def _check_size_and_rates(acc: Account, limits: Limits, args: ReserveArgs) -> None:
@@ -326,6 +346,28 @@ def check_retry(existing: Reservation, args: ReserveArgs) -> Reservation:
     return existing
 
 
+def reopens(existing: Reservation) -> bool:
+    """Whether a retry re-admits ``existing`` (its arguments repeated, ``check_retry``): a reservation
+    cancelled with nothing billed never ran (a request that ran bills its prompt at least), so it may be
+    reserved again - charged again, as ``reopened``. Every other final reservation is returned as it is."""
+    return existing.status == "cancelled" and existing.billed == Usage()
+
+
+def reopened(existing: Reservation, limits: Limits, now_ms: float) -> Reservation:
+    """``existing`` (``reopens``) open again at ``now_ms``: same id and creation time, nothing billed, a new
+    TTL (``limits``: its class's). Charged as ``reserve`` charges a new reservation, with a ``reserve``
+    event."""
+    return replace(
+        existing,
+        status="open",
+        billed=Usage(),
+        overage_gpu_ms=0.0,
+        expires_at_ms=now_ms + limits.reservation_ttl_s * 1000.0,
+        final_ms=None,
+        queued=False,
+    )
+
+
 def check_final_again(reservation: Reservation, billed: Usage, final: bool, kind: str) -> Reservation:
     """A settle / cancel / expire of a ``reservation`` final already: the same final call repeated (same
     kind, same amounts) returns it; anything else raises ``ReservationFinal``."""
@@ -349,15 +391,15 @@ def queue_full(reservation: Reservation, limits: Limits) -> QuotaExceeded:
 
 def settle(
     reservation: Reservation,
-    account: Account,
+    books: Sequence[Book],
     run: RunUsage | None,
-    limits: Limits,
     billed: Usage,
     final: bool,
     now_ms: float,
     kind: str,
-) -> tuple[Reservation, Account, RunUsage | None, Delta]:
-    """Bill cumulative usage ``billed`` against an open reservation (``final``: close it).
+) -> tuple[Reservation, list[Account], RunUsage | None, Delta]:
+    """Bill cumulative usage ``billed`` against an open reservation (``final``: close it), on every account it
+    was charged to (``books``, as ``reserve`` took them): the new accounts in that order.
 
     ``kind`` is ``settle``, ``cancel`` or ``expire`` (the status a final call leaves).
 
@@ -369,23 +411,19 @@ def settle(
     check_amounts(billed.input_tokens, billed.output_tokens, billed.gpu_ms, kind)
     check_billing(r, billed, kind)
     before = r.billed
-    acc = refreshed(account, limits, now_ms)
     old_in, old_out, old_gpu = _held(r, before, False)
     new_in, new_out, new_gpu = _held(r, billed, final)
-    # Buckets get back (or pay) the difference between what is held now and before, capped at the burst.
-    for dimension, prefix, diff in (
-        ("input_tokens", "input", old_in - new_in),
-        ("output_tokens", "output", old_out - new_out),
-    ):
-        level = getattr(acc, f"{prefix}_level")
-        if level is not None and diff:
-            setattr(acc, f"{prefix}_level", ratelimit.credit(level, diff, limits.burst(dimension) or 0.0))
-    acc.gpu_window_used_ms = max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
-    acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
-    if final:
-        acc.concurrent = max(0, acc.concurrent - 1)
-        if r.queued:
-            acc.queued = max(0, acc.queued - 1)
+    accounts = [
+        _settled_account(refreshed(account, limits, now_ms), limits, r, (old_in - new_in, old_out - new_out))
+        for account, limits in books
+    ]
+    for acc in accounts:
+        acc.gpu_window_used_ms = max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
+        acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
+        if final:
+            acc.concurrent = max(0, acc.concurrent - 1)
+            if r.queued:
+                acc.queued = max(0, acc.queued - 1)
     new_run = run
     if run is not None and r.run_id is not None:
         new_run = replace(run, tokens=max(0, run.tokens + (new_in + new_out) - (old_in + old_out)))
@@ -406,28 +444,40 @@ def settle(
         gpu_ms=billed.gpu_ms - before.gpu_ms,
         overage_gpu_ms=overage - r.overage_gpu_ms,
     )
-    return updated, acc, new_run, delta
+    return updated, accounts, new_run, delta
 
 
-def enqueue(reservation: Reservation, account: Account, limits: Limits) -> tuple[Reservation, Account] | None:
-    """The request behind an open reservation must wait for an upstream slot: take a queue place.
+def _settled_account(acc: Account, limits: Limits, r: Reservation, returned: tuple[int, int]) -> Account:
+    """``acc`` (refreshed) with the token buckets given back (or charged) ``returned`` (input, output): the
+    difference between what is held for ``r`` now and before, capped at the burst."""
+    for dimension, prefix, diff in (("input_tokens", "input", returned[0]), ("output_tokens", "output", returned[1])):
+        level = getattr(acc, f"{prefix}_level")
+        if level is not None and diff:
+            setattr(acc, f"{prefix}_level", ratelimit.credit(level, diff, limits.burst(dimension) or 0.0))
+    return acc
 
-    Returns the updated reservation and account, or None when there is nothing to do (final, or holding a
+
+def enqueue(reservation: Reservation, books: Sequence[Book]) -> tuple[Reservation, list[Account]] | None:
+    """The request behind an open reservation must wait for an upstream slot: take a queue place on every
+    account it was charged to (``books``).
+
+    Returns the updated reservation and accounts, or None when there is nothing to do (final, or holding a
     place already).
 
     Raises:
-        QuotaExceeded: ``max_queued`` places are taken (dimension ``max_queued``).
+        QuotaExceeded: ``max_queued`` places are taken on one of the accounts (dimension ``max_queued``).
     """
     if reservation.is_final or reservation.queued:
         return None
-    if limits.max_queued is not None and account.queued >= limits.max_queued:
-        raise queue_full(reservation, limits)
-    return replace(reservation, queued=True), replace(account, queued=account.queued + 1)
+    for account, limits in books:
+        if limits.max_queued is not None and account.queued >= limits.max_queued:
+            raise queue_full(reservation, limits)
+    return replace(reservation, queued=True), [replace(account, queued=account.queued + 1) for account, _ in books]
 
 
-def dequeue(reservation: Reservation, account: Account) -> tuple[Reservation, Account] | None:
-    """The queued request got an upstream slot: give its queue place back. None: it holds none (never
-    queued, dequeued already, or final - a final settlement gives the place back)."""
+def dequeue(reservation: Reservation, accounts: Sequence[Account]) -> tuple[Reservation, list[Account]] | None:
+    """The queued request got an upstream slot: give its queue place back on every account it was charged to.
+    None: it holds none (never queued, dequeued already, or final - a final settlement gives the place back)."""
     if reservation.is_final or not reservation.queued:
         return None
-    return replace(reservation, queued=False), replace(account, queued=max(0, account.queued - 1))
+    return replace(reservation, queued=False), [replace(a, queued=max(0, a.queued - 1)) for a in accounts]

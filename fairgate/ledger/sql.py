@@ -23,7 +23,7 @@ from fairgate.ledger.checks import (
     check_reservation_id,
     check_window,
 )
-from fairgate.ledger.config import Limits
+from fairgate.ledger.config import TENANT_ACCOUNT, Limits
 from fairgate.ledger.model import (
     Reservation,
     ReservationFinal,
@@ -64,7 +64,7 @@ class _Loaded:
 
     reservation: Reservation
     frozen: bool
-    account: rules.Account
+    accounts: dict[str, rules.Account]  # the reservation's class's and the tenant-wide (fresh where not stored)
     run_values: tuple[Any, ...]  # the run's counters (all None when the reservation has no run)
     now_ms: float | None  # the backend's clock, if it has one in SQL
 
@@ -95,19 +95,20 @@ class SqlLedger(Backend):
 
     # --- request path --------------------------------------------------------------------------
     async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
-        """Reads (the tenant lock, an earlier reservation of the request id, the account, the run, the clock)
-        in one round trip, then writes in one."""
+        """Reads (the tenant lock, an earlier reservation of the request id, the accounts charged, the run, the
+        clock) in one round trip, then writes in one. A reservation the request id made before is returned
+        unless it re-opens (``rules.reopens``)."""
+        books = self.books(args.tenant, args.model_class)
         lock, clock = self._lock_statement(tenant_tag(args.tenant)), self._now_statement()
-        key = {"tenant": args.tenant, "request_id": args.request_id}
         reads = [s for s in (lock,) if s is not None]
         reads.append(
             (
                 f"SELECT {schema.RESERVATION_COLUMNS} FROM fg_reservations "
                 "WHERE tenant = :tenant AND request_id = :request_id",
-                key,
+                {"tenant": args.tenant, "request_id": args.request_id},
             )
         )
-        reads.append((schema.SELECT_ACCOUNT, {"tenant": args.tenant, "model_class": args.model_class}))
+        reads += [(schema.SELECT_ACCOUNT, {"tenant": args.tenant, "model_class": key}) for key, _ in books]
         if args.run_id is not None:
             reads.append((schema.SELECT_RUN, {"tenant": args.tenant, "run_id": args.run_id}))
         if clock is not None:
@@ -115,20 +116,28 @@ class SqlLedger(Backend):
         async with self._transaction() as tx:
             rows = await tx.batch(reads)
             rows = rows[1:] if lock is not None else rows
-            existing_rows, account_rows = rows[0], rows[1]
-            run_rows = rows[2] if args.run_id is not None else []
-            if existing_rows:
-                return rules.check_retry(schema.reservation(existing_rows[0]), args)
+            existing = rules.check_retry(schema.reservation(rows[0][0]), args) if rows[0] else None
+            if existing is not None and not rules.reopens(existing):
+                return existing
+            account_rows = rows[1 : 1 + len(books)]
+            run_rows = rows[1 + len(books)] if args.run_id is not None else []
             now_ms = float(rows[-1][0][0]) if clock is not None else await self._now_ms(tx)
-            account = rules.Account(*account_rows[0]) if account_rows else rules.Account()
+            accounts = [rules.Account(*found[0]) if found else rules.Account() for found in account_rows]
             run = None if args.run_id is None else (rules.RunUsage(*run_rows[0]) if run_rows else rules.RunUsage())
-            account, run = rules.reserve(account, run, limits, args, now_ms)
-            r = _new_reservation(args, limits, now_ms)
-            writes = [
-                (schema.INSERT_RESERVATION, schema.reservation_params(r)),
-                schema.account_write(args.tenant, args.model_class, account),
-                *schema.event_writes(r, rules.Delta("reserve", requests=1), now_ms),
-            ]
+            charged, run = rules.reserve(
+                [(account, book_limits) for account, (_, book_limits) in zip(accounts, books, strict=True)],
+                run,
+                args,
+                now_ms,
+            )
+            if existing is None:
+                r = _new_reservation(args, limits, now_ms)
+                writes = [(schema.INSERT_RESERVATION, schema.reservation_params(r))]
+            else:
+                r = rules.reopened(existing, limits, now_ms)
+                writes = [schema.reservation_write(r), *schema.forget_run_state(r.id)]
+            writes += self._account_writes(r, charged)
+            writes += schema.event_writes(r, rules.Delta("reserve", requests=1), now_ms)
             if args.run_id is not None and run is not None:
                 writes.append(schema.run_write(args.tenant, args.run_id, run))
             await tx.batch(writes)
@@ -136,8 +145,8 @@ class SqlLedger(Backend):
 
     async def _load_for_update(self, tx: Tx, reservation_id: str, with_clock: bool) -> _Loaded:
         """One round trip for a call on one reservation: the tenant's lock (if the backend takes one), the
-        reservation with its tenant's frozen flag, account and run (``LOAD_FOR_CLOSE``), and the clock.
-        Raises ``ReservationNotFound``."""
+        reservation with its tenant's frozen flag, its class's and the tenant-wide account and its run
+        (``LOAD_FOR_CLOSE``), and the clock. Raises ``ReservationNotFound``."""
         lock = self._lock_statement(_tag_of(reservation_id))
         clock = self._now_statement() if with_clock else None
         reads = [s for s in (lock, (schema.LOAD_FOR_CLOSE, {"id": reservation_id}), clock) if s is not None]
@@ -147,16 +156,29 @@ class SqlLedger(Backend):
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
         row = rows[0][0]
         n, m = len(schema.RESERVATION_FIELDS), len(schema.ACCOUNT_FIELDS)
-        account = rules.Account(*row[n + 2 : n + 2 + m]) if row[n + 1] is not None else rules.Account()
+        r = schema.reservation(row[:n])
+        accounts = {}
+        for key, at in ((r.model_class, n + 1), (TENANT_ACCOUNT, n + 2 + m)):  # each: a key column, then fields
+            accounts[key] = rules.Account(*row[at + 1 : at + 1 + m]) if row[at] is not None else rules.Account()
         now_ms = float(rows[1][0][0]) if clock is not None else None
-        return _Loaded(schema.reservation(row[:n]), bool(row[n]), account, row[n + 2 + m :], now_ms)
+        return _Loaded(r, bool(row[n]), accounts, row[n + 3 + 2 * m :], now_ms)
+
+    def _books(self, loaded: _Loaded) -> list[rules.Book]:
+        """The accounts ``loaded.reservation`` was charged to, as loaded, with their limits."""
+        r = loaded.reservation
+        return [(loaded.accounts[key], limits) for key, limits in self.books(r.tenant, r.model_class)]
+
+    def _account_writes(self, r: Reservation, accounts: list[rules.Account]) -> list[Statement]:
+        """The upserts of the accounts ``r`` was charged to (``books`` order)."""
+        keys = self.account_keys(r.tenant, r.model_class)
+        return [schema.account_write(r.tenant, key, acc) for key, acc in zip(keys, accounts, strict=True)]
 
     async def _close(self, reservation_id: str, billed: Usage | None, final: bool, kind: str) -> Reservation:
         """``Backend._close``; ``billed`` None: what the reservation holds when its row is locked (the sweep's
         expiry: a settlement landing between a read and the close must not make the close bill less)."""
         async with self._transaction() as tx:
             loaded = await self._load_for_update(tx, reservation_id, with_clock=True)
-            r, account, run_values = loaded.reservation, loaded.account, loaded.run_values
+            r, run_values = loaded.reservation, loaded.run_values
             billed = r.billed if billed is None else billed
             if r.is_final:
                 return rules.check_final_again(r, billed, final, kind)
@@ -165,14 +187,13 @@ class SqlLedger(Backend):
             if r.billed == billed and not final:
                 return r  # a repeated partial settlement: nothing new
             now_ms = loaded.now_ms if loaded.now_ms is not None else await self._now_ms(tx)
-            limits = self.limits(r.tenant, r.model_class)
             run = None
             if r.run_id is not None:
                 run = rules.RunUsage(*run_values) if run_values[0] is not None else rules.RunUsage()
-            updated, account, run, delta = rules.settle(r, account, run, limits, billed, final, now_ms, kind)
+            updated, accounts, run, delta = rules.settle(r, self._books(loaded), run, billed, final, now_ms, kind)
             writes = [
                 schema.reservation_write(updated),
-                schema.account_write(r.tenant, r.model_class, account),
+                *self._account_writes(r, accounts),
                 *schema.event_writes(updated, delta, now_ms),
             ]
             if r.run_id is not None and run is not None:
@@ -214,20 +235,24 @@ class SqlLedger(Backend):
     async def _queue_step(self, reservation_id: str, enter: bool) -> Reservation:
         async with self._transaction() as tx:
             loaded = await self._load_for_update(tx, reservation_id, with_clock=False)
-            r, account = loaded.reservation, loaded.account
+            r = loaded.reservation
+            keys = self.account_keys(r.tenant, r.model_class)
             changed = (
-                rules.enqueue(r, account, self.limits(r.tenant, r.model_class)) if enter else rules.dequeue(r, account)
+                rules.enqueue(r, self._books(loaded))
+                if enter
+                else rules.dequeue(r, [loaded.accounts[key] for key in keys])
             )
             if changed is None:
                 return r
-            updated, account = changed
-            await tx.batch([schema.reservation_write(updated), schema.account_write(r.tenant, r.model_class, account)])
+            updated, accounts = changed
+            await tx.batch([schema.reservation_write(updated), *self._account_writes(r, accounts)])
             return updated
 
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
         check_account_args(tenant, model_class)
+        key = self.account_key(tenant, model_class)
         async with self._transaction() as tx:
-            row = await tx.fetchone(schema.SELECT_ACCOUNT, {"tenant": tenant, "model_class": model_class})
+            row = await tx.fetchone(schema.SELECT_ACCOUNT, {"tenant": tenant, "model_class": key})
         return rules.Account() if row is None else rules.Account(*row)
 
     async def _load(self, tx: Tx, reservation_id: str) -> Reservation:

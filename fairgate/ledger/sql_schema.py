@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fairgate.ledger import rules
+from fairgate.ledger.config import TENANT_ACCOUNT
 from fairgate.ledger.model import Event, Reservation, reservation_from_record
 from fairgate.ledger.usage_minutes import minute_of
 
@@ -93,15 +94,19 @@ SAVE_RUN = (
     ":model_calls, :tool_rounds, :tokens) ON CONFLICT (tenant, run_id) DO UPDATE SET "
     "model_calls = excluded.model_calls, tool_rounds = excluded.tool_rounds, tokens = excluded.tokens"
 )
-# One read for a settle/cancel/expire: the reservation, whether its tenant is frozen, its account and run.
+# One read for a settle/cancel/expire: the reservation, whether its tenant is frozen, its class's account, the
+# tenant-wide account (TENANT_ACCOUNT) and its run.
 LOAD_FOR_CLOSE = (
     "SELECT "
     + ", ".join(f"r.{c}" for c in RESERVATION_FIELDS)
     + ", f.tenant, a.tenant, "
     + ", ".join(f"a.{c}" for c in ACCOUNT_FIELDS)
+    + ", w.tenant, "
+    + ", ".join(f"w.{c}" for c in ACCOUNT_FIELDS)
     + ", u.model_calls, u.tool_rounds, u.tokens FROM fg_reservations r"
     " LEFT JOIN fg_frozen f ON f.tenant = r.tenant"
     " LEFT JOIN fg_accounts a ON a.tenant = r.tenant AND a.model_class = r.model_class"
+    f" LEFT JOIN fg_accounts w ON w.tenant = r.tenant AND w.model_class = '{TENANT_ACCOUNT}'"
     " LEFT JOIN fg_runs u ON u.tenant = r.tenant AND u.run_id = r.run_id WHERE r.id = :id"
 )
 SAVE_ACCOUNT = (
@@ -208,6 +213,15 @@ def event_writes(r: Reservation, delta: rules.Delta, now_ms: float) -> list[Stat
     """The insert of the event ``delta`` of ``r`` at ``now_ms``, and its addition to the tenant's minute."""
     insert = event_write(r, delta, now_ms)
     return [insert, (ADD_TO_MINUTE, {**insert[1], "minute": minute_of(now_ms)})]
+
+
+def forget_run_state(reservation_id: str) -> list[Statement]:
+    """The deletes of a reservation's heartbeat and run claim (a closed one's, before it re-opens: the sweep
+    forgets them only later)."""
+    return [
+        (f"DELETE FROM {table} WHERE reservation_id = :id", {"id": reservation_id})
+        for table in ("fg_heartbeats", "fg_claims")
+    ]
 
 
 def reservation_write(r: Reservation) -> Statement:

@@ -178,8 +178,9 @@ async def _ledger_problems(url: str, config: Any) -> list[str]:
             if r.billed.output_tokens > r.max_output_tokens:
                 problems.append(f"{r.id}: billed {r.billed.output_tokens} output tokens of {r.max_output_tokens}")
         for tenant, model in {(r.tenant, r.model_class) for r in reservations}:
-            account = await ledger.account(tenant, model)
-            mine = [r for r in reservations if (r.tenant, r.model_class) == (tenant, model)]
+            account = await ledger.account(tenant, model)  # the class's own, else the tenant-wide account
+            key = ledger.account_key(tenant, model)
+            mine = [r for r in reservations if r.tenant == tenant and key in ("*", r.model_class)]
             billed = sum(r.billed.gpu_ms for r in mine)
             if account.concurrent != 0 or getattr(account, "queued", 0) != 0:
                 problems.append(

@@ -105,6 +105,11 @@ class Known:
     expires_at_ms: float = 0.0
     beat_ms: float | None = None
     final_call: tuple[str, Usage] | None = None  # the call that closed it (kind, amounts)
+    reopened: int = 0  # times a retry re-opened it (cancelled with nothing billed: ``rules.reopens``)
+
+    @property
+    def reopens(self) -> bool:
+        return self.status == "cancelled" and self.billed == Usage()
 
     @property
     def key(self) -> tuple[str, str]:
@@ -117,6 +122,17 @@ def _args(r: Reservation) -> tuple[object, ...]:
 
 def _held_gpu(r: Reservation) -> float:
     return r.billed.gpu_ms if r.is_final else max(r.gpu_ms_estimate, r.billed.gpu_ms)
+
+
+def _books(tenant: str) -> list[tuple[str, Any]]:
+    """Every account of ``tenant`` with its limits: the tenant-wide one, then each class with a table."""
+    quota = QUOTAS.tenant(tenant)
+    return [("*", quota.limits), *quota.by_model_class.items()]
+
+
+def _charged(reservations: list[Reservation], tenant: str, key: str) -> list[Reservation]:
+    """The reservations charged to ``tenant``'s account ``key`` (``*``: all of the tenant's)."""
+    return [r for r in reservations if r.tenant == tenant and key in ("*", r.model_class)]
 
 
 class LedgerSequences(RuleBasedStateMachine):
@@ -175,6 +191,8 @@ class LedgerSequences(RuleBasedStateMachine):
                 continue
             assert k.reservation.id == r.id, "a request id got a second reservation"
             if (k.status, k.billed, k.queued) != (r.status, r.billed, r.queued):
+                if k.reopens and r.status == "open":
+                    k.reopened, k.final_call = k.reopened + 1, None
                 k.status, k.billed, k.queued = r.status, r.billed, r.queued
                 if r.is_final and k.final_call is None:
                     k.final_call = (
@@ -220,10 +238,18 @@ class LedgerSequences(RuleBasedStateMachine):
             self.stats["conflict"] += 1
             return
         except QuotaExceeded as exc:
-            assert k is None, "a retry of a known request id was refused"
+            assert k is None or (k.reopens and _args(k.reservation) == args), "a retry of a known request was refused"
             assert self.snapshot() == before, "a refused reservation changed the ledger"
             self.check_refusal(exc, tenant, model_class, input_tokens + max_output, estimate, run_id, tool_round)
             self.stats[f"refused {exc.dimension}"] += 1
+            return
+        if k is not None and k.reopens:
+            assert _args(k.reservation) == args, "a conflicting retry was accepted"
+            assert (r.id, r.status, r.billed, r.queued) == (k.reservation.id, "open", Usage(), False)
+            k.status, k.queued, k.final_call, k.reopened = "open", False, None, k.reopened + 1
+            k.expires_at_ms, k.beat_ms = r.expires_at_ms, None
+            self.stats["reopened"] += 1
+            self.check_within_limits(tenant, model_class)
             return
         if k is not None:
             assert _args(k.reservation) == args, "a conflicting retry was accepted"
@@ -343,18 +369,24 @@ class LedgerSequences(RuleBasedStateMachine):
         if k is None or not hasattr(Ledger, "enqueue"):
             return
         before = self.snapshot()
-        limit = QUOTAS.tenant(k.reservation.tenant).for_model_class(k.reservation.model_class).max_queued
-        held = sum(1 for o in self.by_request.values() if o.key == k.key and o.queued)
+        tenant = k.reservation.tenant
+        full = [  # the accounts k is charged to with every queue place taken
+            key
+            for key, limits in QUOTAS.tenant(tenant).accounts(k.reservation.model_class)
+            if limits.max_queued is not None
+            and sum(o.queued for o in self.by_request.values() if o.key[0] == tenant and key in ("*", o.key[1]))
+            >= limits.max_queued
+        ]
         try:
             out = self.run((self.ledger.enqueue if enter else self.ledger.dequeue)(k.reservation.id))
         except QuotaExceeded as exc:
             assert enter and exc.dimension == "max_queued" and k.status == "open" and not k.queued
-            assert limit is not None and held >= limit
+            assert full
             assert self.snapshot() == before
             self.stats["refused max_queued"] += 1
             return
         if k.status == "open":
-            assert not enter or limit is None or k.queued or held < limit
+            assert not enter or k.queued or not full
             k.queued = enter
         assert out.queued == k.queued and out.status == k.status
         self.stats["enqueue" if enter else "dequeue"] += 1
@@ -437,6 +469,8 @@ class LedgerSequences(RuleBasedStateMachine):
             now = (k.status, k.billed)
             if was is None:
                 assert op == "reserve" and now == ("open", Usage())
+            elif op == "reserve" and was == ("cancelled", Usage()) and k.reservation.request_id == request_id:
+                assert now in (was, ("open", Usage()))  # a retry re-opens it, or the crash undid that
             elif op == "expire" and was[0] == "open" and k.reservation.tenant not in self.frozen:
                 assert now in (was, ("expired", was[1]))
             elif after is not None and open_one is not None and k is open_one and not frozen:
@@ -468,15 +502,17 @@ class LedgerSequences(RuleBasedStateMachine):
 
     # --- invariants ----------------------------------------------------------------------------
     def check_within_limits(self, tenant: str, model_class: str) -> None:
-        """Right after an admitted reservation: nothing over any limit."""
+        """Right after an admitted reservation: no account it was charged to over any limit."""
         limits = QUOTAS.tenant(tenant).for_model_class(model_class)
-        account = self.run(self.ledger.account(tenant, model_class))
-        mine = [r for r in self.run(self.ledger.reservations(tenant)) if r.model_class == model_class]
-        assert limits.gpu_seconds_total is not None and limits.gpu_seconds is not None
-        assert sum(_held_gpu(r) for r in mine) <= limits.gpu_seconds_total * 1000.0 + 1e-6
-        assert account.gpu_window_used_ms <= limits.gpu_seconds * 1000.0 + 1e-6
-        for level in (account.requests_level, account.input_level, account.output_level):
-            assert level is None or level >= -1e-9, account
+        reservations = list(self.run(self.ledger.reservations(tenant)))
+        for key, book_limits in QUOTAS.tenant(tenant).accounts(model_class):
+            account = self.run(self.ledger.account(tenant, key))
+            charged = _charged(reservations, tenant, key)
+            assert book_limits.gpu_seconds_total is not None and book_limits.gpu_seconds is not None
+            assert sum(_held_gpu(r) for r in charged) <= book_limits.gpu_seconds_total * 1000.0 + 1e-6
+            assert account.gpu_window_used_ms <= book_limits.gpu_seconds * 1000.0 + 1e-6
+            for level in (account.requests_level, account.input_level, account.output_level):
+                assert level is None or level >= -1e-9, account
         runs = Counter(r.run_id for r in self.run(self.ledger.reservations(tenant)) if r.run_id)
         assert all(n <= (limits.max_model_calls or 0) for n in runs.values())
         tool = Counter(r.run_id for r in self.run(self.ledger.reservations(tenant)) if r.run_id and r.tool_round)
@@ -495,20 +531,30 @@ class LedgerSequences(RuleBasedStateMachine):
         """A refusal names a dimension that really is full."""
         limits = QUOTAS.tenant(tenant).for_model_class(model_class)
         mine = list(self.run(self.ledger.reservations(tenant)))
-        same_class = [r for r in mine if r.model_class == model_class]
+        books = QUOTAS.tenant(tenant).accounts(model_class)
+        calls: Counter[str | None] = Counter()  # model calls counted per run: a re-opened reservation again
+        rounds: Counter[str | None] = Counter()
+        for r in mine:
+            known = self.by_request.get((r.tenant, r.request_id))
+            n = 1 + (known.reopened if known is not None else 0)
+            calls[r.run_id] += n
+            rounds[r.run_id] += n if r.tool_round else 0
         if exc.dimension == "max_concurrent":
-            assert sum(1 for r in same_class if not r.is_final) >= (limits.max_concurrent or 0)
+            assert any(
+                sum(1 for r in _charged(mine, tenant, key) if not r.is_final) >= (lim.max_concurrent or 0)
+                for key, lim in books
+            )
         elif exc.dimension == "max_tokens_per_request":
             assert tokens > (limits.max_tokens_per_request or 0)
         elif exc.dimension == "gpu_seconds_total":
-            held = sum(_held_gpu(r) for r in same_class)
-            assert held + estimate > (limits.gpu_seconds_total or 0) * 1000.0
-        elif exc.dimension == "max_model_calls":
-            assert sum(1 for r in mine if r.run_id == run_id) >= (limits.max_model_calls or 0)
-        elif exc.dimension == "max_tool_rounds":
-            assert tool_round and sum(1 for r in mine if r.run_id == run_id and r.tool_round) >= (
-                limits.max_tool_rounds or 0
+            assert any(
+                sum(_held_gpu(r) for r in _charged(mine, tenant, key)) + estimate > (lim.gpu_seconds_total or 0) * 1e3
+                for key, lim in books
             )
+        elif exc.dimension == "max_model_calls":
+            assert calls[run_id] >= (limits.max_model_calls or 0)
+        elif exc.dimension == "max_tool_rounds":
+            assert tool_round and rounds[run_id] >= (limits.max_tool_rounds or 0)
 
     @invariant()
     def ledger_agrees_with_model_and_itself(self) -> None:
@@ -529,7 +575,8 @@ class LedgerSequences(RuleBasedStateMachine):
         assert set(per) <= {r.id for r in reservations}
         for r in reservations:
             mine = per.get(r.id, [])
-            assert [e.kind for e in mine].count("reserve") == 1 and sum(e.requests for e in mine) == 1
+            reserves = 1 + self.by_request[(r.tenant, r.request_id)].reopened
+            assert [e.kind for e in mine].count("reserve") == reserves and sum(e.requests for e in mine) == reserves
             assert sum(e.input_tokens for e in mine) == r.billed.input_tokens
             assert sum(e.output_tokens for e in mine) == r.billed.output_tokens
             assert sum(e.gpu_ms for e in mine) == pytest.approx(r.billed.gpu_ms, abs=1e-6)
@@ -537,10 +584,9 @@ class LedgerSequences(RuleBasedStateMachine):
             assert r.overage_gpu_ms == pytest.approx(max(0.0, r.billed.gpu_ms - r.gpu_ms_estimate), abs=1e-6)
         # The balances hold exactly what the reservations hold.
         for tenant in TENANTS:
-            for model_class in CLASSES:
-                limits = QUOTAS.tenant(tenant).for_model_class(model_class)
-                account = self.run(self.ledger.account(tenant, model_class))
-                mine = [r for r in reservations if (r.tenant, r.model_class) == (tenant, model_class)]
+            for key, limits in _books(tenant):
+                account = self.run(self.ledger.account(tenant, key))
+                mine = _charged(reservations, tenant, key)
                 open_ones = [r for r in mine if not r.is_final]
                 assert account.concurrent == len(open_ones) <= (limits.max_concurrent or 0)
                 queued = sum(1 for r in open_ones if r.queued)
@@ -580,15 +626,18 @@ class LedgerSequences(RuleBasedStateMachine):
         for r in reservations:
             k = self.by_request[(r.tenant, r.request_id)]
             assert r.billed == k.billed, "expiry changed what was billed"
+        reserved_at: dict[str, list[float]] = {}  # a re-opened reservation was admitted (charged) again
+        for e in self.run(self.ledger.events()):
+            if e.kind == "reserve":
+                reserved_at.setdefault(e.reservation_id, []).append(e.at_ms)
         for tenant in TENANTS:
-            for model_class in CLASSES:
-                account = self.run(self.ledger.account(tenant, model_class))
-                mine = [r for r in reservations if (r.tenant, r.model_class) == (tenant, model_class)]
+            for key, limits in _books(tenant):
+                account = self.run(self.ledger.account(tenant, key))
+                mine = _charged(reservations, tenant, key)
                 assert account.concurrent == 0 and getattr(account, "queued", 0) == 0
                 assert account.gpu_total_used_ms == pytest.approx(sum(r.billed.gpu_ms for r in mine), abs=1e-6)
                 # The requests bucket never admitted more than its burst plus its refill over any interval.
-                times = sorted(r.created_ms for r in mine)
-                limits = QUOTAS.tenant(tenant).for_model_class(model_class)
+                times = sorted(at for r in mine for at in reserved_at.get(r.id, []))
                 for j in range(len(times)):
                     for i in range(j + 1):
                         assert (

@@ -136,11 +136,12 @@ def write_config(
     sweep_s: float | None = None,
     name: str = "fairgate.toml",
     ledger: str | None = None,
+    models: Sequence[str] | None = None,
 ) -> tuple[Path, dict[str, str]]:
     """``tmp/<name>``: the gateway in front of ``upstream_urls`` (``REPLICA`` each) with an SQLite ledger and
     journal in ``tmp`` (or the ledger at URL ``ledger``), ``TENANTS`` (tier ``free``, ``limits`` by tenant)
     over ``defaults`` (``max_queued`` 64 unless given), and the optional admin key, delegation and sweep;
-    returns its path and the keys."""
+    ``models``: the model each upstream serves (default ``emu``). Returns its path and the keys."""
     keys = {tenant: f"fg-test-{tenant}-{'x' * 24}" for tenant in TENANTS}
     defaults = defaults or LimitsConfig()
     if defaults.max_queued is None:
@@ -154,7 +155,8 @@ def write_config(
         **({"sweep_s": sweep_s} if sweep_s is not None else {}),
     )
     tenants = [TenantSpec(t, tier="free", limits=(limits or {}).get(t, LimitsConfig())) for t in TENANTS]
-    upstreams = [REPLICA.upstream(f"emu-{i}", url, "emu") for i, url in enumerate(upstream_urls)]
+    served = models or ["emu"] * len(upstream_urls)
+    upstreams = [REPLICA.upstream(f"emu-{i}", url, served[i]) for i, url in enumerate(upstream_urls)]
     quotas = quota_file(tenants, {"free": TierConfig()}, defaults)
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / name

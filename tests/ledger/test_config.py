@@ -41,6 +41,10 @@ def test_example_loads_with_overrides_per_tenant_and_model_class():
         ({"tenants": {"a": {"weight": 0}}}, "tenants.a.weight"),
         ({"tenants": {"a": {"limits": {"gpu_seconds": -1}}}}, "tenants.a.limits.gpu_seconds"),
         ({"tenants": {"a": {"model_class": {"big": {"colour": 1}}}}}, "tenants.a.model_class.big.colour: unknown key"),
+        (
+            {"tenants": {"a": {"model_class": {"*": {"max_concurrent": 1}}}}},
+            "tenants.a.model_class.*: '*' cannot name a model class: it is the key of the tenant-wide account",
+        ),
         ({"tiers": {"paid": {"on_ledger_unavailable": "emergency"}}}, "needs an emergency"),
         ({"tiers": {"paid": {"on_ledger_unavailable": "fail_open"}}}, "tiers.paid.on_ledger_unavailable"),
     ],

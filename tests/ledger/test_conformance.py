@@ -517,3 +517,172 @@ async def test_concurrent_enqueues_never_exceed_the_queue_bound(open_ledger, clo
     assert sum(not isinstance(o, BaseException) for o in outcomes) == 2
     assert all(isinstance(o, QuotaExceeded) for o in outcomes if isinstance(o, BaseException))
     assert (await ledger.account("a")).queued == 2
+
+
+# Tenant limits hold across model classes; a class's own table caps inside them (issue 12, item 4).
+ACROSS_QUOTAS = {
+    "defaults": {
+        "requests_per_minute": 60,
+        "requests_burst": 5,
+        "max_concurrent": 3,
+        "max_queued": 2,
+        "gpu_seconds": 10,
+        "gpu_window_s": 3600,
+        "reservation_ttl_s": 60,
+    },
+    "tenants": {
+        "plain": {},
+        "split": {"model_class": {"large": {"max_concurrent": 1, "gpu_seconds": 4}, "loose": {"max_concurrent": 10}}},
+        "other": {},
+    },
+}
+
+
+@pytest.fixture
+async def across(open_ledger, clock):  # type: ignore[no-untyped-def]
+    return await open_ledger(ACROSS_QUOTAS, clock)
+
+
+async def test_classes_without_tables_share_the_tenant_limits(across):
+    await across.reserve("plain", "m1", 1, 1, 0.0, model_class="model-a")
+    await across.reserve("plain", "m2", 1, 1, 0.0, model_class="model-b")
+    await across.reserve("plain", "m3", 1, 1, 0.0, model_class="model-a")
+    for model_class in ("model-a", "model-b", "model-c"):
+        with pytest.raises(QuotaExceeded) as refused:
+            await across.reserve("plain", f"4th-{model_class}", 1, 1, 0.0, model_class=model_class)
+        assert (refused.value.dimension, refused.value.limit) == ("max_concurrent", 3)
+    # One account holds them all, whichever class it is asked for.
+    for model_class in ("model-a", "model-b", "*"):
+        assert (await across.account("plain", model_class)).concurrent == 3
+    assert (await across.reserve("other", "m1", 1, 1, 0.0, model_class="model-a")).status == "open"  # per tenant
+
+
+async def test_the_request_buckets_are_shared_across_classes(across):
+    for i in range(5):
+        r = await across.reserve("plain", f"b{i}", 1, 1, 0.0, model_class=f"model-{i % 2}")
+        await across.settle(r.id, 1, 1, 0.0, final=True)
+    with pytest.raises(QuotaExceeded) as refused:
+        await across.reserve("plain", "b5", 1, 1, 0.0, model_class="model-9")
+    assert refused.value.dimension == "requests_per_minute"
+
+
+async def test_a_class_table_caps_inside_the_tenant_limits(across):
+    await across.reserve("split", "l1", 1, 1, 0.0, model_class="large")
+    with pytest.raises(QuotaExceeded) as refused:
+        await across.reserve("split", "l2", 1, 1, 0.0, model_class="large")
+    assert (refused.value.dimension, refused.value.limit) == ("max_concurrent", 1)
+    await across.reserve("split", "s1", 1, 1, 0.0, model_class="small")
+    await across.reserve("split", "s2", 1, 1, 0.0, model_class="loose")
+    # The tenant's 3 slots are taken (one by "large"): a class allowing 10 gets none.
+    with pytest.raises(QuotaExceeded) as refused:
+        await across.reserve("split", "s3", 1, 1, 0.0, model_class="loose")
+    assert (refused.value.dimension, refused.value.limit) == ("max_concurrent", 3)
+    assert (await across.account("split", "large")).concurrent == 1  # the class's own account
+    assert (await across.account("split", "loose")).concurrent == 1
+    assert (await across.account("split", "small")).concurrent == 3  # no table: the tenant-wide account
+    assert (await across.account("split", "*")).concurrent == 3
+
+
+async def test_settle_cancel_and_expiry_give_back_to_every_account_charged(across, clock):
+    large = await across.reserve("split", "l1", 1, 1, 0.0, model_class="large")
+    await across.reserve("split", "s1", 1, 1, 0.0, model_class="small")
+    await across.reserve("split", "s2", 1, 1, 0.0, model_class="small")
+    with pytest.raises(QuotaExceeded):
+        await across.reserve("split", "s3", 1, 1, 0.0, model_class="small")
+    await across.cancel(large.id, Usage())
+    assert [(await across.account("split", c)).concurrent for c in ("large", "*")] == [0, 2]
+    large = await across.reserve("split", "l2", 1, 1, 0.0, model_class="large")  # both slots came back
+    await across.settle(large.id, 1, 1, 0.0, final=True)
+    assert [(await across.account("split", c)).concurrent for c in ("large", "*")] == [0, 2]
+    large = await across.reserve("split", "l3", 1, 1, 0.0, model_class="large")
+    clock.advance(61)
+    expired = await across.expire_due(lambda r: const(False))
+    assert {r.request_id for r in expired} == {"s1", "s2", "l3"}
+    assert [(await across.account("split", c)).concurrent for c in ("large", "*")] == [0, 0]
+    assert (await across.reserve("split", "l4", 1, 1, 0.0, model_class="large")).status == "open"
+
+
+async def test_the_gpu_budget_is_shared_and_a_class_budget_caps_inside_it(across):
+    r = await across.reserve("split", "g1", 1, 1, 3000.0, model_class="large")
+    await across.settle(r.id, 1, 1, 3500.0, final=True)
+    with pytest.raises(QuotaExceeded) as refused:  # the class's 4 s
+        await across.reserve("split", "g2", 1, 1, 1000.0, model_class="large")
+    assert (refused.value.dimension, refused.value.limit) == ("gpu_seconds", 4)
+    s = await across.reserve("split", "g3", 1, 1, 6000.0, model_class="small")
+    await across.settle(s.id, 1, 1, 6000.0, final=True)
+    # 9.5 s of the tenant's 10 s are spent across the classes: 1 s fits in no class.
+    for model_class in ("small", "large", "loose"):
+        with pytest.raises(QuotaExceeded) as refused:
+            await across.reserve("split", f"g4-{model_class}", 1, 1, 1000.0, model_class=model_class)
+        assert refused.value.dimension == "gpu_seconds"
+    assert (await across.account("split", "*")).gpu_window_used_ms == 9500.0
+    assert (await across.account("split", "large")).gpu_window_used_ms == 3500.0
+
+
+async def test_queue_places_are_tenant_wide(across):
+    rs = [await across.reserve("plain", f"q{i}", 1, 1, 0.0, model_class=f"model-{i}") for i in range(3)]
+    await across.enqueue(rs[0].id)
+    await across.enqueue(rs[1].id)
+    with pytest.raises(QuotaExceeded) as refused:
+        await across.enqueue(rs[2].id)
+    assert (refused.value.dimension, refused.value.limit) == ("max_queued", 2)
+    await across.dequeue(rs[0].id)
+    assert (await across.enqueue(rs[2].id)).queued
+    await across.cancel(rs[1].id, Usage())
+    assert (await across.account("plain", "model-7")).queued == 1
+
+
+# A reservation cancelled before it ran may be retried with its request id (issue 12, item 9).
+async def test_a_retry_reopens_a_reservation_cancelled_with_nothing_billed(ledger, clock):
+    first = await ledger.reserve("a", "queued", 10, 20, 5.0)
+    await ledger.claim(first.id, "gw-1", 30_000.0)
+    await ledger.enqueue(first.id)
+    await ledger.cancel(first.id, Usage())  # the client hung up while it waited for a slot
+    clock.advance(5)
+    again = await ledger.reserve("a", "queued", 10, 20, 5.0)
+    assert (again.id, again.status, again.billed, again.queued) == (first.id, "open", Usage(), False)
+    assert (again.expires_at_ms, again.final_ms) == (clock.now_ms + 60_000, None)
+    assert await ledger.get(first.id) == again
+    assert (await ledger.account("a")).concurrent == 1  # charged again
+    assert [e.kind for e in await ledger.events("a")] == ["reserve", "cancel", "reserve"]
+    assert (await ledger.usage("a", 3600)).by_status == {"open": 1}
+    assert (await ledger.claim(again.id, "gw-2", 30_000.0)).held_by("gw-2")  # the old run claim went with it
+    assert await ledger.reserve("a", "queued", 10, 20, 5.0) == again  # open: returned as it is
+    done = await ledger.settle(again.id, 10, 20, 5.0, final=True)
+    assert (await ledger.usage("a", 3600)).output_tokens == 20
+    assert await ledger.reserve("a", "queued", 10, 20, 5.0) == done  # billed: final for good
+
+
+async def test_other_final_reservations_are_returned_as_they_are(ledger, clock):
+    ran = await ledger.reserve("a", "ran", 10, 20, 5.0)
+    ran = await ledger.cancel(ran.id, Usage(10, 0, 0.0))  # it ran: its prompt is billed
+    assert await ledger.reserve("a", "ran", 10, 20, 5.0) == ran
+    lost = await ledger.reserve("a", "lost", 10, 20, 5.0)
+    clock.advance(61)
+    [lost] = await ledger.expire_due(lambda r: const(False))
+    assert await ledger.reserve("a", "lost", 10, 20, 5.0) == lost  # expired: returned, even with nothing billed
+    other = await ledger.reserve("a", "other", 10, 20, 5.0)
+    await ledger.cancel(other.id, Usage())
+    with pytest.raises(IdempotencyConflict):
+        await ledger.reserve("a", "other", 10, 21, 5.0)
+    assert (await ledger.account("a")).concurrent == 0
+    assert [e.kind for e in await ledger.events("a")].count("reserve") == 3
+
+
+async def test_a_reopen_the_quota_refuses_leaves_the_reservation_cancelled(ledger):
+    first = await ledger.reserve("a", "later", 1, 1, 0.0)
+    cancelled = await ledger.cancel(first.id, Usage())
+    for i in range(3):
+        await ledger.reserve("a", f"busy{i}", 1, 1, 0.0)
+    with pytest.raises(QuotaExceeded, match="max_concurrent"):
+        await ledger.reserve("a", "later", 1, 1, 0.0)
+    assert await ledger.get(first.id) == cancelled
+
+
+async def test_concurrent_retries_reopen_once(ledger):
+    first = await ledger.reserve("a", "raced", 1, 1, 0.0)
+    await ledger.cancel(first.id, Usage())
+    retries = await asyncio.gather(*(ledger.reserve("a", "raced", 1, 1, 0.0) for _ in range(6)))
+    assert {(r.id, r.status) for r in retries} == {(first.id, "open")}
+    assert (await ledger.account("a")).concurrent == 1
+    assert [e.kind for e in await ledger.events("a")].count("reserve") == 2

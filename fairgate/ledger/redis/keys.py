@@ -7,8 +7,9 @@ id starts with ``T``, so the slot is known from the id alone.
 ==========================  ======  =====================================================================
 key                         type    content
 ==========================  ======  =====================================================================
-``{P:T}:accounts``          hash    model class -> JSON of ``rules.Account`` (numbers as strings;
-                                    an uninitialised bucket level is absent)
+``{P:T}:accounts``          hash    account key (``*``: tenant-wide, or a model class with its own
+                                    limits) -> JSON of ``rules.Account`` (numbers as strings; an
+                                    uninitialised bucket level is absent)
 ``{P:T}:runs``              hash    run id -> JSON ``{model_calls, tool_rounds, tokens}``
 ``{P:T}:res``               hash    reservation id -> JSON of the reservation (numbers as strings)
 ``{P:T}:reqs``              hash    request id -> reservation id (idempotency index)

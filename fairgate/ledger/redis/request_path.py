@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fairgate.ledger import rules
@@ -29,8 +28,10 @@ class RedisRequestPath(RedisStore):
     """reserve / claim / settle / cancel / enqueue / dequeue / get / account / heartbeat on Redis."""
 
     async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
-        """``reserve.lua``: reads the request id's reservation, the account and the run; writes only if all fit."""
+        """``reserve.lua``: reads the request id's reservation, the accounts charged and the run; writes only if
+        all fit (or returns the earlier reservation, unless it re-opens: ``rules.reopens``)."""
         tenant = args.tenant
+        books = dict(self.books(tenant, args.model_class))
         with self._unavailable():
             await self._ensure_registered(tenant)
             reply = await self._scripts.reserve(
@@ -47,17 +48,17 @@ class RedisRequestPath(RedisStore):
                     args.run_id or "",
                     "0" if args.run_id is None else "1",
                     "1" if args.tool_round else "0",
-                    json.dumps(codec.limits_spec(limits)),
+                    self._limits_json[tenant_tag(tenant)],
                 ],
             )
         code = reply[0]
         if code == "quota":
-            dimension, retry, remaining = reply[1], reply[2], float(reply[3])
+            dimension, retry, remaining, key = reply[1], reply[2], float(reply[3]), reply[4]
             raise QuotaExceeded(
                 tenant,
                 dimension,
                 None if retry == "" else float(retry),
-                getattr(limits, dimension),
+                getattr(books[key], dimension),
                 int(remaining) if dimension in codec.INT_LIMITS else remaining,
             )
         r = codec.reservation(reply[1])
@@ -86,20 +87,19 @@ class RedisRequestPath(RedisStore):
         tag = self._tag_of(reservation_id)
         reply: list[Any] = ["not_found"]
         if tag is not None:
-            limit = ""
-            if enter:
+            spec = self._limits_json.get(tag, "")
+            if enter and not spec:  # a tenant no longer configured: UnknownTenant, as the SQL backends raise
                 r = await self.get(reservation_id)
-                max_queued = self.limits(r.tenant, r.model_class).max_queued
-                limit = "" if max_queued is None else str(max_queued)
+                self.books(r.tenant, r.model_class)
             with self._unavailable():
                 reply = await self._scripts.queue(
-                    keys=self._keys.tenant(tag), args=[*self._head(), reservation_id, "1" if enter else "0", limit]
+                    keys=self._keys.tenant(tag), args=[*self._head(), reservation_id, "1" if enter else "0", spec]
                 )
         if reply[0] == "not_found":
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
         r = codec.reservation(reply[1])
         if reply[0] == "quota":
-            raise rules.queue_full(r, self.limits(r.tenant, r.model_class))
+            raise rules.queue_full(r, dict(self.books(r.tenant, r.model_class))[reply[2]])
         return r
 
     async def get(self, reservation_id: str) -> Reservation:
@@ -115,7 +115,9 @@ class RedisRequestPath(RedisStore):
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
         check_account_args(tenant, model_class)
         with self._unavailable():
-            raw = await self._client.hget(self._keys.tenant(tenant_tag(tenant))[ACCOUNTS], model_class)
+            raw = await self._client.hget(
+                self._keys.tenant(tenant_tag(tenant))[ACCOUNTS], self.account_key(tenant, model_class)
+            )
         return codec.account(raw)
 
     async def _claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:

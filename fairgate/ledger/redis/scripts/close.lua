@@ -23,12 +23,7 @@ if (not final) and b_in == before_in and b_out == before_out and b_gpu == before
   return {'unchanged', raw}  -- a repeated partial settlement: nothing new
 end
 if ARGV[9] == '' then return {'unknown_tenant', raw} end
-local limits = cjson.decode(ARGV[9])
-local spec = limits.base
-if type(limits.classes) == 'table' and limits.classes[r.model_class] ~= nil then
-  spec = limits.classes[r.model_class]
-end
-local lim = decode_limits(spec)
+local books = books_of(ARGV[9], r.model_class)  -- every account the reservation was charged to
 
 -- rules.settle
 local r_in, r_max_out, r_est = tonumber(r.input_tokens), tonumber(r.max_output_tokens), tonumber(r.gpu_ms_estimate)
@@ -37,8 +32,6 @@ if b_in > 2 * r_in + 1024 then return {'above_input', raw} end  -- rules.input_a
 if b_in < before_in then return {'below', 'input_tokens', raw} end
 if b_out < before_out then return {'below', 'output_tokens', raw} end
 if b_gpu < before_gpu then return {'below', 'gpu_ms', raw} end
-local acc = load_account(r.model_class)
-refresh(acc, lim, now)
 local old_in, old_out, old_gpu = math.max(r_in, before_in), r_max_out, math.max(r_est, before_gpu)
 local new_in, new_out, new_gpu
 if final then
@@ -46,21 +39,24 @@ if final then
 else
   new_in, new_out, new_gpu = math.max(r_in, b_in), r_max_out, math.max(r_est, b_gpu)
 end
-for _, d in ipairs({{'input_tokens', 'input', old_in - new_in}, {'output_tokens', 'output', old_out - new_out}}) do
-  local key = d[2] .. '_level'
-  if acc[key] ~= nil and d[3] ~= 0 then
-    acc[key] = bucket_credit(acc[key], d[3], lim[d[1] .. '_burst'] or 0.0)
+for _, b in ipairs(books) do
+  local acc, lim = load_account(b.key), b.lim
+  refresh(acc, lim, now)
+  for _, d in ipairs({{'input_tokens', 'input', old_in - new_in}, {'output_tokens', 'output', old_out - new_out}}) do
+    local key = d[2] .. '_level'
+    if acc[key] ~= nil and d[3] ~= 0 then
+      acc[key] = bucket_credit(acc[key], d[3], lim[d[1] .. '_burst'] or 0.0)
+    end
   end
-end
-acc.gpu_window_used_ms = math.max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
-acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
-if final then
-  acc.concurrent = math.max(0, acc.concurrent - 1)
-  if r.queued == '1' then
-    acc.queued = math.max(0, acc.queued - 1)
-    r.queued = '0'
+  acc.gpu_window_used_ms = math.max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
+  acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
+  if final then
+    acc.concurrent = math.max(0, acc.concurrent - 1)
+    if r.queued == '1' then acc.queued = math.max(0, acc.queued - 1) end
   end
+  b.acc = acc
 end
+if final then r.queued = '0' end
 local run = nil
 if r.run_id ~= nil then
   run = load_run(r.run_id)
@@ -80,7 +76,7 @@ if final then r.final_ms = fmt(now) end
 
 local out = cjson.encode(r)
 hset(RES, rid, out)
-save_account(r.model_class, acc)
+for _, b in ipairs(books) do save_account(b.key, b.acc) end
 if run ~= nil then save_run(r.run_id, run) end
 add_event(rid, event_kind, 0, b_in - before_in, b_out - before_out, b_gpu - before_gpu, overage - old_overage, now)
 if final then

@@ -70,6 +70,19 @@ local function decode_limits(spec)
   return lim
 end
 
+-- TenantQuota.accounts: the accounts a reservation in model_class is charged to, each {key, lim}: the
+-- tenant-wide one ('*', the tenant's limits), then the class's if the tenant's limits JSON
+-- {"base": {...}, "classes": {model_class: {...}}} has a table for it. The last one's limits are the class's.
+local TENANT_ACCOUNT = '*'
+local function books_of(limits_json, model_class)
+  local limits = cjson.decode(limits_json)
+  local books = {{key = TENANT_ACCOUNT, lim = decode_limits(limits.base)}}
+  if type(limits.classes) == 'table' and limits.classes[model_class] ~= nil then
+    books[2] = {key = model_class, lim = decode_limits(limits.classes[model_class])}
+  end
+  return books
+end
+
 -- rules.refreshed: refill the buckets, roll the GPU window forward.
 local BUCKETS = {{'requests', 'requests'}, {'input_tokens', 'input'}, {'output_tokens', 'output'}}
 local function refresh(acc, lim, now)

@@ -1,22 +1,24 @@
--- rules.enqueue / rules.dequeue. ARGV[3..]: reservation id, enter (1: enqueue, 0: dequeue), max_queued or
--- "" (no limit). -> {'not_found'} | {'unchanged', json} | {'quota', json} | {'ok', json}
-local rid, enter, max_queued = ARGV[3], ARGV[4] == '1', tonumber(ARGV[5])
+-- rules.enqueue / rules.dequeue. ARGV[3..]: reservation id, enter (1: enqueue, 0: dequeue), the tenant's limits
+-- JSON (as close.lua's; "" for a tenant no longer configured: the tenant-wide account, no limit).
+-- -> {'not_found'} | {'unchanged', json} | {'quota', json, account key} | {'ok', json}
+local rid, enter = ARGV[3], ARGV[4] == '1'
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
 local r = cjson.decode(raw)
 local queued = r.queued == '1'
 if r.status ~= 'open' or queued == enter then return {'unchanged', raw} end
-local acc = load_account(r.model_class)
-if enter then
-  if max_queued ~= nil and acc.queued >= max_queued then return {'quota', raw} end
-  acc.queued = acc.queued + 1
-  r.queued = '1'
-else
-  acc.queued = math.max(0, acc.queued - 1)
-  r.queued = '0'
+local books = {{key = TENANT_ACCOUNT, lim = {}}}
+if ARGV[5] ~= '' then books = books_of(ARGV[5], r.model_class) end
+for _, b in ipairs(books) do
+  b.acc = load_account(b.key)
+  if enter and b.lim.max_queued ~= nil and b.acc.queued >= b.lim.max_queued then return {'quota', raw, b.key} end
 end
+for _, b in ipairs(books) do
+  if enter then b.acc.queued = b.acc.queued + 1 else b.acc.queued = math.max(0, b.acc.queued - 1) end
+  save_account(b.key, b.acc)
+end
+r.queued = enter and '1' or '0'
 local out = cjson.encode(r)
 hset(RES, rid, out)
-save_account(r.model_class, acc)
 touch_all()
 return {'ok', out}

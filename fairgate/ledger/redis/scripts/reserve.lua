@@ -1,92 +1,144 @@
 -- rules.reserve. ARGV[3..]: tenant, request_id, reservation id, input_tokens, max_output_tokens,
--- gpu_ms_estimate, model_class, run_id, has_run (1/0), tool_round (1/0), limits JSON.
--- -> {'existing', json} | {'ok', json} | {'quota', dimension, retry_after_s or '', remaining}
+-- gpu_ms_estimate, model_class, run_id, has_run (1/0), tool_round (1/0), the tenant's limits JSON
+-- {"base": {...}, "classes": {model_class: {...}}}.
+-- -> {'existing', json} | {'ok', json} | {'quota', dimension, retry_after_s or '', remaining, account key}
 local tenant, request_id, rid = ARGV[3], ARGV[4], ARGV[5]
 local input_tokens, max_output, estimate = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local model_class, run_id, has_run, tool_round = ARGV[9], ARGV[10], ARGV[11] == '1', ARGV[12] == '1'
-local lim = decode_limits(cjson.decode(ARGV[13]))
+local books = books_of(ARGV[13], model_class)
+local lim = books[#books].lim  -- the class's: run limits and the TTL
 
+-- rules.check_retry + rules.reopens: an earlier reservation of the request id is returned (the caller
+-- checks its arguments), unless it was cancelled with nothing billed and the arguments are the same.
+local reopen = nil
 local existing = redis.call('HGET', REQS, request_id)
 if existing then
   local raw = redis.call('HGET', RES, existing)
-  if raw then return {'existing', raw} end
+  if raw then
+    local old = cjson.decode(raw)
+    local same = tonumber(old.input_tokens) == input_tokens and tonumber(old.max_output_tokens) == max_output
+      and tonumber(old.gpu_ms_estimate) == estimate and old.model_class == model_class
+      and (old.run_id or '') == (has_run and run_id or '') and (old.run_id ~= nil) == has_run
+      and (old.tool_round == '1') == tool_round
+    local unbilled = tonumber(old.billed_input_tokens) == 0 and tonumber(old.billed_output_tokens) == 0
+      and tonumber(old.billed_gpu_ms) == 0
+    if not (same and old.status == 'cancelled' and unbilled) then return {'existing', raw} end
+    reopen = old
+  end
 end
 
 local now = now_ms()
-local acc = load_account(model_class)
-refresh(acc, lim, now)
-local function quota(dimension, retry, remaining)
+for _, b in ipairs(books) do
+  b.acc = load_account(b.key)
+  refresh(b.acc, b.lim, now)
+end
+local function quota(dimension, retry, remaining, key)
   local r = ''
   if retry ~= nil then r = fmt(retry) end
-  return {'quota', dimension, r, fmt(remaining)}
+  return {'quota', dimension, r, fmt(remaining), key}
 end
 local function wait_s(level, need, rate) return bucket_wait(level, need, rate, 60.0) end
 
--- rules.reserve, in its order of checks.
+-- rules._check_size_and_rates, on one account: a refusal, or nil.
 local tokens = input_tokens + max_output
-if lim.max_tokens_per_request ~= nil and tokens > lim.max_tokens_per_request then
-  return quota('max_tokens_per_request', nil, 0)
+local function size_and_rates(acc, l, key)
+  if l.max_tokens_per_request ~= nil and tokens > l.max_tokens_per_request then
+    return quota('max_tokens_per_request', nil, 0, key)
+  end
+  if l.requests_per_minute ~= nil and acc.requests_level < 1.0 then
+    return quota('requests_per_minute', wait_s(acc.requests_level, 1.0, l.requests_per_minute), acc.requests_level, key)
+  end
+  for _, d in ipairs({{'input_tokens', 'input', input_tokens}, {'output_tokens', 'output', max_output}}) do
+    local rate = l[d[1] .. '_per_minute']
+    if rate ~= nil then
+      local level, burst, need = acc[d[2] .. '_level'], l[d[1] .. '_burst'] or 0.0, d[3]
+      if need > burst then return quota(d[1] .. '_per_minute', nil, level, key) end
+      if level < need then return quota(d[1] .. '_per_minute', wait_s(level, need, rate), level, key) end
+    end
+  end
+  return nil
 end
-if lim.requests_per_minute ~= nil and acc.requests_level < 1.0 then
-  return quota('requests_per_minute', wait_s(acc.requests_level, 1.0, lim.requests_per_minute), acc.requests_level)
+
+-- rules._check_gpu, on one account: a refusal, or nil.
+local function gpu(acc, l, key)
+  if l.gpu_seconds ~= nil and acc.gpu_window_used_ms + estimate > l.gpu_seconds * 1000.0 then
+    local window_end_ms = acc.gpu_window_start_ms + l.gpu_window_s * 1000.0
+    local retry = nil
+    if estimate <= l.gpu_seconds * 1000.0 then retry = math.max(0.0, (window_end_ms - now) / 1000.0) end
+    return quota('gpu_seconds', retry, math.max(0.0, l.gpu_seconds - acc.gpu_window_used_ms / 1000.0), key)
+  end
+  if l.gpu_seconds_total ~= nil and acc.gpu_total_used_ms + estimate > l.gpu_seconds_total * 1000.0 then
+    return quota('gpu_seconds_total', nil, math.max(0.0, l.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0), key)
+  end
+  return nil
 end
-for _, d in ipairs({{'input_tokens', 'input', input_tokens}, {'output_tokens', 'output', max_output}}) do
-  local rate = lim[d[1] .. '_per_minute']
-  if rate ~= nil then
-    local level, burst, need = acc[d[2] .. '_level'], lim[d[1] .. '_burst'] or 0.0, d[3]
-    if need > burst then return quota(d[1] .. '_per_minute', nil, level) end
-    if level < need then return quota(d[1] .. '_per_minute', wait_s(level, need, rate), level) end
+
+-- rules.reserve, in its order of checks, each on every account in turn.
+for _, b in ipairs(books) do
+  local refused = size_and_rates(b.acc, b.lim, b.key)
+  if refused then return refused end
+end
+for _, b in ipairs(books) do
+  if b.lim.max_concurrent ~= nil and b.acc.concurrent >= b.lim.max_concurrent then
+    return quota('max_concurrent', 1.0, 0, b.key)
   end
 end
-if lim.max_concurrent ~= nil and acc.concurrent >= lim.max_concurrent then
-  return quota('max_concurrent', 1.0, 0)
+for _, b in ipairs(books) do
+  local refused = gpu(b.acc, b.lim, b.key)
+  if refused then return refused end
 end
-if lim.gpu_seconds ~= nil and acc.gpu_window_used_ms + estimate > lim.gpu_seconds * 1000.0 then
-  local window_end_ms = acc.gpu_window_start_ms + lim.gpu_window_s * 1000.0
-  local retry = nil
-  if estimate <= lim.gpu_seconds * 1000.0 then retry = math.max(0.0, (window_end_ms - now) / 1000.0) end
-  return quota('gpu_seconds', retry, math.max(0.0, lim.gpu_seconds - acc.gpu_window_used_ms / 1000.0))
-end
-if lim.gpu_seconds_total ~= nil and acc.gpu_total_used_ms + estimate > lim.gpu_seconds_total * 1000.0 then
-  return quota('gpu_seconds_total', nil, math.max(0.0, lim.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0))
-end
+local class_key = books[#books].key
 local run = nil
 if has_run then
   run = load_run(run_id)
   if lim.max_model_calls ~= nil and run.model_calls + 1 > lim.max_model_calls then
-    return quota('max_model_calls', nil, 0)
+    return quota('max_model_calls', nil, 0, class_key)
   end
   if tool_round and lim.max_tool_rounds ~= nil and run.tool_rounds + 1 > lim.max_tool_rounds then
-    return quota('max_tool_rounds', nil, 0)
+    return quota('max_tool_rounds', nil, 0, class_key)
   end
   if lim.max_tokens ~= nil and run.tokens + tokens > lim.max_tokens then
-    return quota('max_tokens', nil, math.max(0, lim.max_tokens - run.tokens))
+    return quota('max_tokens', nil, math.max(0, lim.max_tokens - run.tokens), class_key)
   end
   run.model_calls = run.model_calls + 1
   if tool_round then run.tool_rounds = run.tool_rounds + 1 end
   run.tokens = run.tokens + tokens
 end
-if acc.requests_level ~= nil then acc.requests_level = acc.requests_level - 1.0 end
-if acc.input_level ~= nil then acc.input_level = acc.input_level - input_tokens end
-if acc.output_level ~= nil then acc.output_level = acc.output_level - max_output end
-acc.concurrent = acc.concurrent + 1
-acc.gpu_window_used_ms = acc.gpu_window_used_ms + estimate
-acc.gpu_total_used_ms = acc.gpu_total_used_ms + estimate
+for _, b in ipairs(books) do
+  local acc = b.acc
+  if acc.requests_level ~= nil then acc.requests_level = acc.requests_level - 1.0 end
+  if acc.input_level ~= nil then acc.input_level = acc.input_level - input_tokens end
+  if acc.output_level ~= nil then acc.output_level = acc.output_level - max_output end
+  acc.concurrent = acc.concurrent + 1
+  acc.gpu_window_used_ms = acc.gpu_window_used_ms + estimate
+  acc.gpu_total_used_ms = acc.gpu_total_used_ms + estimate
+end
 
 -- All checks passed: write (nothing was written before this point).
 local expires = now + lim.reservation_ttl_s * 1000.0
-local record = {id = rid, tenant = tenant, request_id = request_id, model_class = model_class,
-  tool_round = tool_round and '1' or '0', input_tokens = fmt(input_tokens), max_output_tokens = fmt(max_output),
-  gpu_ms_estimate = fmt(estimate), status = 'open', billed_input_tokens = '0', billed_output_tokens = '0',
-  billed_gpu_ms = '0', overage_gpu_ms = '0', created_ms = fmt(now), expires_at_ms = fmt(expires)}
-if has_run then record.run_id = run_id end
+local record
+if reopen ~= nil then  -- rules.reopened: same id and creation time, nothing billed, a new TTL
+  record = reopen
+  rid = record.id
+  record.status, record.billed_input_tokens, record.billed_output_tokens, record.billed_gpu_ms = 'open', '0', '0', '0'
+  record.overage_gpu_ms, record.expires_at_ms, record.final_ms, record.queued = '0', fmt(expires), nil, '0'
+  count_status('cancelled', -1)
+  redis.call('HDEL', HB, rid)
+  redis.call('HDEL', CLAIMS, rid)
+else
+  record = {id = rid, tenant = tenant, request_id = request_id, model_class = model_class,
+    tool_round = tool_round and '1' or '0', input_tokens = fmt(input_tokens), max_output_tokens = fmt(max_output),
+    gpu_ms_estimate = fmt(estimate), status = 'open', billed_input_tokens = '0', billed_output_tokens = '0',
+    billed_gpu_ms = '0', overage_gpu_ms = '0', created_ms = fmt(now), expires_at_ms = fmt(expires)}
+  if has_run then record.run_id = run_id end
+end
 local raw = cjson.encode(record)
 hset(RES, rid, raw)
 hset(REQS, request_id, rid)
 redis.call('ZADD', OPEN, fmt(expires), rid)
 expire(OPEN)
 count_status('open', 1)
-save_account(model_class, acc)
+for _, b in ipairs(books) do save_account(b.key, b.acc) end
 if run ~= nil then save_run(run_id, run) end
 add_event(rid, 'reserve', 1, 0, 0, 0.0, 0.0, now)
 touch_all()
