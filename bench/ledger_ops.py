@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 
+from fairgate.harness.ledger import drop_ledger
 from fairgate.ledger import connect, quotas_from_dict
 
 QUOTAS = {
@@ -76,9 +77,7 @@ def urls(backends: list[str], tmp: str) -> dict[str, str]:
 async def _prepare_and_clean(url: str, clean: bool) -> None:
     ledger = await connect(url, quotas_from_dict(QUOTAS))
     if clean:
-        drop = getattr(ledger, "drop_schema", None) or getattr(ledger, "drop_keys", None)
-        if drop:
-            await drop()
+        await drop_ledger(ledger)
     await ledger.close()
 
 

@@ -5,11 +5,12 @@ a ``HistoryReport``: every discrepancy, typed and per request id, printable as a
 
 What it holds the run to (each a ``Kind`` when it fails):
 
-- ``reserved_twice``: at most one reservation per request id, with one ``reserve`` event;
+- ``reserved_twice``: at most one reservation per request id, with one ``reserve`` event (a reservation
+  cancelled billing nothing may be reserved again by a retry: one ``reserve`` per life);
 - ``ran_twice``: at most one attempt of a request id received tokens; and the replicas started no more
-  sequences than request ids were admitted, plus one per attempt whose gateway connection broke before it
-  received anything (a collected request on a gateway killed mid-generation: that run delivered and billed
-  nothing, and its retry runs it for the client once - the replica's lost time is the platform's);
+  sequences than request ids were admitted, plus one per attempt that received nothing because its gateway
+  connection broke or the upstream failed it (that run delivered and billed nothing, and its retry runs it
+  for the client once - the replica's lost time is the platform's);
 - ``billed_twice``: at most one final event (``settle_final`` / ``cancel`` / ``expire``) per reservation, and
   the event log sums to the reservation's billed output (a settlement booked twice shows there);
 - ``unbilled`` / ``overbilled``: billed output tokens = tokens the client received. Exact when every attempt
@@ -217,7 +218,9 @@ def check_history(
     ]
     if replicas is not None:
         cuts = sum(1 for r in records if r.outcome in CUT_OUTCOMES)
-        lost = sum(1 for r in records if r.outcome == "connection" and r.tokens == 0)
+        # Runs that delivered nothing and were not billed (the gateway died, or the upstream failed the call):
+        # a retry of the id runs it again, once for the client.
+        lost = sum(1 for r in records if r.tokens == 0 and (r.outcome == "connection" or r.code == "upstream_error"))
         refunded = sum(r.max_tokens for r in records if r.tokens == 0 and r.code == "upstream_error")
         out += _check_replicas(replicas, ledger.reservations, len(by_id) + lost, cuts, bounds, refunded)
     return HistoryReport(len(attempts), len(records), len(ledger.reservations), tuple(out))
@@ -263,23 +266,33 @@ def _check_id(
 
 
 def _check_events(r: Reservation, events: list[Event]) -> list[tuple[Kind, str]]:
-    """One reservation's event log: one reserve, at most one final event, deltas summing to what it billed."""
+    """One reservation's event log: one reserve and at most one final event per life, deltas summing to what
+    it billed. A reservation cancelled having billed nothing (it never ran, or the platform failed it) may be
+    reserved again by a retry of its id (``Ledger.reserve``): each earlier life must end so, billing 0."""
     out = []
-    kinds = Counter(e.kind for e in events)
-    if kinds["reserve"] != 1:
-        out.append((Kind.RESERVED_TWICE, f"reservation {r.id[-8:]}: {kinds['reserve']} reserve events"))
-    finals = sum(kinds[k] for k in FINAL_EVENTS)
+    lives: list[list[Event]] = []
+    for e in events:
+        if e.kind == "reserve" or not lives:
+            lives.append([])
+        lives[-1].append(e)
+    for life in lives[:-1]:
+        billed = sum(e.input_tokens + e.output_tokens + e.gpu_ms for e in life)
+        if life[-1].kind != "cancel" or billed:
+            kinds = ", ".join(e.kind for e in life)
+            out.append(
+                (Kind.RESERVED_TWICE, f"reservation {r.id[-8:]}: reserved again after {kinds} (billed {billed})")
+            )
+    last = Counter(e.kind for e in lives[-1]) if lives else Counter()
+    if last["reserve"] != 1:
+        out.append((Kind.RESERVED_TWICE, f"reservation {r.id[-8:]}: {last['reserve']} reserve events"))
+    finals = sum(last[k] for k in FINAL_EVENTS)
     if finals > 1 or (finals == 0 and r.is_final):
-        described = ", ".join(f"{k} {kinds[k]}" for k in FINAL_EVENTS if kinds[k])
+        described = ", ".join(f"{k} {last[k]}" for k in FINAL_EVENTS if last[k])
         out.append((Kind.BILLED_TWICE, f"reservation {r.id[-8:]} ({r.status}): final events: {described or 'none'}"))
     logged = sum(e.output_tokens for e in events)
     if logged != r.billed.output_tokens:
-        out.append(
-            (
-                Kind.BILLED_TWICE,
-                f"reservation {r.id[-8:]}: events sum to {logged} output tokens, billed {r.billed.output_tokens}",
-            )
-        )
+        detail = f"reservation {r.id[-8:]}: events sum to {logged} output tokens, billed {r.billed.output_tokens}"
+        out.append((Kind.BILLED_TWICE, detail))
     return out
 
 

@@ -17,6 +17,7 @@ from fairgate.core.cost import CostModel
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.config import load_gateway_config
+from fairgate.harness.ledger import drop_ledger
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import Ledger
 from tests.gateway.conftest import EMULATOR, REPLICA, ledger_call, write_config
@@ -54,12 +55,6 @@ async def _until_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
             return
 
 
-async def _drop(ledger: Ledger) -> None:
-    drop = getattr(ledger, "drop_schema", None) or getattr(ledger, "drop_keys", None)
-    if drop is not None:
-        await drop()
-
-
 @pytest.mark.parametrize("backend", ["sqlite", "postgres", "redis"])
 def test_one_request_id_sent_to_two_gateway_processes_runs_once(tmp_path: Path, backend: str, backend_url) -> None:  # type: ignore[no-untyped-def]
     url = backend_url(backend) if backend != "sqlite" else f"sqlite:///{tmp_path}/shared.db"
@@ -75,7 +70,7 @@ def test_one_request_id_sent_to_two_gateway_processes_runs_once(tmp_path: Path, 
                 stats = httpx.get(f"{emulator}/emulator/stats").json()
             reservations = ledger_call(configs[0], lambda ledger: ledger.reservations("alpha"))
         finally:
-            ledger_call(configs[0], _drop)
+            ledger_call(configs[0], drop_ledger)
     for rid, (first, second) in replies.items():
         chunks = [json.loads(line[6:]) for line in first.text.splitlines() if line.startswith("data: {")]
         received = sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"])

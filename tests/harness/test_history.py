@@ -165,3 +165,23 @@ async def test_the_table_names_each_discrepancy(ledger):
     assert lines[0] == "1 request ids, 1 attempts, 1 reservations: 1 (unbilled 1)"
     assert lines[1].split() == ["kind", "subject", "what", "differs"]
     assert lines[2].startswith("unbilled  a ")
+
+
+async def test_a_refunded_call_retried_under_its_reopened_reservation_is_not_a_discrepancy(ledger):
+    """The upstream failed the first attempt before it delivered anything (502, refunded: cancelled billing
+    nothing); the retry re-opens the reservation and runs: one life billed 0, one billed what was received."""
+    r = await ledger.reserve("alpha", "refunded", 10, 64, 100.0, MODEL)
+    await ledger.cancel(r.id, Usage())
+    assert (await ledger.reserve("alpha", "refunded", 10, 64, 100.0, MODEL)).id == r.id  # re-opened
+    await ledger.settle(r.id, 10, 20, 20.0, final=True)
+    refused = dataclasses.replace(failed("refunded", "error", status=502), code="upstream_error")
+    report = check_history([refused, ok("refunded", 20, target="B")], await state(ledger), replicas(2, 37))
+    assert report.ok, report.table()
+    # Reserved again after a cancel that billed something: the id ran twice.
+    r2 = await ledger.reserve("alpha", "billed-then-again", 10, 64, 100.0, MODEL)
+    await ledger.cancel(r2.id, Usage(10, 5, 3.0))
+    held = await state(ledger)
+    again = next(e for e in held.events if e.reservation_id == r2.id and e.kind == "reserve")
+    doubled = dataclasses.replace(held, events=(*held.events, dataclasses.replace(again, seq=10_000)))
+    report = check_history([failed("billed-then-again", "stream", tokens=5)], doubled)
+    assert ("reserved_twice", "billed-then-again") in kinds(report), report.table()

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fairgate.harness.ledger import drop_ledger
 from fairgate.ledger import Ledger, LedgerError, Usage, connect, quotas_from_dict
 from tests.ledger.conftest import FakeClock, const
 
@@ -97,9 +98,7 @@ def test_no_account_is_ever_over_its_limits(backend: str, backend_url: Callable[
                 await _play_step(ledger, clock, ids, s)
                 await _check(ledger)
         finally:
-            drop = getattr(ledger, "drop_schema", None) or getattr(ledger, "drop_keys", None)
-            if drop is not None:
-                await drop()
+            await drop_ledger(ledger)
             await ledger.close()
 
     asyncio.run(run())

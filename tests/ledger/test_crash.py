@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fairgate.harness.ledger import drop_ledger
 from fairgate.ledger import connect
 
 WORKER = Path(__file__).with_name("crash_worker.py")
@@ -129,7 +130,5 @@ async def test_processes_with_retries_and_kills_keep_every_invariant(backend, ba
         assert account.concurrent == 0
         billed = sum(r.billed.gpu_ms for r in reservations if r.tenant == tenant)
         assert account.gpu_total_used_ms == pytest.approx(billed, abs=1e-3)
-    drop = getattr(ledger, "drop_schema", None) or getattr(ledger, "drop_keys", None)
-    if drop is not None:
-        await drop()
+    await drop_ledger(ledger)
     await ledger.close()

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fairgate.harness.ledger import drop_ledger
 from fairgate.ledger import connect
 
 SCRIPT = """
@@ -44,7 +45,5 @@ async def test_four_processes_share_one_concurrency_limit(backend, backend_url, 
     admitted = [int(p.communicate(timeout=120)[0].strip()) for p in processes]
     assert sum(admitted) == 7  # not 4 x 7
     assert len(await ledger.reservations("t", "open")) == 7
-    drop = getattr(ledger, "drop_schema", None) or getattr(ledger, "drop_keys", None)
-    if drop is not None:
-        await drop()
+    await drop_ledger(ledger)
     await ledger.close()

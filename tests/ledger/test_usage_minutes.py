@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fairgate.harness.ledger import drop_ledger
 from fairgate.ledger import Ledger, LedgerError, TenantUsage, Usage, connect, quotas_from_dict
 from fairgate.ledger.usage_minutes import MINUTE_MS, first_full_minute, minute_of
 from tests.ledger.conftest import FakeClock
@@ -92,9 +93,7 @@ def test_usage_equals_the_event_log_summed_over_the_window(
             await _play(ledger, clock, steps)
             await _check(ledger, clock)
         finally:
-            drop = getattr(ledger, "drop_schema", None) or getattr(ledger, "drop_keys", None)
-            if drop is not None:
-                await drop()
+            await drop_ledger(ledger)
             await ledger.close()
 
     asyncio.run(run())
