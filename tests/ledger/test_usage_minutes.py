@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from fairgate.harness.ledger import drop_ledger
 from fairgate.ledger import Ledger, LedgerError, TenantUsage, Usage, connect, quotas_from_dict
+from fairgate.ledger.model import usage_from_events
 from fairgate.ledger.usage_minutes import MINUTE_MS, first_full_minute, minute_of
 from tests.ledger.conftest import FakeClock
 
@@ -39,17 +40,9 @@ WINDOWS = (0.001, 1.0, 59.75, 60.0, 60.25, 119.5, 600.0, 3600.0, 86_400.0, 315_3
 
 
 def expected(events: list, tenant: str, since_ms: float, window_s: float, by_status: dict[str, int]) -> TenantUsage:
-    inside = [e for e in events if e.tenant == tenant and e.at_ms >= since_ms]
-    return TenantUsage(
-        tenant=tenant,
-        window_s=window_s,
-        requests=sum(e.requests for e in inside),
-        input_tokens=sum(e.input_tokens for e in inside),
-        output_tokens=sum(e.output_tokens for e in inside),
-        gpu_ms=sum(e.gpu_ms for e in inside),
-        overage_gpu_ms=sum(e.overage_gpu_ms for e in inside),
-        open_reservations=by_status.get("open", 0),
-        by_status=by_status,
+    """The definition: the tenant's events in the window, summed one by one."""
+    return usage_from_events(
+        tenant, window_s, [e for e in events if e.tenant == tenant and e.at_ms >= since_ms], by_status
     )
 
 
