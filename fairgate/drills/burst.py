@@ -226,8 +226,10 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
             "p99 x",
             "sent/done/cut",
             "429",
+            "errors",
+            "GPU % before/burst",
+            "ledger GPU s",
         )
-        columns += ("errors", "GPU % before/burst", "ledger GPU s")
         rows = [
             (
                 t.tenant,

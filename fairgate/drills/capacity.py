@@ -397,6 +397,7 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
             "replica GPU % before/after",
             "sent/ok/cut",
             "errors",
+            "ledger settled/cancelled/open",
         )
         rows = [
             (
@@ -422,7 +423,6 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
             f"error); converged (batch yielded) {converge} after the removal; reservations all final "
             f"{figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s."
         )
-        columns += ("ledger settled/cancelled/open",)
         return table(self.title(figs), columns, rows, caption, wrap=())
 
     def verdict(self) -> str:

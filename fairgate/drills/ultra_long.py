@@ -201,8 +201,10 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
             "errors",
             "TTFT ms p50/p99",
             "TPOT ms p50",
+            "ledger req",
+            "ledger out tok",
+            "ledger GPU s",
         )
-        columns += ("ledger req", "ledger out tok", "ledger GPU s")
         rows = [
             (
                 t.tenant,
