@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairgate.core.policies.factory import TenantShare, make_policy
-from fairgate.gateway import background, completions, dashboard, eventlog, metrics, usage_api
+from fairgate.gateway import background, completions, dashboard, eventlog, health, metrics, usage_api
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.dispatch import Dispatcher, Upstream
 from fairgate.gateway.identity import Identity, require_admin
@@ -69,9 +69,7 @@ def create_gateway(
     _install_views(app, state)
     _install_schema(app)
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    health.install(app, state)
 
     return app
 

@@ -142,5 +142,4 @@ async def probe(state: GatewayState, interval_s: float = PROBE_EVERY_S) -> None:
             except httpx.HTTPError:
                 continue
             if reply.status_code == 200:
-                log.warning("upstream %s is back", upstream.name)
-                state.dispatcher.mark_up(upstream)
+                state.dispatcher.mark_up(upstream)  # logs it

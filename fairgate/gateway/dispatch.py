@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from fairgate.core.admit import Admitter
 from fairgate.core.cost import CostModel
 from fairgate.core.policy import Policy
 from fairgate.core.request import Request
+
+log = logging.getLogger("fairgate.gateway")
 
 
 class QueueFull(Exception):
@@ -120,6 +123,7 @@ class Dispatcher:
         if not upstream.healthy:
             return
         upstream.healthy = False
+        log.warning("upstream %s is down: it refused a connection", upstream.name)
         pool = self._pools[upstream.model]
         if any(u.healthy for u in pool.upstreams):
             return
@@ -135,6 +139,7 @@ class Dispatcher:
         if upstream.healthy:
             return
         upstream.healthy = True
+        log.warning("upstream %s is back", upstream.name)
         self._dispatch(self._pools[upstream.model])
 
     def queued_by_tenant(self) -> dict[str, int]:

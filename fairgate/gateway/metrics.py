@@ -42,6 +42,8 @@ Per tenant (counters and histograms from events, cumulative since start)
 
 Per upstream
 
+- ``fairgate_upstream_up{upstream,model}``: 1 while it takes requests, 0 while marked down (it refused a
+  connection; the probe marks it up when it answers again; both are logged).
 - ``fairgate_upstream_in_flight{upstream,model}``: requests in flight now.
 - ``fairgate_upstream_busy_seconds_total{upstream,model}``: the live meter's busy time (any request in flight).
 - ``fairgate_upstream_busy_ratio{upstream,model}``: busy fraction over about the window.
@@ -277,6 +279,12 @@ class WindowCollector(Collector):
 
     def _upstream_families(self, view: Window) -> Iterator[Metric]:
         ups = view.upstreams
+        yield _gauge(
+            "fairgate_upstream_up",
+            "1 while the upstream takes requests, 0 while it is marked down (refused a connection).",
+            ["upstream", "model"],
+            (((u.name, u.model), 1.0 if u.healthy else 0.0) for u in ups),
+        )
         yield _gauge(
             "fairgate_upstream_in_flight",
             "Requests in flight on the upstream now.",

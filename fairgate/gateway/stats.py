@@ -55,13 +55,15 @@ MAX_POOL_LATENCIES = 20_000  # per model and kind
 
 @dataclass(frozen=True)
 class UpstreamProbe:
-    """One upstream now: requests in flight, its slots, and the live meter's cumulative busy ms."""
+    """One upstream now: requests in flight, its slots, the live meter's cumulative busy ms, and whether it
+    takes requests (``healthy``: not marked down)."""
 
     name: str
     model: str
     in_flight: int
     max_batch: int
     busy_ms: float
+    healthy: bool = True
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ class UpstreamWindow:
     busy_ms: float
     busy_fraction: float | None
     iterations_per_s: float | None
+    healthy: bool = True
 
 
 @dataclass(frozen=True)
@@ -453,7 +456,8 @@ class Stats:
                 n = tpot.get((u.name, "n"), 0.0)
                 if n > 0:
                     iterations = busy * 1000.0 / (tpot[(u.name, "sum")] / n)
-            upstreams.append(UpstreamWindow(u.name, u.model, u.in_flight, u.max_batch, u.busy_ms, busy, iterations))
+            window = UpstreamWindow(u.name, u.model, u.in_flight, u.max_batch, u.busy_ms, busy, iterations, u.healthy)
+            upstreams.append(window)
         return upstreams
 
     def tick(self) -> None:
@@ -531,7 +535,12 @@ def gateway_probe(dispatcher: Dispatcher, clients: Mapping[str, UpstreamClient])
     def probe() -> Probe:
         ups = [
             UpstreamProbe(
-                u.name, u.model, u.in_flight, u.max_batch, clients[u.name].meter.busy_ms if u.name in clients else 0.0
+                u.name,
+                u.model,
+                u.in_flight,
+                u.max_batch,
+                clients[u.name].meter.busy_ms if u.name in clients else 0.0,
+                u.healthy,
             )
             for u in dispatcher.upstreams()
         ]

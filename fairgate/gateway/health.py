@@ -1,0 +1,49 @@
+"""Health: ``/health/live`` (and its alias ``/health``: the process serves HTTP) and ``/health/ready`` (requests
+can be admitted), for a load balancer or an orchestrator's probes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from fairgate.gateway.state import GatewayState
+from fairgate.ledger import LedgerUnavailable
+
+READY_LEDGER_TIMEOUT_S = 1.0
+
+
+def install(app: FastAPI, state: GatewayState) -> None:
+    """Add the health routes to ``app`` (200 when live / ready; 503 with the reasons when not ready)."""
+
+    @app.get("/health")
+    @app.get("/health/live")
+    async def live() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready() -> JSONResponse:
+        document = await readiness(state)
+        return JSONResponse(document, status_code=200 if document["status"] == "ready" else 503)
+
+
+async def readiness(state: GatewayState) -> dict[str, Any]:
+    """``/health/ready``: ready when requests can be admitted - the ledger answers (a cheap read, bounded by
+    ``READY_LEDGER_TIMEOUT_S``) or some tier has an emergency policy to serve an outage with - and every model
+    has an upstream that is up. ``/health`` and ``/health/live`` say only that the process serves HTTP."""
+    try:
+        await asyncio.wait_for(state.backend.frozen(), timeout=READY_LEDGER_TIMEOUT_S)
+        ledger = "ok"
+    except (LedgerUnavailable, TimeoutError, RuntimeError):
+        ledger = "unavailable"
+    emergency = any(t.tier.on_ledger_unavailable == "emergency" for t in state.config.quotas.tenants.values())
+    up: dict[str, int] = {}
+    for upstream in state.dispatcher.upstreams():
+        up[upstream.model] = up.get(upstream.model, 0) + (1 if upstream.healthy else 0)
+    reasons = [f"no upstream of model {model!r} is up" for model, n in sorted(up.items()) if n == 0]
+    if ledger != "ok" and not emergency:
+        reasons.append("the ledger does not answer and no tier has an emergency policy")
+    status = "not_ready" if reasons else "ready"
+    return {"status": status, "ledger": ledger, "upstreams_up": up, "reasons": reasons}
