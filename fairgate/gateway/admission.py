@@ -14,9 +14,12 @@ registered with this process's calls and announced as ``Admitted``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
+
+import anyio
 
 from fairgate.gateway.headers import quota_headers
 from fairgate.gateway.identity import Caller
@@ -71,6 +74,11 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
             await _close_abandoned(state, generation.request_id, reservation)
     except Rejection:
         state.calls.release(caller.tenant, generation.request_id)
+        raise
+    except BaseException:  # cancelled (the client left) between the reserve and the hand-off
+        state.calls.release(caller.tenant, generation.request_id)
+        with anyio.CancelScope(shield=True):
+            await _release_unclaimed(state, reservation)
         raise
     state.events.observe(
         AdmittedEvent(
@@ -133,6 +141,7 @@ async def _claim_run(state: GatewayState, request_id: str, reservation: Reservat
         raise _completed(request_id, "closed") from None
     except LedgerError as exc:
         log.warning(json.dumps({"event": "claim_failed", "reservation": reservation.id, "error": str(exc)}))
+        state.ledger.doubt(reservation.tenant, reservation.request_id)  # cancelled later if nobody runs it
         raise Rejection(Outcome.LEDGER_UNAVAILABLE, "Accounting is unavailable; retry later.") from None
     if not claim.held_by(state.process_id):
         raise _in_progress(request_id, claim.remaining_ms / 1000.0)
@@ -152,6 +161,16 @@ async def _close_abandoned(state: GatewayState, request_id: str, reservation: Re
         "is billed). Send it with a new request id.",
         "x-request-id",
     )
+
+
+async def _release_unclaimed(state: GatewayState, reservation: Reservation) -> None:
+    """Cancel, billing nothing, a reservation this process may have claimed for a request it will not run:
+    if the run claim is (or can now be) this process's, nobody else runs it. Best effort: a ledger that does
+    not answer leaves it to expire at its TTL."""
+    with contextlib.suppress(LedgerError):
+        claim = await state.ledger.claim(reservation.id, state.process_id, state.claim_lease_ms)
+        if claim.held_by(state.process_id) and reservation.billed == Usage():
+            await state.ledger.cancel(reservation.id, Usage())
 
 
 def _in_progress(request_id: str, retry_after_s: float | None) -> Rejection:

@@ -143,7 +143,7 @@ class ResilientLedger(RequestPath):
                 return check_retry(known, args)
             granted = self._grant(args)
             if granted is None:
-                self._doubts.add(key)
+                self.doubt(*key)
                 raise
             return granted
         self._doubts.discard(key)  # the caller has it now
@@ -331,6 +331,11 @@ class ResilientLedger(RequestPath):
         if self.outstanding():
             return []
         return await self.ledger.expire_due(is_running)
+
+    def doubt(self, tenant: str, request_id: str) -> None:
+        """Put a request id in doubt: its reservation may be left open with nobody to run it (a claim that
+        failed, a reserve that timed out); ``clear_doubts`` cancels it if nobody does."""
+        self._doubts.add((tenant, request_id))
 
     def doubtful(self) -> int:
         """Refused reserves the ledger may have committed after all (``clear_doubts``)."""
