@@ -65,7 +65,7 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
     """Reserve and register ``generation`` (see module docstring). Raises ``Rejection`` 403/409/429/503."""
     reservation = await _reserve(state, caller.tenant, generation)
     if reservation.is_final:
-        raise _completed(generation.request_id, reservation.status)
+        raise _final(generation.request_id, reservation.status)
     if not state.calls.claim(caller.tenant, generation.request_id, reservation.id):
         raise _in_progress(generation.request_id, None)
     try:
@@ -138,7 +138,7 @@ async def _claim_run(state: GatewayState, request_id: str, reservation: Reservat
     try:
         claim = await state.ledger.claim(reservation.id, state.process_id, state.claim_lease_ms)
     except ReservationFinal:
-        raise _completed(request_id, "closed") from None
+        raise _final(request_id, "closed") from None
     except LedgerError as exc:
         log.warning(json.dumps({"event": "claim_failed", "reservation": reservation.id, "error": str(exc)}))
         state.ledger.doubt(reservation.tenant, reservation.request_id)  # cancelled later if nobody runs it
@@ -155,11 +155,10 @@ async def _close_abandoned(state: GatewayState, request_id: str, reservation: Re
         await state.ledger.cancel(reservation.id, reservation.billed)
     except LedgerError as exc:  # the sweep expires it at its TTL, billing the same
         log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
-    raise Rejection(
-        Outcome.REQUEST_ALREADY_COMPLETED,
-        f"Request {request_id!r} ran on a gateway process that stopped; it is not run again (what it generated "
-        "is billed). Send it with a new request id.",
-        "x-request-id",
+    raise _completed(
+        request_id,
+        "ran on a gateway process that stopped; it is not run again (what it generated is billed). "
+        "Send it with a new request id.",
     )
 
 
@@ -182,12 +181,13 @@ def _in_progress(request_id: str, retry_after_s: float | None) -> Rejection:
     )
 
 
-def _completed(request_id: str, status: str) -> Rejection:
-    return Rejection(
-        Outcome.REQUEST_ALREADY_COMPLETED,
-        f"Request {request_id!r} has completed already ({status}); it is not run or charged again.",
-        "x-request-id",
-    )
+def _completed(request_id: str, what: str) -> Rejection:
+    """409 ``request_already_completed``: "Request '<id>' <what>"."""
+    return Rejection(Outcome.REQUEST_ALREADY_COMPLETED, f"Request {request_id!r} {what}", "x-request-id")
+
+
+def _final(request_id: str, status: str) -> Rejection:
+    return _completed(request_id, f"has completed already ({status}); it is not run or charged again.")
 
 
 async def release(state: GatewayState, admitted: Admitted) -> None:

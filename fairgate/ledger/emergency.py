@@ -119,9 +119,7 @@ class ResilientLedger(RequestPath):
 
     # --- journal ----------------------------------------------------------------------------------
     def _append(self, record: dict[str, Any]) -> None:
-        with self.journal.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
-            handle.flush()
+        _append_record(self.journal, record)
 
     def _read_journal(self) -> list[dict[str, Any]]:
         return _read_records(self.journal)
@@ -446,10 +444,9 @@ class ResilientLedger(RequestPath):
 
     def _park(self, grant: dict[str, Any], reason: str, report: RecoveryReport) -> bool:
         """Move ``grant`` to the parked file with ``reason`` (appended and flushed); False: not kept."""
-        record = {**grant, "type": "parked", "reason": reason, "parked_at_ms": time.time() * 1000.0}
-        with self.parked_path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
-            handle.flush()
+        _append_record(
+            self.parked_path, {**grant, "type": "parked", "reason": reason, "parked_at_ms": time.time() * 1000.0}
+        )
         report.left.append(f"grant {grant['id']} ({grant['tenant']}/{grant['request_id']}) parked: {reason}")
         return False
 
@@ -509,6 +506,13 @@ def read_journal(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     status) and the pending settlements. Raises ``ValueError`` naming the line of a bad record."""
     grants, pending = _fold(_read_records(path))
     return list(grants.values()), pending
+
+
+def _append_record(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to the JSON-lines file at ``path``, flushed before this returns."""
+    with path.open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:

@@ -9,8 +9,8 @@ call's coroutine (``SqlLedger``'s code) is driven to completion on that thread: 
 suspend there, so a transaction is one uninterrupted piece of work on one thread, and a caller cancelled
 meanwhile gets no half-done transaction. Waiting for the write lock is bounded by ``busy_timeout_ms``
 (URL ``sqlite:///path.db?busy_timeout_ms=N``, default ``DEFAULT_BUSY_TIMEOUT_MS``, 2 s), counted from when the
-call starts; once a call has given up on the lock, those queued behind it count from when they were made
-(they fail within one timeout, not one after another): past it the call raises
+call starts; while the lock is known held elsewhere (a call gave up on it, none has had it since), from when
+the call was made (all fail within one timeout, not one after another): past it the call raises
 ``LedgerUnavailable``, and the gateway applies the tier's ``on_ledger_unavailable`` policy. The clock is
 this machine's wall clock (all processes share it).
 """
@@ -134,8 +134,8 @@ class SqliteLedger(SqlLedger):
 
     Args:
         clock: ms since the epoch (default: ``time.time``); tests pass a controllable one.
-        busy_timeout_s: how long a call may take to get the write lock (another process's transaction,
-            this process's earlier calls) before it fails.
+        busy_timeout_s: how long a call may wait for another process's write lock, from when it starts (from
+            when it was made, while a call has given up on the lock and none has had it since) before it fails.
         create: make the file and tables if missing (``False``: the file must exist).
         in_thread: run calls on the connection's thread (the default); ``False`` runs them on the event
             loop, blocking it - only ``bench/sqlite_offload.py`` does, as its baseline.
@@ -165,7 +165,7 @@ class SqliteLedger(SqlLedger):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairgate-sqlite")
         self._thread_id: int | None = None
         self._deadline = 0.0  # the running call's: when it must have the write lock (time.monotonic)
-        self._stalled_s = -1.0  # when a call last gave up waiting for the write lock (time.monotonic)
+        self._stalled = False  # a call gave up on the write lock, and none has had it since
         self._busy_ms = -1  # the connection's busy timeout as last set
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -193,12 +193,11 @@ class SqliteLedger(SqlLedger):
 
         def job() -> T:
             # A call waits up to the busy timeout for the write lock from when it starts, however long it was
-            # queued behind this process's own calls; but once an earlier call found the lock held past its
-            # timeout, the calls queued meanwhile fail at once (the lock is another process's: all of them
-            # fail within one timeout, not one after another).
+            # queued behind this process's own calls; but while the lock is known held elsewhere (a call gave
+            # up on it, none has had it since), from when it was made: then every call fails within one
+            # timeout, not one after another.
             started_s = time.monotonic()
-            stalled = self._stalled_s >= made_s
-            deadline = (made_s if stalled else started_s) + self.busy_timeout_s
+            deadline = (made_s if self._stalled else started_s) + self.busy_timeout_s
             self._thread_id, self._deadline = threading.get_ident(), deadline
             return _drive(method(self, *args, **kwargs))
 
@@ -226,11 +225,12 @@ class SqliteLedger(SqlLedger):
             self._set_busy_timeout()
             connection.execute(begin)
         except sqlite3.Error as exc:
-            self._stalled_s = time.monotonic()  # the write lock is held elsewhere
+            self._stalled = True  # the write lock is held elsewhere
             raise LedgerUnavailable(f"sqlite ledger {self.path}: {exc}") from None
         except LedgerUnavailable:
-            self._stalled_s = time.monotonic()
+            self._stalled = True
             raise
+        self._stalled = False
         try:
             yield _SqliteTx(connection, self.path)
         except BaseException:
