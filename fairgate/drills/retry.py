@@ -18,7 +18,9 @@ the same body, by one of these patterns (``patterns`` weights):
 
 The claim, checked in the ledger and on the replicas (tapped, as in the ``cancellation`` drill):
 
-- exactly one reservation per id, with one ``reserve`` event, and one sequence on a replica at most;
+- exactly one reservation per id, with one ``reserve`` event that counts a request (a re-send of an original
+  cancelled while it was queued re-opens the reservation: a ``reserve`` event counting none), and one
+  sequence on a replica at most;
 - for every id at most one attempt answered 200, and it or the original its client gave up on was the one
   served; every other attempt was answered 409 (``request_in_progress`` / ``request_already_completed``, or
   ``idempotency_conflict`` for a changed body), no 5xx, no 429 (a client that gives up before the gateway
@@ -497,7 +499,8 @@ async def _run(stack: Stack, config: RetryConfig, options: DrillOptions) -> Retr
         report = await reconcile(ledger, freeze=False)
         bucket_figures = await buckets(ledger, config, stack.spec.model, events)
     reserved = grouped(reservations, lambda r: (r.tenant, r.request_id))
-    reserve_events = Counter(e.reservation_id for e in events if e.kind == "reserve")
+    # A re-open (a retry of a request cancelled before it ran) is a ``reserve`` event counting no request.
+    reserve_events = Counter(e.reservation_id for e in events if e.kind == "reserve" and e.requests)
     tapped = stack.is_tapped
     sequences = stack.tapped("sequences")
     rows = []

@@ -194,11 +194,13 @@ def _bucket_wait_s(level: float, need: float, rate_per_minute: float) -> float:
 
 
 def reserve(
-    books: Sequence[Book], run: RunUsage | None, args: ReserveArgs, now_ms: float
+    books: Sequence[Book], run: RunUsage | None, args: ReserveArgs, now_ms: float, again: bool = False
 ) -> tuple[list[Account], RunUsage | None]:
     """Admit ``args`` against every dimension of every account, atomically: returns the new accounts (in the
     order of ``books``: ``TenantQuota.accounts``) and run counters. Run limits are the last book's (the
-    class's limits).
+    class's limits). ``again``: a re-open (``reopens``) - the request was counted (``requests_per_minute``,
+    the run's model calls and tool rounds) when first reserved, and a cancel gives none of that back, so it
+    is not counted twice; what the cancel gave back (tokens, concurrency, GPU time) is charged again.
 
     Checked in this order (the Redis script too), each on every account in turn: request size and rates
     (request size, request rate, input and output token rates), concurrency, GPU budgets; then run limits.
@@ -210,16 +212,16 @@ def reserve(
     check_amounts(args.input_tokens, args.max_output_tokens, args.gpu_ms_estimate, "reserve")
     refreshed_books = [(refreshed(account, limits, now_ms), limits) for account, limits in books]
     for acc, limits in refreshed_books:
-        _check_size_and_rates(acc, limits, args)
+        _check_size_and_rates(acc, limits, args, again)
     for acc, limits in refreshed_books:
         if limits.max_concurrent is not None and acc.concurrent >= limits.max_concurrent:
             raise QuotaExceeded(args.tenant, "max_concurrent", CONCURRENCY_RETRY_S, limits.max_concurrent, 0)
     estimate = float(args.gpu_ms_estimate)
     for acc, limits in refreshed_books:
         _check_gpu(acc, limits, args.tenant, estimate, now_ms)
-    new_run = None if args.run_id is None else _counted_run(run or RunUsage(), books[-1][1], args)
+    new_run = None if args.run_id is None else _counted_run(run or RunUsage(), books[-1][1], args, again)
     for acc, _ in refreshed_books:
-        if acc.requests_level is not None:
+        if acc.requests_level is not None and not again:
             acc.requests_level -= 1.0
         if acc.input_level is not None:
             acc.input_level -= args.input_tokens
@@ -231,13 +233,13 @@ def reserve(
     return [acc for acc, _ in refreshed_books], new_run
 
 
-def _check_size_and_rates(acc: Account, limits: Limits, args: ReserveArgs) -> None:
-    """``max_tokens_per_request``, then the request and token buckets (refreshed)."""
+def _check_size_and_rates(acc: Account, limits: Limits, args: ReserveArgs, again: bool) -> None:
+    """``max_tokens_per_request``, then the request (unless ``again``) and token buckets (refreshed)."""
     tenant = args.tenant
     tokens = args.input_tokens + args.max_output_tokens
     if limits.max_tokens_per_request is not None and tokens > limits.max_tokens_per_request:
         raise QuotaExceeded(tenant, "max_tokens_per_request", None, limits.max_tokens_per_request, 0)
-    if limits.requests_per_minute is not None:
+    if limits.requests_per_minute is not None and not again:
         assert acc.requests_level is not None
         if acc.requests_level < 1.0:
             raise QuotaExceeded(
@@ -293,10 +295,15 @@ def gpu_left_ms(account: Account, limits: Limits) -> float:
     return left
 
 
-def _counted_run(run: RunUsage, limits: Limits, args: ReserveArgs) -> RunUsage:
-    """The agent run's counters with this call counted. Raises ``QuotaExceeded`` (run limits)."""
+def _counted_run(run: RunUsage, limits: Limits, args: ReserveArgs, again: bool) -> RunUsage:
+    """The agent run's counters with this call counted (``again``: its tokens only). Raises
+    ``QuotaExceeded`` (run limits)."""
     tenant = args.tenant
     tokens = args.input_tokens + args.max_output_tokens
+    if again:
+        if limits.max_tokens is not None and run.tokens + tokens > limits.max_tokens:
+            raise QuotaExceeded(tenant, "max_tokens", None, limits.max_tokens, max(0, limits.max_tokens - run.tokens))
+        return replace(run, tokens=run.tokens + tokens)
     if limits.max_model_calls is not None and run.model_calls + 1 > limits.max_model_calls:
         raise QuotaExceeded(tenant, "max_model_calls", None, limits.max_model_calls, 0)
     if args.tool_round and limits.max_tool_rounds is not None and run.tool_rounds + 1 > limits.max_tool_rounds:
@@ -349,14 +356,15 @@ def check_retry(existing: Reservation, args: ReserveArgs) -> Reservation:
 def reopens(existing: Reservation) -> bool:
     """Whether a retry re-admits ``existing`` (its arguments repeated, ``check_retry``): a reservation
     cancelled with nothing billed never ran (a request that ran bills its prompt at least), so it may be
-    reserved again - charged again, as ``reopened``. Every other final reservation is returned as it is."""
+    reserved again - charged again as ``reopened`` (``reserve(..., again=True)``: not counted as another
+    request). Every other final reservation is returned as it is."""
     return existing.status == "cancelled" and existing.billed == Usage()
 
 
 def reopened(existing: Reservation, limits: Limits, now_ms: float) -> Reservation:
     """``existing`` (``reopens``) open again at ``now_ms``: same id and creation time, nothing billed, a new
-    TTL (``limits``: its class's). Charged as ``reserve`` charges a new reservation, with a ``reserve``
-    event."""
+    TTL (``limits``: its class's). Charged as ``reserve(..., again=True)`` charges it, with a ``reserve``
+    event that counts no request (the first one did)."""
     return replace(
         existing,
         status="open",

@@ -129,6 +129,7 @@ class SqlLedger(Backend):
                 run,
                 args,
                 now_ms,
+                again=existing is not None,
             )
             if existing is None:
                 r = _new_reservation(args, limits, now_ms)
@@ -137,7 +138,7 @@ class SqlLedger(Backend):
                 r = rules.reopened(existing, limits, now_ms)
                 writes = [schema.reservation_write(r), *schema.forget_run_state(r.id)]
             writes += self._account_writes(r, charged)
-            writes += schema.event_writes(r, rules.Delta("reserve", requests=1), now_ms)
+            writes += schema.event_writes(r, rules.Delta("reserve", requests=int(existing is None)), now_ms)
             if args.run_id is not None and run is not None:
                 writes.append(schema.run_write(args.tenant, args.run_id, run))
             await tx.batch(writes)

@@ -653,6 +653,28 @@ async def test_a_retry_reopens_a_reservation_cancelled_with_nothing_billed(ledge
     assert await ledger.reserve("a", "queued", 10, 20, 5.0) == done  # billed: final for good
 
 
+async def test_a_reopen_is_not_counted_as_another_request(ledger):
+    """The request bucket (burst 5) and the run's model calls (3) count an id once, however often it is
+    cancelled before it ran and re-opened; its tokens are charged again (the cancel gave them back)."""
+    first = await ledger.reserve("a", "again", 10, 20, 5.0, run_id="run-1")
+    for _ in range(6):
+        await ledger.cancel(first.id, Usage())
+        again = await ledger.reserve("a", "again", 10, 20, 5.0, run_id="run-1")
+        assert (again.id, again.status) == (first.id, "open")
+    account = await ledger.account("a")
+    assert account.requests_level == pytest.approx(4.0, abs=0.01)  # 5 - 1 (no refill: the clock stands)
+    assert account.input_level == pytest.approx(3000 - 10, abs=0.01)  # held once
+    reserves = [e for e in await ledger.events("a") if e.kind == "reserve"]
+    assert [e.requests for e in reserves] == [1, 0, 0, 0, 0, 0, 0]
+    assert (await ledger.usage("a", 3600)).requests == 1
+    for i in range(2):  # two more calls of the run fit (3 in all), the first one counted once
+        call = await ledger.reserve("a", f"call{i}", 10, 20, 5.0, run_id="run-1")
+        await ledger.settle(call.id, 10, 20, 5.0, final=True)
+    with pytest.raises(QuotaExceeded) as refused:
+        await ledger.reserve("a", "call2", 10, 20, 5.0, run_id="run-1")
+    assert refused.value.dimension == "max_model_calls"
+
+
 async def test_other_final_reservations_are_returned_as_they_are(ledger, clock):
     ran = await ledger.reserve("a", "ran", 10, 20, 5.0)
     ran = await ledger.cancel(ran.id, Usage(10, 0, 0.0))  # it ran: its prompt is billed

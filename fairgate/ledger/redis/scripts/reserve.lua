@@ -45,7 +45,7 @@ local function size_and_rates(acc, l, key)
   if l.max_tokens_per_request ~= nil and tokens > l.max_tokens_per_request then
     return quota('max_tokens_per_request', nil, 0, key)
   end
-  if l.requests_per_minute ~= nil and acc.requests_level < 1.0 then
+  if l.requests_per_minute ~= nil and reopen == nil and acc.requests_level < 1.0 then
     return quota('requests_per_minute', wait_s(acc.requests_level, 1.0, l.requests_per_minute), acc.requests_level, key)
   end
   for _, d in ipairs({{'input_tokens', 'input', input_tokens}, {'output_tokens', 'output', max_output}}) do
@@ -91,22 +91,24 @@ local class_key = books[#books].key
 local run = nil
 if has_run then
   run = load_run(run_id)
-  if lim.max_model_calls ~= nil and run.model_calls + 1 > lim.max_model_calls then
+  if reopen == nil and lim.max_model_calls ~= nil and run.model_calls + 1 > lim.max_model_calls then
     return quota('max_model_calls', nil, 0, class_key)
   end
-  if tool_round and lim.max_tool_rounds ~= nil and run.tool_rounds + 1 > lim.max_tool_rounds then
+  if reopen == nil and tool_round and lim.max_tool_rounds ~= nil and run.tool_rounds + 1 > lim.max_tool_rounds then
     return quota('max_tool_rounds', nil, 0, class_key)
   end
   if lim.max_tokens ~= nil and run.tokens + tokens > lim.max_tokens then
     return quota('max_tokens', nil, math.max(0, lim.max_tokens - run.tokens), class_key)
   end
-  run.model_calls = run.model_calls + 1
-  if tool_round then run.tool_rounds = run.tool_rounds + 1 end
+  if reopen == nil then  -- rules.reserve(again): a re-open was counted as a call when first reserved
+    run.model_calls = run.model_calls + 1
+    if tool_round then run.tool_rounds = run.tool_rounds + 1 end
+  end
   run.tokens = run.tokens + tokens
 end
 for _, b in ipairs(books) do
   local acc = b.acc
-  if acc.requests_level ~= nil then acc.requests_level = acc.requests_level - 1.0 end
+  if acc.requests_level ~= nil and reopen == nil then acc.requests_level = acc.requests_level - 1.0 end
   if acc.input_level ~= nil then acc.input_level = acc.input_level - input_tokens end
   if acc.output_level ~= nil then acc.output_level = acc.output_level - max_output end
   acc.concurrent = acc.concurrent + 1
@@ -140,6 +142,6 @@ expire(OPEN)
 count_status('open', 1)
 for _, b in ipairs(books) do save_account(b.key, b.acc) end
 if run ~= nil then save_run(run_id, run) end
-add_event(rid, 'reserve', 1, 0, 0, 0.0, 0.0, now)
+add_event(rid, 'reserve', reopen == nil and 1 or 0, 0, 0, 0.0, 0.0, now)
 touch_all()
 return {'ok', raw}
