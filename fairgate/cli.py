@@ -387,6 +387,7 @@ def serve(
 
 def main() -> None:
     """Console-script entry point."""
+    from fairgate.cli_calibrate import calibrate_app
     from fairgate.cli_drill import drill_app
     from fairgate.cli_keys import keys_app
     from fairgate.cli_ledger import ledger_app
@@ -396,4 +397,5 @@ def main() -> None:
     app.add_typer(keys_app, name="keys")
     app.add_typer(ops_app)  # explain, report
     app.add_typer(drill_app)  # drill
+    app.add_typer(calibrate_app)  # calibrate
     app()

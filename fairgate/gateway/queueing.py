@@ -3,8 +3,10 @@
 A request that cannot have a slot at once takes a place in its tenant's queue bound in the ledger
 (``max_queued``, global across gateway processes) and gives it back, off the request path, once it has a
 slot (if that is lost, its final settlement gives it back). A client that leaves while its request waits
-takes it out of the queue (checked every ``DISCONNECT_CHECK_S``). Every refusal releases the reservation
-first (the request never ran: nothing is billed).
+takes it out of the queue (checked every ``DISCONNECT_CHECK_S``, and once more when it gets its slot: a
+request whose client left since the last check is not sent - after a mass hang-up the slots would otherwise
+go to a batch of prefills nobody reads). Every refusal releases the reservation first (the request never
+ran: nothing is billed).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ async def wait_for_slot(state: GatewayState, request: Request, admitted: Admitte
         raise _refused(exc, generation.model) from None
     finally:
         watcher.cancel()
+    if await request.is_disconnected():  # the client left since the watcher's last look: the slot goes on
+        state.dispatcher.release(lease, 0)
+        with anyio.CancelScope(shield=True):
+            await admission.release(state, admitted)
+        raise Rejection(Outcome.CLIENT_CLOSED, "client closed the request while it was queued")
     if waited:
         state.spawn(state.ledger.dequeue(admitted.reservation.id))
     queue_ms = (state.clock.monotonic_s() - queued_at_s) * 1000.0

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fairgate.core.policies.params import PolicyConfig
-from fairgate.gateway.config import GatewayConfig, GatewaySection
+from fairgate.gateway.config import GatewayConfig, GatewaySection, UpstreamConfig
 from fairgate.harness.config import ADMIN_KEY, UNBOUNDED, TenantSpec, gateway_file, quota_file, tenant_key
 from fairgate.harness.ledger import LedgerReport, drop_ledger, fresh_ledger_url, ledger_totals
 from fairgate.harness.pacer import pace_replicas
@@ -89,6 +89,10 @@ class StackSpec:
     secret_env: str | None = None
     # variables set in this process while the stack runs (gateway processes inherit them)
     environment: Mapping[str, str] = field(default_factory=dict)
+    # running engines (base URLs, one per ``replicas`` entry) to use instead of starting emulators: the
+    # gateways' upstreams are these, with ``replica``'s cost model and ``upstream_kind``
+    engine_urls: tuple[str, ...] = ()
+    upstream_kind: str | None = None
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tenants]
@@ -98,6 +102,8 @@ class StackSpec:
             raise ValueError("a stack needs at least one replica and one gateway")
         if self.gateway_replicas is not None and len(self.gateway_replicas) != self.gateways:
             raise ValueError("gateway_replicas must name the replicas of every gateway")
+        if self.engine_urls and len(self.engine_urls) != len(self.replicas):
+            raise ValueError("engine_urls must give one URL per replica")
 
     @property
     def model(self) -> str:
@@ -262,6 +268,8 @@ def temporary_folder(prefix: str = "fairgate-") -> Iterator[Path]:
 
 
 def _start_replicas(spec: StackSpec, folder: Path, servers: ExitStack) -> list[Replica]:
+    if spec.engine_urls:  # engines someone else runs
+        return [Replica(url, None, None) for url in spec.engine_urls]
     extra = int(spec.staggered)
     if spec.processes:
         processes = []
@@ -290,7 +298,12 @@ def _write_config(spec: StackSpec, stack: Stack, index: int) -> GatewayConfig:
     folder.mkdir()
     replica_specs = spec.replicas
     upstreams = [
-        spec.replica.upstream(f"emu-{i}", stack.replicas[i].url, replica_specs[i].model, replica_specs[i].gateway_slots)
+        _kind(
+            spec.replica.upstream(
+                f"emu-{i}", stack.replicas[i].url, replica_specs[i].model, replica_specs[i].gateway_slots
+            ),
+            spec.upstream_kind,
+        )
         for i in spec.replicas_of(index)
     ]
     section = GatewaySection(
@@ -306,6 +319,10 @@ def _write_config(spec: StackSpec, stack: Stack, index: int) -> GatewayConfig:
         section, upstreams, quotas, stack.keys, stack.admin_key, spec.delegates, spec.secret_env, spec.policy_params
     )
     return draft.write(folder / "fairgate.toml")
+
+
+def _kind(upstream: UpstreamConfig, kind: str | None) -> UpstreamConfig:
+    return upstream if kind is None else UpstreamConfig.model_validate({**upstream.model_dump(), "kind": kind})
 
 
 def _start_gateways(spec: StackSpec, configs: list[GatewayConfig], servers: ExitStack) -> list[Gateway]:
