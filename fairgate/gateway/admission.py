@@ -4,10 +4,12 @@ The reservation holds the estimated prompt, ``max_tokens`` and the GPU-time esti
 dimension of the tenant's quota vector at once (``fairgate.ledger``): 429 with ``Retry-After`` and the
 dimension at fault when one is full, 503 when the ledger is down for a ``reject`` tier (an ``emergency``
 tier gets a grant from its local budget instead, ``fairgate.ledger.emergency``). A request id seen before
-returns its original reservation: a final one is not run or charged again (409), and one another request is
-being served under already is not run twice (409 ``request_in_progress``): in this process by its call
-registry, across the processes sharing the ledger by the reservation's run claim (``Ledger.claim``), which
-this process takes before it runs the request and its liveness sweep renews. The admitted request is
+returns its original reservation: a final one is not run or charged again (409), nor is an open one whose
+request ran in this process but whose final settlement the ledger did not take (``GatewayState.unsettled``),
+and one another request is being served under already is not run twice (409 ``request_in_progress``): in this
+process by its call registry (released only once the call's final settlement has ended), across the
+processes sharing the ledger by the reservation's run claim (``Ledger.claim``), which this process takes
+before it runs the request and its liveness sweep renews. The admitted request is
 registered with this process's calls and announced as ``Admitted``.
 """
 
@@ -65,7 +67,10 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
     """Reserve and register ``generation`` (see module docstring). Raises ``Rejection`` 403/409/429/503."""
     reservation = await _reserve(state, caller.tenant, generation)
     if reservation.is_final:
+        state.unsettled.discard(reservation.id)
         raise _final(generation.request_id, reservation.status)
+    if reservation.id in state.unsettled:  # it ran here; its final settlement has not reached the ledger
+        raise _completed(generation.request_id, "has run already (it is billed once the ledger takes its usage).")
     if not state.calls.claim(caller.tenant, generation.request_id, reservation.id):
         raise _in_progress(generation.request_id, None)
     try:

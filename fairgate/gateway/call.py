@@ -11,7 +11,10 @@ nothing left (``BudgetSpent``: the overspend is at most one settlement interval'
 so is one generating past its ``max_tokens``. On every path - completed, client gone, upstream failed, this
 task cancelled - the call closes the upstream stream (the replica stops the sequence within an iteration),
 frees the slot, settles the reservation finally (cancelled ones billed for what was generated; nothing, when
-the platform failed before the client received anything) and forgets the request, once. An upstream that
+the platform failed before the client received anything) and forgets the request, once: the settlement runs
+to its end even when this task is cancelled, and the request is forgotten only after it, so a retry of its id
+is never admitted while the ledger still holds the reservation open and unbilled (it would run it again); one
+the ledger did not take is remembered (``GatewayState.unsettled``) for the same reason. An upstream that
 refused the connection before anything was relayed raises ``TryAnotherUpstream`` instead, leaving the
 reservation open for the next upstream of the model.
 """
@@ -23,8 +26,8 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -42,6 +45,7 @@ from fairgate.ledger import LedgerError, Usage, rules
 from fairgate.ledger.base import tenant_tag
 
 log = logging.getLogger("fairgate.gateway")
+T = TypeVar("T")
 # A partial settlement every 64 tokens or 0.5 s, whichever comes first: the bound on what a gateway killed
 # mid-stream leaves delivered and unbilled per request (kill -9 with 2 s between settlements lost 24 % of
 # 2,714 tokens). At 20-50 tokens/s per stream that is one ledger write per 0.5 s per stream.
@@ -216,20 +220,29 @@ class Call:
         )
 
     async def _end(self, stream: AsyncIterator[dict[str, Any]], finished: bool, retrying: bool) -> None:
-        """Close the upstream stream, free the slot, settle finally and forget the request - unless it goes
-        on, under the same reservation, on another upstream. Runs to the end even if this task is cancelled
-        (the client left); once."""
+        """Close the upstream stream, free the slot, settle finally and then forget the request - unless it
+        goes on, under the same reservation, on another upstream. Once; runs to the end even if this task is
+        cancelled (the client left): the final settlement runs in a task of its own (``run_to_end``)."""
         if self._ended:
             return
         self._ended = True
         with anyio.CancelScope(shield=True):
             try:
-                await stream.aclose()  # type: ignore[attr-defined]
-                self.state.dispatcher.release(self.lease, self.progress.output_tokens)
-            finally:  # whatever went wrong above, the request is settled and forgotten
+                try:
+                    await stream.aclose()  # type: ignore[attr-defined]
+                finally:  # a cancellation (asyncio's own: the shield does not stop it) must not keep the slot
+                    self.state.dispatcher.release(self.lease, self.progress.output_tokens)
+            finally:  # whatever went wrong above, the request is settled, then forgotten
                 if not retrying:
-                    await self._settle(final=True, cancelled=not finished)
-                    self.state.calls.release(self.admitted.caller.tenant, self.admitted.generation.request_id)
+                    await run_to_end(self._settle_finally(cancelled=not finished))
+
+    async def _settle_finally(self, cancelled: bool) -> None:
+        """The final settlement, then forget the request: only then may a retry of its id be admitted here
+        (admitted while the reservation is still open and unbilled, it would be run again)."""
+        try:
+            await self._settle(final=True, cancelled=cancelled)
+        finally:
+            self.state.calls.release(self.admitted.caller.tenant, self.admitted.generation.request_id)
 
     async def _checkpoint(self) -> None:
         """After each chunk: stop a request generating past its ``max_tokens``; at its first token and then
@@ -303,6 +316,8 @@ class Call:
             else:
                 await self.state.ledger.settle(reservation.id, input_tokens, output_tokens, gpu_ms, final)
         except LedgerError as exc:
+            if final:  # the ledger does not know this run ended (nor, for a collected call, that it ran)
+                self.state.unsettled.add(reservation.id)
             log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
 
     async def _refund(self) -> None:
@@ -377,6 +392,26 @@ async def watch_disconnect(request: Request, work: asyncio.Future[Any], interval
             work.cancel()
             return
         await asyncio.sleep(interval_s)
+
+
+async def run_to_end(work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` to its end in a task of its own, even if the calling task is cancelled meanwhile; such a
+    cancellation is raised once ``work`` has ended.
+
+    An anyio shielded scope does not do this: on a plain asyncio task (a collected call's, which
+    ``watch_disconnect`` cancels when its client leaves) ``Task.cancel`` still interrupts what it shields, and a
+    final settlement cancelled on its way to the ledger is never written - its reservation stays open and
+    unbilled, and a retry of the request id would run it again."""
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait({task})  # cancelling this wait does not cancel ``task``
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled
+    return task.result()
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

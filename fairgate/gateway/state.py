@@ -99,6 +99,9 @@ class GatewayState:
         identity: API keys and delegation (who is calling, for which tenant).
         dispatcher: per-model queues and the fair policy.
         calls: the requests this process serves now.
+        unsettled: reservations whose request ran here but whose final settlement the ledger did not take
+            (journalled for replay while it is down, or refused): open and unbilled in the ledger, they look
+            never run; a retry of their id is not run again (``admission``). Dropped once seen final.
         upstreams: upstream name -> its client and live meter (from start-up).
         metrics_registry: the Prometheus registry of ``/metrics``, once installed.
         process_id: this process's name among the gateway processes sharing the ledger (the owner of its
@@ -112,6 +115,7 @@ class GatewayState:
     identity: Identity
     dispatcher: Dispatcher
     calls: CallRegistry = field(default_factory=CallRegistry)
+    unsettled: set[str] = field(default_factory=set)
     upstreams: dict[str, UpstreamClient] = field(default_factory=dict)
     metrics_registry: CollectorRegistry | None = None
     process_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
