@@ -135,6 +135,7 @@ def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:
             await asyncio.wait({connecting}, timeout=CONNECT_WAIT_S)
             opened = deferred
         state.open_ledger(opened)
+        idle_s = {upstream.name: upstream.stream_idle_timeout_s for upstream in config.upstreams}
         for upstream in state.dispatcher.upstreams():
             state.upstreams[upstream.name] = UpstreamClient(
                 upstream,
@@ -142,6 +143,7 @@ def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:
                 clock=state.clock.monotonic_s,
                 timeout_s=config.gateway.request_timeout_s,
                 on_down=state.dispatcher.mark_down,
+                idle_timeout_s=idle_s[upstream.name],
             )
         tasks = background.start(state)
         yield {"gateway": state}

@@ -14,7 +14,8 @@ frees the slot, settles the reservation finally (cancelled ones billed for what 
 the platform failed before the client received anything) and forgets the request, once: the settlement runs
 to its end even when this task is cancelled, and the request is forgotten only after it, so a retry of its id
 is never admitted while the ledger still holds the reservation open and unbilled (it would run it again); one
-the ledger did not take is remembered (``GatewayState.unsettled``) for the same reason. An upstream that
+the ledger did not take is remembered (``GatewayState.unsettled``) for the same reason. An upstream failure
+or a usage not believed (``usage_rule``) is logged in one warning line naming the upstream. An upstream that
 refused the connection before anything was relayed raises ``TryAnotherUpstream`` instead, leaving the
 reservation open for the next upstream of the model.
 """
@@ -27,6 +28,7 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import anyio
@@ -40,7 +42,8 @@ from fairgate.gateway.headers import rate_limit_headers
 from fairgate.gateway.observe import Finished
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.state import GatewayState
-from fairgate.gateway.upstream import CallState, UpstreamError, billable_usage
+from fairgate.gateway.upstream import CallState, UpstreamError
+from fairgate.gateway.usage_rule import Billed, billed_tokens
 from fairgate.ledger import LedgerError, Usage, rules
 from fairgate.ledger.base import tenant_tag
 
@@ -101,6 +104,7 @@ class Call:
         self._settled_at = (0, state.clock.monotonic_s())  # (output tokens, time) of the last partial settlement
         self.stopped: str | None = None  # why the gateway stopped the request (``BudgetSpent.code``)
         self.delivered = False  # the client has received something of the generation
+        self._billed = Usage()  # what the settlements so far billed (the ledger's amounts are cumulative)
 
     async def respond(self, request: Request) -> Response:
         """Run the call and answer the client: a relayed stream, or one collected response. Raises
@@ -179,7 +183,7 @@ class Call:
             await self._end(stream, finished, retrying)  # settled before the client reads why it stopped
             yield exc.sse_event()
         except UpstreamError as exc:
-            self.progress.failed = True
+            self.progress.failed, self.progress.failure = True, exc
             if not sent and self._another_upstream(exc):
                 retrying = True
                 raise TryAnotherUpstream() from None
@@ -200,7 +204,7 @@ class Call:
         except BudgetSpent as exc:
             finished, self.stopped, self.progress.finish_reason = True, exc.code, "length"
         except UpstreamError as exc:
-            self.progress.failed = True
+            self.progress.failed, self.progress.failure = True, exc
             if not self.progress.output_tokens and self._another_upstream(exc):
                 retrying = True
                 raise TryAnotherUpstream() from None
@@ -285,29 +289,33 @@ class Call:
         return left
 
     async def _settle(self, final: bool, cancelled: bool) -> None:
-        """Book what the call used so far: the upstream's usage when it reported one, else what was relayed,
-        and the metered GPU time (cumulative); ``final`` releases the rest of the reservation. A call that
-        failed on the platform's side before the client received anything is not the tenant's to pay: its
-        reservation is cancelled billing nothing (``_refund``)."""
+        """Book what the call used so far: the upstream's usage where it is believed, else what was relayed
+        (``usage_rule``), and the metered GPU time (cumulative); ``final`` releases the rest of the
+        reservation. A call that failed on the platform's side before the client received anything is not
+        the tenant's to pay: its reservation is cancelled billing nothing (``_refund``)."""
         call, reservation = self.progress, self.admitted.reservation
         if final and call.failed and not self.delivered:
             await self._refund()
             return
-        usage = billable_usage(call.usage) or {}
-        reported_input = int(usage.get("prompt_tokens", call.prompt_tokens))
-        # The ledger takes at most ``input_allowance`` of the estimate; more is billed up to it (and flagged)
-        # rather than refused, which would leave the reservation open to expire billing nothing.
-        input_tokens = min(reported_input, rules.input_allowance(reservation.input_tokens))
-        if final and input_tokens < reported_input:
-            flagged = {
-                "event": "usage_above_reservation",
-                "reservation": reservation.id,
-                "input_tokens": reported_input,
-            }
-            log.warning(json.dumps({**flagged, "billed_input_tokens": input_tokens}))
-        output_tokens = min(int(usage.get("completion_tokens", call.output_tokens)), reservation.max_output_tokens)
-        gpu_ms = min(call.gpu_ms, GPU_MS_BILLED_MAX)
+        billed = billed_tokens(call, reservation.input_tokens, reservation.max_output_tokens)
+        # A call the upstream failed is billed the GPU time up to its last token: a stall until the idle
+        # timeout, or the wait for bytes that never came, delivered nothing.
+        gpu_ms = min(call.gpu_ms_at_last_token if call.failed else call.gpu_ms, GPU_MS_BILLED_MAX)
+        # A partial settlement billed the prompt estimate and the pieces relayed before the upstream reported
+        # usage; the ledger refuses a lower cumulative amount (which would leave the reservation open to
+        # expire), so what was billed stays billed.
+        done = self._billed
+        billed = replace(
+            billed,
+            input_tokens=max(billed.input_tokens, done.input_tokens),
+            output_tokens=max(billed.output_tokens, done.output_tokens),
+        )
+        input_tokens, output_tokens, gpu_ms = billed.input_tokens, billed.output_tokens, max(gpu_ms, done.gpu_ms)
+        self._billed = Usage(input_tokens, output_tokens, gpu_ms)
         if final:
+            self._log_final(billed, gpu_ms)
+            if billed.contradicted:  # a collected call's document shows what is billed, not what was not believed
+                call.usage = {**billed.usage(), "total_tokens": input_tokens + output_tokens}
             outcome = "cancelled" if cancelled else "completed"
             self.state.events.observe(self._finished(outcome, input_tokens, output_tokens, gpu_ms))
         try:
@@ -320,18 +328,57 @@ class Call:
                 self.state.unsettled.add(reservation.id)
             log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
 
+    def _log_final(self, billed: Billed, gpu_ms: float) -> None:
+        """The one warning of a final settlement that needs one: the upstream failed after the client had
+        received part of the stream (``upstream_failed``), or its usage was not believed
+        (``usage_contradicts_relay``), or it was above what the reservation allows (``usage_above_reservation``)."""
+        call, reservation = self.progress, self.admitted.reservation
+        line: dict[str, Any] = {"reservation": reservation.id, "request_id": reservation.request_id}
+        line["upstream"] = call.upstream
+        billed_counts = {"input_tokens": billed.input_tokens, "output_tokens": billed.output_tokens}
+        if call.failed:
+            line = {**self._failure_line(delivered=True), "billed": {**billed_counts, "gpu_ms": gpu_ms}}
+        elif billed.contradicted:
+            line = {"event": "usage_contradicts_relay", **line, "reported": billed.contradicted}
+            line |= {"relayed_tokens": call.output_tokens, "generated_bytes": call.generated_bytes}
+            line |= {"estimated_input_tokens": call.prompt_tokens, "billed": billed_counts}
+        elif billed.input_tokens < billed.reported_input:
+            line = {"event": "usage_above_reservation", **line, "input_tokens": billed.reported_input}
+            line["billed_input_tokens"] = billed.input_tokens
+        else:
+            return
+        if call.failed and billed.contradicted:
+            line["usage_contradicted"] = billed.contradicted
+        log.warning(json.dumps(line))
+
     async def _refund(self) -> None:
-        """Cancel the reservation of a call the upstream failed (refused, died) before the client received
-        anything, billing nothing; what it used is logged (``platform_failure``), the fair policy keeps the
-        GPU time it charged (the replica did spend it), and the client's 5xx is counted as a rejection."""
+        """Cancel the reservation of a call the upstream failed (refused, died, stalled, sent what is not an
+        OpenAI stream) before the client received anything, billing nothing; one warning names the upstream,
+        what it did wrong and what the call used (``upstream_failed``); the fair policy keeps the GPU time it
+        charged (the replica did spend it), and the client's 5xx is counted as a rejection."""
         call, reservation = self.progress, self.admitted.reservation
         self.state.events.observe(self._finished("error", 0, 0, 0.0))
         used = {"input_tokens": call.prompt_tokens, "output_tokens": call.output_tokens, "gpu_ms": call.gpu_ms}
-        log.warning(json.dumps({"event": "platform_failure", "reservation": reservation.id, "unbilled": used}))
+        log.warning(json.dumps({**self._failure_line(delivered=False), "unbilled": used}))
         try:
             await self.state.ledger.cancel(reservation.id, Usage())
         except LedgerError as exc:
             log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
+
+    def _failure_line(self, delivered: bool) -> dict[str, Any]:
+        """The ``upstream_failed`` warning's fields: which upstream, what it did wrong (``UpstreamError.problem``,
+        its message, a sample of what it sent) and whether the client had received part of the stream."""
+        call, reservation, failure = self.progress, self.admitted.reservation, self.progress.failure
+        return {
+            "event": "upstream_failed",
+            "reservation": reservation.id,
+            "request_id": reservation.request_id,
+            "upstream": call.upstream,
+            "problem": failure.problem if failure else "failed",
+            "error": str(failure),
+            "sent": failure.sample if failure else "",
+            "delivered": delivered,
+        }
 
     def _finished(self, outcome: str, input_tokens: int, output_tokens: int, gpu_ms: float) -> Finished:
         call, reservation = self.progress, self.admitted.reservation

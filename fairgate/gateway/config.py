@@ -25,6 +25,7 @@ iter_base_ms = 9.0                         # its cost model (the live meter's pr
 iter_slope_ms = 0.55
 prefill_ms_per_token = 0.06
 max_model_len = 32768
+stream_idle_timeout_s = 60                 # no byte from it this long (before headers or mid-stream): the call ends
 
 [policy]                                   # per-policy parameters, as a scenario's [policy]
 [quotas]                                   # the ledger's quota document: tiers, defaults, tenants
@@ -165,6 +166,9 @@ class UpstreamConfig(_Strict):
     iter_slope_ms: Annotated[float, Field(ge=0.0, le=1e5)]
     prefill_ms_per_token: Annotated[float, Field(ge=0.0, le=1e4)]
     max_model_len: Annotated[int, Field(ge=2, le=MAX_TOKENS_PER_REQUEST)]
+    # seconds without a byte from the upstream (headers or stream) after which the call ends (504 if the
+    # client has received nothing yet, else a terminal SSE error event)
+    stream_idle_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 60.0
 
     @field_validator("url")
     @classmethod

@@ -18,6 +18,7 @@ import httpx
 
 from fairgate.core.meter import LiveMeter, MeterCharge, Occupancy
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
+from fairgate.gateway import sse
 from fairgate.gateway.dispatch import Upstream
 
 # Charges to the policy, per request: (tenant, gpu_ms, output_tokens, batch size).
@@ -28,11 +29,15 @@ USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
 class UpstreamError(Exception):
     """The upstream failed (connection, HTTP error status, malformed stream); ``status`` for the client.
     ``unreachable``: the connection was refused or timed out, so the upstream never saw the request (it may
-    be sent to another one)."""
+    be sent to another one). ``problem``: what the upstream did wrong, one word for the log (``unreachable``,
+    ``http_status``, ``not_event_stream``, ``malformed_stream``, ``stalled``, ``connection_closed``,
+    ``stream_unfinished``). ``sample``: some of what it sent, for the log only (never the client's)."""
 
-    def __init__(self, message: str, status: int = 502, unreachable: bool = False) -> None:
+    def __init__(
+        self, message: str, status: int = 502, unreachable: bool = False, problem: str = "failed", sample: str = ""
+    ) -> None:
         super().__init__(message)
-        self.status, self.unreachable = status, unreachable
+        self.status, self.unreachable, self.problem, self.sample = status, unreachable, problem, sample
 
 
 @dataclass
@@ -55,6 +60,9 @@ class CallState:
     started_s: float = field(default_factory=time.monotonic)  # dispatch time (the clock of first_token_s)
     last_token_s: float | None = None
     failed: bool = False  # the upstream failed (as opposed to completed or cancelled by the client)
+    failure: UpstreamError | None = None  # how it failed (``failed``)
+    generated_bytes: int = 0  # UTF-8 bytes of generated text seen (``sse.generated_bytes``)
+    gpu_ms_at_last_token: float = 0.0  # ``gpu_ms`` when the last token arrived (a failed call's bill)
 
 
 def billable_usage(usage: object) -> dict[str, int] | None:
@@ -73,7 +81,9 @@ def billable_usage(usage: object) -> dict[str, int] | None:
 
 
 class UpstreamClient:
-    """One upstream: its HTTP client, its live meter, and the calls in flight on it."""
+    """One upstream: its HTTP client, its live meter, and the calls in flight on it. ``timeout_s`` bounds a
+    connection's writes and pool wait; ``idle_timeout_s`` (seconds) bounds the wait for each byte of the
+    answer, headers included: a stall ends the call with a 504 ``UpstreamError`` (``stalled``)."""
 
     def __init__(
         self,
@@ -82,16 +92,20 @@ class UpstreamClient:
         clock: Callable[[], float] = time.monotonic,
         timeout_s: float = 600.0,
         on_down: Callable[[Upstream], None] | None = None,
+        idle_timeout_s: float = 60.0,
     ) -> None:
         self.upstream = upstream
         self._on_down = on_down or (lambda upstream: None)
         self._charge = charge
         self._clock = clock
+        self.idle_timeout_s = min(idle_timeout_s, timeout_s)
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
         self._calls: dict[str, CallState] = {}
         self.http = httpx.AsyncClient(
             base_url=upstream.url.rstrip("/"),
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            # A read waiting longer than ``idle_timeout_s`` for a byte (headers or stream) ends the call: a
+            # stalled replica would otherwise hold the slot and the reservation for ``timeout_s``.
+            timeout=httpx.Timeout(timeout_s, connect=5.0, read=self.idle_timeout_s),
             limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8),
         )
 
@@ -132,7 +146,10 @@ class UpstreamClient:
         """POST ``body`` (forced to stream with usage) to ``path``; yield each parsed SSE chunk.
 
         The meter starts when the request is sent and stops when the stream ends or the caller stops
-        iterating (closing the upstream stream). Raises ``UpstreamError``.
+        iterating (closing the upstream stream). Raises ``UpstreamError``: refused or unreachable, an error
+        status, an answer that is not an event stream, a line or chunk that is not OpenAI's
+        (``fairgate.gateway.sse``), no byte for ``idle_timeout_s`` (504), the connection closed, or a
+        stream that ended without ``[DONE]``.
         """
         call.policy_charged_ms = prepaid_ms
         self._calls[call.request_id] = call
@@ -140,40 +157,74 @@ class UpstreamClient:
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
         try:
             async with self.http.stream("POST", path, json=upstream_body) as response:
-                if response.status_code != 200:
-                    detail = (await response.aread())[:500].decode(errors="replace")
-                    status = response.status_code if response.status_code in (400, 413, 422, 429) else 502
-                    raise UpstreamError(
-                        f"upstream {self.upstream.name} answered {response.status_code}: {detail}", status
-                    )
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:].strip()
-                    if data == "[DONE]":
-                        break
-                    try:
-                        chunk = json.loads(data)
-                    except json.JSONDecodeError:
-                        raise UpstreamError(f"upstream {self.upstream.name} sent a malformed chunk") from None
+                await self._check_head(response)
+                async for chunk in self._chunks(response):
                     self._observe(call, chunk)
                     yield chunk
         except httpx.HTTPError as exc:
-            unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
-            if unreachable:
-                self._on_down(self.upstream)  # refused or unreachable: take it out until it answers again
-            raise UpstreamError(
-                f"upstream {self.upstream.name}: {type(exc).__name__}: {exc}", 502, unreachable
-            ) from None
+            raise self._transport_error(exc) from None
         finally:
             charges, _ = self.meter.finish(call.request_id, self._now_ms())
             self._book(charges)
             del self._calls[call.request_id]
 
+    async def _check_head(self, response: httpx.Response) -> None:
+        """Raise ``UpstreamError`` unless the answer is a 200 event stream. A 4xx the client can act on keeps
+        its status; an error body is quoted only when it is OpenAI's JSON (a proxy's HTML page is not)."""
+        name, kind = self.upstream.name, response.headers.get("content-type", "")
+        if response.status_code != 200:
+            detail = (await response.aread())[:2000].decode(errors="replace")
+            try:
+                document = json.loads(detail)
+                error = document.get("error", document) if isinstance(document, dict) else document
+                said = f": {(error.get('message') if isinstance(error, dict) else None) or detail[:500]}"
+            except json.JSONDecodeError:
+                said = f" with {kind or 'no content type'}, not an OpenAI error"
+            status = response.status_code if response.status_code in (400, 413, 422, 429) else 502
+            message = f"upstream {name} answered {response.status_code}{said}"
+            raise UpstreamError(message, status, problem="http_status", sample=detail[: sse.SAMPLE_CHARS])
+        if kind and not kind.lower().startswith("text/event-stream"):
+            raise UpstreamError(
+                f"upstream {name} answered 200 with {kind}, not an event stream", problem="not_event_stream"
+            )
+
+    async def _chunks(self, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks up to ``[DONE]``; raises ``UpstreamError`` for a malformed line or chunk, or
+        a stream that ends without ``[DONE]`` (a connection closed cleanly mid-stream looks just like that)."""
+        try:
+            async for line in response.aiter_lines():
+                data = sse.data_of(line)
+                if data is None:
+                    continue
+                if data.strip() == sse.DONE:
+                    return
+                yield sse.chunk_of(data)
+        except sse.MalformedStream as exc:
+            message = f"upstream {self.upstream.name} sent {exc}"
+            raise UpstreamError(message, problem="malformed_stream", sample=exc.sample) from None
+        raise UpstreamError(
+            f"upstream {self.upstream.name} closed the stream before [DONE]", problem="stream_unfinished"
+        )
+
+    def _transport_error(self, exc: httpx.HTTPError) -> UpstreamError:
+        """The ``UpstreamError`` of a transport failure: refused (the upstream is taken out until it answers
+        again; another one may be tried), stalled (504), or the connection closed or broken."""
+        name = self.upstream.name
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+            self._on_down(self.upstream)
+            return UpstreamError(f"upstream {name}: {type(exc).__name__}: {exc}", 502, True, "unreachable")
+        if isinstance(exc, httpx.ReadTimeout):
+            waited = self.idle_timeout_s
+            return UpstreamError(f"upstream {name} sent nothing for {waited:g} s", 504, problem="stalled")
+        return UpstreamError(
+            f"upstream {name} closed or broke the connection: {type(exc).__name__}: {exc}", problem="connection_closed"
+        )
+
     def _observe(self, call: CallState, chunk: dict[str, Any]) -> None:
         if chunk.get("usage"):
             call.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
+            call.generated_bytes += sse.generated_bytes(choice)
             delta = choice.get("delta")
             piece = (delta or {}).get("content") if delta is not None else choice.get("text")
             if piece:
@@ -185,6 +236,7 @@ class UpstreamClient:
                     self._book(self.meter.first_token(call.request_id, self._now_ms()))
                 else:
                     self._book(self.meter.token(self._now_ms()))
+                call.gpu_ms_at_last_token = call.gpu_ms
                 self._charge(call.tenant, 0.0, 1, self.batch_size)
             if choice.get("finish_reason"):
                 call.finish_reason = choice["finish_reason"]

@@ -1,0 +1,90 @@
+"""Reading an upstream's server-sent events strictly: what a line of the stream is, and whether a chunk is
+one the gateway can relay and meter.
+
+An OpenAI-compatible stream is lines of ``data: <JSON object>`` separated by blank lines, ending with
+``data: [DONE]``; the SSE standard also allows comments (``:...``) and the fields ``event``, ``id`` and
+``retry``, which carry nothing the gateway uses. Anything else - an HTML page, a proxy's banner, a
+truncated line - means the stream is not what the upstream claims, and relaying on (or billing what the
+gateway cannot read) would charge the tenant for garbage: the call fails instead (``MalformedStream``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DONE = "[DONE]"
+SAMPLE_CHARS = 200
+_IGNORED_FIELDS = ("event", "id", "retry")
+_GENERATED_TEXT = ("content", "reasoning_content", "reasoning", "refusal")
+
+
+class MalformedStream(ValueError):
+    """The upstream's stream broke the SSE framing or sent a chunk that is not an OpenAI chunk: the message
+    says what (for the client too); ``sample`` quotes up to ``SAMPLE_CHARS`` of what was sent (for the log
+    only: a proxy's page may name hosts the client has no business seeing)."""
+
+    def __init__(self, message: str, sample: str) -> None:
+        super().__init__(message)
+        self.sample = sample[:SAMPLE_CHARS]
+
+
+def data_of(line: str) -> str | None:
+    """The payload of one stream line: its ``data`` field (``[DONE]`` included), or None for a line that
+    carries nothing (blank, comment, ``event``/``id``/``retry``). Raises ``MalformedStream`` for any other
+    line."""
+    if not line.strip() or line.startswith(":"):
+        return None
+    name, colon, value = line.partition(":")
+    if colon and name == "data":
+        return value[1:] if value.startswith(" ") else value  # one space after the colon is framing
+    if colon and name in _IGNORED_FIELDS:
+        return None
+    raise MalformedStream("a line that is not server-sent events", line)
+
+
+def chunk_of(data: str) -> dict[str, Any]:
+    """The chunk a ``data`` payload holds: a JSON object with a ``choices`` list of objects, or with a
+    ``usage`` object (the final usage chunk may leave ``choices`` out). Raises ``MalformedStream``: not
+    JSON, not such an object, or an ``error`` object the upstream sent mid-stream."""
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError:
+        raise MalformedStream("a data line that is not JSON", data) from None
+    if not isinstance(chunk, dict):
+        raise MalformedStream("a chunk that is not a JSON object", data)
+    if chunk.get("error") is not None or chunk.get("object") == "error":
+        error = chunk.get("error")
+        message = error.get("message") if isinstance(error, dict) else chunk.get("message", error)
+        raise MalformedStream(f"an error mid-stream: {str(message)[:SAMPLE_CHARS]}", data)
+    choices = chunk.get("choices")
+    if choices is None and isinstance(chunk.get("usage"), dict):
+        return chunk
+    if not isinstance(choices, list) or not all(_is_choice(choice) for choice in choices):
+        raise MalformedStream("a chunk without a choices list of choice objects", data)
+    return chunk
+
+
+def _is_choice(choice: object) -> bool:
+    """An object whose ``delta`` (if any) is an object and whose text fields are strings or null."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    if delta is not None and not isinstance(delta, dict):
+        return False
+    fields = [choice.get("text"), *((delta or {}).get(name) for name in _GENERATED_TEXT)]
+    return all(value is None or isinstance(value, str) for value in fields)
+
+
+def generated_bytes(choice: dict[str, Any]) -> int:
+    """UTF-8 bytes of the text one chunk's choice generated, in any field (completion text, content,
+    reasoning, refusal, tool-call names and arguments): the ceiling of the tokens it can have taken (every
+    token of a byte-level tokenizer decodes to at least one byte; special tokens are the usage rule's slack)."""
+    delta = choice.get("delta")
+    source = delta if isinstance(delta, dict) else choice
+    pieces = [source.get(name) for name in ("text", *_GENERATED_TEXT)]
+    for call in source.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            pieces += [function.get("name"), function.get("arguments")]
+    return sum(len(piece.encode("utf-8")) for piece in pieces if isinstance(piece, str))

@@ -1,0 +1,61 @@
+"""What a call is billed when the upstream's usage and the gateway's own counts disagree.
+
+The upstream's ``usage`` is the exact count when it is honest: its tokenizer, its chat template, the EOS
+token, tokens that decode to no text (half a UTF-8 character) and text cut by a stop string all make it
+differ from what the gateway counted by a few tokens, and then it is billed as reported. It is not
+believed when it contradicts what the gateway relayed beyond ``USAGE_SLACK_TOKENS``:
+
+- ``completion_tokens`` below the text pieces relayed (each piece took at least one token), or above the
+  UTF-8 bytes of all generated text seen (content, reasoning, refusal, tool-call names and arguments: every
+  token of a byte-level tokenizer decodes to at least one byte, besides the special ones the slack covers):
+  the pieces relayed are billed;
+- ``prompt_tokens`` below the gateway's admission estimate divided by ``PROMPT_UNDER_RATIO`` (the estimate
+  counts words or one token per 8 bytes, which no tokenizer undercuts 8-fold even for an image's data): the
+  estimate is billed.
+
+Either way the call is logged once, ``usage_contradicts_relay``, naming the upstream. A count above the
+reservation's ``rules.input_allowance`` or ``max_tokens`` is billed at that bound (the ledger takes no more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fairgate.gateway.upstream import CallState, billable_usage
+from fairgate.ledger import rules
+
+USAGE_SLACK_TOKENS = 4
+PROMPT_UNDER_RATIO = 8
+
+
+@dataclass(frozen=True)
+class Billed:
+    """Tokens to bill a call, and what the upstream's usage said when it was not believed or was capped."""
+
+    input_tokens: int
+    output_tokens: int
+    contradicted: dict[str, Any]  # field -> what the upstream reported, for a count not believed
+    reported_input: int  # the prompt count before the ledger's input allowance
+
+    def usage(self) -> dict[str, int]:
+        """The billed counts as OpenAI's ``usage`` names them."""
+        return {"prompt_tokens": self.input_tokens, "completion_tokens": self.output_tokens}
+
+
+def billed_tokens(call: CallState, reserved_input: int, max_output: int) -> Billed:
+    """The tokens to bill ``call`` (see module docstring): the upstream's usage where it is believed, the
+    gateway's counts (prompt estimate, pieces relayed) elsewhere, within the reservation's bounds."""
+    usage = billable_usage(call.usage) or {}
+    contradicted: dict[str, Any] = {}
+    reported_input = usage.get("prompt_tokens", call.prompt_tokens)
+    if reported_input < call.prompt_tokens // PROMPT_UNDER_RATIO - USAGE_SLACK_TOKENS:
+        contradicted["prompt_tokens"] = reported_input
+        reported_input = call.prompt_tokens
+    output = usage.get("completion_tokens", call.output_tokens)
+    low, high = call.output_tokens - USAGE_SLACK_TOKENS, call.generated_bytes + USAGE_SLACK_TOKENS
+    if not low <= output <= high:
+        contradicted["completion_tokens"] = output
+        output = call.output_tokens
+    input_tokens = min(reported_input, rules.input_allowance(reserved_input))
+    return Billed(input_tokens, min(output, max_output), contradicted, reported_input)

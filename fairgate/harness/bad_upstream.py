@@ -1,0 +1,220 @@
+"""A misbehaving OpenAI-compatible upstream, written byte for byte on raw sockets: the failures a real
+replica, or a proxy in front of it, can put on the wire - an HTML error page, a 200 that is not an event
+stream, broken SSE framing, a mid-stream error, a stall before or after the headers, a connection closed
+before the headers or mid-stream, a usage report that contradicts what it streamed.
+
+Each request picks its misbehaviour by the first word of its prompt (a completion's ``prompt``, a chat's
+last message): one of ``MODES``; any other word gets a well-behaved stream. Every answer streams
+``TOKENS`` pieces of ``PIECE`` (a chat ``delta.content`` or a completion ``text``) where it streams at all,
+and closes the connection after it (``connection: close``), so no failure leaks into the next request.
+
+``serve_bad_upstream()`` runs it on 127.0.0.1 on a thread of its own and yields it (``url``: the base URL
+without ``/v1``, as ``ReplicaModel.upstream`` takes it; ``modes``: the mode of every request received).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fairgate.api.tokens import CHAT_MESSAGE_OVERHEAD_TOKENS
+from fairgate.harness.process import STARTUP_S_MAX
+
+TOKENS = 6
+PIECE = " w"
+CUT_AFTER = 3  # pieces a mode that breaks mid-stream sends first
+STALL_S_MAX = 60.0  # a stalled answer gives up after this long if the gateway never hangs up
+HTML = b"<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1></center></body></html>"
+
+
+@dataclass
+class _Request:
+    chat: bool
+    mode: str
+    prompt_tokens: int  # as the emulated replica counts them: words, plus 3 per chat message
+    writer: asyncio.StreamWriter
+    reader: asyncio.StreamReader
+
+    def chunk(self, text: str | None = None, finish: str | None = None) -> bytes:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish}
+        return self.data({"id": "bad-1", "object": "chunk", "model": "emu", "choices": [choice]})
+
+    @staticmethod
+    def data(document: object) -> bytes:
+        return f"data: {json.dumps(document)}\n\n".encode()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        return self.data({"id": "bad-1", "object": "chunk", "choices": [], "usage": usage})
+
+    async def send(self, *parts: bytes) -> None:
+        self.writer.write(b"".join(parts))
+        await self.writer.drain()
+
+    async def head(self, status: str = "200 OK", kind: str = "text/event-stream", extra: str = "") -> None:
+        await self.send(f"HTTP/1.1 {status}\r\ncontent-type: {kind}\r\nconnection: close\r\n{extra}\r\n".encode())
+
+    async def stall(self) -> None:
+        """Send nothing more until the gateway hangs up (or ``STALL_S_MAX``)."""
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            await asyncio.wait_for(self.reader.read(), STALL_S_MAX)
+
+    async def stream(self, tokens: int, usage: tuple[int, int] | None = None, done: bool = True) -> None:
+        """The head and ``tokens`` pieces, then (when ``usage`` is given) the finish, usage and ``[DONE]``."""
+        await self.head()
+        await self.send(*(self.chunk(PIECE) for _ in range(tokens)))
+        if usage is not None:
+            await self.send(self.chunk(None, "stop"), self.usage(*usage))
+        if done:
+            await self.send(b"data: [DONE]\n\n")
+
+
+async def _honest(r: _Request) -> None:
+    await r.stream(TOKENS, (r.prompt_tokens, TOKENS))
+
+
+async def _break_after(r: _Request, line: bytes) -> None:
+    await r.stream(CUT_AFTER, done=False)
+    await r.send(line, r.chunk(PIECE), b"data: [DONE]\n\n")
+
+
+async def _break_after_nothing(r: _Request, line: bytes) -> None:
+    await r.head()
+    await r.send(line, r.chunk(PIECE), b"data: [DONE]\n\n")
+
+
+async def _stall_mid(r: _Request) -> None:
+    await r.stream(CUT_AFTER, done=False)
+    await r.stall()
+
+
+async def _stall_first(r: _Request) -> None:
+    await r.head()
+    await r.stall()
+
+
+async def _close_mid(r: _Request) -> None:
+    """Chunked transfer encoding, cut inside the body: the client sees an incomplete message."""
+    await r.head(extra="transfer-encoding: chunked\r\n")
+    for _ in range(CUT_AFTER):
+        piece = r.chunk(PIECE)
+        await r.send(f"{len(piece):x}\r\n".encode(), piece, b"\r\n")
+
+
+async def _html(r: _Request, status: str) -> None:
+    await r.head(status, "text/html", f"content-length: {len(HTML)}\r\n")
+    await r.send(HTML)
+
+
+# mode -> what the upstream does; the ones that break mid-stream send ``CUT_AFTER`` pieces first.
+MODES: dict[str, Callable[[_Request], Awaitable[None]]] = {
+    "honest": _honest,
+    "html_502": lambda r: _html(r, "502 Bad Gateway"),
+    "html_200": lambda r: _html(r, "200 OK"),
+    "garbage_first": lambda r: _break_after_nothing(r, HTML + b"\n"),
+    "garbage_line": lambda r: _break_after(r, HTML + b"\n"),
+    "data_not_json": lambda r: _break_after(r, b'data: {"choices": [{"index": 0, "te\n\n'),
+    "no_choices": lambda r: _break_after(r, r.data({"id": "bad-1", "object": "chunk"})),
+    "error_event": lambda r: _break_after(r, r.data({"error": {"message": "CUDA error: out of memory"}})),
+    "stall_head": lambda r: r.stall(),
+    "stall_first": _stall_first,
+    "stall_mid": _stall_mid,
+    "close_head": lambda r: asyncio.sleep(0),
+    "close_mid": _close_mid,
+    "eof_mid": lambda r: r.stream(CUT_AFTER, done=False),
+    "usage_low": lambda r: r.stream(TOKENS, (r.prompt_tokens, 1)),
+    "usage_high": lambda r: r.stream(TOKENS, (r.prompt_tokens, 1000)),
+    "usage_prompt_zero": lambda r: r.stream(TOKENS, (0, TOKENS)),
+    "usage_slack": lambda r: r.stream(TOKENS, (r.prompt_tokens + 5, TOKENS + 3)),
+}
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, dict[str, Any]]:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+    path = head.split(" ", 2)[1]
+    length = next(
+        (int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.lower().startswith("content-length:")), 0
+    )
+    return path, json.loads(await reader.readexactly(length) or b"{}")
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        content = body["messages"][-1].get("content")
+        return content if isinstance(content, str) else ""
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+@dataclass
+class BadUpstream:
+    """A running misbehaving upstream (see module docstring)."""
+
+    url: str = ""
+    modes: list[str] = field(default_factory=list)
+    _open: set[asyncio.StreamWriter] = field(default_factory=set)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer one request on one connection, as its mode says, then close the connection."""
+        self._open.add(writer)
+        try:
+            path, body = await _read_request(reader)
+            words = _prompt(body).split()
+            mode = words[0] if words and words[0] in MODES else "honest"
+            self.modes.append(mode)
+            chat = path.endswith("/chat/completions")
+            prompt_tokens = len(words) + (CHAT_MESSAGE_OVERHEAD_TOKENS if chat else 0)
+            await MODES[mode](_Request(chat, mode, prompt_tokens, writer, reader))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the gateway hung up: nothing to answer
+        finally:
+            self._open.discard(writer)
+            writer.close()
+
+    def hang_up(self) -> None:
+        """Close every connection still open (a stall the gateway never hung up on)."""
+        for writer in list(self._open):
+            writer.close()
+
+
+@contextmanager
+def serve_bad_upstream() -> Iterator[BadUpstream]:
+    """Run a ``BadUpstream`` on 127.0.0.1 (a free port) on a thread until the block ends.
+
+    Raises:
+        RuntimeError: it did not start within ``STARTUP_S_MAX``.
+    """
+    upstream, started, loop = BadUpstream(), threading.Event(), asyncio.new_event_loop()
+    stop = loop.create_future()
+
+    async def run() -> None:
+        server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0)
+        upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        started.set()
+        async with server:
+            await stop
+            server.close()
+            upstream.hang_up()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True, name="bad-upstream")
+    thread.start()
+    if not started.wait(STARTUP_S_MAX):
+        raise RuntimeError("the misbehaving upstream did not start")
+    try:
+        yield upstream
+    finally:
+        loop.call_soon_threadsafe(stop.set_result, None)
+        thread.join(timeout=30)
+        loop.close()
+
+
+__all__ = ["MODES", "PIECE", "TOKENS", "BadUpstream", "serve_bad_upstream"]

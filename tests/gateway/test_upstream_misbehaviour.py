@@ -1,0 +1,222 @@
+"""An upstream that misbehaves - HTML instead of an event stream, broken SSE framing, a stall, a connection
+closed before the headers or mid-stream, usage that contradicts what it streamed - gets the client a clear
+error (502, 504 for a stall before anything was relayed, or a terminal SSE error event once the stream has
+started), a reservation settled by what the client received, and one warning line naming the upstream and
+what it did. The real gateway runs in front of ``fairgate.harness.bad_upstream`` over loopback HTTP; what
+each client received is compared with what the ledger holds for its request id."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from fairgate.gateway.app import create_gateway
+from fairgate.gateway.config import load_gateway_config
+from fairgate.harness.bad_upstream import CUT_AFTER, PIECE, TOKENS, BadUpstream, serve_bad_upstream
+from fairgate.harness.threads import serve_in_thread
+from fairgate.ledger import Reservation, Usage
+from tests.gateway.conftest import Stack, write_config
+
+IDLE_S = 0.5  # the upstream's stream_idle_timeout_s here
+MAX_TOKENS = 50
+UPSTREAM = "emu-0"  # write_config's name for the one upstream
+BEFORE_ANYTHING = {  # mode -> (the client's status, the problem logged)
+    "html_502": (502, "http_status"),
+    "html_200": (502, "not_event_stream"),
+    "garbage_first": (502, "malformed_stream"),
+    "stall_head": (504, "stalled"),
+    "stall_first": (504, "stalled"),
+    "close_head": (502, "connection_closed"),
+}
+MID_STREAM = {  # mode -> (the collected client's status, the problem logged)
+    "garbage_line": (502, "malformed_stream"),
+    "data_not_json": (502, "malformed_stream"),
+    "no_choices": (502, "malformed_stream"),
+    "error_event": (502, "malformed_stream"),
+    "stall_mid": (504, "stalled"),
+    "close_mid": (502, "connection_closed"),
+    "eof_mid": (502, "stream_unfinished"),
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, BadUpstream]]:
+    """One gateway in front of one misbehaving upstream (idle timeout ``IDLE_S``) for the whole module."""
+    tmp = tmp_path_factory.mktemp("misbehave")
+    with serve_bad_upstream() as upstream:
+        path, keys = write_config(tmp, [upstream.url])
+        config = load_gateway_config(path)
+        idle = [u.model_copy(update={"stream_idle_timeout_s": IDLE_S}) for u in config.upstreams]
+        config = config.model_copy(update={"upstreams": idle})
+        with serve_in_thread(create_gateway(config)) as gateway:
+            yield Stack(gateway, keys, path, config), upstream
+
+
+def ask(stack: Stack, prompt: str, stream: bool, request_id: str) -> httpx.Response:
+    body = {"model": "emu", "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS}
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
+    return httpx.post(f"{stack.url}/v1/chat/completions", json={**body, "stream": stream}, headers=headers, timeout=30)
+
+
+def events(reply: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+
+
+def pieces(chunks: list[dict[str, Any]]) -> int:
+    """Text pieces the client received in ``chunks``."""
+    return sum(1 for c in chunks for choice in c.get("choices") or [] if (choice.get("delta") or {}).get("content"))
+
+
+def final(stack: Stack, request_id: str, wait_s: float = 10.0) -> Reservation:
+    """The reservation of ``request_id`` once it is final (a stream's is settled after its last event)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = [r for r in stack.reservations() if r.request_id == request_id]
+        if (found and found[0].is_final) or time.monotonic() > deadline:
+            [reservation] = found
+            return reservation
+        time.sleep(0.05)
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """The gateway's warning lines so far, parsed (each is one JSON object)."""
+    return [
+        json.loads(r.getMessage())
+        for r in caplog.records
+        if r.name.startswith("fairgate") and r.levelno >= logging.WARNING
+    ]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("mode", sorted(BEFORE_ANYTHING))
+def test_a_failure_before_anything_was_relayed_is_a_clear_error_billed_nothing(
+    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str, stream: bool
+) -> None:
+    stack, _ = served
+    status, problem = BEFORE_ANYTHING[mode]
+    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
+    reply = ask(stack, f"{mode} please", stream, request_id)
+    reservation = final(stack, request_id)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "upstream_error" and UPSTREAM in error["message"] and "<html>" not in error["message"]
+    assert (reservation.status, reservation.billed) == ("cancelled", Usage()), reservation
+    [line] = warnings(caplog)
+    assert line["event"] == "upstream_failed" and (line["upstream"], line["problem"]) == (UPSTREAM, problem), line
+    assert line["request_id"] == request_id and line["delivered"] is False
+
+
+@pytest.mark.parametrize("mode", sorted(MID_STREAM))
+def test_a_stream_broken_after_it_started_ends_with_an_error_event_and_bills_what_was_received(
+    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    stack, _ = served
+    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
+    reply = ask(stack, f"{mode} please", True, request_id)
+    reservation = final(stack, request_id)
+    chunks = events(reply)
+    assert reply.status_code == 200 and "data: [DONE]" not in reply.text, reply.text
+    assert chunks[-1]["error"]["code"] == "upstream_error" and UPSTREAM in chunks[-1]["error"]["message"]
+    received = pieces(chunks)
+    assert received == CUT_AFTER
+    assert reservation.status == "cancelled" and reservation.billed.output_tokens == received, reservation
+    assert reservation.billed.input_tokens == reservation.input_tokens > 0
+    [line] = warnings(caplog)
+    assert (line["event"], line["upstream"], line["problem"]) == ("upstream_failed", UPSTREAM, MID_STREAM[mode][1])
+    assert line["delivered"] is True and line["billed"]["output_tokens"] == received
+
+
+@pytest.mark.parametrize("mode", sorted(MID_STREAM))
+def test_a_collected_call_broken_mid_stream_delivered_nothing_and_bills_nothing(
+    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    stack, _ = served
+    status, problem = MID_STREAM[mode]
+    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
+    reply = ask(stack, f"{mode} please", False, request_id)
+    reservation = final(stack, request_id)
+    assert reply.status_code == status and reply.json()["error"]["code"] == "upstream_error", reply.text
+    assert (reservation.status, reservation.billed) == ("cancelled", Usage()), reservation
+    [line] = warnings(caplog)
+    assert (line["event"], line["upstream"], line["problem"], line["delivered"]) == (
+        "upstream_failed",
+        UPSTREAM,
+        problem,
+        False,
+    )
+    assert line["unbilled"]["output_tokens"] == CUT_AFTER  # what the upstream generated, logged not billed
+
+
+USAGE = {  # mode -> (what is billed: input tokens from the estimate?, output tokens, the warning's event or None)
+    "usage_low": (True, TOKENS, "usage_contradicts_relay"),  # reports 1 of 6 pieces relayed
+    "usage_high": (True, TOKENS, "usage_contradicts_relay"),  # reports 1,000 for 12 bytes of text
+    "usage_prompt_zero": (True, TOKENS, "usage_contradicts_relay"),  # reports a 400-word prompt as 0 tokens
+    "usage_slack": (False, TOKENS + 3, None),  # EOS and kin: a few tokens more is billed as reported
+}
+LONG = " x" * 400  # a prompt the gateway estimates at 400 tokens and more
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("mode", sorted(USAGE))
+def test_usage_that_contradicts_what_was_relayed_is_billed_from_the_relay(
+    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str, stream: bool
+) -> None:
+    stack, _ = served
+    from_estimate, billed_output, event = USAGE[mode]
+    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
+    reply = ask(stack, f"{mode}{LONG}", stream, request_id)
+    reservation = final(stack, request_id)
+    assert reply.status_code == 200, reply.text
+    if stream:
+        assert reply.text.rstrip().endswith("data: [DONE]") and pieces(events(reply)) == TOKENS, reply.text
+    else:
+        document = reply.json()
+        assert document["choices"][0]["message"]["content"] == PIECE * TOKENS
+        assert document["usage"]["completion_tokens"] == billed_output  # the client is shown what is billed
+    assert reservation.status == "settled" and reservation.billed.output_tokens == billed_output, reservation
+    estimate = reservation.input_tokens  # the gateway's own count, reserved at admission
+    assert (reservation.billed.input_tokens == estimate) is from_estimate, reservation
+    lines = warnings(caplog)
+    assert [line["event"] for line in lines] == ([event] if event else []), lines
+    if event:
+        assert lines[0]["upstream"] == UPSTREAM and lines[0]["request_id"] == request_id
+        assert lines[0]["billed"] == {"input_tokens": estimate, "output_tokens": TOKENS}
+
+
+def test_the_openai_client_reads_a_stall_mid_stream_as_an_error_and_is_billed_what_it_read(
+    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    stack, _ = served
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["beta"], max_retries=0, timeout=30)
+    request_id = f"openai-{uuid.uuid4().hex[:8]}"
+    text = []
+    with pytest.raises(openai.APIError, match=f"upstream {UPSTREAM} sent nothing for {IDLE_S:g} s"):
+        for chunk in client.chat.completions.create(
+            model="emu",
+            messages=[{"role": "user", "content": "stall_mid please"}],
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            extra_headers={"X-Request-Id": request_id},
+        ):
+            text += [choice.delta.content for choice in chunk.choices if choice.delta.content]
+    reservation = final(stack, request_id)
+    assert len(text) == CUT_AFTER and reservation.status == "cancelled"
+    assert reservation.billed.output_tokens == len(text)
+    [line] = warnings(caplog)
+    assert (line["event"], line["problem"], line["upstream"]) == ("upstream_failed", "stalled", UPSTREAM)
+
+
+def test_the_openai_client_gets_a_502_for_a_proxys_html_page(served: tuple[Stack, BadUpstream]) -> None:
+    stack, _ = served
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["beta"], max_retries=0, timeout=30)
+    with pytest.raises(openai.InternalServerError) as raised:
+        client.chat.completions.create(model="emu", messages=[{"role": "user", "content": "html_502 please"}])
+    assert raised.value.status_code == 502 and f"upstream {UPSTREAM} answered 502" in raised.value.message
