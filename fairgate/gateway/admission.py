@@ -100,7 +100,7 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
     )
     balances = None
     if not reservation.id.startswith(EMERGENCY_PREFIX):
-        balances = asyncio.ensure_future(state.ledger.account(caller.tenant, generation.model))
+        balances = asyncio.ensure_future(state.ledger.account(caller.tenant, generation.model_class))
     return Admitted(generation, caller, reservation, balances)
 
 
@@ -113,7 +113,7 @@ async def _reserve(state: GatewayState, tenant: str, generation: Generation) -> 
             generation.prompt_tokens,
             generation.max_tokens,
             generation.gpu_ms_estimate,
-            generation.model,
+            generation.model_class,  # an alias's quota class: every pool it falls back to draws on it
             generation.run.run_id,
             generation.run.tool_round,
         )

@@ -78,7 +78,7 @@ def build_state(config: GatewayConfig, observers: Iterable[Observer], clock: Clo
     """The state of a gateway for ``config``, not yet started: identity, dispatcher and events."""
     events = Fanout(observers)
     shares = {name: TenantShare(t.weight, t.priority) for name, t in config.quotas.tenants.items()}
-    upstreams = [Upstream(u.name, u.model, u.url, u.max_batch, u.cost) for u in config.upstreams]
+    upstreams = [Upstream(u.name, u.model, u.url, u.max_batch, u.cost, pool=u.pool_name) for u in config.upstreams]
     spec = config.policy_spec()
 
     def max_queued(tenant: str) -> int | None:
@@ -139,7 +139,7 @@ def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:
         for upstream in state.dispatcher.upstreams():
             state.upstreams[upstream.name] = UpstreamClient(
                 upstream,
-                _charge_sink(state.dispatcher, upstream.model),
+                _charge_sink(state.dispatcher, upstream.pool),
                 clock=state.clock.monotonic_s,
                 timeout_s=config.gateway.request_timeout_s,
                 on_down=state.dispatcher.mark_down,
@@ -159,9 +159,9 @@ def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:
     return lifespan
 
 
-def _charge_sink(dispatcher: Dispatcher, model: str) -> Any:
+def _charge_sink(dispatcher: Dispatcher, pool: str) -> Any:
     def charge(tenant: str, gpu_ms: float, output_tokens: int, batch_size: int) -> None:
-        dispatcher.charge(model, tenant, gpu_ms, output_tokens, batch_size)
+        dispatcher.charge(pool, tenant, gpu_ms, output_tokens, batch_size)
 
     return charge
 

@@ -145,12 +145,13 @@ class Call:
         for name in UPSTREAM_CONTROL_FIELDS:  # the gateway's to set, never a client's
             body.pop(name, None)
         body["cache_salt"] = tenant_tag(self.admitted.caller.tenant)
+        body["model"] = self.lease.upstream.model  # the engine's name: an alias is the gateway's, not its
         return body
 
     async def _rate_headers(self) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers: limits from the config, what remains from the ledger's balances
         (read beside the dispatch; omitted if that read failed or is slow)."""
-        tenant, model = self.admitted.caller.tenant, self.admitted.generation.model
+        tenant, model = self.admitted.caller.tenant, self.admitted.generation.model_class
         try:
             limits = self.state.config.quotas.tenant(tenant).for_model_class(model)
         except KeyError:
@@ -168,6 +169,8 @@ class Call:
         finished = sent = retrying = False
         try:
             async for chunk in stream:
+                if "model" in chunk:  # the name the client asked for, not the engine's behind an alias
+                    chunk["model"] = self.admitted.generation.model
                 if not chunk.get("choices") and chunk.get("usage") and not include_usage:
                     continue  # the gateway asked for usage; this client did not
                 if not include_usage:
@@ -215,12 +218,13 @@ class Call:
         return completion_document(self.progress, generation.chat, generation.model, int(self.state.clock.wall_s()))
 
     def _another_upstream(self, exc: UpstreamError) -> bool:
-        """Send the request to another upstream? Only if this one never saw it and another one is up."""
-        mine = self.lease.upstream
+        """Send the request to another upstream? Only if this one never saw it and another one of its pools
+        (the primary's or an approved fallback's) is up."""
+        mine, pools = self.lease.upstream, self.admitted.generation.pools
         return (
             self.may_retry
             and exc.unreachable
-            and any(u.healthy for u in self.state.dispatcher.upstreams() if u.model == mine.model and u is not mine)
+            and any(u.healthy for u in self.state.dispatcher.upstreams() if u.pool in pools and u is not mine)
         )
 
     async def _end(self, stream: AsyncIterator[dict[str, Any]], finished: bool, retrying: bool) -> None:
@@ -276,7 +280,7 @@ class Call:
     async def _gpu_left_ms(self) -> float:
         """GPU ms the tenant's budgets leave now (``rules.gpu_left_ms``); ``inf`` when the ledger cannot say
         (its outage policy bounds what runs meanwhile)."""
-        tenant, model = self.admitted.caller.tenant, self.admitted.generation.model
+        tenant, model = self.admitted.caller.tenant, self.admitted.generation.model_class
         left = math.inf
         try:  # the tenant-wide budgets, and the model class's when it has its own (``TenantQuota.accounts``)
             for key, limits in self.state.config.quotas.tenant(tenant).accounts(model):

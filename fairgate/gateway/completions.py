@@ -1,10 +1,10 @@
-"""The generation routes (``/v1/chat/completions``, ``/v1/completions``) and ``/v1/models``: the request
-path's stages in order.
+"""The generation routes (``/v1/chat/completions``, ``/v1/completions``) and ``/v1/models`` (the model names a
+tenant may send: aliases and plain models, ``fairgate.gateway.aliases``): the request path's stages in order.
 
 intake (``fairgate.gateway.intake``: headers, body, sizing) -> admission (``admission``: the ledger
 reservation) -> queueing (``queueing``: the fair policy gives it a slot) -> call (``call``: the upstream call,
 relayed or collected, settled on every path). An upstream that refuses the connection sends the request
-back to the queue for another upstream of its model, under the same reservation (``CONNECT_ATTEMPTS``).
+back to the queue for another upstream of its pools, under the same reservation (``CONNECT_ATTEMPTS``).
 
 Every rejection on these routes, from a dependency (the caller's key) or a stage, is recorded as a
 ``Rejected`` event and answered from the outcome table (``RecordedRoute``).
@@ -23,7 +23,7 @@ from fairgate.api import ChatRequest, CompletionRequest, openapi_request_body
 from fairgate.gateway import admission, intake
 from fairgate.gateway.call import Call, TryAnotherUpstream
 from fairgate.gateway.identity import Caller, require_tenant
-from fairgate.gateway.outcomes import Rejection, respond
+from fairgate.gateway.outcomes import Outcome, Rejection, respond
 from fairgate.gateway.queueing import wait_for_slot
 from fairgate.gateway.state import GatewayState, gateway_of
 
@@ -110,9 +110,17 @@ def install(app: FastAPI) -> None:
 
     @app.get("/v1/models", dependencies=[Depends(require_tenant)])
     async def models(state: Gateway) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": m, "object": "model", "created": 0, "owned_by": "fairgate"} for m in state.dispatcher.models()
-            ],
-        }
+        """Every model name a tenant may send (any tenant may send any), sorted."""
+        return {"object": "list", "data": [model_object(name) for name in sorted(state.config.served)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_tenant)])
+    async def model(model_id: str, state: Gateway) -> dict[str, Any]:
+        """One model object; 404 ``model_not_found`` for a name no alias or upstream serves."""
+        if model_id not in state.config.served:
+            raise Rejection(Outcome.MODEL_NOT_FOUND, f"The model {model_id[:100]!r} does not exist.", "model")
+        return model_object(model_id)
+
+
+def model_object(name: str) -> dict[str, Any]:
+    """OpenAI's model object for ``name`` (no creation time is known: 0)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "fairgate"}

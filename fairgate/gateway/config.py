@@ -19,13 +19,19 @@ max_connections = 1000                     # open connections; a request beyond 
 [[upstream]]                               # at least one; names unique
 name = "emu-0"
 url = "http://127.0.0.1:8001/v1"           # http(s) base URL ending in /v1
-model = "fairgate-emulated"                # the model name clients ask for; several upstreams may serve one
+model = "fairgate-emulated"                # the engine's model name (sent upstream); several upstreams may serve one
+pool = "fairgate-emulated"                 # optional, default: model; the upstreams sharing one fair queue
 max_batch = 24                             # requests in flight at once on this upstream
 iter_base_ms = 9.0                         # its cost model (the live meter's proportions)
 iter_slope_ms = 0.55
 prefill_ms_per_token = 0.06
 max_model_len = 32768
 stream_idle_timeout_s = 60                 # no byte from it this long (before headers or mid-stream): the call ends
+
+[[model]]                                  # optional: an alias and its approved pools (fairgate.gateway.aliases)
+name = "chat"                              # what clients send as "model"
+pools = ["fairgate-emulated"]              # pool names; the first is primary, the others fallbacks in order
+quota_class = "chat"                       # optional, default: name; the ledger's model class
 
 [policy]                                   # per-policy parameters, as a scenario's [policy]
 [quotas]                                   # the ledger's quota document: tiers, defaults, tenants
@@ -48,7 +54,8 @@ and are resolved to absolute ones on loading.
 
 Every key is checked: an unknown key at any level, a wrong type ("24" where a number belongs), a value
 out of range, an unknown policy, a bad URL, a malformed key hash, two upstreams with one name, a key or
-delegate naming a tenant absent from ``[quotas.tenants]``, and every quota error raise
+delegate naming a tenant absent from ``[quotas.tenants]``, a ``[[model]]`` naming a pool no upstream has (or
+an alias clashing with another name), and every quota error raise
 ``GatewayConfigError``, whose message is one line ``<file>: <dotted.key>: <problem>``
 (e.g. ``fairgate.toml: upstream[1].url: must be an http(s) base URL ending in /v1``).
 """
@@ -69,6 +76,8 @@ from fairgate.core.cost import CostModel
 from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
 from fairgate.core.policies.params import PolicyConfig
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
+from fairgate.gateway import aliases
+from fairgate.gateway.aliases import ModelConfig, PoolName, ServedModel
 from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, KEY_HASH_FORMS, TOKEN_LIFETIME_MAX_S, is_key_hash
 from fairgate.ledger import SCHEMES
 from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
@@ -160,7 +169,10 @@ class UpstreamConfig(_Strict):
 
     name: Name
     url: str
-    model: Annotated[Name, Field(min_length=1, max_length=200)]  # the ledger's model class
+    # The engine's model name, sent upstream in the body; also a plain model name clients may send (with
+    # itself as the ledger's model class) unless a ``[[model]]`` lists this upstream's pool.
+    model: Annotated[Name, Field(min_length=1, max_length=200)]
+    pool: PoolName | None = None  # the upstreams sharing one fair queue; None: ``model``
     max_batch: Annotated[int, Field(ge=1, le=100_000)]
     iter_base_ms: Annotated[float, Field(ge=0.001, le=1e6)]
     iter_slope_ms: Annotated[float, Field(ge=0.0, le=1e5)]
@@ -190,6 +202,11 @@ class UpstreamConfig(_Strict):
         ):
             raise ValueError(problem)
         return value
+
+    @property
+    def pool_name(self) -> str:
+        """The pool this upstream serves in (``pool``, default ``model``)."""
+        return self.pool if self.pool is not None else self.model
 
     @property
     def cost(self) -> CostModel:
@@ -227,6 +244,7 @@ class GatewayConfig(_Strict):
     Attributes:
         gateway: ``[gateway]``, with ``ledger`` and ``journal`` resolved to absolute paths.
         upstreams: the ``[[upstream]]`` tables, in file order.
+        models: the ``[[model]]`` tables (aliases and their pools), in file order.
         policy: ``[policy]``, per-policy parameters.
         keys: the ``[[key]]`` tables.
         admin: ``[admin]``.
@@ -237,6 +255,7 @@ class GatewayConfig(_Strict):
 
     gateway: GatewaySection
     upstreams: list[UpstreamConfig] = Field(default_factory=list, alias="upstream")
+    models: list[ModelConfig] = Field(default_factory=list, alias="model")
     policy: PolicyConfig = PolicyConfig()
     quotas_document: dict[str, Any] = Field(alias="quotas")
     keys: list[KeyConfig] = Field(default_factory=list, alias="key")
@@ -244,6 +263,7 @@ class GatewayConfig(_Strict):
     delegation: DelegationConfig = DelegationConfig()
     _path: Path = PrivateAttr(default=Path("<gateway config>"))
     _quotas: Quotas | None = PrivateAttr(default=None)
+    _served: dict[str, ServedModel] | None = PrivateAttr(default=None)
 
     @property
     def path(self) -> Path:
@@ -270,9 +290,21 @@ class GatewayConfig(_Strict):
         """The emergency journal, absolute."""
         return Path(self.gateway.journal)
 
+    @property
+    def served(self) -> dict[str, ServedModel]:
+        """Every model name clients may send -> its pools and quota class: the ``[[model]]`` aliases, then
+        the plain upstream models (``fairgate.gateway.aliases.served_models``)."""
+        if self._served is None:
+            self._served = aliases.served_models(self.models, self.upstreams)
+        return self._served
+
     def upstreams_for(self, model: str) -> list[UpstreamConfig]:
-        """The upstreams serving ``model`` (empty for an unknown model)."""
-        return [u for u in self.upstreams if u.model == model]
+        """The upstreams that may serve the model name ``model``, of all its pools (empty for an unknown
+        model)."""
+        served = self.served.get(model)
+        if served is None:
+            return []
+        return [u for u in self.upstreams if u.pool_name in served.pools]
 
     def policy_spec(self, name: str | None = None) -> PolicySpec:
         """The ``PolicySpec`` of ``name`` (default ``[gateway].policy``) with this file's ``[policy]`` parameters.
@@ -366,6 +398,9 @@ def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayC
                 f"{path}: upstream[{i}].name: {upstream.name!r} is also upstream[{seen[upstream.name]}]'s name"
             )
         seen[upstream.name] = i
+    problem = aliases.check(config.models, config.upstreams)
+    if problem is not None:
+        raise GatewayConfigError(f"{path}: {problem}")
     quotas = _quotas(path, config.quotas_document)
     tenants = ", ".join(quotas.tenants) or "none"
     hashes: dict[str, str] = {}
@@ -414,6 +449,8 @@ __all__ = [
     "GatewayConfigError",
     "GatewaySection",
     "KeyConfig",
+    "ModelConfig",
+    "ServedModel",
     "UpstreamConfig",
     "gateway_config_from_dict",
     "load_gateway_config",

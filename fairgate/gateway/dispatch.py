@@ -1,13 +1,16 @@
 """The dispatcher: per-tenant queues in front of the upstreams, drained by the same admit step and policy
 objects the simulator drives (``fairgate.core.admit``), on the wall clock.
 
-Per model there is one pool: one ``Admitter`` (its policy, the queued and running counts) and the
-upstreams serving that model. A request waits in its tenant's queue (bounded by the tenant's
-``max_queued``) until a slot frees on the least-loaded upstream of its model (at most ``max_batch`` in
-flight each) and the policy picks it; the admit step counts it running and charges its prefill estimate;
-metered GPU time is charged as it is spent; the request leaves its slot by ``release`` (``finish``). A held
-request (a quota policy) is retried at the policy's ``wake_at``. A request whose caller leaves while it
-waits is taken out of the policy's queue (``Policy.remove``).
+Per pool (``Upstream.pool``: by default the upstream's model) there is one ``Admitter`` (its policy, the
+queued and running counts) and the upstreams of that pool. A request names its pools in order (an alias's
+primary and approved fallbacks, ``fairgate.gateway.aliases``; a plain model's one pool) and queues in the
+first that has an upstream up; if that pool loses its last upstream while the request waits, the request
+moves to the next pool with one up (else it fails with ``NoUpstream``). It waits in its tenant's queue
+(bounded by the tenant's ``max_queued``) until a slot frees on the least-loaded upstream of the pool (at
+most ``max_batch`` in flight each) and the policy picks it; the admit step counts it running and charges
+its prefill estimate; metered GPU time is charged as it is spent; the request leaves its slot by
+``release`` (``finish``). A held request (a quota policy) is retried at the policy's ``wake_at``. A request
+whose caller leaves while it waits is taken out of the policy's queue (``Policy.remove``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from fairgate.core.admit import Admitter
@@ -35,12 +38,13 @@ class QueueFull(Exception):
 
 
 class NoUpstream(Exception):
-    """No upstream serves the requested model, or none of them is up."""
+    """No upstream serves the requested model, or none of them is up (in any of its pools)."""
 
 
 @dataclass
 class Upstream:
-    """An upstream replica as the dispatcher sees it."""
+    """An upstream replica as the dispatcher sees it: ``model`` is the engine's model name (sent upstream),
+    ``pool`` the fair queue it serves (empty: ``model``)."""
 
     name: str
     model: str
@@ -49,6 +53,10 @@ class Upstream:
     cost: CostModel
     in_flight: int = 0
     healthy: bool = True
+    pool: str = ""
+
+    def __post_init__(self) -> None:
+        self.pool = self.pool or self.model
 
 
 @dataclass
@@ -72,14 +80,14 @@ class _Pool:
 
 
 class Dispatcher:
-    """Queues and dispatch for every model (see module docstring).
+    """Queues and dispatch for every pool (see module docstring).
 
     Args:
-        make_policy: builds a fresh policy object for one model's pool.
-        upstreams: every upstream; grouped by ``model``.
+        make_policy: builds a fresh policy object for one pool.
+        upstreams: every upstream; grouped by ``pool``.
         clock: ms, monotonic (the policy's ``now_ms`` and requests' arrival times).
-        max_queued: tenant -> queue bound (None: unbounded).
-        on_charge: told of every charge booked with a policy: (model, tenant, GPU ms).
+        max_queued: tenant -> queue bound per pool (None: unbounded).
+        on_charge: told of every charge booked with a policy: (pool, tenant, GPU ms).
     """
 
     def __init__(
@@ -96,17 +104,18 @@ class Dispatcher:
         self._ids = itertools.count(1)  # the policy's tie-break: arrival order within this process
         self._pools: dict[str, _Pool] = {}
         for upstream in upstreams:
-            pool = self._pools.get(upstream.model)
+            pool = self._pools.get(upstream.pool)
             if pool is None:
-                pool = self._pools[upstream.model] = _Pool(Admitter(make_policy()), [])
+                pool = self._pools[upstream.pool] = _Pool(Admitter(make_policy()), [])
             pool.upstreams.append(upstream)
 
     def models(self) -> list[str]:
+        """The pool names, sorted (a pool is named after its model unless ``[[upstream]].pool`` says else)."""
         return sorted(self._pools)
 
-    def policy(self, model: str) -> Policy:
-        """The policy object of ``model``'s pool. Raises ``KeyError`` for a model no upstream serves."""
-        return self._pools[model].admitter.policy
+    def policy(self, pool: str) -> Policy:
+        """The policy object of ``pool``. Raises ``KeyError`` for a pool no upstream serves."""
+        return self._pools[pool].admitter.policy
 
     def upstreams(self) -> list[Upstream]:
         """Every upstream, with its ``in_flight`` count now."""
@@ -118,19 +127,20 @@ class Dispatcher:
 
     def mark_down(self, upstream: Upstream) -> None:
         """``upstream`` failed to connect: no more requests go to it until ``mark_up``. When it was the last
-        one of its model, the requests queued for that model fail with ``NoUpstream`` (their clients get an
-        error rather than waiting for a replica that may never return)."""
+        one of its pool, the requests queued there fail with ``NoUpstream`` (``acquire`` moves each to its
+        next pool with an upstream up; else the client gets an error rather than waiting for a replica that
+        may never return)."""
         if not upstream.healthy:
             return
         upstream.healthy = False
         log.warning("upstream %s is down: it refused a connection", upstream.name)
-        pool = self._pools[upstream.model]
+        pool = self._pools[upstream.pool]
         if any(u.healthy for u in pool.upstreams):
             return
         now = self._clock()
         for request_id, future in list(pool.waiters.items()):
             if not future.done():
-                future.set_exception(NoUpstream(f"no upstream is up for model {upstream.model!r}"))
+                future.set_exception(NoUpstream(f"no upstream is up for model {upstream.pool!r}"))
             del pool.waiters[request_id]
             pool.admitter.remove(request_id, now)
 
@@ -140,7 +150,7 @@ class Dispatcher:
             return
         upstream.healthy = True
         log.warning("upstream %s is back", upstream.name)
-        self._dispatch(self._pools[upstream.model])
+        self._dispatch(self._pools[upstream.pool])
 
     def queued_by_tenant(self) -> dict[str, int]:
         """Requests waiting in queues now, per tenant (all models)."""
@@ -150,25 +160,47 @@ class Dispatcher:
         """Requests holding an upstream slot now, per tenant (all models)."""
         return _add(pool.admitter.running_by_tenant() for pool in self._pools.values())
 
-    def queued(self, tenant: str, model: str) -> int:
-        return self._pools[model].admitter.queued(tenant) if model in self._pools else 0
+    def queued(self, tenant: str, pool: str) -> int:
+        """Requests of ``tenant`` waiting in ``pool`` now (0 for an unknown pool)."""
+        return self._pools[pool].admitter.queued(tenant) if pool in self._pools else 0
 
     async def acquire(
-        self, request: Request, model: str, on_wait: Callable[[], Awaitable[None]] | None = None
+        self, request: Request, pools: str | Sequence[str], on_wait: Callable[[], Awaitable[None]] | None = None
     ) -> Lease:
-        """Queue ``request`` and wait for a slot.
+        """Queue ``request`` in the first of ``pools`` (a name, or names in order: primary, then approved
+        fallbacks) that has an upstream up, and wait for a slot; should that pool lose its last upstream
+        meanwhile, the request moves on to the next of ``pools`` with one up.
 
         ``on_wait`` is awaited once if the request cannot have a slot at once (the gateway takes a place in
         the global queue count there); if it raises, the request leaves the queue and the error propagates
         - unless a slot was granted meanwhile.
 
         Raises:
-            NoUpstream: no upstream serves ``model``, or none is up. QueueFull: the tenant's queue is full.
+            NoUpstream: no upstream of ``pools`` is up. QueueFull: the tenant's queue in the pool is full.
             asyncio.CancelledError: the caller gave up (the request leaves the queue).
         """
-        pool = self._pools.get(model)
-        if pool is None or not any(u.healthy for u in pool.upstreams):
-            raise NoUpstream(f"no upstream serves model {model!r}")
+        names = (pools,) if isinstance(pools, str) else tuple(pools)
+        waited = on_wait is None
+
+        async def once() -> None:
+            nonlocal waited  # a request moved to a fallback pool keeps the queue place it took
+            if not waited:
+                waited = True
+                assert on_wait is not None
+                await on_wait()
+
+        for name in names:
+            pool = self._pools.get(name)
+            if pool is None or not any(u.healthy for u in pool.upstreams):
+                continue
+            try:
+                return await self._wait_in(pool, request, once)
+            except NoUpstream:
+                continue  # the pool lost its last upstream while the request waited: on to the next one
+        raise NoUpstream(f"no upstream is up in pool(s) {', '.join(names)}")
+
+    async def _wait_in(self, pool: _Pool, request: Request, on_wait: Callable[[], Awaitable[None]]) -> Lease:
+        """``acquire`` in one pool that has an upstream up."""
         limit = self._max_queued(request.tenant)
         if limit is not None and pool.admitter.queued(request.tenant) >= limit:
             raise QueueFull(request.tenant, limit)
@@ -177,7 +209,7 @@ class Dispatcher:
         pool.admitter.enqueue(request, self._clock())
         self._dispatch(pool)
         try:
-            if on_wait is not None and not future.done():
+            if not future.done():
                 try:
                     await on_wait()
                 except Exception:
@@ -198,31 +230,31 @@ class Dispatcher:
         if lease.released:
             return
         lease.released = True
-        pool = self._pools[lease.upstream.model]
+        pool = self._pools[lease.upstream.pool]
         lease.upstream.in_flight -= 1
         pool.admitter.finish(lease.request, self._clock(), generated_tokens)
         self._dispatch(pool)
 
-    def charge(self, model: str, tenant: str, gpu_ms: float, output_tokens: int, batch_size: int) -> None:
-        """Book metered work with the model's policy."""
-        pool = self._pools[model]
+    def charge(self, pool_name: str, tenant: str, gpu_ms: float, output_tokens: int, batch_size: int) -> None:
+        """Book metered work with the pool's policy."""
+        pool = self._pools[pool_name]
         pool.admitter.charge(tenant, gpu_ms, 0, output_tokens, batch_size)
         _unshared(pool, tenant, gpu_ms, 0, output_tokens)
         if gpu_ms:
-            self._on_charge(model, tenant, gpu_ms)
+            self._on_charge(pool_name, tenant, gpu_ms)
 
-    def take_local_charges(self, model: str) -> dict[str, tuple[float, int, int]]:
-        """The charges booked by this process on ``model``'s pool since the last call, per tenant:
+    def take_local_charges(self, pool_name: str) -> dict[str, tuple[float, int, int]]:
+        """The charges booked by this process on the pool since the last call, per tenant:
         (GPU ms, prompt tokens, output tokens); for sharing with other gateway processes."""
-        pool = self._pools[model]
+        pool = self._pools[pool_name]
         taken, pool.unshared = pool.unshared, {}
         return {tenant: (gpu_ms, int(inputs), int(outputs)) for tenant, (gpu_ms, inputs, outputs) in taken.items()}
 
-    def charge_remote(self, model: str, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:
+    def charge_remote(self, pool_name: str, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:
         """Book work another gateway process charged (to the same upstreams' pool), so this process's
         policy counts every tenant's global usage. The batch size of remote work is unknown; the pool's
         largest ``max_batch`` is assumed (it only matters to ``vtc_calibrated``)."""
-        pool = self._pools[model]
+        pool = self._pools[pool_name]
         batch = max(u.max_batch for u in pool.upstreams)
         pool.admitter.charge(tenant, gpu_ms, input_tokens, output_tokens, batch, remote=True)
         self._dispatch(pool)  # a policy that holds requests by budget may release one now
@@ -253,7 +285,7 @@ class Dispatcher:
             request, prefill_ms = picked
             upstream.in_flight += 1
             _unshared(pool, request.tenant, prefill_ms, request.prompt_tokens, 0)
-            self._on_charge(upstream.model, request.tenant, prefill_ms)
+            self._on_charge(upstream.pool, request.tenant, prefill_ms)
             pool.waiters.pop(request.request_id).set_result(Lease(request, upstream, prefill_ms))
 
     def _schedule_wake(self, pool: _Pool, now: float) -> None:

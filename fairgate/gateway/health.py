@@ -32,16 +32,19 @@ def install(app: FastAPI, state: GatewayState) -> None:
 async def readiness(state: GatewayState) -> dict[str, Any]:
     """``/health/ready``: ready when requests can be admitted - the ledger answers (a cheap read, bounded by
     ``READY_LEDGER_TIMEOUT_S``) or some tier has an emergency policy to serve an outage with - and every model
-    has an upstream that is up. ``/health`` and ``/health/live`` say only that the process serves HTTP."""
+    name clients may send (an alias or a plain model) has an upstream up in one of its pools (an alias whose
+    primary pool is down is ready on a fallback). ``upstreams_up``: model name -> upstreams up in its pools.
+    ``/health`` and ``/health/live`` say only that the process serves HTTP."""
     try:
         await asyncio.wait_for(state.backend.frozen(), timeout=READY_LEDGER_TIMEOUT_S)
         ledger = "ok"
     except (LedgerUnavailable, TimeoutError, RuntimeError):
         ledger = "unavailable"
     emergency = any(t.tier.on_ledger_unavailable == "emergency" for t in state.config.quotas.tenants.values())
-    up: dict[str, int] = {}
+    pools: dict[str, int] = {}
     for upstream in state.dispatcher.upstreams():
-        up[upstream.model] = up.get(upstream.model, 0) + (1 if upstream.healthy else 0)
+        pools[upstream.pool] = pools.get(upstream.pool, 0) + (1 if upstream.healthy else 0)
+    up = {name: sum(pools.get(p, 0) for p in served.pools) for name, served in state.config.served.items()}
     reasons = [f"no upstream of model {model!r} is up" for model, n in sorted(up.items()) if n == 0]
     if ledger != "ok" and not emergency:
         reasons.append("the ledger does not answer and no tier has an emergency policy")

@@ -2,11 +2,13 @@
 
 Reads the request id (``X-Request-Id`` or ``Idempotency-Key``; generated when absent, echoed as
 ``x-request-id``), the agent-run headers, and the body (size bound, JSON, the OpenAI schema of
-``fairgate.api``), then sizes the request against its model: the model must exist (404), the prompt fit
-its context (413), ``max_tokens`` plus the prompt too (400); the prompt is estimated
-(``fairgate.api.estimate_prompt_tokens``) and the GPU time reserved for it is the most the cost model can
-charge it (``CostModel.worst_case_ms``: prefill, and ``max_tokens`` decoded at a batch of one), so that a GPU
-budget is a bound, not a hope. Every refusal is a ``Rejection`` naming the field.
+``fairgate.api``), then sizes the request against its model (an alias or a plain model,
+``fairgate.gateway.aliases``): the model must exist (404), the prompt fit the smallest context of the
+upstreams of all its pools (413; a fallback pool must be able to take it too), ``max_tokens`` plus the prompt
+too (400); the prompt is estimated (``fairgate.api.estimate_prompt_tokens``) and the GPU time reserved for it
+is the most any of those upstreams' cost models can charge it (``CostModel.worst_case_ms``: prefill, and
+``max_tokens`` decoded at a batch of one), so that a GPU budget is a bound, not a hope. Every refusal is a
+``Rejection`` naming the field.
 """
 
 from __future__ import annotations
@@ -46,12 +48,15 @@ class Generation:
         request_id: the client's id, or a generated one.
         chat: a chat completion (else a text completion).
         body: the validated body.
-        model: the model asked for (the ledger's model class).
+        model: the model asked for (an alias or a plain model; the name answers carry).
         run: its agent run.
         prompt_tokens: the estimated prompt.
         max_tokens: the output cap (the client's, or the default within the context).
         gpu_ms_estimate: GPU ms reserved for it.
-        cost: the cost model of the model's upstreams.
+        cost: the cost model of the model's upstream whose worst case is the estimate.
+        model_class: the ledger's model class it is reserved and charged in (the alias's ``quota_class``;
+            default: ``model``).
+        pools: the pools that may serve it, primary first (default: ``(model,)``).
     """
 
     request_id: str
@@ -63,6 +68,13 @@ class Generation:
     max_tokens: int
     gpu_ms_estimate: float
     cost: CostModel
+    model_class: str = ""
+    pools: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A generation built without them (a plain model) is its own class and pool.
+        object.__setattr__(self, "model_class", self.model_class or self.model)
+        object.__setattr__(self, "pools", self.pools or (self.model,))
 
 
 def one_header(request: Request, name: str) -> str | None:
@@ -174,8 +186,9 @@ def size_up(
     config: GatewayConfig, body: ChatRequest | CompletionRequest, chat: bool, request_id: str, run: Run
 ) -> Generation:
     """``body`` against its model's upstreams (see module docstring). Raises ``Rejection`` 400/404/413."""
+    served = config.served.get(body.model)
     serving = config.upstreams_for(body.model)
-    if not serving:
+    if served is None or not serving:
         raise Rejection(Outcome.MODEL_NOT_FOUND, f"The model {body.model[:100]!r} does not exist.", "model")
     context = min(u.max_model_len for u in serving)
     prompt_tokens = estimate_prompt_tokens(body)
@@ -192,6 +205,18 @@ def size_up(
             f"max_tokens {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the context of {context}.",
             "max_tokens",
         )
-    cost = serving[0].cost
+    cost = max((u.cost for u in serving), key=lambda c: c.worst_case_ms(prompt_tokens, max_tokens))
     estimate = cost.worst_case_ms(prompt_tokens, max_tokens)
-    return Generation(request_id, chat, body, body.model, run, prompt_tokens, max_tokens, estimate, cost)
+    return Generation(
+        request_id,
+        chat,
+        body,
+        body.model,
+        run,
+        prompt_tokens,
+        max_tokens,
+        estimate,
+        cost,
+        served.quota_class,
+        served.pools,
+    )

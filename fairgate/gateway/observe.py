@@ -127,7 +127,9 @@ class Finished:
 
 @dataclass(frozen=True)
 class Charged:
-    """GPU time booked to ``tenant`` on ``model``'s pool by the live meter (``dt / B`` shares, seed 002)."""
+    """GPU time booked to ``tenant`` on a pool by the live meter (``dt / B`` shares, seed 002). ``model`` is the
+    pool's name (``[[upstream]].pool``, which is the upstreams' model unless the config says otherwise): the
+    meter charges a pool's upstreams, not an alias (``fairgate.gateway.aliases``)."""
 
     tenant: str
     model: str

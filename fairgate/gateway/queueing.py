@@ -43,7 +43,7 @@ async def wait_for_slot(state: GatewayState, request: Request, admitted: Admitte
         waited = True
         await state.ledger.enqueue(admitted.reservation.id)
 
-    waiting = asyncio.ensure_future(state.dispatcher.acquire(policy_request, generation.model, take_queue_place))
+    waiting = asyncio.ensure_future(state.dispatcher.acquire(policy_request, generation.pools, take_queue_place))
     watcher = asyncio.ensure_future(watch_disconnect(request, waiting, DISCONNECT_CHECK_S))
     try:
         lease = await waiting
