@@ -7,6 +7,14 @@ its context (413), ``max_tokens`` plus the prompt too (400); the prompt is estim
 (``fairgate.api.estimate_prompt_tokens``) and the GPU time reserved for it is the most the cost model can
 charge it (``CostModel.worst_case_ms``: prefill, and ``max_tokens`` decoded at a batch of one), so that a GPU
 budget is a bound, not a hope. Every refusal is a ``Rejection`` naming the field.
+
+``n`` choices (``n`` > 1) are ``n`` sequences: ``n`` slots (refused, 400 ``n``, above the smallest
+``max_batch`` of the model's upstreams: they must fit one upstream at once), ``n * max_tokens`` output
+reserved and ``n`` times the GPU estimate (an upstream may prefill each sequence; one that shares the prompt
+is billed less at settlement). An embeddings request (``size_up_embedding``) is one sequence that is only
+prefilled: its inputs estimated, no output, and the GPU time of its prefill plus one decode share at a batch
+of one (the replica runs it in one iteration's slot, so the charge rule charges it ``dt / B`` of that
+iteration too).
 """
 
 from __future__ import annotations
@@ -14,12 +22,20 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from fairgate.api import ChatRequest, CompletionRequest, estimate_prompt_tokens
+from fairgate.api import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    GenerationRequest,
+    estimate_embedding_tokens,
+    estimate_prompt_tokens,
+)
 from fairgate.core.cost import CostModel
 from fairgate.gateway import jsonbody
 from fairgate.gateway.config import GatewayConfig
@@ -28,6 +44,7 @@ from fairgate.gateway.outcomes import Outcome, Rejection
 RUN_ID_HEADER = "x-fairgate-run-id"  # an agent run's id: its calls count against the run limits
 TOOL_ROUND_HEADER = "x-fairgate-tool-round"
 ID_LENGTH_MAX = 200
+Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -40,29 +57,41 @@ class Run:
 
 @dataclass(frozen=True)
 class Generation:
-    """A chat or completion request, read and sized.
+    """A chat, completion or embeddings request, read and sized.
 
     Attributes:
         request_id: the client's id, or a generated one.
-        chat: a chat completion (else a text completion).
+        chat: a chat completion (else a text completion, or embeddings).
         body: the validated body.
         model: the model asked for (the ledger's model class).
         run: its agent run.
-        prompt_tokens: the estimated prompt.
-        max_tokens: the output cap (the client's, or the default within the context).
+        prompt_tokens: the estimated prompt (an embeddings request: its inputs).
+        max_tokens: the output cap over all its sequences (the client's per choice, or the default within
+            the context, times ``sequences``); 0 for embeddings.
         gpu_ms_estimate: GPU ms reserved for it.
         cost: the cost model of the model's upstreams.
+        sequences: the sequences it runs, one slot each (``n``).
     """
 
     request_id: str
     chat: bool
-    body: ChatRequest | CompletionRequest
+    body: ChatRequest | CompletionRequest | EmbeddingRequest
     model: str
     run: Run
     prompt_tokens: int
     max_tokens: int
     gpu_ms_estimate: float
     cost: CostModel
+    sequences: int = 1
+
+    @property
+    def stream(self) -> bool:
+        """The client asked for a stream."""
+        return isinstance(self.body, GenerationRequest) and self.body.stream
+
+    @property
+    def embedding(self) -> bool:
+        return isinstance(self.body, EmbeddingRequest)
 
 
 def one_header(request: Request, name: str) -> str | None:
@@ -128,8 +157,8 @@ def run_of(request: Request) -> Run:
     return Run(run_id, flag in ("1", "true"))
 
 
-async def read_body(request: Request, chat: bool, limit_bytes: int) -> ChatRequest | CompletionRequest:
-    """The body, at most ``limit_bytes``, as the OpenAI schema. Raises ``Rejection`` 400/413."""
+async def read_body(request: Request, schema: type[Body], limit_bytes: int) -> Body:
+    """The body, at most ``limit_bytes``, as ``schema`` (``fairgate.api``). Raises ``Rejection`` 400/413."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise Rejection(Outcome.BODY_TOO_LARGE, f"Request body is {declared} bytes; the limit is {limit_bytes}.")
@@ -149,7 +178,7 @@ async def read_body(request: Request, chat: bool, limit_bytes: int) -> ChatReque
     if problem is not None:
         raise Rejection(Outcome.INVALID_REQUEST, f"{problem[0] or 'body'}: {problem[1]}", problem[0] or None)
     try:
-        return (ChatRequest if chat else CompletionRequest).model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as exc:
         raise _invalid(exc) from None
 
@@ -176,7 +205,7 @@ def size_up(
     """``body`` against its model's upstreams (see module docstring). Raises ``Rejection`` 400/404/413."""
     serving = config.upstreams_for(body.model)
     if not serving:
-        raise Rejection(Outcome.MODEL_NOT_FOUND, f"The model {body.model[:100]!r} does not exist.", "model")
+        raise _no_model(body.model)
     context = min(u.max_model_len for u in serving)
     prompt_tokens = estimate_prompt_tokens(body)
     if prompt_tokens >= context:
@@ -192,6 +221,39 @@ def size_up(
             f"max_tokens {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the context of {context}.",
             "max_tokens",
         )
+    slots = min(u.max_batch for u in serving)
+    if body.n > slots:  # its n sequences must fit one upstream's batch at once
+        raise Rejection(
+            Outcome.INVALID_REQUEST, f"n: {body.n} choices exceed the {slots} sequences an upstream runs at once.", "n"
+        )
     cost = serving[0].cost
-    estimate = cost.worst_case_ms(prompt_tokens, max_tokens)
-    return Generation(request_id, chat, body, body.model, run, prompt_tokens, max_tokens, estimate, cost)
+    estimate = body.n * cost.worst_case_ms(prompt_tokens, max_tokens)
+    return Generation(
+        request_id, chat, body, body.model, run, prompt_tokens, body.n * max_tokens, estimate, cost, body.n
+    )
+
+
+def size_up_embedding(config: GatewayConfig, body: EmbeddingRequest, request_id: str, run: Run) -> Generation:
+    """An embeddings request against its model's upstreams: each input within the context (413 ``input``);
+    reserved: the inputs' estimate, no output, the GPU time of its prefill and one decode share (see module
+    docstring). Raises ``Rejection`` 404/413."""
+    serving = config.upstreams_for(body.model)
+    if not serving:
+        raise _no_model(body.model)
+    context = min(u.max_model_len for u in serving)
+    counts = estimate_embedding_tokens(body)
+    longest = max(range(len(counts)), key=counts.__getitem__)
+    if counts[longest] > context:
+        raise Rejection(
+            Outcome.PROMPT_TOO_LONG,
+            f"input {longest} has {counts[longest]} tokens; the model's context is {context}.",
+            "input",
+        )
+    cost = serving[0].cost
+    tokens = sum(counts)
+    estimate = cost.worst_case_ms(tokens, 1)
+    return Generation(request_id, False, body, body.model, run, tokens, 0, estimate, cost)
+
+
+def _no_model(model: str) -> Rejection:
+    return Rejection(Outcome.MODEL_NOT_FOUND, f"The model {model[:100]!r} does not exist.", "model")
