@@ -330,6 +330,7 @@ def emulate(
     require_tenant_context: Annotated[
         bool, typer.Option("--require-tenant-context", help="Refuse (400) generation requests without a cache_salt.")
     ] = False,
+    embedding_dimensions: Annotated[int, typer.Option(help="Length of the vectors of /v1/embeddings.")] = 64,
 ) -> None:
     """Serve an OpenAI-compatible emulated replica: continuous batching on a real clock with the cost model."""
     import uvicorn
@@ -348,6 +349,7 @@ def emulate(
             output_cv=output_cv,
             max_model_len=max_model_len,
             require_tenant_context=require_tenant_context,
+            embedding_dimensions=embedding_dimensions,
         )
     except ValidationError as exc:
         first = exc.errors()[0]

@@ -1,4 +1,4 @@
-"""The OpenAI wire schema both sides of fairgate speak: chat and completion request bodies.
+"""The OpenAI wire schema both sides of fairgate speak: chat, completion and embedding request bodies.
 
 Follows the OpenAI API (platform.openai.com/docs/api-reference/chat/create) and vLLM's extensions where
 they matter for scheduling: ``max_tokens`` (or ``max_completion_tokens``), ``stream`` with
@@ -6,11 +6,16 @@ they matter for scheduling: ``max_tokens`` (or ``max_completion_tokens``), ``str
 and range (a request vLLM would refuse is refused here, naming the field); unknown fields are kept
 (``model_extra``) for the upstream to judge. The gateway validates what clients send with these models;
 the emulated replica serves them.
+
+``n`` (chat and completions) asks for that many choices of one prompt, at most ``N_MAX`` (OpenAI's bound).
+Embeddings (platform.openai.com/docs/api-reference/embeddings/create): ``input`` is a string, a list of
+strings, a list of token ids or a list of token-id lists - never empty, at most ``EMBEDDING_INPUTS_MAX``
+items (OpenAI's bound); ``encoding_format`` ``float`` or ``base64``; ``dimensions`` >= 1.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -45,6 +50,8 @@ class ChatMessage(_Open):
 # The OpenAI API's sampling fields and their ranges (platform.openai.com/docs/api-reference/chat/create):
 # the emulator ignores them, but a request vLLM would refuse is refused here too, naming the field.
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+N_MAX = 128  # choices one request may ask for (OpenAI's bound)
+EMBEDDING_INPUTS_MAX = 2048  # inputs one embeddings request may carry (OpenAI's bound)
 
 
 class GenerationRequest(_Open):
@@ -55,7 +62,7 @@ class GenerationRequest(_Open):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     ignore_eos: bool = False
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=N_MAX)] = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     presence_penalty: Penalty | None = None
@@ -133,6 +140,44 @@ class CompletionRequest(GenerationRequest):
         if isinstance(first, int):
             return list(self.prompt)  # type: ignore[arg-type]
         return list(first) if isinstance(first, list) else []
+
+
+EmbeddingInput: TypeAlias = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(_Open):
+    """An embeddings request (see module docstring). Errors name ``input`` (with the item's index) or the
+    field at fault."""
+
+    model: Annotated[str, Field(min_length=1, max_length=1000)]
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, value: EmbeddingInput) -> EmbeddingInput:
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list is no input")
+        single = isinstance(value, str) or isinstance(value[0], int)  # one text, or one token-id list
+        items: list[Any] = [value] if single else list(value)
+        if len(items) > EMBEDDING_INPUTS_MAX:
+            raise ValueError(f"at most {EMBEDDING_INPUTS_MAX} inputs a request, got {len(items)}")
+        for index, item in enumerate(items):
+            where = "the input" if single else f"item {index}"
+            if len(item) == 0:
+                raise ValueError(f"{where} is empty")
+            if isinstance(item, list) and any(token < 0 for token in item):
+                raise ValueError(f"{where} has a negative token id")
+        return value
+
+    def items(self) -> list[str | list[int]]:
+        """The inputs, one per vector asked for: texts or token-id lists."""
+        value = self.input
+        if isinstance(value, str) or isinstance(value[0], int):
+            return [value]
+        return list(value)
 
 
 def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:

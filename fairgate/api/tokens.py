@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 
-from fairgate.api.schema import ChatMessage, ChatRequest, CompletionRequest
+from fairgate.api.schema import ChatMessage, ChatRequest, CompletionRequest, EmbeddingRequest
 
 CHAT_MESSAGE_OVERHEAD_TOKENS = 3
 # BPE tokenizers give one token per ~4 bytes of English; none in use gives fewer than one per 8 bytes, so
@@ -74,3 +74,18 @@ def prompt_extras(body: ChatRequest) -> str:
     if messages:
         extra["messages"] = messages
     return json.dumps(extra) if extra else ""
+
+
+def count_embedding_tokens(body: EmbeddingRequest) -> int:
+    """The input tokens the emulated replica counts for an embeddings request: words of each text, one per
+    token id, summed over the inputs."""
+    return sum(count_tokens(item) if isinstance(item, str) else len(item) for item in body.items())
+
+
+def estimate_embedding_tokens(body: EmbeddingRequest) -> list[int]:
+    """The gateway's admission estimate of each input of an embeddings request (``estimate_tokens`` of a
+    text, one per token id); fields the gateway does not know add to the first, as they do to a prompt."""
+    counts = [estimate_tokens(item) if isinstance(item, str) else len(item) for item in body.items()]
+    if body.model_extra:
+        counts[0] += estimate_tokens(json.dumps(body.model_extra))
+    return counts

@@ -8,7 +8,8 @@ on virtual time (``fairgate.sim.admission``), the gateway's dispatcher on the wa
 (``fairgate.gateway.dispatch``); neither calls the policy's ``pick``, ``finish`` or ``remove`` itself.
 
 Who owns which count: the policy, the requests queued (its queues); the admitter, the requests running
-per tenant (the ``RunningView`` every ``pick`` sees). Pure: the caller passes ``now_ms``.
+per tenant (the ``RunningView`` every ``pick`` sees), a request of ``sequences`` counting that many.
+Pure: the caller passes ``now_ms``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Admitter:
                 break
             policy.finish(request, now_ms)
         by_tenant = self.view.by_tenant
-        by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+        by_tenant[tenant] = by_tenant.get(tenant, 0) + request.sequences  # n sequences hold n slots
         prefill_ms = cost.prefill_ms(request.prompt_tokens)
         policy.charge(tenant, prefill_ms, request.prompt_tokens, 0, batch_size)
         return request, prefill_ms
@@ -74,7 +75,7 @@ class Admitter:
         """``request`` left its slot after generating ``generated_tokens`` (None: as recorded on it)."""
         if generated_tokens is not None:
             request.generated_tokens = generated_tokens
-        self.view.by_tenant[request.tenant] -= 1
+        self.view.by_tenant[request.tenant] -= request.sequences
         self.policy.finish(request, now_ms)
 
     def remove(self, request_id: int, now_ms: float) -> Request | None:

@@ -7,7 +7,9 @@ replica's current iteration, in the proportions of the cost model's charge rule 
 sequence weighs ``(iter_base + iter_slope * B) / B``; a request whose first token has not arrived yet is
 being prefilled and weighs, in addition, ``prefill_ms_per_token * prompt_tokens`` - the proportions of the
 iteration it is prefilled in - until that much prefill time has been attributed to it (or its first token
-arrives); any further wait for the first token is charged as decode. The charges of every interval add up
+arrives); any further wait for the first token is charged as decode. A request of ``n`` sequences
+(OpenAI's ``n``) counts ``n`` in ``B`` and weighs ``n`` decode shares, plus its prompt's prefill once (the
+replica prefills a shared prompt once). The charges of every interval add up
 to the interval exactly, so the charges on an upstream add up to its measured busy time.
 
 Iteration boundaries: a replica admits new sequences only between iterations (continuous batching), so a
@@ -60,6 +62,7 @@ class _InFlight:
     pending: bool = False  # sent, but the replica has not reached an iteration boundary since
     sent_ms: float = 0.0
     charged_ms: float = 0.0
+    sequences: int = 1  # OpenAI's ``n``: it holds that many places in the batch, its prompt prefilled once
 
 
 @dataclass(frozen=True)
@@ -101,16 +104,23 @@ class LiveMeter:
     def in_flight(self) -> int:
         return len(self._requests)
 
+    @property
+    def sequences(self) -> int:
+        """Sequences of its requests in flight (a request of ``n`` counts ``n``)."""
+        return sum(r.sequences for r in self._requests.values())
+
     def _weights(self) -> tuple[dict[str, float], float]:
         """Weights of this process's requests in the current iteration (the pending ones are not in it), and
         the weight of the other processes' (``remote``) in it."""
         active = {rid: r for rid, r in self._requests.items() if not r.pending}
         if not active:
             return {}, 0.0
-        batch = len(active) + self.remote.sequences
+        batch = sum(r.sequences for r in active.values()) + self.remote.sequences
         decode = (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch) / batch
+        # Each sequence weighs dt / B; a request of n sequences shares one prompt, prefilled once.
         weights = {
-            rid: decode + (self.cost.prefill_ms(r.prompt_tokens) if r.prefilling else 0.0) for rid, r in active.items()
+            rid: decode * r.sequences + (self.cost.prefill_ms(r.prompt_tokens) if r.prefilling else 0.0)
+            for rid, r in active.items()
         }
         return weights, decode * self.remote.sequences
 
@@ -136,7 +146,7 @@ class LiveMeter:
             self._boundary()
             weights, remote_weight = self._weights()
         own_weight = sum(weights.values())
-        self._sequence_ms += len(weights) * interval
+        self._sequence_ms += sum(self._requests[rid].sequences for rid in weights) * interval
         # The others' prefill takes its share of the interval; the rest is split by weight, and the remote
         # sequences' part is theirs to charge.
         shared_ms = interval * (1.0 - min(self.remote.prefill_share, MAX_REMOTE_PREFILL_SHARE))
@@ -170,7 +180,7 @@ class LiveMeter:
         if span > 0:
             taken = Occupancy(self._sequence_ms / span, min(1.0, self._prefill_attributed_ms / span))
         else:
-            taken = Occupancy(float(sum(not r.pending for r in self._requests.values())))
+            taken = Occupancy(float(sum(r.sequences for r in self._requests.values() if not r.pending)))
         self._window_start_ms = self._last_ms
         self._sequence_ms = self._prefill_attributed_ms = 0.0
         return taken
@@ -188,14 +198,23 @@ class LiveMeter:
         self.remote = remote
         return charges
 
-    def start(self, request_id: str, tenant: str, prompt_tokens: int, now_ms: float) -> list[MeterCharge]:
-        """``request_id`` was sent upstream. Returns the charges of the interval that ended now."""
+    def start(
+        self, request_id: str, tenant: str, prompt_tokens: int, now_ms: float, sequences: int = 1
+    ) -> list[MeterCharge]:
+        """``request_id`` was sent upstream, running ``sequences`` (OpenAI's ``n``). Returns the charges of
+        the interval that ended now."""
         charges = self.advance(now_ms)
         assert request_id not in self._requests, f"request {request_id} metered twice"
         prefill_ms = self.cost.prefill_ms(prompt_tokens)
         busy = any(not r.pending for r in self._requests.values())
         self._requests[request_id] = _InFlight(
-            tenant, prompt_tokens, prefill_ms, prefilling=prefill_ms > 0, pending=busy, sent_ms=now_ms
+            tenant,
+            prompt_tokens,
+            prefill_ms,
+            prefilling=prefill_ms > 0,
+            pending=busy,
+            sent_ms=now_ms,
+            sequences=sequences,
         )
         return charges
 

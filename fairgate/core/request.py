@@ -24,6 +24,8 @@ class Request:
         max_output_tokens: the client's cap, if any (``gpu_fair`` counts it as committed work while the
             request runs).
         generated_tokens: output tokens generated; the driver sets it before ``Policy.finish``.
+        sequences: the sequences it runs (OpenAI's ``n``): it takes that many slots, and
+            ``max_output_tokens`` is their total.
     """
 
     request_id: int
@@ -32,6 +34,7 @@ class Request:
     arrival_ms: float
     max_output_tokens: int | None = None
     generated_tokens: int = 0
+    sequences: int = 1
 
 
 @dataclass(slots=True)

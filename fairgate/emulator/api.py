@@ -1,4 +1,5 @@
-"""The emulated replica's OpenAI-compatible HTTP API (FastAPI): chat completions, completions, models.
+"""The emulated replica's OpenAI-compatible HTTP API (FastAPI): chat completions, completions, embeddings
+(``fairgate.emulator.embeddings``), models.
 
 Follows the OpenAI API and vLLM's extensions where they matter for scheduling: ``max_tokens`` (or
 ``max_completion_tokens``), ``stream`` with ``stream_options.include_usage``, ``seed``, and vLLM's
@@ -9,6 +10,11 @@ Prompt tokens are counted by ``fairgate.api.count_prompt_tokens``: one token per
 word, plus 3 per chat message (the role and template markers). Generated text is `` t1 t2 ...``. A client
 that disconnects stops its sequence within one iteration. Bad requests get HTTP 400 with an OpenAI-shaped
 error naming the field.
+
+``n`` choices are ``n`` sequences in the batch, each with its own output length (drawn in turn from one
+random source, seeded by ``seed`` when given); they share the prompt, which is prefilled once (the first
+sequence carries it, as vLLM's parallel sampling shares its prompt's KV cache). Their tokens are told apart
+by ``index``; usage counts the prompt once and the output of every choice.
 
 With ``require_tenant_context`` the emulator stands in for an upstream that refuses work without trusted
 tenant context (seed 003, "each hop in the backend receives trusted tenant context and rejects when
@@ -36,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fairgate.api import ChatRequest, CompletionRequest, GenerationRequest, count_prompt_tokens, error_body
 from fairgate.core.cost import CostModel
+from fairgate.emulator import embeddings
 from fairgate.emulator.replica import EmulatedReplica, Sequence
 
 
@@ -52,6 +59,7 @@ class EmulatorSettings(BaseModel):
     output_cv: Annotated[float, Field(ge=0, le=10)] = 0.5
     max_model_len: Annotated[int, Field(ge=2, le=10_000_000)] = 32_768
     require_tenant_context: bool = False  # refuse generation requests without a cache_salt (400)
+    embedding_dimensions: Annotated[int, Field(ge=1, le=65_536)] = 64  # length of its embedding vectors
 
     def cost(self) -> CostModel:
         return CostModel(self.iter_base_ms, self.iter_slope_ms, self.prefill_ms_per_token, self.max_batch)
@@ -111,6 +119,13 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
     async def completions(request: Request, body: CompletionRequest) -> Any:
         return await _generate(state, request, body, count_prompt_tokens(body), chat=False)
 
+    @app.post("/v1/embeddings")
+    async def embed(request: Request, body: embeddings.EmbeddingRequest) -> Any:
+        settings = state.settings
+        return await embeddings.serve(
+            state.running(), request, body, settings.embedding_dimensions, settings.max_model_len
+        )
+
     _install_info_routes(app, state)
     return app
 
@@ -146,9 +161,14 @@ def _install_info_routes(app: FastAPI, state: EmulatorState) -> None:
 
 
 def output_length(
-    settings: EmulatorSettings, shared_rng: random.Random, body: GenerationRequest, prompt_tokens: int
+    settings: EmulatorSettings,
+    shared_rng: random.Random,
+    body: GenerationRequest,
+    prompt_tokens: int,
+    rng: random.Random | None = None,
 ) -> tuple[int, str] | JSONResponse:
-    """The output length and finish reason of a request (a lognormal draw, capped), or the 400 answer."""
+    """The output length and finish reason of a request (a lognormal draw from ``rng``, else from ``seed``'s
+    or the shared source; capped), or the 400 answer."""
     cap = body.token_cap()
     if cap is not None and prompt_tokens + cap > settings.max_model_len:
         return _error(
@@ -167,7 +187,7 @@ def output_length(
         )
     if body.ignore_eos and cap is not None:
         return cap, "length"
-    rng = random.Random(body.seed) if body.seed is not None else shared_rng
+    rng = rng or (random.Random(body.seed) if body.seed is not None else shared_rng)
     sigma2 = math.log1p(settings.output_cv**2)
     mu = math.log(settings.output_mean_tokens) - sigma2 / 2
     length = max(1, round(rng.lognormvariate(mu, math.sqrt(sigma2))))
@@ -189,33 +209,56 @@ async def _generate(
             "cache_salt",
             "missing_tenant_context",
         )
-    decided = output_length(state.settings, state.rng, body, prompt_tokens)
-    if isinstance(decided, JSONResponse):
-        return decided
-    length, finish_reason = decided
+    rng = random.Random(body.seed) if body.seed is not None else state.rng
+    decided = [output_length(state.settings, state.rng, body, prompt_tokens, rng) for _ in range(body.n)]
+    lengths = [d for d in decided if not isinstance(d, JSONResponse)]
+    if len(lengths) < len(decided):
+        return next(d for d in decided if isinstance(d, JSONResponse))
     replica = state.running()
-    seq = replica.submit(prompt_tokens, length, salt)
+    # The prompt is shared: the first sequence prefills it, the others join it unprefilled.
+    seqs = [replica.submit(prompt_tokens if i == 0 else 0, n, salt) for i, (n, _) in enumerate(lengths)]
+    reasons = [reason for _, reason in lengths]
     reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), body.model, chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _stream(replica, seq, reply, prompt_tokens, finish_reason, include_usage), media_type="text/event-stream"
+            _stream(replica, seqs, reply, prompt_tokens, reasons, include_usage), media_type="text/event-stream"
         )
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, replica, seq))
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, replica, seqs))
     try:
-        while await seq.events.get() is not None:
+        async for _ in _merged(seqs):
             pass
     finally:
         watcher.cancel()
-    if seq.cancelled:
+    if any(seq.cancelled for seq in seqs):
         return _error(499, "client closed the request", None, "cancelled")
-    text = "".join(f" t{i}" for i in range(1, seq.generated + 1))
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {**reply.head(), "choices": [choice], "usage": _usage(prompt_tokens, seq)}
+    choices = []
+    for index, seq in enumerate(seqs):
+        text = "".join(f" t{i}" for i in range(1, seq.generated + 1))
+        choice: dict[str, Any] = {"index": index, "finish_reason": reasons[index], "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choices.append(choice)
+    return {**reply.head(), "choices": choices, "usage": _usage(prompt_tokens, seqs)}
+
+
+async def _merged(seqs: list[Sequence]) -> AsyncIterator[tuple[int, int | None]]:
+    """The events of ``seqs`` as they come: ``(index, token)``, and ``(index, None)`` when one ends."""
+    pending = {asyncio.ensure_future(seq.events.get()): index for index, seq in enumerate(seqs)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):  # one iteration's tokens in index order
+                index = pending.pop(task)
+                token = task.result()
+                if token is not None:
+                    pending[asyncio.ensure_future(seqs[index].events.get())] = index
+                yield index, token
+    finally:
+        for task in pending:
+            task.cancel()
 
 
 @dataclass(frozen=True)
@@ -232,37 +275,40 @@ class _Reply:
         return {"id": self.ident, "object": kind, "created": self.created, "model": self.model}
 
 
-def _usage(prompt_tokens: int, seq: Sequence) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": seq.generated,
-        "total_tokens": prompt_tokens + seq.generated,
-    }
+def _usage(prompt_tokens: int, seqs: list[Sequence]) -> dict[str, int]:
+    generated = sum(seq.generated for seq in seqs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
 
 
-async def _cancel_on_disconnect(request: Request, replica: EmulatedReplica, seq: Sequence) -> None:
-    while not seq.finished and not seq.cancelled:
+async def _cancel_on_disconnect(request: Request, replica: EmulatedReplica, seqs: list[Sequence]) -> None:
+    while not all(seq.finished or seq.cancelled for seq in seqs):
         if await request.is_disconnected():
-            replica.cancel(seq)
+            for seq in seqs:
+                replica.cancel(seq)
             return
         await asyncio.sleep(0.02)
 
 
 async def _stream(
-    replica: EmulatedReplica, seq: Sequence, reply: _Reply, prompt_tokens: int, finish_reason: str, include_usage: bool
+    replica: EmulatedReplica,
+    seqs: list[Sequence],
+    reply: _Reply,
+    prompt_tokens: int,
+    reasons: list[str],
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     chat = reply.chat
 
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(index: int, delta_text: str | None, finish: str | None, role: bool = False) -> str:
         if chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": ""}
                 if role
                 else ({"content": delta_text} if delta_text is not None else {})
             )
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
-            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
         body = {**reply.head(chunk=True), "choices": [choice]}
         if include_usage:
             body["usage"] = None
@@ -270,13 +316,17 @@ async def _stream(
 
     try:
         if chat:
-            yield chunk(None, None, role=True)
-        while (index := await seq.events.get()) is not None:
-            yield chunk(f" t{index}", None)
-        yield chunk(None if chat else "", finish_reason)
+            for index in range(len(seqs)):
+                yield chunk(index, None, None, role=True)
+        async for index, token in _merged(seqs):
+            if token is not None:
+                yield chunk(index, f" t{token}", None)
+            elif not seqs[index].cancelled:
+                yield chunk(index, None if chat else "", reasons[index])
         if include_usage:
-            body = {**reply.head(chunk=True), "choices": [], "usage": _usage(prompt_tokens, seq)}
+            body = {**reply.head(chunk=True), "choices": [], "usage": _usage(prompt_tokens, seqs)}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        replica.cancel(seq)  # a no-op once finished; stops the sequence if the client went away
+        for seq in seqs:
+            replica.cancel(seq)  # a no-op once finished; stops the sequence if the client went away

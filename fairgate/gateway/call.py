@@ -18,6 +18,10 @@ the ledger did not take is remembered (``GatewayState.unsettled``) for the same 
 or a usage not believed (``usage_rule``) is logged in one warning line naming the upstream. An upstream that
 refused the connection before anything was relayed raises ``TryAnotherUpstream`` instead, leaving the
 reservation open for the next upstream of the model.
+
+A request of ``n`` choices holds ``n`` slots (one ``Lease``) and is sent upstream with ``n`` and the
+per-choice ``max_tokens``; its chunks are relayed as they come (each names its choice's ``index``), a
+collected answer has one choice per index, and the output billed is the sum over the choices.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from fairgate.api import GenerationRequest
 from fairgate.gateway.admission import Admitted
 from fairgate.gateway.dispatch import Lease
 from fairgate.gateway.headers import rate_limit_headers
@@ -96,7 +101,10 @@ class Call:
         generation = admitted.generation
         self.client = state.upstreams[lease.upstream.name]
         self.progress = CallState(
-            f"{generation.request_id}#{uuid.uuid4().hex[:8]}", admitted.caller.tenant, generation.prompt_tokens
+            f"{generation.request_id}#{uuid.uuid4().hex[:8]}",
+            admitted.caller.tenant,
+            generation.prompt_tokens,
+            sequences=generation.sequences,
         )
         self.progress.queue_ms = queue_ms
         self.progress.model, self.progress.upstream = generation.model, lease.upstream.name
@@ -115,7 +123,7 @@ class Call:
         headers = {"x-request-id": generation.request_id, **await self._rate_headers()}
         stream = self.client.stream(path, self._upstream_body(), self.progress, self.lease.prefill_estimate_ms)
         body = generation.body
-        if body.stream:
+        if isinstance(body, GenerationRequest) and body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             relay = self._relay(stream, include_usage)
             # Start the relay before answering: an upstream that fails at once gets an HTTP error status, and
@@ -140,7 +148,7 @@ class Call:
     def _upstream_body(self) -> dict[str, Any]:
         generation = self.admitted.generation
         body = generation.body.model_dump(exclude_none=True)
-        body["max_tokens"] = generation.max_tokens
+        body["max_tokens"] = generation.max_tokens // generation.sequences  # per choice; reserved for all n
         body.pop("max_completion_tokens", None)
         for name in UPSTREAM_CONTROL_FIELDS:  # the gateway's to set, never a client's
             body.pop(name, None)
@@ -268,7 +276,7 @@ class Call:
         if not first and call.output_tokens - tokens < SETTLE_EVERY_TOKENS and now_s - at_s < SETTLE_EVERY_S:
             return
         self._settled_at = (call.output_tokens, now_s)
-        if self.admitted.generation.body.stream:  # a collected call delivers nothing until it ends: not billed
+        if self.admitted.generation.stream:  # a collected call delivers nothing until it ends: not billed
             await self._settle(final=False, cancelled=False)  # before then (a platform failure refunds it all)
         if call.gpu_ms > reservation.gpu_ms_estimate and await self._gpu_left_ms() <= 0:
             raise BudgetSpent(
@@ -288,7 +296,7 @@ class Call:
                 left = min(left, rules.gpu_left_ms(account, limits))
         except (KeyError, LedgerError):
             return math.inf
-        if not self.admitted.generation.body.stream:  # the ledger holds its estimate; the rest is not booked yet
+        if not self.admitted.generation.stream:  # the ledger holds its estimate; the rest is not booked yet
             left -= max(0.0, self.progress.gpu_ms - self.admitted.reservation.gpu_ms_estimate)
         return left
 
@@ -414,24 +422,29 @@ def _upstream_failed(exc: UpstreamError) -> Rejection:
 
 
 def completion_document(call: CallState, chat: bool, model: str, created_s: int) -> dict[str, Any]:
-    """The OpenAI response of a collected call: its text, finish reason and usage."""
-    text = "".join(call.text)
+    """The OpenAI response of a collected call: its choices (``index`` 0 to ``n - 1``), each with its text and
+    finish reason, and usage (output: summed over the choices)."""
     usage = call.usage or {
         "prompt_tokens": call.prompt_tokens,
         "completion_tokens": call.output_tokens,
         "total_tokens": call.prompt_tokens + call.output_tokens,
     }
-    choice: dict[str, Any] = {"index": 0, "finish_reason": call.finish_reason or "stop", "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    choices = []
+    for index in range(call.sequences):
+        text = "".join(call.texts.get(index, ()))
+        reason = call.finish_reasons.get(index) or call.finish_reason or "stop"
+        choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choices.append(choice)
     return {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if chat else "text_completion",
         "created": created_s,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage,
     }
 

@@ -1,10 +1,12 @@
-"""The generation routes (``/v1/chat/completions``, ``/v1/completions``) and ``/v1/models`` (the model names a
-tenant may send: aliases and plain models, ``fairgate.gateway.aliases``): the request path's stages in order.
+"""The request routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``) and ``/v1/models``
+(the model names a tenant may send: aliases and plain models, ``fairgate.gateway.aliases``): the request
+path's stages in order.
 
 intake (``fairgate.gateway.intake``: headers, body, sizing) -> admission (``admission``: the ledger
-reservation) -> queueing (``queueing``: the fair policy gives it a slot) -> call (``call``: the upstream call,
-relayed or collected, settled on every path). An upstream that refuses the connection sends the request
-back to the queue for another upstream of its pools, under the same reservation (``CONNECT_ATTEMPTS``).
+reservation) -> queueing (``queueing``: the fair policy gives it a slot, or ``n`` of them) -> call (``call``:
+the upstream call, relayed or collected, settled on every path; ``embeddings`` for an embeddings request).
+An upstream that refuses the connection sends the request back to the queue for another upstream of its
+pools, under the same reservation (``CONNECT_ATTEMPTS``).
 
 Every rejection on these routes, from a dependency (the caller's key) or a stage, is recorded as a
 ``Rejected`` event and answered from the outcome table (``RecordedRoute``).
@@ -19,9 +21,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
-from fairgate.api import ChatRequest, CompletionRequest, openapi_request_body
+from fairgate.api import ChatRequest, CompletionRequest, EmbeddingRequest, openapi_request_body
 from fairgate.gateway import admission, intake
 from fairgate.gateway.call import Call, TryAnotherUpstream
+from fairgate.gateway.embeddings import EmbeddingCall
 from fairgate.gateway.identity import Caller, require_tenant
 from fairgate.gateway.outcomes import Outcome, Rejection, respond
 from fairgate.gateway.queueing import wait_for_slot
@@ -64,14 +67,22 @@ def request_id(request: Request) -> str:
     return value
 
 
-async def serve(state: GatewayState, request: Request, caller: Caller, chat: bool) -> Response:
-    """Run a generation request through the stages (see module docstring). Raises ``Rejection``."""
+async def serve(
+    state: GatewayState,
+    request: Request,
+    caller: Caller,
+    schema: type[ChatRequest | CompletionRequest | EmbeddingRequest],
+) -> Response:
+    """Run a request of ``schema`` through the stages (see module docstring). Raises ``Rejection``."""
     model: str | None = None
     try:
-        body = await intake.read_body(request, chat, state.config.gateway.max_body_bytes)
+        body = await intake.read_body(request, schema, state.config.gateway.max_body_bytes)
         model = body.model[:200]
         run = intake.run_of(request)
-        generation = intake.size_up(state.config, body, chat, request_id(request), run)
+        if isinstance(body, EmbeddingRequest):
+            generation = intake.size_up_embedding(state.config, body, request_id(request), run)
+        else:
+            generation = intake.size_up(state.config, body, isinstance(body, ChatRequest), request_id(request), run)
         admitted = await admission.admit(state, caller, generation)
     except Rejection as rejection:
         raise rejection.about(caller.tenant, caller.delegate, model) from None
@@ -85,26 +96,31 @@ async def serve(state: GatewayState, request: Request, caller: Caller, chat: boo
 
 
 async def _run(state: GatewayState, request: Request, admitted: admission.Admitted) -> Response:
+    kind = EmbeddingCall if admitted.generation.embedding else Call
     for attempt in range(1, CONNECT_ATTEMPTS + 1):
         lease, queue_ms = await wait_for_slot(state, request, admitted)
         try:
-            return await Call(state, admitted, lease, queue_ms, attempt < CONNECT_ATTEMPTS).respond(request)
+            return await kind(state, admitted, lease, queue_ms, attempt < CONNECT_ATTEMPTS).respond(request)
         except TryAnotherUpstream:
             continue  # its upstream refused the connection and is out: back to the queue for another
     raise AssertionError("unreachable: the last attempt does not ask for another")  # pragma: no cover
 
 
 def install(app: FastAPI) -> None:
-    """Add the generation routes and ``/v1/models`` to ``app``."""
+    """Add the request routes and ``/v1/models`` to ``app``."""
     router = APIRouter(route_class=RecordedRoute)
 
     @router.post("/v1/chat/completions", openapi_extra={"requestBody": openapi_request_body(ChatRequest)})
     async def chat_completions(request: Request, state: Gateway, caller: Tenant) -> Response:
-        return await serve(state, request, caller, chat=True)
+        return await serve(state, request, caller, ChatRequest)
 
     @router.post("/v1/completions", openapi_extra={"requestBody": openapi_request_body(CompletionRequest)})
     async def completions(request: Request, state: Gateway, caller: Tenant) -> Response:
-        return await serve(state, request, caller, chat=False)
+        return await serve(state, request, caller, CompletionRequest)
+
+    @router.post("/v1/embeddings", openapi_extra={"requestBody": openapi_request_body(EmbeddingRequest)})
+    async def embeddings(request: Request, state: Gateway, caller: Tenant) -> Response:
+        return await serve(state, request, caller, EmbeddingRequest)
 
     app.include_router(router)
 

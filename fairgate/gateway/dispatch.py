@@ -11,6 +11,12 @@ most ``max_batch`` in flight each) and the policy picks it; the admit step count
 its prefill estimate; metered GPU time is charged as it is spent; the request leaves its slot by
 ``release`` (``finish``). A held request (a quota policy) is retried at the policy's ``wake_at``. A request
 whose caller leaves while it waits is taken out of the policy's queue (``Policy.remove``).
+
+A request of ``n`` sequences (OpenAI's ``n``; intake refuses ``n`` above the smallest ``max_batch`` of its
+model) takes ``n`` slots of one upstream at once. Once the policy has picked it, it is *held*: no other
+request is picked until ``n`` slots are free on one upstream of its pool, which then all go to it (gang
+admission; the slots that free meanwhile stay idle, at most ``n - 1`` of them, until then). Picking another
+request past it instead could starve it, and its turn was fairly its tenant's.
 """
 
 from __future__ import annotations
@@ -68,6 +74,11 @@ class Lease:
     prefill_estimate_ms: float
     released: bool = False
 
+    @property
+    def slots(self) -> int:
+        """Slots it holds: one per sequence."""
+        return self.request.sequences
+
 
 @dataclass
 class _Pool:
@@ -77,6 +88,9 @@ class _Pool:
     wake: asyncio.TimerHandle | None = None
     # Charges booked here since the last ``take_local_charges``: tenant -> [GPU ms, prompt, output tokens].
     unshared: dict[str, list[float]] = field(default_factory=dict)
+    # A picked request of several sequences waiting for that many free slots on one upstream, and its
+    # prefill estimate (see module docstring).
+    held: tuple[Request, float] | None = None
 
 
 class Dispatcher:
@@ -121,9 +135,10 @@ class Dispatcher:
         """Every upstream, with its ``in_flight`` count now."""
         return [u for pool in self._pools.values() for u in pool.upstreams]
 
-    def request(self, tenant: str, prompt_tokens: int, max_output_tokens: int) -> Request:
-        """A new request as the policy sees it, arriving now."""
-        return Request(next(self._ids), tenant, prompt_tokens, self._clock(), max_output_tokens)
+    def request(self, tenant: str, prompt_tokens: int, max_output_tokens: int, sequences: int = 1) -> Request:
+        """A new request as the policy sees it, arriving now: ``sequences`` sequences (slots) that generate
+        ``max_output_tokens`` in total at most."""
+        return Request(next(self._ids), tenant, prompt_tokens, self._clock(), max_output_tokens, sequences=sequences)
 
     def mark_down(self, upstream: Upstream) -> None:
         """``upstream`` failed to connect: no more requests go to it until ``mark_up``. When it was the last
@@ -143,6 +158,7 @@ class Dispatcher:
                 future.set_exception(NoUpstream(f"no upstream is up for model {upstream.pool!r}"))
             del pool.waiters[request_id]
             pool.admitter.remove(request_id, now)
+        self._drop_held(pool, None)
 
     def mark_up(self, upstream: Upstream) -> None:
         """``upstream`` answers again: it takes requests."""
@@ -220,7 +236,10 @@ class Dispatcher:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.release(future.result())  # granted just as the caller gave up
             elif pool.waiters.pop(request.request_id, None) is not None:
-                pool.admitter.remove(request.request_id, self._clock())
+                if self._drop_held(pool, request):
+                    self._dispatch(pool)  # the slots it was waiting for go to the next request
+                else:
+                    pool.admitter.remove(request.request_id, self._clock())
             raise
 
     def release(self, lease: Lease, generated_tokens: int | None = None) -> None:
@@ -231,7 +250,7 @@ class Dispatcher:
             return
         lease.released = True
         pool = self._pools[lease.upstream.pool]
-        lease.upstream.in_flight -= 1
+        lease.upstream.in_flight -= lease.slots
         pool.admitter.finish(lease.request, self._clock(), generated_tokens)
         self._dispatch(pool)
 
@@ -273,20 +292,39 @@ class Dispatcher:
                 return False
             return future is not None
 
-        while admitter.queued():
-            free = [u for u in pool.upstreams if u.healthy and u.in_flight < u.max_batch]
-            if not free:
-                return
-            upstream = min(free, key=lambda u: (u.in_flight / u.max_batch, u.in_flight))
-            picked = admitter.admit(now, upstream.in_flight + 1, upstream.cost, waiting)
-            if picked is None:
-                self._schedule_wake(pool, now)
-                return
-            request, prefill_ms = picked
-            upstream.in_flight += 1
-            _unshared(pool, request.tenant, prefill_ms, request.prompt_tokens, 0)
-            self._on_charge(upstream.pool, request.tenant, prefill_ms)
+        while True:
+            if pool.held is None:
+                free = [u for u in pool.upstreams if u.healthy and u.in_flight < u.max_batch]
+                if not admitter.queued() or not free:
+                    return
+                upstream = min(free, key=_load)
+                picked = admitter.admit(now, upstream.in_flight + 1, upstream.cost, waiting)
+                if picked is None:
+                    self._schedule_wake(pool, now)
+                    return
+                request, prefill_ms = pool.held = picked
+                _unshared(pool, request.tenant, prefill_ms, request.prompt_tokens, 0)
+                self._on_charge(upstream.pool, request.tenant, prefill_ms)
+            request, prefill_ms = pool.held
+            if not waiting(request):  # its caller left while it was held
+                self._drop_held(pool, request)
+                continue
+            fitting = [u for u in pool.upstreams if u.healthy and u.in_flight + request.sequences <= u.max_batch]
+            if not fitting:
+                return  # held until enough of its model's slots free (``release`` dispatches again)
+            upstream = min(fitting, key=_load)
+            pool.held = None
+            upstream.in_flight += request.sequences
             pool.waiters.pop(request.request_id).set_result(Lease(request, upstream, prefill_ms))
+
+    def _drop_held(self, pool: _Pool, request: Request | None) -> bool:
+        """Forget the held request (``request``, or whichever when None), counted running by the pick: it
+        finishes unrun (its prefill estimate stays charged: the policy picked it). Whether one was dropped."""
+        if pool.held is None or (request is not None and pool.held[0] is not request):
+            return False
+        dropped, pool.held = pool.held[0], None
+        pool.admitter.finish(dropped, self._clock(), 0)
+        return True
 
     def _schedule_wake(self, pool: _Pool, now: float) -> None:
         wake_ms = pool.admitter.wake_at(now)
@@ -296,6 +334,11 @@ class Dispatcher:
             pool.wake.cancel()
         delay_s = max(0.001, (wake_ms - now) / 1000.0)
         pool.wake = asyncio.get_running_loop().call_later(delay_s, self._dispatch, pool)
+
+
+def _load(upstream: Upstream) -> tuple[float, int]:
+    """The least-loaded upstream first: by the share of its slots in use, then by its count."""
+    return (upstream.in_flight / upstream.max_batch, upstream.in_flight)
 
 
 def _unshared(pool: _Pool, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:

@@ -9,6 +9,14 @@ too (400); the prompt is estimated (``fairgate.api.estimate_prompt_tokens``) and
 is the most any of those upstreams' cost models can charge it (``CostModel.worst_case_ms``: prefill, and
 ``max_tokens`` decoded at a batch of one), so that a GPU budget is a bound, not a hope. Every refusal is a
 ``Rejection`` naming the field.
+
+``n`` choices (``n`` > 1) are ``n`` sequences: ``n`` slots (refused, 400 ``n``, above the smallest
+``max_batch`` of the model's upstreams: they must fit one upstream at once), ``n * max_tokens`` output
+reserved and ``n`` times the GPU estimate (an upstream may prefill each sequence; one that shares the prompt
+is billed less at settlement). An embeddings request (``size_up_embedding``) is one sequence that is only
+prefilled: its inputs estimated, no output, and the GPU time of its prefill plus one decode share at a batch
+of one (the replica runs it in one iteration's slot, so the charge rule charges it ``dt / B`` of that
+iteration too).
 """
 
 from __future__ import annotations
@@ -16,12 +24,20 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from fairgate.api import ChatRequest, CompletionRequest, estimate_prompt_tokens
+from fairgate.api import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    GenerationRequest,
+    estimate_embedding_tokens,
+    estimate_prompt_tokens,
+)
 from fairgate.core.cost import CostModel
 from fairgate.gateway import jsonbody
 from fairgate.gateway.config import GatewayConfig
@@ -30,6 +46,7 @@ from fairgate.gateway.outcomes import Outcome, Rejection
 RUN_ID_HEADER = "x-fairgate-run-id"  # an agent run's id: its calls count against the run limits
 TOOL_ROUND_HEADER = "x-fairgate-tool-round"
 ID_LENGTH_MAX = 200
+Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -42,26 +59,28 @@ class Run:
 
 @dataclass(frozen=True)
 class Generation:
-    """A chat or completion request, read and sized.
+    """A chat, completion or embeddings request, read and sized.
 
     Attributes:
         request_id: the client's id, or a generated one.
-        chat: a chat completion (else a text completion).
+        chat: a chat completion (else a text completion, or embeddings).
         body: the validated body.
         model: the model asked for (an alias or a plain model; the name answers carry).
         run: its agent run.
-        prompt_tokens: the estimated prompt.
-        max_tokens: the output cap (the client's, or the default within the context).
+        prompt_tokens: the estimated prompt (an embeddings request: its inputs).
+        max_tokens: the output cap over all its sequences (the client's per choice, or the default within
+            the context, times ``sequences``); 0 for embeddings.
         gpu_ms_estimate: GPU ms reserved for it.
         cost: the cost model of the model's upstream whose worst case is the estimate.
         model_class: the ledger's model class it is reserved and charged in (the alias's ``quota_class``;
             default: ``model``).
         pools: the pools that may serve it, primary first (default: ``(model,)``).
+        sequences: the sequences it runs, one slot each (``n``).
     """
 
     request_id: str
     chat: bool
-    body: ChatRequest | CompletionRequest
+    body: ChatRequest | CompletionRequest | EmbeddingRequest
     model: str
     run: Run
     prompt_tokens: int
@@ -70,11 +89,21 @@ class Generation:
     cost: CostModel
     model_class: str = ""
     pools: tuple[str, ...] = ()
+    sequences: int = 1
 
     def __post_init__(self) -> None:
         # A generation built without them (a plain model) is its own class and pool.
         object.__setattr__(self, "model_class", self.model_class or self.model)
         object.__setattr__(self, "pools", self.pools or (self.model,))
+
+    @property
+    def stream(self) -> bool:
+        """The client asked for a stream."""
+        return isinstance(self.body, GenerationRequest) and self.body.stream
+
+    @property
+    def embedding(self) -> bool:
+        return isinstance(self.body, EmbeddingRequest)
 
 
 def one_header(request: Request, name: str) -> str | None:
@@ -140,8 +169,8 @@ def run_of(request: Request) -> Run:
     return Run(run_id, flag in ("1", "true"))
 
 
-async def read_body(request: Request, chat: bool, limit_bytes: int) -> ChatRequest | CompletionRequest:
-    """The body, at most ``limit_bytes``, as the OpenAI schema. Raises ``Rejection`` 400/413."""
+async def read_body(request: Request, schema: type[Body], limit_bytes: int) -> Body:
+    """The body, at most ``limit_bytes``, as ``schema`` (``fairgate.api``). Raises ``Rejection`` 400/413."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise Rejection(Outcome.BODY_TOO_LARGE, f"Request body is {declared} bytes; the limit is {limit_bytes}.")
@@ -161,7 +190,7 @@ async def read_body(request: Request, chat: bool, limit_bytes: int) -> ChatReque
     if problem is not None:
         raise Rejection(Outcome.INVALID_REQUEST, f"{problem[0] or 'body'}: {problem[1]}", problem[0] or None)
     try:
-        return (ChatRequest if chat else CompletionRequest).model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as exc:
         raise _invalid(exc) from None
 
@@ -189,7 +218,7 @@ def size_up(
     served = config.served.get(body.model)
     serving = config.upstreams_for(body.model)
     if served is None or not serving:
-        raise Rejection(Outcome.MODEL_NOT_FOUND, f"The model {body.model[:100]!r} does not exist.", "model")
+        raise _no_model(body.model)
     context = min(u.max_model_len for u in serving)
     prompt_tokens = estimate_prompt_tokens(body)
     if prompt_tokens >= context:
@@ -205,8 +234,13 @@ def size_up(
             f"max_tokens {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the context of {context}.",
             "max_tokens",
         )
+    slots = min(u.max_batch for u in serving)
+    if body.n > slots:  # its n sequences must fit one upstream's batch at once
+        raise Rejection(
+            Outcome.INVALID_REQUEST, f"n: {body.n} choices exceed the {slots} sequences an upstream runs at once.", "n"
+        )
     cost = max((u.cost for u in serving), key=lambda c: c.worst_case_ms(prompt_tokens, max_tokens))
-    estimate = cost.worst_case_ms(prompt_tokens, max_tokens)
+    estimate = body.n * cost.worst_case_ms(prompt_tokens, max_tokens)
     return Generation(
         request_id,
         chat,
@@ -214,9 +248,39 @@ def size_up(
         body.model,
         run,
         prompt_tokens,
-        max_tokens,
+        body.n * max_tokens,
         estimate,
         cost,
         served.quota_class,
         served.pools,
+        body.n,
     )
+
+
+def size_up_embedding(config: GatewayConfig, body: EmbeddingRequest, request_id: str, run: Run) -> Generation:
+    """An embeddings request against its model's upstreams: each input within the context (413 ``input``);
+    reserved: the inputs' estimate, no output, the GPU time of its prefill and one decode share (see module
+    docstring). Raises ``Rejection`` 404/413."""
+    served = config.served.get(body.model)
+    serving = config.upstreams_for(body.model)
+    if served is None or not serving:
+        raise _no_model(body.model)
+    context = min(u.max_model_len for u in serving)
+    counts = estimate_embedding_tokens(body)
+    longest = max(range(len(counts)), key=counts.__getitem__)
+    if counts[longest] > context:
+        raise Rejection(
+            Outcome.PROMPT_TOO_LONG,
+            f"input {longest} has {counts[longest]} tokens; the model's context is {context}.",
+            "input",
+        )
+    tokens = sum(counts)
+    cost = max((u.cost for u in serving), key=lambda c: c.worst_case_ms(tokens, 1))
+    estimate = cost.worst_case_ms(tokens, 1)
+    return Generation(
+        request_id, False, body, body.model, run, tokens, 0, estimate, cost, served.quota_class, served.pools
+    )
+
+
+def _no_model(model: str) -> Rejection:
+    return Rejection(Outcome.MODEL_NOT_FOUND, f"The model {model[:100]!r} does not exist.", "model")

@@ -34,7 +34,9 @@ async def wait_for_slot(state: GatewayState, request: Request, admitted: Admitte
     """Queue ``admitted`` until it has a slot; returns the lease and the ms it waited. Raises ``Rejection``
     (429 queue full, 503 no upstream up, 499 the client left), the reservation released."""
     generation = admitted.generation
-    policy_request = state.dispatcher.request(admitted.caller.tenant, generation.prompt_tokens, generation.max_tokens)
+    policy_request = state.dispatcher.request(
+        admitted.caller.tenant, generation.prompt_tokens, generation.max_tokens, generation.sequences
+    )
     queued_at_s = state.clock.monotonic_s()
     waited = False
 

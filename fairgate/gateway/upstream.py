@@ -4,6 +4,10 @@ The gateway always asks the upstream for a stream with usage (``stream_options.i
 the client asked: token arrivals drive the live meter (``fairgate.core.meter``), and a client that asked for
 a plain response gets one assembled from the stream. Closing the stream (client gone, timeout) is how the
 upstream is told to stop: vLLM and the emulator stop the sequence within one iteration.
+
+A request of ``n`` choices is metered as ``n`` sequences; its choices' tokens are told apart by their
+``index``. An embeddings request (``embed``) is not streamed (the API has no stream): it is metered from
+the moment it is sent to its answer, its prompt weighing as prefill (the meter sees no token arrive).
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ class CallState:
     prompt_tokens: int  # the gateway's estimate until the upstream reports usage
     output_tokens: int = 0
     usage: dict[str, Any] | None = None  # as the upstream reported it (``billable_usage``: what is billed)
-    finish_reason: str | None = None
-    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None  # the last any choice reported (or the gateway's, when it stopped it)
+    sequences: int = 1  # choices asked for (``n``)
+    texts: dict[int, list[str]] = field(default_factory=dict)  # choice index -> its text pieces
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # choice index -> its finish reason
     first_token_s: float | None = None
     gpu_ms: float = 0.0  # metered so far
     policy_charged_ms: float = 0.0  # booked with the policy so far (starts at the prepaid prefill estimate)
@@ -112,7 +118,7 @@ class UpstreamClient:
     @property
     def batch_size(self) -> int:
         """Sequences on the upstream as far as this process knows: its own and the other processes'."""
-        return max(1, self.meter.in_flight + round(self.meter.remote.sequences))
+        return max(1, self.meter.sequences + round(self.meter.remote.sequences))
 
     def take_occupancy(self) -> Occupancy:
         """This process's occupancy of the upstream since the last call (``LiveMeter.take_occupancy``)."""
@@ -153,7 +159,7 @@ class UpstreamClient:
         """
         call.policy_charged_ms = prepaid_ms
         self._calls[call.request_id] = call
-        self._book(self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms()))
+        self._book(self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences))
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
         try:
             async with self.http.stream("POST", path, json=upstream_body) as response:
@@ -173,16 +179,7 @@ class UpstreamClient:
         its status; an error body is quoted only when it is OpenAI's JSON (a proxy's HTML page is not)."""
         name, kind = self.upstream.name, response.headers.get("content-type", "")
         if response.status_code != 200:
-            detail = (await response.aread())[:2000].decode(errors="replace")
-            try:
-                document = json.loads(detail)
-                error = document.get("error", document) if isinstance(document, dict) else document
-                said = f": {(error.get('message') if isinstance(error, dict) else None) or detail[:500]}"
-            except json.JSONDecodeError:
-                said = f" with {kind or 'no content type'}, not an OpenAI error"
-            status = response.status_code if response.status_code in (400, 413, 422, 429) else 502
-            message = f"upstream {name} answered {response.status_code}{said}"
-            raise UpstreamError(message, status, problem="http_status", sample=detail[: sse.SAMPLE_CHARS])
+            raise self._status_error(response, await response.aread())
         if kind and not kind.lower().startswith("text/event-stream"):
             raise UpstreamError(
                 f"upstream {name} answered 200 with {kind}, not an event stream", problem="not_event_stream"
@@ -220,16 +217,62 @@ class UpstreamClient:
             f"upstream {name} closed or broke the connection: {type(exc).__name__}: {exc}", problem="connection_closed"
         )
 
+    def _status_error(self, response: httpx.Response, body: bytes) -> UpstreamError:
+        """The ``UpstreamError`` of an answer with an error status: a 4xx the client can act on keeps its
+        status, else 502; the body is quoted only when it is OpenAI's JSON (a proxy's HTML page is not)."""
+        name, kind = self.upstream.name, response.headers.get("content-type", "")
+        detail = body[:2000].decode(errors="replace")
+        try:
+            document = json.loads(detail)
+            error = document.get("error", document) if isinstance(document, dict) else document
+            said = f": {(error.get('message') if isinstance(error, dict) else None) or detail[:500]}"
+        except json.JSONDecodeError:
+            said = f" with {kind or 'no content type'}, not an OpenAI error"
+        status = response.status_code if response.status_code in (400, 413, 422, 429) else 502
+        message = f"upstream {name} answered {response.status_code}{said}"
+        return UpstreamError(message, status, problem="http_status", sample=detail[: sse.SAMPLE_CHARS])
+
+    async def embed(self, body: dict[str, Any], call: CallState, prepaid_ms: float) -> AsyncIterator[dict[str, Any]]:
+        """POST ``body`` to ``/embeddings``; yield the upstream's answer (a JSON object) once, its ``usage``
+        recorded on ``call``. Metered from the send until the caller stops iterating (see module docstring);
+        closing the generator early closes the connection, which tells the upstream to stop. Raises
+        ``UpstreamError``."""
+        call.policy_charged_ms = prepaid_ms
+        self._calls[call.request_id] = call
+        self._book(self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms()))
+        try:
+            response = await self.http.post("/embeddings", json=body)
+            if response.status_code != 200:
+                raise self._status_error(response, response.content)
+            try:
+                document = response.json()
+            except ValueError:
+                document = None
+            if not isinstance(document, dict):
+                raise UpstreamError(
+                    f"upstream {self.upstream.name} sent a malformed answer", problem="malformed_answer"
+                )
+            call.usage = document.get("usage")
+            yield document
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from None
+        finally:
+            charges, _ = self.meter.finish(call.request_id, self._now_ms())
+            self._book(charges)
+            del self._calls[call.request_id]
+
     def _observe(self, call: CallState, chunk: dict[str, Any]) -> None:
         if chunk.get("usage"):
             call.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             call.generated_bytes += sse.generated_bytes(choice)
+            index = choice.get("index", 0)
+            index = index if type(index) is int and 0 <= index < call.sequences else 0
             delta = choice.get("delta")
             piece = (delta or {}).get("content") if delta is not None else choice.get("text")
             if piece:
-                call.output_tokens += 1
-                call.text.append(piece)
+                call.output_tokens += 1  # summed over the choices: the output billed
+                call.texts.setdefault(index, []).append(piece)
                 call.last_token_s = self._clock()
                 if call.first_token_s is None:
                     call.first_token_s = self._clock()
@@ -239,7 +282,7 @@ class UpstreamClient:
                 call.gpu_ms_at_last_token = call.gpu_ms
                 self._charge(call.tenant, 0.0, 1, self.batch_size)
             if choice.get("finish_reason"):
-                call.finish_reason = choice["finish_reason"]
+                call.finish_reason = call.finish_reasons[index] = choice["finish_reason"]
 
     async def close(self) -> None:
         await self.http.aclose()

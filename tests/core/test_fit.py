@@ -10,11 +10,7 @@ from hypothesis import strategies as st
 from fairgate.core.fit import fit_line, median, steady_step_ms
 
 
-@given(
-    st.floats(0.1, 100.0),
-    st.floats(0.0, 10.0),
-    st.lists(st.integers(1, 256), min_size=2, max_size=12, unique=True),
-)
+@given(st.floats(0.1, 100.0), st.floats(0.0, 10.0), st.lists(st.integers(1, 256), min_size=2, max_size=12, unique=True))
 def test_a_line_through_exact_points_is_recovered_with_no_error(intercept, slope, xs):
     line = fit_line([(x, intercept + slope * x) for x in xs])
     assert line.intercept == pytest.approx(intercept, rel=1e-6, abs=1e-6)

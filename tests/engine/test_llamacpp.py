@@ -145,7 +145,9 @@ def slot_time_ms(records: list[RequestRecord], step_ms: float) -> dict[str, floa
     return out
 
 
-def _fairness(calibrated: dict[str, Any], engine_url: str, policy: str) -> tuple[dict[str, float], dict[str, float], float]:
+def _fairness(
+    calibrated: dict[str, Any], engine_url: str, policy: str
+) -> tuple[dict[str, float], dict[str, float], float]:
     spec = _spec(calibrated, engine_url, tuple(MIX), policy)
     loads = [TenantLoad(t, clients=4, output_tokens=(n, n), prompt_tokens=64) for t, n in MIX.items()]
     run = run_on_stack(spec, loads, FAIR_SECONDS, seed=1)
@@ -167,5 +169,6 @@ def test_gpu_fair_gives_equal_gpu_time_on_the_engine_and_fcfs_does_not(calibrate
     assert _ratio(engine) <= 1.10, engine
     assert sum(billed.values()) == pytest.approx(busy_ms, rel=0.10)
     billed_fcfs, engine_fcfs, _ = _fairness(calibrated, engine_url, "fcfs")
+    assert _ratio(billed_fcfs) >= 2.0, billed_fcfs
     assert _ratio(engine_fcfs) >= 2.0, engine_fcfs
     assert engine_fcfs["agent"] > engine_fcfs["classify"]

@@ -195,7 +195,7 @@ def test_well_formed_sampling_fields_are_served(stack):
 
 
 def test_unknown_route_and_double_credentials(stack):
-    reply = httpx.get(f"{stack.url}/v1/embeddings", timeout=10)
+    reply = httpx.get(f"{stack.url}/v1/images/generations", timeout=10)
     assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found"
     reply = httpx.post(
         f"{stack.url}/v1/completions",

@@ -228,7 +228,8 @@ class GPUFair(CounterPolicy):
     def _on_pick(self, request: Request, now_ms: float) -> None:
         super()._on_pick(request, now_ms)
         if request.max_output_tokens and self._per_token_ms:
-            declared = min(request.max_output_tokens, self._horizon)
+            # ``max_output_tokens`` is the total of its ``sequences``; each commits up to the horizon
+            declared = min(request.max_output_tokens, self._horizon * request.sequences)
             self._commits[request.request_id] = declared
             self.committed[request.tenant] = self.committed.get(request.tenant, 0.0) + declared * self._per_token_ms
 
