@@ -3,7 +3,9 @@
 Reads the request id (``X-Request-Id`` or ``Idempotency-Key``; generated when absent, echoed as
 ``x-request-id``), the agent-run headers, and the body (size bound, JSON, the OpenAI schema of
 ``fairgate.api``), then sizes the request against its model: the model must exist (404), the prompt fit
-its context (413), ``max_tokens`` plus the prompt too (400); the prompt is estimated
+its context (413), ``max_tokens`` plus the prompt too (400), and every field must be one its upstreams'
+kind forwards (400 naming the field: ``fairgate.gateway.kinds``, e.g. llama.cpp's ``n_predict``, which
+would bypass ``max_tokens``); the prompt is estimated
 (``fairgate.api.estimate_prompt_tokens``) and the GPU time reserved for it is the most the cost model can
 charge it (``CostModel.worst_case_ms``: prefill, and ``max_tokens`` decoded at a batch of one), so that a GPU
 budget is a bound, not a hope. Every refusal is a ``Rejection`` naming the field.
@@ -21,7 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from fairgate.api import ChatRequest, CompletionRequest, estimate_prompt_tokens
 from fairgate.core.cost import CostModel
-from fairgate.gateway import jsonbody
+from fairgate.gateway import jsonbody, kinds
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.outcomes import Outcome, Rejection
 
@@ -192,6 +194,9 @@ def size_up(
             f"max_tokens {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the context of {context}.",
             "max_tokens",
         )
+    refused = kinds.refusal([u.engine for u in serving], body.model_dump(exclude_unset=True), chat)
+    if refused is not None:  # nothing is reserved for a request the upstream could run unmetered
+        raise Rejection(Outcome.INVALID_REQUEST, refused[1], refused[0])
     cost = serving[0].cost
     estimate = cost.worst_case_ms(prompt_tokens, max_tokens)
     return Generation(request_id, chat, body, body.model, run, prompt_tokens, max_tokens, estimate, cost)

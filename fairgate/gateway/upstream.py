@@ -9,16 +9,23 @@ upstream is told to stop: vLLM and the emulator stop the sequence within one ite
 from __future__ import annotations
 
 import json
+import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
 from fairgate.core.meter import LiveMeter, MeterCharge, Occupancy
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
+from fairgate.gateway.config import UpstreamConfig
 from fairgate.gateway.dispatch import Upstream
+from fairgate.gateway.kinds import KINDS, Kind, is_context_error
+
+log = logging.getLogger("fairgate.gateway")
 
 # Charges to the policy, per request: (tenant, gpu_ms, output_tokens, batch size).
 ChargeSink = Callable[[str, float, int, int], None]
@@ -28,11 +35,14 @@ USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
 class UpstreamError(Exception):
     """The upstream failed (connection, HTTP error status, malformed stream); ``status`` for the client.
     ``unreachable``: the connection was refused or timed out, so the upstream never saw the request (it may
-    be sent to another one)."""
+    be sent to another one). ``context_exceeded``: the upstream refused the prompt as longer than its
+    context (the client's to fix: a 400 ``context_length_exceeded``, not a 502)."""
 
-    def __init__(self, message: str, status: int = 502, unreachable: bool = False) -> None:
+    def __init__(
+        self, message: str, status: int = 502, unreachable: bool = False, context_exceeded: bool = False
+    ) -> None:
         super().__init__(message)
-        self.status, self.unreachable = status, unreachable
+        self.status, self.unreachable, self.context_exceeded = status, unreachable, context_exceeded
 
 
 @dataclass
@@ -72,8 +82,40 @@ def billable_usage(usage: object) -> dict[str, int] | None:
     return counts or None
 
 
+def http_client(
+    upstream: Upstream, settings: UpstreamConfig | None, api_key: SecretStr | None, timeout_s: float
+) -> httpx.AsyncClient:
+    """The HTTP client of one upstream: its key as ``Authorization: Bearer``, its extra headers, TLS checked
+    against ``ca_file`` (or the system's CAs, or not at all with ``verify_tls = false``), and its timeouts:
+    ``connect_timeout_s`` to connect, ``stream_idle_timeout_s`` between two reads (so a stalled stream
+    fails), ``timeout_s`` for writing the body and waiting for a pooled connection."""
+    headers = dict(settings.headers) if settings is not None else {}
+    if api_key is not None:
+        headers["authorization"] = f"Bearer {api_key.get_secret_value()}"
+    verify: ssl.SSLContext | bool = True
+    if settings is not None and settings.ca_file is not None:
+        verify = ssl.create_default_context(cafile=settings.ca_file)
+    elif settings is not None:
+        verify = settings.verify_tls
+    connect_s = settings.connect_timeout_s if settings is not None else 5.0
+    idle_s = settings.stream_idle_timeout_s if settings is not None else timeout_s
+    return httpx.AsyncClient(
+        base_url=upstream.url.rstrip("/"),
+        headers=headers,
+        verify=verify,
+        timeout=httpx.Timeout(timeout_s, connect=connect_s, read=idle_s),
+        limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8),
+    )
+
+
 class UpstreamClient:
-    """One upstream: its HTTP client, its live meter, and the calls in flight on it."""
+    """One upstream: its HTTP client, its live meter, and the calls in flight on it.
+
+    Args:
+        settings: its ``[[upstream]]`` table (kind, headers, TLS, timeouts); None: a generic OpenAI server
+            with default transport.
+        api_key: its key (``GatewayConfig.upstream_keys``), sent as ``Authorization: Bearer``.
+    """
 
     def __init__(
         self,
@@ -82,18 +124,17 @@ class UpstreamClient:
         clock: Callable[[], float] = time.monotonic,
         timeout_s: float = 600.0,
         on_down: Callable[[Upstream], None] | None = None,
+        settings: UpstreamConfig | None = None,
+        api_key: SecretStr | None = None,
     ) -> None:
         self.upstream = upstream
+        self.kind: Kind = settings.engine if settings is not None else KINDS["openai"]
         self._on_down = on_down or (lambda upstream: None)
         self._charge = charge
         self._clock = clock
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
         self._calls: dict[str, CallState] = {}
-        self.http = httpx.AsyncClient(
-            base_url=upstream.url.rstrip("/"),
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8),
-        )
+        self.http = http_client(upstream, settings, api_key, timeout_s)
 
     @property
     def batch_size(self) -> int:
@@ -141,11 +182,7 @@ class UpstreamClient:
         try:
             async with self.http.stream("POST", path, json=upstream_body) as response:
                 if response.status_code != 200:
-                    detail = (await response.aread())[:500].decode(errors="replace")
-                    status = response.status_code if response.status_code in (400, 413, 422, 429) else 502
-                    raise UpstreamError(
-                        f"upstream {self.upstream.name} answered {response.status_code}: {detail}", status
-                    )
+                    raise await self._refused(response)
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -169,6 +206,26 @@ class UpstreamClient:
             charges, _ = self.meter.finish(call.request_id, self._now_ms())
             self._book(charges)
             del self._calls[call.request_id]
+
+    async def _refused(self, response: httpx.Response) -> UpstreamError:
+        """The error of an upstream's non-200 answer: a prompt over its context is the client's (400); a
+        refused credential is the operator's (502, logged once naming the upstream); other 4xx it gave the
+        request are relayed; the rest are 502."""
+        name, status = self.upstream.name, response.status_code
+        detail = (await response.aread())[:500].decode(errors="replace")
+        if status in (401, 403):
+            # The body is left out: a server may echo the credential it refused.
+            log.warning(json.dumps({"event": "upstream_auth_refused", "upstream": name, "status": status}))
+            return UpstreamError(
+                f"upstream {name} refused the gateway's credentials ({status}): the gateway's configuration of "
+                "that upstream is wrong (api_key_env / api_key_file); the request was not run and is not billed"
+            )
+        if is_context_error(self.kind, status, detail):
+            return UpstreamError(
+                f"upstream {name}: the prompt does not fit the model's context: {detail}", 400, False, True
+            )
+        relayed = status if status in (400, 413, 422, 429) else 502
+        return UpstreamError(f"upstream {name} answered {status}: {detail}", relayed)
 
     def _observe(self, call: CallState, chunk: dict[str, Any]) -> None:
         if chunk.get("usage"):
