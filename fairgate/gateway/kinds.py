@@ -9,9 +9,10 @@ running and waiting requests and KV-cache use (data for an engine-aware dispatch
 yet); and the wording of its "prompt too long" errors, which the gateway answers as OpenAI's
 ``context_length_exceeded`` (400) instead of a 502.
 
-Every kind reports usage the OpenAI way, as the last chunk of a stream asked for with
-``stream_options.include_usage`` (vLLM, SGLang, llama.cpp's ``llama-server`` and TGI's Messages API all do),
-which is how the gateway always asks.
+The gateway always asks for usage the OpenAI way (``stream_options.include_usage``: the last chunk of the
+stream carries ``usage``). vLLM, SGLang and llama.cpp's ``llama-server`` send it; TGI releases before its
+``stream_options`` support (huggingface/text-generation-inference issue 2531) send none, and then the
+gateway bills its own counts (the prompt estimate, the tokens relayed: ``upstream.billable_usage``).
 
 Sources (the engines' own documentation of their OpenAI-compatible servers): vLLM "OpenAI-Compatible
 Server", extra parameters and ``SamplingParams``, and its ``cache_salt`` (docs.vllm.ai); SGLang "Sampling
@@ -97,7 +98,8 @@ class Kind:
         ignore_eos: the engine understands ``ignore_eos`` (generate exactly ``max_tokens``).
         isolation: fields the gateway sets on every request to keep tenants apart in the engine's prefix
             cache; the value ``TENANT`` stands for the tenant's tag.
-        isolation_note: what that isolation gives (for the docs and ``/admin``).
+        isolation_note: what that isolation gives, in words (documentation).
+        usage_note: how its usage is read, in words (documentation).
         metrics: where its load is reported.
         context_errors: lower-case phrases of its "prompt too long" error answers (HTTP 400/413/422).
     """
@@ -108,6 +110,7 @@ class Kind:
     ignore_eos: bool = False
     isolation: Mapping[str, Any] = field(default_factory=dict)
     isolation_note: str = "none the gateway can set"
+    usage_note: str = "the stream's last chunk (stream_options.include_usage)"
     metrics: Metrics = Metrics()
     context_errors: tuple[str, ...] = ()
 
@@ -249,6 +252,7 @@ KINDS: Mapping[str, Kind] = {
     "tgi": Kind(
         "tgi",
         fields=frozenset({"tool_prompt", "repetition_penalty"}),
+        usage_note="the stream's last chunk where the release supports stream_options, else the gateway's counts",
         metrics=Metrics("tgi_batch_current_size", "tgi_queue_size"),
         # TGI validation errors (HTTP 422): "`inputs` tokens + `max_new_tokens` must be <= N" and
         # "`inputs` must have less than N tokens".
