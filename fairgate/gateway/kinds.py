@@ -10,9 +10,9 @@ yet); and the wording of its "prompt too long" errors, which the gateway answers
 ``context_length_exceeded`` (400) instead of a 502.
 
 The gateway always asks for usage the OpenAI way (``stream_options.include_usage``: the last chunk of the
-stream carries ``usage``). vLLM, SGLang and llama.cpp's ``llama-server`` send it; TGI releases before its
-``stream_options`` support (huggingface/text-generation-inference issue 2531) send none, and then the
-gateway bills its own counts (the prompt estimate, the tokens relayed: ``upstream.billable_usage``).
+stream carries ``usage``). vLLM, SGLang and llama.cpp's ``llama-server`` send it; a TGI release whose
+Messages API does not accept ``stream_options`` sends none, and then the gateway bills its own counts (the
+prompt estimate, the tokens relayed: ``upstream.billable_usage``).
 
 Sources (the engines' own documentation of their OpenAI-compatible servers): vLLM "OpenAI-Compatible
 Server", extra parameters and ``SamplingParams``, and its ``cache_salt`` (docs.vllm.ai); SGLang "Sampling
