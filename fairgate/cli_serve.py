@@ -109,6 +109,7 @@ def _load(path: Path) -> GatewayConfig:
 
     try:
         loaded = load_gateway_config(path)
+        loaded.upstream_keys()  # read as the gateway will: a missing or empty key stops it here, exit 2
     except GatewayConfigError as exc:
         raise _fail(str(exc)) from None
     problem = startup_problem(loaded, path)

@@ -4,7 +4,8 @@ Follows the OpenAI API (platform.openai.com/docs/api-reference/chat/create) and 
 they matter for scheduling: ``max_tokens`` (or ``max_completion_tokens``), ``stream`` with
 ``stream_options.include_usage``, ``seed``, and vLLM's ``ignore_eos``. Known fields must have their type
 and range (a request vLLM would refuse is refused here, naming the field); unknown fields are kept
-(``model_extra``) for the upstream to judge. The gateway validates what clients send with these models;
+(``model_extra``): the gateway then forwards only those its upstream's kind takes and refuses the rest
+(``fairgate.gateway.kinds``); the emulator ignores them. The gateway validates what clients send with these models;
 the emulated replica serves them.
 
 ``n`` (chat and completions) asks for that many choices of one prompt, at most ``N_MAX`` (OpenAI's bound).

@@ -201,18 +201,22 @@ class _Attacks:
         add("control", "delegate acts for client (valid token)", [delegate, (OBO, self.for_client)], CLIENT, {200})
         add("control", "client's own key", [self.bearer(CLIENT)], CLIENT, {200}, request_id="client-finished")
         add("control", "mallory's own key, legacy completions", [me], ATTACKER, {200}, path=LEGACY)
-        for name, extra in (
+        for name, extra in (  # the gateway's own fields: dropped, the request served as the caller
             ("user = victim", {"user": VICTIM}),
+            ("cache_salt = the victim's cache scope", {"cache_salt": tenant_tag(VICTIM)}),
+            ("request_id / priority fields", {"request_id": "victim-1", "priority": -100}),
+        ):
+            add("body", name, [me], ATTACKER, {200}, body={**self.chat, **extra})
+        refused: tuple[tuple[str, dict[str, Any]], ...] = (
             (
                 "tenant / tenant_id / organization = victim",
                 {"tenant": VICTIM, "tenant_id": VICTIM, "organization": VICTIM},
             ),
-            ("cache_salt = the victim's cache scope", {"cache_salt": tenant_tag(VICTIM)}),
             ("on_behalf_of token in the body", {"on_behalf_of": self.for_victim_other, OBO: self.for_victim_other}),
             ("metadata.tenant = victim", {"metadata": {"tenant": VICTIM, "user": VICTIM}}),
-            ("request_id / priority fields", {"request_id": "victim-1", "priority": -100}),
-        ):
-            add("body", name, [me], ATTACKER, {200}, body={**self.chat, **extra})
+        )
+        for name, refused_extra in refused:  # fields no upstream kind is sent: refused before anything is reserved
+            add("body", name, [me], NOBODY, {400}, {"invalid_request"}, body={**self.chat, **refused_extra})
         legacy = {**self.legacy, "user": VICTIM}
         add("body", "user = victim, legacy completions", [me], ATTACKER, {200}, path=LEGACY, body=legacy)
         for header in ("x-tenant", "x-tenant-id", "x-fairgate-tenant", "openai-organization", "openai-project"):

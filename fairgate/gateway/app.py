@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairgate.core.policies.factory import TenantShare, make_policy
@@ -56,12 +57,20 @@ def create_gateway(
         observers: receive every request's events (``fairgate.gateway.observe``).
         clock: the gateway's clocks (default: the system's).
         rng: the random source of ``Retry-After`` jitter (default: seeded from the system).
+
+    Raises:
+        GatewayConfigError: an upstream's API key cannot be read (``GatewayConfig.upstream_keys``).
     """
+    keys = config.upstream_keys()  # a key that cannot be read stops the gateway before it serves
     state = build_state(config, observers, clock or SystemClock(), rng or random.Random())
     # No Swagger UI or ReDoc: their pages load scripts from a CDN, which the gateway's hosts cannot reach and
     # its callers should not be sent to; the schema is served to admin keys only (``_install_schema``).
     app = FastAPI(
-        title="fairgate gateway", lifespan=_lifespan(state, ledger), docs_url=None, redoc_url=None, openapi_url=None
+        title="fairgate gateway",
+        lifespan=_lifespan(state, ledger, keys),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.gateway = state  # for ``state_of(app)`` only: requests get it from the lifespan
     _install_error_handlers(app, state)
@@ -121,8 +130,9 @@ def _install_schema(app: FastAPI) -> None:
         return JSONResponse(app.openapi())
 
 
-def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:
-    """Open the ledger and the upstream clients, start the background work; undo it all at shutdown."""
+def _lifespan(state: GatewayState, ledger: Ledger | None, keys: Mapping[str, SecretStr]) -> Any:
+    """Open the ledger and the upstream clients (with their API ``keys``), start the background work; undo
+    it all at shutdown."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -135,7 +145,7 @@ def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:
             await asyncio.wait({connecting}, timeout=CONNECT_WAIT_S)
             opened = deferred
         state.open_ledger(opened)
-        idle_s = {upstream.name: upstream.stream_idle_timeout_s for upstream in config.upstreams}
+        settings = {u.name: u for u in config.upstreams}
         for upstream in state.dispatcher.upstreams():
             state.upstreams[upstream.name] = UpstreamClient(
                 upstream,
@@ -143,7 +153,8 @@ def _lifespan(state: GatewayState, ledger: Ledger | None) -> Any:
                 clock=state.clock.monotonic_s,
                 timeout_s=config.gateway.request_timeout_s,
                 on_down=state.dispatcher.mark_down,
-                idle_timeout_s=idle_s[upstream.name],
+                settings=settings[upstream.name],
+                api_key=keys.get(upstream.name),
             )
         tasks = background.start(state)
         yield {"gateway": state}

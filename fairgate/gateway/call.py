@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from fairgate.api import GenerationRequest
+from fairgate.gateway import kinds
 from fairgate.gateway.admission import Admitted
 from fairgate.gateway.dispatch import Lease
 from fairgate.gateway.headers import rate_limit_headers
@@ -59,10 +60,6 @@ T = TypeVar("T")
 # 2,714 tokens). At 20-50 tokens/s per stream that is one ledger write per 0.5 s per stream.
 SETTLE_EVERY_TOKENS = 64
 SETTLE_EVERY_S = 0.5
-# Body fields that steer the upstream's own scheduling, identity or caches (vLLM's ``priority`` would let a
-# client jump the replica's queue past fair dispatch; ``user`` names a tenant): dropped from what a client
-# sends; the gateway sets ``cache_salt`` itself (vLLM's per-tenant prefix-cache isolation).
-UPSTREAM_CONTROL_FIELDS = ("user", "priority", "request_id", "cache_salt", "kv_transfer_params", "vllm_xargs")
 BALANCES_WAIT_S = 0.25  # the rate-limit headers wait this long for the balances read, then go without
 GPU_MS_BILLED_MAX = 86_400_000.0  # one request is billed at most a day of GPU time
 
@@ -146,15 +143,16 @@ class Call:
             watcher.cancel()
 
     def _upstream_body(self) -> dict[str, Any]:
+        """The body the upstream gets: the client's fields its kind forwards (``kinds.upstream_body``: the
+        gateway's own fields such as ``user`` or ``priority`` dropped, the tenant's cache isolation set), with
+        the output cap the reservation holds as ``max_tokens``."""
         generation = self.admitted.generation
         body = generation.body.model_dump(exclude_none=True)
         body["max_tokens"] = generation.max_tokens // generation.sequences  # per choice; reserved for all n
         body.pop("max_completion_tokens", None)
-        for name in UPSTREAM_CONTROL_FIELDS:  # the gateway's to set, never a client's
-            body.pop(name, None)
-        body["cache_salt"] = tenant_tag(self.admitted.caller.tenant)
-        body["model"] = self.lease.upstream.model  # the engine's name: an alias is the gateway's, not its
-        return body
+        out = kinds.upstream_body(self.client.kind, body, generation.chat, tenant_tag(self.admitted.caller.tenant))
+        out["model"] = self.lease.upstream.model  # the engine's name: an alias is the gateway's, not its
+        return out
 
     async def _rate_headers(self) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers: limits from the config, what remains from the ledger's balances
@@ -418,6 +416,8 @@ class Call:
 
 
 def _upstream_failed(exc: UpstreamError) -> Rejection:
+    if exc.context_exceeded:  # the client's prompt, not the platform: OpenAI's context_length_exceeded
+        return Rejection(Outcome.UPSTREAM_CONTEXT_EXCEEDED, str(exc))
     return Rejection(Outcome.UPSTREAM_ERROR, str(exc), status=exc.status)
 
 

@@ -26,7 +26,13 @@ iter_base_ms = 9.0                         # its cost model (the live meter's pr
 iter_slope_ms = 0.55
 prefill_ms_per_token = 0.06
 max_model_len = 32768
-stream_idle_timeout_s = 60                 # no byte from it this long (before headers or mid-stream): the call ends
+kind = "vllm"                              # openai (default), vllm, sglang, llamacpp, tgi: fairgate.gateway.kinds
+api_key_env = "VLLM_API_KEY"               # or api_key_file = "vllm.key": sent as Authorization: Bearer
+headers = { "x-team" = "ml" }              # extra headers (no authorization, no hop-by-hop ones)
+verify_tls = true                          # check an https upstream's certificate ...
+ca_file = "ca.pem"                         # ... against this CA bundle (default: the system's)
+connect_timeout_s = 5                      # connecting to the upstream
+stream_idle_timeout_s = 60                 # longest wait for the next byte of a response
 
 [[model]]                                  # optional: an alias and its approved pools (fairgate.gateway.aliases)
 name = "chat"                              # what clients send as "model"
@@ -49,8 +55,10 @@ secret_env = "FAIRGATE_DELEGATION_SECRET"  # the NAME of the variable holding th
 delegates = ["batch-service"]              # tenants allowed to act for other tenants
 ```
 
-Relative paths (a ``sqlite:///`` ledger, the journal) are relative to the configuration file's folder
-and are resolved to absolute ones on loading.
+Relative paths (a ``sqlite:///`` ledger, the journal, an upstream's ``api_key_file`` and ``ca_file``) are
+relative to the configuration file's folder and are resolved to absolute ones on loading. An upstream's key
+is read when the gateway starts (``GatewayConfig.upstream_keys``): an unset or empty variable, or a missing,
+unreadable or empty file, is a ``GatewayConfigError`` naming the key and the upstream.
 
 Every key is checked: an unknown key at any level, a wrong type ("24" where a number belongs), a value
 out of range, an unknown policy, a bad URL, a malformed key hash, two upstreams with one name, a key or
@@ -69,7 +77,17 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fairgate.configerrors import pydantic_message
 from fairgate.core.cost import CostModel
@@ -79,6 +97,8 @@ from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway import aliases
 from fairgate.gateway.aliases import ModelConfig, PoolName, ServedModel
 from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, KEY_HASH_FORMS, TOKEN_LIFETIME_MAX_S, is_key_hash
+from fairgate.gateway.credentials import CredentialError, header_problem, read_key
+from fairgate.gateway.kinds import KINDS, Kind, KindName
 from fairgate.ledger import SCHEMES
 from fairgate.ledger.config import QuotaConfigError, Quotas, quotas_from_dict
 from fairgate.tomlfile import read_toml
@@ -102,6 +122,7 @@ def _key_hash(text: str) -> str:
 KeyHash = Annotated[str, AfterValidator(_key_hash)]
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 TenantName = Annotated[str, Field(min_length=1, max_length=200)]
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)]
 
 
 class GatewaySection(_Strict):
@@ -178,9 +199,40 @@ class UpstreamConfig(_Strict):
     iter_slope_ms: Annotated[float, Field(ge=0.0, le=1e5)]
     prefill_ms_per_token: Annotated[float, Field(ge=0.0, le=1e4)]
     max_model_len: Annotated[int, Field(ge=2, le=MAX_TOKENS_PER_REQUEST)]
-    # seconds without a byte from the upstream (headers or stream) after which the call ends (504 if the
-    # client has received nothing yet, else a terminal SSE error event)
+    kind: KindName = "openai"  # the engine behind the URL: which fields it gets, its cache isolation
+    # The upstream's API key: the NAME of an environment variable or the path of a file holding it (never
+    # the key itself); sent as ``Authorization: Bearer``. Read when the gateway starts (``upstream_keys``).
+    api_key_env: EnvName | None = None
+    api_key_file: Annotated[str, Field(min_length=1)] | None = None
+    headers: dict[str, Annotated[str, Field(max_length=8192)]] = Field(default_factory=dict)
+    verify_tls: bool = True  # false: an https upstream's certificate is not checked (a test rig only)
+    ca_file: Annotated[str, Field(min_length=1)] | None = None  # CA bundle (PEM) to check it against
+    connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    # The longest wait for the next byte of an upstream's answer (its first token included): a stream idle
+    # this long is failed, so a stalled engine cannot hold a slot until request_timeout_s.
     stream_idle_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 60.0
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            problem = header_problem(name, text)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> UpstreamConfig:
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError("api_key_env: give api_key_env or api_key_file, not both")
+        if self.ca_file is not None and not self.verify_tls:
+            raise ValueError("ca_file: a CA bundle with verify_tls = false would not be used")
+        return self
+
+    @property
+    def engine(self) -> Kind:
+        """What the gateway knows about this upstream's engine (``fairgate.gateway.kinds``)."""
+        return KINDS[self.kind]
 
     @field_validator("url")
     @classmethod
@@ -232,9 +284,7 @@ class DelegationConfig(_Strict):
     """``[delegation]``: the environment variable holding the on-behalf-of secret, and who may delegate (how
     long a token may live is ``[gateway].delegation_token_lifetime_max_s``)."""
 
-    secret_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)] = (
-        "FAIRGATE_DELEGATION_SECRET"
-    )
+    secret_env: EnvName = "FAIRGATE_DELEGATION_SECRET"
     delegates: list[TenantName] = Field(default_factory=list)
 
 
@@ -320,6 +370,27 @@ class GatewayConfig(_Strict):
             params["slot_cap"] = {"max_running": max(1, sum(u.max_batch for u in self.upstreams) // tenants)}
         return PolicySpec(name or self.gateway.policy, params)
 
+    def upstream_keys(self, environ: Mapping[str, str] | None = None) -> dict[str, SecretStr]:
+        """Each upstream's API key (by upstream name; an upstream without ``api_key_env`` or
+        ``api_key_file`` has none), read now from ``environ`` (default ``os.environ``) or the file.
+
+        Raises:
+            GatewayConfigError: a variable unset or empty, a file missing, unreadable or empty; the message
+                names the key, the upstream and the variable or file, never the key's value.
+        """
+        keys: dict[str, SecretStr] = {}
+        for i, upstream in enumerate(self.upstreams):
+            try:
+                key = read_key(upstream.api_key_env, upstream.api_key_file, environ)
+            except CredentialError as exc:
+                source = "api_key_env" if upstream.api_key_env is not None else "api_key_file"
+                raise GatewayConfigError(
+                    f"{self._path}: upstream[{i}].{source}: {exc} (the API key of upstream {upstream.name!r})"
+                ) from None
+            if key is not None:
+                keys[upstream.name] = key
+        return keys
+
     def delegation_secret(self, environ: Mapping[str, str] | None = None) -> bytes | None:
         """The on-behalf-of secret from ``$[delegation].secret_env`` (``None`` when the variable is unset).
 
@@ -345,7 +416,7 @@ def _message(path: Path | str, error: ValidationError) -> str:
         error,
         lambda location: (
             "must be an environment variable name"
-            if location.endswith("secret_env")
+            if location.endswith(("secret_env", "api_key_env"))
             else "must be a letter or digit followed by letters, digits, '.', '_' or '-'"
         ),
     )
@@ -376,6 +447,15 @@ def _resolve(path: Path, gateway: GatewaySection) -> GatewaySection:
     journal = str((folder / gateway.journal).resolve())
     event_log = str((folder / gateway.event_log).resolve()) if gateway.event_log else None
     return gateway.model_copy(update={"ledger": ledger, "journal": journal, "event_log": event_log})
+
+
+def _resolve_upstream(path: Path, upstream: UpstreamConfig) -> UpstreamConfig:
+    files = {
+        name: str((path.parent / value).resolve())
+        for name in ("api_key_file", "ca_file")
+        if (value := getattr(upstream, name)) is not None
+    }
+    return upstream.model_copy(update=files) if files else upstream
 
 
 def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayConfig:
@@ -425,7 +505,11 @@ def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayC
                 f"{path}: delegation.delegates[{i}]: unknown tenant {delegate!r} "
                 f"(tenants in [quotas.tenants]: {tenants})"
             )
-    config = config.model_copy(update={"gateway": _resolve(path, config.gateway)})
+    for i, upstream in enumerate(config.upstreams):
+        if upstream.ca_file is not None and not (path.parent / upstream.ca_file).is_file():
+            raise GatewayConfigError(f"{path}: upstream[{i}].ca_file: {upstream.ca_file} is not a file")
+    upstreams = [_resolve_upstream(path, u) for u in config.upstreams]
+    config = config.model_copy(update={"gateway": _resolve(path, config.gateway), "upstreams": upstreams})
     config._path = path
     config._quotas = quotas
     return config

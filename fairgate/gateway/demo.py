@@ -83,6 +83,7 @@ def write_demo_config(folder: Path, upstream_url: str) -> tuple[Path, dict[str, 
                 iter_slope_ms=0.55,
                 prefill_ms_per_token=0.06,
                 max_model_len=32768,
+                kind="vllm",  # the emulator speaks vLLM's dialect (cache_salt, ignore_eos)
             ),
         ),
         QuotaFile(

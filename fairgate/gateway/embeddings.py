@@ -24,10 +24,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from fairgate.gateway.call import UPSTREAM_CONTROL_FIELDS, Call, TryAnotherUpstream, watch_disconnect
+from fairgate.gateway.call import Call, TryAnotherUpstream, watch_disconnect
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.upstream import UpstreamError
-from fairgate.ledger.base import tenant_tag
+
+EMBEDDING_FIELDS = ("input", "encoding_format", "dimensions")
 
 
 class EmbeddingCall(Call):
@@ -54,11 +55,13 @@ class EmbeddingCall(Call):
         return JSONResponse({**document, "model": generation.model}, headers=headers)
 
     def _upstream_body(self) -> dict[str, Any]:
+        """OpenAI's embeddings fields only, whatever the upstream's kind (no engine takes more from the
+        gateway for an embedding; a client's ``user`` is dropped like every client-set identity), under the
+        engine's own model name."""
         body = self.admitted.generation.body.model_dump(exclude_none=True)
-        for name in UPSTREAM_CONTROL_FIELDS:  # the gateway's to set, never a client's
-            body.pop(name, None)
-        body["cache_salt"] = tenant_tag(self.admitted.caller.tenant)  # the tenant scope, as for generations
-        return body
+        out = {name: body[name] for name in EMBEDDING_FIELDS if name in body}
+        out["model"] = self.lease.upstream.model
+        return out
 
     async def _fetch(self, reply: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
         """The upstream's answer; the call ends (slot freed, settled once) on every path."""

@@ -5,10 +5,11 @@ Reads the request id (``X-Request-Id`` or ``Idempotency-Key``; generated when ab
 ``fairgate.api``), then sizes the request against its model (an alias or a plain model,
 ``fairgate.gateway.aliases``): the model must exist (404), the prompt fit the smallest context of the
 upstreams of all its pools (413; a fallback pool must be able to take it too), ``max_tokens`` plus the prompt
-too (400); the prompt is estimated (``fairgate.api.estimate_prompt_tokens``) and the GPU time reserved for it
-is the most any of those upstreams' cost models can charge it (``CostModel.worst_case_ms``: prefill, and
-``max_tokens`` decoded at a batch of one), so that a GPU budget is a bound, not a hope. Every refusal is a
-``Rejection`` naming the field.
+too (400), and every field must be one its upstreams' kind forwards (400 naming the field:
+``fairgate.gateway.kinds``, e.g. llama.cpp's ``n_predict``, which would bypass ``max_tokens``); the prompt is
+estimated (``fairgate.api.estimate_prompt_tokens``) and the GPU time reserved for it is the most any of those
+upstreams' cost models can charge it (``CostModel.worst_case_ms``: prefill, and ``max_tokens`` decoded at a
+batch of one), so that a GPU budget is a bound, not a hope. Every refusal is a ``Rejection`` naming the field.
 
 ``n`` choices (``n`` > 1) are ``n`` sequences: ``n`` slots (refused, 400 ``n``, above the smallest
 ``max_batch`` of the model's upstreams: they must fit one upstream at once), ``n * max_tokens`` output
@@ -39,7 +40,7 @@ from fairgate.api import (
     estimate_prompt_tokens,
 )
 from fairgate.core.cost import CostModel
-from fairgate.gateway import jsonbody
+from fairgate.gateway import jsonbody, kinds
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.outcomes import Outcome, Rejection
 
@@ -234,6 +235,9 @@ def size_up(
             f"max_tokens {max_tokens} plus the prompt's {prompt_tokens} tokens exceed the context of {context}.",
             "max_tokens",
         )
+    refused = kinds.refusal([u.engine for u in serving], body.model_dump(exclude_unset=True), chat)
+    if refused is not None:  # nothing is reserved for a request the upstream could run unmetered
+        raise Rejection(Outcome.INVALID_REQUEST, refused[1], refused[0])
     slots = min(u.max_batch for u in serving)
     if body.n > slots:  # its n sequences must fit one upstream's batch at once
         raise Rejection(

@@ -63,6 +63,7 @@ class Outcome(StrEnum):
     LEDGER_UNAVAILABLE = auto()
     NO_UPSTREAM = auto()
     UPSTREAM_ERROR = auto()
+    UPSTREAM_CONTEXT_EXCEEDED = auto()
     CLIENT_CLOSED = auto()
     INTERNAL_ERROR = auto()
 
@@ -126,6 +127,8 @@ ANSWERS: Mapping[Outcome, Answer] = {
     Outcome.LEDGER_UNAVAILABLE: Answer(503, _SERVER, "ledger_unavailable", "ledger_down", 5.0),
     Outcome.NO_UPSTREAM: Answer(503, _SERVER, "no_upstream", "no_upstream", 5.0, after_admission=True),
     Outcome.UPSTREAM_ERROR: Answer(502, _SERVER, "upstream_error", "upstream_error"),
+    # The upstream counted the prompt over its context (the gateway's estimate fit): the client's to fix.
+    Outcome.UPSTREAM_CONTEXT_EXCEEDED: Answer(400, _INVALID, "context_length_exceeded", "invalid"),
     Outcome.CLIENT_CLOSED: Answer(499, _INVALID, "client_closed", "invalid", recorded=False),
     Outcome.INTERNAL_ERROR: Answer(500, _SERVER, "internal_error", "upstream_error"),
 }

@@ -13,17 +13,24 @@ the moment it is sent to its answer, its prompt weighing as prefill (the meter s
 from __future__ import annotations
 
 import json
+import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
 from fairgate.core.meter import LiveMeter, MeterCharge, Occupancy
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway import sse
+from fairgate.gateway.config import UpstreamConfig
 from fairgate.gateway.dispatch import Upstream
+from fairgate.gateway.kinds import KINDS, Kind, is_context_error
+
+log = logging.getLogger("fairgate.gateway")
 
 # Charges to the policy, per request: (tenant, gpu_ms, output_tokens, batch size).
 ChargeSink = Callable[[str, float, int, int], None]
@@ -34,14 +41,23 @@ class UpstreamError(Exception):
     """The upstream failed (connection, HTTP error status, malformed stream); ``status`` for the client.
     ``unreachable``: the connection was refused or timed out, so the upstream never saw the request (it may
     be sent to another one). ``problem``: what the upstream did wrong, one word for the log (``unreachable``,
-    ``http_status``, ``not_event_stream``, ``malformed_stream``, ``stalled``, ``connection_closed``,
-    ``stream_unfinished``). ``sample``: some of what it sent, for the log only (never the client's)."""
+    ``http_status``, ``auth_refused``, ``context_exceeded``, ``not_event_stream``, ``malformed_stream``,
+    ``stalled``, ``connection_closed``, ``stream_unfinished``). ``sample``: some of what it sent, for the log
+    only (never the client's). ``context_exceeded``: the upstream refused the prompt as longer than its
+    context (the client's to fix: a 400 ``context_length_exceeded``, not a 502)."""
 
     def __init__(
-        self, message: str, status: int = 502, unreachable: bool = False, problem: str = "failed", sample: str = ""
+        self,
+        message: str,
+        status: int = 502,
+        unreachable: bool = False,
+        problem: str = "failed",
+        sample: str = "",
+        context_exceeded: bool = False,
     ) -> None:
         super().__init__(message)
         self.status, self.unreachable, self.problem, self.sample = status, unreachable, problem, sample
+        self.context_exceeded = context_exceeded
 
 
 @dataclass
@@ -86,10 +102,42 @@ def billable_usage(usage: object) -> dict[str, int] | None:
     return counts or None
 
 
+def http_client(
+    upstream: Upstream, settings: UpstreamConfig | None, api_key: SecretStr | None, timeout_s: float
+) -> httpx.AsyncClient:
+    """The HTTP client of one upstream: its key as ``Authorization: Bearer``, its extra headers, TLS checked
+    against ``ca_file`` (or the system's CAs, or not at all with ``verify_tls = false``), and its timeouts:
+    ``connect_timeout_s`` to connect, ``stream_idle_timeout_s`` between two reads (so a stalled stream
+    fails), ``timeout_s`` for writing the body and waiting for a pooled connection."""
+    headers = dict(settings.headers) if settings is not None else {}
+    if api_key is not None:
+        headers["authorization"] = f"Bearer {api_key.get_secret_value()}"
+    verify: ssl.SSLContext | bool = True
+    if settings is not None and settings.ca_file is not None:
+        verify = ssl.create_default_context(cafile=settings.ca_file)
+    elif settings is not None:
+        verify = settings.verify_tls
+    connect_s = settings.connect_timeout_s if settings is not None else 5.0
+    idle_s = settings.stream_idle_timeout_s if settings is not None else timeout_s
+    return httpx.AsyncClient(
+        base_url=upstream.url.rstrip("/"),
+        headers=headers,
+        verify=verify,
+        timeout=httpx.Timeout(timeout_s, connect=connect_s, read=idle_s),
+        limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8),
+    )
+
+
 class UpstreamClient:
     """One upstream: its HTTP client, its live meter, and the calls in flight on it. ``timeout_s`` bounds a
-    connection's writes and pool wait; ``idle_timeout_s`` (seconds) bounds the wait for each byte of the
-    answer, headers included: a stall ends the call with a 504 ``UpstreamError`` (``stalled``)."""
+    connection's writes and pool wait; the upstream's ``stream_idle_timeout_s`` bounds the wait for each byte
+    of the answer, headers included: a stall ends the call with a 504 ``UpstreamError`` (``stalled``).
+
+    Args:
+        settings: its ``[[upstream]]`` table (kind, headers, TLS, timeouts); None: a generic OpenAI server
+            with default transport.
+        api_key: its key (``GatewayConfig.upstream_keys``), sent as ``Authorization: Bearer``.
+    """
 
     def __init__(
         self,
@@ -98,22 +146,18 @@ class UpstreamClient:
         clock: Callable[[], float] = time.monotonic,
         timeout_s: float = 600.0,
         on_down: Callable[[Upstream], None] | None = None,
-        idle_timeout_s: float = 60.0,
+        settings: UpstreamConfig | None = None,
+        api_key: SecretStr | None = None,
     ) -> None:
         self.upstream = upstream
+        self.kind: Kind = settings.engine if settings is not None else KINDS["openai"]
         self._on_down = on_down or (lambda upstream: None)
         self._charge = charge
         self._clock = clock
-        self.idle_timeout_s = min(idle_timeout_s, timeout_s)
+        self.idle_timeout_s = min(settings.stream_idle_timeout_s if settings is not None else 60.0, timeout_s)
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
         self._calls: dict[str, CallState] = {}
-        self.http = httpx.AsyncClient(
-            base_url=upstream.url.rstrip("/"),
-            # A read waiting longer than ``idle_timeout_s`` for a byte (headers or stream) ends the call: a
-            # stalled replica would otherwise hold the slot and the reservation for ``timeout_s``.
-            timeout=httpx.Timeout(timeout_s, connect=5.0, read=self.idle_timeout_s),
-            limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8),
-        )
+        self.http = http_client(upstream, settings, api_key, timeout_s)
 
     @property
     def batch_size(self) -> int:
@@ -218,19 +262,31 @@ class UpstreamClient:
         )
 
     def _status_error(self, response: httpx.Response, body: bytes) -> UpstreamError:
-        """The ``UpstreamError`` of an answer with an error status: a 4xx the client can act on keeps its
-        status, else 502; the body is quoted only when it is OpenAI's JSON (a proxy's HTML page is not)."""
-        name, kind = self.upstream.name, response.headers.get("content-type", "")
+        """The ``UpstreamError`` of an answer with an error status: a refused credential is the operator's
+        (502, ``auth_refused``, its body left out: a server may echo the key it refused); a prompt over the
+        engine's context is the client's (400, ``context_exceeded``: ``kinds.is_context_error``); another 4xx
+        the client can act on keeps its status, the rest are 502. The body is quoted only when it is OpenAI's
+        JSON (a proxy's HTML page is not)."""
+        name, kind, status = self.upstream.name, response.headers.get("content-type", ""), response.status_code
         detail = body[:2000].decode(errors="replace")
+        if status in (401, 403):
+            return UpstreamError(
+                f"upstream {name} refused the gateway's credentials ({status}): the gateway's configuration of "
+                "that upstream is wrong (api_key_env / api_key_file); the request was not run and is not billed",
+                problem="auth_refused",
+            )
+        if is_context_error(self.kind, status, detail):
+            message = f"upstream {name}: the prompt does not fit the model's context: {detail[:500]}"
+            return UpstreamError(message, 400, problem="context_exceeded", context_exceeded=True)
         try:
             document = json.loads(detail)
             error = document.get("error", document) if isinstance(document, dict) else document
             said = f": {(error.get('message') if isinstance(error, dict) else None) or detail[:500]}"
         except json.JSONDecodeError:
             said = f" with {kind or 'no content type'}, not an OpenAI error"
-        status = response.status_code if response.status_code in (400, 413, 422, 429) else 502
-        message = f"upstream {name} answered {response.status_code}{said}"
-        return UpstreamError(message, status, problem="http_status", sample=detail[: sse.SAMPLE_CHARS])
+        relayed = status if status in (400, 413, 422, 429) else 502
+        message = f"upstream {name} answered {status}{said}"
+        return UpstreamError(message, relayed, problem="http_status", sample=detail[: sse.SAMPLE_CHARS])
 
     async def embed(self, body: dict[str, Any], call: CallState, prepaid_ms: float) -> AsyncIterator[dict[str, Any]]:
         """POST ``body`` to ``/embeddings``; yield the upstream's answer (a JSON object) once, its ``usage``

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fairgate.emulator.api import EmulatorSettings
 from fairgate.gateway.config import UpstreamConfig
@@ -47,9 +48,10 @@ class ReplicaModel:
             out += [f"--{name.replace('_', '-')}", str(value)]
         return out
 
-    def upstream(self, name: str, url: str, model: str, max_batch: int | None = None) -> UpstreamConfig:
+    def upstream(self, name: str, url: str, model: str, max_batch: int | None = None, **more: Any) -> UpstreamConfig:
         """The gateway's ``[[upstream]]`` for this replica at ``url`` (its base URL, without ``/v1``), of
-        whose slots the gateway uses ``max_batch`` (default: all)."""
+        whose slots the gateway uses ``max_batch`` (default: all); ``more``: other keys of the table. The
+        emulator speaks vLLM's dialect (``cache_salt``, ``ignore_eos``), so the kind is ``vllm`` unless given."""
         return UpstreamConfig(
             name=name,
             url=f"{url}/v1",
@@ -59,6 +61,7 @@ class ReplicaModel:
             iter_slope_ms=self.iter_slope_ms,
             prefill_ms_per_token=self.prefill_ms_per_token,
             max_model_len=self.max_model_len,
+            **{"kind": "vllm", **more},
         )
 
 

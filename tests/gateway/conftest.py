@@ -137,11 +137,13 @@ def write_config(
     name: str = "fairgate.toml",
     ledger: str | None = None,
     models: Sequence[str] | None = None,
+    upstream_table: Mapping[str, Any] | None = None,
 ) -> tuple[Path, dict[str, str]]:
     """``tmp/<name>``: the gateway in front of ``upstream_urls`` (``REPLICA`` each) with an SQLite ledger and
     journal in ``tmp`` (or the ledger at URL ``ledger``), ``TENANTS`` (tier ``free``, ``limits`` by tenant)
     over ``defaults`` (``max_queued`` 64 unless given), and the optional admin key, delegation and sweep;
-    ``models``: the model each upstream serves (default ``emu``). Returns its path and the keys."""
+    ``models``: the model each upstream serves (default ``emu``); ``upstream_table``: more keys of every
+    ``[[upstream]]`` table (``kind``, ``api_key_env``, ...). Returns its path and the keys."""
     keys = {tenant: f"fg-test-{tenant}-{'x' * 24}" for tenant in TENANTS}
     defaults = defaults or LimitsConfig()
     if defaults.max_queued is None:
@@ -156,7 +158,9 @@ def write_config(
     )
     tenants = [TenantSpec(t, tier="free", limits=(limits or {}).get(t, LimitsConfig())) for t in TENANTS]
     served = models or ["emu"] * len(upstream_urls)
-    upstreams = [REPLICA.upstream(f"emu-{i}", url, served[i]) for i, url in enumerate(upstream_urls)]
+    upstreams = [
+        REPLICA.upstream(f"emu-{i}", url, served[i], **(upstream_table or {})) for i, url in enumerate(upstream_urls)
+    ]
     quotas = quota_file(tenants, {"free": TierConfig()}, defaults)
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / name
