@@ -26,7 +26,7 @@ import httpx
 from fairgate.core.fit import Line, fit_line, median, steady_step_ms
 
 DECODE_TOKENS = 40  # per probe stream: enough gaps while the whole batch decodes
-PREFILL_WORDS = (16, 128, 384, 768)  # random words per prefill probe (~2-3 tokens each on a small vocabulary)
+PREFILL_WORDS = (8, 48, 144, 288)  # random words per prefill probe: ~30 to ~1,000 tokens on the test model
 PREFILL_REPEATS = 3  # per length; the median is kept (one slow probe is noise, not the engine)
 IGNORE_EOS_KINDS = ("vllm", "sglang", "llamacpp")
 

@@ -318,6 +318,9 @@ class LoadGenerator:
     def _read(self, chunk: Any, record: RequestRecord, chat: bool) -> None:
         if chunk.usage is not None:
             record.usage_input, record.usage_output = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+            timings = (getattr(chunk, "model_extra", None) or {}).get("timings")
+            if isinstance(timings, dict) and isinstance(timings.get("prompt_ms"), int | float):
+                record.engine_prompt_ms = float(timings["prompt_ms"])
         if chunk.choices and (chunk.choices[0].delta.content if chat else chunk.choices[0].text):
             now = self.now()
             record.first_s = now if record.first_s is None else record.first_s

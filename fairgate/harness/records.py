@@ -37,6 +37,8 @@ class RequestRecord:
         status / code / dimension / retry_after: HTTP status (200 once the answer began), the error's code,
             the gateway's ``x-fairgate-quota-dimension`` and ``Retry-After`` headers.
         tokens: content tokens received. usage_input / usage_output: the usage the client was sent.
+        engine_prompt_ms: the engine's own time for its prefill, ms, where the stream carried it (llama.cpp's
+            ``timings.prompt_ms`` beside the usage).
         cut_at / hangup_s: where and when the client hung up (``before_bytes``, ``after_headers``,
             ``after_chunks``, ``timeout``, ``deadline``).
         answers: every HTTP answer when the SDK retried by itself (``Request.sdk_retries``).
@@ -60,6 +62,7 @@ class RequestRecord:
     tokens: int = 0
     usage_input: int | None = None
     usage_output: int | None = None
+    engine_prompt_ms: float | None = None
     cut_at: str | None = None
     hangup_s: float | None = None
     answers: list[HttpAnswer] = field(default_factory=list)

@@ -92,13 +92,19 @@ def _tensors(model: TinyLlama, vocab: int, rng: np.random.Generator) -> list[tup
     """(name, array) of every tensor; numpy shapes are (rows, columns), GGUF's ``ne`` reversed."""
     e, f = model.embedding, model.ffn
 
-    def matrix(rows: int, cols: int) -> np.ndarray:
+    def matrix(rows: int, cols: int) -> np.ndarray:  # F16: what llama.cpp runs fastest on a CPU
         return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
 
     def norm() -> np.ndarray:
         return np.ones(e, dtype=np.float32)
 
-    out = [("token_embd.weight", matrix(vocab, e)), ("output_norm.weight", norm()), ("output.weight", matrix(vocab, e))]
+    # The control and byte tokens' output rows are near zero, so their logits are near zero while ~40 % of
+    # the text pieces' are well above: a top-k sampler (llama.cpp's default top_k 40) never draws them. A
+    # byte token above 0x7F is half a character, which the server holds back (a token with no text, no
+    # chunk), and </s> would end a sequence early: every generated token is then one chunk of text.
+    output = matrix(vocab, e)
+    output[: 3 + 256] *= 1e-3
+    out = [("token_embd.weight", matrix(vocab, e)), ("output_norm.weight", norm()), ("output.weight", output)]
     for i in range(model.layers):
         out += [
             (f"blk.{i}.attn_norm.weight", norm()),
