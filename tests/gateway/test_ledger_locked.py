@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
@@ -41,6 +42,7 @@ def _config(tmp: Path, upstream: str) -> Path:
     return path
 
 
+@pytest.mark.serial  # timing-sensitive (asserts the busy timeout's seconds): runs alone after the parallel part
 def test_a_locked_sqlite_ledger_gets_each_tier_its_outage_policy_quickly(tmp_path: Path) -> None:
     with serve_in_thread(create_app(EMULATOR)) as emulator:
         config = load_gateway_config(_config(tmp_path, emulator))
