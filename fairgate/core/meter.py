@@ -105,6 +105,11 @@ class LiveMeter:
         return len(self._requests)
 
     @property
+    def prefilling(self) -> bool:
+        """Whether a request in flight is pending or being prefilled (the iteration is no plain decode step)."""
+        return any(r.prefilling or r.pending for r in self._requests.values())
+
+    @property
     def sequences(self) -> int:
         """Sequences of its requests in flight (a request of ``n`` counts ``n``)."""
         return sum(r.sequences for r in self._requests.values())

@@ -48,6 +48,8 @@ Per upstream
 - ``fairgate_upstream_busy_seconds_total{upstream,model}``: the live meter's busy time (any request in flight).
 - ``fairgate_upstream_busy_ratio{upstream,model}``: busy fraction over about the window.
 - ``fairgate_upstream_iterations_per_second{upstream,model}``: estimate, busy fraction / mean TPOT.
+- ``fairgate_upstream_step_drift_ratio{upstream,model}``: observed / cost-model decode step time
+  (``fairgate.core.drift``; a ``cost_model_drift`` warning when it leaves [0.8, 1.25], once per excursion).
 
 Per policy and model (over the window, among tenants charged GPU time in it)
 
@@ -304,6 +306,13 @@ class WindowCollector(Collector):
             f"Busy fraction over about the last {self.stats.window_s:g} s.",
             ["upstream", "model"],
             (((u.name, u.model), u.busy_fraction) for u in ups if u.busy_fraction is not None),
+        )
+        yield _gauge(
+            "fairgate_upstream_step_drift_ratio",
+            "Observed / cost-model decode step time (exponentially weighted over about the last 50 steps); "
+            "off 1 by more than 25 %: recalibrate (fairgate calibrate).",
+            ["upstream", "model"],
+            (((u.name, u.model), u.step_drift) for u in ups if u.step_drift is not None),
         )
         yield _gauge(
             "fairgate_upstream_iterations_per_second",

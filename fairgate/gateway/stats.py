@@ -64,6 +64,7 @@ class UpstreamProbe:
     max_batch: int
     busy_ms: float
     healthy: bool = True
+    step_drift: float | None = None  # observed / predicted decode step time (``fairgate.core.drift``)
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ class UpstreamWindow:
     busy_fraction: float | None
     iterations_per_s: float | None
     healthy: bool = True
+    step_drift: float | None = None  # observed / predicted decode step time; None: too few steps yet
 
 
 @dataclass(frozen=True)
@@ -456,7 +458,9 @@ class Stats:
                 n = tpot.get((u.name, "n"), 0.0)
                 if n > 0:
                     iterations = busy * 1000.0 / (tpot[(u.name, "sum")] / n)
-            window = UpstreamWindow(u.name, u.model, u.in_flight, u.max_batch, u.busy_ms, busy, iterations, u.healthy)
+            window = UpstreamWindow(
+                u.name, u.model, u.in_flight, u.max_batch, u.busy_ms, busy, iterations, u.healthy, u.step_drift
+            )
             upstreams.append(window)
         return upstreams
 
@@ -541,6 +545,7 @@ def gateway_probe(dispatcher: Dispatcher, clients: Mapping[str, UpstreamClient])
                 u.max_batch,
                 clients[u.name].meter.busy_ms if u.name in clients else 0.0,
                 u.healthy,
+                clients[u.name].drift.ratio if u.name in clients else None,
             )
             for u in dispatcher.upstreams()
         ]

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
+from fairgate.core.drift import StepDrift
 from fairgate.core.meter import LiveMeter, MeterCharge, Occupancy
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway import sse
@@ -156,6 +157,7 @@ class UpstreamClient:
         self._clock = clock
         self.idle_timeout_s = min(settings.stream_idle_timeout_s if settings is not None else 60.0, timeout_s)
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
+        self.drift = StepDrift(upstream.cost)
         self._calls: dict[str, CallState] = {}
         self.http = http_client(upstream, settings, api_key, timeout_s)
 
@@ -329,6 +331,7 @@ class UpstreamClient:
             if piece:
                 call.output_tokens += 1  # summed over the choices: the output billed
                 call.texts.setdefault(index, []).append(piece)
+                self._step(call)
                 call.last_token_s = self._clock()
                 if call.first_token_s is None:
                     call.first_token_s = self._clock()
@@ -339,6 +342,19 @@ class UpstreamClient:
                 self._charge(call.tenant, 0.0, 1, self.batch_size)
             if choice.get("finish_reason"):
                 call.finish_reason = call.finish_reasons[index] = choice["finish_reason"]
+
+    def _step(self, call: CallState) -> None:
+        """Feed the drift check one observed step: the gap since this call's previous token, while every
+        request in flight here decodes (a prefill lengthens its iteration; a call of several choices gets
+        several tokens an iteration)."""
+        if call.last_token_s is None or call.sequences != 1 or self.meter.prefilling:
+            return
+        gap_ms = (self._clock() - call.last_token_s) * 1000.0
+        crossed = self.drift.observe(gap_ms, self.meter.sequences + round(self.meter.remote.sequences))
+        if crossed is not None:
+            line: dict[str, Any] = {"event": "cost_model_drift" if crossed else "cost_model_drift_ended"}
+            line |= {"upstream": self.upstream.name, "observed_over_predicted": round(self.drift.ratio or 0.0, 3)}
+            (log.warning if crossed else log.info)(json.dumps(line))
 
     async def close(self) -> None:
         await self.http.aclose()

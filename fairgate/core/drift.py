@@ -1,0 +1,66 @@
+"""The cost model's drift: observed decode step times against the ones it predicts.
+
+The live meter splits an upstream's measured busy time in the proportions of the cost model
+(``iter_base_ms + iter_slope_ms * B`` per decode iteration; README, "The charge rule"); a model that no
+longer describes the engine (another GPU, a new engine version, a quantised model behind the same name)
+shifts charges between short and long requests without changing their sum. Each token after a request's
+first arrives one iteration after its previous one, so the gap between two of a request's tokens, taken
+while nothing is being prefilled (a prefill lengthens the iteration it is in), is an observed step time at
+the current batch size. ``StepDrift`` keeps an exponentially weighted mean of observed / predicted and says
+when it leaves ``[1 / (1 + band), 1 + band]`` and when it comes back (after ``min_steps`` observations).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fairgate.core.cost import CostModel
+
+# A gap this many times the prediction or more is no step: the request waited (the engine stalled, the
+# gateway was slow to read); it would drag the mean by its size alone.
+OUTLIER_FACTOR = 5.0
+
+
+@dataclass
+class StepDrift:
+    """Observed / predicted decode step time of one upstream, exponentially weighted (``alpha`` per
+    observation, in log space so that 2x and 0.5x weigh alike).
+
+    Attributes:
+        cost: the upstream's configured cost model.
+        alpha: the weight of each new observation (0.02: about the last 50 steps).
+        band: the relative drift tolerated (0.25: a ratio in [0.8, 1.25]).
+        min_steps: observations before the ratio is reported.
+    """
+
+    cost: CostModel
+    alpha: float = 0.02
+    band: float = 0.25
+    min_steps: int = 50
+    steps: int = 0
+    _log_ratio: float = 0.0
+    drifted: bool = False
+
+    @property
+    def ratio(self) -> float | None:
+        """Observed / predicted step time (None until ``min_steps`` observations)."""
+        return math.exp(self._log_ratio) if self.steps >= self.min_steps else None
+
+    def observe(self, gap_ms: float, batch: int) -> bool | None:
+        """One observed step of ``gap_ms`` at batch size ``batch`` (>= 1). Returns True when the ratio has
+        just left the band, False when it has just come back, None otherwise (or for an outlier)."""
+        predicted = self.cost.iter_base_ms + self.cost.iter_slope_ms * max(1, batch)
+        if gap_ms <= 0 or predicted <= 0 or gap_ms >= OUTLIER_FACTOR * predicted:
+            return None
+        sample = math.log(gap_ms / predicted)
+        self._log_ratio = sample if self.steps == 0 else (1 - self.alpha) * self._log_ratio + self.alpha * sample
+        self.steps += 1
+        ratio = self.ratio
+        if ratio is None:
+            return None
+        outside = not 1 / (1 + self.band) <= ratio <= 1 + self.band
+        if outside == self.drifted:
+            return None
+        self.drifted = outside
+        return outside

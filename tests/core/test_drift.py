@@ -1,0 +1,35 @@
+"""The cost model's drift check (fairgate.core.drift): observed decode steps against predicted ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from fairgate.core.cost import CostModel
+from fairgate.core.drift import StepDrift
+
+COST = CostModel(iter_base_ms=10.0, iter_slope_ms=1.0, prefill_ms_per_token=0.1, max_batch=8)
+
+
+def test_steps_as_predicted_report_a_ratio_of_one_and_no_drift():
+    drift = StepDrift(COST, min_steps=10)
+    events = [drift.observe(10.0 + 1.0 * b, b) for b in (1, 4, 8) * 10]
+    assert drift.ratio == pytest.approx(1.0)
+    assert set(events) == {None} and not drift.drifted
+
+
+def test_steps_twice_as_slow_drift_once_and_come_back_once():
+    drift = StepDrift(COST, alpha=0.1, min_steps=10)
+    assert drift.ratio is None and drift.observe(36.0, 8) is None  # too few steps to say
+    crossed = [drift.observe(36.0, 8) for _ in range(30)]  # predicted 18 ms at B = 8
+    assert crossed.count(True) == 1 and crossed.count(False) == 0
+    assert drift.ratio == pytest.approx(2.0)
+    back = [drift.observe(18.0, 8) for _ in range(100)]
+    assert back.count(False) == 1 and back.count(True) == 0
+    assert drift.ratio == pytest.approx(1.0, rel=0.01)
+
+
+def test_a_stall_is_no_step():
+    drift = StepDrift(COST, min_steps=1)
+    assert drift.observe(11.0, 1) is None
+    assert drift.observe(5 * 11.0, 1) is None and drift.observe(0.0, 1) is None  # ignored
+    assert drift.steps == 1 and drift.ratio == pytest.approx(1.0)
