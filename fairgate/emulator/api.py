@@ -37,7 +37,8 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from fairgate.api import ChatRequest, CompletionRequest, GenerationRequest, count_prompt_tokens, error_body
@@ -141,6 +142,19 @@ def _install_info_routes(app: FastAPI, state: EmulatorState) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """vLLM's load gauges (the emulator speaks vLLM's dialect): requests in the running batch and
+        queued for a slot, labelled by model, in Prometheus's text format."""
+        replica = state.running()
+        registry = CollectorRegistry()
+        for name, text, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", replica.running),
+            ("vllm:num_requests_waiting", "Requests waiting for a slot.", replica.waiting),
+        ):
+            Gauge(name, text, ["model_name"], registry=registry).labels(settings.model).set(value)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/emulator/stats")
     async def stats() -> dict[str, Any]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from fairgate.gateway.engine_load import poll_engine_load
 from fairgate.gateway.sharing import ChargeSync
 from fairgate.gateway.state import GatewayState
 from fairgate.ledger import LedgerError, Reservation, ReservationFinal, ReservationNotFound
@@ -44,6 +45,7 @@ def start(state: GatewayState) -> list[asyncio.Task[None]]:
             )
         ),
         asyncio.ensure_future(probe(state)),
+        asyncio.ensure_future(poll_engine_load(state)),
         asyncio.ensure_future(recover(state.ledger, f"{state.process_id}/doubts", state.claim_lease_ms)),
     ]
     if config.gateway.share_charges_s > 0:

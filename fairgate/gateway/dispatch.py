@@ -60,9 +60,28 @@ class Upstream:
     in_flight: int = 0
     healthy: bool = True
     pool: str = ""
+    # the engine's own load, where it reports one (``fairgate.gateway.engine_load``): requests in its running
+    # batch and queued inside it for a slot; None: not known
+    engine_running: float | None = None
+    engine_waiting: float | None = None
+    engine_running_max: float = 0.0  # the most it was seen running at once: its slots, as far as is known
+    engine_queue_reads: int = 0  # consecutive reads that found it full and requests queued in it
 
     def __post_init__(self) -> None:
         self.pool = self.pool or self.model
+
+    @property
+    def overfilled(self) -> bool:
+        """Two reads in a row found its engine running as many requests as it was ever seen to and more
+        queued inside it: more requests than it has slots (another client shares it, or ``max_batch`` is set
+        above its slots) - not a request waiting for the next iteration while a slot is free (an engine
+        takes new requests in between iterations, so its queue is seldom empty under load)."""
+        return self.engine_queue_reads >= 2
+
+    def takes(self, sequences: int = 1) -> bool:
+        """Whether ``sequences`` more fit: it is up, has the slots, and its engine is not ``overfilled`` (a
+        request queued inside an engine waits first come, first served, outside any fairness)."""
+        return self.healthy and self.in_flight + sequences <= self.max_batch and not self.overfilled
 
 
 @dataclass
@@ -167,6 +186,17 @@ class Dispatcher:
         upstream.healthy = True
         log.warning("upstream %s is back", upstream.name)
         self._dispatch(self._pools[upstream.pool])
+
+    def engine_load(self, upstream: Upstream, running: float | None, waiting: float | None) -> None:
+        """The engine's own load, as it reported it just now (None: unknown); dispatches again when an
+        ``overfilled`` engine's queue has drained."""
+        was = upstream.overfilled
+        upstream.engine_running, upstream.engine_waiting = running, waiting
+        upstream.engine_running_max = max(upstream.engine_running_max, running or 0.0)
+        full = running is not None and running >= upstream.engine_running_max
+        upstream.engine_queue_reads = upstream.engine_queue_reads + 1 if waiting and full else 0
+        if was and not upstream.overfilled:
+            self._dispatch(self._pools[upstream.pool])
 
     def queued_by_tenant(self) -> dict[str, int]:
         """Requests waiting in queues now, per tenant (all models)."""
@@ -294,7 +324,7 @@ class Dispatcher:
 
         while True:
             if pool.held is None:
-                free = [u for u in pool.upstreams if u.healthy and u.in_flight < u.max_batch]
+                free = [u for u in pool.upstreams if u.takes()]
                 if not admitter.queued() or not free:
                     return
                 upstream = min(free, key=_load)
@@ -309,7 +339,7 @@ class Dispatcher:
             if not waiting(request):  # its caller left while it was held
                 self._drop_held(pool, request)
                 continue
-            fitting = [u for u in pool.upstreams if u.healthy and u.in_flight + request.sequences <= u.max_batch]
+            fitting = [u for u in pool.upstreams if u.takes(request.sequences)]
             if not fitting:
                 return  # held until enough of its model's slots free (``release`` dispatches again)
             upstream = min(fitting, key=_load)

@@ -48,6 +48,8 @@ Per upstream
 - ``fairgate_upstream_busy_seconds_total{upstream,model}``: the live meter's busy time (any request in flight).
 - ``fairgate_upstream_busy_ratio{upstream,model}``: busy fraction over about the window.
 - ``fairgate_upstream_iterations_per_second{upstream,model}``: estimate, busy fraction / mean TPOT.
+- ``fairgate_upstream_engine_running{upstream,model}``, ``fairgate_upstream_engine_waiting{...}``: the engine's
+  own counts where its kind reports them (``fairgate.gateway.engine_load``).
 - ``fairgate_upstream_step_drift_ratio{upstream,model}``: observed / cost-model decode step time
   (``fairgate.core.drift``; a ``cost_model_drift`` warning when it leaves [0.8, 1.25], once per excursion).
 
@@ -314,6 +316,16 @@ class WindowCollector(Collector):
             ["upstream", "model"],
             (((u.name, u.model), u.step_drift) for u in ups if u.step_drift is not None),
         )
+        for what, text in (
+            ("running", "Requests in the engine's running batch, as the engine reports it (its /metrics)."),
+            ("waiting", "Requests queued inside the engine; while any are, the gateway sends it nothing more."),
+        ):
+            yield _gauge(
+                f"fairgate_upstream_engine_{what}",
+                text,
+                ["upstream", "model"],
+                (((u.name, u.model), v) for u in ups if (v := getattr(u, f"engine_{what}")) is not None),
+            )
         yield _gauge(
             "fairgate_upstream_iterations_per_second",
             "Estimated decode iterations per second (busy fraction / mean TPOT).",

@@ -65,6 +65,8 @@ class UpstreamProbe:
     busy_ms: float
     healthy: bool = True
     step_drift: float | None = None  # observed / predicted decode step time (``fairgate.core.drift``)
+    engine_running: float | None = None  # the engine's own counts (``fairgate.gateway.engine_load``)
+    engine_waiting: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ class UpstreamWindow:
     iterations_per_s: float | None
     healthy: bool = True
     step_drift: float | None = None  # observed / predicted decode step time; None: too few steps yet
+    engine_running: float | None = None  # the engine's own counts, where it reports them
+    engine_waiting: float | None = None
 
 
 @dataclass(frozen=True)
@@ -459,7 +463,17 @@ class Stats:
                 if n > 0:
                     iterations = busy * 1000.0 / (tpot[(u.name, "sum")] / n)
             window = UpstreamWindow(
-                u.name, u.model, u.in_flight, u.max_batch, u.busy_ms, busy, iterations, u.healthy, u.step_drift
+                u.name,
+                u.model,
+                u.in_flight,
+                u.max_batch,
+                u.busy_ms,
+                busy,
+                iterations,
+                u.healthy,
+                u.step_drift,
+                u.engine_running,
+                u.engine_waiting,
             )
             upstreams.append(window)
         return upstreams
@@ -546,6 +560,8 @@ def gateway_probe(dispatcher: Dispatcher, clients: Mapping[str, UpstreamClient])
                 clients[u.name].meter.busy_ms if u.name in clients else 0.0,
                 u.healthy,
                 clients[u.name].drift.ratio if u.name in clients else None,
+                u.engine_running,
+                u.engine_waiting,
             )
             for u in dispatcher.upstreams()
         ]
