@@ -41,7 +41,8 @@ from fairgate.api import (
 )
 from fairgate.core.cost import CostModel
 from fairgate.gateway import jsonbody, kinds
-from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.aliases import ServedModel
+from fairgate.gateway.config import GatewayConfig, UpstreamConfig
 from fairgate.gateway.outcomes import Outcome, Rejection
 
 RUN_ID_HEADER = "x-fairgate-run-id"  # an agent run's id: its calls count against the run limits
@@ -216,11 +217,7 @@ def size_up(
     config: GatewayConfig, body: ChatRequest | CompletionRequest, chat: bool, request_id: str, run: Run
 ) -> Generation:
     """``body`` against its model's upstreams (see module docstring). Raises ``Rejection`` 400/404/413."""
-    served = config.served.get(body.model)
-    serving = config.upstreams_for(body.model)
-    if served is None or not serving:
-        raise _no_model(body.model)
-    context = min(u.max_model_len for u in serving)
+    served, serving, context = _serving(config, body.model)
     prompt_tokens = estimate_prompt_tokens(body)
     if prompt_tokens >= context:
         raise Rejection(
@@ -265,11 +262,7 @@ def size_up_embedding(config: GatewayConfig, body: EmbeddingRequest, request_id:
     """An embeddings request against its model's upstreams: each input within the context (413 ``input``);
     reserved: the inputs' estimate, no output, the GPU time of its prefill and one decode share (see module
     docstring). Raises ``Rejection`` 404/413."""
-    served = config.served.get(body.model)
-    serving = config.upstreams_for(body.model)
-    if served is None or not serving:
-        raise _no_model(body.model)
-    context = min(u.max_model_len for u in serving)
+    served, serving, context = _serving(config, body.model)
     counts = estimate_embedding_tokens(body)
     longest = max(range(len(counts)), key=counts.__getitem__)
     if counts[longest] > context:
@@ -284,6 +277,16 @@ def size_up_embedding(config: GatewayConfig, body: EmbeddingRequest, request_id:
     return Generation(
         request_id, False, body, body.model, run, tokens, 0, estimate, cost, served.quota_class, served.pools
     )
+
+
+def _serving(config: GatewayConfig, model: str) -> tuple[ServedModel, list[UpstreamConfig], int]:
+    """The model a request names (an alias or a plain model), the upstreams of all its pools and the
+    smallest context among them. Raises ``Rejection`` 404 when no upstream serves it."""
+    served = config.served.get(model)
+    serving = config.upstreams_for(model)
+    if served is None or not serving:
+        raise _no_model(model)
+    return served, serving, min(u.max_model_len for u in serving)
 
 
 def _no_model(model: str) -> Rejection:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,6 +32,14 @@ REPLICA = ReplicaModel(
     output_mean_tokens=20.0,
 )
 EMULATOR = REPLICA.settings("emu")
+
+
+def slower(factor: float) -> ReplicaModel:
+    """``REPLICA`` with decode iterations ``factor`` times as long: an engine the gateway's cost model
+    (``REPLICA``'s) no longer describes."""
+    return replace(REPLICA, iter_base_ms=factor * REPLICA.iter_base_ms, iter_slope_ms=factor * REPLICA.iter_slope_ms)
+
+
 TENANTS = ("alpha", "beta", "gamma")
 BODY = {"model": "emu", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
 

@@ -15,18 +15,10 @@ import pytest
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.call import SETTLE_EVERY_S
-from fairgate.harness.replica import ReplicaModel
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import REPLICA, serve_stack
+from tests.gateway.conftest import REPLICA, serve_stack, slower
 
-SLOW = ReplicaModel(
-    iter_base_ms=4.0 * REPLICA.iter_base_ms,
-    iter_slope_ms=4.0 * REPLICA.iter_slope_ms,
-    prefill_ms_per_token=REPLICA.prefill_ms_per_token,
-    max_batch=REPLICA.max_batch,
-    max_model_len=REPLICA.max_model_len,
-    output_mean_tokens=REPLICA.output_mean_tokens,
-)
+SLOW = slower(4.0)
 BUDGET_S = 2.0
 MAX_TOKENS = 200  # estimate 200 x 4.25 ms = 0.85 s each: two fit the budget; the slow replica bills ~1.8 s each
 

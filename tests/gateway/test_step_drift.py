@@ -10,17 +10,9 @@ import httpx
 import pytest
 
 from fairgate.emulator.api import create_app
-from fairgate.harness.replica import ReplicaModel
-from tests.gateway.conftest import BODY, EMULATOR, REPLICA, post, serve_stack
+from tests.gateway.conftest import BODY, EMULATOR, REPLICA, post, serve_stack, slower
 
-SLOW = ReplicaModel(
-    iter_base_ms=3.0 * REPLICA.iter_base_ms,
-    iter_slope_ms=3.0 * REPLICA.iter_slope_ms,
-    prefill_ms_per_token=REPLICA.prefill_ms_per_token,
-    max_batch=REPLICA.max_batch,
-    max_model_len=REPLICA.max_model_len,
-    output_mean_tokens=REPLICA.output_mean_tokens,
-)
+SLOW = slower(3.0)
 
 
 ADMIN_KEY = "fg-test-admin-" + "d" * 24
