@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from rich.table import Table
 from fairgate.cli_common import console, fail, note
 
 calibrate_app = typer.Typer()  # its one command joins the main app (fairgate.cli.main)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # an [[upstream]] name (fairgate.gateway.config.Name)
 KINDS = ("vllm", "sglang", "llamacpp", "tgi", "openai")
 
 
@@ -29,32 +31,20 @@ def calibrate(
     max_batch: Annotated[
         int | None, typer.Option(min=1, max=4096, help="Its batch size (default: what the engine reports).")
     ] = None,
-    name: Annotated[str, typer.Option(help="The [[upstream]] name to write.")] = "engine-0",
+    name: Annotated[str, typer.Option(help="The name of the upstream table to write.")] = "engine-0",
     max_model_len: Annotated[int, typer.Option(min=2, help="Its context length, for the table.")] = 4096,
     api_key_env: Annotated[
         str | None, typer.Option(help="Environment variable holding the engine's API key (Bearer).")
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="Write the [[upstream]] table to this file.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Write the upstream table to this file (its folder must exist).")] = None,
 ) -> None:
     """Probe a live engine (decode steps at batch sizes 1, 2, 4, ..., max_batch; prefill at several prompt
     lengths), print iter_base_ms, iter_slope_ms, prefill_ms_per_token and max_batch with their standard
-    errors, and write the gateway's [[upstream]] table (stdout, or --out). Takes ~10-60 s."""
-    from fairgate.gateway.calibrate import CalibrationError, Engine, base_url, report_rows, upstream_table
+    errors, and write the gateway's upstream table (stdout, or --out). Takes ~10-60 s."""
+    from fairgate.gateway.calibrate import CalibrationError, Engine, report_rows, upstream_table
     from fairgate.gateway.calibrate import calibrate as run
 
-    if kind not in KINDS:
-        raise fail(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
-    if not url.startswith(("http://", "https://")):
-        raise fail(f"URL {url!r}: give an http:// or https:// URL")
-    headers: tuple[tuple[str, str], ...] = ()
-    if api_key_env is not None:
-        key = os.environ.get(api_key_env, "").strip()
-        if not key:
-            raise fail(f"--api-key-env {api_key_env}: the environment variable is not set or empty")
-        headers = (("Authorization", f"Bearer {key}"),)
-    if out is not None and out.is_dir():
-        raise fail(f"--out {out}: is a directory")
-    v1 = base_url(url)
+    v1, headers = _checked(url, kind, name, model, api_key_env, out)
     try:
         engine = Engine(v1, model or _first_model(v1, dict(headers)), kind, headers)
         note(f"calibrating {engine.model} at {v1} ...")
@@ -67,11 +57,50 @@ def calibrate(
         table.add_row(*row)
     console.print(table)
     text = upstream_table(result, name, v1, engine.model, kind, max_model_len)
-    if out is None:
-        console.print(text, markup=False, highlight=False)
-    else:
-        out.write_text(text)
-        note(f"wrote {out}")
+    if out is not None:
+        try:
+            out.write_text(text)
+            note(f"wrote {out}")
+            return
+        except OSError as exc:  # the measurement is not lost: the table goes to stdout
+            console.print(text, markup=False, highlight=False)
+            raise fail(f"--out {out}: cannot write it ({exc.strerror or exc}); the table is above") from None
+    console.print(text, markup=False, highlight=False)
+
+
+def _checked(
+    url: str, kind: str, name: str, model: str | None, api_key_env: str | None, out: Path | None
+) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The options checked before anything is probed: the OpenAI base URL and the request headers.
+    Raises ``typer.Exit`` (2) naming the option at fault."""
+    from fairgate.gateway.calibrate import base_url
+    from fairgate.gateway.credentials import CredentialError, valid_key
+
+    if kind not in KINDS:
+        raise fail(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
+    try:
+        parsed = httpx.URL(url)
+        port_ok = parsed.port is None or 0 < parsed.port < 65536
+    except (httpx.InvalidURL, ValueError):
+        parsed, port_ok = None, False
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
+        raise fail(f"URL {url!r}: give the engine's http:// or https:// base URL (host, a port 1-65535)")
+    if parsed.path.rstrip("/") not in ("", "/v1"):
+        raise fail(f"URL {url!r}: give the engine's base URL (http://host:port or .../v1), not an endpoint")
+    if not NAME.fullmatch(name):
+        raise fail(f"--name {name!r}: letters, digits, '.', '_', '-' (what an upstream's name may be)")
+    if model is not None and not model.strip():
+        raise fail("--model: give a model name (or leave the option out: the engine's first)")
+    headers: tuple[tuple[str, str], ...] = ()
+    if api_key_env is not None:
+        try:
+            key = valid_key(os.environ.get(api_key_env, "").strip(), f"--api-key-env ${api_key_env}")
+        except CredentialError as exc:
+            raise fail(f"{exc} (set the variable to the engine's key)") from None
+        headers = (("Authorization", f"Bearer {key.get_secret_value()}"),)
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise fail(f"--out {out}: {'is a directory' if out.is_dir() else 'its folder does not exist'}")
+    return base_url(url), headers
 
 
 def _first_model(v1: str, headers: dict[str, str]) -> str:
@@ -80,5 +109,7 @@ def _first_model(v1: str, headers: dict[str, str]) -> str:
     try:
         answer = httpx.get(f"{v1}/models", headers=headers, timeout=10.0)
         return str(answer.json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+    except httpx.HTTPError as exc:
+        raise CalibrationError(f"{v1}: cannot reach it ({type(exc).__name__})") from None
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise CalibrationError(f"{v1}/models: no model listed ({type(exc).__name__}); give --model") from None

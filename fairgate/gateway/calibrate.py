@@ -113,7 +113,9 @@ async def _slots(http: httpx.AsyncClient, engine: Engine) -> int:
         try:
             answer = await http.get(f"{engine.root}/props")
             return int(answer.json()["total_slots"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        except httpx.HTTPError as exc:
+            raise CalibrationError(f"{engine.url}: cannot reach it ({type(exc).__name__})") from None
+        except (ValueError, KeyError, TypeError):
             pass
     raise CalibrationError(f"{engine.url}: the engine does not report its batch size; give --max-batch")
 
@@ -150,8 +152,7 @@ async def _completion(http: httpx.AsyncClient, engine: Engine, prompt: str, toke
     try:
         async with http.stream("POST", f"{engine.url}/completions", json=body) as answer:
             if answer.status_code != 200:
-                text = (await answer.aread()).decode(errors="replace")[:200]
-                raise CalibrationError(f"{engine.url}/completions answered {answer.status_code}: {text}")
+                raise CalibrationError(f"{engine.url}/completions answered {answer.status_code}: {await _said(answer)}")
             async for line in answer.aiter_lines():
                 chunk = _chunk(line)
                 if chunk is None:
@@ -164,6 +165,21 @@ async def _completion(http: httpx.AsyncClient, engine: Engine, prompt: str, toke
     if not arrivals:
         raise CalibrationError(f"{engine.url}/completions streamed no tokens")
     return _Stream(arrivals, (arrivals[0] - started) * 1000.0, prompt_tokens)
+
+
+async def _said(answer: httpx.Response) -> str:
+    """An error answer's message: OpenAI's ``error.message`` when it is that JSON, else its content type
+    (an HTML page is no message)."""
+    body = (await answer.aread())[:4000].decode(errors="replace")
+    try:
+        document = json.loads(body)
+        error = document.get("error", document) if isinstance(document, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        if isinstance(message, str):
+            return message[:300]
+    except json.JSONDecodeError:
+        pass
+    return f"a {answer.headers.get('content-type', 'body of no type')} answer, not an OpenAI error"
 
 
 def _chunk(line: str) -> dict[str, Any] | None:

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -449,6 +450,17 @@ def _resolve(path: Path, gateway: GatewaySection) -> GatewaySection:
     return gateway.model_copy(update={"ledger": ledger, "journal": journal, "event_log": event_log})
 
 
+def _check_ca_file(path: Path, index: int, ca_file: Path) -> None:
+    """A CA bundle the TLS layer can load (checked here: the gateway would otherwise fail as it starts)."""
+    where = f"{path}: upstream[{index}].ca_file: {ca_file}"
+    if not ca_file.is_file():
+        raise GatewayConfigError(f"{where} is not a file")
+    try:
+        ssl.create_default_context(cafile=str(ca_file))
+    except (ssl.SSLError, OSError, ValueError):
+        raise GatewayConfigError(f"{where} holds no PEM certificate") from None
+
+
 def _resolve_upstream(path: Path, upstream: UpstreamConfig) -> UpstreamConfig:
     files = {
         name: str((path.parent / value).resolve())
@@ -506,8 +518,8 @@ def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayC
                 f"(tenants in [quotas.tenants]: {tenants})"
             )
     for i, upstream in enumerate(config.upstreams):
-        if upstream.ca_file is not None and not (path.parent / upstream.ca_file).is_file():
-            raise GatewayConfigError(f"{path}: upstream[{i}].ca_file: {upstream.ca_file} is not a file")
+        if upstream.ca_file is not None:
+            _check_ca_file(path, i, path.parent / upstream.ca_file)
     upstreams = [_resolve_upstream(path, u) for u in config.upstreams]
     config = config.model_copy(update={"gateway": _resolve(path, config.gateway), "upstreams": upstreams})
     config._path = path

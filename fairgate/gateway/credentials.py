@@ -42,6 +42,8 @@ def header_problem(name: str, value: str) -> str | None:
         return f"{name!r}: not a header name"
     if any(c in value for c in "\r\n\x00"):
         return f"{name}: its value holds a line break or NUL"
+    if not value.isascii():  # HTTP/1.1 header values are bytes: the client would fail every request on it
+        return f"{name}: its value is not ASCII"
     return None
 
 
@@ -54,24 +56,32 @@ def read_key(env: str | None, file: str | None, environ: Mapping[str, str] | Non
     stripped); None when neither is given.
 
     Raises:
-        CredentialError: the variable is unset, the file cannot be read, or the key is empty.
+        CredentialError: the variable is unset, the file cannot be read, or the key is empty or holds a
+            character outside visible ASCII.
     """
     if env is not None:
         value = (os.environ if environ is None else environ).get(env)
         if value is None:
             raise CredentialError(f"${env} is not set")
-        if not value.strip():
-            raise CredentialError(f"${env} is empty")
-        return SecretStr(value.strip())
+        return valid_key(value.strip(), f"${env}")
     if file is not None:
         try:
             text = Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise CredentialError(f"cannot read {file} ({getattr(exc, 'strerror', None) or exc})") from None
-        if not text.strip():
-            raise CredentialError(f"{file} is empty")
-        return SecretStr(text.rstrip("\r\n").strip())
+        return valid_key(text.rstrip("\r\n").strip(), file)
     return None
 
 
-__all__ = ["HOP_BY_HOP", "CredentialError", "header_problem", "read_key"]
+def valid_key(value: str, source: str) -> SecretStr:
+    """``value`` as a key; a key that cannot be a bearer token - empty, or with a character outside visible
+    ASCII (a line break in its middle, a space, a letter with an accent) - is refused naming ``source``,
+    never showing the key (an HTTP client's error about it would quote it to every tenant)."""
+    if not value:
+        raise CredentialError(f"{source} is empty")
+    if not all("!" <= c <= "~" for c in value):
+        raise CredentialError(f"{source}: the key holds a character outside visible ASCII (a line break, space, ...)")
+    return SecretStr(value)
+
+
+__all__ = ["HOP_BY_HOP", "CredentialError", "header_problem", "read_key", "valid_key"]

@@ -261,7 +261,13 @@ def size_up(
 def size_up_embedding(config: GatewayConfig, body: EmbeddingRequest, request_id: str, run: Run) -> Generation:
     """An embeddings request against its model's upstreams: each input within the context (413 ``input``);
     reserved: the inputs' estimate, no output, the GPU time of its prefill and one decode share (see module
-    docstring). Raises ``Rejection`` 404/413."""
+    docstring); a field OpenAI's embeddings API does not have is refused (400 naming it). Raises ``Rejection``
+    400/404/413."""
+    unknown = sorted(name for name, value in (body.model_extra or {}).items() if value is not None)
+    if unknown:  # forwarded to no engine: a silent drop would hide a client's mistake
+        raise Rejection(
+            Outcome.INVALID_REQUEST, f"{unknown[0]}: not a field of an embeddings request.", unknown[0][:100]
+        )
     served, serving, context = _serving(config, body.model)
     counts = estimate_embedding_tokens(body)
     longest = max(range(len(counts)), key=counts.__getitem__)

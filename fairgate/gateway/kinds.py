@@ -102,6 +102,7 @@ class Kind:
         usage_note: how its usage is read, in words (documentation).
         metrics: where its load is reported.
         context_errors: lower-case phrases of its "prompt too long" error answers (HTTP 400/413/422).
+        choices_max: the most choices (OpenAI's ``n``) one request may ask of it.
     """
 
     name: KindName
@@ -111,6 +112,7 @@ class Kind:
     isolation: Mapping[str, Any] = field(default_factory=dict)
     isolation_note: str = "none the gateway can set"
     usage_note: str = "the stream's last chunk (stream_options.include_usage)"
+    choices_max: int = 128
     metrics: Metrics = Metrics()
     context_errors: tuple[str, ...] = ()
 
@@ -201,6 +203,8 @@ KINDS: Mapping[str, Kind] = {
     ),
     "llamacpp": Kind(
         "llamacpp",
+        # llama-server's OpenAI endpoints answer "Only one completion choice is allowed" for any other n.
+        choices_max=1,
         fields=frozenset(
             {
                 "top_k",
@@ -266,6 +270,10 @@ def refusal(kinds: list[Kind], body: Mapping[str, Any], chat: bool) -> tuple[str
     ``kinds`` would not receive, and why; None when every field passes. A request may be dispatched to any
     upstream of its model, so a field must pass every kind. Gateway fields (``GATEWAY_FIELDS``) are
     dropped, not refused; ``ignore_eos: false`` is dropped where it is not understood."""
+    for kind in kinds:
+        n = body.get("n")
+        if isinstance(n, int) and n > kind.choices_max:
+            return "n", f"n: a {kind.name} upstream gives {kind.choices_max} choice(s) a request at the most."
     for name, value in body.items():
         if value is None or name in GATEWAY_FIELDS or (name == "ignore_eos" and value is False):
             continue

@@ -259,9 +259,9 @@ class UpstreamClient:
         if isinstance(exc, httpx.ReadTimeout):
             waited = self.idle_timeout_s
             return UpstreamError(f"upstream {name} sent nothing for {waited:g} s", 504, problem="stalled")
-        return UpstreamError(
-            f"upstream {name} closed or broke the connection: {type(exc).__name__}: {exc}", problem="connection_closed"
-        )
+        # A local protocol error quotes what this side could not send - headers, the key among them.
+        said = type(exc).__name__ if isinstance(exc, httpx.LocalProtocolError) else f"{type(exc).__name__}: {exc}"
+        return UpstreamError(f"upstream {name} closed or broke the connection: {said}", problem="connection_closed")
 
     def _status_error(self, response: httpx.Response, body: bytes) -> UpstreamError:
         """The ``UpstreamError`` of an answer with an error status: a refused credential is the operator's

@@ -141,6 +141,7 @@ def test_each_kind_gets_its_fields_its_isolation_and_the_key(tmp_path: Path, kin
         ("llamacpp", "n_cmpl", 4),
         ("llamacpp", "id_slot", 0),
         ("llamacpp", "n_probs", 5),
+        ("llamacpp", "n", 2),  # llama-server answers only one choice
         ("vllm", "use_beam_search", True),
         ("vllm", "n_predict", 5),  # another engine's field
         ("sglang", "lora_path", "x"),
