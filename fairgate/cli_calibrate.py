@@ -36,7 +36,9 @@ def calibrate(
     api_key_env: Annotated[
         str | None, typer.Option(help="Environment variable holding the engine's API key (Bearer).")
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="Write the upstream table to this file (its folder must exist).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Write the upstream table to this file (its folder must exist).")
+    ] = None,
 ) -> None:
     """Probe a live engine (decode steps at batch sizes 1, 2, 4, ..., max_batch; prefill at several prompt
     lengths), print iter_base_ms, iter_slope_ms, prefill_ms_per_token and max_batch with their standard

@@ -32,9 +32,8 @@ def test_a_header_value_that_is_not_ascii_is_refused():
 
 def test_a_ca_file_without_a_certificate_stops_the_config_naming_it(tmp_path):
     (tmp_path / "ca.pem").write_text("not a certificate\n")
-    with pytest.raises(Exception) as refused:
-        with serve_stack(tmp_path, upstream_table={"ca_file": "ca.pem"}):
-            pass
+    with pytest.raises(Exception) as refused, serve_stack(tmp_path, upstream_table={"ca_file": "ca.pem"}):
+        pass
     assert "upstream[0].ca_file" in str(refused.value) and "no PEM certificate" in str(refused.value)
 
 
