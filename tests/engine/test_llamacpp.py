@@ -86,6 +86,7 @@ def test_calibrate_fits_the_engine_within_the_stated_error(calibrated, engine_ur
     for name in ("iter_base_ms", "iter_slope_ms", "prefill_ms_per_token", "max_batch"):
         assert name in calibrated["stdout"]
     base, slope = calibrated["iter_base_ms"], calibrated["iter_slope_ms"]
+    print(f"calibrate: {calibrated['stdout']}")
     alone = _engine_timings(engine_url, 32, 64)
     assert base + slope == pytest.approx(alone["predicted_per_token_ms"], rel=0.40)
     full = asyncio.run(_engine_timings_together(engine_url, 8, 32, 64))  # a full batch: the meter's usual case
@@ -137,6 +138,7 @@ def test_a_client_that_hangs_up_stops_its_sequence_in_the_engine(calibrated, eng
         while _processing(engine_url) and time.monotonic() - left_s < 5.0:
             time.sleep(0.02)
         stopped_s = time.monotonic() - left_s
+        print(f"cut: the engine's slot stopped {stopped_s * 1000:.0f} ms after the client left ({received} received)")
         assert stopped_s <= 1.0, f"the engine's slot ran {stopped_s:.2f} s after the client left"
         time.sleep(0.5)  # the gateway's final settlement
         [r] = [r for r in asyncio.run(stack.reservations()) if r.request_id == "cut-1"]
