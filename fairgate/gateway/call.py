@@ -128,19 +128,10 @@ class Call:
             # starts (asyncio finalizes a started generator; one never started would hold its slot forever).
             first = await relay.__anext__()
             return RelayedStream(first, relay, headers)
-        collect = asyncio.ensure_future(self._collect(stream))
-        watcher = asyncio.ensure_future(watch_disconnect(request, collect))
-        try:
-            document = await collect
-            if self.stopped is not None:
-                headers["x-fairgate-stop-reason"] = self.stopped
-            return JSONResponse(document, headers=headers)
-        except asyncio.CancelledError:
-            if watcher.done():  # the client went away: nobody is left to answer
-                raise Rejection(Outcome.CLIENT_CLOSED, "client closed the request") from None
-            raise
-        finally:
-            watcher.cancel()
+        document = await while_connected(request, self._collect(stream))
+        if self.stopped is not None:
+            headers["x-fairgate-stop-reason"] = self.stopped
+        return JSONResponse(document, headers=headers)
 
     def _upstream_body(self) -> dict[str, Any]:
         """The body the upstream gets: the client's fields its kind forwards (``kinds.upstream_body``: the
@@ -447,6 +438,21 @@ def completion_document(call: CallState, chat: bool, model: str, created_s: int)
         "choices": choices,
         "usage": usage,
     }
+
+
+async def while_connected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """What ``work`` returns, run as a task of its own that is cancelled if the client disconnects first
+    (``watch_disconnect``). Raises ``Rejection`` 499 when the client left."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(watch_disconnect(request, task))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done():  # the client went away: nobody is left to answer
+            raise Rejection(Outcome.CLIENT_CLOSED, "client closed the request") from None
+        raise
+    finally:
+        watcher.cancel()
 
 
 async def watch_disconnect(request: Request, work: asyncio.Future[Any], interval_s: float = 0.05) -> None:

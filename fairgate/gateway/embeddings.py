@@ -17,14 +17,13 @@ generation that fails before the client received anything.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from fairgate.gateway.call import Call, TryAnotherUpstream, watch_disconnect
+from fairgate.gateway.call import Call, TryAnotherUpstream, while_connected
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.upstream import UpstreamError
 
@@ -42,16 +41,7 @@ class EmbeddingCall(Call):
         generation = self.admitted.generation
         headers = {"x-request-id": generation.request_id, **await self._rate_headers()}
         reply = self.client.embed(self._upstream_body(), self.progress, self.lease.prefill_estimate_ms)
-        work = asyncio.ensure_future(self._fetch(reply))
-        watcher = asyncio.ensure_future(watch_disconnect(request, work))
-        try:
-            document = await work
-        except asyncio.CancelledError:
-            if watcher.done():  # the client went away: nobody is left to answer
-                raise Rejection(Outcome.CLIENT_CLOSED, "client closed the request") from None
-            raise
-        finally:
-            watcher.cancel()
+        document = await while_connected(request, self._fetch(reply))
         return JSONResponse({**document, "model": generation.model}, headers=headers)
 
     def _upstream_body(self) -> dict[str, Any]:
