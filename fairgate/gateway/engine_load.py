@@ -53,11 +53,11 @@ async def read_load(http: httpx.AsyncClient, root_url: str, metrics: Metrics) ->
         return None, None
 
 
-async def poll_engine_load(state: GatewayState, interval_s: float = ENGINE_LOAD_EVERY_S) -> None:
-    """Forever: every ``interval_s``, each upstream whose kind reports its load is read and the dispatcher
-    told (see module docstring)."""
+async def poll_engine_load(state: GatewayState, interval_s: float | None = None) -> None:
+    """Forever: every ``interval_s`` (default ``ENGINE_LOAD_EVERY_S``, read at each round), each upstream
+    whose kind reports its load is read and the dispatcher told (see module docstring)."""
     while True:
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(interval_s or ENGINE_LOAD_EVERY_S)
         for upstream in state.dispatcher.upstreams():
             client = state.upstreams.get(upstream.name)
             if client is None or (client.kind.metrics.running is None and client.kind.metrics.waiting is None):

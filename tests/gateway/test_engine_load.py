@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from fairgate.emulator.api import create_app, replica_of
+from fairgate.gateway import engine_load
 from fairgate.gateway.engine_load import parse_load
 from fairgate.gateway.kinds import KINDS
 from fairgate.gateway.observe import Dispatched
@@ -50,7 +51,7 @@ class DispatchWatch:
 
 
 async def _six_long_requests(url: str, key: str) -> list[int]:
-    body = {"model": "emu", "prompt": "x", "max_tokens": 200, "ignore_eos": True}  # ~0.85 s each, alone
+    body = {"model": "emu", "prompt": "x", "max_tokens": 300, "ignore_eos": True}  # ~1.3 s each, alone
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         headers = {"Authorization": f"Bearer {key}"}
         replies = await asyncio.gather(*(http.post("/v1/completions", json=body, headers=headers) for _ in range(6)))
@@ -58,11 +59,13 @@ async def _six_long_requests(url: str, key: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_an_engine_with_requests_queued_inside_gets_nothing_more_until_they_ran(tmp_path):
+def test_an_engine_with_requests_queued_inside_gets_nothing_more_until_they_ran(tmp_path, monkeypatch):
     # The engine has one slot; the gateway is told four (a misconfigured max_batch): four requests go at
     # once, three of them wait inside the engine, first come first served. Two reads of its /metrics later
     # the gateway holds the fifth and sixth until the engine's queue is empty - without the engine's load
     # the fifth would go as soon as the first ended, behind two still queued in the engine.
+    # Reads every 0.1 s: two of them well within the first request's ~0.85 s, however loaded the machine.
+    monkeypatch.setattr(engine_load, "ENGINE_LOAD_EVERY_S", 0.1)
     one_slot = REPLICA.settings("emu").model_copy(update={"max_batch": 1})
     watch = DispatchWatch()
     watch.app = create_app(one_slot)

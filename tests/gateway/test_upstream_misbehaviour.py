@@ -87,12 +87,14 @@ def final(stack: Stack, request_id: str, wait_s: float = 10.0) -> Reservation:
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    """The gateway's warning lines so far, parsed (each is one JSON object)."""
-    return [
+    """The gateway's warning lines so far about calls, parsed (each is one JSON object). The fake upstream
+    answers faster than its cost model says, which the drift check rightly reports: not a call's line."""
+    lines = [
         json.loads(r.getMessage())
         for r in caplog.records
         if r.name.startswith("fairgate") and r.levelno >= logging.WARNING
     ]
+    return [line for line in lines if line.get("event") != "cost_model_drift"]
 
 
 @pytest.mark.parametrize("stream", [True, False])
