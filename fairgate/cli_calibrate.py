@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 from pathlib import Path
 from typing import Annotated
 
@@ -19,7 +18,6 @@ from rich.table import Table
 from fairgate.cli_common import console, fail, note
 
 calibrate_app = typer.Typer()  # its one command joins the main app (fairgate.cli.main)
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # an [[upstream]] name (fairgate.gateway.config.Name)
 KINDS = ("vllm", "sglang", "llamacpp", "tgi", "openai")
 
 
@@ -75,7 +73,10 @@ def _checked(
 ) -> tuple[str, tuple[tuple[str, str], ...]]:
     """The options checked before anything is probed: the OpenAI base URL and the request headers.
     Raises ``typer.Exit`` (2) naming the option at fault."""
+    from pydantic import TypeAdapter, ValidationError
+
     from fairgate.gateway.calibrate import base_url
+    from fairgate.gateway.config import Name
     from fairgate.gateway.credentials import CredentialError, valid_key
 
     if kind not in KINDS:
@@ -89,8 +90,10 @@ def _checked(
         raise fail(f"URL {url!r}: give the engine's http:// or https:// base URL (host, a port 1-65535)")
     if parsed.path.rstrip("/") not in ("", "/v1"):
         raise fail(f"URL {url!r}: give the engine's base URL (http://host:port or .../v1), not an endpoint")
-    if not NAME.fullmatch(name):
-        raise fail(f"--name {name!r}: letters, digits, '.', '_', '-' (what an upstream's name may be)")
+    try:  # what the gateway's config takes as an upstream's name
+        TypeAdapter(Name).validate_python(name)
+    except ValidationError:
+        raise fail(f"--name {name!r}: letters, digits, '.', '_', '-' (what an upstream's name may be)") from None
     if model is not None and not model.strip():
         raise fail("--model: give a model name (or leave the option out: the engine's first)")
     headers: tuple[tuple[str, str], ...] = ()

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from fairgate.core.fit import Line, fit_line, median, steady_step_ms
+from fairgate.gateway import sse
 
 DECODE_TOKENS = 40  # per probe stream: enough gaps while the whole batch decodes
 PREFILL_WORDS = (8, 48, 144, 288)  # random words per prefill probe: ~30 to ~1,000 tokens on the test model
@@ -183,16 +184,13 @@ async def _said(answer: httpx.Response) -> str:
 
 
 def _chunk(line: str) -> dict[str, Any] | None:
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return None
+    """A stream line's chunk (``fairgate.gateway.sse``); None for framing, ``[DONE]`` or what is not one (a
+    probe only times the tokens it can read)."""
     try:
-        value = json.loads(data)
-    except json.JSONDecodeError:
+        data = sse.data_of(line)
+        return None if data is None or data.strip() == sse.DONE else sse.chunk_of(data)
+    except sse.MalformedStream:
         return None
-    return value if isinstance(value, dict) else None
 
 
 def upstream_table(calibration: Calibration, name: str, url: str, model: str, kind: str, max_model_len: int) -> str:
