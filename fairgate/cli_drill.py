@@ -36,7 +36,13 @@ def drill(
     ] = None,
     policy: Annotated[str, typer.Option("--policy", "-p", help="The gateway policy under test.")] = "gpu_fair",
     compare: Annotated[str, typer.Option(help="A second policy run for comparison, or none.")] = "fcfs",
-    processes: Annotated[bool, typer.Option(help="Run replicas and gateway as fairgate processes.")] = False,
+    processes: Annotated[
+        bool | None,
+        typer.Option(
+            "--processes/--no-processes",
+            help="Run replicas and gateway as fairgate processes, or on threads of this one (default: the drill's).",
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the load's randomness.")] = 1,
 ) -> None:
     """Run an acceptance drill on loopback (emulated replicas, the gateway, a ledger: SQLite, or the

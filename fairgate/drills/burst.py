@@ -288,7 +288,7 @@ def run(options: DrillOptions, config: BurstConfig | None = None) -> BurstResult
     config = options.setting(config or BurstConfig())
 
     def one(policy: str) -> PolicyFigures:
-        spec = config.spec(policy, options.processes)
+        spec = config.spec(policy, options.in_processes(True))
         return figures(config, run_on_stack(spec, config.loads(), 2 * config.seconds, options.seed, (config.seconds,)))
 
     main, compare = main_and_compare(options, one)

@@ -500,7 +500,7 @@ def run(options: DrillOptions, config: CancellationConfig | None = None) -> Canc
     """Run the drill under ``options.policy`` (``seconds`` and ``compare`` do not apply: the load is
     1,000 requests, and the claim does not depend on the policy)."""
     config = config or CancellationConfig()
-    with quiet_hang_ups(), start_stack(config.spec(options.policy, options.processes)) as stack:
+    with quiet_hang_ups(), start_stack(config.spec(options.policy, options.in_processes(False))) as stack:
         return CancellationResult(config, asyncio.run(_run(stack, config, options)))
 
 

@@ -438,5 +438,7 @@ def run(options: DrillOptions, config: CapacityConfig | None = None) -> Capacity
     """Run the drill under ``options.policy`` (and ``options.compare``, if any). ``options.seconds`` sets the
     load's length (the removal stays at ``remove_at_s``)."""
     config = options.setting(config or CapacityConfig())
-    runs = main_and_compare(options, lambda policy: run_capacity(config, policy, options.processes, options.seed))
+    runs = main_and_compare(
+        options, lambda policy: run_capacity(config, policy, options.in_processes(False), options.seed)
+    )
     return CapacityResult(config, *runs)

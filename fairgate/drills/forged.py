@@ -522,7 +522,7 @@ def run(options: DrillOptions, config: ForgedConfig | None = None) -> ForgedResu
     """Run the drill under ``options.policy`` (``seconds`` and ``compare`` do not apply)."""
     config = config or ForgedConfig()
     secret = secrets.token_urlsafe(32)
-    with start_stack(config.spec(options.policy, options.processes, secret)) as stack:
+    with start_stack(config.spec(options.policy, options.in_processes(False), secret)) as stack:
         todo = attacks(config, stack.keys, secret.encode("utf-8"), stack.spec.model)
         return ForgedResult(config, asyncio.run(_run(stack, config, todo, options.policy)))
 

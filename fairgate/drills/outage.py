@@ -432,14 +432,14 @@ def run(options: DrillOptions, config: OutageConfig | None = None) -> OutageResu
         LogCapture() as capture,
         redis_server(folder / "redis") as redis,
     ):
-        spec = config.spec(options.policy, options.processes, redis_url(redis, "drill"))
+        spec = config.spec(options.policy, options.in_processes(False), redis_url(redis, "drill"))
         with start_stack(spec, folder=folder / "stack") as stack:
             timeline, observed = asyncio.run(_run(stack, redis, config, options.seed))
         # The gateway has stopped: its request log is flushed.
         assert stack.config.event_log_path is not None
         events = read_events(stack.config.event_log_path)
         log = summarise_log(log_lines(capture.lines, stack.config.path.parent / "gateway.log"))
-    return OutageResult(config, outage_figures(config, timeline, observed, events, log), options.processes)
+    return OutageResult(config, outage_figures(config, timeline, observed, events, log), options.in_processes(False))
 
 
 async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tuple[Timeline, Observed]:

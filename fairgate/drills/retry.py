@@ -479,7 +479,7 @@ async def buckets(ledger: Any, config: RetryConfig, model: str, events: list[Any
 def run(options: DrillOptions, config: RetryConfig | None = None) -> RetryResult:
     """Run the drill under ``options.policy`` (``seconds``: how long the originals arrive over)."""
     config = options.setting(config or RetryConfig())
-    with start_stack(config.spec(options.policy, options.processes)) as stack:
+    with start_stack(config.spec(options.policy, options.in_processes(False))) as stack:
         return RetryResult(config, asyncio.run(_run(stack, config, options)))
 
 

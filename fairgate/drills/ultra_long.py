@@ -244,7 +244,7 @@ def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLo
     config = options.setting(config or UltraLongConfig())
 
     def one(policy: str) -> PolicyFigures:
-        spec = config.spec(policy, options.processes)
+        spec = config.spec(policy, options.in_processes(True))
         snapshot_at_s = (config.agent_start_s,) if config.agent_start_s > 0 else ()
         return figures(config, run_on_stack(spec, config.loads(), config.seconds, options.seed, snapshot_at_s))
 

@@ -50,18 +50,22 @@ class ReplicaModel:
 
     def upstream(self, name: str, url: str, model: str, max_batch: int | None = None, **more: Any) -> UpstreamConfig:
         """The gateway's ``[[upstream]]`` for this replica at ``url`` (its base URL, without ``/v1``), of
-        whose slots the gateway uses ``max_batch`` (default: all); ``more``: other keys of the table. The
+        whose slots the gateway uses ``max_batch`` (default: all); ``more``: other keys of the table (a cost
+        model's keys in it override this replica's). The
         emulator speaks vLLM's dialect (``cache_salt``, ``ignore_eos``), so the kind is ``vllm`` unless given."""
         return UpstreamConfig(
             name=name,
             url=f"{url}/v1",
             model=model,
             max_batch=max_batch or self.max_batch,
-            iter_base_ms=self.iter_base_ms,
-            iter_slope_ms=self.iter_slope_ms,
-            prefill_ms_per_token=self.prefill_ms_per_token,
-            max_model_len=self.max_model_len,
-            **{"kind": "vllm", **more},
+            **{
+                "iter_base_ms": self.iter_base_ms,
+                "iter_slope_ms": self.iter_slope_ms,
+                "prefill_ms_per_token": self.prefill_ms_per_token,
+                "max_model_len": self.max_model_len,
+                "kind": "vllm",
+                **more,
+            },
         )
 
 

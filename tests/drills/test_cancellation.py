@@ -13,6 +13,7 @@ import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.cancellation import CancellationConfig, run
+from tests.conftest import timing_claims_hold_here
 from tests.drills.conftest import timed_run
 
 WALL_S_MAX = 45.0
@@ -37,7 +38,11 @@ def test_a_thousand_cancelled_streams_release_every_slot_and_bill_what_was_gener
     # Exact where it can be: completed streams billed exactly what was generated and received.
     completed = [r for r in figs.requests if r.cut_at == "completed"]
     assert completed and all(r.billed_output == r.generated == r.received == r.max_tokens for r in completed), summary
-    # Every token generated well before its client hung up was billed (the youngest may be unread in transit).
+    exact = {name: ok for name, ok in checks.items() if "before the hang-up billed" not in name}
+    assert all(exact.values()), summary
+    # Every token generated well before its client hung up was billed (the youngest may be unread in transit):
+    # a bound in ms, on a gateway relaying ~2,400 tokens/s.
+    timing_claims_hold_here(f"the read lag bound ({config.read_lag_ms_max:g} ms) and the wall time")
     assert all((r.oldest_unbilled_ms or 0.0) <= config.read_lag_ms_max for r in figs.requests), summary
     assert all(checks.values()), summary
     assert result.passed, summary

@@ -50,6 +50,7 @@ from fairgate.gateway.dispatch import Dispatcher, Upstream
 from fairgate.harness.ledger import fresh_ledger_url
 from fairgate.harness.loadgen import TenantLoad
 from fairgate.ledger import Reservation, Usage
+from tests.conftest import timing_claims_hold_here
 
 LIMITS_WALL_S_MAX = 60.0
 FAIRNESS_WALL_S_MAX = 60.0
@@ -144,6 +145,7 @@ def test_one_two_four_processes_never_admit_beyond_the_limits(backend: str, requ
         # billed all of it before the meters shared their occupancy: x1.96 at N = 2, x3.5 at N = 4).
         assert group.replica is not None and group.replica.busy_ms > 0, summary
         assert group.ledger_gpu_ms / group.replica.busy_ms == pytest.approx(1.0, abs=0.15), summary
+    timing_claims_hold_here("the wall time")
     assert elapsed <= LIMITS_WALL_S_MAX, f"the drill took {elapsed:.0f} s"
 
 
@@ -164,7 +166,6 @@ def test_gpu_shares_stay_fair_when_tenants_traffic_lands_on_different_processes(
     config, figs, elapsed = shared
     summary = plain_text(render_fairness(config, figs), width=200)
     print(summary)
-    assert figs.ratio <= config.ratio_max, summary
     # Every tenant was served, nobody saw an error, and the replicas were never overfilled.
     assert all(figs.completed[t] > 10 for t in config.tenants), summary
     assert not any(figs.errors.values()), summary
@@ -172,6 +173,8 @@ def test_gpu_shares_stay_fair_when_tenants_traffic_lands_on_different_processes(
     # Not asserted here: no reservation left open after the clients hang up at the deadline. A client leaving
     # the queue in the instant a slot frees can leave one open (see the dispatch-race test below); the drill
     # reports it as lost.
+    timing_claims_hold_here(f"the shares' max/min bound ({config.ratio_max:g}) and the wall time")
+    assert figs.ratio <= config.ratio_max, summary
     assert elapsed <= FAIRNESS_WALL_S_MAX, f"the drill took {elapsed:.0f} s"
 
 
@@ -194,9 +197,12 @@ def test_ledger_bills_what_the_replicas_spent_with_two_processes_per_replica(sha
     1.4-1.6 apart while the ledger's were 1.02."""
     config, figs, _ = shared
     summary = plain_text(render_fairness(config, figs), width=200)
+    assert not math.isinf(figs.truth_ratio)
+    # Bounds on the meters' split of a replica's time, which lean on the gateways reading every token as it
+    # comes (a starved process reads them late and splits the time it measured between fewer requests).
+    timing_claims_hold_here("billed / busy within 10 % and the replicas' shares' max/min")
     assert figs.billed_over_busy == pytest.approx(1.0, abs=0.1), summary
     assert figs.truth_ratio <= config.ratio_max, summary
-    assert not math.isinf(figs.truth_ratio)
 
 
 async def test_a_client_leaving_the_queue_as_a_slot_frees_neither_breaks_release_nor_leaks_the_slot():

@@ -16,6 +16,7 @@ import pytest
 
 from bench.live_fairness import TraceRun, azure_window, print_trace_run, run_trace, trace_paths, trace_scenario
 from fairgate.sim.experiment import simulate
+from tests.conftest import timing_claims_hold_here
 
 START_S = 1080.0  # trace seconds
 SECONDS = 12.0  # replay seconds
@@ -65,5 +66,6 @@ def test_realised_shares_match_the_simulator(workload, policy):  # type: ignore[
     print_trace_run(result)  # shown with -s, or on failure
     assert not result.errors
     assert all(n >= 40 for n in result.dispatched_live.values()), _explain(result)
+    timing_claims_hold_here(f"the live shares within {BOUND_PP:g} pp of the simulator's")
     worst = max(abs(d) for d in result.difference_pp().values())
     assert worst <= BOUND_PP, _explain(result)

@@ -84,6 +84,10 @@ def test_one_request_id_sent_to_two_gateway_processes_runs_once(tmp_path: Path, 
     assert stats["running"] == 0
 
 
+# Long enough for gateway B to start and answer its first request while A's claims hold, on a loaded machine.
+CLAIM_MS = 3000.0
+
+
 def test_a_request_that_ran_on_a_process_that_stopped_is_not_run_again(tmp_path: Path) -> None:
     """Process A (gone) reserved two requests: one it had started (settled at its first token), one still
     queued (nothing billed). Once A's run claims lapse, their clients' retries on B: the started one is closed
@@ -96,16 +100,18 @@ def test_a_request_that_ran_on_a_process_that_stopped_is_not_run_again(tmp_path:
         async def as_process_a(ledger: Ledger) -> None:
             for request_id, ran in (("started", True), ("queued", False)):
                 r = await ledger.reserve("alpha", request_id, 1, 10, cost.worst_case_ms(1, 10), "emu")
-                await ledger.claim(r.id, "gateway-a", 300.0)
+                await ledger.claim(r.id, "gateway-a", CLAIM_MS)
                 if ran:
                     await ledger.settle(r.id, 1, 1, 5.0)
 
         ledger_call(config, as_process_a)
+        claimed_at = time.monotonic()
         body = {"model": "emu", "prompt": "x", "max_tokens": 10}
         with serve_in_thread(create_gateway(config)) as b:
             headers = {"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "started"}
             early = httpx.post(f"{b}/v1/completions", json=body, headers=headers, timeout=30)
-            time.sleep(0.4)  # A's claims lapse
+            assert time.monotonic() - claimed_at < CLAIM_MS / 1000.0  # it was early: the claims still held
+            time.sleep(max(0.0, claimed_at + CLAIM_MS / 1000.0 + 0.1 - time.monotonic()))  # A's claims lapse
             started = httpx.post(f"{b}/v1/completions", json=body, headers=headers, timeout=30)
             headers["X-Request-Id"] = "queued"
             queued = httpx.post(f"{b}/v1/completions", json=body, headers=headers, timeout=30)
