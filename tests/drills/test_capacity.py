@@ -23,6 +23,7 @@ import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.capacity import CapacityConfig, lost_requests, run
+from tests.conftest import timing_claims_hold_here
 from tests.drills.conftest import timed_run
 
 WALL_S_MAX = 60.0
@@ -41,9 +42,10 @@ def test_one_replica_removed_batch_yields_interactive_keep_weights_nothing_lost(
         errors = t.requests.errors
         assert all(code.startswith(("502", "stream:upstream_error", "connection")) for code in errors), summary
         assert not lost_requests(t), summary
-    # Batch had a real share before, and yielded it after.
+    # Batch had a real share before, and yielded it after (how fast, and the split, are timing claims).
     assert batch.share_before > 0.10, summary
     assert batch.share_after <= config.batch_share_after_max, summary
+    timing_claims_hold_here("how fast batch yielded, the interactive tenants' ratio and the wall time")
     assert figs.converge_s is not None and figs.converge_s <= config.converge_s_max, summary
     # The interactive tenants split the capacity left by weight.
     assert abs(figs.ratio(config) / config.weight_ratio() - 1) <= config.ratio_tolerance, summary
@@ -57,6 +59,7 @@ def test_equal_demand_before_the_removal_the_weights_still_hold_after_it():
     so gold's weighted counter grows half as fast as silver's. Found by this drill: gold banked the difference
     and took 3-7x silver's GPU for about 30 s after the removal (3.45 over 18-34 s); fixed, a tenant whose
     queue was empty is lifted towards the policy's virtual time even while it runs (2.06 measured)."""
+    timing_claims_hold_here("the interactive tenants' ratio after the removal (a fairness figure, nothing else)")
     config = replace(CapacityConfig(), clients={"gold": 20, "silver": 20, "bulk": 40}, surge={})
     result = run(DrillOptions(policy="gpu_fair", compare=None), config)
     print(result.summary())

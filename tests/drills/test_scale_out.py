@@ -34,6 +34,7 @@ from fairgate.core.policies.factory import PolicySpec, TenantShare, make_policy
 from fairgate.core.request import Request
 from fairgate.drills.report import plain_text
 from fairgate.drills.scale_out import (
+    NOT_EXERCISED,
     FairnessConfig,
     LimitsConfig,
     bucket_peak,
@@ -126,26 +127,32 @@ def test_one_two_four_processes_never_admit_beyond_the_limits(backend: str, requ
     elapsed = time.monotonic() - start
     summary = plain_text(render_limits(config, figs), width=200)
     print(summary)
-    assert not limits_problems(figs), summary
-    for group in figs.groups.values():
-        for t in group.tenants.values():
-            # The clients pushed against every limit: most requests were refused, some admitted.
-            refused = sum(n for code, n in t.requests.errors.items() if code.startswith("429"))
-            assert t.requests.reservations > 0 and refused > 0, summary
-            for bucket, (peak, burst) in t.peaks.items():
-                assert peak <= burst + 1e-6 * burst, f"{t.tenant} {bucket}\n{summary}"
-            if "max_concurrent" in t.limits:
-                assert t.concurrent_peak == t.limits["max_concurrent"], summary  # reached, never passed
-                assert t.queued_sampled <= t.limits["max_queued"] and t.samples >= 20, summary
-            if t.gpu is not None:
-                assert t.gpu_budget_ms is not None and t.gpu.within_ms <= t.gpu_budget_ms * (1 + 1e-9), summary
-            assert t.requests.open == 0 and t.account_after == (0, 0), summary
+    problems = limits_problems(figs)
+    assert not [p for p in problems if NOT_EXERCISED not in p], summary
+    tenants = [t for group in figs.groups.values() for t in group.tenants.values()]
+    for t in tenants:
+        # No limit was passed, and nothing was left open.
+        for bucket, (peak, burst) in t.peaks.items():
+            assert peak <= burst + 1e-6 * burst, f"{t.tenant} {bucket}\n{summary}"
+        if "max_concurrent" in t.limits:
+            assert t.concurrent_peak <= t.limits["max_concurrent"], summary
+            assert t.queued_sampled <= t.limits["max_queued"], summary
+        if t.gpu is not None:
+            assert t.gpu_budget_ms is not None and t.gpu.within_ms <= t.gpu_budget_ms * (1 + 1e-9), summary
+        assert t.requests.reservations > 0 and t.requests.open == 0 and t.account_after == (0, 0), summary
     for group in figs.groups.values():
         # The processes of a group share its replica: together they bill its busy time about once (each
         # billed all of it before the meters shared their occupancy: x1.96 at N = 2, x3.5 at N = 4).
         assert group.replica is not None and group.replica.busy_ms > 0, summary
         assert group.ledger_gpu_ms / group.replica.busy_ms == pytest.approx(1.0, abs=0.15), summary
-    timing_claims_hold_here("the wall time")
+    # That the clients pushed against every limit depends on how many requests 8 s of load gets through.
+    timing_claims_hold_here("that the load pushed against every limit, and the wall time")
+    assert not problems, summary
+    for t in tenants:
+        refused = sum(n for code, n in t.requests.errors.items() if code.startswith("429"))
+        assert refused > 0, summary  # most requests were refused, some admitted
+        if "max_concurrent" in t.limits:
+            assert t.concurrent_peak == t.limits["max_concurrent"] and t.samples >= 20, summary  # reached
     assert elapsed <= LIMITS_WALL_S_MAX, f"the drill took {elapsed:.0f} s"
 
 
