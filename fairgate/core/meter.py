@@ -38,11 +38,23 @@ interval is right on average (tests/core/test_meter.py, the two-process simulati
 charges add up to the replica's busy time as far as last round's averages describe this one. With no
 remote occupancy (one process) the split is the exact one above.
 
+Cost per event: a token that changes nothing but the time (no request pending, no prefill ending) is O(1).
+Between changes of the batch every request's weight is fixed, so the meter keeps one running integral, the
+``price`` (ms charged per unit of weight so far), and each request its weight and the price when its charge
+was last brought up to date: its charge is ``charged + weight * (price - mark)``, read when asked
+(``charged_ms``). A change of ``B`` (a request joining the iteration or leaving it, the remote occupancy)
+changes every weight and brings every charge up to date: O(in flight) per request, not per token. A
+request's prefill is attributed at ``prefill_ms`` per unit of price from when it joins the iteration, so it
+is all attributed once the price has risen by 1 from then (a heap of those points). The charges are those
+of charging every interval by the weights it started with (``fairgate.core.meter_reference`` does that, and
+agrees to 1e-9).
+
 Pure: the caller passes ``now_ms`` (any monotonic clock in ms).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -57,11 +69,14 @@ MAX_REMOTE_PREFILL_SHARE = 0.9
 class _InFlight:
     tenant: str
     prompt_tokens: int
-    prefill_left_ms: float  # the cost model's prefill time not yet attributed to it
+    prefill_ms: float  # the cost model's prefill time of its prompt
     prefilling: bool = True
     pending: bool = False  # sent, but the replica has not reached an iteration boundary since
     sent_ms: float = 0.0
-    charged_ms: float = 0.0
+    charged_ms: float = 0.0  # as of ``mark`` (the meter's price then)
+    mark: float = 0.0
+    weight: float = 0.0  # in the current iteration (0 while pending)
+    prefill_end: float = math.inf  # the price at which its prefill will have been attributed
     sequences: int = 1  # OpenAI's ``n``: it holds that many places in the batch, its prompt prefilled once
 
 
@@ -76,17 +91,9 @@ class Occupancy:
     prefill_share: float = 0.0
 
 
-@dataclass(frozen=True)
-class MeterCharge:
-    """GPU ms charged to one request for the interval just metered."""
-
-    request_id: str
-    tenant: str
-    gpu_ms: float
-
-
 class LiveMeter:
-    """Meters one upstream. Call ``advance(now_ms)`` before every change (the methods below do it)."""
+    """Meters one upstream. Every event method first charges the interval since the last event
+    (``advance``); ``charged_ms`` reads a request's charge so far."""
 
     def __init__(self, cost: CostModel, now_ms: float, boundary_lag_ms: float | None = None) -> None:
         self.cost = cost
@@ -99,6 +106,15 @@ class LiveMeter:
         self._window_start_ms = now_ms
         self._sequence_ms = 0.0  # its own requests' occupancy since the window started: sequences x ms
         self._prefill_attributed_ms = 0.0  # and prefill ms attributed
+        self._price = 0.0  # ms charged per unit of weight, integrated over the meter's life
+        self._own_weight = 0.0  # of its requests in the iteration
+        self._remote_weight = 0.0  # of the other processes' sequences in it
+        self._active_sequences = 0  # sequences of its requests in the iteration
+        self._sequences = 0  # sequences of its requests in flight, pending ones included
+        self._pending = 0  # requests pending
+        self._unprefilled = 0  # requests being prefilled, pending or not
+        self._prefill_rate = 0.0  # prefill ms attributed per unit of price: prefill_ms of those in the iteration
+        self._prefill_ends: list[tuple[float, str]] = []  # (prefill_end, request id), a heap
 
     @property
     def in_flight(self) -> int:
@@ -107,75 +123,99 @@ class LiveMeter:
     @property
     def prefilling(self) -> bool:
         """Whether a request in flight is pending or being prefilled (the iteration is no plain decode step)."""
-        return any(r.prefilling or r.pending for r in self._requests.values())
+        return self._pending > 0 or self._unprefilled > 0
 
     @property
     def sequences(self) -> int:
         """Sequences of its requests in flight (a request of ``n`` counts ``n``)."""
-        return sum(r.sequences for r in self._requests.values())
+        return self._sequences
 
-    def _weights(self) -> tuple[dict[str, float], float]:
-        """Weights of this process's requests in the current iteration (the pending ones are not in it), and
-        the weight of the other processes' (``remote``) in it."""
-        active = {rid: r for rid, r in self._requests.items() if not r.pending}
-        if not active:
-            return {}, 0.0
-        batch = sum(r.sequences for r in active.values()) + self.remote.sequences
-        decode = (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch) / batch
-        # Each sequence weighs dt / B; a request of n sequences shares one prompt, prefilled once.
-        weights = {
-            rid: decode * r.sequences + (self.cost.prefill_ms(r.prompt_tokens) if r.prefilling else 0.0)
-            for rid, r in active.items()
-        }
-        return weights, decode * self.remote.sequences
+    def charged_ms(self, request_id: str) -> float:
+        """GPU ms charged to ``request_id`` up to the last event. Raises ``KeyError``: not in flight."""
+        request = self._requests[request_id]
+        return request.charged_ms + request.weight * (self._price - request.mark)
 
-    def _boundary(self, now_ms: float | None = None) -> None:
-        """An iteration ended at ``now_ms``: the pending requests sent at least ``boundary_lag_ms`` before
-        join the next one (all of them when ``now_ms`` is None)."""
-        for request in self._requests.values():
-            if now_ms is None or now_ms - request.sent_ms >= self.boundary_lag_ms:
-                request.pending = False
-
-    def advance(self, now_ms: float) -> list[MeterCharge]:
+    def advance(self, now_ms: float) -> None:
         """Charge the interval since the last call to the requests in flight. A clock that went backwards
         charges nothing."""
         interval = now_ms - self._last_ms
         if interval <= 0:
-            return []
+            return
         self._last_ms = now_ms
         if not self._requests:
-            return []
+            return
         self.busy_ms += interval
-        weights, remote_weight = self._weights()
-        if not weights:  # cannot happen (a request is pending only beside an active one); never lose time
+        if self._own_weight <= 0:  # cannot happen (one is pending only beside an active one); never lose time
             self._boundary()
-            weights, remote_weight = self._weights()
-        own_weight = sum(weights.values())
-        self._sequence_ms += sum(self._requests[rid].sequences for rid in weights) * interval
+        self._sequence_ms += self._active_sequences * interval
         # The others' prefill takes its share of the interval; the rest is split by weight, and the remote
         # sequences' part is theirs to charge.
         shared_ms = interval * (1.0 - min(self.remote.prefill_share, MAX_REMOTE_PREFILL_SHARE))
-        own_ms = shared_ms * own_weight / (own_weight + remote_weight)
+        own_ms = shared_ms * self._own_weight / (self._own_weight + self._remote_weight)
         self.charged_total_ms += own_ms
-        charges = []
-        remaining = own_ms
-        items = list(weights.items())
-        for index, (rid, weight) in enumerate(items):
-            # The last request takes what is left, so the interval is charged exactly, not to rounding.
-            share = remaining if index == len(items) - 1 else own_ms * weight / own_weight
-            remaining -= share
-            request = self._requests[rid]
-            request.charged_ms += share
-            if request.prefilling:
-                # Its prefill weighs only until the model's prefill time has been attributed to it; time to
-                # first token beyond that (HTTP, waiting for an iteration boundary) is charged as decode.
-                prefill_part = share * self.cost.prefill_ms(request.prompt_tokens) / weight
-                self._prefill_attributed_ms += min(prefill_part, request.prefill_left_ms)
-                request.prefill_left_ms -= prefill_part
-                if request.prefill_left_ms <= 0:
-                    request.prefilling = False
-            charges.append(MeterCharge(rid, request.tenant, share))
-        return charges
+        rise = own_ms / self._own_weight
+        self._price += rise
+        self._prefill_attributed_ms += self._prefill_rate * rise
+        while self._prefill_ends and self._prefill_ends[0][0] <= self._price:
+            end, request_id = heapq.heappop(self._prefill_ends)
+            request = self._requests.get(request_id)
+            if request is not None and request.prefilling and request.prefill_end == end:
+                # Attributed within the interval just charged (at its prefill weight, as every interval is
+                # charged by the weights it started with); from now it weighs as decode only.
+                self._prefill_attributed_ms -= request.prefill_ms * (self._price - end)  # the overshoot
+                self._stop_prefilling(request)
+
+    def _stop_prefilling(self, request: _InFlight) -> None:
+        self._bring_up_to_date(request)
+        request.prefilling = False
+        self._unprefilled -= 1
+        if not request.pending:
+            self._prefill_rate -= request.prefill_ms
+            request.weight -= request.prefill_ms
+            self._own_weight -= request.prefill_ms
+
+    def _bring_up_to_date(self, request: _InFlight) -> None:
+        request.charged_ms += request.weight * (self._price - request.mark)
+        request.mark = self._price
+
+    def _join(self, request_id: str, request: _InFlight) -> None:
+        """``request`` joins the iteration (no longer pending); the caller reweighs."""
+        self._bring_up_to_date(request)
+        request.pending = False
+        self._pending -= 1
+        self._active_sequences += request.sequences
+        if request.prefilling:
+            self._prefill_rate += request.prefill_ms
+            request.prefill_end = self._price + 1.0
+            heapq.heappush(self._prefill_ends, (request.prefill_end, request_id))
+
+    def _reweigh(self) -> None:
+        """The batch changed: every request's weight in the iteration from now (O(in flight))."""
+        batch = self._active_sequences + self.remote.sequences
+        decode = (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch) / batch if batch > 0 else 0.0
+        own = 0.0
+        for request in self._requests.values():
+            self._bring_up_to_date(request)
+            prefill = request.prefill_ms if request.prefilling else 0.0
+            # Each sequence weighs dt / B; a request of n sequences shares one prompt, prefilled once.
+            request.weight = 0.0 if request.pending else decode * request.sequences + prefill
+            own += request.weight
+        self._own_weight, self._remote_weight = own, decode * self.remote.sequences
+
+    def _boundary(self, now_ms: float | None = None) -> None:
+        """An iteration ended at ``now_ms``: the pending requests sent at least ``boundary_lag_ms`` before
+        join the next one (all of them when ``now_ms`` is None)."""
+        if not self._pending:
+            return
+        joined = [
+            (rid, r)
+            for rid, r in self._requests.items()
+            if r.pending and (now_ms is None or now_ms - r.sent_ms >= self.boundary_lag_ms)
+        ]
+        for rid, request in joined:
+            self._join(rid, request)
+        if joined:
+            self._reweigh()
 
     def take_occupancy(self) -> Occupancy:
         """This meter's requests' occupancy, averaged from the last call (or the start) to the last
@@ -185,66 +225,73 @@ class LiveMeter:
         if span > 0:
             taken = Occupancy(self._sequence_ms / span, min(1.0, self._prefill_attributed_ms / span))
         else:
-            taken = Occupancy(float(sum(r.sequences for r in self._requests.values() if not r.pending)))
+            taken = Occupancy(float(self._active_sequences))
         self._window_start_ms = self._last_ms
         self._sequence_ms = self._prefill_attributed_ms = 0.0
         return taken
 
-    def set_remote(self, remote: Occupancy, now_ms: float) -> list[MeterCharge]:
-        """From ``now_ms`` the other processes hold ``remote`` of the upstream (see module docstring).
-        Returns the charges of the interval that ended now (split with the previous remote occupancy).
+    def set_remote(self, remote: Occupancy, now_ms: float) -> None:
+        """From ``now_ms`` the other processes hold ``remote`` of the upstream (see module docstring); the
+        interval that ended now is charged with the previous remote occupancy.
 
         Raises:
             ValueError: a negative or non-finite count, or a prefill share outside 0-1.
         """
         if not (0 <= remote.sequences < math.inf and 0 <= remote.prefill_share <= 1):
             raise ValueError(f"remote occupancy must be finite and >= 0, got {remote}")
-        charges = self.advance(now_ms)
+        self.advance(now_ms)
+        changed = remote.sequences != self.remote.sequences
         self.remote = remote
-        return charges
+        if changed:
+            self._reweigh()
 
-    def start(
-        self, request_id: str, tenant: str, prompt_tokens: int, now_ms: float, sequences: int = 1
-    ) -> list[MeterCharge]:
-        """``request_id`` was sent upstream, running ``sequences`` (OpenAI's ``n``). Returns the charges of
-        the interval that ended now."""
-        charges = self.advance(now_ms)
+    def start(self, request_id: str, tenant: str, prompt_tokens: int, now_ms: float, sequences: int = 1) -> None:
+        """``request_id`` was sent upstream, running ``sequences`` (OpenAI's ``n``)."""
+        self.advance(now_ms)
         assert request_id not in self._requests, f"request {request_id} metered twice"
         prefill_ms = self.cost.prefill_ms(prompt_tokens)
-        busy = any(not r.pending for r in self._requests.values())
-        self._requests[request_id] = _InFlight(
-            tenant,
-            prompt_tokens,
-            prefill_ms,
-            prefilling=prefill_ms > 0,
-            pending=busy,
-            sent_ms=now_ms,
-            sequences=sequences,
-        )
-        return charges
+        request = _InFlight(tenant, prompt_tokens, prefill_ms, prefilling=prefill_ms > 0, pending=True)
+        request.sent_ms, request.sequences, request.mark = now_ms, sequences, self._price
+        self._requests[request_id] = request
+        self._sequences += sequences
+        self._pending += 1
+        self._unprefilled += request.prefilling
+        if self._active_sequences == 0:  # an idle upstream starts it at once
+            self._join(request_id, request)
+            self._reweigh()
 
-    def first_token(self, request_id: str, now_ms: float) -> list[MeterCharge]:
+    def first_token(self, request_id: str, now_ms: float) -> None:
         """Its first token arrived: its prefill is over, and an iteration ended."""
-        charges = self.advance(now_ms)
+        self.advance(now_ms)
         request = self._requests.get(request_id)
-        if request is not None:
-            request.prefilling = request.pending = False  # it was in the iteration that ended
+        if request is not None:  # it was in the iteration that ended
+            if request.prefilling:
+                self._stop_prefilling(request)
+            if request.pending:
+                self._join(request_id, request)
+                self._reweigh()
         self._boundary(now_ms)
-        return charges
 
-    def token(self, now_ms: float) -> list[MeterCharge]:
-        """A later token of some request arrived: an iteration ended. Returns the interval's charges."""
-        charges = self.advance(now_ms)
+    def token(self, now_ms: float) -> None:
+        """A later token of some request arrived: an iteration ended."""
+        self.advance(now_ms)
         self._boundary(now_ms)
-        return charges
 
-    def finish(self, request_id: str, now_ms: float) -> tuple[list[MeterCharge], float]:
-        """It left the upstream (done, failed or cancelled). Returns the interval's charges and its total."""
-        charges = self.advance(now_ms)
+    def finish(self, request_id: str, now_ms: float) -> float:
+        """It left the upstream (done, failed or cancelled). Returns its total charge (ms)."""
+        self.advance(now_ms)
         request = self._requests.pop(request_id)
+        self._bring_up_to_date(request)
+        self._sequences -= request.sequences
+        self._unprefilled -= request.prefilling
+        if request.pending:
+            self._pending -= 1
+        else:
+            self._active_sequences -= request.sequences
+            self._prefill_rate -= request.prefill_ms if request.prefilling else 0.0
         self._boundary(now_ms)
-        return charges, request.charged_ms
-
-    def charged_ms(self, request_id: str) -> float:
-        """GPU ms charged to ``request_id`` so far."""
-        return self._requests[request_id].charged_ms
+        self._reweigh()
+        if not self._requests:  # idle: the integral starts again from 0 (it never grows past one busy period)
+            self._price, self._prefill_rate = 0.0, 0.0
+            self._prefill_ends.clear()
+        return request.charged_ms

@@ -24,7 +24,7 @@ import httpx
 from pydantic import SecretStr
 
 from fairgate.core.drift import StepDrift
-from fairgate.core.meter import LiveMeter, MeterCharge, Occupancy
+from fairgate.core.meter import LiveMeter, Occupancy
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway import sse
 from fairgate.gateway.config import UpstreamConfig
@@ -167,27 +167,28 @@ class UpstreamClient:
         return max(1, self.meter.sequences + round(self.meter.remote.sequences))
 
     def take_occupancy(self) -> Occupancy:
-        """This process's occupancy of the upstream since the last call (``LiveMeter.take_occupancy``)."""
-        self._book(self.meter.advance(self._now_ms()))
+        """This process's occupancy of the upstream since the last call (``LiveMeter.take_occupancy``); every
+        call's charge is booked up to now (the calls whose first token is late included)."""
+        self.meter.advance(self._now_ms())
+        for call in self._calls.values():
+            self._book(call)
         return self.meter.take_occupancy()
 
     def set_remote(self, remote: Occupancy) -> None:
         """The other gateway processes' occupancy of the upstream, from now (``LiveMeter.set_remote``)."""
-        self._book(self.meter.set_remote(remote, self._now_ms()))
+        self.meter.set_remote(remote, self._now_ms())
 
-    def _book(self, charges: list[MeterCharge]) -> None:
-        batch = self.batch_size
-        for charge in charges:
-            call = self._calls.get(charge.request_id)
-            if call is None:
-                continue
-            call.gpu_ms += charge.gpu_ms
-            # The policy was charged the prefill estimate when it picked the request; book only what the
-            # meter finds beyond what was booked, so the prefill is not counted twice.
-            extra = call.gpu_ms - call.policy_charged_ms
-            if extra > 0:
-                call.policy_charged_ms += extra
-                self._charge(call.tenant, extra, 0, batch)
+    def _book(self, call: CallState, gpu_ms: float | None = None, tokens: int = 0) -> None:
+        """``call``'s GPU ms brought up to the meter's (or to ``gpu_ms``, its total as it left), and the
+        policy charged what it was not yet (with ``tokens`` output tokens). A call is booked at its own
+        tokens, not at everyone's: O(1) per token, and the policy's counters lag one iteration at most."""
+        call.gpu_ms = self.meter.charged_ms(call.request_id) if gpu_ms is None else gpu_ms
+        # The policy was charged the prefill estimate when it picked the request; book only what the meter
+        # finds beyond what was booked, so the prefill is not counted twice.
+        extra = max(0.0, call.gpu_ms - call.policy_charged_ms)
+        call.policy_charged_ms += extra
+        if extra > 0 or tokens:
+            self._charge(call.tenant, extra, tokens, self.batch_size)
 
     def _now_ms(self) -> float:
         return self._clock() * 1000.0
@@ -205,7 +206,7 @@ class UpstreamClient:
         """
         call.policy_charged_ms = prepaid_ms
         self._calls[call.request_id] = call
-        self._book(self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences))
+        self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences)
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
         try:
             async with self.http.stream("POST", path, json=upstream_body) as response:
@@ -216,8 +217,7 @@ class UpstreamClient:
         except httpx.HTTPError as exc:
             raise self._transport_error(exc) from None
         finally:
-            charges, _ = self.meter.finish(call.request_id, self._now_ms())
-            self._book(charges)
+            self._book(call, self.meter.finish(call.request_id, self._now_ms()))
             del self._calls[call.request_id]
 
     async def _check_head(self, response: httpx.Response) -> None:
@@ -297,7 +297,7 @@ class UpstreamClient:
         ``UpstreamError``."""
         call.policy_charged_ms = prepaid_ms
         self._calls[call.request_id] = call
-        self._book(self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms()))
+        self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms())
         try:
             response = await self.http.post("/embeddings", json=body)
             if response.status_code != 200:
@@ -315,8 +315,7 @@ class UpstreamClient:
         except httpx.HTTPError as exc:
             raise self._transport_error(exc) from None
         finally:
-            charges, _ = self.meter.finish(call.request_id, self._now_ms())
-            self._book(charges)
+            self._book(call, self.meter.finish(call.request_id, self._now_ms()))
             del self._calls[call.request_id]
 
     def _observe(self, call: CallState, chunk: dict[str, Any]) -> None:
@@ -335,11 +334,11 @@ class UpstreamClient:
                 call.last_token_s = self._clock()
                 if call.first_token_s is None:
                     call.first_token_s = self._clock()
-                    self._book(self.meter.first_token(call.request_id, self._now_ms()))
+                    self.meter.first_token(call.request_id, self._now_ms())
                 else:
-                    self._book(self.meter.token(self._now_ms()))
+                    self.meter.token(self._now_ms())
+                self._book(call, tokens=1)
                 call.gpu_ms_at_last_token = call.gpu_ms
-                self._charge(call.tenant, 0.0, 1, self.batch_size)
             if choice.get("finish_reason"):
                 call.finish_reason = call.finish_reasons[index] = choice["finish_reason"]
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from fairgate.core import CostModel
 from fairgate.core.meter import LiveMeter, Occupancy
+from fairgate.core.meter_reference import ReferenceMeter
 
 COST = CostModel(9, 0.55, 0.06, 24)
 
@@ -21,22 +22,25 @@ def test_two_decoding_requests_split_evenly_and_prefill_weighs_more():
     assert meter.charged_ms("a") == pytest.approx(30.0)
     meter.start("b", "tb", 400, 30.0)
     # a's iteration is still running: b waits for its boundary and is charged nothing meanwhile.
-    assert [(c.request_id, c.gpu_ms) for c in meter.token(40.0)] == [("a", pytest.approx(10.0))]
-    charges = meter.advance(50.0)  # b prefilling in the next iteration: it weighs more than a
-    by_id = {c.request_id: c.gpu_ms for c in charges}
-    assert sum(by_id.values()) == pytest.approx(10.0) and by_id["b"] > by_id["a"]
+    meter.token(40.0)
+    assert (meter.charged_ms("a"), meter.charged_ms("b")) == (pytest.approx(40.0), 0.0)
+    meter.advance(50.0)  # b prefilling in the next iteration: it weighs more than a
+    a, b = meter.charged_ms("a") - 40.0, meter.charged_ms("b")
+    assert a + b == pytest.approx(10.0) and b > a
     meter.first_token("b", 50.0)
-    charges = meter.advance(70.0)
-    assert [c.gpu_ms for c in charges] == pytest.approx([10.0, 10.0])  # both decoding: dt / B each
+    meter.advance(70.0)
+    assert meter.charged_ms("a") - 40.0 - a == pytest.approx(10.0)  # both decoding: dt / B each
+    assert meter.charged_ms("b") - b == pytest.approx(10.0)
 
 
 def test_idle_time_is_not_charged_and_backwards_clock_charges_nothing():
     meter = LiveMeter(COST, 0.0)
     meter.start("a", "t", 10, 100.0)  # idle before: not busy
-    _, total = meter.finish("a", 110.0)
+    total = meter.finish("a", 110.0)
     assert total == pytest.approx(10.0) and meter.busy_ms == pytest.approx(10.0)
     meter.start("b", "t", 10, 200.0)
-    assert meter.advance(150.0) == []
+    meter.advance(150.0)
+    assert meter.charged_ms("b") == 0.0 and meter.busy_ms == pytest.approx(10.0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -53,37 +57,83 @@ def test_idle_time_is_not_charged_and_backwards_clock_charges_nothing():
 )
 def test_charges_sum_to_busy_time(events):
     meter = LiveMeter(COST, 0.0)
-    now, charged, live, _first_seen = 0.0, 0.0, set(), set()
-    finished_totals = 0.0
+    now, live, finished_totals = 0.0, set(), 0.0
     for kind, index, step, prompt in events:
         now += step
         rid = f"r{index}"
         if kind == "start" and rid not in live:
-            charged += sum(c.gpu_ms for c in meter.start(rid, f"t{index % 2}", prompt, now))
+            meter.start(rid, f"t{index % 2}", prompt, now)
             live.add(rid)
         elif kind == "first" and rid in live:
-            charged += sum(c.gpu_ms for c in meter.first_token(rid, now))
+            meter.first_token(rid, now)
         elif kind == "token":
-            charged += sum(c.gpu_ms for c in meter.token(now))
+            meter.token(now)
         elif kind == "finish" and rid in live:
-            charges, total = meter.finish(rid, now)
-            charged += sum(c.gpu_ms for c in charges)
-            finished_totals += total
+            finished_totals += meter.finish(rid, now)
             live.discard(rid)
         else:
-            charged += sum(c.gpu_ms for c in meter.advance(now))
-    assert charged == pytest.approx(meter.busy_ms, rel=1e-9, abs=1e-9)
+            meter.advance(now)
     in_flight = sum(meter.charged_ms(r) for r in live)
     assert finished_totals + in_flight == pytest.approx(meter.busy_ms, rel=1e-9, abs=1e-9)
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-9, abs=1e-9)
     assert all(c >= 0 for c in [finished_totals, in_flight])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["start", "first", "token", "finish", "tick", "remote", "occupancy"]),
+            st.integers(0, 6),
+            st.floats(0.0, 60.0),
+            st.integers(0, 4000),
+            st.integers(1, 3),
+        ),
+        max_size=80,
+    )
+)
+def test_the_integral_charges_what_charging_every_interval_charges(events):
+    """Event by event, every request's charge, the busy and charged totals and the occupancy agree with the
+    meter's definition (``fairgate.core.meter_reference``: each interval split by the weights it started with)."""
+    meter, reference = LiveMeter(COST, 0.0), ReferenceMeter(COST, 0.0)
+    now, live, totals = 0.0, set(), ([], [])
+    for kind, index, step, prompt, n in events:
+        now += step
+        rid = f"r{index}"
+        if kind == "start" and rid not in live:
+            for m in (meter, reference):
+                m.start(rid, f"t{index % 2}", prompt, now, sequences=n)
+            live.add(rid)
+        elif kind == "first" and rid in live:
+            meter.first_token(rid, now), reference.first_token(rid, now)
+        elif kind == "finish" and rid in live:
+            totals[0].append(meter.finish(rid, now)), totals[1].append(reference.finish(rid, now)[1])
+            live.discard(rid)
+        elif kind == "remote":
+            remote = Occupancy(float(n - 1) * step / 30.0, min(1.0, prompt / 8000.0))
+            meter.set_remote(remote, now), reference.set_remote(remote, now)
+        elif kind == "occupancy":
+            meter.advance(now), reference.advance(now)
+            taken, expected = meter.take_occupancy(), reference.take_occupancy()
+            assert taken.sequences == pytest.approx(expected.sequences, rel=1e-9, abs=1e-9)
+            assert taken.prefill_share == pytest.approx(expected.prefill_share, rel=1e-9, abs=1e-9)
+        else:
+            meter.token(now) if kind == "token" else meter.advance(now)
+            reference.token(now) if kind == "token" else reference.advance(now)
+        for r in live:
+            assert meter.charged_ms(r) == pytest.approx(reference.charged_ms(r), rel=1e-9, abs=1e-6), (r, kind)
+        assert (meter.prefilling, meter.sequences) == (reference.prefilling, reference.sequences)
+    assert totals[0] == pytest.approx(totals[1], rel=1e-9, abs=1e-6)
+    assert meter.busy_ms == pytest.approx(reference.busy_ms, rel=1e-12)
+    assert meter.charged_total_ms == pytest.approx(reference.charged_total_ms, rel=1e-9, abs=1e-6)
 
 
 def test_a_request_sent_mid_iteration_is_charged_only_from_the_next_boundary():
     meter = LiveMeter(COST, 0.0)
     meter.start("long", "a", 2000, 0.0)  # alone: prefilled at once, 2000 x 0.06 = 120 ms of prefill
     meter.start("late", "b", 2000, 10.0)  # sent during long's prefill iteration: pending
-    charges = meter.first_token("long", 130.0)
-    assert [(c.request_id, c.gpu_ms) for c in charges] == [("long", pytest.approx(120.0))]
+    meter.first_token("long", 130.0)
+    assert meter.charged_ms("long") == pytest.approx(130.0)  # alone from 0 to 130 ms
     assert meter.charged_ms("late") == 0.0
     meter.advance(260.0)  # late's prefill iteration: it carries the prefill weight
     assert meter.charged_ms("late") > 100.0

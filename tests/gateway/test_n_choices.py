@@ -109,7 +109,8 @@ def test_the_meter_charges_each_sequence_dt_over_b() -> None:
     meter.start("pair", "a", 0, 0.0, sequences=2)
     meter.start("single", "b", 0, 0.0)
     meter.token(0.0)  # an iteration boundary: both are in the next iteration
-    charges = {c.request_id: c.gpu_ms for c in meter.advance(11.0)}
+    meter.advance(11.0)
+    charges = {rid: meter.charged_ms(rid) for rid in ("pair", "single")}
     # B = 3 sequences: one iteration of 8 + 3 = 11 ms, 11/3 each; the pair pays two shares.
     assert charges == pytest.approx({"pair": 22.0 / 3, "single": 11.0 / 3})
     assert meter.sequences == 3 and meter.take_occupancy().sequences == pytest.approx(3.0)

@@ -1,0 +1,197 @@
+"""The live meter by its definition: every interval charged to every request in flight, by the weights the
+interval started with (O(in flight) per event). ``fairgate.core.meter.LiveMeter`` keeps one integral instead
+(O(1) per token) and must agree with it event by event (tests/core/test_meter.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fairgate.core.cost import CostModel
+from fairgate.core.meter import MAX_REMOTE_PREFILL_SHARE, Occupancy
+
+
+@dataclass
+class _InFlight:
+    tenant: str
+    prompt_tokens: int
+    prefill_left_ms: float  # the cost model's prefill time not yet attributed to it
+    prefilling: bool = True
+    pending: bool = False  # sent, but the replica has not reached an iteration boundary since
+    sent_ms: float = 0.0
+    charged_ms: float = 0.0
+    sequences: int = 1  # OpenAI's ``n``: it holds that many places in the batch, its prompt prefilled once
+
+
+@dataclass(frozen=True)
+class MeterCharge:
+    """GPU ms charged to one request for the interval just metered."""
+
+    request_id: str
+    tenant: str
+    gpu_ms: float
+
+
+class ReferenceMeter:
+    """Meters one upstream. Call ``advance(now_ms)`` before every change (the methods below do it)."""
+
+    def __init__(self, cost: CostModel, now_ms: float, boundary_lag_ms: float | None = None) -> None:
+        self.cost = cost
+        self.boundary_lag_ms = cost.iter_base_ms / 2 if boundary_lag_ms is None else boundary_lag_ms
+        self._requests: dict[str, _InFlight] = {}
+        self._last_ms = now_ms
+        self.busy_ms = 0.0  # time with at least one of its requests in flight
+        self.charged_total_ms = 0.0  # charged to its requests: busy_ms when no other process shares it
+        self.remote = Occupancy()  # the other gateway processes' requests on the same replica
+        self._window_start_ms = now_ms
+        self._sequence_ms = 0.0  # its own requests' occupancy since the window started: sequences x ms
+        self._prefill_attributed_ms = 0.0  # and prefill ms attributed
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether a request in flight is pending or being prefilled (the iteration is no plain decode step)."""
+        return any(r.prefilling or r.pending for r in self._requests.values())
+
+    @property
+    def sequences(self) -> int:
+        """Sequences of its requests in flight (a request of ``n`` counts ``n``)."""
+        return sum(r.sequences for r in self._requests.values())
+
+    def _weights(self) -> tuple[dict[str, float], float]:
+        """Weights of this process's requests in the current iteration (the pending ones are not in it), and
+        the weight of the other processes' (``remote``) in it."""
+        active = {rid: r for rid, r in self._requests.items() if not r.pending}
+        if not active:
+            return {}, 0.0
+        batch = sum(r.sequences for r in active.values()) + self.remote.sequences
+        decode = (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch) / batch
+        # Each sequence weighs dt / B; a request of n sequences shares one prompt, prefilled once.
+        weights = {
+            rid: decode * r.sequences + (self.cost.prefill_ms(r.prompt_tokens) if r.prefilling else 0.0)
+            for rid, r in active.items()
+        }
+        return weights, decode * self.remote.sequences
+
+    def _boundary(self, now_ms: float | None = None) -> None:
+        """An iteration ended at ``now_ms``: the pending requests sent at least ``boundary_lag_ms`` before
+        join the next one (all of them when ``now_ms`` is None)."""
+        for request in self._requests.values():
+            if now_ms is None or now_ms - request.sent_ms >= self.boundary_lag_ms:
+                request.pending = False
+
+    def advance(self, now_ms: float) -> list[MeterCharge]:
+        """Charge the interval since the last call to the requests in flight. A clock that went backwards
+        charges nothing."""
+        interval = now_ms - self._last_ms
+        if interval <= 0:
+            return []
+        self._last_ms = now_ms
+        if not self._requests:
+            return []
+        self.busy_ms += interval
+        weights, remote_weight = self._weights()
+        if not weights:  # cannot happen (a request is pending only beside an active one); never lose time
+            self._boundary()
+            weights, remote_weight = self._weights()
+        own_weight = sum(weights.values())
+        self._sequence_ms += sum(self._requests[rid].sequences for rid in weights) * interval
+        # The others' prefill takes its share of the interval; the rest is split by weight, and the remote
+        # sequences' part is theirs to charge.
+        shared_ms = interval * (1.0 - min(self.remote.prefill_share, MAX_REMOTE_PREFILL_SHARE))
+        own_ms = shared_ms * own_weight / (own_weight + remote_weight)
+        self.charged_total_ms += own_ms
+        charges = []
+        remaining = own_ms
+        items = list(weights.items())
+        for index, (rid, weight) in enumerate(items):
+            # The last request takes what is left, so the interval is charged exactly, not to rounding.
+            share = remaining if index == len(items) - 1 else own_ms * weight / own_weight
+            remaining -= share
+            request = self._requests[rid]
+            request.charged_ms += share
+            if request.prefilling:
+                # Its prefill weighs only until the model's prefill time has been attributed to it; time to
+                # first token beyond that (HTTP, waiting for an iteration boundary) is charged as decode.
+                prefill_part = share * self.cost.prefill_ms(request.prompt_tokens) / weight
+                self._prefill_attributed_ms += min(prefill_part, request.prefill_left_ms)
+                request.prefill_left_ms -= prefill_part
+                if request.prefill_left_ms <= 0:
+                    request.prefilling = False
+            charges.append(MeterCharge(rid, request.tenant, share))
+        return charges
+
+    def take_occupancy(self) -> Occupancy:
+        """This meter's requests' occupancy, averaged from the last call (or the start) to the last
+        ``advance``; starts a new window. Call ``advance`` first to include the time up to now. A window of
+        no time gives the requests in the iteration now, and no prefill."""
+        span = self._last_ms - self._window_start_ms
+        if span > 0:
+            taken = Occupancy(self._sequence_ms / span, min(1.0, self._prefill_attributed_ms / span))
+        else:
+            taken = Occupancy(float(sum(r.sequences for r in self._requests.values() if not r.pending)))
+        self._window_start_ms = self._last_ms
+        self._sequence_ms = self._prefill_attributed_ms = 0.0
+        return taken
+
+    def set_remote(self, remote: Occupancy, now_ms: float) -> list[MeterCharge]:
+        """From ``now_ms`` the other processes hold ``remote`` of the upstream (see module docstring).
+        Returns the charges of the interval that ended now (split with the previous remote occupancy).
+
+        Raises:
+            ValueError: a negative or non-finite count, or a prefill share outside 0-1.
+        """
+        if not (0 <= remote.sequences < math.inf and 0 <= remote.prefill_share <= 1):
+            raise ValueError(f"remote occupancy must be finite and >= 0, got {remote}")
+        charges = self.advance(now_ms)
+        self.remote = remote
+        return charges
+
+    def start(
+        self, request_id: str, tenant: str, prompt_tokens: int, now_ms: float, sequences: int = 1
+    ) -> list[MeterCharge]:
+        """``request_id`` was sent upstream, running ``sequences`` (OpenAI's ``n``). Returns the charges of
+        the interval that ended now."""
+        charges = self.advance(now_ms)
+        assert request_id not in self._requests, f"request {request_id} metered twice"
+        prefill_ms = self.cost.prefill_ms(prompt_tokens)
+        busy = any(not r.pending for r in self._requests.values())
+        self._requests[request_id] = _InFlight(
+            tenant,
+            prompt_tokens,
+            prefill_ms,
+            prefilling=prefill_ms > 0,
+            pending=busy,
+            sent_ms=now_ms,
+            sequences=sequences,
+        )
+        return charges
+
+    def first_token(self, request_id: str, now_ms: float) -> list[MeterCharge]:
+        """Its first token arrived: its prefill is over, and an iteration ended."""
+        charges = self.advance(now_ms)
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.prefilling = request.pending = False  # it was in the iteration that ended
+        self._boundary(now_ms)
+        return charges
+
+    def token(self, now_ms: float) -> list[MeterCharge]:
+        """A later token of some request arrived: an iteration ended. Returns the interval's charges."""
+        charges = self.advance(now_ms)
+        self._boundary(now_ms)
+        return charges
+
+    def finish(self, request_id: str, now_ms: float) -> tuple[list[MeterCharge], float]:
+        """It left the upstream (done, failed or cancelled). Returns the interval's charges and its total."""
+        charges = self.advance(now_ms)
+        request = self._requests.pop(request_id)
+        self._boundary(now_ms)
+        return charges, request.charged_ms
+
+    def charged_ms(self, request_id: str) -> float:
+        """GPU ms charged to ``request_id`` so far."""
+        return self._requests[request_id].charged_ms
