@@ -132,7 +132,8 @@ class GatewaySection(_Strict):
     policy: str = "gpu_fair"
     ledger: str
     journal: Annotated[str, Field(min_length=1)] = "fairgate-journal.jsonl"
-    event_log: Annotated[str, Field(min_length=1)] | None = "fairgate-events.jsonl"  # JSON lines; "" -> none
+    # JSON lines; "": no file (the records go to the ``fairgate.gateway`` logger only)
+    event_log: str | None = "fairgate-events.jsonl"
     default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_PER_REQUEST)] = 512
     max_body_bytes: Annotated[int, Field(ge=1024, le=1024**3)] = 1024 * 1024
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0

@@ -58,6 +58,14 @@ def test_relative_paths_are_relative_to_the_file(tmp_path: Path) -> None:
     assert load_gateway_config(write(tmp_path, redis)).ledger_url == "redis://127.0.0.1:6379/0"
 
 
+def test_an_empty_event_log_means_no_file(tmp_path: Path) -> None:
+    text = EXAMPLE_TEXT.replace('event_log = "fairgate-events.jsonl"', 'event_log = ""')
+    assert text != EXAMPLE_TEXT
+    config = load_gateway_config(write(tmp_path, text))
+    assert config.gateway.event_log is None and config.event_log_path is None
+    assert load_gateway_config(write(tmp_path, EXAMPLE_TEXT)).event_log_path == tmp_path / "fairgate-events.jsonl"
+
+
 def test_default_slot_cap_splits_the_upstreams_batch_among_tenants(tmp_path: Path) -> None:
     text = EXAMPLE_TEXT.replace("slot_cap = { max_running = 9 }", "")
     spec = load_gateway_config(write(tmp_path, text)).policy_spec("slot_cap")
