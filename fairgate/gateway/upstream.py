@@ -12,11 +12,13 @@ the moment it is sent to its answer, its prompt weighing as prefill (the meter s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,12 +106,17 @@ def billable_usage(usage: object) -> dict[str, int] | None:
 
 
 def http_client(
-    upstream: Upstream, settings: UpstreamConfig | None, api_key: SecretStr | None, timeout_s: float
+    upstream: Upstream,
+    settings: UpstreamConfig | None,
+    api_key: SecretStr | None,
+    timeout_s: float,
+    pooled: bool = True,
 ) -> httpx.AsyncClient:
     """The HTTP client of one upstream: its key as ``Authorization: Bearer``, its extra headers, TLS checked
     against ``ca_file`` (or the system's CAs, or not at all with ``verify_tls = false``), and its timeouts:
     ``connect_timeout_s`` to connect, ``stream_idle_timeout_s`` between two reads (so a stalled stream
-    fails), ``timeout_s`` for writing the body and waiting for a pooled connection."""
+    fails), ``timeout_s`` for writing the body and waiting for a pooled connection. ``pooled``: keep
+    connections open between requests (False: one connection per request)."""
     headers = dict(settings.headers) if settings is not None else {}
     if api_key is not None:
         headers["authorization"] = f"Bearer {api_key.get_secret_value()}"
@@ -125,8 +132,25 @@ def http_client(
         headers=headers,
         verify=verify,
         timeout=httpx.Timeout(timeout_s, connect=connect_s, read=idle_s),
-        limits=httpx.Limits(max_connections=upstream.max_batch * 2 + 8),
+        limits=httpx.Limits(
+            max_connections=upstream.max_batch * 2 + 8, max_keepalive_connections=None if pooled else 0
+        ),
     )
+
+
+# After [DONE] an engine ends the body at once; the rest is read (so that the connection goes back to the pool:
+# one with an unread body is closed) for at most this long, then the connection is dropped instead.
+DRAIN_S = 1.0
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Read what is left of an answer after its ``[DONE]`` (for at most ``DRAIN_S``)."""
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in lines:
+                pass
+    except (TimeoutError, httpx.HTTPError):  # the answer is complete; only the connection is lost
+        pass
 
 
 class UpstreamClient:
@@ -160,6 +184,7 @@ class UpstreamClient:
         self.drift = StepDrift(upstream.cost)
         self._calls: dict[str, CallState] = {}
         self.http = http_client(upstream, settings, api_key, timeout_s)
+        self._unpooled = http_client(upstream, settings, api_key, timeout_s, pooled=False)
 
     @property
     def batch_size(self) -> int:
@@ -209,7 +234,7 @@ class UpstreamClient:
         self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences)
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
         try:
-            async with self.http.stream("POST", path, json=upstream_body) as response:
+            async with self._post(path, upstream_body) as response:
                 await self._check_head(response)
                 async for chunk in self._chunks(response):
                     self._observe(call, chunk)
@@ -219,6 +244,24 @@ class UpstreamClient:
         finally:
             self._book(call, self.meter.finish(call.request_id, self._now_ms()))
             del self._calls[call.request_id]
+
+    @asynccontextmanager
+    async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+        """POST ``body`` to ``path`` on a pooled connection; the response, its head read, its body unread.
+
+        A pooled connection the upstream closed just as it was reused fails before any byte comes back
+        ("Server disconnected without sending a response": llama-server did so to ~12 % of the connections
+        reused right after a stream): that request is sent once more, on a connection of its own. A failure
+        after the head, or of that second send, is not retried (the upstream may have run the request)."""
+        request = self.http.build_request("POST", path, json=body)
+        try:
+            response = await self.http.send(request, stream=True)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            response = await self._unpooled.send(request, stream=True)
+        try:
+            yield response
+        finally:
+            await response.aclose()
 
     async def _check_head(self, response: httpx.Response) -> None:
         """Raise ``UpstreamError`` unless the answer is a 200 event stream. A 4xx the client can act on keeps
@@ -235,11 +278,13 @@ class UpstreamClient:
         """The stream's chunks up to ``[DONE]``; raises ``UpstreamError`` for a malformed line or chunk, or
         a stream that ends without ``[DONE]`` (a connection closed cleanly mid-stream looks just like that)."""
         try:
-            async for line in response.aiter_lines():
+            lines = response.aiter_lines()
+            async for line in lines:
                 data = sse.data_of(line)
                 if data is None:
                     continue
                 if data.strip() == sse.DONE:
+                    await _drain(lines)
                     return
                 yield sse.chunk_of(data)
         except sse.MalformedStream as exc:
@@ -357,3 +402,4 @@ class UpstreamClient:
 
     async def close(self) -> None:
         await self.http.aclose()
+        await self._unpooled.aclose()

@@ -11,7 +11,9 @@ class CuttableProxy:
     """Forwards ``127.0.0.1:<port>`` to ``target_host:target_port`` until ``cut()``.
 
     ``cut()`` closes every open connection and refuses new ones (they are accepted and closed at once);
-    ``restore()`` forwards again.
+    ``restore()`` forwards again. ``drop_next_request()``: the next bytes a client sends on any connection
+    are not forwarded, and that connection is closed (a server closing a kept-alive connection just as it is
+    reused). ``accepted``: connections accepted so far.
     """
 
     def __init__(self, target_host: str, target_port: int) -> None:
@@ -20,20 +22,33 @@ class CuttableProxy:
         self._server: asyncio.base_events.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
         self.up = True
+        self.accepted = 0
+        self._drop_next = False
 
     async def start(self) -> CuttableProxy:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def drop_next_request(self) -> None:
+        self._drop_next = True
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, back: asyncio.StreamWriter | None = None
+    ) -> None:
+        """Forward ``reader`` to ``writer``; ``back``: the client's side, when ``reader`` is the client's."""
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
+                if back is not None and self._drop_next:
+                    self._drop_next = False
+                    back.close()
+                    break
                 writer.write(data)
                 await writer.drain()
         writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
         if not self.up:
             writer.close()
             return
@@ -43,7 +58,7 @@ class CuttableProxy:
             writer.close()
             return
         self._open.update((writer, upstream_writer))
-        await asyncio.gather(self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer))
+        await asyncio.gather(self._pipe(reader, upstream_writer, writer), self._pipe(upstream_reader, writer))
         self._open.difference_update((writer, upstream_writer))
 
     def cut(self) -> None:
