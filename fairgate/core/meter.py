@@ -64,6 +64,11 @@ from fairgate.core.cost import CostModel
 # from stale or overlapping rounds leaving this process's requests nothing (their prefill and decode run).
 MAX_REMOTE_PREFILL_SHARE = 0.9
 
+# A prefill within this fraction of its time of being attributed counts as attributed. The integral and the
+# per-interval definition round differently: an interval ending exactly where a prefill does (round numbers)
+# must not leave the request prefilling by an ulp in one and for a whole further interval.
+PREFILL_END_TOLERANCE = 1e-9
+
 
 @dataclass
 class _InFlight:
@@ -106,12 +111,12 @@ class LiveMeter:
         self._window_start_ms = now_ms
         self._sequence_ms = 0.0  # its own requests' occupancy since the window started: sequences x ms
         self._prefill_attributed_ms = 0.0  # and prefill ms attributed
-        self._price = 0.0  # ms charged per unit of weight, integrated over the meter's life
+        self._price = 0.0  # ms charged per unit of weight since the batch last changed
         self._own_weight = 0.0  # of its requests in the iteration
         self._remote_weight = 0.0  # of the other processes' sequences in it
         self._active_sequences = 0  # sequences of its requests in the iteration
         self._sequences = 0  # sequences of its requests in flight, pending ones included
-        self._pending = 0  # requests pending
+        self._pending: dict[str, _InFlight] = {}  # the requests pending, in the order sent
         self._unprefilled = 0  # requests being prefilled, pending or not
         self._prefill_rate = 0.0  # prefill ms attributed per unit of price: prefill_ms of those in the iteration
         self._prefill_ends: list[tuple[float, str]] = []  # (prefill_end, request id), a heap
@@ -123,7 +128,7 @@ class LiveMeter:
     @property
     def prefilling(self) -> bool:
         """Whether a request in flight is pending or being prefilled (the iteration is no plain decode step)."""
-        return self._pending > 0 or self._unprefilled > 0
+        return bool(self._pending) or self._unprefilled > 0
 
     @property
     def sequences(self) -> int:
@@ -156,13 +161,13 @@ class LiveMeter:
         rise = own_ms / self._own_weight
         self._price += rise
         self._prefill_attributed_ms += self._prefill_rate * rise
-        while self._prefill_ends and self._prefill_ends[0][0] <= self._price:
+        while self._prefill_ends and self._prefill_ends[0][0] <= self._price + PREFILL_END_TOLERANCE:
             end, request_id = heapq.heappop(self._prefill_ends)
             request = self._requests.get(request_id)
             if request is not None and request.prefilling and request.prefill_end == end:
                 # Attributed within the interval just charged (at its prefill weight, as every interval is
                 # charged by the weights it started with); from now it weighs as decode only.
-                self._prefill_attributed_ms -= request.prefill_ms * (self._price - end)  # the overshoot
+                self._prefill_attributed_ms -= request.prefill_ms * (self._price - end)  # the overshoot (or rest)
                 self._stop_prefilling(request)
 
     def _stop_prefilling(self, request: _InFlight) -> None:
@@ -182,7 +187,7 @@ class LiveMeter:
         """``request`` joins the iteration (no longer pending); the caller reweighs."""
         self._bring_up_to_date(request)
         request.pending = False
-        self._pending -= 1
+        del self._pending[request_id]
         self._active_sequences += request.sequences
         if request.prefilling:
             self._prefill_rate += request.prefill_ms
@@ -190,17 +195,24 @@ class LiveMeter:
             heapq.heappush(self._prefill_ends, (request.prefill_end, request_id))
 
     def _reweigh(self) -> None:
-        """The batch changed: every request's weight in the iteration from now (O(in flight))."""
+        """The batch changed: every request's weight in the iteration from now (O(in flight)). Every charge
+        is brought up to date, so the integral starts again from 0: it never grows large enough to lose
+        precision, however long the upstream stays busy."""
         batch = self._active_sequences + self.remote.sequences
         decode = (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch) / batch if batch > 0 else 0.0
-        own = 0.0
+        own = rate = 0.0
+        price, self._price = self._price, 0.0
         for request in self._requests.values():
-            self._bring_up_to_date(request)
+            request.charged_ms += request.weight * (price - request.mark)
+            request.mark = 0.0
+            request.prefill_end -= price  # the same shift as its heap entry's: still equal
             prefill = request.prefill_ms if request.prefilling else 0.0
             # Each sequence weighs dt / B; a request of n sequences shares one prompt, prefilled once.
             request.weight = 0.0 if request.pending else decode * request.sequences + prefill
+            rate += 0.0 if request.pending else prefill
             own += request.weight
-        self._own_weight, self._remote_weight = own, decode * self.remote.sequences
+        self._prefill_ends = [(end - price, rid) for end, rid in self._prefill_ends]  # a uniform shift: still a heap
+        self._own_weight, self._remote_weight, self._prefill_rate = own, decode * self.remote.sequences, rate
 
     def _boundary(self, now_ms: float | None = None) -> None:
         """An iteration ended at ``now_ms``: the pending requests sent at least ``boundary_lag_ms`` before
@@ -209,8 +221,8 @@ class LiveMeter:
             return
         joined = [
             (rid, r)
-            for rid, r in self._requests.items()
-            if r.pending and (now_ms is None or now_ms - r.sent_ms >= self.boundary_lag_ms)
+            for rid, r in self._pending.items()  # O(pending), not O(in flight), per token
+            if now_ms is None or now_ms - r.sent_ms >= self.boundary_lag_ms
         ]
         for rid, request in joined:
             self._join(rid, request)
@@ -254,7 +266,7 @@ class LiveMeter:
         request.sent_ms, request.sequences, request.mark = now_ms, sequences, self._price
         self._requests[request_id] = request
         self._sequences += sequences
-        self._pending += 1
+        self._pending[request_id] = request
         self._unprefilled += request.prefilling
         if self._active_sequences == 0:  # an idle upstream starts it at once
             self._join(request_id, request)
@@ -285,13 +297,12 @@ class LiveMeter:
         self._sequences -= request.sequences
         self._unprefilled -= request.prefilling
         if request.pending:
-            self._pending -= 1
+            del self._pending[request_id]
         else:
             self._active_sequences -= request.sequences
             self._prefill_rate -= request.prefill_ms if request.prefilling else 0.0
         self._boundary(now_ms)
         self._reweigh()
-        if not self._requests:  # idle: the integral starts again from 0 (it never grows past one busy period)
-            self._price, self._prefill_rate = 0.0, 0.0
+        if not self._requests:  # idle: no prefill will end
             self._prefill_ends.clear()
         return request.charged_ms

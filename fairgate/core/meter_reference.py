@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from fairgate.core.cost import CostModel
-from fairgate.core.meter import MAX_REMOTE_PREFILL_SHARE, Occupancy
+from fairgate.core.meter import MAX_REMOTE_PREFILL_SHARE, PREFILL_END_TOLERANCE, Occupancy
 
 
 @dataclass
@@ -116,11 +116,15 @@ class ReferenceMeter:
             if request.prefilling:
                 # Its prefill weighs only until the model's prefill time has been attributed to it; time to
                 # first token beyond that (HTTP, waiting for an iteration boundary) is charged as decode.
-                prefill_part = share * self.cost.prefill_ms(request.prompt_tokens) / weight
-                self._prefill_attributed_ms += min(prefill_part, request.prefill_left_ms)
-                request.prefill_left_ms -= prefill_part
-                if request.prefill_left_ms <= 0:
+                prefill_ms = self.cost.prefill_ms(request.prompt_tokens)
+                prefill_part = share * prefill_ms / weight
+                if request.prefill_left_ms - prefill_part <= PREFILL_END_TOLERANCE * prefill_ms:
+                    self._prefill_attributed_ms += request.prefill_left_ms  # all of it: attributed
+                    request.prefill_left_ms = 0.0
                     request.prefilling = False
+                else:
+                    self._prefill_attributed_ms += prefill_part
+                    request.prefill_left_ms -= prefill_part
             charges.append(MeterCharge(rid, request.tenant, share))
         return charges
 
