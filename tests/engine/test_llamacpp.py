@@ -33,6 +33,7 @@ from fairgate.harness.records import RequestRecord
 from fairgate.harness.run import run_on_stack
 from fairgate.harness.stack import StackSpec, replicas, start_stack
 from fairgate.ledger.config import LimitsConfig
+from tests.conftest import timing_claims_hold_here
 from tests.engine.conftest import MODEL, cost_model
 
 pytestmark = pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite
@@ -87,6 +88,7 @@ def test_calibrate_fits_the_engine_within_the_stated_error(calibrated, engine_ur
         assert name in calibrated["stdout"]
     base, slope = calibrated["iter_base_ms"], calibrated["iter_slope_ms"]
     print(f"calibrate: {calibrated['stdout']}")
+    timing_claims_hold_here("the fit against the engine's own timings (a busy slow machine's steps wander)")
     alone = _engine_timings(engine_url, 32, 64)
     assert base + slope == pytest.approx(alone["predicted_per_token_ms"], rel=0.40)
     full = asyncio.run(_engine_timings_together(engine_url, 8, 32, 64))  # a full batch: the meter's usual case
