@@ -139,18 +139,22 @@ def http_client(
 
 
 # After [DONE] an engine ends the body at once; the rest is read (so that the connection goes back to the pool:
-# one with an unread body is closed) for at most this long, then the connection is dropped instead.
+# one with an unread body is closed) for at most this long, then the connection is dropped instead. It is read
+# in a task of its own: the call ends at [DONE] (a busy emulator took tens of ms to end the body, and a call
+# that waited for it held its slot that long: 55-62 against 79-85 requests/s, bench/gateway_overhead.py).
 DRAIN_S = 1.0
 
 
-async def _drain(lines: AsyncIterator[str]) -> None:
-    """Read what is left of an answer after its ``[DONE]`` (for at most ``DRAIN_S``)."""
+async def _drain(lines: AsyncIterator[str], response: httpx.Response) -> None:
+    """Read what is left of ``response`` after its ``[DONE]`` (for at most ``DRAIN_S``), then close it."""
     try:
         async with asyncio.timeout(DRAIN_S):
             async for _ in lines:
                 pass
     except (TimeoutError, httpx.HTTPError):  # the answer is complete; only the connection is lost
         pass
+    finally:
+        await response.aclose()
 
 
 class UpstreamClient:
@@ -185,6 +189,7 @@ class UpstreamClient:
         self._calls: dict[str, CallState] = {}
         self.http = http_client(upstream, settings, api_key, timeout_s)
         self._unpooled = http_client(upstream, settings, api_key, timeout_s, pooled=False)
+        self._draining: dict[int, asyncio.Task[None]] = {}  # id(response) -> the task reading its rest
 
     @property
     def batch_size(self) -> int:
@@ -261,7 +266,8 @@ class UpstreamClient:
         try:
             yield response
         finally:
-            await response.aclose()
+            if id(response) not in self._draining:  # a drained one is closed by its task
+                await response.aclose()
 
     async def _check_head(self, response: httpx.Response) -> None:
         """Raise ``UpstreamError`` unless the answer is a 200 event stream. A 4xx the client can act on keeps
@@ -284,7 +290,7 @@ class UpstreamClient:
                 if data is None:
                     continue
                 if data.strip() == sse.DONE:
-                    await _drain(lines)
+                    self._drain_later(lines, response)
                     return
                 yield sse.chunk_of(data)
         except sse.MalformedStream as exc:
@@ -400,6 +406,14 @@ class UpstreamClient:
             line |= {"upstream": self.upstream.name, "observed_over_predicted": round(self.drift.ratio or 0.0, 3)}
             (log.warning if crossed else log.info)(json.dumps(line))
 
+    def _drain_later(self, lines: AsyncIterator[str], response: httpx.Response) -> None:
+        key = id(response)
+        self._draining[key] = asyncio.ensure_future(_drain(lines, response))
+        self._draining[key].add_done_callback(lambda _: self._draining.pop(key, None))
+
     async def close(self) -> None:
+        for task in list(self._draining.values()):
+            task.cancel()
+        await asyncio.gather(*self._draining.values(), return_exceptions=True)
         await self.http.aclose()
         await self._unpooled.aclose()

@@ -141,12 +141,16 @@ def test_one_two_four_processes_never_admit_beyond_the_limits(backend: str, requ
             assert t.gpu_budget_ms is not None and t.gpu.within_ms <= t.gpu_budget_ms * (1 + 1e-9), summary
         assert t.requests.reservations > 0 and t.requests.open == 0 and t.account_after == (0, 0), summary
     for group in figs.groups.values():
-        # The processes of a group share its replica: together they bill its busy time about once (each
+        # The processes of a group share its replica: together they bill its busy time once, not N times (each
         # billed all of it before the meters shared their occupancy: x1.96 at N = 2, x3.5 at N = 4).
         assert group.replica is not None and group.replica.busy_ms > 0, summary
+        assert group.ledger_gpu_ms / group.replica.busy_ms == pytest.approx(1.0, abs=0.5), summary
+    # How closely (the occupancy the processes share is a quarter-second average), and that the clients pushed
+    # against every limit, depend on how many requests 8 s of load gets through.
+    timing_claims_hold_here("billed / busy within 15 %, that the load pushed against every limit, and the wall time")
+    for group in figs.groups.values():
+        assert group.replica is not None
         assert group.ledger_gpu_ms / group.replica.busy_ms == pytest.approx(1.0, abs=0.15), summary
-    # That the clients pushed against every limit depends on how many requests 8 s of load gets through.
-    timing_claims_hold_here("that the load pushed against every limit, and the wall time")
     assert not problems, summary
     for t in tenants:
         refused = sum(n for code, n in t.requests.errors.items() if code.startswith("429"))
