@@ -140,8 +140,8 @@ def http_client(
 
 # After [DONE] an engine ends the body at once; the rest is read (so that the connection goes back to the pool:
 # one with an unread body is closed) for at most this long, then the connection is dropped instead. It is read
-# in a task of its own: the call ends at [DONE] (a busy emulator took tens of ms to end the body, and a call
-# that waited for it held its slot that long: 55-62 against 79-85 requests/s, bench/gateway_overhead.py).
+# in a task of its own: the call ends at [DONE] (a busy emulator took tens of ms to end the body, and calls that
+# waited for it held their slots that long: 55-62 requests/s against 69-70, bench/gateway_overhead.py).
 DRAIN_S = 1.0
 
 
