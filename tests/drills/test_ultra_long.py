@@ -30,12 +30,13 @@ def test_agent_with_8k_outputs_gets_no_more_than_its_share_and_its_run_limits_ho
     # The agent ran its 8k-token requests and nobody else saw an error.
     assert agent.ledger_output_tokens > 0 and checks["no other errors"], summary
     assert all(t.clients.completed > 0 for name, t in figs.tenants.items() if name != config.agent), summary
-    # Agent-run limits: the ledger admitted no run more than max_model_calls calls, and refused the rest.
+    # Agent-run limits: the ledger admitted no run more than max_model_calls calls, nor more tokens.
     assert len(figs.runs.calls) == config.agent_runs, summary
-    assert figs.runs.most_calls == config.max_model_calls, summary
-    assert figs.runs.refused > 0, summary
+    assert figs.runs.most_calls <= config.max_model_calls, summary
     assert max(figs.runs.tokens.values()) <= config.run_max_tokens, summary
-    timing_claims_hold_here("the share claim and the wall time")
+    # That a run reached its limit and was refused the rest depends on how far the load got.
+    timing_claims_hold_here("that the run limit was reached, the share claim and the wall time")
+    assert figs.runs.most_calls == config.max_model_calls and figs.runs.refused > 0, summary
     timed.assert_within(WALL_S_MAX)
     # The share claim: nobody over its share (+3 pp), the agent included.
     assert agent.share <= config.fair_share(config.agent) + config.agent_margin, summary
