@@ -105,21 +105,28 @@ def test_the_integral_charges_what_charging_every_interval_charges(events):
                 m.start(rid, f"t{index % 2}", prompt, now, sequences=n)
             live.add(rid)
         elif kind == "first" and rid in live:
-            meter.first_token(rid, now), reference.first_token(rid, now)
+            meter.first_token(rid, now)
+            reference.first_token(rid, now)
         elif kind == "finish" and rid in live:
-            totals[0].append(meter.finish(rid, now)), totals[1].append(reference.finish(rid, now)[1])
+            totals[0].append(meter.finish(rid, now))
+            totals[1].append(reference.finish(rid, now)[1])
             live.discard(rid)
         elif kind == "remote":
             remote = Occupancy(float(n - 1) * step / 30.0, min(1.0, prompt / 8000.0))
-            meter.set_remote(remote, now), reference.set_remote(remote, now)
+            meter.set_remote(remote, now)
+            reference.set_remote(remote, now)
         elif kind == "occupancy":
-            meter.advance(now), reference.advance(now)
+            meter.advance(now)
+            reference.advance(now)
             taken, expected = meter.take_occupancy(), reference.take_occupancy()
             assert taken.sequences == pytest.approx(expected.sequences, rel=1e-9, abs=1e-9)
             assert taken.prefill_share == pytest.approx(expected.prefill_share, rel=1e-9, abs=1e-9)
         else:
-            meter.token(now) if kind == "token" else meter.advance(now)
-            reference.token(now) if kind == "token" else reference.advance(now)
+            for m in (meter, reference):
+                if kind == "token":
+                    m.token(now)
+                else:
+                    m.advance(now)
         for r in live:
             assert meter.charged_ms(r) == pytest.approx(reference.charged_ms(r), rel=1e-9, abs=1e-6), (r, kind)
         assert (meter.prefilling, meter.sequences) == (reference.prefilling, reference.sequences)
