@@ -157,6 +157,9 @@ def simulate(
     json_out: JsonOut = None,
     plot: PlotDir = None,
     markdown: Annotated[str | None, typer.Option(help="Write a Markdown share table to PATH.")] = None,
+    drain: Annotated[
+        bool, typer.Option("--drain/--cut", help="Run until every request finished, or stop at run.duration_s.")
+    ] = False,
 ) -> None:
     """Simulate a scenario's tenants on continuous-batching replicas under one or all policies."""
     from fairgate.sim.experiment import ENGINES, run_policy
@@ -178,7 +181,7 @@ def simulate(
                 raise UsageError(f"--flood {name}: no such tenant in {scenario} (tenants: {', '.join(names)})")
         seed_list = parse_seeds(seeds) if seeds is not None else [loaded.config.run.seed]
         plot_dir = _plot_dir(plot) if plot is not None else None
-        results = [run_policy(loaded, p, seed_list, floods, engine) for p in policies]
+        results = [run_policy(loaded, p, seed_list, floods, engine, drain=drain) for p in policies]
         title = f"{scenario}  seeds {seed_list[0]}..{seed_list[-1]} ({len(seed_list)})" + (
             f"  flood {floods}" if floods else ""
         )
@@ -273,6 +276,9 @@ def replay(
     start: Annotated[float, typer.Option(help="Window start, s of trace time.")] = 0.0,
     duration: Annotated[float | None, typer.Option(help="Window length, s of trace time (default: all).")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a scenario key: KEY=VALUE.")] = [],  # noqa: B006
+    drain: Annotated[
+        bool, typer.Option("--drain/--cut", help="Run until every request finished, or stop at the window's end.")
+    ] = True,
     json_out: JsonOut = None,
     plot: PlotDir = None,
 ) -> None:
@@ -299,10 +305,11 @@ def replay(
             )
         _note(
             f"replaying {len(workload):,} requests of {len(workload.tenants)} tenant(s) over "
-            f"{workload.duration_ns / 1e9:,.0f} s on {loaded.replicas} replica(s); "
+            f"{workload.duration_ns / 1e9:,.0f} s on {loaded.replicas} replica(s), "
+            f"{'draining to the last request' if drain else 'cut at the window'}; "
             f"skipped {summary.skipped_failed} failed rows (0 output tokens)"
         )
-        results = [run_workload(loaded, workload, p) for p in policies]
+        results = [run_workload(loaded, workload, p, drain=drain) for p in policies]
         title = f"replay {', '.join(t.name for t in traces)} ({format_}, tenants by {tenant_by})"
         print_table(error_console if json_out == "-" else console, title, results)
         if json_out:

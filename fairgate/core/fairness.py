@@ -5,11 +5,20 @@
   study's headline figure (``shared/seeds/002_26e0ae7acb221c9a.txt``).
 - Jain's index: ``(sum x)^2 / (n * sum x^2)`` over weighted shares (R. Jain, D. Chiu, W. Hawe,
   "A Quantitative Measure of Fairness and Discrimination", DEC-TR-301, 1984); 1.0 is fair, 1/n worst.
+- service difference: the VTC paper's figure (Sheng et al., OSDI 2024): how far apart the tenants' service
+  rates were over sliding windows, counting a tenant's gap only as far as it had demand (``service_difference``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+VTC_WINDOW_S = 60.0  # the VTC artifact's window (fair_bench/plot/visualize.py: window = 60)
+VTC_POINTS = 100  # and its sample points (num_x = 100)
 
 
 def gpu_shares(gpu_ms: Mapping[str, float], busy_ms: float) -> dict[str, float]:
@@ -49,3 +58,105 @@ def jain_index(values: Mapping[str, float]) -> float:
     if square_sum == 0:
         return 1.0
     return sum(xs) ** 2 / (len(xs) * square_sum)
+
+
+@dataclass
+class RequestSpans:
+    """Per request (parallel columns): tenant index, arrival, first token and finish (s; ``nan``: did not
+    happen), prompt and output tokens."""
+
+    tenant: list[int] = field(default_factory=list)
+    arrival_s: list[float] = field(default_factory=list)
+    first_token_s: list[float] = field(default_factory=list)
+    finish_s: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+
+    def add(
+        self, tenant: int, arrival_s: float, first_token_s: float, finish_s: float, prompt: int, output: int
+    ) -> None:
+        """Append one request."""
+        self.tenant.append(tenant)
+        self.arrival_s.append(arrival_s)
+        self.first_token_s.append(first_token_s)
+        self.finish_s.append(finish_s)
+        self.prompt_tokens.append(prompt)
+        self.output_tokens.append(output)
+
+    def arrays(self) -> list[npt.NDArray[np.float64]]:
+        """The six columns as float arrays. Raises ``ValueError``: columns of different lengths."""
+        columns: list[Sequence[float]] = [self.tenant, self.arrival_s, self.first_token_s, self.finish_s]
+        columns += [self.prompt_tokens, self.output_tokens]
+        if len({len(c) for c in columns}) != 1:
+            raise ValueError("RequestSpans columns differ in length")
+        return [np.asarray(c, dtype=float) for c in columns]
+
+
+@dataclass(frozen=True)
+class ServiceDifference:
+    """The VTC paper's fairness figure over one run (Sheng et al., "Fairness in Serving Large Language Models",
+    OSDI 2024, section 6; computed as in its artifact, ``fair_bench/plot/visualize.py``).
+
+    Attributes:
+        max_per_s / avg_per_s: the largest and the mean, over the sample points, of the summed service gap
+            of the tenants (service units per second; with the default weights, tokens per second).
+        points: how many sample points the figures are over (0: no request produced service).
+    """
+
+    max_per_s: float
+    avg_per_s: float
+    points: int
+
+
+def service_difference(
+    requests: RequestSpans,
+    tenants: int,
+    *,
+    window_s: float = VTC_WINDOW_S,
+    points: int = VTC_POINTS,
+    input_weight: float = 1.0,
+    output_weight: float = 2.0,
+    tenant_weights: Sequence[float] | None = None,
+) -> ServiceDifference:
+    """How far the tenants' service rates were apart while they had demand, over sliding windows.
+
+    At each of ``points`` instants ``x`` evenly spread over ``[0, last arrival)``, over the window
+    ``[x - window_s/2, x + window_s/2]``, each tenant ``j`` has a *service rate* ``s_j`` (the service
+    ``input_weight * prompt + output_weight * output`` of each of its requests spread evenly from its first
+    token to its finish, the part inside the window, per second) and a *demand rate* ``r_j`` (the service of
+    its requests that arrived in the window, per second). The point's figure is
+    ``sum_j min(max_k s_k - s_j, |r_j - s_j|)``: the gap to the best-served tenant, counted only as far as
+    the tenant wanted more (a tenant that asked for little is not short-changed). Requests that did not
+    finish, or produced their tokens in an instant, give no service (as in the artifact). ``tenant_weights``
+    divide a tenant's service and demand (weighted VTC).
+
+    Args:
+        requests: per request, tenant index and times in s (see ``RequestSpans``).
+        tenants: the number of tenants (indices ``0 .. tenants-1``).
+
+    Raises:
+        ValueError: ``window_s`` or ``points`` not positive, a weight not positive, or the columns of
+            ``requests`` of different lengths.
+    """
+    if not window_s > 0 or points < 1:
+        raise ValueError(f"window_s and points must be > 0, got {window_s} and {points}")
+    weights = np.ones(tenants) if tenant_weights is None else np.asarray(tenant_weights, dtype=float)
+    if weights.shape != (tenants,) or not np.all(weights > 0):
+        raise ValueError(f"tenant_weights must be {tenants} values > 0")
+    columns = requests.arrays()
+    tenant, arrival, start, end = columns[0].astype(int), columns[1], columns[2], columns[3]
+    service = (input_weight * columns[4] + output_weight * columns[5]) / weights[tenant]
+    served = np.isfinite(start) & np.isfinite(end) & (end - start > 1e-9)
+    if not len(arrival) or not served.any():
+        return ServiceDifference(0.0, 0.0, 0)
+    span = np.where(served, end - start, 1.0)
+    gaps = []
+    for x in np.arange(points) * (float(arrival.max()) / points):
+        low, high = x - window_s / 2, x + window_s / 2
+        overlap = np.clip(np.minimum(high, end) - np.maximum(low, start), 0.0, None)
+        rate = np.where(served, service * overlap / span, 0.0)
+        s = np.bincount(tenant, weights=rate, minlength=tenants) / window_s
+        arrived = (arrival >= low) & (arrival <= high)
+        r = np.bincount(tenant, weights=np.where(arrived, service, 0.0), minlength=tenants) / window_s
+        gaps.append(float(np.minimum(s.max() - s, np.abs(r - s)).sum()))
+    return ServiceDifference(max(gaps), sum(gaps) / len(gaps), len(gaps))

@@ -9,7 +9,7 @@ decode iterations. It jumps straight to the next boundary where something can ch
   iterations);
 - a slot is free and a request the policy has not seen arrives, a held request may wake up, or the
   policy's state changed since this replica last asked it (another replica admitted or finished);
-- the run's end.
+- the run's end (the workload's window, or none when the run drains).
 
 Charges of skipped iterations are booked in bulk (``k`` iterations x ``n`` sequences of a tenant) just
 before anything reads them, so the policy sees the same counters at every decision. Time is integer
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fairgate.core.cost import NS_PER_MS, CostModel
 from fairgate.core.policy import Policy
 from fairgate.sim.admission import Admission
-from fairgate.sim.engine_reference import SAMPLE_EVERY_NS
+from fairgate.sim.engine_reference import SAMPLE_EVERY_NS, stop_ns
 from fairgate.sim.result import SimResult
 from fairgate.sim.workload import Workload
 
@@ -83,8 +83,14 @@ class _Requests:
     slot_charge_at_admit: list[float]
 
 
-def run_compressed(workload: Workload, cost: CostModel, policy: Policy, replicas: int = 1) -> SimResult:
+def run_compressed(
+    workload: Workload, cost: CostModel, policy: Policy, replicas: int = 1, *, drain: bool = False
+) -> SimResult:
     """Simulate ``workload`` like ``run_reference`` does, jumping over uneventful iterations.
+
+    Args:
+        drain: run until the last request has finished (as a real server drains its queue), instead of
+            starting no iteration at or after ``workload.duration_ns``.
 
     Returns:
         The run's ``SimResult``, equal to the reference engine's (decisions and times exactly,
@@ -93,11 +99,11 @@ def run_compressed(workload: Workload, cost: CostModel, policy: Policy, replicas
     workload.check()
     result = SimResult.empty(workload, replicas)
     admission = Admission(workload, policy, cost, result)
-    duration_ns = workload.duration_ns
+    duration_ns = stop_ns(workload, drain)
     reps = [_Replica(r) for r in range(replicas)]
     requests = _Requests([0] * len(workload), [0.0] * len(workload))
     book, finish_due, settle_request = _booking(workload, admission, result, requests)
-    admit_and_start, next_event = _starting(workload, cost, admission, result, requests)
+    admit_and_start, next_event = _starting(workload, cost, admission, result, requests, duration_ns)
     now = -1
     wake: int | None = None
     next_sample = 0
@@ -197,13 +203,13 @@ def _booking(
 
 
 def _starting(
-    workload: Workload, cost: CostModel, admission: Admission, result: SimResult, requests: _Requests
+    workload: Workload, cost: CostModel, admission: Admission, result: SimResult, requests: _Requests, duration_ns: int
 ) -> tuple[Callable[[_Replica, int], None], Callable[[_Replica, int, int | None], int]]:
     """The engine's admission steps, as closures: ``admit_and_start(rep, t)`` (fill free slots, start a
     segment) and ``next_event(rep, now, wake)`` (the next boundary of ``rep`` where something can change)."""
     tenant_index, prompt_tokens, output_tokens = workload.tenant_index, workload.prompt_tokens, workload.output_tokens
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
-    max_batch, duration_ns, policy = cost.max_batch, workload.duration_ns, admission.policy
+    max_batch, policy = cost.max_batch, admission.policy
 
     def admit_and_start(rep: _Replica, t: int) -> None:
         admitted = admission.admit(t, rep.index, max_batch - rep.size, rep.size)

@@ -11,7 +11,9 @@ event-compressed engine (``engine_compressed``) must agree with exactly:
   to each newly admitted one (the prefill is booked as the request is picked);
 - events at one instant are handled in this order: arrivals up to that instant become visible, then
   replica boundaries in replica order, then idle replicas in replica order;
-- no iteration starts at or after the run's duration; the ones in progress complete.
+- no iteration starts at or after the run's duration; the ones in progress complete. A run that *drains*
+  has no such end: it goes on until the last admitted request finished (requests a policy holds for ever,
+  e.g. past a spent budget, stay unfinished).
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from fairgate.sim.result import SimResult
 from fairgate.sim.workload import Workload
 
 SAMPLE_EVERY_NS = 1_000 * NS_PER_MS
+NO_END_NS = 2**62  # a draining run's "end": ~146 years of ns, past any arrival (traces cap replays at 10 years)
+
+
+def stop_ns(workload: Workload, drain: bool) -> int:
+    """The instant from which no iteration starts: the workload's window, or never when the run drains."""
+    return NO_END_NS if drain else workload.duration_ns
 
 
 @dataclass(slots=True)
@@ -50,16 +58,15 @@ def _next_instant(
     return min(candidates) if candidates else None
 
 
-def run_reference(workload: Workload, cost: CostModel, policy: Policy, replicas: int = 1) -> SimResult:
-    """Simulate ``workload`` on ``replicas`` replicas of ``cost`` under ``policy``, iteration by iteration.
-
-    Returns:
-        The run's ``SimResult``.
-    """
+def run_reference(
+    workload: Workload, cost: CostModel, policy: Policy, replicas: int = 1, *, drain: bool = False
+) -> SimResult:
+    """Simulate ``workload`` on ``replicas`` replicas of ``cost`` under ``policy``, iteration by iteration;
+    ``drain``: until the last request finished (see the module docstring). Returns the run's ``SimResult``."""
     workload.check()
     result = SimResult.empty(workload, replicas)
     admission = Admission(workload, policy, cost, result)
-    duration_ns, arrival_ns, n = workload.duration_ns, workload.arrival_ns, len(workload)
+    duration_ns, arrival_ns, n = stop_ns(workload, drain), workload.arrival_ns, len(workload)
     running: list[list[_Sequence]] = [[] for _ in range(replicas)]
     iteration_end: list[int | None] = [None] * replicas  # None: idle (or stopped)
     stopped = [False] * replicas

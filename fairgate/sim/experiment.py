@@ -2,7 +2,9 @@
 
 Per tenant: GPU ms and share of busy time, prefill ms, decode tokens, finished requests, mean output
 tokens of finished requests, TTFT p50/p99 (ms, over requests that produced a first token). Per run:
-busy and charged ms, max/min of weighted shares, Jain's index, decode tokens, prefill fraction.
+busy and charged ms, max/min of weighted shares, Jain's index, the VTC paper's service difference (max and
+mean over 60-s windows, tokens/s; ``core.fairness.service_difference``), decode tokens, prefill fraction,
+requests that did not finish.
 Averages over seeds are plain means of the per-seed figures.
 """
 
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from fairgate.core.cost import NS_PER_MS
-from fairgate.core.fairness import gpu_shares, jain_index, max_min_ratio, weighted
+from fairgate.core.fairness import RequestSpans, gpu_shares, jain_index, max_min_ratio, service_difference, weighted
 from fairgate.core.policies.factory import make_policy
 from fairgate.sim.engine_compressed import run_compressed
 from fairgate.sim.engine_reference import run_reference
@@ -55,6 +57,9 @@ class RunStats:
     decode_tokens: float
     prefill_fraction: float
     tenants: list[TenantStats]
+    service_diff_max: float = float("nan")  # VTC paper's figure, tokens/s (weighted: / weight)
+    service_diff_avg: float = float("nan")
+    unfinished: float = 0.0  # requests not finished when the run ended (cut at the window, or held)
     timeline_s: list[float] = field(default_factory=list, repr=False)  # sample times, s
     timeline_share: list[list[float]] = field(default_factory=list, repr=False)  # cumulative share per tenant
 
@@ -115,6 +120,7 @@ def summarise(result: SimResult, policy: str, seed: int, weights: dict[str, floa
         )
         for k, name in enumerate(names)
     ]
+    difference = service_difference(_spans(result), len(names), tenant_weights=[weights.get(n, 1.0) for n in names])
     timeline_s: list[float] = []
     timeline_share: list[list[float]] = []
     for t_ns, cumulative in result.timeline:
@@ -132,20 +138,42 @@ def summarise(result: SimResult, policy: str, seed: int, weights: dict[str, floa
         decode_tokens=sum(result.tenant_decode_tokens),
         prefill_fraction=sum(result.tenant_prefill_ms) / busy_ms if busy_ms > 0 else 0.0,
         tenants=tenants,
+        service_diff_max=difference.max_per_s,
+        service_diff_avg=difference.avg_per_s,
+        unfinished=sum(1 for f in result.finish_ns if f == NOT_YET),
         timeline_s=timeline_s,
         timeline_share=timeline_share,
     )
 
 
-def simulate(scenario: Scenario, workload: Workload, policy: str, engine: str = "compressed") -> SimResult:
-    """Run ``workload`` through a fresh ``policy`` on the scenario's replicas."""
+def _spans(result: SimResult) -> RequestSpans:
+    """Each request's tenant, times (s) and tokens, for ``service_difference``."""
+    workload, spans, nan = result.workload, RequestSpans(), float("nan")
+    for i, arrival in enumerate(workload.arrival_ns):
+        first, finish = result.first_token_ns[i], result.finish_ns[i]
+        spans.add(
+            workload.tenant_index[i],
+            arrival / 1e9,
+            nan if first == NOT_YET else first / 1e9,
+            nan if finish == NOT_YET else finish / 1e9,
+            workload.prompt_tokens[i],
+            result.generated_tokens[i],
+        )
+    return spans
+
+
+def simulate(
+    scenario: Scenario, workload: Workload, policy: str, engine: str = "compressed", *, drain: bool = False
+) -> SimResult:
+    """Run ``workload`` through a fresh ``policy`` on the scenario's replicas; ``drain``: until the last request
+    finished, not only to the workload's window."""
     names = workload.tenants
     shares = {name: scenario.shares[name] for name in names if name in scenario.shares}
     try:
         built = make_policy(scenario.policy_spec(policy), scenario.cost, shares)
     except ValueError as exc:
         raise ScenarioError(f"{scenario.path}: policy {policy}: {exc}") from None
-    return ENGINES[engine](workload, scenario.cost, built, scenario.replicas)
+    return ENGINES[engine](workload, scenario.cost, built, scenario.replicas, drain=drain)
 
 
 def run_policy(
@@ -155,27 +183,33 @@ def run_policy(
     flood: dict[str, float] | None = None,
     engine: str = "compressed",
     workloads: dict[int, Workload] | None = None,
+    *,
+    drain: bool = False,
 ) -> PolicyStats:
     """``policy`` on the scenario's synthetic workload for each seed, summarised and averaged.
 
     Args:
         workloads: seed -> workload to reuse (e.g. across policies); built when absent.
+        drain: run each until its last request finished (default: stop at ``run.duration_s``, the seed
+            study's convention).
     """
     runs = []
     for seed in seeds:
         workload = (workloads or {}).get(seed)
         if workload is None:
             workload = poisson_workload(scenario.cost, scenario.tenants, scenario.config.run.duration_s, seed, flood)
-        result = simulate(scenario, workload, policy, engine)
+        result = simulate(scenario, workload, policy, engine, drain=drain)
         runs.append(summarise(result, policy, seed, _weights(scenario, workload)))
     return PolicyStats(mean=average(runs), per_seed=runs)
 
 
-def run_workload(scenario: Scenario, workload: Workload, policy: str, engine: str = "compressed") -> PolicyStats:
-    """``policy`` on one given workload (a trace replay), summarised."""
-    run = summarise(
-        simulate(scenario, workload, policy, engine), policy, scenario.config.run.seed, _weights(scenario, workload)
-    )
+def run_workload(
+    scenario: Scenario, workload: Workload, policy: str, engine: str = "compressed", *, drain: bool = True
+) -> PolicyStats:
+    """``policy`` on one given workload (a trace replay), summarised; ``drain`` (default): until the last
+    request finished, as a real server drains its queue (False: stop at the trace's window)."""
+    result = simulate(scenario, workload, policy, engine, drain=drain)
+    run = summarise(result, policy, scenario.config.run.seed, _weights(scenario, workload))
     return PolicyStats(mean=run, per_seed=[run])
 
 
@@ -184,7 +218,17 @@ def _weights(scenario: Scenario, workload: Workload) -> dict[str, float]:
 
 
 _TENANT_MEANS = ("gpu_ms", "gpu_share", "prefill_ms", "decode_tokens", "requests_finished", "mean_output_tokens")
-_RUN_MEANS = ("busy_ms", "charged_ms", "max_min_ratio", "jain_index", "decode_tokens", "prefill_fraction")
+_RUN_MEANS = (
+    "busy_ms",
+    "charged_ms",
+    "max_min_ratio",
+    "jain_index",
+    "service_diff_max",
+    "service_diff_avg",
+    "unfinished",
+    "decode_tokens",
+    "prefill_fraction",
+)
 
 
 def _means(rows: Sequence[object], names: Sequence[str]) -> dict[str, Any]:

@@ -43,7 +43,8 @@ def _ms(value: float) -> str:
 
 def policy_table(title: str, results: Sequence[PolicyStats]) -> Table:
     """Per policy and tenant: GPU share %, decode tokens, mean output tokens, TTFT p50/p99; per policy
-    max/min, Jain's index, total decode tokens and prefill fraction."""
+    max/min, Jain's index, the VTC paper's service difference (max / mean, tokens/s), total decode tokens,
+    prefill fraction and requests left unfinished."""
     table = Table(title=escape(title), title_justify="left")
     for column, justify in [
         ("policy", "left"),
@@ -55,7 +56,9 @@ def policy_table(title: str, results: Sequence[PolicyStats]) -> Table:
         ("TTFT p99 ms", "right"),
         ("max/min", "right"),
         ("Jain", "right"),
+        ("VTC diff", "right"),
         ("prefill %", "right"),
+        ("undone", "right"),
     ]:
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for stats in results:
@@ -72,6 +75,8 @@ def policy_table(title: str, results: Sequence[PolicyStats]) -> Table:
                 "",
                 "",
                 "",
+                "",
+                "",
             )
         table.add_row(
             "",
@@ -83,24 +88,28 @@ def policy_table(title: str, results: Sequence[PolicyStats]) -> Table:
             "",
             f"[b]{run.max_min_ratio:.3f}[/b]",
             f"{run.jain_index:.4f}",
+            f"{_ms(run.service_diff_max)}/{_ms(run.service_diff_avg)}",
             f"{run.prefill_fraction * 100:.1f}",
+            f"{run.unfinished:,.0f}",
             end_section=True,
         )
     return table
 
 
 def shares_markdown(results: Sequence[PolicyStats]) -> str:
-    """A compact Markdown table: one row per policy, GPU share % per tenant, max/min, decode tokens."""
+    """A compact Markdown table: one row per policy, GPU share % per tenant, max/min, the VTC paper's service
+    difference (max / mean, tokens/s), decode tokens, prefill %."""
     names = [t.name for t in results[0].mean.tenants]
     lines = [
-        "| policy | " + " | ".join(names) + " | max/min | decode tokens | prefill % |",
-        "|---|" + "---:|" * (len(names) + 3),
+        "| policy | " + " | ".join(names) + " | max/min | VTC diff max / avg | decode tokens | prefill % |",
+        "|---|" + "---:|" * (len(names) + 4),
     ]
     for stats in results:
         run = stats.mean
         shares = " | ".join(f"{t.gpu_share * 100:.1f}" for t in run.tenants)
         lines.append(
-            f"| {run.policy} | {shares} | {run.max_min_ratio:.2f} | {run.decode_tokens:,.0f} | "
+            f"| {run.policy} | {shares} | {run.max_min_ratio:.2f} | "
+            f"{_ms(run.service_diff_max)} / {_ms(run.service_diff_avg)} | {run.decode_tokens:,.0f} | "
             f"{run.prefill_fraction * 100:.1f} |"
         )
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -236,3 +237,26 @@ def test_a_bad_line_is_named(tmp_path):
         list(read_records(path))
     with pytest.raises(EventLogError, match="no such file"):
         list(read_records(Path(tmp_path / "missing.jsonl")))
+
+
+def test_records_are_formatted_in_the_writer_thread_and_a_bad_one_skips_only_itself(tmp_path, monkeypatch):
+    sink = EventLog(tmp_path / "events.jsonl", ["alpha"], flush_every_s=0.05)
+    formatted_on: list[str] = []
+    record_of = sink.record_of
+
+    def recording(event):  # type: ignore[no-untyped-def]
+        formatted_on.append(threading.current_thread().name)
+        return record_of(event)
+
+    monkeypatch.setattr(sink, "record_of", recording)
+    sink.start()
+    sink.observe(Admitted("r-1", "alpha", None, "m", "res-1", 3, 4, 5.5, 1_700_000_000.0))
+    assert formatted_on == []  # observe() only queued it
+    sink.write({"v": 1, "event": "custom", "bad": object()})  # cannot be JSON: logged, skipped
+    sink.observe(Admitted("r-2", "alpha", None, "m", "res-2", 3, 4, 5.5, 1_700_000_001.0))
+    assert sink.flush()
+    sink.close()
+    assert formatted_on == ["fairgate-eventlog", "fairgate-eventlog"]
+    records = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [r.get("request_id") for r in records if r["event"] == "admitted"] == ["r-1", "r-2"]
+    assert "custom" not in {r["event"] for r in records}

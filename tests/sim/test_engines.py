@@ -47,14 +47,15 @@ def scenarios(draw):
     assume(policy != "vtc_calibrated" or cost.prefill_ms_per_token > 0)
     seed = draw(st.integers(0, 10_000))
     duration_s = draw(st.sampled_from([0.5, 2.0, 5.0]))
-    return cost, tenants, shares, replicas, policy, seed, duration_s
+    drain = draw(st.booleans())
+    return cost, tenants, shares, replicas, policy, seed, duration_s, drain
 
 
-def both(cost, tenants, shares, replicas, policy, seed, duration_s) -> tuple[SimResult, SimResult]:
+def both(cost, tenants, shares, replicas, policy, seed, duration_s, drain=False) -> tuple[SimResult, SimResult]:
     workload = poisson_workload(cost, tenants, duration_s, seed)
     spec = PolicySpec(policy, PARAMS)
-    reference = run_reference(workload, cost, make_policy(spec, cost, shares), replicas)
-    compressed = run_compressed(workload, cost, make_policy(spec, cost, shares), replicas)
+    reference = run_reference(workload, cost, make_policy(spec, cost, shares), replicas, drain=drain)
+    compressed = run_compressed(workload, cost, make_policy(spec, cost, shares), replicas, drain=drain)
     return reference, compressed
 
 
@@ -108,6 +109,28 @@ def test_engines_agree_and_keep_invariants(case):
     assert_same(reference, compressed)
     assert_invariants(reference, cost)
     assert_invariants(compressed, cost)
+    if case[-1]:  # a drained run ends with every request finished: no policy here holds one for ever
+        assert NOT_YET not in compressed.finish_ns
+        assert compressed.generated_tokens == compressed.workload.output_tokens
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "gpu_fair", "request_quota"])
+def test_a_drained_run_finishes_what_a_cut_run_leaves_and_agrees_up_to_the_cut(policy, seed_scenario):
+    from fairgate.sim.experiment import simulate
+
+    workload = poisson_workload(seed_scenario.cost, seed_scenario.tenants, 20, 3)
+    cut = simulate(seed_scenario, workload, policy)
+    drained = simulate(seed_scenario, workload, policy, drain=True)
+    reference = simulate(seed_scenario, workload, policy, "reference", drain=True)
+    assert_same(reference, drained)
+    unfinished = [i for i, f in enumerate(cut.finish_ns) if f == NOT_YET]
+    assert len(unfinished) > 50  # the seed scenario is overloaded: a cut leaves many behind
+    assert NOT_YET not in drained.finish_ns
+    assert max(drained.finish_ns) > workload.duration_ns
+    # Up to the cut the two runs are the same run: every admission before the window's end matches.
+    end = workload.duration_ns
+    assert [a for a in drained.admissions if a[2] < end] == cut.admissions
+    assert drained.charged_ms == pytest.approx(drained.busy_ms, rel=1e-9)
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

@@ -65,6 +65,26 @@ def test_burstgpt_slice_by_model_through_the_cli(traces_dir, tmp_path):
         assert sum(t["gpu_share"] for t in result["tenants"]) == pytest.approx(1.0)
         assert result["tenants"][0]["requests_finished"] > 100
     assert (tmp_path / "replay_burstgpt1_first7days_shares.png").exists()
+    assert "draining to the last request" in done.stderr
+    for result in document["results"]:
+        assert result["unfinished"] == 0
+        assert result["service_diff_max"] >= result["service_diff_avg"] > 0
+
+
+def test_azure_replay_drains_by_default_and_cut_leaves_the_queue(traces_dir):
+    # Ten minutes of Azure code + conversation on one replica is overloaded: at the window's end requests wait.
+    scenario = load_scenario(REPO / "scenarios" / "replay.toml", ["replica.replicas=1"], require_tenants=False)
+    files = [f"code={traces_dir / 'azure_llm_2023_code.csv'}", f"conv={traces_dir / 'azure_llm_2023_conv.csv'}"]
+    workload, _ = trace_workload(files, "azure", start_s=0, duration_s=600)
+    drained = run_workload(scenario, workload, "fcfs").mean
+    cut = run_workload(scenario, workload, "fcfs", drain=False).mean
+    assert drained.unfinished == 0
+    assert cut.unfinished > 100
+    finished = sum(t.requests_finished for t in drained.tenants)
+    assert finished == len(workload) == sum(t.requests_finished for t in cut.tenants) + cut.unfinished
+    # The requests a cut drops are the ones that waited longest: the drained TTFT tail is longer.
+    assert max(t.ttft_ms["p99"] for t in drained.tenants) > max(t.ttft_ms["p99"] for t in cut.tenants)
+    assert drained.busy_ms > cut.busy_ms
 
 
 def test_replay_bad_trace_is_exit_2(tmp_path):
