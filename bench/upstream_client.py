@@ -4,14 +4,16 @@ The gateway's cost of relaying a stream is mostly its HTTP client's: this measur
 emulated replica runs as its own process (``fairgate emulate``, made fast: ``--iter-ms`` iterations, no
 prefill cost), on real loopback HTTP; this process runs each client in turn on one uvloop event loop (the
 gateway's) and reads its own CPU time (``time.process_time``) around each client's share of the load:
-- ``httpx-fairgate``: the gateway's own client (``fairgate.gateway.upstream.http_client``) used as the
-  gateway uses it: ``build_request`` + ``send(stream=True)``, ``aiter_lines``, the rest after ``[DONE]``
-  read in a task of its own;
+- ``httpx-pooled``: httpx set up as a gateway would (a pool, the gateway's timeouts) and used the same way:
+  ``build_request`` + ``send(stream=True)``, ``aiter_lines``, the rest after ``[DONE]`` read in a task of
+  its own;
 - ``httpx-lean``: httpx with the leanest settings found (HTTP/1.1, no ``trust_env``, no TLS context, the
   body encoded once, ``aiter_raw`` split into lines here) and the same timeouts;
 - ``httpx2``: pydantic's httpx fork (what the ``openai`` package now uses), set up as the gateway sets httpx;
 - ``aiohttp``: ``ClientSession`` on a keep-alive ``TCPConnector``, the same timeouts, lines read with
-  ``async for line in response.content``.
+  ``async for line in response.content``;
+- ``aiohttp-fairgate``: the gateway's own session (``fairgate.gateway.upstream.upstream_session``) used as
+  ``UpstreamClient`` uses it: lines decoded, the rest after ``[DONE]`` read in a task of its own.
 Every call is an OpenAI chat completion; a streamed one (``stream: true`` with usage, as the gateway asks)
 is read line by line up to ``data: [DONE]`` and its ``data:`` lines counted (each must have them all).
 Workloads: streams of ``--tokens`` output tokens each (default 16 and 128), and non-streamed calls of 1
@@ -52,7 +54,7 @@ from pydantic import SecretStr
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fairgate.gateway.dispatch import Upstream
-from fairgate.gateway.upstream import http_client
+from fairgate.gateway.upstream import DRAIN_S, upstream_session
 from fairgate.harness.process import fairgate_server, free_port, running
 from fairgate.harness.replica import ReplicaModel
 
@@ -117,8 +119,8 @@ def lines_of(chunk: bytes, rest: bytes) -> tuple[list[bytes], bytes]:
 
 
 class HttpxGateway:
-    """httpx as the gateway uses it (``UpstreamClient._post``, ``_chunks``, ``_drain_later``); ``lib``:
-    httpx or a module with its API (httpx2), the latter's client built with the same settings."""
+    """httpx used as a gateway would (``build_request`` + ``send(stream=True)``, ``aiter_lines``, the rest
+    read in a task); ``lib``: httpx or a module with its API (httpx2)."""
 
     def __init__(self, name: str, url: str, concurrency: int, lib: Any = httpx) -> None:
         self.name = name
@@ -126,16 +128,14 @@ class HttpxGateway:
         self.lib = lib
         config = FAST.upstream("bench", url, MODEL, max_batch=concurrency)
         upstream = Upstream(config.name, config.model, config.url, config.max_batch, config.cost)
-        if lib is httpx:
-            self.http: Any = http_client(upstream, config, SecretStr(KEY), TIMEOUT_S)
-        else:  # what http_client builds, in the other library
-            self.http = lib.AsyncClient(
-                base_url=upstream.url,
-                headers={"authorization": f"Bearer {KEY}"},
-                verify=True,
-                timeout=lib.Timeout(TIMEOUT_S, connect=CONNECT_S, read=IDLE_S),
-                limits=lib.Limits(max_connections=upstream.max_batch * 2 + 8, max_keepalive_connections=None),
-            )
+        # A pool for max_batch * 2 + 8 connections, as the gateway's session.
+        self.http: Any = lib.AsyncClient(
+            base_url=upstream.url,
+            headers={"authorization": f"Bearer {KEY}"},
+            verify=True,
+            timeout=lib.Timeout(TIMEOUT_S, connect=CONNECT_S, read=IDLE_S),
+            limits=lib.Limits(max_connections=upstream.max_batch * 2 + 8, max_keepalive_connections=None),
+        )
 
     async def stream(self, body: dict[str, Any], encoded: bytes) -> int:
         request = self.http.build_request("POST", "/chat/completions", json=body)
@@ -265,13 +265,69 @@ class Aiohttp:
         await self.session.close()
 
 
+class AiohttpGateway:
+    """The gateway's own session (``upstream_session``), used as ``UpstreamClient._post`` / ``_chunks`` /
+    ``_drain_later`` use it."""
+
+    def __init__(self, name: str, url: str, concurrency: int) -> None:
+        self.name = name
+        self.drains: set[asyncio.Task[None]] = set()
+        config = FAST.upstream("bench", url, MODEL, max_batch=concurrency)
+        upstream = Upstream(config.name, config.model, config.url, config.max_batch, config.cost)
+        self.url = f"{upstream.url.rstrip('/')}/chat/completions"
+        self.session = upstream_session(upstream, config, SecretStr(KEY), TIMEOUT_S)
+
+    async def stream(self, body: dict[str, Any], encoded: bytes) -> int:
+        data = json.dumps(body).encode()
+        response = await self.session.post(self.url, data=data, headers={"content-type": "application/json"})
+        draining, seen = False, 0
+        try:
+            assert response.status == 200, response.status
+            async for raw in response.content:
+                line = raw.decode(errors="replace").rstrip("\r\n")
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    task = asyncio.ensure_future(self._drain(response))
+                    self.drains.add(task)
+                    task.add_done_callback(self.drains.discard)
+                    draining = True
+                    return seen
+                seen += 1
+            raise AssertionError("the stream ended before [DONE]")
+        finally:
+            if not draining:
+                response.close()
+
+    @staticmethod
+    async def _drain(response: aiohttp.ClientResponse) -> None:
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                await response.read()
+            response.release()
+        except (TimeoutError, aiohttp.ClientError):
+            response.close()
+
+    async def plain(self, body: dict[str, Any], encoded: bytes) -> None:
+        async with self.session.post(self.url, json=body) as response:
+            assert response.status == 200 and await response.read(), response.status
+
+    async def settle(self) -> None:
+        await asyncio.gather(*self.drains)
+
+    async def aclose(self) -> None:
+        await self.settle()
+        await self.session.close()
+
+
 # A fast replica: short iterations, no prefill cost, every call in one batch.
 FAST = ReplicaModel(iter_base_ms=0.05, iter_slope_ms=0.0, prefill_ms_per_token=0.0, max_batch=4096)
 CLIENTS: dict[str, Callable[[str, str, int], Client]] = {
-    "httpx-fairgate": lambda name, url, c: HttpxGateway(name, url, c),
+    "httpx-pooled": lambda name, url, c: HttpxGateway(name, url, c),
     "httpx-lean": HttpxLean,
     "httpx2": lambda name, url, c: HttpxGateway(name, url, c, lib=httpx2),
     "aiohttp": Aiohttp,
+    "aiohttp-fairgate": lambda name, url, c: AiohttpGateway(name, url, c),
 }
 
 
@@ -401,7 +457,7 @@ def report(works: Sequence[Workload], tallies: dict[tuple[str, str], Tally], arg
     print("CPU per call, ratios:")
     for work in works:
         cost = {name: tallies[work.name, name].cpu_s / tallies[work.name, name].calls for name in names}
-        ratios = [f"{name}/httpx-fairgate {cost[name] / cost['httpx-fairgate']:.2f}" for name in names[1:]]
+        ratios = [f"{name}/httpx-pooled {cost[name] / cost['httpx-pooled']:.2f}" for name in names[1:]]
         ratios.append(f"aiohttp/httpx-lean {cost['aiohttp'] / cost['httpx-lean']:.2f}")
         print(f"  {work.name:<12}" + "   ".join(ratios))
 

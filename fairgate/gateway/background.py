@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from fairgate.gateway.engine_load import poll_engine_load
 from fairgate.gateway.sharing import ChargeSync
@@ -140,8 +140,8 @@ async def probe(state: GatewayState, interval_s: float = PROBE_EVERY_S) -> None:
             if upstream.healthy:
                 continue
             try:
-                reply = await state.upstreams[upstream.name].http.get("/models", timeout=PROBE_TIMEOUT_S)
-            except httpx.HTTPError:
+                status, _ = await state.upstreams[upstream.name].get("/models", PROBE_TIMEOUT_S)
+            except (aiohttp.ClientError, TimeoutError):
                 continue
-            if reply.status_code == 200:
+            if status == 200:
                 state.dispatcher.mark_up(upstream)  # logs it

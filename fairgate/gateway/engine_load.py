@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from fairgate.gateway.kinds import Metrics
 from fairgate.gateway.state import GatewayState
+from fairgate.gateway.upstream import UpstreamClient
 
 ENGINE_LOAD_EVERY_S = 0.5
 ENGINE_LOAD_TIMEOUT_S = 2.0
@@ -42,14 +43,14 @@ def parse_load(text: str, metrics: Metrics) -> tuple[float | None, float | None]
     )
 
 
-async def read_load(http: httpx.AsyncClient, root_url: str, metrics: Metrics) -> tuple[float | None, float | None]:
+async def read_load(client: UpstreamClient, root_url: str, metrics: Metrics) -> tuple[float | None, float | None]:
     """The engine's (running, waiting) from ``<root_url>/metrics``; (None, None) when it cannot be read."""
     try:
-        reply = await http.get(f"{root_url}/metrics", timeout=ENGINE_LOAD_TIMEOUT_S)
-        if reply.status_code != 200:
+        status, text = await client.get(f"{root_url}/metrics", ENGINE_LOAD_TIMEOUT_S)
+        if status != 200:
             return None, None
-        return parse_load(reply.text, metrics)
-    except (httpx.HTTPError, ValueError):
+        return parse_load(text, metrics)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         return None, None
 
 
@@ -63,5 +64,5 @@ async def poll_engine_load(state: GatewayState, interval_s: float | None = None)
             if client is None or (client.kind.metrics.running is None and client.kind.metrics.waiting is None):
                 continue
             root = upstream.url.rstrip("/").removesuffix("/v1")
-            running, waiting = await read_load(client.http, root, client.kind.metrics)
+            running, waiting = await read_load(client, root, client.kind.metrics)
             state.dispatcher.engine_load(upstream, running, waiting)

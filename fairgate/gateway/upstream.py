@@ -22,7 +22,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
+from aiohttp.http_exceptions import LineTooLong
 from pydantic import SecretStr
 
 from fairgate.core.drift import StepDrift
@@ -105,18 +106,23 @@ def billable_usage(usage: object) -> dict[str, int] | None:
     return counts or None
 
 
-def http_client(
+# aiohttp, not httpx, for the calls: per call it takes 0.19-0.23x httpx's CPU on 16-token streams, 0.40-0.57x
+# on 128-token ones and 0.13x on plain calls (bench/upstream_client.py: httpx's pool check, h11 parsing in Python).
+READ_BUFSIZE = 1 << 20  # an event-stream line may be this long (aiohttp's default, 64 KiB, could cut a chunk)
+
+
+def upstream_session(
     upstream: Upstream,
     settings: UpstreamConfig | None,
     api_key: SecretStr | None,
     timeout_s: float,
     pooled: bool = True,
-) -> httpx.AsyncClient:
-    """The HTTP client of one upstream: its key as ``Authorization: Bearer``, its extra headers, TLS checked
+) -> aiohttp.ClientSession:
+    """The HTTP session of one upstream: its key as ``Authorization: Bearer``, its extra headers, TLS checked
     against ``ca_file`` (or the system's CAs, or not at all with ``verify_tls = false``), and its timeouts:
     ``connect_timeout_s`` to connect, ``stream_idle_timeout_s`` between two reads (so a stalled stream
-    fails), ``timeout_s`` for writing the body and waiting for a pooled connection. ``pooled``: keep
-    connections open between requests (False: one connection per request)."""
+    fails), ``timeout_s`` for the wait for a pooled connection. ``pooled``: keep connections open between
+    requests (False: one connection per request). Call it on the event loop that will use it."""
     headers = dict(settings.headers) if settings is not None else {}
     if api_key is not None:
         headers["authorization"] = f"Bearer {api_key.get_secret_value()}"
@@ -127,14 +133,13 @@ def http_client(
         verify = settings.verify_tls
     connect_s = settings.connect_timeout_s if settings is not None else 5.0
     idle_s = settings.stream_idle_timeout_s if settings is not None else timeout_s
-    return httpx.AsyncClient(
-        base_url=upstream.url.rstrip("/"),
+    connector = aiohttp.TCPConnector(limit=upstream.max_batch * 2 + 8, ssl=verify, force_close=not pooled)
+    return aiohttp.ClientSession(
+        connector=connector,
         headers=headers,
-        verify=verify,
-        timeout=httpx.Timeout(timeout_s, connect=connect_s, read=idle_s),
-        limits=httpx.Limits(
-            max_connections=upstream.max_batch * 2 + 8, max_keepalive_connections=None if pooled else 0
-        ),
+        timeout=aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=connect_s, sock_read=idle_s),
+        read_bufsize=READ_BUFSIZE,
+        trust_env=False,
     )
 
 
@@ -145,16 +150,15 @@ def http_client(
 DRAIN_S = 1.0
 
 
-async def _drain(lines: AsyncIterator[str], response: httpx.Response) -> None:
-    """Read what is left of ``response`` after its ``[DONE]`` (for at most ``DRAIN_S``), then close it."""
+async def _drain(response: aiohttp.ClientResponse) -> None:
+    """Read what is left of ``response`` after its ``[DONE]`` (for at most ``DRAIN_S``), then release its
+    connection to the pool (or close it, when the rest did not come)."""
     try:
         async with asyncio.timeout(DRAIN_S):
-            async for _ in lines:
-                pass
-    except (TimeoutError, httpx.HTTPError):  # the answer is complete; only the connection is lost
-        pass
-    finally:
-        await response.aclose()
+            await response.read()
+        response.release()
+    except (TimeoutError, aiohttp.ClientError, ValueError):  # the answer is complete; only the connection is lost
+        response.close()
 
 
 class UpstreamClient:
@@ -187,9 +191,11 @@ class UpstreamClient:
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
         self.drift = StepDrift(upstream.cost)
         self._calls: dict[str, CallState] = {}
-        self.http = http_client(upstream, settings, api_key, timeout_s)
-        self._unpooled = http_client(upstream, settings, api_key, timeout_s, pooled=False)
-        self._draining: dict[int, asyncio.Task[None]] = {}  # id(response) -> the task reading its rest
+        self._url = upstream.url.rstrip("/")
+        self._session_args = (upstream, settings, api_key, timeout_s)
+        self.http = upstream_session(*self._session_args)
+        self._unpooled: aiohttp.ClientSession | None = None  # made when a pooled connection first fails
+        self._draining: dict[aiohttp.ClientResponse, asyncio.Task[None]] = {}  # response -> the task reading its rest
 
     @property
     def batch_size(self) -> int:
@@ -244,83 +250,101 @@ class UpstreamClient:
                 async for chunk in self._chunks(response):
                     self._observe(call, chunk)
                     yield chunk
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise self._transport_error(exc) from None
         finally:
             self._book(call, self.meter.finish(call.request_id, self._now_ms()))
             del self._calls[call.request_id]
 
+    async def get(self, path: str, timeout_s: float) -> tuple[int, str]:
+        """GET ``path`` (probes, the engine's ``/metrics``): its status and text. Raises ``aiohttp.ClientError``
+        or ``TimeoutError``."""
+        url = path if path.startswith(("http://", "https://")) else f"{self._url}{path}"
+        async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            return response.status, await response.text(errors="replace")
+
     @asynccontextmanager
-    async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+    async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST ``body`` to ``path`` on a pooled connection; the response, its head read, its body unread.
 
         A pooled connection the upstream closed just as it was reused fails before any byte comes back
         ("Server disconnected without sending a response": llama-server did so to ~12 % of the connections
         reused right after a stream): that request is sent once more, on a connection of its own. A failure
         after the head, or of that second send, is not retried (the upstream may have run the request)."""
-        request = self.http.build_request("POST", path, json=body)
+        url, data = f"{self._url}{path}", json.dumps(body).encode()
+        headers = {"content-type": "application/json"}
         try:
-            response = await self.http.send(request, stream=True)
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-            response = await self._unpooled.send(request, stream=True)
+            response = await self.http.post(url, data=data, headers=headers)
+        except aiohttp.ClientConnectorError:
+            raise  # never connected: nothing to retry on a fresh connection
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            if self._unpooled is None:
+                self._unpooled = upstream_session(*self._session_args, pooled=False)
+            response = await self._unpooled.post(url, data=data, headers=headers)
         try:
             yield response
         finally:
-            if id(response) not in self._draining:  # a drained one is closed by its task
-                await response.aclose()
+            if response not in self._draining:  # a drained one is released by its task
+                response.close()  # an answer not read whole: closing its connection tells the upstream to stop
 
-    async def _check_head(self, response: httpx.Response) -> None:
+    async def _check_head(self, response: aiohttp.ClientResponse) -> None:
         """Raise ``UpstreamError`` unless the answer is a 200 event stream. A 4xx the client can act on keeps
         its status; an error body is quoted only when it is OpenAI's JSON (a proxy's HTML page is not)."""
         name, kind = self.upstream.name, response.headers.get("content-type", "")
-        if response.status_code != 200:
-            raise self._status_error(response, await response.aread())
+        if response.status != 200:
+            raise self._status_error(response, await response.read())
         if kind and not kind.lower().startswith("text/event-stream"):
             raise UpstreamError(
                 f"upstream {name} answered 200 with {kind}, not an event stream", problem="not_event_stream"
             )
 
-    async def _chunks(self, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-        """The stream's chunks up to ``[DONE]``; raises ``UpstreamError`` for a malformed line or chunk, or
-        a stream that ends without ``[DONE]`` (a connection closed cleanly mid-stream looks just like that)."""
+    async def _chunks(self, response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks up to ``[DONE]``; raises ``UpstreamError`` for a malformed line or chunk, a line
+        over ``READ_BUFSIZE`` bytes, or a stream that ends without ``[DONE]`` (a connection closed cleanly
+        mid-stream looks just like that). A body that breaks raises at once, before the lines aiohttp still
+        holds (its stream reader puts the error first): those are lost with the connection, and what the client
+        did receive is what is billed. The gateway reads each line as it comes, so they are the bytes that
+        arrived in the same read as the break."""
         try:
-            lines = response.aiter_lines()
-            async for line in lines:
-                data = sse.data_of(line)
+            async for raw in response.content:
+                data = sse.data_of(raw.decode(errors="replace").rstrip("\r\n"))
                 if data is None:
                     continue
                 if data.strip() == sse.DONE:
-                    self._drain_later(lines, response)
+                    self._drain_later(response)
                     return
                 yield sse.chunk_of(data)
         except sse.MalformedStream as exc:
             message = f"upstream {self.upstream.name} sent {exc}"
             raise UpstreamError(message, problem="malformed_stream", sample=exc.sample) from None
+        except LineTooLong:
+            message = f"upstream {self.upstream.name} sent a line longer than {READ_BUFSIZE} bytes"
+            raise UpstreamError(message, problem="malformed_stream") from None
         raise UpstreamError(
             f"upstream {self.upstream.name} closed the stream before [DONE]", problem="stream_unfinished"
         )
 
-    def _transport_error(self, exc: httpx.HTTPError) -> UpstreamError:
-        """The ``UpstreamError`` of a transport failure: refused (the upstream is taken out until it answers
-        again; another one may be tried), stalled (504), or the connection closed or broken."""
+    def _transport_error(self, exc: aiohttp.ClientError) -> UpstreamError:
+        """The ``UpstreamError`` of a transport failure: refused or not connected in time (the upstream is
+        taken out until it answers again; another one may be tried), stalled (504), or the connection closed
+        or broken."""
         name = self.upstream.name
-        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
             self._on_down(self.upstream)
             return UpstreamError(f"upstream {name}: {type(exc).__name__}: {exc}", 502, True, "unreachable")
-        if isinstance(exc, httpx.ReadTimeout):
+        if isinstance(exc, aiohttp.ServerTimeoutError):
             waited = self.idle_timeout_s
             return UpstreamError(f"upstream {name} sent nothing for {waited:g} s", 504, problem="stalled")
-        # A local protocol error quotes what this side could not send - headers, the key among them.
-        said = type(exc).__name__ if isinstance(exc, httpx.LocalProtocolError) else f"{type(exc).__name__}: {exc}"
+        said = f"{type(exc).__name__}: {exc}"
         return UpstreamError(f"upstream {name} closed or broke the connection: {said}", problem="connection_closed")
 
-    def _status_error(self, response: httpx.Response, body: bytes) -> UpstreamError:
+    def _status_error(self, response: aiohttp.ClientResponse, body: bytes) -> UpstreamError:
         """The ``UpstreamError`` of an answer with an error status: a refused credential is the operator's
         (502, ``auth_refused``, its body left out: a server may echo the key it refused); a prompt over the
         engine's context is the client's (400, ``context_exceeded``: ``kinds.is_context_error``); another 4xx
         the client can act on keeps its status, the rest are 502. The body is quoted only when it is OpenAI's
         JSON (a proxy's HTML page is not)."""
-        name, kind, status = self.upstream.name, response.headers.get("content-type", ""), response.status_code
+        name, kind, status = self.upstream.name, response.headers.get("content-type", ""), response.status
         detail = body[:2000].decode(errors="replace")
         if status in (401, 403):
             return UpstreamError(
@@ -350,11 +374,12 @@ class UpstreamClient:
         self._calls[call.request_id] = call
         self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms())
         try:
-            response = await self.http.post("/embeddings", json=body)
-            if response.status_code != 200:
-                raise self._status_error(response, response.content)
+            async with self.http.post(f"{self._url}/embeddings", json=body) as response:
+                answer = await response.read()
+                if response.status != 200:
+                    raise self._status_error(response, answer)
             try:
-                document = response.json()
+                document = json.loads(answer)
             except ValueError:
                 document = None
             if not isinstance(document, dict):
@@ -363,7 +388,7 @@ class UpstreamClient:
                 )
             call.usage = document.get("usage")
             yield document
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise self._transport_error(exc) from None
         finally:
             self._book(call, self.meter.finish(call.request_id, self._now_ms()))
@@ -406,14 +431,14 @@ class UpstreamClient:
             line |= {"upstream": self.upstream.name, "observed_over_predicted": round(self.drift.ratio or 0.0, 3)}
             (log.warning if crossed else log.info)(json.dumps(line))
 
-    def _drain_later(self, lines: AsyncIterator[str], response: httpx.Response) -> None:
-        key = id(response)
-        self._draining[key] = asyncio.ensure_future(_drain(lines, response))
-        self._draining[key].add_done_callback(lambda _: self._draining.pop(key, None))
+    def _drain_later(self, response: aiohttp.ClientResponse) -> None:
+        self._draining[response] = asyncio.ensure_future(_drain(response))
+        self._draining[response].add_done_callback(lambda _: self._draining.pop(response, None))
 
     async def close(self) -> None:
         for task in list(self._draining.values()):
             task.cancel()
         await asyncio.gather(*self._draining.values(), return_exceptions=True)
-        await self.http.aclose()
-        await self._unpooled.aclose()
+        await self.http.close()
+        if self._unpooled is not None:
+            await self._unpooled.close()

@@ -29,6 +29,8 @@ from fairgate.harness.process import STARTUP_S_MAX
 TOKENS = 6
 PIECE = " w"
 CUT_AFTER = 3  # pieces a mode that breaks mid-stream sends first
+ENDLESS_LINE_BYTES = 3 << 20  # endless_line: one line longer than the gateway reads (1 MiB, twice buffered)
+BREAK_AFTER_S = 0.2  # close_mid: how long after its pieces the body breaks
 STALL_S_MAX = 60.0  # a stalled answer gives up after this long if the gateway never hangs up
 HTML = b"<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1></center></body></html>"
 
@@ -108,6 +110,9 @@ async def _close_mid(r: _Request) -> None:
     for _ in range(CUT_AFTER):
         piece = r.chunk(PIECE)
         await r.send(f"{len(piece):x}\r\n".encode(), piece, b"\r\n")
+    # It breaks a moment later, as an engine dies between iterations: bytes still unread by the gateway when a
+    # body breaks are lost with it (UpstreamClient._chunks), and the pieces are here to be received.
+    await asyncio.sleep(BREAK_AFTER_S)
 
 
 async def _html(r: _Request, status: str) -> None:
@@ -122,6 +127,7 @@ MODES: dict[str, Callable[[_Request], Awaitable[None]]] = {
     "html_200": lambda r: _html(r, "200 OK"),
     "garbage_first": lambda r: _break_after_nothing(r, HTML + b"\n"),
     "garbage_line": lambda r: _break_after(r, HTML + b"\n"),
+    "endless_line": lambda r: _break_after_nothing(r, b"data: " + b"x" * ENDLESS_LINE_BYTES + b"\n\n"),
     "data_not_json": lambda r: _break_after(r, b'data: {"choices": [{"index": 0, "te\n\n'),
     "no_choices": lambda r: _break_after(r, r.data({"id": "bad-1", "object": "chunk"})),
     "error_event": lambda r: _break_after(r, r.data({"error": {"message": "CUDA error: out of memory"}})),

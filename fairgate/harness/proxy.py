@@ -12,8 +12,9 @@ class CuttableProxy:
 
     ``cut()`` closes every open connection and refuses new ones (they are accepted and closed at once);
     ``restore()`` forwards again. ``drop_next_request()``: the next bytes a client sends on any connection
-    are not forwarded, and that connection is closed (a server closing a kept-alive connection just as it is
-    reused). ``accepted``: connections accepted so far.
+    (that start with a given prefix) are not forwarded, and that connection is closed (a server closing a
+    kept-alive connection just as it is reused). ``accepted``: connections accepted so far; ``opened_by``: the first line a client sent on each
+    (for HTTP, the request line of its first request), in order.
     """
 
     def __init__(self, target_host: str, target_port: int) -> None:
@@ -23,24 +24,31 @@ class CuttableProxy:
         self._open: set[asyncio.StreamWriter] = set()
         self.up = True
         self.accepted = 0
-        self._drop_next = False
+        self.opened_by: list[str] = []
+        self._drop_next: bytes | None = None
 
     async def start(self) -> CuttableProxy:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
-    def drop_next_request(self) -> None:
-        self._drop_next = True
+    def drop_next_request(self, starting: bytes = b"") -> None:
+        """Swallow the next bytes a client sends that start with ``starting`` (any, by default), and close
+        that connection."""
+        self._drop_next = starting
 
     async def _pipe(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, back: asyncio.StreamWriter | None = None
     ) -> None:
         """Forward ``reader`` to ``writer``; ``back``: the client's side, when ``reader`` is the client's."""
+        first = back is not None
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
-                if back is not None and self._drop_next:
-                    self._drop_next = False
+                if first:
+                    self.opened_by.append(data.split(b"\r\n", 1)[0].decode(errors="replace"))
+                    first = False
+                if back is not None and self._drop_next is not None and data.startswith(self._drop_next):
+                    self._drop_next = None
                     back.close()
                     break
                 writer.write(data)
