@@ -13,8 +13,8 @@ class CuttableProxy:
     ``cut()`` closes every open connection and refuses new ones (they are accepted and closed at once);
     ``restore()`` forwards again. ``drop_next_request()``: the next bytes a client sends on any connection
     (that start with a given prefix) are not forwarded, and that connection is closed (a server closing a
-    kept-alive connection just as it is reused). ``accepted``: connections accepted so far; ``opened_by``: the first line a client sent on each
-    (for HTTP, the request line of its first request), in order.
+    kept-alive connection just as it is reused). ``accepted``: connections accepted so far; ``opened_by``: the
+    first line a client sent on each (for HTTP, the request line of its first request), in order.
     """
 
     def __init__(self, target_host: str, target_port: int) -> None:
