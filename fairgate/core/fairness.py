@@ -140,23 +140,68 @@ def service_difference(
     """
     if not window_s > 0 or points < 1:
         raise ValueError(f"window_s and points must be > 0, got {window_s} and {points}")
-    weights = np.ones(tenants) if tenant_weights is None else np.asarray(tenant_weights, dtype=float)
+    weights = _tenant_weights(tenants, tenant_weights)
+    columns = _Columns(requests, tenants, input_weight, output_weight, weights)
+    if not columns.any_served:
+        return ServiceDifference(0.0, 0.0, 0)
+    step = float(columns.arrival.max()) / points
+    gaps = [columns.gap(x - window_s / 2, x + window_s / 2) for x in np.arange(points) * step]
+    return ServiceDifference(max(gaps), sum(gaps) / len(gaps), len(gaps))
+
+
+def service_gap(
+    requests: RequestSpans,
+    tenants: int,
+    low_s: float,
+    high_s: float,
+    *,
+    input_weight: float = 1.0,
+    output_weight: float = 2.0,
+    tenant_weights: Sequence[float] | None = None,
+) -> float:
+    """``service_difference``'s figure for the one window ``[low_s, high_s]`` (service units per second; 0.0
+    when no request in ``requests`` gave service). Raises ``ValueError``: ``high_s <= low_s``, or as
+    ``service_difference``."""
+    if not high_s > low_s:
+        raise ValueError(f"the window must be positive, got [{low_s}, {high_s}]")
+    weights = _tenant_weights(tenants, tenant_weights)
+    columns = _Columns(requests, tenants, input_weight, output_weight, weights)
+    return columns.gap(low_s, high_s) if columns.any_served else 0.0
+
+
+def _tenant_weights(tenants: int, given: Sequence[float] | None) -> npt.NDArray[np.float64]:
+    weights = np.ones(tenants) if given is None else np.asarray(given, dtype=float)
     if weights.shape != (tenants,) or not np.all(weights > 0):
         raise ValueError(f"tenant_weights must be {tenants} values > 0")
-    columns = requests.arrays()
-    tenant, arrival, start, end = columns[0].astype(int), columns[1], columns[2], columns[3]
-    service = (input_weight * columns[4] + output_weight * columns[5]) / weights[tenant]
-    served = np.isfinite(start) & np.isfinite(end) & (end - start > 1e-9)
-    if not len(arrival) or not served.any():
-        return ServiceDifference(0.0, 0.0, 0)
-    span = np.where(served, end - start, 1.0)
-    gaps = []
-    for x in np.arange(points) * (float(arrival.max()) / points):
-        low, high = x - window_s / 2, x + window_s / 2
-        overlap = np.clip(np.minimum(high, end) - np.maximum(low, start), 0.0, None)
-        rate = np.where(served, service * overlap / span, 0.0)
-        s = np.bincount(tenant, weights=rate, minlength=tenants) / window_s
-        arrived = (arrival >= low) & (arrival <= high)
-        r = np.bincount(tenant, weights=np.where(arrived, service, 0.0), minlength=tenants) / window_s
-        gaps.append(float(np.minimum(s.max() - s, np.abs(r - s)).sum()))
-    return ServiceDifference(max(gaps), sum(gaps) / len(gaps), len(gaps))
+    return weights
+
+
+class _Columns:
+    """The requests as arrays, with each one's service (weighted) and whether it was served over a span."""
+
+    def __init__(
+        self,
+        requests: RequestSpans,
+        tenants: int,
+        input_weight: float,
+        output_weight: float,
+        weights: npt.NDArray[np.float64],
+    ) -> None:
+        tenant, arrival, start, end, prompt, output = requests.arrays()
+        self.tenants = tenants
+        self.tenant = tenant.astype(int)
+        self.arrival, self.start, self.end = arrival, start, end
+        self.service = (input_weight * prompt + output_weight * output) / weights[self.tenant]
+        self.served = np.isfinite(start) & np.isfinite(end) & (end - start > 1e-9)
+        self.span = np.where(self.served, end - start, 1.0)
+        self.any_served = bool(len(arrival)) and bool(self.served.any())
+
+    def gap(self, low: float, high: float) -> float:
+        """``sum_j min(max_k s_k - s_j, |r_j - s_j|)`` over the window ``[low, high]``."""
+        window = high - low
+        overlap = np.clip(np.minimum(high, self.end) - np.maximum(low, self.start), 0.0, None)
+        rate = np.where(self.served, self.service * overlap / self.span, 0.0)
+        s = np.bincount(self.tenant, weights=rate, minlength=self.tenants) / window
+        arrived = (self.arrival >= low) & (self.arrival <= high)
+        r = np.bincount(self.tenant, weights=np.where(arrived, self.service, 0.0), minlength=self.tenants) / window
+        return float(np.minimum(s.max() - s, np.abs(r - s)).sum())

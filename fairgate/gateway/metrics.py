@@ -58,6 +58,9 @@ Per policy and model (over the window, among tenants charged GPU time in it)
 - ``fairgate_gpu_share_max_ratio``, ``fairgate_gpu_share_min_ratio``: the largest and smallest share.
 - ``fairgate_gpu_share_max_over_min``: max/min of weighted shares (1.0 fair; ``+Inf`` never, the minimum is
   over tenants with a positive share); ``fairgate_jain_index``: Jain's index of weighted shares.
+- ``fairgate_service_difference_tokens_per_second``: the VTC paper's fairness figure (Sheng et al., OSDI
+  2024) over the window: the tenants' summed gaps in token service rate (input + 2 x output tokens) to the
+  best-served one, each capped by its unmet demand (``core.fairness.service_gap``; over requests finished).
 - ``fairgate_active_tenants``: how many tenants these figures compare.
 
 Cost: a ``Charged`` event (one per output token) is one dictionary look-up and one counter increment here.
@@ -262,6 +265,11 @@ class WindowCollector(Collector):
             ("fairgate_gpu_share_min_ratio", "Smallest tenant GPU share in the window.", "min_share"),
             ("fairgate_gpu_share_max_over_min", "Max/min of weighted GPU shares in the window.", "max_min"),
             ("fairgate_jain_index", "Jain's index of weighted GPU shares in the window.", "jain"),
+            (
+                "fairgate_service_difference_tokens_per_second",
+                "The VTC paper's service difference over the window (tokens/s, over the requests finished).",
+                "service_diff_per_s",
+            ),
         ]
         for name, text, attribute in fairness:
             yield _gauge(

@@ -10,9 +10,12 @@ decide what to show and how to label it):
   (from ``Charged``: the live meter's ``dt / B`` shares as booked with the policy), each tenant's share of
   the GPU time charged in its model's pool, the largest and smallest share, max/min and Jain's index over
   *weighted* shares among the tenants active in the window (those charged any GPU time in it; the
-  definitions of ``fairgate.core.fairness``), p99 queue time, TTFT and TPOT, reservation-vs-settlement
-  gaps, and per upstream its busy fraction (from the live meter's integrated busy time) and an estimate of
-  its decode iterations per second;
+  definitions of ``fairgate.core.fairness``), the VTC paper's service difference over the window
+  (``core.fairness.service_gap``, tokens/s, over the requests finished: a request's arrival and first token
+  are worked back from its finish, its queue time, TTFT and TPOT; requests still waiting are not in it, so
+  it is a lower bound when requests wait longer than the window), p99 queue time, TTFT and TPOT,
+  reservation-vs-settlement gaps, and per upstream its busy fraction (from the live meter's integrated busy
+  time) and an estimate of its decode iterations per second;
 - a bounded time series of samples (``Stats.samples``, one every ``sample_every_s``) for the dashboard.
 
 Sources and units: times are seconds (``_s``) or milliseconds (``_ms``) as named; ``time_s`` stamps are the
@@ -38,7 +41,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from fairgate.core.fairness import gpu_shares, jain_index, max_min_ratio, weighted
+from fairgate.core.fairness import RequestSpans, gpu_shares, jain_index, max_min_ratio, service_gap, weighted
 from fairgate.gateway.dispatch import Dispatcher
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Finished, Rejected
 from fairgate.gateway.upstream import UpstreamClient
@@ -145,6 +148,7 @@ class PoolWindow:
     jain: float | None
     ttft_p99_ms: float | None
     queue_p99_ms: float | None
+    service_diff_per_s: float | None = None  # VTC paper's figure, tokens/s (None: no request finished)
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,17 @@ class TenantPoint(NamedTuple):
     gpu_s: float
     reserve_gap_gpu_s: float
     reserve_gap_output_tokens: int
+
+
+class _Span(NamedTuple):
+    """A finished request, for the service difference: times are seconds on the events' clock."""
+
+    tenant: str
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    input_tokens: int
+    output_tokens: int
 
 
 class PoolPoint(NamedTuple):
@@ -298,6 +313,7 @@ class Stats:
         self._tpot = _Buckets(bucket_s)  # (upstream, "sum" | "n")
         self._latency: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (kind, tenant) -> (time_s, ms)
         self._pool_latency: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (kind, model) -> ...
+        self._spans: dict[str, deque[_Span]] = {}  # model -> finished requests, for the service difference
         self._busy: deque[tuple[float, dict[str, float]]] = deque()  # (time_s, upstream -> busy ms)
         self._last_sample_s: float | None = None
         self._previous: dict[str, tuple[int, int, int, int]] = {}  # tenant -> cumulative counts at last sample
@@ -358,6 +374,11 @@ class Stats:
         if e.ttft_ms is not None:
             # What the client waited: its time in the queue, then to the first token (the SLO's TTFT).
             self._remember("ttft", e.tenant, e.model, e.time_s, e.queue_ms + e.ttft_ms)
+        if e.ttft_ms is not None and e.output_tokens > 0:
+            spans = self._spans.setdefault(e.model, deque(maxlen=MAX_POOL_LATENCIES))
+            first_s = e.time_s - (e.tpot_ms or 0.0) * (e.output_tokens - 1) / 1000.0
+            arrival_s = first_s - (e.queue_ms + e.ttft_ms) / 1000.0
+            spans.append(_Span(e.tenant, arrival_s, first_s, e.time_s, e.input_tokens, e.output_tokens))
         if e.tpot_ms is not None:
             self._remember("tpot", e.tenant, None, e.time_s, e.tpot_ms)
             self._tpot.add(e.time_s, (e.upstream, "sum"), e.tpot_ms)
@@ -379,6 +400,9 @@ class Stats:
         span = max(1e-9, min(self.window_s, now - self.started_s))
         _prune(self._latency, since)
         _prune(self._pool_latency, since)
+        for spans in self._spans.values():
+            while spans and spans[0].finish_s < since:
+                spans.popleft()
         pools, per_tenant_gpu = self._pools(since, probe)
         tenants = self._tenants(since, span, probe, per_tenant_gpu)
         return Window(now, span, tenants, pools, self._upstreams(since, now, probe))
@@ -407,8 +431,22 @@ class Stats:
                 jain_index(fair) if fair else None,
                 self._p99(self._pool_latency, ("ttft", model)),
                 self._p99(self._pool_latency, ("queue", model)),
+                self._service_gap(model, since),
             )
         return pools, per_tenant_gpu
+
+    def _service_gap(self, model: str, since: float) -> float | None:
+        """The pool's service difference over ``[since, since + window_s]`` (None: no request finished)."""
+        spans = self._spans.get(model)
+        if not spans:
+            return None
+        names = sorted({span.tenant for span in spans})
+        index = {name: k for k, name in enumerate(names)}
+        columns = RequestSpans()
+        for span in spans:
+            columns.add(index[span.tenant], *span[1:])
+        weights = [self.weights.get(name, 1.0) for name in names]
+        return service_gap(columns, len(names), since, since + self.window_s, tenant_weights=weights)
 
     def _tenants(
         self, since: float, span: float, probe: Probe, per_tenant_gpu: dict[str, float]

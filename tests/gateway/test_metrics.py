@@ -178,6 +178,10 @@ def test_metrics_count_a_known_sequence_exactly(tmp_path):
             min(shares)
         )
         assert 1 / 3 <= value(table, "fairgate_jain_index", policy="gpu_fair", model="emu") <= 1.0
+        # Exposed for the requests finished in the window (its value is checked in test_stats.py).
+        labels = frozenset({"policy": "gpu_fair", "model": "emu"}.items())
+        assert ("fairgate_service_difference_tokens_per_second", labels) in table
+        assert value(table, "fairgate_service_difference_tokens_per_second", policy="gpu_fair", model="emu") >= 0
 
         # Every metric the Grafana dashboard queries is exposed.
         check_grafana_dashboard(text)

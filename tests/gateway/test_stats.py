@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fairgate.core.fairness import jain_index, max_min_ratio
+from fairgate.core.fairness import RequestSpans, jain_index, max_min_ratio, service_gap
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Finished, Rejected
 from fairgate.gateway.stats import Probe, Stats, UpstreamProbe, p99
 from tests.gateway.conftest import Clock
@@ -176,3 +176,26 @@ def test_a_clock_step_backwards_is_booked_in_the_newest_bucket():
 def test_bad_parameters():
     with pytest.raises(ValueError):
         Stats(window_s=0)
+
+
+def test_the_vtc_service_difference_is_over_the_requests_finished_in_the_window():
+    clock = Clock()
+    stats = Stats(clock=clock, window_s=10.0, weights={"b": 2.0})
+    now = clock.now
+    # a: 3 prompt + 4 output tokens; its first token 3 tpot of 1 s before its finish at now - 1, after 1 s
+    # queued and 1 s to the first token: it arrived at now - 6 and was served over [now - 4, now - 1].
+    stats.observe(Finished("a-1", "a", "m", "u0", "completed", 1000.0, 1000.0, 1000.0, 3, 4, 1.0, 1.0, 4, now - 1))
+    # b: 3 + 20 tokens, served over [now - 21, now - 2], arrived at now - 27 (before the window).
+    stats.observe(Finished("b-1", "b", "m", "u0", "completed", 5000.0, 1000.0, 1000.0, 3, 20, 1.0, 1.0, 20, now - 2))
+    expected = RequestSpans()
+    expected.add(0, now - 6, now - 4, now - 1, 3, 4)
+    expected.add(1, now - 27, now - 21, now - 2, 3, 20)
+    want = service_gap(expected, 2, now - 10, now, tenant_weights=[1.0, 2.0])
+    # By hand: a's service 11 all in the window (1.1/s, demand 1.1/s); b's 43 / 2 (its weight) over 19 s, 8 s
+    # in the window (0.905/s, no demand in it): a's gap 0, b's min(1.1 - 0.905, 0.905) = 0.195.
+    assert want == pytest.approx(1.1 - 21.5 * 8 / 19 / 10)
+    stats.observe(Charged("a", "m", 1.0, now - 1))  # (a pool is shown while it has charges in the window)
+    assert stats.window().pools["m"].service_diff_per_s == pytest.approx(want)
+    clock.now += 10.0  # both finished before the window: nothing to compare
+    stats.observe(Charged("a", "m", 1.0, clock.now))
+    assert stats.window().pools["m"].service_diff_per_s is None
