@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 import pytest
 from pytest_redis import factories as redis_factories
 
+from fairgate.harness.pgbouncer import pgbouncer_in_front
 from fairgate.harness.postgres import throwaway_postgres
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +117,13 @@ def postgres_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def pgbouncer_url(postgres_url: str) -> Iterator[str]:
+    """PgBouncer in transaction mode in front of the tests' PostgreSQL (started for the session)."""
+    with pgbouncer_in_front(postgres_url) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def redis_url(request: pytest.FixtureRequest) -> str:
     url = os.environ.get("FAIRGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     if _answers(url, 6379):
@@ -138,6 +146,8 @@ def backend_url(request: pytest.FixtureRequest, tmp_path) -> Callable[[str], str
             return f"sqlite:///{tmp_path}/{token}.db"
         if name == "postgres":
             return f"{request.getfixturevalue('postgres_url')}?schema={token}"
+        if name == "pgbouncer":
+            return f"{request.getfixturevalue('pgbouncer_url')}?schema={token}&pooler=transaction"
         return f"{request.getfixturevalue('redis_url')}?prefix={token}"
 
     return make

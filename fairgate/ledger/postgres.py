@@ -11,6 +11,10 @@ parameter goes to libpq (``sslmode``, ``application_name``, ...); one libpq does
 libpq checks, or any repeated parameter is a ``ValueError``. ``open`` first makes one direct connection, so
 a failure to open is a one-line ``LedgerUnavailable`` with libpq's reason (connection refused, database
 "x" does not exist, ...), in about ``timeout_s``.
+
+Behind a transaction-mode pooler (PgBouncer ``pool_mode = transaction``) give ``pooler=transaction``: no
+statement is prepared on the server then. Nothing else depends on the session: the lock is
+transaction-scoped and every statement names its tables with the schema (no ``search_path``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 from urllib.parse import urlencode, urlunsplit
 
@@ -83,10 +88,10 @@ class _QuietPool(logging.Filter):
 class PostgresUrl:
     """A checked ``postgresql://`` ledger URL."""
 
-    dsn: str  # for libpq: the URL without our parameters (schema, timeout_s)
+    dsn: str  # for libpq: the URL without our parameters (schema, timeout_s, pooler)
     schema: str
     timeout_s: float
-    connect_kwargs: dict[str, Any]  # libpq's connect_timeout, unless the URL sets it
+    connect_kwargs: dict[str, Any]  # libpq's connect_timeout, unless the URL sets it; psycopg's prepare_threshold
 
 
 def parse_url(url: str) -> PostgresUrl:
@@ -101,13 +106,19 @@ def parse_url(url: str) -> PostgresUrl:
     if schema == "information_schema" or schema.startswith("pg_"):
         raise ValueError(f"ledger URL: schema {schema!r} is a PostgreSQL system schema; choose another name")
     timeout_s = urls.timeout_s(query.pop("timeout_s", None))
+    pooler = query.pop("pooler", None)
+    if pooler not in (None, "transaction"):
+        raise ValueError(f"ledger URL: pooler {pooler!r}: the one value is 'transaction' (PgBouncer pool_mode)")
     dsn = urlunsplit(parsed.parts._replace(scheme="postgresql", query=urlencode(query)))
     try:
         conninfo_to_dict(dsn)  # libpq parses it: an unknown parameter or a malformed URL fails here
     except psycopg.Error as exc:
         raise ValueError(f"ledger URL {parsed.shown!r}: {_one_line(exc)}") from None
     # libpq's connect_timeout is whole seconds, at least 2; a connect_timeout in the URL wins.
-    kwargs = {} if "connect_timeout" in query else {"connect_timeout": max(2, math.ceil(timeout_s))}
+    kwargs: dict[str, Any] = {} if "connect_timeout" in query else {"connect_timeout": max(2, math.ceil(timeout_s))}
+    if pooler == "transaction":
+        # Behind a transaction-mode pooler a statement prepared on one server connection is not on the next.
+        kwargs["prepare_threshold"] = None
     return PostgresUrl(dsn, schema, timeout_s, kwargs)
 
 
@@ -121,34 +132,45 @@ async def open_ledger(url: str, quotas: Quotas, clock: Callable[[], float] | Non
     return await PostgresLedger.open(url, quotas, clock, create=create)
 
 
-def _convert(sql: str) -> str:
-    return _NAMED.sub(r"%(\1)s", sql)
+# The ledger's tables, qualified with its schema in every statement: no session state (``SET search_path``)
+# is needed, so a transaction-mode pooler (PgBouncer) may give each transaction another server connection.
+_TABLE = re.compile(
+    r"\b(fg_(?:accounts|runs|reservations|events|usage_minutes|frozen|heartbeats|claims|charges|occupancy))\b"
+)
+
+
+@lru_cache(maxsize=1024)
+def _convert(sql: str, schema: str) -> str:
+    """``sql`` for psycopg: ``:name`` placeholders as ``%(name)s``, tables as ``"schema".fg_...``."""
+    qualified = _TABLE.sub(lambda m: f'"{schema}".{m.group(1)}', sql)
+    return _NAMED.sub(r"%(\1)s", qualified)
 
 
 class _PgTx:
-    def __init__(self, cursor: psycopg.AsyncCursor[Any], connection: psycopg.AsyncConnection[Any]) -> None:
+    def __init__(self, cursor: psycopg.AsyncCursor[Any], connection: psycopg.AsyncConnection[Any], schema: str) -> None:
         self._cursor = cursor
         self._connection = connection
+        self._schema = schema
 
     async def batch(self, statements: list[tuple[str, dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
         """All statements in one round trip (libpq pipeline mode), then every statement's rows."""
         async with self._connection.pipeline() as pipeline:
             cursors = [self._connection.cursor() for _ in statements]
             for cursor, (sql, params) in zip(cursors, statements, strict=True):
-                await cursor.execute(_convert(sql), params)
+                await cursor.execute(_convert(sql, self._schema), params)
             await pipeline.sync()
             return [await c.fetchall() if c.description is not None else [] for c in cursors]
 
     async def fetchone(self, sql: str, params: dict[str, Any] | None = None) -> tuple[Any, ...] | None:
-        await self._cursor.execute(_convert(sql), params or {})
+        await self._cursor.execute(_convert(sql, self._schema), params or {})
         return await self._cursor.fetchone()
 
     async def fetchall(self, sql: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
-        await self._cursor.execute(_convert(sql), params or {})
+        await self._cursor.execute(_convert(sql, self._schema), params or {})
         return await self._cursor.fetchall()
 
     async def execute(self, sql: str, params: dict[str, Any] | None = None) -> None:
-        await self._cursor.execute(_convert(sql), params or {})
+        await self._cursor.execute(_convert(sql, self._schema), params or {})
 
 
 def _connect_s(dsn: str, connect_kwargs: dict[str, Any]) -> float:
@@ -227,18 +249,12 @@ async def _open_pool(settings: PostgresUrl, max_connections: int) -> AsyncConnec
     """The pool, open, every connection on the ledger's schema. Raises ``LedgerUnavailable``: the direct
     connection worked but the pool's did not (the reason is the pool's last connection error)."""
     schema, dsn, connect_kwargs = settings.schema, settings.dsn, settings.connect_kwargs
-
-    async def configure(connection: psycopg.AsyncConnection[Any]) -> None:
-        await connection.execute(pgsql.SQL("SET search_path TO {}").format(pgsql.Identifier(schema)))
-        await connection.commit()
-
     name = f"fairgate-ledger-{schema}-{uuid.uuid4().hex[:8]}"
     pool = AsyncConnectionPool(
         dsn,
         min_size=1,
         max_size=max_connections,
         open=False,
-        configure=configure,
         timeout=settings.timeout_s,
         kwargs=connect_kwargs,
         name=name,
@@ -300,7 +316,7 @@ class PostgresLedger(SqlLedger):
     async def _transaction(self) -> AsyncIterator[Tx]:
         try:
             async with self._pool.connection() as connection, connection.transaction(), connection.cursor() as cursor:
-                yield _PgTx(cursor, connection)
+                yield _PgTx(cursor, connection, self.schema)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
         except (TimeoutError, psycopg_pool.PoolTimeout) as exc:

@@ -12,7 +12,8 @@ import pytest
 
 from fairgate.ledger import Ledger, Quotas, connect, quotas_from_dict
 
-BACKENDS = ("sqlite", "postgres", "redis")
+# "pgbouncer": PostgreSQL behind PgBouncer in transaction mode (each transaction on any server connection).
+BACKENDS = ("sqlite", "postgres", "pgbouncer", "redis")
 
 
 @pytest.fixture(params=BACKENDS)

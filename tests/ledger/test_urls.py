@@ -473,8 +473,14 @@ async def test_postgres_real_libpq_parameters_still_pass(postgres_url):
     schema = token()
     url = f"{postgres_url}?schema={schema}&sslmode=disable&application_name=fg_test"
     async with opened(PostgresLedger, url) as ledger, ledger._pool.connection() as connection:
-        cursor = await connection.execute("SELECT current_setting('application_name'), current_schema()")
-        assert await cursor.fetchone() == ("fg_test", schema)
+        cursor = await connection.execute(
+            "SELECT current_setting('application_name'), current_schema(), "
+            "to_regclass(format('%%I.fg_reservations', %s::text)) IS NOT NULL",
+            (schema,),
+        )
+        # The ledger's tables are in its schema; its connections keep no session state (no search_path set):
+        # every statement names the schema, so a transaction-mode pooler may hand out any server connection.
+        assert await cursor.fetchone() == ("fg_test", "public", True)
 
 
 async def test_postgres_sslmode_require_without_ssl_on_the_server_says_so(postgres_url):
