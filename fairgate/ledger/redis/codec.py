@@ -39,9 +39,10 @@ def limits_spec(limits: Limits) -> dict[str, str]:
     return spec
 
 
-def reservation(raw: bytes | str) -> Reservation:
-    """A reservation from the JSON ``reserve.lua`` / ``close.lua`` store (flags as ``"1"`` / ``"0"``)."""
-    return reservation_from_record(json.loads(raw), to_int, lambda value: value == "1")
+def reservation(raw: bytes | str, balances: rules.Account | None = None) -> Reservation:
+    """A reservation from the JSON ``reserve.lua`` / ``close.lua`` store (flags as ``"1"`` / ``"0"``), with
+    ``balances`` (``reserve``'s)."""
+    return reservation_from_record(json.loads(raw), to_int, lambda value: value == "1", balances)
 
 
 def event(tenant: str, raw: bytes | str) -> Event:

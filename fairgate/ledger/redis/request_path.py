@@ -29,7 +29,8 @@ class RedisRequestPath(RedisStore):
 
     async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
         """``reserve.lua``: reads the request id's reservation, the accounts charged and the run; writes only if
-        all fit (or returns the earlier reservation, unless it re-opens: ``rules.reopens``)."""
+        all fit (or returns the earlier reservation, unless it re-opens: ``rules.reopens``). Its reply carries
+        the binding account (``Reservation.balances``)."""
         tenant = args.tenant
         books = dict(self.books(tenant, args.model_class))
         with self._unavailable():
@@ -61,7 +62,7 @@ class RedisRequestPath(RedisStore):
                 getattr(books[key], dimension),
                 int(remaining) if dimension in codec.INT_LIMITS else remaining,
             )
-        r = codec.reservation(reply[1])
+        r = codec.reservation(reply[1], codec.account(reply[2]))
         return rules.check_retry(r, args) if code == "existing" else r
 
     async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str) -> Reservation:

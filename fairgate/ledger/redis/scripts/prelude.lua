@@ -44,7 +44,9 @@ local function save_account(model_class, acc)
   for _, f in ipairs(ACCOUNT_FIELDS) do
     if acc[f] ~= nil then out[f] = fmt(acc[f]) end
   end
-  hset(ACCOUNTS, model_class, cjson.encode(out))
+  local raw = cjson.encode(out)
+  hset(ACCOUNTS, model_class, raw)
+  return raw
 end
 
 local function load_run(run_id)
