@@ -15,7 +15,6 @@ registered with this process's calls and announced as ``Admitted``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -39,8 +38,6 @@ from fairgate.ledger import (
     UnknownTenant,
     Usage,
 )
-from fairgate.ledger.emergency import EMERGENCY_PREFIX
-from fairgate.ledger.rules import Account
 
 log = logging.getLogger("fairgate.gateway")
 
@@ -52,15 +49,13 @@ class Admitted:
     Attributes:
         generation: the request (``fairgate.gateway.intake``).
         caller: its tenant and delegate.
-        reservation: what the ledger holds for it.
-        balances: the tenant's balances after the reservation, read beside the dispatch for the
-            ``x-ratelimit-*`` headers (None for an emergency grant).
+        reservation: what the ledger holds for it, with the tenant's balances right after the reservation
+            (``Reservation.balances``, behind the ``x-ratelimit-*`` headers; None for an emergency grant).
     """
 
     generation: Generation
     caller: Caller
     reservation: Reservation
-    balances: asyncio.Future[Account] | None
 
 
 async def admit(state: GatewayState, caller: Caller, generation: Generation) -> Admitted:
@@ -98,10 +93,7 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
             state.clock.wall_s(),
         )
     )
-    balances = None
-    if not reservation.id.startswith(EMERGENCY_PREFIX):
-        balances = asyncio.ensure_future(state.ledger.account(caller.tenant, generation.model_class))
-    return Admitted(generation, caller, reservation, balances)
+    return Admitted(generation, caller, reservation)
 
 
 async def _reserve(state: GatewayState, tenant: str, generation: Generation) -> Reservation:

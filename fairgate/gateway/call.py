@@ -60,7 +60,6 @@ T = TypeVar("T")
 # 2,714 tokens). At 20-50 tokens/s per stream that is one ledger write per 0.5 s per stream.
 SETTLE_EVERY_TOKENS = 64
 SETTLE_EVERY_S = 0.5
-BALANCES_WAIT_S = 0.25  # the rate-limit headers wait this long for the balances read, then go without
 GPU_MS_BILLED_MAX = 86_400_000.0  # one request is billed at most a day of GPU time
 
 
@@ -117,7 +116,7 @@ class Call:
         ``TryAnotherUpstream``."""
         generation = self.admitted.generation
         path = "/chat/completions" if generation.chat else "/completions"
-        headers = {"x-request-id": generation.request_id, **await self._rate_headers()}
+        headers = {"x-request-id": generation.request_id, **self._rate_headers()}
         stream = self.client.stream(path, self._upstream_body(), self.progress, self.lease.prefill_estimate_ms)
         body = generation.body
         if isinstance(body, GenerationRequest) and body.stream:
@@ -145,21 +144,15 @@ class Call:
         out["model"] = self.lease.upstream.model  # the engine's name: an alias is the gateway's, not its
         return out
 
-    async def _rate_headers(self) -> dict[str, str]:
-        """OpenAI's ``x-ratelimit-*`` headers: limits from the config, what remains from the ledger's balances
-        (read beside the dispatch; omitted if that read failed or is slow)."""
+    def _rate_headers(self) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers: limits from the config, what remains from the balances the
+        reservation returned (omitted for an emergency grant, which has none)."""
         tenant, model = self.admitted.caller.tenant, self.admitted.generation.model_class
         try:
             limits = self.state.config.quotas.tenant(tenant).for_model_class(model)
         except KeyError:
             return {}
-        account = None
-        if self.admitted.balances is not None:
-            try:
-                account = await asyncio.wait_for(asyncio.shield(self.admitted.balances), timeout=BALANCES_WAIT_S)
-            except Exception:
-                account = None
-        return rate_limit_headers(limits, account, self.state.wall_ms())
+        return rate_limit_headers(limits, self.admitted.reservation.balances, self.state.wall_ms())
 
     async def _relay(self, stream: AsyncIterator[dict[str, Any]], include_usage: bool) -> AsyncIterator[str]:
         """The client's server-sent events; settles partially while it runs and ends the call on every path."""

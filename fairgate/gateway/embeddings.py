@@ -39,7 +39,7 @@ class EmbeddingCall(Call):
         the client asked for). Raises ``Rejection`` (the upstream failed, the client left) or
         ``TryAnotherUpstream``."""
         generation = self.admitted.generation
-        headers = {"x-request-id": generation.request_id, **await self._rate_headers()}
+        headers = {"x-request-id": generation.request_id, **self._rate_headers()}
         reply = self.client.embed(self._upstream_body(), self.progress, self.lease.prefill_estimate_ms)
         document = await while_connected(request, self._fetch(reply))
         return JSONResponse({**document, "model": generation.model}, headers=headers)

@@ -289,7 +289,7 @@ async def _reservations_page(ledger: Ledger, config: GatewayConfig, params: dict
     page = found[offset : offset + limit]
     return {
         "object": "list",
-        "data": [asdict(r) for r in page],
+        "data": [{name: value for name, value in asdict(r).items() if name != "balances"} for r in page],
         "total": len(found),
         "limit": limit,
         "offset": offset,

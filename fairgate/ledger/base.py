@@ -1,8 +1,8 @@
 """The ledger's interfaces, split by who calls them, and the ids every backend makes.
 
-- ``RequestPath``: what serving one request needs - reserve, claim (the run claim: which gateway process
-  runs it), settle, cancel, enqueue, dequeue, get, account (the balances behind the rate-limit headers) and
-  heartbeat (the request is still running).
+- ``RequestPath``: what serving one request needs - reserve (which also returns the balances behind the
+  rate-limit headers), claim (the run claim: which gateway process runs it), settle, cancel, enqueue, dequeue,
+  get, account (the balances, read on their own) and heartbeat (the request is still running).
   ``ResilientLedger`` (``emergency.py``) implements it too, applying each tier's outage policy.
 - ``Operator``: what an operator (the ``fairgate ledger`` commands, the admin API, reconciliation) asks:
   usage, reservations, events, freeze / unfreeze / frozen.
@@ -72,6 +72,10 @@ class RequestPath(ABC):
         it never ran, since a request that ran bills its prompt at least), which it re-opens: same id,
         charged again as a new reservation (``QuotaExceeded`` leaves it cancelled), a new TTL and a
         ``reserve`` event. With other arguments it raises ``IdempotencyConflict``.
+
+        The reservation returned carries ``balances``: what ``account(tenant, model_class)`` would read right
+        after this call (the binding account as written; a backend's view when it returns an earlier
+        reservation), read in the same round trip, so the rate-limit headers need no second call.
 
         Raises:
             QuotaExceeded, IdempotencyConflict, InvalidUsage, UnknownTenant, LedgerUnavailable.

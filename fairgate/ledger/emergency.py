@@ -138,7 +138,7 @@ class ResilientLedger(RequestPath):
         except LedgerUnavailable:
             known = self._known.get(key)
             if known is not None:  # seen in the ledger: not granted (nor run) again
-                return check_retry(known, args)
+                return replace(check_retry(known, args), balances=None)  # those it was returned with are old
             granted = self._grant(args)
             if granted is None:
                 self.doubt(*key)

@@ -82,6 +82,25 @@ class Usage:
     gpu_ms: float = 0.0
 
 
+@dataclass
+class Account:
+    """Balances of one account of a tenant: its tenant-wide account or a model class's
+    (``TenantQuota.accounts``). Bucket levels are in units (requests, tokens); times are ms on the ledger
+    clock; GPU amounts are ms."""
+
+    requests_level: float | None = None  # None: not yet initialised (starts full)
+    requests_updated_ms: float = 0.0
+    input_level: float | None = None
+    input_updated_ms: float = 0.0
+    output_level: float | None = None
+    output_updated_ms: float = 0.0
+    concurrent: int = 0
+    gpu_window_start_ms: float = 0.0
+    gpu_window_used_ms: float = 0.0
+    gpu_total_used_ms: float = 0.0
+    queued: int = 0  # queue places taken: requests waiting for an upstream slot (``enqueue``)
+
+
 @dataclass(frozen=True)
 class Reservation:
     """A reservation and what has been billed against it.
@@ -94,6 +113,10 @@ class Reservation:
         billed: cumulative usage billed so far.
         overage_gpu_ms: GPU ms billed above the estimate (booked, never dropped).
         created_ms / expires_at_ms / final_ms: ledger-clock times, ms since the epoch.
+        balances: on what ``reserve`` returns, the balances that bind for the request right after the call
+            (what ``account(tenant, model_class)`` reads then: the rate-limit headers need no second read);
+            None on what any other call returns, and on an emergency grant. Not part of the record: left out
+            of equality and ``repr``.
     """
 
     id: str
@@ -112,6 +135,7 @@ class Reservation:
     expires_at_ms: float
     final_ms: float | None = None
     queued: bool = False  # holds a place in its tenant's queue (``Ledger.enqueue`` .. ``dequeue``)
+    balances: Account | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_final(self) -> bool:
@@ -148,12 +172,12 @@ class RunClaim:
 
 
 def reservation_from_record(
-    record: Mapping[str, Any], whole: Callable[[Any], int], flag: Callable[[Any], bool]
+    record: Mapping[str, Any], whole: Callable[[Any], int], flag: Callable[[Any], bool], balances: Account | None = None
 ) -> Reservation:
     """A ``Reservation`` from a stored record: its fields by name, ``billed`` as ``billed_input_tokens``,
     ``billed_output_tokens``, ``billed_gpu_ms`` (the SQL columns and the Redis JSON alike); ``run_id``,
     ``final_ms`` and ``queued`` may be absent. ``whole`` and ``flag`` read the backend's integers and
-    booleans; times and GPU ms are read with ``float``."""
+    booleans; times and GPU ms are read with ``float``. ``balances``: ``Reservation.balances``."""
     final_ms = record.get("final_ms")
     return Reservation(
         id=record["id"],
@@ -174,6 +198,7 @@ def reservation_from_record(
         expires_at_ms=float(record["expires_at_ms"]),
         final_ms=None if final_ms is None else float(final_ms),
         queued=flag(record.get("queued")),
+        balances=balances,
     )
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 from fairgate.core import ratelimit
 from fairgate.ledger.config import Limits
+from fairgate.ledger.model import Account as Account  # the balances the rules work on, defined with the data
 from fairgate.ledger.model import (
     IdempotencyConflict,
     InvalidUsage,
@@ -50,24 +51,6 @@ CONCURRENCY_RETRY_S = 1.0  # a slot frees when some request ends: unknown, so su
 QUEUE_RETRY_S = 2.0  # a queue place frees when a queued request is dispatched
 # The status a final call of each kind leaves.
 STATUS_OF_KIND: dict[str, Status] = {"settle": "settled", "cancel": "cancelled", "expire": "expired"}
-
-
-@dataclass
-class Account:
-    """Balances of one account of a tenant: its tenant-wide account or a model class's
-    (``TenantQuota.accounts``). Bucket levels are in units (requests, tokens)."""
-
-    requests_level: float | None = None  # None: not yet initialised (starts full)
-    requests_updated_ms: float = 0.0
-    input_level: float | None = None
-    input_updated_ms: float = 0.0
-    output_level: float | None = None
-    output_updated_ms: float = 0.0
-    concurrent: int = 0
-    gpu_window_start_ms: float = 0.0
-    gpu_window_used_ms: float = 0.0
-    gpu_total_used_ms: float = 0.0
-    queued: int = 0  # queue places taken: requests waiting for an upstream slot (``enqueue``)
 
 
 # An account with the limits it is checked against (``TenantQuota.accounts``, in that order).

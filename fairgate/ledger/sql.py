@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from fairgate.ledger import rules
@@ -97,7 +97,8 @@ class SqlLedger(Backend):
     async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
         """Reads (the tenant lock, an earlier reservation of the request id, the accounts charged, the run, the
         clock) in one round trip, then writes in one. A reservation the request id made before is returned
-        unless it re-opens (``rules.reopens``)."""
+        unless it re-opens (``rules.reopens``). ``balances``: the last account of ``books`` (the binding one)
+        as written, or as read when nothing is."""
         books = self.books(args.tenant, args.model_class)
         lock, clock = self._lock_statement(tenant_tag(args.tenant)), self._now_statement()
         reads = [s for s in (lock,) if s is not None]
@@ -117,12 +118,12 @@ class SqlLedger(Backend):
             rows = await tx.batch(reads)
             rows = rows[1:] if lock is not None else rows
             existing = rules.check_retry(schema.reservation(rows[0][0]), args) if rows[0] else None
-            if existing is not None and not rules.reopens(existing):
-                return existing
             account_rows = rows[1 : 1 + len(books)]
+            accounts = [rules.Account(*found[0]) if found else rules.Account() for found in account_rows]
+            if existing is not None and not rules.reopens(existing):
+                return replace(existing, balances=accounts[-1])
             run_rows = rows[1 + len(books)] if args.run_id is not None else []
             now_ms = float(rows[-1][0][0]) if clock is not None else await self._now_ms(tx)
-            accounts = [rules.Account(*found[0]) if found else rules.Account() for found in account_rows]
             run = None if args.run_id is None else (rules.RunUsage(*run_rows[0]) if run_rows else rules.RunUsage())
             charged, run = rules.reserve(
                 [(account, book_limits) for account, (_, book_limits) in zip(accounts, books, strict=True)],
@@ -142,7 +143,7 @@ class SqlLedger(Backend):
             if args.run_id is not None and run is not None:
                 writes.append(schema.run_write(args.tenant, args.run_id, run))
             await tx.batch(writes)
-            return r
+            return replace(r, balances=charged[-1])
 
     async def _load_for_update(self, tx: Tx, reservation_id: str, with_clock: bool) -> _Loaded:
         """One round trip for a call on one reservation: the tenant's lock (if the backend takes one), the

@@ -4,10 +4,17 @@ Every mutating call (reserve, settle, cancel, expiry, extension, heartbeat, free
 script, so it reads and writes a tenant's balances atomically: concurrent callers in any number of
 processes never both read the same balance. The scripts implement the arithmetic and the check order
 of ``rules.reserve`` / ``rules.settle`` / ``rules.refreshed`` line by line (Lua numbers are IEEE doubles
-like Python floats; every number is stored as a ``%.17g`` string so it round-trips exactly; the token
+like Python floats; every number the scripts write is stored as a ``%.17g`` string, and limits as doubles,
+so they round-trip exactly; the token
 buckets are ``fairgate.core.ratelimit``'s arithmetic in ``scripts/bucket.lua``). The clock is the server's
 ``TIME`` read inside the script, so gateway processes with different clocks agree; a ``clock`` passed to
 ``open`` (tests) is sent as an argument instead.
+
+The scripts read a tenant's limits from a hash on the server (``keys.py``), named by a hash of the limits:
+``open`` writes one per configured tenant, processes with different quotas each use their own, and a script
+that finds its hash missing (a server restarted or flushed) answers so before writing anything; the client
+then writes the hash and calls once more. ``reserve`` returns the binding account it wrote (the balances of
+the rate-limit headers) in the same reply.
 
 A server that does not answer raises ``LedgerUnavailable`` after about ``timeout_s`` (a connection the
 server closed is retried once; a timeout is not). Every redis-py error (connection, timeout, protocol,

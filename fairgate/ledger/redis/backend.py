@@ -71,7 +71,9 @@ class RedisLedger(RedisRequestPath, RedisOperator, RedisCoordination):
         return ledger
 
     async def _connect(self, url: str, settings: RedisUrl, create: bool) -> None:
-        """PING, SCRIPT LOAD every script, and with ``create=False`` check that the ledger exists."""
+        """PING, SCRIPT LOAD every script, and with ``create=False`` check that the ledger exists (with
+        ``create=True``: write every tenant's limits hash, which a script would otherwise ask for on its
+        tenant's first call)."""
         try:
             await self._client.ping()
         except redis.exceptions.ResponseError as exc:
@@ -83,6 +85,8 @@ class RedisLedger(RedisRequestPath, RedisOperator, RedisCoordination):
             raise
         with self._unavailable():
             await self._scripts.load(self._client)
+            if create:
+                await self._store_limits(self._limits)
             if not create and not await self._exists():
                 raise LedgerUnavailable(
                     f"redis ledger: no ledger at {redacted(url)} (create=False): no key "

@@ -1,17 +1,44 @@
 """How the Redis ledger's values are written and read: numbers as strings Lua's ``tonumber`` reads back
-exactly, reservations, events and accounts as the JSON the scripts store (numbers as ``%.17g`` strings)."""
+exactly, reservations, events and accounts as the JSON the scripts store (numbers as ``%.17g`` strings), and a
+tenant's limits as the hash the scripts read them from."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import struct
 from typing import Any
 
 from fairgate.ledger import rules
-from fairgate.ledger.config import LIMIT_FIELDS, Limits
+from fairgate.ledger.config import LIMIT_FIELDS, TENANT_ACCOUNT, Limits, TenantQuota
 from fairgate.ledger.model import Event, Reservation, reservation_from_record
 
 # The limits sent to the scripts, as numbers (the bursts are sent as ``Limits.burst()``).
 _LIMIT_NAMES = tuple(name for name in LIMIT_FIELDS if not name.endswith("_burst"))
+# The order of the limits packed in a limits hash's values: the order prelude.lua's unpack_limits names them in.
+LIMIT_ORDER = (
+    "requests_per_minute",
+    "input_tokens_per_minute",
+    "output_tokens_per_minute",
+    "requests_burst",
+    "input_tokens_burst",
+    "output_tokens_burst",
+    "max_tokens_per_request",
+    "max_concurrent",
+    "max_queued",
+    "gpu_seconds",
+    "gpu_window_s",
+    "gpu_seconds_total",
+    "max_model_calls",
+    "max_tool_rounds",
+    "max_tokens",
+    "reservation_ttl_s",
+)
+# Bumped when the hash's layout changes: it is part of what names a hash (``limits_hash``), so a process with
+# another layout never reads this one.
+LIMITS_LAYOUT = 1
+LIMITS_TEXT_FIELD = "\njson"  # no model class contains a newline (``model.check_name``)
 # Limits that are whole numbers: a QuotaExceeded on them reports an int ``remaining``.
 INT_LIMITS = frozenset(
     {"max_tokens_per_request", "max_concurrent", "max_queued", "max_model_calls", "max_tool_rounds", "max_tokens"}
@@ -39,9 +66,38 @@ def limits_spec(limits: Limits) -> dict[str, str]:
     return spec
 
 
-def reservation(raw: bytes | str) -> Reservation:
-    """A reservation from the JSON ``reserve.lua`` / ``close.lua`` store (flags as ``"1"`` / ``"0"``)."""
-    return reservation_from_record(json.loads(raw), to_int, lambda value: value == "1")
+def packed_limits(limits: Limits) -> bytes:
+    """``limits`` in ``LIMIT_ORDER`` as little-endian doubles, NaN where there is no limit (a ``*_burst`` is
+    ``Limits.burst``, the bucket's capacity): what ``prelude.lua``'s ``unpack_limits`` reads back exactly."""
+    values = []
+    for name in LIMIT_ORDER:
+        value = limits.burst(name.removesuffix("_burst")) if name.endswith("_burst") else getattr(limits, name)
+        values.append(math.nan if value is None else float(value))
+    return struct.pack(f"<{len(values)}d", *values)
+
+
+def limits_hash(quota: TenantQuota) -> tuple[str, dict[str, bytes | str]]:
+    """The hash the scripts read ``quota``'s limits from: (its version, its fields). Fields: ``*`` (the tenant's
+    own limits) and one per model class with a table of its own, each ``packed_limits``; and
+    ``LIMITS_TEXT_FIELD``, the same as JSON text for a reader (never read by the scripts). The version (16 hex
+    digits) is a hash of that text and ``LIMITS_LAYOUT``: equal limits, equal version; any change, another."""
+    spec = {
+        "layout": LIMITS_LAYOUT,
+        "order": LIMIT_ORDER,
+        "base": limits_spec(quota.limits),
+        "classes": {mc: limits_spec(lim) for mc, lim in quota.by_model_class.items()},
+    }
+    text = json.dumps(spec, sort_keys=True)
+    fields: dict[str, bytes | str] = {TENANT_ACCOUNT: packed_limits(quota.limits)}
+    fields.update({mc: packed_limits(lim) for mc, lim in quota.by_model_class.items()})
+    fields[LIMITS_TEXT_FIELD] = text
+    return hashlib.sha256(text.encode()).hexdigest()[:16], fields
+
+
+def reservation(raw: bytes | str, balances: rules.Account | None = None) -> Reservation:
+    """A reservation from the JSON ``reserve.lua`` / ``close.lua`` store (flags as ``"1"`` / ``"0"``), with
+    ``balances`` (``reserve``'s)."""
+    return reservation_from_record(json.loads(raw), to_int, lambda value: value == "1", balances)
 
 
 def event(tenant: str, raw: bytes | str) -> Event:

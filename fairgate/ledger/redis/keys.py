@@ -24,6 +24,11 @@ key                         type    content
 ``{P:T}:minutes``           hash    minute (``usage_minutes.minute_of``) -> JSON ``[requests, input, output,
                                     gpu_ms, overage_gpu_ms]``, the sums of its events; ``hi``: the
                                     newest minute written (``usage()`` reads these, not every event)
+``{P:T}:limits:V``          hash    the tenant's limits as the scripts read them (``codec.limits_hash``):
+                                    ``*`` and each model class with limits of its own -> the limits
+                                    packed as doubles; ``\\njson`` -> the same as text. ``V`` names the
+                                    version (a hash of the limits): processes with different quotas use
+                                    different hashes, side by side
 ``P:tenants``               hash    tenant tag -> tenant name: the registry ``events()``,
                                     ``reservations()``, ``expire_due()`` and ``frozen()`` iterate over
                                     (the one key outside a tenant's slot; written by its own script)
@@ -32,13 +37,18 @@ key                         type    content
 ``{P:occupancy}:PROCESS``   hash    upstream -> ``"SEQUENCES PREFILL_SHARE"``, expiring when not republished
 ==========================  ======  =====================================================================
 
-TTL: every key carries a retention TTL (default 35 days). Each write sets the TTL of the key written in
-the same script call, and every tenant script that writes refreshes the TTL of all twelve of the tenant's
-keys, so a tenant's state lives as a whole while it is written at least once per retention period and
-then expires as a whole (an idle tenant's history, freeze and open reservations included). The
-registry's TTL is refreshed whenever a process registers a tenant (at most every
-``REGISTER_EVERY_S`` per tenant and process, on reserve and freeze). As with the SQL backends, an
-active tenant's event log and reservation hash are never trimmed.
+TTL: every key carries a retention TTL (default 35 days). The tenant's twelve keys (``TENANT_KEYS``) have
+theirs set afresh together by the first script that writes once ``{P:T}:accounts``' TTL has run down by a
+minute (``prelude.lua``: a script reads one TTL rather than writing twelve), and a key a script creates after
+the tenant's first reservation gets its TTL as it is created: after every write, each of the tenant's keys
+holds at least the retention less a minute. So a tenant's state lives as a whole while it is written at
+least once per retention period and then expires as a whole (an idle tenant's history, freeze and open
+reservations included). A limits hash is a copy of the configuration: it gets the retention TTL when a
+process writes it (on ``open``, and whenever a script finds it missing) and is not refreshed, so one no
+process uses any more goes a retention period after it was written, and one in use is written again then.
+The registry's TTL is refreshed whenever a process registers a tenant (at most every ``REGISTER_EVERY_S``
+per tenant and process, on reserve and freeze). As with the SQL backends, an active tenant's event log and
+reservation hash are never trimmed.
 """
 
 from __future__ import annotations
@@ -74,6 +84,10 @@ class Keys:
     def tenant(self, tag: str) -> list[str]:
         """The tenant's keys (``TENANT_KEYS`` order), all in the hash slot of ``{prefix:tag}``."""
         return [f"{{{self.prefix}:{tag}}}:{name}" for name in TENANT_KEYS]
+
+    def limits(self, tag: str, version: str) -> str:
+        """The tenant's limits hash of ``version`` (``codec.limits_hash``), in the tenant's hash slot."""
+        return f"{{{self.prefix}:{tag}}}:limits:{version}"
 
     @property
     def tenants(self) -> str:

@@ -29,28 +29,26 @@ class RedisRequestPath(RedisStore):
 
     async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
         """``reserve.lua``: reads the request id's reservation, the accounts charged and the run; writes only if
-        all fit (or returns the earlier reservation, unless it re-opens: ``rules.reopens``)."""
-        tenant = args.tenant
-        books = dict(self.books(tenant, args.model_class))
+        all fit (or returns the earlier reservation, unless it re-opens: ``rules.reopens``). Its reply carries
+        the binding account (``Reservation.balances``)."""
+        tenant, tag = args.tenant, tenant_tag(args.tenant)
+        keys, _ = self._limited_keys(tag)
+        script_args = [
+            *self._head(),
+            tenant,
+            args.request_id,
+            new_reservation_id(tenant),
+            str(args.input_tokens),
+            str(args.max_output_tokens),
+            codec.number(float(args.gpu_ms_estimate)),
+            args.model_class,
+            args.run_id or "",
+            "0" if args.run_id is None else "1",
+            "1" if args.tool_round else "0",
+        ]
         with self._unavailable():
             await self._ensure_registered(tenant)
-            reply = await self._scripts.reserve(
-                keys=self._keys.tenant(tenant_tag(tenant)),
-                args=[
-                    *self._head(),
-                    tenant,
-                    args.request_id,
-                    new_reservation_id(tenant),
-                    str(args.input_tokens),
-                    str(args.max_output_tokens),
-                    codec.number(float(args.gpu_ms_estimate)),
-                    args.model_class,
-                    args.run_id or "",
-                    "0" if args.run_id is None else "1",
-                    "1" if args.tool_round else "0",
-                    self._limits_json[tenant_tag(tenant)],
-                ],
-            )
+            reply = await self._with_limits(tag, lambda: self._scripts.reserve(keys=keys, args=script_args))
         code = reply[0]
         if code == "quota":
             dimension, retry, remaining, key = reply[1], reply[2], float(reply[3]), reply[4]
@@ -58,10 +56,10 @@ class RedisRequestPath(RedisStore):
                 tenant,
                 dimension,
                 None if retry == "" else float(retry),
-                getattr(books[key], dimension),
+                getattr(dict(self.books(tenant, args.model_class))[key], dimension),
                 int(remaining) if dimension in codec.INT_LIMITS else remaining,
             )
-        r = codec.reservation(reply[1])
+        r = codec.reservation(reply[1], codec.account(reply[2]))
         return rules.check_retry(r, args) if code == "existing" else r
 
     async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str) -> Reservation:
@@ -87,14 +85,13 @@ class RedisRequestPath(RedisStore):
         tag = self._tag_of(reservation_id)
         reply: list[Any] = ["not_found"]
         if tag is not None:
-            spec = self._limits_json.get(tag, "")
-            if enter and not spec:  # a tenant no longer configured: UnknownTenant, as the SQL backends raise
+            keys, configured = self._limited_keys(tag)
+            if enter and not configured:  # a tenant no longer configured: UnknownTenant, as the SQL backends raise
                 r = await self.get(reservation_id)
                 self.books(r.tenant, r.model_class)
+            args = [*self._head(), reservation_id, "1" if enter else "0", configured]
             with self._unavailable():
-                reply = await self._scripts.queue(
-                    keys=self._keys.tenant(tag), args=[*self._head(), reservation_id, "1" if enter else "0", spec]
-                )
+                reply = await self._with_limits(tag, lambda: self._scripts.queue(keys=keys, args=args))
         if reply[0] == "not_found":
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
         r = codec.reservation(reply[1])

@@ -1,21 +1,22 @@
 """What every part of the Redis ledger shares: the client, the key names, the scripts, the clock argument,
-the tenant registry, and the one script call that settles, cancels or expires."""
+the tenant registry, the tenants' limits hashes, and the one script call that settles, cancels or expires."""
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.typing import EncodableT, FieldT
 
 from fairgate.ledger.backend import Backend
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.checks import check_reservation_id
 from fairgate.ledger.config import Quotas
-from fairgate.ledger.model import Usage
+from fairgate.ledger.model import LedgerUnavailable, Usage
 from fairgate.ledger.redis import codec
 from fairgate.ledger.redis.errors import Server
 from fairgate.ledger.redis.keys import Keys, tag_of
@@ -23,6 +24,16 @@ from fairgate.ledger.redis.lua import Scripts
 from fairgate.ledger.redis.url import RedisUrl
 
 REGISTER_EVERY_S = 600.0  # how often a process re-registers a tenant (refreshing the registry's TTL)
+LIMITS_PER_WRITE = 500  # limits hashes written per MULTI on open (each MULTI holds the server for its length)
+UNCONFIGURED = "-"  # the limits "version" named for a tenant without limits: a key no script reads
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's limits hash (``codec.limits_hash``): its key and what it holds."""
+
+    key: str
+    fields: dict[str, bytes | str]
 
 
 class RedisStore(Backend):
@@ -43,15 +54,11 @@ class RedisStore(Backend):
         self._keys = Keys(settings.prefix)
         self._clock = clock
         self._registered: dict[str, float] = {}  # tenant -> time.monotonic() of the last registration
-        self._limits_json = {
-            tenant_tag(name): json.dumps(
-                {
-                    "base": codec.limits_spec(t.limits),
-                    "classes": {mc: codec.limits_spec(lim) for mc, lim in t.by_model_class.items()},
-                }
-            )
-            for name, t in quotas.tenants.items()
-        }
+        self._limits: dict[str, TenantLimits] = {}  # tenant tag -> its limits hash
+        for name, quota in quotas.tenants.items():
+            tag = tenant_tag(name)
+            version, fields = codec.limits_hash(quota)
+            self._limits[tag] = TenantLimits(self._keys.limits(tag, version), fields)
         self._scripts = Scripts.register_on(client)
 
     def _unavailable(self) -> AbstractContextManager[None]:
@@ -84,6 +91,44 @@ class RedisStore(Backend):
         registry = await self._client.hgetall(self._keys.tenants)
         return {codec.text(tag): codec.text(name) for tag, name in registry.items()}
 
+    def _limited_keys(self, tag: str) -> tuple[list[str], str]:
+        """KEYS of a script that applies limits (the tenant's keys, then its limits hash) and its ``configured``
+        argument ("1"; "" for a tag no configured tenant has, whose limits key no script reads)."""
+        limits = self._limits.get(tag)
+        keys = self._keys.tenant(tag)
+        if limits is None:
+            return [*keys, self._keys.limits(tag, UNCONFIGURED)], ""
+        return [*keys, limits.key], "1"
+
+    async def _store_limits(self, tags: Iterable[str]) -> None:
+        """Write the limits hashes of ``tags`` (configured ones), each with its TTL, ``LIMITS_PER_WRITE`` per
+        MULTI: a reader sees a hash whole or not at all. Raises redis-py's errors (the caller wraps them)."""
+        chosen = [self._limits[tag] for tag in tags if tag in self._limits]
+        for start in range(0, len(chosen), LIMITS_PER_WRITE):
+            async with self._client.pipeline(transaction=True) as pipe:
+                for limits in chosen[start : start + LIMITS_PER_WRITE]:
+                    mapping: dict[FieldT, EncodableT] = dict(limits.fields.items())
+                    pipe.hset(limits.key, mapping=mapping)
+                    pipe.pexpire(limits.key, self.retention_ms)
+                await pipe.execute()
+
+    async def _with_limits(self, tag: str, call: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        """``call`` (a script that applies the tenant's limits); when it answers ``limits`` (its limits hash is
+        not on the server: restarted, flushed, expired) write the hash and call once more. Raises
+        ``LedgerUnavailable`` when the hash is missing again (something deletes it as fast as it is written),
+        and redis-py's errors (the caller wraps them)."""
+        reply = await call()
+        if reply[0] != "limits":
+            return reply
+        await self._store_limits([tag])
+        reply = await call()
+        if reply[0] == "limits":
+            raise LedgerUnavailable(
+                f"redis ledger: {self._server.where} lost the limits hash {self._limits[tag].key!r} again right "
+                "after it was written (evicted? maxmemory-policy must not evict the ledger's keys)"
+            )
+        return reply
+
     async def _close_call(self, reservation_id: str, kind: str, final: bool, billed: Usage | None) -> list[Any]:
         """``close.lua`` (see its header for the replies); ``billed`` None: expire, billing what was billed."""
         tag = self._tag_of(reservation_id)
@@ -94,18 +139,10 @@ class RedisStore(Backend):
             if billed is None
             else [str(billed.input_tokens), str(billed.output_tokens), codec.number(float(billed.gpu_ms))]
         )
+        keys, configured = self._limited_keys(tag)
+        args = [*self._head(), reservation_id, kind, "1" if final else "0", *amounts, configured]
         with self._unavailable():
-            reply: list[Any] = await self._scripts.close(
-                keys=self._keys.tenant(tag),
-                args=[
-                    *self._head(),
-                    reservation_id,
-                    kind,
-                    "1" if final else "0",
-                    *amounts,
-                    self._limits_json.get(tag, ""),
-                ],
-            )
+            reply: list[Any] = await self._with_limits(tag, lambda: self._scripts.close(keys=keys, args=args))
         return reply
 
     async def close(self) -> None:

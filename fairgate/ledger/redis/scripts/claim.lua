@@ -13,7 +13,7 @@ if held then
   if holder ~= owner and until_ms > now then return {'ok', holder, fmt(until_ms), fmt(now)} end
 end
 local until_ms = now + lease
-hset(CLAIMS, rid, owner .. '\n' .. fmt(until_ms))
-hset(HB, rid, fmt(now))
+hset_kept(CLAIMS, rid, owner .. '\n' .. fmt(until_ms))
+hset_kept(HB, rid, fmt(now))
 touch_all()
 return {'ok', owner, fmt(until_ms), fmt(now)}

@@ -1,8 +1,9 @@
 -- rules.settle (settle, cancel, expire). ARGV[3..]: reservation id, kind (settle|cancel|expire), final (1/0),
--- input_tokens, output_tokens, gpu_ms (ignored for expire: the billed amounts so far), the tenant's limits JSON
--- {"base": {...}, "classes": {model_class: {...}}} or "" (tenant not configured).
+-- input_tokens, output_tokens, gpu_ms (ignored for expire: the billed amounts so far), configured (1: the
+-- tenant has limits, in the hash KEYS[13]; "": it is no longer configured).
 -- -> {'not_found'} | {'final', json} | {'frozen', json} | {'unknown_tenant', json} | {'not_due', json}
 --    | {'unchanged', json} | {'above', json} | {'above_input', json} | {'below', name, json} | {'ok', json}
+--    | {'limits'} (no limits hash)
 local rid, kind, final = ARGV[3], ARGV[4], ARGV[5] == '1'
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
@@ -23,7 +24,8 @@ if (not final) and b_in == before_in and b_out == before_out and b_gpu == before
   return {'unchanged', raw}  -- a repeated partial settlement: nothing new
 end
 if ARGV[9] == '' then return {'unknown_tenant', raw} end
-local books = books_of(ARGV[9], r.model_class)  -- every account the reservation was charged to
+local books = books_of(r.model_class)  -- every account the reservation was charged to
+if books == nil then return {'limits'} end
 
 -- rules.settle
 local r_in, r_max_out, r_est = tonumber(r.input_tokens), tonumber(r.max_output_tokens), tonumber(r.gpu_ms_estimate)

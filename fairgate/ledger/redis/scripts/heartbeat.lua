@@ -4,6 +4,6 @@ local rid = ARGV[3]
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
 if cjson.decode(raw).status ~= 'open' then return {'final'} end
-hset(HB, rid, fmt(now_ms()))
+hset_kept(HB, rid, fmt(now_ms()))
 touch_all()
 return {'ok'}

@@ -1,13 +1,21 @@
 -- What every tenant script shares (loaded after bucket.lua, before the script's own body).
--- KEYS are the tenant's keys in keys.TENANT_KEYS order; ARGV[1] is now in ms ("" = the server's TIME),
--- ARGV[2] the retention TTL in ms; a script's own arguments start at ARGV[3].
+-- KEYS are the tenant's keys in keys.TENANT_KEYS order, then, for the scripts that apply limits (reserve, close,
+-- queue), the tenant's limits hash (keys.Keys.limits); ARGV[1] is now in ms ("" = the server's TIME), ARGV[2]
+-- the retention TTL in ms; a script's own arguments start at ARGV[3].
 if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes (Redis < 5)
 local ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN, CLAIMS, MINUTES =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
-local RETENTION_MS = ARGV[2]
+local TENANT_KEY_COUNT = 12
+local LIMITS = KEYS[13]
+local RETENTION_MS = tonumber(ARGV[2])
 local MS_PER_MINUTE = 60000.0
 
-local function fmt(x) return string.format('%.17g', x) end
+-- A number as '%.17g' writes it (it reads back exactly); a whole number below 1e15 (counts, most amounts)
+-- by the integer conversion, which writes the same digits for a fraction of the cost (-0 excepted).
+local function fmt(x)
+  if x % 1 == 0 and x > -1e15 and x < 1e15 and (x ~= 0 or 1 / x > 0) then return string.format('%d', x) end
+  return string.format('%.17g', x)
+end
 local function num(s) if s == nil or s == false or s == '' then return nil end return tonumber(s) end
 
 local function now_ms()
@@ -16,35 +24,48 @@ local function now_ms()
   return tonumber(t[1]) * 1000.0 + tonumber(t[2]) / 1000.0
 end
 
--- Every write sets the TTL of the key it wrote, in the same breath; touch_all refreshes all of them.
-local function expire(key) redis.call('PEXPIRE', key, RETENTION_MS) end
-local function hset(key, field, value) redis.call('HSET', key, field, value); expire(key) end
-local function touch_all() for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], RETENTION_MS) end end
-
-local ACCOUNT_FIELDS = {'requests_level', 'requests_updated_ms', 'input_level', 'input_updated_ms',
-  'output_level', 'output_updated_ms', 'concurrent', 'gpu_window_start_ms', 'gpu_window_used_ms',
-  'gpu_total_used_ms', 'queued'}
-
-local function load_account(model_class)
-  local acc = {requests_updated_ms = 0.0, input_updated_ms = 0.0, output_updated_ms = 0.0, concurrent = 0, queued = 0,
-               gpu_window_start_ms = 0.0, gpu_window_used_ms = 0.0, gpu_total_used_ms = 0.0}
-  local raw = redis.call('HGET', ACCOUNTS, model_class)
-  if raw then
-    local stored = cjson.decode(raw)
-    for _, f in ipairs(ACCOUNT_FIELDS) do
-      local v = num(stored[f])
-      if v ~= nil then acc[f] = v end
-    end
-  end
-  return acc
+-- TTLs (keys.py): every key of the tenant carries the retention TTL, set afresh on all of them together
+-- (touch_all, at the end of every script that writes) once ACCOUNTS' TTL has run down by REFRESH_AFTER_MS:
+-- one PTTL per call rather than a PEXPIRE per key, and no key's TTL more than REFRESH_AFTER_MS below the
+-- retention while the tenant is written. ACCOUNTS is created with the tenant's first reservation, as are the
+-- keys that are never emptied (RES, REQS, STATUS, EVENTS, SEQ): those get their TTL from touch_all in that
+-- call. A key a script may create later - one emptied meanwhile (OPEN, HB, CLAIMS, FROZEN) or first written
+-- later (RUNS, MINUTES) - gets its TTL when a write may have created it (keep).
+local REFRESH_AFTER_MS = 60000
+local function keep(key) if redis.call('PTTL', key) == -1 then redis.call('PEXPIRE', key, RETENTION_MS) end end
+local function hset(key, field, value) redis.call('HSET', key, field, value) end
+local function hset_kept(key, field, value)  -- a new field: the key may be new
+  if redis.call('HSET', key, field, value) == 1 then keep(key) end
+end
+local function touch_all()
+  if redis.call('PTTL', ACCOUNTS) > RETENTION_MS - REFRESH_AFTER_MS then return end
+  for i = 1, TENANT_KEY_COUNT do redis.call('PEXPIRE', KEYS[i], RETENTION_MS) end
 end
 
-local function save_account(model_class, acc)
-  local out = {}
-  for _, f in ipairs(ACCOUNT_FIELDS) do
-    if acc[f] ~= nil then out[f] = fmt(acc[f]) end
-  end
-  hset(ACCOUNTS, model_class, cjson.encode(out))
+-- An account as stored: JSON of its fields as number strings, an uninitialised bucket level absent. Each
+-- table is built by one constructor, at its size (no rehash as fields are added).
+local function load_account(model_class)
+  local raw = redis.call('HGET', ACCOUNTS, model_class)
+  local s = raw and cjson.decode(raw) or {}
+  return {requests_level = num(s.requests_level), requests_updated_ms = num(s.requests_updated_ms) or 0.0,
+          input_level = num(s.input_level), input_updated_ms = num(s.input_updated_ms) or 0.0,
+          output_level = num(s.output_level), output_updated_ms = num(s.output_updated_ms) or 0.0,
+          concurrent = num(s.concurrent) or 0, gpu_window_start_ms = num(s.gpu_window_start_ms) or 0.0,
+          gpu_window_used_ms = num(s.gpu_window_used_ms) or 0.0, gpu_total_used_ms = num(s.gpu_total_used_ms) or 0.0,
+          queued = num(s.queued) or 0}
+end
+
+local function fmt_or_nil(x) if x == nil then return nil end return fmt(x) end
+local function save_account(model_class, a)
+  local raw = cjson.encode({
+    requests_level = fmt_or_nil(a.requests_level), requests_updated_ms = fmt_or_nil(a.requests_updated_ms),
+    input_level = fmt_or_nil(a.input_level), input_updated_ms = fmt_or_nil(a.input_updated_ms),
+    output_level = fmt_or_nil(a.output_level), output_updated_ms = fmt_or_nil(a.output_updated_ms),
+    concurrent = fmt_or_nil(a.concurrent), gpu_window_start_ms = fmt_or_nil(a.gpu_window_start_ms),
+    gpu_window_used_ms = fmt_or_nil(a.gpu_window_used_ms), gpu_total_used_ms = fmt_or_nil(a.gpu_total_used_ms),
+    queued = fmt_or_nil(a.queued)})
+  hset(ACCOUNTS, model_class, raw)
+  return raw
 end
 
 local function load_run(run_id)
@@ -59,27 +80,36 @@ local function load_run(run_id)
 end
 
 local function save_run(run_id, run)
-  hset(RUNS, run_id, cjson.encode({model_calls = fmt(run.model_calls), tool_rounds = fmt(run.tool_rounds),
-                                   tokens = fmt(run.tokens)}))
+  hset_kept(RUNS, run_id, cjson.encode({model_calls = fmt(run.model_calls), tool_rounds = fmt(run.tool_rounds),
+                                        tokens = fmt(run.tokens)}))
 end
 
--- Limits arrive as a JSON object of number strings (absent = no limit; *_burst is Limits.burst()).
-local function decode_limits(spec)
-  local lim = {}
-  for k, v in pairs(spec) do lim[k] = tonumber(v) end
-  return lim
+-- The tenant's limits, from its limits hash (LIMITS; codec.limits_hash writes it): per account key ('*': the
+-- tenant's own limits; a model class with a table of its own) its limits packed as little-endian doubles in
+-- codec.LIMIT_ORDER, the order unpack_limits names them in (NaN: no limit; *_burst is Limits.burst()): they
+-- read back bit for bit, with no text to parse on every call.
+local LIMITS_FORMAT = '<dddddddddddddddd'
+local function limit(x) if x ~= x then return nil end return x end  -- NaN: no limit
+local function unpack_limits(packed)
+  local a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p = struct.unpack(LIMITS_FORMAT, packed)
+  return {requests_per_minute = limit(a), input_tokens_per_minute = limit(b), output_tokens_per_minute = limit(c),
+    requests_burst = limit(d), input_tokens_burst = limit(e), output_tokens_burst = limit(f),
+    max_tokens_per_request = limit(g), max_concurrent = limit(h), max_queued = limit(i), gpu_seconds = limit(j),
+    gpu_window_s = limit(k), gpu_seconds_total = limit(l), max_model_calls = limit(m), max_tool_rounds = limit(n),
+    max_tokens = limit(o), reservation_ttl_s = limit(p)}
 end
 
 -- TenantQuota.accounts: the accounts a reservation in model_class is charged to, each {key, lim}: the
--- tenant-wide one ('*', the tenant's limits), then the class's if the tenant's limits JSON
--- {"base": {...}, "classes": {model_class: {...}}} has a table for it. The last one's limits are the class's.
+-- tenant-wide one ('*', the tenant's limits), then the class's if it has limits of its own. The last one's
+-- limits are the class's. nil when the limits hash is not there (a server restarted or flushed, or the key
+-- expired): the script then answers {'limits'} before writing anything, and the client writes the hash and
+-- calls once more, so nothing ever runs without limits.
 local TENANT_ACCOUNT = '*'
-local function books_of(limits_json, model_class)
-  local limits = cjson.decode(limits_json)
-  local books = {{key = TENANT_ACCOUNT, lim = decode_limits(limits.base)}}
-  if type(limits.classes) == 'table' and limits.classes[model_class] ~= nil then
-    books[2] = {key = model_class, lim = decode_limits(limits.classes[model_class])}
-  end
+local function books_of(model_class)
+  local got = redis.call('HMGET', LIMITS, TENANT_ACCOUNT, model_class)
+  if not got[1] then return nil end
+  local books = {{key = TENANT_ACCOUNT, lim = unpack_limits(got[1])}}
+  if got[2] and model_class ~= TENANT_ACCOUNT then books[2] = {key = model_class, lim = unpack_limits(got[2])} end
   return books
 end
 
@@ -110,38 +140,50 @@ local function minute_of(at_ms)
   return m
 end
 
-local function add_to_minute(at_ms, amounts)
-  local field = fmt(minute_of(at_ms))
-  local raw = redis.call('HGET', MINUTES, field)
+-- raw: the minute's bucket as read (false: none yet). A bucket written before means 'hi' is at least its
+-- minute already; a new one may be the newest, and may create MINUTES.
+local function add_to_minute(at_ms, amounts, raw)
+  local minute = minute_of(at_ms)
+  local field = fmt(minute)
   local sums = raw and cjson.decode(raw) or {'0', '0', '0', '0', '0'}
-  for i = 1, 5 do sums[i] = fmt(tonumber(sums[i]) + amounts[i]) end  -- doubles, as a sum over events adds
-  redis.call('HSET', MINUTES, field, cjson.encode(sums))
+  for i = 1, 5 do  -- doubles, as a sum over events adds; adding 0 changes no sum (sums start at +0: none is -0)
+    if amounts[i] ~= 0 then sums[i] = fmt(tonumber(sums[i]) + amounts[i]) end
+  end
+  if raw then
+    redis.call('HSET', MINUTES, field, cjson.encode(sums))
+    return
+  end
   local hi = num(redis.call('HGET', MINUTES, 'hi'))
-  if hi == nil or minute_of(at_ms) > hi then redis.call('HSET', MINUTES, 'hi', field) end
-  expire(MINUTES)
+  if hi == nil or minute > hi then
+    redis.call('HSET', MINUTES, field, cjson.encode(sums), 'hi', field)
+  else
+    redis.call('HSET', MINUTES, field, cjson.encode(sums))
+  end
+  keep(MINUTES)
 end
 
 -- A tenant whose events predate the buckets gets them from its whole log, once, before its next event.
 local function backfill_minutes()
-  if redis.call('EXISTS', MINUTES) == 1 then return end
   for _, member in ipairs(redis.call('ZRANGE', EVENTS, 0, -1)) do
     local e = cjson.decode(member)
-    add_to_minute(tonumber(e[9]), {tonumber(e[4]), tonumber(e[5]), tonumber(e[6]), tonumber(e[7]), tonumber(e[8])})
+    local at = tonumber(e[9])
+    add_to_minute(at, {tonumber(e[4]), tonumber(e[5]), tonumber(e[6]), tonumber(e[7]), tonumber(e[8])},
+                  redis.call('HGET', MINUTES, fmt(minute_of(at))))
   end
 end
 
 local function add_event(rid, kind, requests, d_in, d_out, d_gpu, d_over, now)
-  backfill_minutes()
-  add_to_minute(now, {requests, d_in, d_out, d_gpu, d_over})
+  local field = fmt(minute_of(now))
+  local raw = redis.call('HGET', MINUTES, field)
+  if not raw and redis.call('EXISTS', MINUTES) == 0 then
+    backfill_minutes()
+    raw = redis.call('HGET', MINUTES, field)
+  end
+  add_to_minute(now, {requests, d_in, d_out, d_gpu, d_over}, raw)
   local seq = redis.call('INCR', SEQ)
-  expire(SEQ)
   local member = cjson.encode({fmt(seq), kind, rid, fmt(requests), fmt(d_in), fmt(d_out), fmt(d_gpu),
                                fmt(d_over), fmt(now)})
   redis.call('ZADD', EVENTS, fmt(now), member)
-  expire(EVENTS)
 end
 
-local function count_status(status, by)
-  redis.call('HINCRBY', STATUS, status, by)
-  expire(STATUS)
-end
+local function count_status(status, by) redis.call('HINCRBY', STATUS, status, by) end

@@ -1,6 +1,6 @@
--- rules.enqueue / rules.dequeue. ARGV[3..]: reservation id, enter (1: enqueue, 0: dequeue), the tenant's limits
--- JSON (as close.lua's; "" for a tenant no longer configured: the tenant-wide account, no limit).
--- -> {'not_found'} | {'unchanged', json} | {'quota', json, account key} | {'ok', json}
+-- rules.enqueue / rules.dequeue. ARGV[3..]: reservation id, enter (1: enqueue, 0: dequeue), configured (as
+-- close.lua's; "" for a tenant no longer configured: the tenant-wide account, no limit).
+-- -> {'not_found'} | {'unchanged', json} | {'quota', json, account key} | {'ok', json} | {'limits'}
 local rid, enter = ARGV[3], ARGV[4] == '1'
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
@@ -8,7 +8,8 @@ local r = cjson.decode(raw)
 local queued = r.queued == '1'
 if r.status ~= 'open' or queued == enter then return {'unchanged', raw} end
 local books = {{key = TENANT_ACCOUNT, lim = {}}}
-if ARGV[5] ~= '' then books = books_of(ARGV[5], r.model_class) end
+if ARGV[5] ~= '' then books = books_of(r.model_class) end
+if books == nil then return {'limits'} end
 for _, b in ipairs(books) do
   b.acc = load_account(b.key)
   if enter and b.lim.max_queued ~= nil and b.acc.queued >= b.lim.max_queued then return {'quota', raw, b.key} end

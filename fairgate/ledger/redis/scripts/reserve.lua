@@ -1,11 +1,13 @@
 -- rules.reserve. ARGV[3..]: tenant, request_id, reservation id, input_tokens, max_output_tokens,
--- gpu_ms_estimate, model_class, run_id, has_run (1/0), tool_round (1/0), the tenant's limits JSON
--- {"base": {...}, "classes": {model_class: {...}}}.
--- -> {'existing', json} | {'ok', json} | {'quota', dimension, retry_after_s or '', remaining, account key}
+-- gpu_ms_estimate, model_class, run_id, has_run (1/0), tool_round (1/0). KEYS[13]: the tenant's limits hash.
+-- -> {'existing', json, binding account json or false} | {'ok', json, binding account json}
+--    | {'quota', dimension, retry_after_s or '', remaining, account key} | {'limits'} (no limits hash)
+-- The binding account (the last book's) is what account() reads right after: the caller's balances.
 local tenant, request_id, rid = ARGV[3], ARGV[4], ARGV[5]
 local input_tokens, max_output, estimate = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local model_class, run_id, has_run, tool_round = ARGV[9], ARGV[10], ARGV[11] == '1', ARGV[12] == '1'
-local books = books_of(ARGV[13], model_class)
+local books = books_of(model_class)
+if books == nil then return {'limits'} end
 local lim = books[#books].lim  -- the class's: run limits and the TTL
 
 -- rules.check_retry + rules.reopens: an earlier reservation of the request id is returned (the caller
@@ -22,7 +24,9 @@ if existing then
       and (old.tool_round == '1') == tool_round
     local unbilled = tonumber(old.billed_input_tokens) == 0 and tonumber(old.billed_output_tokens) == 0
       and tonumber(old.billed_gpu_ms) == 0
-    if not (same and old.status == 'cancelled' and unbilled) then return {'existing', raw} end
+    if not (same and old.status == 'cancelled' and unbilled) then
+      return {'existing', raw, redis.call('HGET', ACCOUNTS, books[#books].key)}
+    end
     reopen = old
   end
 end
@@ -137,11 +141,11 @@ end
 local raw = cjson.encode(record)
 hset(RES, rid, raw)
 hset(REQS, request_id, rid)
-redis.call('ZADD', OPEN, fmt(expires), rid)
-expire(OPEN)
+if redis.call('ZADD', OPEN, fmt(expires), rid) == 1 then keep(OPEN) end
 count_status('open', 1)
-for _, b in ipairs(books) do save_account(b.key, b.acc) end
+local balances
+for _, b in ipairs(books) do balances = save_account(b.key, b.acc) end
 if run ~= nil then save_run(run_id, run) end
 add_event(rid, 'reserve', reopen == nil and 1 or 0, 0, 0, 0.0, 0.0, now)
 touch_all()
-return {'ok', raw}
+return {'ok', raw, balances}
