@@ -27,6 +27,7 @@ from pytest_redis import factories as redis_factories
 
 from fairgate.harness.pgbouncer import pgbouncer_in_front
 from fairgate.harness.postgres import throwaway_postgres
+from fairgate.harness.redis import redis_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,6 +125,13 @@ def pgbouncer_url(postgres_url: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A throwaway Redis Cluster of three masters (started for the session): a ledger URL on one node."""
+    with redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as nodes:
+        yield f"redis://127.0.0.1:{nodes[0].port}/0?cluster=true"
+
+
+@pytest.fixture(scope="session")
 def redis_url(request: pytest.FixtureRequest) -> str:
     url = os.environ.get("FAIRGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     if _answers(url, 6379):
@@ -148,6 +156,8 @@ def backend_url(request: pytest.FixtureRequest, tmp_path) -> Callable[[str], str
             return f"{request.getfixturevalue('postgres_url')}?schema={token}"
         if name == "pgbouncer":
             return f"{request.getfixturevalue('pgbouncer_url')}?schema={token}&pooler=transaction"
+        if name == "redis_cluster":
+            return f"{request.getfixturevalue('redis_cluster_url')}&prefix={token}"
         return f"{request.getfixturevalue('redis_url')}?prefix={token}"
 
     return make

@@ -118,9 +118,10 @@ def test_fresh_ledger_urls_and_spreading_clients():
 
 
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
-@pytest.mark.parametrize("backend", ["postgresql", "redis"])
+@pytest.mark.parametrize("backend", ["postgresql", "redis", "redis_cluster"])
 def test_one_two_four_processes_never_admit_beyond_the_limits(backend: str, request: pytest.FixtureRequest) -> None:
-    url = request.getfixturevalue({"postgresql": "postgres_url", "redis": "redis_url"}[backend])
+    fixtures = {"postgresql": "postgres_url", "redis": "redis_url", "redis_cluster": "redis_cluster_url"}
+    url = request.getfixturevalue(fixtures[backend])
     start = time.monotonic()
     config = LimitsConfig()
     figs = run_limits(config, url)

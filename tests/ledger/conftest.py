@@ -12,8 +12,9 @@ import pytest
 
 from fairgate.ledger import Ledger, Quotas, connect, quotas_from_dict
 
-# "pgbouncer": PostgreSQL behind PgBouncer in transaction mode (each transaction on any server connection).
-BACKENDS = ("sqlite", "postgres", "pgbouncer", "redis")
+# "pgbouncer": PostgreSQL behind PgBouncer in transaction mode (each transaction on any server connection);
+# "redis_cluster": a Redis Cluster of three masters (each tenant's keys on the node of its hash slot).
+BACKENDS = ("sqlite", "postgres", "pgbouncer", "redis", "redis_cluster")
 
 
 @pytest.fixture(params=BACKENDS)

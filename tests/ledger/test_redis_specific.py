@@ -375,3 +375,32 @@ async def test_same_operations_give_identical_results_on_sqlite_and_redis(redis_
         assert {"settled", "cancelled", "expired"} <= statuses, "the sequence exercised too little"
     finally:
         await ledgers["sqlite"].close()
+
+
+async def test_a_cluster_ledger_puts_each_tenant_on_one_node_and_the_tenants_on_every_node(redis_cluster_url):
+    from redis.asyncio import RedisCluster
+
+    tenants = [f"t{i}" for i in range(12)]
+    quotas = quotas_from_dict({"defaults": {"max_concurrent": 4}, "tenants": {t: {} for t in tenants}})
+    prefix = f"fgc_{uuid.uuid4().hex[:10]}"
+    ledger = await connect(f"{redis_cluster_url}&prefix={prefix}", quotas)
+    cluster = RedisCluster.from_url(redis_cluster_url.split("?")[0], decode_responses=True)
+    try:
+        for tenant in tenants:
+            r = await ledger.reserve(tenant, f"{tenant}-1", 10, 5, 1.0)
+            await ledger.settle(r.id, 10, 5, 1.0, final=True)
+        nodes_of: dict[str, set[int]] = {t: set() for t in tenants}
+        await cluster.initialize()  # (learns the nodes)
+        for node in cluster.get_primaries():
+            async with Redis(host=node.host, port=node.port, decode_responses=True) as client:
+                async for key in client.scan_iter(match=f"{{{prefix}:*", count=1000):
+                    tag = key.split(":")[1].rstrip("}")
+                    nodes_of[next(t for t in tenants if tenant_tag(t) == tag)].add(node.port)
+        # Every tenant's keys sit on one node (its scripts touch one hash slot); the tenants use every node.
+        assert all(len(ports) == 1 for ports in nodes_of.values()), nodes_of
+        assert len({port for ports in nodes_of.values() for port in ports}) == 3, nodes_of
+        assert [e.kind for e in await ledger.events("t0")] == ["reserve", "settle_final"]
+    finally:
+        await ledger.drop_keys()
+        await ledger.close()
+        await cluster.aclose()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import redis.exceptions
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -98,13 +99,8 @@ class RedisLedger(RedisRequestPath, RedisOperator, RedisCoordination):
         if await self._client.exists(self._keys.tenants):
             return True
         for pattern in self._keys.patterns:
-            cursor = 0
-            while True:
-                cursor, keys = await self._client.scan(cursor, match=pattern, count=1000)
-                if keys:
-                    return True
-                if int(cursor) == 0:
-                    break
+            async for _ in self._client.scan_iter(match=pattern, count=1000):  # every node of a cluster
+                return True
         return False
 
 
@@ -112,9 +108,23 @@ def _client(settings: RedisUrl, max_connections: int) -> Redis:
     """A client on a blocking pool: a call waits for a free connection rather than failing at once.
 
     One retry, and only for a connection found closed (a stale pooled connection after a server restart):
-    a server that does not answer fails after one timeout, not after a retry storm.
+    a server that does not answer fails after one timeout, not after a retry storm. On a cluster
+    (``cluster=true``), redis-py's cluster client: each call goes to the node of its keys' hash slot (every
+    script's keys share one slot, ``keys.py``), ``max_connections`` per node.
     """
     retry = Retry(ExponentialBackoff(cap=0.2, base=0.05), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    if settings.cluster:
+        options = {k: v for k, v in settings.connection.items() if k != "db"}
+        cluster = RedisCluster(
+            **options,
+            ssl=settings.tls,
+            max_connections=max_connections,
+            decode_responses=True,
+            socket_connect_timeout=settings.timeout_s,
+            socket_timeout=settings.timeout_s,
+            retry=retry,
+        )
+        return cast(Redis, cluster)  # the commands the ledger uses are the same on both
     pool = BlockingConnectionPool(
         connection_class=SSLConnection if settings.tls else Connection,
         max_connections=max_connections,

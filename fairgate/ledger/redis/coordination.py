@@ -103,7 +103,9 @@ class RedisCoordination(RedisStore):
                     pipe.hset(mine, mapping=mapping)
                     pipe.pexpire(mine, max(1, int(stale_after_ms)))
                 pipe.sadd(members, process)
-                pipe.smembers(members)
+                # Not pipe.smembers: redis-py's cluster MULTI passes it a ``keys`` argument its reply parser
+                # refuses (redis 8.1); the command itself is the same.
+                pipe.execute_command("SMEMBERS", members)
                 processes = sorted(codec.text(p) for p in (await pipe.execute())[-1])
             others = [p for p in processes if p != process]
             async with self._client.pipeline(transaction=False) as pipe:

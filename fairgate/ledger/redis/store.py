@@ -102,10 +102,11 @@ class RedisStore(Backend):
 
     async def _store_limits(self, tags: Iterable[str]) -> None:
         """Write the limits hashes of ``tags`` (configured ones), each with its TTL, ``LIMITS_PER_WRITE`` per
-        MULTI: a reader sees a hash whole or not at all. Raises redis-py's errors (the caller wraps them)."""
+        round trip: a reader sees a hash whole or not at all (one HSET each). No MULTI: on a cluster the
+        tenants' hashes are in different slots. Raises redis-py's errors (the caller wraps them)."""
         chosen = [self._limits[tag] for tag in tags if tag in self._limits]
         for start in range(0, len(chosen), LIMITS_PER_WRITE):
-            async with self._client.pipeline(transaction=True) as pipe:
+            async with self._client.pipeline(transaction=False) as pipe:
                 for limits in chosen[start : start + LIMITS_PER_WRITE]:
                     mapping: dict[FieldT, EncodableT] = dict(limits.fields.items())
                     pipe.hset(limits.key, mapping=mapping)

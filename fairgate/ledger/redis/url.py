@@ -2,7 +2,9 @@
 
 The path is the database number (default 0). ``prefix`` (default ``fairgate``) must match
 ``[A-Za-z0-9_.-]{1,64}``; ``retention_days`` (default 35, in [1, 3650]) sets the keys' TTL (``keys.py``);
-``timeout_s`` (default 2, in (0, 600]) bounds connecting and every reply. With ``rediss://`` only,
+``timeout_s`` (default 2, in (0, 600]) bounds connecting and every reply. ``cluster`` (true | false, default
+false): the host is a node of a Redis Cluster (the others are found from it; database 0 only). With
+``rediss://`` only,
 ``ssl_cert_reqs`` (none | optional | required), ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` and
 ``ssl_check_hostname`` (true | false) configure TLS. Any other, or a repeated, query parameter is a
 ``ValueError``, as is any malformed part (each error one line naming it, the password hidden).
@@ -21,7 +23,7 @@ from fairgate.ledger.text import one_line
 
 DEFAULT_PREFIX = "fairgate"
 DEFAULT_RETENTION_DAYS = 35.0
-_PARAMS = ("prefix", "retention_days", "timeout_s")
+_PARAMS = ("prefix", "retention_days", "timeout_s", "cluster")
 _TLS_PARAMS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 _TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -43,6 +45,7 @@ class RedisUrl:
     tls: bool
     where: str
     connection: dict[str, Any] = field(default_factory=dict)
+    cluster: bool = False  # a Redis Cluster node: every call goes to its key's hash slot
 
 
 def parse_url(url: str) -> RedisUrl:
@@ -70,6 +73,12 @@ def parse_url(url: str) -> RedisUrl:
     if not 1.0 <= retention_days <= 3650.0:
         raise ValueError(f"ledger URL: retention_days {retention!r} must be a number of days in [1, 3650]")
     timeout_s = urls.timeout_s(query.get("timeout_s"))
+    cluster_text = query.get("cluster", "false")
+    if cluster_text.lower() not in _BOOLS:
+        raise ValueError(f"ledger URL: cluster {cluster_text!r} must be true or false")
+    cluster = _BOOLS[cluster_text.lower()]
+    if cluster and db != 0:
+        raise ValueError(f"ledger URL {shown!r}: a Redis Cluster has database 0 only, not {db}")
     connection: dict[str, Any] = {"host": parts.hostname, "port": port or 6379, "db": db}
     if parts.username:
         connection["username"] = unquote(parts.username)
@@ -77,7 +86,7 @@ def parse_url(url: str) -> RedisUrl:
         connection["password"] = unquote(parts.password)
     connection.update(_tls_options(query))
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return RedisUrl(prefix, retention_days, timeout_s, tls, f"{host}:{port or 6379}", connection)
+    return RedisUrl(prefix, retention_days, timeout_s, tls, f"{host}:{port or 6379}", connection, cluster)
 
 
 def check_url(url: str) -> None:
