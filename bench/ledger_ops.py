@@ -20,10 +20,12 @@ time is read before and after each kind:
 - SQLite: no server; the figure is this process's CPU (the gateway's own process pays it: Python included).
 
 The ceiling is 1e6 / µs per request: requests per second one server core sustains (a Redis shard is one core;
-a fleet of gateways sharing one shard cannot go faster, whatever its size).
+a fleet of gateways sharing one shard cannot go faster, whatever its size). ``--shards``: the same requests
+over 12 tenants on one throwaway Redis server and on a throwaway Redis Cluster of three masters, each node's
+µs per request, and the ceiling each gives (the busiest node's core full).
 
 Usage: .venv/bin/python bench/ledger_ops.py [--seconds 3] [--ops 2000] [--repeat 1]
-       [--backends sqlite,postgres,redis] [--no-throughput]
+       [--backends sqlite,postgres,redis] [--no-throughput] [--shards]
        (PostgreSQL/Redis: $FAIRGATE_TEST_POSTGRES_URL / $FAIRGATE_TEST_REDIS_URL, default 127.0.0.1.)
 """
 
@@ -308,6 +310,55 @@ async def report_server_time(name: str, url: str, ops: int, repeat: int) -> None
         )
 
 
+# --- shards -------------------------------------------------------------------------------------------------
+SHARD_TENANTS = 12  # tenants the shard run spreads its requests over (each tenant's keys on one node)
+
+
+async def _shard_load(url: str, node_urls: list[str], ops: int) -> list[float]:
+    """``ops`` gateway requests (reserve, claim, final settle) round-robin over ``SHARD_TENANTS`` tenants on
+    the ledger at ``url``; the µs of script calls each node served, per request."""
+    quotas = dict(QUOTAS, tenants={f"bench{i}": {} for i in range(SHARD_TENANTS)})
+    ledger = await connect(url, quotas_from_dict(quotas))
+    samplers = [RedisSampler(node) for node in node_urls]
+    run = uuid.uuid4().hex[:8]
+    try:
+        before = [await sampler.read() for sampler in samplers]
+        for i in range(ops):
+            r = await ledger.reserve(f"bench{i % SHARD_TENANTS}", f"{run}-{i}", 100, 50, 10.0)
+            await ledger.claim(r.id, "bench", 60_000.0)
+            await ledger.settle(r.id, 100, 20, 8.0, final=True)
+        after = [await sampler.read() for sampler in samplers]
+        return [s.between(b, a, 3 * ops).us / ops for s, b, a in zip(samplers, before, after, strict=True)]
+    finally:
+        await drop_ledger(ledger)
+        await ledger.close()
+        for sampler in samplers:
+            await sampler.close()
+
+
+def report_shards(ops: int) -> None:
+    """One Redis server against a Redis Cluster of three masters (both throwaway, started here): the server
+    time each node spends per gateway request, and the fleet's ceiling: requests/s until the busiest node's
+    core is full (1e6 / its µs per request). Tenants, not requests, are spread over the shards."""
+    from fairgate.harness.redis import redis_cluster, redis_server
+
+    print(f"shards: {ops:,} gateway requests over {SHARD_TENANTS} tenants (server µs per request, per node)")
+    with tempfile.TemporaryDirectory() as tmp:
+        with redis_server(Path(tmp) / "single", durable=False) as single:
+            one = asyncio.run(_shard_load(f"{single.url}?prefix=shards", [single.url], ops))
+        with redis_cluster(Path(tmp) / "cluster") as nodes:
+            urls_ = [f"redis://127.0.0.1:{node.port}/0" for node in nodes]
+            three = asyncio.run(_shard_load(f"{urls_[0]}?prefix=shards&cluster=true", urls_, ops))
+    for name, per_node in (("1 shard", one), ("3 shards", three)):
+        busiest = max(per_node)
+        nodes_text = " / ".join(f"{us:.1f}" for us in per_node)
+        print(
+            f"  {name:9s} per node {nodes_text} µs (total {sum(per_node):.1f}) -> ceiling {1e6 / busiest:,.0f} "
+            "requests/s (the busiest node's core full)"
+        )
+    print(f"  ceiling 3 shards / 1 shard: x{max(one) / max(three):.2f}")
+
+
 # --- the run ----------------------------------------------------------------------------------------------
 def urls(backends: list[str], tmp: str) -> dict[str, str]:
     token = f"bench_{uuid.uuid4().hex[:8]}"
@@ -335,6 +386,7 @@ def main() -> None:
     parser.add_argument("--backends", default="sqlite,postgres,redis")
     parser.add_argument("--repeat", type=int, default=1, help="server-time runs per backend; the best is printed")
     parser.add_argument("--no-throughput", action="store_true", help="only the server-time run")
+    parser.add_argument("--shards", action="store_true", help="also: one Redis server against a 3-master cluster")
     args = parser.parse_args()
     goals = {"sqlite": 5000, "postgres": 2000, "redis": 10000}
     with tempfile.TemporaryDirectory() as tmp:
@@ -356,6 +408,8 @@ def main() -> None:
         for name, url in chosen.items():
             asyncio.run(report_server_time(name, url, args.ops, max(1, args.repeat)))
             asyncio.run(_prepare_and_clean(url, clean=True))
+    if args.shards:
+        report_shards(args.ops)
 
 
 if __name__ == "__main__":
