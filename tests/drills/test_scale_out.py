@@ -2,9 +2,9 @@
 
 1. "N processes never admit more than the limit allows, for N = 1, 2, 4": one stack of 4 gateway processes
    and 3 emulated replicas per backend, a group of four tenants per N (each tight on one dimension: requests
-   per minute, output tokens per minute, max_concurrent + max_queued, GPU seconds) hammered at once for 8 s
+   per minute, output tokens per minute, max_concurrent + max_queued, GPU seconds) hammered at once for 16 s
    by closed-loop ``openai`` clients spread over the group's processes; then every reservation is checked
-   against every limit. About 13 s of wall time per backend (PostgreSQL, Redis).
+   against every limit. About 22 s of wall time per backend (PostgreSQL, Redis, Redis Cluster).
 2. "the shares stay fair when tenants' traffic lands on different processes": seed 002's four tenants split
    unevenly over 2 gateway processes in front of 2 emulated replicas; GPU shares billed in the ledger over
    30 s within 1.10 (max/min) with shared counters, far apart without. About 35 s per run.
@@ -54,6 +54,11 @@ from fairgate.ledger import Reservation, Usage
 from tests.conftest import timing_claims_hold_here
 
 LIMITS_WALL_S_MAX = 60.0
+# Claim 1's load. When a load starts, each process bills as if alone until the sharing rounds have told it the
+# others' occupancy (about one to two share_charges_s rounds): a fixed excess of ~(N - 1) rounds, so its share
+# of the busy time shrinks with the load's length. Measured here on PostgreSQL, N = 4: billed / busy 1.10 after
+# 8 s, 1.005 after 30 s (1.38 and 1.07 with 1-s rounds); tests/core/test_meter_processes.py bounds it.
+LIMITS_LOAD_S = 16.0
 FAIRNESS_WALL_S_MAX = 60.0
 
 
@@ -123,7 +128,7 @@ def test_one_two_four_processes_never_admit_beyond_the_limits(backend: str, requ
     fixtures = {"postgresql": "postgres_url", "redis": "redis_url", "redis_cluster": "redis_cluster_url"}
     url = request.getfixturevalue(fixtures[backend])
     start = time.monotonic()
-    config = LimitsConfig()
+    config = LimitsConfig(seconds=LIMITS_LOAD_S)
     figs = run_limits(config, url)
     elapsed = time.monotonic() - start
     summary = plain_text(render_limits(config, figs), width=200)
@@ -146,8 +151,9 @@ def test_one_two_four_processes_never_admit_beyond_the_limits(backend: str, requ
         # billed all of it before the meters shared their occupancy: x1.96 at N = 2, x3.5 at N = 4).
         assert group.replica is not None and group.replica.busy_ms > 0, summary
         assert group.ledger_gpu_ms / group.replica.busy_ms == pytest.approx(1.0, abs=0.5), summary
-    # How closely (the occupancy the processes share is a quarter-second average), and that the clients pushed
-    # against every limit, depend on how many requests 8 s of load gets through.
+    # How closely (the occupancy the processes share is a quarter-second average, and the start of the load is
+    # billed as if each process were alone: LIMITS_LOAD_S), and that the clients pushed against every limit, depend
+    # on how many requests the load gets through.
     timing_claims_hold_here("billed / busy within 15 %, that the load pushed against every limit, and the wall time")
     for group in figs.groups.values():
         assert group.replica is not None
