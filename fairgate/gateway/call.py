@@ -61,6 +61,10 @@ T = TypeVar("T")
 SETTLE_EVERY_TOKENS = 64
 SETTLE_EVERY_S = 0.5
 GPU_MS_BILLED_MAX = 86_400_000.0  # one request is billed at most a day of GPU time
+# Chunks that came from the upstream in one read go to the client in one write, up to this many: a write per
+# chunk was the relay's largest cost per token (bench/gateway_overhead.py), and a client that hangs up has at
+# most this many billed but unread in a write (the history checker allows 8: ``harness.history.Bounds``).
+RELAY_CHUNKS_PER_WRITE_MAX = 4
 
 
 class TryAnotherUpstream(Exception):
@@ -157,6 +161,7 @@ class Call:
     async def _relay(self, stream: AsyncIterator[dict[str, Any]], include_usage: bool) -> AsyncIterator[str]:
         """The client's server-sent events; settles partially while it runs and ends the call on every path."""
         finished = sent = retrying = False
+        pending: list[str] = []  # events of chunks from the same upstream read, not yet written
         try:
             async for chunk in stream:
                 if "model" in chunk:  # the name the client asked for, not the engine's behind an alias
@@ -165,18 +170,31 @@ class Call:
                     continue  # the gateway asked for usage; this client did not
                 if not include_usage:
                     chunk.pop("usage", None)
-                yield f"data: {json.dumps(chunk)}\n\n"
+                pending.append(f"data: {json.dumps(chunk)}\n\n")
+                self._check_max_tokens()
+                if self.progress.more_buffered and len(pending) < RELAY_CHUNKS_PER_WRITE_MAX:
+                    continue
+                yield _written(pending)
                 sent = self.delivered = True
                 await self._checkpoint()
+            if pending:
+                yield _written(pending)
+                sent = self.delivered = True
             finished = True
             await self._end(stream, finished, retrying)  # settled before the client reads [DONE]
             yield "data: [DONE]\n\n"
         except BudgetSpent as exc:
+            if pending:  # what the upstream sent up to the chunk that ran over is relayed, as it is billed
+                yield _written(pending)
+                sent = self.delivered = True
             finished = True
             await self._end(stream, finished, retrying)  # settled before the client reads why it stopped
             yield exc.sse_event()
         except UpstreamError as exc:
             self.progress.failed, self.progress.failure = True, exc
+            if pending:  # the chunks read before the one that broke are the client's (and billed)
+                yield _written(pending)
+                sent = self.delivered = True
             if not sent and self._another_upstream(exc):
                 retrying = True
                 raise TryAnotherUpstream() from None
@@ -248,10 +266,7 @@ class Call:
         has used the GPU time its reservation holds, stop it if its tenant's GPU budget has nothing left.
         Raises ``BudgetSpent``."""
         call, reservation = self.progress, self.admitted.reservation
-        if call.output_tokens > reservation.max_output_tokens:
-            raise BudgetSpent(
-                "max_tokens_exceeded", f"The upstream generated past max_tokens {reservation.max_output_tokens}."
-            )
+        self._check_max_tokens()
         tokens, at_s = self._settled_at
         now_s = self.state.clock.monotonic_s()
         first = tokens == 0 < call.output_tokens  # the ledger learns at once that the request has run
@@ -265,6 +280,14 @@ class Call:
                 "gpu_budget_exhausted",
                 f"The tenant's GPU budget is spent: the request was stopped after {call.output_tokens} tokens "
                 "(billed as generated).",
+            )
+
+    def _check_max_tokens(self) -> None:
+        """Stop a request whose upstream generated past its ``max_tokens``. Raises ``BudgetSpent``."""
+        if self.progress.output_tokens > self.admitted.reservation.max_output_tokens:
+            raise BudgetSpent(
+                "max_tokens_exceeded",
+                f"The upstream generated past max_tokens {self.admitted.reservation.max_output_tokens}.",
             )
 
     async def _gpu_left_ms(self) -> float:
@@ -475,6 +498,13 @@ async def run_to_end(work: Coroutine[Any, Any, T]) -> T:
     if cancelled is not None:
         raise cancelled
     return task.result()
+
+
+def _written(pending: list[str]) -> str:
+    """``pending``'s events as one write; ``pending`` is emptied (a write is never sent twice)."""
+    text = "".join(pending)
+    pending.clear()
+    return text
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -29,6 +29,8 @@ from fairgate.harness.process import STARTUP_S_MAX
 TOKENS = 6
 PIECE = " w"
 CUT_AFTER = 3  # pieces a mode that breaks mid-stream sends first
+SPLIT_PAUSE_S = 0.01  # split_lines: between the two halves of an event
+PAST_MAX_TOKENS = 200  # past_max_tokens: pieces sent in one write, more than a request's max_tokens
 ENDLESS_LINE_BYTES = 3 << 20  # endless_line: one line longer than the gateway reads (1 MiB, twice buffered)
 BREAK_AFTER_S = 0.2  # close_mid: how long after its pieces the body breaks
 STALL_S_MAX = 60.0  # a stalled answer gives up after this long if the gateway never hangs up
@@ -89,6 +91,37 @@ async def _break_after(r: _Request, line: bytes) -> None:
     await r.send(line, r.chunk(PIECE), b"data: [DONE]\n\n")
 
 
+async def _break_in_the_same_read(r: _Request, line: bytes) -> None:
+    """``CUT_AFTER`` pieces and the broken line in one write: the gateway reads them together."""
+    await r.head()
+    await r.send(*(r.chunk(PIECE) for _ in range(CUT_AFTER)), line, r.chunk(PIECE), b"data: [DONE]\n\n")
+
+
+async def _split_lines(r: _Request) -> None:
+    """An honest stream whose every event is cut in two writes, mid-JSON, a moment apart: the gateway reads
+    the halves apart and must join them."""
+    await r.head()
+    events = [r.chunk(PIECE) for _ in range(TOKENS)] + [r.chunk(None, "stop"), r.usage(r.prompt_tokens, TOKENS)]
+    for event in [*events, b"data: [DONE]\n\n"]:
+        half = len(event) // 2
+        await r.send(event[:half])
+        await asyncio.sleep(SPLIT_PAUSE_S)
+        await r.send(event[half:])
+
+
+async def _done_without_newline(r: _Request) -> None:
+    """An honest stream whose ``[DONE]`` ends the connection with no newline after it."""
+    await r.head()
+    await r.send(*(r.chunk(PIECE) for _ in range(TOKENS)), r.chunk(None, "stop"), r.usage(r.prompt_tokens, TOKENS))
+    await r.send(b"data: [DONE]")
+
+
+async def _past_max_tokens(r: _Request) -> None:
+    """``PAST_MAX_TOKENS`` pieces, the finish and ``[DONE]`` in one write, whatever ``max_tokens`` said."""
+    await r.head()
+    await r.send(*(r.chunk(PIECE) for _ in range(PAST_MAX_TOKENS)), r.chunk(None, "stop"), b"data: [DONE]\n\n")
+
+
 async def _break_after_nothing(r: _Request, line: bytes) -> None:
     await r.head()
     await r.send(line, r.chunk(PIECE), b"data: [DONE]\n\n")
@@ -127,6 +160,11 @@ MODES: dict[str, Callable[[_Request], Awaitable[None]]] = {
     "html_200": lambda r: _html(r, "200 OK"),
     "garbage_first": lambda r: _break_after_nothing(r, HTML + b"\n"),
     "garbage_line": lambda r: _break_after(r, HTML + b"\n"),
+    "garbage_same_read": lambda r: _break_in_the_same_read(r, HTML + b"\n"),
+    "not_json_same_read": lambda r: _break_in_the_same_read(r, b'data: {"choices": [{"index": 0, "te\n\n'),
+    "past_max_tokens": _past_max_tokens,
+    "split_lines": _split_lines,
+    "done_without_newline": _done_without_newline,
     "endless_line": lambda r: _break_after_nothing(r, b"data: " + b"x" * ENDLESS_LINE_BYTES + b"\n\n"),
     "data_not_json": lambda r: _break_after(r, b'data: {"choices": [{"index": 0, "te\n\n'),
     "no_choices": lambda r: _break_after(r, r.data({"id": "bad-1", "object": "chunk"})),

@@ -19,8 +19,9 @@ import openai
 import pytest
 
 from fairgate.gateway.app import create_gateway
+from fairgate.gateway.call import RELAY_CHUNKS_PER_WRITE_MAX
 from fairgate.gateway.config import load_gateway_config
-from fairgate.harness.bad_upstream import CUT_AFTER, PIECE, TOKENS, BadUpstream, serve_bad_upstream
+from fairgate.harness.bad_upstream import CUT_AFTER, PAST_MAX_TOKENS, PIECE, TOKENS, BadUpstream, serve_bad_upstream
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import Reservation, Usage
 from tests.gateway.conftest import Stack, write_config
@@ -39,6 +40,8 @@ BEFORE_ANYTHING = {  # mode -> (the client's status, the problem logged)
 }
 MID_STREAM = {  # mode -> (the collected client's status, the problem logged)
     "garbage_line": (502, "malformed_stream"),
+    "garbage_same_read": (502, "malformed_stream"),  # the good pieces and the broken line in one read
+    "not_json_same_read": (502, "malformed_stream"),
     "data_not_json": (502, "malformed_stream"),
     "no_choices": (502, "malformed_stream"),
     "error_event": (502, "malformed_stream"),
@@ -194,6 +197,42 @@ def test_usage_that_contradicts_what_was_relayed_is_billed_from_the_relay(
     if event:
         assert lines[0]["upstream"] == UPSTREAM and lines[0]["request_id"] == request_id
         assert lines[0]["billed"] == {"input_tokens": estimate, "output_tokens": TOKENS}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("mode", ["split_lines", "done_without_newline"])
+def test_events_cut_across_reads_or_a_last_line_without_newline_are_read_whole(
+    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str, stream: bool
+) -> None:
+    stack, _ = served
+    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
+    reply = ask(stack, f"{mode} please", stream, request_id)
+    reservation = final(stack, request_id)
+    assert reply.status_code == 200, reply.text
+    if stream:
+        assert reply.text.rstrip().endswith("data: [DONE]") and pieces(events(reply)) == TOKENS, reply.text
+    else:
+        assert reply.json()["choices"][0]["message"]["content"] == PIECE * TOKENS
+    assert reservation.status == "settled" and reservation.billed.output_tokens == TOKENS, reservation
+    assert warnings(caplog) == []
+
+
+def test_an_upstream_past_max_tokens_in_one_read_is_stopped_at_the_first_piece_over_and_billed_max_tokens(
+    served: tuple[Stack, BadUpstream],
+) -> None:
+    """The relay sends the pieces of one upstream read together (``RELAY_CHUNKS_PER_WRITE_MAX`` a write), yet
+    checks ``max_tokens`` at every piece: of the upstream's 200 pieces in one read, the client gets the 50
+    asked for and the one that ran over, then the terminal error; it is billed ``max_tokens``."""
+    stack, _ = served
+    assert PAST_MAX_TOKENS > MAX_TOKENS + RELAY_CHUNKS_PER_WRITE_MAX
+    request_id = f"past-{uuid.uuid4().hex[:8]}"
+    reply = ask(stack, "past_max_tokens please", True, request_id)
+    reservation = final(stack, request_id)
+    chunks = events(reply)
+    assert reply.status_code == 200 and "data: [DONE]" not in reply.text, reply.text
+    assert chunks[-1]["error"]["code"] == "max_tokens_exceeded", chunks[-1]
+    assert pieces(chunks) == MAX_TOKENS + 1
+    assert reservation.status == "settled" and reservation.billed.output_tokens == MAX_TOKENS, reservation
 
 
 def test_the_openai_client_reads_a_stall_mid_stream_as_an_error_and_is_billed_what_it_read(
