@@ -36,6 +36,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 import anyio
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -170,7 +171,7 @@ class Call:
                     continue  # the gateway asked for usage; this client did not
                 if not include_usage:
                     chunk.pop("usage", None)
-                pending.append(f"data: {json.dumps(chunk)}\n\n")
+                pending.append(f"data: {orjson.dumps(chunk).decode()}\n\n")
                 self._check_max_tokens()
                 if self.progress.more_buffered and len(pending) < RELAY_CHUNKS_PER_WRITE_MAX:
                     continue

@@ -10,8 +10,9 @@ gateway cannot read) would charge the tenant for garbage: the call fails instead
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 DONE = "[DONE]"
 SAMPLE_CHARS = 200
@@ -48,8 +49,8 @@ def chunk_of(data: str) -> dict[str, Any]:
     ``usage`` object (the final usage chunk may leave ``choices`` out). Raises ``MalformedStream``: not
     JSON, not such an object, or an ``error`` object the upstream sent mid-stream."""
     try:
-        chunk = json.loads(data)
-    except json.JSONDecodeError:
+        chunk = orjson.loads(data)  # strict JSON: no NaN, no integer past 64 bits (the relay re-encodes it)
+    except orjson.JSONDecodeError:
         raise MalformedStream("a data line that is not JSON", data) from None
     if not isinstance(chunk, dict):
         raise MalformedStream("a chunk that is not a JSON object", data)
