@@ -18,6 +18,7 @@ DONE = "[DONE]"
 SAMPLE_CHARS = 200
 _IGNORED_FIELDS = ("event", "id", "retry")
 _GENERATED_TEXT = ("content", "reasoning_content", "reasoning", "refusal")
+_TEXT_FIELDS = ("text", *_GENERATED_TEXT)
 
 
 class MalformedStream(ValueError):
@@ -70,11 +71,19 @@ def _is_choice(choice: object) -> bool:
     """An object whose ``delta`` (if any) is an object and whose text fields are strings or null."""
     if not isinstance(choice, dict):
         return False
-    delta = choice.get("delta")
-    if delta is not None and not isinstance(delta, dict):
+    text = choice.get("text")
+    if text is not None and not isinstance(text, str):
         return False
-    fields = [choice.get("text"), *((delta or {}).get(name) for name in _GENERATED_TEXT)]
-    return all(value is None or isinstance(value, str) for value in fields)
+    delta = choice.get("delta")
+    if delta is None:
+        return True
+    if not isinstance(delta, dict):
+        return False
+    for name in _GENERATED_TEXT:  # a loop that stops early: this runs for every chunk relayed
+        value = delta.get(name)
+        if value is not None and not isinstance(value, str):
+            return False
+    return True
 
 
 def generated_bytes(choice: dict[str, Any]) -> int:
@@ -83,9 +92,15 @@ def generated_bytes(choice: dict[str, Any]) -> int:
     token of a byte-level tokenizer decodes to at least one byte; special tokens are the usage rule's slack)."""
     delta = choice.get("delta")
     source = delta if isinstance(delta, dict) else choice
-    pieces = [source.get(name) for name in ("text", *_GENERATED_TEXT)]
+    total = 0
+    for name in _TEXT_FIELDS:
+        piece = source.get(name)
+        if isinstance(piece, str):
+            total += len(piece) if piece.isascii() else len(piece.encode("utf-8"))
     for call in source.get("tool_calls") or []:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
-            pieces += [function.get("name"), function.get("arguments")]
-    return sum(len(piece.encode("utf-8")) for piece in pieces if isinstance(piece, str))
+            for piece in (function.get("name"), function.get("arguments")):
+                if isinstance(piece, str):
+                    total += len(piece.encode("utf-8"))
+    return total
