@@ -91,14 +91,27 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def _weighted_shares(result: SimResult, weights: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Each tenant's GPU share of the busy time, and that share over its weight."""
+    names, busy_ms = result.workload.tenants, result.busy_ms
+    gpu = dict(zip(names, result.tenant_gpu_ms, strict=True))
+    shares = gpu_shares(gpu, busy_ms) if busy_ms > 0 else dict.fromkeys(names, 0.0)
+    return shares, weighted(shares, weights)
+
+
+def fair_ratio(result: SimResult, weights: dict[str, float]) -> float:
+    """One run's max/min of the weighted GPU shares (``RunStats.max_min_ratio``) alone: what a sweep keeps of
+    a run, without the rest of ``summarise`` (a quarter of a grid run's time: percentiles, timelines, the
+    service difference)."""
+    return max_min_ratio(_weighted_shares(result, weights)[1]) if result.busy_ms > 0 else float("nan")
+
+
 def summarise(result: SimResult, policy: str, seed: int, weights: dict[str, float]) -> RunStats:
     """Figures of one run (see module docstring)."""
     workload = result.workload
     busy_ms = result.busy_ms
     names = workload.tenants
-    gpu = dict(zip(names, result.tenant_gpu_ms, strict=True))
-    shares = gpu_shares(gpu, busy_ms) if busy_ms > 0 else dict.fromkeys(names, 0.0)
-    fair = weighted(shares, weights)
+    shares, fair = _weighted_shares(result, weights)
     ttft: list[list[float]] = [[] for _ in names]
     outputs: list[list[int]] = [[] for _ in names]
     for i, first in enumerate(result.first_token_ns):
@@ -211,6 +224,11 @@ def run_workload(
     result = simulate(scenario, workload, policy, engine, drain=drain)
     run = summarise(result, policy, scenario.config.run.seed, _weights(scenario, workload))
     return PolicyStats(mean=run, per_seed=[run])
+
+
+def policy_ratio(scenario: Scenario, policy: str, workloads: Sequence[Workload]) -> float:
+    """``run_policy(...).mean.max_min_ratio`` on these workloads (one per seed), computing that figure only."""
+    return fmean(fair_ratio(simulate(scenario, w, policy), _weights(scenario, w)) for w in workloads)
 
 
 def _weights(scenario: Scenario, workload: Workload) -> dict[str, float]:

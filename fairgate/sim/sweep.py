@@ -39,7 +39,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fairgate.core.policies.factory import POLICY_NAMES
-from fairgate.sim.experiment import run_policy
+from fairgate.sim.experiment import policy_ratio
 from fairgate.sim.generate import MAX_FLOOD, WorkloadError, check_workload_size, poisson_workload
 from fairgate.sim.scenario import ScenarioError, _message, build_scenario, load_raw, set_key
 
@@ -229,7 +229,7 @@ def _run_configuration(args: tuple[str, dict[str, Any], dict[str, float], list[s
         seed: poisson_workload(scenario.cost, scenario.tenants, scenario.config.run.duration_s, seed, flood)
         for seed in seeds
     }
-    return [run_policy(scenario, policy, seeds, flood, workloads=workloads).mean.max_min_ratio for policy in policies]
+    return [policy_ratio(scenario, policy, list(workloads.values())) for policy in policies]
 
 
 def run_sweep(

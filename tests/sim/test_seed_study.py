@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fairgate.core import POLICY_NAMES
-from fairgate.sim.experiment import run_policy
+from fairgate.sim.experiment import policy_ratio, run_policy
 from fairgate.sim.generate import poisson_workload
 
 SEEDS = [1, 2, 3, 4, 5]
@@ -67,3 +67,10 @@ def test_flooding_the_agent(seed_scenario):
     assert at[1.0]["fcfs"] < 1.35 and 6.5 <= at[8.0]["fcfs"] <= 9.0  # FIFO decays with the flood
     assert 2.6 <= at[8.0]["vtc"] <= 3.5  # VTC stays near 3
     assert at[8.0]["gpu_fair"] <= 1.02 and at[1.0]["gpu_fair"] <= 1.03
+
+
+def test_the_sweeps_lean_ratio_is_the_summarys_to_the_bit(study, seed_scenario):
+    """``policy_ratio`` (what ``fairgate sweep`` keeps of a run) computes max/min alone, as ``summarise`` does."""
+    workloads = [poisson_workload(seed_scenario.cost, seed_scenario.tenants, 120, s) for s in SEEDS]
+    for policy in POLICY_NAMES:
+        assert policy_ratio(seed_scenario, policy, workloads) == study[policy].max_min_ratio, policy
