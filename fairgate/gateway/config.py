@@ -229,6 +229,8 @@ class UpstreamConfig(_Strict):
             raise ValueError("api_key_env: give api_key_env or api_key_file, not both")
         if self.ca_file is not None and not self.verify_tls:
             raise ValueError("ca_file: a CA bundle with verify_tls = false would not be used")
+        if self.ca_file is not None and not self.url.startswith("https://"):
+            raise ValueError(f"ca_file: a CA bundle is used only with an https:// url, and url is {self.url!r}")
         return self
 
     @property
@@ -462,6 +464,19 @@ def _check_ca_file(path: Path, index: int, ca_file: Path) -> None:
         raise GatewayConfigError(f"{where} holds no PEM certificate") from None
 
 
+def _check_model_classes(path: Path, config: GatewayConfig, quotas: Quotas) -> None:
+    """Every tenant's ``model_class`` table names a class some model is charged to: a misspelt one would
+    otherwise be accepted and never apply. Raises ``GatewayConfigError`` naming the table."""
+    classes = sorted({served.quota_class for served in aliases.served_models(config.models, config.upstreams).values()})
+    for tenant in quotas.tenants.values():
+        for model_class in tenant.by_model_class:
+            if model_class not in classes:
+                raise GatewayConfigError(
+                    f"{path}: quotas.tenants.{tenant.name}.model_class.{model_class}: no model is charged to class "
+                    f"{model_class!r} (classes: {', '.join(classes)}; a [[model]]'s quota_class, else its name)"
+                )
+
+
 def _resolve_upstream(path: Path, upstream: UpstreamConfig) -> UpstreamConfig:
     files = {
         name: str((path.parent / value).resolve())
@@ -495,6 +510,7 @@ def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayC
     if problem is not None:
         raise GatewayConfigError(f"{path}: {problem}")
     quotas = _quotas(path, config.quotas_document)
+    _check_model_classes(path, config, quotas)
     tenants = ", ".join(quotas.tenants) or "none"
     hashes: dict[str, str] = {}
     for i, key in enumerate(config.keys):

@@ -162,6 +162,14 @@ CASES = [
         ),
         "quotas: tenant 'batch': unknown tier 'gold'",
     ),
+    (
+        sub(
+            "[quotas.tenants.chat]",
+            "[quotas.tenants.chat.model_class.fairgate-emulatd]\nmax_concurrent = 2\n[quotas.tenants.chat]",
+        ),
+        "quotas.tenants.chat.model_class.fairgate-emulatd: no model is charged to class 'fairgate-emulatd' "
+        "(classes: fairgate-emulated;",
+    ),
     (lambda t: t.replace("[quotas.", "[quota."), "quota: unknown key"),
     (lambda t: t.split("[quotas.tiers.free]")[0] + "[admin]" + t.split("[admin]")[1], "quotas: missing required key"),
     (lambda t: t.replace("[gateway]", "[gateways]"), "gateways: unknown key"),

@@ -323,7 +323,8 @@ def test_the_key_read_from_a_file_loses_its_newline_and_shows_nowhere(tmp_path: 
         ({"headers": {"Transfer-Encoding": "chunked"}}, "hop-by-hop"),
         ({"headers": {"x-a": "b\r\nx-injected: 1"}}, "line break"),
         ({"kind": "ollama"}, "upstream[0].kind"),
-        ({"ca_file": "none.pem"}, "upstream[0].ca_file: "),
+        ({"url": "https://127.0.0.1:8001/v1", "ca_file": "none.pem"}, "upstream[0].ca_file: "),
+        ({"ca_file": "ca.pem"}, "upstream[0]: ca_file: a CA bundle is used only with an https:// url"),
     ],
 )
 def test_bad_upstream_transport_keys_are_config_errors(tmp_path: Path, table: dict[str, Any], message: str) -> None:
