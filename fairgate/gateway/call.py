@@ -114,6 +114,7 @@ class Call:
         self.stopped: str | None = None  # why the gateway stopped the request (``BudgetSpent.code``)
         self.delivered = False  # the client has received something of the generation
         self._billed = Usage()  # what the settlements so far billed (the ledger's amounts are cumulative)
+        self._usage_chunk: dict[str, Any] | None = None  # the upstream's last usage chunk, less choices and usage
 
     async def respond(self, request: Request) -> Response:
         """Run the call and answer the client: a relayed stream, or one collected response. Raises
@@ -130,7 +131,9 @@ class Call:
             # Start the relay before answering: an upstream that fails at once gets an HTTP error status, and
             # the relay's clean-up (slot, settlement) is armed even if the client leaves before the body
             # starts (asyncio finalizes a started generator; one never started would hold its slot forever).
-            first = await relay.__anext__()
+            # Until then the client is watched as a collected call's is: one that leaves before the first token
+            # stops the call at once (billed what was generated, nothing received), not at that token.
+            first = await while_connected(request, _first(relay))
             return RelayedStream(first, relay, headers)
         document = await while_connected(request, self._collect(stream))
         if self.stopped is not None:
@@ -160,30 +163,26 @@ class Call:
         return rate_limit_headers(limits, self.admitted.reservation.balances, self.state.wall_ms())
 
     async def _relay(self, stream: AsyncIterator[dict[str, Any]], include_usage: bool) -> AsyncIterator[str]:
-        """The client's server-sent events; settles partially while it runs and ends the call on every path."""
+        """The client's server-sent events; settles partially while it runs and ends the call on every path.
+        A client that asked for usage gets it last, before ``[DONE]``, as billed (``_usage_event``)."""
         finished = sent = retrying = False
         pending: list[str] = []  # events of chunks from the same upstream read, not yet written
         try:
             async for chunk in stream:
-                if "model" in chunk:  # the name the client asked for, not the engine's behind an alias
-                    chunk["model"] = self.admitted.generation.model
-                if not chunk.get("choices") and chunk.get("usage") and not include_usage:
-                    continue  # the gateway asked for usage; this client did not
-                if not include_usage:
-                    chunk.pop("usage", None)
-                pending.append(f"data: {orjson.dumps(chunk).decode()}\n\n")
-                self._check_max_tokens()
-                if self.progress.more_buffered and len(pending) < RELAY_CHUNKS_PER_WRITE_MAX:
-                    continue
-                yield _written(pending)
-                sent = self.delivered = True
-                await self._checkpoint()
+                event = self._client_event(chunk)
+                if event is not None:
+                    pending.append(event)
+                    self._check_max_tokens()
+                if pending and (not self.progress.more_buffered or len(pending) >= RELAY_CHUNKS_PER_WRITE_MAX):
+                    yield _written(pending)
+                    sent = self.delivered = True
+                    await self._checkpoint()
             if pending:
                 yield _written(pending)
                 sent = self.delivered = True
             finished = True
-            await self._end(stream, finished, retrying)  # settled before the client reads [DONE]
-            yield "data: [DONE]\n\n"
+            await self._end(stream, finished, retrying)  # settled before the client reads its usage and [DONE]
+            yield (self._usage_event() if include_usage else "") + "data: [DONE]\n\n"
         except BudgetSpent as exc:
             if pending:  # what the upstream sent up to the chunk that ran over is relayed, as it is billed
                 yield _written(pending)
@@ -205,6 +204,38 @@ class Call:
             yield f"data: {json.dumps(error)}\n\n"
         finally:
             await self._end(stream, finished, retrying)
+
+    def _client_event(self, chunk: dict[str, Any]) -> str | None:
+        """The event that relays ``chunk`` to the client, or None when nothing of it is the client's (a usage
+        chunk: the client gets usage as billed, at the end). The model is the name the client asked for, not
+        the engine's behind an alias."""
+        usage = chunk.pop("usage", None)
+        if usage is not None:
+            self._usage_chunk = {k: v for k, v in chunk.items() if k != "choices"}
+            if not chunk.get("choices"):
+                return None
+        if "model" in chunk:
+            chunk["model"] = self.admitted.generation.model
+        return f"data: {orjson.dumps(chunk).decode()}\n\n"
+
+    def _usage_event(self) -> str:
+        """The usage event of a stream whose client asked for it (``stream_options.include_usage``): what the
+        final settlement billed, in the upstream's last usage chunk's frame (OpenAI's: no choices)."""
+        billed = self._billed
+        usage = {
+            "prompt_tokens": billed.input_tokens,
+            "completion_tokens": billed.output_tokens,
+            "total_tokens": billed.input_tokens + billed.output_tokens,
+        }
+        generation = self.admitted.generation
+        frame: dict[str, Any] = {
+            "id": generation.request_id,
+            "object": "chat.completion.chunk" if generation.chat else "text_completion",
+            "created": int(self.state.clock.wall_s()),
+        }
+        frame |= self._usage_chunk or {}
+        frame |= {"model": generation.model, "choices": [], "usage": usage}
+        return f"data: {json.dumps(frame)}\n\n"
 
     async def _collect(self, stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
         """Read the whole stream; the client's one response document."""
@@ -284,12 +315,13 @@ class Call:
             )
 
     def _check_max_tokens(self) -> None:
-        """Stop a request whose upstream generated past its ``max_tokens``. Raises ``BudgetSpent``."""
-        if self.progress.output_tokens > self.admitted.reservation.max_output_tokens:
-            raise BudgetSpent(
-                "max_tokens_exceeded",
-                f"The upstream generated past max_tokens {self.admitted.reservation.max_output_tokens}.",
-            )
+        """Stop a request whose upstream generated past its ``max_tokens``: in all (what is reserved), or in one
+        of its choices (OpenAI's ``max_tokens`` is per choice). Raises ``BudgetSpent``."""
+        call, reserved = self.progress, self.admitted.reservation.max_output_tokens
+        per_choice = reserved // call.sequences
+        if call.output_tokens > reserved or max(call.choice_tokens.values(), default=0) > per_choice:
+            each = " per choice" if call.sequences > 1 else ""
+            raise BudgetSpent("max_tokens_exceeded", f"The upstream generated past max_tokens {per_choice}{each}.")
 
     async def _gpu_left_ms(self) -> float:
         """GPU ms the tenant's budgets leave now (``rules.gpu_left_ms``); ``inf`` when the ledger cannot say
@@ -499,6 +531,11 @@ async def run_to_end(work: Coroutine[Any, Any, T]) -> T:
     if cancelled is not None:
         raise cancelled
     return task.result()
+
+
+async def _first(relay: AsyncIterator[str]) -> str:
+    """The relay's first write (``while_connected`` takes a coroutine)."""
+    return await relay.__anext__()
 
 
 def _written(pending: list[str]) -> str:

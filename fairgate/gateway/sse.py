@@ -68,20 +68,40 @@ def chunk_of(data: str) -> dict[str, Any]:
 
 
 def _is_choice(choice: object) -> bool:
-    """An object whose ``delta`` (if any) is an object and whose text fields are strings or null."""
+    """An object whose ``delta`` (if any) is an object and whose text fields are strings or null, and whose
+    ``tool_calls`` (if any) are what ``generated_bytes`` can read."""
     if not isinstance(choice, dict):
         return False
     text = choice.get("text")
     if text is not None and not isinstance(text, str):
         return False
     delta = choice.get("delta")
-    if delta is None:
-        return True
-    if not isinstance(delta, dict):
+    if delta is not None and not isinstance(delta, dict):
         return False
+    source = choice if delta is None else delta
     for name in _GENERATED_TEXT:  # a loop that stops early: this runs for every chunk relayed
-        value = delta.get(name)
+        value = source.get(name)
         if value is not None and not isinstance(value, str):
+            return False
+    return _are_tool_calls(source.get("tool_calls"))
+
+
+def _are_tool_calls(calls: object) -> bool:
+    """Null, or a list of objects whose ``function`` (if any) is an object with string-or-null ``name`` and
+    ``arguments``."""
+    if calls is None:
+        return True
+    if not isinstance(calls, list):
+        return False
+    for call in calls:
+        if not isinstance(call, dict):
+            return False
+        function = call.get("function")
+        if function is None:
+            continue
+        if not isinstance(function, dict):
+            return False
+        if any(v is not None and not isinstance(v, str) for v in (function.get("name"), function.get("arguments"))):
             return False
     return True
 
@@ -97,10 +117,9 @@ def generated_bytes(choice: dict[str, Any]) -> int:
         piece = source.get(name)
         if isinstance(piece, str):
             total += len(piece) if piece.isascii() else len(piece.encode("utf-8"))
-    for call in source.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict):
-            for piece in (function.get("name"), function.get("arguments")):
-                if isinstance(piece, str):
-                    total += len(piece.encode("utf-8"))
+    for call in source.get("tool_calls") or ():  # their shape is checked (``chunk_of``)
+        function = call.get("function") or {}
+        for piece in (function.get("name"), function.get("arguments")):
+            if piece:
+                total += len(piece.encode("utf-8"))
     return total

@@ -94,6 +94,7 @@ class CallState:
     more_buffered: bool = False
     unbooked_tokens: int = 0  # tokens seen but not yet booked with the policy (booked once per read)
     same_read: bool = False  # the last token was followed by another in the same read (no step between them)
+    choice_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its pieces (its max_tokens)
 
 
 def billable_usage(usage: object) -> dict[str, int] | None:
@@ -428,14 +429,19 @@ class UpstreamClient:
         if chunk.get("usage"):
             call.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
-            call.generated_bytes += sse.generated_bytes(choice)
+            generated = sse.generated_bytes(choice)
+            call.generated_bytes += generated
             index = choice.get("index", 0)
             index = index if type(index) is int and 0 <= index < call.sequences else 0
             delta = choice.get("delta")
             piece = (delta or {}).get("content") if delta is not None else choice.get("text")
             if piece:
-                call.output_tokens += 1  # summed over the choices: the output billed
                 call.texts.setdefault(index, []).append(piece)
+            # Any generated text is a piece, counted against max_tokens and billed: content, and reasoning, a
+            # refusal or tool-call arguments, which an engine streams in deltas of their own.
+            if generated:
+                call.output_tokens += 1  # summed over the choices: the output billed
+                call.choice_tokens[index] = call.choice_tokens.get(index, 0) + 1
                 self._step(call)
                 call.last_token_s = self._clock()
                 if call.first_token_s is None:

@@ -3,12 +3,12 @@
 The upstream's ``usage`` is the exact count when it is honest: its tokenizer, its chat template, the EOS
 token, tokens that decode to no text (half a UTF-8 character) and text cut by a stop string all make it
 differ from what the gateway counted by a few tokens, and then it is billed as reported. It is not
-believed when it contradicts what the gateway relayed beyond ``USAGE_SLACK_TOKENS``:
+believed when it contradicts what the gateway relayed:
 
-- ``completion_tokens`` below the text pieces relayed (each piece took at least one token), or above the
-  UTF-8 bytes of all generated text seen (content, reasoning, refusal, tool-call names and arguments: every
-  token of a byte-level tokenizer decodes to at least one byte, besides the special ones the slack covers):
-  the pieces relayed are billed;
+- ``completion_tokens`` below the pieces of generated text relayed (each took at least one token: no slack
+  here, or the client would receive tokens it is not billed), or above the UTF-8 bytes of all generated text
+  seen (content, reasoning, refusal, tool-call names and arguments: every token of a byte-level tokenizer
+  decodes to at least one byte, besides the special ones the slack covers): the pieces relayed are billed;
 - ``prompt_tokens`` below the gateway's admission estimate divided by ``PROMPT_UNDER_RATIO`` (the estimate
   counts words or one token per 8 bytes, which no tokenizer undercuts 8-fold even for an image's data): the
   estimate is billed.
@@ -53,7 +53,7 @@ def billed_tokens(call: CallState, reserved_input: int, max_output: int) -> Bill
         contradicted["prompt_tokens"] = reported_input
         reported_input = call.prompt_tokens
     output = usage.get("completion_tokens", call.output_tokens)
-    low, high = call.output_tokens - USAGE_SLACK_TOKENS, call.generated_bytes + USAGE_SLACK_TOKENS
+    low, high = call.output_tokens, call.generated_bytes + USAGE_SLACK_TOKENS
     if not low <= output <= high:
         contradicted["completion_tokens"] = output
         output = call.output_tokens

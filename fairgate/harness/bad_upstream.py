@@ -31,6 +31,8 @@ PIECE = " w"
 CUT_AFTER = 3  # pieces a mode that breaks mid-stream sends first
 SPLIT_PAUSE_S = 0.01  # split_lines: between the two halves of an event
 PAST_MAX_TOKENS = 200  # past_max_tokens: pieces sent in one write, more than a request's max_tokens
+LATE_FIRST_S = 3.0  # late_first: how long after the head the first piece comes
+TOOL_CALLS_NOT_A_LIST = b'data: {"choices": [{"index": 0, "delta": {"tool_calls": 1}}]}\n\n'
 ENDLESS_LINE_BYTES = 3 << 20  # endless_line: one line longer than the gateway reads (1 MiB, twice buffered)
 BREAK_AFTER_S = 0.2  # close_mid: how long after its pieces the body breaks
 STALL_S_MAX = 60.0  # a stalled answer gives up after this long if the gateway never hangs up
@@ -56,6 +58,17 @@ class _Request:
     def data(document: object) -> bytes:
         return f"data: {json.dumps(document)}\n\n".encode()
 
+    def delta(self, field: str) -> bytes:
+        """A chat chunk generating ``PIECE`` in ``field``: ``content``, ``reasoning_content``, or ``tool_calls``
+        (as a tool call's arguments)."""
+        delta: dict[str, Any] = (
+            {"tool_calls": [{"index": 0, "function": {"arguments": PIECE}}]}
+            if field == "tool_calls"
+            else {field: PIECE}
+        )
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return self.data({"id": "bad-1", "object": "chunk", "model": "emu", "choices": [choice]})
+
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
         return self.data({"id": "bad-1", "object": "chunk", "choices": [], "usage": usage})
@@ -72,9 +85,13 @@ class _Request:
         with contextlib.suppress(TimeoutError, ConnectionError):
             await asyncio.wait_for(self.reader.read(), STALL_S_MAX)
 
-    async def stream(self, tokens: int, usage: tuple[int, int] | None = None, done: bool = True) -> None:
-        """The head and ``tokens`` pieces, then (when ``usage`` is given) the finish, usage and ``[DONE]``."""
-        await self.head()
+    async def stream(
+        self, tokens: int, usage: tuple[int, int] | None = None, done: bool = True, head: bool = True
+    ) -> None:
+        """The head (unless sent already) and ``tokens`` pieces, then (when ``usage`` is given) the finish,
+        usage and ``[DONE]``."""
+        if head:
+            await self.head()
         await self.send(*(self.chunk(PIECE) for _ in range(tokens)))
         if usage is not None:
             await self.send(self.chunk(None, "stop"), self.usage(*usage))
@@ -116,10 +133,35 @@ async def _done_without_newline(r: _Request) -> None:
     await r.send(b"data: [DONE]")
 
 
-async def _past_max_tokens(r: _Request) -> None:
-    """``PAST_MAX_TOKENS`` pieces, the finish and ``[DONE]`` in one write, whatever ``max_tokens`` said."""
+async def _past_max_tokens(r: _Request, field: str = "content") -> None:
+    """``PAST_MAX_TOKENS`` deltas of ``field`` (content, reasoning_content, or tool-call arguments), the finish
+    and ``[DONE]`` in one write, whatever ``max_tokens`` said."""
     await r.head()
-    await r.send(*(r.chunk(PIECE) for _ in range(PAST_MAX_TOKENS)), r.chunk(None, "stop"), b"data: [DONE]\n\n")
+    await r.send(*(r.delta(field) for _ in range(PAST_MAX_TOKENS)), r.chunk(None, "stop"), b"data: [DONE]\n\n")
+
+
+async def _late_first(r: _Request) -> None:
+    """The head at once, the first pieces only ``LATE_FIRST_S`` later (a long prefill), unless the gateway
+    hangs up first."""
+    await r.head()
+    try:
+        await asyncio.wait_for(r.reader.read(), LATE_FIRST_S)
+        return  # the gateway hung up: nothing to send
+    except TimeoutError:
+        await r.stream(TOKENS, (r.prompt_tokens, TOKENS), head=False)
+
+
+async def _usage_then_stall(r: _Request) -> None:
+    """A piece, the finish and a usage chunk in one write, then nothing (the gateway's idle timeout ends it)."""
+    await r.head()
+    await r.send(r.chunk(PIECE), r.chunk(None, "stop"), r.usage(r.prompt_tokens, 1))
+    await r.stall()
+
+
+async def _one_choice_for_two(r: _Request) -> None:
+    """``TOKENS`` + 4 pieces, every one for choice 0, whatever ``n`` asked."""
+    await r.head()
+    await r.send(*(r.chunk(PIECE) for _ in range(TOKENS + 4)), b"data: [DONE]\n\n")
 
 
 async def _break_after_nothing(r: _Request, line: bytes) -> None:
@@ -163,6 +205,14 @@ MODES: dict[str, Callable[[_Request], Awaitable[None]]] = {
     "garbage_same_read": lambda r: _break_in_the_same_read(r, HTML + b"\n"),
     "not_json_same_read": lambda r: _break_in_the_same_read(r, b'data: {"choices": [{"index": 0, "te\n\n'),
     "past_max_tokens": _past_max_tokens,
+    "reasoning_past_max_tokens": lambda r: _past_max_tokens(r, "reasoning_content"),
+    "tool_calls_past_max_tokens": lambda r: _past_max_tokens(r, "tool_calls"),
+    "tool_calls_first": lambda r: _break_after_nothing(r, TOOL_CALLS_NOT_A_LIST),
+    "tool_calls_line": lambda r: _break_after(r, TOOL_CALLS_NOT_A_LIST),
+    "late_first": _late_first,
+    "usage_then_stall": _usage_then_stall,
+    "one_choice_for_two": _one_choice_for_two,
+    "usage_under": lambda r: r.stream(TOKENS, (r.prompt_tokens, TOKENS - 2)),
     "split_lines": _split_lines,
     "done_without_newline": _done_without_newline,
     "endless_line": lambda r: _break_after_nothing(r, b"data: " + b"x" * ENDLESS_LINE_BYTES + b"\n\n"),

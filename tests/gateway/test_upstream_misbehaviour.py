@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +24,15 @@ import pytest
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.call import RELAY_CHUNKS_PER_WRITE_MAX
 from fairgate.gateway.config import load_gateway_config
-from fairgate.harness.bad_upstream import CUT_AFTER, PAST_MAX_TOKENS, PIECE, TOKENS, BadUpstream, serve_bad_upstream
+from fairgate.harness.bad_upstream import (
+    CUT_AFTER,
+    LATE_FIRST_S,
+    PAST_MAX_TOKENS,
+    PIECE,
+    TOKENS,
+    BadUpstream,
+    serve_bad_upstream,
+)
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import Reservation, Usage
 from tests.gateway.conftest import Stack, write_config
@@ -33,6 +44,7 @@ BEFORE_ANYTHING = {  # mode -> (the client's status, the problem logged)
     "html_502": (502, "http_status"),
     "html_200": (502, "not_event_stream"),
     "garbage_first": (502, "malformed_stream"),
+    "tool_calls_first": (502, "malformed_stream"),  # a chunk whose tool_calls is a number
     "endless_line": (502, "malformed_stream"),
     "stall_head": (504, "stalled"),
     "stall_first": (504, "stalled"),
@@ -41,6 +53,7 @@ BEFORE_ANYTHING = {  # mode -> (the client's status, the problem logged)
 MID_STREAM = {  # mode -> (the collected client's status, the problem logged)
     "garbage_line": (502, "malformed_stream"),
     "garbage_same_read": (502, "malformed_stream"),  # the good pieces and the broken line in one read
+    "tool_calls_line": (502, "malformed_stream"),  # a chunk whose tool_calls is a number
     "not_json_same_read": (502, "malformed_stream"),
     "data_not_json": (502, "malformed_stream"),
     "no_choices": (502, "malformed_stream"),
@@ -51,17 +64,23 @@ MID_STREAM = {  # mode -> (the collected client's status, the problem logged)
 }
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, BadUpstream]]:
-    """One gateway in front of one misbehaving upstream (idle timeout ``IDLE_S``) for the whole module."""
-    tmp = tmp_path_factory.mktemp("misbehave")
+@contextmanager
+def serve_misbehaving(tmp: Path, idle_s: float) -> Iterator[tuple[Stack, BadUpstream]]:
+    """A gateway in front of one misbehaving upstream, with that upstream's idle timeout ``idle_s``."""
     with serve_bad_upstream() as upstream:
         path, keys = write_config(tmp, [upstream.url])
         config = load_gateway_config(path)
-        idle = [u.model_copy(update={"stream_idle_timeout_s": IDLE_S}) for u in config.upstreams]
+        idle = [u.model_copy(update={"stream_idle_timeout_s": idle_s}) for u in config.upstreams]
         config = config.model_copy(update={"upstreams": idle})
         with serve_in_thread(create_gateway(config)) as gateway:
             yield Stack(gateway, keys, path, config), upstream
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, BadUpstream]]:
+    """One gateway in front of one misbehaving upstream (idle timeout ``IDLE_S``) for the whole module."""
+    with serve_misbehaving(tmp_path_factory.mktemp("misbehave"), IDLE_S) as served:
+        yield served
 
 
 def ask(stack: Stack, prompt: str, stream: bool, request_id: str) -> httpx.Response:
@@ -165,6 +184,7 @@ def test_a_collected_call_broken_mid_stream_delivered_nothing_and_bills_nothing(
 
 USAGE = {  # mode -> (what is billed: input tokens from the estimate?, output tokens, the warning's event or None)
     "usage_low": (True, TOKENS, "usage_contradicts_relay"),  # reports 1 of 6 pieces relayed
+    "usage_under": (True, TOKENS, "usage_contradicts_relay"),  # 4 of 6: the client is billed all 6 it received
     "usage_high": (True, TOKENS, "usage_contradicts_relay"),  # reports 1,000 for 12 bytes of text
     "usage_prompt_zero": (True, TOKENS, "usage_contradicts_relay"),  # reports a 400-word prompt as 0 tokens
     "usage_slack": (False, TOKENS + 3, None),  # EOS and kin: a few tokens more is billed as reported
@@ -203,22 +223,122 @@ def test_usage_that_contradicts_what_was_relayed_is_billed_from_the_relay(
         assert lines[0]["billed"] == {"input_tokens": estimate, "output_tokens": TOKENS}
 
 
+@pytest.mark.parametrize(
+    ("mode", "field"),
+    [
+        ("past_max_tokens", "content"),
+        ("reasoning_past_max_tokens", "reasoning_content"),
+        ("tool_calls_past_max_tokens", "tool_calls"),
+    ],
+)
 def test_an_upstream_past_max_tokens_in_one_read_is_stopped_at_the_first_piece_over_and_billed_max_tokens(
-    served: tuple[Stack, BadUpstream],
+    served: tuple[Stack, BadUpstream], mode: str, field: str
 ) -> None:
     """The relay sends the pieces of one upstream read together (``RELAY_CHUNKS_PER_WRITE_MAX`` a write), yet
-    checks ``max_tokens`` at every piece: of the upstream's 200 pieces in one read, the client gets the 50
-    asked for and the one that ran over, then the terminal error; it is billed ``max_tokens``."""
+    checks ``max_tokens`` at every piece: of the upstream's 200 in one read, the client gets the 50 asked for
+    and the one that ran over, then the terminal error; it is billed ``max_tokens``. Reasoning and tool-call
+    deltas are pieces as content is (found by a helper: 200 relayed, billed 0)."""
     stack, _ = served
     assert PAST_MAX_TOKENS > MAX_TOKENS + RELAY_CHUNKS_PER_WRITE_MAX
-    request_id = f"past-{uuid.uuid4().hex[:8]}"
-    reply = ask(stack, "past_max_tokens please", True, request_id)
+    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
+    reply = ask(stack, f"{mode} please", True, request_id)
     reservation = final(stack, request_id)
     chunks = events(reply)
     assert reply.status_code == 200 and "data: [DONE]" not in reply.text, reply.text
     assert chunks[-1]["error"]["code"] == "max_tokens_exceeded", chunks[-1]
-    assert pieces(chunks) == MAX_TOKENS + 1
+    received = sum(1 for c in chunks for choice in c.get("choices") or [] if (choice.get("delta") or {}).get(field))
+    assert received == MAX_TOKENS + 1
     assert reservation.status == "settled" and reservation.billed.output_tokens == MAX_TOKENS, reservation
+
+
+def test_one_choice_past_its_max_tokens_is_stopped_though_the_total_is_within_n_times_it(
+    served: tuple[Stack, BadUpstream],
+) -> None:
+    """OpenAI's ``max_tokens`` is per choice: with ``n`` = 2 and ``max_tokens`` = 5, an upstream putting 10
+    pieces in choice 0 is stopped at its sixth."""
+    stack, _ = served
+    body = {"model": "emu", "messages": [{"role": "user", "content": "one_choice_for_two"}], "max_tokens": 5, "n": 2}
+    request_id = f"n2-{uuid.uuid4().hex[:8]}"
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", json={**body, "stream": True}, headers=headers, timeout=30)
+    reservation = final(stack, request_id)
+    chunks = events(reply)
+    assert chunks[-1]["error"]["code"] == "max_tokens_exceeded" and "per choice" in chunks[-1]["error"]["message"]
+    assert pieces(chunks) == 6 and reservation.billed.output_tokens == 6, reservation
+
+
+@pytest.mark.parametrize(
+    ("mode", "billed_output"), [("usage_high", TOKENS), ("usage_slack", TOKENS + 3), ("honest", TOKENS)]
+)
+def test_a_client_that_asks_for_usage_is_shown_what_is_billed(
+    served: tuple[Stack, BadUpstream], mode: str, billed_output: int
+) -> None:
+    """The usage event a streamed client asked for (``stream_options.include_usage``) comes last, before
+    ``[DONE]``, with the billed counts (found by a helper: an upstream's 1,000 was relayed, 6 billed)."""
+    stack, _ = served
+    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
+    body = {"model": "emu", "messages": [{"role": "user", "content": f"{mode}{LONG}"}], "max_tokens": MAX_TOKENS}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+    reservation = final(stack, request_id)
+    chunks = events(reply)
+    [shown] = [c for c in chunks if c.get("usage")]
+    assert shown is chunks[-1] and shown["choices"] == [] and reply.text.rstrip().endswith("data: [DONE]")
+    assert (shown["usage"]["prompt_tokens"], shown["usage"]["completion_tokens"]) == (
+        reservation.billed.input_tokens,
+        reservation.billed.output_tokens,
+    )
+    assert reservation.billed.output_tokens == billed_output and pieces(chunks) == TOKENS
+
+
+def test_a_streamed_client_gone_before_the_first_token_stops_the_call_at_once(tmp_path: Path) -> None:
+    """Found by a helper: the call, its slot and its meter outlived such a client until the first token came
+    (3.8 s), and it was billed tokens it never received. Now it is watched until the first write, as a
+    collected call is: final well before that token, billed no output. (The upstream's idle timeout is
+    longer than the wait for the first token here, so only the hang-up can end the call early.)"""
+    with serve_misbehaving(tmp_path, idle_s=30.0) as (stack, _):
+        _hang_up_before_the_first_token(stack)
+
+
+def _hang_up_before_the_first_token(stack: Stack) -> None:
+    request_id = f"late-{uuid.uuid4().hex[:8]}"
+    host, port = stack.url.split("//")[1].split(":")
+    body = json.dumps({"model": "emu", "messages": [{"role": "user", "content": "late_first x"}], "stream": True})
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {stack.keys['alpha']}\r\nx-request-id: {request_id}\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(head.encode() + body.encode())
+        time.sleep(0.3)
+    left = time.monotonic()
+    reservation = final(stack, request_id, wait_s=LATE_FIRST_S + 5.0)
+    assert reservation.is_final and reservation.final_ms is not None
+    assert time.monotonic() - left < LATE_FIRST_S - 1.0, "the call outlived its client until the first token"
+    assert reservation.status == "cancelled" and reservation.billed.output_tokens == 0, reservation
+
+
+def test_a_piece_before_a_usage_chunk_the_client_did_not_ask_for_is_written_at_once(
+    served: tuple[Stack, BadUpstream],
+) -> None:
+    """Found by a helper: a piece whose read ended with a usage chunk the client did not ask for waited for
+    the upstream's next read; here the upstream then stalls, and the piece must come a whole idle timeout
+    before the error event that ends the stream, not with it."""
+    stack, _ = served
+    request_id = f"hold-{uuid.uuid4().hex[:8]}"
+    body = {"model": "emu", "messages": [{"role": "user", "content": "usage_then_stall"}], "stream": True}
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
+    seen: dict[str, float] = {}
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30) as reply:
+        for line in reply.iter_lines():
+            if '"content"' in line:
+                seen.setdefault("piece", time.monotonic())
+            if '"upstream_error"' in line:
+                seen["error"] = time.monotonic()
+    assert seen["error"] - seen["piece"] >= IDLE_S / 2, seen
+    assert final(stack, request_id).billed.output_tokens == 1
 
 
 def test_the_openai_client_reads_a_stall_mid_stream_as_an_error_and_is_billed_what_it_read(

@@ -44,7 +44,9 @@ def replica_reporting(usage: dict[str, Any]) -> Starlette:
     ("usage", "billed_output"),
     [
         ({"prompt_tokens": -5, "completion_tokens": 999_999}, 3),  # the output count is capped at max_tokens
-        ({"prompt_tokens": None, "completion_tokens": 2}, 2),
+        # 2 for the 3 pieces relayed: each took a token, so the client is billed the 3 it received
+        ({"prompt_tokens": None, "completion_tokens": 2}, 3),
+        ({"prompt_tokens": None, "completion_tokens": 3}, 3),
         ({"prompt_tokens": "abc", "completion_tokens": "abc"}, 3),
         ({"prompt_tokens": True, "completion_tokens": 1.5}, 3),
         ({"prompt_tokens": 10**12, "completion_tokens": -1}, 3),
