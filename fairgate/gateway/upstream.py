@@ -315,18 +315,26 @@ class UpstreamClient:
         mid-stream looks just like that). A body that breaks raises at once, before the bytes aiohttp still
         holds (its stream reader puts the error first): those are lost with the connection, and what the client
         did receive is what is billed."""
-        rest = b""
+        rest: list[bytes] = []  # the line begun and not yet ended, in the pieces it came in
+        size = 0  # their bytes
         try:
             async for data in response.content.iter_any():
-                lines = (rest + data).split(b"\n")
-                rest = lines.pop()
-                if len(rest) > READ_BUFSIZE:
-                    raise LineTooLong(rest[:100], str(READ_BUFSIZE))
+                if b"\n" not in data:  # kept in pieces, joined once the line ends: a line trickled in is O(n)
+                    rest.append(data)
+                    size += len(data)
+                    if size > READ_BUFSIZE:
+                        raise LineTooLong(data[:100], str(READ_BUFSIZE))
+                    continue
+                lines = (b"".join(rest) + data if rest else data).split(b"\n")
+                last = lines.pop()
+                rest, size = ([last], len(last)) if last else ([], 0)
+                if size > READ_BUFSIZE or any(len(line) > READ_BUFSIZE for line in lines):
+                    raise LineTooLong(data[:100], str(READ_BUFSIZE))
                 for item in self._parsed(response, lines):
                     if item[0] is _DONE:
                         return
                     yield item
-            for item in self._parsed(response, [rest] if rest else []):  # a last line without its newline
+            for item in self._parsed(response, [b"".join(rest)] if rest else []):  # a last line with no newline
                 if item[0] is _DONE:
                     return
                 yield item
