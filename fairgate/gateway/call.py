@@ -49,7 +49,7 @@ from fairgate.gateway.headers import rate_limit_headers
 from fairgate.gateway.observe import Finished
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.state import GatewayState
-from fairgate.gateway.upstream import CallState, UpstreamError
+from fairgate.gateway.upstream import BudgetSpent, CallState, UpstreamError
 from fairgate.gateway.usage_rule import Billed, billed_tokens
 from fairgate.ledger import LedgerError, Usage, rules
 from fairgate.ledger.base import tenant_tag
@@ -72,20 +72,6 @@ class TryAnotherUpstream(Exception):
     """The upstream refused the connection before anything was relayed, and another one is up."""
 
 
-class BudgetSpent(Exception):
-    """The request is stopped: its tenant's GPU budget has nothing left, or the upstream generated past the
-    request's ``max_tokens``. ``code`` names which; the message is the client's."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-    def sse_event(self) -> str:
-        """The terminal server-sent event of a stream it stops (an OpenAI error object)."""
-        error = {"message": str(self), "type": "insufficient_quota", "param": None, "code": self.code}
-        return f"data: {json.dumps({'error': error})}\n\n"
-
-
 class Call:
     """One admitted request on one upstream slot (see module docstring).
 
@@ -106,6 +92,7 @@ class Call:
             admitted.caller.tenant,
             generation.prompt_tokens,
             sequences=generation.sequences,
+            max_output_tokens=admitted.reservation.max_output_tokens,
         )
         self.progress.queue_ms = queue_ms
         self.progress.model, self.progress.upstream = generation.model, lease.upstream.name
@@ -172,7 +159,6 @@ class Call:
                 event = self._client_event(chunk)
                 if event is not None:
                     pending.append(event)
-                    self._check_max_tokens()
                 if pending and (not self.progress.more_buffered or len(pending) >= RELAY_CHUNKS_PER_WRITE_MAX):
                     yield _written(pending)
                     sent = self.delivered = True
@@ -189,7 +175,7 @@ class Call:
                 sent = self.delivered = True
             finished = True
             await self._end(stream, finished, retrying)  # settled before the client reads why it stopped
-            yield exc.sse_event()
+            yield (self._usage_event() if include_usage else "") + exc.sse_event()
         except UpstreamError as exc:
             self.progress.failed, self.progress.failure = True, exc
             if pending:  # the chunks read before the one that broke are the client's (and billed)
@@ -298,7 +284,6 @@ class Call:
         has used the GPU time its reservation holds, stop it if its tenant's GPU budget has nothing left.
         Raises ``BudgetSpent``."""
         call, reservation = self.progress, self.admitted.reservation
-        self._check_max_tokens()
         tokens, at_s = self._settled_at
         now_s = self.state.clock.monotonic_s()
         first = tokens == 0 < call.output_tokens  # the ledger learns at once that the request has run
@@ -313,15 +298,6 @@ class Call:
                 f"The tenant's GPU budget is spent: the request was stopped after {call.output_tokens} tokens "
                 "(billed as generated).",
             )
-
-    def _check_max_tokens(self) -> None:
-        """Stop a request whose upstream generated past its ``max_tokens``: in all (what is reserved), or in one
-        of its choices (OpenAI's ``max_tokens`` is per choice). Raises ``BudgetSpent``."""
-        call, reserved = self.progress, self.admitted.reservation.max_output_tokens
-        per_choice = reserved // call.sequences
-        if call.output_tokens > reserved or max(call.choice_tokens.values(), default=0) > per_choice:
-            each = " per choice" if call.sequences > 1 else ""
-            raise BudgetSpent("max_tokens_exceeded", f"The upstream generated past max_tokens {per_choice}{each}.")
 
     async def _gpu_left_ms(self) -> float:
         """GPU ms the tenant's budgets leave now (``rules.gpu_left_ms``); ``inf`` when the ledger cannot say
@@ -475,7 +451,7 @@ def completion_document(call: CallState, chat: bool, model: str, created_s: int)
         reason = call.finish_reasons.get(index) or call.finish_reason or "stop"
         choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = _message(call, index, text)
         else:
             choice["text"] = text
         choices.append(choice)
@@ -487,6 +463,19 @@ def completion_document(call: CallState, chat: bool, model: str, created_s: int)
         "choices": choices,
         "usage": usage,
     }
+
+
+def _message(call: CallState, index: int, text: str) -> dict[str, Any]:
+    """A collected chat choice's message: its content, and what else it generated (and was billed for): its
+    reasoning (as vLLM and SGLang name it, ``reasoning_content``) and its tool calls (content null beside
+    them, as OpenAI's)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if call.reasoning.get(index):
+        message["reasoning_content"] = "".join(call.reasoning[index])
+    if call.tool_calls.get(index):
+        message["tool_calls"] = [{"type": "function", **tool} for _, tool in sorted(call.tool_calls[index].items())]
+        message["content"] = text or None
+    return message
 
 
 async def while_connected(request: Request, work: Coroutine[Any, Any, T]) -> T:

@@ -212,15 +212,20 @@ class UpstreamConfig(_Strict):
     connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     # The longest wait for the next byte of an upstream's answer (its first token included): a stream idle
     # this long is failed, so a stalled engine cannot hold a slot until request_timeout_s.
-    stream_idle_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 60.0
+    # At least 0.05 s, as the gateway's other waits: a smaller one fails every stream as stalled.
+    stream_idle_timeout_s: Annotated[float, Field(ge=0.05, le=86_400)] = 60.0
 
     @field_validator("headers")
     @classmethod
     def _headers(cls, value: dict[str, str]) -> dict[str, str]:
+        seen: dict[str, str] = {}
         for name, text in value.items():
             problem = header_problem(name, text)
             if problem is not None:
                 raise ValueError(problem)
+            if name.lower() in seen:  # header names are case-insensitive: which one is sent is the client's pick
+                raise ValueError(f"{name}: the same header as {seen[name.lower()]}")
+            seen[name.lower()] = name
         return value
 
     @model_validator(mode="after")
@@ -500,12 +505,23 @@ def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayC
     if not config.upstreams:
         raise GatewayConfigError(f"{path}: upstream: no upstreams; add at least one [[upstream]] table")
     seen: dict[str, int] = {}
+    urls: dict[str, int] = {}
     for i, upstream in enumerate(config.upstreams):
         if upstream.name in seen:
             raise GatewayConfigError(
                 f"{path}: upstream[{i}].name: {upstream.name!r} is also upstream[{seen[upstream.name]}]'s name"
             )
         seen[upstream.name] = i
+        # One replica and model listed twice would get two meters that each see half of its batch (billing both
+        # halves as if alone) and twice its slots. One URL for two models is an engine serving both (vLLM's LoRA
+        # adapters).
+        served = f"{upstream.url.rstrip('/')} {upstream.model}"
+        if served in urls:
+            raise GatewayConfigError(
+                f"{path}: upstream[{i}].url: {upstream.url!r} serving {upstream.model!r} "
+                f"is upstream[{urls[served]}] again"
+            )
+        urls[served] = i
     problem = aliases.check(config.models, config.upstreams)
     if problem is not None:
         raise GatewayConfigError(f"{path}: {problem}")

@@ -83,7 +83,17 @@ def _is_choice(choice: object) -> bool:
         value = source.get(name)
         if value is not None and not isinstance(value, str):
             return False
-    return _are_tool_calls(source.get("tool_calls"))
+    return _are_tool_calls(source.get("tool_calls")) and _is_function(source.get("function_call"))
+
+
+def _is_function(function: object) -> bool:
+    """Null, or an object with string-or-null ``name`` and ``arguments`` (a tool call's, or OpenAI's older
+    ``function_call``)."""
+    if function is None:
+        return True
+    if not isinstance(function, dict):
+        return False
+    return not any(v is not None and not isinstance(v, str) for v in (function.get("name"), function.get("arguments")))
 
 
 def _are_tool_calls(calls: object) -> bool:
@@ -93,23 +103,14 @@ def _are_tool_calls(calls: object) -> bool:
         return True
     if not isinstance(calls, list):
         return False
-    for call in calls:
-        if not isinstance(call, dict):
-            return False
-        function = call.get("function")
-        if function is None:
-            continue
-        if not isinstance(function, dict):
-            return False
-        if any(v is not None and not isinstance(v, str) for v in (function.get("name"), function.get("arguments"))):
-            return False
-    return True
+    return all(isinstance(call, dict) and _is_function(call.get("function")) for call in calls)
 
 
 def generated_bytes(choice: dict[str, Any]) -> int:
     """UTF-8 bytes of the text one chunk's choice generated, in any field (completion text, content,
-    reasoning, refusal, tool-call names and arguments): the ceiling of the tokens it can have taken (every
-    token of a byte-level tokenizer decodes to at least one byte; special tokens are the usage rule's slack)."""
+    reasoning, refusal, tool-call and function-call names and arguments): the ceiling of the tokens it can
+    have taken (every token of a byte-level tokenizer decodes to at least one byte; special tokens are the
+    usage rule's slack)."""
     delta = choice.get("delta")
     source = delta if isinstance(delta, dict) else choice
     total = 0
@@ -117,8 +118,11 @@ def generated_bytes(choice: dict[str, Any]) -> int:
         piece = source.get(name)
         if isinstance(piece, str):
             total += len(piece) if piece.isascii() else len(piece.encode("utf-8"))
-    for call in source.get("tool_calls") or ():  # their shape is checked (``chunk_of``)
-        function = call.get("function") or {}
+    if source is not choice and isinstance(text := choice.get("text"), str):  # a completion's text beside a delta
+        total += len(text.encode("utf-8"))
+    # Their shapes are checked (``chunk_of``): tool calls, and OpenAI's older ``function_call``.
+    functions = [call.get("function") or {} for call in source.get("tool_calls") or ()]
+    for function in [*functions, source.get("function_call") or {}]:
         for piece in (function.get("name"), function.get("arguments")):
             if piece:
                 total += len(piece.encode("utf-8"))

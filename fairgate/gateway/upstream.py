@@ -64,6 +64,21 @@ class UpstreamError(Exception):
         self.context_exceeded = context_exceeded
 
 
+class BudgetSpent(Exception):
+    """The request is stopped: its tenant's GPU budget has nothing left (``Call``), or the upstream would
+    generate past the request's ``max_tokens`` (``UpstreamClient``). ``code`` names which; the message is the
+    client's."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def sse_event(self) -> str:
+        """The terminal server-sent event of a stream it stops (an OpenAI error object)."""
+        error = {"message": str(self), "type": "insufficient_quota", "param": None, "code": self.code}
+        return f"data: {json.dumps({'error': error})}\n\n"
+
+
 @dataclass
 class CallState:
     """One request's progress on its upstream: tokens seen, usage reported, GPU ms metered."""
@@ -95,6 +110,55 @@ class CallState:
     unbooked_tokens: int = 0  # tokens seen but not yet booked with the policy (booked once per read)
     same_read: bool = False  # the last token was followed by another in the same read (no step between them)
     choice_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its pieces (its max_tokens)
+    reasoning: dict[int, list[str]] = field(default_factory=dict)  # choice index -> its reasoning pieces
+    max_output_tokens: int | None = None  # the pieces it may generate in all (``n`` x the per-choice max_tokens)
+    tool_calls: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # choice -> tool index -> call
+
+
+def _index(call: CallState, choice: dict[str, Any]) -> int:
+    """The choice's ``index``, 0 when it is not one of the request's (an upstream's mistake is billed as 0's)."""
+    index = choice.get("index", 0)
+    return index if type(index) is int and 0 <= index < call.sequences else 0
+
+
+def _check_max_tokens(call: CallState, choices: list[dict[str, Any]], generated: list[int]) -> None:
+    """Stop the call before a chunk that would take it past ``max_tokens``, in all or in one of its choices
+    (OpenAI's ``max_tokens`` is per choice): that chunk is not counted, kept, relayed or billed, so the
+    client receives exactly what is billed. Raises ``BudgetSpent``."""
+    if call.max_output_tokens is None or not any(generated):
+        return
+    per_choice = call.max_output_tokens // call.sequences
+    pieces = [_index(call, choice) for choice, g in zip(choices, generated, strict=True) if g]
+    over = call.output_tokens + len(pieces) > call.max_output_tokens or any(
+        call.choice_tokens.get(index, 0) + pieces.count(index) > per_choice for index in set(pieces)
+    )
+    if over:
+        each = " per choice" if call.sequences > 1 else ""
+        raise BudgetSpent("max_tokens_exceeded", f"The upstream generated past max_tokens {per_choice}{each}.")
+
+
+def _keep(call: CallState, index: int, choice: dict[str, Any]) -> None:
+    """Keep what a choice generated, for a collected answer (``completion_document``): its text (a chat
+    delta's content, else a completion's text), its reasoning, and its tool calls merged by their index
+    (OpenAI's streaming format: the id, type and name come once, the arguments in pieces)."""
+    delta = choice.get("delta")
+    source = delta if isinstance(delta, dict) else {}
+    piece = source.get("content") or choice.get("text")
+    if piece:
+        call.texts.setdefault(index, []).append(piece)
+    reasoning = source.get("reasoning_content") or source.get("reasoning")
+    if reasoning:
+        call.reasoning.setdefault(index, []).append(reasoning)
+    calls = call.tool_calls.setdefault(index, {}) if source.get("tool_calls") else {}
+    for delta_call in source.get("tool_calls") or ():
+        position = delta_call.get("index", 0)
+        kept = calls.setdefault(position if type(position) is int else 0, {"function": {"name": "", "arguments": ""}})
+        for name in ("id", "type"):
+            if isinstance(delta_call.get(name), str):
+                kept[name] = delta_call[name]
+        function = delta_call.get("function") or {}
+        for name in ("name", "arguments"):
+            kept["function"][name] += function.get(name) or ""
 
 
 def billable_usage(usage: object) -> dict[str, int] | None:
@@ -317,8 +381,20 @@ class UpstreamClient:
         did receive is what is billed."""
         rest: list[bytes] = []  # the line begun and not yet ended, in the pieces it came in
         size = 0  # their bytes
+        # Only data lines are news: comments (a proxy's keep-alive) do not reset the idle clock, or they would
+        # hold the call open for ever.
+        last_data_s = self._clock()
         try:
             async for data in response.content.iter_any():
+                if data.startswith(b"data") or b"\ndata" in data or (rest and rest[0].startswith(b"data")):
+                    last_data_s = self._clock()  # a data line begun, or one going on
+                elif self._clock() - last_data_s > self.idle_timeout_s:
+                    waited = round(self._clock() - last_data_s, 1)
+                    raise UpstreamError(
+                        f"upstream {self.upstream.name} sent nothing for {waited:g} s (comments only)",
+                        504,
+                        problem="stalled",
+                    )
                 if b"\n" not in data:  # kept in pieces, joined once the line ends: a line trickled in is O(n)
                     rest.append(data)
                     size += len(data)
@@ -434,17 +510,22 @@ class UpstreamClient:
             del self._calls[call.request_id]
 
     def _observe(self, call: CallState, chunk: dict[str, Any]) -> None:
+        """Count, meter and keep what ``chunk`` generated. Raises ``UpstreamError``: more choice entries in one
+        chunk than the request's ``n`` (each is a piece: a chunk of 200 for choice 0 ran past ``max_tokens``)."""
         if chunk.get("usage"):
             call.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            generated = sse.generated_bytes(choice)
+        choices = chunk.get("choices") or []
+        if len(choices) > call.sequences:
+            raise UpstreamError(
+                f"upstream {self.upstream.name} sent a chunk of {len(choices)} choices for {call.sequences} asked",
+                problem="malformed_stream",
+            )
+        generated_by_choice = [sse.generated_bytes(choice) for choice in choices]
+        _check_max_tokens(call, choices, generated_by_choice)
+        for choice, generated in zip(choices, generated_by_choice, strict=True):
             call.generated_bytes += generated
-            index = choice.get("index", 0)
-            index = index if type(index) is int and 0 <= index < call.sequences else 0
-            delta = choice.get("delta")
-            piece = (delta or {}).get("content") if delta is not None else choice.get("text")
-            if piece:
-                call.texts.setdefault(index, []).append(piece)
+            index = _index(call, choice)
+            _keep(call, index, choice)
             # Any generated text is a piece, counted against max_tokens and billed: content, and reasoning, a
             # refusal or tool-call arguments, which an engine streams in deltas of their own.
             if generated:

@@ -59,13 +59,13 @@ class _Request:
         return f"data: {json.dumps(document)}\n\n".encode()
 
     def delta(self, field: str) -> bytes:
-        """A chat chunk generating ``PIECE`` in ``field``: ``content``, ``reasoning_content``, or ``tool_calls``
-        (as a tool call's arguments)."""
-        delta: dict[str, Any] = (
-            {"tool_calls": [{"index": 0, "function": {"arguments": PIECE}}]}
-            if field == "tool_calls"
-            else {field: PIECE}
-        )
+        """A chat chunk generating ``PIECE`` in ``field``: ``content``, ``reasoning_content``, ``tool_calls`` (as
+        a tool call's arguments) or ``function_call`` (OpenAI's older field)."""
+        delta: dict[str, Any] = {field: PIECE}
+        if field == "tool_calls":
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": PIECE}}]}
+        elif field == "function_call":
+            delta = {"function_call": {"arguments": PIECE}}
         choice = {"index": 0, "delta": delta, "finish_reason": None}
         return self.data({"id": "bad-1", "object": "chunk", "model": "emu", "choices": [choice]})
 
@@ -158,6 +158,44 @@ async def _usage_then_stall(r: _Request) -> None:
     await r.stall()
 
 
+async def _keepalive_only(r: _Request) -> None:
+    """The head, then only SSE comments (a proxy's keep-alive) every 0.1 s until the gateway hangs up."""
+    await r.head()
+    for _ in range(int(STALL_S_MAX / 0.1)):
+        await r.send(b": keep-alive\n\n")
+        await asyncio.sleep(0.1)
+
+
+async def _fan_choices(r: _Request) -> None:
+    """One chunk of ``PAST_MAX_TOKENS`` choice entries, every one a piece of choice 0."""
+    await r.head()
+    choice = {"index": 0, "delta": {"content": PIECE}, "finish_reason": None}
+    await r.send(r.data({"id": "bad-1", "object": "chunk", "choices": [choice] * PAST_MAX_TOKENS}), b"data: [DONE]\n\n")
+
+
+async def _text_beside_delta(r: _Request) -> None:
+    """A completion's ``TOKENS`` pieces, each ``text`` beside an empty ``delta`` object, and honest usage."""
+    await r.head()
+    choice = {"index": 0, "text": PIECE, "delta": {}, "finish_reason": None}
+    pieces = [r.data({"id": "bad-1", "object": "text_completion", "choices": [choice]}) for _ in range(TOKENS)]
+    await r.send(*pieces, r.usage(r.prompt_tokens, TOKENS), b"data: [DONE]\n\n")
+
+
+async def _tools_and_reasoning(r: _Request) -> None:
+    """A reasoning model calling a tool: 2 reasoning pieces, a tool call (its id and name, then 3 argument
+    pieces), and honest usage (6: the name is a piece)."""
+    await r.head()
+    first = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}]}
+    call = r.data({"id": "bad-1", "object": "chunk", "choices": [{"index": 0, "delta": first, "finish_reason": None}]})
+    parts = [
+        r.delta("reasoning_content"),
+        r.delta("reasoning_content"),
+        call,
+        *(r.delta("tool_calls") for _ in range(3)),
+    ]
+    await r.send(*parts, r.chunk(None, "tool_calls"), r.usage(r.prompt_tokens, 6), b"data: [DONE]\n\n")
+
+
 async def _one_choice_for_two(r: _Request) -> None:
     """``TOKENS`` + 4 pieces, every one for choice 0, whatever ``n`` asked."""
     await r.head()
@@ -212,6 +250,11 @@ MODES: dict[str, Callable[[_Request], Awaitable[None]]] = {
     "late_first": _late_first,
     "usage_then_stall": _usage_then_stall,
     "one_choice_for_two": _one_choice_for_two,
+    "function_call_past_max_tokens": lambda r: _past_max_tokens(r, "function_call"),
+    "keepalive_only": _keepalive_only,
+    "fan_choices": _fan_choices,
+    "text_beside_delta": _text_beside_delta,
+    "tools_and_reasoning": _tools_and_reasoning,
     "usage_under": lambda r: r.stream(TOKENS, (r.prompt_tokens, TOKENS - 2)),
     "split_lines": _split_lines,
     "done_without_newline": _done_without_newline,

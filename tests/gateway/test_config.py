@@ -137,6 +137,10 @@ CASES = [
     (sub("sweep_s = 10", "sweep_s = 1e-300"), "gateway.sweep_s: Input should be greater than or equal to 0.05"),
     # [[upstream]]
     (sub('name = "emu-1"', 'name = "emu-0"'), "upstream[1].name: 'emu-0' is also upstream[0]'s name"),
+    (
+        sub("http://127.0.0.1:8002/v1", "http://127.0.0.1:8001/v1"),  # found by a helper: two meters, one replica
+        "upstream[1].url: 'http://127.0.0.1:8001/v1' serving 'fairgate-emulated' is upstream[0] again",
+    ),
     (sub("http://127.0.0.1:8002/v1", "ftp://127.0.0.1:8002/v1"), "upstream[1].url: must be an http(s) base URL"),
     (sub("http://127.0.0.1:8002/v1", "http://127.0.0.1:8002"), "upstream[1].url: must be an http(s) base URL"),
     (sub("http://127.0.0.1:8002/v1", "http://127.0.0.1:99999/v1"), "upstream[1].url: must be"),

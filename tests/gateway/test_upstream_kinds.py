@@ -325,6 +325,9 @@ def test_the_key_read_from_a_file_loses_its_newline_and_shows_nowhere(tmp_path: 
         ({"kind": "ollama"}, "upstream[0].kind"),
         ({"url": "https://127.0.0.1:8001/v1", "ca_file": "none.pem"}, "upstream[0].ca_file: "),
         ({"ca_file": "ca.pem"}, "upstream[0]: ca_file: a CA bundle is used only with an https:// url"),
+        # found by a helper: every stream would fail as stalled; one header in two spellings
+        ({"stream_idle_timeout_s": 1e-300}, "upstream[0].stream_idle_timeout_s: Input should be greater than"),
+        ({"headers": {"X-A": "1", "x-a": "2"}}, "x-a: the same header as X-A"),
     ],
 )
 def test_bad_upstream_transport_keys_are_config_errors(tmp_path: Path, table: dict[str, Any], message: str) -> None:

@@ -45,6 +45,8 @@ BEFORE_ANYTHING = {  # mode -> (the client's status, the problem logged)
     "html_200": (502, "not_event_stream"),
     "garbage_first": (502, "malformed_stream"),
     "tool_calls_first": (502, "malformed_stream"),  # a chunk whose tool_calls is a number
+    "fan_choices": (502, "malformed_stream"),  # one chunk of 200 choice entries for n = 1
+    "keepalive_only": (504, "stalled"),  # comments do not reset the idle clock
     "endless_line": (502, "malformed_stream"),
     "stall_head": (504, "stalled"),
     "stall_first": (504, "stalled"),
@@ -229,15 +231,16 @@ def test_usage_that_contradicts_what_was_relayed_is_billed_from_the_relay(
         ("past_max_tokens", "content"),
         ("reasoning_past_max_tokens", "reasoning_content"),
         ("tool_calls_past_max_tokens", "tool_calls"),
+        ("function_call_past_max_tokens", "function_call"),
     ],
 )
-def test_an_upstream_past_max_tokens_in_one_read_is_stopped_at_the_first_piece_over_and_billed_max_tokens(
+def test_an_upstream_past_max_tokens_in_one_read_is_stopped_before_the_piece_over_and_billed_max_tokens(
     served: tuple[Stack, BadUpstream], mode: str, field: str
 ) -> None:
     """The relay sends the pieces of one upstream read together (``RELAY_CHUNKS_PER_WRITE_MAX`` a write), yet
-    checks ``max_tokens`` at every piece: of the upstream's 200 in one read, the client gets the 50 asked for
-    and the one that ran over, then the terminal error; it is billed ``max_tokens``. Reasoning and tool-call
-    deltas are pieces as content is (found by a helper: 200 relayed, billed 0)."""
+    checks ``max_tokens`` at every piece: of the upstream's 200 in one read, the client gets the 50 asked for,
+    then the terminal error, and is billed those 50 (the piece that would run over is not relayed). Reasoning
+    and tool-call deltas are pieces as content is (found by a helper: 200 relayed, billed 0)."""
     stack, _ = served
     assert PAST_MAX_TOKENS > MAX_TOKENS + RELAY_CHUNKS_PER_WRITE_MAX
     request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
@@ -247,7 +250,7 @@ def test_an_upstream_past_max_tokens_in_one_read_is_stopped_at_the_first_piece_o
     assert reply.status_code == 200 and "data: [DONE]" not in reply.text, reply.text
     assert chunks[-1]["error"]["code"] == "max_tokens_exceeded", chunks[-1]
     received = sum(1 for c in chunks for choice in c.get("choices") or [] if (choice.get("delta") or {}).get(field))
-    assert received == MAX_TOKENS + 1
+    assert received == MAX_TOKENS
     assert reservation.status == "settled" and reservation.billed.output_tokens == MAX_TOKENS, reservation
 
 
@@ -255,7 +258,7 @@ def test_one_choice_past_its_max_tokens_is_stopped_though_the_total_is_within_n_
     served: tuple[Stack, BadUpstream],
 ) -> None:
     """OpenAI's ``max_tokens`` is per choice: with ``n`` = 2 and ``max_tokens`` = 5, an upstream putting 10
-    pieces in choice 0 is stopped at its sixth."""
+    pieces in choice 0 is stopped before its sixth, and billed the 5 relayed."""
     stack, _ = served
     body = {"model": "emu", "messages": [{"role": "user", "content": "one_choice_for_two"}], "max_tokens": 5, "n": 2}
     request_id = f"n2-{uuid.uuid4().hex[:8]}"
@@ -264,7 +267,7 @@ def test_one_choice_past_its_max_tokens_is_stopped_though_the_total_is_within_n_
     reservation = final(stack, request_id)
     chunks = events(reply)
     assert chunks[-1]["error"]["code"] == "max_tokens_exceeded" and "per choice" in chunks[-1]["error"]["message"]
-    assert pieces(chunks) == 6 and reservation.billed.output_tokens == 6, reservation
+    assert pieces(chunks) == 5 and reservation.billed.output_tokens == 5, reservation
 
 
 @pytest.mark.parametrize(
@@ -370,3 +373,44 @@ def test_the_openai_client_gets_a_502_for_a_proxys_html_page(served: tuple[Stack
     with pytest.raises(openai.InternalServerError) as raised:
         client.chat.completions.create(model="emu", messages=[{"role": "user", "content": "html_502 please"}])
     assert raised.value.status_code == 502 and f"upstream {UPSTREAM} answered 502" in raised.value.message
+
+
+def test_a_completions_text_beside_an_empty_delta_is_a_piece(served: tuple[Stack, BadUpstream]) -> None:
+    """Found by a helper: such pieces were relayed and billed 0."""
+    stack, _ = served
+    request_id = f"text-{uuid.uuid4().hex[:8]}"
+    body = {"model": "emu", "prompt": "text_beside_delta", "max_tokens": MAX_TOKENS, "stream": True}
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
+    reply = httpx.post(f"{stack.url}/v1/completions", json=body, headers=headers, timeout=30)
+    received = sum(1 for c in events(reply) for choice in c.get("choices") or [] if choice.get("text"))
+    assert reply.status_code == 200 and received == TOKENS
+    assert final(stack, request_id).billed.output_tokens == TOKENS
+
+
+def test_a_collected_answer_holds_the_tool_calls_and_reasoning_it_is_billed_for(
+    served: tuple[Stack, BadUpstream],
+) -> None:
+    """Found by a helper: a collected answer came back with content "" and no tool_calls (tool calling without
+    streaming did not work), billed the pieces it dropped."""
+    stack, _ = served
+    request_id = f"tools-{uuid.uuid4().hex[:8]}"
+    reply = ask(stack, "tools_and_reasoning please", False, request_id)
+    [choice] = reply.json()["choices"]
+    message = choice["message"]
+    assert message["reasoning_content"] == PIECE * 2 and message["content"] is None
+    assert message["tool_calls"] == [
+        {"type": "function", "id": "call_1", "function": {"name": "f", "arguments": PIECE * 3}}
+    ]
+    assert choice["finish_reason"] == "tool_calls"
+    assert final(stack, request_id).billed.output_tokens == 6
+
+
+def test_a_stream_stopped_at_max_tokens_shows_the_usage_its_client_asked_for(served: tuple[Stack, BadUpstream]) -> None:
+    stack, _ = served
+    request_id = f"usage-stop-{uuid.uuid4().hex[:8]}"
+    body = {"model": "emu", "messages": [{"role": "user", "content": "past_max_tokens"}], "max_tokens": MAX_TOKENS}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
+    chunks = events(httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30))
+    assert chunks[-1]["error"]["code"] == "max_tokens_exceeded"
+    assert chunks[-2]["usage"]["completion_tokens"] == MAX_TOKENS == final(stack, request_id).billed.output_tokens
