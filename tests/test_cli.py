@@ -338,3 +338,33 @@ def test_ledger_commands_take_the_ledger_from_a_gateway_config(tmp_path):
     assert json.loads(done.stdout)["tenant"] == "chat" and json.loads(done.stdout)["requests"] == 0
     done = fairgate("ledger", "usage", "chat", "--quotas", str(SEED))
     assert done.returncode == 2 and "--ledger not given" in done.stderr
+
+
+@pytest.mark.parametrize("after_s", [0.05, 0.2, 0.5, 1.0, 3.0])
+def test_ctrl_c_at_any_moment_of_the_start_stops_serve_without_a_traceback(tmp_path, after_s):
+    """Found by a helper: a Ctrl-C while the command line loaded printed a traceback. Whenever it comes (while
+    the libraries load, typer builds the commands, the config is read, the servers start, or once they serve)
+    ``fairgate serve`` ends with exit code 130 or 0, and no traceback. SIGINT is set to its default in the
+    child, as in a terminal (a shell's background job starts with it ignored, and then it never arrives)."""
+    import signal
+    import time
+
+    from fairgate.harness.process import free_port
+
+    config = tmp_path / "fairgate.toml"
+    config.write_text((REPO / "config" / "fairgate.example.toml").read_text())
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "fairgate"), "serve", "--config", str(config), "--port", str(free_port())],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        time.sleep(after_s)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode in (0, 130) and "Traceback" not in output, (proc.returncode, output[-2000:])
