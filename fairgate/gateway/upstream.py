@@ -511,7 +511,7 @@ class UpstreamClient:
 
     def _observe(self, call: CallState, chunk: dict[str, Any]) -> None:
         """Count, meter and keep what ``chunk`` generated. Raises ``UpstreamError``: more choice entries in one
-        chunk than the request's ``n`` (each is a piece: a chunk of 200 for choice 0 ran past ``max_tokens``)."""
+        chunk than the request's ``n`` (each is a piece: more would let one chunk run far past ``max_tokens``)."""
         if chunk.get("usage"):
             call.usage = chunk["usage"]
         choices = chunk.get("choices") or []
