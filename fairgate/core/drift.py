@@ -7,7 +7,8 @@ shifts charges between short and long requests without changing their sum. Each 
 first arrives one iteration after its previous one, so the gap between two of a request's tokens, taken
 while nothing is being prefilled (a prefill lengthens the iteration it is in), is an observed step time at
 the current batch size. ``StepDrift`` keeps an exponentially weighted mean of observed / predicted and says
-when it leaves ``[1 / (1 + band), 1 + band]`` and when it comes back (after ``min_steps`` observations).
+when it leaves ``[1 / (1 + band), 1 + band]`` and when it comes back within half the band (after
+``min_steps`` observations).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ class StepDrift:
         ratio = self.ratio
         if ratio is None:
             return None
-        outside = not 1 / (1 + self.band) <= ratio <= 1 + self.band
+        # Hysteresis: a ratio leaves at the band's edge and comes back only within half of it, so one that
+        # hovers at the edge (a loaded machine's emulator, 1.25 +- 0.01) is one drift, not one a second.
+        edge = self.band / 2 if self.drifted else self.band
+        outside = not 1 / (1 + edge) <= ratio <= 1 + edge
         if outside == self.drifted:
             return None
         self.drifted = outside

@@ -33,3 +33,14 @@ def test_a_stall_is_no_step():
     assert drift.observe(11.0, 1) is None
     assert drift.observe(5 * 11.0, 1) is None and drift.observe(0.0, 1) is None  # ignored
     assert drift.steps == 1 and drift.ratio == pytest.approx(1.0)
+
+
+def test_a_ratio_hovering_at_the_band_edge_drifts_once():
+    """An emulator on a loaded machine sat at 1.25 +- 0.01 and logged a drift and its end again and again; it
+    comes back only within half the band."""
+    drift = StepDrift(COST, alpha=0.5, min_steps=1)  # a fast mean, to cross the edge at every other step
+    crossed = [drift.observe(18.0 * (1.25 + (0.01 if i % 2 else -0.01)), 8) for i in range(200)]
+    assert crossed.count(True) == 1 and crossed.count(False) == 0 and drift.drifted
+    back = [drift.observe(18.0 * 1.15, 8) for _ in range(50)]  # inside the band, outside its half: still drifted
+    assert set(back) == {None} and drift.drifted
+    assert [drift.observe(18.0, 8) for _ in range(50)].count(False) == 1 and not drift.drifted
