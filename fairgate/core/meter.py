@@ -96,14 +96,14 @@ class Occupancy:
     prefill_share: float = 0.0
 
 
-class LiveMeter:
-    """Meters one upstream. Every event method first charges the interval since the last event
-    (``advance``); ``charged_ms`` reads a request's charge so far."""
+class MeterWindow:
+    """What every meter of one upstream keeps besides its requests: busy and charged time, the other
+    processes' occupancy, and its own requests' occupancy over the current sharing window. ``LiveMeter``
+    and the reference definition (``fairgate.core.meter_reference``) both build on it."""
 
     def __init__(self, cost: CostModel, now_ms: float, boundary_lag_ms: float | None = None) -> None:
         self.cost = cost
         self.boundary_lag_ms = cost.iter_base_ms / 2 if boundary_lag_ms is None else boundary_lag_ms
-        self._requests: dict[str, _InFlight] = {}
         self._last_ms = now_ms
         self.busy_ms = 0.0  # time with at least one of its requests in flight
         self.charged_total_ms = 0.0  # charged to its requests: busy_ms when no other process shares it
@@ -111,6 +111,38 @@ class LiveMeter:
         self._window_start_ms = now_ms
         self._sequence_ms = 0.0  # its own requests' occupancy since the window started: sequences x ms
         self._prefill_attributed_ms = 0.0  # and prefill ms attributed
+
+    def _iteration_sequences(self) -> int:
+        """Sequences of its requests in the iteration now (pending ones excluded)."""
+        raise NotImplementedError
+
+    def take_occupancy(self) -> Occupancy:
+        """This meter's requests' occupancy, averaged from the last call (or the start) to the last
+        ``advance``; starts a new window. Call ``advance`` first to include the time up to now. A window of
+        no time gives the requests in the iteration now, and no prefill."""
+        span = self._last_ms - self._window_start_ms
+        if span > 0:
+            taken = Occupancy(self._sequence_ms / span, min(1.0, self._prefill_attributed_ms / span))
+        else:
+            taken = Occupancy(float(self._iteration_sequences()))
+        self._window_start_ms = self._last_ms
+        self._sequence_ms = self._prefill_attributed_ms = 0.0
+        return taken
+
+
+def check_remote(remote: Occupancy) -> None:
+    """Raises ``ValueError``: a negative or non-finite sequence count, or a prefill share outside 0-1."""
+    if not (0 <= remote.sequences < math.inf and 0 <= remote.prefill_share <= 1):
+        raise ValueError(f"remote occupancy must be finite and >= 0, got {remote}")
+
+
+class LiveMeter(MeterWindow):
+    """Meters one upstream. Every event method first charges the interval since the last event
+    (``advance``); ``charged_ms`` reads a request's charge so far."""
+
+    def __init__(self, cost: CostModel, now_ms: float, boundary_lag_ms: float | None = None) -> None:
+        super().__init__(cost, now_ms, boundary_lag_ms)
+        self._requests: dict[str, _InFlight] = {}
         self._price = 0.0  # ms charged per unit of weight since the batch last changed
         self._own_weight = 0.0  # of its requests in the iteration
         self._remote_weight = 0.0  # of the other processes' sequences in it
@@ -229,18 +261,8 @@ class LiveMeter:
         if joined:
             self._reweigh()
 
-    def take_occupancy(self) -> Occupancy:
-        """This meter's requests' occupancy, averaged from the last call (or the start) to the last
-        ``advance``; starts a new window. Call ``advance`` first to include the time up to now. A window of
-        no time gives the requests in the iteration now, and no prefill."""
-        span = self._last_ms - self._window_start_ms
-        if span > 0:
-            taken = Occupancy(self._sequence_ms / span, min(1.0, self._prefill_attributed_ms / span))
-        else:
-            taken = Occupancy(float(self._active_sequences))
-        self._window_start_ms = self._last_ms
-        self._sequence_ms = self._prefill_attributed_ms = 0.0
-        return taken
+    def _iteration_sequences(self) -> int:
+        return self._active_sequences
 
     def set_remote(self, remote: Occupancy, now_ms: float) -> None:
         """From ``now_ms`` the other processes hold ``remote`` of the upstream (see module docstring); the
@@ -249,8 +271,7 @@ class LiveMeter:
         Raises:
             ValueError: a negative or non-finite count, or a prefill share outside 0-1.
         """
-        if not (0 <= remote.sequences < math.inf and 0 <= remote.prefill_share <= 1):
-            raise ValueError(f"remote occupancy must be finite and >= 0, got {remote}")
+        check_remote(remote)
         self.advance(now_ms)
         changed = remote.sequences != self.remote.sequences
         self.remote = remote

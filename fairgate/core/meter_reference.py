@@ -4,11 +4,10 @@ interval started with (O(in flight) per event). ``fairgate.core.meter.LiveMeter`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from fairgate.core.cost import CostModel
-from fairgate.core.meter import MAX_REMOTE_PREFILL_SHARE, PREFILL_END_TOLERANCE, Occupancy
+from fairgate.core.meter import MAX_REMOTE_PREFILL_SHARE, PREFILL_END_TOLERANCE, MeterWindow, Occupancy, check_remote
 
 
 @dataclass
@@ -32,20 +31,12 @@ class MeterCharge:
     gpu_ms: float
 
 
-class ReferenceMeter:
+class ReferenceMeter(MeterWindow):
     """Meters one upstream. Call ``advance(now_ms)`` before every change (the methods below do it)."""
 
     def __init__(self, cost: CostModel, now_ms: float, boundary_lag_ms: float | None = None) -> None:
-        self.cost = cost
-        self.boundary_lag_ms = cost.iter_base_ms / 2 if boundary_lag_ms is None else boundary_lag_ms
+        super().__init__(cost, now_ms, boundary_lag_ms)
         self._requests: dict[str, _InFlight] = {}
-        self._last_ms = now_ms
-        self.busy_ms = 0.0  # time with at least one of its requests in flight
-        self.charged_total_ms = 0.0  # charged to its requests: busy_ms when no other process shares it
-        self.remote = Occupancy()  # the other gateway processes' requests on the same replica
-        self._window_start_ms = now_ms
-        self._sequence_ms = 0.0  # its own requests' occupancy since the window started: sequences x ms
-        self._prefill_attributed_ms = 0.0  # and prefill ms attributed
 
     @property
     def in_flight(self) -> int:
@@ -128,18 +119,8 @@ class ReferenceMeter:
             charges.append(MeterCharge(rid, request.tenant, share))
         return charges
 
-    def take_occupancy(self) -> Occupancy:
-        """This meter's requests' occupancy, averaged from the last call (or the start) to the last
-        ``advance``; starts a new window. Call ``advance`` first to include the time up to now. A window of
-        no time gives the requests in the iteration now, and no prefill."""
-        span = self._last_ms - self._window_start_ms
-        if span > 0:
-            taken = Occupancy(self._sequence_ms / span, min(1.0, self._prefill_attributed_ms / span))
-        else:
-            taken = Occupancy(float(sum(r.sequences for r in self._requests.values() if not r.pending)))
-        self._window_start_ms = self._last_ms
-        self._sequence_ms = self._prefill_attributed_ms = 0.0
-        return taken
+    def _iteration_sequences(self) -> int:
+        return sum(r.sequences for r in self._requests.values() if not r.pending)
 
     def set_remote(self, remote: Occupancy, now_ms: float) -> list[MeterCharge]:
         """From ``now_ms`` the other processes hold ``remote`` of the upstream (see module docstring).
@@ -148,8 +129,7 @@ class ReferenceMeter:
         Raises:
             ValueError: a negative or non-finite count, or a prefill share outside 0-1.
         """
-        if not (0 <= remote.sequences < math.inf and 0 <= remote.prefill_share <= 1):
-            raise ValueError(f"remote occupancy must be finite and >= 0, got {remote}")
+        check_remote(remote)
         charges = self.advance(now_ms)
         self.remote = remote
         return charges
