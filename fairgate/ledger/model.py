@@ -208,18 +208,23 @@ class TenantUsage:
 
     Attributes:
         requests: reservations made; input/output tokens and GPU ms billed; overage GPU ms;
-        open_reservations: reservations still open now; rejections are counted by the gateway.
+        by_status: its reservations now by status, whatever the window (statuses with none left out);
+        rejections are counted by the gateway.
     """
 
     tenant: str
     window_s: float
-    requests: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    gpu_ms: float = 0.0
-    overage_gpu_ms: float = 0.0
-    open_reservations: int = 0
-    by_status: dict[str, int] = field(default_factory=dict)
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    gpu_ms: float
+    overage_gpu_ms: float
+    by_status: dict[str, int]
+
+    @property
+    def open_reservations(self) -> int:
+        """Reservations still open now."""
+        return self.by_status.get("open", 0)
 
 
 @dataclass(frozen=True)
@@ -252,7 +257,6 @@ def usage_from_events(tenant: str, window_s: float, events: list[Event], by_stat
         output_tokens=sum(e.output_tokens for e in events),
         gpu_ms=sum(e.gpu_ms for e in events),
         overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
-        open_reservations=by_status.get("open", 0),
         by_status=by_status,
     )
 

@@ -52,6 +52,9 @@ _BAD_OPTION = re.compile(
     r"^invalid connection option|^invalid URI"
 )
 _POOL_LOGGER = logging.getLogger("psycopg.pool")
+# Connections in one process's pool. Each call holds one for one transaction (a few ms); several gateway
+# processes of 8 each stay well under PostgreSQL's default max_connections (100).
+POOL_CONNECTIONS = 8
 
 
 def _libpq_reason(exc: BaseException) -> str:
@@ -245,7 +248,7 @@ async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
         raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
 
 
-async def _open_pool(settings: PostgresUrl, max_connections: int) -> AsyncConnectionPool:
+async def _open_pool(settings: PostgresUrl) -> AsyncConnectionPool:
     """The pool, open, every connection on the ledger's schema. Raises ``LedgerUnavailable``: the direct
     connection worked but the pool's did not (the reason is the pool's last connection error)."""
     schema, dsn, connect_kwargs = settings.schema, settings.dsn, settings.connect_kwargs
@@ -253,7 +256,7 @@ async def _open_pool(settings: PostgresUrl, max_connections: int) -> AsyncConnec
     pool = AsyncConnectionPool(
         dsn,
         min_size=1,
-        max_size=max_connections,
+        max_size=POOL_CONNECTIONS,
         open=False,
         timeout=settings.timeout_s,
         kwargs=connect_kwargs,
@@ -287,13 +290,7 @@ class PostgresLedger(SqlLedger):
 
     @classmethod
     async def open(
-        cls,
-        url: str,
-        quotas: Quotas,
-        clock: Callable[[], float] | None = None,
-        max_connections: int = 8,
-        *,
-        create: bool = True,
+        cls, url: str, quotas: Quotas, clock: Callable[[], float] | None = None, *, create: bool = True
     ) -> PostgresLedger:
         """Connect; create the schema and tables if missing (``create=True``, the default), or require them.
 
@@ -309,7 +306,7 @@ class PostgresLedger(SqlLedger):
         """
         settings = parse_url(url)
         await _prepare(settings, url, create)
-        pool = await _open_pool(settings, max_connections)
+        pool = await _open_pool(settings)
         return cls(pool, settings.schema, quotas, clock)
 
     @asynccontextmanager

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from fairgate.core import ratelimit
 from fairgate.ledger.config import Limits
@@ -82,16 +82,7 @@ class ReserveArgs:
     @classmethod
     def of(cls, r: Reservation) -> ReserveArgs:
         """The arguments ``r`` was reserved with."""
-        return cls(
-            r.tenant,
-            r.request_id,
-            r.input_tokens,
-            r.max_output_tokens,
-            r.gpu_ms_estimate,
-            r.model_class,
-            r.run_id,
-            r.tool_round,
-        )
+        return cls(**{f.name: getattr(r, f.name) for f in fields(cls)})
 
     def fingerprint(self) -> tuple[object, ...]:
         """What a retry must repeat (the tenant and request id are the key)."""

@@ -47,6 +47,5 @@ def usage_from_totals(tenant: str, window_s: float, parts: Iterable[Totals], by_
         output_tokens=output_tokens,
         gpu_ms=math.fsum(columns[3]),
         overage_gpu_ms=math.fsum(columns[4]),
-        open_reservations=by_status.get("open", 0),
         by_status=by_status,
     )

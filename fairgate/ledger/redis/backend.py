@@ -22,6 +22,9 @@ from fairgate.ledger.redis.url import RedisUrl, parse_url
 from fairgate.ledger.text import one_line, redacted
 
 POOL_WAIT_S = 10.0  # how long a call waits for a free pooled connection
+# Connections in one process's pool (per node on a cluster). A call holds one for one script round trip
+# (well under a millisecond), so 64 leave the request path no waiting at the concurrency one process serves.
+POOL_CONNECTIONS = 64
 
 
 class RedisLedger(RedisRequestPath, RedisOperator, RedisCoordination):
@@ -32,20 +35,13 @@ class RedisLedger(RedisRequestPath, RedisOperator, RedisCoordination):
 
     @classmethod
     async def open(
-        cls,
-        url: str,
-        quotas: Quotas,
-        clock: Callable[[], float] | None = None,
-        max_connections: int = 64,
-        *,
-        create: bool = True,
+        cls, url: str, quotas: Quotas, clock: Callable[[], float] | None = None, *, create: bool = True
     ) -> RedisLedger:
         """Connect to the server named by ``url`` (``redis://host:port/db?prefix=NAME&retention_days=35&timeout_s=2``;
         see ``url.py``), register the scripts and load them on the server.
 
         Args:
             clock: ms since the epoch, replacing the server's ``TIME`` (tests).
-            max_connections: connections in the pool; a call waits up to ``POOL_WAIT_S`` for a free one.
             create: with ``False`` the ledger must exist already (the prefix's tenant registry or any key
                 under the prefix): operator commands use it so that a mistyped URL does not quietly
                 address an empty ledger. With ``True`` (the default) nothing needs to exist: keys are
@@ -60,7 +56,7 @@ class RedisLedger(RedisRequestPath, RedisOperator, RedisCoordination):
                 ``create=False`` and there is no ledger under the prefix.
         """
         settings = parse_url(url)
-        client = _client(settings, max_connections)
+        client = _client(settings)
         ledger = cls(client, settings, quotas, clock)
         try:
             await ledger._connect(url, settings, create)
@@ -104,13 +100,13 @@ class RedisLedger(RedisRequestPath, RedisOperator, RedisCoordination):
         return False
 
 
-def _client(settings: RedisUrl, max_connections: int) -> Redis:
+def _client(settings: RedisUrl) -> Redis:
     """A client on a blocking pool: a call waits for a free connection rather than failing at once.
 
     One retry, and only for a connection found closed (a stale pooled connection after a server restart):
     a server that does not answer fails after one timeout, not after a retry storm. On a cluster
     (``cluster=true``), redis-py's cluster client: each call goes to the node of its keys' hash slot (every
-    script's keys share one slot, ``keys.py``), ``max_connections`` per node.
+    script's keys share one slot, ``keys.py``), ``POOL_CONNECTIONS`` per node.
     """
     retry = Retry(ExponentialBackoff(cap=0.2, base=0.05), 1, supported_errors=(redis.exceptions.ConnectionError,))
     if settings.cluster:
@@ -118,7 +114,7 @@ def _client(settings: RedisUrl, max_connections: int) -> Redis:
         cluster = RedisCluster(
             **options,
             ssl=settings.tls,
-            max_connections=max_connections,
+            max_connections=POOL_CONNECTIONS,
             decode_responses=True,
             socket_connect_timeout=settings.timeout_s,
             socket_timeout=settings.timeout_s,
@@ -127,7 +123,7 @@ def _client(settings: RedisUrl, max_connections: int) -> Redis:
         return cast(Redis, cluster)  # the commands the ledger uses are the same on both
     pool = BlockingConnectionPool(
         connection_class=SSLConnection if settings.tls else Connection,
-        max_connections=max_connections,
+        max_connections=POOL_CONNECTIONS,
         timeout=max(POOL_WAIT_S, settings.timeout_s),
         decode_responses=True,
         socket_connect_timeout=settings.timeout_s,
