@@ -76,11 +76,11 @@ def _totals(totals: TenantTotals) -> dict[str, Any]:
         "admissions": totals.admissions,
         "rejections": dict(sorted(totals.rejections.items())),
         "finished": dict(sorted(totals.finished.items())),
-        "input_tokens": totals.input_tokens,
-        "output_tokens": totals.output_tokens,
+        "input_tokens": totals.billed.input_tokens,
+        "output_tokens": totals.billed.output_tokens,
         "gpu_s": round(totals.gpu_ms / 1000.0, 6),
         "reserved_gpu_s": round(totals.reserved_gpu_ms / 1000.0, 6),
-        "settled_gpu_s": round(totals.settled_gpu_ms / 1000.0, 6),
+        "settled_gpu_s": round(totals.billed.gpu_ms / 1000.0, 6),
         "reserved_output_tokens": totals.reserved_output_tokens,
     }
 

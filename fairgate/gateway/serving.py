@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import httptools
@@ -43,25 +43,19 @@ LINGER_S = 2.0  # after a refusal, how long what the client still sends is read 
 
 @dataclass(frozen=True)
 class Bounds:
-    """What one connection may hold or take (see the module docstring); from ``[gateway]``."""
+    """What one connection may hold or take (see the module docstring): the ``[gateway]`` keys of the same
+    names, which hold their defaults and bounds."""
 
-    max_header_bytes: int = 64 * 1024
-    max_headers: int = 100
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
-    max_connections: int = 1000
+    max_header_bytes: int
+    max_headers: int
+    header_timeout_s: float
+    body_timeout_s: float
+    keep_alive_s: float
+    max_connections: int
 
     @classmethod
     def of(cls, section: GatewaySection) -> Bounds:
-        return cls(
-            section.max_header_bytes,
-            section.max_headers,
-            section.header_timeout_s,
-            section.body_timeout_s,
-            section.keep_alive_s,
-            section.max_connections,
-        )
+        return cls(**{f.name: getattr(section, f.name) for f in fields(cls)})
 
 
 def _answer(status: int, reason: str, code: str, message: str) -> bytes:
@@ -81,7 +75,7 @@ class _Refused(Exception):
 class BoundedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol under ``bounds`` (a subclass per ``Bounds``: see ``protocol_class``)."""
 
-    bounds: ClassVar[Bounds] = Bounds()
+    bounds: ClassVar[Bounds]  # set by ``protocol_class``
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -45,6 +45,7 @@ from fairgate.core.fairness import RequestSpans, gpu_shares, jain_index, max_min
 from fairgate.gateway.dispatch import Dispatcher
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Finished, Rejected
 from fairgate.gateway.upstream import UpstreamClient
+from fairgate.ledger import Usage
 
 WINDOW_S = 60.0
 SAMPLE_EVERY_S = 2.0
@@ -85,9 +86,9 @@ class Probe:
 class TenantTotals:
     """One tenant's cumulative figures since the gateway started.
 
-    ``gpu_ms`` is what the live meter charged (``Charged``, all models); ``settled_gpu_ms`` /
-    ``reserved_gpu_ms`` and ``output_tokens`` / ``reserved_output_tokens`` are what finished requests billed
-    and had reserved (``Finished``); ``overage_gpu_ms`` the billed GPU ms above the reservation's estimate.
+    ``gpu_ms`` is what the live meter charged (``Charged``, all models); ``billed`` what finished requests
+    billed (``Finished``) and ``reserved_output_tokens`` / ``reserved_gpu_ms`` what they had reserved
+    (``max_tokens``, the GPU ms estimate); ``overage_gpu_ms`` the billed GPU ms above the estimate.
     A request refused after admission (queue full, no upstream) counts in both admissions and rejections.
     """
 
@@ -95,17 +96,19 @@ class TenantTotals:
     rejections: dict[str, int] = field(default_factory=dict)
     dispatched: int = 0
     finished: dict[str, int] = field(default_factory=dict)
-    input_tokens: int = 0
-    output_tokens: int = 0
     gpu_ms: float = 0.0
-    settled_gpu_ms: float = 0.0
+    billed: Usage = field(default_factory=Usage)
+    reserved_output_tokens: int = 0
     reserved_gpu_ms: float = 0.0
     overage_gpu_ms: float = 0.0
-    reserved_output_tokens: int = 0
 
     @property
     def rejected(self) -> int:
         return sum(self.rejections.values())
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """Admissions, rejections, billed input and output tokens: the counters a sample shows the rates of."""
+        return self.admissions, self.rejected, self.billed.input_tokens, self.billed.output_tokens
 
 
 @dataclass(frozen=True)
@@ -360,12 +363,11 @@ class Stats:
     def _finished(self, e: Finished) -> None:
         totals = self._tenant(e.tenant)
         totals.finished[e.outcome] = totals.finished.get(e.outcome, 0) + 1
-        totals.input_tokens += e.input_tokens
-        totals.output_tokens += e.output_tokens
-        totals.settled_gpu_ms += e.gpu_ms
+        b = totals.billed
+        totals.billed = Usage(b.input_tokens + e.input_tokens, b.output_tokens + e.output_tokens, b.gpu_ms + e.gpu_ms)
+        totals.reserved_output_tokens += e.max_output_tokens
         totals.reserved_gpu_ms += e.gpu_ms_estimate
         totals.overage_gpu_ms += max(0.0, e.gpu_ms - e.gpu_ms_estimate)
-        totals.reserved_output_tokens += e.max_output_tokens
         add = self._counts.add
         add(e.time_s, (e.tenant, "input_tokens"), e.input_tokens)
         add(e.time_s, (e.tenant, "output_tokens"), e.output_tokens)
@@ -533,7 +535,7 @@ class Stats:
         points = {}
         for tenant, w in view.tenants.items():
             totals = self.totals.get(tenant) or TenantTotals()
-            current = (totals.admissions, totals.rejected, totals.input_tokens, totals.output_tokens)
+            current = totals.counts()
             before = self._previous.get(tenant, (0, 0, 0, 0))
             self._previous[tenant] = current
             rates = [(c - b) / interval for c, b in zip(current, before, strict=True)]
@@ -554,7 +556,7 @@ class Stats:
             )
         for tenant, totals in self.totals.items():  # idle now: keep the next interval's rates right
             if tenant not in view.tenants:
-                self._previous[tenant] = (totals.admissions, totals.rejected, totals.input_tokens, totals.output_tokens)
+                self._previous[tenant] = totals.counts()
         pools = {m: PoolPoint(p.max_min, p.jain, p.ttft_p99_ms, p.queue_p99_ms) for m, p in view.pools.items()}
         sample = Sample(now, points, pools, {u.name: u.busy_fraction for u in view.upstreams})
         self.samples.append(sample)

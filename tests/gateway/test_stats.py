@@ -99,7 +99,7 @@ def test_counts_tokens_gaps_and_percentiles():
     assert w.reserve_gap_gpu_ms == pytest.approx((15 - 10) + (15 - 30))
     assert w.reserve_gap_output_tokens == 4
     totals = stats.totals["a"]
-    assert totals.overage_gpu_ms == 15.0 and totals.settled_gpu_ms == 40.0 and totals.reserved_gpu_ms == 30.0
+    assert totals.overage_gpu_ms == 15.0 and totals.billed.gpu_ms == 40.0 and totals.reserved_gpu_ms == 30.0
     assert totals.reserved_output_tokens == 16 and totals.finished == {"completed": 2}
     assert stats.unattributed_rejections == {"auth": 1}
     assert stats.window().pools == {}  # no GPU time charged, no upstream
