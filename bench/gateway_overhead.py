@@ -108,11 +108,11 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=20000)
-    parser.add_argument("--streams", type=int, default=32)
-    parser.add_argument("--stream-tokens", type=int, default=400)
+    parser.add_argument("--requests", type=int, default=2000, help="non-streaming requests of 1 output token")
+    parser.add_argument("--concurrency", type=int, default=32, help="non-streaming requests in flight at once")
+    parser.add_argument("--tokens", type=int, default=20000, help="output tokens of the one long stream")
+    parser.add_argument("--streams", type=int, default=32, help="concurrent streams of the CPU-per-token run")
+    parser.add_argument("--stream-tokens", type=int, default=400, help="output tokens of each concurrent stream")
     args = parser.parse_args()
     with start_stack(SPEC) as stack:
         upstream, gateway, key = stack.replica_urls[0], stack.url, stack.keys["bench"]

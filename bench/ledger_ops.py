@@ -47,21 +47,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import psycopg
 from redis.asyncio import Redis
 
-from fairgate.harness.ledger import drop_ledger
+from fairgate.harness.ledger import bench_quotas, drop_ledger
 from fairgate.ledger import Ledger, Reservation, connect, quotas_from_dict
 from fairgate.ledger.model import RunClaim
 from fairgate.ledger.rules import Account
 
-QUOTAS = {
-    "defaults": {
-        "requests_per_minute": 1e9,
-        "requests_burst": 1e9,
-        "max_concurrent": 1000,
-        "input_tokens_per_minute": 1e12,
-        "output_tokens_per_minute": 1e12,
-    },
-    "tenants": {f"bench{i}": {} for i in range(8)},
-}
+QUOTAS = bench_quotas(8)
 BATCH = 250  # requests open at once in the server-time run (below max_concurrent)
 OPS = ("reserve", "claim", "account", "settle")
 SCRIPT_COMMANDS = frozenset({"eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro"})

@@ -1,6 +1,6 @@
-"""SQLite ledger: reserve + final settle pairs per second with calls on the connection's thread (issue 12,
-item 6) against calls on the event loop (the code before it, kept as ``SqliteLedger(in_thread=False)``),
-measured in one run, alternating, so the ratio compares like with like on a shared machine.
+"""SQLite ledger: reserve + final settle pairs per second with calls on the connection's thread against
+calls on the event loop (``SqliteLedger(in_thread=False)``), measured in one run, alternating, so the ratio
+compares like with like on a shared machine.
 
 Also, for ``DEFAULT_BUSY_TIMEOUT_MS``: the slowest single call while ``--processes`` processes run pairs flat
 out on one file (the longest any call waited for the write lock, plus its own work).
@@ -18,21 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from fairgate.harness.ledger import bench_quotas
 from fairgate.ledger import quotas_from_dict
 from fairgate.ledger.sqlite import DEFAULT_BUSY_TIMEOUT_MS, SqliteLedger
 
-QUOTAS = quotas_from_dict(
-    {
-        "defaults": {
-            "requests_per_minute": 1e9,
-            "requests_burst": 1e9,
-            "max_concurrent": 1000,
-            "input_tokens_per_minute": 1e12,
-            "output_tokens_per_minute": 1e12,
-        },
-        "tenants": {f"bench{i}": {} for i in range(16)},
-    }
-)
+QUOTAS = quotas_from_dict(bench_quotas(16))
 
 
 async def _pairs(ledger: SqliteLedger, tenant: str, tag: str, n: int) -> float:
@@ -86,10 +76,10 @@ def _slowest_call(path: Path, processes: int, seconds: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=3000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--processes", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--pairs", type=int, default=3000, help="reserve + settle pairs per round and mode")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (the median is printed)")
+    parser.add_argument("--processes", type=int, default=8, help="processes on one file in the lock-wait run")
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of the lock-wait run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         print(f"SQLite reserve + final settle pairs/s, median of {args.rounds} alternating rounds of {args.pairs}")

@@ -40,7 +40,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -118,6 +118,24 @@ def lines_of(chunk: bytes, rest: bytes) -> tuple[list[bytes], bytes]:
     return lines, lines.pop()
 
 
+async def data_events(lines: AsyncIterator[str]) -> int:
+    """Counts the ``data:`` events of an SSE stream before ``data: [DONE]``, which it stops at (the rest is
+    drained apart, as the gateway does). Raises AssertionError: the stream ended before ``[DONE]``."""
+    seen = 0
+    async for line in lines:
+        if line == "data: [DONE]":
+            return seen
+        seen += line.startswith("data: ")
+    raise AssertionError("the stream ended before [DONE]")
+
+
+def drain_later(drains: set[asyncio.Task[None]], drain: Coroutine[Any, Any, None]) -> None:
+    """Runs ``drain`` in a task kept in ``drains`` until it ends (``settle`` waits for them all)."""
+    task = asyncio.ensure_future(drain)
+    drains.add(task)
+    task.add_done_callback(drains.discard)
+
+
 class HttpxGateway:
     """httpx used as a gateway would (``build_request`` + ``send(stream=True)``, ``aiter_lines``, the rest
     read in a task); ``lib``: httpx or a module with its API (httpx2)."""
@@ -140,24 +158,15 @@ class HttpxGateway:
     async def stream(self, body: dict[str, Any], encoded: bytes) -> int:
         request = self.http.build_request("POST", "/chat/completions", json=body)
         response = await self.http.send(request, stream=True)
-        draining, seen = False, 0
         try:
             assert response.status_code == 200, response.status_code
             lines = response.aiter_lines()
-            async for line in lines:
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    task = asyncio.ensure_future(self._drain(lines, response))
-                    self.drains.add(task)
-                    task.add_done_callback(self.drains.discard)
-                    draining = True
-                    return seen
-                seen += 1
-            raise AssertionError("the stream ended before [DONE]")
-        finally:
-            if not draining:
-                await response.aclose()
+            seen = await data_events(lines)
+        except BaseException:
+            await response.aclose()
+            raise
+        drain_later(self.drains, self._drain(lines, response))
+        return seen
 
     async def _drain(self, lines: Any, response: Any) -> None:
         try:
@@ -280,24 +289,14 @@ class AiohttpGateway:
     async def stream(self, body: dict[str, Any], encoded: bytes) -> int:
         data = json.dumps(body).encode()
         response = await self.session.post(self.url, data=data, headers={"content-type": "application/json"})
-        draining, seen = False, 0
         try:
             assert response.status == 200, response.status
-            async for raw in response.content:
-                line = raw.decode(errors="replace").rstrip("\r\n")
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    task = asyncio.ensure_future(self._drain(response))
-                    self.drains.add(task)
-                    task.add_done_callback(self.drains.discard)
-                    draining = True
-                    return seen
-                seen += 1
-            raise AssertionError("the stream ended before [DONE]")
-        finally:
-            if not draining:
-                response.close()
+            seen = await data_events(raw.decode(errors="replace").rstrip("\r\n") async for raw in response.content)
+        except BaseException:
+            response.close()
+            raise
+        drain_later(self.drains, self._drain(response))
+        return seen
 
     @staticmethod
     async def _drain(response: aiohttp.ClientResponse) -> None:

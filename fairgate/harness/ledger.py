@@ -18,6 +18,21 @@ if TYPE_CHECKING:
 
 ALL_TIME_S = 10 * 365 * 86_400.0  # a usage window that covers every reservation of a drill
 
+# Limits no benchmark reaches (rates per minute and concurrency): what it measures is the ledger's work.
+UNREACHED_LIMITS = {
+    "requests_per_minute": 1e9,
+    "requests_burst": 1e9,
+    "max_concurrent": 1000,
+    "input_tokens_per_minute": 1e12,
+    "output_tokens_per_minute": 1e12,
+}
+
+
+def bench_quotas(tenants: int) -> dict[str, object]:
+    """A quota file (as a dict, for ``quotas_from_dict``) of ``tenants`` tenants ``bench0``, ``bench1``, ...
+    under ``UNREACHED_LIMITS``."""
+    return {"defaults": UNREACHED_LIMITS, "tenants": {f"bench{i}": {} for i in range(tenants)}}
+
 
 @dataclass(frozen=True)
 class TenantTotals:

@@ -26,21 +26,22 @@ class SimResult:
 
     workload: Workload
     replicas: int
+    admit_ns: list[int]
+    first_token_ns: list[int]
+    finish_ns: list[int]
+    generated_tokens: list[int]
+    request_gpu_ms: list[float]
+    tenant_gpu_ms: list[float]
+    tenant_prefill_ms: list[float]
+    tenant_decode_tokens: list[int]
+    busy_ns: list[int]
+    iterations: list[int]
     admissions: list[tuple[int, int, int]] = field(default_factory=list)
-    admit_ns: list[int] = field(default_factory=list)
-    first_token_ns: list[int] = field(default_factory=list)
-    finish_ns: list[int] = field(default_factory=list)
-    generated_tokens: list[int] = field(default_factory=list)
-    request_gpu_ms: list[float] = field(default_factory=list)
-    tenant_gpu_ms: list[float] = field(default_factory=list)
-    tenant_prefill_ms: list[float] = field(default_factory=list)
-    tenant_decode_tokens: list[int] = field(default_factory=list)
-    busy_ns: list[int] = field(default_factory=list)
-    iterations: list[int] = field(default_factory=list)
     timeline: list[tuple[int, list[float]]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, workload: Workload, replicas: int) -> SimResult:
+        """Nothing measured yet: every request not admitted, every count 0."""
         n, k = len(workload), len(workload.tenants)
         return cls(
             workload=workload,

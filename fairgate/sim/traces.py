@@ -122,13 +122,13 @@ class TraceSummary:
     """
 
     tenants: tuple[str, ...]
-    requests: dict[str, int] = field(default_factory=dict)
-    skipped_failed: int = 0
-    rows_read: int = 0
-    span_s: float = 0.0
-    duration_s: float = 0.0
-    mean_prompt_tokens: float = 0.0
-    mean_output_tokens: float = 0.0
+    requests: dict[str, int]
+    skipped_failed: int
+    rows_read: int
+    span_s: float
+    duration_s: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
 
     @property
     def total_requests(self) -> int:
