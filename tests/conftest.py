@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -48,6 +49,20 @@ def fairgate(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.C
 SPEED_PROBE_ITERATIONS = 5_000_000
 SPEED_PROBE_REFERENCE_S = 0.08
 SLOWDOWN_MAX = 2.0
+
+
+def streamed_chat(model: str, prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
+    """The keyword arguments of an ``openai`` streamed chat completion of one user message that generates
+    exactly ``max_tokens`` (``ignore_eos``) and reports its usage last; ``more`` adds to them (``extra_headers``)."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True},
+        **more,
+    }
 
 
 @functools.cache

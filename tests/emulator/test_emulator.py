@@ -9,20 +9,13 @@ import httpx
 import openai
 import pytest
 
-from fairgate.emulator.api import EmulatorSettings, create_app
+from fairgate.emulator.api import create_app
+from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.threads import serve_in_thread
-from tests.conftest import fairgate
+from tests.conftest import fairgate, streamed_chat
 
-SETTINGS = EmulatorSettings(
-    iter_base_ms=8.0,
-    iter_slope_ms=0.5,
-    prefill_ms_per_token=0.02,
-    max_batch=8,
-    output_mean_tokens=20.0,
-    output_cv=0.5,
-    max_model_len=4096,
-    model="emu",
-)
+# dt = 8 + 0.5 B + 0.02 per prompt token (ms), 8 slots, a 4,096-token context, outputs of 20 tokens on average
+SETTINGS = ReplicaModel(8.0, 0.5, 0.02, 8, 4096, 20.0).settings("emu")
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +46,7 @@ def test_chat_completion_with_usage(client):
 
 
 def test_streaming_chat_reports_usage_last(client):
-    stream = client.chat.completions.create(
-        model="emu",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=5,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
+    stream = client.chat.completions.create(**streamed_chat("emu", "hi", 5))
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == " t1 t2 t3 t4 t5"

@@ -33,7 +33,7 @@ from fairgate.harness.records import RequestRecord
 from fairgate.harness.run import run_on_stack
 from fairgate.harness.stack import StackSpec, replicas, start_stack
 from fairgate.ledger.config import LimitsConfig
-from tests.conftest import timing_claims_hold_here
+from tests.conftest import streamed_chat, timing_claims_hold_here
 from tests.engine.conftest import MODEL, cost_model
 
 pytestmark = pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite
@@ -100,13 +100,7 @@ def test_a_stream_through_the_gateway_is_billed_what_the_client_received(calibra
     with start_stack(_spec(calibrated, engine_url, ("alpha",), "gpu_fair")) as stack:
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["alpha"], max_retries=0)
         stream = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "tell me something"}],
-            max_tokens=24,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-            extra_headers={"X-Request-Id": "stream-1"},
+            **streamed_chat(MODEL, "tell me something", 24, extra_headers={"X-Request-Id": "stream-1"})
         )
         chunks, usage = 0, None
         for chunk in stream:

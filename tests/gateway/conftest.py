@@ -23,14 +23,8 @@ from fairgate.ledger.config import LimitsConfig, TierConfig
 
 T = TypeVar("T")
 
-REPLICA = ReplicaModel(
-    iter_base_ms=4.0,
-    iter_slope_ms=0.25,
-    prefill_ms_per_token=0.01,
-    max_batch=4,
-    max_model_len=2048,
-    output_mean_tokens=20.0,
-)
+# dt = 4 + 0.25 B + 0.01 per prompt token (ms), 4 slots, a 2,048-token context, outputs of 20 tokens on average
+REPLICA = ReplicaModel(4.0, 0.25, 0.01, 4, 2048, 20.0)
 EMULATOR = REPLICA.settings("emu")
 
 

@@ -17,15 +17,16 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
-from fairgate.gateway.config import load_gateway_config
+from fairgate.gateway.config import GatewayConfig, load_gateway_config
 from fairgate.gateway.state import state_of
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import LedgerUnavailable, Reservation, connect
@@ -85,43 +86,62 @@ def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_collected_call_cut_while_it_settles_is_settled_once_and_not_run_again(tmp_path: Path) -> None:
+L = TypeVar("L", bound=DeferredLedger)
+
+
+@contextmanager
+def _replica_and_ledger(
+    tmp_path: Path, make_ledger: Callable[[Quotas, str], L]
+) -> Iterator[tuple[str, dict[str, str], GatewayConfig, L]]:
+    """An emulated replica, a gateway config for it (``write_config``) and ``make_ledger(quotas, url)``
+    connected: yields the replica's URL, the tenants' keys, the config and the ledger; closes them after."""
     with serve_in_thread(create_app(EMULATOR)) as emulator:
         path, keys = write_config(tmp_path, [emulator])
         config = load_gateway_config(path)
-        held = HeldFinalSettle(config.quotas, config.ledger_url)
-        asyncio.run(held.connect())
-        app = create_gateway(config, held)
+        ledger = make_ledger(config.quotas, config.ledger_url)
+        asyncio.run(ledger.connect())
         try:
-            with serve_in_thread(app) as gateway:
-                original = _send(gateway, keys["alpha"], "cut-1")
-                assert held.holding.wait(10)  # the upstream is done; its final settlement waits
-                original.setblocking(False)
-                try:
-                    unanswered = original.recv(1) == b""
-                except BlockingIOError:
-                    unanswered = True
-                original.close()  # the client gives up
-                assert held.done.wait(10)
-                _until(lambda: len(state_of(app).calls) == 0)
-                headers: dict[str, Any] = {"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "cut-1"}
-                retried = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
-            stats = httpx.get(f"{emulator}/emulator/stats").json()
-            [r] = ledger_call(config, lambda ledger: ledger.reservations("alpha"))
-            events = ledger_call(config, lambda ledger: ledger.events("alpha"))
+            yield emulator, keys, config, ledger
         finally:
-            asyncio.run(held.close())
-    assert unanswered
-    assert retried.status_code == 409, retried.text
-    assert retried.json()["error"]["code"] == "request_already_completed", retried.text
-    # The ledger: one reservation, billed once what the replica generated for its one run.
-    assert (r.request_id, r.status, r.billed.output_tokens) == ("cut-1", "settled", 5), r
+            asyncio.run(ledger.close())
+
+
+def _assert_run_and_billed_once(request_id: str, retries: list[httpx.Response], emulator: str, config: Any) -> None:
+    """Every retry was refused as already completed; the ledger holds one reservation, billed once what the
+    replica generated (5 tokens) for its one run; the replica ran it once, to the end."""
+    for retried in retries:
+        assert retried.status_code == 409, retried.text
+        assert retried.json()["error"]["code"] == "request_already_completed", retried.text
+    stats = httpx.get(f"{emulator}/emulator/stats").json()
+    [r] = ledger_call(config, lambda ledger: ledger.reservations("alpha"))
+    events = ledger_call(config, lambda ledger: ledger.events("alpha"))
+    assert (r.request_id, r.status, r.billed.output_tokens) == (request_id, "settled", 5), r
     assert [(e.kind, e.output_tokens) for e in events if e.reservation_id == r.id] == [
         ("reserve", 0),
         ("settle_final", 5),
     ]
-    assert (stats["sequences_finished"], stats["sequences_cancelled"], stats["tokens_generated"]) == (1, 0, 5), stats
-    assert stats["running"] == 0
+    finished = ("sequences_finished", "sequences_cancelled", "tokens_generated", "running")
+    assert tuple(stats[k] for k in finished) == (1, 0, 5, 0), stats
+
+
+def test_a_collected_call_cut_while_it_settles_is_settled_once_and_not_run_again(tmp_path: Path) -> None:
+    with _replica_and_ledger(tmp_path, HeldFinalSettle) as (emulator, keys, config, held):
+        app = create_gateway(config, held)
+        with serve_in_thread(app) as gateway:
+            original = _send(gateway, keys["alpha"], "cut-1")
+            assert held.holding.wait(10)  # the upstream is done; its final settlement waits
+            original.setblocking(False)
+            try:
+                unanswered = original.recv(1) == b""
+            except BlockingIOError:
+                unanswered = True
+            original.close()  # the client gives up
+            assert held.done.wait(10)
+            _until(lambda: len(state_of(app).calls) == 0)
+            headers: dict[str, Any] = {"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "cut-1"}
+            retried = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
+        _assert_run_and_billed_once("cut-1", [retried], emulator, config)
+    assert unanswered
     assert not held.cancelled, "the client's disconnect cancelled the final settlement"
 
 
@@ -141,31 +161,13 @@ class FinalSettleDown(DeferredLedger):
 
 
 def test_a_request_whose_final_settlement_failed_is_not_run_again_by_a_retry(tmp_path: Path) -> None:
-    with serve_in_thread(create_app(EMULATOR)) as emulator:
-        path, keys = write_config(tmp_path, [emulator])
-        config = load_gateway_config(path)
-        down = FinalSettleDown(config.quotas, config.ledger_url)
-        asyncio.run(down.connect())
+    with _replica_and_ledger(tmp_path, FinalSettleDown) as (emulator, keys, config, down):
         headers = {"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "lost-1"}
-        try:
-            with serve_in_thread(create_gateway(config, down)) as gateway:
-                served = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
-                early = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
-                down.up.set()  # the journal's replay (every second) settles it
-                _until(lambda: ledger_call(config, lambda ledger: ledger.reservations("alpha"))[0].is_final)
-                late = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
-            stats = httpx.get(f"{emulator}/emulator/stats").json()
-            [r] = ledger_call(config, lambda ledger: ledger.reservations("alpha"))
-            events = ledger_call(config, lambda ledger: ledger.events("alpha"))
-        finally:
-            asyncio.run(down.close())
-    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 5, served.text
-    for retried in (early, late):
-        assert retried.status_code == 409, retried.text
-        assert retried.json()["error"]["code"] == "request_already_completed", retried.text
-    assert (r.request_id, r.status, r.billed.output_tokens) == ("lost-1", "settled", 5), r
-    assert [(e.kind, e.output_tokens) for e in events if e.reservation_id == r.id] == [
-        ("reserve", 0),
-        ("settle_final", 5),
-    ]
-    assert (stats["sequences_finished"], stats["tokens_generated"], stats["running"]) == (1, 5, 0), stats
+        with serve_in_thread(create_gateway(config, down)) as gateway:
+            served = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
+            early = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
+            down.up.set()  # the journal's replay (every second) settles it
+            _until(lambda: ledger_call(config, lambda ledger: ledger.reservations("alpha"))[0].is_final)
+            late = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 5, served.text
+        _assert_run_and_billed_once("lost-1", [early, late], emulator, config)

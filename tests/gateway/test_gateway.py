@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import streamed_chat
 from tests.gateway import conftest
 
 
@@ -40,13 +41,7 @@ def test_chat_completion_is_served_and_settled(stack):
 
 def test_streaming_with_usage_and_request_id(stack):
     raw = client(stack, "beta").chat.completions.with_raw_response.create(
-        model="emu",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=4,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": "my-req-1"},
+        **streamed_chat("emu", "hi", 4, extra_headers={"X-Request-Id": "my-req-1"})
     )
     assert raw.headers["x-request-id"] == "my-req-1"
     chunks = list(raw.parse())

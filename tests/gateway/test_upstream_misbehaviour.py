@@ -91,6 +91,14 @@ def ask(stack: Stack, prompt: str, stream: bool, request_id: str) -> httpx.Respo
     return httpx.post(f"{stack.url}/v1/chat/completions", json={**body, "stream": stream}, headers=headers, timeout=30)
 
 
+def exchange(stack: Stack, mode: str, stream: bool, rest: str) -> tuple[str, httpx.Response, Reservation]:
+    """Asks for ``mode`` (the prompt starts with it, ``rest`` follows) under a fresh request id; returns the
+    id, the reply and the request's reservation once final."""
+    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
+    reply = ask(stack, f"{mode}{rest}", stream, request_id)
+    return request_id, reply, final(stack, request_id)
+
+
 def events(reply: httpx.Response) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
 
@@ -129,9 +137,7 @@ def test_a_failure_before_anything_was_relayed_is_a_clear_error_billed_nothing(
 ) -> None:
     stack, _ = served
     status, problem = BEFORE_ANYTHING[mode]
-    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
-    reply = ask(stack, f"{mode} please", stream, request_id)
-    reservation = final(stack, request_id)
+    request_id, reply, reservation = exchange(stack, mode, stream, " please")
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["code"] == "upstream_error" and UPSTREAM in error["message"] and "<html>" not in error["message"]
@@ -148,9 +154,7 @@ def test_a_stream_broken_after_it_started_ends_with_an_error_event_and_bills_wha
     served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str
 ) -> None:
     stack, _ = served
-    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
-    reply = ask(stack, f"{mode} please", True, request_id)
-    reservation = final(stack, request_id)
+    _request_id, reply, reservation = exchange(stack, mode, True, " please")
     chunks = events(reply)
     assert reply.status_code == 200 and "data: [DONE]" not in reply.text, reply.text
     assert chunks[-1]["error"]["code"] == "upstream_error" and UPSTREAM in chunks[-1]["error"]["message"]
@@ -169,9 +173,7 @@ def test_a_collected_call_broken_mid_stream_delivered_nothing_and_bills_nothing(
 ) -> None:
     stack, _ = served
     status, problem = MID_STREAM[mode]
-    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
-    reply = ask(stack, f"{mode} please", False, request_id)
-    reservation = final(stack, request_id)
+    _request_id, reply, reservation = exchange(stack, mode, False, " please")
     assert reply.status_code == status and reply.json()["error"]["code"] == "upstream_error", reply.text
     assert (reservation.status, reservation.billed) == ("cancelled", Usage()), reservation
     [line] = warnings(caplog)
@@ -205,9 +207,7 @@ def test_usage_that_contradicts_what_was_relayed_is_billed_from_the_relay(
 ) -> None:
     stack, _ = served
     from_estimate, billed_output, event = USAGE[mode]
-    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
-    reply = ask(stack, f"{mode}{LONG}", stream, request_id)
-    reservation = final(stack, request_id)
+    request_id, reply, reservation = exchange(stack, mode, stream, LONG)
     assert reply.status_code == 200, reply.text
     if stream:
         assert reply.text.rstrip().endswith("data: [DONE]") and pieces(events(reply)) == TOKENS, reply.text
@@ -243,9 +243,7 @@ def test_an_upstream_past_max_tokens_in_one_read_is_stopped_before_the_piece_ove
     and tool-call deltas are pieces as content is (found by a helper: 200 relayed, billed 0)."""
     stack, _ = served
     assert PAST_MAX_TOKENS > MAX_TOKENS + RELAY_CHUNKS_PER_WRITE_MAX
-    request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
-    reply = ask(stack, f"{mode} please", True, request_id)
-    reservation = final(stack, request_id)
+    _request_id, reply, reservation = exchange(stack, mode, True, " please")
     chunks = events(reply)
     assert reply.status_code == 200 and "data: [DONE]" not in reply.text, reply.text
     assert chunks[-1]["error"]["code"] == "max_tokens_exceeded", chunks[-1]

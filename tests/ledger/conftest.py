@@ -6,15 +6,33 @@ dropped after. These tests are never skipped: a backend that cannot be reached f
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
 from fairgate.ledger import Ledger, Quotas, connect, quotas_from_dict
+from fairgate.ledger.redis import RedisLedger
 
 # "pgbouncer": PostgreSQL behind PgBouncer in transaction mode (each transaction on any server connection);
 # "redis_cluster": a Redis Cluster of three masters (each tenant's keys on the node of its hash slot).
 BACKENDS = ("sqlite", "postgres", "pgbouncer", "redis", "redis_cluster")
+
+
+# The limits most ledger tests start from: small enough that a handful of requests reaches each one.
+LIMITS = {
+    "requests_per_minute": 60,
+    "requests_burst": 5,
+    "input_tokens_per_minute": 6000,
+    "input_tokens_burst": 3000,
+    "output_tokens_per_minute": 6000,
+    "output_tokens_burst": 2000,
+    "max_concurrent": 3,
+    "gpu_seconds": 10,
+    "gpu_window_s": 3600,
+    "reservation_ttl_s": 60,
+}
 
 
 @pytest.fixture(params=BACKENDS)
@@ -43,6 +61,28 @@ async def open_ledger(backend: str, backend_url) -> AsyncIterator[Callable[..., 
         drop = getattr(ledger, "drop_schema", None) or getattr(ledger, "drop_keys", None)
         if drop is not None and ledger is opened[0]:
             await drop()
+        await ledger.close()
+
+
+@pytest.fixture
+async def redis_ledgers(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
+    """``await redis_ledgers(quotas, clock=None, prefix=None, query="")``: a Redis ledger, on this test's fresh
+    prefix unless ``prefix`` is given (two calls: two processes sharing one ledger), with more URL parameters
+    in ``query``; keys dropped after."""
+    opened: list[RedisLedger] = []
+    default_prefix = f"fgt_{uuid.uuid4().hex[:12]}"
+
+    async def make(
+        quotas: Quotas, clock: Callable[[], float] | None = None, prefix: str | None = None, query: str = ""
+    ) -> RedisLedger:
+        ledger = await connect(f"{redis_url}?prefix={prefix or default_prefix}{query}", quotas, clock)
+        assert isinstance(ledger, RedisLedger)
+        opened.append(ledger)
+        return ledger
+
+    yield make
+    for ledger in opened:
+        await ledger.drop_keys()
         await ledger.close()
 
 

@@ -17,25 +17,10 @@ from fairgate.ledger import (
     UnknownTenant,
     Usage,
 )
-from tests.ledger.conftest import const
+from tests.ledger.conftest import LIMITS, const
 
 QUOTAS = {
-    "defaults": {
-        "requests_per_minute": 60,
-        "requests_burst": 5,
-        "input_tokens_per_minute": 6000,
-        "input_tokens_burst": 3000,
-        "output_tokens_per_minute": 6000,
-        "output_tokens_burst": 2000,
-        "max_concurrent": 3,
-        "gpu_seconds": 10,
-        "gpu_window_s": 3600,
-        "gpu_seconds_total": 25,
-        "max_model_calls": 3,
-        "max_tool_rounds": 1,
-        "max_tokens": 2500,
-        "reservation_ttl_s": 60,
-    },
+    "defaults": {**LIMITS, "gpu_seconds_total": 25, "max_model_calls": 3, "max_tool_rounds": 1, "max_tokens": 2500},
     "tenants": {"a": {}, "b": {}, "big": {"model_class": {"large": {"max_concurrent": 1}}}},
 }
 

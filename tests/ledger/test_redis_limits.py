@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import re
 import struct
-import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from fairgate.ledger import LedgerUnavailable, QuotaExceeded, Quotas, connect, quotas_from_dict
+from fairgate.ledger import LedgerUnavailable, QuotaExceeded, Quotas, quotas_from_dict
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LIMIT_FIELDS
 from fairgate.ledger.redis import TENANT_KEYS, RedisLedger, codec
@@ -40,22 +39,10 @@ def _quotas(max_concurrent: int) -> Quotas:
 
 
 @pytest.fixture
-async def redis_ledger(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
-    """``await redis_ledger(quotas)``: a ledger on this test's prefix (one prefix: two calls are two processes
-    sharing a ledger); keys dropped after."""
-    opened: list[RedisLedger] = []
-    prefix = f"fgt_{uuid.uuid4().hex[:12]}"
-
-    async def make(quotas: Quotas, clock: Callable[[], float] | None = None) -> RedisLedger:
-        ledger = await connect(f"{redis_url}?prefix={prefix}", quotas, clock)
-        assert isinstance(ledger, RedisLedger)
-        opened.append(ledger)
-        return ledger
-
-    yield make
-    for ledger in opened:
-        await ledger.drop_keys()
-        await ledger.close()
+def redis_ledger(redis_ledgers: Callable[..., Any]) -> Callable[..., Any]:
+    """``await redis_ledger(quotas, clock=None)``: a ledger on this test's prefix (one prefix: two calls are two
+    processes sharing a ledger)."""
+    return redis_ledgers
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import re
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -47,24 +47,16 @@ QUOTAS = quotas_from_dict(
 
 
 @pytest.fixture
-async def redis_ledger(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
+def redis_ledger(redis_ledgers: Callable[..., Any]) -> Callable[..., Any]:
     """``await redis_ledger(clock=None, prefix=None, quotas=QUOTAS, query="")``: a ledger on a fresh prefix (more
     URL parameters in ``query``); keys dropped after."""
-    opened: list[RedisLedger] = []
-    default_prefix = f"fgt_{uuid.uuid4().hex[:12]}"
 
-    async def make(
+    def make(
         clock: Callable[[], float] | None = None, prefix: str | None = None, quotas: Quotas = QUOTAS, query: str = ""
-    ) -> RedisLedger:
-        ledger = await connect(f"{redis_url}?prefix={prefix or default_prefix}{query}", quotas, clock)
-        assert isinstance(ledger, RedisLedger)
-        opened.append(ledger)
-        return ledger
+    ) -> Any:
+        return redis_ledgers(quotas, clock, prefix, query)
 
-    yield make
-    for ledger in opened:
-        await ledger.drop_keys()
-        await ledger.close()
+    return make
 
 
 async def _keys_of(ledger: RedisLedger, client: Redis) -> list[str]:

@@ -9,20 +9,10 @@ from dataclasses import replace
 import pytest
 
 from fairgate.ledger import Usage
+from tests.ledger.conftest import LIMITS
 
 QUOTAS = {
-    "defaults": {
-        "requests_per_minute": 60,
-        "requests_burst": 5,
-        "input_tokens_per_minute": 6000,
-        "input_tokens_burst": 3000,
-        "output_tokens_per_minute": 6000,
-        "output_tokens_burst": 2000,
-        "max_concurrent": 3,
-        "gpu_seconds": 10,
-        "gpu_window_s": 3600,
-        "reservation_ttl_s": 60,
-    },
+    "defaults": LIMITS,
     "tenants": {"a": {}, "big": {"model_class": {"large": {"max_concurrent": 2, "requests_per_minute": 30}}}},
 }
 
