@@ -18,7 +18,7 @@ from rich.table import Table
 
 from fairgate.cli_common import fail as _fail
 from fairgate.cli_common import note as _note
-from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.config import ACCESS_LOG_STDERR, GatewayConfig
 from fairgate.ledger import LedgerError
 
 DEMO_GRACE_S = 2  # the demo's servers wait this long for streams still open when they stop
@@ -182,12 +182,18 @@ async def _start_traffic(plan: Plan, serving: asyncio.Future[Any]) -> asyncio.Ta
 
 
 def startup_problem(config: GatewayConfig, path: Path) -> str | None:
-    """What would stop the gateway starting, as one line naming the key: a journal or event log that
+    """What would stop the gateway starting, as one line naming the key: a journal, event log or access log that
     cannot be written, a ledger that cannot be opened (checked by opening it, as the gateway will; a ledger
     server that does not answer is an outage, not a configuration problem: the gateway starts)."""
     from fairgate.ledger import LedgerError, LedgerUnavailable, connect
 
-    for key, file in (("journal", config.journal_path), ("event_log", config.event_log_path)):
+    access_log = config.gateway.access_log
+    access_path = Path(access_log) if access_log not in ("", ACCESS_LOG_STDERR) else None
+    for key, file in (
+        ("journal", config.journal_path),
+        ("event_log", config.event_log_path),
+        ("access_log", access_path),
+    ):
         if file is None:
             continue
         try:

@@ -23,7 +23,7 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairgate.core.policies.factory import TenantShare, make_policy
-from fairgate.gateway import background, completions, dashboard, eventlog, health, metrics, usage_api
+from fairgate.gateway import accesslog, background, completions, dashboard, eventlog, health, metrics, usage_api
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.dispatch import Dispatcher, Upstream
 from fairgate.gateway.identity import Identity, require_admin
@@ -119,6 +119,7 @@ def _install_views(app: FastAPI, state: GatewayState) -> None:
     state.metrics_registry = metrics.install(app, config, stats, state.events)
     usage_api.install(app, config, state.events)
     eventlog.install(app, config, state.events)
+    accesslog.install(app, state)
     dashboard.install(app, stats, config.gateway.slo_ttft_p99_s * 1000.0)
 
 

@@ -23,6 +23,7 @@ from fastapi.routing import APIRoute
 
 from fairgate.api import ChatRequest, CompletionRequest, EmbeddingRequest, openapi_request_body
 from fairgate.gateway import admission, intake
+from fairgate.gateway.accesslog import open_record
 from fairgate.gateway.call import Call, TryAnotherUpstream
 from fairgate.gateway.embeddings import EmbeddingCall
 from fairgate.gateway.identity import Caller, require_tenant
@@ -47,15 +48,19 @@ class RecordedRoute(APIRoute):
 
         async def recorded(request: Request) -> Response:
             state = gateway_of(request)
+            record = open_record(request.url.path, state.clock.wall_s())
             request_id: str | None = None
             try:
                 request.state.request_id = request_id = intake.request_id_of(request)
-                return await handler(request)
+                response = await handler(request)
             except Rejection as rejection:
                 request_id = request_id or intake.new_request_id()  # the id itself was refused
                 if rejection.answer.recorded:
                     state.events.observe(rejection.event(request_id, state.clock.wall_s()))
-                return respond(rejection, request_id, state.rng)
+                response = respond(rejection, request_id, state.rng)
+            if state.access_log is not None:
+                state.access_log.answered(record, request_id, response.status_code, state.clock.wall_s())
+            return response
 
         return recorded
 

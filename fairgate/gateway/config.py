@@ -15,6 +15,8 @@ header_timeout_s = 10                      # a head not complete this long after
 body_timeout_s = 30                        # a body not complete this long after its head: 408
 keep_alive_s = 5                           # a connection with no request open is closed after this
 max_connections = 1000                     # open connections; a request beyond them gets a 503
+event_log = "fairgate-events.jsonl"        # the request log (JSON lines: fairgate.gateway.eventlog); "": none
+access_log = "-"                           # one JSON line per request: "-" stderr, a file, "": none
 
 [[upstream]]                               # at least one; names unique
 name = "emu-0"
@@ -123,6 +125,7 @@ def _key_hash(text: str) -> str:
 KeyHash = Annotated[str, AfterValidator(_key_hash)]
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 TenantName = Annotated[str, Field(min_length=1, max_length=200)]
+ACCESS_LOG_STDERR = "-"  # ``[gateway].access_log`` value: the access log goes to stderr
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)]
 
 
@@ -134,6 +137,8 @@ class GatewaySection(_Strict):
     journal: Annotated[str, Field(min_length=1)] = "fairgate-journal.jsonl"
     # JSON lines; "": no file (the records go to the ``fairgate.gateway`` logger only)
     event_log: str | None = "fairgate-events.jsonl"
+    # One JSON line per request answered (fairgate.gateway.accesslog): "-" stderr, a file path, or "" (off).
+    access_log: str = "-"
     default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_PER_REQUEST)] = 512
     max_body_bytes: Annotated[int, Field(ge=1024, le=1024**3)] = 1024 * 1024
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
@@ -455,7 +460,11 @@ def _resolve(path: Path, gateway: GatewaySection) -> GatewaySection:
         ledger = "sqlite:///" + str((folder / ledger[len("sqlite:///") :]).resolve())
     journal = str((folder / gateway.journal).resolve())
     event_log = str((folder / gateway.event_log).resolve()) if gateway.event_log else None
-    return gateway.model_copy(update={"ledger": ledger, "journal": journal, "event_log": event_log})
+    access_log = gateway.access_log
+    if access_log not in ("", ACCESS_LOG_STDERR):
+        access_log = str((folder / access_log).resolve())
+    update = {"ledger": ledger, "journal": journal, "event_log": event_log, "access_log": access_log}
+    return gateway.model_copy(update=update)
 
 
 def _check_ca_file(path: Path, index: int, ca_file: Path) -> None:

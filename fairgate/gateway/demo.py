@@ -71,7 +71,11 @@ def write_demo_config(folder: Path, upstream_url: str) -> tuple[Path, dict[str, 
     admin_key = new_api_key()
     demo = GatewayFile(
         GatewaySection(
-            policy="gpu_fair", ledger="sqlite:///ledger.db", journal="journal.jsonl", default_max_tokens=256
+            policy="gpu_fair",
+            ledger="sqlite:///ledger.db",
+            journal="journal.jsonl",
+            access_log="access.jsonl",  # the demo's own traffic would flood the terminal
+            default_max_tokens=256,
         ),
         (
             UpstreamConfig(

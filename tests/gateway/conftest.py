@@ -140,12 +140,14 @@ def write_config(
     ledger: str | None = None,
     models: Sequence[str] | None = None,
     upstream_table: Mapping[str, Any] | None = None,
+    gateway_table: Mapping[str, Any] | None = None,
 ) -> tuple[Path, dict[str, str]]:
     """``tmp/<name>``: the gateway in front of ``upstream_urls`` (``REPLICA`` each) with an SQLite ledger and
     journal in ``tmp`` (or the ledger at URL ``ledger``), ``TENANTS`` (tier ``free``, ``limits`` by tenant)
     over ``defaults`` (``max_queued`` 64 unless given), and the optional admin key, delegation and sweep;
     ``models``: the model each upstream serves (default ``emu``); ``upstream_table``: more keys of every
-    ``[[upstream]]`` table (``kind``, ``api_key_env``, ...). Returns its path and the keys."""
+    ``[[upstream]]`` table (``kind``, ``api_key_env``, ...); ``gateway_table``: more keys of ``[gateway]``.
+    Returns its path and the keys."""
     keys = {tenant: f"fg-test-{tenant}-{'x' * 24}" for tenant in TENANTS}
     defaults = defaults or LimitsConfig()
     if defaults.max_queued is None:
@@ -157,6 +159,7 @@ def write_config(
         default_max_tokens=64,
         max_body_bytes=65536,
         **({"sweep_s": sweep_s} if sweep_s is not None else {}),
+        **(gateway_table or {}),
     )
     tenants = [TenantSpec(t, tier="free", limits=(limits or {}).get(t, LimitsConfig())) for t in TENANTS]
     served = models or ["emu"] * len(upstream_urls)

@@ -1,0 +1,110 @@
+"""The access log (``fairgate.gateway.accesslog``): one JSON line per request answered, over real HTTP, each
+line checked against what the client received and what the ledger billed its reservation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from fairgate.harness.process import free_port
+from fairgate.ledger import Reservation
+from fairgate.ledger.base import tenant_tag
+from tests.conftest import fairgate, streamed_chat
+from tests.gateway.conftest import Stack, serve_stack, write_config
+
+BODY = {"model": "emu", "prompt": "a b c", "max_tokens": 6, "ignore_eos": True}
+
+
+def lines_of(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def post(stack: Stack, request_id: str, tenant: str = "alpha", key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key or stack.keys[tenant]}", "X-Request-Id": request_id}
+    return httpx.post(f"{stack.url}/v1/completions", json=BODY, headers=headers, timeout=30)
+
+
+def by_id(reservations: list[Reservation]) -> dict[str, Reservation]:
+    return {r.request_id: r for r in reservations}
+
+
+def test_each_request_is_one_line_with_what_the_client_got_and_the_ledger_billed(tmp_path: Path) -> None:
+    log = tmp_path / "access.jsonl"
+    with serve_stack(tmp_path, gateway_table={"access_log": "access.jsonl"}) as stack:
+        collected = post(stack, "col-1")
+        again = post(stack, "col-1")  # the same id once more: refused, a line of its own
+        unknown = post(stack, "bad-key", key="fg-nobody-" + "z" * 24)
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["beta"], max_retries=0)
+        chunks = list(
+            client.chat.completions.create(**streamed_chat("emu", "hi", 5, extra_headers={"X-Request-Id": "str-1"}))
+        )
+        reservations = by_id(stack.reservations())
+    assert (collected.status_code, again.status_code, unknown.status_code) == (200, 409, 401)
+    lines = {line["request_id"]: line for line in lines_of(log) if line["request_id"] != "col-1"}
+    first, second = [line for line in lines_of(log) if line["request_id"] == "col-1"]
+    assert len(lines_of(log)) == 4
+    # The collected call: what the client was shown is what the ledger billed, and so is the line.
+    billed = reservations["col-1"].billed
+    assert collected.json()["usage"]["completion_tokens"] == billed.output_tokens == first["output_tokens"] == 6
+    assert (first["status"], first["outcome"], first["input_tokens"]) == (200, "completed", billed.input_tokens)
+    assert first["gpu_ms"] == pytest.approx(billed.gpu_ms, abs=1e-3) and first["gpu_ms"] > 0
+    assert first["tenant_hash"] == tenant_tag("alpha") and "alpha" not in json.dumps(first)
+    assert (first["model"], first["path"], first["upstream"]) == ("emu", "/v1/completions", "emu-0")
+    assert 0 <= first["queue_ms"] <= first["ttft_ms"] <= first["latency_ms"]
+    # The re-sent id: a rejection, billed nothing, its reason and code as answered.
+    assert (second["status"], second["outcome"], second["reason"]) == (409, "rejected", "conflict")
+    assert second["code"] == again.json()["error"]["code"] and second["output_tokens"] == 0
+    assert second["upstream"] is None and second["ttft_ms"] is None
+    # No credential: nobody to attribute it to.
+    bad = lines["bad-key"]
+    assert (bad["status"], bad["tenant_hash"], bad["reason"], bad["code"]) == (401, None, "auth", "invalid_api_key")
+    # The stream: the tokens the client received, billed, and logged.
+    received = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+    stream = lines["str-1"]
+    assert received == reservations["str-1"].billed.output_tokens == stream["output_tokens"] == 5
+    assert (stream["status"], stream["outcome"], stream["tenant_hash"]) == (200, "completed", tenant_tag("beta"))
+
+
+def test_a_stream_the_client_leaves_is_logged_cancelled_with_what_was_billed(tmp_path: Path) -> None:
+    log = tmp_path / "access.jsonl"
+    with serve_stack(tmp_path, gateway_table={"access_log": "access.jsonl"}) as stack:
+        body = {**BODY, "max_tokens": 2000, "stream": True}
+        headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": "cut-1"}
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, headers=headers, timeout=30) as response:
+            received = 0
+            for line in response.iter_lines():
+                received += line.startswith("data: {")
+                if received == 10:
+                    break  # the client hangs up mid-stream
+        [reservation] = stack.reservations()
+        for _ in range(200):  # the final settlement of a cut stream runs after the hang-up
+            if reservation.is_final:
+                break
+            [reservation] = stack.reservations()
+    [line] = lines_of(log)
+    assert (line["request_id"], line["status"], line["outcome"]) == ("cut-1", 200, "cancelled")
+    assert line["output_tokens"] == reservation.billed.output_tokens >= received
+    assert line["output_tokens"] < 2000
+
+
+def test_stderr_by_default_and_off_with_an_empty_value(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    with serve_stack(tmp_path / "default") as stack:
+        assert post(stack, "to-stderr").status_code == 200
+    logged = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith('{"ts"')]
+    assert [(line["request_id"], line["status"]) for line in logged] == [("to-stderr", 200)]
+    with serve_stack(tmp_path / "off", gateway_table={"access_log": ""}) as stack:
+        assert post(stack, "nowhere").status_code == 200
+    assert "nowhere" not in capfd.readouterr().err
+
+
+def test_an_access_log_that_cannot_be_written_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "a-directory").mkdir()
+    path, _ = write_config(tmp_path, ["http://127.0.0.1:9"], gateway_table={"access_log": "a-directory"})
+    done = fairgate("serve", "--config", str(path), "--port", str(free_port()), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "gateway.access_log: cannot write" in done.stderr and "Traceback" not in done.stderr
