@@ -1,8 +1,12 @@
-"""``fairgate keys ...``: make and list the gateway's API keys (only their hashes are stored).
+"""``fairgate keys ...``: make, list, revoke and rotate the gateway's API keys (only their hashes are stored).
 
-``fairgate keys add TENANT --config fairgate.toml [--name LABEL]`` appends a ``[[key]]`` table to the
-configuration (its comments and layout stay as they are) and prints the new key once on stdout.
-``fairgate keys list --config fairgate.toml`` prints tenants, labels and hash prefixes, never keys.
+``fairgate keys add TENANT --config fairgate.toml [--name LABEL] [--expires-in-days D]`` appends a ``[[key]]``
+table to the configuration (its comments and layout stay as they are), stamped with its ``created`` time
+(and ``expires``), and prints the new key once on stdout. ``fairgate keys list --config fairgate.toml``
+prints tenants, labels, hash prefixes, created and expiry times, never keys. ``fairgate keys revoke`` removes
+one key, named by a prefix of its hash (as ``list`` shows it) or by its label; ``fairgate keys rotate`` makes
+a new key for the same tenant and label and lets the old one work ``--grace-hours`` more (0: revoked now).
+The gateway applies the file on ``SIGHUP`` or ``POST /admin/reload`` (``fairgate.gateway.reload``).
 Every user error prints one line on stderr and exits with code 2.
 """
 
@@ -13,8 +17,9 @@ import sys
 import tempfile
 import tomllib
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -70,11 +75,34 @@ def _replace_text(path: Path, text: str) -> None:
         raise
 
 
+APPLY = "Send the gateway SIGHUP (kill -HUP <pid>) or POST /admin/reload to apply it."
+
+
+def _now() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+def _toml_time(moment: datetime) -> str:
+    """A TOML offset date-time in UTC (``2027-01-05T09:30:00Z``)."""
+    return moment.astimezone(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _shown(moment: datetime | None) -> str:
+    return "-" if moment is None else _toml_time(moment)
+
+
+def _expiry(moment: datetime | None, now: datetime) -> str:
+    return _shown(moment) + (" (expired)" if moment is not None and moment <= now else "")
+
+
 @keys_app.command()
 def add(
     tenant: Annotated[str, typer.Argument(help="A tenant of the quotas.tenants table.")],
     config: ConfigPath,
     name: Annotated[str | None, typer.Option("--name", help="A label for the key (e.g. where it is used).")] = None,
+    expires_in_days: Annotated[
+        float | None, typer.Option("--expires-in-days", help="The key stops working this many days from now.")
+    ] = None,
 ) -> None:
     """Make an API key for TENANT, store its hash in the configuration and print the key (once)."""
     from fairgate.gateway.auth import hash_api_key, new_api_key
@@ -89,11 +117,17 @@ def add(
             )
         if name is not None and len(name) > 200:
             raise ValueError("--name: at most 200 characters")
+        if expires_in_days is not None and not 0 < expires_in_days <= 36_500:
+            raise ValueError("--expires-in-days: a number of days in (0, 36500]")
         key = new_api_key()
         text = config.read_text(encoding="utf-8")
         table = f"\n[[key]]\ntenant = {toml_string(tenant)}\nhash = {toml_string(hash_api_key(key))}\n"
         if name is not None:
             table += f"name = {toml_string(name)}\n"
+        now = _now()
+        table += f"created = {_toml_time(now)}\n"
+        if expires_in_days is not None:
+            table += f"expires = {_toml_time(now + timedelta(days=expires_in_days))}\n"
         updated = text + ("" if text.endswith("\n") or not text else "\n") + table
         try:
             data = tomllib.loads(updated)
@@ -111,7 +145,7 @@ def add(
     label = f" ({name})" if name else ""
     _say(
         f"added a key for tenant {tenant!r}{label} to {config}; it is printed above and cannot be shown again "
-        "(only its hash is stored). Restart the gateway to use it."
+        f"(only its hash is stored). {APPLY}"
     )
 
 
@@ -121,14 +155,18 @@ def list_keys(config: ConfigPath) -> None:
     from fairgate.gateway.config import load_gateway_config
 
     loaded = _guard(lambda: load_gateway_config(config))
-    rows = [(k.tenant, k.name or "-", k.hash[:23] + "...") for k in loaded.keys]
-    rows += [("(admin)", "-", h[:23] + "...") for h in loaded.admin.key_hashes]
+    now = _now()
+    rows = [
+        (k.tenant, k.name or "-", k.hash[:23] + "...", _shown(k.created), _expiry(k.expires, now)) for k in loaded.keys
+    ]
+    rows += [("(admin)", "-", h[:23] + "...", "-", "-") for h in loaded.admin.key_hashes]
     if not rows:
         _say(f"no keys in {config}; make one with: fairgate keys add TENANT --config {config}")
         return
-    widths = [max(len(row[i]) for row in [("tenant", "name", "hash"), *rows]) for i in range(2)]
-    for row in [("tenant", "name", "hash"), *rows]:
-        sys.stdout.write(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}\n")
+    header = ("tenant", "name", "hash", "created", "expires")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        sys.stdout.write("  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
 @keys_app.command("add-admin")
@@ -165,5 +203,114 @@ def add_admin(config: ConfigPath) -> None:
     sys.stdout.flush()
     _say(
         f"added an admin key to {config}; it is printed above and cannot be shown again (only its hash is "
-        "stored). Restart the gateway to use it."
+        f"stored). {APPLY}"
+    )
+
+
+HashOption = Annotated[
+    str | None, typer.Option("--hash", help="The key's hash, or its first 12+ characters (as `keys list` shows).")
+]
+NameOption = Annotated[str | None, typer.Option("--name", help="The key's label (it must name one key).")]
+
+
+def _one_key(config: Path, keys: Any, hash_prefix: str | None, name: str | None) -> int:
+    """The index in ``keys`` (the document's ``[[key]]`` tables) of the one key ``--hash`` or ``--name`` names.
+    Raises ``ValueError``: neither or both given, a prefix too short, no key or several keys match."""
+    if (hash_prefix is None) == (name is None):
+        raise ValueError("name the key with --hash PREFIX or --name LABEL (one of them)")
+    if hash_prefix is not None:
+        prefix = hash_prefix.removesuffix("...")
+        if len(prefix.removeprefix("sha256$")) < 12:
+            raise ValueError(f"--hash {hash_prefix!r}: give at least 12 characters of the hash after 'sha256$'")
+        matches = [i for i, key in enumerate(keys) if str(key.get("hash", "")).startswith(prefix)]
+        what = f"--hash {hash_prefix!r}"
+    else:
+        matches = [i for i, key in enumerate(keys) if key.get("name") == name]
+        what = f"--name {name!r}"
+    if not matches:
+        raise ValueError(f"{config}: {what}: no [[key]] matches (see: fairgate keys list --config {config})")
+    if len(matches) > 1:
+        raise ValueError(f"{config}: {what}: {len(matches)} keys match; name one (a longer --hash)")
+    return matches[0]
+
+
+def _edit_keys(config: Path, edit: Callable[[Any], T]) -> T:
+    """Apply ``edit`` to the ``[[key]]`` tables of ``config`` (comments and layout kept), check the file as it
+    will be, then write it atomically. Returns what ``edit`` returns."""
+    import tomlkit
+
+    from fairgate.gateway.config import gateway_config_from_dict, load_gateway_config
+
+    load_gateway_config(config)  # the file is valid before it is touched
+    document = tomlkit.parse(config.read_text(encoding="utf-8"))
+    keys = document.get("key")
+    if not isinstance(keys, list):
+        raise ValueError(f"{config}: no [[key]] tables")
+    result = edit(keys)
+    if not keys:
+        del document["key"]
+    updated = tomlkit.dumps(document)
+    updated += "" if updated.endswith("\n") else "\n"
+    gateway_config_from_dict(tomllib.loads(updated), config)
+    _replace_text(config, updated)
+    return result
+
+
+@keys_app.command()
+def revoke(config: ConfigPath, hash_prefix: HashOption = None, name: NameOption = None) -> None:
+    """Remove one key from the configuration (named by its hash or label); it stops working when the gateway
+    applies the file."""
+
+    def remove(keys: Any) -> str:
+        index = _one_key(config, keys, hash_prefix, name)
+        gone = keys[index]
+        del keys[index]
+        return f"tenant {gone.get('tenant')!r}" + (f" ({gone.get('name')})" if gone.get("name") else "")
+
+    whose = _guard(lambda: _edit_keys(config, remove))
+    _say(f"revoked a key of {whose} in {config}. {APPLY}")
+
+
+@keys_app.command()
+def rotate(
+    config: ConfigPath,
+    hash_prefix: HashOption = None,
+    name: NameOption = None,
+    grace_hours: Annotated[
+        float, typer.Option("--grace-hours", help="How long the old key keeps working (0: revoked at once).")
+    ] = 24.0,
+) -> None:
+    """Make a new key for the tenant and label of an existing one and print it (once); the old one expires
+    after ``--grace-hours``."""
+    import tomlkit
+
+    from fairgate.gateway.auth import hash_api_key, new_api_key
+
+    if not 0 <= grace_hours <= 8760:
+        _say("error: --grace-hours: a number of hours in [0, 8760]")
+        raise typer.Exit(2)
+    key, now = new_api_key(), _now()
+
+    def replace_key(keys: Any) -> str:
+        index = _one_key(config, keys, hash_prefix, name)
+        old = keys[index]
+        table = tomlkit.table()
+        table["tenant"], table["hash"] = old["tenant"], hash_api_key(key)
+        if old.get("name") is not None:
+            table["name"] = old["name"]
+        table["created"] = now
+        if grace_hours == 0:
+            del keys[index]
+        else:
+            ends = now + timedelta(hours=grace_hours)
+            old["expires"] = ends if old.get("expires") is None else min(ends, old["expires"])
+        keys.append(table)
+        return str(old["tenant"])
+
+    tenant = _guard(lambda: _edit_keys(config, replace_key))
+    sys.stdout.write(key + "\n")
+    sys.stdout.flush()
+    old_fate = "revoked" if grace_hours == 0 else f"works {grace_hours:g} h more"
+    _say(
+        f"rotated a key of tenant {tenant!r} in {config}: the new key is printed above; the old one {old_fate}. {APPLY}"
     )

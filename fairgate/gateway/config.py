@@ -48,6 +48,8 @@ quota_class = "chat"                       # optional, default: name; the ledger
 tenant = "acme"                            # a tenant of [quotas.tenants]
 hash = "sha256$<64 hex digits>"            # the key's SHA-256 (a salted sha256$<salt hex>$<digest> works too)
 name = "ci"                                # optional label
+created = 2026-01-05T09:30:00Z             # optional: when it was made
+expires = 2027-01-05T09:30:00Z             # optional: from then on it is refused (401, "expired")
 
 [admin]
 key_hashes = ["sha256$…"]                  # admin credentials, hashed like API keys
@@ -82,6 +84,7 @@ from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
+    AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
@@ -281,11 +284,20 @@ class UpstreamConfig(_Strict):
 
 
 class KeyConfig(_Strict):
-    """One ``[[key]]``: a tenant's API key, hashed, with an optional label."""
+    """One ``[[key]]``: a tenant's API key, hashed, with an optional label, when it was made and when it stops
+    working (TOML offset date-times, e.g. ``2027-01-01T00:00:00Z``; ``fairgate keys add`` / ``rotate`` write
+    them)."""
 
     tenant: TenantName
     hash: KeyHash
     name: Annotated[str, Field(max_length=200)] | None = None
+    created: AwareDatetime | None = None
+    expires: AwareDatetime | None = None
+
+    @property
+    def expires_s(self) -> float | None:
+        """``expires`` in seconds since the epoch (None: never)."""
+        return None if self.expires is None else self.expires.timestamp()
 
 
 class AdminConfig(_Strict):

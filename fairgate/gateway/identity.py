@@ -12,6 +12,7 @@ Routes declare what they need: ``require_tenant`` (a tenant's key, or a delegate
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
@@ -48,8 +49,27 @@ class Identity:
     def __init__(self, config: GatewayConfig, wall_s: Callable[[], float]) -> None:
         self._config = config
         self._wall_s = wall_s
-        self._keys = KeyRing.from_config(config)
         self._admin_keys = KeyRing((ADMIN, stored) for stored in config.admin.key_hashes)
+        self._ring_keys()
+
+    def _ring_keys(self) -> None:
+        """Split the ``[[key]]`` tables into the keys that work now and those expired (kept apart to say so),
+        and note when the next one expires (the rings are made again then)."""
+        now_s = self._wall_s()
+        live: list[tuple[str, str]] = []
+        expired: list[tuple[str, str]] = []
+        later = [math.inf]
+        for key in self._config.keys:
+            expires_s = key.expires_s
+            (expired if expires_s is not None and expires_s <= now_s else live).append((key.tenant, key.hash))
+            if expires_s is not None and expires_s > now_s:
+                later.append(expires_s)
+        self._keys, self._expired_keys, self._next_expiry_s = KeyRing(live), KeyRing(expired), min(later)
+
+    @property
+    def keys(self) -> int:
+        """How many tenant keys work now."""
+        return len(self._keys)
 
     def tenant_of(self, request: Request) -> Caller:
         """The caller of a tenant route. Raises ``Rejection`` 400/401/403."""
@@ -58,8 +78,10 @@ class Identity:
         key = _bearer_key(request)
         if key is None:
             raise Rejection(Outcome.API_KEY_MISSING, "Missing API key: send Authorization: Bearer <key>.")
-        caller = self._keys.tenant_for(key)
+        caller = self._tenant_for(key)
         if caller is None:
+            if self._expired_keys.tenant_for(key) is not None:
+                raise Rejection(Outcome.API_KEY_EXPIRED, "This API key has expired; ask for a new one.")
             raise Rejection(Outcome.API_KEY_INVALID, "Invalid API key.")
         tokens = request.headers.getlist(ON_BEHALF_OF_HEADER)
         if len(tokens) > 1:
@@ -72,6 +94,11 @@ class Identity:
         if not tokens:
             return Caller(caller)
         return Caller(self._delegated(caller, tokens[0]), caller)
+
+    def _tenant_for(self, key: str) -> str | None:
+        if self._wall_s() >= self._next_expiry_s:
+            self._ring_keys()
+        return self._keys.tenant_for(key)
 
     def _delegated(self, caller: str, token: str) -> str:
         """The tenant ``caller`` acts for with ``token``. Raises ``Rejection`` 403."""
@@ -100,7 +127,7 @@ class Identity:
             raise Rejection(Outcome.API_KEY_MISSING, "Missing API key: send Authorization: Bearer <admin key>.")
         if self._admin_keys.tenant_for(key) == ADMIN:
             return
-        if self._keys.tenant_for(key) is not None:
+        if self._tenant_for(key) is not None:
             raise Rejection(Outcome.ADMIN_ONLY, "This endpoint needs an admin key.")
         raise Rejection(Outcome.API_KEY_INVALID, "Invalid API key.")
 

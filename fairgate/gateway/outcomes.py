@@ -34,6 +34,7 @@ class Outcome(StrEnum):
     AUTH_HEADER_REPEATED = auto()
     API_KEY_MISSING = auto()
     API_KEY_INVALID = auto()
+    API_KEY_EXPIRED = auto()
     ADMIN_ONLY = auto()
     DELEGATION_HEADER_REPEATED = auto()
     DELEGATION_NOT_ALLOWED = auto()
@@ -66,6 +67,7 @@ class Outcome(StrEnum):
     UPSTREAM_CONTEXT_EXCEEDED = auto()
     CLIENT_CLOSED = auto()
     INTERNAL_ERROR = auto()
+    CONFIG_INVALID = auto()
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ ANSWERS: Mapping[Outcome, Answer] = {
     Outcome.AUTH_HEADER_REPEATED: Answer(400, _AUTH, "invalid_api_key", "invalid"),
     Outcome.API_KEY_MISSING: Answer(401, _AUTH, "invalid_api_key", "auth"),
     Outcome.API_KEY_INVALID: Answer(401, _AUTH, "invalid_api_key", "auth"),
+    Outcome.API_KEY_EXPIRED: Answer(401, _AUTH, "invalid_api_key", "auth"),
     Outcome.ADMIN_ONLY: Answer(403, _PERMISSION, "admin_only", "auth"),
     Outcome.DELEGATION_HEADER_REPEATED: Answer(400, _INVALID, "invalid_delegation", "invalid"),
     Outcome.DELEGATION_NOT_ALLOWED: Answer(403, _PERMISSION, "delegation_not_allowed", "auth"),
@@ -131,6 +134,8 @@ ANSWERS: Mapping[Outcome, Answer] = {
     Outcome.UPSTREAM_CONTEXT_EXCEEDED: Answer(400, _INVALID, "context_length_exceeded", "invalid"),
     Outcome.CLIENT_CLOSED: Answer(499, _INVALID, "client_closed", "invalid", recorded=False),
     Outcome.INTERNAL_ERROR: Answer(500, _SERVER, "internal_error", "upstream_error"),
+    # A configuration an operator asked the gateway to reload is refused; the running one stays.
+    Outcome.CONFIG_INVALID: Answer(400, _INVALID, "config_invalid", "invalid"),
 }
 
 

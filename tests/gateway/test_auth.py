@@ -213,7 +213,8 @@ def test_keys_add_and_list_end_to_end(tmp_path: Path) -> None:
     assert listed.returncode == 0, listed.stderr
     assert key not in listed.stdout and other not in listed.stdout
     lines = listed.stdout.splitlines()
-    assert re.match(r"chat\s+ci\s+sha256\$[0-9a-f]{16}\.\.\.$", lines[1]), listed.stdout
+    assert re.match(r"tenant\s+name\s+hash\s+created\s+expires$", lines[0]), listed.stdout
+    assert re.match(r"chat\s+ci\s+sha256\$[0-9a-f]{16}\.\.\.\s+20\d\d-\d\d-\d\dT\d\d:\d\d:\d\dZ\s+-$", lines[1])
     assert re.match(r"agent\s+-\s+sha256\$", lines[2]), listed.stdout
 
 
@@ -236,3 +237,27 @@ def test_keys_add_errors_exit_2_with_one_line(tmp_path: Path) -> None:
 
     missing = fairgate("keys", "list", "--config", str(tmp_path / "absent.toml"))
     assert missing.returncode == 2 and "file not found" in missing.stderr
+
+
+def test_keys_revoke_and_rotate_errors_exit_2_with_one_line_and_change_nothing(tmp_path: Path) -> None:
+    config = tmp_path / "fairgate.toml"
+    config.write_text(EXAMPLE.read_text())
+    for tenant in ("chat", "agent"):
+        assert fairgate("keys", "add", tenant, "--config", str(config), "--name", "ci").returncode == 0
+    before = config.read_text()
+    for argv, needle in [
+        (["revoke"], "--hash PREFIX or --name LABEL"),
+        (["revoke", "--hash", "sha256$abc", "--name", "ci"], "--hash PREFIX or --name LABEL"),
+        (["revoke", "--hash", "sha256$abc"], "at least 12 characters"),
+        (["revoke", "--hash", "sha256$" + "0" * 16], "no [[key]] matches"),
+        (["revoke", "--name", "ci"], "2 keys match"),
+        (["revoke", "--name", "nobody"], "no [[key]] matches"),
+        (["rotate", "--name", "ci"], "2 keys match"),
+        (["rotate", "--name", "x", "--grace-hours", "-1"], "--grace-hours"),
+    ]:
+        done = fairgate("keys", *argv, "--config", str(config))
+        assert done.returncode == 2 and needle in done.stderr, (argv, done.stderr)
+        assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr and done.stdout == ""
+        assert config.read_text() == before, argv
+    expiring = fairgate("keys", "add", "chat", "--config", str(config), "--expires-in-days", "0")
+    assert expiring.returncode == 2 and "--expires-in-days" in expiring.stderr
