@@ -42,3 +42,9 @@ def output_dir(target: str | Path, option: str, error: type[Exception]) -> Path:
 def note(message: str) -> None:
     """Print ``message`` on stderr as it is."""
     error_console.print(message, markup=False, emoji=False, highlight=False, soft_wrap=True)
+
+
+def say(message: str) -> None:
+    """Print ``message`` on stdout as it is, at once: what a command was asked for (keys, URLs), not a remark
+    about how it went (``note``)."""
+    print(message, flush=True)

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from fairgate.cli_common import fail as _fail
 from fairgate.cli_common import note as _note
+from fairgate.cli_common import say as _say
 from fairgate.gateway.config import ACCESS_LOG_STDERR, GatewayConfig
 from fairgate.ledger import LedgerError
 
@@ -59,10 +60,10 @@ def serve(config: Path | None, host: str, port: int, demo_traffic: bool, duratio
         servers.append(emulator)
     plan = Plan(_load(config), host, port, servers, keys)
     plan.servers.append(_gateway_server(plan))
-    _note(f"gateway on http://{host}:{port}/v1 (policy {plan.config.gateway.policy}, ledger {plan.config.ledger_url})")
+    _say(f"gateway on http://{host}:{port}/v1 (policy {plan.config.gateway.policy}, ledger {plan.config.ledger_url})")
     traffic = bool(keys) and demo_traffic
     if traffic:
-        _note(
+        _say(
             "demo traffic: 4 tenants x 12 clients (classify 24, chat 53, summarise 197, agent 354 tokens on "
             "average); GPU time should split 25 % each"
         )
@@ -92,11 +93,11 @@ def _demo(host: str, port: int) -> tuple[Path, dict[str, str], uvicorn.Server]:
         uvicorn.Config(app, host=host, port=upstream_port, log_level="warning", timeout_graceful_shutdown=DEMO_GRACE_S)
     )
     config, keys = write_demo_config(folder, f"http://{host}:{upstream_port}")
-    _note(f"demo: emulated replica on http://{host}:{upstream_port}/v1, ledger and config in {folder}")
+    _say(f"demo: emulated replica on http://{host}:{upstream_port}/v1; ledger, config and access log in {folder}")
     for tenant, key in keys.items():
-        _note(f"  {'admin' if tenant == 'admin' else 'tenant ' + tenant:16s} key {key}")
-    _note(f"dashboard: http://{host}:{port}/dashboard (log in with a key)   metrics: http://{host}:{port}/metrics")
-    _note(
+        _say(f"  {'admin' if tenant == 'admin' else 'tenant ' + tenant:16s} key {key}")
+    _say(f"dashboard: http://{host}:{port}/dashboard (log in with a key)   metrics: http://{host}:{port}/metrics")
+    _say(
         f"try: curl -s http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {keys['chat']}' "
         f'-H \'Content-Type: application/json\' -d \'{{"model": "{DEMO_MODEL}", "messages": '
         f'[{{"role": "user", "content": "hello"}}], "max_tokens": 16}}\''
@@ -184,7 +185,7 @@ async def _start_traffic(plan: Plan, serving: asyncio.Future[Any]) -> asyncio.Ta
 def startup_problem(config: GatewayConfig, path: Path) -> str | None:
     """What would stop the gateway starting, as one line naming the key: a journal, event log or access log that
     cannot be written, a ledger that cannot be opened (checked by opening it, as the gateway will; a ledger
-    server that does not answer is an outage, not a configuration problem: the gateway starts)."""
+    server that does not answer is an outage, not a configuration problem: the gateway starts), no key at all."""
     from fairgate.ledger import LedgerError, LedgerUnavailable, connect
 
     access_log = config.gateway.access_log
@@ -215,6 +216,11 @@ def startup_problem(config: GatewayConfig, path: Path) -> str | None:
         _note(f"warning: the ledger does not answer ({exc}); serving each tier's outage policy until it does")
     except (LedgerError, ValueError, OSError) as exc:
         return f"{path}: gateway.ledger: cannot open the ledger ({exc})"
+    if not config.keys and not config.admin.key_hashes:
+        return (
+            f"{path}: key: no [[key]] and no admin key, so nobody could call this gateway; make one with "
+            f"`fairgate keys add TENANT --config {path}` (it prints the key)"
+        )
     return None
 
 

@@ -219,7 +219,8 @@ def test_serve_without_config_runs_the_demo_and_prints_each_tenants_share(tmp_pa
 
     done = fairgate("serve", "--port", str(free_port()), "--duration", "8", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "admin            key fg-" in done.stderr and "/dashboard" in done.stderr
+    assert "admin            key fg-" in done.stdout and "/dashboard" in done.stdout  # what the user asked for
+    assert "key fg-" not in done.stderr and "dashboard" not in done.stderr
     rows = {
         line.split("│")[1].strip(): line.split("│")[1:-1] for line in done.stdout.splitlines() if line.startswith("│")
     }
@@ -299,9 +300,30 @@ def test_serve_refuses_to_start_on_a_journal_or_ledger_it_cannot_open(tmp_path):
     assert "gateway.ledger: cannot open the ledger" in done.stderr, done.stderr
 
 
+def example_with_a_key() -> str:
+    """config/fairgate.example.toml with a key for tenant ``chat`` (the example has none: a gateway refuses
+    to start without one)."""
+    from fairgate.gateway.auth import hash_api_key
+
+    key = hash_api_key("fg-test-chat-" + "c" * 24)
+    return (REPO / "config" / "fairgate.example.toml").read_text() + f'\n[[key]]\ntenant = "chat"\nhash = "{key}"\n'
+
+
+def test_serve_refuses_to_start_with_no_key_at_all(tmp_path):
+    config = tmp_path / "fairgate.toml"
+    config.write_text((REPO / "config" / "fairgate.example.toml").read_text())
+    from fairgate.harness.process import free_port
+
+    done = fairgate("serve", "--config", str(config), "--port", str(free_port()), cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert (
+        "nobody could call this gateway" in done.stderr and f"fairgate keys add TENANT --config {config}" in done.stderr
+    )
+
+
 def test_serve_starts_while_its_ledger_server_does_not_answer(tmp_path):
     """An outage is not a configuration error: the gateway starts and serves each tier's outage policy."""
-    example = (REPO / "config" / "fairgate.example.toml").read_text()
+    example = example_with_a_key()
     from fairgate.harness.process import free_port
 
     ledger = tmp_path / "ledger.toml"  # nothing listens on that port
@@ -352,7 +374,7 @@ def test_ctrl_c_at_any_moment_of_the_start_stops_serve_without_a_traceback(tmp_p
     from fairgate.harness.process import free_port
 
     config = tmp_path / "fairgate.toml"
-    config.write_text((REPO / "config" / "fairgate.example.toml").read_text())
+    config.write_text(example_with_a_key())
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "fairgate"), "serve", "--config", str(config), "--port", str(free_port())],
         cwd=tmp_path,

@@ -8,7 +8,12 @@ first arrives one iteration after its previous one, so the gap between two of a 
 while nothing is being prefilled (a prefill lengthens the iteration it is in), is an observed step time at
 the current batch size. ``StepDrift`` keeps an exponentially weighted mean of observed / predicted and says
 when it leaves ``[1 / (1 + band), 1 + band]`` and when it comes back within half the band (after
-``min_steps`` observations).
+``min_steps`` iterations).
+
+The mean's memory is counted in iterations, not observations: the B requests of an iteration each observe
+the same step, so each observation weighs ``1 / B`` of one. Weighed one each, 50 observations were one
+iteration at B = 48, and the mean followed a single iteration's noise across the band's edge and back: the
+demo on a loaded machine logged a drift every half second.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ OUTLIER_FACTOR = 5.0
 @dataclass
 class StepDrift:
     """Observed / predicted decode step time of one upstream, exponentially weighted (``alpha`` per
-    observation, in log space so that 2x and 0.5x weigh alike).
+    iteration, in log space so that 2x and 0.5x weigh alike).
 
     Attributes:
         cost: the upstream's configured cost model.
-        alpha: the weight of each new observation (0.02: about the last 50 steps).
+        alpha: the weight of each new iteration (0.02: about the last 50 iterations); an observation at
+            batch size B weighs ``alpha / B``.
         band: the relative drift tolerated (0.25: a ratio in [0.8, 1.25]).
-        min_steps: observations before the ratio is reported.
+        min_steps: iterations observed before the ratio is reported.
+        steps: observations taken.
     """
 
     cost: CostModel
@@ -40,23 +47,26 @@ class StepDrift:
     band: float = 0.25
     min_steps: int = 50
     steps: int = 0
+    _iterations: float = 0.0
     _log_ratio: float = 0.0
     drifted: bool = False
 
     @property
     def ratio(self) -> float | None:
-        """Observed / predicted step time (None until ``min_steps`` observations)."""
-        return math.exp(self._log_ratio) if self.steps >= self.min_steps else None
+        """Observed / predicted step time (None until ``min_steps`` iterations)."""
+        return math.exp(self._log_ratio) if self._iterations >= self.min_steps - 1e-9 else None
 
     def observe(self, gap_ms: float, batch: int) -> bool | None:
         """One observed step of ``gap_ms`` at batch size ``batch`` (>= 1). Returns True when the ratio has
         just left the band, False when it has just come back, None otherwise (or for an outlier)."""
-        predicted = self.cost.iter_base_ms + self.cost.iter_slope_ms * max(1, batch)
+        batch = max(1, batch)
+        predicted = self.cost.iter_base_ms + self.cost.iter_slope_ms * batch
         if gap_ms <= 0 or predicted <= 0 or gap_ms >= OUTLIER_FACTOR * predicted:
             return None
-        sample = math.log(gap_ms / predicted)
-        self._log_ratio = sample if self.steps == 0 else (1 - self.alpha) * self._log_ratio + self.alpha * sample
+        sample, weight = math.log(gap_ms / predicted), self.alpha / batch
+        self._log_ratio = sample if self.steps == 0 else (1 - weight) * self._log_ratio + weight * sample
         self.steps += 1
+        self._iterations += 1 / batch
         ratio = self.ratio
         if ratio is None:
             return None
