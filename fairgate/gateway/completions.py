@@ -27,7 +27,7 @@ from fairgate.gateway.accesslog import open_record
 from fairgate.gateway.call import Call, TryAnotherUpstream
 from fairgate.gateway.embeddings import EmbeddingCall
 from fairgate.gateway.identity import Caller, require_tenant
-from fairgate.gateway.outcomes import Outcome, Rejection, respond
+from fairgate.gateway.outcomes import Rejection, respond
 from fairgate.gateway.queueing import wait_for_slot
 from fairgate.gateway.state import GatewayState, gateway_of
 
@@ -83,6 +83,8 @@ async def serve(
     try:
         body = await intake.read_body(request, schema, state.config.gateway.max_body_bytes)
         model = body.model[:200]
+        if not state.config.access.allows(caller.tenant, body.model):  # to this tenant, no such model
+            raise intake.no_model(body.model)
         run = intake.run_of(request)
         if isinstance(body, EmbeddingRequest):
             generation = intake.size_up_embedding(state.config, body, request_id(request), run)
@@ -129,16 +131,18 @@ def install(app: FastAPI) -> None:
 
     app.include_router(router)
 
-    @app.get("/v1/models", dependencies=[Depends(require_tenant)])
-    async def models(state: Gateway) -> dict[str, Any]:
-        """Every model name a tenant may send (any tenant may send any), sorted."""
-        return {"object": "list", "data": [model_object(name) for name in sorted(state.config.served)]}
+    @app.get("/v1/models")
+    async def models(state: Gateway, caller: Tenant) -> dict[str, Any]:
+        """Every model name the caller's tenant may send (``[access]``), sorted."""
+        allowed = [name for name in sorted(state.config.served) if state.config.access.allows(caller.tenant, name)]
+        return {"object": "list", "data": [model_object(name) for name in allowed]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_tenant)])
-    async def model(model_id: str, state: Gateway) -> dict[str, Any]:
-        """One model object; 404 ``model_not_found`` for a name no alias or upstream serves."""
-        if model_id not in state.config.served:
-            raise Rejection(Outcome.MODEL_NOT_FOUND, f"The model {model_id[:100]!r} does not exist.", "model")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, state: Gateway, caller: Tenant) -> dict[str, Any]:
+        """One model object; 404 ``model_not_found`` for a name no alias or upstream serves, or one the
+        caller's tenant may not send."""
+        if model_id not in state.config.served or not state.config.access.allows(caller.tenant, model_id):
+            raise intake.no_model(model_id)
         return model_object(model_id)
 
 

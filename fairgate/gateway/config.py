@@ -57,6 +57,10 @@ key_hashes = ["sha256$…"]                  # admin credentials, hashed like AP
 [delegation]
 secret_env = "FAIRGATE_DELEGATION_SECRET"  # the NAME of the variable holding the HMAC secret, never the secret
 delegates = ["batch-service"]              # tenants allowed to act for other tenants
+
+[access]                                   # optional: which model names each tenant may send
+default = ["chat"]                         # tenants without a table below (absent: every model)
+tenants.acme.models = ["chat", "acme-lora"]  # acme's own list; any other name is 404 model_not_found to it
 ```
 
 Relative paths (a ``sqlite:///`` ledger, the journal, an upstream's ``api_key_file`` and ``ca_file``) are
@@ -306,6 +310,28 @@ class AdminConfig(_Strict):
     key_hashes: list[KeyHash] = Field(default_factory=list)
 
 
+class TenantAccess(_Strict):
+    """``[access.tenants.NAME]``: the model names (aliases, plain models, adapters) the tenant may send."""
+
+    models: list[Annotated[str, Field(min_length=1, max_length=200)]]
+
+
+class AccessConfig(_Strict):
+    """``[access]``: which model names each tenant may send (seed 003: "model adapters ... must include
+    verified tenant scopes"). ``default``: what a tenant without a table of its own may send (absent: every
+    model); ``tenants``: a tenant's own list, which replaces the default. A name a tenant may not send is to
+    it a model that does not exist (404 ``model_not_found``, not listed by ``/v1/models``)."""
+
+    default: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = None
+    tenants: dict[TenantName, TenantAccess] = Field(default_factory=dict)
+
+    def allows(self, tenant: str, model: str) -> bool:
+        """Whether ``tenant`` may send the model name ``model``."""
+        own = self.tenants.get(tenant)
+        listed = own.models if own is not None else self.default
+        return listed is None or model in listed
+
+
 class DelegationConfig(_Strict):
     """``[delegation]``: the environment variable holding the on-behalf-of secret, and who may delegate (how
     long a token may live is ``[gateway].delegation_token_lifetime_max_s``)."""
@@ -325,6 +351,7 @@ class GatewayConfig(_Strict):
         keys: the ``[[key]]`` tables.
         admin: ``[admin]``.
         delegation: ``[delegation]``.
+        access: ``[access]``, the model names each tenant may send.
         quotas: the validated ``[quotas]`` (a ``fairgate.ledger.config.Quotas``).
         path: the file it was read from.
     """
@@ -337,6 +364,7 @@ class GatewayConfig(_Strict):
     keys: list[KeyConfig] = Field(default_factory=list, alias="key")
     admin: AdminConfig = AdminConfig()
     delegation: DelegationConfig = DelegationConfig()
+    access: AccessConfig = AccessConfig()
     _path: Path = PrivateAttr(default=Path("<gateway config>"))
     _quotas: Quotas | None = PrivateAttr(default=None)
     _served: dict[str, ServedModel] | None = PrivateAttr(default=None)
@@ -503,6 +531,26 @@ def _check_model_classes(path: Path, config: GatewayConfig, quotas: Quotas) -> N
                 )
 
 
+def _check_access(path: Path, config: GatewayConfig, quotas: Quotas) -> None:
+    """Every ``[access]`` list names models clients may send, and every tenant table a tenant: a misspelt
+    name would otherwise lock a tenant out of a model, or leave one open. Raises ``GatewayConfigError``."""
+    served = aliases.served_models(config.models, config.upstreams)
+    lists = [("access.default", config.access.default or [])]
+    for tenant, access in config.access.tenants.items():
+        if tenant not in quotas.tenants:
+            raise GatewayConfigError(
+                f"{path}: access.tenants.{tenant}: unknown tenant {tenant!r} "
+                f"(tenants in [quotas.tenants]: {', '.join(quotas.tenants) or 'none'})"
+            )
+        lists.append((f"access.tenants.{tenant}.models", access.models))
+    for where, names in lists:
+        for i, name in enumerate(names):
+            if name not in served:
+                raise GatewayConfigError(
+                    f"{path}: {where}[{i}]: no model {name!r} (models clients may send: {', '.join(served)})"
+                )
+
+
 def _resolve_upstream(path: Path, upstream: UpstreamConfig) -> UpstreamConfig:
     files = {
         name: str((path.parent / value).resolve())
@@ -548,6 +596,7 @@ def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayC
         raise GatewayConfigError(f"{path}: {problem}")
     quotas = _quotas(path, config.quotas_document)
     _check_model_classes(path, config, quotas)
+    _check_access(path, config, quotas)
     tenants = ", ".join(quotas.tenants) or "none"
     hashes: dict[str, str] = {}
     for i, key in enumerate(config.keys):

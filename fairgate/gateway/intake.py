@@ -291,9 +291,10 @@ def _serving(config: GatewayConfig, model: str) -> tuple[ServedModel, list[Upstr
     served = config.served.get(model)
     serving = config.upstreams_for(model)
     if served is None or not serving:
-        raise _no_model(model)
+        raise no_model(model)
     return served, serving, min(u.max_model_len for u in serving)
 
 
-def _no_model(model: str) -> Rejection:
+def no_model(model: str) -> Rejection:
+    """404 ``model_not_found`` for ``model``."""
     return Rejection(Outcome.MODEL_NOT_FOUND, f"The model {model[:100]!r} does not exist.", "model")

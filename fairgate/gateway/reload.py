@@ -1,7 +1,8 @@
 """Reload the configuration without a restart: on ``SIGHUP`` and on ``POST /admin/reload`` (admin key).
 
 The file the gateway was started with is read and validated again, whole. What takes effect at once is who
-may call: the ``[[key]]`` tables (keys added, revoked, rotated, expiring), ``[admin]`` and ``[delegation]``;
+may call, and with which models: the ``[[key]]`` tables (keys added, revoked, rotated, expiring), ``[admin]``,
+``[delegation]`` and ``[access]``;
 requests in flight, streams included, are not touched (a request is authenticated once, when it arrives).
 A change anywhere else (``[gateway]``, upstreams, models, policy, quotas) is not applied - the ledger, the
 queues and the meters hold state built from them - and is named in the answer and the log line, to apply
@@ -35,7 +36,7 @@ from fairgate.gateway.state import GatewayState, gateway_of
 
 log = logging.getLogger("fairgate.gateway")
 
-APPLIED = ("key", "admin", "delegation")
+APPLIED = ("key", "admin", "delegation", "access")
 # The other top-level tables, as ``GatewayConfig`` fields: compared to say what a restart would change.
 NEEDS_RESTART = {"gateway": "gateway", "upstream": "upstreams", "model": "models", "policy": "policy"}
 
@@ -65,7 +66,8 @@ def reload_identity(state: GatewayState) -> Reloaded:
             f"{running.path}: key: tenant {unknown[0]!r} is not a tenant of the running gateway "
             "(a new tenant is applied by a restart)"
         )
-    merged = running.model_copy(update={"keys": new.keys, "admin": new.admin, "delegation": new.delegation})
+    update = {"keys": new.keys, "admin": new.admin, "delegation": new.delegation, "access": new.access}
+    merged = running.model_copy(update=update)
     identity = Identity(merged, state.clock.wall_s)  # built whole before it replaces the running one
     state.config, state.identity = merged, identity
     return Reloaded(identity.keys, len(new.admin.key_hashes), _not_applied(running, new))
