@@ -46,7 +46,7 @@ from fairgate.gateway import kinds
 from fairgate.gateway.admission import Admitted
 from fairgate.gateway.dispatch import Lease
 from fairgate.gateway.headers import rate_limit_headers
-from fairgate.gateway.observe import Finished
+from fairgate.gateway.observe import Finished, Settled
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.state import GatewayState
 from fairgate.gateway.upstream import BudgetSpent, CallState, UpstreamError
@@ -277,6 +277,7 @@ class Call:
             await self._settle(final=True, cancelled=cancelled)
         finally:
             self.state.calls.release(self.admitted.caller.tenant, self.admitted.generation.request_id)
+            self.state.events.observe(Settled(self.admitted.generation.request_id, self.state.clock.wall_s()))
 
     async def _checkpoint(self) -> None:
         """After each chunk: stop a request generating past its ``max_tokens``; at its first token and then

@@ -23,12 +23,12 @@ from fastapi.routing import APIRoute
 
 from fairgate.api import ChatRequest, CompletionRequest, EmbeddingRequest, openapi_request_body
 from fairgate.gateway import admission, intake
-from fairgate.gateway.accesslog import open_record
 from fairgate.gateway.call import Call, TryAnotherUpstream
 from fairgate.gateway.embeddings import EmbeddingCall
 from fairgate.gateway.identity import Caller, require_tenant
 from fairgate.gateway.outcomes import Rejection, respond
 from fairgate.gateway.queueing import wait_for_slot
+from fairgate.gateway.records import note_admission, open_record
 from fairgate.gateway.state import GatewayState, gateway_of
 
 # Upstreams a request is sent to at most, when the ones before refused the connection (each is taken out).
@@ -58,8 +58,8 @@ class RecordedRoute(APIRoute):
                 if rejection.answer.recorded:
                     state.events.observe(rejection.event(request_id, state.clock.wall_s()))
                 response = respond(rejection, request_id, state.rng)
-            if state.access_log is not None:
-                state.access_log.answered(record, request_id, response.status_code, state.clock.wall_s())
+            if state.request_records is not None:
+                state.request_records.answered(record, request_id, response.status_code, state.clock.wall_s())
             return response
 
         return recorded
@@ -90,6 +90,7 @@ async def serve(
             generation = intake.size_up_embedding(state.config, body, request_id(request), run)
         else:
             generation = intake.size_up(state.config, body, isinstance(body, ChatRequest), request_id(request), run)
+        note_admission(state.clock.wall_s())
         admitted = await admission.admit(state, caller, generation)
     except Rejection as rejection:
         raise rejection.about(caller.tenant, caller.delegate, model) from None

@@ -58,6 +58,9 @@ key_hashes = ["sha256$…"]                  # admin credentials, hashed like AP
 secret_env = "FAIRGATE_DELEGATION_SECRET"  # the NAME of the variable holding the HMAC secret, never the secret
 delegates = ["batch-service"]              # tenants allowed to act for other tenants
 
+[telemetry]                                # optional: OpenTelemetry traces (fairgate.gateway.telemetry)
+otlp_traces_url = "http://127.0.0.1:4318/v1/traces"   # a collector's OTLP/HTTP endpoint; absent: off
+
 [access]                                   # optional: which model names each tenant may send
 default = ["chat"]                         # tenants without a table below (absent: every model)
 tenants.acme.models = ["chat", "acme-lora"]  # acme's own list; any other name is 404 model_not_found to it
@@ -78,6 +81,7 @@ an alias clashing with another name), and every quota error raise
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import ssl
@@ -310,6 +314,21 @@ class AdminConfig(_Strict):
     key_hashes: list[KeyHash] = Field(default_factory=list)
 
 
+class TelemetryConfig(_Strict):
+    """``[telemetry]``: OpenTelemetry traces (``fairgate.gateway.telemetry``), off unless ``otlp_traces_url``
+    names a collector's OTLP/HTTP traces endpoint."""
+
+    otlp_traces_url: Annotated[str, Field(pattern=r"^https?://\S+$", max_length=2000)] | None = None
+    service_name: Annotated[str, Field(min_length=1, max_length=200)] = "fairgate"
+    headers: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9-]{1,100}$")], str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _sdk_installed(self) -> TelemetryConfig:
+        if self.otlp_traces_url is not None and importlib.util.find_spec("opentelemetry.sdk") is None:
+            raise ValueError("otlp_traces_url: the OpenTelemetry SDK is not installed: pip install 'fairgate[otel]'")
+        return self
+
+
 class TenantAccess(_Strict):
     """``[access.tenants.NAME]``: the model names (aliases, plain models, adapters) the tenant may send."""
 
@@ -352,6 +371,7 @@ class GatewayConfig(_Strict):
         admin: ``[admin]``.
         delegation: ``[delegation]``.
         access: ``[access]``, the model names each tenant may send.
+        telemetry: ``[telemetry]``, where traces go (off by default).
         quotas: the validated ``[quotas]`` (a ``fairgate.ledger.config.Quotas``).
         path: the file it was read from.
     """
@@ -365,6 +385,7 @@ class GatewayConfig(_Strict):
     admin: AdminConfig = AdminConfig()
     delegation: DelegationConfig = DelegationConfig()
     access: AccessConfig = AccessConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
     _path: Path = PrivateAttr(default=Path("<gateway config>"))
     _quotas: Quotas | None = PrivateAttr(default=None)
     _served: dict[str, ServedModel] | None = PrivateAttr(default=None)

@@ -1,8 +1,9 @@
 """What happens to each request, as plain events for the gateway's observers (metrics, logs, dashboard).
 
 The request path (``fairgate.gateway.app``) emits one ``Rejected`` or ``Admitted`` per request, then, for an
-admitted one, ``Dispatched`` when the policy gives it a slot and ``Finished`` when its upstream call ends
-(or ``Rejected`` with ``after_admission`` when it leaves the queue without a slot). ``Charged`` carries the
+admitted one, ``Dispatched`` when the policy gives it a slot, ``Finished`` when its upstream call ends and
+``Settled`` once its final settlement is booked (or ``Rejected`` with ``after_admission`` when it leaves the
+queue without a slot). ``Charged`` carries the
 live meter's GPU-time charges as they are booked with the policy (many per request: one per token).
 Observers must be quick and must not raise; they run on the event loop.
 
@@ -137,7 +138,16 @@ class Charged:
     time_s: float
 
 
-Event = Rejected | Admitted | Dispatched | Finished | Charged
+@dataclass(frozen=True)
+class Settled:
+    """The final settlement of a request's upstream call was booked (or failed, and is journalled):
+    nothing more happens to the request. Emitted after its ``Finished``."""
+
+    request_id: str
+    time_s: float
+
+
+Event = Rejected | Admitted | Dispatched | Finished | Settled | Charged
 
 
 class Observer(Protocol):

@@ -33,7 +33,7 @@ from fairgate.ledger.emergency import ResilientLedger
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from fairgate.gateway.accesslog import AccessLog
+    from fairgate.gateway.records import RequestRecorder
 
 log = logging.getLogger("fairgate.gateway")
 CLAIM_LEASE_SWEEPS = 3
@@ -106,7 +106,8 @@ class GatewayState:
             never run; a retry of their id is not run again (``admission``). Dropped once seen final.
         upstreams: upstream name -> its client and live meter (from start-up).
         metrics_registry: the Prometheus registry of ``/metrics``, once installed.
-        access_log: the access log (``fairgate.gateway.accesslog``), once installed; None: off.
+        request_records: the recorder behind the access log and the traces (``fairgate.gateway.records``),
+            once installed; None: both off.
         process_id: this process's name among the gateway processes sharing the ledger (the owner of its
             run claims and of its shared occupancy): host, pid and a random part, unique per start.
     """
@@ -121,7 +122,7 @@ class GatewayState:
     unsettled: set[str] = field(default_factory=set)
     upstreams: dict[str, UpstreamClient] = field(default_factory=dict)
     metrics_registry: CollectorRegistry | None = None
-    access_log: AccessLog | None = None
+    request_records: RequestRecorder | None = None
     process_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
     _ledger: ResilientLedger | None = None
     _backend: Ledger | None = None
