@@ -216,8 +216,48 @@ def test_report_takes_shares_from_usage_aggregates_when_the_log_has_them(tmp_pat
     assert done.returncode == 0, done.stderr
     page = (tmp_path / "out" / "report.html").read_text()
     assert "from the gateway&#x27;s metered usage aggregates" in page and "policy vtc" in page
-    assert f"<td><code>{a}</code></td><td>0</td><td>1 completed</td><td>0</td><td>300.0</td><td>71.4</td>" in page
-    assert f"<td><code>{b}</code></td><td>0</td><td>0</td><td>0</td><td>120.0</td><td>28.6</td><td>2.00</td>" in page
-    assert "max/min of weighted shares\n5.00" in page  # (300/1) / (120/2)
+    limited = " <em>(demand-limited)</em>"  # no request of either waited for a slot (none was dispatched)
+    assert (
+        f"<td><code>{a}</code>{limited}</td><td>0</td><td>1 completed</td><td>0</td><td>300.0</td><td>71.4</td>" in page
+    )
+    assert (
+        f"<td><code>{b}</code>{limited}</td><td>0</td><td>0</td><td>0</td><td>120.0</td><td>28.6</td><td>2.00</td>"
+        in page
+    )
+    assert "waited for slots - (all tenants: 5.00)" in page  # (300/1) / (120/2); none backlogged
+    assert "<td>12.0</td><td>12.0</td>" in page  # TTFT p50 / p99: 3 ms queued + 9 ms to the first token
     assert (tmp_path / "out" / "shares.png").read_bytes().startswith(PNG)
     assert (tmp_path / "out" / "rejections.png").read_bytes().startswith(PNG)  # "no request was rejected"
+
+
+def test_report_marks_demand_limited_tenants_and_heads_with_the_backlogged_ones(tmp_path):
+    """Found by a new user: the report headlined max/min 854 because one tenant sent 4 requests. The headline
+    is now over the tenants that waited for slots; a tenant that never did is marked demand-limited."""
+    a, b, c = tenant_tag("alpha"), tenant_tag("beta"), tenant_tag("gamma")
+    weights = {t: {"weight": 1.0, "priority": "interactive"} for t in (a, b, c)}
+    lines = [{"v": 1, "event": "started", "ts": 100.0, "pid": 1, "policy": "gpu_fair", "tenants": weights}]
+    usage = {"v": 1, "event": "usage", "ts": 110.0, "since": 100.0, "model": "m"}
+    lines.append(usage | {"gpu_ms": {a: 250.0, b: 200.0, c: 0.5}})  # two aggregates: the report plots from them
+    lines.append(usage | {"ts": 120.0, "since": 110.0, "gpu_ms": {a: 250.0, b: 200.0, c: 0.5}})
+    for i, (tenant, queue_ms) in enumerate([(a, 250.0), (b, 120.0), (c, 0.4), (c, 2.0)]):
+        lines.append(
+            {
+                "v": 1,
+                "event": "dispatched",
+                "ts": 101.0 + i,
+                "request_id": f"r{i}",
+                "tenant_hash": tenant,
+                "delegate_hash": None,
+                "model": "m",
+                "upstream": "u",
+                "queue_ms": queue_ms,
+            }
+        )
+    log = tmp_path / "events.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = fairgate("report", "--log", str(log), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "waited for slots 1.25 (all tenants: 500.00)" in page  # 500/400 among alpha and beta; 500/1 over all
+    assert f"<code>{c}</code> <em>(demand-limited)</em>" in page
+    assert f"<code>{a}</code></td>" in page and f"<code>{b}</code></td>" in page
