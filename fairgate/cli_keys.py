@@ -12,9 +12,7 @@ Every user error prints one line on stderr and exits with code 2.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import tomllib
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -23,6 +21,8 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+
+from fairgate import keyfile
 
 keys_app = typer.Typer(no_args_is_help=True, help="Make and list the gateway's API keys (stored hashed).")
 errors = Console(stderr=True)
@@ -41,7 +41,7 @@ def _guard(action: Callable[[], T]) -> T:
 
     try:
         return action()
-    except (GatewayConfigError, OSError, ValueError) as exc:
+    except (GatewayConfigError, OSError, ValueError, tomllib.TOMLDecodeError) as exc:
         _say(f"error: {exc}")
         raise typer.Exit(2) from None
 
@@ -57,22 +57,6 @@ def toml_string(text: str) -> str:
         else:
             out.append(char)
     return '"' + "".join(out) + '"'
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (a temporary file beside it, then rename), keeping its mode."""
-    mode = path.stat().st_mode & 0o7777
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 APPLY = "Send the gateway SIGHUP (kill -HUP <pid>) or POST /admin/reload to apply it."
@@ -93,6 +77,35 @@ def _shown(moment: datetime | None) -> str:
 
 def _expiry(moment: datetime | None, now: datetime) -> str:
     return _shown(moment) + (" (expired)" if moment is not None and moment <= now else "")
+
+
+def _under_lock(config: Path, run: Callable[[], T]) -> T:
+    """``run()`` holding the configuration's edit lock (``keyfile.locked``); a missing file is the usual error."""
+    if not config.is_file():
+        from fairgate.gateway.config import load_gateway_config
+
+        load_gateway_config(config)  # raises the one-line "file not found" (or "not a file") error
+    with keyfile.locked(config):
+        return run()
+
+
+def _key_table(
+    text: str, tenant: str, hash_: str, name: str | None, created: datetime, expires: datetime | None
+) -> str:
+    """A ``[[key]]`` table to append to ``text`` (its line endings, after a blank line)."""
+    nl = keyfile.newline_of(text)
+    lines = ["", "[[key]]", f"tenant = {toml_string(tenant)}", f"hash = {toml_string(hash_)}"]
+    if name is not None:
+        lines.append(f"name = {toml_string(name)}")
+    lines.append(f"created = {_toml_time(created)}")
+    if expires is not None:
+        lines.append(f"expires = {_toml_time(expires)}")
+    return ("" if text.endswith("\n") or not text else nl) + nl.join(lines) + nl
+
+
+def _printable(text: str) -> str:
+    """``text`` with control and other unprintable characters escaped (a label may hold any)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 @keys_app.command()
@@ -120,15 +133,10 @@ def add(
         if expires_in_days is not None and not 0 < expires_in_days <= 36_500:
             raise ValueError("--expires-in-days: a number of days in (0, 36500]")
         key = new_api_key()
-        text = config.read_text(encoding="utf-8")
-        table = f"\n[[key]]\ntenant = {toml_string(tenant)}\nhash = {toml_string(hash_api_key(key))}\n"
-        if name is not None:
-            table += f"name = {toml_string(name)}\n"
+        text = keyfile.read_text(config)
         now = _now()
-        table += f"created = {_toml_time(now)}\n"
-        if expires_in_days is not None:
-            table += f"expires = {_toml_time(now + timedelta(days=expires_in_days))}\n"
-        updated = text + ("" if text.endswith("\n") or not text else "\n") + table
+        expires = None if expires_in_days is None else now + timedelta(days=expires_in_days)
+        updated = text + _key_table(text, tenant, hash_api_key(key), name, now, expires)
         try:
             data = tomllib.loads(updated)
         except tomllib.TOMLDecodeError as exc:
@@ -136,10 +144,10 @@ def add(
                 f"{config}: cannot append a [[key]] table here ({exc}); is `key` defined another way in this file?"
             ) from None
         gateway_config_from_dict(data, config)  # the file as it will be, before writing it
-        _replace_text(config, updated)
+        keyfile.replace_text(config, updated)
         return key
 
-    key = _guard(run)
+    key = _guard(lambda: _under_lock(config, run))
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
     label = f" ({name})" if name else ""
@@ -157,7 +165,14 @@ def list_keys(config: ConfigPath) -> None:
     loaded = _guard(lambda: load_gateway_config(config))
     now = _now()
     rows = [
-        (k.tenant, k.name or "-", k.hash[:23] + "...", _shown(k.created), _expiry(k.expires, now)) for k in loaded.keys
+        (
+            _printable(k.tenant),
+            _printable(k.name or "-"),
+            k.hash[:23] + "...",
+            _shown(k.created),
+            _expiry(k.expires, now),
+        )
+        for k in loaded.keys
     ]
     rows += [("(admin)", "-", h[:23] + "...", "-", "-") for h in loaded.admin.key_hashes]
     if not rows:
@@ -181,7 +196,7 @@ def add_admin(config: ConfigPath) -> None:
     def run() -> str:
         load_gateway_config(config)  # the file is valid before it is touched
         key = new_api_key()
-        document = tomlkit.parse(config.read_text(encoding="utf-8"))  # comments and layout kept
+        document = tomlkit.parse(keyfile.read_text(config))  # comments and layout kept
         admin = document.get("admin")
         if admin is None:
             admin = tomlkit.table()
@@ -195,10 +210,10 @@ def add_admin(config: ConfigPath) -> None:
             raise GatewayConfigError(f"{config}: admin.key_hashes must be a list of hashes")
         updated = tomlkit.dumps(document)
         gateway_config_from_dict(tomllib.loads(updated), config)  # the file as it will be, before writing it
-        _replace_text(config, updated)
+        keyfile.replace_text(config, updated)
         return key
 
-    key = _guard(run)
+    key = _guard(lambda: _under_lock(config, run))
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
     _say(
@@ -234,26 +249,34 @@ def _one_key(config: Path, keys: Any, hash_prefix: str | None, name: str | None)
     return matches[0]
 
 
-def _edit_keys(config: Path, edit: Callable[[Any], T]) -> T:
-    """Apply ``edit`` to the ``[[key]]`` tables of ``config`` (comments and layout kept), check the file as it
-    will be, then write it atomically. Returns what ``edit`` returns."""
-    import tomlkit
-
+def _edit_keys(config: Path, change: Callable[[str, list[dict[str, Any]]], tuple[str, T]]) -> T:
+    """Under the edit lock: ``change(text, the parsed [[key]] tables)`` gives the new text (verified by
+    ``keyfile.edited``) and a result; the file as it will be is checked whole, then written atomically."""
     from fairgate.gateway.config import gateway_config_from_dict, load_gateway_config
 
-    load_gateway_config(config)  # the file is valid before it is touched
-    document = tomlkit.parse(config.read_text(encoding="utf-8"))
-    keys = document.get("key")
-    if not isinstance(keys, list):
-        raise ValueError(f"{config}: no [[key]] tables")
-    result = edit(keys)
-    if not keys:
-        del document["key"]
-    updated = tomlkit.dumps(document)
-    updated += "" if updated.endswith("\n") else "\n"
-    gateway_config_from_dict(tomllib.loads(updated), config)
-    _replace_text(config, updated)
-    return result
+    def run() -> T:
+        load_gateway_config(config)  # the file is valid before it is touched
+        text = keyfile.read_text(config)
+        keys = tomllib.loads(text).get("key", [])
+        if not isinstance(keys, list) or not keys:
+            raise ValueError(f"{config}: no [[key]] tables")
+        updated, result = change(text, keys)
+        gateway_config_from_dict(tomllib.loads(updated), config)
+        keyfile.replace_text(config, updated)
+        return result
+
+    return _under_lock(config, run)
+
+
+def _without(document: dict[str, Any], index: int, changed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``document`` with its key ``index`` removed (``changed`` None) or replaced by ``changed``."""
+    keys = list(document["key"])
+    if changed is None:
+        del keys[index]
+    else:
+        keys[index] = changed
+    out = {k: v for k, v in document.items() if k != "key"}
+    return out | ({"key": keys} if keys else {})
 
 
 @keys_app.command()
@@ -261,11 +284,14 @@ def revoke(config: ConfigPath, hash_prefix: HashOption = None, name: NameOption 
     """Remove one key from the configuration (named by its hash or label); it stops working when the gateway
     applies the file."""
 
-    def remove(keys: Any) -> str:
+    def remove(text: str, keys: list[dict[str, Any]]) -> tuple[str, str]:
         index = _one_key(config, keys, hash_prefix, name)
+        updated = keyfile.edited(
+            config, text, lambda lines, spans: keyfile.remove_key(lines, spans[index]), lambda d: _without(d, index)
+        )
         gone = keys[index]
-        del keys[index]
-        return f"tenant {gone.get('tenant')!r}" + (f" ({gone.get('name')})" if gone.get("name") else "")
+        whose = f"tenant {gone.get('tenant')!r}" + (f" ({gone.get('name')})" if gone.get("name") else "")
+        return updated, _printable(whose)
 
     whose = _guard(lambda: _edit_keys(config, remove))
     _say(f"revoked a key of {whose} in {config}. {APPLY}")
@@ -281,9 +307,7 @@ def rotate(
     ] = 24.0,
 ) -> None:
     """Make a new key for the tenant and label of an existing one and print it (once); the old one expires
-    after ``--grace-hours``."""
-    import tomlkit
-
+    after ``--grace-hours`` (sooner if it was to expire sooner)."""
     from fairgate.gateway.auth import hash_api_key, new_api_key
 
     if not 0 <= grace_hours <= 8760:
@@ -291,26 +315,26 @@ def rotate(
         raise typer.Exit(2)
     key, now = new_api_key(), _now()
 
-    def replace_key(keys: Any) -> str:
+    def replace_key(text: str, keys: list[dict[str, Any]]) -> tuple[str, str]:
         index = _one_key(config, keys, hash_prefix, name)
         old = keys[index]
-        table = tomlkit.table()
-        table["tenant"], table["hash"] = old["tenant"], hash_api_key(key)
-        if old.get("name") is not None:
-            table["name"] = old["name"]
-        table["created"] = now
-        if grace_hours == 0:
-            del keys[index]
-        else:
-            ends = now + timedelta(hours=grace_hours)
-            old["expires"] = ends if old.get("expires") is None else min(ends, old["expires"])
-        keys.append(table)
-        return str(old["tenant"])
+        ends = (now + timedelta(hours=grace_hours)).replace(microsecond=0)
+        if old.get("expires") is not None:
+            ends = min(ends, old["expires"])
+        nl = keyfile.newline_of(text)
+
+        def edit(lines: list[str], spans: list[keyfile.Span]) -> list[str]:
+            if grace_hours == 0:
+                return keyfile.remove_key(lines, spans[index])
+            return keyfile.set_expiry(lines, spans[index], _toml_time(ends), nl)
+
+        kept = None if grace_hours == 0 else old | {"expires": ends}
+        updated = keyfile.edited(config, text, edit, lambda d: _without(d, index, kept))
+        updated += _key_table(updated, old["tenant"], hash_api_key(key), old.get("name"), now, None)
+        return updated, _printable(str(old["tenant"]))
 
     tenant = _guard(lambda: _edit_keys(config, replace_key))
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
     old_fate = "revoked" if grace_hours == 0 else f"works {grace_hours:g} h more"
-    _say(
-        f"rotated a key of tenant {tenant!r} in {config}: the new key is printed above; the old one {old_fate}. {APPLY}"
-    )
+    _say(f"rotated a key of tenant {tenant!r} in {config}: the new key is above; the old one {old_fate}. {APPLY}")

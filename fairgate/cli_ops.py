@@ -581,6 +581,21 @@ def _tenant_cell(tag: str | None, summary: TenantSummary, names: dict[str, str])
     return cell + ("" if summary.backlogged else " <em>(demand-limited)</em>")
 
 
+def _figures_text(run: LiveRun, stats: Any) -> str:
+    """What the report's figures are and how to read them (HTML)."""
+    source = (
+        "the gateway's metered usage aggregates"
+        if run.share_source == "usage"
+        else "the GPU ms billed to each finished request, at its finish time"
+    )
+    waited, every = _fmt(backlogged_ratio(run), 2), _fmt(stats.mean.max_min_ratio, 2)
+    return f"""GPU shares are of the GPU time charged to tenants, from {html.escape(source)}; max/min of weighted shares
+among the tenants that waited for slots {waited} (all tenants: {every}), Jain's index {_fmt(stats.mean.jain_index, 3)}.
+A tenant marked demand-limited never waited {BACKLOG_QUEUE_MS:g} ms for a slot: it got all it asked, so its share says
+how much it asked, not how fairly it was served. Tenants are shown by their hash. TTFT is from admission to the
+first token, the queue included."""
+
+
 def _html(
     run: LiveRun, names: dict[str, str], stats: Any, span: str, policy: str, source: Path, charts: set[str]
 ) -> str:
@@ -616,7 +631,6 @@ def _html(
     for reason, by in sorted(run.rejections.items(), key=lambda item: -sum(item[1].values())):
         detail = ", ".join(f"{e(_label(t, names))}: {n}" for t, n in sorted(by.items(), key=lambda i: -i[1]))
         reject_rows.append(f"<tr><td>{e(reason)}</td><td>{sum(by.values())}</td><td>{detail}</td></tr>")
-    ratio, backlogged = stats.mean.max_min_ratio, backlogged_ratio(run)
     figures = []
     if "shares.png" in charts:
         figures.append(("shares.png", "Cumulative GPU share per tenant over time (the simulator's chart)"))
@@ -629,11 +643,6 @@ def _html(
         else f"<p>{e(caption)}</p>"
         for name, caption in figures
     )
-    source_text = (
-        "the gateway's metered usage aggregates"
-        if run.share_source == "usage"
-        else "the GPU ms billed to each finished request, at its finish time"
-    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>fairgate live report: {e(span)}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse}}
@@ -642,11 +651,7 @@ figure{{margin:1.5em 0}}img{{max-width:100%}}code{{font-size:90%}}</style></head
 <body>
 <h1>fairgate live report</h1>
 <p>From <code>{e(str(source))}</code>: {run.records:,} records, {e(span)}, policy {e(policy)}.
-GPU shares are of the GPU time charged to tenants, from {e(source_text)}; max/min of weighted shares among
-the tenants that waited for slots {_fmt(backlogged, 2)} (all tenants: {_fmt(ratio, 2)}), Jain's index
-{_fmt(stats.mean.jain_index, 3)}. A tenant marked demand-limited never waited {BACKLOG_QUEUE_MS:g} ms for a slot:
-it got all it asked, so its share says how much it asked, not how fairly it was served. Tenants are shown by
-their hash. TTFT is from admission to the first token, the queue included.</p>
+{_figures_text(run, stats)}</p>
 <h2>Tenants</h2>
 <table><tr><th>tenant</th><th>admitted</th><th>finished</th><th>rejected</th><th>GPU ms</th><th>GPU share %</th>
 <th>weight</th><th>queue p50 ms</th><th>queue p99 ms</th><th>TTFT p50 ms (queue incl.)</th>

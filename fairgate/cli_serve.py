@@ -111,6 +111,7 @@ def _load(path: Path) -> GatewayConfig:
     try:
         loaded = load_gateway_config(path)
         loaded.upstream_keys()  # read as the gateway will: a missing or empty key stops it here, exit 2
+        loaded.delegation_secret()  # too short a secret stops it here, not each delegated request with a 500
     except GatewayConfigError as exc:
         raise _fail(str(exc)) from None
     problem = startup_problem(loaded, path)
@@ -197,6 +198,8 @@ def startup_problem(config: GatewayConfig, path: Path) -> str | None:
     ):
         if file is None:
             continue
+        if file.exists() and not (file.is_file() or file.is_char_device()):
+            return f"{path}: gateway.{key}: {file} is not a regular file"  # a FIFO would block the start for good
         try:
             with open(file, "a", encoding="utf-8"):
                 pass

@@ -1,4 +1,6 @@
-"""The access log: one JSON line per request the gateway answered, to stderr by default.
+"""The access log: one JSON line per request to the generation routes (``/v1/chat/completions``,
+``/v1/completions``, ``/v1/embeddings``), to stderr by default. (Requests refused by the connection bounds
+before they reach a route - 431, 408, 503 - and the other routes are not in it.)
 
 ``[gateway].access_log``: ``"-"`` (the default) writes to stderr, a path to that file (appended; relative to
 the config's folder), ``""`` turns it off. The line is written when the request is over (``records``): for a
@@ -8,7 +10,8 @@ call that ran, once its final settlement was booked; for anything else, when its
 - ``request_id``; ``tenant_hash`` (``tenant_tag``; ``null``: no credential identified it; a raw tenant name is
   never written); ``model`` (as the client asked; ``null`` if unread); ``path``;
 - ``status``: the HTTP status answered (a stream's is 200, even when its upstream failed mid-way: ``outcome``
-  says so); ``outcome``: ``completed``, ``cancelled`` (the client left), ``error`` (the upstream failed) or
+  says so); ``outcome``: ``completed``, ``cancelled`` (the client left, queued or running; 499 when nothing
+  was sent), ``error`` (the upstream failed) or
   ``rejected`` (answered with an error before running: ``reason`` and ``code`` say why, as in
   ``fairgate.gateway.observe.REJECT_REASONS`` and the OpenAI error body);
 - ``upstream``; ``queue_ms`` (admission to dispatch); ``ttft_ms``: time to first token as the client waits
@@ -81,9 +84,9 @@ def open_access_log(target: str | None) -> tuple[Sink, logging.handlers.QueueLis
         return None
     handler: logging.Handler
     if target == STDERR:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Quiet(logging.StreamHandler(sys.stderr))
     else:
-        handler = logging.handlers.WatchedFileHandler(Path(target), encoding="utf-8")  # follows logrotate
+        handler = _Quiet(logging.handlers.WatchedFileHandler(Path(target), encoding="utf-8"))  # follows logrotate
     handler.setFormatter(logging.Formatter("%(message)s"))
     lines: queue.SimpleQueue[Any] = queue.SimpleQueue()
     into = logging.handlers.QueueHandler(lines)
@@ -92,6 +95,34 @@ def open_access_log(target: str | None) -> tuple[Sink, logging.handlers.QueueLis
         into.handle(logging.makeLogRecord({"name": LOGGER, "msg": line_of(record).decode()}))
 
     return write, logging.handlers.QueueListener(lines, handler)
+
+
+class _Quiet(logging.Handler):
+    """``inner``, whose write errors (a full disk, a closed stderr) are reported once, as one warning line,
+    not as a traceback per line; lines are dropped while it cannot write."""
+
+    def __init__(self, inner: logging.Handler) -> None:
+        super().__init__()
+        self.inner, self.failed = inner, False
+        inner.handleError = self._failed  # type: ignore[method-assign]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.inner.emit(record)
+
+    def setFormatter(self, fmt: logging.Formatter | None) -> None:
+        self.inner.setFormatter(fmt)
+
+    def close(self) -> None:
+        self.inner.close()
+        super().close()
+
+    def _failed(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            error = sys.exc_info()[1]
+            logging.getLogger("fairgate.gateway").warning(
+                orjson.dumps({"event": "access_log_failed", "error": str(error)}).decode()
+            )
 
 
 def install(app: FastAPI, state: GatewayState) -> None:

@@ -14,6 +14,7 @@ Every rejection on these routes, from a dependency (the caller's key) or a stage
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
@@ -26,10 +27,12 @@ from fairgate.gateway import admission, intake
 from fairgate.gateway.call import Call, TryAnotherUpstream
 from fairgate.gateway.embeddings import EmbeddingCall
 from fairgate.gateway.identity import Caller, require_tenant
-from fairgate.gateway.outcomes import Rejection, respond
+from fairgate.gateway.outcomes import Outcome, Rejection, respond
 from fairgate.gateway.queueing import wait_for_slot
 from fairgate.gateway.records import note_admission, open_record
 from fairgate.gateway.state import GatewayState, gateway_of
+
+log = logging.getLogger("fairgate.gateway")
 
 # Upstreams a request is sent to at most, when the ones before refused the connection (each is taken out).
 CONNECT_ATTEMPTS = 3
@@ -58,6 +61,11 @@ class RecordedRoute(APIRoute):
                 if rejection.answer.recorded:
                     state.events.observe(rejection.event(request_id, state.clock.wall_s()))
                 response = respond(rejection, request_id, state.rng)
+            except Exception:  # answered here, not by the app's handler, so that it is recorded and reported
+                request_id = request_id or intake.new_request_id()
+                log.exception("unexpected error serving %s", request_id)
+                message = "Internal error; the request was not billed beyond what ran."
+                response = respond(Rejection(Outcome.INTERNAL_ERROR, message), request_id, state.rng)
             if state.request_records is not None:
                 state.request_records.answered(record, request_id, response.status_code, state.clock.wall_s())
             return response

@@ -137,6 +137,21 @@ KeyHash = Annotated[str, AfterValidator(_key_hash)]
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 TenantName = Annotated[str, Field(min_length=1, max_length=200)]
 ACCESS_LOG_STDERR = "-"  # ``[gateway].access_log`` value: the access log goes to stderr
+
+
+def _file_name(value: str | None) -> str | None:
+    """A file path as the config gives it: no control characters (a NUL made opening the file fail with a
+    traceback), not blank (three spaces made a file named three spaces). ``""`` is left to mean "off"."""
+    if value is None or value == "":
+        return value
+    if not value.strip():
+        raise ValueError("a file path, not blank ('' turns it off where that is allowed)")
+    if any(not c.isprintable() for c in value):
+        raise ValueError("a file path without control characters")
+    return value
+
+
+FileName = Annotated[str, AfterValidator(_file_name)]
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)]
 
 
@@ -145,11 +160,11 @@ class GatewaySection(_Strict):
 
     policy: str = "gpu_fair"
     ledger: str
-    journal: Annotated[str, Field(min_length=1)] = "fairgate-journal.jsonl"
+    journal: Annotated[FileName, Field(min_length=1)] = "fairgate-journal.jsonl"
     # JSON lines; "": no file (the records go to the ``fairgate.gateway`` logger only)
-    event_log: str | None = "fairgate-events.jsonl"
+    event_log: FileName | None = "fairgate-events.jsonl"
     # One JSON line per request answered (fairgate.gateway.accesslog): "-" stderr, a file path, or "" (off).
-    access_log: str = "-"
+    access_log: FileName = "-"
     default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_PER_REQUEST)] = 512
     max_body_bytes: Annotated[int, Field(ge=1024, le=1024**3)] = 1024 * 1024
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
@@ -552,6 +567,25 @@ def _check_model_classes(path: Path, config: GatewayConfig, quotas: Quotas) -> N
                 )
 
 
+def _check_distinct_files(path: Path, config: GatewayConfig) -> None:
+    """The files the gateway writes are distinct, and none is the configuration itself (an access log on
+    the config appended JSON to it; one shared with the request log made ``fairgate explain`` fail)."""
+    ledger = config.gateway.ledger
+    named = {"the configuration": str(path.resolve())}
+    if ledger.startswith("sqlite:///"):
+        named["gateway.ledger"] = ledger[len("sqlite:///") :].split("?")[0]
+    for key in ("journal", "event_log", "access_log"):
+        value = getattr(config.gateway, key)
+        if value and value != ACCESS_LOG_STDERR:
+            where = str(Path(value).resolve())
+            for other, taken in named.items():
+                if where == taken:
+                    raise GatewayConfigError(
+                        f"{path}: gateway.{key}: {value} is also {other}; give it a file of its own"
+                    )
+            named[f"gateway.{key}"] = where
+
+
 def _check_access(path: Path, config: GatewayConfig, quotas: Quotas) -> None:
     """Every ``[access]`` list names models clients may send, and every tenant table a tenant: a misspelt
     name would otherwise lock a tenant out of a model, or leave one open. Raises ``GatewayConfigError``."""
@@ -646,6 +680,7 @@ def gateway_config_from_dict(data: dict[str, Any], path: str | Path) -> GatewayC
             _check_ca_file(path, i, path.parent / upstream.ca_file)
     upstreams = [_resolve_upstream(path, u) for u in config.upstreams]
     config = config.model_copy(update={"gateway": _resolve(path, config.gateway), "upstreams": upstreams})
+    _check_distinct_files(path, config)
     config._path = path
     config._quotas = quotas
     return config

@@ -56,6 +56,10 @@ class RequestRecord:
         """``completed``, ``cancelled`` (the client left), ``error`` (the upstream failed) or ``rejected``."""
         if self.finished is not None:
             return self.finished.outcome
+        if self.status == 499:  # the client left before it was answered (queued, or its body unread)
+            return "cancelled"
+        if (self.status or 0) >= 500 and self.reason is None:  # failed on the platform's side, not refused
+            return "error"
         return "completed" if self.status == 200 else "rejected"
 
     @property

@@ -6,8 +6,9 @@ may call, and with which models: the ``[[key]]`` tables (keys added, revoked, ro
 requests in flight, streams included, are not touched (a request is authenticated once, when it arrives).
 A change anywhere else (``[gateway]``, upstreams, models, policy, quotas) is not applied - the ledger, the
 queues and the meters hold state built from them - and is named in the answer and the log line, to apply
-with a restart. A file that does not load, or keys naming a tenant the running gateway does not have, is
-refused with its one-line error and the running configuration stays.
+with a restart. A file that does not load, that changes while it is read, that would leave no key at all
+(a file caught half written), or whose keys name a tenant the running gateway does not have, is refused
+with its one-line error and the running configuration stays.
 
 Every reload logs one JSON line on the ``fairgate.gateway`` logger: ``config_reloaded`` (WARNING, the level
 ``fairgate serve`` shows: an operator wants to see that the signal was taken) or ``config_reload_refused``
@@ -24,6 +25,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -59,7 +61,16 @@ def reload_identity(state: GatewayState) -> Reloaded:
             running gateway does not have.
     """
     running = state.config
+    before = _fingerprint(running.path)
     new = load_gateway_config(running.path)
+    if _fingerprint(running.path) != before:
+        raise GatewayConfigError(f"{running.path}: the file changed while it was read; reload again when it is written")
+    new.delegation_secret()  # a secret too short is refused here, not at each delegated request
+    if (running.keys or running.admin.key_hashes) and not (new.keys or new.admin.key_hashes):
+        raise GatewayConfigError(
+            f"{running.path}: key: no [[key]] and no admin key: applied, it would lock every caller out "
+            "(a file half written?); the running keys stay"
+        )
     unknown = sorted({key.tenant for key in new.keys} - set(running.quotas.tenants))
     if unknown:
         raise GatewayConfigError(
@@ -71,6 +82,15 @@ def reload_identity(state: GatewayState) -> Reloaded:
     identity = Identity(merged, state.clock.wall_s)  # built whole before it replaces the running one
     state.config, state.identity = merged, identity
     return Reloaded(identity.keys, len(new.admin.key_hashes), _not_applied(running, new))
+
+
+def _fingerprint(path: Path) -> tuple[int, int, int]:
+    """What changes when a file is written: its size, modification time and inode (0s: it does not exist)."""
+    try:
+        status = path.stat()
+    except OSError:
+        return (0, 0, 0)
+    return (status.st_size, status.st_mtime_ns, status.st_ino)
 
 
 def _not_applied(running: GatewayConfig, new: GatewayConfig) -> tuple[str, ...]:

@@ -107,4 +107,53 @@ def test_an_access_log_that_cannot_be_written_stops_the_start_with_one_line(tmp_
     path, _ = write_config(tmp_path, ["http://127.0.0.1:9"], gateway_table={"access_log": "a-directory"})
     done = fairgate("serve", "--config", str(path), "--port", str(free_port()), timeout=60)
     assert done.returncode == 2, done.stderr
-    assert "gateway.access_log: cannot write" in done.stderr and "Traceback" not in done.stderr
+    assert "gateway.access_log:" in done.stderr and "not a regular file" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_internal_error_is_answered_500_and_still_logged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by an outside tester: an exception that is no rejection (here a delegation secret too short,
+    set after the gateway started) reached the client as a 500 with no access-log line."""
+    monkeypatch.setenv("FG_TEST_SHORT_SECRET", "abc")
+    log = tmp_path / "access.jsonl"
+    with serve_stack(
+        tmp_path, gateway_table={"access_log": "access.jsonl"}, delegates=["alpha"], secret_env="FG_TEST_SHORT_SECRET"
+    ) as stack:
+        headers = {
+            "Authorization": f"Bearer {stack.keys['alpha']}",
+            "X-Request-Id": "boom",
+            "X-Fairgate-On-Behalf-Of": "x.y",
+        }
+        answer = httpx.post(f"{stack.url}/v1/completions", json=BODY, headers=headers, timeout=30)
+    assert answer.status_code == 500 and answer.json()["error"]["code"] == "internal_error"
+    [line] = lines_of(log)
+    assert (line["request_id"], line["status"], line["outcome"]) == ("boom", 500, "error")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('"\\u0000"', "gateway.access_log: a file path without control characters"),
+        ('"   "', "gateway.access_log: a file path, not blank"),
+        ('"fairgate.toml"', "fairgate.toml is also the configuration"),
+        ('"fairgate-events.jsonl"', "fairgate-events.jsonl is also gateway.event_log"),
+    ],
+)
+def test_an_access_log_value_that_cannot_work_is_one_error(tmp_path: Path, value: str, message: str) -> None:
+    from fairgate.gateway.config import GatewayConfigError, load_gateway_config
+
+    path, _ = write_config(tmp_path, ["http://127.0.0.1:9"], gateway_table={"access_log": "placeholder"})
+    path.write_text(path.read_text().replace('access_log = "placeholder"', f"access_log = {value}"))
+    assert value in path.read_text()
+    with pytest.raises(GatewayConfigError) as error:
+        load_gateway_config(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_fifo_as_access_log_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    import os
+
+    os.mkfifo(tmp_path / "pipe")
+    path, _ = write_config(tmp_path, ["http://127.0.0.1:9"], gateway_table={"access_log": "pipe"})
+    done = fairgate("serve", "--config", str(path), "--port", str(free_port()), timeout=60)
+    assert done.returncode == 2 and "gateway.access_log" in done.stderr and "not a regular file" in done.stderr

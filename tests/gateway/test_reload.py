@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from starlette.datastructures import Headers
 
 from fairgate.emulator.api import create_app
@@ -172,3 +173,24 @@ def _wait_ready(url: str) -> None:
             pass
         assert time.monotonic() < deadline, "the gateway did not start"
         time.sleep(0.1)
+
+
+def test_a_reload_that_would_lock_everyone_out_or_break_delegation_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an outside tester: a file caught half written (an editor writing in place, SIGHUP between
+    its writes) was applied with no key at all, and a delegation secret too short was accepted by a reload,
+    then answered every delegated request with a 500."""
+    with serve_stack(tmp_path, admin_key=ADMIN) as stack:
+        path = stack.config_path
+        good = path.read_text()
+        path.write_text(good.split("[[key]]")[0].split("[admin]")[0])  # the tables before the keys only
+        refused = reload(stack)
+        assert refused.status_code == 400 and "would lock every caller out" in refused.text
+        assert post(stack.url, stack.keys["alpha"]).status_code == 200  # the running keys stay
+        monkeypatch.setenv("FG_TEST_SHORT_SECRET", "abc")
+        path.write_text(good + '\n[delegation]\nsecret_env = "FG_TEST_SHORT_SECRET"\n')
+        short = reload(stack)
+        assert short.status_code == 400 and "holds 3 bytes" in short.text, short.text
+        path.write_text(good)
+        assert reload(stack).status_code == 200
