@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fairgate.gateway.observe import Admitted, Dispatched, Event, Finished, Rejected, Settled
+from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Finished, Rejected, Settled
 
 log = logging.getLogger("fairgate.gateway")
 
@@ -95,6 +95,8 @@ class RequestRecorder:
         self.sinks = list(sinks)
 
     def observe(self, event: Event) -> None:
+        if type(event) is Charged:  # the hot path (once per token or read): nothing a report needs
+            return
         record = _current.get()
         if record is None or record.reported:
             return  # not a request's event (the meter's charges, a background sweep), or after its report
