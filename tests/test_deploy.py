@@ -61,7 +61,9 @@ def test_the_configmap_config_loads_and_matches_the_services_probes_and_image(
     assert upstream.url == f"http://vllm:{vllm['spec']['ports'][0]['port']}/v1" and upstream.kind == "vllm"
     served = objects[("Deployment", "vllm")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert served[served.index("--served-model-name") + 1] == upstream.model
-    assert int(served[served.index("--max-num-seqs") + 1]) == upstream.max_batch
+    # The gateway pods together use the engine's slots, no more (each process its share: README, scale-out).
+    pods = objects[("Deployment", "fairgate")]["spec"]["replicas"]
+    assert int(served[served.index("--max-num-seqs") + 1]) == upstream.max_batch * pods
     # The gateway's probes and scrape path are routes of the app this config builds.
     [gateway] = objects[("Deployment", "fairgate")]["spec"]["template"]["spec"]["containers"]
     routes = {getattr(route, "path", None) for route in create_gateway(config).routes}

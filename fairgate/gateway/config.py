@@ -333,9 +333,33 @@ class TelemetryConfig(_Strict):
     """``[telemetry]``: OpenTelemetry traces (``fairgate.gateway.telemetry``), off unless ``otlp_traces_url``
     names a collector's OTLP/HTTP traces endpoint."""
 
-    otlp_traces_url: Annotated[str, Field(pattern=r"^https?://\S+$", max_length=2000)] | None = None
+    otlp_traces_url: Annotated[str, Field(max_length=2000)] | None = None
     service_name: Annotated[str, Field(min_length=1, max_length=200)] = "fairgate"
     headers: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9-]{1,100}$")], str] = Field(default_factory=dict)
+
+    @field_validator("otlp_traces_url")
+    @classmethod
+    def _collector_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            parts = urlsplit(value)
+            _ = parts.port  # a port out of range or not a number raises ValueError
+        except ValueError as exc:
+            raise ValueError(f"not a URL ({exc})") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or any(not c.isprintable() for c in value):
+            raise ValueError("an http(s) URL with a host, e.g. http://127.0.0.1:4318/v1/traces")
+        if parts.path in ("", "/"):
+            raise ValueError(f"give the traces path too: {value.rstrip('/')}/v1/traces (OTLP/HTTP's)")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _header_values(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if any(not c.isprintable() for c in text):
+                raise ValueError(f"{name}: a header value without control characters")
+        return value
 
     @model_validator(mode="after")
     def _sdk_installed(self) -> TelemetryConfig:

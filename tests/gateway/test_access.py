@@ -81,3 +81,23 @@ def test_a_bad_access_table_is_one_error_naming_it(tmp_path: Path, access: str, 
     with pytest.raises(GatewayConfigError) as error:
         load_gateway_config(path)
     assert message in str(error.value) and str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_reload_whose_access_names_a_model_not_running_is_refused(tmp_path: Path) -> None:
+    """Found by an outside tester: [access] was checked against the file's models, so renaming an alias in
+    the file (applied only by a restart) and naming the new name in [access] locked the tenant out."""
+    alias = '\n[[model]]\nname = "chat"\npools = ["emu"]\n\n[access]\ndefault = ["chat"]\n'
+    with serve_in_thread(create_app(REPLICA.settings("emu"))) as base:
+        path, keys = write_config(tmp_path, [base], admin_key=ADMIN)
+        path.write_text(path.read_text() + alias)
+        config = load_gateway_config(path)
+        with serve_in_thread(create_gateway(config)) as gateway:
+            path.write_text(path.read_text().replace('"chat"', '"assistant"'))
+            answer = httpx.post(f"{gateway}/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"})
+            assert answer.status_code == 400 and "'assistant' is not a model of the running gateway" in answer.text
+            ok = httpx.post(
+                f"{gateway}/v1/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                headers={"Authorization": f"Bearer {keys['beta']}"},
+            )
+            assert ok.status_code == 200, ok.text  # the running access stays

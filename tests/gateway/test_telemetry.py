@@ -119,6 +119,12 @@ def test_telemetry_config_errors_are_one_line(tmp_path: Path) -> None:
     base = path.read_text()
     for table, needle in [
         ('[telemetry]\notlp_traces_url = "grpc://x:4317"\n', "telemetry.otlp_traces_url"),
+        ('[telemetry]\notlp_traces_url = "http://:99999/v1/traces"\n', "telemetry.otlp_traces_url"),
+        ('[telemetry]\notlp_traces_url = "http://127.0.0.1:4318"\n', "give the traces path too"),
+        (
+            '[telemetry]\notlp_traces_url = "http://x:4318/v1/traces"\nheaders = { k = "v\\r\\nX: 1" }\n',
+            "control characters",
+        ),
         ('[telemetry]\nservice_name = ""\n', "telemetry.service_name"),
         ('[telemetry]\nendpoint = "http://x"\n', "telemetry.endpoint"),
     ]:
