@@ -25,14 +25,17 @@ previous sample), ``running``, ``queued`` (now), ``gpu_s`` (cumulative GPU secon
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.identity import Caller, admin_or_tenant
 from fairgate.gateway.outcomes import Outcome, Rejection
+from fairgate.gateway.state import gateway_of
 from fairgate.gateway.stats import Stats, TenantTotals
 
 STATIC = Path(__file__).parent / "static"
@@ -85,9 +88,12 @@ def _totals(totals: TenantTotals) -> dict[str, Any]:
     }
 
 
-def payload(stats: Stats, tenant: str | None, ttft_target_ms: float) -> dict[str, Any]:
+def payload(
+    stats: Stats, tenant: str | None, ttft_target_ms: float, pools: Collection[str] | None = None
+) -> dict[str, Any]:
     """The dashboard's JSON: every tenant by name when ``tenant`` is None (an admin), else only ``tenant``'s
-    own series as ``"you"`` and the pool's SLO figures (see module docstring)."""
+    own series as ``"you"`` and the SLO figures of the pools it may reach (``pools``; None: all; see module
+    docstring)."""
     stats.tick()
     samples = list(stats.samples)
     now = stats.clock()
@@ -101,7 +107,7 @@ def payload(stats: Stats, tenant: str | None, ttft_target_ms: float) -> dict[str
     for name, label in labels.items():
         points = [s.tenants.get(name) for s in samples]
         series[label] = {f: [_round(getattr(p, f)) if p is not None else None for p in points] for f in fields}
-    models = sorted({m for s in samples for m in s.pools})
+    models = sorted({m for s in samples for m in s.pools if pools is None or m in pools})
     pool: dict[str, Any] = {
         "ttft_target_ms": ttft_target_ms,
         "ttft_p99_ms": {m: [_round(s.pools[m].ttft_p99_ms) if m in s.pools else None for s in samples] for m in models},
@@ -125,6 +131,14 @@ def payload(stats: Stats, tenant: str | None, ttft_target_ms: float) -> dict[str
         "series": series,
         "totals": totals,
         "pool": pool,
+    }
+
+
+def reachable_pools(config: GatewayConfig, tenant: str) -> set[str]:
+    """The pools serving a model name ``tenant`` may send (``[access]``): the only pools whose figures it
+    sees, so that another tenant's private model (a LoRA adapter's pool) is not named to it."""
+    return {
+        pool for name, served in config.served.items() if config.access.allows(tenant, name) for pool in served.pools
     }
 
 
@@ -162,7 +176,7 @@ def install(app: FastAPI, stats: Stats, ttft_target_ms: float) -> None:
         )
 
     @app.get("/dashboard/data", include_in_schema=False)
-    async def data(caller: Annotated[Caller | None, Depends(admin_or_tenant)]) -> Response:
+    async def data(request: Request, caller: Annotated[Caller | None, Depends(admin_or_tenant)]) -> Response:
         # async: runs on the event loop with the observers, so it reads a consistent state.
         if caller is not None and caller.delegate is not None:
             raise Rejection(
@@ -170,4 +184,5 @@ def install(app: FastAPI, stats: Stats, ttft_target_ms: float) -> None:
                 "The dashboard shows the key holder's own data; on-behalf-of tokens are not accepted here.",
             )
         tenant = None if caller is None else caller.tenant
-        return JSONResponse(payload(stats, tenant, ttft_target_ms), headers={"cache-control": "no-store"})
+        pools = None if tenant is None else reachable_pools(gateway_of(request).config, tenant)
+        return JSONResponse(payload(stats, tenant, ttft_target_ms, pools), headers={"cache-control": "no-store"})

@@ -13,6 +13,7 @@ import pytest
 from fairgate.emulator.api import create_app
 from fairgate.gateway.app import create_gateway
 from fairgate.gateway.config import GatewayConfigError, load_gateway_config
+from fairgate.gateway.dashboard import reachable_pools
 from fairgate.harness.threads import serve_in_thread
 from tests.gateway.conftest import REPLICA, ledger_call, write_config
 
@@ -59,6 +60,14 @@ def test_each_tenant_sees_and_runs_only_its_models_and_a_refusal_reserves_nothin
             assert reply.usage is not None and reply.usage.completion_tokens == 3
             ok = alpha.chat.completions.create(model="emu", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
             assert ok.choices[0].message.content
+            # The dashboard names only the pools a tenant may reach (found by an outside tester: beta's
+            # adapter pool, and when beta used it, showed in alpha's dashboard).
+            assert (reachable_pools(config, "alpha"), reachable_pools(config, "beta")) == (
+                {"emu"},
+                {"emu", "beta-lora"},
+            )
+            seen = httpx.get(f"{gateway}/dashboard/data", headers={"Authorization": f"Bearer {keys['alpha']}"})
+            assert seen.status_code == 200 and "beta-lora" not in seen.text
         reservations = {r.request_id: r for r in ledger_call(config, lambda ledger: ledger.reservations())}
         adapter_stats = httpx.get(f"{adapter}/emulator/stats").json()
     assert "not-yours" not in reservations  # refused before the ledger: nothing reserved, nothing billed
