@@ -77,7 +77,7 @@ def reload_identity(state: GatewayState) -> Reloaded:
             f"{running.path}: key: no [[key]] and no admin key: applied, it would lock every caller out "
             "(a file half written?); the running keys stay"
         )
-    names = new.access.default or []
+    names = list(new.access.default or [])  # a copy: the list is the new config's own
     names += [name for access in new.access.tenants.values() for name in access.models]
     absent = sorted(set(names) - set(running.served))
     if absent:  # checked against the models the file names; those running may differ until a restart

@@ -110,3 +110,20 @@ def test_a_reload_whose_access_names_a_model_not_running_is_refused(tmp_path: Pa
                 headers={"Authorization": f"Bearer {keys['beta']}"},
             )
             assert ok.status_code == 200, ok.text  # the running access stays
+
+
+def test_a_reload_keeps_each_tenants_models_its_own(tmp_path: Path) -> None:
+    """After a reload, a tenant without a table of its own still may not send another tenant's adapter."""
+    with (
+        serve_in_thread(create_app(REPLICA.settings("emu"))) as base,
+        serve_in_thread(create_app(REPLICA.settings("beta-lora"))) as adapter,
+    ):
+        path, keys = write_config(tmp_path, [base, adapter], models=["emu", "beta-lora"], admin_key=ADMIN)
+        path.write_text(path.read_text() + ACCESS)
+        with serve_in_thread(create_gateway(load_gateway_config(path))) as gateway:
+            answer = httpx.post(f"{gateway}/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"})
+            assert answer.status_code == 200, answer.text
+            alpha = openai.OpenAI(base_url=f"{gateway}/v1", api_key=keys["alpha"], max_retries=0)
+            assert [m.id for m in alpha.models.list().data] == ["emu"]
+            with pytest.raises(openai.NotFoundError):
+                alpha.models.retrieve("beta-lora")
