@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from fairgate.gateway.state import GatewayState
@@ -24,9 +24,12 @@ def install(app: FastAPI, state: GatewayState) -> None:
         return {"status": "ok"}
 
     @app.get("/health/ready")
-    async def ready() -> JSONResponse:
+    async def ready(request: Request) -> JSONResponse:
         document = await readiness(state)
-        return JSONResponse(document, status_code=200 if document["status"] == "ready" else 503)
+        code = 200 if document["status"] == "ready" else 503
+        if not state.identity.is_admin(request):
+            document = anonymous(document)
+        return JSONResponse(document, status_code=code)
 
 
 async def readiness(state: GatewayState) -> dict[str, Any]:
@@ -34,7 +37,8 @@ async def readiness(state: GatewayState) -> dict[str, Any]:
     ``READY_LEDGER_TIMEOUT_S``) or some tier has an emergency policy to serve an outage with - and every model
     name clients may send (an alias or a plain model) has an upstream up in one of its pools (an alias whose
     primary pool is down is ready on a fallback). ``upstreams_up``: model name -> upstreams up in its pools.
-    ``/health`` and ``/health/live`` say only that the process serves HTTP."""
+    ``/health`` and ``/health/live`` say only that the process serves HTTP. The route answers this document
+    to an admin key, ``anonymous(document)`` to anyone else."""
     try:
         await asyncio.wait_for(state.backend.frozen(), timeout=READY_LEDGER_TIMEOUT_S)
         ledger = "ok"
@@ -50,3 +54,22 @@ async def readiness(state: GatewayState) -> dict[str, Any]:
         reasons.append("the ledger does not answer and no tier has an emergency policy")
     status = "not_ready" if reasons else "ready"
     return {"status": status, "ledger": ledger, "upstreams_up": up, "reasons": reasons}
+
+
+def anonymous(document: dict[str, Any]) -> dict[str, Any]:
+    """``readiness`` without the model names, for a caller without an admin key: the probe is unauthenticated
+    and a model name can be a tenant's own (an adapter: ``[access]``), so it gets counts only - the models with
+    an upstream up, of how many - and the reasons with each model's name left out."""
+    up = document["upstreams_up"]
+    models_down = sum(1 for n in up.values() if n == 0)
+    reasons = [r for r in document["reasons"] if not r.startswith("no upstream of model")]
+    if models_down:
+        reasons.insert(0, f"{models_down} of {len(up)} models have no upstream up (an admin key shows which)")
+    ready = len(up) - models_down
+    return {
+        "status": document["status"],
+        "ledger": document["ledger"],
+        "models_ready": ready,
+        "models": len(up),
+        "reasons": reasons,
+    }

@@ -21,11 +21,14 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 def test_a_serving_gateway_is_live_and_ready(tmp_path: Path) -> None:
     with serve_stack(tmp_path, admin_key=ADMIN_KEY) as stack:
         live = httpx.get(f"{stack.url}/health/live", timeout=5)
-        ready = httpx.get(f"{stack.url}/health/ready", timeout=5)
+        ready = httpx.get(f"{stack.url}/health/ready", headers=ADMIN, timeout=5)
+        anonymous = httpx.get(f"{stack.url}/health/ready", timeout=5)
         metrics = httpx.get(f"{stack.url}/metrics", headers=ADMIN, timeout=5).text
     assert live.status_code == 200 and live.json() == {"status": "ok"}
     assert ready.status_code == 200, ready.text
     assert ready.json() == {"status": "ready", "ledger": "ok", "upstreams_up": {"emu": 1}, "reasons": []}
+    assert anonymous.status_code == 200
+    assert anonymous.json() == {"status": "ready", "ledger": "ok", "models_ready": 1, "models": 1, "reasons": []}
     assert 'fairgate_upstream_up{model="emu",upstream="emu-0"} 1.0' in metrics
 
 
@@ -33,11 +36,16 @@ def test_a_model_with_every_upstream_down_is_not_ready(tmp_path: Path) -> None:
     path, keys = write_config(tmp_path, ["http://127.0.0.1:9"], admin_key=ADMIN_KEY)  # nothing listens: refused
     with serve_in_thread(create_gateway(load_gateway_config(path))) as url:
         assert post(url, keys["alpha"]).status_code in (502, 503)  # the refusal marks it down
-        ready = httpx.get(f"{url}/health/ready", timeout=5)
+        ready = httpx.get(f"{url}/health/ready", headers=ADMIN, timeout=5)
+        anonymous = httpx.get(f"{url}/health/ready", headers={"Authorization": f"Bearer {keys['alpha']}"}, timeout=5)
         live = httpx.get(f"{url}/health", timeout=5)
         metrics = httpx.get(f"{url}/metrics", headers=ADMIN, timeout=5).text
     assert live.status_code == 200
     assert ready.status_code == 503 and ready.json()["reasons"] == ["no upstream of model 'emu' is up"], ready.text
+    # Not an admin key (a tenant's): the model's name is left out, which models are down is counted.
+    assert anonymous.status_code == 503 and "emu" not in anonymous.text, anonymous.text
+    assert anonymous.json()["reasons"] == ["1 of 1 models have no upstream up (an admin key shows which)"]
+    assert (anonymous.json()["models_ready"], anonymous.json()["models"]) == (0, 1)
     assert 'fairgate_upstream_up{model="emu",upstream="emu-0"} 0.0' in metrics
 
 

@@ -78,13 +78,17 @@ def alias_config(path: Path) -> None:
     path.write_text(tomlkit.dumps(doc))
 
 
+ADMIN_KEY = f"fg-test-admin-{'p' * 24}"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 @contextmanager
 def serve_pools(tmp: Path) -> Iterator[Pools]:
     primary, fallback = Recording(), Recording()
     with ExitStack() as outer, ExitStack() as replicas:
         url0 = replicas.enter_context(serve_in_thread(primary))
         url1 = outer.enter_context(serve_in_thread(fallback))
-        path, keys = write_config(tmp, [url0, url1], models=["big-engine", "small-engine"])
+        path, keys = write_config(tmp, [url0, url1], models=["big-engine", "small-engine"], admin_key=ADMIN_KEY)
         alias_config(path)
         config = load_gateway_config(path)
         gateway = outer.enter_context(serve_in_thread(create_gateway(config)))
@@ -134,7 +138,7 @@ def test_fallback_when_the_primary_pool_is_down_charges_the_same_quota(pools: Po
     after = chat_account(stack)
     assert after.requests_level is not None and after.requests_level < before.requests_level - 0.9
     assert after.gpu_total_used_ms > before.gpu_total_used_ms  # the fallback's GPU time: the alias's class
-    ready = httpx.get(f"{stack.url}/health/ready", timeout=10).json()
+    ready = httpx.get(f"{stack.url}/health/ready", headers=ADMIN, timeout=10).json()
     assert ready["status"] == "ready" and ready["upstreams_up"] == {"chat": 1, "chat-fb": 1}
 
 
