@@ -388,7 +388,7 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
         count += 1
         start, end = min(start, record["ts"]), max(end, record["ts"])
         kind = record["event"]
-        if kind == "started":
+        if kind in ("started", "reloaded"):  # a reload's weights hold from then on: the last ones are used
             policy = record.get("policy")
             if isinstance(policy, str) and policy not in policies:
                 policies.append(policy)

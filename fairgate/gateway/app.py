@@ -92,8 +92,8 @@ def build_state(config: GatewayConfig, observers: Iterable[Observer], clock: Clo
     spec = config.policy_spec()
 
     def max_queued(tenant: str) -> int | None:
-        try:
-            return config.quotas.tenant(tenant).limits.max_queued
+        try:  # the state's configuration, not the start's: a reload may change it
+            return state.config.quotas.tenant(tenant).limits.max_queued
         except KeyError:
             return 0
 
@@ -107,7 +107,8 @@ def build_state(config: GatewayConfig, observers: Iterable[Observer], clock: Clo
         max_queued,
         on_charge=charged,
     )
-    return GatewayState(config, clock, rng, events, Identity(config, clock.wall_s), dispatcher)
+    state = GatewayState(config, clock, rng, events, Identity(config, clock.wall_s), dispatcher)
+    return state
 
 
 def _install_views(app: FastAPI, state: GatewayState) -> None:
@@ -118,10 +119,17 @@ def _install_views(app: FastAPI, state: GatewayState) -> None:
     stats = Stats(gateway_probe(state.dispatcher, state.upstreams), weights, clock=state.clock.wall_s)
     state.events.add(stats)
     state.metrics_registry = metrics.install(app, config, stats, state.events)
-    usage_api.install(app, config, state.events)
-    eventlog.install(app, config, state.events)
+    rejections = usage_api.install(app, config, state.events)
+    event_log = eventlog.install(app, config, state.events)
     accesslog.install(app, state)
     dashboard.install(app, stats, config.gateway.slo_ttft_p99_s * 1000.0)
+
+    def reloaded(new: GatewayConfig) -> None:
+        stats.weights = {name: t.weight for name, t in new.quotas.tenants.items()}
+        rejections.track(new.quotas.tenants)
+        event_log.reconfigure(new.quotas.tenants)
+
+    state.on_reload.append(reloaded)
 
 
 def _install_schema(app: FastAPI) -> None:

@@ -85,7 +85,7 @@ import importlib.util
 import os
 import re
 import ssl
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -461,6 +461,14 @@ class GatewayConfig(_Strict):
         if self._served is None:
             self._served = aliases.served_models(self.models, self.upstreams)
         return self._served
+
+    def with_tables(self, new: GatewayConfig, fields: Iterable[str]) -> GatewayConfig:
+        """This configuration with ``new``'s ``fields`` (field names: ``keys``, ``quotas_document``, ...) in place
+        of its own, the rest of it kept (what a reload applies); its path stays this one's."""
+        names = tuple(fields)
+        merged = self.model_copy(update={name: getattr(new, name) for name in names})
+        merged._quotas = new.quotas if "quotas_document" in names else self._quotas
+        return merged
 
     def upstreams_for(self, model: str) -> list[UpstreamConfig]:
         """The upstreams that may serve the model name ``model``, of all its pools (empty for an unknown

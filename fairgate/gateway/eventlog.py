@@ -36,6 +36,7 @@ tenant name is never written: quoted tenant names in error messages are replaced
                    themselves are not logged, these aggregates are enough to plot shares over time.
 ``started``        a gateway process started: ``pid``, ``policy``, ``upstreams`` (``[{name, model, max_batch}]``),
                    ``tenants`` (``{tenant_hash: {weight, priority}}``).
+``reloaded``       that process applied a configuration reload (``pid``): ``tenants`` as in ``started``, now.
 ``stopped``        that process stopped (``pid``; its log was flushed and closed).
 =================  ==============================================================================================
 
@@ -64,7 +65,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -76,6 +77,7 @@ from fastapi import FastAPI
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Fanout, Finished, Rejected
 from fairgate.ledger.base import tenant_tag
+from fairgate.ledger.config import TenantQuota
 
 log = logging.getLogger("fairgate.gateway")
 
@@ -333,6 +335,14 @@ class EventLog:
                 }
             )
 
+    def reconfigure(self, tenants: Mapping[str, TenantQuota]) -> None:
+        """A configuration reload: scrub ``tenants``' names from messages from now on, and write a ``reloaded``
+        record with their weights and priorities."""
+        self._scrub = _Scrubber(tenants)  # one assignment: the writer thread sees the old or the new one
+        now = self._clock()
+        record = {"v": SCHEMA_VERSION, "event": "reloaded", "ts": round(now, 3), "time": iso_time(now)}
+        self.write({**record, "pid": os.getpid(), "tenants": _shares(tenants)})
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Have every record queued so far written now; wait up to ``timeout_s`` seconds (blocking: not on the
         event loop). Returns whether they were written in time (true when no writer runs)."""
@@ -521,6 +531,11 @@ class EventLog:
         self._open()
 
 
+def _shares(tenants: Mapping[str, TenantQuota]) -> dict[str, dict[str, Any]]:
+    """The ``tenants`` field of ``started`` and ``reloaded``: tenant hash -> weight and priority."""
+    return {_tag(name): {"weight": t.weight, "priority": t.priority} for name, t in tenants.items()}
+
+
 def _rotated(path: Path, index: int) -> Path:
     return path.with_name(f"{path.name}.{index}")
 
@@ -540,7 +555,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> EventLog:
     started = {
         "policy": config.gateway.policy,
         "upstreams": [{"name": u.name, "model": u.model, "max_batch": u.max_batch} for u in config.upstreams],
-        "tenants": {_tag(name): {"weight": t.weight, "priority": t.priority} for name, t in tenants.items()},
+        "tenants": _shares(tenants),
     }
     inner = app.router.lifespan_context
 
@@ -588,6 +603,7 @@ _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {  # key -> (type
     },
     "usage": {"since": (_NUMBER, False), "model": ((str,), False), "gpu_ms": ((dict,), False)},
     "started": {},
+    "reloaded": {},
     "stopped": {},
 }
 _OPTIONAL = {"rejected": {"retry_after_s": (_NUMBER, True), "code": ((str,), True)}}

@@ -1,14 +1,23 @@
 """Reload the configuration without a restart: on ``SIGHUP`` and on ``POST /admin/reload`` (admin key).
 
 The file the gateway was started with is read and validated again, whole. What takes effect at once is who
-may call, and with which models: the ``[[key]]`` tables (keys added, revoked, rotated, expiring), ``[admin]``,
-``[delegation]`` and ``[access]``;
-requests in flight, streams included, are not touched (a request is authenticated once, when it arrives).
-A change anywhere else (``[gateway]``, upstreams, models, policy, quotas) is not applied - the ledger, the
-queues and the meters hold state built from them - and is named in the answer and the log line, to apply
-with a restart. A file that does not load, that changes while it is read, that would leave no key at all
-(a file caught half written), or whose keys name a tenant the running gateway does not have, is refused
-with its one-line error and the running configuration stays.
+may call, with which models, and within which limits: the ``[[key]]`` tables (keys added, revoked, rotated,
+expiring), ``[admin]``, ``[delegation]``, ``[access]`` and ``[quotas]`` - tiers, limits, model classes,
+weights, and new tenants. Requests in flight, streams included, are not touched: a request is
+authenticated once, when it arrives, and its reservation is settled under the limits in force when each
+settlement is booked (``Ledger.apply_quotas``). A weight applies to what the fair policy charges from then
+on; the GPU time a tenant was charged stays (``fairgate.core.policies.factory.reshare``).
+
+A change anywhere else (``[gateway]``, upstreams, models, policy, telemetry) is not applied - the queues,
+the meters and the upstream clients are built from them - and is named in the answer and the log line, to
+apply with a restart. Refused with its one-line error, the running configuration kept whole: a file that does
+not load, that changes while it is read, that would leave no key at all (a file caught half written), that
+drops a tenant (its reservations are still open: revoke its keys to stop it, then restart), that moves a
+tenant to another priority pool or names one not in use, a model class or ``[access]`` name the running
+models lack, or a short delegation secret.
+
+Each process applies its own file: on a shared ledger, reload every process (``deploy/kubernetes`` has a
+recipe); until then each checks reservations against the limits it holds.
 
 Every reload logs one JSON line on the ``fairgate.gateway`` logger: ``config_reloaded`` (WARNING, the level
 ``fairgate serve`` shows: an operator wants to see that the signal was taken) or ``config_reload_refused``
@@ -31,6 +40,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from fairgate.core.policies.factory import TenantShare, reshare
 from fairgate.gateway.config import GatewayConfig, GatewayConfigError, load_gateway_config
 from fairgate.gateway.identity import Identity, require_admin
 from fairgate.gateway.outcomes import Outcome, Rejection
@@ -38,7 +48,8 @@ from fairgate.gateway.state import GatewayState, gateway_of
 
 log = logging.getLogger("fairgate.gateway")
 
-APPLIED = ("key", "admin", "delegation", "access")
+APPLIED = ("key", "admin", "delegation", "access", "quotas")
+APPLIED_FIELDS = ("keys", "admin", "delegation", "access", "quotas_document")
 # The other top-level tables, as ``GatewayConfig`` fields: compared to say what a restart would change.
 NEEDS_RESTART = {
     "gateway": "gateway",
@@ -51,51 +62,88 @@ NEEDS_RESTART = {
 
 @dataclass(frozen=True)
 class Reloaded:
-    """What a reload applied: the tenant and admin keys that work now, and the tables changed in the file
-    but not applied (a restart applies them)."""
+    """What a reload applied: the tenant and admin keys that work now, the tenants configured, and the tables
+    changed in the file but not applied (a restart applies them)."""
 
     keys: int
     admin_keys: int
+    tenants: int
     not_applied: tuple[str, ...]
 
 
-def reload_identity(state: GatewayState) -> Reloaded:
-    """Read ``state.config.path`` again and apply its keys, admin keys and delegation (module docstring).
+def reload_config(state: GatewayState) -> Reloaded:
+    """Read ``state.config.path`` again and apply the tables of ``APPLIED`` (module docstring).
 
     Raises:
-        GatewayConfigError: the file does not load (its one-line message), or a key names a tenant the
-            running gateway does not have.
+        GatewayConfigError: the file does not load (its one-line message), or it asks for what a reload
+            cannot apply (module docstring); nothing is changed then.
     """
     running = state.config
-    before = _fingerprint(running.path)
-    new = load_gateway_config(running.path)
-    if _fingerprint(running.path) != before:
-        raise GatewayConfigError(f"{running.path}: the file changed while it was read; reload again when it is written")
+    new = _read_whole(running.path)
+    _check_keys(running, new)
+    _check_models(running, new)
+    _check_tenants(running, new)
+    shares = {name: TenantShare(t.weight, t.priority) for name, t in new.quotas.tenants.items()}
+    merged = running.with_tables(new, APPLIED_FIELDS)
+    identity = Identity(merged, state.clock.wall_s)  # built whole before it replaces the running one
+    try:
+        for pool in state.dispatcher.models():  # every pool's policy has the same shape: the first refuses
+            reshare(state.dispatcher.policy(pool), shares)
+    except ValueError as exc:
+        raise GatewayConfigError(f"{running.path}: quotas: {exc}") from None
+    state.backend.apply_quotas(new.quotas)
+    state.config, state.identity = merged, identity
+    for listener in state.on_reload:
+        listener(merged)
+    return Reloaded(identity.keys, len(new.admin.key_hashes), len(new.quotas.tenants), _not_applied(running, new))
+
+
+def _read_whole(path: Path) -> GatewayConfig:
+    """The configuration at ``path``, read when nothing writes it. Raises ``GatewayConfigError``."""
+    before = _fingerprint(path)
+    new = load_gateway_config(path)
+    if _fingerprint(path) != before:
+        raise GatewayConfigError(f"{path}: the file changed while it was read; reload again when it is written")
     new.delegation_secret()  # a secret too short is refused here, not at each delegated request
+    return new
+
+
+def _check_keys(running: GatewayConfig, new: GatewayConfig) -> None:
     if (running.keys or running.admin.key_hashes) and not (new.keys or new.admin.key_hashes):
         raise GatewayConfigError(
             f"{running.path}: key: no [[key]] and no admin key: applied, it would lock every caller out "
             "(a file half written?); the running keys stay"
         )
+
+
+def _check_models(running: GatewayConfig, new: GatewayConfig) -> None:
+    """``[access]`` and the tenants' model classes name what the running gateway serves (its models can
+    differ from the file's until a restart)."""
     names = list(new.access.default or [])  # a copy: the list is the new config's own
     names += [name for access in new.access.tenants.values() for name in access.models]
     absent = sorted(set(names) - set(running.served))
-    if absent:  # checked against the models the file names; those running may differ until a restart
+    if absent:
         raise GatewayConfigError(
             f"{running.path}: access: {absent[0]!r} is not a model of the running gateway (a new model needs a "
             "restart, then [access] can name it)"
         )
-    unknown = sorted({key.tenant for key in new.keys} - set(running.quotas.tenants))
-    if unknown:
+    classes = {served.quota_class for served in running.served.values()}
+    for tenant in new.quotas.tenants.values():
+        unknown = sorted(set(tenant.by_model_class) - classes)
+        if unknown:
+            raise GatewayConfigError(
+                f"{running.path}: quotas.tenants.{tenant.name}.model_class.{unknown[0]}: no model of the running "
+                "gateway is charged to that class (a new model needs a restart)"
+            )
+
+
+def _check_tenants(running: GatewayConfig, new: GatewayConfig) -> None:
+    gone = sorted(set(running.quotas.tenants) - set(new.quotas.tenants))
+    if gone:
         raise GatewayConfigError(
-            f"{running.path}: key: tenant {unknown[0]!r} is not a tenant of the running gateway "
-            "(a new tenant is applied by a restart)"
+            f"{running.path}: quotas.tenants: tenant {gone[0]!r} is gone from the file; a tenant is removed by a "
+            "restart (its reservations may be open); to stop it now, revoke its keys and reload"
         )
-    update = {"keys": new.keys, "admin": new.admin, "delegation": new.delegation, "access": new.access}
-    merged = running.model_copy(update=update)
-    identity = Identity(merged, state.clock.wall_s)  # built whole before it replaces the running one
-    state.config, state.identity = merged, identity
-    return Reloaded(identity.keys, len(new.admin.key_hashes), _not_applied(running, new))
 
 
 def _fingerprint(path: Path) -> tuple[int, int, int]:
@@ -108,16 +156,13 @@ def _fingerprint(path: Path) -> tuple[int, int, int]:
 
 
 def _not_applied(running: GatewayConfig, new: GatewayConfig) -> tuple[str, ...]:
-    changed = [table for table, name in NEEDS_RESTART.items() if getattr(running, name) != getattr(new, name)]
-    if running.quotas_document != new.quotas_document:
-        changed.append("quotas")
-    return tuple(changed)
+    return tuple(table for table, name in NEEDS_RESTART.items() if getattr(running, name) != getattr(new, name))
 
 
 def reload_and_log(state: GatewayState) -> Reloaded:
-    """``reload_identity``, logged (module docstring). Raises ``GatewayConfigError`` as it does."""
+    """``reload_config``, logged (module docstring). Raises ``GatewayConfigError`` as it does."""
     try:
-        reloaded = reload_identity(state)
+        reloaded = reload_config(state)
     except GatewayConfigError as exc:
         log.error(json.dumps({"event": "config_reload_refused", "error": str(exc)}))
         raise
@@ -165,4 +210,4 @@ def _on_hangup(state: GatewayState) -> None:
         pass  # logged; the running configuration stays
 
 
-__all__ = ["APPLIED", "Reloaded", "install", "reload_and_log", "reload_identity"]
+__all__ = ["APPLIED", "Reloaded", "install", "reload_and_log", "reload_config"]

@@ -16,7 +16,7 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -108,6 +108,8 @@ class GatewayState:
         metrics_registry: the Prometheus registry of ``/metrics``, once installed.
         request_records: the recorder behind the access log and the traces (``fairgate.gateway.records``),
             once installed; None: both off.
+        on_reload: told of the configuration a reload applied, once it is ``config`` (the views that keep
+            something of it: weights, tenants).
         process_id: this process's name among the gateway processes sharing the ledger (the owner of its
             run claims and of its shared occupancy): host, pid and a random part, unique per start.
     """
@@ -124,6 +126,7 @@ class GatewayState:
     metrics_registry: CollectorRegistry | None = None
     request_records: RequestRecorder | None = None
     process_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
+    on_reload: list[Callable[[GatewayConfig], None]] = field(default_factory=list)
     _ledger: ResilientLedger | None = None
     _backend: Ledger | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)

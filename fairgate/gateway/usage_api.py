@@ -40,7 +40,8 @@ Rejections are per process (several gateway processes each count their own), for
 
 Operator view (an ``[admin]`` key only: 401 without a key or with an unknown one, 403 with a tenant's key)::
 
-    GET /admin/tenants                          configured tenants: tier, weight, priority pool, frozen
+    GET /admin/tenants                          configured tenants: tier, weight, priority pool, frozen,
+                                                the tenant-wide limits in force
     GET /admin/usage?window=3600                every configured tenant's usage, as /v1/usage
     GET /admin/reservations?tenant=&status=open&limit=100&offset=0
                                                 reservations (open by default; status all: any), oldest
@@ -128,6 +129,11 @@ class RejectionLog:
         self._by_tenant: dict[str | None, deque[tuple[int, dict[str, int]]]] = {t: deque() for t in tenants}
         self._by_tenant[None] = deque()
 
+    def track(self, tenants: Iterable[str]) -> None:
+        """Track ``tenants`` too (a configuration reload adding tenants); those tracked already keep counting."""
+        for tenant in tenants:
+            self._by_tenant.setdefault(tenant, deque())
+
     def observe(self, event: Event) -> None:
         """Count a ``Rejected`` event; ignore every other event."""
         if isinstance(event, Rejected):
@@ -195,8 +201,7 @@ class CallLimit:
 def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog:
     """Add the rejection counter (an observer of ``events``) and the routes of this module's docstring to the
     gateway ``app`` (built, not yet started). Returns the counter."""
-    tenants = list(config.quotas.tenants)
-    rejections = RejectionLog(tenants)
+    rejections = RejectionLog(config.quotas.tenants)
     events.add(rejections)
     reconciler = _Reconciler()
     limit = CallLimit()
@@ -233,12 +238,13 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
     @app.get("/admin/tenants", dependencies=[Depends(require_admin)])
     async def admin_tenants(request: Request, state: Gateway) -> JSONResponse:
         _query(request, ())
-        return _answer(request, _tenants_document(config, await state.backend.frozen()))
+        return _answer(request, _tenants_document(state.config, await state.backend.frozen()))
 
     @app.get("/admin/usage", dependencies=[Depends(require_admin)])
     async def admin_usage(request: Request, state: Gateway) -> JSONResponse:
         window_s = _window(_query(request, ("window",)))
-        data = [{**await usage_of(state.backend, name, window_s), "delegate": None} for name in sorted(tenants)]
+        tenants = sorted(state.config.quotas.tenants)
+        data = [{**await usage_of(state.backend, name, window_s), "delegate": None} for name in tenants]
         unattributed = rejections.counts(None, window_s)
         document = {
             "object": "list",
@@ -251,7 +257,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
     @app.get("/admin/reservations", dependencies=[Depends(require_admin)])
     async def admin_reservations(request: Request, state: Gateway) -> JSONResponse:
         params = _query(request, ("tenant", "status", "limit", "offset"))
-        return _answer(request, await _reservations_page(state.backend, config, params))
+        return _answer(request, await _reservations_page(state.backend, state.config, params))
 
     @app.get("/admin/frozen", dependencies=[Depends(require_admin)])
     async def admin_frozen(request: Request, state: Gateway) -> JSONResponse:
@@ -313,6 +319,7 @@ def _tenants_document(config: GatewayConfig, frozen: dict[str, str]) -> dict[str
             "delegate": name in config.delegation.delegates,
             "frozen": name in frozen,
             "frozen_reason": frozen.get(name),
+            "limits": {field: value for field, value in asdict(quota.limits).items() if value is not None},
         }
         for name, quota in sorted(config.quotas.tenants.items())
     ]

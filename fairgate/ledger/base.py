@@ -243,6 +243,12 @@ class Ledger(RequestPath, Operator, Coordination):
     def __init__(self, quotas: Quotas) -> None:
         self.quotas = quotas
 
+    def apply_quotas(self, quotas: Quotas) -> None:
+        """Check every call from now on against ``quotas`` (a configuration reload): a reservation made under
+        the old limits is settled, cancelled and expired under the new ones, on the levels its accounts
+        hold; a tenant absent from ``quotas`` keeps its booked usage and can reserve no more."""
+        self.quotas = quotas
+
     def limits(self, tenant: str, model_class: str) -> Limits:
         """The tenant's limits for ``model_class`` (``TenantQuota.for_model_class``: its run limits and TTL).
         Raises ``UnknownTenant``."""

@@ -41,14 +41,23 @@ class DeferredLedger(Ledger):
         warned = False
         while self._backend is None:
             try:
-                self._backend = await self._opener()
+                backend = await self._opener()
             except LedgerUnavailable as exc:
                 if not warned:
                     log.warning("ledger unavailable at start, serving the outage policy until it answers: %s", exc)
                     warned = True
                 await asyncio.sleep(retry_every_s)
+            else:
+                backend.apply_quotas(self.quotas)  # opened with the quotas of the start; a reload may have come
+                self._backend = backend
         if warned:
             log.warning("ledger connected")
+
+    def apply_quotas(self, quotas: Quotas) -> None:
+        """``Ledger.apply_quotas``, on the backend too once it is open."""
+        super().apply_quotas(quotas)
+        if self._backend is not None:
+            self._backend.apply_quotas(quotas)
 
     @property
     def connected(self) -> bool:

@@ -66,9 +66,10 @@ def test_a_key_added_works_after_a_reload_and_a_stream_in_flight_runs_to_its_end
         runner.join(30)
         assert answer.status_code == 200, answer.text
         assert answer.json() == {
-            "applied": ["key", "admin", "delegation", "access"],
+            "applied": ["key", "admin", "delegation", "access", "quotas"],
             "keys": 4,
             "admin_keys": 1,
+            "tenants": 3,
             "not_applied": [],
         }
         assert post(stack.url, new).status_code == 200 and post(stack.url, stack.keys["alpha"]).status_code == 200
@@ -96,10 +97,10 @@ def test_revoke_rotate_and_a_refused_file_keep_the_running_keys_right(tmp_path: 
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "config_invalid", refused.text
         assert str(path) in refused.json()["error"]["message"] and "\n" not in refused.json()["error"]["message"]
         assert post(stack.url, second).status_code == 200
-        # A key for a tenant the running gateway does not have: refused, naming it.
+        # A tenant gone from the file (renamed): refused, naming it; its reservations may be open.
         path.write_text(good.replace('"gamma"', '"delta"').replace("[quotas.tenants.gamma]", "[quotas.tenants.delta]"))
         unknown = reload(stack)
-        assert unknown.status_code == 400 and "'delta' is not a tenant of the running gateway" in unknown.text
+        assert unknown.status_code == 400 and "tenant 'gamma' is gone from the file" in unknown.text
         # Other tables changed: the keys apply, the rest is named for a restart.
         path.write_text(good.replace("default_max_tokens = 64", "default_max_tokens = 32"))
         revoked = fairgate("keys", "revoke", "--config", str(path), "--name", "ci")

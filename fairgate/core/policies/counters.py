@@ -56,16 +56,28 @@ class CounterPolicy(QueuedPolicy):
 
     def __init__(self, weights: Mapping[str, float] | None = None) -> None:
         super().__init__()
-        self._weights = dict(weights or {})
-        for tenant, weight in self._weights.items():
-            if not weight > 0:
-                raise ValueError(f"weight of tenant {tenant!r} must be > 0, got {weight}")
+        self._weights: dict[str, float] = {}
+        self.reweight(weights or {})
         self.counters: dict[str, float] = {}
         self._tracked: set[str] = set()  # tenants seen so far
         self._last_left = 0.0  # counter of the last tenant to go idle (the lift floor when none is active)
         self.virtual_time = 0.0  # the highest key a pick has been made at (see module docstring)
         self._charged: dict[str, float] = {}  # counter growth by work (not by lifts), per tenant
         self._finished: dict[str, int] = {}  # requests that left their slot, per tenant
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Tenant -> the weight its charges are divided by now (absent: 1); a copy."""
+        return dict(self._weights)
+
+    def reweight(self, weights: Mapping[str, float]) -> None:
+        """Divide what each tenant is charged from now on by its weight in ``weights`` (absent: 1). A counter
+        keeps what it accrued: the service already weighed stands, as a WFQ flow's virtual finish times do
+        when its weight changes. Raises ``ValueError``: a weight <= 0 (nothing changed)."""
+        for tenant, weight in weights.items():
+            if not weight > 0:
+                raise ValueError(f"weight of tenant {tenant!r} must be > 0, got {weight}")
+        self._weights = dict(weights)
 
     def _active(self, tenant: str) -> bool:
         return tenant in self._queues or self._running(tenant) > 0

@@ -36,9 +36,23 @@ class DeficitRoundRobin(QueuedPolicy):
         if not quantum_ms > 0:
             raise ValueError(f"quantum_ms must be > 0, got {quantum_ms}")
         self._quantum_ms = quantum_ms
-        self._weights = dict(weights or {})
+        self._weights: dict[str, float] = {}
+        self.reweight(weights or {})
         self.deficits: dict[str, float] = {}
         self._turns: deque[str] = deque()
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Tenant -> the weight its quantum is multiplied by now (absent: 1); a copy."""
+        return dict(self._weights)
+
+    def reweight(self, weights: Mapping[str, float]) -> None:
+        """Give each tenant ``quantum_ms`` x its weight in ``weights`` (absent: 1) from its next turn on; a
+        deficit keeps what it holds. Raises ``ValueError``: a weight <= 0 (nothing changed)."""
+        for tenant, weight in weights.items():
+            if not weight > 0:
+                raise ValueError(f"weight of tenant {tenant!r} must be > 0, got {weight}")
+        self._weights = dict(weights)
 
     def _on_backlogged(self, tenant: str, now_ms: float) -> None:
         self._turns.append(tenant)

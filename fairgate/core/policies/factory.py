@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.core.cost import CostModel
-from fairgate.core.policies.counters import VTC, GPUFair, VTCCalibrated
+from fairgate.core.policies.counters import VTC, CounterPolicy, GPUFair, VTCCalibrated
 from fairgate.core.policies.drr import DeficitRoundRobin
 from fairgate.core.policies.pools import PriorityPools
 from fairgate.core.policies.quota import RequestQuota, SlotCap, TokenQuota
@@ -79,3 +79,27 @@ def make_policy(spec: PolicySpec, cost: CostModel, tenants: Mapping[str, TenantS
     if len(set(priorities.values())) > 1:
         return PriorityPools(priorities, build)
     return build()
+
+
+def reshare(policy: Policy, tenants: Mapping[str, TenantShare]) -> None:
+    """Apply ``tenants``' weights to a running ``policy`` made by ``make_policy`` (a configuration reload), and
+    route the tenants it does not know yet to their priority pools; what each tenant accrued stays.
+
+    Raises:
+        ValueError: a weight <= 0, or a priority only a restart can apply (a known tenant's pool changes, or
+            a new tenant's pool is not in use: one pool in use is no ``PriorityPools``), before any change.
+    """
+    priorities = {name: t.priority for name, t in tenants.items()}
+    weights = {name: t.weight for name, t in tenants.items()}
+    bad = [name for name, weight in weights.items() if not weight > 0]
+    if bad:
+        raise ValueError(f"weight of tenant {bad[0]!r} must be > 0, got {weights[bad[0]]}")
+    targets: tuple[Policy, ...] = (policy,)
+    if isinstance(policy, PriorityPools):
+        policy.assign(priorities)
+        targets = policy.pools
+    elif len(set(priorities.values())) > 1:
+        raise ValueError("the tenants now use more than one priority pool: applied by a restart only")
+    for target in targets:
+        if isinstance(target, (CounterPolicy, DeficitRoundRobin)):
+            target.reweight(weights)

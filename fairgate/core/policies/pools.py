@@ -35,6 +35,26 @@ class PriorityPools:
         self._ordered = [self._pools[p] for p in used]
         self.name = self._ordered[0].name
 
+    @property
+    def pools(self) -> tuple[Policy, ...]:
+        """Each pool's policy, highest priority first."""
+        return tuple(self._ordered)
+
+    def priority_of(self, tenant: str) -> str:
+        """The pool ``tenant`` is routed to (a tenant not given at construction or to ``assign``: the first)."""
+        wanted = self._priority_of.get(tenant, PRIORITIES[0])
+        return wanted if wanted in self._pools else next(iter(self._pools))
+
+    def assign(self, priority_of: Mapping[str, str]) -> None:
+        """Route the tenants of ``priority_of`` not known yet to their pools (a configuration reload adding
+        tenants). Raises ``ValueError``: a known tenant's pool changes, or a new tenant names a pool not in
+        use (queued and running requests are counted in the pool they entered: a move waits for a restart)."""
+        for tenant, priority in priority_of.items():
+            known = tenant in self._priority_of
+            if (known and priority != self._priority_of[tenant]) or (not known and priority not in self._pools):
+                raise ValueError(f"tenant {tenant!r}: priority {priority!r} is applied by a restart only")
+        self._priority_of.update({t: p for t, p in priority_of.items() if t not in self._priority_of})
+
     def _pool(self, tenant: str) -> Policy:
         return self._pools.get(self._priority_of.get(tenant, PRIORITIES[0]), self._ordered[0])
 

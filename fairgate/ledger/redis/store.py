@@ -54,12 +54,23 @@ class RedisStore(Backend):
         self._keys = Keys(settings.prefix)
         self._clock = clock
         self._registered: dict[str, float] = {}  # tenant -> time.monotonic() of the last registration
-        self._limits: dict[str, TenantLimits] = {}  # tenant tag -> its limits hash
+        self._limits = self._limits_hashes(quotas)  # tenant tag -> its limits hash
+        self._scripts = Scripts.register_on(client)
+
+    def _limits_hashes(self, quotas: Quotas) -> dict[str, TenantLimits]:
+        hashes = {}
         for name, quota in quotas.tenants.items():
             tag = tenant_tag(name)
             version, fields = codec.limits_hash(quota)
-            self._limits[tag] = TenantLimits(self._keys.limits(tag, version), fields)
-        self._scripts = Scripts.register_on(client)
+            hashes[tag] = TenantLimits(self._keys.limits(tag, version), fields)
+        return hashes
+
+    def apply_quotas(self, quotas: Quotas) -> None:
+        """``Ledger.apply_quotas``. A changed tenant's limits are another hash (its version is a hash of them),
+        written by the first script that asks for it (``_with_limits``); the old one stays for the processes
+        not reloaded yet, until its TTL."""
+        super().apply_quotas(quotas)
+        self._limits = self._limits_hashes(quotas)
 
     def _unavailable(self) -> AbstractContextManager[None]:
         """Wraps redis-py's errors (``errors.Server.unavailable``)."""
