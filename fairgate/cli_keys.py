@@ -15,14 +15,14 @@ from __future__ import annotations
 import sys
 import tomllib
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
 
-from fairgate import keyfile
+from fairgate.gateway import config_edit
 
 keys_app = typer.Typer(no_args_is_help=True, help="Make and list the gateway's API keys (stored hashed).")
 errors = Console(stderr=True)
@@ -46,61 +46,15 @@ def _guard(action: Callable[[], T]) -> T:
         raise typer.Exit(2) from None
 
 
-def toml_string(text: str) -> str:
-    """``text`` as a TOML basic string (quotes, backslashes and control characters escaped)."""
-    out = []
-    for char in text:
-        if char in ('"', "\\"):
-            out.append("\\" + char)
-        elif ord(char) < 0x20 or ord(char) == 0x7F:
-            out.append(f"\\u{ord(char):04x}")
-        else:
-            out.append(char)
-    return '"' + "".join(out) + '"'
-
-
 APPLY = "Send the gateway SIGHUP (kill -HUP <pid>) or POST /admin/reload to apply it."
 
 
-def _now() -> datetime:
-    return datetime.now(UTC).replace(microsecond=0)
-
-
-def _toml_time(moment: datetime) -> str:
-    """A TOML offset date-time in UTC (``2027-01-05T09:30:00Z``)."""
-    return moment.astimezone(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
 def _shown(moment: datetime | None) -> str:
-    return "-" if moment is None else _toml_time(moment)
+    return "-" if moment is None else config_edit.toml_time(moment)
 
 
 def _expiry(moment: datetime | None, now: datetime) -> str:
     return _shown(moment) + (" (expired)" if moment is not None and moment <= now else "")
-
-
-def _under_lock(config: Path, run: Callable[[], T]) -> T:
-    """``run()`` holding the configuration's edit lock (``keyfile.locked``); a missing file is the usual error."""
-    if not config.is_file():
-        from fairgate.gateway.config import load_gateway_config
-
-        load_gateway_config(config)  # raises the one-line "file not found" (or "not a file") error
-    with keyfile.locked(config):
-        return run()
-
-
-def _key_table(
-    text: str, tenant: str, hash_: str, name: str | None, created: datetime, expires: datetime | None
-) -> str:
-    """A ``[[key]]`` table to append to ``text`` (its line endings, after a blank line)."""
-    nl = keyfile.newline_of(text)
-    lines = ["", "[[key]]", f"tenant = {toml_string(tenant)}", f"hash = {toml_string(hash_)}"]
-    if name is not None:
-        lines.append(f"name = {toml_string(name)}")
-    lines.append(f"created = {_toml_time(created)}")
-    if expires is not None:
-        lines.append(f"expires = {_toml_time(expires)}")
-    return ("" if text.endswith("\n") or not text else nl) + nl.join(lines) + nl
 
 
 def _printable(text: str) -> str:
@@ -118,36 +72,14 @@ def add(
     ] = None,
 ) -> None:
     """Make an API key for TENANT, store its hash in the configuration and print the key (once)."""
-    from fairgate.gateway.auth import hash_api_key, new_api_key
-    from fairgate.gateway.config import GatewayConfigError, gateway_config_from_dict, load_gateway_config
-
-    def run() -> str:
-        loaded = load_gateway_config(config)
-        if tenant not in loaded.quotas.tenants:
-            raise GatewayConfigError(
-                f"{config}: quotas.tenants: no tenant {tenant!r} "
-                f"(tenants: {', '.join(loaded.quotas.tenants) or 'none'})"
-            )
-        if name is not None and len(name) > 200:
-            raise ValueError("--name: at most 200 characters")
-        if expires_in_days is not None and not 0 < expires_in_days <= 36_500:
-            raise ValueError("--expires-in-days: a number of days in (0, 36500]")
-        key = new_api_key()
-        text = keyfile.read_text(config)
-        now = _now()
-        expires = None if expires_in_days is None else now + timedelta(days=expires_in_days)
-        updated = text + _key_table(text, tenant, hash_api_key(key), name, now, expires)
-        try:
-            data = tomllib.loads(updated)
-        except tomllib.TOMLDecodeError as exc:
-            raise GatewayConfigError(
-                f"{config}: cannot append a [[key]] table here ({exc}); is `key` defined another way in this file?"
-            ) from None
-        gateway_config_from_dict(data, config)  # the file as it will be, before writing it
-        keyfile.replace_text(config, updated)
-        return key
-
-    key = _guard(lambda: _under_lock(config, run))
+    if name is not None and len(name) > config_edit.KEY_NAME_MAX:
+        _say(f"error: --name: at most {config_edit.KEY_NAME_MAX} characters")
+        raise typer.Exit(2)
+    if expires_in_days is not None and not 0 < expires_in_days <= config_edit.EXPIRES_IN_DAYS_MAX:
+        _say(f"error: --expires-in-days: a number of days in (0, {config_edit.EXPIRES_IN_DAYS_MAX}]")
+        raise typer.Exit(2)
+    made = _guard(lambda: config_edit.add_key(config, tenant, name, expires_in_days))
+    key = made.key
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
     label = f" ({name})" if name else ""
@@ -163,7 +95,7 @@ def list_keys(config: ConfigPath) -> None:
     from fairgate.gateway.config import load_gateway_config
 
     loaded = _guard(lambda: load_gateway_config(config))
-    now = _now()
+    now = config_edit.now_s()
     rows = [
         (
             _printable(k.tenant),
@@ -191,12 +123,12 @@ def add_admin(config: ConfigPath) -> None:
     import tomlkit
 
     from fairgate.gateway.auth import hash_api_key, new_api_key
-    from fairgate.gateway.config import GatewayConfigError, gateway_config_from_dict, load_gateway_config
+    from fairgate.gateway.config import GatewayConfigError
 
-    def run() -> str:
-        load_gateway_config(config)  # the file is valid before it is touched
-        key = new_api_key()
-        document = tomlkit.parse(keyfile.read_text(config))  # comments and layout kept
+    key = new_api_key()
+
+    def change(text: str) -> tuple[str, None]:
+        document = tomlkit.parse(text)  # comments and layout kept
         admin = document.get("admin")
         if admin is None:
             admin = tomlkit.table()
@@ -208,12 +140,9 @@ def add_admin(config: ConfigPath) -> None:
             hashes.append(hash_api_key(key))
         else:
             raise GatewayConfigError(f"{config}: admin.key_hashes must be a list of hashes")
-        updated = tomlkit.dumps(document)
-        gateway_config_from_dict(tomllib.loads(updated), config)  # the file as it will be, before writing it
-        keyfile.replace_text(config, updated)
-        return key
+        return tomlkit.dumps(document), None
 
-    key = _guard(lambda: _under_lock(config, run))
+    _guard(lambda: config_edit.edit(config, change))
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
     _say(
@@ -228,73 +157,20 @@ HashOption = Annotated[
 NameOption = Annotated[str | None, typer.Option("--name", help="The key's label (it must name one key).")]
 
 
-def _one_key(config: Path, keys: Any, hash_prefix: str | None, name: str | None) -> int:
-    """The index in ``keys`` (the document's ``[[key]]`` tables) of the one key ``--hash`` or ``--name`` names.
-    Raises ``ValueError``: neither or both given, a prefix too short, no key or several keys match."""
+def _one_of(hash_prefix: str | None, name: str | None) -> None:
     if (hash_prefix is None) == (name is None):
-        raise ValueError("name the key with --hash PREFIX or --name LABEL (one of them)")
-    if hash_prefix is not None:
-        prefix = hash_prefix.removesuffix("...")
-        if len(prefix.removeprefix("sha256$")) < 12:
-            raise ValueError(f"--hash {hash_prefix!r}: give at least 12 characters of the hash after 'sha256$'")
-        matches = [i for i, key in enumerate(keys) if str(key.get("hash", "")).startswith(prefix)]
-        what = f"--hash {hash_prefix!r}"
-    else:
-        matches = [i for i, key in enumerate(keys) if key.get("name") == name]
-        what = f"--name {name!r}"
-    if not matches:
-        raise ValueError(f"{config}: {what}: no [[key]] matches (see: fairgate keys list --config {config})")
-    if len(matches) > 1:
-        raise ValueError(f"{config}: {what}: {len(matches)} keys match; name one (a longer --hash)")
-    return matches[0]
-
-
-def _edit_keys(config: Path, change: Callable[[str, list[dict[str, Any]]], tuple[str, T]]) -> T:
-    """Under the edit lock: ``change(text, the parsed [[key]] tables)`` gives the new text (verified by
-    ``keyfile.edited``) and a result; the file as it will be is checked whole, then written atomically."""
-    from fairgate.gateway.config import gateway_config_from_dict, load_gateway_config
-
-    def run() -> T:
-        load_gateway_config(config)  # the file is valid before it is touched
-        text = keyfile.read_text(config)
-        keys = tomllib.loads(text).get("key", [])
-        if not isinstance(keys, list) or not keys:
-            raise ValueError(f"{config}: no [[key]] tables")
-        updated, result = change(text, keys)
-        gateway_config_from_dict(tomllib.loads(updated), config)
-        keyfile.replace_text(config, updated)
-        return result
-
-    return _under_lock(config, run)
-
-
-def _without(document: dict[str, Any], index: int, changed: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``document`` with its key ``index`` removed (``changed`` None) or replaced by ``changed``."""
-    keys = list(document["key"])
-    if changed is None:
-        del keys[index]
-    else:
-        keys[index] = changed
-    out = {k: v for k, v in document.items() if k != "key"}
-    return out | ({"key": keys} if keys else {})
+        _say("error: name the key with --hash PREFIX or --name LABEL (one of them)")
+        raise typer.Exit(2)
 
 
 @keys_app.command()
 def revoke(config: ConfigPath, hash_prefix: HashOption = None, name: NameOption = None) -> None:
     """Remove one key from the configuration (named by its hash or label); it stops working when the gateway
     applies the file."""
-
-    def remove(text: str, keys: list[dict[str, Any]]) -> tuple[str, str]:
-        index = _one_key(config, keys, hash_prefix, name)
-        updated = keyfile.edited(
-            config, text, lambda lines, spans: keyfile.remove_key(lines, spans[index]), lambda d: _without(d, index)
-        )
-        gone = keys[index]
-        whose = f"tenant {gone.get('tenant')!r}" + (f" ({gone.get('name')})" if gone.get("name") else "")
-        return updated, _printable(whose)
-
-    whose = _guard(lambda: _edit_keys(config, remove))
-    _say(f"revoked a key of {whose} in {config}. {APPLY}")
+    _one_of(hash_prefix, name)
+    gone = _guard(lambda: config_edit.revoke_key(config, hash_prefix, name))
+    whose = f"tenant {gone.tenant!r}" + (f" ({gone.name})" if gone.name else "")
+    _say(f"revoked a key of {_printable(whose)} in {config}. {APPLY}")
 
 
 @keys_app.command()
@@ -308,32 +184,12 @@ def rotate(
 ) -> None:
     """Make a new key for the tenant and label of an existing one and print it (once); the old one expires
     after ``--grace-hours`` (sooner if it was to expire sooner)."""
-    from fairgate.gateway.auth import hash_api_key, new_api_key
-
     if not 0 <= grace_hours <= 8760:
         _say("error: --grace-hours: a number of hours in [0, 8760]")
         raise typer.Exit(2)
-    key, now = new_api_key(), _now()
-
-    def replace_key(text: str, keys: list[dict[str, Any]]) -> tuple[str, str]:
-        index = _one_key(config, keys, hash_prefix, name)
-        old = keys[index]
-        ends = (now + timedelta(hours=grace_hours)).replace(microsecond=0)
-        if old.get("expires") is not None:
-            ends = min(ends, old["expires"])
-        nl = keyfile.newline_of(text)
-
-        def edit(lines: list[str], spans: list[keyfile.Span]) -> list[str]:
-            if grace_hours == 0:
-                return keyfile.remove_key(lines, spans[index])
-            return keyfile.set_expiry(lines, spans[index], _toml_time(ends), nl)
-
-        kept = None if grace_hours == 0 else old | {"expires": ends}
-        updated = keyfile.edited(config, text, edit, lambda d: _without(d, index, kept))
-        updated += _key_table(updated, old["tenant"], hash_api_key(key), old.get("name"), now, None)
-        return updated, _printable(str(old["tenant"]))
-
-    tenant = _guard(lambda: _edit_keys(config, replace_key))
+    _one_of(hash_prefix, name)
+    new, old, _ = _guard(lambda: config_edit.rotate_key(config, hash_prefix, name, grace_hours))
+    key, tenant = new.key, _printable(old.tenant)
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
     old_fate = "revoked" if grace_hours == 0 else f"works {grace_hours:g} h more"

@@ -78,8 +78,14 @@ def reload_config(state: GatewayState) -> Reloaded:
         GatewayConfigError: the file does not load (its one-line message), or it asks for what a reload
             cannot apply (module docstring); nothing is changed then.
     """
+    return apply_config(state, _read_whole(state.config.path))
+
+
+def apply_config(state: GatewayState, new: GatewayConfig) -> Reloaded:
+    """Apply the tables of ``APPLIED`` of ``new`` (a whole configuration, validated) to the running gateway,
+    all of them or, raising, none (module docstring). Raises ``GatewayConfigError``."""
     running = state.config
-    new = _read_whole(running.path)
+    new.delegation_secret()  # a secret too short is refused here, not at each delegated request
     _check_keys(running, new)
     _check_models(running, new)
     _check_tenants(running, new)
@@ -104,7 +110,6 @@ def _read_whole(path: Path) -> GatewayConfig:
     new = load_gateway_config(path)
     if _fingerprint(path) != before:
         raise GatewayConfigError(f"{path}: the file changed while it was read; reload again when it is written")
-    new.delegation_secret()  # a secret too short is refused here, not at each delegated request
     return new
 
 
@@ -210,4 +215,4 @@ def _on_hangup(state: GatewayState) -> None:
         pass  # logged; the running configuration stays
 
 
-__all__ = ["APPLIED", "Reloaded", "install", "reload_and_log", "reload_config"]
+__all__ = ["APPLIED", "Reloaded", "apply_config", "install", "reload_and_log", "reload_config"]
