@@ -17,12 +17,12 @@ import tomllib
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
-from fairgate.gateway import config_edit
+from fairgate.gateway import audit, config_edit
 
 keys_app = typer.Typer(no_args_is_help=True, help="Make and list the gateway's API keys (stored hashed).")
 errors = Console(stderr=True)
@@ -79,6 +79,7 @@ def add(
         _say(f"error: --expires-in-days: a number of days in (0, {config_edit.EXPIRES_IN_DAYS_MAX}]")
         raise typer.Exit(2)
     made = _guard(lambda: config_edit.add_key(config, tenant, name, expires_in_days))
+    _audit(config, "key.add", {"tenant": tenant, "name": name}, after={"hash": made.hash[: audit.HASH_PREFIX_CHARS]})
     key = made.key
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
@@ -143,6 +144,7 @@ def add_admin(config: ConfigPath) -> None:
         return tomlkit.dumps(document), None
 
     _guard(lambda: config_edit.edit(config, change))
+    _audit(config, "admin_key.add", {}, after={"hash": hash_api_key(key)[: audit.HASH_PREFIX_CHARS]})
     sys.stdout.write(key + "\n")
     sys.stdout.flush()
     _say(
@@ -157,6 +159,23 @@ HashOption = Annotated[
 NameOption = Annotated[str | None, typer.Option("--name", help="The key's label (it must name one key).")]
 
 
+def _ref(key: config_edit.KeyRef) -> dict[str, Any]:
+    return {"tenant": key.tenant, "name": key.name, "hash": key.hash[: audit.HASH_PREFIX_CHARS]}
+
+
+def _audit(config: Path, action: str, target: dict[str, Any], before: Any = None, after: Any = None) -> None:
+    """One ``written`` record in the configuration's audit log (``fairgate.gateway.audit``): the change is in
+    the file, the gateway applies it at its next reload. A log that cannot be written is a warning: the
+    change is made."""
+    from fairgate.gateway.config import GatewayConfigError, load_gateway_config
+
+    try:
+        path = load_gateway_config(config).audit_log_path
+        audit.append(path, audit.record(action, audit.cli_actor(), target, "written", before=before, after=after))
+    except (OSError, GatewayConfigError) as exc:
+        _say(f"warning: the audit log was not written: {exc}")
+
+
 def _one_of(hash_prefix: str | None, name: str | None) -> None:
     if (hash_prefix is None) == (name is None):
         _say("error: name the key with --hash PREFIX or --name LABEL (one of them)")
@@ -169,6 +188,7 @@ def revoke(config: ConfigPath, hash_prefix: HashOption = None, name: NameOption 
     applies the file."""
     _one_of(hash_prefix, name)
     gone = _guard(lambda: config_edit.revoke_key(config, hash_prefix, name))
+    _audit(config, "key.revoke", {"hash": hash_prefix, "name": name}, before=_ref(gone))
     whose = f"tenant {gone.tenant!r}" + (f" ({gone.name})" if gone.name else "")
     _say(f"revoked a key of {_printable(whose)} in {config}. {APPLY}")
 
@@ -189,6 +209,8 @@ def rotate(
         raise typer.Exit(2)
     _one_of(hash_prefix, name)
     new, old, _ = _guard(lambda: config_edit.rotate_key(config, hash_prefix, name, grace_hours))
+    target = {"hash": hash_prefix, "name": name, "grace_hours": grace_hours}
+    _audit(config, "key.rotate", target, before=_ref(old), after={"hash": new.hash[: audit.HASH_PREFIX_CHARS]})
     key, tenant = new.key, _printable(old.tenant)
     sys.stdout.write(key + "\n")
     sys.stdout.flush()

@@ -23,7 +23,18 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairgate.core.policies.factory import TenantShare, make_policy
-from fairgate.gateway import accesslog, background, completions, dashboard, eventlog, health, metrics, reload, usage_api
+from fairgate.gateway import (
+    accesslog,
+    admin_api,
+    background,
+    completions,
+    dashboard,
+    eventlog,
+    health,
+    metrics,
+    reload,
+    usage_api,
+)
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.dispatch import Dispatcher, Upstream
 from fairgate.gateway.identity import Identity, require_admin
@@ -80,6 +91,7 @@ def create_gateway(
 
     health.install(app, state)
     reload.install(app, state)
+    admin_api.install(app)
 
     return app
 

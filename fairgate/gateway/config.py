@@ -17,6 +17,7 @@ keep_alive_s = 5                           # a connection with no request open i
 max_connections = 1000                     # open connections; a request beyond them gets a 503
 event_log = "fairgate-events.jsonl"        # the request log (JSON lines: fairgate.gateway.eventlog); "": none
 access_log = "-"                           # one JSON line per request: "-" stderr, a file, "": none
+audit_log = "fairgate-audit.jsonl"         # one JSON line per configuration change (admin API, reload, keys)
 
 [[upstream]]                               # at least one; names unique
 name = "emu-0"
@@ -165,6 +166,8 @@ class GatewaySection(_Strict):
     event_log: FileName | None = "fairgate-events.jsonl"
     # One JSON line per request answered (fairgate.gateway.accesslog): "-" stderr, a file path, or "" (off).
     access_log: FileName = "-"
+    # One JSON line per configuration change (fairgate.gateway.audit): admin API writes, reloads, `fairgate keys`.
+    audit_log: Annotated[FileName, Field(min_length=1)] = "fairgate-audit.jsonl"
     default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_PER_REQUEST)] = 512
     max_body_bytes: Annotated[int, Field(ge=1024, le=1024**3)] = 1024 * 1024
     request_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
@@ -450,6 +453,11 @@ class GatewayConfig(_Strict):
         return Path(self.gateway.event_log) if self.gateway.event_log else None
 
     @property
+    def audit_log_path(self) -> Path:
+        """The audit log of configuration changes (JSON lines: ``fairgate.gateway.audit``), absolute."""
+        return Path(self.gateway.audit_log)
+
+    @property
     def journal_path(self) -> Path:
         """The emergency journal, absolute."""
         return Path(self.gateway.journal)
@@ -571,7 +579,14 @@ def _resolve(path: Path, gateway: GatewaySection) -> GatewaySection:
     access_log = gateway.access_log
     if access_log not in ("", ACCESS_LOG_STDERR):
         access_log = str((folder / access_log).resolve())
-    update = {"ledger": ledger, "journal": journal, "event_log": event_log, "access_log": access_log}
+    audit_log = str((folder / gateway.audit_log).resolve())
+    update = {
+        "ledger": ledger,
+        "journal": journal,
+        "event_log": event_log,
+        "access_log": access_log,
+        "audit_log": audit_log,
+    }
     return gateway.model_copy(update=update)
 
 
@@ -606,7 +621,7 @@ def _check_distinct_files(path: Path, config: GatewayConfig) -> None:
     named = {"the configuration": str(path.resolve())}
     if ledger.startswith("sqlite:///"):
         named["gateway.ledger"] = ledger[len("sqlite:///") :].split("?")[0]
-    for key in ("journal", "event_log", "access_log"):
+    for key in ("journal", "event_log", "access_log", "audit_log"):
         value = getattr(config.gateway, key)
         if value and value != ACCESS_LOG_STDERR:
             where = str(Path(value).resolve())

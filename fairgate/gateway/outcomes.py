@@ -68,6 +68,7 @@ class Outcome(StrEnum):
     CLIENT_CLOSED = auto()
     INTERNAL_ERROR = auto()
     CONFIG_INVALID = auto()
+    KEY_NOT_FOUND = auto()
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ ANSWERS: Mapping[Outcome, Answer] = {
     Outcome.INTERNAL_ERROR: Answer(500, _SERVER, "internal_error", "upstream_error"),
     # A configuration an operator asked the gateway to reload is refused; the running one stays.
     Outcome.CONFIG_INVALID: Answer(400, _INVALID, "config_invalid", "invalid"),
+    # An admin write names a key the configuration does not hold.
+    Outcome.KEY_NOT_FOUND: Answer(404, _INVALID, "key_not_found", "invalid"),
 }
 
 

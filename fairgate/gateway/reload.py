@@ -12,16 +12,17 @@ A change anywhere else (``[gateway]``, upstreams, models, policy, telemetry) is 
 the meters and the upstream clients are built from them - and is named in the answer and the log line, to
 apply with a restart. Refused with its one-line error, the running configuration kept whole: a file that does
 not load, that changes while it is read, that would leave no key at all (a file caught half written), that
-drops a tenant (its reservations are still open: revoke its keys to stop it, then restart), that moves a
-tenant to another priority pool or names one not in use, a model class or ``[access]`` name the running
-models lack, or a short delegation secret.
+drops a tenant (its reservations are still open: revoke its keys to stop it, then restart), that adds or
+removes a tenant's model class table (its open reservations were charged to the tables in force; a class's
+limits change on reload), that moves a tenant to another priority pool or names one not in use, a model
+class or ``[access]`` name the running models lack, or a short delegation secret.
 
 Each process applies its own file: on a shared ledger, reload every process (``deploy/kubernetes`` has a
 recipe); until then each checks reservations against the limits it holds.
 
 Every reload logs one JSON line on the ``fairgate.gateway`` logger: ``config_reloaded`` (WARNING, the level
 ``fairgate serve`` shows: an operator wants to see that the signal was taken) or ``config_reload_refused``
-(ERROR).
+(ERROR), and appends one ``config.reload`` record to the audit log (``fairgate.gateway.audit``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from fairgate.core.policies.factory import TenantShare, reshare
+from fairgate.gateway import audit
 from fairgate.gateway.config import GatewayConfig, GatewayConfigError, load_gateway_config
 from fairgate.gateway.identity import Identity, require_admin
 from fairgate.gateway.outcomes import Outcome, Rejection
@@ -149,6 +151,17 @@ def _check_tenants(running: GatewayConfig, new: GatewayConfig) -> None:
             f"{running.path}: quotas.tenants: tenant {gone[0]!r} is gone from the file; a tenant is removed by a "
             "restart (its reservations may be open); to stop it now, revoke its keys and reload"
         )
+    for name, quota in running.quotas.tenants.items():
+        # A reservation is settled, cancelled and expired on the accounts its tenant's tables name when it
+        # closes: one made before a class table came (or went) would release a slot it never took (or keep
+        # one it took for good). Its limits may change; the tables themselves wait for a restart.
+        moved = sorted(set(quota.by_model_class) ^ set(new.quotas.tenants[name].by_model_class))
+        if moved:
+            raise GatewayConfigError(
+                f"{running.path}: quotas.tenants.{name}.model_class.{moved[0]}: a model class table added or "
+                "removed is applied by a restart only (open reservations were charged to the accounts of the "
+                "tables in force); its limits can change on reload"
+            )
 
 
 def _fingerprint(path: Path) -> tuple[int, int, int]:
@@ -164,13 +177,19 @@ def _not_applied(running: GatewayConfig, new: GatewayConfig) -> tuple[str, ...]:
     return tuple(table for table, name in NEEDS_RESTART.items() if getattr(running, name) != getattr(new, name))
 
 
-def reload_and_log(state: GatewayState) -> Reloaded:
-    """``reload_config``, logged (module docstring). Raises ``GatewayConfigError`` as it does."""
+def reload_and_log(state: GatewayState, actor: str) -> Reloaded:
+    """``reload_config``, logged and audited as done by ``actor`` (module docstring; ``fairgate.gateway.audit``).
+    Raises ``GatewayConfigError`` as it does."""
+    target = {"path": str(state.config.path)}
     try:
         reloaded = reload_config(state)
     except GatewayConfigError as exc:
         log.error(json.dumps({"event": "config_reload_refused", "error": str(exc)}))
+        entry = audit.record("config.reload", actor, target, "refused", error=str(exc))
+        audit.append_or_log(state.config.audit_log_path, entry)
         raise
+    entry = audit.record("config.reload", actor, target, "applied", after=asdict(reloaded))
+    audit.append_or_log(state.config.audit_log_path, entry)
     line = {"event": "config_reloaded", "applied": list(APPLIED), **asdict(reloaded)}
     if reloaded.not_applied:
         line["note"] = "restart to apply the tables in not_applied"
@@ -185,7 +204,7 @@ def install(app: FastAPI, state: GatewayState) -> None:
     @app.post("/admin/reload", dependencies=[Depends(require_admin)], tags=["admin"])
     async def reload(request: Request) -> JSONResponse:
         try:
-            reloaded = reload_and_log(gateway_of(request))
+            reloaded = reload_and_log(gateway_of(request), audit.admin_actor(request))
         except GatewayConfigError as exc:
             raise Rejection(Outcome.CONFIG_INVALID, str(exc)) from None
         return JSONResponse({"applied": list(APPLIED), **asdict(reloaded)})
@@ -210,7 +229,7 @@ def install(app: FastAPI, state: GatewayState) -> None:
 
 def _on_hangup(state: GatewayState) -> None:
     try:
-        reload_and_log(state)
+        reload_and_log(state, "signal:SIGHUP")
     except GatewayConfigError:
         pass  # logged; the running configuration stays
 

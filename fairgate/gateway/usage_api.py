@@ -41,7 +41,7 @@ Rejections are per process (several gateway processes each count their own), for
 Operator view (an ``[admin]`` key only: 401 without a key or with an unknown one, 403 with a tenant's key)::
 
     GET /admin/tenants                          configured tenants: tier, weight, priority pool, frozen,
-                                                the tenant-wide limits in force
+                                                the limits in force (tenant-wide, and each model class's)
     GET /admin/usage?window=3600                every configured tenant's usage, as /v1/usage
     GET /admin/reservations?tenant=&status=open&limit=100&offset=0
                                                 reservations (open by default; status all: any), oldest
@@ -82,7 +82,7 @@ from fairgate.gateway.intake import lenient_request_id
 from fairgate.gateway.observe import REJECT_REASONS, Event, Fanout, Rejected
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.state import GatewayState, gateway_of
-from fairgate.ledger import TenantUsage
+from fairgate.ledger import Limits, TenantUsage
 from fairgate.ledger.base import STATUSES, Ledger, tenant_tag
 from fairgate.ledger.reconcile import ReconcileReport, reconcile
 
@@ -319,11 +319,17 @@ def _tenants_document(config: GatewayConfig, frozen: dict[str, str]) -> dict[str
             "delegate": name in config.delegation.delegates,
             "frozen": name in frozen,
             "frozen_reason": frozen.get(name),
-            "limits": {field: value for field, value in asdict(quota.limits).items() if value is not None},
+            "limits": _set(quota.limits),
+            "model_class": {name: _set(limits) for name, limits in quota.by_model_class.items()},
         }
         for name, quota in sorted(config.quotas.tenants.items())
     ]
     return {"object": "list", "data": data}
+
+
+def _set(limits: Limits) -> dict[str, Any]:
+    """The limits in force (those not None), by field name."""
+    return {field: value for field, value in asdict(limits).items() if value is not None}
 
 
 class _Reconciler:

@@ -47,7 +47,7 @@ class Backend(Ledger):
     async def expire_due(self, is_running: IsRunning | None = None) -> list[Reservation]:
         expired = []
         for r in await self._due():
-            ttl_s = self.limits(r.tenant, r.model_class).reservation_ttl_s
+            ttl_s = self.closing_limits(r.tenant, r.model_class).reservation_ttl_s
             if is_running is not None:
                 running, since_ms = await is_running(r), None
             else:  # the heartbeat registry: running if beaten within the TTL, and only a TTL from that beat

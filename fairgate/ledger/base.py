@@ -246,7 +246,8 @@ class Ledger(RequestPath, Operator, Coordination):
     def apply_quotas(self, quotas: Quotas) -> None:
         """Check every call from now on against ``quotas`` (a configuration reload): a reservation made under
         the old limits is settled, cancelled and expired under the new ones, on the levels its accounts
-        hold; a tenant absent from ``quotas`` keeps its booked usage and can reserve no more."""
+        hold; a tenant absent from ``quotas`` keeps its booked usage, can reserve and settle no more
+        (``UnknownTenant``), and its open reservations expire (``closing_books``)."""
         self.quotas = quotas
 
     def limits(self, tenant: str, model_class: str) -> Limits:
@@ -264,6 +265,19 @@ class Ledger(RequestPath, Operator, Coordination):
             return self.quotas.tenant(tenant).accounts(model_class)
         except KeyError:
             raise UnknownTenant(f"tenant {tenant!r} has no quota configuration") from None
+
+    def closing_limits(self, tenant: str, model_class: str) -> Limits:
+        """``limits``, or for a tenant no longer configured here no limit at all (``Limits()``, its default
+        TTL): what the sweep's expiry needs - it must expire such reservations, not stop at them (another
+        process's tenant while a reload reaches every process, or one removed by a restart)."""
+        quota = self.quotas.tenants.get(tenant)
+        return Limits() if quota is None else quota.for_model_class(model_class)
+
+    def closing_books(self, tenant: str, model_class: str) -> tuple[tuple[str, Limits], ...]:
+        """``books``, or for a tenant no longer configured here its tenant-wide account with no limit (as
+        ``closing_limits``)."""
+        quota = self.quotas.tenants.get(tenant)
+        return ((TENANT_ACCOUNT, Limits()),) if quota is None else quota.accounts(model_class)
 
     def account_keys(self, tenant: str, model_class: str) -> list[str]:
         """The keys of ``books`` (for a tenant no longer configured: the tenant-wide account's)."""

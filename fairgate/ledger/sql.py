@@ -165,10 +165,12 @@ class SqlLedger(Backend):
         now_ms = float(rows[1][0][0]) if clock is not None else None
         return _Loaded(r, bool(row[n]), accounts, row[n + 3 + 2 * m :], now_ms)
 
-    def _books(self, loaded: _Loaded) -> list[rules.Book]:
-        """The accounts ``loaded.reservation`` was charged to, as loaded, with their limits."""
+    def _books(self, loaded: _Loaded, kind: str = "settle") -> list[rules.Book]:
+        """The accounts ``loaded.reservation`` was charged to, as loaded, with their limits; for a tenant no
+        longer configured, ``UnknownTenant``, but for an expiry (``Ledger.closing_books``)."""
         r = loaded.reservation
-        return [(loaded.accounts[key], limits) for key, limits in self.books(r.tenant, r.model_class)]
+        books = self.closing_books if kind == "expire" else self.books
+        return [(loaded.accounts[key], limits) for key, limits in books(r.tenant, r.model_class)]
 
     def _account_writes(self, r: Reservation, accounts: list[rules.Account]) -> list[Statement]:
         """The upserts of the accounts ``r`` was charged to (``books`` order)."""
@@ -192,7 +194,7 @@ class SqlLedger(Backend):
             run = None
             if r.run_id is not None:
                 run = rules.RunUsage(*run_values) if run_values[0] is not None else rules.RunUsage()
-            updated, accounts, run, delta = rules.settle(r, self._books(loaded), run, billed, final, now_ms, kind)
+            updated, accounts, run, delta = rules.settle(r, self._books(loaded, kind), run, billed, final, now_ms, kind)
             writes = [
                 schema.reservation_write(updated),
                 *self._account_writes(r, accounts),

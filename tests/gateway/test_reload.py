@@ -162,6 +162,9 @@ def test_sighup_reloads_a_running_fairgate_serve(tmp_path: Path) -> None:
         json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines() if '"config_reloaded"' in line
     ]
     assert [(line["event"], line["keys"], line["not_applied"]) for line in lines] == [("config_reloaded", 4, [])]
+    audited = [json.loads(line) for line in (tmp_path / "fairgate-audit.jsonl").read_text().splitlines()]
+    assert [(r["action"], r["outcome"]) for r in audited] == [("key.add", "written"), ("config.reload", "applied")]
+    assert audited[0]["actor"].startswith("cli:") and audited[1]["actor"] == "signal:SIGHUP"
 
 
 def _wait_ready(url: str) -> None:

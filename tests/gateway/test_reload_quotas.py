@@ -180,6 +180,9 @@ def test_what_only_a_restart_applies_is_refused_and_the_running_limits_stay(tmp_
                 "priority", "batch"
             ),
             "model_class.chat: no model of the running gateway": chat_class,
+            "model_class.emu: a model class table added or removed is applied by a restart only": lambda doc: doc[
+                "quotas"
+            ]["tenants"]["beta"].add("model_class", {"emu": {"max_concurrent": 1}}),
         }
         applied = stack.config_path.read_text()
         for message, change in refusals.items():

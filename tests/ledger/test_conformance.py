@@ -16,6 +16,7 @@ from fairgate.ledger import (
     SettlementFrozen,
     UnknownTenant,
     Usage,
+    quotas_from_dict,
 )
 from tests.ledger.conftest import LIMITS, const
 
@@ -251,6 +252,21 @@ async def test_expiry_waits_for_the_execution_registry(ledger, clock):
     clock.advance(61)
     assert [r.id for r in await ledger.expire_due(lambda r: const(False))] == [running.id]
     assert (await ledger.usage("a", 3600)).open_reservations == 0
+
+
+async def test_a_tenant_no_longer_configured_is_expired_and_stops_no_other_expiry(ledger, clock):
+    """A process that does not know a tenant (removed by a restart, or another process's new one while a
+    reload reaches every process) still sweeps: it expired nothing at all, for any tenant, before."""
+    gone = await ledger.reserve("big", "g1", 10, 10, 5.0, model_class="large")
+    kept = await ledger.reserve("a", "k1", 10, 10, 5.0)
+    ledger.apply_quotas(quotas_from_dict({**QUOTAS, "tenants": {"a": {}, "b": {}}}))
+    clock.advance(61)  # both TTLs (60 s, as reserved) are over
+    expired = await ledger.expire_due(lambda r: const(False))
+    assert sorted((r.id, r.status) for r in expired) == sorted([(gone.id, "expired"), (kept.id, "expired")])
+    assert (await ledger.usage("big", 3600)).open_reservations == 0
+    assert (await ledger.account("big")).concurrent == 0  # its tenant-wide slot is released
+    with pytest.raises(UnknownTenant):
+        await ledger.reserve("big", "g2", 1, 1, 0.0)
 
 
 async def test_default_registry_is_the_heartbeat(ledger, clock):

@@ -23,8 +23,15 @@ end
 if (not final) and b_in == before_in and b_out == before_out and b_gpu == before_gpu then
   return {'unchanged', raw}  -- a repeated partial settlement: nothing new
 end
-if ARGV[9] == '' then return {'unknown_tenant', raw} end
-local books = books_of(r.model_class)  -- every account the reservation was charged to
+local books
+if ARGV[9] == '' then
+  -- A tenant no longer configured: refused, but for the sweep's expiry, which must not stop at it (its
+  -- tenant-wide account, no limit, the default GPU window: Ledger.closing_books).
+  if kind ~= 'expire' then return {'unknown_tenant', raw} end
+  books = {{key = TENANT_ACCOUNT, lim = {gpu_window_s = 86400.0}}}
+else
+  books = books_of(r.model_class)  -- every account the reservation was charged to
+end
 if books == nil then return {'limits'} end
 
 -- rules.settle
