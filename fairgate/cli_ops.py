@@ -340,6 +340,23 @@ class TenantSummary:
         return any(ms >= BACKLOG_QUEUE_MS for ms in self.queue_ms)
 
 
+@dataclass
+class KeyUsage:
+    """What the requests that came with one API key (``key_id``) of one tenant were billed."""
+
+    finished: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    gpu_ms: float = 0.0
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Count one ``finished`` record."""
+        self.finished += 1
+        self.input_tokens += record["input_tokens"]
+        self.output_tokens += record["output_tokens"]
+        self.gpu_ms += float(record["gpu_ms"])
+
+
 # A wait in the queue this long means the tenant wanted more than it got at that moment: several of an
 # emulated replica's iterations (10-100 ms), far above the sub-millisecond pass of a request a free slot takes.
 BACKLOG_QUEUE_MS = 100.0
@@ -362,6 +379,7 @@ class LiveRun:
     rejections: dict[str, dict[str | None, int]]  # reason -> tenant hash -> count
     timeline: list[tuple[float, dict[str, float]]]
     share_source: str
+    keys: dict[tuple[str, str], KeyUsage] = field(default_factory=dict)  # (tenant hash, key id) -> billed
 
 
 def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
@@ -378,6 +396,8 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
     weights: dict[str, float] = {}
     usage: list[tuple[float, dict[str, float]]] = []
     billed: list[tuple[float, str, float]] = []  # (ts, tenant hash, GPU ms) of finished requests
+    key_of: dict[tuple[str, str], str] = {}  # (tenant hash, request id) -> its key id, admitted, not finished
+    keys: dict[tuple[str, str], KeyUsage] = {}
 
     def tenant(tag: str | None) -> TenantSummary:
         if tag not in tenants:
@@ -401,6 +421,8 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
                 tenant(tag)
         elif kind == "admitted":
             tenant(record["tenant_hash"]).admitted += 1
+            if record.get("key_id"):
+                key_of[(record["tenant_hash"], record["request_id"])] = record["key_id"]
         elif kind == "dispatched":
             tenant(record["tenant_hash"]).queue_ms.append(float(record["queue_ms"]))
         elif kind == "finished":
@@ -413,6 +435,9 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
                 summary.ttft_ms.append(float(record["queue_ms"]) + float(record["ttft_ms"]))
             if record["tenant_hash"] is not None:
                 billed.append((record["ts"], record["tenant_hash"], float(record["gpu_ms"])))
+                key = key_of.pop((record["tenant_hash"], record["request_id"]), None)
+                if key is not None:
+                    keys.setdefault((record["tenant_hash"], key), KeyUsage()).add(record)
         elif kind == "rejected":
             tenant(record["tenant_hash"]).rejected += 1
             by_tenant = rejections.setdefault(record["reason"], {})
@@ -431,7 +456,7 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
         timeline.append((ts - start, dict(cumulative)))
     for tag, ms in cumulative.items():
         tenant(tag).gpu_ms = ms
-    return LiveRun(start, end, count, policies, weights, tenants, rejections, timeline, source)
+    return LiveRun(start, end, count, policies, weights, tenants, rejections, timeline, source, keys)
 
 
 def share_stats(run: LiveRun, names: dict[str, str]) -> Any:
@@ -596,6 +621,24 @@ how much it asked, not how fairly it was served. Tenants are shown by their hash
 first token, the queue included."""
 
 
+def _keys_html(run: LiveRun, names: dict[str, str]) -> str:
+    """The table of usage by API key inside each tenant (seed 003: secondary dimensions under the billable
+    tenant), from the ``key_id`` of ``admitted`` records; empty when the log has none."""
+    if not run.keys:
+        return ""
+    e = html.escape
+    rows = [
+        f"<tr><td>{e(_label(tag, names))}</td><td><code>{e(key)}...</code></td><td>{u.finished}</td>"
+        f"<td>{u.input_tokens:,}</td><td>{u.output_tokens:,}</td><td>{_fmt(u.gpu_ms)}</td></tr>"
+        for (tag, key), u in sorted(run.keys.items(), key=lambda item: (item[0][0], -item[1].gpu_ms))
+    ]
+    head = (
+        "<tr><th>tenant</th><th>key</th><th>finished</th><th>prompt tokens</th><th>output tokens</th>"
+        "<th>GPU ms</th></tr>"
+    )
+    return "<h2>Usage by key</h2>\n<table>" + head + "\n".join(rows) + "</table>"
+
+
 def _html(
     run: LiveRun, names: dict[str, str], stats: Any, span: str, policy: str, source: Path, charts: set[str]
 ) -> str:
@@ -659,6 +702,7 @@ figure{{margin:1.5em 0}}img{{max-width:100%}}code{{font-size:90%}}</style></head
 <th>prompt tokens</th><th>output tokens</th></tr>
 {chr(10).join(rows)}
 </table>
+{_keys_html(run, names)}
 <h2>Rejections</h2>
 {
         "<table><tr><th>reason</th><th>requests</th><th>by tenant</th></tr>" + chr(10).join(reject_rows) + "</table>"

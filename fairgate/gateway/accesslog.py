@@ -8,7 +8,8 @@ call that ran, once its final settlement was booked; for anything else, when its
 
 - ``ts`` (seconds since the epoch) and ``time`` (ISO 8601 UTC, ms): when the gateway received the request;
 - ``request_id``; ``tenant_hash`` (``tenant_tag``; ``null``: no credential identified it; a raw tenant name is
-  never written); ``model`` (as the client asked; ``null`` if unread); ``path``;
+  never written); ``key_id``: the key it came with, its stored hash's first 19 characters (as in ``fairgate
+  keys list``; ``null``: not admitted); ``model`` (as the client asked; ``null`` if unread); ``path``;
 - ``status``: the HTTP status answered (a stream's is 200, even when its upstream failed mid-way: ``outcome``
   says so); ``outcome``: ``completed``, ``cancelled`` (the client left, queued or running; 499 when nothing
   was sent), ``error`` (the upstream failed) or
@@ -60,6 +61,7 @@ def line_of(record: RequestRecord) -> bytes:
             "time": datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")[:-6] + "Z",
             "request_id": record.request_id,
             "tenant_hash": tenant_tag(record.tenant) if record.tenant is not None else None,
+            "key_id": record.key_id,
             "model": record.model,
             "path": record.path,
             "status": record.status,

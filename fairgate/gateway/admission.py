@@ -91,6 +91,7 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
             generation.max_tokens,
             generation.gpu_ms_estimate,
             state.clock.wall_s(),
+            caller.key_id,
         )
     )
     return Admitted(generation, caller, reservation)

@@ -148,13 +148,19 @@ class KeyRing:
 
         A key that matches the hashes of two different tenants (an operator's mistake) is refused: ``None``.
         """
+        owners = self.owners_for(key)
+        return owners.pop() if len(owners) == 1 else None
+
+    def owners_for(self, key: str) -> set[str]:
+        """Every owner (tenant) a stored hash of ``key`` is filed under; empty for an unknown, empty or
+        over-long key. ``tenant_for`` accepts exactly one."""
         if not isinstance(key, str) or not key or len(key) > KEY_LENGTH_MAX:
-            return None
+            return set()
         fingerprint = _fingerprint(key)
         tenants = set(self._indexed.get(fingerprint, ()))
         if self._salted:
             tenants |= self._salted_tenants(key, fingerprint)
-        return tenants.pop() if len(tenants) == 1 else None
+        return tenants
 
     def _salted_tenants(self, key: str, fingerprint: bytes) -> set[str]:
         known = self._found.get(fingerprint)

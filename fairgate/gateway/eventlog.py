@@ -16,7 +16,8 @@ tenant's stable 16-hex-digit ``tenant_tag``; ``null`` when no credential identif
 tenant name is never written: quoted tenant names in error messages are replaced by ``tenant:<hash>``.
 
 =================  ==============================================================================================
-``admitted``       a reservation was made; the request joins its tenant's queue: ``reservation_id``,
+``admitted``       a reservation was made; the request joins its tenant's queue: ``reservation_id``, ``key_id``
+                   (the key it came with: its stored hash's first 19 characters, a prefix of ``fairgate keys list``'s),
                    ``input_tokens`` (the gateway's count of the prompt), ``max_output_tokens``, ``gpu_ms_estimate``
                    (GPU ms reserved).
 ``rejected``       answered with an error instead of running: ``reason`` (``observe.REJECT_REASONS``),
@@ -231,6 +232,7 @@ class EventLog:
                 event,
                 event.delegate,
                 reservation_id=event.reservation_id,
+                key_id=event.key_id,
                 input_tokens=event.input_tokens,
                 max_output_tokens=event.max_output_tokens,
                 gpu_ms_estimate=_ms(event.gpu_ms_estimate),
@@ -606,7 +608,10 @@ _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {  # key -> (type
     "reloaded": {},
     "stopped": {},
 }
-_OPTIONAL = {"rejected": {"retry_after_s": (_NUMBER, True), "code": ((str,), True)}}
+_OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "rejected": {"retry_after_s": (_NUMBER, True), "code": ((str,), True)},
+    "admitted": {"key_id": ((str,), True)},
+}
 _REQUEST_KEYS = {
     "request_id": ((str,), False),
     "tenant_hash": ((str,), True),

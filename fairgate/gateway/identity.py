@@ -26,16 +26,20 @@ from fairgate.gateway.outcomes import Outcome, Rejection
 
 ON_BEHALF_OF_HEADER = "x-fairgate-on-behalf-of"
 ADMIN = "admin"  # the name admin keys map to in their key ring
+KEY_ID_CHARS = 19  # "sha256$" and 12 hex digits: a prefix of the hash `fairgate keys list` shows
 # OpenAPI only: declares the bearer key (auto_error=False: the checks below answer, OpenAI-shaped).
 BEARER = HTTPBearer(auto_error=False, scheme_name="apiKey", description="Authorization: Bearer <tenant key>")
 
 
 @dataclass(frozen=True)
 class Caller:
-    """An authenticated request's tenant (billed) and the delegate acting for it, if any."""
+    """An authenticated request's tenant (billed), the delegate acting for it, if any, and ``key_id``: the
+    first ``KEY_ID_CHARS`` characters of the stored hash of the key it came with (the delegate's, for a
+    delegated call; None: not known), the dimension usage is told apart by inside a tenant."""
 
     tenant: str
     delegate: str | None = None
+    key_id: str | None = None
 
 
 class Identity:
@@ -61,10 +65,12 @@ class Identity:
         later = [math.inf]
         for key in self._config.keys:
             expires_s = key.expires_s
-            (expired if expires_s is not None and expires_s <= now_s else live).append((key.tenant, key.hash))
+            # Filed under the stored hash itself: a match names the key (its id), and through it the tenant.
+            (expired if expires_s is not None and expires_s <= now_s else live).append((key.hash, key.hash))
             if expires_s is not None and expires_s > now_s:
                 later.append(expires_s)
         self._keys, self._expired_keys, self._next_expiry_s = KeyRing(live), KeyRing(expired), min(later)
+        self._tenant_of_hash = {key.hash: key.tenant for key in self._config.keys}
 
     @property
     def keys(self) -> int:
@@ -78,9 +84,9 @@ class Identity:
         key = _bearer_key(request)
         if key is None:
             raise Rejection(Outcome.API_KEY_MISSING, "Missing API key: send Authorization: Bearer <key>.")
-        caller = self._tenant_for(key)
+        caller, key_id = self._owner_of(key)
         if caller is None:
-            if self._expired_keys.tenant_for(key) is not None:
+            if self._expired_keys.owners_for(key):
                 raise Rejection(Outcome.API_KEY_EXPIRED, "This API key has expired; ask for a new one.")
             raise Rejection(Outcome.API_KEY_INVALID, "Invalid API key.")
         tokens = request.headers.getlist(ON_BEHALF_OF_HEADER)
@@ -92,13 +98,22 @@ class Identity:
                 tenant=caller,
             )
         if not tokens:
-            return Caller(caller)
-        return Caller(self._delegated(caller, tokens[0]), caller)
+            return Caller(caller, None, key_id)
+        return Caller(self._delegated(caller, tokens[0]), caller, key_id)
 
-    def _tenant_for(self, key: str) -> str | None:
+    def _owner_of(self, key: str) -> tuple[str | None, str | None]:
+        """The tenant of ``key`` and its id (``Caller.key_id``); ``(None, None)`` for an unknown key, or one
+        whose stored hashes name two tenants (an operator's mistake: refused)."""
         if self._wall_s() >= self._next_expiry_s:
             self._ring_keys()
-        return self._keys.tenant_for(key)
+        hashes = self._keys.owners_for(key)
+        tenants = {self._tenant_of_hash[stored] for stored in hashes}
+        if len(tenants) != 1:
+            return None, None
+        return tenants.pop(), min(hashes)[:KEY_ID_CHARS]
+
+    def _tenant_for(self, key: str) -> str | None:
+        return self._owner_of(key)[0]
 
     def _delegated(self, caller: str, token: str) -> str:
         """The tenant ``caller`` acts for with ``token``. Raises ``Rejection`` 403."""

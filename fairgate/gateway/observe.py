@@ -87,6 +87,7 @@ class Admitted:
     max_output_tokens: int
     gpu_ms_estimate: float
     time_s: float
+    key_id: str | None = None  # the key it came with (``identity.Caller.key_id``)
 
 
 @dataclass(frozen=True)

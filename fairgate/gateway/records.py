@@ -27,6 +27,7 @@ class RequestRecord:
     received_s: float
     request_id: str | None = None
     tenant: str | None = None
+    key_id: str | None = None  # the key it came with, once admitted (``identity.Caller.key_id``)
     model: str | None = None
     status: int | None = None  # as answered (a stream: at its start)
     reason: str | None = None  # of a rejection (``observe.REJECT_REASONS``)
@@ -111,7 +112,7 @@ class RequestRecorder:
             record.tenant = event.tenant or record.tenant
             record.model = event.model or record.model
             if isinstance(event, Admitted):
-                record.admitted_s = event.time_s
+                record.admitted_s, record.key_id = event.time_s, event.key_id
             else:
                 record.reason, record.code = event.reason, event.code
 
