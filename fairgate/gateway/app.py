@@ -33,6 +33,7 @@ from fairgate.gateway import (
     health,
     metrics,
     reload,
+    signin,
     usage_api,
 )
 from fairgate.gateway.config import GatewayConfig
@@ -92,6 +93,7 @@ def create_gateway(
     health.install(app, state)
     reload.install(app, state)
     admin_api.install(app)
+    signin.install(app)
 
     return app
 

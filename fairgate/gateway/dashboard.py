@@ -1,7 +1,9 @@
 """The live dashboard at ``GET /dashboard``.
 
-- ``GET /dashboard``: the page (no data in it): a key form; the key is kept in the tab's ``sessionStorage``
-  and sent as ``Authorization: Bearer`` to the JSON endpoint every 2.5 s. Charts use Chart.js, served from
+- ``GET /dashboard``: the page (no data in it): a key form, or a sign-in link's token
+  (``/dashboard#signin=...``, ``fairgate.gateway.signin``); either is kept in the tab's ``sessionStorage``
+  and sent as ``Authorization: Bearer`` to the JSON endpoint every 2.5 s. A tenant idle for a sample, or
+  samples missing, is a gap in its lines, not a line drawn across. Charts use Chart.js, served from
   this package (``static/chart.umd.min.js``, MIT, ``static/chart.js.LICENSE.md``), never a CDN; the page's
   Content-Security-Policy allows scripts, styles and requests to this origin only.
 - ``GET /dashboard/static/<file>``: the page's script, style sheet and Chart.js (a fixed list of files).
@@ -27,14 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from fairgate.gateway.config import GatewayConfig
-from fairgate.gateway.identity import Caller, admin_or_tenant
 from fairgate.gateway.outcomes import Outcome, Rejection
+from fairgate.gateway.signin import DashboardCaller
 from fairgate.gateway.state import gateway_of
 from fairgate.gateway.stats import Stats, TenantTotals
 
@@ -176,7 +178,7 @@ def install(app: FastAPI, stats: Stats, ttft_target_ms: float) -> None:
         )
 
     @app.get("/dashboard/data", include_in_schema=False)
-    async def data(request: Request, caller: Annotated[Caller | None, Depends(admin_or_tenant)]) -> Response:
+    async def data(request: Request, caller: DashboardCaller) -> Response:
         # async: runs on the event loop with the observers, so it reads a consistent state.
         if caller is not None and caller.delegate is not None:
             raise Rejection(

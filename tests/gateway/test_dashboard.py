@@ -21,6 +21,7 @@ from fairgate.ledger.base import tenant_tag
 from tests.gateway.conftest import TENANTS, post
 from tests.gateway.test_metrics import ADMIN_KEY, admin_stack
 
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package `chromium` (scripts/setup installs it)
 BODY = {"model": "emu", "prompt": "x y", "max_tokens": 3, "ignore_eos": True}
 
@@ -138,7 +139,16 @@ def traffic(url: str, keys: dict[str, str], clients: int = 2, limit_s: float = 1
 LABELS_WITH_DATA = """(id) => {
   const chart = window.fairgateCharts && window.fairgateCharts[id];
   if (!chart) return null;
-  return chart.data.datasets.filter(d => d.data.length > 0).map(d => d.label).sort();
+  return chart.data.datasets.filter(d => d.data.some(p => p.y !== null)).map(d => d.label).sort();
+}"""
+COLOURED_PIXELS = """(id) => {
+  const canvas = document.getElementById(id);
+  const d = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+  let coloured = 0;
+  for (let i = 0; i < d.length; i += 4) {
+    if (d[i + 3] > 0 && Math.abs(d[i] - d[i + 1]) + Math.abs(d[i + 1] - d[i + 2]) > 60) coloured++;
+  }
+  return coloured;
 }"""
 ALL_LABELS = """() => Object.values(window.fairgateCharts || {}).flatMap(c => c.data.datasets.map(d => d.label))"""
 PER_TENANT_CHARTS = {
@@ -188,7 +198,9 @@ def test_the_dashboard_in_chromium(tmp_path):
             page.wait_for_function(f"() => ({LABELS_WITH_DATA})('busy').includes('emu-0')", timeout=30_000)
             # Wait for a few samples so the screenshot shows lines, not dots.
             page.wait_for_function(
-                "() => window.fairgateCharts.gpu.data.datasets.every(d => d.data.length >= 3)", timeout=30_000
+                "() => window.fairgateCharts.gpu.data.datasets.every("
+                "d => d.data.filter(p => p.y !== null).length >= 3)",
+                timeout=30_000,
             )
             expect(page.locator("#totals tbody tr")).to_have_count(3)
             expect(page.locator("#fairness")).to_be_visible()
@@ -227,6 +239,25 @@ def test_the_dashboard_in_chromium(tmp_path):
             page.click("#signin")
             expect(page.locator("#error")).to_contain_text("Invalid API key", timeout=20_000)
             expect(page.locator("#board")).to_be_hidden()
+
+            # A sign-in link: opened as it is (a headless browser, a bookmark), no key typed; the token leaves
+            # the address bar at once.
+            problems.clear()  # the wrong key's 401 above
+            made = httpx.post(
+                f"{stack.url}/admin/dashboard-links", json={"tenant": "gamma"}, headers=ADMIN_HEADERS, timeout=10
+            )
+            assert made.status_code == 201, made.text
+            page.goto(f"{stack.url}{made.json()['url']}")
+            expect(page.locator("#status")).to_have_attribute("data-scope", "tenant", timeout=20_000)
+            page.wait_for_function(f"() => ({LABELS_WITH_DATA})('gpu').includes('you')", timeout=30_000)
+            assert "signin" not in page.url and page.url.endswith("/dashboard")
+            assert page.evaluate("() => window.fairgateCharts.gpu.options.spanGaps") is False
+            expect(page.locator("#totals tbody tr")).to_have_count(1)
+            page.screenshot(path=str(folder / "dashboard_link.png"), full_page=True)
+            # The charts are drawn, not only filled with data: the GPU chart's canvas holds its line's colour
+            # (the grid, axes and text are grey).
+            assert page.evaluate(COLOURED_PIXELS, "gpu") > 200
+            assert not problems, problems
         finally:
             browser.close()
     assert all(done[t] > 0 for t in TENANTS), done

@@ -10,6 +10,7 @@
   var charts = {};
   var timer = null;
   var inFlight = false;
+  var sampleEverySeconds = 5;
   window.fairgateCharts = charts; // for tests and the curious: id -> Chart
 
   function $(id) { return document.getElementById(id); }
@@ -30,7 +31,7 @@
       data: { datasets: [] },
       options: {
         animation: false, parsing: false, normalized: true, responsive: true, maintainAspectRatio: false,
-        spanGaps: true, elements: { point: { radius: 0 }, line: { borderWidth: 2 } },
+        spanGaps: false, elements: { point: { radius: 0 }, line: { borderWidth: 2 } },
         interaction: { mode: "nearest", intersect: false },
         scales: scales,
         plugins: { title: { display: true, text: title }, legend: { position: "bottom" } }
@@ -39,11 +40,15 @@
     return charts[id];
   }
 
+  // A sample with no value (a tenant idle then, or no sample taken: the gateway was down) is a gap in the line,
+  // not a straight line drawn across it: null points, and spanGaps off.
   function points(t, values) {
     var out = [];
     if (!values) { return out; }
     for (var i = 0; i < t.length; i++) {
-      if (values[i] !== null && values[i] !== undefined) { out.push({ x: t[i], y: values[i] }); }
+      if (i > 0 && t[i] - t[i - 1] > 2 * sampleEverySeconds) { out.push({ x: t[i - 1] + sampleEverySeconds, y: null }); }
+      var v = values[i];
+      out.push({ x: t[i], y: v === null || v === undefined ? null : v });
     }
     return out;
   }
@@ -77,6 +82,7 @@
 
   function render(data) {
     var admin = data.scope === "admin";
+    sampleEverySeconds = data.sample_every_s;
     document.body.classList.toggle("tenant", !admin);
     var status = $("status");
     status.dataset.scope = data.scope;
@@ -198,6 +204,17 @@
       .then(function () { inFlight = false; });
   }
 
+  // A sign-in link (/dashboard#signin=fgdash_...): its token is kept like a key, then taken out of the address
+  // bar so that it is not bookmarked, shared or kept in the history. Returns whether there was one.
+  function takeLink() {
+    var match = /^#signin=(fgdash_[A-Za-z0-9_.-]+)$/.exec(window.location.hash);
+    if (!match) { return false; }
+    sessionStorage.setItem(STORAGE, match[1]);
+    window.history.replaceState(null, "", window.location.pathname + window.location.search);
+    $("error").textContent = "";
+    return true;
+  }
+
   function start() {
     poll();
     if (!timer) { timer = setInterval(poll, REFRESH_MS); }
@@ -214,6 +231,8 @@
       start();
     });
     $("logout").addEventListener("click", function () { signOut(""); });
+    window.addEventListener("hashchange", function () { if (takeLink()) { start(); } });
+    takeLink();
     if (sessionStorage.getItem(STORAGE)) { start(); }
   });
 }());
