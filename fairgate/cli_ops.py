@@ -29,6 +29,7 @@ import typer
 from rich.console import Console
 
 from fairgate.cli_common import output_dir
+from fairgate.core.fairness import BACKLOG_QUEUE_MS
 
 ops_app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="Read the gateway's request log."
@@ -355,11 +356,6 @@ class KeyUsage:
         self.input_tokens += record["input_tokens"]
         self.output_tokens += record["output_tokens"]
         self.gpu_ms += float(record["gpu_ms"])
-
-
-# A wait in the queue this long means the tenant wanted more than it got at that moment: several of an
-# emulated replica's iterations (10-100 ms), far above the sub-millisecond pass of a request a free slot takes.
-BACKLOG_QUEUE_MS = 100.0
 
 
 @dataclass

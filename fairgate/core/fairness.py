@@ -19,6 +19,11 @@ import numpy.typing as npt
 
 VTC_WINDOW_S = 60.0  # the VTC artifact's window (fair_bench/plot/visualize.py: window = 60)
 VTC_POINTS = 100  # and its sample points (num_x = 100)
+# A wait in the queue this long means the tenant wanted more than it got at that moment: several of an
+# emulated replica's iterations (10-100 ms), far above the sub-millisecond pass of a request a free slot takes.
+# A tenant none of whose requests waited so long is demand-limited: a work-conserving policy gave it all it
+# asked, so its share says how much it asked, not how fairly it was served (the report and the dashboard).
+BACKLOG_QUEUE_MS = 100.0
 
 
 def gpu_shares(gpu_ms: Mapping[str, float], busy_ms: float) -> dict[str, float]:

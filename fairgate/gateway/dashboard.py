@@ -22,7 +22,9 @@ Series (one point per sample, ``stats.SAMPLE_EVERY_S`` apart; ``t`` is seconds r
 ``gpu_share`` / ``capacity_share`` (0-1, over the window), ``queue_p99_ms``, ``ttft_p99_ms`` (window),
 ``admissions_per_s``, ``rejections_per_s``, ``input_tokens_per_s``, ``output_tokens_per_s`` (since the
 previous sample), ``running``, ``queued`` (now), ``gpu_s`` (cumulative GPU seconds charged),
-``reserve_gap_gpu_s``, ``reserve_gap_output_tokens`` (reserved minus billed over the window).
+``reserve_gap_gpu_s``, ``reserve_gap_output_tokens`` (reserved minus billed over the window). Each tenant's
+totals carry ``demand_limited``: its queue p99 over the window is under ``BACKLOG_QUEUE_MS`` (it got every slot
+it asked for, so its share says how much it asked; None: no request of its was dispatched in the window).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from fairgate.core.fairness import BACKLOG_QUEUE_MS
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.signin import DashboardCaller
@@ -115,6 +118,10 @@ def payload(
         "ttft_p99_ms": {m: [_round(s.pools[m].ttft_p99_ms) if m in s.pools else None for s in samples] for m in models},
     }
     totals = {label: _totals(stats.totals.get(name) or TenantTotals()) for name, label in labels.items()}
+    window = stats.window().tenants
+    for name, label in labels.items():
+        wait_ms = window[name].queue_p99_ms if name in window else None
+        totals[label]["demand_limited"] = None if wait_ms is None else wait_ms < BACKLOG_QUEUE_MS
     if tenant is None:
         for name in ("max_min", "jain", "queue_p99_ms"):
             pool[name] = {

@@ -52,6 +52,8 @@ def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
         assert admin["scope"] == "admin" and set(admin["series"]) == set(TENANTS)
         assert {t: admin["totals"][t]["admissions"] for t in TENANTS} == sent
         assert admin["totals"]["alpha"]["rejections"] == {"invalid": 1}
+        # One request at a time: nobody waited for a slot, so every tenant is marked demand-limited.
+        assert {t: admin["totals"][t]["demand_limited"] for t in TENANTS} == dict.fromkeys(TENANTS, True)
         assert {t: admin["totals"][t]["output_tokens"] for t in TENANTS} == {t: 3 * n for t, n in sent.items()}
         assert {"max_min", "jain", "busy", "queue_p99_ms"} <= set(admin["pool"])
         assert get_data(url, ADMIN_KEY, "?tenant=alpha").json()["series"].keys() == admin["series"].keys()
@@ -262,3 +264,18 @@ def test_the_dashboard_in_chromium(tmp_path):
             browser.close()
     assert all(done[t] > 0 for t in TENANTS), done
     assert (folder / "dashboard_admin.png").stat().st_size > 10_000
+
+
+def test_a_tenant_that_waited_for_slots_is_not_marked_demand_limited() -> None:
+    from fairgate.gateway.dashboard import payload
+    from fairgate.gateway.observe import Admitted, Dispatched
+    from fairgate.gateway.stats import Stats
+
+    now = [1_800_000_000.0]
+    stats = Stats(clock=lambda: now[0])
+    for i, (tenant, wait_ms) in enumerate([("alpha", 450.0), ("beta", 3.0), ("alpha", 20.0)]):
+        stats.observe(Admitted(f"r{i}", tenant, None, "emu", f"res-{i}", 5, 5, 10.0, now[0]))
+        stats.observe(Dispatched(f"r{i}", tenant, "emu", "emu-0", wait_ms, now[0]))
+    totals = payload(stats, None, 2000.0)["totals"]
+    assert (totals["alpha"]["demand_limited"], totals["beta"]["demand_limited"]) == (False, True)
+    assert payload(stats, "beta", 2000.0)["totals"]["you"]["demand_limited"] is True

@@ -153,7 +153,7 @@
       var row = document.createElement("tr");
       var reasons = Object.keys(x.rejections).map(function (r) { return r + " " + x.rejections[r]; }).join(", ");
       var rejected = Object.keys(x.rejections).reduce(function (s, r) { return s + x.rejections[r]; }, 0);
-      cell(row, name);
+      cell(row, name + (x.demand_limited ? " (demand-limited)" : ""));
       cell(row, String(x.admissions));
       cell(row, rejected + (reasons ? " (" + reasons + ")" : ""));
       cell(row, String(x.input_tokens));
