@@ -29,6 +29,7 @@ from fairgate.gateway import (
     background,
     completions,
     dashboard,
+    dashboard_history,
     eventlog,
     health,
     metrics,
@@ -137,11 +138,14 @@ def _install_views(app: FastAPI, state: GatewayState) -> None:
     event_log = eventlog.install(app, config, state.events)
     accesslog.install(app, state)
     dashboard.install(app, stats, config.gateway.slo_ttft_p99_s * 1000.0)
+    history = dashboard_history.install(app, config.dashboard_history_path, config.quotas.tenants, stats)
 
     def reloaded(new: GatewayConfig) -> None:
         stats.weights = {name: t.weight for name, t in new.quotas.tenants.items()}
         rejections.track(new.quotas.tenants)
         event_log.reconfigure(new.quotas.tenants)
+        if history is not None:
+            history.rename(new.quotas.tenants)
 
     state.on_reload.append(reloaded)
 

@@ -18,6 +18,7 @@ max_connections = 1000                     # open connections; a request beyond 
 event_log = "fairgate-events.jsonl"        # the request log (JSON lines: fairgate.gateway.eventlog); "": none
 access_log = "-"                           # one JSON line per request: "-" stderr, a file, "": none
 audit_log = "fairgate-audit.jsonl"         # one JSON line per configuration change (admin API, reload, keys)
+dashboard_history = "fairgate-dashboard.jsonl"  # the dashboard's samples, kept across restarts; "": memory only
 
 [[upstream]]                               # at least one; names unique
 name = "emu-0"
@@ -166,6 +167,8 @@ class GatewaySection(_Strict):
     event_log: FileName | None = "fairgate-events.jsonl"
     # One JSON line per request answered (fairgate.gateway.accesslog): "-" stderr, a file path, or "" (off).
     access_log: FileName = "-"
+    # The dashboard's samples, kept across restarts (fairgate.gateway.dashboard_history); "": memory only.
+    dashboard_history: FileName | None = "fairgate-dashboard.jsonl"
     # One JSON line per configuration change (fairgate.gateway.audit): admin API writes, reloads, `fairgate keys`.
     audit_log: Annotated[FileName, Field(min_length=1)] = "fairgate-audit.jsonl"
     default_max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_PER_REQUEST)] = 512
@@ -453,6 +456,11 @@ class GatewayConfig(_Strict):
         return Path(self.gateway.event_log) if self.gateway.event_log else None
 
     @property
+    def dashboard_history_path(self) -> Path | None:
+        """The dashboard's samples file (``fairgate.gateway.dashboard_history``), absolute; None: not kept."""
+        return Path(self.gateway.dashboard_history) if self.gateway.dashboard_history else None
+
+    @property
     def audit_log_path(self) -> Path:
         """The audit log of configuration changes (JSON lines: ``fairgate.gateway.audit``), absolute."""
         return Path(self.gateway.audit_log)
@@ -580,12 +588,14 @@ def _resolve(path: Path, gateway: GatewaySection) -> GatewaySection:
     if access_log not in ("", ACCESS_LOG_STDERR):
         access_log = str((folder / access_log).resolve())
     audit_log = str((folder / gateway.audit_log).resolve())
+    history = str((folder / gateway.dashboard_history).resolve()) if gateway.dashboard_history else None
     update = {
         "ledger": ledger,
         "journal": journal,
         "event_log": event_log,
         "access_log": access_log,
         "audit_log": audit_log,
+        "dashboard_history": history,
     }
     return gateway.model_copy(update=update)
 
@@ -621,7 +631,7 @@ def _check_distinct_files(path: Path, config: GatewayConfig) -> None:
     named = {"the configuration": str(path.resolve())}
     if ledger.startswith("sqlite:///"):
         named["gateway.ledger"] = ledger[len("sqlite:///") :].split("?")[0]
-    for key in ("journal", "event_log", "access_log", "audit_log"):
+    for key in ("journal", "event_log", "access_log", "audit_log", "dashboard_history"):
         value = getattr(config.gateway, key)
         if value and value != ACCESS_LOG_STDERR:
             where = str(Path(value).resolve())

@@ -320,6 +320,7 @@ class Stats:
         self._busy: deque[tuple[float, dict[str, float]]] = deque()  # (time_s, upstream -> busy ms)
         self._last_sample_s: float | None = None
         self._previous: dict[str, tuple[int, int, int, int]] = {}  # tenant -> cumulative counts at last sample
+        self.on_sample: Callable[[Sample], None] | None = None  # told of each sample taken (the history file)
 
     # -- events ---------------------------------------------------------------------------------------------
 
@@ -560,6 +561,8 @@ class Stats:
         pools = {m: PoolPoint(p.max_min, p.jain, p.ttft_p99_ms, p.queue_p99_ms) for m, p in view.pools.items()}
         sample = Sample(now, points, pools, {u.name: u.busy_fraction for u in view.upstreams})
         self.samples.append(sample)
+        if self.on_sample is not None:
+            self.on_sample(sample)
         return sample
 
 
