@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 _TABLE_HEADER = re.compile(r"^[ \t]*\[")  # a table or array-of-tables header (checked by parsing, below)
 _KEY_HEADER = re.compile(r"^[ \t]*\[\[[ \t]*key[ \t]*\]\][ \t]*(#.*)?$")
@@ -47,10 +47,50 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def replace_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (see module docstring), keeping its mode and, where allowed, owner."""
+def lock(path: Path) -> IO[str]:
+    """Take the exclusive lock ``locked`` holds (blocking) and return its handle, for ``unlock``: for a caller
+    that holds it across steps run in different threads (an flock belongs to the open file, not a thread)."""
+    real = path.resolve()
+    handle = open(real.parent / f".{real.name}.lock", "a", encoding="utf-8")  # noqa: SIM115 - unlock closes it
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    return handle
+
+
+def unlock(handle: IO[str]) -> None:
+    """Release a ``lock``."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    finally:
+        handle.close()
+
+
+@dataclass
+class Staged:
+    """A file's new text written beside it (``stage``), not yet in its place: ``commit`` renames it over the
+    file, ``discard`` deletes it."""
+
+    temporary: Path
+    target: Path
+
+    def commit(self) -> None:
+        """Put the new text in place (one rename). Raises ``OSError`` (the temporary file is deleted then)."""
+        try:
+            os.replace(self.temporary, self.target)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        self.temporary.unlink(missing_ok=True)
+
+
+def stage(path: Path, text: str) -> Staged:
+    """Write ``text`` beside ``path``, with its mode and, where allowed, owner (see module docstring), ready
+    to ``commit``. Raises ``OSError``: the folder is not writable, or the file is not (its mode says so)."""
     real = path.resolve()
     status = real.stat()
+    if not os.access(real, os.W_OK):
+        raise PermissionError(f"{path}: the file is not writable (mode {status.st_mode & 0o777:o})")
     handle, temporary = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
     try:
         with os.fdopen(handle, "w", encoding="utf-8", newline="") as out:
@@ -63,10 +103,15 @@ def replace_text(path: Path, text: str) -> None:
                 os.chown(temporary, status.st_uid, status.st_gid)
             except PermissionError:
                 pass  # not ours to give away: the file becomes the editor's, as any editor would leave it
-        os.replace(temporary, real)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+    return Staged(Path(temporary), real)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (see module docstring), keeping its mode and, where allowed, owner."""
+    stage(path, text).commit()
 
 
 def read_text(path: Path) -> str:

@@ -15,8 +15,11 @@ Keys of every record (UTF-8, one JSON object per line):
 - ``outcome``: ``applied`` (in force in the running gateway, and in the file), ``refused`` (nothing
   changed: ``error`` says why) or ``written`` (in the file; the gateway applies it at its next reload);
 - ``error``: the one-line reason of a refusal, else ``null``;
-- ``before`` / ``after``: a tenant's table before and after ``tenant.put`` (``null`` otherwise, and
-  ``before`` for a new tenant).
+- ``before`` / ``after``: a tenant's table before (as the gateway ran it) and after ``tenant.put``
+  (``null`` for a new tenant); a key's hash prefix for the key actions;
+- ``also``: what else an admin write brought into force, being a whole configuration applied - edits made to
+  the file by hand since the last reload: ``{"tenants": [names changed], "keys_added": n, "keys_removed": n}``
+  (``null``: nothing else).
 
 A record is appended with one ``write`` on an ``O_APPEND`` descriptor and synced to disk (``fsync``) before
 the change is answered: an audit line is not lost to a crash that the change survives. Changes are rare
@@ -62,6 +65,7 @@ def record(
     error: str | None = None,
     before: Any = None,
     after: Any = None,
+    also: Any = None,
     now_s: float | None = None,
 ) -> dict[str, Any]:
     """One audit record (module docstring); ``now_s`` defaults to ``time.time()``."""
@@ -78,6 +82,7 @@ def record(
         "error": error,
         "before": before,
         "after": after,
+        "also": also,
     }
 
 
@@ -90,7 +95,8 @@ def append(path: Path, entry: dict[str, Any]) -> None:
     """
     if path.exists() and not path.is_file():
         raise OSError(f"{path}: the audit log is not a regular file")
-    line = (json.dumps(entry, default=str, ensure_ascii=False) + "\n").encode("utf-8")
+    # ASCII only: a name holding U+2028 and the like stays on its line for every reader.
+    line = (json.dumps(entry, default=str, ensure_ascii=True) + "\n").encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
@@ -120,7 +126,17 @@ def read(path: Path) -> list[dict[str, Any]]:
     ``ValueError`` (a line that is not JSON)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = path.read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.split("\n") if line.strip()]  # lines end at "\n" only
+
+
+def check_writable(path: Path) -> None:
+    """Raise ``OSError`` when the audit log at ``path`` cannot be appended to (checked before a change: one
+    that could not be recorded is not made)."""
+    if path.exists() and not path.is_file():
+        raise OSError(f"{path}: the audit log is not a regular file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))
 
 
 __all__ = [
@@ -129,6 +145,7 @@ __all__ = [
     "admin_actor",
     "append",
     "append_or_log",
+    "check_writable",
     "cli_actor",
     "read",
     "record",

@@ -35,6 +35,7 @@ T = TypeVar("T")
 Apply = Callable[[GatewayConfig], object]
 KEY_NAME_MAX = 200
 EXPIRES_IN_DAYS_MAX = 36_500
+EXPIRES_IN_DAYS_MIN = 1 / 1440  # a minute: a key that expires as it is made is a mistake
 GRACE_HOURS_MAX = 8760.0
 
 
@@ -82,23 +83,50 @@ def now_s() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
 
-def edit(path: Path, change: Callable[[str], tuple[str, T]], apply: Apply | None = None) -> T:
-    """Under the edit lock: ``change(text)`` gives the new text and a result; the file as it will be is
-    validated, given to ``apply``, then written (module docstring). Returns the result."""
+Change = Callable[[str], tuple[str, T]]
+Rotated = tuple["NewKey", "KeyRef", datetime | None]
+Tables = tuple[dict[str, Any] | None, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class StagedEdit:
+    """A change made and checked (``stage``): the configuration as it will be, the change's result, and the
+    new text written beside the file, to ``commit`` or ``discard``."""
+
+    candidate: GatewayConfig
+    result: Any
+    file: keyfile.Staged
+
+
+def stage(path: Path, change: Change[Any]) -> StagedEdit:
+    """``change(text)`` on the file's text, the result validated whole and written beside the file (the caller
+    holds the edit lock: ``keyfile.lock``). Raises as the module says; nothing is written then."""
+    load_gateway_config(path)  # the file is valid before it is touched (and exists)
+    text = keyfile.read_text(path)
+    updated, result = change(text)
+    try:
+        data = tomllib.loads(updated)
+    except tomllib.TOMLDecodeError as exc:
+        raise GatewayConfigError(f"{path}: the edited file does not parse ({exc}); nothing was written") from None
+    candidate = gateway_config_from_dict(data, path)
+    return StagedEdit(candidate, result, keyfile.stage(path, updated))
+
+
+def edit(path: Path, change: Change[T], apply: Apply | None = None) -> T:
+    """Under the edit lock: ``stage`` the change, give the configuration as it will be to ``apply`` (which may
+    refuse it by raising), then put the file in place (module docstring). Returns the change's result."""
     if not path.is_file():
         load_gateway_config(path)  # raises the one-line "file not found" (or "not a file") error
     with keyfile.locked(path):
-        load_gateway_config(path)  # the file is valid before it is touched
-        text = keyfile.read_text(path)
-        updated, result = change(text)
+        staged = stage(path, change)
         try:
-            data = tomllib.loads(updated)
-        except tomllib.TOMLDecodeError as exc:
-            raise GatewayConfigError(f"{path}: the edited file does not parse ({exc}); nothing was written") from None
-        candidate = gateway_config_from_dict(data, path)
-        if apply is not None:
-            apply(candidate)
-        keyfile.replace_text(path, updated)
+            if apply is not None:
+                apply(staged.candidate)
+        except BaseException:
+            staged.file.discard()
+            raise
+        staged.file.commit()
+        result: T = staged.result
         return result
 
 
@@ -117,36 +145,6 @@ def _key_table(text: str, new: NewKey) -> str:
 def _new_key(tenant: str, name: str | None, now: datetime, expires: datetime | None) -> NewKey:
     key = new_api_key()
     return NewKey(key, hash_api_key(key), tenant, name, now, expires)
-
-
-def add_key(
-    path: Path, tenant: str, name: str | None = None, expires_in_days: float | None = None, apply: Apply | None = None
-) -> NewKey:
-    """Make a key for ``tenant`` (a tenant of the file), append its ``[[key]]`` table, return it (shown once).
-    Raises as the module says: a tenant the file lacks, a name over ``KEY_NAME_MAX`` characters, an expiry
-    outside (0, ``EXPIRES_IN_DAYS_MAX``] days."""
-    if name is not None and len(name) > KEY_NAME_MAX:
-        raise ValueError(f"name: at most {KEY_NAME_MAX} characters")
-    if expires_in_days is not None and not 0 < expires_in_days <= EXPIRES_IN_DAYS_MAX:
-        raise ValueError(f"expires_in_days: a number of days in (0, {EXPIRES_IN_DAYS_MAX}]")
-
-    def change(text: str) -> tuple[str, NewKey]:
-        tenants = load_gateway_config(path).quotas.tenants
-        if tenant not in tenants:
-            raise GatewayConfigError(f"{path}: quotas.tenants: no tenant {tenant!r} (tenants: {', '.join(tenants)})")
-        now = now_s()
-        expires = None if expires_in_days is None else now + timedelta(days=expires_in_days)
-        new = _new_key(tenant, name, now, expires)
-        updated = text + _key_table(text, new)
-        try:
-            tomllib.loads(updated)
-        except tomllib.TOMLDecodeError as exc:
-            raise GatewayConfigError(
-                f"{path}: cannot append a [[key]] table here ({exc}); is `key` defined another way in this file?"
-            ) from None
-        return updated, new
-
-    return edit(path, change, apply)
 
 
 def one_key(path: Path, keys: list[dict[str, Any]], hash_prefix: str | None, name: str | None) -> int:
@@ -192,11 +190,45 @@ def _ref(key: Mapping[str, Any]) -> KeyRef:
     return KeyRef(str(key.get("tenant")), None if key.get("name") is None else str(key["name"]), str(key["hash"]))
 
 
-def revoke_key(
-    path: Path, hash_prefix: str | None = None, name: str | None = None, apply: Apply | None = None
-) -> KeyRef:
-    """Remove the one key named by ``hash_prefix`` or ``name`` (``one_key``); returns it. Raises as the module
-    says."""
+def key_added(path: Path, tenant: str, name: str | None, expires_in_days: float | None) -> Change[NewKey]:
+    """Make a key for ``tenant`` (a tenant of the file) and append its ``[[key]]`` table: the change; its
+    result is the key (shown once). Raises ``ValueError`` now: a name over ``KEY_NAME_MAX`` characters, an
+    expiry outside [``EXPIRES_IN_DAYS_MIN``, ``EXPIRES_IN_DAYS_MAX``] days; the change raises
+    ``GatewayConfigError`` for a tenant the file lacks."""
+    if name is not None and len(name) > KEY_NAME_MAX:
+        raise ValueError(f"name: at most {KEY_NAME_MAX} characters")
+    if expires_in_days is not None and not EXPIRES_IN_DAYS_MIN <= expires_in_days <= EXPIRES_IN_DAYS_MAX:
+        raise ValueError(f"expires_in_days: a number of days in [{EXPIRES_IN_DAYS_MIN:.6g}, {EXPIRES_IN_DAYS_MAX}]")
+
+    def change(text: str) -> tuple[str, NewKey]:
+        tenants = load_gateway_config(path).quotas.tenants
+        if tenant not in tenants:
+            raise GatewayConfigError(f"{path}: quotas.tenants: no tenant {tenant!r} (tenants: {', '.join(tenants)})")
+        now = now_s()
+        expires = None if expires_in_days is None else now + timedelta(days=expires_in_days)
+        new = _new_key(tenant, name, now, expires)
+        updated = text + _key_table(text, new)
+        try:
+            tomllib.loads(updated)
+        except tomllib.TOMLDecodeError as exc:
+            raise GatewayConfigError(
+                f"{path}: cannot append a [[key]] table here ({exc}); is `key` defined another way in this file?"
+            ) from None
+        return updated, new
+
+    return change
+
+
+def add_key(
+    path: Path, tenant: str, name: str | None = None, expires_in_days: float | None = None, apply: Apply | None = None
+) -> NewKey:
+    """``key_added``, made (``edit``)."""
+    return edit(path, key_added(path, tenant, name, expires_in_days), apply)
+
+
+def key_revoked(path: Path, hash_prefix: str | None, name: str | None) -> Change[KeyRef]:
+    """Remove the one key named by ``hash_prefix`` or ``name`` (``one_key``): the change; its result is the
+    key removed."""
 
     def change(text: str) -> tuple[str, KeyRef]:
         keys = _keys_of(path, text)
@@ -206,23 +238,24 @@ def revoke_key(
         )
         return updated, _ref(keys[index])
 
-    return edit(path, change, apply)
+    return change
 
 
-def rotate_key(
-    path: Path,
-    hash_prefix: str | None = None,
-    name: str | None = None,
-    grace_hours: float = 24.0,
-    apply: Apply | None = None,
-) -> tuple[NewKey, KeyRef, datetime | None]:
+def revoke_key(
+    path: Path, hash_prefix: str | None = None, name: str | None = None, apply: Apply | None = None
+) -> KeyRef:
+    """``key_revoked``, made (``edit``)."""
+    return edit(path, key_revoked(path, hash_prefix, name), apply)
+
+
+def key_rotated(path: Path, hash_prefix: str | None, name: str | None, grace_hours: float) -> Change[Rotated]:
     """A new key for the tenant and label of the one named (``one_key``); the old one expires after
-    ``grace_hours`` (sooner if it was to; 0: removed now). Returns the new key, the old one and when it
-    stops working (None: now). Raises as the module says; ``ValueError`` for hours outside [0, 8760]."""
+    ``grace_hours`` (sooner if it was to; 0: removed now): the change; its result is the new key, the old
+    one and when it stops working (None: now). Raises ``ValueError`` now for hours outside [0, 8760]."""
     if not 0 <= grace_hours <= GRACE_HOURS_MAX:
         raise ValueError(f"grace_hours: a number of hours in [0, {GRACE_HOURS_MAX:g}]")
 
-    def change(text: str) -> tuple[str, tuple[NewKey, KeyRef, datetime | None]]:
+    def change(text: str) -> tuple[str, Rotated]:
         keys = _keys_of(path, text)
         index = one_key(path, keys, hash_prefix, name)
         old, now = keys[index], now_s()
@@ -241,17 +274,27 @@ def rotate_key(
         new = _new_key(str(old["tenant"]), old.get("name"), now, None)
         return updated + _key_table(updated, new), (new, _ref(old), None if grace_hours == 0 else ends)
 
-    return edit(path, change, apply)
+    return change
 
 
-def put_tenant(
-    path: Path, tenant: str, table: Mapping[str, Any], apply: Apply | None = None
-) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def rotate_key(
+    path: Path,
+    hash_prefix: str | None = None,
+    name: str | None = None,
+    grace_hours: float = 24.0,
+    apply: Apply | None = None,
+) -> Rotated:
+    """``key_rotated``, made (``edit``)."""
+    return edit(path, key_rotated(path, hash_prefix, name, grace_hours), apply)
+
+
+def tenant_put(path: Path, tenant: str, table: Mapping[str, Any]) -> Change[Tables]:
     """Set ``[quotas.tenants.<tenant>]`` to ``table`` (its whole table: tier, weight, priority, limits,
-    model_class; what it omits takes the defaults). Returns the table before (None: a new tenant) and after.
-    Raises as the module says (the file as it would be names the key at fault)."""
+    model_class; what it omits takes the defaults): the change; its result is the table before (None: a new
+    tenant) and after. An existing table is changed where it stands (the comments around it kept); the
+    file's line endings are kept."""
 
-    def change(text: str) -> tuple[str, tuple[dict[str, Any] | None, dict[str, Any]]]:
+    def change(text: str) -> tuple[str, Tables]:
         document = tomlkit.parse(text)
         expected = tomllib.loads(text)
         quotas = document.get("quotas")
@@ -261,26 +304,61 @@ def put_tenant(
         if tenants is None:
             tenants = quotas["tenants"] = tomlkit.table(is_super_table=True)
         before = expected["quotas"].get("tenants", {}).get(tenant)
-        tenants[tenant] = tomlkit.item(dict(table))
+        current = tenants.get(tenant)
+        if isinstance(current, dict) and not isinstance(current, tomlkit.items.InlineTable):
+            for key in [k for k in current if k not in table]:
+                del current[key]
+            for key, value in table.items():
+                if key not in current or current[key].unwrap() != value:  # what stays the same is not touched
+                    current[key] = _inline(value)
+        else:
+            added = tomlkit.table()
+            for key, value in table.items():
+                added[key] = _inline(value)
+            tenants[tenant] = added
         expected["quotas"].setdefault("tenants", {})[tenant] = dict(table)
         updated = tomlkit.dumps(document)
+        if keyfile.newline_of(text) == "\r\n":
+            updated = updated.replace("\r\n", "\n").replace("\n", "\r\n")
         if tomllib.loads(updated) != expected:
             raise keyfile.KeyFileError(f"{path}: quotas.tenants.{tenant}: the table cannot be set here safely")
         return updated, (before, dict(table))
 
-    return edit(path, change, apply)
+    return change
+
+
+def _inline(value: Any) -> Any:
+    """``value`` for a tenant's table, a table in it as an inline table: it stays on its key's line, not
+    after whatever comments follow the tenant's table."""
+    if isinstance(value, Mapping):
+        table = tomlkit.inline_table()
+        for key, inner in value.items():
+            table[key] = _inline(inner)
+        return table
+    return value
+
+
+def put_tenant(path: Path, tenant: str, table: Mapping[str, Any], apply: Apply | None = None) -> Tables:
+    """``tenant_put``, made (``edit``)."""
+    return edit(path, tenant_put(path, tenant, table), apply)
 
 
 __all__ = [
     "KeyRef",
     "NewKey",
+    "StagedEdit",
     "add_key",
     "edit",
+    "key_added",
+    "key_revoked",
+    "key_rotated",
     "now_s",
     "one_key",
     "put_tenant",
     "revoke_key",
     "rotate_key",
+    "stage",
+    "tenant_put",
     "toml_string",
     "toml_time",
 ]

@@ -112,6 +112,13 @@ class Identity:
             return None, None
         return tenants.pop(), min(hashes)[:KEY_ID_CHARS]
 
+    def is_key(self, text: str) -> bool:
+        """Whether ``text`` is a key this gateway knows (a tenant's, expired or not, or an admin's): what must
+        never be written anywhere (an admin pasting a leaked key where its hash belongs)."""
+        return bool(self._keys.owners_for(text) or self._expired_keys.owners_for(text)) or bool(
+            self._admin_keys.owners_for(text)
+        )
+
     def _tenant_for(self, key: str) -> str | None:
         return self._owner_of(key)[0]
 

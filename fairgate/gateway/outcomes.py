@@ -69,6 +69,7 @@ class Outcome(StrEnum):
     INTERNAL_ERROR = auto()
     CONFIG_INVALID = auto()
     KEY_NOT_FOUND = auto()
+    AUDIT_UNAVAILABLE = auto()
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ ANSWERS: Mapping[Outcome, Answer] = {
     Outcome.CONFIG_INVALID: Answer(400, _INVALID, "config_invalid", "invalid"),
     # An admin write names a key the configuration does not hold.
     Outcome.KEY_NOT_FOUND: Answer(404, _INVALID, "key_not_found", "invalid"),
+    # A change that could not be recorded is not made (fairgate.gateway.audit).
+    Outcome.AUDIT_UNAVAILABLE: Answer(503, _SERVER, "audit_log_unavailable", "upstream_error"),
 }
 
 

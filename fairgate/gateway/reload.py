@@ -33,7 +33,7 @@ import logging
 import signal
 import threading
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,19 @@ def apply_config(state: GatewayState, new: GatewayConfig) -> Reloaded:
     for listener in state.on_reload:
         listener(merged)
     return Reloaded(identity.keys, len(new.admin.key_hashes), len(new.quotas.tenants), _not_applied(running, new))
+
+
+def restore(state: GatewayState, previous: GatewayConfig) -> None:
+    """Put back ``previous``, the configuration that ran before one just applied (an admin write whose file
+    could not be put in place), with no check: it ran."""
+    shares = {name: TenantShare(t.weight, t.priority) for name, t in previous.quotas.tenants.items()}
+    for pool in state.dispatcher.models():
+        with suppress(ValueError):  # a tenant added meanwhile keeps its pool; its weight goes back to 1
+            reshare(state.dispatcher.policy(pool), shares)
+    state.backend.apply_quotas(previous.quotas)
+    state.config, state.identity = previous, Identity(previous, state.clock.wall_s)
+    for listener in state.on_reload:
+        listener(previous)
 
 
 def _read_whole(path: Path) -> GatewayConfig:
@@ -203,8 +216,10 @@ def install(app: FastAPI, state: GatewayState) -> None:
 
     @app.post("/admin/reload", dependencies=[Depends(require_admin)], tags=["admin"])
     async def reload(request: Request) -> JSONResponse:
+        state = gateway_of(request)
         try:
-            reloaded = reload_and_log(gateway_of(request), audit.admin_actor(request))
+            async with state.apply_lock:
+                reloaded = reload_and_log(state, audit.admin_actor(request))
         except GatewayConfigError as exc:
             raise Rejection(Outcome.CONFIG_INVALID, str(exc)) from None
         return JSONResponse({"applied": list(APPLIED), **asdict(reloaded)})
@@ -228,10 +243,13 @@ def install(app: FastAPI, state: GatewayState) -> None:
 
 
 def _on_hangup(state: GatewayState) -> None:
-    try:
-        reload_and_log(state, "signal:SIGHUP")
-    except GatewayConfigError:
-        pass  # logged; the running configuration stays
+    state.spawn(_reload_on_signal(state))  # after any write applying now (``apply_lock``)
 
 
-__all__ = ["APPLIED", "Reloaded", "apply_config", "install", "reload_and_log", "reload_config"]
+async def _reload_on_signal(state: GatewayState) -> None:
+    async with state.apply_lock:
+        with suppress(GatewayConfigError):  # logged; the running configuration stays
+            reload_and_log(state, "signal:SIGHUP")
+
+
+__all__ = ["APPLIED", "Reloaded", "apply_config", "install", "reload_and_log", "reload_config", "restore"]

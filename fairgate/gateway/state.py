@@ -110,6 +110,8 @@ class GatewayState:
             once installed; None: both off.
         on_reload: told of the configuration a reload applied, once it is ``config`` (the views that keep
             something of it: weights, tenants).
+        apply_lock: held by whatever applies a configuration (a reload, an admin write), one at a time: a
+            reload that read the file before a write's change would otherwise undo it.
         process_id: this process's name among the gateway processes sharing the ledger (the owner of its
             run claims and of its shared occupancy): host, pid and a random part, unique per start.
     """
@@ -127,6 +129,7 @@ class GatewayState:
     request_records: RequestRecorder | None = None
     process_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
     on_reload: list[Callable[[GatewayConfig], None]] = field(default_factory=list)
+    apply_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _ledger: ResilientLedger | None = None
     _backend: Ledger | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)

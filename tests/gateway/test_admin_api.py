@@ -148,7 +148,9 @@ def test_a_tenant_put_over_http_applies_at_once_while_a_stream_runs_and_survives
             "invalid_request",
             "one of them",
         ),
-        ("POST", "/admin/keys/rotate", {"hash": "sha256$01"}, 400, "invalid_request", "at least 12 characters"),
+        ("POST", "/admin/keys/rotate", {"hash": "sha256$01"}, 400, "invalid_request", "first 19+ characters"),
+        ("POST", "/admin/keys/rotate", {"hash": "sha256$0123456789abcdef"}, 404, "key_not_found", "no [[key]] matches"),
+        ("GET", "/admin/audit?limit=%C2%B2", None, 400, "invalid_request", "limit"),
     ],
 )
 def test_a_refused_write_leaves_the_file_as_it_was_and_is_audited(
@@ -164,7 +166,7 @@ def test_a_refused_write_leaves_the_file_as_it_was_and_is_audited(
         assert state.config.quotas.tenant("beta").priority == "interactive"
         records = audit_of(stack)
     # A write the edit or the running gateway refused is audited; a body refused as it is read is no write.
-    if code in ("config_invalid", "key_not_found") or needle in ("3 keys match", "at least 12 characters"):
+    if code in ("config_invalid", "key_not_found") or needle == "3 keys match":
         assert [r["outcome"] for r in records] == ["refused"] and needle in records[0]["error"]
     else:
         assert records == []
@@ -203,3 +205,85 @@ def test_writes_over_http_and_fairgate_keys_at_once_lose_nothing(tmp_path: Path)
     assert sorted(actions) == sorted(
         [("key.add", "applied")] * 4 + [("key.add", "written")] * 2 + [("config.reload", "applied")]
     )
+
+
+def test_a_key_pasted_where_its_hash_or_name_belongs_is_refused_and_never_written(tmp_path: Path) -> None:
+    with admin_stack(tmp_path) as (stack, _):
+        leaked = stack.keys["alpha"]
+        for body in ({"hash": leaked}, {"name": leaked}, {"hash": ADMIN}):
+            refused = call(stack, "POST", "/admin/keys/revoke", body)
+            assert refused.status_code == 400 and "that is an API key" in refused.text, refused.text
+            assert leaked not in refused.text
+        # A name with a line separator of Unicode's: the audit log stays one record a line for every reader.
+        odd = call(stack, "POST", "/admin/keys/revoke", {"name": "\u2028x\u0085"})
+        assert odd.status_code == 404, odd.text
+        records = call(stack, "GET", "/admin/audit").json()["data"]
+        assert complete(stack, leaked).status_code == 200  # and the key was not revoked
+        text = (tmp_path / "fairgate-audit.jsonl").read_text()
+    assert [r["target"]["name"] for r in records] == ["\u2028x\u0085"]
+    assert leaked not in text and ADMIN not in text
+
+
+def test_writes_and_reloads_at_once_leave_the_gateway_running_what_the_file_says(tmp_path: Path) -> None:
+    with admin_stack(tmp_path) as (stack, state):
+
+        def put(weight: int) -> int:
+            body = {"tier": "free", "weight": weight}
+            return call(stack, "PUT", "/admin/tenants/gamma", body).status_code
+
+        def reload(_: int) -> int:
+            return call(stack, "POST", "/admin/reload").status_code
+
+        with ThreadPoolExecutor(3) as pool:
+            for weight in range(1, 13):
+                statuses = list(pool.map(lambda job: job[0](job[1]), [(put, weight), (reload, 0), (reload, 0)]))
+                assert statuses == [200, 200, 200], statuses
+                running = state.config.quotas.tenant("gamma").weight
+                assert running == load_gateway_config(stack.config_path).quotas.tenant("gamma").weight == weight
+
+
+def test_a_write_that_cannot_be_recorded_or_put_in_place_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with admin_stack(tmp_path) as (stack, state):
+        before = stack.config_path.read_text()
+        audit_log = tmp_path / "fairgate-audit.jsonl"
+        audit_log.mkdir()  # not a file: nothing can be recorded
+        refused = call(stack, "PUT", "/admin/tenants/beta", {"tier": "free", "weight": 42})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "audit_log_unavailable"
+        assert state.config.quotas.tenant("beta").weight == 1.0 and stack.config_path.read_text() == before
+        audit_log.rmdir()
+
+        def cannot_rename(self: Any) -> None:  # the rename over the file fails (a full or read-only disk)
+            self.discard()
+            raise PermissionError("injected: rename refused")
+
+        monkeypatch.setattr("fairgate.keyfile.Staged.commit", cannot_rename)
+        for method, route, body in [
+            ("PUT", "/admin/tenants/beta", {"tier": "free", "weight": 42}),
+            ("PUT", "/admin/tenants/newt", {"tier": "free"}),
+            ("POST", "/admin/keys/revoke", {"name": "harness", "hash": None}),
+        ]:
+            body = {k: v for k, v in body.items() if v is not None}
+            answer = call(stack, method, route, body)
+            assert answer.status_code in (400, 503), answer.text
+        assert state.config.quotas.tenant("beta").weight == 1.0 and "newt" not in state.config.quotas.tenants
+        assert stack.config_path.read_text() == before
+        monkeypatch.undo()
+        # Nothing was left half applied: a reload and a write go through.
+        assert call(stack, "POST", "/admin/reload").status_code == 200
+        assert call(stack, "PUT", "/admin/tenants/newt", {"tier": "free"}).status_code == 201
+        assert complete(stack, stack.keys["beta"]).status_code == 200
+
+
+def test_the_audit_record_names_hand_edits_a_write_brought_into_force(tmp_path: Path) -> None:
+    with admin_stack(tmp_path) as (stack, _):
+        text = stack.config_path.read_text()
+        stack.config_path.write_text(
+            text.replace('[quotas.tenants.gamma]\ntier = "free"', '[quotas.tenants.gamma]\ntier = "free"\nweight = 7.0')
+        )
+        put = call(stack, "PUT", "/admin/tenants/beta", {"tier": "free", "weight": 2.5})
+        assert put.status_code == 200, put.text
+        [record] = audit_of(stack)
+    assert record["before"] == {"tier": "free"} and record["after"] == {"tier": "free", "weight": 2.5}
+    assert record["also"] == {"tenants": ["gamma"], "keys_added": 0, "keys_removed": 0}

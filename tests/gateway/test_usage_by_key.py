@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 
 from fairgate.cli_ops import summarise_log
 from fairgate.gateway.config import load_gateway_config
@@ -47,7 +48,8 @@ def test_each_key_of_a_tenant_is_billed_apart_in_the_logs_and_the_report(tmp_pat
     run = summarise_log(r for _, _, r in read_records(stack.config.event_log_path))
     harness, own = run.keys[(alpha, ids["harness"])], run.keys[(alpha, ids["laptop"])]
     assert (harness.finished, harness.output_tokens, own.finished, own.output_tokens) == (2, 10, 3, 21)
-    assert harness.gpu_ms + own.gpu_ms == run.tenants[alpha].billed_gpu_ms > 0
+    assert harness.gpu_ms + own.gpu_ms == pytest.approx(run.tenants[alpha].billed_gpu_ms, rel=1e-12)
+    assert run.tenants[alpha].billed_gpu_ms > 0
     assert {tag for tag, _ in run.keys} == {alpha, tenant_tag("beta")}
     out = tmp_path / "report"
     done = fairgate("report", "--log", str(stack.config.event_log_path), "--out", str(out))
