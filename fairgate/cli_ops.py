@@ -239,6 +239,11 @@ def _step(record: dict[str, Any], names: dict[str, str]) -> list[str]:
             if record["tpot_ms"] is not None:
                 text += f", then {_duration(record['tpot_ms'])} per token"
         return [text + "."]
+    if kind == "left":
+        return [
+            f"  {when}  the client left after {_duration(record['queue_ms'])} in the tenant's queue: the request "
+            "never ran, its reservation was released and nothing was billed."
+        ]
     if kind == "rejected":
         reason = record["reason"]
         dimension = record.get("dimension")
@@ -280,6 +285,9 @@ def _summary(story: Sequence[dict[str, Any]]) -> str:
         last = rejected[-1]
         billed = " (its reservation was released; nothing was billed)" if last["after_admission"] else ""
         return f"  In short: rejected ({last['reason']}, HTTP {last['status']}){billed}."
+    left = [r for r in story if r["event"] == "left"]
+    if left:
+        return f"  In short: the client left after {_duration(left[-1]['queue_ms'])} queued; nothing was billed."
     if admitted and not any(r["event"] == "dispatched" for r in story):
         return "  In short: admitted but never given a slot in this log (still queued, or the client left)."
     return "  In short: still running when the log ends (or the gateway stopped before it finished)."
@@ -434,6 +442,10 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
                 key = key_of.pop((record["tenant_hash"], record["request_id"]), None)
                 if key is not None:
                     keys.setdefault((record["tenant_hash"], key), KeyUsage()).add(record)
+        elif kind == "left":  # the client left while queued: cancelled, as a request that ran and was left
+            summary = tenant(record["tenant_hash"])
+            summary.finished["cancelled"] = summary.finished.get("cancelled", 0) + 1
+            summary.queue_ms.append(float(record["queue_ms"]))
         elif kind == "rejected":
             tenant(record["tenant_hash"]).rejected += 1
             by_tenant = rejections.setdefault(record["reason"], {})

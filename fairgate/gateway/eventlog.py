@@ -31,6 +31,8 @@ tenant name is never written: quoted tenant names in error messages are replaced
                    ``tpot_ms`` (mean ms per output token after the first; ``null``), ``input_tokens``,
                    ``output_tokens`` and ``gpu_ms`` (what was billed), ``gpu_ms_estimate`` and
                    ``max_output_tokens`` (what was reserved).
+``left``           the client left while the request was queued: ``queue_ms`` (its time in the queue); it never
+                   ran, its reservation was released, nothing was billed.
 ``usage``          the GPU time the live meter charged per tenant on one model's upstreams since ``since``
                    (epoch seconds) until ``ts``: ``model``, ``gpu_ms`` (``{tenant_hash: ms}``). Written every
                    ``USAGE_EVERY_S`` seconds while GPU time is charged, and at shutdown: the per-token charges
@@ -76,7 +78,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from fairgate.gateway.config import GatewayConfig
-from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Fanout, Finished, Rejected
+from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Fanout, Finished, Left, Rejected
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import TenantQuota
 
@@ -91,7 +93,7 @@ BACKUPS = 5  # rotated files kept: <file>.1 (newest) ... <file>.5
 MAX_PENDING_LINES = 100_000  # lines waiting for the writer beyond this are dropped (and counted)
 _DELEGATES_KEPT = 100_000  # (tenant, request id) -> delegate of admitted requests not finished yet
 
-REQUEST_EVENTS = ("admitted", "rejected", "dispatched", "finished")
+REQUEST_EVENTS = ("admitted", "rejected", "dispatched", "finished", "left")
 
 
 class EventLogError(ValueError):
@@ -216,7 +218,7 @@ class EventLog:
                 with self._lock:
                     self._usage[key] = self._usage.get(key, 0.0) + event.gpu_ms
             return
-        if isinstance(event, Admitted | Rejected | Dispatched | Finished):
+        if isinstance(event, Admitted | Rejected | Dispatched | Finished | Left):
             self.write(event)
 
     def record_of(self, event: Event) -> dict[str, Any] | None:
@@ -254,6 +256,9 @@ class EventLog:
                 after_admission=event.after_admission,
                 retry_after_s=None if retry is None else float(retry),
             )
+        if isinstance(event, Left):
+            delegate = self._delegates.pop((event.tenant, event.request_id), None)
+            return self._request("left", event, delegate, queue_ms=_ms(event.queue_ms))
         if isinstance(event, Dispatched):
             delegate = self._delegates.get((event.tenant, event.request_id))
             return self._request("dispatched", event, delegate, upstream=event.upstream, queue_ms=_ms(event.queue_ms))
@@ -278,7 +283,7 @@ class EventLog:
 
     @staticmethod
     def _request(
-        kind: str, event: Admitted | Rejected | Dispatched | Finished, delegate: str | None, **fields: Any
+        kind: str, event: Admitted | Rejected | Dispatched | Finished | Left, delegate: str | None, **fields: Any
     ) -> dict[str, Any]:
         return {
             "v": SCHEMA_VERSION,
@@ -603,6 +608,7 @@ _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {  # key -> (type
         "gpu_ms_estimate": (_NUMBER, False),
         "max_output_tokens": ((int,), False),
     },
+    "left": {"queue_ms": (_NUMBER, False)},
     "usage": {"since": (_NUMBER, False), "model": ((str,), False), "gpu_ms": ((dict,), False)},
     "started": {},
     "reloaded": {},

@@ -140,6 +140,18 @@ class Charged:
 
 
 @dataclass(frozen=True)
+class Left:
+    """The client left while its request was queued, after ``queue_ms``: it never ran, its reservation was
+    released and nothing was billed (its terminal event, as ``Finished`` is of a request that ran)."""
+
+    request_id: str
+    tenant: str
+    model: str
+    queue_ms: float
+    time_s: float
+
+
+@dataclass(frozen=True)
 class Settled:
     """The final settlement of a request's upstream call was booked (or failed, and is journalled):
     nothing more happens to the request. Emitted after its ``Finished``."""
@@ -148,7 +160,7 @@ class Settled:
     time_s: float
 
 
-Event = Rejected | Admitted | Dispatched | Finished | Settled | Charged
+Event = Rejected | Admitted | Dispatched | Finished | Left | Settled | Charged
 
 
 class Observer(Protocol):

@@ -21,7 +21,7 @@ from fairgate.gateway.admission import Admitted
 from fairgate.gateway.call import watch_disconnect
 from fairgate.gateway.dispatch import Lease, NoUpstream, QueueFull
 from fairgate.gateway.headers import quota_headers
-from fairgate.gateway.observe import Dispatched
+from fairgate.gateway.observe import Dispatched, Left
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.state import GatewayState
 from fairgate.ledger import QuotaExceeded
@@ -53,6 +53,7 @@ async def wait_for_slot(state: GatewayState, request: Request, admitted: Admitte
         with anyio.CancelScope(shield=True):
             await admission.release(state, admitted)
         if watcher.done() and not watcher.cancelled():  # the watcher ended the wait: the client left
+            _left(state, admitted, queued_at_s)
             raise Rejection(Outcome.CLIENT_CLOSED, "client closed the request while it was queued") from None
         raise
     except (QuotaExceeded, QueueFull, NoUpstream) as exc:
@@ -64,6 +65,7 @@ async def wait_for_slot(state: GatewayState, request: Request, admitted: Admitte
         state.dispatcher.release(lease, 0)
         with anyio.CancelScope(shield=True):
             await admission.release(state, admitted)
+        _left(state, admitted, queued_at_s)
         raise Rejection(Outcome.CLIENT_CLOSED, "client closed the request while it was queued")
     if waited:
         state.spawn(state.ledger.dequeue(admitted.reservation.id))
@@ -79,6 +81,14 @@ async def wait_for_slot(state: GatewayState, request: Request, admitted: Admitte
         )
     )
     return lease, queue_ms
+
+
+def _left(state: GatewayState, admitted: Admitted, queued_at_s: float) -> None:
+    """Tell the observers the client left while queued (``Left``: the request's last event)."""
+    queue_ms = (state.clock.monotonic_s() - queued_at_s) * 1000.0
+    generation = admitted.generation
+    event = Left(generation.request_id, admitted.caller.tenant, generation.model, queue_ms, state.clock.wall_s())
+    state.events.observe(event)
 
 
 def _refused(exc: QuotaExceeded | QueueFull | NoUpstream, model: str) -> Rejection:

@@ -15,7 +15,9 @@ import pytest
 from fairgate.core.cost import CostModel
 from fairgate.emulator.api import create_app, replica_of
 from fairgate.emulator.embeddings import vector
+from fairgate.gateway.eventlog import read_records
 from fairgate.gateway.observe import Admitted, Dispatched, Finished
+from tests.conftest import fairgate
 from tests.gateway.conftest import EMULATOR, REPLICA, Recorder, serve_stack
 
 COST = CostModel(REPLICA.iter_base_ms, REPLICA.iter_slope_ms, REPLICA.prefill_ms_per_token, REPLICA.max_batch)
@@ -165,3 +167,10 @@ def test_a_client_that_leaves_while_queued_cancels_its_reservation(tmp_path: Pat
         asyncio.run(run())
         [cut] = [r for r in stack.reservations() if r.request_id == "cut"]
     assert cut.status == "cancelled" and cut.billed.input_tokens == 0 and cut.billed.gpu_ms == 0
+    # The request log ends its story too: a ``left`` record after its ``admitted`` one, told by explain.
+    log = stack.config.event_log_path
+    assert log is not None
+    story = [r["event"] for _, _, r in read_records(log) if r.get("request_id") == "cut"]
+    assert story == ["admitted", "left"], story
+    told = fairgate("explain", "cut", "--log", str(log))
+    assert told.returncode == 0 and "the client left after" in told.stdout and "nothing was billed" in told.stdout
