@@ -166,7 +166,7 @@ def test_a_refused_write_leaves_the_file_as_it_was_and_is_audited(
         assert state.config.quotas.tenant("beta").priority == "interactive"
         records = audit_of(stack)
     # A write the edit or the running gateway refused is audited; a body refused as it is read is no write.
-    if code in ("config_invalid", "key_not_found") or needle == "3 keys match":
+    if code in ("config_invalid", "key_not_found", "tenant_not_found") or needle == "3 keys match":
         assert [r["outcome"] for r in records] == ["refused"] and needle in records[0]["error"]
     else:
         assert records == []
@@ -287,3 +287,14 @@ def test_the_audit_record_names_hand_edits_a_write_brought_into_force(tmp_path: 
         [record] = audit_of(stack)
     assert record["before"] == {"tier": "free"} and record["after"] == {"tier": "free", "weight": 2.5}
     assert record["also"] == {"tenants": ["gamma"], "keys_added": 0, "keys_removed": 0}
+
+
+def test_a_key_for_a_tenant_added_by_hand_is_made_and_the_tenant_applied_with_it(tmp_path: Path) -> None:
+    with admin_stack(tmp_path) as (stack, state):
+        with stack.config_path.open("a") as file:
+            file.write('\n[quotas.tenants.delta]\ntier = "free"\n')
+        made = call(stack, "POST", "/admin/keys", {"tenant": "delta"})
+        assert made.status_code == 201, made.text
+        assert complete(stack, made.json()["key"]).status_code == 200 and "delta" in state.config.quotas.tenants
+        [record] = audit_of(stack)
+    assert record["also"] == {"tenants": ["delta"], "keys_added": 0, "keys_removed": 0}
