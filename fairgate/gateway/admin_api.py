@@ -34,8 +34,10 @@ import re
 import tomllib
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -139,6 +141,16 @@ async def _apply_edit(
     it), then the file put in place; a file that cannot be put in place puts the running configuration
     back. Returns the result, the configuration before and the one applied."""
     path = state.config.path
+    # Shielded: a request cancelled half way (its client gone, a shutdown) must neither leave the file lock
+    # taken by a thread it no longer waits for nor stop between applying the change and writing the file.
+    with anyio.CancelScope(shield=True):
+        done = await _apply_edit_locked(state, path, make_change)
+    return done
+
+
+async def _apply_edit_locked(
+    state: GatewayState, path: Path, make_change: Callable[[], config_edit.Change[T]]
+) -> tuple[T, GatewayConfig, GatewayConfig]:
     async with state.apply_lock:
         handle = await asyncio.to_thread(keyfile.lock, path)
         try:
