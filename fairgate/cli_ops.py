@@ -121,6 +121,7 @@ _DIMENSIONS = {
     "max_concurrent": "its limit on requests running at once",
     "gpu_seconds": "its GPU-time budget for the current window",
     "gpu_seconds_total": "its lifetime GPU-time budget",
+    "spend_budget": "its spend budget for the current period (what the request could cost at most counts)",
     "max_model_calls": "the agent run's limit on model calls",
     "max_tool_rounds": "the agent run's limit on tool rounds",
     "max_tokens": "the agent run's token limit",
@@ -151,6 +152,11 @@ _ADVICE = {
     "gpu_budget": (
         "the tenant had used up {dimension}.",
         "wait until the budget window refills, or ask the operator to raise {key}.",
+    ),
+    "spend_budget": (
+        "the tenant had used up {dimension}.",
+        "wait for the next period (the Retry-After delay), lower max_tokens (the worst case is held while "
+        "a request runs), or ask the operator to raise {key}.",
     ),
     "agent_run": (
         "the agent run had reached {dimension}.",

@@ -293,27 +293,35 @@ class Call:
         self._settled_at = (call.output_tokens, now_s)
         if self.admitted.generation.stream:  # a collected call delivers nothing until it ends: not billed
             await self._settle(final=False, cancelled=False)  # before then (a platform failure refunds it all)
-        if call.gpu_ms > reservation.gpu_ms_estimate and await self._gpu_left_ms() <= 0:
-            raise BudgetSpent(
-                "gpu_budget_exhausted",
-                f"The tenant's GPU budget is spent: the request was stopped after {call.output_tokens} tokens "
-                "(billed as generated).",
-            )
+        if call.gpu_ms > reservation.gpu_ms_estimate:
+            gpu_left_ms, spend_left_micros = await self._budgets_left()
+            if gpu_left_ms <= 0 or spend_left_micros <= 0:
+                what = "GPU" if gpu_left_ms <= 0 else "spend"
+                raise BudgetSpent(
+                    f"{what.lower()}_budget_exhausted",
+                    f"The tenant's {what} budget is spent: the request was stopped after {call.output_tokens} "
+                    "tokens (billed as generated).",
+                )
 
-    async def _gpu_left_ms(self) -> float:
-        """GPU ms the tenant's budgets leave now (``rules.gpu_left_ms``); ``inf`` when the ledger cannot say
-        (its outage policy bounds what runs meanwhile)."""
+    async def _budgets_left(self) -> tuple[float, float]:
+        """GPU ms and spend micros the tenant's budgets leave now (``rules.gpu_left_ms``,
+        ``rules.spend_left_micros``): only GPU time run past the estimate can overspend either, since the rest
+        of the worst case is held; ``inf`` when the ledger cannot say (its outage policy bounds what runs
+        meanwhile)."""
         tenant, model = self.admitted.caller.tenant, self.admitted.generation.model_class
-        left = math.inf
+        gpu_left, spend_left = math.inf, math.inf
         try:  # the tenant-wide budgets, and the model class's when it has its own (``TenantQuota.accounts``)
             for key, limits in self.state.config.quotas.tenant(tenant).accounts(model):
                 account = rules.refreshed(await self.state.ledger.account(tenant, key), limits, self.state.wall_ms())
-                left = min(left, rules.gpu_left_ms(account, limits))
+                gpu_left = min(gpu_left, rules.gpu_left_ms(account, limits))
+                spend_left = min(spend_left, rules.spend_left_micros(account, limits))
         except (KeyError, LedgerError):
-            return math.inf
+            return math.inf, math.inf
         if not self.admitted.generation.stream:  # the ledger holds its estimate; the rest is not booked yet
-            left -= max(0.0, self.progress.gpu_ms - self.admitted.reservation.gpu_ms_estimate)
-        return left
+            unbooked_ms = max(0.0, self.progress.gpu_ms - self.admitted.reservation.gpu_ms_estimate)
+            gpu_left -= unbooked_ms
+            spend_left -= unbooked_ms * self.admitted.reservation.price.gpu_micros_per_ms
+        return gpu_left, spend_left
 
     async def _settle(self, final: bool, cancelled: bool) -> None:
         """Book what the call used so far: the upstream's usage where it is believed, else what was relayed

@@ -622,6 +622,25 @@ def _check_model_classes(path: Path, config: GatewayConfig, quotas: Quotas) -> N
                     f"{path}: quotas.tenants.{tenant.name}.model_class.{model_class}: no model is charged to class "
                     f"{model_class!r} (classes: {', '.join(classes)}; a [[model]]'s quota_class, else its name)"
                 )
+    _check_prices(path, classes, quotas)
+
+
+def _check_prices(path: Path, classes: list[str], quotas: Quotas) -> None:
+    """Every ``[quotas.pricing.model_class]`` table names a served class, and with a spend budget set every
+    served class has a price: an unpriced class would cost nothing and so run past the budget."""
+    for model_class in quotas.prices:
+        if model_class not in classes:
+            raise GatewayConfigError(
+                f"{path}: quotas.pricing.model_class.{model_class}: no model is charged to class {model_class!r} "
+                f"(classes: {', '.join(classes)})"
+            )
+    unpriced = [model_class for model_class in classes if model_class not in quotas.prices]
+    if quotas.spend_limited and unpriced:
+        raise GatewayConfigError(
+            f"{path}: quotas.pricing.model_class: a spend_budget is set but class {unpriced[0]!r} has no price "
+            "(its requests would cost nothing and run past every budget): give it a "
+            "[quotas.pricing.model_class.NAME] table"
+        )
 
 
 def _check_distinct_files(path: Path, config: GatewayConfig) -> None:

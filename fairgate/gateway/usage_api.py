@@ -15,6 +15,7 @@ reason (``fairgate.gateway.observe.REJECT_REASONS``) counted in memory by this g
      "requests": 3, "input_tokens": 9, "output_tokens": 21,          # reserved / billed in the window
      "gpu_seconds": 0.41, "overage_gpu_seconds": 0.0,                # billed GPU time, seconds
      "open_reservations": 0,                                         # now, whatever the window
+     "spend": {"currency": "USD", "amount": 0.0012, "period": {...}}, # money: fairgate.gateway.spend
      "rejections": {"total": 2, "by_reason": {"rate": 1, "tokens": 1, ...},
                     "window_s": 3600.0}}                             # min(window, REJECTIONS_RETENTION_S)
 
@@ -41,7 +42,8 @@ Rejections are per process (several gateway processes each count their own), for
 Operator view (an ``[admin]`` key only: 401 without a key or with an unknown one, 403 with a tenant's key)::
 
     GET /admin/tenants                          configured tenants: tier, weight, priority pool, frozen,
-                                                the limits in force (tenant-wide, and each model class's)
+                                                the limits in force (tenant-wide, and each model class's),
+                                                and the prices in force (``pricing``)
     GET /admin/usage?window=3600                every configured tenant's usage, as /v1/usage
     GET /admin/reservations?tenant=&status=open&limit=100&offset=0
                                                 reservations (open by default; status all: any), oldest
@@ -81,6 +83,7 @@ from fairgate.gateway.identity import Caller, require_admin, require_tenant
 from fairgate.gateway.intake import lenient_request_id
 from fairgate.gateway.observe import REJECT_REASONS, Event, Fanout, Rejected
 from fairgate.gateway.outcomes import Outcome, Rejection
+from fairgate.gateway.spend import pricing_document, spend_document
 from fairgate.gateway.state import GatewayState, gateway_of
 from fairgate.ledger import Limits, TenantUsage
 from fairgate.ledger.base import STATUSES, Ledger, tenant_tag
@@ -198,6 +201,17 @@ class CallLimit:
         return 0.0
 
 
+async def _usage_of(state: GatewayState, rejections: RejectionLog, tenant: str, window_s: int) -> dict[str, Any]:
+    """A tenant's usage document: the ledger's figures over the window, this process's rejections, and the
+    spend (``fairgate.gateway.spend``)."""
+    booked = await state.backend.usage(tenant, float(window_s))
+    document = _usage_document(booked, window_s, rejections.counts(tenant, window_s), rejections.retention_s)
+    quotas = state.config.quotas
+    if tenant in quotas.tenants:
+        document["spend"] = await spend_document(state.backend, quotas, tenant, booked.spend_micros, state.wall_ms())
+    return document
+
+
 def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog:
     """Add the rejection counter (an observer of ``events``) and the routes of this module's docstring to the
     gateway ``app`` (built, not yet started). Returns the counter."""
@@ -205,10 +219,6 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
     events.add(rejections)
     reconciler = _Reconciler()
     limit = CallLimit()
-
-    async def usage_of(ledger: Ledger, tenant: str, window_s: int) -> dict[str, Any]:
-        booked = await ledger.usage(tenant, float(window_s))
-        return _usage_document(booked, window_s, rejections.counts(tenant, window_s), rejections.retention_s)
 
     @app.get("/v1/usage")
     async def tenant_usage(request: Request, state: Gateway, caller: Tenant) -> JSONResponse:
@@ -232,7 +242,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
                 f"Too many usage reads; at most {limit.per_s:g} a second after a burst of {limit.burst:g}.",
                 retry_after_s=math.ceil(wait_s),
             )
-        usage = await usage_of(state.backend, caller.tenant, window_s)
+        usage = await _usage_of(state, rejections, caller.tenant, window_s)
         return _answer(request, {**usage, "delegate": caller.delegate})
 
     @app.get("/admin/tenants", dependencies=[Depends(require_admin)])
@@ -244,7 +254,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
     async def admin_usage(request: Request, state: Gateway) -> JSONResponse:
         window_s = _window(_query(request, ("window",)))
         tenants = sorted(state.config.quotas.tenants)
-        data = [{**await usage_of(state.backend, name, window_s), "delegate": None} for name in tenants]
+        data = [{**await _usage_of(state, rejections, name, window_s), "delegate": None} for name in tenants]
         unattributed = rejections.counts(None, window_s)
         document = {
             "object": "list",
@@ -324,7 +334,7 @@ def _tenants_document(config: GatewayConfig, frozen: dict[str, str]) -> dict[str
         }
         for name, quota in sorted(config.quotas.tenants.items())
     ]
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": data, "pricing": pricing_document(config.quotas)}
 
 
 def _set(limits: Limits) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from fairgate.core.policies.params import PolicyConfig
 from fairgate.gateway.config import DelegationConfig, GatewaySection, UpstreamConfig
 from fairgate.gateway.config_writer import GatewayFile, admin_keys, key_entries
-from fairgate.ledger.config import LimitsConfig, QuotaFile, TenantConfig, TierConfig
+from fairgate.ledger.config import LimitsConfig, PricingConfig, QuotaFile, TenantConfig, TierConfig
 
 ADMIN_KEY = f"fg-harness-admin-{'a' * 32}"
 UNBOUNDED = LimitsConfig(max_concurrent=100_000, max_queued=100_000)  # scheduling, not a quota, decides
@@ -45,12 +45,18 @@ def tenant_key(tenant: str) -> str:
 
 
 def quota_file(
-    tenants: Sequence[TenantSpec], tiers: Mapping[str, TierConfig] | None = None, defaults: LimitsConfig = UNBOUNDED
+    tenants: Sequence[TenantSpec],
+    tiers: Mapping[str, TierConfig] | None = None,
+    defaults: LimitsConfig = UNBOUNDED,
+    pricing: PricingConfig | None = None,
 ) -> QuotaFile:
     """The quota document: ``tiers`` (default one ``drill`` tier that rejects while the ledger is down),
-    ``defaults`` (default: no bound on concurrency or queueing) and the tenants."""
+    ``defaults`` (default: no bound on concurrency or queueing), the tenants and the ``pricing`` (none)."""
     return QuotaFile(
-        tiers=dict(tiers or {"drill": TierConfig()}), defaults=defaults, tenants={t.name: t.config() for t in tenants}
+        tiers=dict(tiers or {"drill": TierConfig()}),
+        defaults=defaults,
+        tenants={t.name: t.config() for t in tenants},
+        pricing=pricing or PricingConfig(),
     )
 
 

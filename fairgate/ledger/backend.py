@@ -8,6 +8,7 @@ order they run in, and the sweep's decision (running or not, extended until when
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import replace
 
 from fairgate.ledger import rules
 from fairgate.ledger.base import IsRunning, Ledger
@@ -23,7 +24,9 @@ class Backend(Ledger):
         check_reserve_args(args.tenant, args.request_id, args.model_class, args.run_id, args.tool_round)
         limits = self.limits(args.tenant, args.model_class)
         rules.check_amounts(args.input_tokens, args.max_output_tokens, args.gpu_ms_estimate, "reserve")
-        return await self._reserve(args, limits)
+        # The price is the ledger's configuration's, never the caller's: a reservation is priced where its
+        # budget is kept.
+        return await self._reserve(replace(args, price=self.quotas.price(args.model_class)), limits)
 
     async def claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
         check_claim_args(owner, lease_ms)

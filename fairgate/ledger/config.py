@@ -23,6 +23,16 @@ max_model_calls = 50                      # per agent run (run_id)
 max_tool_rounds = 20
 max_tokens = 200000
 reservation_ttl_s = 600
+spend_budget = 500.0                      # in [pricing] currency, per spend_period
+spend_period = "month"                    # or "day": calendar periods, UTC
+
+[pricing]                                 # what usage costs: prices per model class (optional)
+currency = "USD"
+[pricing.model_class.small]
+input_per_mtok = 0.15                     # per million input (prompt) tokens
+output_per_mtok = 0.60                    # per million output tokens
+[pricing.model_class.large]
+gpu_per_s = 0.0012                        # per GPU-second: the benchmarked inference unit
 
 [tenants.acme]
 tier = "paid"
@@ -45,17 +55,23 @@ merged limits: the class's table caps inside the tenant's limits, never beyond t
 Every key is checked: an unknown key, a negative limit, a burst below the largest single request it must
 admit (``requests_burst < 1``, ``*_tokens_burst`` below ``max_tokens_per_request``), a burst with no rate
 in its table or the ones it overrides raise ``QuotaConfigError`` naming the file and key.
+
+A spend budget is checked like the GPU budgets: a reservation holds what its worst case would cost at its
+class's price (the prompt, ``max_tokens`` of output, the GPU estimate) and settlement replaces that by what was
+billed. A class with no ``[pricing]`` table costs nothing: the gateway refuses to start with a spend budget
+set and a served class unpriced (``gateway.config``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fairgate.ledger.model import InvalidUsage, check_name
+from fairgate.ledger.model import FREE, InvalidUsage, Price, check_name
+from fairgate.ledger.periods import Period
 from fairgate.tomlfile import read_toml
 
 
@@ -126,6 +142,27 @@ class LimitsConfig(_Strict):
     max_tool_rounds: Count | None = None
     max_tokens: Count | None = None
     reservation_ttl_s: Positive | None = None
+    spend_budget: Annotated[float, Field(ge=0, le=1e12)] | None = None
+    spend_period: Period | None = None
+
+
+class PriceConfig(_Strict):
+    """``[pricing.model_class.NAME]``: prices in the pricing currency, per million tokens or per GPU-second."""
+
+    input_per_mtok: Annotated[float, Field(ge=0, le=1e6)] = 0.0
+    output_per_mtok: Annotated[float, Field(ge=0, le=1e6)] = 0.0
+    gpu_per_s: Annotated[float, Field(ge=0, le=1e6)] = 0.0
+
+    def price(self) -> Price:
+        """As a ``Price`` in micros: per million tokens is micros per token; per second, 1,000 per ms."""
+        return Price(self.input_per_mtok, self.output_per_mtok, self.gpu_per_s * 1000.0)
+
+
+class PricingConfig(_Strict):
+    """``[pricing]``: the currency amounts are shown in, and each model class's prices."""
+
+    currency: Annotated[str, Field(pattern=r"^[A-Z]{3}$")] = "USD"
+    model_class: dict[ClassName, PriceConfig] = Field(default_factory=dict)
 
 
 class EmergencyConfig(_Strict):
@@ -169,6 +206,7 @@ class QuotaFile(_Strict):
     tiers: dict[Name, TierConfig] = Field(default_factory=lambda: {"default": TierConfig()})
     defaults: LimitsConfig = LimitsConfig()
     tenants: dict[Name, TenantConfig] = Field(default_factory=dict)
+    pricing: PricingConfig = PricingConfig()
 
     @model_validator(mode="after")
     def _known_tiers(self) -> QuotaFile:
@@ -183,7 +221,8 @@ class Limits:
     """The effective quota vector of one tenant and model class. ``None``: no limit on that dimension.
 
     Rates are per minute; bursts are bucket capacities (default: one minute's worth); GPU budgets are
-    seconds; run limits apply per agent run (``run_id``).
+    seconds; the spend budget is in the pricing currency per calendar ``spend_period`` (UTC); run limits
+    apply per agent run (``run_id``).
     """
 
     requests_per_minute: float | None = None
@@ -202,6 +241,8 @@ class Limits:
     max_tool_rounds: int | None = None
     max_tokens: int | None = None
     reservation_ttl_s: float = 600.0
+    spend_budget: float | None = None  # in the pricing currency, per spend_period
+    spend_period: Period = "month"
 
     def burst(self, dimension: str) -> float | None:
         """Bucket capacity of ``requests``, ``input_tokens`` or ``output_tokens`` (None: unlimited)."""
@@ -255,6 +296,21 @@ class Quotas:
 
     tenants: dict[str, TenantQuota]
     tiers: dict[str, Tier]
+    prices: dict[str, Price] = field(default_factory=dict)  # by model class; a class absent costs nothing
+    currency: str = "USD"
+
+    def price(self, model_class: str) -> Price:
+        """The price of ``model_class`` (``Price()``, nothing, when it has none)."""
+        return self.prices.get(model_class, FREE)
+
+    @property
+    def spend_limited(self) -> bool:
+        """Some tenant has a spend budget (on its own limits or a model class's)."""
+        return any(
+            limits.spend_budget is not None
+            for quota in self.tenants.values()
+            for limits in (quota.limits, *quota.by_model_class.values())
+        )
 
     def tenant(self, name: str) -> TenantQuota:
         """The tenant's quota. Raises ``KeyError``."""
@@ -319,7 +375,8 @@ def quotas_from_dict(data: dict[str, Any], source: str = "<quotas>") -> Quotas:
             by_class[model_class] = _merge(limits, override)
             _check_bursts(by_class[model_class], f"{source}: tenants.{name}.model_class.{model_class}")
         tenants[name] = TenantQuota(name, tiers[tenant.tier], tenant.weight, tenant.priority, limits, by_class)
-    return Quotas(tenants, tiers)
+    prices = {model_class: price.price() for model_class, price in parsed.pricing.model_class.items()}
+    return Quotas(tenants, tiers, prices, parsed.pricing.currency)
 
 
 def load_quotas(path: str | Path) -> Quotas:

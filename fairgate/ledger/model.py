@@ -99,6 +99,36 @@ class Account:
     gpu_window_used_ms: float = 0.0
     gpu_total_used_ms: float = 0.0
     queued: int = 0  # queue places taken: requests waiting for an upstream slot (``enqueue``)
+    spend_period_start_ms: float = 0.0  # the spend period counted (``periods.period_start_ms``)
+    spend_used_micros: float = 0.0  # spend held and billed in that period, micros (1e-6) of the currency
+
+
+@dataclass(frozen=True)
+class Price:
+    """What one unit of usage costs, in micros (1e-6) of the pricing currency: the prices of a model class
+    (``[pricing.model_class.NAME]``, seed 003: "use benchmarked inference units for pricing, but still display
+    user-understandable tokens, concurrency, and amounts"). A price per million tokens in the currency is
+    micros per token; a price per GPU-second is 1,000 micros per GPU-ms for each unit of the currency.
+
+    A reservation keeps the price it was made at (``Reservation.price``): a reload that changes prices
+    bills requests in flight at the price they were admitted at, so settlement gives back exactly what
+    the reservation took."""
+
+    input_micros_per_token: float = 0.0
+    output_micros_per_token: float = 0.0
+    gpu_micros_per_ms: float = 0.0
+
+    def spend_micros(self, input_tokens: float, output_tokens: float, gpu_ms: float) -> float:
+        """Micros these amounts cost. Evaluated left to right, as ``prelude.lua``'s ``spend_of`` does, so
+        every backend books the same double."""
+        return (
+            input_tokens * self.input_micros_per_token
+            + output_tokens * self.output_micros_per_token
+            + gpu_ms * self.gpu_micros_per_ms
+        )
+
+
+FREE = Price()  # what a class without a price costs, and a reservation made before prices were booked
 
 
 @dataclass(frozen=True)
@@ -109,6 +139,7 @@ class Reservation:
         id: reservation id (contains the tenant's hash, so a backend can find its shard).
         tenant / request_id / model_class / run_id: what was reserved, for whom.
         input_tokens / max_output_tokens / gpu_ms_estimate: the admitted (reserved) units.
+        price: the model class's ``Price`` when reserved; the spend held and billed is priced by it.
         status: ``open`` until a final settle (``settled``), a cancel (``cancelled``) or expiry (``expired``).
         billed: cumulative usage billed so far.
         overage_gpu_ms: GPU ms billed above the estimate (booked, never dropped).
@@ -135,6 +166,7 @@ class Reservation:
     expires_at_ms: float
     final_ms: float | None = None
     queued: bool = False  # holds a place in its tenant's queue (``Ledger.enqueue`` .. ``dequeue``)
+    price: Price = FREE  # the model class's price when reserved (``Price``): what settlement bills at
     balances: Account | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -171,6 +203,10 @@ class RunClaim:
         return max(0.0, self.until_ms - self.now_ms)
 
 
+# How a stored reservation names its ``Price`` (SQL columns, Redis JSON; absent in records older than prices: 0).
+PRICE_FIELDS = ("price_input_micros", "price_output_micros", "price_gpu_micros")
+
+
 def reservation_from_record(
     record: Mapping[str, Any], whole: Callable[[Any], int], flag: Callable[[Any], bool], balances: Account | None = None
 ) -> Reservation:
@@ -198,6 +234,7 @@ def reservation_from_record(
         expires_at_ms=float(record["expires_at_ms"]),
         final_ms=None if final_ms is None else float(final_ms),
         queued=flag(record.get("queued")),
+        price=Price(*(float(record.get(name) or 0.0) for name in PRICE_FIELDS)),
         balances=balances,
     )
 
@@ -220,6 +257,7 @@ class TenantUsage:
     gpu_ms: float
     overage_gpu_ms: float
     by_status: dict[str, int]
+    spend_micros: float = 0.0  # what the billed usage cost at each reservation's price (``Price``)
 
     @property
     def open_reservations(self) -> int:
@@ -244,6 +282,7 @@ class Event:
     gpu_ms: float
     overage_gpu_ms: float
     at_ms: float
+    spend_micros: float = 0.0  # what the billed delta cost at its reservation's price
 
 
 def usage_from_events(tenant: str, window_s: float, events: list[Event], by_status: dict[str, int]) -> TenantUsage:
@@ -258,6 +297,7 @@ def usage_from_events(tenant: str, window_s: float, events: list[Event], by_stat
         gpu_ms=sum(e.gpu_ms for e in events),
         overage_gpu_ms=sum(e.overage_gpu_ms for e in events),
         by_status=by_status,
+        spend_micros=sum(e.spend_micros for e in events),
     )
 
 

@@ -41,6 +41,7 @@ from fairgate.ledger.base import Ledger
 from fairgate.ledger.config import Quotas
 from fairgate.ledger.model import LedgerUnavailable
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx
+from fairgate.ledger.sql_schema import ADDED_COLUMNS, add_column
 from fairgate.ledger.text import one_line as _one_line
 from fairgate.ledger.text import redacted as _redacted
 
@@ -205,6 +206,20 @@ def _open_error(exc: psycopg.Error, dsn: str, connect_kwargs: dict[str, Any]) ->
     return LedgerUnavailable(f"postgres ledger: {reason}")
 
 
+async def _add_columns(connection: psycopg.AsyncConnection[Any], schema: str) -> None:
+    """Give a schema made before them the columns added since (``ADDED_COLUMNS``). Only the missing ones: an
+    ``ALTER TABLE`` locks the table whole even when it changes nothing, and deadlocks against processes
+    already serving."""
+    cursor = await connection.execute(
+        "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = %(schema)s",
+        {"schema": schema},
+    )
+    have = {(table, column) for table, column in await cursor.fetchall()}
+    for table, column in ADDED_COLUMNS:
+        if (table, column) not in have:
+            await connection.execute(add_column(table, column, "DOUBLE PRECISION"))
+
+
 async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
     """On one direct connection: create the schema and tables (``create``) or check they exist.
 
@@ -232,6 +247,7 @@ async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
                 ).split(";"):
                     if statement.strip():
                         await connection.execute(statement)
+                await _add_columns(connection, schema)
             else:
                 cursor = await connection.execute(
                     "SELECT to_regclass(format('%%I.fg_reservations', %(schema)s::text)) IS NOT NULL",

@@ -34,10 +34,11 @@ from dataclasses import dataclass, fields, replace
 
 from fairgate.core import ratelimit
 from fairgate.ledger.config import Limits
-from fairgate.ledger.model import Account as Account  # the balances the rules work on, defined with the data
 from fairgate.ledger.model import (
+    FREE,
     IdempotencyConflict,
     InvalidUsage,
+    Price,
     QuotaExceeded,
     Reservation,
     ReservationFinal,
@@ -45,6 +46,8 @@ from fairgate.ledger.model import (
     Status,
     Usage,
 )
+from fairgate.ledger.model import Account as Account  # the balances the rules work on, defined with the data
+from fairgate.ledger.periods import next_period_start_ms, period_start_ms
 
 MS_PER_MINUTE = 60_000.0
 CONCURRENCY_RETRY_S = 1.0  # a slot frees when some request ends: unknown, so suggest a short wait
@@ -78,6 +81,7 @@ class ReserveArgs:
     model_class: str
     run_id: str | None
     tool_round: bool
+    price: Price = FREE  # the class's price (``Backend.reserve_args`` sets it); not part of the fingerprint
 
     @classmethod
     def of(cls, r: Reservation) -> ReserveArgs:
@@ -106,6 +110,7 @@ class Delta:
     output_tokens: int = 0
     gpu_ms: float = 0.0
     overage_gpu_ms: float = 0.0
+    spend_micros: float = 0.0
 
 
 # Bounds on one request: far above any real model (a 10M-token context, a GPU-day), far below where
@@ -138,7 +143,7 @@ def input_allowance(reserved_input_tokens: int) -> int:
 
 
 def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
-    """The account with buckets refilled and the GPU window rolled forward to ``now_ms``."""
+    """The account with buckets refilled and the GPU window and spend period rolled forward to ``now_ms``."""
     out = replace(account)
     for dimension, prefix in (("requests", "requests"), ("input_tokens", "input"), ("output_tokens", "output")):
         rate = getattr(limits, f"{dimension}_per_minute")
@@ -160,6 +165,11 @@ def refreshed(account: Account, limits: Limits, now_ms: float) -> Account:
         # stay booked in the window they were made in.
         out.gpu_window_start_ms = now_ms - (now_ms % window_ms)
         out.gpu_window_used_ms = 0.0
+    # Calendar periods: only forward (a clock behind the period counted reads as the same period).
+    start_ms = period_start_ms(now_ms, limits.spend_period)
+    if start_ms > out.spend_period_start_ms:
+        out.spend_period_start_ms = start_ms
+        out.spend_used_micros = 0.0
     return out
 
 
@@ -177,7 +187,9 @@ def reserve(
     is not counted twice; what the cancel gave back (tokens, concurrency, GPU time) is charged again.
 
     Checked in this order (the Redis script too), each on every account in turn: request size and rates
-    (request size, request rate, input and output token rates), concurrency, GPU budgets; then run limits.
+    (request size, request rate, input and output token rates), concurrency, GPU budgets, the spend budget
+    (what the worst case costs at ``args.price``: the prompt, every output token, the GPU estimate); then run
+    limits.
 
     Raises:
         InvalidUsage: negative or non-integer amounts.
@@ -193,6 +205,9 @@ def reserve(
     estimate = float(args.gpu_ms_estimate)
     for acc, limits in refreshed_books:
         _check_gpu(acc, limits, args.tenant, estimate, now_ms)
+    spend = args.price.spend_micros(args.input_tokens, args.max_output_tokens, estimate)
+    for acc, limits in refreshed_books:
+        _check_spend(acc, limits, args.tenant, spend, now_ms)
     new_run = None if args.run_id is None else _counted_run(run or RunUsage(), books[-1][1], args, again)
     for acc, _ in refreshed_books:
         if acc.requests_level is not None and not again:
@@ -204,6 +219,7 @@ def reserve(
         acc.concurrent += 1
         acc.gpu_window_used_ms += estimate
         acc.gpu_total_used_ms += estimate
+        acc.spend_used_micros += spend
     return [acc for acc, _ in refreshed_books], new_run
 
 
@@ -253,6 +269,26 @@ def _check_gpu(acc: Account, limits: Limits, tenant: str, estimate: float, now_m
             window_end_ms = acc.gpu_window_start_ms + limits.gpu_window_s * 1000.0
             retry = max(0.0, (window_end_ms - now_ms) / 1000.0)
         raise QuotaExceeded(tenant, dimension, retry, budget_s, max(0.0, budget_s - used_ms / 1000.0))
+
+
+def _check_spend(acc: Account, limits: Limits, tenant: str, spend_micros: float, now_ms: float) -> None:
+    """The spend budget of the period (retry when the next period starts, if the worst case fits a period at
+    all). ``limit`` and ``remaining`` in the currency."""
+    budget = limits.spend_budget
+    if budget is None or acc.spend_used_micros + spend_micros <= budget * 1e6:
+        return
+    retry = None
+    if spend_micros <= budget * 1e6:
+        retry = max(0.0, (next_period_start_ms(acc.spend_period_start_ms, limits.spend_period) - now_ms) / 1000.0)
+    raise QuotaExceeded(tenant, "spend_budget", retry, budget, max(0.0, budget - acc.spend_used_micros / 1e6))
+
+
+def spend_left_micros(account: Account, limits: Limits) -> float:
+    """Micros of the currency the spend budget leaves this period (``account`` as ``refreshed``), holds of open
+    reservations counted; ``inf`` without a budget; negative when overspent (GPU time billed above estimates)."""
+    if limits.spend_budget is None:
+        return math.inf
+    return limits.spend_budget * 1e6 - account.spend_used_micros
 
 
 def gpu_left_ms(account: Account, limits: Limits) -> float:
@@ -335,10 +371,10 @@ def reopens(existing: Reservation) -> bool:
     return existing.status == "cancelled" and existing.billed == Usage()
 
 
-def reopened(existing: Reservation, limits: Limits, now_ms: float) -> Reservation:
+def reopened(existing: Reservation, limits: Limits, now_ms: float, price: Price) -> Reservation:
     """``existing`` (``reopens``) open again at ``now_ms``: same id and creation time, nothing billed, a new
-    TTL (``limits``: its class's). Charged as ``reserve(..., again=True)`` charges it, with a ``reserve``
-    event that counts no request (the first one did)."""
+    TTL (``limits``: its class's), the class's ``price`` now. Charged as ``reserve(..., again=True)`` charges
+    it, with a ``reserve`` event that counts no request (the first one did)."""
     return replace(
         existing,
         status="open",
@@ -347,6 +383,7 @@ def reopened(existing: Reservation, limits: Limits, now_ms: float) -> Reservatio
         expires_at_ms=now_ms + limits.reservation_ttl_s * 1000.0,
         final_ms=None,
         queued=False,
+        price=price,
     )
 
 
@@ -395,6 +432,7 @@ def settle(
     before = r.billed
     old_in, old_out, old_gpu = _held(r, before, False)
     new_in, new_out, new_gpu = _held(r, billed, final)
+    spend_change = r.price.spend_micros(new_in, new_out, new_gpu) - r.price.spend_micros(old_in, old_out, old_gpu)
     accounts = [
         _settled_account(refreshed(account, limits, now_ms), limits, r, (old_in - new_in, old_out - new_out))
         for account, limits in books
@@ -402,6 +440,7 @@ def settle(
     for acc in accounts:
         acc.gpu_window_used_ms = max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
         acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
+        acc.spend_used_micros = max(0.0, acc.spend_used_micros + spend_change)
         if final:
             acc.concurrent = max(0, acc.concurrent - 1)
             if r.queued:
@@ -425,6 +464,8 @@ def settle(
         output_tokens=billed.output_tokens - before.output_tokens,
         gpu_ms=billed.gpu_ms - before.gpu_ms,
         overage_gpu_ms=overage - r.overage_gpu_ms,
+        spend_micros=r.price.spend_micros(billed.input_tokens, billed.output_tokens, billed.gpu_ms)
+        - r.price.spend_micros(before.input_tokens, before.output_tokens, before.gpu_ms),
     )
     return updated, accounts, new_run, delta
 

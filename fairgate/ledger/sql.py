@@ -136,7 +136,7 @@ class SqlLedger(Backend):
                 r = _new_reservation(args, limits, now_ms)
                 writes = [(schema.INSERT_RESERVATION, schema.reservation_params(r))]
             else:
-                r = rules.reopened(existing, limits, now_ms)
+                r = rules.reopened(existing, limits, now_ms, args.price)
                 writes = [schema.reservation_write(r), *schema.forget_run_state(r.id)]
             writes += self._account_writes(r, charged)
             writes += schema.event_writes(r, rules.Delta("reserve", requests=int(existing is None)), now_ms)
@@ -469,6 +469,7 @@ def _new_reservation(args: rules.ReserveArgs, limits: Limits, now_ms: float) -> 
         overage_gpu_ms=0.0,
         created_ms=now_ms,
         expires_at_ms=now_ms + limits.reservation_ttl_s * 1000.0,
+        price=args.price,
     )
 
 

@@ -26,6 +26,7 @@ CREATE TABLE IF NOT EXISTS fg_accounts (
   concurrent INTEGER NOT NULL,
   gpu_window_start_ms {real} NOT NULL, gpu_window_used_ms {real} NOT NULL, gpu_total_used_ms {real} NOT NULL,
   queued INTEGER NOT NULL DEFAULT 0,
+  spend_period_start_ms {real} NOT NULL DEFAULT 0, spend_used_micros {real} NOT NULL DEFAULT 0,
   PRIMARY KEY (tenant, model_class));
 CREATE TABLE IF NOT EXISTS fg_runs (
   tenant TEXT NOT NULL, run_id TEXT NOT NULL,
@@ -39,17 +40,20 @@ CREATE TABLE IF NOT EXISTS fg_reservations (
   billed_input_tokens BIGINT NOT NULL, billed_output_tokens BIGINT NOT NULL, billed_gpu_ms {real} NOT NULL,
   overage_gpu_ms {real} NOT NULL, created_ms {real} NOT NULL, expires_at_ms {real} NOT NULL, final_ms {real},
   queued INTEGER NOT NULL DEFAULT 0,
+  price_input_micros {real} NOT NULL DEFAULT 0, price_output_micros {real} NOT NULL DEFAULT 0,
+  price_gpu_micros {real} NOT NULL DEFAULT 0,
   UNIQUE (tenant, request_id));
 CREATE INDEX IF NOT EXISTS fg_reservations_open ON fg_reservations (status, expires_at_ms);
 CREATE TABLE IF NOT EXISTS fg_events (
   seq {serial}, tenant TEXT NOT NULL, reservation_id TEXT NOT NULL, kind TEXT NOT NULL,
   requests INTEGER NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
-  gpu_ms {real} NOT NULL, overage_gpu_ms {real} NOT NULL, at_ms {real} NOT NULL);
+  gpu_ms {real} NOT NULL, overage_gpu_ms {real} NOT NULL, at_ms {real} NOT NULL,
+  spend_micros {real} NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS fg_events_tenant ON fg_events (tenant, at_ms);
 CREATE TABLE IF NOT EXISTS fg_usage_minutes (
   tenant TEXT NOT NULL, minute BIGINT NOT NULL,
   requests BIGINT NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
-  gpu_ms {real} NOT NULL, overage_gpu_ms {real} NOT NULL,
+  gpu_ms {real} NOT NULL, overage_gpu_ms {real} NOT NULL, spend_micros {real} NOT NULL DEFAULT 0,
   PRIMARY KEY (tenant, minute));
 INSERT INTO fg_usage_minutes (tenant, minute, requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms)
   SELECT tenant, m, SUM(requests), SUM(input_tokens), SUM(output_tokens), SUM(gpu_ms), SUM(overage_gpu_ms)
@@ -68,10 +72,30 @@ CREATE TABLE IF NOT EXISTS fg_occupancy (
   expires_at_ms {real} NOT NULL, PRIMARY KEY (process, upstream));
 """
 
+# Columns added since the tables were first made: a ledger made before them gains them (``ALTER TABLE ... ADD
+# COLUMN`` with the default, by each backend at open), so an older file or schema keeps working; records older
+# than prices read as free.
+ADDED_COLUMNS = (
+    ("fg_accounts", "spend_period_start_ms"),
+    ("fg_accounts", "spend_used_micros"),
+    ("fg_reservations", "price_input_micros"),
+    ("fg_reservations", "price_output_micros"),
+    ("fg_reservations", "price_gpu_micros"),
+    ("fg_events", "spend_micros"),
+    ("fg_usage_minutes", "spend_micros"),
+)
+
+
+def add_column(table: str, column: str, real: str) -> str:
+    """The statement adding ``column`` (a ``real`` defaulting to 0) to ``table``."""
+    return f"ALTER TABLE {table} ADD COLUMN {column} {real} NOT NULL DEFAULT 0"
+
+
 RESERVATION_COLUMNS = (
     "id, tenant, request_id, model_class, run_id, tool_round, input_tokens, max_output_tokens, "
     "gpu_ms_estimate, status, billed_input_tokens, billed_output_tokens, billed_gpu_ms, "
-    "overage_gpu_ms, created_ms, expires_at_ms, final_ms, queued"
+    "overage_gpu_ms, created_ms, expires_at_ms, final_ms, queued, price_input_micros, price_output_micros, "
+    "price_gpu_micros"
 )
 ACCOUNT_FIELDS = tuple(asdict(rules.Account()).keys())
 RESERVATION_FIELDS = tuple(c.strip() for c in RESERVATION_COLUMNS.split(","))
@@ -82,12 +106,13 @@ UPDATE_RESERVATION = (
     "UPDATE fg_reservations SET status = :status, billed_input_tokens = :billed_input_tokens, "
     "billed_output_tokens = :billed_output_tokens, billed_gpu_ms = :billed_gpu_ms, "
     "overage_gpu_ms = :overage_gpu_ms, expires_at_ms = :expires_at_ms, final_ms = :final_ms, "
-    "queued = :queued WHERE id = :id"
+    "queued = :queued, price_input_micros = :price_input_micros, price_output_micros = :price_output_micros, "
+    "price_gpu_micros = :price_gpu_micros WHERE id = :id"
 )
 INSERT_EVENT = (
     "INSERT INTO fg_events (tenant, reservation_id, kind, requests, input_tokens, output_tokens, "
-    "gpu_ms, overage_gpu_ms, at_ms) VALUES (:tenant, :rid, :kind, :requests, :input_tokens, "
-    ":output_tokens, :gpu_ms, :overage_gpu_ms, :at_ms)"
+    "gpu_ms, overage_gpu_ms, at_ms, spend_micros) VALUES (:tenant, :rid, :kind, :requests, :input_tokens, "
+    ":output_tokens, :gpu_ms, :overage_gpu_ms, :at_ms, :spend_micros)"
 )
 SAVE_RUN = (
     "INSERT INTO fg_runs (tenant, run_id, model_calls, tool_rounds, tokens) VALUES (:tenant, :run_id, "
@@ -115,22 +140,25 @@ SAVE_ACCOUNT = (
     f"DO UPDATE SET {', '.join(f'{f} = excluded.{f}' for f in ACCOUNT_FIELDS)}"
 )
 EVENT_COLUMNS = (
-    "seq, tenant, reservation_id, kind, requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms, at_ms"
+    "seq, tenant, reservation_id, kind, requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms, at_ms, "
+    "spend_micros"
 )
 SELECT_ACCOUNT = (
     f"SELECT {', '.join(ACCOUNT_FIELDS)} FROM fg_accounts WHERE tenant = :tenant AND model_class = :model_class"
 )
 # The event's amounts added to its tenant's minute (usage_minutes.py); written with every event.
 ADD_TO_MINUTE = (
-    "INSERT INTO fg_usage_minutes (tenant, minute, requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms) "
-    "VALUES (:tenant, :minute, :requests, :input_tokens, :output_tokens, :gpu_ms, :overage_gpu_ms) "
+    "INSERT INTO fg_usage_minutes (tenant, minute, requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms, "
+    "spend_micros) VALUES (:tenant, :minute, :requests, :input_tokens, :output_tokens, :gpu_ms, :overage_gpu_ms, "
+    ":spend_micros) "
     "ON CONFLICT (tenant, minute) DO UPDATE SET requests = fg_usage_minutes.requests + excluded.requests, "
     "input_tokens = fg_usage_minutes.input_tokens + excluded.input_tokens, "
     "output_tokens = fg_usage_minutes.output_tokens + excluded.output_tokens, "
     "gpu_ms = fg_usage_minutes.gpu_ms + excluded.gpu_ms, "
-    "overage_gpu_ms = fg_usage_minutes.overage_gpu_ms + excluded.overage_gpu_ms"
+    "overage_gpu_ms = fg_usage_minutes.overage_gpu_ms + excluded.overage_gpu_ms, "
+    "spend_micros = fg_usage_minutes.spend_micros + excluded.spend_micros"
 )
-_AMOUNTS = "requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms"
+_AMOUNTS = "requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms, spend_micros"
 # usage(): the whole minutes in the window, then the events of its first, partial minute (added up in Python,
 # in an order that does not depend on the backend: usage_minutes.usage_from_totals).
 SELECT_MINUTES = f"SELECT {_AMOUNTS} FROM fg_usage_minutes WHERE tenant = :tenant AND minute >= :first"
@@ -164,12 +192,15 @@ def reservation_params(r: Reservation) -> dict[str, Any]:
         "expires_at_ms": r.expires_at_ms,
         "final_ms": r.final_ms,
         "queued": int(r.queued),
+        "price_input_micros": r.price.input_micros_per_token,
+        "price_output_micros": r.price.output_micros_per_token,
+        "price_gpu_micros": r.price.gpu_micros_per_ms,
     }
 
 
 def event(row: tuple[Any, ...]) -> Event:
     """An ``Event`` from a row of ``EVENT_COLUMNS``."""
-    seq, tenant, rid, kind, requests, input_tokens, output_tokens, gpu_ms, overage, at_ms = row
+    seq, tenant, rid, kind, requests, input_tokens, output_tokens, gpu_ms, overage, at_ms, spend = row
     return Event(
         int(seq),
         tenant,
@@ -181,6 +212,7 @@ def event(row: tuple[Any, ...]) -> Event:
         float(gpu_ms),
         float(overage),
         float(at_ms),
+        float(spend),
     )
 
 
@@ -206,6 +238,7 @@ def event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> Statement:
         "gpu_ms": delta.gpu_ms,
         "overage_gpu_ms": delta.overage_gpu_ms,
         "at_ms": now_ms,
+        "spend_micros": delta.spend_micros,
     }
 
 

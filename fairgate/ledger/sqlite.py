@@ -35,6 +35,7 @@ from fairgate.ledger.base import Ledger
 from fairgate.ledger.config import Quotas
 from fairgate.ledger.model import LedgerUnavailable
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx
+from fairgate.ledger.sql_schema import ADDED_COLUMNS, add_column
 
 SCHEME = "sqlite:///"
 # How long a call may wait for the write lock. SQLite's busy handler polls (sleeps of 1, 2, 5, ... 100 ms) and
@@ -181,8 +182,16 @@ class SqliteLedger(SqlLedger):
                 )
                 + "COMMIT;"
             )
+            self._add_columns()
         except (sqlite3.Error, OSError) as exc:
             raise LedgerUnavailable(f"sqlite ledger {self.path}: {exc}") from None
+
+    def _add_columns(self) -> None:
+        """Give a ledger file made before them the columns added since (``ADDED_COLUMNS``)."""
+        for table, column in ADDED_COLUMNS:
+            have = {row[1] for row in self._connection.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._connection.execute(add_column(table, column, "REAL"))
 
     async def _call(self, method: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
         """``method(self, *args, **kwargs)`` run whole on the connection's thread (in place when already

@@ -17,7 +17,8 @@ from fairgate.ledger.model import TenantUsage
 
 MINUTE_MS = 60_000
 
-# (requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms): one bucket's or one event's amounts.
+# (requests, input_tokens, output_tokens, gpu_ms, overage_gpu_ms, spend_micros): one bucket's or one event's
+# amounts (a Redis bucket written before spend was booked has the first five: its spend is 0).
 Totals = Sequence[float]
 
 
@@ -32,11 +33,11 @@ def first_full_minute(since_ms: float) -> int:
 
 
 def usage_from_totals(tenant: str, window_s: float, parts: Iterable[Totals], by_status: dict[str, int]) -> TenantUsage:
-    """A ``TenantUsage`` from amounts to add up. GPU ms are added with ``math.fsum`` (correctly rounded, so
+    """A ``TenantUsage`` from amounts to add up. GPU ms and spend are added with ``math.fsum`` (correctly rounded, so
     independent of the order rows arrive in: every backend answers the same to the last bit)."""
-    columns: list[list[float]] = [[], [], [], [], []]
+    columns: list[list[float]] = [[], [], [], [], [], []]
     for part in parts:
-        for column, value in zip(columns, part, strict=True):
+        for column, value in zip(columns, (*part, 0.0) if len(part) == 5 else part, strict=True):
             column.append(value)
     requests, input_tokens, output_tokens = (int(sum(int(v) for v in column)) for column in columns[:3])
     return TenantUsage(
@@ -48,4 +49,5 @@ def usage_from_totals(tenant: str, window_s: float, parts: Iterable[Totals], by_
         gpu_ms=math.fsum(columns[3]),
         overage_gpu_ms=math.fsum(columns[4]),
         by_status=by_status,
+        spend_micros=math.fsum(columns[5]),
     )

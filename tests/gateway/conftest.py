@@ -19,7 +19,7 @@ from fairgate.harness.config import TenantSpec, gateway_file, quota_file
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.threads import serve_in_thread
 from fairgate.ledger import Ledger, Reservation, connect
-from fairgate.ledger.config import LimitsConfig, TierConfig
+from fairgate.ledger.config import LimitsConfig, PricingConfig, TierConfig
 
 T = TypeVar("T")
 
@@ -141,12 +141,14 @@ def write_config(
     models: Sequence[str] | None = None,
     upstream_table: Mapping[str, Any] | None = None,
     gateway_table: Mapping[str, Any] | None = None,
+    pricing: PricingConfig | None = None,
 ) -> tuple[Path, dict[str, str]]:
     """``tmp/<name>``: the gateway in front of ``upstream_urls`` (``REPLICA`` each) with an SQLite ledger and
     journal in ``tmp`` (or the ledger at URL ``ledger``), ``TENANTS`` (tier ``free``, ``limits`` by tenant)
     over ``defaults`` (``max_queued`` 64 unless given), and the optional admin key, delegation and sweep;
     ``models``: the model each upstream serves (default ``emu``); ``upstream_table``: more keys of every
-    ``[[upstream]]`` table (``kind``, ``api_key_env``, ...); ``gateway_table``: more keys of ``[gateway]``.
+    ``[[upstream]]`` table (``kind``, ``api_key_env``, ...); ``gateway_table``: more keys of ``[gateway]``;
+    ``pricing``: ``[quotas.pricing]``.
     Returns its path and the keys."""
     keys = {tenant: f"fg-test-{tenant}-{'x' * 24}" for tenant in TENANTS}
     defaults = defaults or LimitsConfig()
@@ -166,7 +168,7 @@ def write_config(
     upstreams = [
         REPLICA.upstream(f"emu-{i}", url, served[i], **(upstream_table or {})) for i, url in enumerate(upstream_urls)
     ]
-    quotas = quota_file(tenants, {"free": TierConfig()}, defaults)
+    quotas = quota_file(tenants, {"free": TierConfig()}, defaults, pricing)
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / name
     gateway_file(section, upstreams, quotas, keys, admin_key, delegates, secret_env).write(path)

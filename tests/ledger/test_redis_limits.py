@@ -60,9 +60,9 @@ def test_the_scripts_unpack_the_limits_in_the_order_they_are_packed():
     prelude = (Path(codec.__file__).parent / "scripts" / "prelude.lua").read_text()
     unpack = re.search(r"local function unpack_limits\(packed\)\n(.*?)\nend\n", prelude, re.S)
     assert unpack is not None
-    fields = re.findall(r"([a-z_]+) = limit\(([a-p])\)", unpack.group(1))
-    assert tuple(name for name, _ in fields) == codec.LIMIT_ORDER
-    assert [value for _, value in fields] == list("abcdefghijklmnop")  # the values in the order unpacked
+    fields = re.findall(r"([a-z_]+) = (?:limit\(([a-r])\)|PERIODS\[([a-r])\])", unpack.group(1))
+    assert tuple(name for name, _, _ in fields) == codec.LIMIT_ORDER
+    assert [a or b for _, a, b in fields] == list("abcdefghijklmnopqr")  # the values in the order unpacked
     assert re.search(r"LIMITS_FORMAT = '<(d+)'", prelude).group(1) == "d" * len(codec.LIMIT_ORDER)  # type: ignore[union-attr]
     assert sorted(codec.LIMIT_ORDER) == sorted(LIMIT_FIELDS)
 

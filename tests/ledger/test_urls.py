@@ -130,7 +130,7 @@ async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
 
 
 class FakeRedis:
-    """Speaks just enough RESP: PING -> PONG, SCRIPT LOAD -> a sha, anything else -> OK, unless
+    """Speaks just enough RESP: HELLO -> a RESP3 map, PING -> PONG, SCRIPT LOAD -> a sha, anything else -> OK, unless
     ``replies`` maps the command (upper case) to raw reply bytes."""
 
     def __init__(self, replies: dict[str, bytes] | None = None) -> None:
@@ -152,6 +152,8 @@ class FakeRedis:
                 reply = self.replies[command]
             elif command == "PING":
                 reply = b"+PONG\r\n"
+            elif command == "HELLO":  # redis-py 8 speaks RESP3 by default: it opens with HELLO 3
+                reply = b"%1\r\n$5\r\nproto\r\n:3\r\n"
             elif command == "SCRIPT":
                 reply = b"$40\r\n" + b"0" * 40 + b"\r\n"
             else:

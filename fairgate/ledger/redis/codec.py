@@ -13,6 +13,7 @@ from typing import Any
 from fairgate.ledger import rules
 from fairgate.ledger.config import LIMIT_FIELDS, TENANT_ACCOUNT, Limits, TenantQuota
 from fairgate.ledger.model import Event, Reservation, reservation_from_record
+from fairgate.ledger.periods import PERIOD_CODES
 
 # The limits sent to the scripts, as numbers (the bursts are sent as ``Limits.burst()``).
 _LIMIT_NAMES = tuple(name for name in LIMIT_FIELDS if not name.endswith("_burst"))
@@ -34,10 +35,12 @@ LIMIT_ORDER = (
     "max_tool_rounds",
     "max_tokens",
     "reservation_ttl_s",
+    "spend_budget",
+    "spend_period",  # as its code (periods.PERIOD_CODES)
 )
 # Bumped when the hash's layout changes: it is part of what names a hash (``limits_hash``), so a process with
 # another layout never reads this one.
-LIMITS_LAYOUT = 1
+LIMITS_LAYOUT = 2
 LIMITS_TEXT_FIELD = "\njson"  # no model class contains a newline (``model.check_name``)
 # Limits that are whole numbers: a QuotaExceeded on them reports an int ``remaining``.
 INT_LIMITS = frozenset(
@@ -58,7 +61,8 @@ def to_int(text: str) -> int:
 def limits_spec(limits: Limits) -> dict[str, str]:
     """``limits`` as the scripts take them: name -> number string; absent: no limit; ``*_burst`` the bucket's
     capacity (``Limits.burst``)."""
-    spec = {name: number(getattr(limits, name)) for name in _LIMIT_NAMES if getattr(limits, name) is not None}
+    values = {name: _limit_value(limits, name) for name in _LIMIT_NAMES}
+    spec = {name: number(value) for name, value in values.items() if value is not None}
     for dimension in ("requests", "input_tokens", "output_tokens"):
         burst = limits.burst(dimension)
         if burst is not None:
@@ -66,12 +70,18 @@ def limits_spec(limits: Limits) -> dict[str, str]:
     return spec
 
 
+def _limit_value(limits: Limits, name: str) -> float | int | None:
+    """A limit as a number (``spend_period`` as its code)."""
+    value = getattr(limits, name)
+    return PERIOD_CODES[value] if name == "spend_period" else value
+
+
 def packed_limits(limits: Limits) -> bytes:
     """``limits`` in ``LIMIT_ORDER`` as little-endian doubles, NaN where there is no limit (a ``*_burst`` is
     ``Limits.burst``, the bucket's capacity): what ``prelude.lua``'s ``unpack_limits`` reads back exactly."""
     values = []
     for name in LIMIT_ORDER:
-        value = limits.burst(name.removesuffix("_burst")) if name.endswith("_burst") else getattr(limits, name)
+        value = limits.burst(name.removesuffix("_burst")) if name.endswith("_burst") else _limit_value(limits, name)
         values.append(math.nan if value is None else float(value))
     return struct.pack(f"<{len(values)}d", *values)
 
@@ -102,7 +112,8 @@ def reservation(raw: bytes | str, balances: rules.Account | None = None) -> Rese
 
 def event(tenant: str, raw: bytes | str) -> Event:
     """An event from a member of the tenant's event log (``prelude.lua``'s ``add_event``)."""
-    seq, kind, rid, requests, input_tokens, output_tokens, gpu_ms, overage, at_ms = json.loads(raw)
+    # A member written before spend was booked has no tenth value: it cost nothing.
+    seq, kind, rid, requests, input_tokens, output_tokens, gpu_ms, overage, at_ms, *spend = json.loads(raw)
     return Event(
         seq=to_int(seq),
         tenant=tenant,
@@ -114,6 +125,7 @@ def event(tenant: str, raw: bytes | str) -> Event:
         gpu_ms=float(gpu_ms),
         overage_gpu_ms=float(overage),
         at_ms=float(at_ms),
+        spend_micros=float(spend[0]) if spend else 0.0,
     )
 
 

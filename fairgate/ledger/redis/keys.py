@@ -16,13 +16,14 @@ key                         type    content
 ``{P:T}:open``              zset    open reservation ids, scored by ``expires_at_ms`` (the sweeper)
 ``{P:T}:status``            hash    status -> number of reservations (``usage().by_status``)
 ``{P:T}:events``            zset    the event log: JSON ``[seq, kind, id, requests, input, output,
-                                    gpu_ms, overage_gpu_ms, at_ms]`` scored by ``at_ms``
+                                    gpu_ms, overage_gpu_ms, at_ms, spend_micros]`` scored by ``at_ms``
+                                    (no ``spend_micros`` in members written before it: 0)
 ``{P:T}:seq``               string  the tenant's event sequence (INCR)
 ``{P:T}:hb``                hash    reservation id -> last heartbeat ms (open reservations only)
 ``{P:T}:claims``            hash    reservation id -> ``"OWNER\\nUNTIL_MS"``: its run claim (open reservations only)
 ``{P:T}:frozen``            hash    ``tenant``, ``reason``, ``at_ms`` while settlement is frozen
 ``{P:T}:minutes``           hash    minute (``usage_minutes.minute_of``) -> JSON ``[requests, input, output,
-                                    gpu_ms, overage_gpu_ms]``, the sums of its events; ``hi``: the
+                                    gpu_ms, overage_gpu_ms, spend_micros]``, the sums of its events; ``hi``: the
                                     newest minute written (``usage()`` reads these, not every event)
 ``{P:T}:limits:V``          hash    the tenant's limits as the scripts read them (``codec.limits_hash``):
                                     ``*`` and each model class with limits of its own -> the limits

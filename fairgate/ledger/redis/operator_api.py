@@ -34,7 +34,7 @@ class RedisOperator(RedisStore):
             )
         edge = (codec.event(tenant, raw) for raw in edge_raw)
         parts: list[Sequence[float]] = [
-            (e.requests, e.input_tokens, e.output_tokens, e.gpu_ms, e.overage_gpu_ms) for e in edge
+            (e.requests, e.input_tokens, e.output_tokens, e.gpu_ms, e.overage_gpu_ms, e.spend_micros) for e in edge
         ]
         parts += [[float(x) for x in json.loads(codec.text(raw))] for raw in buckets]
         by_status = {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2) if int(flat[i + 1]) > 0}

@@ -45,6 +45,9 @@ class RedisRequestPath(RedisStore):
             args.run_id or "",
             "0" if args.run_id is None else "1",
             "1" if args.tool_round else "0",
+            codec.number(float(args.price.input_micros_per_token)),
+            codec.number(float(args.price.output_micros_per_token)),
+            codec.number(float(args.price.gpu_micros_per_ms)),
         ]
         with self._unavailable():
             await self._ensure_registered(tenant)

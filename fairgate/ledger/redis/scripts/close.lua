@@ -28,7 +28,7 @@ if ARGV[9] == '' then
   -- A tenant no longer configured: refused, but for the sweep's expiry, which must not stop at it (its
   -- tenant-wide account, no limit, the default GPU window: Ledger.closing_books).
   if kind ~= 'expire' then return {'unknown_tenant', raw} end
-  books = {{key = TENANT_ACCOUNT, lim = {gpu_window_s = 86400.0}}}
+  books = {{key = TENANT_ACCOUNT, lim = {gpu_window_s = 86400.0, spend_period = 'month'}}}
 else
   books = books_of(r.model_class)  -- every account the reservation was charged to
 end
@@ -48,6 +48,7 @@ if final then
 else
   new_in, new_out, new_gpu = math.max(r_in, b_in), r_max_out, math.max(r_est, b_gpu)
 end
+local spend_change = spend_of(r, new_in, new_out, new_gpu) - spend_of(r, old_in, old_out, old_gpu)
 for _, b in ipairs(books) do
   local acc, lim = load_account(b.key), b.lim
   refresh(acc, lim, now)
@@ -59,6 +60,7 @@ for _, b in ipairs(books) do
   end
   acc.gpu_window_used_ms = math.max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
   acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
+  acc.spend_used_micros = math.max(0.0, acc.spend_used_micros + spend_change)
   if final then
     acc.concurrent = math.max(0, acc.concurrent - 1)
     if r.queued == '1' then acc.queued = math.max(0, acc.queued - 1) end
@@ -87,7 +89,9 @@ local out = cjson.encode(r)
 hset(RES, rid, out)
 for _, b in ipairs(books) do save_account(b.key, b.acc) end
 if run ~= nil then save_run(r.run_id, run) end
-add_event(rid, event_kind, 0, b_in - before_in, b_out - before_out, b_gpu - before_gpu, overage - old_overage, now)
+local d_spend = spend_of(r, b_in, b_out, b_gpu) - spend_of(r, before_in, before_out, before_gpu)
+add_event(rid, event_kind, 0, b_in - before_in, b_out - before_out, b_gpu - before_gpu, overage - old_overage,
+          d_spend, now)
 if final then
   redis.call('ZREM', OPEN, rid)
   count_status('open', -1)

@@ -52,7 +52,8 @@ local function load_account(model_class)
           output_level = num(s.output_level), output_updated_ms = num(s.output_updated_ms) or 0.0,
           concurrent = num(s.concurrent) or 0, gpu_window_start_ms = num(s.gpu_window_start_ms) or 0.0,
           gpu_window_used_ms = num(s.gpu_window_used_ms) or 0.0, gpu_total_used_ms = num(s.gpu_total_used_ms) or 0.0,
-          queued = num(s.queued) or 0}
+          queued = num(s.queued) or 0, spend_period_start_ms = num(s.spend_period_start_ms) or 0.0,
+          spend_used_micros = num(s.spend_used_micros) or 0.0}
 end
 
 local function fmt_or_nil(x) if x == nil then return nil end return fmt(x) end
@@ -63,7 +64,8 @@ local function save_account(model_class, a)
     output_level = fmt_or_nil(a.output_level), output_updated_ms = fmt_or_nil(a.output_updated_ms),
     concurrent = fmt_or_nil(a.concurrent), gpu_window_start_ms = fmt_or_nil(a.gpu_window_start_ms),
     gpu_window_used_ms = fmt_or_nil(a.gpu_window_used_ms), gpu_total_used_ms = fmt_or_nil(a.gpu_total_used_ms),
-    queued = fmt_or_nil(a.queued)})
+    queued = fmt_or_nil(a.queued), spend_period_start_ms = fmt_or_nil(a.spend_period_start_ms),
+    spend_used_micros = fmt_or_nil(a.spend_used_micros)})
   hset(ACCOUNTS, model_class, raw)
   return raw
 end
@@ -88,15 +90,16 @@ end
 -- tenant's own limits; a model class with a table of its own) its limits packed as little-endian doubles in
 -- codec.LIMIT_ORDER, the order unpack_limits names them in (NaN: no limit; *_burst is Limits.burst()): they
 -- read back bit for bit, with no text to parse on every call.
-local LIMITS_FORMAT = '<dddddddddddddddd'
+local LIMITS_FORMAT = '<dddddddddddddddddd'
 local function limit(x) if x ~= x then return nil end return x end  -- NaN: no limit
+local PERIODS = {[1] = 'day', [2] = 'month'}  -- periods.PERIOD_CODES
 local function unpack_limits(packed)
-  local a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p = struct.unpack(LIMITS_FORMAT, packed)
+  local a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r = struct.unpack(LIMITS_FORMAT, packed)
   return {requests_per_minute = limit(a), input_tokens_per_minute = limit(b), output_tokens_per_minute = limit(c),
     requests_burst = limit(d), input_tokens_burst = limit(e), output_tokens_burst = limit(f),
     max_tokens_per_request = limit(g), max_concurrent = limit(h), max_queued = limit(i), gpu_seconds = limit(j),
     gpu_window_s = limit(k), gpu_seconds_total = limit(l), max_model_calls = limit(m), max_tool_rounds = limit(n),
-    max_tokens = limit(o), reservation_ttl_s = limit(p)}
+    max_tokens = limit(o), reservation_ttl_s = limit(p), spend_budget = limit(q), spend_period = PERIODS[r]}
 end
 
 -- TenantQuota.accounts: the accounts a reservation in model_class is charged to, each {key, lim}: the
@@ -113,7 +116,58 @@ local function books_of(model_class)
   return books
 end
 
--- rules.refreshed: refill the buckets, roll the GPU window forward.
+-- periods.py, line for line: days since the epoch <-> civil dates (Hinnant), and a spend period's start.
+-- Every value is a whole number well below 2^53, so math.floor of a division is the integer division.
+local DAY_MS = 86400000
+local function idiv(a, b) return math.floor(a / b) end
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = idiv(y >= 0 and y or y - 399, 400)
+  local yoe = y - era * 400
+  local mm = m > 2 and m - 3 or m + 9
+  local doy = idiv(153 * mm + 2, 5) + d - 1
+  local doe = yoe * 365 + idiv(yoe, 4) - idiv(yoe, 100) + doy
+  return era * 146097 + doe - 719468
+end
+local function civil_from_days(days)
+  local z = days + 719468
+  local era = idiv(z >= 0 and z or z - 146096, 146097)
+  local doe = z - era * 146097
+  local yoe = idiv(doe - idiv(doe, 1460) + idiv(doe, 36524) - idiv(doe, 146096), 365)
+  local doy = doe - (365 * yoe + idiv(yoe, 4) - idiv(yoe, 100))
+  local mp = idiv(5 * doy + 2, 153)
+  local d = doy - idiv(153 * mp + 2, 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m, d
+end
+local function day_of(at_ms)  -- the exact floor of at_ms / DAY_MS (the division may round up)
+  local days = math.floor(at_ms / DAY_MS)
+  if days * DAY_MS > at_ms then days = days - 1 end
+  return days
+end
+local function period_start_ms(now, period)
+  local days = day_of(now)
+  if period == 'day' then return days * DAY_MS end
+  local y, m = civil_from_days(days)
+  return days_from_civil(y, m, 1) * DAY_MS
+end
+local function next_period_start_ms(start, period)
+  local days = day_of(start)
+  if period == 'day' then return (days + 1) * DAY_MS end
+  local y, m = civil_from_days(days)
+  if m == 12 then y, m = y + 1, 1 else m = m + 1 end
+  return days_from_civil(y, m, 1) * DAY_MS
+end
+
+-- Price.spend_micros, evaluated in the same order: what amounts cost at a reservation's stored price.
+local function spend_of(r, input_tokens, output_tokens, gpu_ms)
+  return input_tokens * (tonumber(r.price_input_micros) or 0.0) + output_tokens * (tonumber(r.price_output_micros) or 0.0)
+    + gpu_ms * (tonumber(r.price_gpu_micros) or 0.0)
+end
+
+-- rules.refreshed: refill the buckets, roll the GPU window and the spend period forward.
 local BUCKETS = {{'requests', 'requests'}, {'input_tokens', 'input'}, {'output_tokens', 'output'}}
 local function refresh(acc, lim, now)
   for _, b in ipairs(BUCKETS) do
@@ -128,6 +182,11 @@ local function refresh(acc, lim, now)
   if now >= acc.gpu_window_start_ms + window_ms then
     acc.gpu_window_start_ms = now - math.fmod(now, window_ms)  -- Python's % for positive operands
     acc.gpu_window_used_ms = 0.0
+  end
+  local start = period_start_ms(now, lim.spend_period or 'month')
+  if start > acc.spend_period_start_ms then
+    acc.spend_period_start_ms = start
+    acc.spend_used_micros = 0.0
   end
 end
 
@@ -145,8 +204,9 @@ end
 local function add_to_minute(at_ms, amounts, raw)
   local minute = minute_of(at_ms)
   local field = fmt(minute)
-  local sums = raw and cjson.decode(raw) or {'0', '0', '0', '0', '0'}
-  for i = 1, 5 do  -- doubles, as a sum over events adds; adding 0 changes no sum (sums start at +0: none is -0)
+  local sums = raw and cjson.decode(raw) or {'0', '0', '0', '0', '0', '0'}
+  if sums[6] == nil then sums[6] = '0' end  -- a bucket written before spend was booked
+  for i = 1, 6 do  -- doubles, as a sum over events adds; adding 0 changes no sum (sums start at +0: none is -0)
     if amounts[i] ~= 0 then sums[i] = fmt(tonumber(sums[i]) + amounts[i]) end
   end
   if raw then
@@ -167,22 +227,23 @@ local function backfill_minutes()
   for _, member in ipairs(redis.call('ZRANGE', EVENTS, 0, -1)) do
     local e = cjson.decode(member)
     local at = tonumber(e[9])
-    add_to_minute(at, {tonumber(e[4]), tonumber(e[5]), tonumber(e[6]), tonumber(e[7]), tonumber(e[8])},
+    add_to_minute(at, {tonumber(e[4]), tonumber(e[5]), tonumber(e[6]), tonumber(e[7]), tonumber(e[8]),
+                       tonumber(e[10] or '0')},
                   redis.call('HGET', MINUTES, fmt(minute_of(at))))
   end
 end
 
-local function add_event(rid, kind, requests, d_in, d_out, d_gpu, d_over, now)
+local function add_event(rid, kind, requests, d_in, d_out, d_gpu, d_over, d_spend, now)
   local field = fmt(minute_of(now))
   local raw = redis.call('HGET', MINUTES, field)
   if not raw and redis.call('EXISTS', MINUTES) == 0 then
     backfill_minutes()
     raw = redis.call('HGET', MINUTES, field)
   end
-  add_to_minute(now, {requests, d_in, d_out, d_gpu, d_over}, raw)
+  add_to_minute(now, {requests, d_in, d_out, d_gpu, d_over, d_spend}, raw)
   local seq = redis.call('INCR', SEQ)
   local member = cjson.encode({fmt(seq), kind, rid, fmt(requests), fmt(d_in), fmt(d_out), fmt(d_gpu),
-                               fmt(d_over), fmt(now)})
+                               fmt(d_over), fmt(now), fmt(d_spend)})
   redis.call('ZADD', EVENTS, fmt(now), member)
 end
 

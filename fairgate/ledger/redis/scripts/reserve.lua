@@ -1,11 +1,13 @@
 -- rules.reserve. ARGV[3..]: tenant, request_id, reservation id, input_tokens, max_output_tokens,
--- gpu_ms_estimate, model_class, run_id, has_run (1/0), tool_round (1/0). KEYS[13]: the tenant's limits hash.
+-- gpu_ms_estimate, model_class, run_id, has_run (1/0), tool_round (1/0), the class's price (micros per input
+-- token, per output token, per GPU-ms: model.Price). KEYS[13]: the tenant's limits hash.
 -- -> {'existing', json, binding account json or false} | {'ok', json, binding account json}
 --    | {'quota', dimension, retry_after_s or '', remaining, account key} | {'limits'} (no limits hash)
 -- The binding account (the last book's) is what account() reads right after: the caller's balances.
 local tenant, request_id, rid = ARGV[3], ARGV[4], ARGV[5]
 local input_tokens, max_output, estimate = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local model_class, run_id, has_run, tool_round = ARGV[9], ARGV[10], ARGV[11] == '1', ARGV[12] == '1'
+local price = {price_input_micros = ARGV[13], price_output_micros = ARGV[14], price_gpu_micros = ARGV[15]}
 local books = books_of(model_class)
 if books == nil then return {'limits'} end
 local lim = books[#books].lim  -- the class's: run limits and the TTL
@@ -77,6 +79,17 @@ local function gpu(acc, l, key)
   return nil
 end
 
+-- rules._check_spend, on one account: a refusal, or nil.
+local spend = spend_of(price, input_tokens, max_output, estimate)
+local function spend_budget(acc, l, key)
+  if l.spend_budget == nil or acc.spend_used_micros + spend <= l.spend_budget * 1e6 then return nil end
+  local retry = nil
+  if spend <= l.spend_budget * 1e6 then
+    retry = math.max(0.0, (next_period_start_ms(acc.spend_period_start_ms, l.spend_period) - now) / 1000.0)
+  end
+  return quota('spend_budget', retry, math.max(0.0, l.spend_budget - acc.spend_used_micros / 1e6), key)
+end
+
 -- rules.reserve, in its order of checks, each on every account in turn.
 for _, b in ipairs(books) do
   local refused = size_and_rates(b.acc, b.lim, b.key)
@@ -89,6 +102,10 @@ for _, b in ipairs(books) do
 end
 for _, b in ipairs(books) do
   local refused = gpu(b.acc, b.lim, b.key)
+  if refused then return refused end
+end
+for _, b in ipairs(books) do
+  local refused = spend_budget(b.acc, b.lim, b.key)
   if refused then return refused end
 end
 local class_key = books[#books].key
@@ -118,6 +135,7 @@ for _, b in ipairs(books) do
   acc.concurrent = acc.concurrent + 1
   acc.gpu_window_used_ms = acc.gpu_window_used_ms + estimate
   acc.gpu_total_used_ms = acc.gpu_total_used_ms + estimate
+  acc.spend_used_micros = acc.spend_used_micros + spend
 end
 
 -- All checks passed: write (nothing was written before this point).
@@ -128,6 +146,8 @@ if reopen ~= nil then  -- rules.reopened: same id and creation time, nothing bil
   rid = record.id
   record.status, record.billed_input_tokens, record.billed_output_tokens, record.billed_gpu_ms = 'open', '0', '0', '0'
   record.overage_gpu_ms, record.expires_at_ms, record.final_ms, record.queued = '0', fmt(expires), nil, '0'
+  record.price_input_micros, record.price_output_micros = price.price_input_micros, price.price_output_micros
+  record.price_gpu_micros = price.price_gpu_micros  -- rules.reopened: the class's price now
   count_status('cancelled', -1)
   redis.call('HDEL', HB, rid)
   redis.call('HDEL', CLAIMS, rid)
@@ -135,7 +155,9 @@ else
   record = {id = rid, tenant = tenant, request_id = request_id, model_class = model_class,
     tool_round = tool_round and '1' or '0', input_tokens = fmt(input_tokens), max_output_tokens = fmt(max_output),
     gpu_ms_estimate = fmt(estimate), status = 'open', billed_input_tokens = '0', billed_output_tokens = '0',
-    billed_gpu_ms = '0', overage_gpu_ms = '0', created_ms = fmt(now), expires_at_ms = fmt(expires)}
+    billed_gpu_ms = '0', overage_gpu_ms = '0', created_ms = fmt(now), expires_at_ms = fmt(expires),
+    price_input_micros = price.price_input_micros, price_output_micros = price.price_output_micros,
+    price_gpu_micros = price.price_gpu_micros}
   if has_run then record.run_id = run_id end
 end
 local raw = cjson.encode(record)
@@ -146,6 +168,6 @@ count_status('open', 1)
 local balances
 for _, b in ipairs(books) do balances = save_account(b.key, b.acc) end
 if run ~= nil then save_run(run_id, run) end
-add_event(rid, 'reserve', reopen == nil and 1 or 0, 0, 0, 0.0, 0.0, now)
+add_event(rid, 'reserve', reopen == nil and 1 or 0, 0, 0, 0.0, 0.0, 0.0, now)
 touch_all()
 return {'ok', raw, balances}
