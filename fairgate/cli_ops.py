@@ -347,6 +347,7 @@ class TenantSummary:
     output_tokens: int = 0
     queue_ms: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)  # from admission to the first token: the queue included
+    spend_micros: float = 0.0  # what finished requests cost (``spend_micros`` of ``finished`` records)
 
     @property
     def backlogged(self) -> bool:
@@ -363,6 +364,7 @@ class KeyUsage:
     input_tokens: int = 0
     output_tokens: int = 0
     gpu_ms: float = 0.0
+    spend_micros: float = 0.0
 
     def add(self, record: dict[str, Any]) -> None:
         """Count one ``finished`` record."""
@@ -370,6 +372,7 @@ class KeyUsage:
         self.input_tokens += record["input_tokens"]
         self.output_tokens += record["output_tokens"]
         self.gpu_ms += float(record["gpu_ms"])
+        self.spend_micros += float(record.get("spend_micros") or 0.0)
 
 
 @dataclass
@@ -390,6 +393,20 @@ class LiveRun:
     timeline: list[tuple[float, dict[str, float]]]
     share_source: str
     keys: dict[tuple[str, str], KeyUsage] = field(default_factory=dict)  # (tenant hash, key id) -> billed
+    currency: str = "USD"  # of the spend figures: the ``started`` records' (``[quotas.pricing]``)
+
+
+def _configured(record: dict[str, Any], policies: list[str], weights: dict[str, float]) -> str | None:
+    """What a ``started`` or ``reloaded`` record says of the configuration: its policy added to ``policies``,
+    its tenants' weights into ``weights``; returns its currency (None: it names none)."""
+    policy = record.get("policy")
+    if isinstance(policy, str) and policy not in policies:
+        policies.append(policy)
+    for tag, info in (record.get("tenants") or {}).items():
+        if isinstance(info, dict) and isinstance(info.get("weight"), (int, float)):
+            weights[tag] = float(info["weight"])
+    currency = record.get("currency")
+    return currency if isinstance(currency, str) else None
 
 
 def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
@@ -408,6 +425,7 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
     billed: list[tuple[float, str, float]] = []  # (ts, tenant hash, GPU ms) of finished requests
     key_of: dict[tuple[str, str], str] = {}  # (tenant hash, request id) -> its key id, admitted, not finished
     keys: dict[tuple[str, str], KeyUsage] = {}
+    currency = "USD"
 
     def tenant(tag: str | None) -> TenantSummary:
         if tag not in tenants:
@@ -419,12 +437,7 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
         start, end = min(start, record["ts"]), max(end, record["ts"])
         kind = record["event"]
         if kind in ("started", "reloaded"):  # a reload's weights hold from then on: the last ones are used
-            policy = record.get("policy")
-            if isinstance(policy, str) and policy not in policies:
-                policies.append(policy)
-            for tag, info in (record.get("tenants") or {}).items():
-                if isinstance(info, dict) and isinstance(info.get("weight"), (int, float)):
-                    weights[tag] = float(info["weight"])
+            currency = _configured(record, policies, weights) or currency
         elif kind == "usage":
             usage.append((record["ts"], {tag: float(ms) for tag, ms in record["gpu_ms"].items()}))
             for tag in record["gpu_ms"]:
@@ -441,6 +454,7 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
             summary.billed_gpu_ms += record["gpu_ms"]
             summary.input_tokens += record["input_tokens"]
             summary.output_tokens += record["output_tokens"]
+            summary.spend_micros += float(record.get("spend_micros") or 0.0)
             if record["ttft_ms"] is not None:  # the queue included, as /metrics and the dashboard count it
                 summary.ttft_ms.append(float(record["queue_ms"]) + float(record["ttft_ms"]))
             if record["tenant_hash"] is not None:
@@ -470,7 +484,7 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
         timeline.append((ts - start, dict(cumulative)))
     for tag, ms in cumulative.items():
         tenant(tag).gpu_ms = ms
-    return LiveRun(start, end, count, policies, weights, tenants, rejections, timeline, source, keys)
+    return LiveRun(start, end, count, policies, weights, tenants, rejections, timeline, source, keys, currency)
 
 
 def share_stats(run: LiveRun, names: dict[str, str]) -> Any:
@@ -635,6 +649,12 @@ how much it asked, not how fairly it was served. Tenants are shown by their hash
 first token, the queue included."""
 
 
+def _money(micros: float) -> str:
+    """Micros of the currency as an amount: to the cent from one unit up, else to 1/10,000 (0 as 0)."""
+    value = micros / 1e6
+    return "0" if value == 0 else f"{value:,.2f}" if value >= 1 else f"{value:.4f}"
+
+
 def _keys_html(run: LiveRun, names: dict[str, str]) -> str:
     """The table of usage by API key inside each tenant (seed 003: secondary dimensions under the billable
     tenant), from the ``key_id`` of ``admitted`` records; empty when the log has none."""
@@ -643,12 +663,13 @@ def _keys_html(run: LiveRun, names: dict[str, str]) -> str:
     e = html.escape
     rows = [
         f"<tr><td>{e(_label(tag, names))}</td><td><code>{e(key)}...</code></td><td>{u.finished}</td>"
-        f"<td>{u.input_tokens:,}</td><td>{u.output_tokens:,}</td><td>{_fmt(u.gpu_ms)}</td></tr>"
+        f"<td>{u.input_tokens:,}</td><td>{u.output_tokens:,}</td><td>{_fmt(u.gpu_ms)}</td>"
+        f"<td>{_money(u.spend_micros)}</td></tr>"
         for (tag, key), u in sorted(run.keys.items(), key=lambda item: (item[0][0], -item[1].gpu_ms))
     ]
     head = (
         "<tr><th>tenant</th><th>key</th><th>finished</th><th>prompt tokens</th><th>output tokens</th>"
-        "<th>GPU ms</th></tr>"
+        f"<th>GPU ms</th><th>spend {html.escape(run.currency)}</th></tr>"
     )
     return "<h2>Usage by key</h2>\n<table>" + head + "\n".join(rows) + "</table>"
 
@@ -680,6 +701,7 @@ def _html(
                     _fmt(_percentile(s.ttft_ms, 99)),
                     f"{s.input_tokens:,}",
                     f"{s.output_tokens:,}",
+                    _money(s.spend_micros),
                 )
             )
             + "</tr>"
@@ -713,7 +735,7 @@ figure{{margin:1.5em 0}}img{{max-width:100%}}code{{font-size:90%}}</style></head
 <table><tr><th>tenant</th><th>admitted</th><th>finished</th><th>rejected</th><th>GPU ms</th><th>GPU share %</th>
 <th>weight</th><th>queue p50 ms</th><th>queue p99 ms</th><th>TTFT p50 ms (queue incl.)</th>
 <th>TTFT p99 ms (queue incl.)</th>
-<th>prompt tokens</th><th>output tokens</th></tr>
+<th>prompt tokens</th><th>output tokens</th><th>spend {e(run.currency)}</th></tr>
 {chr(10).join(rows)}
 </table>
 {_keys_html(run, names)}

@@ -437,6 +437,7 @@ class Call:
             reservation.gpu_ms_estimate,
             reservation.max_output_tokens,
             self.state.clock.wall_s(),
+            reservation.price.spend_micros(input_tokens, output_tokens, gpu_ms),
         )
 
 

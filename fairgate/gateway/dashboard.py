@@ -24,7 +24,8 @@ Series (one point per sample, ``stats.SAMPLE_EVERY_S`` apart; ``t`` is seconds r
 previous sample), ``running``, ``queued`` (now), ``gpu_s`` (cumulative GPU seconds charged),
 ``reserve_gap_gpu_s``, ``reserve_gap_output_tokens`` (reserved minus billed over the window). Each tenant's
 totals carry ``demand_limited``: its queue p99 over the window is under ``BACKLOG_QUEUE_MS`` (it got every slot
-it asked for, so its share says how much it asked; None: no request of its was dispatched in the window).
+it asked for, so its share says how much it asked; None: no request of its was dispatched in the window), and
+``spend``: what its finished requests cost since the start, in ``currency`` (``[quotas.pricing]``; 0 unpriced).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def _totals(totals: TenantTotals) -> dict[str, Any]:
         "reserved_gpu_s": round(totals.reserved_gpu_ms / 1000.0, 6),
         "settled_gpu_s": round(totals.billed.gpu_ms / 1000.0, 6),
         "reserved_output_tokens": totals.reserved_output_tokens,
+        "spend": round(totals.spend_micros / 1e6, 6),
     }
 
 
@@ -193,5 +195,7 @@ def install(app: FastAPI, stats: Stats, ttft_target_ms: float) -> None:
                 "The dashboard shows the key holder's own data; on-behalf-of tokens are not accepted here.",
             )
         tenant = None if caller is None else caller.tenant
-        pools = None if tenant is None else reachable_pools(gateway_of(request).config, tenant)
-        return JSONResponse(payload(stats, tenant, ttft_target_ms, pools), headers={"cache-control": "no-store"})
+        config = gateway_of(request).config
+        pools = None if tenant is None else reachable_pools(config, tenant)
+        document = {**payload(stats, tenant, ttft_target_ms, pools), "currency": config.quotas.currency}
+        return JSONResponse(document, headers={"cache-control": "no-store"})

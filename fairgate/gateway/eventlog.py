@@ -30,7 +30,8 @@ tenant name is never written: quoted tenant names in error messages are replaced
                    away / ``error``), ``queue_ms``, ``ttft_ms`` (dispatch to first token; ``null``: no token),
                    ``tpot_ms`` (mean ms per output token after the first; ``null``), ``input_tokens``,
                    ``output_tokens`` and ``gpu_ms`` (what was billed), ``gpu_ms_estimate`` and
-                   ``max_output_tokens`` (what was reserved).
+                   ``max_output_tokens`` (what was reserved), ``spend_micros`` (what the billed usage cost at the
+                   reservation's price, micros of the ``[quotas.pricing]`` currency; absent in older logs).
 ``left``           the client left while the request was queued: ``queue_ms`` (its time in the queue); it never
                    ran, its reservation was released, nothing was billed.
 ``usage``          the GPU time the live meter charged per tenant on one model's upstreams since ``since``
@@ -278,6 +279,7 @@ class EventLog:
                 gpu_ms=_ms(event.gpu_ms),
                 gpu_ms_estimate=_ms(event.gpu_ms_estimate),
                 max_output_tokens=event.max_output_tokens,
+                spend_micros=round(event.spend_micros, 3),
             )
         return None
 
@@ -563,6 +565,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> EventLog:
         "policy": config.gateway.policy,
         "upstreams": [{"name": u.name, "model": u.model, "max_batch": u.max_batch} for u in config.upstreams],
         "tenants": _shares(tenants),
+        "currency": config.quotas.currency,
     }
     inner = app.router.lifespan_context
 
@@ -617,6 +620,7 @@ _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {  # key -> (type
 _OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "rejected": {"retry_after_s": (_NUMBER, True), "code": ((str,), True)},
     "admitted": {"key_id": ((str,), True)},
+    "finished": {"spend_micros": (_NUMBER, False)},
 }
 _REQUEST_KEYS = {
     "request_id": ((str,), False),

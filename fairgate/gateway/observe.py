@@ -110,7 +110,8 @@ class Finished:
 
     Tokens and ``gpu_ms`` are what was billed; ``gpu_ms_estimate`` and ``max_output_tokens`` what was
     reserved (their difference is the reservation-vs-settlement gap). ``ttft_ms`` is from dispatch to the
-    first token (None: no token); ``tpot_ms`` the mean time per output token after the first.
+    first token (None: no token); ``tpot_ms`` the mean time per output token after the first;
+    ``spend_micros`` what the billed usage cost, micros of the pricing currency.
     """
 
     request_id: str
@@ -127,6 +128,7 @@ class Finished:
     gpu_ms_estimate: float
     max_output_tokens: int
     time_s: float
+    spend_micros: float = 0.0  # what the billed usage cost at the reservation's price (``ledger.model.Price``)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class TenantTotals:
     reserved_output_tokens: int = 0
     reserved_gpu_ms: float = 0.0
     overage_gpu_ms: float = 0.0
+    spend_micros: float = 0.0  # what finished requests cost (``Finished.spend_micros``)
 
     @property
     def rejected(self) -> int:
@@ -369,6 +370,7 @@ class Stats:
         totals.reserved_output_tokens += e.max_output_tokens
         totals.reserved_gpu_ms += e.gpu_ms_estimate
         totals.overage_gpu_ms += max(0.0, e.gpu_ms - e.gpu_ms_estimate)
+        totals.spend_micros += e.spend_micros
         add = self._counts.add
         add(e.time_s, (e.tenant, "input_tokens"), e.input_tokens)
         add(e.time_s, (e.tenant, "output_tokens"), e.output_tokens)

@@ -12,7 +12,10 @@ import httpx
 import openai
 import pytest
 
+from fairgate.cli_ops import summarise_log, write_report
 from fairgate.emulator.api import create_app
+from fairgate.gateway.eventlog import read_records
+from fairgate.ledger.base import tenant_tag
 from fairgate.gateway.call import SETTLE_EVERY_S
 from fairgate.gateway.config import GatewayConfigError, load_gateway_config
 from fairgate.ledger.config import LimitsConfig, PriceConfig, PricingConfig
@@ -40,20 +43,20 @@ def _complete(client: openai.OpenAI, request_id: str) -> openai.types.Completion
 def test_requests_run_until_the_budget_cannot_hold_a_worst_case_and_money_matches_the_ledger(tmp_path: Path) -> None:
     limits = {"alpha": LimitsConfig(spend_budget=BUDGET)}
     with serve_stack(tmp_path, limits=limits, pricing=PRICING, admin_key=ADMIN_KEY) as stack:
-        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["alpha"], max_retries=0)
         received, refusal = {}, None
-        for i in range(10):
-            try:
-                received[f"r{i}"] = _complete(client, f"r{i}").usage
-            except openai.RateLimitError as exc:
-                refusal = exc
-                break
+        with openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["alpha"], max_retries=0) as client:
+            for i in range(10):
+                try:
+                    received[f"r{i}"] = _complete(client, f"r{i}").usage
+                except openai.RateLimitError as exc:
+                    refusal = exc
+                    break
         usage = httpx.get(
             f"{stack.url}/v1/usage", headers={"Authorization": f"Bearer {stack.keys['alpha']}"}, timeout=10
         ).json()
-        tenants = httpx.get(
-            f"{stack.url}/admin/tenants", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
-        ).json()
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        tenants = httpx.get(f"{stack.url}/admin/tenants", headers=admin, timeout=10).json()
+        board = httpx.get(f"{stack.url}/dashboard/data", headers=admin, timeout=10).json()
         reservations = {r.request_id: r for r in stack.reservations()}
     assert refusal is not None and 3 <= len(received) <= 5, received  # ~0.2 EUR each of a 1 EUR budget
     body = refusal.body if isinstance(refusal.body, dict) else {}
@@ -80,6 +83,13 @@ def test_requests_run_until_the_budget_cannot_hold_a_worst_case_and_money_matche
     }
     [alpha] = [t for t in tenants["data"] if t["tenant"] == "alpha"]
     assert (alpha["limits"]["spend_budget"], alpha["limits"]["spend_period"]) == (BUDGET, "month")
+    assert board["currency"] == "EUR" and board["totals"]["alpha"]["spend"] == pytest.approx(billed / 1e6, abs=2e-6)
+    run = summarise_log(r for _, _, r in read_records(stack.config.event_log_path))
+    assert run.currency == "EUR"
+    assert run.tenants[tenant_tag("alpha")].spend_micros == pytest.approx(billed, abs=1e-2)
+    out = tmp_path / "report"
+    write_report(run, {}, out, stack.config.event_log_path)
+    assert "spend EUR" in (out / "report.html").read_text()
 
 
 def test_a_spend_budget_with_an_unpriced_class_is_refused_at_start(tmp_path: Path) -> None:

@@ -139,6 +139,11 @@
       data.window_s + " s; rates since the previous sample.";
   }
 
+  // An amount of the pricing currency: to the cent, or to 1/10,000 below one unit (a request costs little).
+  function money(value, currency) {
+    return (value >= 1 ? value.toFixed(2) : value.toFixed(4)) + " " + currency;
+  }
+
   function cell(row, text) {
     var td = document.createElement("td");
     td.textContent = text;
@@ -161,6 +166,7 @@
       cell(row, x.gpu_s.toFixed(3));
       cell(row, x.reserved_gpu_s.toFixed(3) + " / " + x.settled_gpu_s.toFixed(3));
       cell(row, String(x.reserved_output_tokens));
+      cell(row, money(x.spend, data.currency));
       body.appendChild(row);
     });
   }
