@@ -50,6 +50,9 @@ from fairgate.ledger.model import Account as Account  # the balances the rules w
 from fairgate.ledger.periods import next_period_start_ms, period_start_ms
 
 MS_PER_MINUTE = 60_000.0
+# A worst case that fits the spend budget to within a thousandth of a micro fits it: prices such as 0.1 or 1.1 per
+# million tokens are not exact doubles, and a budget of exactly N requests must admit the N-th.
+SPEND_SLACK_MICROS = 1e-3
 CONCURRENCY_RETRY_S = 1.0  # a slot frees when some request ends: unknown, so suggest a short wait
 QUEUE_RETRY_S = 2.0  # a queue place frees when a queued request is dispatched
 # The status a final call of each kind leaves.
@@ -275,7 +278,7 @@ def _check_spend(acc: Account, limits: Limits, tenant: str, spend_micros: float,
     """The spend budget of the period (retry when the next period starts, if the worst case fits a period at
     all). ``limit`` and ``remaining`` in the currency."""
     budget = limits.spend_budget
-    if budget is None or acc.spend_used_micros + spend_micros <= budget * 1e6:
+    if budget is None or acc.spend_used_micros + spend_micros <= budget * 1e6 + SPEND_SLACK_MICROS:
         return
     retry = None
     if spend_micros <= budget * 1e6:
@@ -440,7 +443,7 @@ def settle(
     for acc in accounts:
         acc.gpu_window_used_ms = max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
         acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
-        acc.spend_used_micros = max(0.0, acc.spend_used_micros + spend_change)
+        acc.spend_used_micros = _spent_after(acc, r, spend_change)
         if final:
             acc.concurrent = max(0, acc.concurrent - 1)
             if r.queued:
@@ -468,6 +471,17 @@ def settle(
         - r.price.spend_micros(before.input_tokens, before.output_tokens, before.gpu_ms),
     )
     return updated, accounts, new_run, delta
+
+
+def _spent_after(acc: Account, r: Reservation, spend_change: float) -> float:
+    """The account's spend this period once ``r``'s hold changes by ``spend_change``. A reservation made before
+    the period began keeps its hold and billing in the period it was made in: the current one is charged only
+    what it bills above that hold, never given back a hold it never took. (A reservation re-opened in this
+    period after being made in an earlier one counts as the earlier one's: its hold stays booked here until
+    the period ends, which refuses sooner but never overspends.)"""
+    if r.created_ms < acc.spend_period_start_ms:
+        return acc.spend_used_micros + max(0.0, spend_change)
+    return max(0.0, acc.spend_used_micros + spend_change)
 
 
 def _settled_account(acc: Account, limits: Limits, r: Reservation, returned: tuple[int, int]) -> Account:

@@ -61,8 +61,8 @@ def test_two_streams_on_a_slow_replica_stop_when_the_gpu_budget_is_spent(tmp_pat
     billed_ms = sum(r.billed.gpu_ms for r in reservations.values())
     # Without the stop both run to 200 tokens, ~3.6 s billed. With it: the budget, plus at most one settlement
     # interval of the replica's time (the charges of an interval add up to its busy time), plus the ledger
-    # round trips of the two checks.
-    assert BUDGET_S * 1000.0 <= billed_ms <= (BUDGET_S + SETTLE_EVERY_S) * 1000.0 + 100.0, billed_ms
+    # round trips of the two checks (200 ms: 2,600.5 was seen with 100 on a loaded 2-core machine).
+    assert BUDGET_S * 1000.0 <= billed_ms <= (BUDGET_S + SETTLE_EVERY_S) * 1000.0 + 200.0, billed_ms
     for request_id, (received, _) in outcomes.items():
         r = reservations[request_id]
         assert r.status == "settled" and 0 < received < MAX_TOKENS, (r, received)

@@ -209,7 +209,9 @@ def test_the_example_config_is_plain_models(tmp_path: Path) -> None:
     served = load_gateway_config(path).served
     assert list(served) == ["fairgate-emulated"]
     assert served["fairgate-emulated"].pools == ("fairgate-emulated",) and not served["fairgate-emulated"].alias
-    aliased = EXAMPLE_TEXT + '\n[[model]]\nname = "chat"\npools = ["fairgate-emulated"]\n'
+    # The alias's class is "chat" now: the example's price moves to it (a price must name a charged class).
+    priced = EXAMPLE_TEXT.replace("[quotas.pricing.model_class.fairgate-emulated]", "[quotas.pricing.model_class.chat]")
+    aliased = priced + '\n[[model]]\nname = "chat"\npools = ["fairgate-emulated"]\n'
     path.write_text(aliased)
     config = load_gateway_config(path)
     assert list(config.served) == ["chat"]  # the pool is the alias's now: its engine name is no model

@@ -14,10 +14,10 @@ import pytest
 
 from fairgate.cli_ops import summarise_log, write_report
 from fairgate.emulator.api import create_app
-from fairgate.gateway.eventlog import read_records
-from fairgate.ledger.base import tenant_tag
 from fairgate.gateway.call import SETTLE_EVERY_S
 from fairgate.gateway.config import GatewayConfigError, load_gateway_config
+from fairgate.gateway.eventlog import read_records
+from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LimitsConfig, PriceConfig, PricingConfig
 from tests.gateway.conftest import serve_stack, write_config
 from tests.gateway.test_gpu_budget import SLOW, _stream
@@ -118,7 +118,9 @@ def test_streams_on_a_slow_replica_stop_when_the_spend_budget_is_spent(tmp_path:
         reservations = {r.request_id: r for r in stack.reservations()}
     assert all(code == "spend_budget_exhausted" for _, code in outcomes.values()), outcomes
     spent_micros = sum(r.price.spend_micros(0, 0, r.billed.gpu_ms) for r in reservations.values())
-    assert 2e6 <= spent_micros <= (2.0 + SETTLE_EVERY_S) * 1e6 + 1e5, spent_micros
+    # The budget, plus at most one settlement interval of the replica's time and the ledger round trips of the
+    # checks (200 ms on a loaded 2-core machine).
+    assert 2e6 <= spent_micros <= (2.0 + SETTLE_EVERY_S) * 1e6 + 2e5, spent_micros
     for request_id, (received, _) in outcomes.items():
         r = reservations[request_id]
         assert r.status == "settled" and received > 0 and r.billed.output_tokens == received, (r, received)

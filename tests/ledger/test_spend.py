@@ -146,3 +146,33 @@ async def test_a_sqlite_ledger_made_before_prices_gains_their_columns(tmp_path):
         assert (await ledger.account("a", "*")).spend_used_micros == WORST_MICROS
     finally:
         await ledger.close()
+
+
+async def test_a_reservation_closed_in_the_next_period_gives_its_hold_back_to_its_own(open_ledger, clock):
+    """Made on January 31st and cancelled in February, a reservation takes nothing off February's spend: the
+    hold of a reservation open in February stays, and February's budget is not overspent."""
+    ledger = await open_ledger(QUOTAS, clock)
+    january = await ledger.reserve("a", "jan", 0, 2000, 0.0, model_class="m")  # holds 8,000 in January
+    clock.now_ms = FEB_1_MS + 60_000.0
+    february = await ledger.reserve("a", "feb", 0, 2000, 0.0, model_class="m")  # holds 8,000 in February
+    await ledger.cancel(january.id, Usage())
+    assert (await ledger.account("a", "*")).spend_used_micros == 8000.0
+    with pytest.raises(QuotaExceeded):
+        await ledger.reserve("a", "feb2", 0, 1000, 0.0, model_class="m")  # 8,000 + 4,000 > 10,000
+    await ledger.settle(february.id, 0, 500, 0.0, final=True)
+    assert (await ledger.account("a", "*")).spend_used_micros == 2000.0
+
+
+async def test_a_budget_of_exactly_n_requests_admits_the_nth(open_ledger, clock):
+    """1.1 per million tokens is no exact double: 100k + 100k tokens cost 220000.00000000003 micros, and a
+    budget of two such requests still admits two."""
+    quotas = {
+        "defaults": {"spend_budget": 0.44},
+        "tenants": {"a": {}},
+        "pricing": {"model_class": {"m": {"input_per_mtok": 1.1, "output_per_mtok": 1.1}}},
+    }
+    ledger = await open_ledger(quotas, clock)
+    for i in range(2):
+        assert (await ledger.reserve("a", f"r{i}", 100_000, 100_000, 0.0, model_class="m")).status == "open"
+    with pytest.raises(QuotaExceeded):
+        await ledger.reserve("a", "r2", 1, 1, 0.0, model_class="m")

@@ -60,7 +60,11 @@ for _, b in ipairs(books) do
   end
   acc.gpu_window_used_ms = math.max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
   acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
-  acc.spend_used_micros = math.max(0.0, acc.spend_used_micros + spend_change)
+  if tonumber(r.created_ms) < acc.spend_period_start_ms then  -- rules._spent_after: made in an earlier period
+    acc.spend_used_micros = acc.spend_used_micros + math.max(0.0, spend_change)
+  else
+    acc.spend_used_micros = math.max(0.0, acc.spend_used_micros + spend_change)
+  end
   if final then
     acc.concurrent = math.max(0, acc.concurrent - 1)
     if r.queued == '1' then acc.queued = math.max(0, acc.queued - 1) end

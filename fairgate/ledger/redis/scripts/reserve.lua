@@ -82,7 +82,8 @@ end
 -- rules._check_spend, on one account: a refusal, or nil.
 local spend = spend_of(price, input_tokens, max_output, estimate)
 local function spend_budget(acc, l, key)
-  if l.spend_budget == nil or acc.spend_used_micros + spend <= l.spend_budget * 1e6 then return nil end
+  -- 1e-3: rules.SPEND_SLACK_MICROS
+  if l.spend_budget == nil or acc.spend_used_micros + spend <= l.spend_budget * 1e6 + 1e-3 then return nil end
   local retry = nil
   if spend <= l.spend_budget * 1e6 then
     retry = math.max(0.0, (next_period_start_ms(acc.spend_period_start_ms, l.spend_period) - now) / 1000.0)
