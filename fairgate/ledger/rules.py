@@ -441,9 +441,9 @@ def settle(
         for account, limits in books
     ]
     for acc in accounts:
-        acc.gpu_window_used_ms = max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
+        acc.gpu_window_used_ms = _used_after(acc.gpu_window_used_ms, acc.gpu_window_start_ms, r, new_gpu - old_gpu)
         acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
-        acc.spend_used_micros = _spent_after(acc, r, spend_change)
+        acc.spend_used_micros = _used_after(acc.spend_used_micros, acc.spend_period_start_ms, r, spend_change)
         if final:
             acc.concurrent = max(0, acc.concurrent - 1)
             if r.queued:
@@ -473,15 +473,15 @@ def settle(
     return updated, accounts, new_run, delta
 
 
-def _spent_after(acc: Account, r: Reservation, spend_change: float) -> float:
-    """The account's spend this period once ``r``'s hold changes by ``spend_change``. A reservation made before
-    the period began keeps its hold and billing in the period it was made in: the current one is charged only
-    what it bills above that hold, never given back a hold it never took. (A reservation re-opened in this
-    period after being made in an earlier one counts as the earlier one's: its hold stays booked here until
-    the period ends, which refuses sooner but never overspends.)"""
-    if r.created_ms < acc.spend_period_start_ms:
-        return acc.spend_used_micros + max(0.0, spend_change)
-    return max(0.0, acc.spend_used_micros + spend_change)
+def _used_after(used: float, period_start_ms: float, r: Reservation, change: float) -> float:
+    """What a GPU window or spend period (``used`` since ``period_start_ms``) holds once ``r``'s hold in it changes
+    by ``change``. A reservation made before the period began keeps its hold and billing in the period it was
+    made in: the current one is charged only what it bills above that hold, never given back a hold it never
+    took. (One re-opened in this period after being made in an earlier one counts as the earlier one's: its hold
+    stays booked here until the period ends, which refuses sooner but never overspends.)"""
+    if r.created_ms < period_start_ms:
+        return used + max(0.0, change)
+    return max(0.0, used + change)
 
 
 def _settled_account(acc: Account, limits: Limits, r: Reservation, returned: tuple[int, int]) -> Account:

@@ -709,3 +709,20 @@ async def test_concurrent_retries_reopen_once(ledger):
     assert {(r.id, r.status) for r in retries} == {(first.id, "open")}
     assert (await ledger.account("a")).concurrent == 1
     assert [e.kind for e in await ledger.events("a")].count("reserve") == 2
+
+
+async def test_a_reservation_closed_in_the_next_gpu_window_gives_its_hold_back_to_its_own(open_ledger, clock):
+    """Made in one GPU window and cancelled in the next, a reservation takes nothing off the new window's
+    count: the hold of a reservation made there stays, and the window's budget is not overspent."""
+    ledger = await open_ledger({"defaults": {"gpu_seconds": 10, "gpu_window_s": 3600}, "tenants": {"a": {}}}, clock)
+    window_ms = 3_600_000.0
+    clock.now_ms = (clock.now_ms // window_ms + 1) * window_ms - 1000.0  # a second before a window ends
+    old = await ledger.reserve("a", "old", 1, 1, 8000.0)
+    clock.advance(2)
+    new = await ledger.reserve("a", "new", 1, 1, 8000.0)  # the new window's budget is fresh
+    await ledger.cancel(old.id, Usage())
+    assert (await ledger.account("a", "*")).gpu_window_used_ms == 8000.0
+    with pytest.raises(QuotaExceeded, match="gpu_seconds"):
+        await ledger.reserve("a", "more", 1, 1, 4000.0)
+    await ledger.settle(new.id, 1, 1, 3000.0, final=True)
+    assert (await ledger.account("a", "*")).gpu_window_used_ms == 3000.0

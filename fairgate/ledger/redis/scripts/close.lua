@@ -49,6 +49,13 @@ else
   new_in, new_out, new_gpu = math.max(r_in, b_in), r_max_out, math.max(r_est, b_gpu)
 end
 local spend_change = spend_of(r, new_in, new_out, new_gpu) - spend_of(r, old_in, old_out, old_gpu)
+-- rules._used_after: a reservation made before the window or period began is charged only what it bills above
+-- its hold there, and gives back nothing it never took there.
+local created = tonumber(r.created_ms)
+local function used_after(used, start, change)
+  if created < start then return used + math.max(0.0, change) end
+  return math.max(0.0, used + change)
+end
 for _, b in ipairs(books) do
   local acc, lim = load_account(b.key), b.lim
   refresh(acc, lim, now)
@@ -58,13 +65,9 @@ for _, b in ipairs(books) do
       acc[key] = bucket_credit(acc[key], d[3], lim[d[1] .. '_burst'] or 0.0)
     end
   end
-  acc.gpu_window_used_ms = math.max(0.0, acc.gpu_window_used_ms + new_gpu - old_gpu)
+  acc.gpu_window_used_ms = used_after(acc.gpu_window_used_ms, acc.gpu_window_start_ms, new_gpu - old_gpu)
   acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
-  if tonumber(r.created_ms) < acc.spend_period_start_ms then  -- rules._spent_after: made in an earlier period
-    acc.spend_used_micros = acc.spend_used_micros + math.max(0.0, spend_change)
-  else
-    acc.spend_used_micros = math.max(0.0, acc.spend_used_micros + spend_change)
-  end
+  acc.spend_used_micros = used_after(acc.spend_used_micros, acc.spend_period_start_ms, spend_change)
   if final then
     acc.concurrent = math.max(0, acc.concurrent - 1)
     if r.queued == '1' then acc.queued = math.max(0, acc.queued - 1) end
