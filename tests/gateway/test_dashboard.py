@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,8 @@ import pytest
 
 from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.ledger.base import tenant_tag
-from tests.gateway.conftest import TENANTS, post
+from fairgate.ledger.config import PriceConfig, PricingConfig
+from tests.gateway.conftest import TENANTS, post, serve_stack
 from tests.gateway.test_metrics import ADMIN_KEY, admin_stack
 
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -172,7 +174,9 @@ def test_the_dashboard_in_chromium(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     folder = artefacts(tmp_path)
-    with admin_stack(tmp_path) as stack, traffic(stack.url, stack.keys) as done, sync_playwright() as p:
+    priced = PricingConfig(currency="EUR", model_class={"emu": PriceConfig(output_per_mtok=100_000.0)})  # 0.1/token
+    served = serve_stack(tmp_path, admin_key=ADMIN_KEY, pricing=priced)
+    with served as stack, traffic(stack.url, stack.keys) as done, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -205,6 +209,9 @@ def test_the_dashboard_in_chromium(tmp_path):
                 timeout=30_000,
             )
             expect(page.locator("#totals tbody tr")).to_have_count(3)
+            spend = page.locator("#totals tbody tr td:last-child").all_inner_texts()
+            assert all(re.fullmatch(r"\d+\.\d{2,4} EUR", cell) for cell in spend), spend
+            assert any(float(cell.split()[0]) > 0 for cell in spend), spend  # what finished requests cost
             expect(page.locator("#fairness")).to_be_visible()
             page.screenshot(path=str(folder / "dashboard_admin.png"), full_page=True)
             assert page.evaluate("() => sessionStorage.getItem('fairgate.dashboard.key')") == ADMIN_KEY
