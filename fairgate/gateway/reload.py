@@ -14,8 +14,10 @@ apply with a restart. Refused with its one-line error, the running configuration
 not load, that changes while it is read, that would leave no key at all (a file caught half written), that
 drops a tenant (its reservations are still open: revoke its keys to stop it, then restart), that adds or
 removes a tenant's model class table (its open reservations were charged to the tables in force; a class's
-limits change on reload), that moves a tenant to another priority pool or names one not in use, a model
-class or ``[access]`` name the running models lack, or a short delegation secret.
+limits change on reload), that sets a spend budget while a class the running gateway charges has no price
+(prices change on reload: a request in flight settles at the price it was admitted at), that moves a tenant
+to another priority pool or names one not in use, a model class or ``[access]`` name the running models lack, or
+a short delegation secret.
 
 Each process applies its own file: on a shared ledger, reload every process (``deploy/kubernetes`` has a
 recipe); until then each checks reservations against the limits it holds.
@@ -148,6 +150,12 @@ def _check_models(running: GatewayConfig, new: GatewayConfig) -> None:
             "restart, then [access] can name it)"
         )
     classes = {served.quota_class for served in running.served.values()}
+    unpriced = sorted(classes - set(new.quotas.prices))
+    if new.quotas.spend_limited and unpriced:
+        raise GatewayConfigError(
+            f"{running.path}: quotas.pricing.model_class: the running gateway charges class {unpriced[0]!r}, which "
+            "has no price while a spend_budget is set (its requests would run free of every budget)"
+        )
     for tenant in new.quotas.tenants.values():
         unknown = sorted(set(tenant.by_model_class) - classes)
         if unknown:

@@ -83,6 +83,42 @@ def chat_class(document: Any) -> None:
     document["quotas"]["tenants"]["beta"]["model_class"] = {"chat": {"max_concurrent": 1}}
 
 
+def priced_alias(document: Any) -> None:
+    """A new model ``chat`` over the pool ``emu`` (applied by a restart only), priced, and a spend budget: the
+    running gateway still charges class ``emu``, unpriced."""
+    chat_class(document)
+    del document["quotas"]["tenants"]["beta"]["model_class"]
+    document["quotas"]["pricing"] = {"model_class": {"chat": {"output_per_mtok": 1.0}}}
+    document["quotas"]["defaults"]["spend_budget"] = 10.0
+
+
+def test_prices_and_a_spend_budget_apply_on_reload_and_a_stream_in_flight_keeps_its_price(tmp_path: Path) -> None:
+    with served(tmp_path) as (stack, _):
+        with streaming(stack, "before", 300) as lines:
+
+            def priced(document: Any) -> None:
+                document["quotas"]["pricing"] = {
+                    "currency": "EUR",
+                    "model_class": {"emu": {"output_per_mtok": 10_000.0}},
+                }
+                document["quotas"]["defaults"]["spend_budget"] = 5.0
+
+            edit(stack.config_path, priced, table=None)
+            assert admin(stack, "POST", "/admin/reload").status_code == 200
+            after = post(stack, "alpha", max_tokens=50)  # 0.5 EUR at most
+        assert after.status_code == 200, after.text
+        usage = httpx.get(
+            f"{stack.url}/v1/usage", headers={"Authorization": f"Bearer {stack.keys['alpha']}"}, timeout=30
+        ).json()
+        reservations = {r.request_id: r for r in stack.reservations() if r.tenant == "alpha"}
+    before = reservations.pop("before")
+    [(_, new)] = reservations.items()
+    assert before.billed.output_tokens == streamed_tokens(lines) and before.price.output_micros_per_token == 0.0
+    assert new.price.output_micros_per_token == 10_000.0 and new.billed.output_tokens == 50
+    assert usage["spend"]["currency"] == "EUR" and usage["spend"]["amount"] == pytest.approx(0.5)
+    assert usage["spend"]["period"]["budget"] == 5.0 and usage["spend"]["period"]["used"] == pytest.approx(0.5)
+
+
 @contextmanager
 def streaming(stack: Stack, request_id: str, tokens: int) -> Iterator[list[str]]:
     """A stream of alpha's of ``tokens`` tokens running while the block runs; its ``data:`` lines."""
@@ -183,6 +219,7 @@ def test_what_only_a_restart_applies_is_refused_and_the_running_limits_stay(tmp_
             "model_class.emu: a model class table added or removed is applied by a restart only": lambda doc: doc[
                 "quotas"
             ]["tenants"]["beta"].add("model_class", {"emu": {"max_concurrent": 1}}),
+            "the running gateway charges class 'emu', which has no price": priced_alias,
         }
         applied = stack.config_path.read_text()
         for message, change in refusals.items():
