@@ -35,9 +35,10 @@ from fairgate.gateway import (
     metrics,
     reload,
     signin,
+    upstream_reload,
     usage_api,
 )
-from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.config import GatewayConfig, UpstreamConfig
 from fairgate.gateway.dispatch import Dispatcher, Upstream
 from fairgate.gateway.identity import Identity, require_admin
 from fairgate.gateway.intake import lenient_request_id
@@ -173,17 +174,23 @@ def _lifespan(state: GatewayState, ledger: Ledger | None, keys: Mapping[str, Sec
             await asyncio.wait({connecting}, timeout=CONNECT_WAIT_S)
             opened = deferred
         state.open_ledger(opened)
-        settings = {u.name: u for u in config.upstreams}
-        for upstream in state.dispatcher.upstreams():
-            state.upstreams[upstream.name] = UpstreamClient(
+
+        def open_upstream(upstream: Upstream, settings: UpstreamConfig, api_key: SecretStr | None) -> UpstreamClient:
+            return UpstreamClient(
                 upstream,
                 _charge_sink(state.dispatcher, upstream.pool),
                 clock=state.clock.monotonic_s,
                 timeout_s=config.gateway.request_timeout_s,
                 on_down=state.dispatcher.mark_down,
-                settings=settings[upstream.name],
-                api_key=keys.get(upstream.name),
+                settings=settings,
+                api_key=api_key,
             )
+
+        state.set_upstream_opener(open_upstream)
+        state.dispatcher.on_gone = lambda upstream: upstream_reload.forget(state, upstream)
+        settings = {u.name: u for u in config.upstreams}
+        for upstream in state.dispatcher.upstreams():
+            state.upstreams[upstream.name] = open_upstream(upstream, settings[upstream.name], keys.get(upstream.name))
         tasks = background.start(state)
         yield {"gateway": state}
         for task in tasks:

@@ -250,7 +250,7 @@ class Call:
         return (
             self.may_retry
             and exc.unreachable
-            and any(u.healthy for u in self.state.dispatcher.upstreams() if u.pool in pools and u is not mine)
+            and any(u.serving for u in self.state.dispatcher.upstreams() if u.pool in pools and u is not mine)
         )
 
     async def _end(self, stream: AsyncIterator[dict[str, Any]], finished: bool, retrying: bool) -> None:

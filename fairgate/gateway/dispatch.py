@@ -66,6 +66,7 @@ class Upstream:
     engine_waiting: float | None = None
     engine_running_max: float = 0.0  # the most it was seen running at once: its slots, as far as is known
     engine_queue_reads: int = 0  # consecutive reads that found it full and requests queued in it
+    retired: bool = False  # taken out by a reload: no new request; gone once its requests end (``retire``)
 
     def __post_init__(self) -> None:
         self.pool = self.pool or self.model
@@ -78,10 +79,15 @@ class Upstream:
         takes new requests in between iterations, so its queue is seldom empty under load)."""
         return self.engine_queue_reads >= 2
 
+    @property
+    def serving(self) -> bool:
+        """Up and not retired: it takes requests when it has slots."""
+        return self.healthy and not self.retired
+
     def takes(self, sequences: int = 1) -> bool:
         """Whether ``sequences`` more fit: it is up, has the slots, and its engine is not ``overfilled`` (a
         request queued inside an engine waits first come, first served, outside any fairness)."""
-        return self.healthy and self.in_flight + sequences <= self.max_batch and not self.overfilled
+        return self.serving and self.in_flight + sequences <= self.max_batch and not self.overfilled
 
 
 @dataclass
@@ -133,6 +139,7 @@ class Dispatcher:
     ) -> None:
         self._clock = clock
         self._on_charge = on_charge or (lambda model, tenant, gpu_ms: None)
+        self.on_gone: Callable[[Upstream], None] = lambda upstream: None  # a retired upstream's last request ended
         self._max_queued = max_queued
         self._ids = itertools.count(1)  # the policy's tie-break: arrival order within this process
         self._pools: dict[str, _Pool] = {}
@@ -151,8 +158,28 @@ class Dispatcher:
         return self._pools[pool].admitter.policy
 
     def upstreams(self) -> list[Upstream]:
-        """Every upstream, with its ``in_flight`` count now."""
+        """Every upstream, with its ``in_flight`` count now (retired ones included until their requests end)."""
         return [u for pool in self._pools.values() for u in pool.upstreams]
+
+    def add(self, upstream: Upstream) -> None:
+        """A new upstream of a running pool (a reload) takes requests at once. Raises ``KeyError`` for a pool
+        not running (a new pool's policy and queues are built at start: a restart adds it)."""
+        pool = self._pools[upstream.pool]
+        pool.upstreams.append(upstream)
+        self._dispatch(pool)
+
+    def retire(self, upstream: Upstream) -> None:
+        """``upstream`` takes no new request (a reload removed it); its requests run to their end, then it is
+        forgotten and ``on_gone`` told (at once when it runs none)."""
+        upstream.retired = True
+        if upstream.in_flight <= 0:
+            self._forget(upstream)
+
+    def _forget(self, upstream: Upstream) -> None:
+        pool = self._pools[upstream.pool]
+        if upstream in pool.upstreams:
+            pool.upstreams.remove(upstream)
+            self.on_gone(upstream)
 
     def request(self, tenant: str, prompt_tokens: int, max_output_tokens: int, sequences: int = 1) -> Request:
         """A new request as the policy sees it, arriving now: ``sequences`` sequences (slots) that generate
@@ -169,7 +196,7 @@ class Dispatcher:
         upstream.healthy = False
         log.warning("upstream %s is down: it refused a connection", upstream.name)
         pool = self._pools[upstream.pool]
-        if any(u.healthy for u in pool.upstreams):
+        if any(u.serving for u in pool.upstreams):
             return
         now = self._clock()
         for request_id, future in list(pool.waiters.items()):
@@ -237,7 +264,7 @@ class Dispatcher:
 
         for name in names:
             pool = self._pools.get(name)
-            if pool is None or not any(u.healthy for u in pool.upstreams):
+            if pool is None or not any(u.serving for u in pool.upstreams):
                 continue
             try:
                 return await self._wait_in(pool, request, once)
@@ -282,6 +309,8 @@ class Dispatcher:
         pool = self._pools[lease.upstream.pool]
         lease.upstream.in_flight -= lease.slots
         pool.admitter.finish(lease.request, self._clock(), generated_tokens)
+        if lease.upstream.retired and lease.upstream.in_flight <= 0:
+            self._forget(lease.upstream)
         self._dispatch(pool)
 
     def charge(self, pool_name: str, tenant: str, gpu_ms: float, output_tokens: int, batch_size: int) -> None:

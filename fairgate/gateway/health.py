@@ -47,7 +47,7 @@ async def readiness(state: GatewayState) -> dict[str, Any]:
     emergency = any(t.tier.on_ledger_unavailable == "emergency" for t in state.config.quotas.tenants.values())
     pools: dict[str, int] = {}
     for upstream in state.dispatcher.upstreams():
-        pools[upstream.pool] = pools.get(upstream.pool, 0) + (1 if upstream.healthy else 0)
+        pools[upstream.pool] = pools.get(upstream.pool, 0) + (1 if upstream.serving else 0)
     up = {name: sum(pools.get(p, 0) for p in served.pools) for name, served in state.config.served.items()}
     reasons = [f"no upstream of model {model!r} is up" for model, n in sorted(up.items()) if n == 0]
     if ledger != "ok" and not emergency:

@@ -3,12 +3,14 @@
 The file the gateway was started with is read and validated again, whole. What takes effect at once is who
 may call, with which models, and within which limits: the ``[[key]]`` tables (keys added, revoked, rotated,
 expiring), ``[admin]``, ``[delegation]``, ``[access]`` and ``[quotas]`` - tiers, limits, model classes,
-weights, and new tenants. Requests in flight, streams included, are not touched: a request is
-authenticated once, when it arrives, and its reservation is settled under the limits in force when each
-settlement is booked (``Ledger.apply_quotas``). A weight applies to what the fair policy charges from then
-on; the GPU time a tenant was charged stays (``fairgate.core.policies.factory.reshare``).
+weights, prices, and new tenants - and the ``[[upstream]]`` replicas of the running models, added and taken out
+(``fairgate.gateway.upstream_reload``: one taken out finishes its requests first). Requests in flight, streams
+included, are not touched: a request is authenticated once, when it arrives, and its reservation is settled
+under the limits in force when each settlement is booked (``Ledger.apply_quotas``). A weight applies to what the
+fair policy charges from then on; the GPU time a tenant was charged stays
+(``fairgate.core.policies.factory.reshare``).
 
-A change anywhere else (``[gateway]``, upstreams, models, policy, telemetry) is not applied - the queues,
+A change anywhere else (``[gateway]``, models, policy, telemetry) is not applied - the queues,
 the meters and the upstream clients are built from them - and is named in the answer and the log line, to
 apply with a restart. Refused with its one-line error, the running configuration kept whole: a file that does
 not load, that changes while it is read, that would leave no key at all (a file caught half written), that
@@ -44,7 +46,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from fairgate.core.policies.factory import TenantShare, reshare
-from fairgate.gateway import audit
+from fairgate.gateway import audit, upstream_reload
 from fairgate.gateway.config import GatewayConfig, GatewayConfigError, load_gateway_config
 from fairgate.gateway.identity import Identity, require_admin
 from fairgate.gateway.outcomes import Outcome, Rejection
@@ -52,16 +54,10 @@ from fairgate.gateway.state import GatewayState, gateway_of
 
 log = logging.getLogger("fairgate.gateway")
 
-APPLIED = ("key", "admin", "delegation", "access", "quotas")
-APPLIED_FIELDS = ("keys", "admin", "delegation", "access", "quotas_document")
+APPLIED = ("key", "admin", "delegation", "access", "quotas", "upstream")
+APPLIED_FIELDS = ("keys", "admin", "delegation", "access", "quotas_document", "upstreams")
 # The other top-level tables, as ``GatewayConfig`` fields: compared to say what a restart would change.
-NEEDS_RESTART = {
-    "gateway": "gateway",
-    "upstream": "upstreams",
-    "model": "models",
-    "policy": "policy",
-    "telemetry": "telemetry",
-}
+NEEDS_RESTART = {"gateway": "gateway", "model": "models", "policy": "policy", "telemetry": "telemetry"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +89,7 @@ def apply_config(state: GatewayState, new: GatewayConfig) -> Reloaded:
     _check_keys(running, new)
     _check_models(running, new)
     _check_tenants(running, new)
+    upstreams = upstream_reload.plan(state, new)
     shares = {name: TenantShare(t.weight, t.priority) for name, t in new.quotas.tenants.items()}
     merged = running.with_tables(new, APPLIED_FIELDS)
     identity = Identity(merged, state.clock.wall_s)  # built whole before it replaces the running one
@@ -102,6 +99,7 @@ def apply_config(state: GatewayState, new: GatewayConfig) -> Reloaded:
     except ValueError as exc:
         raise GatewayConfigError(f"{running.path}: quotas: {exc}") from None
     state.backend.apply_quotas(new.quotas)
+    upstream_reload.apply(state, upstreams)
     state.config, state.identity = merged, identity
     for listener in state.on_reload:
         listener(merged)
@@ -116,6 +114,7 @@ def restore(state: GatewayState, previous: GatewayConfig) -> None:
         with suppress(ValueError):  # a tenant added meanwhile keeps its pool; its weight goes back to 1
             reshare(state.dispatcher.policy(pool), shares)
     state.backend.apply_quotas(previous.quotas)
+    upstream_reload.undo(state, previous)
     state.config, state.identity = previous, Identity(previous, state.clock.wall_s)
     for listener in state.on_reload:
         listener(previous)

@@ -54,7 +54,7 @@ class ChargeSync:
         process: str | None = None,
     ) -> None:
         self.ledger, self.dispatcher, self.interval_s = ledger, dispatcher, interval_s
-        self.clients = dict(clients or {})
+        self.clients = clients if clients is not None else {}  # the live mapping: a reload adds and retires
         self.process = process or uuid.uuid4().hex
         self._known: dict[str, dict[str, tuple[float, int, int]]] = {}  # model -> tenant -> totals seen
         self._pending: dict[str, dict[str, tuple[float, int, int]]] = {}  # not yet added (ledger was down)
@@ -85,12 +85,13 @@ class ChargeSync:
         if not self.clients:
             return
         mine: dict[str, tuple[float, float]] = {}
-        for client in self.clients.values():
+        clients = list(self.clients.values())  # as they are now: a reload may change them during the call
+        for client in clients:
             taken = client.take_occupancy()
             before = mine.get(upstream_key(client), (0.0, 0.0))
             mine[upstream_key(client)] = (before[0] + taken.sequences, before[1] + taken.prefill_share)
         others = await self.ledger.share_occupancy(self.process, mine, 4000.0 * self.interval_s + 1000.0)
-        for client in self.clients.values():
+        for client in clients:
             sequences, prefill_share = others.get(upstream_key(client), (0.0, 0.0))
             client.set_remote(Occupancy(sequences, min(1.0, prefill_share)))
 

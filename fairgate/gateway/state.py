@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
+from pydantic import SecretStr
 
-from fairgate.gateway.config import GatewayConfig
+from fairgate.gateway.config import GatewayConfig, UpstreamConfig
 from fairgate.gateway.dispatch import Dispatcher
+from fairgate.gateway.dispatch import Upstream as Dispatched
 from fairgate.gateway.identity import Identity
 from fairgate.gateway.observe import Fanout
 from fairgate.gateway.upstream import UpstreamClient
@@ -90,6 +92,10 @@ class CallRegistry:
         return iter(list(self._calls))
 
 
+# Opens an upstream's client: (the dispatcher's upstream, its table, its API key or None) -> the client.
+UpstreamOpener = Callable[["Dispatched", UpstreamConfig, "SecretStr | None"], UpstreamClient]
+
+
 @dataclass(eq=False)
 class GatewayState:
     """What one gateway app holds (see module docstring).
@@ -133,6 +139,7 @@ class GatewayState:
     _ledger: ResilientLedger | None = None
     _backend: Ledger | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _opener: UpstreamOpener | None = None
 
     @property
     def ledger(self) -> ResilientLedger:
@@ -153,6 +160,19 @@ class GatewayState:
         """Set the ledger the app has opened (its lifespan does)."""
         self._backend = backend
         self._ledger = ResilientLedger(backend, self.config.journal_path)
+
+    def set_upstream_opener(self, opener: UpstreamOpener) -> None:
+        """How this app opens an upstream's client (its lifespan sets it: the clients live on its loop)."""
+        self._opener = opener
+
+    def open_upstream(
+        self, upstream: Dispatched, settings: UpstreamConfig, api_key: SecretStr | None
+    ) -> UpstreamClient:
+        """A client and live meter for ``upstream`` (at start, and for one a reload adds). Raises
+        ``RuntimeError`` before the app has started."""
+        if self._opener is None:
+            raise RuntimeError("the gateway has not started: it opens no upstream")
+        return self._opener(upstream, settings, api_key)
 
     def wall_ms(self) -> float:
         return self.clock.wall_s() * 1000.0

@@ -66,7 +66,7 @@ def test_a_key_added_works_after_a_reload_and_a_stream_in_flight_runs_to_its_end
         runner.join(30)
         assert answer.status_code == 200, answer.text
         assert answer.json() == {
-            "applied": ["key", "admin", "delegation", "access", "quotas"],
+            "applied": ["key", "admin", "delegation", "access", "quotas", "upstream"],
             "keys": 4,
             "admin_keys": 1,
             "tenants": 3,

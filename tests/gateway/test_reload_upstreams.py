@@ -1,0 +1,142 @@
+"""Upstreams added and taken out by a reload (``fairgate.gateway.upstream_reload``): a replica added takes
+requests at once; one taken out takes no new request while a stream it runs goes on to its end, billed what its
+client received, then its client is closed; what a reload cannot do to upstreams is refused, the running
+ones kept."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import tomlkit
+
+from fairgate.emulator.api import create_app
+from fairgate.gateway.app import create_gateway
+from fairgate.gateway.config import load_gateway_config
+from fairgate.gateway.observe import Finished
+from fairgate.gateway.state import GatewayState, state_of
+from fairgate.harness.threads import serve_in_thread
+from tests.gateway.conftest import EMULATOR, Stack, write_config
+
+ADMIN = f"fg-test-admin-{'u' * 24}"
+
+
+class Finishes:
+    """Which upstream served each finished request."""
+
+    def __init__(self) -> None:
+        self.upstream: dict[str, str] = {}
+
+    def observe(self, event: object) -> None:
+        if isinstance(event, Finished):
+            self.upstream[event.request_id] = event.upstream
+
+
+@contextmanager
+def two_replicas(tmp: Path) -> Iterator[tuple[Stack, GatewayState, Finishes, str]]:
+    """A gateway in front of one replica (``emu-0``) and a second replica's URL, not yet configured."""
+    finishes = Finishes()
+    with serve_in_thread(create_app(EMULATOR)) as first, serve_in_thread(create_app(EMULATOR)) as second:
+        path, keys = write_config(tmp, [first], admin_key=ADMIN)
+        app = create_gateway(load_gateway_config(path), observers=[finishes])
+        with serve_in_thread(app) as url:
+            yield Stack(url, keys, path, load_gateway_config(path)), state_of(app), finishes, second
+
+
+def reload(stack: Stack) -> httpx.Response:
+    return httpx.post(f"{stack.url}/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+
+
+def set_upstreams(path: Path, tables: list[dict[str, Any]]) -> None:
+    document = tomlkit.parse(path.read_text())
+    upstreams = tomlkit.aot()
+    for table in tables:
+        upstreams.append(tomlkit.item(table))
+    document["upstream"] = upstreams
+    path.write_text(tomlkit.dumps(document))
+
+
+def first_table(path: Path) -> dict[str, Any]:
+    return dict(tomlkit.parse(path.read_text())["upstream"][0].unwrap())
+
+
+def complete(stack: Stack, request_id: str, tokens: int = 5) -> httpx.Response:
+    body = {"model": "emu", "prompt": "a b", "max_tokens": tokens, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
+    return httpx.post(f"{stack.url}/v1/completions", json=body, headers=headers, timeout=30)
+
+
+@contextmanager
+def streaming(stack: Stack, request_id: str, tokens: int = 300) -> Iterator[list[str]]:
+    """A stream running while the block runs (300 tokens take ~1.3 s on the emulator); its ``data:`` lines."""
+    lines: list[str] = []
+    body = {"model": "emu", "prompt": "a b", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {stack.keys['beta']}", "X-Request-Id": request_id}
+
+    def run() -> None:
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+            lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    time.sleep(0.3)
+    try:
+        yield lines
+    finally:
+        runner.join(60)
+
+
+def tokens_of(lines: list[str]) -> int:
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    return sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"])
+
+
+def test_a_replica_swapped_by_a_reload_drains_its_stream_and_the_new_one_serves(tmp_path: Path) -> None:
+    with two_replicas(tmp_path) as (stack, state, finishes, second):
+        old = first_table(stack.config_path)
+        with streaming(stack, "across") as lines:
+            set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}])
+            answer = reload(stack)
+            assert answer.status_code == 200 and "upstream" in answer.json()["applied"], answer.text
+            draining = {u.name: u.retired for u in state.dispatcher.upstreams()}
+            assert draining == {"emu-0": True, "emu-1": False}  # emu-0 still runs the stream
+            assert all(complete(stack, f"after-{i}").status_code == 200 for i in range(4))
+        time.sleep(0.2)  # the stream's release, on the gateway's loop
+        reservations = {r.request_id: r for r in stack.reservations()}
+        gone = [u.name for u in state.dispatcher.upstreams()], sorted(state.upstreams)
+    assert tokens_of(lines) == 300 == reservations["across"].billed.output_tokens
+    assert finishes.upstream["across"] == "emu-0"
+    assert {finishes.upstream[f"after-{i}"] for i in range(4)} == {"emu-1"}
+    assert gone == (["emu-1"], ["emu-1"])  # emu-0 forgotten and its client closed once its stream ended
+    assert all(reservations[f"after-{i}"].status == "settled" for i in range(4))
+
+
+def test_what_a_reload_cannot_do_to_upstreams_is_refused_and_they_keep_serving(tmp_path: Path) -> None:
+    with two_replicas(tmp_path) as (stack, state, _, second):
+        old = first_table(stack.config_path)
+        good = stack.config_path.read_text()
+        refusals = {
+            "upstream 'emu-0' changed": [{**old, "max_batch": 8}],
+            "pool 'other' is not running": [old, {**old, "name": "emu-9", "url": f"{second}/v1", "model": "other"}],
+        }
+        for message, tables in refusals.items():
+            set_upstreams(stack.config_path, tables)
+            refused = reload(stack)
+            assert refused.status_code == 400 and message in refused.json()["error"]["message"], refused.text
+            stack.config_path.write_text(good)
+        # Taken out while it runs a stream, a replica's name is not reused until the stream ends.
+        with streaming(stack, "long"):
+            set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}])
+            assert reload(stack).status_code == 200
+            set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}, old])
+            refused = reload(stack)
+            assert refused.status_code == 400 and "'emu-0' is still draining" in refused.text, refused.text
+        assert complete(stack, "still").status_code == 200
+        assert [(u.name, u.max_batch) for u in state.dispatcher.upstreams()] == [("emu-1", 4)]
