@@ -5,8 +5,6 @@ ones kept."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +21,7 @@ from fairgate.gateway.observe import Finished
 from fairgate.gateway.state import GatewayState, state_of
 from fairgate.harness.threads import serve_in_thread
 from tests.gateway.conftest import EMULATOR, Stack, write_config
+from tests.gateway.test_reload_quotas import streamed_tokens, streaming
 
 ADMIN = f"fg-test-admin-{'u' * 24}"
 
@@ -72,36 +71,10 @@ def complete(stack: Stack, request_id: str, tokens: int = 5) -> httpx.Response:
     return httpx.post(f"{stack.url}/v1/completions", json=body, headers=headers, timeout=30)
 
 
-@contextmanager
-def streaming(stack: Stack, request_id: str, tokens: int = 300) -> Iterator[list[str]]:
-    """A stream running while the block runs (300 tokens take ~1.3 s on the emulator); its ``data:`` lines."""
-    lines: list[str] = []
-    body = {"model": "emu", "prompt": "a b", "max_tokens": tokens, "ignore_eos": True, "stream": True}
-    headers = {"Authorization": f"Bearer {stack.keys['beta']}", "X-Request-Id": request_id}
-
-    def run() -> None:
-        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, headers=headers, timeout=60) as r:
-            lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    time.sleep(0.3)
-    try:
-        yield lines
-    finally:
-        runner.join(60)
-
-
-def tokens_of(lines: list[str]) -> int:
-    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
-    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-    return sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"])
-
-
 def test_a_replica_swapped_by_a_reload_drains_its_stream_and_the_new_one_serves(tmp_path: Path) -> None:
     with two_replicas(tmp_path) as (stack, state, finishes, second):
         old = first_table(stack.config_path)
-        with streaming(stack, "across") as lines:
+        with streaming(stack, "across", 300) as lines:
             set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}])
             answer = reload(stack)
             assert answer.status_code == 200 and "upstream" in answer.json()["applied"], answer.text
@@ -111,7 +84,7 @@ def test_a_replica_swapped_by_a_reload_drains_its_stream_and_the_new_one_serves(
         time.sleep(0.2)  # the stream's release, on the gateway's loop
         reservations = {r.request_id: r for r in stack.reservations()}
         gone = [u.name for u in state.dispatcher.upstreams()], sorted(state.upstreams)
-    assert tokens_of(lines) == 300 == reservations["across"].billed.output_tokens
+    assert streamed_tokens(lines) == 300 == reservations["across"].billed.output_tokens
     assert finishes.upstream["across"] == "emu-0"
     assert {finishes.upstream[f"after-{i}"] for i in range(4)} == {"emu-1"}
     assert gone == (["emu-1"], ["emu-1"])  # emu-0 forgotten and its client closed once its stream ended
@@ -132,7 +105,7 @@ def test_what_a_reload_cannot_do_to_upstreams_is_refused_and_they_keep_serving(t
             assert refused.status_code == 400 and message in refused.json()["error"]["message"], refused.text
             stack.config_path.write_text(good)
         # Taken out while it runs a stream, a replica's name is not reused until the stream ends.
-        with streaming(stack, "long"):
+        with streaming(stack, "long", 300):
             set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}])
             assert reload(stack).status_code == 200
             set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}, old])
