@@ -139,8 +139,11 @@ async def probe(state: GatewayState, interval_s: float = PROBE_EVERY_S) -> None:
         for upstream in state.dispatcher.upstreams():
             if upstream.healthy:
                 continue
+            client = state.upstreams.get(upstream.name)
+            if client is None or client.upstream is not upstream:  # a reload took it out meanwhile
+                continue
             try:
-                status, _ = await state.upstreams[upstream.name].get("/models", PROBE_TIMEOUT_S)
+                status, _ = await client.get("/models", PROBE_TIMEOUT_S)
             except (aiohttp.ClientError, TimeoutError):
                 continue
             if status == 200:

@@ -508,16 +508,22 @@ class GatewayConfig(_Strict):
             params["slot_cap"] = {"max_running": max(1, sum(u.max_batch for u in self.upstreams) // tenants)}
         return PolicySpec(name or self.gateway.policy, params)
 
-    def upstream_keys(self, environ: Mapping[str, str] | None = None) -> dict[str, SecretStr]:
+    def upstream_keys(
+        self, environ: Mapping[str, str] | None = None, names: Iterable[str] | None = None
+    ) -> dict[str, SecretStr]:
         """Each upstream's API key (by upstream name; an upstream without ``api_key_env`` or
-        ``api_key_file`` has none), read now from ``environ`` (default ``os.environ``) or the file.
+        ``api_key_file`` has none), read now from ``environ`` (default ``os.environ``) or the file; only
+        those of ``names`` when given (a reload reads the keys of the upstreams it adds).
 
         Raises:
             GatewayConfigError: a variable unset or empty, a file missing, unreadable or empty; the message
                 names the key, the upstream and the variable or file, never the key's value.
         """
         keys: dict[str, SecretStr] = {}
+        wanted = None if names is None else set(names)
         for i, upstream in enumerate(self.upstreams):
+            if wanted is not None and upstream.name not in wanted:
+                continue
             try:
                 key = read_key(upstream.api_key_env, upstream.api_key_file, environ)
             except CredentialError as exc:

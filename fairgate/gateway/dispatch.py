@@ -174,6 +174,15 @@ class Dispatcher:
         upstream.retired = True
         if upstream.in_flight <= 0:
             self._forget(upstream)
+        pool = self._pools[upstream.pool]
+        if not any(u.serving for u in pool.upstreams):
+            self._fail_waiters(pool)  # as when its last upstream goes down: they move on or fail, not hang
+        self._dispatch(pool)  # a held request no upstream left can ever fit fails now
+
+    def revive(self, upstream: Upstream) -> None:
+        """A retired upstream still draining is configured again as it was (a reload undone): it takes requests."""
+        upstream.retired = False
+        self._dispatch(self._pools[upstream.pool])
 
     def _forget(self, upstream: Upstream) -> None:
         pool = self._pools[upstream.pool]
@@ -198,10 +207,16 @@ class Dispatcher:
         pool = self._pools[upstream.pool]
         if any(u.serving for u in pool.upstreams):
             return
+        self._fail_waiters(pool)
+
+    def _fail_waiters(self, pool: _Pool) -> None:
+        """The pool has no upstream serving: every request queued there fails with ``NoUpstream`` (``acquire``
+        moves each to its next pool with an upstream up; else the client gets an error)."""
         now = self._clock()
+        name = next((u.pool for u in pool.upstreams), "?")
         for request_id, future in list(pool.waiters.items()):
             if not future.done():
-                future.set_exception(NoUpstream(f"no upstream is up for model {upstream.pool!r}"))
+                future.set_exception(NoUpstream(f"no upstream is up for model {name!r}"))
             del pool.waiters[request_id]
             pool.admitter.remove(request_id, now)
         self._drop_held(pool, None)
@@ -369,6 +384,15 @@ class Dispatcher:
                 self._drop_held(pool, request)
                 continue
             fitting = [u for u in pool.upstreams if u.takes(request.sequences)]
+            if not fitting and not any(not u.retired and u.max_batch >= request.sequences for u in pool.upstreams):
+                # No upstream left could ever hold it (a reload took out the larger ones): it fails rather
+                # than hold every request behind it.
+                name = next((u.pool for u in pool.upstreams), "?")
+                pool.waiters.pop(request.request_id).set_exception(
+                    NoUpstream(f"no upstream of model {name!r} takes {request.sequences} sequences")
+                )
+                self._drop_held(pool, request)
+                continue
             if not fitting:
                 return  # held until enough of its model's slots free (``release`` dispatches again)
             upstream = min(fitting, key=_load)

@@ -62,13 +62,16 @@ NEEDS_RESTART = {"gateway": "gateway", "model": "models", "policy": "policy", "t
 
 @dataclass(frozen=True)
 class Reloaded:
-    """What a reload applied: the tenant and admin keys that work now, the tenants configured, and the tables
-    changed in the file but not applied (a restart applies them)."""
+    """What a reload applied: the tenant and admin keys that work now, the tenants configured, the tables
+    changed in the file but not applied (a restart applies them), and the upstreams added (or serving again)
+    and taken out (they drain their requests first)."""
 
     keys: int
     admin_keys: int
     tenants: int
     not_applied: tuple[str, ...]
+    upstreams_added: tuple[str, ...] = ()
+    upstreams_removed: tuple[str, ...] = ()
 
 
 def reload_config(state: GatewayState) -> Reloaded:
@@ -103,7 +106,14 @@ def apply_config(state: GatewayState, new: GatewayConfig) -> Reloaded:
     state.config, state.identity = merged, identity
     for listener in state.on_reload:
         listener(merged)
-    return Reloaded(identity.keys, len(new.admin.key_hashes), len(new.quotas.tenants), _not_applied(running, new))
+    return Reloaded(
+        identity.keys,
+        len(new.admin.key_hashes),
+        len(new.quotas.tenants),
+        _not_applied(running, new),
+        (*upstreams.revived, *(table.name for table in upstreams.added)),
+        upstreams.removed,
+    )
 
 
 def restore(state: GatewayState, previous: GatewayConfig) -> None:
@@ -194,7 +204,11 @@ def _fingerprint(path: Path) -> tuple[int, int, int]:
 
 
 def _not_applied(running: GatewayConfig, new: GatewayConfig) -> tuple[str, ...]:
-    return tuple(table for table, name in NEEDS_RESTART.items() if getattr(running, name) != getattr(new, name))
+    changed = [table for table, name in NEEDS_RESTART.items() if getattr(running, name) != getattr(new, name)]
+    before, after = running.policy_spec(), new.policy_spec()
+    if "policy" not in changed and before.params.get(before.name) != after.params.get(before.name):
+        changed.append("policy")  # slot_cap's default share, made from the replicas and tenants at start
+    return tuple(changed)
 
 
 def reload_and_log(state: GatewayState, actor: str) -> Reloaded:

@@ -254,6 +254,7 @@ class UpstreamClient:
         api_key: SecretStr | None = None,
     ) -> None:
         self.upstream = upstream
+        self.settings = settings  # its [[upstream]] table (None: a bare client, tests): what a reload compares
         self.kind: Kind = settings.engine if settings is not None else KINDS["openai"]
         self._on_down = on_down or (lambda upstream: None)
         self._charge = charge

@@ -9,7 +9,9 @@ autoscaler or an operator does it with vLLM or llama.cpp behind the gateway.
 What a reload cannot do is refused, the running upstreams kept whole: an upstream whose table changed (a
 changed URL, batch size, cost model or credential is another replica: give it a new name, the old one
 drains), a new pool or model (its queues and policy are built at start: a restart adds it), taking out the
-last upstream of a pool, reusing the name of one still draining, and an API key that cannot be read.
+last upstream of a pool, reusing the name of one still draining for another table, and the API key of an
+added upstream that cannot be read. An upstream configured again, unchanged, while it still drains (a reload
+undone) serves again.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ class UpstreamPlan:
     added: tuple[UpstreamConfig, ...] = ()
     removed: tuple[str, ...] = ()
     keys: Mapping[str, SecretStr] = field(default_factory=dict)
+    revived: tuple[str, ...] = ()  # draining, configured again unchanged: they serve again
 
     @property
     def empty(self) -> bool:
-        return not self.added and not self.removed
+        return not self.added and not self.removed and not self.revived
 
 
 def plan(state: GatewayState, new: GatewayConfig) -> UpstreamPlan:
@@ -56,7 +59,8 @@ def plan(state: GatewayState, new: GatewayConfig) -> UpstreamPlan:
     removed = tuple(name for name in before if name not in after)
     if not added and not removed:
         return UpstreamPlan()
-    pools, present = set(state.dispatcher.models()), {u.name for u in state.dispatcher.upstreams()}
+    pools = set(state.dispatcher.models())
+    revived = []
     for table in added:
         i = after[table.name][0]
         if table.pool_name not in pools:
@@ -64,27 +68,36 @@ def plan(state: GatewayState, new: GatewayConfig) -> UpstreamPlan:
                 f"{path}: upstream[{i}]: pool {table.pool_name!r} is not running (a new model or pool is added "
                 "by a restart; a reload adds upstreams to the running ones)"
             )
-        if table.name in present:
+        draining = state.upstreams.get(table.name)
+        if draining is not None and draining.settings != table:
             raise GatewayConfigError(
                 f"{path}: upstream[{i}]: upstream {table.name!r} is still draining the requests it ran before it "
                 "was removed: reload again once they end, or give it another name"
             )
+        if draining is not None:
+            revived.append(table.name)
     if aliases.served_models(running.models, new.upstreams) != running.served:
         emptied = sorted({before[name].pool_name for name in removed} - {u.pool_name for u in new.upstreams})
         raise GatewayConfigError(
             f"{path}: upstream: pool {emptied[0] if emptied else '?'!r} would have no upstream left: keep one "
             "(the last upstream of a running model is removed by a restart)"
         )
-    return UpstreamPlan(added, removed, new.upstream_keys())
+    opened = tuple(table for table in added if table.name not in revived)
+    keys = new.upstream_keys(names=[table.name for table in opened])  # those kept keep the key they run with
+    return UpstreamPlan(opened, removed, keys, tuple(revived))
 
 
 def apply(state: GatewayState, change: UpstreamPlan) -> None:
     """Retire ``change.removed``, open and add ``change.added`` (``plan``'s; nothing here refuses)."""
     if change.empty:
         return
-    by_name = {u.name: u for u in state.dispatcher.upstreams() if not u.retired}
+    present = {u.name: u for u in state.dispatcher.upstreams()}
+    for name in change.revived:
+        state.dispatcher.revive(present[name])
     for name in change.removed:
-        state.dispatcher.retire(by_name[name])
+        upstream = present.get(name)
+        if upstream is not None and not upstream.retired:
+            state.dispatcher.retire(upstream)
     for table in change.added:
         upstream = Upstream(table.name, table.model, table.url, table.max_batch, table.cost, pool=table.pool_name)
         state.upstreams[table.name] = state.open_upstream(upstream, table, change.keys.get(table.name))

@@ -107,3 +107,52 @@ async def test_quota_policy_wakes_up_on_time():
     assert 0.08 <= time.monotonic() - start <= 0.5
     dispatcher.release(first)
     dispatcher.release(second)
+
+
+async def test_a_retired_upstream_drains_its_requests_then_is_forgotten():
+    dispatcher, (u0, u1) = build()
+    gone: list[str] = []
+    dispatcher.on_gone = lambda upstream: gone.append(upstream.name)
+    running = await dispatcher.acquire(Request(0, "a", 10, 0.0), "m")  # on u0
+    dispatcher.retire(u0)
+    later = [await dispatcher.acquire(Request(i, "a", 10, 0.0), "m") for i in (1, 2)]
+    assert [lease.upstream.name for lease in later] == ["u1", "u1"] and gone == []  # u0 takes no new one
+    dispatcher.release(running)
+    assert gone == ["u0"] and dispatcher.upstreams() == [u1]
+    u2 = Upstream("u2", "m", "http://z", 2, COST)
+    dispatcher.add(u2)
+    assert (await dispatcher.acquire(Request(3, "a", 10, 0.0), "m")).upstream is u2
+
+
+async def test_retiring_the_last_upstream_serving_fails_the_queued_requests_at_once():
+    """The other upstream is down: taken out, the one serving leaves nobody to wait for."""
+    dispatcher, (u0, u1) = build()
+    dispatcher.mark_down(u1)
+    held = [await dispatcher.acquire(Request(i, "a", 10, 0.0), "m") for i in range(2)]  # u0 is full
+    queued = asyncio.create_task(dispatcher.acquire(Request(9, "b", 10, 0.0), "m"))
+    await asyncio.sleep(0.01)
+    assert not queued.done()
+    dispatcher.retire(u0)
+    with pytest.raises(NoUpstream):
+        await asyncio.wait_for(queued, 1)
+    for lease in held:
+        dispatcher.release(lease)
+
+
+async def test_a_held_request_no_upstream_left_can_fit_fails_and_frees_the_pool():
+    """Swapped for a replica of fewer slots, the pool cannot ever hold a request of three sequences: it fails,
+    and the request behind it runs."""
+    dispatcher, (u0, u1) = build("fcfs")
+    dispatcher.retire(u1)  # one upstream of two slots, then one of four
+    big = Upstream("big", "m", "http://b", 4, COST)
+    dispatcher.add(big)
+    full = [await dispatcher.acquire(Request(i, "a", 10, 0.0), "m") for i in range(6)]
+    triple = asyncio.create_task(dispatcher.acquire(Request(10, "a", 10, 1.0, 30, sequences=3), "m"))
+    single = asyncio.create_task(dispatcher.acquire(Request(11, "b", 10, 2.0), "m"))
+    await asyncio.sleep(0.01)
+    assert not triple.done() and not single.done()  # the triple is held for three slots on one upstream
+    dispatcher.retire(big)  # what is left has two slots
+    dispatcher.release(next(lease for lease in full if lease.upstream is u0))  # the policy picks the triple
+    with pytest.raises(NoUpstream):
+        await asyncio.wait_for(triple, 1)
+    assert (await asyncio.wait_for(single, 1)).upstream is u0

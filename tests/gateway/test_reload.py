@@ -71,6 +71,8 @@ def test_a_key_added_works_after_a_reload_and_a_stream_in_flight_runs_to_its_end
             "admin_keys": 1,
             "tenants": 3,
             "not_applied": [],
+            "upstreams_added": [],
+            "upstreams_removed": [],
         }
         assert post(stack.url, new).status_code == 200 and post(stack.url, stack.keys["alpha"]).status_code == 200
         [across] = [r for r in stack.reservations() if r.request_id == "across"]

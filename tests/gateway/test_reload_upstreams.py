@@ -104,12 +104,48 @@ def test_what_a_reload_cannot_do_to_upstreams_is_refused_and_they_keep_serving(t
             refused = reload(stack)
             assert refused.status_code == 400 and message in refused.json()["error"]["message"], refused.text
             stack.config_path.write_text(good)
-        # Taken out while it runs a stream, a replica's name is not reused until the stream ends.
+        # Taken out while it runs a stream, a replica's name is not reused for another table until the stream
+        # ends; configured again unchanged (a reload undone), it serves again.
         with streaming(stack, "long", 300):
             set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}])
-            assert reload(stack).status_code == 200
-            set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}, old])
+            assert reload(stack).json()["upstreams_removed"] == ["emu-0"]
+            set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}, {**old, "max_batch": 8}])
             refused = reload(stack)
             assert refused.status_code == 400 and "'emu-0' is still draining" in refused.text, refused.text
+            set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}, old])
+            back = reload(stack)
+            assert back.status_code == 200 and back.json()["upstreams_added"] == ["emu-0"], back.text
         assert complete(stack, "still").status_code == 200
-        assert [(u.name, u.max_batch) for u in state.dispatcher.upstreams()] == [("emu-1", 4)]
+        serving = sorted((u.name, u.max_batch, u.retired) for u in state.dispatcher.upstreams())
+        assert serving == [("emu-0", 4, False), ("emu-1", 4, False)] and sorted(state.upstreams) == ["emu-0", "emu-1"]
+
+
+def test_an_admin_write_that_cannot_be_saved_puts_the_upstreams_back_as_they_ran(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A hand edit swapping the replicas comes in with an admin write; the file cannot be written, so the
+    running configuration is put back: the replica taken out (still draining its stream) serves again and the
+    one added is gone, as the file on disk says."""
+    with two_replicas(tmp_path) as (stack, state, _, second):
+        old = first_table(stack.config_path)
+
+        def cannot_rename(self) -> None:  # type: ignore[no-untyped-def]
+            self.discard()
+            raise PermissionError("injected: rename refused")
+
+        with streaming(stack, "long", 300):
+            before = stack.config_path.read_text()
+            set_upstreams(stack.config_path, [{**old, "name": "emu-1", "url": f"{second}/v1"}])
+            edited = stack.config_path.read_text()
+            monkeypatch.setattr("fairgate.keyfile.Staged.commit", cannot_rename)
+            answer = httpx.post(
+                f"{stack.url}/admin/keys",
+                json={"tenant": "alpha", "name": "laptop"},
+                headers={"Authorization": f"Bearer {ADMIN}"},
+                timeout=30,
+            )
+            monkeypatch.undo()
+            assert answer.status_code >= 400, answer.text
+            serving = sorted((u.name, u.retired) for u in state.dispatcher.upstreams())
+            assert serving == [("emu-0", False)] and [u.name for u in state.config.upstreams] == ["emu-0"]
+            assert stack.config_path.read_text() == edited != before
+        assert complete(stack, "after").status_code == 200
+        assert reload(stack).json()["upstreams_added"] == ["emu-1"]  # the file's swap, applied now
