@@ -114,7 +114,7 @@ async def _reserve(state: GatewayState, tenant: str, generation: Generation) -> 
         outcome = Outcome.QUOTA_EXHAUSTED if exc.retry_after_s is None else Outcome.RATE_LIMITED
         raise Rejection(
             outcome,
-            f"Quota {exc.dimension} exceeded for this tenant.",
+            _quota_message(exc, state.config.quotas.currency),
             retry_after_s=exc.retry_after_s,
             dimension=exc.dimension,
             headers=quota_headers(exc),
@@ -127,6 +127,24 @@ async def _reserve(state: GatewayState, tenant: str, generation: Generation) -> 
         raise Rejection(Outcome.LEDGER_UNAVAILABLE, "Accounting is unavailable; retry later.") from None
     except UnknownTenant:
         raise Rejection(Outcome.TENANT_NOT_CONFIGURED, "This tenant has no quota configuration.") from None
+
+
+def _quota_message(exc: QuotaExceeded, currency: str) -> str:
+    """The client's message for a quota refusal; a spend budget's says what a request is held at (its worst
+    case) and what to change."""
+    message = f"Quota {exc.dimension} exceeded for this tenant."
+    if exc.dimension != "spend_budget":
+        return message
+    if exc.retry_after_s is None:
+        return (
+            f"{message[:-1]}: the request's worst case (its prompt and all of max_tokens at the model's price) "
+            f"costs more than the whole budget of a period ({exc.limit:g} {currency}); lower max_tokens."
+        )
+    left = exc.remaining if isinstance(exc.remaining, float | int) else 0.0
+    return (
+        f"{message[:-1]}: {left:.6g} {currency} is left this period, less than the request's worst case (its "
+        "prompt and all of max_tokens at the model's price); lower max_tokens, or retry in the next period."
+    )
 
 
 async def _claim_run(state: GatewayState, request_id: str, reservation: Reservation) -> None:

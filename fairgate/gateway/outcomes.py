@@ -6,7 +6,8 @@ outcome, the HTTP status, the OpenAI error ``type`` and ``code``, the rejection 
 request had a reservation that was released. ``respond`` builds the client's answer from it: the OpenAI
 error body (``fairgate.api.error_body``), ``x-request-id``, ``x-should-retry: false`` where the same
 request would get the same answer (OpenAI's SDKs obey it), and ``Retry-After`` in whole seconds with up to
-+25 % jitter so rejected clients do not come back as one wave (seed 003). The shape follows llm-d's flow
++25 % jitter, at most ``JITTER_MAX_S``, so rejected clients do not come back as one wave (seed 003) and a wait
+for the next spend period (a month) is not made days longer. The shape follows llm-d's flow
 control, which maps a typed ``QueueOutcome`` to HTTP in one place.
 """
 
@@ -26,6 +27,9 @@ from fairgate.gateway.observe import Rejected, reason_for_dimension
 # Statuses at which a retry of the same request gets the same answer.
 _FINAL_STATUSES = frozenset((400, 401, 403, 404, 409, 413))
 _BY_DIMENSION = "by_dimension"  # the reason of a quota outcome is the dimension's (``reason_for_dimension``)
+
+
+JITTER_MAX_S = 60.0  # enough to spread a wave of clients; a long wait gains no more
 
 
 class Outcome(StrEnum):
@@ -228,6 +232,7 @@ def respond(rejection: Rejection, request_id: str, rng: random.Random) -> JSONRe
     if rejection.status in _FINAL_STATUSES and rejection.retry_after_s is None:
         headers["x-should-retry"] = "false"  # a retry would get the same answer (one with a wait may not)
     if rejection.retry_after_s is not None:
-        headers["retry-after"] = str(max(1, math.ceil(rejection.retry_after_s * (1 + 0.25 * rng.random()))))
+        wait_s = rejection.retry_after_s
+        headers["retry-after"] = str(max(1, math.ceil(wait_s + min(0.25 * wait_s, JITTER_MAX_S) * rng.random())))
     body = error_body(rejection.message, answer.kind, rejection.param, answer.code)
     return JSONResponse(status_code=rejection.status, content=body, headers=headers)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from fairgate.gateway.outcomes import ANSWERS, Outcome, Rejection, respond
+from fairgate.gateway.outcomes import ANSWERS, JITTER_MAX_S, Outcome, Rejection, respond
 
 
 def test_every_outcome_has_one_answer():
@@ -57,3 +57,12 @@ def test_an_upstream_status_is_relayed_and_only_there():
 def test_a_client_that_left_is_not_recorded():
     assert not ANSWERS[Outcome.CLIENT_CLOSED].recorded and ANSWERS[Outcome.CLIENT_CLOSED].status == 499
     assert ANSWERS[Outcome.QUEUE_FULL].after_admission and ANSWERS[Outcome.NO_UPSTREAM].after_admission
+
+
+def test_a_long_wait_gets_at_most_a_minute_of_jitter():
+    """A spend budget's wait runs to the next month: 25 % of it would be a week."""
+    month_s = 30 * 86_400.0
+    rejection = Rejection(Outcome.RATE_LIMITED, "Quota spend_budget exceeded.", retry_after_s=month_s)
+    waits = [int(respond(rejection, "r", random.Random(seed)).headers["retry-after"]) for seed in range(50)]
+    assert all(month_s <= wait <= month_s + JITTER_MAX_S for wait in waits), (min(waits), max(waits))
+    assert max(waits) - min(waits) > JITTER_MAX_S / 2  # still spread

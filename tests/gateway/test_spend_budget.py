@@ -60,7 +60,7 @@ def test_requests_run_until_the_budget_cannot_hold_a_worst_case_and_money_matche
         reservations = {r.request_id: r for r in stack.reservations()}
     assert refusal is not None and 3 <= len(received) <= 5, received  # ~0.2 EUR each of a 1 EUR budget
     body = refusal.body if isinstance(refusal.body, dict) else {}
-    assert "spend_budget" in body.get("message", ""), body
+    assert "spend_budget" in body.get("message", "") and "EUR is left this period" in body["message"], body
     assert float(refusal.response.headers["retry-after"]) > 0  # the next month
     assert set(reservations) == set(received)  # the refused one reserved nothing
     price = stack.config.quotas.price("emu")
@@ -124,3 +124,19 @@ def test_streams_on_a_slow_replica_stop_when_the_spend_budget_is_spent(tmp_path:
     for request_id, (received, _) in outcomes.items():
         r = reservations[request_id]
         assert r.status == "settled" and received > 0 and r.billed.output_tokens == received, (r, received)
+
+
+def test_a_worst_case_above_the_whole_budget_is_told_to_lower_max_tokens(tmp_path: Path) -> None:
+    with serve_stack(tmp_path, limits={"alpha": LimitsConfig(spend_budget=BUDGET)}, pricing=PRICING) as stack:
+        reply = httpx.post(
+            f"{stack.url}/v1/completions",
+            json={"model": "emu", "prompt": "x", "max_tokens": 200},  # 2 EUR of output at most, of a 1 EUR budget
+            headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
+            timeout=30,
+        )
+        reservations = stack.reservations()
+    error = reply.json()["error"]
+    assert reply.status_code == 429 and error["code"] == "insufficient_quota", reply.text
+    assert "whole budget of a period (1 EUR); lower max_tokens" in error["message"], error
+    assert "retry-after" not in reply.headers  # waiting does not help
+    assert reservations == []
