@@ -101,13 +101,13 @@ async def serve(
         note_admission(state.clock.wall_s())
         admitted = await admission.admit(state, caller, generation)
     except Rejection as rejection:
-        raise rejection.about(caller.tenant, caller.delegate, model) from None
+        raise rejection.about(caller.tenant, caller.delegate, model, caller.key_id) from None
     try:
         return await _run(state, request, admitted)
     except BaseException as exc:
         state.calls.release(caller.tenant, generation.request_id)
         if isinstance(exc, Rejection):
-            raise exc.about(caller.tenant, caller.delegate, model) from None
+            raise exc.about(caller.tenant, caller.delegate, model, caller.key_id) from None
         raise
 
 

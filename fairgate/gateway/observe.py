@@ -74,6 +74,7 @@ class Rejected:
     retry_after_s: float | None = None  # the wait suggested (before jitter); None: waiting will not help
     code: str | None = None  # the OpenAI-style error code answered
     delegate: str | None = None  # the delegate service acting for ``tenant``, if any
+    key_id: str | None = None  # the key it came with (its stored hash's prefix), when it was authenticated
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,7 @@ class Rejection(Exception):
         self.tenant: str | None = tenant
         self.delegate: str | None = None
         self.model: str | None = None
+        self.key_id: str | None = None  # the key the refused request came with (``identity.Caller.key_id``)
 
     @property
     def reason(self) -> str:
@@ -200,11 +201,14 @@ class Rejection(Exception):
             return "invalid"  # the upstream refused the request itself (a 4xx it gave, relayed)
         return self.answer.reason
 
-    def about(self, tenant: str | None, delegate: str | None, model: str | None) -> Rejection:
-        """Attribute the rejection to a request's tenant, delegate and model (those not set already)."""
+    def about(
+        self, tenant: str | None, delegate: str | None, model: str | None, key_id: str | None = None
+    ) -> Rejection:
+        """Attribute the rejection to a request's tenant, delegate, model and key (those not set already)."""
         self.tenant = self.tenant or tenant
         self.delegate = self.delegate or delegate
         self.model = self.model or model
+        self.key_id = self.key_id or key_id
         return self
 
     def event(self, request_id: str, time_s: float) -> Rejected:
@@ -222,6 +226,7 @@ class Rejection(Exception):
             self.retry_after_s,
             self.answer.code,
             self.delegate,
+            self.key_id,
         )
 
 

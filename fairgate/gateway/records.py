@@ -27,7 +27,7 @@ class RequestRecord:
     received_s: float
     request_id: str | None = None
     tenant: str | None = None
-    key_id: str | None = None  # the key it came with, once admitted (``identity.Caller.key_id``)
+    key_id: str | None = None  # the key it came with, once authenticated (``identity.Caller.key_id``)
     model: str | None = None
     status: int | None = None  # as answered (a stream: at its start)
     reason: str | None = None  # of a rejection (``observe.REJECT_REASONS``)
@@ -115,6 +115,7 @@ class RequestRecorder:
                 record.admitted_s, record.key_id = event.time_s, event.key_id
             else:
                 record.reason, record.code = event.reason, event.code
+                record.key_id = record.key_id or event.key_id
 
     def answered(self, record: RequestRecord, request_id: str | None, status: int, time_s: float) -> None:
         """The gateway answered ``record``'s request with ``status`` (a stream: its start)."""

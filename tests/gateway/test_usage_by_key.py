@@ -40,10 +40,18 @@ def test_each_key_of_a_tenant_is_billed_apart_in_the_logs_and_the_report(tmp_pat
         for _ in range(3):
             complete(stack.url, laptop, 7)
         complete(stack.url, stack.keys["beta"], 4)
+        refused = httpx.post(
+            f"{stack.url}/v1/completions",
+            json={"model": "emu", "prompt": "a b", "max_tokens": 100_000},  # over the model's context: a 400
+            headers={"Authorization": f"Bearer {laptop}"},
+            timeout=30,
+        )
+        assert refused.status_code == 400, refused.text
     ids = {key.name: key.hash[:19] for key in load_gateway_config(stack.config_path).keys if key.tenant == "alpha"}
     lines = [json.loads(line) for line in access.read_text().splitlines()]
     alpha = tenant_tag("alpha")
     by_key = [(line["key_id"], line["output_tokens"]) for line in lines if line["tenant_hash"] == alpha]
+    assert by_key.pop() == (ids["laptop"], 0)  # a refused request is told by the key it came with
     assert sorted(by_key) == sorted([(ids["harness"], 5)] * 2 + [(ids["laptop"], 7)] * 3)
     run = summarise_log(r for _, _, r in read_records(stack.config.event_log_path))
     harness, own = run.keys[(alpha, ids["harness"])], run.keys[(alpha, ids["laptop"])]
