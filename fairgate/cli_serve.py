@@ -64,8 +64,8 @@ def serve(config: Path | None, host: str, port: int, demo_traffic: bool, duratio
     traffic = bool(keys) and demo_traffic
     if traffic:
         _say(
-            "demo traffic: 4 tenants x 12 clients (classify 24, chat 53, summarise 197, agent 354 tokens on "
-            "average); GPU time should split 25 % each"
+            "demo traffic: 4 tenants (classify 24, chat 53, summarise 197, agent 354 output tokens on average), "
+            "each keeping as many requests in flight; GPU time should split 25 % each"
         )
     with asyncio.Runner(loop_factory=fast_loop_factory()) as runner:
         runner.run(_run(plan, traffic, duration))
@@ -180,7 +180,7 @@ async def _start_traffic(plan: Plan, serving: asyncio.Future[Any]) -> asyncio.Ta
     while not plan.gateway.started and not serving.done():  # noqa: ASYNC110 - uvicorn has a flag, no event
         await asyncio.sleep(0.05)
     tenants = {t: k for t, k in plan.keys.items() if t != "admin"}
-    return asyncio.ensure_future(demo_traffic(f"http://{plan.host}:{plan.port}", tenants))
+    return asyncio.ensure_future(demo_traffic(f"http://{plan.host}:{plan.port}", tenants, announce=_say))
 
 
 def startup_problem(config: GatewayConfig, path: Path) -> str | None:

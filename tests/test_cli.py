@@ -221,6 +221,8 @@ def test_serve_without_config_runs_the_demo_and_prints_each_tenants_share(tmp_pa
     assert done.returncode == 0, done.stderr
     assert "admin            key fg-" in done.stdout and "/dashboard" in done.stdout  # what the user asked for
     assert "key fg-" not in done.stderr and "dashboard" not in done.stderr
+    # The first phase keeps within the replica's slots (the TTFT objective holds); the overload comes labelled.
+    assert "demo traffic: within capacity for 30 s - 20 requests in flight on 24 slots" in done.stdout
     rows = {
         line.split("│")[1].strip(): line.split("│")[1:-1] for line in done.stdout.splitlines() if line.startswith("│")
     }

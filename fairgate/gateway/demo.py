@@ -4,6 +4,11 @@ An emulated replica (seed 002's cost model) on a free loopback port, a gateway c
 an SQLite ledger and four tenants (classify, chat, summarise, agent), a key per tenant and an admin key,
 printed once; and, unless turned off, demo traffic: each tenant keeps a few requests in flight with seed
 002's output-length mix, so the GPU-time shares, the metrics and the dashboard have something to show.
+
+The traffic runs in labelled phases (``DEMO_PHASES``, announced as each begins): *within capacity*, fewer
+requests in flight than the replica has slots, so nothing queues and TTFT is the prefill (the objective
+holds); then *overload*, twice as many as its slots, where the fair queues decide who runs and TTFT grows
+with the queue, on purpose. GPU time splits evenly in both: each tenant keeps as many sequences running.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import math
 import random
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -26,11 +32,33 @@ DEMO_MODEL = "fairgate-emulated"
 # Seed 002's mean output lengths (tokens) per tenant; lognormal with cv 0.5; 400-token prompts.
 DEMO_OUTPUT_MEAN_TOKENS = {"classify": 23.7, "chat": 53.0, "summarise": 197.0, "agent": 353.8}
 DEMO_PROMPT = "w " * 397  # + 3 tokens of chat-message overhead = 400 tokens
+DEMO_SLOTS = 24  # the demo replica's max_batch
+# (label, clients per tenant, seconds): 4 x 5 = 20 in flight on 24 slots, then 4 x 12 = 48.
+DEMO_PHASES = (("within capacity", 5, 30.0), ("overload", 12, 30.0))
 
 
-async def demo_traffic(url: str, keys: dict[str, str], clients_per_tenant: int = 12, seed: int = 1) -> None:
-    """Keep ``clients_per_tenant`` requests per demo tenant in flight against the gateway at ``url`` until
-    cancelled. Errors (a 429, a restart) pause that client for a second; nothing is retried blindly."""
+def phase_line(label: str, clients_per_tenant: int, seconds: float) -> str:
+    """How a phase is announced."""
+    in_flight = clients_per_tenant * len(DEMO_TENANTS)
+    effect = (
+        "nothing queues, TTFT is the prefill"
+        if in_flight <= DEMO_SLOTS
+        else "requests queue and the fair policy picks who runs; TTFT grows past its objective, on purpose"
+    )
+    return f"demo traffic: {label} for {seconds:g} s - {in_flight} requests in flight on {DEMO_SLOTS} slots: {effect}"
+
+
+async def demo_traffic(
+    url: str,
+    keys: dict[str, str],
+    phases: tuple[tuple[str, int, float], ...] = DEMO_PHASES,
+    seed: int = 1,
+    announce: Callable[[str], None] = lambda line: None,
+) -> None:
+    """Run ``phases`` (label, clients per tenant, seconds) over and over against the gateway at ``url`` until
+    cancelled, each announced with ``phase_line``. Errors (a 429, a restart) pause that client for a second;
+    nothing is retried blindly."""
+    active = [phases[0][1]]  # clients per tenant now: a client of a higher index waits for its phase
 
     async def client(http: httpx.AsyncClient, tenant: str, index: int) -> None:
         rng = random.Random(f"{seed}-{tenant}-{index}")
@@ -38,6 +66,9 @@ async def demo_traffic(url: str, keys: dict[str, str], clients_per_tenant: int =
         mu = math.log(DEMO_OUTPUT_MEAN_TOKENS[tenant]) - sigma2 / 2
         headers = {"Authorization": f"Bearer {keys[tenant]}"}
         while True:
+            if index >= active[0]:
+                await asyncio.sleep(0.2)
+                continue
             tokens = max(1, round(rng.lognormvariate(mu, math.sqrt(sigma2))))
             body = {
                 "model": DEMO_MODEL,
@@ -52,15 +83,19 @@ async def demo_traffic(url: str, keys: dict[str, str], clients_per_tenant: int =
             except httpx.HTTPError:
                 await asyncio.sleep(1.0)
 
-    limits = httpx.Limits(max_connections=clients_per_tenant * len(keys) + 4)
+    async def schedule() -> None:
+        while True:
+            for label, clients, seconds in phases:
+                active[0] = clients
+                announce(phase_line(label, clients, seconds))
+                await asyncio.sleep(seconds)
+
+    most = max(clients for _, clients, _ in phases)
+    limits = httpx.Limits(max_connections=most * len(keys) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         await asyncio.gather(
-            *(
-                client(http, tenant, i)
-                for tenant in keys
-                if tenant in DEMO_OUTPUT_MEAN_TOKENS
-                for i in range(clients_per_tenant)
-            )
+            schedule(),
+            *(client(http, tenant, i) for tenant in keys if tenant in DEMO_OUTPUT_MEAN_TOKENS for i in range(most)),
         )
 
 
@@ -82,7 +117,7 @@ def write_demo_config(folder: Path, upstream_url: str) -> tuple[Path, dict[str, 
                 name="emulated-0",
                 url=f"{upstream_url}/v1",
                 model=DEMO_MODEL,
-                max_batch=24,
+                max_batch=DEMO_SLOTS,
                 iter_base_ms=9.0,
                 iter_slope_ms=0.55,
                 prefill_ms_per_token=0.06,
