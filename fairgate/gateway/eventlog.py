@@ -24,7 +24,8 @@ tenant name is never written: quoted tenant names in error messages are replaced
                    ``status`` (HTTP), ``code`` (the OpenAI error code, ``null`` if unknown), ``message`` (as sent to
                    the client), ``dimension`` (the quota dimension of a quota rejection, else ``null``),
                    ``after_admission`` (true: it had been admitted, e.g. ``queue_full``), ``retry_after_s``
-                   (the Retry-After base in seconds, before jitter; ``null`` if none or unknown).
+                   (the Retry-After base in seconds, before jitter; ``null`` if none or unknown), ``key_id`` (the
+                   key it came with, as ``admitted``'s; ``null`` when none was valid).
 ``dispatched``     the fair policy gave it a slot: ``upstream`` (its name), ``queue_ms`` (time in the queue).
 ``finished``       the upstream call ended: ``upstream``, ``outcome`` (``completed`` / ``cancelled``: the client went
                    away / ``error``), ``queue_ms``, ``ttft_ms`` (dispatch to first token; ``null``: no token),
@@ -256,6 +257,7 @@ class EventLog:
                 dimension=event.dimension,
                 after_admission=event.after_admission,
                 retry_after_s=None if retry is None else float(retry),
+                key_id=getattr(event, "key_id", None),
             )
         if isinstance(event, Left):
             delegate = self._delegates.pop((event.tenant, event.request_id), None)
@@ -618,7 +620,7 @@ _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {  # key -> (type
     "stopped": {},
 }
 _OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "rejected": {"retry_after_s": (_NUMBER, True), "code": ((str,), True)},
+    "rejected": {"retry_after_s": (_NUMBER, True), "code": ((str,), True), "key_id": ((str,), True)},
     "admitted": {"key_id": ((str,), True)},
     "finished": {"spend_micros": (_NUMBER, False)},
 }

@@ -53,7 +53,9 @@ def test_each_key_of_a_tenant_is_billed_apart_in_the_logs_and_the_report(tmp_pat
     by_key = [(line["key_id"], line["output_tokens"]) for line in lines if line["tenant_hash"] == alpha]
     assert by_key.pop() == (ids["laptop"], 0)  # a refused request is told by the key it came with
     assert sorted(by_key) == sorted([(ids["harness"], 5)] * 2 + [(ids["laptop"], 7)] * 3)
-    run = summarise_log(r for _, _, r in read_records(stack.config.event_log_path))
+    records = [r for _, _, r in read_records(stack.config.event_log_path)]
+    assert [r["key_id"] for r in records if r["event"] == "rejected"] == [ids["laptop"]]
+    run = summarise_log(iter(records))
     harness, own = run.keys[(alpha, ids["harness"])], run.keys[(alpha, ids["laptop"])]
     assert (harness.finished, harness.output_tokens, own.finished, own.output_tokens) == (2, 10, 3, 21)
     assert harness.gpu_ms + own.gpu_ms == pytest.approx(run.tenants[alpha].billed_gpu_ms, rel=1e-12)
