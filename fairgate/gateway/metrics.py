@@ -43,7 +43,8 @@ Per tenant (counters and histograms from events, cumulative since start)
 Per upstream
 
 - ``fairgate_upstream_up{upstream,model}``: 1 while it takes requests, 0 while marked down (it refused a
-  connection; the probe marks it up when it answers again; both are logged).
+  connection; the probe marks it up when it answers again; both are logged) or draining (a reload took it
+  out; its series goes once its requests end).
 - ``fairgate_upstream_in_flight{upstream,model}``: requests in flight now.
 - ``fairgate_upstream_busy_seconds_total{upstream,model}``: the live meter's busy time (any request in flight).
 - ``fairgate_upstream_busy_ratio{upstream,model}``: busy fraction over about the window.
@@ -293,7 +294,8 @@ class WindowCollector(Collector):
         ups = view.upstreams
         yield _gauge(
             "fairgate_upstream_up",
-            "1 while the upstream takes requests, 0 while it is marked down (refused a connection).",
+            "1 while the upstream takes requests, 0 while it is marked down (refused a connection) or drains (a "
+            "reload took it out).",
             ["upstream", "model"],
             (((u.name, u.model), 1.0 if u.healthy else 0.0) for u in ups),
         )

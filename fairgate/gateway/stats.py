@@ -60,7 +60,7 @@ MAX_POOL_LATENCIES = 20_000  # per model and kind
 @dataclass(frozen=True)
 class UpstreamProbe:
     """One upstream now: requests in flight, its slots, the live meter's cumulative busy ms, and whether it
-    takes requests (``healthy``: not marked down)."""
+    takes requests (``healthy``: not marked down, nor taken out by a reload and draining)."""
 
     name: str
     model: str
@@ -603,7 +603,7 @@ def gateway_probe(dispatcher: Dispatcher, clients: Mapping[str, UpstreamClient])
                 u.in_flight,
                 u.max_batch,
                 clients[u.name].meter.busy_ms if u.name in clients else 0.0,
-                u.healthy,
+                u.serving,
                 clients[u.name].drift.ratio if u.name in clients else None,
                 u.engine_running,
                 u.engine_waiting,

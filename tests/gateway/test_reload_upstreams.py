@@ -80,6 +80,8 @@ def test_a_replica_swapped_by_a_reload_drains_its_stream_and_the_new_one_serves(
             assert answer.status_code == 200 and "upstream" in answer.json()["applied"], answer.text
             draining = {u.name: u.retired for u in state.dispatcher.upstreams()}
             assert draining == {"emu-0": True, "emu-1": False}  # emu-0 still runs the stream
+            metrics = httpx.get(f"{stack.url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
+            assert 'fairgate_upstream_up{model="emu",upstream="emu-0"} 0.0' in metrics  # draining: takes none
             assert all(complete(stack, f"after-{i}").status_code == 200 for i in range(4))
         time.sleep(0.2)  # the stream's release, on the gateway's loop
         reservations = {r.request_id: r for r in stack.reservations()}
