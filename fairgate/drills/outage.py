@@ -5,7 +5,7 @@ for ``outage_s`` seconds (30 by default) in the middle of a load and started aga
   and nothing else odd happens (no other status, no hung or broken stream, requests in flight finish);
 - an ``emergency`` tier is admitted no more than its local budget (requests and tokens) and refused with
   the same 503 beyond it;
-- once the ledger is back, the gateway replays its journal (``fairgate.gateway.app._recover`` runs
+- once the ledger is back, the gateway replays its journal (``fairgate.gateway.background.recover`` runs
   ``ResilientLedger.recover`` every second while the journal holds records; nobody has to call it): every
   emergency grant becomes a *settled* reservation under its request id, every settlement kept while the
   ledger was down is applied, the journal is empty, and the ledger's totals equal what the clients

@@ -10,35 +10,30 @@ The operator views (metrics, usage, request log, dashboard) observe the request 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import Iterable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairgate.core.policies.factory import TenantShare, make_policy
 from fairgate.gateway import (
     accesslog,
     admin_api,
-    background,
     completions,
     dashboard,
     dashboard_history,
     eventlog,
     health,
+    lifespan,
     metrics,
     reload,
     signin,
-    upstream_reload,
     usage_api,
 )
-from fairgate.gateway.config import GatewayConfig, UpstreamConfig
+from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.dispatch import Dispatcher, Upstream
 from fairgate.gateway.identity import Identity, require_admin
 from fairgate.gateway.intake import lenient_request_id
@@ -46,12 +41,9 @@ from fairgate.gateway.observe import Charged, Fanout, Observer
 from fairgate.gateway.outcomes import Outcome, Rejection, respond
 from fairgate.gateway.state import Clock, GatewayState, SystemClock
 from fairgate.gateway.stats import Stats, gateway_probe
-from fairgate.gateway.upstream import UpstreamClient
-from fairgate.ledger import Ledger, LedgerUnavailable, connect
-from fairgate.ledger.deferred import DeferredLedger
+from fairgate.ledger import Ledger, LedgerUnavailable
 
 log = logging.getLogger("fairgate.gateway")
-CONNECT_WAIT_S = 2.0  # the start waits this long for the ledger, then serves its outage policy meanwhile
 _STARLETTE_OUTCOMES = {404: Outcome.ROUTE_NOT_FOUND, 405: Outcome.METHOD_NOT_ALLOWED}
 
 
@@ -81,7 +73,7 @@ def create_gateway(
     # its callers should not be sent to; the schema is served to admin keys only (``_install_schema``).
     app = FastAPI(
         title="fairgate gateway",
-        lifespan=_lifespan(state, ledger, keys),
+        lifespan=lifespan.lifespan(state, ledger, keys),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
@@ -157,59 +149,6 @@ def _install_schema(app: FastAPI) -> None:
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_admin)])
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
-
-
-def _lifespan(state: GatewayState, ledger: Ledger | None, keys: Mapping[str, SecretStr]) -> Any:
-    """Open the ledger and the upstream clients (with their API ``keys``), start the background work; undo
-    it all at shutdown."""
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        config = state.config
-        opened = ledger
-        connecting = None
-        if opened is None:  # started during an outage, it serves the outage policy until the ledger answers
-            deferred = DeferredLedger(config.quotas, lambda: connect(config.ledger_url, config.quotas))
-            connecting = asyncio.ensure_future(deferred.connect())
-            await asyncio.wait({connecting}, timeout=CONNECT_WAIT_S)
-            opened = deferred
-        state.open_ledger(opened)
-
-        def open_upstream(upstream: Upstream, settings: UpstreamConfig, api_key: SecretStr | None) -> UpstreamClient:
-            return UpstreamClient(
-                upstream,
-                _charge_sink(state.dispatcher, upstream.pool),
-                clock=state.clock.monotonic_s,
-                timeout_s=config.gateway.request_timeout_s,
-                on_down=state.dispatcher.mark_down,
-                settings=settings,
-                api_key=api_key,
-            )
-
-        state.set_upstream_opener(open_upstream)
-        state.dispatcher.on_gone = lambda upstream: upstream_reload.forget(state, upstream)
-        settings = {u.name: u for u in config.upstreams}
-        for upstream in state.dispatcher.upstreams():
-            state.upstreams[upstream.name] = open_upstream(upstream, settings[upstream.name], keys.get(upstream.name))
-        tasks = background.start(state)
-        yield {"gateway": state}
-        for task in tasks:
-            task.cancel()
-        if connecting is not None:
-            connecting.cancel()
-        for client in state.upstreams.values():
-            await client.close()
-        if ledger is None:
-            await opened.close()
-
-    return lifespan
-
-
-def _charge_sink(dispatcher: Dispatcher, pool: str) -> Any:
-    def charge(tenant: str, gpu_ms: float, output_tokens: int, batch_size: int) -> None:
-        dispatcher.charge(pool, tenant, gpu_ms, output_tokens, batch_size)
-
-    return charge
 
 
 def _install_error_handlers(app: FastAPI, state: GatewayState) -> None:
