@@ -16,9 +16,9 @@ prompt estimate, the tokens relayed: ``upstream.billable_usage``).
 
 Sources (the engines' own documentation of their OpenAI-compatible servers): vLLM "OpenAI-Compatible
 Server", extra parameters and ``SamplingParams``, and its ``cache_salt`` (docs.vllm.ai); SGLang "Sampling
-Parameters" and its OpenAI API (docs.sglang.ai); llama.cpp ``tools/server/README.md`` (``POST /completion``
-options, ``/metrics``, ``/slots``); TGI "Messages API" and "Metrics" (huggingface.co/docs/text-generation-
-inference).
+Parameters" and its OpenAI API (docs.sglang.ai; ``cache_salt`` in ``srt/entrypoints/openai/protocol.py``);
+llama.cpp ``tools/server/README.md`` (``POST /completion`` options, ``/metrics``, ``/slots``); TGI "Messages
+API" and "Metrics" (huggingface.co/docs/text-generation-inference).
 """
 
 from __future__ import annotations
@@ -197,6 +197,10 @@ KINDS: Mapping[str, Kind] = {
             "chat_template_kwargs": "may turn on reasoning tokens that never reach the stream the gateway meters",
         },
         ignore_eos=True,
+        # SGLang's OpenAI protocol takes a per-request ``cache_salt`` (sglang PR 10317) that namespaces its
+        # radix cache; it reaches the scheduler only in releases with PR 23300 (April 2026; 0.5.18 has it).
+        isolation={"cache_salt": TENANT},
+        isolation_note="cache_salt = the tenant's tag: no radix-cache hit across tenants",
         metrics=Metrics("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
         # SGLang: "Requested token count exceeds the model's maximum context length of N tokens".
         context_errors=(*_OPENAI_CONTEXT, "exceeds the model's maximum context length"),

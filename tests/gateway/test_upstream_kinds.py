@@ -2,7 +2,7 @@
 fake OpenAI-compatible engine that requires a bearer key and records every body and header it receives.
 
 Per kind: which fields reach the engine, which are refused (400 naming the field, nothing reserved), the
-tenant's cache isolation (vLLM ``cache_salt``, llama.cpp ``cache_prompt: false``, none elsewhere), the
+tenant's cache isolation (vLLM and SGLang ``cache_salt``, llama.cpp ``cache_prompt: false``, none elsewhere), the
 engine's "prompt too long" answer relayed as ``context_length_exceeded``; per upstream: the key from an
 environment variable or a file, extra headers, a refused key answered 502 and billed nothing, the idle
 timeout of a stalled stream, and the configuration errors of a key that cannot be read."""
@@ -102,7 +102,7 @@ EXTRAS = {
 ISOLATION = {
     "openai": {},
     "vllm": {"cache_salt": tenant_tag("alpha")},
-    "sglang": {},
+    "sglang": {"cache_salt": tenant_tag("alpha")},
     "llamacpp": {"cache_prompt": False},
     "tgi": {},
 }
