@@ -46,7 +46,7 @@ from fairgate.gateway import kinds
 from fairgate.gateway.admission import Admitted
 from fairgate.gateway.dispatch import Lease
 from fairgate.gateway.headers import rate_limit_headers
-from fairgate.gateway.observe import Finished, Settled
+from fairgate.gateway.observe import Finished, Refunded, Settled
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.state import GatewayState
 from fairgate.gateway.upstream import BudgetSpent, CallState, UpstreamError
@@ -392,9 +392,21 @@ class Call:
         what it did wrong and what the call used (``upstream_failed``); the fair policy keeps the GPU time it
         charged (the replica did spend it), and the client's 5xx is counted as a rejection."""
         call, reservation = self.progress, self.admitted.reservation
+        line = self._failure_line(delivered=False)
+        refund = Refunded(
+            reservation.request_id,
+            call.tenant,
+            call.upstream,
+            line["problem"],
+            call.prompt_tokens,
+            call.output_tokens,
+            call.gpu_ms,
+            self.state.clock.wall_s(),
+        )
+        self.state.events.observe(refund)
         self.state.events.observe(self._finished("error", 0, 0, 0.0))
         used = {"input_tokens": call.prompt_tokens, "output_tokens": call.output_tokens, "gpu_ms": call.gpu_ms}
-        log.warning(json.dumps({**self._failure_line(delivered=False), "unbilled": used}))
+        log.warning(json.dumps({**line, "unbilled": used}))
         try:
             await self.state.ledger.cancel(reservation.id, Usage())
         except LedgerError as exc:

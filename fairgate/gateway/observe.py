@@ -165,7 +165,25 @@ class Settled:
     time_s: float
 
 
-Event = Rejected | Admitted | Dispatched | Finished | Left | Settled | Charged
+@dataclass(frozen=True)
+class Refunded:
+    """A call the platform failed (the upstream refused it, died, stalled or sent no OpenAI stream) before the
+    client received anything: its reservation was cancelled billing nothing, so the tenant's quota got back
+    what the call used. ``input_tokens``, ``output_tokens`` and ``gpu_ms`` are what it used and was not billed
+    (the fair policy keeps the GPU time: the replica did spend it); ``problem`` is ``UpstreamError.problem``.
+    Emitted before its ``Finished`` (outcome ``error``, billed 0)."""
+
+    request_id: str
+    tenant: str
+    upstream: str
+    problem: str
+    input_tokens: int
+    output_tokens: int
+    gpu_ms: float
+    time_s: float
+
+
+Event = Rejected | Admitted | Dispatched | Finished | Left | Settled | Charged | Refunded
 
 
 class Observer(Protocol):

@@ -17,12 +17,18 @@ reason (``fairgate.gateway.observe.REJECT_REASONS``) counted in memory by this g
      "open_reservations": 0,                                         # now, whatever the window
      "spend": {"currency": "USD", "amount": 0.0012, "period": {...}}, # money: fairgate.gateway.spend
      "rejections": {"total": 2, "by_reason": {"rate": 1, "tokens": 1, ...},
-                    "window_s": 3600.0}}                             # min(window, REJECTIONS_RETENTION_S)
+                    "window_s": 3600.0},                             # min(window, REJECTIONS_RETENTION_S)
+     "refunded": {"requests": 1, "input_tokens": 3, "output_tokens": 0,
+                  "gpu_seconds": 0.02, "window_s": 3600.0}}          # platform failures, not billed
 
 ``requests`` counts reservations made, including those later released because the queue was full (they
 bill nothing); a request refused by a quota reserves nothing and is counted only as a rejection.
 Rejections are per process (several gateway processes each count their own), forgotten after
 ``REJECTIONS_RETENTION_S`` or a restart, and kept in ``REJECTION_BUCKET_S`` buckets (``RejectionLog``).
+``refunded`` counts the calls the platform failed before the client received anything (the upstream refused
+the call, died or sent no OpenAI stream): their reservations were cancelled billing nothing, and these are
+the tokens and GPU time they used unbilled (``RefundLog``, per process like the rejections; the ledger holds
+them as cancelled reservations billed 0).
 
 - The tenant always comes from the credential. A ``tenant`` query parameter, or an ``X-Tenant``,
   ``X-Tenant-Id`` or ``X-Fairgate-Tenant`` header, naming anyone but the caller is refused with 403
@@ -57,7 +63,9 @@ younger than ``RECONCILE_REUSE_S`` (``refresh=true`` forces a new run; concurren
 It also lists this process's ``parked_grants`` (emergency grants the ledger would not take at replay, with
 their usage and reason; ``fairgate.ledger.emergency``), which make it not ``clean``. Freezing stays an
 operator decision: ``fairgate ledger reconcile``; ``fairgate ledger journal`` shows a journal and its parked
-grants.
+grants. It lists the refunded platform failures too (``refunded_platform_failures``: their count and GPU
+seconds over ``REJECTIONS_RETENTION_S``, and the newest ``REFUNDS_LISTED_MAX``), which leave it clean: not
+billing them is the rule, not a discrepancy.
 
 Errors are OpenAI-shaped (``fairgate.gateway.outcomes``); a ledger that cannot be reached is a 503
 ``ledger_unavailable`` with ``Retry-After``. Figures are what the ledger has booked: emergency grants made
@@ -81,7 +89,7 @@ from fastapi.responses import JSONResponse
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.identity import Caller, require_admin, require_tenant
 from fairgate.gateway.intake import lenient_request_id
-from fairgate.gateway.observe import REJECT_REASONS, Event, Fanout, Rejected
+from fairgate.gateway.observe import REJECT_REASONS, Event, Fanout, Refunded, Rejected
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.spend import pricing_document, spend_document
 from fairgate.gateway.state import GatewayState, gateway_of
@@ -97,6 +105,7 @@ RESERVATIONS_PAGE_DEFAULT = 100
 RESERVATIONS_PAGE_MAX = 1_000
 RESERVATIONS_OFFSET_MAX = 10**9
 RECONCILE_REUSE_S = 30.0
+REFUNDS_LISTED_MAX = 100  # /admin/reconcile lists the newest refunds; the totals count them all
 TENANT_HEADERS = ("x-tenant", "x-tenant-id", "x-fairgate-tenant")
 Gateway = Annotated[GatewayState, Depends(gateway_of)]
 Tenant = Annotated[Caller, Depends(require_tenant)]
@@ -178,6 +187,45 @@ class RejectionLog:
         return out
 
 
+class RefundLog:
+    """The calls the platform failed and refunded (``Refunded`` events) over the last ``retention_s`` seconds,
+    newest last: what each used and was not billed. At most ``records_max`` are kept (the oldest go first),
+    so memory is bounded whatever the failure rate; like the rejections, they are this process's only."""
+
+    def __init__(
+        self,
+        retention_s: float = REJECTIONS_RETENTION_S,
+        records_max: int = 10_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        assert retention_s > 0 and records_max > 0
+        self.retention_s, self._clock = float(retention_s), clock
+        self._records: deque[Refunded] = deque(maxlen=records_max)
+
+    def observe(self, event: Event) -> None:
+        """Keep a ``Refunded`` event; ignore every other event."""
+        if isinstance(event, Refunded):
+            self._records.append(event)
+
+    def recent(self, window_s: float, tenant: str | None = None) -> list[Refunded]:
+        """The refunds of the last ``min(window_s, retention_s)`` seconds (of ``tenant``, or everyone's)."""
+        since_s = self._clock() - min(window_s, self.retention_s)
+        while self._records and self._records[0].time_s < self._clock() - self.retention_s:
+            self._records.popleft()
+        return [r for r in self._records if r.time_s >= since_s and tenant in (None, r.tenant)]
+
+    def totals(self, tenant: str, window_s: float) -> dict[str, Any]:
+        """``tenant``'s refunds over the window: calls, and the tokens and GPU seconds they used unbilled."""
+        records = self.recent(window_s, tenant)
+        return {
+            "requests": len(records),
+            "input_tokens": sum(r.input_tokens for r in records),
+            "output_tokens": sum(r.output_tokens for r in records),
+            "gpu_seconds": sum(r.gpu_ms for r in records) / 1000.0,
+            "window_s": min(float(window_s), self.retention_s),
+        }
+
+
 class CallLimit:
     """A token bucket per caller: ``burst`` calls at once, then ``per_s`` a second; ``take`` answers how long
     to wait (0: go). A usage read costs the ledger ~2 ms (``bench/usage_scan.py``), so one a second per
@@ -201,11 +249,14 @@ class CallLimit:
         return 0.0
 
 
-async def _usage_of(state: GatewayState, rejections: RejectionLog, tenant: str, window_s: int) -> dict[str, Any]:
-    """A tenant's usage document: the ledger's figures over the window, this process's rejections, and the
-    spend (``fairgate.gateway.spend``)."""
+async def _usage_of(
+    state: GatewayState, rejections: RejectionLog, refunds: RefundLog, tenant: str, window_s: int
+) -> dict[str, Any]:
+    """A tenant's usage document: the ledger's figures over the window, this process's rejections and
+    refunded platform failures, and the spend (``fairgate.gateway.spend``)."""
     booked = await state.backend.usage(tenant, float(window_s))
     document = _usage_document(booked, window_s, rejections.counts(tenant, window_s), rejections.retention_s)
+    document["refunded"] = refunds.totals(tenant, window_s)
     quotas = state.config.quotas
     if tenant in quotas.tenants:
         document["spend"] = await spend_document(state.backend, quotas, tenant, booked.spend_micros, state.wall_ms())
@@ -217,6 +268,8 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
     gateway ``app`` (built, not yet started). Returns the counter."""
     rejections = RejectionLog(config.quotas.tenants)
     events.add(rejections)
+    refunds = RefundLog()
+    events.add(refunds)
     reconciler = _Reconciler()
     limit = CallLimit()
 
@@ -242,7 +295,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
                 f"Too many usage reads; at most {limit.per_s:g} a second after a burst of {limit.burst:g}.",
                 retry_after_s=math.ceil(wait_s),
             )
-        usage = await _usage_of(state, rejections, caller.tenant, window_s)
+        usage = await _usage_of(state, rejections, refunds, caller.tenant, window_s)
         return _answer(request, {**usage, "delegate": caller.delegate})
 
     @app.get("/admin/tenants", dependencies=[Depends(require_admin)])
@@ -254,7 +307,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
     async def admin_usage(request: Request, state: Gateway) -> JSONResponse:
         window_s = _window(_query(request, ("window",)))
         tenants = sorted(state.config.quotas.tenants)
-        data = [{**await _usage_of(state, rejections, name, window_s), "delegate": None} for name in tenants]
+        data = [{**await _usage_of(state, rejections, refunds, name, window_s), "delegate": None} for name in tenants]
         unattributed = rejections.counts(None, window_s)
         document = {
             "object": "list",
@@ -285,7 +338,17 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
             raise Rejection(Outcome.INVALID_REQUEST, "refresh must be true or false.", "refresh")
         document = await reconciler.report(state.backend, refresh in ("true", "1"))
         parked = state.ledger.parked()  # emergency grants the ledger would not take: usage not billed
-        return _answer(request, {**document, "clean": document["clean"] and not parked, "parked_grants": parked})
+        document |= {"clean": document["clean"] and not parked, "parked_grants": parked}
+        # Refunds are by design (the platform's failure is not the tenant's to pay), so they leave it clean;
+        # listed so that what the replicas ran unbilled adds up against their own counts.
+        refunded = refunds.recent(refunds.retention_s)
+        document["refunded_platform_failures"] = {
+            "total": len(refunded),
+            "gpu_seconds": sum(r.gpu_ms for r in refunded) / 1000.0,
+            "window_s": refunds.retention_s,
+            "recent": [asdict(r) for r in refunded[-REFUNDS_LISTED_MAX:]],
+        }
+        return _answer(request, document)
 
     return rejections
 

@@ -67,3 +67,28 @@ def test_a_stream_cut_by_the_replica_bills_what_the_client_received(tmp_path: Pa
     received = sum(1 for c in chunks if c.get("choices") and c["choices"][0].get("text"))
     assert received == 7 and chunks[-1]["error"]["code"] == "upstream_error", reply.text
     assert r.status == "cancelled" and r.billed.output_tokens == received and r.billed.input_tokens > 0, r
+
+
+def test_a_refunded_failure_shows_in_the_tenants_usage_and_the_reconciliation(tmp_path: Path) -> None:
+    """The refund is visible where the tenant and the operator look: what the failed calls used and were not
+    billed, per request id; the upstream's 401 is answered as the platform's failure (502), not the client's."""
+    admin = "sk-admin-refunds-0123456789"
+    with serve_stack(tmp_path, replica_failing(None), admin_key=admin) as stack:
+        replies = [_post(stack.url, stack.keys["alpha"], stream) for stream in (False, True)]
+        usage = httpx.get(f"{stack.url}/v1/usage", headers={"Authorization": f"Bearer {stack.keys['alpha']}"}).json()
+        report = httpx.get(f"{stack.url}/admin/reconcile", headers={"Authorization": f"Bearer {admin}"}).json()
+        reservations = stack.reservations()
+    assert [r.status_code for r in replies] == [502, 502], [r.text for r in replies]
+    assert all((r.status, r.billed) == ("cancelled", Usage()) for r in reservations), reservations
+    refunded = usage["refunded"]
+    assert refunded["requests"] == 2 and refunded["output_tokens"] == 0, usage
+    assert refunded["input_tokens"] == 2 * reservations[0].input_tokens, usage
+    assert (usage["input_tokens"], usage["output_tokens"]) == (0, 0), usage
+    assert usage["rejections"]["by_reason"]["upstream_error"] == 2, usage
+    listed = report["refunded_platform_failures"]
+    assert listed["total"] == 2 and report["clean"], report
+    assert {r["request_id"] for r in listed["recent"]} == {r.request_id for r in reservations}, listed
+    assert {(r["tenant"], r["upstream"], r["problem"]) for r in listed["recent"]} == {
+        ("alpha", "emu-0", "auth_refused")
+    }
+    assert all(r["gpu_ms"] > 0 for r in listed["recent"]), listed
