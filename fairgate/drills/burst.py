@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ComparedResult, fmt_errors, fmt_ms, main_and_compare, table
+from fairgate.drills.report import Cells, ComparedResult, cell_table, fleet, fmt_errors, fmt_ms, main_and_compare
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.ledger import LedgerReport
 from fairgate.harness.loadgen import TenantLoad
@@ -136,6 +136,20 @@ class TenantFigures:
         return {k: v for k, v in self.clients.errors.items() if not k.startswith("429")}
 
 
+# The columns of a run's table, a row per tenant.
+TENANT_CELLS: Cells[TenantFigures] = (
+    ("tenant", lambda t: t.tenant),
+    ("TTFT ms before p50/p99", lambda t: f"{fmt_ms(t.baseline_p50_ms)} / {fmt_ms(t.baseline_p99_ms)}"),
+    ("TTFT ms burst p50/p99", lambda t: f"{fmt_ms(t.burst_p50_ms)} / {fmt_ms(t.burst_p99_ms)}"),
+    ("p99 x", lambda t: "-" if t.ratio is None else f"{t.ratio:.2f}"),
+    ("sent/done/cut", lambda t: f"{t.clients.requests}/{t.clients.completed}/{t.clients.cut}"),
+    ("429", lambda t: str(t.clients.rejected)),
+    ("errors", lambda t: fmt_errors(t.errors)),
+    ("GPU % before/burst", lambda t: f"{t.share_before * 100:.1f} / {t.share_during * 100:.1f}"),
+    ("ledger GPU s", lambda t: f"{t.ledger_gpu_s:,.1f}"),
+)
+
+
 def _ratio(before: float | None, during: float | None) -> float | None:
     return None if before is None or during is None or before <= 0 else during / before
 
@@ -206,9 +220,8 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
         return [
             f"[bold]drill burst[/bold]: {c.burster!r} starts {c.burst_clients} closed-loop clients "
             f"({c.burst_factor:g}x its share of {c.slots} slots) at {c.seconds:g} s; {', '.join(c.others)} send "
-            f"{c.others_rate_per_s:.2f} req/s each throughout ({c.others_load:.0%} of a share); {c.replicas} "
-            f"emulated replicas x {c.replica.max_batch} slots, {c.replica.iter_base_ms:g} ms iterations, outputs "
-            f"{c.output_tokens[0]}-{c.output_tokens[1]} tokens.",
+            f"{c.others_rate_per_s:.2f} req/s each throughout ({c.others_load:.0%} of a share); {fleet(c)}, "
+            f"{c.replica.iter_base_ms:g} ms iterations, outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens.",
             f"Claim: the others' p99 TTFT during the burst (requests sent {c.burst_window_s[0]:g}-"
             f"{c.burst_window_s[1]:g} s) <= {c.ttft_ratio_max:g} x their p99 before it "
             f"({c.baseline_window_s[0]:g}-{c.baseline_window_s[1]:g} s, same load without {c.burster!r}).",
@@ -219,38 +232,13 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
 
     def policy_table(self, figs: PolicyFigures) -> Any:
         c = self.config
-        columns: tuple[str, ...] = (
-            "tenant",
-            "TTFT ms before p50/p99",
-            "TTFT ms burst p50/p99",
-            "p99 x",
-            "sent/done/cut",
-            "429",
-            "errors",
-            "GPU % before/burst",
-            "ledger GPU s",
-        )
-        rows = [
-            (
-                t.tenant,
-                f"{fmt_ms(t.baseline_p50_ms)} / {fmt_ms(t.baseline_p99_ms)}",
-                f"{fmt_ms(t.burst_p50_ms)} / {fmt_ms(t.burst_p99_ms)}",
-                "-" if t.ratio is None else f"{t.ratio:.2f}",
-                f"{t.clients.requests}/{t.clients.completed}/{t.clients.cut}",
-                str(t.clients.rejected),
-                fmt_errors(t.errors),
-                f"{t.share_before * 100:.1f} / {t.share_during * 100:.1f}",
-                f"{t.ledger_gpu_s:,.1f}",
-            )
-            for t in figs.tenants.values()
-        ]
         holds = figs.ratio is not None and figs.ratio <= c.ttft_ratio_max
         caption = (
             f"others pooled: p99 {fmt_ms(figs.baseline_p99_ms)} ms before ({figs.baseline_samples} requests), "
             f"{fmt_ms(figs.burst_p99_ms)} ms during the burst ({figs.burst_samples}): x{_fmt(figs.ratio)} - "
             f"{'within' if holds else 'OVER'} {c.ttft_ratio_max:g}x"
         )
-        return table(self.title(figs), columns, rows, caption)
+        return cell_table(self.title(figs), TENANT_CELLS, figs.tenants.values(), caption)
 
     def verdict(self) -> str:
         compared = self.compare

@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_ms, fmt_s, grouped, table
+from fairgate.drills.report import ConfiguredResult, fleet, fmt_counts, fmt_ms, fmt_s, grouped, table
 from fairgate.gateway.state import state_of
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.gauges import GatewayGauges, gateway_gauges
@@ -369,9 +369,9 @@ class CancellationResult(ConfiguredResult[CancellationConfig, CancellationFigure
         c = self.config
         return [
             f"[bold]drill cancellation[/bold]: {c.requests} streamed requests over {len(c.tenants)} tenants, "
-            f"{c.concurrency} at a time, on {c.replicas} emulated replicas x {c.replica.max_batch} slots "
-            f"({c.replica.iter_base_ms:g} ms iterations), policy {self.main.policy}; max_tokens {c.output_tokens[0]}-"
-            f"{c.output_tokens[1]} (log-uniform, ignore_eos); each client closes its stream at a random point.",
+            f"{c.concurrency} at a time, on {fleet(c)} ({c.replica.iter_base_ms:g} ms iterations), policy "
+            f"{self.main.policy}; max_tokens {c.output_tokens[0]}-{c.output_tokens[1]} (log-uniform, ignore_eos); "
+            "each client closes its stream at a random point.",
             "Claim: every slot released, every reservation final, billed tokens == tokens generated.",
         ]
 

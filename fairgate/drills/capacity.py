@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ComparedResult, fmt_errors, holds_from, main_and_compare, table
+from fairgate.drills.report import Cells, ComparedResult, cell_table, fmt_errors, holds_from, main_and_compare
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.ledger import LedgerReport, RequestOutcomes, ledger_totals, wait_settled
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
@@ -141,6 +141,18 @@ class TenantFigures:
     truth_after: float
     requests: RequestOutcomes  # what its clients saw, its reservations in the ledger after the drain
     concurrent_at_end: int  # the ledger account's concurrency after the drain
+
+
+# The columns of a run's table, a row per tenant.
+TENANT_CELLS: Cells[TenantFigures] = (
+    ("tenant", lambda t: t.tenant),
+    ("GPU % before", lambda t: f"{t.share_before * 100:.1f}"),
+    ("GPU % after", lambda t: f"{t.share_after * 100:.1f}"),
+    ("replica GPU % before/after", lambda t: f"{t.truth_before * 100:.1f} / {t.truth_after * 100:.1f}"),
+    ("sent/ok/cut", lambda t: f"{t.requests.sent}/{t.requests.ok}/{t.requests.cut}"),
+    ("errors", lambda t: fmt_errors(t.requests.errors)),
+    ("ledger settled/cancelled/open", lambda t: f"{t.requests.settled}/{t.requests.cancelled}/{t.requests.open}"),
+)
 
 
 @dataclass(frozen=True)
@@ -390,27 +402,6 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
 
     def policy_table(self, figs: CapacityFigures) -> Any:
         c = self.config
-        columns: tuple[str, ...] = (
-            "tenant",
-            "GPU % before",
-            "GPU % after",
-            "replica GPU % before/after",
-            "sent/ok/cut",
-            "errors",
-            "ledger settled/cancelled/open",
-        )
-        rows = [
-            (
-                t.tenant,
-                f"{t.share_before * 100:.1f}",
-                f"{t.share_after * 100:.1f}",
-                f"{t.truth_before * 100:.1f} / {t.truth_after * 100:.1f}",
-                f"{t.requests.sent}/{t.requests.ok}/{t.requests.cut}",
-                fmt_errors(t.requests.errors),
-                f"{t.requests.settled}/{t.requests.cancelled}/{t.requests.open}",
-            )
-            for t in figs.tenants.values()
-        ]
         converge = "never" if figs.converge_s is None else f"{figs.converge_s:.1f} s"
         tenants = figs.tenants.values()
         caption = (
@@ -423,7 +414,7 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
             f"error); converged (batch yielded) {converge} after the removal; reservations all final "
             f"{figs.settle_s:.1f} s after the drain; wall {figs.wall_s:.0f} s."
         )
-        return table(self.title(figs), columns, rows, caption, wrap=())
+        return cell_table(self.title(figs), TENANT_CELLS, tenants, caption, wrap=())
 
     def verdict(self) -> str:
         c, batch = self.config, self.main.tenants[self.config.batch]

@@ -6,7 +6,8 @@ whether it holds), ``intro()`` (the setting and the claim), ``body()`` (its tabl
 line per check, then ``PASS`` / ``FAIL`` and the verdict), gives ``passed`` and the plain-text ``summary()``.
 Most results hold a setting and one run's figures (``ConfiguredResult``), some a run under a comparison
 policy beside it (``ComparedResult``, run by ``main_and_compare``). ``table`` builds the rich tables every
-drill shows; ``fmt_*`` format their cells.
+drill shows (``cell_table`` one from its columns' cells); ``fmt_*`` format their cells, ``fleet`` names the
+emulated fleet in an intro.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from fairgate.drills import DrillOptions
+    from fairgate.harness.replica import ReplicaModel
 
 
 class DrillResult(ABC):
@@ -144,6 +146,33 @@ def table(
     return out
 
 
+# A table's columns, each its title and how its cell is made from one row's item (``cell_table``).
+Cells = Sequence[tuple[str, Callable[[V], str]]]
+
+
+def cell_table(title: str, cells: Cells[V], items: Iterable[V], caption: str = "", **layout: Any) -> Any:
+    """``table`` with a row per item of ``items`` and a column per cell of ``cells``: each column's title
+    stands beside how its cell is made, so the two cannot drift apart. ``layout``: ``table``'s ``left`` /
+    ``wrap``."""
+    rows = [[cell(item) for _, cell in cells] for item in items]
+    return table(title, [column for column, _ in cells], rows, caption, **layout)
+
+
+class FleetSetting(Protocol):
+    """A drill's setting that runs ``replicas`` emulated replicas, each ``replica``."""
+
+    @property
+    def replicas(self) -> int: ...
+
+    @property
+    def replica(self) -> ReplicaModel: ...
+
+
+def fleet(setting: FleetSetting) -> str:
+    """``"2 emulated replicas x 24 slots"``: the fleet a drill runs on, for its intro."""
+    return f"{setting.replicas} emulated replicas x {setting.replica.max_batch} slots"
+
+
 def fmt_ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
@@ -189,10 +218,14 @@ def plain_text(renderables: Sequence[Any], width: int = 140) -> str:
 
 
 __all__ = [
+    "Cells",
     "ComparedResult",
     "ConfiguredResult",
     "DrillResult",
+    "FleetSetting",
     "PolicyRun",
+    "cell_table",
+    "fleet",
     "fmt_counts",
     "fmt_errors",
     "fmt_ms",

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, problems_by, table
+from fairgate.drills.report import ConfiguredResult, fleet, fmt_counts, fmt_s, grouped, problems_by, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.loadgen import Cut, LoadGenerator, Request
 from fairgate.harness.records import RequestRecord
@@ -316,9 +316,8 @@ class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
         return [
             f"[bold]drill retry[/bold]: {c.ids} request ids over {', '.join(c.tenants)} in {c.seconds:g} s, each "
             f"re-sent {c.resends[0]}-{c.resends[1]}x (patterns: {', '.join(PATTERNS)}), half streamed, outputs "
-            f"{c.output_tokens[0]}-{c.output_tokens[1]} tokens; {c.replicas} emulated replicas x "
-            f"{c.replica.max_batch} slots, policy {self.main.policy}; requests_per_minute {c.requests_per_minute}, "
-            "burst ids+1.",
+            f"{c.output_tokens[0]}-{c.output_tokens[1]} tokens; {fleet(c)}, policy {self.main.policy}; "
+            f"requests_per_minute {c.requests_per_minute}, burst ids+1.",
             "Claim: the same request id is never run, reserved, billed or deducted twice.",
         ]
 

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fmt_errors, holds_from, table
+from fairgate.drills.report import DrillResult, fleet, fmt_errors, holds_from, table
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.ledger import LedgerReport, RequestOutcomes, backend_of, ledger_totals, wait_settled
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
@@ -987,7 +987,7 @@ def render_fairness(config: FairnessConfig, figs: FairnessFigures, comparison: b
     if not comparison:
         out.append(
             f"[bold]drill scale_out[/bold] - fair dispatch across {config.gateways} gateway processes, "
-            f"{config.replicas} emulated replicas x {config.replica.max_batch} slots (each gateway "
+            f"{fleet(config)} (each gateway "
             f"{config.replica.max_batch // config.gateways} per replica), seed 002's output mix, clients split "
             f"unevenly; {config.seconds:g} s, shares "
             + (f"after {config.warmup_s:g} s." if config.warmup_s else "over the whole run.")

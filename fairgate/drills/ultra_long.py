@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ComparedResult, fmt_errors, fmt_ms, main_and_compare, table
+from fairgate.drills.report import Cells, ComparedResult, cell_table, fleet, fmt_errors, fmt_ms, main_and_compare
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.loadgen import TenantLoad
 from fairgate.harness.records import TenantStats
@@ -105,6 +105,21 @@ class TenantFigures:
     ledger_gpu_s: float
 
 
+# The columns of a run's table, a row per tenant.
+TENANT_CELLS: Cells[TenantFigures] = (
+    ("tenant", lambda t: t.tenant),
+    ("GPU %", lambda t: f"{t.share * 100:.1f}"),
+    ("x share", lambda t: f"{t.weighted:.2f}"),
+    ("sent/done/cut", lambda t: f"{t.clients.requests}/{t.clients.completed}/{t.clients.cut}"),
+    ("errors", lambda t: fmt_errors(t.clients.errors)),
+    ("TTFT ms p50/p99", lambda t: f"{fmt_ms(t.clients.ttft_p50_ms)} / {fmt_ms(t.clients.ttft_p99_ms)}"),
+    ("TPOT ms p50", lambda t: fmt_ms(t.clients.tpot_p50_ms)),
+    ("ledger req", lambda t: str(t.ledger_requests)),
+    ("ledger out tok", lambda t: f"{t.ledger_output_tokens:,}"),
+    ("ledger GPU s", lambda t: f"{t.ledger_gpu_s:,.1f}"),
+)
+
+
 @dataclass(frozen=True)
 class RunLimits:
     """The agent's runs as the ledger admitted them: run id -> (calls admitted, tokens reserved)."""
@@ -186,46 +201,19 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
             f"({c.agent_clients} clients in {c.agent_runs} agent runs, {c.max_model_calls} calls and "
             f"{c.run_max_tokens:,} tokens per run) beside {', '.join(c.others)} ({c.clients_per_tenant} clients "
             f"each, outputs {c.other_output_tokens[0]}-{c.other_output_tokens[1]} tokens); all backlogged for "
-            f"{c.seconds:g} s on {c.replicas} emulated replicas x {c.replica.max_batch} slots.",
+            f"{c.seconds:g} s on {fleet(c)}.",
             f"Claim: GPU shares billed in the ledger from the agent's start ({c.agent_start_s:g} s) on, within "
             f"{c.share_ratio_max:g}x of each other (weighted), the agent at most its share + {c.agent_margin:.0%}; "
             "the agent's run limits hold.",
         ]
 
     def policy_table(self, figs: PolicyFigures) -> Any:
-        columns: tuple[str, ...] = (
-            "tenant",
-            "GPU %",
-            "x share",
-            "sent/done/cut",
-            "errors",
-            "TTFT ms p50/p99",
-            "TPOT ms p50",
-            "ledger req",
-            "ledger out tok",
-            "ledger GPU s",
-        )
-        rows = [
-            (
-                t.tenant,
-                f"{t.share * 100:.1f}",
-                f"{t.weighted:.2f}",
-                f"{t.clients.requests}/{t.clients.completed}/{t.clients.cut}",
-                fmt_errors(t.clients.errors),
-                f"{fmt_ms(t.clients.ttft_p50_ms)} / {fmt_ms(t.clients.ttft_p99_ms)}",
-                fmt_ms(t.clients.tpot_p50_ms),
-                str(t.ledger_requests),
-                f"{t.ledger_output_tokens:,}",
-                f"{t.ledger_gpu_s:,.1f}",
-            )
-            for t in figs.tenants.values()
-        ]
         caption = (
             f"max/min {figs.ratio:.3f}; ledger billed {figs.gpu_s:,.1f} GPU s; agent runs: {len(figs.runs.calls)} "
             f"runs, at most {figs.runs.most_calls} calls admitted per run, {figs.runs.refused} calls refused "
             f"({RUN_DIMENSION})"
         )
-        return table(self.title(figs), columns, rows, caption)
+        return cell_table(self.title(figs), TENANT_CELLS, figs.tenants.values(), caption)
 
     def verdict(self) -> str:
         c, agent = self.config, self.main.tenants[self.config.agent]

@@ -4,6 +4,8 @@ model and a tenant's adapter), and the ledger checked for what a refused request
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,13 +28,21 @@ models = ["emu", "beta-lora"]
 ADMIN = f"fg-test-admin-{'a' * 24}"
 
 
-def test_each_tenant_sees_and_runs_only_its_models_and_a_refusal_reserves_nothing(tmp_path: Path) -> None:
+@contextmanager
+def _base_and_adapter(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], str]]:
+    """Two emulated replicas, the base model ``emu`` and beta's adapter ``beta-lora``, and a gateway config over
+    them with ``ACCESS``: (the config's path, the tenants' keys, the adapter replica's URL)."""
     with (
         serve_in_thread(create_app(REPLICA.settings("emu"))) as base,
         serve_in_thread(create_app(REPLICA.settings("beta-lora"))) as adapter,
     ):
         path, keys = write_config(tmp_path, [base, adapter], models=["emu", "beta-lora"], admin_key=ADMIN)
         path.write_text(path.read_text() + ACCESS)
+        yield path, keys, adapter
+
+
+def test_each_tenant_sees_and_runs_only_its_models_and_a_refusal_reserves_nothing(tmp_path: Path) -> None:
+    with _base_and_adapter(tmp_path) as (path, keys, adapter):
         config = load_gateway_config(path)
         with serve_in_thread(create_gateway(config)) as gateway:
             alpha = openai.OpenAI(base_url=f"{gateway}/v1", api_key=keys["alpha"], max_retries=0)
@@ -115,15 +125,12 @@ def test_a_reload_whose_access_names_a_model_not_running_is_refused(tmp_path: Pa
 def test_a_reload_keeps_each_tenants_models_its_own(tmp_path: Path) -> None:
     """After a reload, a tenant without a table of its own still may not send another tenant's adapter."""
     with (
-        serve_in_thread(create_app(REPLICA.settings("emu"))) as base,
-        serve_in_thread(create_app(REPLICA.settings("beta-lora"))) as adapter,
+        _base_and_adapter(tmp_path) as (path, keys, _),
+        serve_in_thread(create_gateway(load_gateway_config(path))) as gateway,
     ):
-        path, keys = write_config(tmp_path, [base, adapter], models=["emu", "beta-lora"], admin_key=ADMIN)
-        path.write_text(path.read_text() + ACCESS)
-        with serve_in_thread(create_gateway(load_gateway_config(path))) as gateway:
-            answer = httpx.post(f"{gateway}/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"})
-            assert answer.status_code == 200, answer.text
-            alpha = openai.OpenAI(base_url=f"{gateway}/v1", api_key=keys["alpha"], max_retries=0)
-            assert [m.id for m in alpha.models.list().data] == ["emu"]
-            with pytest.raises(openai.NotFoundError):
-                alpha.models.retrieve("beta-lora")
+        answer = httpx.post(f"{gateway}/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert answer.status_code == 200, answer.text
+        alpha = openai.OpenAI(base_url=f"{gateway}/v1", api_key=keys["alpha"], max_retries=0)
+        assert [m.id for m in alpha.models.list().data] == ["emu"]
+        with pytest.raises(openai.NotFoundError):
+            alpha.models.retrieve("beta-lora")

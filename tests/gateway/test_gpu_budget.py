@@ -15,8 +15,9 @@ import pytest
 
 from fairgate.emulator.api import create_app
 from fairgate.gateway.call import SETTLE_EVERY_S
+from fairgate.ledger import Reservation
 from fairgate.ledger.config import LimitsConfig
-from tests.gateway.conftest import REPLICA, serve_stack, slower
+from tests.gateway.conftest import REPLICA, Stack, serve_stack, slower
 
 SLOW = slower(4.0)
 BUDGET_S = 2.0
@@ -48,15 +49,21 @@ def _stream(url: str, key: str, request_id: str) -> tuple[int, str | None]:
     return received, None
 
 
+def _two_streams(stack: Stack) -> tuple[dict[str, tuple[int, str | None]], dict[str, Reservation]]:
+    """Two of alpha's streams at once (``_stream``, request ids ``s0`` and ``s1``): what each received, by
+    request id, and the ledger's reservations by request id once both ended."""
+    key = stack.keys["alpha"]
+
+    async def both() -> list[tuple[int, str | None]]:
+        return list(await asyncio.gather(*(asyncio.to_thread(_stream, stack.url, key, f"s{i}") for i in range(2))))
+
+    outcomes = dict(zip(("s0", "s1"), asyncio.run(both()), strict=True))
+    return outcomes, {r.request_id: r for r in stack.reservations()}
+
+
 def test_two_streams_on_a_slow_replica_stop_when_the_gpu_budget_is_spent(tmp_path: Path) -> None:
     with _budget(tmp_path) as stack:
-        key = stack.keys["alpha"]
-
-        async def both() -> list[tuple[int, str | None]]:
-            return list(await asyncio.gather(*(asyncio.to_thread(_stream, stack.url, key, f"s{i}") for i in range(2))))
-
-        outcomes = dict(zip(("s0", "s1"), asyncio.run(both()), strict=True))
-        reservations = {r.request_id: r for r in stack.reservations()}
+        outcomes, reservations = _two_streams(stack)
     assert all(code == "gpu_budget_exhausted" for _, code in outcomes.values()), outcomes
     billed_ms = sum(r.billed.gpu_ms for r in reservations.values())
     # Without the stop both run to 200 tokens, ~3.6 s billed. With it: the budget, plus at most one settlement

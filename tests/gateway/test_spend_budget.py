@@ -5,7 +5,6 @@ shows as money."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,7 @@ from fairgate.gateway.eventlog import read_records
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LimitsConfig, PriceConfig, PricingConfig
 from tests.gateway.conftest import serve_stack, write_config
-from tests.gateway.test_gpu_budget import SLOW, _stream
+from tests.gateway.test_gpu_budget import SLOW, _two_streams
 
 PRICING = PricingConfig(
     currency="EUR", model_class={"emu": PriceConfig(input_per_mtok=1000.0, output_per_mtok=10_000.0, gpu_per_s=0.1)}
@@ -109,13 +108,7 @@ def test_streams_on_a_slow_replica_stop_when_the_spend_budget_is_spent(tmp_path:
     pricing = PricingConfig(model_class={"emu": PriceConfig(gpu_per_s=1.0)})  # 2 GPU-seconds for 2 USD
     limits = {"alpha": LimitsConfig(spend_budget=2.0)}
     with serve_stack(tmp_path, upstream=create_app(SLOW.settings("emu")), limits=limits, pricing=pricing) as stack:
-        key = stack.keys["alpha"]
-
-        async def both() -> list[tuple[int, str | None]]:
-            return list(await asyncio.gather(*(asyncio.to_thread(_stream, stack.url, key, f"s{i}") for i in range(2))))
-
-        outcomes = dict(zip(("s0", "s1"), asyncio.run(both()), strict=True))
-        reservations = {r.request_id: r for r in stack.reservations()}
+        outcomes, reservations = _two_streams(stack)
     assert all(code == "spend_budget_exhausted" for _, code in outcomes.values()), outcomes
     spent_micros = sum(r.price.spend_micros(0, 0, r.billed.gpu_ms) for r in reservations.values())
     # The budget, plus at most one settlement interval of the replica's time and the ledger round trips of the

@@ -79,10 +79,10 @@ def serve_misbehaving(tmp: Path, idle_s: float) -> Iterator[tuple[Stack, BadUpst
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, BadUpstream]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """One gateway in front of one misbehaving upstream (idle timeout ``IDLE_S``) for the whole module."""
-    with serve_misbehaving(tmp_path_factory.mktemp("misbehave"), IDLE_S) as served:
-        yield served
+    with serve_misbehaving(tmp_path_factory.mktemp("misbehave"), IDLE_S) as (stack, _):
+        yield stack
 
 
 def ask(stack: Stack, prompt: str, stream: bool, request_id: str) -> httpx.Response:
@@ -133,9 +133,8 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("mode", sorted(BEFORE_ANYTHING))
 def test_a_failure_before_anything_was_relayed_is_a_clear_error_billed_nothing(
-    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str, stream: bool
+    stack: Stack, caplog: pytest.LogCaptureFixture, mode: str, stream: bool
 ) -> None:
-    stack, _ = served
     status, problem = BEFORE_ANYTHING[mode]
     request_id, reply, reservation = exchange(stack, mode, stream, " please")
     assert reply.status_code == status, reply.text
@@ -151,9 +150,8 @@ def test_a_failure_before_anything_was_relayed_is_a_clear_error_billed_nothing(
 
 @pytest.mark.parametrize("mode", sorted(MID_STREAM))
 def test_a_stream_broken_after_it_started_ends_with_an_error_event_and_bills_what_was_received(
-    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str
+    stack: Stack, caplog: pytest.LogCaptureFixture, mode: str
 ) -> None:
-    stack, _ = served
     _request_id, reply, reservation = exchange(stack, mode, True, " please")
     chunks = events(reply)
     assert reply.status_code == 200 and "data: [DONE]" not in reply.text, reply.text
@@ -169,9 +167,8 @@ def test_a_stream_broken_after_it_started_ends_with_an_error_event_and_bills_wha
 
 @pytest.mark.parametrize("mode", sorted(MID_STREAM))
 def test_a_collected_call_broken_mid_stream_delivered_nothing_and_bills_nothing(
-    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str
+    stack: Stack, caplog: pytest.LogCaptureFixture, mode: str
 ) -> None:
-    stack, _ = served
     status, problem = MID_STREAM[mode]
     _request_id, reply, reservation = exchange(stack, mode, False, " please")
     assert reply.status_code == status and reply.json()["error"]["code"] == "upstream_error", reply.text
@@ -203,9 +200,8 @@ LONG = " x" * 400  # a prompt the gateway estimates at 400 tokens and more
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("mode", sorted(USAGE))
 def test_usage_that_contradicts_what_was_relayed_is_billed_from_the_relay(
-    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture, mode: str, stream: bool
+    stack: Stack, caplog: pytest.LogCaptureFixture, mode: str, stream: bool
 ) -> None:
-    stack, _ = served
     from_estimate, billed_output, event = USAGE[mode]
     request_id, reply, reservation = exchange(stack, mode, stream, LONG)
     assert reply.status_code == 200, reply.text
@@ -235,13 +231,12 @@ def test_usage_that_contradicts_what_was_relayed_is_billed_from_the_relay(
     ],
 )
 def test_an_upstream_past_max_tokens_in_one_read_is_stopped_before_the_piece_over_and_billed_max_tokens(
-    served: tuple[Stack, BadUpstream], mode: str, field: str
+    stack: Stack, mode: str, field: str
 ) -> None:
     """The relay sends the pieces of one upstream read together (``RELAY_CHUNKS_PER_WRITE_MAX`` a write), yet
     checks ``max_tokens`` at every piece: of the upstream's 200 in one read, the client gets the 50 asked for,
     then the terminal error, and is billed those 50 (the piece that would run over is not relayed). Reasoning
     and tool-call deltas are pieces as content is (found by a helper: 200 relayed, billed 0)."""
-    stack, _ = served
     assert PAST_MAX_TOKENS > MAX_TOKENS + RELAY_CHUNKS_PER_WRITE_MAX
     _request_id, reply, reservation = exchange(stack, mode, True, " please")
     chunks = events(reply)
@@ -252,12 +247,9 @@ def test_an_upstream_past_max_tokens_in_one_read_is_stopped_before_the_piece_ove
     assert reservation.status == "settled" and reservation.billed.output_tokens == MAX_TOKENS, reservation
 
 
-def test_one_choice_past_its_max_tokens_is_stopped_though_the_total_is_within_n_times_it(
-    served: tuple[Stack, BadUpstream],
-) -> None:
+def test_one_choice_past_its_max_tokens_is_stopped_though_the_total_is_within_n_times_it(stack: Stack) -> None:
     """OpenAI's ``max_tokens`` is per choice: with ``n`` = 2 and ``max_tokens`` = 5, an upstream putting 10
     pieces in choice 0 is stopped before its sixth, and billed the 5 relayed."""
-    stack, _ = served
     body = {"model": "emu", "messages": [{"role": "user", "content": "one_choice_for_two"}], "max_tokens": 5, "n": 2}
     request_id = f"n2-{uuid.uuid4().hex[:8]}"
     headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
@@ -271,12 +263,9 @@ def test_one_choice_past_its_max_tokens_is_stopped_though_the_total_is_within_n_
 @pytest.mark.parametrize(
     ("mode", "billed_output"), [("usage_high", TOKENS), ("usage_slack", TOKENS + 3), ("honest", TOKENS)]
 )
-def test_a_client_that_asks_for_usage_is_shown_what_is_billed(
-    served: tuple[Stack, BadUpstream], mode: str, billed_output: int
-) -> None:
+def test_a_client_that_asks_for_usage_is_shown_what_is_billed(stack: Stack, mode: str, billed_output: int) -> None:
     """The usage event a streamed client asked for (``stream_options.include_usage``) comes last, before
     ``[DONE]``, with the billed counts (found by a helper: an upstream's 1,000 was relayed, 6 billed)."""
-    stack, _ = served
     request_id = f"{mode}-{uuid.uuid4().hex[:8]}"
     body = {"model": "emu", "messages": [{"role": "user", "content": f"{mode}{LONG}"}], "max_tokens": MAX_TOKENS}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -321,13 +310,10 @@ def _hang_up_before_the_first_token(stack: Stack) -> None:
     assert reservation.status == "cancelled" and reservation.billed.output_tokens == 0, reservation
 
 
-def test_a_piece_before_a_usage_chunk_the_client_did_not_ask_for_is_written_at_once(
-    served: tuple[Stack, BadUpstream],
-) -> None:
+def test_a_piece_before_a_usage_chunk_the_client_did_not_ask_for_is_written_at_once(stack: Stack) -> None:
     """Found by a helper: a piece whose read ended with a usage chunk the client did not ask for waited for
     the upstream's next read; here the upstream then stalls, and the piece must come a whole idle timeout
     before the error event that ends the stream, not with it."""
-    stack, _ = served
     request_id = f"hold-{uuid.uuid4().hex[:8]}"
     body = {"model": "emu", "messages": [{"role": "user", "content": "usage_then_stall"}], "stream": True}
     headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
@@ -343,9 +329,8 @@ def test_a_piece_before_a_usage_chunk_the_client_did_not_ask_for_is_written_at_o
 
 
 def test_the_openai_client_reads_a_stall_mid_stream_as_an_error_and_is_billed_what_it_read(
-    served: tuple[Stack, BadUpstream], caplog: pytest.LogCaptureFixture
+    stack: Stack, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stack, _ = served
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["beta"], max_retries=0, timeout=30)
     request_id = f"openai-{uuid.uuid4().hex[:8]}"
     text = []
@@ -365,17 +350,15 @@ def test_the_openai_client_reads_a_stall_mid_stream_as_an_error_and_is_billed_wh
     assert (line["event"], line["problem"], line["upstream"]) == ("upstream_failed", "stalled", UPSTREAM)
 
 
-def test_the_openai_client_gets_a_502_for_a_proxys_html_page(served: tuple[Stack, BadUpstream]) -> None:
-    stack, _ = served
+def test_the_openai_client_gets_a_502_for_a_proxys_html_page(stack: Stack) -> None:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["beta"], max_retries=0, timeout=30)
     with pytest.raises(openai.InternalServerError) as raised:
         client.chat.completions.create(model="emu", messages=[{"role": "user", "content": "html_502 please"}])
     assert raised.value.status_code == 502 and f"upstream {UPSTREAM} answered 502" in raised.value.message
 
 
-def test_a_completions_text_beside_an_empty_delta_is_a_piece(served: tuple[Stack, BadUpstream]) -> None:
+def test_a_completions_text_beside_an_empty_delta_is_a_piece(stack: Stack) -> None:
     """Found by a helper: such pieces were relayed and billed 0."""
-    stack, _ = served
     request_id = f"text-{uuid.uuid4().hex[:8]}"
     body = {"model": "emu", "prompt": "text_beside_delta", "max_tokens": MAX_TOKENS, "stream": True}
     headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "X-Request-Id": request_id}
@@ -385,12 +368,9 @@ def test_a_completions_text_beside_an_empty_delta_is_a_piece(served: tuple[Stack
     assert final(stack, request_id).billed.output_tokens == TOKENS
 
 
-def test_a_collected_answer_holds_the_tool_calls_and_reasoning_it_is_billed_for(
-    served: tuple[Stack, BadUpstream],
-) -> None:
+def test_a_collected_answer_holds_the_tool_calls_and_reasoning_it_is_billed_for(stack: Stack) -> None:
     """Found by a helper: a collected answer came back with content "" and no tool_calls (tool calling without
     streaming did not work), billed the pieces it dropped."""
-    stack, _ = served
     request_id = f"tools-{uuid.uuid4().hex[:8]}"
     reply = ask(stack, "tools_and_reasoning please", False, request_id)
     [choice] = reply.json()["choices"]
@@ -403,8 +383,7 @@ def test_a_collected_answer_holds_the_tool_calls_and_reasoning_it_is_billed_for(
     assert final(stack, request_id).billed.output_tokens == 6
 
 
-def test_a_stream_stopped_at_max_tokens_shows_the_usage_its_client_asked_for(served: tuple[Stack, BadUpstream]) -> None:
-    stack, _ = served
+def test_a_stream_stopped_at_max_tokens_shows_the_usage_its_client_asked_for(stack: Stack) -> None:
     request_id = f"usage-stop-{uuid.uuid4().hex[:8]}"
     body = {"model": "emu", "messages": [{"role": "user", "content": "past_max_tokens"}], "max_tokens": MAX_TOKENS}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
