@@ -112,3 +112,24 @@ async def test_a_sqlite_ledger_without_minute_totals_gets_them_from_its_events(t
     async with await connect(url, QUOTAS, clock) as ledger:
         usage = await ledger.usage("a", 3600.0)
     assert (usage.requests, usage.input_tokens, usage.output_tokens, usage.gpu_ms) == (5, 50, 15, 12.5)
+
+
+async def test_usage_reads_the_minute_totals_not_every_event_of_the_window(tmp_path: Path) -> None:
+    """The cost of a usage read is bounded by the window's minutes, not its events: with every event but those
+    of the window's first, partial minute taken out of the log behind the ledger's back, it answers the same
+    (a read that summed the window's events, 5.4 s a call at 1M events, would count none of them)."""
+    url, clock = f"sqlite:///{tmp_path}/l.db", FakeClock(1_700_000_040_000.0 + 15_000.0)
+    async with await connect(url, QUOTAS, clock) as ledger:
+        for i in range(40):
+            r = await ledger.reserve("a", f"r{i}", 10, 10, 5.0)
+            await ledger.settle(r.id, 10, 3, 2.5, final=True)
+            clock.advance(20.0)
+        window_s = 600.0
+        before = await ledger.usage("a", window_s)
+        first_full_ms = first_full_minute(clock.now_ms - window_s * 1000) * MINUTE_MS
+        with sqlite3.connect(tmp_path / "l.db") as raw:
+            gone = raw.execute("DELETE FROM fg_events WHERE at_ms >= ?", (first_full_ms,)).rowcount
+        after = await ledger.usage("a", window_s)
+    assert gone >= 2 * 25, gone  # most of the window's events (reserve and settlement) are gone from the log
+    assert (before.requests, before.output_tokens) == (30, 90), before  # the 30 requests of the last 600 s
+    assert after == before, (before, after)
