@@ -240,8 +240,8 @@ def _step(record: dict[str, Any], names: dict[str, str]) -> list[str]:
             f"output tokens (up to {record['max_output_tokens']:,} allowed), {record['gpu_ms']:,.1f} GPU ms "
             f"billed ({record['gpu_ms_estimate']:,.1f} reserved)"
         )
-        if record["ttft_ms"] is not None:
-            text += f"; first token {_duration(record['ttft_ms'])} after dispatch"
+        if record["first_token_after_dispatch_ms"] is not None:
+            text += f"; first token {_duration(record['first_token_after_dispatch_ms'])} after dispatch"
             if record["tpot_ms"] is not None:
                 text += f", then {_duration(record['tpot_ms'])} per token"
         return [text + "."]
@@ -455,8 +455,8 @@ def summarise_log(records: Iterable[dict[str, Any]]) -> LiveRun:
             summary.input_tokens += record["input_tokens"]
             summary.output_tokens += record["output_tokens"]
             summary.spend_micros += float(record.get("spend_micros") or 0.0)
-            if record["ttft_ms"] is not None:  # the queue included, as /metrics and the dashboard count it
-                summary.ttft_ms.append(float(record["queue_ms"]) + float(record["ttft_ms"]))
+            if record["ttft_incl_queue_ms"] is not None:  # as /metrics and the dashboard count it
+                summary.ttft_ms.append(float(record["ttft_incl_queue_ms"]))
             if record["tenant_hash"] is not None:
                 billed.append((record["ts"], record["tenant_hash"], float(record["gpu_ms"])))
                 key = key_of.pop((record["tenant_hash"], record["request_id"]), None)

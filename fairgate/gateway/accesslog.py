@@ -15,9 +15,10 @@ call that ran, once its final settlement was booked; for anything else, when its
   was sent), ``error`` (the upstream failed) or
   ``rejected`` (answered with an error before running: ``reason`` and ``code`` say why, as in
   ``fairgate.gateway.observe.REJECT_REASONS`` and the OpenAI error body);
-- ``upstream``; ``queue_ms`` (admission to dispatch); ``ttft_ms``: time to first token as the client waits
-  for it, from receipt (authentication, admission and queue included) to the first token; ``latency_ms``:
-  from receipt to the end (the final settlement included);
+- ``upstream``; ``queue_ms`` (admission to dispatch); ``ttft_incl_queue_ms``: time to first token from
+  admission (the request joining its tenant's queue) to the first token, the queue included - the TTFT of
+  ``/metrics``, the dashboard, the event log and ``fairgate report`` (``null``: no token); ``latency_ms``:
+  from receipt to the end (authentication and the final settlement included);
 - ``input_tokens``, ``output_tokens``, ``gpu_ms``: what was billed (0 for a rejection).
 
 Lines go through a ``logging.handlers`` queue to a listener thread, so the event loop never waits for the
@@ -52,8 +53,7 @@ LOGGER = "fairgate.access"
 
 def line_of(record: RequestRecord) -> bytes:
     """The access log's JSON line of ``record`` (see module docstring), without its newline."""
-    f, first_token_s = record.finished, record.first_token_s
-    ttft_ms = None if first_token_s is None else round((first_token_s - record.received_s) * 1000.0, 3)
+    f, ttft_ms = record.finished, record.ttft_incl_queue_ms
     ts = round(record.received_s, 3)
     return orjson.dumps(
         {
@@ -70,7 +70,7 @@ def line_of(record: RequestRecord) -> bytes:
             "code": record.code,
             "upstream": record.upstream,
             "queue_ms": None if record.queue_ms is None else round(record.queue_ms, 3),
-            "ttft_ms": ttft_ms,
+            "ttft_incl_queue_ms": None if ttft_ms is None else round(ttft_ms, 3),
             "latency_ms": round((record.end_s - record.received_s) * 1000.0, 3),
             "input_tokens": f.input_tokens if f else 0,
             "output_tokens": f.output_tokens if f else 0,

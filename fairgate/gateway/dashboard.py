@@ -19,7 +19,8 @@
     token is refused (403): the dashboard shows the key holder's own data.
 
 Series (one point per sample, ``stats.SAMPLE_EVERY_S`` apart; ``t`` is seconds relative to ``now_s``):
-``gpu_share`` / ``capacity_share`` (0-1, over the window), ``queue_p99_ms``, ``ttft_p99_ms`` (window),
+``gpu_share`` / ``capacity_share`` (0-1, over the window), ``queue_p99_ms``, ``ttft_incl_queue_p99_ms``
+(window; TTFT from admission, the queue included, as everywhere in fairgate),
 ``admissions_per_s``, ``rejections_per_s``, ``input_tokens_per_s``, ``output_tokens_per_s`` (since the
 previous sample), ``running``, ``queued`` (now), ``gpu_s`` (cumulative GPU seconds charged),
 ``reserve_gap_gpu_s``, ``reserve_gap_output_tokens`` (reserved minus billed over the window). Each tenant's
@@ -59,7 +60,7 @@ _CSP = (
 _TENANT_FIELDS = (
     "capacity_share",
     "queue_p99_ms",
-    "ttft_p99_ms",
+    "ttft_incl_queue_p99_ms",
     "admissions_per_s",
     "rejections_per_s",
     "running",
@@ -71,6 +72,7 @@ _TENANT_FIELDS = (
     "reserve_gap_output_tokens",
 )
 _ADMIN_FIELDS = ("gpu_share", *_TENANT_FIELDS)
+_ATTRIBUTE = {"ttft_incl_queue_p99_ms": "ttft_p99_ms"}  # the JSON's name -> ``stats.TenantPoint``'s, where they differ
 YOU = "you"
 
 
@@ -113,11 +115,15 @@ def payload(
     series = {}
     for name, label in labels.items():
         points = [s.tenants.get(name) for s in samples]
-        series[label] = {f: [_round(getattr(p, f)) if p is not None else None for p in points] for f in fields}
+        series[label] = {
+            f: [_round(getattr(p, _ATTRIBUTE.get(f, f))) if p is not None else None for p in points] for f in fields
+        }
     models = sorted({m for s in samples for m in s.pools if pools is None or m in pools})
     pool: dict[str, Any] = {
         "ttft_target_ms": ttft_target_ms,
-        "ttft_p99_ms": {m: [_round(s.pools[m].ttft_p99_ms) if m in s.pools else None for s in samples] for m in models},
+        "ttft_incl_queue_p99_ms": {
+            m: [_round(s.pools[m].ttft_p99_ms) if m in s.pools else None for s in samples] for m in models
+        },
     }
     totals = {label: _totals(stats.totals.get(name) or TenantTotals()) for name, label in labels.items()}
     window = stats.window().tenants

@@ -6,7 +6,7 @@ beside the config; unset or empty: no file). Every record is also logged, as the
 
 Format: UTF-8, one JSON object per line (``\\n``). Keys of every record:
 
-- ``v``: the format version (``1``); ``event``: the record kind (below);
+- ``v``: the format version (``2``; version 1 is read too, below); ``event``: the record kind (below);
 - ``ts``: when it happened, wall-clock seconds since the Unix epoch (float, ms precision);
   ``time``: the same instant as ISO 8601 UTC with milliseconds (``2025-01-31T12:00:01.123Z``).
 
@@ -28,7 +28,11 @@ tenant name is never written: quoted tenant names in error messages are replaced
                    key it came with, as ``admitted``'s; ``null`` when none was valid).
 ``dispatched``     the fair policy gave it a slot: ``upstream`` (its name), ``queue_ms`` (time in the queue).
 ``finished``       the upstream call ended: ``upstream``, ``outcome`` (``completed`` / ``cancelled``: the client went
-                   away / ``error``), ``queue_ms``, ``ttft_ms`` (dispatch to first token; ``null``: no token),
+                   away / ``error``), ``queue_ms``, ``ttft_incl_queue_ms`` (time to first token from admission -
+                   the request joining its tenant's queue - so the queue included: ``queue_ms`` +
+                   ``first_token_after_dispatch_ms``; the TTFT of ``/metrics``, the dashboard, the access log
+                   and ``fairgate report``; ``null``: no token), ``first_token_after_dispatch_ms`` (from
+                   dispatch to the first token: the upstream's part; ``null``: no token),
                    ``tpot_ms`` (mean ms per output token after the first; ``null``), ``input_tokens``,
                    ``output_tokens`` and ``gpu_ms`` (what was billed), ``gpu_ms_estimate`` and
                    ``max_output_tokens`` (what was reserved), ``spend_micros`` (what the billed usage cost at the
@@ -46,6 +50,9 @@ tenant name is never written: quoted tenant names in error messages are replaced
 =================  ==============================================================================================
 
 Readers must ignore records of an unknown ``event`` (later versions may add kinds) and unknown keys.
+Version 1 differs in one key: its ``finished`` records hold ``ttft_ms`` (dispatch to first token) instead of
+the two TTFT keys; ``read_records`` gives them both (``first_token_after_dispatch_ms`` = ``ttft_ms``, and
+``ttft_incl_queue_ms`` = ``queue_ms`` + ``ttft_ms``), so a reader sees one shape.
 
 Writing never blocks the event loop: the observer turns each event into a line and appends it to an
 in-memory buffer; a writer thread appends the buffer to the file with one ``write`` call at least every
@@ -86,7 +93,7 @@ from fairgate.ledger.config import TenantQuota
 
 log = logging.getLogger("fairgate.gateway")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FLUSH_EVERY_S = 1.0  # the longest a record waits in memory
 FLUSH_LINES = 2_000  # write sooner when this many lines wait
 USAGE_EVERY_S = 5.0  # how often per-tenant GPU-time aggregates are written
@@ -274,7 +281,8 @@ class EventLog:
                 upstream=event.upstream,
                 outcome=event.outcome,
                 queue_ms=_ms(event.queue_ms),
-                ttft_ms=_ms(event.ttft_ms),
+                ttft_incl_queue_ms=None if event.ttft_ms is None else _ms(event.queue_ms + event.ttft_ms),
+                first_token_after_dispatch_ms=_ms(event.ttft_ms),
                 tpot_ms=_ms(event.tpot_ms),
                 input_tokens=event.input_tokens,
                 output_tokens=event.output_tokens,
@@ -605,7 +613,8 @@ _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {  # key -> (type
         "upstream": ((str,), False),
         "outcome": ((str,), False),
         "queue_ms": (_NUMBER, False),
-        "ttft_ms": (_NUMBER, True),
+        "ttft_incl_queue_ms": (_NUMBER, True),
+        "first_token_after_dispatch_ms": (_NUMBER, True),
         "tpot_ms": (_NUMBER, True),
         "input_tokens": ((int,), False),
         "output_tokens": ((int,), False),
@@ -624,7 +633,7 @@ _OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "admitted": {"key_id": ((str,), True)},
     "finished": {"spend_micros": (_NUMBER, False)},
 }
-_REQUEST_KEYS = {
+_REQUEST_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
     "request_id": ((str,), False),
     "tenant_hash": ((str,), True),
     "delegate_hash": ((str,), True),
@@ -700,8 +709,11 @@ def _parse(file: Path, number: int, raw: bytes) -> dict[str, Any] | None:
     _check(where, record, "ts", _NUMBER, False)
     if not math.isfinite(record["ts"]):
         raise EventLogError(f"{where}: key 'ts': expected seconds since the epoch")
-    checks = {**(_REQUEST_KEYS if kind in REQUEST_EVENTS else {}), **_FIELDS[kind]}
-    for key, (types, nullable) in checks.items():
+    for key, (types, nullable) in (_REQUEST_KEYS if kind in REQUEST_EVENTS else {}).items():
+        _check(where, record, key, types, nullable)
+    if version == 1 and kind == "finished":
+        _name_the_ttft(where, record)
+    for key, (types, nullable) in _FIELDS[kind].items():
         _check(where, record, key, types, nullable)
     for key, (types, nullable) in _OPTIONAL.get(kind, {}).items():
         if key in record:
@@ -711,6 +723,15 @@ def _parse(file: Path, number: int, raw: bytes) -> dict[str, Any] | None:
             if not isinstance(value, _NUMBER) or isinstance(value, bool):
                 raise EventLogError(f"{where}: key 'gpu_ms.{tenant}': expected a number of GPU ms")
     return record
+
+
+def _name_the_ttft(where: str, record: dict[str, Any]) -> None:
+    """A version 1 ``finished`` record given the version 2 TTFT keys (module docstring), in place."""
+    _check(where, record, "queue_ms", _NUMBER, False)
+    _check(where, record, "ttft_ms", _NUMBER, True)
+    after_dispatch = record["ttft_ms"]
+    record["first_token_after_dispatch_ms"] = after_dispatch
+    record["ttft_incl_queue_ms"] = None if after_dispatch is None else _ms(record["queue_ms"] + after_dispatch)
 
 
 def _check(where: str, record: dict[str, Any], key: str, types: tuple[type, ...], nullable: bool) -> None:

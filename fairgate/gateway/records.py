@@ -65,10 +65,18 @@ class RequestRecord:
 
     @property
     def first_token_s(self) -> float | None:
+        """When the first output token came (wall-clock seconds); None: no token."""
         f = self.finished
         return (
             None if f is None or f.ttft_ms is None or self.dispatched_s is None else self.dispatched_s + f.ttft_ms / 1e3
         )
+
+    @property
+    def ttft_incl_queue_ms(self) -> float | None:
+        """Time to first token from admission (joining its tenant's queue), the queue included, in ms: the
+        one TTFT of ``/metrics``, the dashboard, the event log and ``fairgate report``. None: no token."""
+        f = self.finished
+        return None if f is None or f.ttft_ms is None else f.queue_ms + f.ttft_ms
 
 
 Sink = Callable[[RequestRecord], None]

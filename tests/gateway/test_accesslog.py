@@ -55,11 +55,11 @@ def test_each_request_is_one_line_with_what_the_client_got_and_the_ledger_billed
     assert first["gpu_ms"] == pytest.approx(billed.gpu_ms, abs=1e-3) and first["gpu_ms"] > 0
     assert first["tenant_hash"] == tenant_tag("alpha") and "alpha" not in json.dumps(first)
     assert (first["model"], first["path"], first["upstream"]) == ("emu", "/v1/completions", "emu-0")
-    assert 0 <= first["queue_ms"] <= first["ttft_ms"] <= first["latency_ms"]
+    assert 0 <= first["queue_ms"] <= first["ttft_incl_queue_ms"] <= first["latency_ms"]
     # The re-sent id: a rejection, billed nothing, its reason and code as answered.
     assert (second["status"], second["outcome"], second["reason"]) == (409, "rejected", "conflict")
     assert second["code"] == again.json()["error"]["code"] and second["output_tokens"] == 0
-    assert second["upstream"] is None and second["ttft_ms"] is None
+    assert second["upstream"] is None and second["ttft_incl_queue_ms"] is None
     # No credential: nobody to attribute it to.
     bad = lines["bad-key"]
     assert (bad["status"], bad["tenant_hash"], bad["reason"], bad["code"]) == (401, None, "auth", "invalid_api_key")
@@ -68,6 +68,28 @@ def test_each_request_is_one_line_with_what_the_client_got_and_the_ledger_billed
     stream = lines["str-1"]
     assert received == reservations["str-1"].billed.output_tokens == stream["output_tokens"] == 5
     assert (stream["status"], stream["outcome"], stream["tenant_hash"]) == (200, "completed", tenant_tag("beta"))
+
+
+def test_one_ttft_the_queue_included_in_the_access_log_the_event_log_and_metrics(tmp_path: Path) -> None:
+    """TTFT is measured from admission (the queue included) wherever it is shown, and named so; the event log
+    also keeps the upstream's part, from dispatch, under its own name."""
+    from fairgate.gateway.eventlog import read_records
+    from tests.gateway.test_metrics import ADMIN_KEY
+
+    with serve_stack(tmp_path, admin_key=ADMIN_KEY, gateway_table={"access_log": "access.jsonl"}) as stack:
+        assert post(stack, "one-ttft").status_code == 200
+        metrics = httpx.get(f"{stack.url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10).text
+    [line] = lines_of(tmp_path / "access.jsonl")
+    [finished] = [r for _, _, r in read_records(stack.config.event_log_path) if r["event"] == "finished"]
+    assert "ttft_ms" not in line and "ttft_ms" not in finished
+    assert line["ttft_incl_queue_ms"] == finished["ttft_incl_queue_ms"] > 0
+    assert finished["ttft_incl_queue_ms"] == pytest.approx(
+        finished["queue_ms"] + finished["first_token_after_dispatch_ms"], abs=2e-3
+    )
+    assert 0 < finished["first_token_after_dispatch_ms"] <= finished["ttft_incl_queue_ms"] <= line["latency_ms"]
+    tag = tenant_tag("alpha")
+    [observed] = [x for x in metrics.splitlines() if x.startswith(f'fairgate_ttft_seconds_sum{{tenant="{tag}"}}')]
+    assert float(observed.split()[-1]) * 1000.0 == pytest.approx(line["ttft_incl_queue_ms"], abs=1e-3)
 
 
 def test_a_stream_the_client_leaves_is_logged_cancelled_with_what_was_billed(tmp_path: Path) -> None:

@@ -76,7 +76,10 @@ def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
             assert data["scope"] == "tenant" and list(data["series"]) == ["you"] and list(data["totals"]) == ["you"]
             assert data["totals"] == baseline["totals"]
             assert data["totals"]["you"]["admissions"] == 1 and data["totals"]["you"]["output_tokens"] == 3
-            assert set(data["pool"]) == {"ttft_target_ms", "ttft_p99_ms"}  # the pool's SLO, nothing per tenant
+            assert set(data["pool"]) == {
+                "ttft_target_ms",
+                "ttft_incl_queue_p99_ms",
+            }  # the pool's SLO, nothing per tenant
             assert "gpu_share" not in data["series"]["you"]  # a share of others' use would reveal their total
             for other in ("alpha", "gamma"):
                 assert other not in reply.text and tenant_tag(other) not in reply.text
@@ -199,7 +202,9 @@ def test_the_dashboard_in_chromium(tmp_path):
                     arg=wanted,
                     timeout=30_000,
                 )
-            page.wait_for_function(f"() => ({LABELS_WITH_DATA})('slo').includes('emu TTFT p99')", timeout=30_000)
+            page.wait_for_function(
+                f"() => ({LABELS_WITH_DATA})('slo').includes('emu TTFT p99 (queue incl.)')", timeout=30_000
+            )
             page.wait_for_function(f"() => ({LABELS_WITH_DATA})('fairness').includes('emu Jain')", timeout=30_000)
             page.wait_for_function(f"() => ({LABELS_WITH_DATA})('busy').includes('emu-0')", timeout=30_000)
             # Wait for a few samples so the screenshot shows lines, not dots.

@@ -80,7 +80,7 @@ def test_a_completed_request_has_admitted_dispatched_finished(run):
     assert [admitted["event"], dispatched["event"], finished["event"]] == ["admitted", "dispatched", "finished"]
     tag = tenant_tag("alpha")
     for record in (admitted, dispatched, finished):
-        assert (record["tenant_hash"], record["delegate_hash"], record["model"], record["v"]) == (tag, None, "emu", 1)
+        assert (record["tenant_hash"], record["delegate_hash"], record["model"], record["v"]) == (tag, None, "emu", 2)
         assert record["time"].endswith("Z") and abs(record["ts"] - time.time()) < 600
     assert (admitted["input_tokens"], admitted["max_output_tokens"]) == (2, 6) and admitted["gpu_ms_estimate"] > 0
     assert admitted["reservation_id"].startswith(tag)
@@ -88,7 +88,12 @@ def test_a_completed_request_has_admitted_dispatched_finished(run):
     assert finished["outcome"] == "completed" and finished["upstream"] == "emu-0"
     assert (finished["input_tokens"], finished["output_tokens"], finished["max_output_tokens"]) == (2, 6, 6)
     assert finished["gpu_ms"] > 0 and finished["gpu_ms_estimate"] == admitted["gpu_ms_estimate"]
-    assert finished["ttft_ms"] > 0 and finished["tpot_ms"] > 0 and finished["queue_ms"] == dispatched["queue_ms"]
+    assert (
+        finished["first_token_after_dispatch_ms"] > 0
+        and finished["tpot_ms"] > 0
+        and finished["queue_ms"] == dispatched["queue_ms"]
+    )
+    assert finished["ttft_incl_queue_ms"] == round(finished["queue_ms"] + finished["first_token_after_dispatch_ms"], 3)
     assert admitted["ts"] <= dispatched["ts"] <= finished["ts"]
 
 
@@ -224,7 +229,24 @@ def test_records_wait_at_most_a_second_and_flush_writes_at_once(tmp_path):
         assert sink.flush() and "r-2" in path.read_text()
     finally:
         sink.close()
-    assert path.read_text().splitlines()[-1].startswith('{"v":1,"event":"stopped"')
+    assert path.read_text().splitlines()[-1].startswith('{"v":2,"event":"stopped"')
+
+
+def test_a_version_1_finished_record_is_read_with_the_named_ttft_keys(tmp_path):
+    path = tmp_path / "events.jsonl"
+    keys = {"request_id": "r", "tenant_hash": None, "delegate_hash": None, "model": "m", "upstream": "u"}
+    counts = {"input_tokens": 1, "output_tokens": 2, "gpu_ms": 3.0, "gpu_ms_estimate": 4.0, "max_output_tokens": 5}
+    finished = {"v": 1, "event": "finished", "ts": 1.0, **keys, **counts, "outcome": "completed", "tpot_ms": None}
+    lines = [{**finished, "queue_ms": 40.5, "ttft_ms": 9.25}, {**finished, "queue_ms": 3.0, "ttft_ms": None}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    read = [record for _, _, record in read_records(path)]
+    assert [(r["ttft_incl_queue_ms"], r["first_token_after_dispatch_ms"]) for r in read] == [
+        (49.75, 9.25),
+        (None, None),
+    ]
+    path.write_text(json.dumps({**finished, "queue_ms": 1.0}) + "\n")
+    with pytest.raises(EventLogError, match="finished record: key 'ttft_ms' is missing"):
+        list(read_records(path))
 
 
 def test_a_bad_line_is_named(tmp_path):

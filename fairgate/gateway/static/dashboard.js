@@ -75,7 +75,7 @@
     chart("tokens", "Tokens: output (solid), input (dashed)", "tokens / s");
     chart("gpu", "GPU seconds charged (cumulative)", "GPU s");
     chart("gap", "Reserved minus settled (last window): GPU s (solid), output tokens (dashed)", "GPU s", "tokens");
-    chart("slo", "Shared pool SLO: TTFT p99 vs target", "ms");
+    chart("slo", "Shared pool SLO: TTFT p99 (queue incl.) vs target", "ms");
     chart("fairness", "Fairness over the window: max/min (solid), Jain (dashed)", "max/min", "Jain");
     chart("busy", "Upstream busy fraction", "fraction");
   }
@@ -112,8 +112,10 @@
     set("gpu", null, per("gpu_s"));
     set("gap", null, pair("reserve_gap_gpu_s", "reserve_gap_output_tokens", " GPU s", " tokens",
                           { borderDash: [6, 4], yAxisID: "y1" }));
-    var models = Object.keys(data.pool.ttft_p99_ms).sort();
-    var slo = models.map(function (m, i) { return line(m + " TTFT p99", points(t, data.pool.ttft_p99_ms[m]), i); });
+    var models = Object.keys(data.pool.ttft_incl_queue_p99_ms).sort();
+    var slo = models.map(function (m, i) {
+      return line(m + " TTFT p99 (queue incl.)", points(t, data.pool.ttft_incl_queue_p99_ms[m]), i);
+    });
     if (t.length) {
       var target = data.pool.ttft_target_ms;
       slo.push(line("target", [{ x: t[0], y: target }, { x: t[t.length - 1], y: target }], PALETTE.length - 1,
