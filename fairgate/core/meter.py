@@ -20,9 +20,20 @@ running sequence emits one per iteration) or a request leaving - but not a token
 the time the gateway takes to read them, and a request sent amid the burst (its slot freed by a request
 that ended in it) was not in the iteration the rest of the burst ends. The default lag is half the cost
 model's shortest iteration (``iter_base_ms / 2``): closer than that, two tokens cannot end two different
-iterations. A request sent to an idle upstream starts at once. Without this, a request sent during a long
-prefill-heavy iteration would be charged for an iteration it is not in (bench/live_fairness.py's Azure
-replay measured prompt-heavy tenants over-billed by 10-18 % that way).
+iterations. Without this, a request sent during a long prefill-heavy iteration would be charged for an
+iteration it is not in (bench/live_fairness.py's Azure replay measured prompt-heavy tenants over-billed by
+10-18 % that way). Two exceptions, both found on llama-server (issue 13):
+
+- A request sent to an idle upstream starts at once, and so does every request sent before any token
+  comes back from it (this process alone on it): an idle engine takes in whatever reaches it before its
+  first step starts (one request and seven sent 2 ms later were prefilled in one 1,345-ms step; the
+  first was billed all of it).
+- A request's own first token is evidence of the iteration it was prefilled in. Arriving while the meter
+  still has it pending, or within ``boundary_lag_ms`` of the burst it joined at, it ends the iteration
+  *before* the one the meter put it in: it made the very next step after all (llama-server took requests
+  sent up to 15 ms after a step's tokens), and that step was charged to the others. Charges are never
+  taken back, so it keeps its prefill weight from then on until its prefill time has been charged to
+  it, and the others are charged that much less meanwhile: its total is its prefill and its decode.
 
 Several gateway processes on one replica (scale-out): each process sees only its own requests, yet
 the replica's iterations hold everyone's. Metering its own requests alone, every process would bill the
@@ -78,6 +89,7 @@ class _InFlight:
     prefilling: bool = True
     pending: bool = False  # sent, but the replica has not reached an iteration boundary since
     sent_ms: float = 0.0
+    joined_ms: float = -math.inf  # the token burst at which it joined the iteration (-inf: at its send)
     charged_ms: float = 0.0  # as of ``mark`` (the meter's price then)
     mark: float = 0.0
     weight: float = 0.0  # in the current iteration (0 while pending)
@@ -108,6 +120,8 @@ class MeterWindow:
         self.busy_ms = 0.0  # time with at least one of its requests in flight
         self.charged_total_ms = 0.0  # charged to its requests: busy_ms when no other process shares it
         self.remote = Occupancy()  # the other gateway processes' requests on the same replica
+        # Nothing has come back from the upstream since it went idle: its first iteration has not ended.
+        self.first_iteration = True
         self._window_start_ms = now_ms
         self._sequence_ms = 0.0  # its own requests' occupancy since the window started: sequences x ms
         self._prefill_attributed_ms = 0.0  # and prefill ms attributed
@@ -128,6 +142,14 @@ class MeterWindow:
         self._window_start_ms = self._last_ms
         self._sequence_ms = self._prefill_attributed_ms = 0.0
         return taken
+
+
+def joins_first_iteration(window: MeterWindow) -> bool:
+    """Whether a request sent now joins the iteration running at once: the upstream's first since it went
+    idle has not ended (no token came back), and no other process's sequences keep it running. An idle
+    engine takes in every request that reaches it before its first step starts (llama-server prefilled a
+    request and seven sent 2 ms after it in one 1,345-ms step: issue 13)."""
+    return window.first_iteration and window.remote.sequences == 0
 
 
 def check_remote(remote: Occupancy) -> None:
@@ -215,10 +237,12 @@ class LiveMeter(MeterWindow):
         request.charged_ms += request.weight * (self._price - request.mark)
         request.mark = self._price
 
-    def _join(self, request_id: str, request: _InFlight) -> None:
-        """``request`` joins the iteration (no longer pending); the caller reweighs."""
+    def _join(self, request_id: str, request: _InFlight, burst_ms: float = -math.inf) -> None:
+        """``request`` joins the iteration (no longer pending) at the token burst of ``burst_ms`` (-inf: at
+        its send); the caller reweighs."""
         self._bring_up_to_date(request)
         request.pending = False
+        request.joined_ms = burst_ms
         del self._pending[request_id]
         self._active_sequences += request.sequences
         if request.prefilling:
@@ -257,7 +281,7 @@ class LiveMeter(MeterWindow):
             if now_ms is None or now_ms - r.sent_ms >= self.boundary_lag_ms
         ]
         for rid, request in joined:
-            self._join(rid, request)
+            self._join(rid, request, -math.inf if now_ms is None else now_ms)
         if joined:
             self._reweigh()
 
@@ -289,25 +313,30 @@ class LiveMeter(MeterWindow):
         self._sequences += sequences
         self._pending[request_id] = request
         self._unprefilled += request.prefilling
-        if self._active_sequences == 0:  # an idle upstream starts it at once
+        if self._active_sequences == 0 or joins_first_iteration(self):
             self._join(request_id, request)
             self._reweigh()
 
     def first_token(self, request_id: str, now_ms: float) -> None:
-        """Its first token arrived: its prefill is over, and an iteration ended."""
+        """Its first token arrived: an iteration ended, and its prefill is over - unless the meter had the
+        request pending, or joined it in this same burst of tokens: then it was prefilled in the iteration
+        that just ended, which was charged to the others, and it keeps its prefill weight until its prefill
+        time has been charged to it (see module docstring)."""
         self.advance(now_ms)
+        self.first_iteration = False
         request = self._requests.get(request_id)
-        if request is not None:  # it was in the iteration that ended
-            if request.prefilling:
-                self._stop_prefilling(request)
+        if request is not None:
             if request.pending:
-                self._join(request_id, request)
+                self._join(request_id, request, now_ms)
                 self._reweigh()
+            elif request.prefilling and now_ms - request.joined_ms >= self.boundary_lag_ms:
+                self._stop_prefilling(request)
         self._boundary(now_ms)
 
     def token(self, now_ms: float) -> None:
         """A later token of some request arrived: an iteration ended."""
         self.advance(now_ms)
+        self.first_iteration = False
         self._boundary(now_ms)
 
     def finish(self, request_id: str, now_ms: float) -> float:
@@ -324,6 +353,7 @@ class LiveMeter(MeterWindow):
             self._prefill_rate -= request.prefill_ms if request.prefilling else 0.0
         self._boundary(now_ms)
         self._reweigh()
-        if not self._requests:  # idle: no prefill will end
+        if not self._requests:  # idle: no prefill will end, and the next request starts a first iteration
             self._prefill_ends.clear()
+            self.first_iteration = True
         return request.charged_ms

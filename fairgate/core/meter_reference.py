@@ -4,10 +4,18 @@ interval started with (O(in flight) per event). ``fairgate.core.meter.LiveMeter`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fairgate.core.cost import CostModel
-from fairgate.core.meter import MAX_REMOTE_PREFILL_SHARE, PREFILL_END_TOLERANCE, MeterWindow, Occupancy, check_remote
+from fairgate.core.meter import (
+    MAX_REMOTE_PREFILL_SHARE,
+    PREFILL_END_TOLERANCE,
+    MeterWindow,
+    Occupancy,
+    check_remote,
+    joins_first_iteration,
+)
 
 
 @dataclass
@@ -18,6 +26,7 @@ class _InFlight:
     prefilling: bool = True
     pending: bool = False  # sent, but the replica has not reached an iteration boundary since
     sent_ms: float = 0.0
+    joined_ms: float = -math.inf  # the token burst at which it joined the iteration (-inf: at its send)
     charged_ms: float = 0.0
     sequences: int = 1  # OpenAI's ``n``: it holds that many places in the batch, its prompt prefilled once
 
@@ -71,8 +80,9 @@ class ReferenceMeter(MeterWindow):
         """An iteration ended at ``now_ms``: the pending requests sent at least ``boundary_lag_ms`` before
         join the next one (all of them when ``now_ms`` is None)."""
         for request in self._requests.values():
-            if now_ms is None or now_ms - request.sent_ms >= self.boundary_lag_ms:
+            if request.pending and (now_ms is None or now_ms - request.sent_ms >= self.boundary_lag_ms):
                 request.pending = False
+                request.joined_ms = -math.inf if now_ms is None else now_ms
 
     def advance(self, now_ms: float) -> list[MeterCharge]:
         """Charge the interval since the last call to the requests in flight. A clock that went backwards
@@ -142,7 +152,7 @@ class ReferenceMeter(MeterWindow):
         charges = self.advance(now_ms)
         assert request_id not in self._requests, f"request {request_id} metered twice"
         prefill_ms = self.cost.prefill_ms(prompt_tokens)
-        busy = any(not r.pending for r in self._requests.values())
+        busy = any(not r.pending for r in self._requests.values()) and not joins_first_iteration(self)
         self._requests[request_id] = _InFlight(
             tenant,
             prompt_tokens,
@@ -155,17 +165,23 @@ class ReferenceMeter(MeterWindow):
         return charges
 
     def first_token(self, request_id: str, now_ms: float) -> list[MeterCharge]:
-        """Its first token arrived: its prefill is over, and an iteration ended."""
+        """Its first token arrived: an iteration ended, and its prefill is over unless it was pending or joined
+        in this same burst (``LiveMeter.first_token``). Returns the interval's charges."""
         charges = self.advance(now_ms)
+        self.first_iteration = False
         request = self._requests.get(request_id)
         if request is not None:
-            request.prefilling = request.pending = False  # it was in the iteration that ended
+            if request.pending:  # prefilled in the iteration that ended (charged to the others): still owes it
+                request.pending, request.joined_ms = False, now_ms
+            elif now_ms - request.joined_ms >= self.boundary_lag_ms:
+                request.prefilling = False
         self._boundary(now_ms)
         return charges
 
     def token(self, now_ms: float) -> list[MeterCharge]:
         """A later token of some request arrived: an iteration ended. Returns the interval's charges."""
         charges = self.advance(now_ms)
+        self.first_iteration = False
         self._boundary(now_ms)
         return charges
 
@@ -174,6 +190,7 @@ class ReferenceMeter(MeterWindow):
         charges = self.advance(now_ms)
         request = self._requests.pop(request_id)
         self._boundary(now_ms)
+        self.first_iteration = self.first_iteration or not self._requests
         return charges, request.charged_ms
 
     def charged_ms(self, request_id: str) -> float:

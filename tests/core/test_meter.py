@@ -137,12 +137,16 @@ def test_the_integral_charges_what_charging_every_interval_charges(events):
 
 def test_a_request_sent_mid_iteration_is_charged_only_from_the_next_boundary():
     meter = LiveMeter(COST, 0.0)
-    meter.start("long", "a", 2000, 0.0)  # alone: prefilled at once, 2000 x 0.06 = 120 ms of prefill
-    meter.start("late", "b", 2000, 10.0)  # sent during long's prefill iteration: pending
-    meter.first_token("long", 130.0)
-    assert meter.charged_ms("long") == pytest.approx(130.0)  # alone from 0 to 130 ms
+    meter.start("short", "a", 0, 0.0)
+    meter.first_token("short", 10.0)  # a step has ended: the upstream is past its first iteration
+    meter.start("long", "a", 2000, 10.0)
+    meter.token(20.0)  # long joins here: 2000 x 0.06 = 120 ms of prefill in its iteration
+    meter.start("late", "b", 2000, 30.0)  # sent during long's prefill iteration: pending
+    meter.first_token("long", 150.0)
+    meter.token(150.0)
     assert meter.charged_ms("late") == 0.0
-    meter.advance(260.0)  # late's prefill iteration: it carries the prefill weight
+    assert meter.charged_ms("short") + meter.charged_ms("long") == pytest.approx(150.0)
+    meter.advance(280.0)  # late's prefill iteration: it carries the prefill weight
     assert meter.charged_ms("late") > 100.0
 
 
@@ -265,3 +269,90 @@ def test_a_token_of_the_burst_a_request_was_sent_in_is_not_its_iteration_boundar
     meter.advance(41.0)
     assert meter.charged_ms("c") > 0.5  # prefilling: most of the interval
     assert LiveMeter(COST, 0.0).boundary_lag_ms == pytest.approx(4.5)  # iter_base_ms / 2
+
+
+# --- when a request joins an iteration: what a real engine showed (issue 13, llama-server) ------------------------
+
+# llama-server's calibrated model (tests/engine): 6 + 2 B ms a step, 1.1 ms per prompt token; lag 3 ms.
+ENGINE = CostModel(6.0, 2.0, 1.1, 8)
+
+
+def test_requests_sent_before_an_idle_upstreams_first_token_share_its_first_iteration():
+    """Found on llama-server: 1 request, then 7 of another tenant 2 ms later, all prefilled in one 1,345-ms
+    step. Nothing has come back from the upstream since it went idle, so its first iteration has not ended,
+    and every request sent meanwhile shares it: each is charged its part, not the first all of it."""
+    meter = LiveMeter(ENGINE, 0.0)
+    meter.start("first", "a", 150, 0.0)  # 150 x 1.1 = 165 ms of prefill each
+    for index in range(7):
+        meter.start(f"other{index}", "b", 150, 2.0)
+    for name in ["first", *(f"other{i}" for i in range(7))]:
+        meter.first_token(name, 1345.0)
+    # 0-2 ms: the first alone. 2-1345 ms: eight equal weights (decode 22 / 8 + 165 prefill each).
+    assert meter.charged_ms("first") == pytest.approx(2.0 + 1343.0 / 8, rel=1e-9)
+    for index in range(7):
+        assert meter.charged_ms(f"other{index}") == pytest.approx(1343.0 / 8, rel=1e-9)
+    assert meter.charged_total_ms == pytest.approx(1345.0, rel=1e-12)
+    # Once a token came back the upstream is no longer in its first iteration: a request sent now waits.
+    meter.start("late", "c", 150, 1346.0)
+    meter.advance(1360.0)
+    assert meter.charged_ms("late") == 0.0
+
+
+def _eight_decoding(meter: LiveMeter) -> None:
+    """Eight requests decoding in 22-ms steps (the first token of each at 22 ms, then 44 ms)."""
+    for index in range(8):
+        meter.start(f"d{index}", "a", 0, 0.0)
+    for index in range(8):
+        meter.first_token(f"d{index}", 22.0)
+    for _ in range(8):
+        meter.token(44.0)
+
+
+@pytest.mark.parametrize("own_token_first", [True, False])
+def test_a_request_that_makes_the_very_next_step_is_charged_its_prefill(own_token_first):
+    """Found on llama-server: a request sent 0-15 ms after a step's tokens can still join the very next step.
+    The meter cannot know at the send; it learns it when the request's first token arrives with that step's
+    tokens (before, or among, the burst that ends it). The request was prefilled in a step charged to the
+    others, so from then on it carries its prefill weight until the model's prefill time has been charged
+    to it (the others are charged that much less meanwhile): its total is its prefill and its decode."""
+    meter = LiveMeter(ENGINE, 0.0)
+    _eight_decoding(meter)
+    meter.finish("d0", 44.0)  # its slot is free: a new request takes it 5 ms later (more than the 3-ms lag)
+    meter.start("late", "b", 150, 49.0)
+    end = 44.0 + 22.0 + 165.0  # the engine's next step: seven decoding and late's 165-ms prefill
+    others = [f"d{i}" for i in range(1, 8)]
+    if own_token_first:
+        meter.first_token("late", end)
+    for _ in others:
+        meter.token(end)
+    before = {rid: meter.charged_ms(rid) for rid in others}
+    if not own_token_first:
+        meter.first_token("late", end + 0.5)  # read in the same burst
+    # Nothing of the step it was prefilled in (0.5 ms of the next one, at its prefill weight, if read late).
+    assert meter.charged_ms("late") == pytest.approx((not own_token_first) * 0.5 * (165.0 + 22.0 / 8) / 187.0)
+    # From the burst on, late weighs 22 / 8 + 165 beside seven of 22 / 8: the price rises by one per 187 ms,
+    # so its prefill is charged by end + 187 ms, every step of it a token burst.
+    for step in range(1, 12):
+        meter.token(end + 17.0 * step)
+    meter.advance(end + 187.0)
+    assert meter.charged_ms("late") == pytest.approx(165.0 + 22.0 / 8, rel=1e-6)
+    for rid in others:
+        assert meter.charged_ms(rid) - before[rid] == pytest.approx(22.0 / 8, rel=1e-6)
+    meter.advance(end + 187.0 + 22.0)  # then decode only: 1/8 of a step each
+    assert meter.charged_ms("late") == pytest.approx(165.0 + 2 * 22.0 / 8, rel=1e-6)
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
+
+
+def test_a_first_token_a_whole_step_after_the_join_ends_the_prefill_as_before():
+    """The usual case is unchanged: a request that missed the next step joins at that step's tokens, is
+    prefilled in the one after, and its first token then ends its prefill weight."""
+    meter = LiveMeter(ENGINE, 0.0)
+    _eight_decoding(meter)
+    meter.finish("d0", 44.0)
+    meter.start("late", "b", 150, 45.0)
+    meter.token(66.0)  # the step it missed ends: it joins the next one
+    meter.first_token("late", 66.0 + 187.0)
+    charged = meter.charged_ms("late")
+    assert charged == pytest.approx(165.0 + 22.0 / 8, rel=1e-6)  # its step: 187 ms at 167.75 of 187
+    meter.advance(66.0 + 187.0 + 22.0)
+    assert meter.charged_ms("late") - charged == pytest.approx(22.0 / 8, rel=1e-6)
