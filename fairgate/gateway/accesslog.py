@@ -19,7 +19,9 @@ call that ran, once its final settlement was booked; for anything else, when its
   admission (the request joining its tenant's queue) to the first token, the queue included - the TTFT of
   ``/metrics``, the dashboard, the event log and ``fairgate report`` (``null``: no token); ``latency_ms``:
   from receipt to the end (authentication and the final settlement included);
-- ``input_tokens``, ``output_tokens``, ``gpu_ms``: what was billed (0 for a rejection).
+- ``input_tokens``, ``output_tokens``, ``gpu_ms``: what was billed (0 for a rejection);
+- ``trace_id``: the request's OpenTelemetry trace id, 32 hex digits, when ``[telemetry]`` is on (the caller's
+  trace when it sent a W3C ``traceparent``: ``fairgate.gateway.telemetry``); else ``null``.
 
 Lines go through a ``logging.handlers`` queue to a listener thread, so the event loop never waits for the
 terminal or the disk.
@@ -75,6 +77,7 @@ def line_of(record: RequestRecord) -> bytes:
             "input_tokens": f.input_tokens if f else 0,
             "output_tokens": f.output_tokens if f else 0,
             "gpu_ms": round(f.gpu_ms, 3) if f else 0.0,
+            "trace_id": record.trace_id,
         }
     )
 
@@ -134,16 +137,16 @@ def install(app: FastAPI, state: GatewayState) -> None:
     sinks: list[Sink] = []
     starts: list[Callable[[], None]] = []
     stops: list[Callable[[], None]] = []
+    tracing = telemetry.open_tracing(state.config.telemetry)
+    if tracing is not None:
+        sinks.append(tracing.report)  # first: it gives the record the trace id the access log line names
+        stops.append(tracing.shutdown)
     opened = open_access_log(state.config.gateway.access_log)
     if opened is not None:
         sink, listener = opened
         sinks.append(sink)
         starts.append(listener.start)
         stops.append(lambda: _stop(listener))
-    tracing = telemetry.open_tracing(state.config.telemetry)
-    if tracing is not None:
-        sinks.append(tracing.report)
-        stops.append(tracing.shutdown)
     if not sinks:
         return
     state.request_records = RequestRecorder(sinks)

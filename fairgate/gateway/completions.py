@@ -51,7 +51,7 @@ class RecordedRoute(APIRoute):
 
         async def recorded(request: Request) -> Response:
             state = gateway_of(request)
-            record = open_record(request.url.path, state.clock.wall_s())
+            record = open_record(request.url.path, state.clock.wall_s(), request.headers)
             request_id: str | None = None
             try:
                 request.state.request_id = request_id = intake.request_id_of(request)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Finished, Rejected, Settled
 
@@ -40,6 +40,8 @@ class RequestRecord:
     finished: Finished | None = None
     settled_s: float | None = None
     answered_s: float | None = None
+    trace_context: dict[str, str] = field(default_factory=dict)  # the W3C trace headers it came with
+    trace_id: str | None = None  # its OpenTelemetry trace (32 hex digits), once traced (``telemetry``)
     reported: bool = False
 
     @property
@@ -83,9 +85,15 @@ Sink = Callable[[RequestRecord], None]
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("fairgate_request", default=None)
 
 
-def open_record(path: str, received_s: float) -> RequestRecord:
-    """Start the record of the HTTP request being served (in this task's context and the tasks it starts)."""
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C Trace Context: the caller's trace, read by ``telemetry``
+
+
+def open_record(path: str, received_s: float, headers: Mapping[str, str] | None = None) -> RequestRecord:
+    """Start the record of the HTTP request being served (in this task's context and the tasks it starts),
+    received at ``received_s`` (wall-clock seconds) with ``headers`` (only the W3C trace headers are kept)."""
     record = RequestRecord(path, received_s)
+    if headers is not None:
+        record.trace_context = {name: value for name in TRACE_HEADERS if (value := headers.get(name)) is not None}
     _current.set(record)
     return record
 
@@ -141,4 +149,4 @@ class RequestRecorder:
                 log.exception("request report failed: %r", sink)
 
 
-__all__ = ["RequestRecord", "RequestRecorder", "Sink", "note_admission", "open_record"]
+__all__ = ["TRACE_HEADERS", "RequestRecord", "RequestRecorder", "Sink", "note_admission", "open_record"]

@@ -15,7 +15,11 @@ slot), ``upstream`` (the call, with a ``first_token`` event) and ``settlement`` 
 that happened. Attributes: ``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.usage.input_tokens``
 and ``gen_ai.usage.output_tokens`` (billed), ``gen_ai.request.max_tokens``, HTTP method, route and status, and
 ``fairgate.*``: the tenant's hash (never its name), request id, outcome, rejection reason, upstream, queue
-ms, GPU ms billed. The SDK's batch processor exports from its own thread; the rest is flushed at shutdown.
+ms, GPU ms billed. A request that came with a W3C ``traceparent`` header (and ``tracestate``) is traced as
+a child of that caller's span, in the caller's trace (read by OpenTelemetry's propagator; a malformed header
+is ignored and the request gets a trace of its own; a caller's "not sampled" flag is obeyed: nothing is
+exported). The trace id (32 hex digits) is the access log's ``trace_id``, so a slow request's line leads to
+its trace. The SDK's batch processor exports from its own thread; the rest is flushed at shutdown.
 Needs the ``otel`` extra (``pip install 'fairgate[otel]'``): the config says so when it is missing.
 """
 
@@ -48,16 +52,19 @@ class Tracing:
     tracer: Tracer
 
     def report(self, record: RequestRecord) -> None:
-        """The trace of one request that is over (see module docstring)."""
+        """The trace of one request that is over (see module docstring); sets ``record.trace_id``."""
         from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         operation = OPERATIONS.get(record.path, "request")
         root = self.tracer.start_span(
             f"{operation} {record.model}" if record.model else operation,
+            context=TraceContextTextMapPropagator().extract(record.trace_context),
             kind=trace.SpanKind.SERVER,
             start_time=_ns(record.received_s),
             attributes=_attributes(record, operation),
         )
+        record.trace_id = trace.format_trace_id(root.get_span_context().trace_id)
         if (record.status or 0) >= 500 or record.outcome == "error":
             root.set_status(trace.Status(trace.StatusCode.ERROR, record.reason or record.outcome))
         inside = trace.set_span_in_context(root)

@@ -55,6 +55,7 @@ def test_each_request_is_one_line_with_what_the_client_got_and_the_ledger_billed
     assert first["gpu_ms"] == pytest.approx(billed.gpu_ms, abs=1e-3) and first["gpu_ms"] > 0
     assert first["tenant_hash"] == tenant_tag("alpha") and "alpha" not in json.dumps(first)
     assert (first["model"], first["path"], first["upstream"]) == ("emu", "/v1/completions", "emu-0")
+    assert first["trace_id"] is None  # no [telemetry]: no trace to name
     assert 0 <= first["queue_ms"] <= first["ttft_incl_queue_ms"] <= first["latency_ms"]
     # The re-sent id: a rejection, billed nothing, its reason and code as answered.
     assert (second["status"], second["outcome"], second["reason"]) == (409, "rejected", "conflict")

@@ -6,6 +6,8 @@ received and what the ledger billed."""
 from __future__ import annotations
 
 import itertools
+import json
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -132,3 +134,30 @@ def test_telemetry_config_errors_are_one_line(tmp_path: Path) -> None:
         with pytest.raises(GatewayConfigError) as error:
             load_gateway_config(path)
         assert needle in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_access_log_names_each_requests_trace_and_a_callers_traceparent_is_its_parent(tmp_path: Path) -> None:
+    caller_trace, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with collector() as (url, spans), serve_in_thread(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator], gateway_table={"access_log": "access.jsonl"})
+        path.write_text(path.read_text() + f'\n[telemetry]\notlp_traces_url = "{url}"\n')
+        body = {"model": "emu", "prompt": "a b", "max_tokens": 3, "ignore_eos": True}
+        with serve_in_thread(create_gateway(load_gateway_config(path))) as gateway:
+            for request_id, extra in [
+                ("own-trace", {}),
+                ("in-caller-trace", {"traceparent": f"00-{caller_trace}-{caller_span}-01", "tracestate": "k=v"}),
+                ("bad-traceparent", {"traceparent": "00-not-a-trace-01"}),
+            ]:
+                headers = {"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": request_id, **extra}
+                reply = httpx.post(f"{gateway}/v1/completions", json=body, headers=headers, timeout=30)
+                assert reply.status_code == 200
+    lines = {line["request_id"]: line for line in map(json.loads, (tmp_path / "access.jsonl").read_text().splitlines())}
+    roots = {attributes(s)["fairgate.request_id"]: s for _, s in spans if attributes(s).get("fairgate.request_id")}
+    assert set(lines) == set(roots) == {"own-trace", "in-caller-trace", "bad-traceparent"}
+    for request_id, line in lines.items():
+        assert re.fullmatch(r"[0-9a-f]{32}", line["trace_id"]), line
+        assert line["trace_id"] == roots[request_id].trace_id.hex()  # the line leads to the exported trace
+    assert lines["in-caller-trace"]["trace_id"] == caller_trace
+    assert roots["in-caller-trace"].parent_span_id.hex() == caller_span
+    assert not roots["own-trace"].parent_span_id and not roots["bad-traceparent"].parent_span_id
+    assert len({line["trace_id"] for line in lines.values()}) == 3
