@@ -30,8 +30,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import Cells, ComparedResult, cell_table, fleet, fmt_errors, fmt_ms, main_and_compare
+from fairgate.drills.report import (
+    Cells,
+    ComparedResult,
+    cell_table,
+    fleet,
+    fmt_errors,
+    fmt_ms,
+    history_check,
+    history_lines,
+    main_and_compare,
+)
 from fairgate.harness.config import TenantSpec
+from fairgate.harness.history import HistoryReport
 from fairgate.harness.ledger import LedgerReport
 from fairgate.harness.loadgen import TenantLoad
 from fairgate.harness.records import TenantStats, percentile
@@ -165,6 +176,7 @@ class PolicyFigures:
     burst_samples: int
     tenants: dict[str, TenantFigures]
     ledger: LedgerReport
+    history: HistoryReport | None  # the history checker: every request id against the ledger
 
     @property
     def ratio(self) -> float | None:
@@ -196,7 +208,14 @@ def figures(config: BurstConfig, run: Run) -> PolicyFigures:
             total.gpu_ms / 1000.0,
         )
     return PolicyFigures(
-        run.policy, percentile(baseline, 99), percentile(burst, 99), len(baseline), len(burst), tenants, run.ledger
+        run.policy,
+        percentile(baseline, 99),
+        percentile(burst, 99),
+        len(baseline),
+        len(burst),
+        tenants,
+        run.ledger,
+        run.history_check,
     )
 
 
@@ -213,7 +232,7 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
             "the run tests the claim (enough samples, no errors, a real burst)": not self.problems,
             f"the others' p99 TTFT during the burst <= {c.ttft_ratio_max:g} x before it": self.main.ratio is not None
             and self.main.ratio <= c.ttft_ratio_max,
-        }
+        } | history_check(self.main.history, "the load's end hangs up on those still running: <= 8 tokens read short")
 
     def intro(self) -> list[str]:
         c = self.config
@@ -228,7 +247,8 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
         ]
 
     def body(self) -> list[Any]:
-        return super().body() + [f"[red]problem[/red]: {problem}" for problem in self.problems]
+        problems = [f"[red]problem[/red]: {problem}" for problem in self.problems]
+        return super().body() + problems + history_lines(self.main.history)
 
     def policy_table(self, figs: PolicyFigures) -> Any:
         c = self.config
@@ -277,7 +297,8 @@ def run(options: DrillOptions, config: BurstConfig | None = None) -> BurstResult
 
     def one(policy: str) -> PolicyFigures:
         spec = config.spec(policy, options.in_processes(True))
-        return figures(config, run_on_stack(spec, config.loads(), 2 * config.seconds, options.seed, (config.seconds,)))
+        load = run_on_stack(spec, config.loads(), 2 * config.seconds, options.seed, (config.seconds,), check=True)
+        return figures(config, load)
 
     main, compare = main_and_compare(options, one)
     return BurstResult(config, main, compare, tuple(_problems(config, main)))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from fairgate.drills import DrillOptions
+    from fairgate.harness.history import HistoryReport
     from fairgate.harness.replica import ReplicaModel
 
 
@@ -173,6 +174,21 @@ def fleet(setting: FleetSetting) -> str:
     return f"{setting.replicas} emulated replicas x {setting.replica.max_batch} slots"
 
 
+def history_check(report: HistoryReport | None, allowing: str = "") -> dict[str, bool]:
+    """The history checker's verdict as one of a drill's checks (``allowing``: the allowances its fault
+    justifies, said in the claim); a run that did not check its history fails it."""
+    said = f" ({allowing})" if allowing else ""
+    if report is None:
+        return {f"history checker{said}: not run": False}
+    return {f"history checker{said}: {report.requests} ids, {report.summary()}": report.ok}
+
+
+def history_lines(report: HistoryReport | None, most: int = 8) -> list[str]:
+    """The checker's first ``most`` discrepancies, a line each (rich markup)."""
+    found = () if report is None else report.discrepancies
+    return [f"  [red]history[/red] {d.kind.value} {d.subject}: {d.detail}" for d in found[:most]]
+
+
 def fmt_ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
@@ -231,6 +247,8 @@ __all__ = [
     "fmt_ms",
     "fmt_s",
     "grouped",
+    "history_check",
+    "history_lines",
     "holds_from",
     "main_and_compare",
     "plain_text",

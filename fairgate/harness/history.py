@@ -41,6 +41,7 @@ from fairgate.gateway.call import SETTLE_EVERY_TOKENS
 from fairgate.harness.records import RequestRecord
 
 if TYPE_CHECKING:
+    from fairgate.harness.stack import Stack
     from fairgate.ledger import Event, Ledger, Reservation
 
 FINAL_EVENTS = ("settle_final", "cancel", "expire")
@@ -121,6 +122,34 @@ async def read_replica_counts(urls: Sequence[str]) -> list[ReplicaCounts]:
     from fairgate.harness.replica import read_replicas
 
     return [replica_counts(f"replica-{i}", s) for i, s in enumerate(await read_replicas(urls))]
+
+
+async def check_stack(
+    stack: Stack,
+    records: Sequence[RequestRecord],
+    bounds: Bounds | None = None,
+    lost: Sequence[tuple[int, ReplicaCounts]] = (),
+    settle_s: float = 10.0,
+) -> HistoryReport:
+    """``check_history`` of a drill's ``records`` against ``stack``: its ledger once no reservation is open
+    (waiting at most ``settle_s``: the gateways bill the last hang-ups and sweeps after the clients end) over
+    every tenant and model class it serves, and its replicas' counts. ``lost``: (index, last counts) of each
+    replica the drill killed (its counts a lower bound; it no longer answers). The replicas are not compared
+    on a staggered stack (their pacer sequences, which no gateway sees, run on them) nor on real engines
+    (no ``/emulator/stats``)."""
+    from fairgate.gateway.aliases import served_models
+    from fairgate.harness.ledger import wait_settled
+
+    served = served_models(stack.config.models, stack.config.upstreams).values()
+    classes = sorted({s.quota_class for s in served})
+    async with stack.ledger() as ledger:
+        await wait_settled(ledger, settle_s)
+        state = await read_ledger_state(ledger, stack.spec.tenant_names, classes)
+    if stack.spec.staggered or stack.spec.engine_urls:
+        return check_history(records, state, None, bounds)
+    gone = {index for index, _ in lost}
+    alive = await read_replica_counts([r.url for i, r in enumerate(stack.replicas) if i not in gone])
+    return check_history(records, state, [*(counts for _, counts in lost), *alive], bounds)
 
 
 def replica_counts(name: str, stats: object, complete: bool = True) -> ReplicaCounts:
@@ -347,6 +376,7 @@ __all__ = [
     "LedgerState",
     "ReplicaCounts",
     "check_history",
+    "check_stack",
     "read_ledger_state",
     "read_replica_counts",
     "replica_counts",

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fairgate.harness.history import HistoryReport, check_stack
 from fairgate.harness.ledger import LedgerReport
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
 from fairgate.harness.records import History
@@ -29,6 +30,7 @@ class Run:
     ledger: LedgerReport  # each tenant's ledger totals at the end (after the hang-ups were billed)
     snapshots: dict[float, LedgerReport]  # the ledger totals at given seconds into the load (shares over part of it)
     reservations: tuple[Reservation, ...]  # every reservation in the ledger at the end
+    history_check: HistoryReport | None = None  # the history checker's report (None: not asked for)
 
 
 async def until(generator: LoadGenerator, at_s: float) -> None:
@@ -48,10 +50,16 @@ async def poll(
 
 
 def run_on_stack(
-    spec: StackSpec, loads: Sequence[TenantLoad], seconds: float, seed: int, snapshot_at_s: Sequence[float] = ()
+    spec: StackSpec,
+    loads: Sequence[TenantLoad],
+    seconds: float,
+    seed: int,
+    snapshot_at_s: Sequence[float] = (),
+    check: bool = False,
 ) -> Run:
     """Start ``spec``, send ``loads`` for ``seconds``, read the ledger at each of ``snapshot_at_s`` and, once
-    the gateway has billed the hang-ups, at the end."""
+    the gateway has billed the hang-ups, at the end; ``check``: then run the history checker on every request
+    (``fairgate.harness.history.check_stack``, default bounds: the load's end hangs up on those running)."""
     with start_stack(spec) as stack:
 
         async def go() -> Run:
@@ -65,7 +73,9 @@ def run_on_stack(
                 history = await generator.run(loads, seconds)
                 taken = dict(await asyncio.gather(*snapshots))
             await asyncio.sleep(SETTLE_S)
-            return Run(spec.policy, history, await stack.totals(), taken, tuple(await stack.reservations()))
+            report = await check_stack(stack, history.records) if check else None
+            totals, reservations = await stack.totals(), tuple(await stack.reservations())
+            return Run(spec.policy, history, totals, taken, reservations, report)
 
         return asyncio.run(go())
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.burst import BurstConfig, run
+from fairgate.drills.burst import BurstConfig, PolicyFigures, run
 from tests.conftest import fairgate, timing_claims_hold_here
 from tests.drills.conftest import timed_run
 
@@ -19,10 +19,11 @@ WALL_S_MAX = 45.0
 
 @pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
 def test_gpu_fair_keeps_the_other_tenants_ttft_within_1_5x_of_their_baseline():
-    timing_claims_hold_here("the others' p99 TTFT ratio (a latency claim, nothing else to check)")
     timed = timed_run(run, DrillOptions(policy="gpu_fair", compare=None))
     result, summary = timed.result, timed.summary
     main, config = result.main, BurstConfig()
+    assert_history_clean(main)
+    timing_claims_hold_here("the others' p99 TTFT ratio (a latency claim)")
     assert not result.problems, summary
     # The burst was real: the burster took more than its share of the GPU and queued deep in the gateway.
     burster = main.tenants[config.burster]
@@ -43,7 +44,21 @@ def test_fcfs_fails_the_claim():
     result, summary = timed.result, timed.summary
     assert result.main.ratio is not None and result.main.ratio > 3.0, summary
     assert not result.passed, summary
+    # Its ledger is still exact: the claim fails on latency alone.
+    assert_history_clean(result.main)
     timed.assert_within(WALL_S_MAX)
+
+
+def assert_history_clean(main: PolicyFigures) -> None:
+    """The history checker ran over every request the tenants' clients sent and found nothing: no id
+    reserved, run or billed twice, billed = received (each request the load's end hung up on read at most 8
+    tokens short), nothing open, every account's concurrent and queued 0."""
+    history = main.history
+    assert history is not None
+    sent = sum(t.clients.requests for t in main.tenants.values())
+    assert history.requests == history.attempts == sent > 100, history.table()
+    assert 0 < history.reservations <= sent, history.table()
+    assert history.discrepancies == (), history.table()
 
 
 def test_unknown_drill_is_a_usage_error():
