@@ -6,8 +6,9 @@ tokenizer of the upstream's model, so it estimates: the same count, but at least
 ``BYTES_PER_TOKEN_MAX`` bytes of UTF-8 text, and counting everything else the upstream receives as prompt
 (tool definitions, tool calls, names, a response schema, content parts that are not text - an image's
 data - and fields the gateway does not know, which it passes on). The estimate bounds the reservation and
-the context check; the upstream's reported usage settles the exact count (up to the ledger's
-``rules.input_allowance`` of the estimate, so an estimate must not leave anything out).
+the context check; the upstream's reported usage settles the exact count (billed as reported up to the
+serving engines' context; past ``rules.input_allowance`` of the estimate it is flagged, so an estimate must
+not leave anything out).
 """
 
 from __future__ import annotations

@@ -332,7 +332,8 @@ class Call:
         if final and call.failed and not self.delivered:
             await self._refund()
             return
-        billed = billed_tokens(call, reservation.input_tokens, reservation.max_output_tokens)
+        generation = self.admitted.generation
+        billed = billed_tokens(call, reservation.max_output_tokens, generation.prompt_tokens_max)
         # A call the upstream failed is billed the GPU time up to its last token: a stall until the idle
         # timeout, or the wait for bytes that never came, delivered nothing.
         gpu_ms = min(call.gpu_ms_at_last_token if call.failed else call.gpu_ms, GPU_MS_BILLED_MAX)
@@ -366,7 +367,8 @@ class Call:
     def _log_final(self, billed: Billed, gpu_ms: float) -> None:
         """The one warning of a final settlement that needs one: the upstream failed after the client had
         received part of the stream (``upstream_failed``), or its usage was not believed
-        (``usage_contradicts_relay``), or it was above what the reservation allows (``usage_above_reservation``)."""
+        (``usage_contradicts_relay``), or its prompt was far above the reservation's estimate and is billed as
+        reported (``usage_above_reservation``: ``rules.input_allowance``)."""
         call, reservation = self.progress, self.admitted.reservation
         line: dict[str, Any] = {"reservation": reservation.id, "request_id": reservation.request_id}
         line["upstream"] = call.upstream
@@ -377,9 +379,9 @@ class Call:
             line = {"event": "usage_contradicts_relay", **line, "reported": billed.contradicted}
             line |= {"relayed_tokens": call.output_tokens, "generated_bytes": call.generated_bytes}
             line |= {"estimated_input_tokens": call.prompt_tokens, "billed": billed_counts}
-        elif billed.input_tokens < billed.reported_input:
-            line = {"event": "usage_above_reservation", **line, "input_tokens": billed.reported_input}
-            line["billed_input_tokens"] = billed.input_tokens
+        elif billed.input_tokens > rules.input_allowance(reservation.input_tokens):
+            line = {"event": "usage_above_reservation", **line, "input_tokens": billed.input_tokens}
+            line["reserved_input_tokens"] = reservation.input_tokens
         else:
             return
         if call.failed and billed.contradicted:

@@ -78,6 +78,9 @@ class Generation:
             default: ``model``).
         pools: the pools that may serve it, primary first (default: ``(model,)``).
         sequences: the sequences it runs, one slot each (``n``).
+        prompt_tokens_max: the most prompt tokens an upstream that serves it can have read: its largest
+            context (an embeddings request: times its inputs). An upstream's usage above this is not believed
+            (``usage_rule``).
     """
 
     request_id: str
@@ -92,11 +95,13 @@ class Generation:
     model_class: str = ""
     pools: tuple[str, ...] = ()
     sequences: int = 1
+    prompt_tokens_max: int = 0  # never below the estimate (``__post_init__``)
 
     def __post_init__(self) -> None:
         # A generation built without them (a plain model) is its own class and pool.
         object.__setattr__(self, "model_class", self.model_class or self.model)
         object.__setattr__(self, "pools", self.pools or (self.model,))
+        object.__setattr__(self, "prompt_tokens_max", max(self.prompt_tokens_max, self.prompt_tokens))
 
     @property
     def stream(self) -> bool:
@@ -255,6 +260,7 @@ def size_up(
         served.quota_class,
         served.pools,
         body.n,
+        max(u.max_model_len for u in serving),
     )
 
 
@@ -280,8 +286,20 @@ def size_up_embedding(config: GatewayConfig, body: EmbeddingRequest, request_id:
     tokens = sum(counts)
     cost = max((u.cost for u in serving), key=lambda c: c.worst_case_ms(tokens, 1))
     estimate = cost.worst_case_ms(tokens, 1)
+    prompt_tokens_max = len(counts) * max(u.max_model_len for u in serving)
     return Generation(
-        request_id, False, body, body.model, run, tokens, 0, estimate, cost, served.quota_class, served.pools
+        request_id,
+        False,
+        body,
+        body.model,
+        run,
+        tokens,
+        0,
+        estimate,
+        cost,
+        served.quota_class,
+        served.pools,
+        prompt_tokens_max=prompt_tokens_max,
     )
 
 

@@ -10,11 +10,15 @@ believed when it contradicts what the gateway relayed:
   seen (content, reasoning, refusal, tool-call names and arguments: every token of a byte-level tokenizer
   decodes to at least one byte, besides the special ones the slack covers): the pieces relayed are billed;
 - ``prompt_tokens`` below the gateway's admission estimate divided by ``PROMPT_UNDER_RATIO`` (the estimate
-  counts words or one token per 8 bytes, which no tokenizer undercuts 8-fold even for an image's data): the
+  counts words or one token per 8 bytes, which no tokenizer undercuts 8-fold even for an image's data), or
+  above the most the serving upstreams' context lets them read (``Generation.prompt_tokens_max``): the
   estimate is billed.
 
-Either way the call is logged once, ``usage_contradicts_relay``, naming the upstream. A count above the
-reservation's ``rules.input_allowance`` or ``max_tokens`` is billed at that bound (the ledger takes no more).
+Either way the call is logged once, ``usage_contradicts_relay``, naming the upstream. A believed prompt count
+above the reservation's ``rules.input_allowance`` (the estimate missed what the engine's tokenizer and chat
+template made of the prompt) is billed as reported, and flagged: logged ``usage_above_reservation`` and listed
+by the reconciliation (``fairgate.ledger.reconcile``). Output is billed at most ``max_tokens``, which the relay
+enforces.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fairgate.gateway.upstream import CallState, billable_usage
-from fairgate.ledger import rules
 
 USAGE_SLACK_TOKENS = 4
 PROMPT_UNDER_RATIO = 8
@@ -31,25 +34,24 @@ PROMPT_UNDER_RATIO = 8
 
 @dataclass(frozen=True)
 class Billed:
-    """Tokens to bill a call, and what the upstream's usage said when it was not believed or was capped."""
+    """Tokens to bill a call, and what the upstream's usage said when it was not believed."""
 
     input_tokens: int
     output_tokens: int
     contradicted: dict[str, Any]  # field -> what the upstream reported, for a count not believed
-    reported_input: int  # the prompt count before the ledger's input allowance
 
     def usage(self) -> dict[str, int]:
         """The billed counts as OpenAI's ``usage`` names them."""
         return {"prompt_tokens": self.input_tokens, "completion_tokens": self.output_tokens}
 
 
-def billed_tokens(call: CallState, reserved_input: int, max_output: int) -> Billed:
+def billed_tokens(call: CallState, max_output: int, prompt_tokens_max: int) -> Billed:
     """The tokens to bill ``call`` (see module docstring): the upstream's usage where it is believed, the
-    gateway's counts (prompt estimate, pieces relayed) elsewhere, within the reservation's bounds."""
+    gateway's counts (prompt estimate, pieces relayed) elsewhere; output within ``max_output``."""
     usage = billable_usage(call.usage) or {}
     contradicted: dict[str, Any] = {}
     reported_input = usage.get("prompt_tokens", call.prompt_tokens)
-    if reported_input < call.prompt_tokens // PROMPT_UNDER_RATIO - USAGE_SLACK_TOKENS:
+    if not call.prompt_tokens // PROMPT_UNDER_RATIO - USAGE_SLACK_TOKENS <= reported_input <= prompt_tokens_max:
         contradicted["prompt_tokens"] = reported_input
         reported_input = call.prompt_tokens
     output = usage.get("completion_tokens", call.output_tokens)
@@ -57,5 +59,4 @@ def billed_tokens(call: CallState, reserved_input: int, max_output: int) -> Bill
     if not low <= output <= high:
         contradicted["completion_tokens"] = output
         output = call.output_tokens
-    input_tokens = min(reported_input, rules.input_allowance(reserved_input))
-    return Billed(input_tokens, min(output, max_output), contradicted, reported_input)
+    return Billed(reported_input, min(output, max_output), contradicted)

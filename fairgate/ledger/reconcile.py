@@ -22,8 +22,9 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
+from fairgate.ledger import rules
 from fairgate.ledger.base import Ledger, tenant_tag
-from fairgate.ledger.model import Usage
+from fairgate.ledger.model import Reservation, Usage
 
 ALERTS = Counter(
     "fairgate_reconciliation_alerts", "Reconciliation differences over the threshold", ["tenant_hash", "kind"]
@@ -41,7 +42,12 @@ Totals = Usage
 
 @dataclass
 class TenantReconciliation:
-    """One tenant's three views of its usage, and the differences found."""
+    """One tenant's three views of its usage, and the differences found.
+
+    ``input_above_reservation`` flags the reservations billed more input than ``rules.input_allowance`` of
+    what they reserved (the engine read far more than the gateway estimated; billed as read): their count and
+    the first ``FLAGGED_LISTED_MAX`` request ids. A flag is no difference: the views still agree.
+    """
 
     tenant: str
     reservations: Totals
@@ -49,6 +55,7 @@ class TenantReconciliation:
     metered: Totals | None
     open_reservations: int
     differences: list[str] = field(default_factory=list)
+    input_above_reservation: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +75,7 @@ class ReconcileReport:
         return {"clean": self.clean, "frozen": self.frozen, "tenants": [asdict(t) for t in self.tenants]}
 
 
+FLAGGED_LISTED_MAX = 20
 _INTEGER = re.compile(r"^[0-9]+$")
 _NUMBER = re.compile(r"^[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?$")
 METERED_COLUMNS = ("tenant", "input_tokens", "output_tokens", "gpu_ms")
@@ -107,6 +115,12 @@ def read_metered(path: str | Path) -> dict[str, Totals]:
     return out
 
 
+def _input_above_reservation(reservations: list[Reservation]) -> dict[str, object]:
+    """The flag of ``TenantReconciliation.input_above_reservation`` over one tenant's ``reservations``."""
+    flagged = [r.request_id for r in reservations if r.billed.input_tokens > rules.input_allowance(r.input_tokens)]
+    return {"count": len(flagged), "request_ids": flagged[:FLAGGED_LISTED_MAX]}
+
+
 def _differs(a: float, b: float, threshold: float) -> bool:
     return abs(a - b) > threshold * max(abs(a), abs(b), 1.0)
 
@@ -143,6 +157,7 @@ async def reconcile(
             logged_totals,
             (metered or {}).get(tenant) if metered else None,
             sum(1 for r in mine if r.status == "open"),
+            input_above_reservation=_input_above_reservation(mine),
         )
         for name in ("input_tokens", "output_tokens", "gpu_ms"):
             a, b = getattr(booked, name), getattr(logged_totals, name)

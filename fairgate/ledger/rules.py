@@ -136,11 +136,12 @@ def check_amounts(input_tokens: object, output_tokens: object, gpu_ms: object, w
 
 
 def input_allowance(reserved_input_tokens: int) -> int:
-    """The most input tokens a settlement may report for a reservation of ``reserved_input_tokens``.
+    """The most input tokens a settlement bills for a reservation of ``reserved_input_tokens`` before it is
+    flagged (``reconcile`` lists it, the gateway logs it): what the tenant used is billed whatever it is
+    (up to ``MAX_TOKENS_PER_CALL``), but this far above the estimate the estimate missed part of the prompt.
 
-    The reservation's input count is the gateway's estimate; the model's tokenizer may count more. Twice
-    the estimate plus 1,024 covers any real tokenizer difference and stops a wild figure from draining the
-    tenant's input bucket for years.
+    The reservation's input count is the gateway's estimate; the model's tokenizer and chat template may
+    count more. Twice the estimate plus 1,024 covers the ordinary differences.
     """
     return 2 * reserved_input_tokens + 1024
 
@@ -335,18 +336,14 @@ def _held(r: Reservation, billed: Usage, final: bool) -> tuple[int, int, float]:
 
 def check_billing(reservation: Reservation, billed: Usage, kind: str) -> None:
     """Raise ``InvalidUsage`` unless cumulative usage ``billed`` fits the open ``reservation``: output at
-    most ``max_output_tokens``, input within ``input_allowance``, nothing below what was billed already.
-    Checked in that order (the Redis scripts too)."""
+    most ``max_output_tokens``, nothing below what was billed already. Checked in that order (the Redis
+    scripts too). Input above the reservation is billed as it is: what the engine read is what the tenant
+    used (``input_allowance`` says when it is flagged)."""
     r, before = reservation, reservation.billed
     if billed.output_tokens > r.max_output_tokens:
         raise InvalidUsage(
             f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
             f"max_output_tokens {r.max_output_tokens}"
-        )
-    if billed.input_tokens > input_allowance(r.input_tokens):
-        raise InvalidUsage(
-            f"{kind}: input_tokens {billed.input_tokens} is far above the reservation's "
-            f"{r.input_tokens} (at most {input_allowance(r.input_tokens)})"
         )
     for name in ("input_tokens", "output_tokens", "gpu_ms"):
         if getattr(billed, name) < getattr(before, name):

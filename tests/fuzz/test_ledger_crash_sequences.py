@@ -35,7 +35,6 @@ from fairgate.ledger import (
     quotas_from_dict,
 )
 from fairgate.ledger.reconcile import reconcile
-from fairgate.ledger.rules import input_allowance
 from tests.ledger.conftest import FakeClock, const
 
 TTL_S = 30.0
@@ -312,7 +311,6 @@ class LedgerSequences(RuleBasedStateMachine):
         )
         invalid = (
             amounts.output_tokens > r.max_output_tokens
-            or amounts.input_tokens > input_allowance(r.input_tokens)
             or amounts.input_tokens < b.input_tokens
             or amounts.output_tokens < b.output_tokens
             or amounts.gpu_ms < b.gpu_ms

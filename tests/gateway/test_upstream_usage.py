@@ -79,18 +79,40 @@ def test_billable_usage_keeps_whole_counts_in_range() -> None:
     assert billable_usage(["prompt_tokens", 3]) is None and billable_usage(None) is None
 
 
-def test_a_prompt_the_upstream_counts_far_above_the_estimate_is_billed_and_closed(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    """The estimate was 2 tokens; the upstream says 5,000. The ledger takes at most its input allowance
-    (2 x 2 + 1,024): that much is billed, the reservation is closed (not left to expire billing 0), and the
-    difference is logged."""
+def test_a_prompt_the_upstream_counts_far_above_the_estimate_is_billed_as_read_and_flagged(
+    tmp_path: Path, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    """The estimate was 2 tokens; the upstream says 1,500, which this model's 2,048-token context allows: the
+    tenant used them, so all 1,500 are billed (the reservation is closed, not left to expire billing 0), the
+    call is logged and the reconciliation flags it."""
+    admin = "sk-admin-usage-0123456789"
+    reporting = replica_reporting({"prompt_tokens": 1500, "completion_tokens": 3})
+    with serve_stack(tmp_path, reporting, admin_key=admin) as stack:
+        body = {"model": "emu", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+        headers = {"Authorization": f"Bearer {stack.keys['alpha']}"}
+        reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+        [r] = stack.reservations()
+        events = stack.ledger_call(lambda ledger: ledger.events("alpha"))
+        report = httpx.get(f"{stack.url}/admin/reconcile", headers={"Authorization": f"Bearer {admin}"}).json()
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 1500, reply.text
+    assert r.status == "settled" and r.billed.input_tokens == 1500 > 2 * r.input_tokens + 1024, r
+    assert sum(e.input_tokens for e in events) == 1500, events
+    assert any("usage_above_reservation" in m and '"input_tokens": 1500' in m for m in caplog.messages)
+    [row] = report["tenants"]
+    assert row["input_above_reservation"] == {"count": 1, "request_ids": [r.request_id]} and report["clean"], row
+
+
+def test_a_prompt_count_past_every_context_is_not_believed(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """5,000 prompt tokens cannot have been read by an engine with a 2,048-token context: the count is not
+    believed, the estimate is billed, and the upstream is named in the log."""
     with serve_stack(tmp_path, replica_reporting({"prompt_tokens": 5000, "completion_tokens": 3})) as stack:
         body = {"model": "emu", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
         headers = {"Authorization": f"Bearer {stack.keys['alpha']}"}
         reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
         [r] = stack.reservations()
     assert reply.status_code == 200, reply.text
-    assert r.status == "settled" and r.billed.input_tokens == 2 * r.input_tokens + 1024, r
-    assert any("usage_above_reservation" in m and '"input_tokens": 5000' in m for m in caplog.messages)
+    assert r.status == "settled" and r.billed.input_tokens == r.input_tokens, r
+    assert any("usage_contradicts_relay" in m and '"prompt_tokens": 5000' in m for m in caplog.messages)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,8 @@ from fairgate.ledger import (
     Usage,
     quotas_from_dict,
 )
+from fairgate.ledger.reconcile import reconcile
+from fairgate.ledger.rules import MAX_TOKENS_PER_CALL
 from tests.ledger.conftest import LIMITS, const
 
 QUOTAS = {
@@ -394,13 +396,21 @@ async def test_bad_names_and_huge_amounts_change_nothing(ledger, kwargs, match):
     assert await ledger.events() == [] and await ledger.reservations() == []
 
 
-async def test_wild_usage_cannot_lock_a_tenant_out(ledger):
+async def test_input_above_the_reservation_is_billed_as_read_and_flagged(ledger):
+    """What the engine read is what the tenant used: a settlement's input far above the estimate is billed in
+    full (never refused, which left the reservation to expire billing nothing) and flagged by reconcile; a
+    figure past the ledger's bounds on one call is still refused."""
     r = await ledger.reserve("a", "r", 10, 10, 1.0)
-    with pytest.raises(InvalidUsage, match="far above the reservation"):
-        await ledger.settle(r.id, 10**6, 5, 1.0, final=True)
     with pytest.raises(InvalidUsage, match="gpu_ms"):
         await ledger.settle(r.id, 10, 5, 1.7e308, final=True)
-    assert (await ledger.settle(r.id, 1044, 5, 1.0, final=True)).billed.input_tokens == 1044  # 2 x 10 + 1,024
+    with pytest.raises(InvalidUsage, match="input_tokens"):
+        await ledger.settle(r.id, MAX_TOKENS_PER_CALL + 1, 5, 1.0, final=True)
+    near = await ledger.reserve("a", "near", 10, 10, 1.0)
+    assert (await ledger.settle(near.id, 1044, 5, 1.0, final=True)).billed.input_tokens == 1044  # 2 x 10 + 1,024
+    assert (await ledger.settle(r.id, 150_038, 5, 1.0, final=True)).billed.input_tokens == 150_038
+    assert sum(e.input_tokens for e in await ledger.events("a")) == 151_082
+    [row] = (await reconcile(ledger, freeze=False)).tenants
+    assert row.differences == [] and row.input_above_reservation == {"count": 1, "request_ids": ["r"]}, row
 
 
 async def test_bad_query_arguments(ledger):

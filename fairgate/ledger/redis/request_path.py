@@ -78,7 +78,7 @@ class RedisRequestPath(RedisStore):
             raise SettlementFrozen(f"automatic settlement is frozen for tenant {r.tenant!r}")
         if code == "unknown_tenant":
             raise UnknownTenant(f"tenant {r.tenant!r} has no quota configuration")
-        if code in ("above", "above_input", "below"):
+        if code in ("above", "below"):
             rules.check_billing(r, billed, kind)  # the script found the amounts invalid: the rules say why
             raise InvalidUsage(f"{kind}: amounts {billed} do not fit reservation {reservation_id!r}")
         return r  # ok | unchanged

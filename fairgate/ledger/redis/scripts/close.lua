@@ -2,7 +2,7 @@
 -- input_tokens, output_tokens, gpu_ms (ignored for expire: the billed amounts so far), configured (1: the
 -- tenant has limits, in the hash KEYS[13]; "": it is no longer configured).
 -- -> {'not_found'} | {'final', json} | {'frozen', json} | {'unknown_tenant', json} | {'not_due', json}
---    | {'unchanged', json} | {'above', json} | {'above_input', json} | {'below', name, json} | {'ok', json}
+--    | {'unchanged', json} | {'above', json} | {'below', name, json} | {'ok', json}
 --    | {'limits'} (no limits hash)
 local rid, kind, final = ARGV[3], ARGV[4], ARGV[5] == '1'
 local raw = redis.call('HGET', RES, rid)
@@ -37,7 +37,6 @@ if books == nil then return {'limits'} end
 -- rules.settle
 local r_in, r_max_out, r_est = tonumber(r.input_tokens), tonumber(r.max_output_tokens), tonumber(r.gpu_ms_estimate)
 if b_out > r_max_out then return {'above', raw} end
-if b_in > 2 * r_in + 1024 then return {'above_input', raw} end  -- rules.input_allowance
 if b_in < before_in then return {'below', 'input_tokens', raw} end
 if b_out < before_out then return {'below', 'output_tokens', raw} end
 if b_gpu < before_gpu then return {'below', 'gpu_ms', raw} end
