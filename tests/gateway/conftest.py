@@ -142,13 +142,14 @@ def write_config(
     upstream_table: Mapping[str, Any] | None = None,
     gateway_table: Mapping[str, Any] | None = None,
     pricing: PricingConfig | None = None,
+    tiers: Mapping[str, TierConfig] | None = None,
 ) -> tuple[Path, dict[str, str]]:
     """``tmp/<name>``: the gateway in front of ``upstream_urls`` (``REPLICA`` each) with an SQLite ledger and
     journal in ``tmp`` (or the ledger at URL ``ledger``), ``TENANTS`` (tier ``free``, ``limits`` by tenant)
     over ``defaults`` (``max_queued`` 64 unless given), and the optional admin key, delegation and sweep;
     ``models``: the model each upstream serves (default ``emu``); ``upstream_table``: more keys of every
     ``[[upstream]]`` table (``kind``, ``api_key_env``, ...); ``gateway_table``: more keys of ``[gateway]``;
-    ``pricing``: ``[quotas.pricing]``.
+    ``pricing``: ``[quotas.pricing]``; ``tiers``: a tier of its own (named after it) for a tenant.
     Returns its path and the keys."""
     keys = {tenant: f"fg-test-{tenant}-{'x' * 24}" for tenant in TENANTS}
     defaults = defaults or LimitsConfig()
@@ -163,12 +164,15 @@ def write_config(
         **({"sweep_s": sweep_s} if sweep_s is not None else {}),
         **(gateway_table or {}),
     )
-    tenants = [TenantSpec(t, tier="free", limits=(limits or {}).get(t, LimitsConfig())) for t in TENANTS]
+    tiers = tiers or {}
+    tenants = [
+        TenantSpec(t, tier=t if t in tiers else "free", limits=(limits or {}).get(t, LimitsConfig())) for t in TENANTS
+    ]
     served = models or ["emu"] * len(upstream_urls)
     upstreams = [
         REPLICA.upstream(f"emu-{i}", url, served[i], **(upstream_table or {})) for i, url in enumerate(upstream_urls)
     ]
-    quotas = quota_file(tenants, {"free": TierConfig()}, defaults, pricing)
+    quotas = quota_file(tenants, {"free": TierConfig(), **tiers}, defaults, pricing)
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / name
     gateway_file(section, upstreams, quotas, keys, admin_key, delegates, secret_env).write(path)
