@@ -56,10 +56,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fleet, fmt_counts, fmt_ms, fmt_s, grouped, table
+from fairgate.drills.report import (
+    ConfiguredResult,
+    fleet,
+    fmt_counts,
+    fmt_ms,
+    fmt_s,
+    grouped,
+    history_check,
+    history_lines,
+    table,
+)
 from fairgate.gateway.state import state_of
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.gauges import GatewayGauges, gateway_gauges
+from fairgate.harness.history import Bounds, HistoryReport, check_stack
 from fairgate.harness.loadgen import Cut, LoadGenerator, Request
 from fairgate.harness.logs import quiet_hang_ups
 from fairgate.harness.records import RequestRecord, percentile
@@ -94,6 +105,10 @@ class CancellationConfig:
     # up must be billed (younger ones may still have been on their way to, or unread in, the gateway
     # when it closed the stream; see the module docstring)
     read_lag_ms_max: float = 250.0
+    # per request cut by its client, how long the gateway may go on relaying (and billing) tokens the client
+    # will not read before it notices the hang-up: the history checker's billed-unread allowance is the
+    # tokens generated in this long (a loaded two-core machine measured up to 21 tokens, 420 ms)
+    unread_ms_max: float = 500.0
     # with processes (no per-token times), the most tokens a replica may generate after a
     # hang-up that are not billed, per hang-up of a running stream (totals check only)
     untapped_hangup_tokens_max: int = 4
@@ -104,6 +119,15 @@ class CancellationConfig:
     # if set, a check: at most this many requests reach a replica after their client hung up
     # (None: reported only)
     late_dispatches_max: int | None = None
+
+    @property
+    def history_bounds(self) -> Bounds:
+        """The history checker's allowance per stream a client cut: billed but unread, the tokens the replica
+        generates in ``unread_ms_max`` (one per iteration); generated but unbilled, those it makes while the
+        hang-up travels to it (``untapped_hangup_tokens_max``). A client that hangs up on a live gateway is
+        never billed less than it received: that stays exact (a check of its own)."""
+        unread = math.ceil(self.unread_ms_max / self.replica.iter_base_ms)
+        return Bounds(unbilled_per_cut=self.untapped_hangup_tokens_max, overbilled_per_cut=unread)
 
     def spec(self, policy: str, processes: bool) -> StackSpec:
         tenants = tuple(TenantSpec(t) for t in self.tenants)
@@ -268,6 +292,7 @@ class CancellationFigures:
     tenant_gpu: dict[str, tuple[float, float]]  # tenant -> (billed GPU ms, replicas' charge-rule ms)
     tapped: bool
     untagged_sequences: int
+    history: HistoryReport  # the history checker: every request id against the ledger and the replicas
 
     @property
     def replica_tokens(self) -> int:
@@ -325,6 +350,9 @@ class CancellationResult(ConfiguredResult[CancellationConfig, CancellationFigure
             "event log sums == reservations' billed totals, every tenant": not f.reconcile_differences,
         }
         checks.update(self._tapped_checks() if f.tapped else self._totals_checks())
+        b = c.history_bounds
+        allowing = f"per cut: <= {b.overbilled_per_cut} tokens billed unread, <= {b.unbilled_per_cut} made unbilled"
+        checks.update(history_check(f.history, allowing))
         checks[f"billed GPU within {c.gpu_ratio_tolerance:.0%} of the replicas' charge rule, per tenant"] = all(
             truth > 0 and abs(billed / truth - 1) <= c.gpu_ratio_tolerance for billed, truth in f.tenant_gpu.values()
         )
@@ -396,7 +424,7 @@ class CancellationResult(ConfiguredResult[CancellationConfig, CancellationFigure
                 for t, (b, rule) in f.tenant_gpu.items()
             ],
         )
-        return [by_cut, gpu, *self._notes()]
+        return [by_cut, gpu, *self._notes(), *history_lines(f.history)]
 
     def _row(self, point: str, rows: list[RequestFigures]) -> tuple[str, ...]:
         tapped = self.main.tapped
@@ -518,6 +546,7 @@ async def _run(stack: Stack, config: CancellationConfig, options: DrillOptions) 
         converge_s, after = await converge(stack, ledger, last, config.converge_s_max)
         reservations = await ledger.reservations()
         report = await reconcile(ledger, freeze=False)
+    history = await check_stack(stack, records, config.history_bounds)
     by_id = grouped(reservations, lambda r: r.request_id)
     tapped = stack.is_tapped
     sequences = stack.tapped("sequences")
@@ -547,4 +576,5 @@ async def _run(stack: Stack, config: CancellationConfig, options: DrillOptions) 
         tenant_gpu,
         tapped,
         stack.untagged,
+        history,
     )

@@ -221,24 +221,25 @@ def check_history(
     bounds: Bounds | None = None,
 ) -> HistoryReport:
     """Compare every client's ``records`` (several attempts may share a request id) with ``ledger`` and the
-    ``replicas``' counts (None: not compared). See the module docstring for what is checked."""
+    ``replicas``' counts (None: not compared). See the module docstring for what is checked. A request id is
+    its tenant's (the ledger's key): a record counts for the tenant it names, the one it is to be billed to."""
     bounds = bounds or Bounds()
-    attempts: dict[str, list[RequestRecord]] = defaultdict(list)
+    attempts: dict[tuple[str, str], list[RequestRecord]] = defaultdict(list)
     for record in records:
-        attempts[record.request_id].append(record)
-    by_id: dict[str, list[Reservation]] = defaultdict(list)
+        attempts[(record.tenant, record.request_id)].append(record)
+    by_id: dict[tuple[str, str], list[Reservation]] = defaultdict(list)
     for r in ledger.reservations:
-        by_id[r.request_id].append(r)
+        by_id[(r.tenant, r.request_id)].append(r)
     events: dict[str, list[Event]] = defaultdict(list)
     for e in ledger.events:
         events[e.reservation_id].append(e)
     out: list[Discrepancy] = []
-    for rid, tried in attempts.items():
-        out += _check_id(rid, tried, by_id.get(rid, []), events, bounds)
+    for (_, rid), tried in attempts.items():
+        out += _check_id(rid, tried, by_id.get((tried[0].tenant, rid), []), events, bounds)
     out += [
-        Discrepancy(Kind.UNKNOWN, rid, f"{len(found)} reservation(s) no client sent ({found[0].status})")
-        for rid, found in by_id.items()
-        if rid not in attempts
+        Discrepancy(Kind.UNKNOWN, f"{tenant}/{rid}", f"{len(found)} reservation(s) no client sent ({found[0].status})")
+        for (tenant, rid), found in by_id.items()
+        if (tenant, rid) not in attempts
     ]
     out += [
         Discrepancy(Kind.COUNTERS, f"{tenant}/{model_class}", f"concurrent {concurrent}, queued {queued} (want 0, 0)")

@@ -13,6 +13,7 @@ import pytest
 
 from fairgate.drills import DrillOptions
 from fairgate.drills.cancellation import CancellationConfig, run
+from fairgate.harness.history import Kind
 from tests.conftest import timing_claims_hold_here
 from tests.drills.conftest import timed_run
 
@@ -38,12 +39,22 @@ def test_a_thousand_cancelled_streams_release_every_slot_and_bill_what_was_gener
     # Exact where it can be: completed streams billed exactly what was generated and received.
     completed = [r for r in figs.requests if r.cut_at == "completed"]
     assert completed and all(r.billed_output == r.generated == r.received == r.max_tokens for r in completed), summary
-    exact = {name: ok for name, ok in checks.items() if "before the hang-up billed" not in name}
+    # The history checker over all 1,000 ids: one reservation each, one run, billed = received within the
+    # allowance per cut (billed unread: what the gateway relays before it notices the hang-up, a time bound
+    # checked below; generated unbilled: a few per hang-up).
+    history, bounds = figs.history, config.history_bounds
+    assert (bounds.overbilled_per_cut, bounds.unbilled_per_cut) == (25, 4)
+    assert history.requests == history.attempts == config.requests, history.table()
+    assert history.reservations == sum(1 for r in figs.requests if r.reservations), history.table()
+    assert {d.kind for d in history.discrepancies} <= {Kind.OVERBILLED}, history.table()
+    timed_claims = ("before the hang-up billed", "history checker")
+    exact = {name: ok for name, ok in checks.items() if not any(claim in name for claim in timed_claims)}
     assert all(exact.values()), summary
     # Every token generated well before its client hung up was billed (the youngest may be unread in transit):
     # a bound in ms, on a gateway relaying ~2,400 tokens/s.
     timing_claims_hold_here(f"the read lag bound ({config.read_lag_ms_max:g} ms) and the wall time")
     assert all((r.oldest_unbilled_ms or 0.0) <= config.read_lag_ms_max for r in figs.requests), summary
+    assert history.discrepancies == (), history.table()
     assert all(checks.values()), summary
     assert result.passed, summary
     timed.assert_within(WALL_S_MAX)

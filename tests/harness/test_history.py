@@ -133,7 +133,23 @@ async def test_open_reservations_and_held_counters_are_caught(ledger):
 async def test_tokens_without_a_reservation_and_reservations_without_a_client_are_caught(ledger):
     await served(ledger, "ghost", 5)
     report = check_history([ok("free", 12)], await state(ledger))
-    assert kinds(report) == [("unknown", "ghost"), ("unreserved", "free")]
+    assert kinds(report) == [("unknown", "alpha/ghost"), ("unreserved", "free")]
+
+
+async def test_a_request_id_is_its_tenants_own(ledger):
+    """Two tenants may send one request id (the ledger keys it by tenant): two histories, none twice. A
+    reservation under another tenant than the client's record names is billed to the wrong tenant: the
+    record's tokens are unreserved and the other tenant's reservation is one no client sent."""
+    await served(ledger, "shared", 20)
+    other = await ledger.reserve("beta", "shared", 10, 64, 100.0, MODEL)
+    await ledger.settle(other.id, 10, 7, 5.0, final=True)
+    beta = dataclasses.replace(ok("shared", 7), tenant="beta")
+    assert check_history([ok("shared", 20), beta], await state(ledger)).discrepancies == ()
+    await served(ledger, "stolen", 5)  # billed to alpha, though the client claimed to be beta
+    report = check_history(
+        [ok("shared", 20), beta, dataclasses.replace(ok("stolen", 5), tenant="beta")], await state(ledger)
+    )
+    assert kinds(report) == [("unknown", "alpha/stolen"), ("unreserved", "stolen")]
 
 
 async def test_usage_that_differs_from_what_was_counted_or_billed_is_caught(ledger):
