@@ -18,17 +18,27 @@ clients may send, with itself as quota class. A pool that an alias lists is reac
 aliases that list it, so naming a fallback's engine model directly is an unknown model (404), never a way
 to a fresh quota; to expose it under its own name, give that name a ``[[model]]`` (with the alias's
 ``quota_class`` to share its quota).
+
+An upstream's ``model`` is the engine's own name and may hold ``/`` and ``:`` (vLLM serves a Hugging Face id
+such as ``meta-llama/Llama-3.1-8B-Instruct`` by default; hosted providers and Ollama use ``org/name`` and
+``name:tag``). Such a name is sent upstream as is, but never used as a name clients send, a pool, a ledger
+model class or a metric's ``model``: its pool must be listed by a ``[[model]]``, whose plain name is those.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PoolName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+PLAIN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # what clients send, pools, ledger model classes
+PoolName = Annotated[str, Field(min_length=1, max_length=200, pattern=PLAIN_NAME)]
+# An upstream's ``model``: the engine's own name (see module docstring); no spaces, control characters, or
+# a leading "/" or ":".
+EngineModelName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
 
 
 class ModelConfig(BaseModel):
@@ -93,6 +103,12 @@ def check(models: Sequence[ModelConfig], upstreams: Sequence[PooledUpstream]) ->
     for i, upstream in enumerate(upstreams):
         if upstream.pool_name in listed:
             continue
+        if re.match(PLAIN_NAME, upstream.model) is None:
+            return (
+                f'upstream[{i}].model: "{upstream.model}" is the engine\'s name, sent to it as is; clients and the '
+                'ledger need a plain name (letters, digits, ".", "_", "-"): set this upstream\'s pool and list it '
+                "in a [[model]], whose name clients send"
+            )
         first = pool_model.setdefault(upstream.pool_name, (i, upstream.model))
         if first[1] != upstream.model:  # a plain model's request could land on another model's engine
             return (
@@ -119,4 +135,13 @@ def check(models: Sequence[ModelConfig], upstreams: Sequence[PooledUpstream]) ->
     return None
 
 
-__all__ = ["ModelConfig", "PoolName", "PooledUpstream", "ServedModel", "check", "served_models"]
+__all__ = [
+    "PLAIN_NAME",
+    "EngineModelName",
+    "ModelConfig",
+    "PoolName",
+    "PooledUpstream",
+    "ServedModel",
+    "check",
+    "served_models",
+]

@@ -111,7 +111,7 @@ from fairgate.core.policies.factory import POLICY_NAMES, PolicySpec
 from fairgate.core.policies.params import PolicyConfig
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway import aliases
-from fairgate.gateway.aliases import ModelConfig, PoolName, ServedModel
+from fairgate.gateway.aliases import EngineModelName, ModelConfig, PoolName, ServedModel
 from fairgate.gateway.auth import DELEGATION_SECRET_BYTES_MIN, KEY_HASH_FORMS, TOKEN_LIFETIME_MAX_S, is_key_hash
 from fairgate.gateway.credentials import CredentialError, header_problem, read_key
 from fairgate.gateway.kinds import KINDS, Kind, KindName
@@ -230,8 +230,9 @@ class UpstreamConfig(_Strict):
     name: Name
     url: str
     # The engine's model name, sent upstream in the body; also a plain model name clients may send (with
-    # itself as the ledger's model class) unless a ``[[model]]`` lists this upstream's pool.
-    model: Annotated[Name, Field(min_length=1, max_length=200)]
+    # itself as the ledger's model class) unless a ``[[model]]`` lists this upstream's pool - which one must
+    # when the name holds "/" or ":" (``fairgate.gateway.aliases``).
+    model: EngineModelName
     pool: PoolName | None = None  # the upstreams sharing one fair queue; None: ``model``
     max_batch: Annotated[int, Field(ge=1, le=100_000)]
     iter_base_ms: Annotated[float, Field(ge=0.001, le=1e6)]

@@ -63,10 +63,13 @@ class Pools:
     replicas: ExitStack  # closing it stops the primary's replica
 
 
-def alias_config(path: Path) -> None:
-    """Put the two upstreams of ``path`` in pools ``primary`` / ``fallback``; alias ``chat`` over both, and
-    ``chat-fb`` over the fallback sharing ``chat``'s quota class; alpha's ``chat`` class: 3 requests/min."""
+def alias_config(path: Path, engine_models: tuple[str, str] | None = None) -> None:
+    """Put the two upstreams of ``path`` in pools ``primary`` / ``fallback`` (serving ``engine_models``, if
+    given); alias ``chat`` over both, and ``chat-fb`` over the fallback sharing ``chat``'s quota class;
+    alpha's ``chat`` class: 3 requests/min."""
     doc = tomlkit.parse(path.read_text())
+    for upstream, model in zip(doc["upstream"], engine_models or (), strict=False):  # type: ignore[arg-type]
+        upstream["model"] = model
     doc["upstream"][0]["pool"] = "primary"  # type: ignore[index]
     doc["upstream"][1]["pool"] = "fallback"  # type: ignore[index]
     models = tomlkit.aot()
@@ -83,13 +86,14 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @contextmanager
-def serve_pools(tmp: Path) -> Iterator[Pools]:
+def serve_pools(tmp: Path, engine_models: tuple[str, str] = ("big-engine", "small-engine")) -> Iterator[Pools]:
+    """The two upstreams (primary, fallback) serving ``engine_models``, behind the aliases of ``alias_config``."""
     primary, fallback = Recording(), Recording()
     with ExitStack() as outer, ExitStack() as replicas:
         url0 = replicas.enter_context(serve_in_thread(primary))
         url1 = outer.enter_context(serve_in_thread(fallback))
         path, keys = write_config(tmp, [url0, url1], models=["big-engine", "small-engine"], admin_key=ADMIN_KEY)
-        alias_config(path)
+        alias_config(path, engine_models)
         config = load_gateway_config(path)
         gateway = outer.enter_context(serve_in_thread(create_gateway(config)))
         yield Pools(Stack(gateway, keys, path, config), primary, fallback, replicas)
@@ -167,6 +171,40 @@ def test_models_lists_the_aliases_and_finds_one(pools: Pools) -> None:
         assert reply.json()["error"]["code"] == "model_not_found"
     anonymous = httpx.get(f"{pools.stack.url}/v1/models/chat", timeout=10)
     assert anonymous.status_code == 401
+
+
+def test_an_engine_model_id_with_a_slash_or_colon_is_sent_as_is_behind_its_alias(tmp_path: Path) -> None:
+    """vLLM serves a Hugging Face id by default, Ollama and hosted providers ``name:tag`` / ``org/name``: the
+    engine gets its own id, clients and the ledger the alias."""
+    hf, tagged = "meta-llama/Llama-3.1-8B-Instruct", "ollama/llama3.1:8b"
+    with serve_pools(tmp_path, (hf, tagged)) as pools:
+        stack = pools.stack
+        reply = post(stack.url, stack.keys["alpha"], CHAT)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == "chat" and pools.primary.models == [hf]
+        assert [m["id"] for m in get(stack, "/v1/models").json()["data"]] == ["chat", "chat-fb"]
+        for engine_id in (hf, tagged):  # the engine's id is no model a client may send
+            assert get(stack, f"/v1/models/{engine_id}").status_code == 404
+            assert post(stack.url, stack.keys["alpha"], {**CHAT, "model": engine_id}).status_code == 404
+        assert chat_account(stack).gpu_total_used_ms > 0  # charged in the alias's class
+        pools.replicas.close()
+        assert post(stack.url, stack.keys["alpha"], CHAT).status_code == 200
+        assert pools.fallback.models == [tagged]
+
+
+@pytest.mark.parametrize("pool", [None, "llama"])
+def test_an_engine_model_id_with_a_slash_needs_an_alias(tmp_path: Path, pool: str | None) -> None:
+    """Unlisted by a ``[[model]]``, an upstream's model would be a name clients send and a ledger class."""
+    text = EXAMPLE_TEXT.replace('model = "fairgate-emulated"', 'model = "meta-llama/Llama-3.1-8B-Instruct"')
+    if pool is not None:
+        text = text.replace('name = "emu-0"', f'name = "emu-0"\npool = "{pool}"', 1)
+    assert config_error(tmp_path, text).startswith(
+        'upstream[0].model: "meta-llama/Llama-3.1-8B-Instruct" is the engine\'s name, sent to it as is; clients '
+        "and the ledger need a plain name"
+    )
+    for bad in ("/abs", "has space", ":x", "a\\tb"):  # a TOML escape: a tab
+        message = config_error(tmp_path, EXAMPLE_TEXT.replace('model = "fairgate-emulated"', f'model = "{bad}"', 1))
+        assert message.startswith("upstream[0].model: "), message
 
 
 def test_a_waiting_request_moves_to_the_fallback_when_its_pool_goes_down() -> None:
