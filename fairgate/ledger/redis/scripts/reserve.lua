@@ -91,23 +91,18 @@ local function spend_budget(acc, l, key)
   return quota('spend_budget', retry, math.max(0.0, l.spend_budget - acc.spend_used_micros / 1e6), key)
 end
 
--- rules.reserve, in its order of checks, each on every account in turn.
-for _, b in ipairs(books) do
-  local refused = size_and_rates(b.acc, b.lim, b.key)
-  if refused then return refused end
-end
-for _, b in ipairs(books) do
-  if b.lim.max_concurrent ~= nil and b.acc.concurrent >= b.lim.max_concurrent then
-    return quota('max_concurrent', 1.0, 0, b.key)
+local function concurrency(acc, l, key)
+  if l.max_concurrent ~= nil and acc.concurrent >= l.max_concurrent then
+    return quota('max_concurrent', 1.0, 0, key)
   end
 end
-for _, b in ipairs(books) do
-  local refused = gpu(b.acc, b.lim, b.key)
-  if refused then return refused end
-end
-for _, b in ipairs(books) do
-  local refused = spend_budget(b.acc, b.lim, b.key)
-  if refused then return refused end
+
+-- rules.reserve, in its order of checks, each on every account in turn.
+for _, check in ipairs({size_and_rates, concurrency, gpu, spend_budget}) do
+  for _, b in ipairs(books) do
+    local refused = check(b.acc, b.lim, b.key)
+    if refused then return refused end
+  end
 end
 local class_key = books[#books].key
 local run = nil
