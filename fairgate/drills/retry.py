@@ -47,8 +47,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fleet, fmt_counts, fmt_s, grouped, problems_by, table
+from fairgate.drills.report import (
+    ConfiguredResult,
+    fleet,
+    fmt_counts,
+    fmt_s,
+    grouped,
+    history_check,
+    history_lines,
+    problems_by,
+    table,
+)
 from fairgate.harness.config import TenantSpec
+from fairgate.harness.history import Bounds, HistoryReport, check_stack
 from fairgate.harness.loadgen import Cut, LoadGenerator, Request
 from fairgate.harness.records import RequestRecord
 from fairgate.harness.replica import ReplicaModel
@@ -242,6 +253,7 @@ class RetryFigures:
     untagged_sequences: int
     peak_in_flight: int
     sdk_calls: list[list[Attempt]]
+    history: HistoryReport  # the history checker: every attempt of every id against the ledger and the replicas
 
     @property
     def futile_sdk_attempts(self) -> int:
@@ -309,7 +321,7 @@ class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
             f"every reservation final within {c.converge_s_max:g} s": f.converge_s is not None
             and f.open_after == 0
             and f.replicas_running_after == 0,
-        }
+        } | history_check(f.history, f"a timed-out original: <= {c.output_tokens[1]} tokens billed unread")
 
     def intro(self) -> list[str]:
         c = self.config
@@ -373,7 +385,8 @@ class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
                 f"became {len(sdk)} HTTP attempts ({answered}); {f.futile_sdk_attempts} of them came after a 409 "
                 "request_already_completed, which can never succeed."
             )
-        return out + [f"[red]{rid}[/red]: {'; '.join(found)}" for rid, found in list(problems.items())[:8]]
+        out += [f"[red]{rid}[/red]: {'; '.join(found)}" for rid, found in list(problems.items())[:8]]
+        return out + history_lines(f.history)
 
     def _row(self, pattern: str, rows: list[IdFigures], problems: dict[str, list[str]]) -> tuple[str, ...]:
         answers = Counter(
@@ -497,6 +510,9 @@ async def _run(stack: Stack, config: RetryConfig, options: DrillOptions) -> Retr
         events = await ledger.events()
         report = await reconcile(ledger, freeze=False)
         bucket_figures = await buckets(ledger, config, stack.spec.model, events)
+    # A client that times out on a collected request reads nothing of an answer the gateway may have run
+    # whole before it noticed: billed unread up to its ``max_tokens`` (the tap holds it to what ran).
+    history = await check_stack(stack, generator.history.records, Bounds(overbilled_per_cut=config.output_tokens[1]))
     reserved = grouped(reservations, lambda r: (r.tenant, r.request_id))
     # A re-open (a retry of a request cancelled before it ran) is a ``reserve`` event counting no request.
     reserve_events = Counter(e.reservation_id for e in events if e.kind == "reserve" and e.requests)
@@ -534,4 +550,5 @@ async def _run(stack: Stack, config: RetryConfig, options: DrillOptions) -> Retr
         stack.untagged,
         generator.peak_in_flight,
         sdk_calls,
+        history,
     )

@@ -37,5 +37,11 @@ def test_re_sent_request_ids_are_never_run_billed_or_deducted_twice():
         assert bucket.usage_requests == bucket.ids, summary
         assert abs(bucket.deductions - bucket.ids) < 1e-6, summary
     assert not figs.reconcile_differences and figs.converge_s is not None, summary
+    # The history checker over every send (an SDK call with its own retries is one): one reservation per id,
+    # nothing run or billed twice, billed = received, the replicas' counts agree, nothing open.
+    history = figs.history
+    sends = sum(1 + len(i.plan.resend_delays_s) for i in figs.ids)
+    assert (history.requests, history.reservations, history.attempts) == (config.ids, config.ids, sends), summary
+    assert history.discrepancies == (), history.table()
     assert result.passed, summary
     timed.assert_within(WALL_S_MAX)
