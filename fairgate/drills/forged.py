@@ -49,10 +49,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, grouped, problems_by, table
+from fairgate.drills.report import (
+    ConfiguredResult,
+    fmt_counts,
+    grouped,
+    history_check,
+    history_lines,
+    problems_by,
+    table,
+)
 from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.gateway.identity import ON_BEHALF_OF_HEADER as OBO
 from fairgate.harness.config import ADMIN_KEY, TenantSpec
+from fairgate.harness.history import HistoryReport, check_stack
 from fairgate.harness.ledger import ALL_TIME_S
 from fairgate.harness.loadgen import CHAT_OVERHEAD_TOKENS, HttpRequest, LoadGenerator
 from fairgate.harness.records import RequestRecord
@@ -383,6 +392,9 @@ class ForgedFigures:
     victim_events: int
     victim_salt_ms: float  # GPU ms charged on the replicas under the victim's cache_salt
     seconds: float
+    # the history checker: each attack's record names the tenant it must bill (nobody for a refusal), so a
+    # reservation under any other tenant (the victim's) is one no client sent
+    history: HistoryReport
 
 
 @dataclass(frozen=True)
@@ -426,7 +438,7 @@ class ForgedResult(ConfiguredResult[ForgedConfig, ForgedFigures]):
             "each tenant's usage == what it legitimately sent (requests, output tokens)": all(
                 (f.usage[t][0], f.usage[t][2]) == expected[t] for t in self.config.tenants
             ),
-        }
+        } | history_check(f.history, "each id keyed by the tenant it must bill: nothing to the victim; exact")
 
     def intro(self) -> list[str]:
         return [
@@ -480,6 +492,7 @@ class ForgedResult(ConfiguredResult[ForgedConfig, ForgedFigures]):
             lost,
             *self._notes(),
             *(f"[red]{name}[/red]: {'; '.join(ps)}" for name, ps in problems.items()),
+            *history_lines(f.history),
         ]
 
     def _notes(self) -> list[str]:
@@ -556,4 +569,5 @@ async def _run(stack: Stack, config: ForgedConfig, todo: list[Attack], policy: s
         salts = tuple(str(b.get("cache_salt")) for b in received) if tapped else None
         figures.append(AttackFigures(attack, answer, tuple(found), salts, forwarded))
     victim_ms = sum(s.charge_ms_by_salt.get(tenant_tag(VICTIM), 0.0) for s in await stack.replica_stats())
-    return ForgedFigures(policy, figures, usage, victim_events, victim_ms, seconds)
+    history = await check_stack(stack, answers)
+    return ForgedFigures(policy, figures, usage, victim_events, victim_ms, seconds, history)

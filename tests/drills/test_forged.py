@@ -37,5 +37,11 @@ def test_no_trick_bills_another_tenant_and_the_victims_usage_stays_zero():
     for tenant in (ATTACKER, CLIENT):
         assert (figs.usage[tenant][0], figs.usage[tenant][2]) == expected[tenant], summary
     assert expected[ATTACKER][0] >= 25 and expected[CLIENT][0] >= 3, summary
+    # The history checker, each attack's id keyed by the tenant it must bill (nobody for a refusal): every
+    # reservation is one of those, billed exactly what its answer's usage said; none under the victim.
+    history = figs.history
+    served = sum(n for n, _ in expected.values())
+    assert history.attempts == len(figs.attacks) and history.reservations == served, history.table()
+    assert history.discrepancies == (), history.table()
     assert result.passed, summary
     timed.assert_within(WALL_S_MAX)
