@@ -1,18 +1,21 @@
-"""Gateway overhead: the same load sent straight to an emulated replica and through the gateway, in one run.
+"""Gateway overhead: the same load sent straight to an emulated replica and through the gateway, in one run,
+for each ledger backend (``--backends``: SQLite, Redis, PostgreSQL; the servers of ``bench/ledger_ops.py``).
 
-- Non-streaming: ``--requests`` requests of 1 output token, ``--concurrency`` at a time: latency p50/p99
-  and requests/s, direct and through the gateway, and the added latency.
+Per backend:
+- One request at a time (``--concurrency`` 1): ``--requests`` non-streaming requests of ``--reply-tokens``
+  output tokens (16): latency p50/p99 direct and through the gateway, the added latency, and the gateway
+  process's CPU per request (read from ``/proc``, Linux).
 - Streaming: one request of ``--tokens`` tokens: tokens/s direct and relayed by the gateway.
 - Concurrent streams: ``--streams`` requests of ``--stream-tokens`` tokens at once (a batch of that size on
-  the replica): the gateway process's CPU per relayed token, read from ``/proc`` (Linux), and tokens/s.
+  the replica): the gateway process's CPU per relayed token, and tokens/s.
 The replica is made fast (0.2 ms iterations, no prefill cost), so the figures are the HTTP stack's and the
-gateway's (auth, ledger reserve + settle on SQLite, queue, policy, meter, relay). Emulator and gateway run
-as their own processes (``fairgate emulate``, ``fairgate serve``), as in production; the load comes from
-this process.
-(Goals: p50 <= 1 ms and p99 <= 5 ms added at 500 req/s; relay >= 50k tokens/s per gateway process.)
+gateway's (auth, ledger reserve + claim + settle, queue, policy, meter, relay). Emulator and gateway run as
+their own processes (``fairgate emulate``, ``fairgate serve``), as in production; the load comes from this
+process. The last lines set each backend's figures beside the goals: added p50 <= 1.5 ms (SQLite, Redis) or
+3 ms (PostgreSQL), CPU <= 2 ms per request and <= 0.02 ms per relayed token.
 
-Usage: .venv/bin/python bench/gateway_overhead.py [--requests 2000] [--concurrency 32] [--tokens 20000]
-       [--streams 32] [--stream-tokens 400]
+Usage: .venv/bin/python bench/gateway_overhead.py [--backends sqlite,redis,postgres] [--requests 500]
+       [--concurrency 1] [--reply-tokens 16] [--tokens 20000] [--streams 32] [--stream-tokens 400]
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ import asyncio
 import os
 import statistics
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.ledger_ops import urls
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.stack import StackSpec, replicas, start_stack
@@ -37,11 +43,19 @@ from fairgate.harness.stack import StackSpec, replicas, start_stack
 FAST = ReplicaModel(
     iter_base_ms=0.2, iter_slope_ms=0.0, prefill_ms_per_token=0.0, max_batch=1024, max_model_len=1_000_000
 )
-SPEC = StackSpec((TenantSpec("bench"),), replicas=replicas(1), replica=FAST, processes=True)
+GOAL_ADDED_P50_MS = {"sqlite": 1.5, "redis": 1.5, "postgres": 3.0}
+GOAL_CPU_MS_PER_REQUEST = 2.0
+GOAL_CPU_MS_PER_TOKEN = 0.02
 
 
-async def latencies(base: str, key: str, requests: int, concurrency: int) -> tuple[list[float], float]:
-    body = {"model": "emu", "prompt": "x", "max_tokens": 1, "ignore_eos": True}
+def spec(ledger_url: str) -> StackSpec:
+    return StackSpec((TenantSpec("bench"),), replicas=replicas(1), replica=FAST, processes=True, ledger=ledger_url)
+
+
+async def latencies(
+    base: str, key: str, requests: int, concurrency: int, reply_tokens: int
+) -> tuple[list[float], float]:
+    body = {"model": "emu", "prompt": "x", "max_tokens": reply_tokens, "ignore_eos": True}
     out: list[float] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
@@ -106,41 +120,86 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1]
 
 
+@dataclass
+class Figures:
+    """One backend's figures."""
+
+    direct: list[float]
+    via: list[float]
+    direct_rps: float
+    via_rps: float
+    cpu_ms_per_request: float
+    direct_tps: float
+    via_tps: float
+    relayed: int
+    streams_s: float
+    cpu_ms_per_token: float
+
+
+def measure(ledger_url: str, args: argparse.Namespace) -> Figures:
+    """The figures of one stack whose gateway's ledger is at ``ledger_url``."""
+    with start_stack(spec(ledger_url)) as stack:
+        upstream, gateway, key = stack.replica_urls[0], stack.url, stack.keys["bench"]
+        process = stack.gateways[0].process
+        assert process is not None and process.popen is not None  # the gateway runs as a process
+        pid = process.popen.pid
+        asyncio.run(latencies(gateway, key, 20, 1, args.reply_tokens))  # warm: connections, ledger, caches
+        direct, direct_rps = asyncio.run(latencies(upstream, key, args.requests, args.concurrency, args.reply_tokens))
+        before = cpu_s(pid)
+        via, via_rps = asyncio.run(latencies(gateway, key, args.requests, args.concurrency, args.reply_tokens))
+        per_request_ms = (cpu_s(pid) - before) * 1000.0 / args.requests
+        direct_tps = asyncio.run(stream_rate(upstream, key, args.tokens))
+        via_tps = asyncio.run(stream_rate(gateway, key, args.tokens))
+        before = cpu_s(pid)
+        relayed, streams_s = asyncio.run(concurrent_streams(gateway, key, args.streams, args.stream_tokens))
+        per_token_ms = (cpu_s(pid) - before) * 1000.0 / max(1, relayed)
+    return Figures(
+        direct, via, direct_rps, via_rps, per_request_ms, direct_tps, via_tps, relayed, streams_s, per_token_ms
+    )
+
+
+def report(name: str, f: Figures, args: argparse.Namespace) -> None:
+    print(f"{name}: {args.requests} requests of {args.reply_tokens} tokens, {args.concurrency} at a time:")
+    print(f"  direct   p50 {pct(f.direct, 50):7.2f} ms  p99 {pct(f.direct, 99):7.2f} ms  {f.direct_rps:7.0f} req/s")
+    print(f"  gateway  p50 {pct(f.via, 50):7.2f} ms  p99 {pct(f.via, 99):7.2f} ms  {f.via_rps:7.0f} req/s")
+    print(
+        f"  added    p50 {pct(f.via, 50) - pct(f.direct, 50):7.2f} ms  p99 {pct(f.via, 99) - pct(f.direct, 99):7.2f} ms"
+        f"  gateway CPU {f.cpu_ms_per_request:.2f} ms per request"
+    )
+    print(
+        f"  one stream of {args.tokens} tokens: direct {f.direct_tps:,.0f} tokens/s, through the gateway "
+        f"{f.via_tps:,.0f} tokens/s (x{f.via_tps / f.direct_tps:.2f})"
+    )
+    print(
+        f"  {args.streams} concurrent streams of {args.stream_tokens} tokens: {f.relayed:,} tokens relayed in "
+        f"{f.streams_s:.1f} s ({f.relayed / f.streams_s:,.0f} tokens/s); gateway CPU "
+        f"{f.cpu_ms_per_token:.3f} ms per relayed token ({1.0 / f.cpu_ms_per_token:,.0f}k tokens/s per core)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=2000, help="non-streaming requests of 1 output token")
-    parser.add_argument("--concurrency", type=int, default=32, help="non-streaming requests in flight at once")
+    parser.add_argument("--backends", default="sqlite,redis,postgres", help="ledger backends, comma-separated")
+    parser.add_argument("--requests", type=int, default=500, help="non-streaming requests per backend")
+    parser.add_argument("--concurrency", type=int, default=1, help="non-streaming requests in flight at once")
+    parser.add_argument("--reply-tokens", type=int, default=16, help="output tokens of each non-streaming reply")
     parser.add_argument("--tokens", type=int, default=20000, help="output tokens of the one long stream")
     parser.add_argument("--streams", type=int, default=32, help="concurrent streams of the CPU-per-token run")
     parser.add_argument("--stream-tokens", type=int, default=400, help="output tokens of each concurrent stream")
     args = parser.parse_args()
-    with start_stack(SPEC) as stack:
-        upstream, gateway, key = stack.replica_urls[0], stack.url, stack.keys["bench"]
-        direct, direct_rps = asyncio.run(latencies(upstream, key, args.requests, args.concurrency))
-        via, via_rps = asyncio.run(latencies(gateway, key, args.requests, args.concurrency))
-        direct_tps = asyncio.run(stream_rate(upstream, key, args.tokens))
-        via_tps = asyncio.run(stream_rate(gateway, key, args.tokens))
-        process = stack.gateways[0].process
-        assert process is not None and process.popen is not None  # SPEC runs the gateway as a process
-        before = cpu_s(process.popen.pid)
-        relayed, streams_s = asyncio.run(concurrent_streams(gateway, key, args.streams, args.stream_tokens))
-        gateway_cpu_s = cpu_s(process.popen.pid) - before
-    print(f"non-streaming, {args.requests} requests, {args.concurrency} concurrent (1 output token each):")
-    print(f"  direct   p50 {pct(direct, 50):7.2f} ms  p99 {pct(direct, 99):7.2f} ms  {direct_rps:7.0f} req/s")
-    print(f"  gateway  p50 {pct(via, 50):7.2f} ms  p99 {pct(via, 99):7.2f} ms  {via_rps:7.0f} req/s")
-    print(
-        f"  added    p50 {pct(via, 50) - pct(direct, 50):7.2f} ms  p99 {pct(via, 99) - pct(direct, 99):7.2f} ms  "
-        f"throughput x{via_rps / direct_rps:.2f}"
-    )
-    print(
-        f"streaming, one request of {args.tokens} tokens: direct {direct_tps:,.0f} tokens/s, "
-        f"through the gateway {via_tps:,.0f} tokens/s (x{via_tps / direct_tps:.2f})"
-    )
-    print(
-        f"{args.streams} concurrent streams of {args.stream_tokens} tokens: {relayed:,} tokens relayed in "
-        f"{streams_s:.1f} s ({relayed / streams_s:,.0f} tokens/s); gateway CPU {gateway_cpu_s:.2f} s, "
-        f"{gateway_cpu_s * 1000.0 / max(1, relayed):.3f} ms per relayed token"
-    )
+    figures: dict[str, Figures] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, url in urls(args.backends.split(","), tmp).items():
+            figures[name] = measure(url, args)
+            report(name, figures[name], args)
+    print("against the goals (added p50 one at a time; gateway CPU per request and per relayed token):")
+    for name, f in figures.items():
+        added = pct(f.via, 50) - pct(f.direct, 50)
+        print(
+            f"  {name:9s} added p50 {added:.2f} ms (goal {GOAL_ADDED_P50_MS.get(name, 1.5):g}), "
+            f"CPU {f.cpu_ms_per_request:.2f} ms per request (goal {GOAL_CPU_MS_PER_REQUEST:g}), "
+            f"{f.cpu_ms_per_token:.3f} ms per token (goal {GOAL_CPU_MS_PER_TOKEN:g})"
+        )
 
 
 if __name__ == "__main__":
