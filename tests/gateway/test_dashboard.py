@@ -10,14 +10,16 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
 from fairgate.gateway.auth import make_on_behalf_of
+from fairgate.gateway.stats import SAMPLE_EVERY_S
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import PriceConfig, PricingConfig
 from tests.gateway.conftest import TENANTS, post, serve_stack
@@ -112,9 +114,16 @@ def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
             assert httpx.get(f"{url}/dashboard/static/{name}", timeout=10).status_code == 404
 
 
+@dataclass
+class Load:
+    done: dict[str, int]  # tenant -> requests answered 200
+    stop: Callable[[], None]  # ends the load: once it returns, no request of it is in flight
+
+
 @contextmanager
-def traffic(url: str, keys: dict[str, str], clients: int = 2, limit_s: float = 120.0) -> Iterator[dict[str, int]]:
-    """Every tenant keeps ``clients`` requests in flight until the block ends (at most ``limit_s``)."""
+def traffic(url: str, keys: dict[str, str], clients: int = 2, limit_s: float = 120.0) -> Iterator[Load]:
+    """Every tenant keeps ``clients`` requests in flight until the block ends or the load is stopped (at most
+    ``limit_s``)."""
     done = dict.fromkeys(keys, 0)
     stop = threading.Event()
 
@@ -135,12 +144,16 @@ def traffic(url: str, keys: dict[str, str], clients: int = 2, limit_s: float = 1
             await asyncio.gather(*(client(http, t, i) for t in keys for i in range(clients)))
 
     thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
-    thread.start()
-    try:
-        yield done
-    finally:
+
+    def end() -> None:
         stop.set()
         thread.join(timeout=60)
+
+    thread.start()
+    try:
+        yield Load(done, end)
+    finally:
+        end()
 
 
 LABELS_WITH_DATA = """(id) => {
@@ -157,6 +170,11 @@ COLOURED_PIXELS = """(id) => {
   }
   return coloured;
 }"""
+BROKEN_LINES = """(id) => window.fairgateCharts[id].data.datasets.filter(d => {
+  const ys = d.data.map(p => p.y);
+  return ys.some((y, i) => y === null && ys.slice(0, i).some(v => v !== null) && ys.slice(i + 1).some(v => v !== null));
+}).map(d => d.label)"""
+FIRST_CELLS = """() => [...document.querySelectorAll("#totals tbody tr td:first-child")].map(td => td.textContent)"""
 ALL_LABELS = """() => Object.values(window.fairgateCharts || {}).flatMap(c => c.data.datasets.map(d => d.label))"""
 PER_TENANT_CHARTS = {
     "share": "{}",
@@ -179,7 +197,8 @@ def test_the_dashboard_in_chromium(tmp_path):
     folder = artefacts(tmp_path)
     priced = PricingConfig(currency="EUR", model_class={"emu": PriceConfig(output_per_mtok=100_000.0)})  # 0.1/token
     served = serve_stack(tmp_path, admin_key=ADMIN_KEY, pricing=priced)
-    with served as stack, traffic(stack.url, stack.keys) as done, sync_playwright() as p:
+    # One request in flight per tenant, 3 on the replica's 4 slots: nobody waits, every tenant is demand-limited.
+    with served as stack, traffic(stack.url, stack.keys, clients=1) as load, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -214,6 +233,12 @@ def test_the_dashboard_in_chromium(tmp_path):
                 timeout=30_000,
             )
             expect(page.locator("#totals tbody tr")).to_have_count(3)
+            marked = [f"{t} (demand-limited)" for t in sorted(TENANTS)]
+            page.wait_for_function(
+                f"(marked) => JSON.stringify(({FIRST_CELLS})()) === JSON.stringify(marked)", arg=marked
+            )
+            flags = {t: x["demand_limited"] for t, x in get_data(stack.url, ADMIN_KEY).json()["totals"].items()}
+            assert flags == dict.fromkeys(TENANTS, True), flags
             spend = page.locator("#totals tbody tr td:last-child").all_inner_texts()
             assert all(re.fullmatch(r"\d+\.\d{2,4} EUR", cell) for cell in spend), spend
             assert any(float(cell.split()[0]) > 0 for cell in spend), spend  # what finished requests cost
@@ -245,10 +270,15 @@ def test_the_dashboard_in_chromium(tmp_path):
             expect(page.locator("#fairness")).to_be_hidden()
             expect(page.locator("#busy")).to_be_hidden()
             page.screenshot(path=str(folder / "dashboard_tenant.png"), full_page=True)
+            assert page.evaluate(FIRST_CELLS) == ["you (demand-limited)"]
             assert not problems, problems  # no script error, no CSP violation, no missing file
 
-            # A wrong key: back to the form with the gateway's message.
+            # An idle stretch: no request and nobody watching, so no sample is taken; the lines break there.
+            load.stop()
             page.click("#logout")
+            time.sleep(3 * SAMPLE_EVERY_S)
+
+            # A wrong key: back to the form with the gateway's message.
             page.fill("#key", "fg-wrong-key")
             page.click("#signin")
             expect(page.locator("#error")).to_contain_text("Invalid API key", timeout=20_000)
@@ -266,6 +296,8 @@ def test_the_dashboard_in_chromium(tmp_path):
             page.wait_for_function(f"() => ({LABELS_WITH_DATA})('gpu').includes('you')", timeout=30_000)
             assert "signin" not in page.url and page.url.endswith("/dashboard")
             assert page.evaluate("() => window.fairgateCharts.gpu.options.spanGaps") is False
+            page.wait_for_function(f"() => ({BROKEN_LINES})('gpu').includes('you')", timeout=30_000)
+            assert page.evaluate(FIRST_CELLS) == ["you (demand-limited)"]
             expect(page.locator("#totals tbody tr")).to_have_count(1)
             page.screenshot(path=str(folder / "dashboard_link.png"), full_page=True)
             # The charts are drawn, not only filled with data: the GPU chart's canvas holds its line's colour
@@ -274,7 +306,7 @@ def test_the_dashboard_in_chromium(tmp_path):
             assert not problems, problems
         finally:
             browser.close()
-    assert all(done[t] > 0 for t in TENANTS), done
+    assert all(load.done[t] > 0 for t in TENANTS), load.done
     assert (folder / "dashboard_admin.png").stat().st_size > 10_000
 
 
