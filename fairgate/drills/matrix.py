@@ -7,7 +7,10 @@ in-flight bound per cut attempt), nothing left open or held.
 Faults (``FAULTS``):
 
 - ``retries``: every id is also sent to the other process, at the same instant (a storm) or up to 1.5 s later;
-- ``kill9``: SIGKILL to process A with requests in flight and queued, started again 0.5 s later;
+- ``kill9``: SIGKILL to process A with requests in flight and queued, started again 0.5 s later; one id in
+  three asks for ``long_output_tokens`` (150-200): those sent first have streamed ~100 tokens by the kill at
+  ``kill_at_s``, so a gateway that settled less often than every ``SETTLE_EVERY_TOKENS`` (64) tokens or
+  ``SETTLE_EVERY_S`` (0.5 s) would leave more than the checker's bound of 64 delivered and unbilled;
 - ``ledger_stop``: the ledger server stopped for 10 s, then started again on its data (SQLite, which has no
   server: another connection holds the file's exclusive lock for 10 s);
 - ``ledger_pause``: the ledger server (PostgreSQL: with its backends) paused with SIGSTOP for 5 s;
@@ -21,6 +24,9 @@ killed, so that collected requests are running on it). A client whose attempt fa
 (connection broken, 5xx, 409 ``request_in_progress``, an error event) retries the same id on the other
 process after ``Retry-After`` (at most ``backoff_s_max``), at most ``attempts_max`` attempts: as a real
 client does, so that a fault meets the retries it causes.
+
+At the end, beside the checker: both gateways' gauges (``/metrics``: requests queued and sequences running)
+are back to 0, as in the ``restart`` drill.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fairgate.harness.config import UNBOUNDED, TenantSpec
+from fairgate.harness.gauges import gateway_gauges
 from fairgate.harness.history import (
     HistoryReport,
     ReplicaCounts,
@@ -74,10 +81,12 @@ class MatrixConfig:
     spread_s: float = 6.0  # the ids are sent evenly over this long
     outage_spread_s: float = 14.0  # ... over this long when the ledger is stopped (it is back by 12 s)
     fault_at_s: float = 2.0
+    kill_at_s: float = 4.5  # kill9's fault comes later: its first long requests have streamed ~100 tokens
     ledger_down_s: float = 10.0
     ledger_pause_s: float = 5.0
     restart_after_s: float = 0.5  # kill9: A is started again after this long
     output_tokens: tuple[int, int] = (15, 60)
+    long_output_tokens: tuple[int, int] = (150, 200)  # kill9: one id in three (~40 ms a token: 6-8 s)
     prompt_tokens: int = 24
     replica: ReplicaModel = field(default_factory=lambda: ReplicaModel(40.0, 0.5, 0.02, 8, 4096))
     gateway_batch: int = 4  # each gateway uses this many of each replica's slots
@@ -116,6 +125,18 @@ class CellResult:
     outcomes: dict[str, int]
     report: HistoryReport | None  # None: not applicable
     wall_s: float
+    # gateway -> (queued requests, active sequences) from its /metrics at the end (both 0 when it holds nothing)
+    gauges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    longest: int = 0  # the most tokens one attempt had received when the fault came
+
+    @property
+    def held(self) -> dict[str, tuple[float, float]]:
+        """The gateways whose gauges are not back to 0."""
+        return {name: g for name, g in self.gauges.items() if any(g)}
+
+    @property
+    def ok(self) -> bool:
+        return self.report is not None and self.report.ok and not self.held
 
     @property
     def row(self) -> tuple[str, str, str, str, str]:
@@ -126,7 +147,8 @@ class CellResult:
         r = self.report
         load = f"{r.requests} ids, {r.attempts} attempts"
         outcomes = ", ".join(f"{k} {n}" for k, n in sorted(self.outcomes.items()))
-        return cell, load, self.injected, outcomes, r.summary()
+        held = "; gauges not 0: " + ", ".join(f"{k} queued {q:g}, running {a:g}" for k, (q, a) in self.held.items())
+        return cell, load, self.injected, outcomes, r.summary() + (held if self.held else "")
 
 
 def run_cell(backend: str, fault: str, config: MatrixConfig | None = None, seed: int = 1) -> CellResult:
@@ -145,9 +167,10 @@ def run_cell(backend: str, fault: str, config: MatrixConfig | None = None, seed:
         url = None if server is None else _ledger_url(backend, server, config)
         with start_stack(config.spec(url), folder=folder / "stack") as stack:
             cell = Cell(backend, fault, config, stack, server)
-            injected, records, report = asyncio.run(cell.run(seed))
+            injected, records, report, gauges = asyncio.run(cell.run(seed))
     outcomes = Counter(_outcome(r) for r in records)
-    return CellResult(backend, fault, injected, dict(outcomes), report, time.monotonic() - start)
+    wall_s = time.monotonic() - start
+    return CellResult(backend, fault, injected, dict(outcomes), report, wall_s, gauges, cell.longest)
 
 
 @contextmanager
@@ -173,8 +196,9 @@ class Cell:
     def __init__(self, backend: str, fault: str, config: MatrixConfig, stack: Stack, server: ServerProcess | None):
         self.backend, self.fault, self.config, self.stack, self.server = backend, fault, config, stack, server
         self.lost: list[ReplicaCounts] = []  # the last counts of a replica killed by the fault
+        self.longest = 0  # the most tokens one attempt had received when the fault came
 
-    async def run(self, seed: int) -> tuple[str, list[RequestRecord], HistoryReport]:
+    async def run(self, seed: int) -> tuple[str, list[RequestRecord], HistoryReport, dict[str, tuple[float, float]]]:
         c = self.config
         targets = {"A": self.stack.gateways[0].url, "B": self.stack.gateways[1].url}
         async with LoadGenerator(targets, self.stack.keys, MODEL, seed, timeout_s=c.client_timeout_s) as generator:
@@ -182,7 +206,11 @@ class Cell:
             injected = await self._inject(generator)
             await asyncio.gather(*clients)
             report = await self._check(generator.history.records)
-        return injected, generator.history.records, report
+        gauges = {}
+        for name, gateway in zip("AB", self.stack.gateways, strict=True):
+            g = await gateway_gauges(gateway.url, self.stack.admin_key or "")
+            gauges[name] = (g.queued, g.active_sequences)
+        return injected, generator.history.records, report, gauges
 
     def _requests(self, seed: int) -> list[Request]:
         c, rng = self.config, random.Random(f"matrix-{seed}-{self.backend}-{self.fault}")
@@ -191,11 +219,14 @@ class Cell:
         out = []
         for i in range(c.ids):
             cut = cuts[i % 3] if self.fault == "client_cuts" and i % 3 else None
+            tokens = rng.randint(*c.output_tokens)
+            if self.fault == "kill9" and i % 3 == 0:
+                tokens = rng.randint(*c.long_output_tokens)
             out.append(
                 Request(
                     ("free", "paid")[i % 2],
                     f"{self.fault}-{i}",
-                    rng.randint(*c.output_tokens),
+                    tokens,
                     c.prompt_tokens,
                     "AB"[(i // 2) % 2],
                     stream=cut is not None or (i % 3 == 0 if self.fault == "upstream_kill" else i % 5 != 4),
@@ -227,16 +258,21 @@ class Cell:
     async def _inject(self, generator: LoadGenerator) -> str:
         """Inject the cell's fault at ``fault_at_s``; a line saying what was done."""
         c = self.config
-        await until(generator, c.fault_at_s)
+        await until(generator, c.kill_at_s if self.fault == "kill9" else c.fault_at_s)
         running = len(generator.history.running())
+        self.longest = max((r.tokens for r in generator.history.running()), default=0)
         if self.fault == "kill9":
             a = self.stack.gateways[0].process
             assert a is not None
-            on_a = len(generator.history.running("A"))
+            on_a = generator.history.running("A")
+            streamed = max((r.tokens for r in on_a), default=0)
             await asyncio.to_thread(a.kill)
             await asyncio.sleep(c.restart_after_s)
             await asyncio.to_thread(lambda: a.start().wait_ready())
-            return f"kill -9 A ({on_a} requests on it), restarted after {c.restart_after_s:g} s"
+            return (
+                f"kill -9 A at {c.kill_at_s:g} s ({len(on_a)} requests on it, one streamed {streamed} tokens), "
+                f"restarted after {c.restart_after_s:g} s"
+            )
         if self.fault == "ledger_stop":
             return await self._stop_ledger(running)
         if self.fault == "ledger_pause":

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fairgate.drills.matrix import BACKENDS, FAULTS, NOT_APPLICABLE, CellResult, run_cell, table
+from fairgate.gateway.call import SETTLE_EVERY_TOKENS
 
 CELL_WALL_S_MAX = 60.0
 RESULTS: list[CellResult] = []
@@ -64,5 +65,11 @@ def test_the_history_holds_under_the_fault(backend: str, fault: str):
     assert "running" not in result.outcomes, result.row
     assert result.outcomes.get("ok", 0) > 0, result.row
     assert result.wall_s <= CELL_WALL_S_MAX, f"the cell took {result.wall_s:.0f} s"
-    # The claim.
+    if fault == "kill9":
+        # Streams longer than the settle cadence's bound were cut: a gateway settling less often than every
+        # 64 tokens (or 0.5 s) would leave more than 64 delivered unbilled, which the checker flags.
+        assert result.longest > SETTLE_EVERY_TOKENS, result.row
+    # The claim: the checker, and both gateways' gauges back to 0 (nothing queued or running).
     assert report.ok, f"{result.row}\n{report.table()}"
+    assert set(result.gauges) == {"A", "B"} and not result.held, result.row
+    assert result.ok
