@@ -201,6 +201,7 @@ def startup_problem(config: GatewayConfig, path: Path) -> str | None:
         if file.exists() and not (file.is_file() or file.is_char_device()):
             return f"{path}: gateway.{key}: {file} is not a regular file"  # a FIFO would block the start for good
         try:
+            file.parent.mkdir(parents=True, exist_ok=True)  # its writer makes the folder too: a state/ folder
             with open(file, "a", encoding="utf-8"):
                 pass
         except OSError as exc:

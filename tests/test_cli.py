@@ -286,17 +286,17 @@ def test_serve_refuses_to_start_on_a_journal_or_ledger_it_cannot_open(tmp_path):
     """Found by a helper: these failed inside uvicorn's start-up with a traceback and exit code 3."""
     example = (REPO / "config" / "fairgate.example.toml").read_text()
     journal = tmp_path / "journal.toml"
-    journal.write_text(example.replace('journal = "fairgate-journal.jsonl"', 'journal = "no/such/folder/j.jsonl"', 1))
+    (tmp_path / "a-file").write_text("")  # a folder that cannot be made: a file is in its place
+    journal.write_text(example.replace('journal = "state/fairgate-journal.jsonl"', 'journal = "a-file/j.jsonl"', 1))
     from fairgate.harness.process import free_port
 
     done = fairgate("serve", "--config", str(journal), "--port", str(free_port()))
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "gateway.journal: cannot write" in done.stderr and "no/such/folder/j.jsonl" in done.stderr
+    assert "gateway.journal: cannot write" in done.stderr and "a-file/j.jsonl" in done.stderr
 
     ledger = tmp_path / "ledger.toml"  # a file that cannot be created (under a file): the configuration's fault
-    (tmp_path / "a-file").write_text("")
     unopenable = f'ledger = "sqlite:///{tmp_path}/a-file/l.db"'
-    ledger.write_text(example.replace('ledger = "sqlite:///fairgate-ledger.db"', unopenable, 1))
+    ledger.write_text(example.replace('ledger = "sqlite:///state/fairgate-ledger.db"', unopenable, 1))
     done = fairgate("serve", "--config", str(ledger), "--port", str(free_port()))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "gateway.ledger: cannot open the ledger" in done.stderr, done.stderr
@@ -331,7 +331,7 @@ def test_serve_starts_while_its_ledger_server_does_not_answer(tmp_path):
     ledger = tmp_path / "ledger.toml"  # nothing listens on that port
     ledger.write_text(
         example.replace(
-            'ledger = "sqlite:///fairgate-ledger.db"', f'ledger = "postgresql://127.0.0.1:{free_port()}/test"', 1
+            'ledger = "sqlite:///state/fairgate-ledger.db"', f'ledger = "postgresql://127.0.0.1:{free_port()}/test"', 1
         )
     )
     done = fairgate("serve", "--config", str(ledger), "--port", str(free_port()), "--duration", "3", cwd=tmp_path)

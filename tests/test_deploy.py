@@ -85,3 +85,35 @@ def test_the_configmap_config_loads_and_matches_the_services_probes_and_image(
     for written in (config.journal_path, config.event_log_path):
         assert written is not None and written.parent == Path("/var/lib/fairgate"), written
     assert config.gateway.access_log == "-"
+
+
+def test_the_example_config_writes_into_its_git_ignored_state_folder_made_at_start(tmp_path: Path) -> None:
+    """``fairgate serve --config config/fairgate.example.toml`` keeps its ledger, journal and logs in
+    ``config/state/``, which git ignores; a copy of the example elsewhere gets a ``state/`` folder beside it."""
+    from fairgate.gateway.auth import hash_api_key
+    from fairgate.harness.process import free_port
+    from tests.conftest import fairgate
+
+    example = REPO / "config" / "fairgate.example.toml"
+
+    def written(config_path: Path) -> list[Path]:
+        config = load_gateway_config(config_path)
+        files = [config.journal_path, config.event_log_path, config.audit_log_path, config.dashboard_history_path]
+        return [Path(config.ledger_url.removeprefix("sqlite:///")), *(f for f in files if f is not None)]
+
+    assert len(written(example)) == 5 and {f.parent for f in written(example)} == {example.parent / "state"}
+    if (REPO / ".git").exists():
+        ignored = subprocess.run(
+            ["git", "check-ignore", "--no-index", *map(str, written(example))], cwd=REPO, capture_output=True, text=True
+        )
+        assert ignored.stdout.split() == [str(f) for f in written(example)], ignored.stderr
+    copy = tmp_path / "fairgate.toml"
+    copy.write_text(example.read_text() + f'\n[[key]]\ntenant = "chat"\nhash = "{hash_api_key("fg-" + "k" * 32)}"\n')
+    done = fairgate("serve", "--config", str(copy), "--port", str(free_port()), "--duration", "2", cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert sorted(p.name for p in (tmp_path / "state").iterdir() if p.suffix in (".db", ".jsonl")) == [
+        "fairgate-events.jsonl",
+        "fairgate-journal.jsonl",
+        "fairgate-ledger.db",
+    ]
+    assert {p.name for p in tmp_path.iterdir()} == {"fairgate.toml", "state"}  # nothing else beside the config

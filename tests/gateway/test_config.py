@@ -50,20 +50,20 @@ def test_example_loads() -> None:
 
 def test_relative_paths_are_relative_to_the_file(tmp_path: Path) -> None:
     config = load_gateway_config(write(tmp_path, EXAMPLE_TEXT))
-    assert config.ledger_url == f"sqlite:///{(tmp_path / 'fairgate-ledger.db').resolve()}"
-    assert config.journal_path == (tmp_path / "fairgate-journal.jsonl").resolve()
-    absolute = EXAMPLE_TEXT.replace('"sqlite:///fairgate-ledger.db"', '"sqlite:////var/tmp/x.db"')
+    assert config.ledger_url == f"sqlite:///{(tmp_path / 'state' / 'fairgate-ledger.db').resolve()}"
+    assert config.journal_path == (tmp_path / "state" / "fairgate-journal.jsonl").resolve()
+    absolute = EXAMPLE_TEXT.replace('"sqlite:///state/fairgate-ledger.db"', '"sqlite:////var/tmp/x.db"')
     assert load_gateway_config(write(tmp_path, absolute)).ledger_url == "sqlite:////var/tmp/x.db"
-    redis = EXAMPLE_TEXT.replace('"sqlite:///fairgate-ledger.db"', '"redis://127.0.0.1:6379/0"')
+    redis = EXAMPLE_TEXT.replace('"sqlite:///state/fairgate-ledger.db"', '"redis://127.0.0.1:6379/0"')
     assert load_gateway_config(write(tmp_path, redis)).ledger_url == "redis://127.0.0.1:6379/0"
 
 
 def test_an_empty_event_log_means_no_file(tmp_path: Path) -> None:
-    text = EXAMPLE_TEXT.replace('event_log = "fairgate-events.jsonl"', 'event_log = ""')
+    text = EXAMPLE_TEXT.replace('event_log = "state/fairgate-events.jsonl"', 'event_log = ""')
     assert text != EXAMPLE_TEXT
     config = load_gateway_config(write(tmp_path, text))
     assert config.gateway.event_log is None and config.event_log_path is None
-    assert load_gateway_config(write(tmp_path, EXAMPLE_TEXT)).event_log_path == tmp_path / "fairgate-events.jsonl"
+    assert load_gateway_config(write(tmp_path, EXAMPLE_TEXT)).event_log_path == tmp_path / "state/fairgate-events.jsonl"
 
 
 def test_default_slot_cap_splits_the_upstreams_batch_among_tenants(tmp_path: Path) -> None:
@@ -113,16 +113,16 @@ CASES = [
     (sub('delegates = ["batch"]', 'delegates = ["batch"]\nsecret = "x"'), "delegation.secret: unknown key"),
     # [gateway]
     (sub('policy = "gpu_fair"', 'policy = "fastest"'), "gateway.policy: unknown policy 'fastest'"),
-    (sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "mysql://db"'), "gateway.ledger: 'mysql://db'"),
-    (sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "sqlite://x.db"'), "gateway.ledger:"),
+    (sub('ledger = "sqlite:///state/fairgate-ledger.db"', 'ledger = "mysql://db"'), "gateway.ledger: 'mysql://db'"),
+    (sub('ledger = "sqlite:///state/fairgate-ledger.db"', 'ledger = "sqlite://x.db"'), "gateway.ledger:"),
     (lambda t: re.sub(r"^ledger = .*\n", "", t, flags=re.M), "gateway.ledger: missing required key"),
     # Found by a helper: these passed the config check, then failed the gateway's start-up with a traceback.
     (
-        sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "postgresql://127.0.0.1/test?schema=bad;drop"'),
+        sub('ledger = "sqlite:///state/fairgate-ledger.db"', 'ledger = "postgresql://127.0.0.1/test?schema=bad;drop"'),
         "gateway.ledger: ledger URL: schema 'bad;drop' must match",
     ),
     (
-        sub('ledger = "sqlite:///fairgate-ledger.db"', 'ledger = "redis://127.0.0.1:6379/0?foo=1"'),
+        sub('ledger = "sqlite:///state/fairgate-ledger.db"', 'ledger = "redis://127.0.0.1:6379/0?foo=1"'),
         "gateway.ledger: ledger URL 'redis://127.0.0.1:6379/0?foo=1': unknown parameter(s) 'foo'",
     ),
     (
