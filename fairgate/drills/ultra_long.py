@@ -19,8 +19,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import Cells, ComparedResult, cell_table, fleet, fmt_errors, fmt_ms, main_and_compare
+from fairgate.drills.report import (
+    Cells,
+    ComparedResult,
+    cell_table,
+    fleet,
+    fmt_errors,
+    fmt_ms,
+    history_check,
+    history_lines,
+    main_and_compare,
+)
 from fairgate.harness.config import TenantSpec
+from fairgate.harness.history import HistoryReport
 from fairgate.harness.loadgen import TenantLoad
 from fairgate.harness.records import TenantStats
 from fairgate.harness.replica import ReplicaModel
@@ -139,6 +150,7 @@ class PolicyFigures:
     tenants: dict[str, TenantFigures]
     runs: RunLimits
     gpu_s: float
+    history: HistoryReport | None  # the history checker: every request id against the ledger and the replicas
 
     @property
     def ratio(self) -> float:
@@ -169,7 +181,8 @@ def figures(config: UltraLongConfig, run: Run) -> PolicyFigures:
             calls[r.run_id] += 1
             tokens[r.run_id] += r.input_tokens + r.max_output_tokens
     refused = sum(n for code, n in tenants[config.agent].clients.errors.items() if f"[{RUN_DIMENSION}]" in code)
-    return PolicyFigures(run.policy, tenants, RunLimits(dict(calls), dict(tokens), refused), window.gpu_ms / 1000.0)
+    limits = RunLimits(dict(calls), dict(tokens), refused)
+    return PolicyFigures(run.policy, tenants, limits, window.gpu_ms / 1000.0, run.history_check)
 
 
 @dataclass(frozen=True)
@@ -192,7 +205,10 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
             <= c.run_max_tokens,
             "no other errors": not unexpected,
             "the agent ran": agent.ledger_output_tokens > 0,
-        }
+        } | history_check(figs.history, "the load's end hangs up on every agent stream: <= 8 tokens read short")
+
+    def body(self) -> list[Any]:
+        return super().body() + history_lines(self.main.history)
 
     def intro(self) -> list[str]:
         c = self.config
@@ -234,6 +250,7 @@ def run(options: DrillOptions, config: UltraLongConfig | None = None) -> UltraLo
     def one(policy: str) -> PolicyFigures:
         spec = config.spec(policy, options.in_processes(True))
         snapshot_at_s = (config.agent_start_s,) if config.agent_start_s > 0 else ()
-        return figures(config, run_on_stack(spec, config.loads(), config.seconds, options.seed, snapshot_at_s))
+        load = run_on_stack(spec, config.loads(), config.seconds, options.seed, snapshot_at_s, check=True)
+        return figures(config, load)
 
     return UltraLongResult(config, *main_and_compare(options, one))
