@@ -39,8 +39,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import Cells, ComparedResult, cell_table, fmt_errors, holds_from, main_and_compare
+from fairgate.drills.report import (
+    Cells,
+    ComparedResult,
+    cell_table,
+    fmt_errors,
+    history_check,
+    history_lines,
+    holds_from,
+    main_and_compare,
+)
 from fairgate.harness.config import TenantSpec
+from fairgate.harness.history import HistoryReport, ReplicaCounts, check_stack, replica_counts
 from fairgate.harness.ledger import LedgerReport, RequestOutcomes, ledger_totals, wait_settled
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
 from fairgate.harness.records import History
@@ -166,6 +176,7 @@ class CapacityFigures:
     ledger_gpu_s: dict[str, float]  # before / after windows, billed
     wall_s: float
     settle_s: float  # after the drain, until no reservation was open
+    history: HistoryReport  # the history checker: every request id against the ledger and the replicas
 
     def ratio(self, config: CapacityConfig, before: bool = False) -> float:
         """The first interactive tenant's GPU share over the last's, after (or ``before``) the removal."""
@@ -214,6 +225,7 @@ class CapacityRun:
     reservations: list[Any]
     concurrent: dict[str, int]
     settle_s: float  # how long the last bills took
+    history_check: HistoryReport  # the history checker's report
 
 
 def run_capacity(
@@ -233,6 +245,7 @@ async def _run(stack: Stack, config: CapacityConfig, seed: int) -> CapacityRun:
     snapshots: dict[str, LedgerReport] = {}
     samples: list[tuple[float, dict[str, float]]] = []
     killed_at: list[float] = []
+    lost: list[tuple[int, ReplicaCounts]] = []  # the killed replica's last counts
     async with stack.ledger() as ledger:
         async with LoadGenerator(stack.url, stack.keys, stack.spec.model, seed) as generator:
 
@@ -243,7 +256,10 @@ async def _run(stack: Stack, config: CapacityConfig, seed: int) -> CapacityRun:
             async def remove() -> None:
                 await snapshot("removal", config.remove_at_s)
                 killed_at.append(generator.now())
+                last = await read_replica(stack.replicas[-1].url, timeout_s=1.0)
                 await asyncio.to_thread(victim.kill, config.kill_signal)
+                if last is not None:
+                    lost.append((len(stack.replicas) - 1, replica_counts("killed", last, complete=False)))
 
             async def sample() -> None:
                 """Each replica's own charge-rule totals per tenant (a dead replica keeps its last)."""
@@ -267,8 +283,9 @@ async def _run(stack: Stack, config: CapacityConfig, seed: int) -> CapacityRun:
         settle_s = await wait_settled(ledger, SETTLE_S_MAX)
         reservations = await ledger.reservations()
         concurrent = {t: (await ledger.account(t, stack.spec.model)).concurrent for t in config.tenants}
+    report = await check_stack(stack, history.records, lost=lost)
     kill_s = killed_at[0] if killed_at else config.remove_at_s
-    return CapacityRun(history, snapshots, samples, kill_s, reservations, concurrent, settle_s)
+    return CapacityRun(history, snapshots, samples, kill_s, reservations, concurrent, settle_s, report)
 
 
 def capacity_figures(
@@ -302,6 +319,7 @@ def capacity_figures(
         {"before": before.gpu_ms / 1000.0, "after": after.gpu_ms / 1000.0},
         wall_s,
         run.settle_s,
+        run.history_check,
     )
 
 
@@ -362,7 +380,7 @@ def capacity_checks(c: CapacityConfig, figs: CapacityFigures) -> dict[str, bool]
         <= c.ratio_tolerance,
         "every request got a success or an explicit error (none cut, none open, counts match the ledger)": not lost,
         "the removal cut requests (the fault was real)": figs.errors > 0,
-    }
+    } | history_check(figs.history, "the killed replica's counts a lower bound; its cut streams billed as received")
 
 
 @dataclass(frozen=True)
@@ -398,7 +416,7 @@ class CapacityResult(ComparedResult[CapacityConfig, CapacityFigures]):
             out.append(
                 f"  comparison {self.compare.policy}: " + ("holds" if not failed else "fails: " + "; ".join(failed))
             )
-        return out
+        return out + history_lines(self.main.history)
 
     def policy_table(self, figs: CapacityFigures) -> Any:
         c = self.config

@@ -42,6 +42,14 @@ def test_one_replica_removed_batch_yields_interactive_keep_weights_nothing_lost(
         errors = t.requests.errors
         assert all(code.startswith(("502", "stream:upstream_error", "connection")) for code in errors), summary
         assert not lost_requests(t), summary
+    # The history checker over every request id: nothing run, reserved or billed twice; a stream the kill cut
+    # billed what its client received; the survivor's counts and the killed replica's last ones (a lower bound)
+    # agree with the ledger; nothing open, every account back to 0.
+    history = figs.history
+    assert history.requests == history.attempts == figs.sent > 100, history.table()
+    transport = sum(t.requests.errors.get("connection", 0) for t in figs.tenants.values())
+    assert history.reservations == figs.sent - transport, history.table()
+    assert history.discrepancies == (), history.table()
     # Batch had a real share before, and yielded it after (how fast, and the split, are timing claims).
     assert batch.share_before > 0.10, summary
     assert batch.share_after <= config.batch_share_after_max, summary
