@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, table
+from fairgate.drills.report import ConfiguredResult, fmt_counts, fmt_s, grouped, history_check, history_lines, table
 from fairgate.harness.config import UNBOUNDED, TenantSpec
+from fairgate.harness.history import HistoryReport, check_stack
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
 from fairgate.harness.logs import LogCapture, log_lines, summarise_log
 from fairgate.harness.records import RequestRecord
@@ -170,6 +171,7 @@ class OutageFigures:
     orphans: int  # reservations with no request of the clients behind them
     still_running: int  # requests still running after drain_s_max (cut)
     gateway_log: tuple[str, ...]  # the gateway's warnings about the journal and the sweep
+    history: HistoryReport  # the history checker: every request id against the ledger and the replica
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,7 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
             ),
             "no open reservation and no orphan left": f.open_left == 0 and f.orphans == 0,
             f"converged within {c.converge_s_max:g} s of the ledger's return": f.converge_s is not None,
-        }
+        } | history_check(f.history, "emergency grants replayed as reservations of their ids; exact")
 
     def intro(self) -> list[str]:
         c, f, t = self.config, self.main, self.main.timeline
@@ -274,6 +276,7 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
         out.append(self._load_line())
         out += [f"  [red]mismatch[/red] {line}" for line in f.mismatches[:12]]
         out += [f"  ... and {len(f.mismatches) - 12} more"] if len(f.mismatches) > 12 else []
+        out += history_lines(f.history)
         return out + [f"  gateway: {line}" for line in f.gateway_log[:8]]
 
     def _load_line(self) -> str:
@@ -422,6 +425,7 @@ class Observed:
     journal_at_restart: dict[str, int]
     converge_s: float | None
     wall_start: float
+    history: HistoryReport
 
 
 def run(options: DrillOptions, config: OutageConfig | None = None) -> OutageResult:
@@ -473,6 +477,7 @@ async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tup
                 await poll(landed, now() + limit_s, now)
                 reservations = await reader.reservations()
                 usage = {t.name: await reader.usage(t.name, 86_400.0) for t in config.tenants}
+            history = await check_stack(stack, records)
         finally:
             load.cancel()
             await asyncio.gather(load, return_exceptions=True)
@@ -485,6 +490,7 @@ async def _run(stack: Stack, redis: Any, config: OutageConfig, seed: int) -> tup
         dict(journal_at_restart),
         converge_s,
         generator.history.wall_start,
+        history,
     )
     return timeline, observed
 
@@ -528,6 +534,7 @@ def outage_figures(
         sum(1 for r in o.reservations if r.request_id not in known),
         sum(1 for r in o.records if r.outcome == "cut"),
         tuple(gateway_log),
+        o.history,
     )
 
 

@@ -46,6 +46,13 @@ def test_ledger_outage_rejects_bounds_emergency_and_reconciles_exactly_after_rec
     assert paid.grants <= config.emergency.requests and paid.grant_tokens <= config.emergency.tokens, summary
     assert all(t.ledger_output == t.client_output and t.ledger_input == t.client_input for t in f.tenants.values())
     assert f.converge_s is not None and f.converge_s <= config.converge_s_max, summary
+    # The history checker over every request id: each emergency grant replayed as the one reservation of its
+    # id, nothing reserved, run or billed twice, billed = received exactly, the replica's counts agree.
+    history = f.history
+    sent = sum(ph.sent for t in f.tenants.values() for ph in t.phases.values())
+    assert history.requests == history.attempts == sent, history.table()
+    assert history.reservations == sum(t.ledger_requests for t in f.tenants.values()), history.table()
+    assert history.discrepancies == (), history.table()
     assert result.passed, summary
     timed.assert_within(WALL_S_MAX)
 
