@@ -69,8 +69,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fairgate.drills import DrillOptions
-from fairgate.drills.report import DrillResult, fleet, fmt_errors, holds_from, table
+from fairgate.drills.report import DrillResult, fleet, fmt_errors, history_check, history_lines, holds_from, table
 from fairgate.harness.config import TenantSpec
+from fairgate.harness.history import Bounds, HistoryReport, check_stack
 from fairgate.harness.ledger import LedgerReport, RequestOutcomes, backend_of, ledger_totals, wait_settled
 from fairgate.harness.loadgen import LoadGenerator, TenantLoad
 from fairgate.harness.records import History
@@ -429,6 +430,7 @@ class LimitsFigures:
     wall_s: float
     settle_s: float  # after the hang-up, until no reservation was open
     folder: str | None = None  # the servers' logs and event logs, kept when a check failed
+    history: HistoryReport | None = None  # the history checker: every request id against the ledger and replicas
 
 
 async def _sample_accounts(
@@ -485,6 +487,7 @@ class LimitsRun:
     accounts: dict[str, tuple[int, int]]  # (concurrent, queued) at the end
     settle_s: float  # how long the last bills took
     truths: dict[int, ReplicaStats | None]  # each group's replica at the end
+    history_check: HistoryReport
 
 
 def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair", seed: int = 1) -> LimitsFigures:
@@ -504,9 +507,15 @@ def run_limits(config: LimitsConfig, ledger_base: str, policy: str = "gpu_fair",
             gpu_ms = sum(r.billed.gpu_ms for r in run.reservations if r.tenant in tenants)
             groups[n] = GroupFigures(n, tenants, gpu_ms, run.truths.get(n), run.occupancy.get(n, 0))
         figures = LimitsFigures(
-            backend_of(ledger_base), groups, config.seconds, time.monotonic() - started, run.settle_s
+            backend_of(ledger_base),
+            groups,
+            config.seconds,
+            time.monotonic() - started,
+            run.settle_s,
+            None,
+            run.history_check,
         )
-        return _kept(stack, figures) if limits_problems(figures) else figures
+        return _kept(stack, figures) if limits_problems(figures) or not run.history_check.ok else figures
 
 
 async def _limits_run(stack: Stack, config: LimitsConfig, seed: int) -> LimitsRun:
@@ -535,7 +544,8 @@ async def _limits_run(stack: Stack, config: LimitsConfig, seed: int) -> LimitsRu
             account = await ledger.account(name, model or "emu")
             accounts[name] = (account.concurrent, account.queued)
         truths = {n: await read_replica(url) for n, url in urls.items()}
-    return LimitsRun(history, reservations, seen, occupancy, accounts, settle_s, truths)
+    report = await check_stack(stack, history.records, settle_s=0.0)
+    return LimitsRun(history, reservations, seen, occupancy, accounts, settle_s, truths, report)
 
 
 def _tenant_limit_figures(
@@ -622,6 +632,16 @@ class FairnessConfig:
     share_charges_s: float = 0.25  # the gateways' ``[gateway].share_charges_s``
     ratio_max: float = 1.10  # the claim: max/min of the GPU shares billed (after the warm-up, if any)
     snapshot_every_s: float = 2.0  # ledger snapshots for the convergence time
+    # every client hangs up at the deadline at once: how long the gateways may go on relaying (and billing)
+    # tokens before they have noticed all of them (measured on the shared two-core machine: up to 40 tokens,
+    # ~0.9 s); the history checker allows the tokens a full replica generates per stream in this long
+    unread_ms_max: float = 1500.0
+
+    @property
+    def history_bounds(self) -> Bounds:
+        return Bounds(
+            overbilled_per_cut=math.ceil(self.unread_ms_max / self.replica.iteration_ms(self.replica.max_batch))
+        )
 
     def __post_init__(self) -> None:
         if self.replica.max_batch % self.gateways:
@@ -691,6 +711,7 @@ class FairnessFigures:
     wall_s: float
     left_open: tuple[str, ...] = ()  # the reservations still open at the end, described
     folder: str | None = None  # the servers' logs and event logs, kept when something was left open
+    history: HistoryReport | None = None  # the history checker: every request id against the ledger and replicas
 
     @property
     def ratio(self) -> float:
@@ -747,6 +768,7 @@ class FairnessRun:
     end: Reading
     left_open: list[Reservation]
     occupancy_max: int
+    history_check: HistoryReport
 
 
 def run_fairness(
@@ -758,7 +780,8 @@ def run_fairness(
     with start_stack(config.spec(policy, ledger_base)) as stack:
         run = asyncio.run(_fairness_run(stack, config, seed))
         figures = _fairness_figures(config, run, time.monotonic() - started)
-        return _kept(stack, figures) if run.left_open and keep_logs else figures
+        kept = (run.left_open or not run.history_check.ok) and keep_logs
+        return _kept(stack, figures) if kept else figures
 
 
 async def _fairness_run(stack: Stack, config: FairnessConfig, seed: int) -> FairnessRun:
@@ -788,7 +811,8 @@ async def _fairness_run(stack: Stack, config: FairnessConfig, seed: int) -> Fair
         await wait_settled(ledger, FAIRNESS_SETTLE_S_MAX)
         end = await _read(stack, ledger, config.tenants, config.seconds)
         left_open = await ledger.reservations(status="open")
-    return FairnessRun(history, readings, end, left_open, max(occupancy.values(), default=0))
+    report = await check_stack(stack, history.records, config.history_bounds, settle_s=0.0)
+    return FairnessRun(history, readings, end, left_open, max(occupancy.values(), default=0), report)
 
 
 def _fairness_figures(config: FairnessConfig, run: FairnessRun, wall_s: float) -> FairnessFigures:
@@ -820,6 +844,8 @@ def _fairness_figures(config: FairnessConfig, run: FairnessRun, wall_s: float) -
         run.occupancy_max,
         wall_s,
         tuple(_describe(r) for r in run.left_open),
+        None,
+        run.history_check,
     )
 
 
@@ -861,6 +887,11 @@ class ScaleOutResult(DrillResult):
             c = self.config.fairness
             claim = f"GPU shares across {c.gateways} processes within max/min {c.ratio_max:g}, nothing open or lost"
             out[claim] = not fairness_problems(c, self.fairness)
+        for figs in self.limits:
+            out.update(history_check(figs.history, f"{figs.backend} limits run; a budget stop billed as received"))
+        if self.fairness is not None:
+            unread = self.config.fairness.history_bounds.overbilled_per_cut
+            out.update(history_check(self.fairness.history, f"fairness run; hung up at its end: <= {unread} unread"))
         return out
 
     def intro(self) -> list[str]:
@@ -871,6 +902,9 @@ class ScaleOutResult(DrillResult):
         for figs in (self.fairness, self.compare):
             if figs is not None:
                 out.extend(render_fairness(self.config.fairness, figs, comparison=figs is self.compare))
+        out += [
+            line for figs in (*self.limits, self.fairness) if figs is not None for line in history_lines(figs.history)
+        ]
         return out + [f"[red]problem[/red]: {problem}" for problem in self.problems()]
 
     def verdict(self) -> str:

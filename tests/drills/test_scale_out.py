@@ -151,6 +151,14 @@ def test_one_two_four_processes_never_admit_beyond_the_limits(backend: str, requ
         # billed all of it before the meters shared their occupancy: x1.96 at N = 2, x3.5 at N = 4).
         assert group.replica is not None and group.replica.busy_ms > 0, summary
         assert group.ledger_gpu_ms / group.replica.busy_ms == pytest.approx(1.0, abs=0.5), summary
+    # The history checker over every request id of every group: nothing run, reserved or billed twice, billed =
+    # received (a stream stopped at its GPU budget too), the replicas' counts agree, nothing open or held.
+    history = figs.history
+    assert history is not None
+    sent = sum(t.requests.sent for t in tenants)
+    assert history.requests == history.attempts == sent, history.table()
+    assert history.reservations == sum(t.requests.reservations for t in tenants), history.table()
+    assert history.discrepancies == (), history.table()
     # How closely (the occupancy the processes share is a quarter-second average, and the start of the load is
     # billed as if each process were alone: LIMITS_LOAD_S), and that the clients pushed against every limit, depend
     # on how many requests the load gets through.
@@ -188,9 +196,14 @@ def test_gpu_shares_stay_fair_when_tenants_traffic_lands_on_different_processes(
     assert all(figs.completed[t] > 10 for t in config.tenants), summary
     assert not any(figs.errors.values()), summary
     assert figs.occupancy_max <= config.replica.max_batch, summary
-    # Not asserted here: no reservation left open after the clients hang up at the deadline. A client leaving
-    # the queue in the instant a slot frees can leave one open (see the dispatch-race test below); the drill
-    # reports it as lost.
+    # The history checker over every request id: nothing run, reserved or billed twice, billed = received (the
+    # streams the deadline hung up on all at once read at most 1.5 s of tokens short: 68), the replicas' counts
+    # agree, nothing left open (a client leaving the queue in the instant a slot frees once left one: the
+    # dispatch-race test below).
+    history = figs.history
+    assert history is not None and config.history_bounds.overbilled_per_cut == 68
+    assert history.requests == history.attempts == sum(figs.sent.values()), history.table()
+    assert history.discrepancies == (), history.table()
     timing_claims_hold_here(f"the shares' max/min bound ({config.ratio_max:g}) and the wall time")
     assert figs.ratio <= config.ratio_max, summary
     assert elapsed <= FAIRNESS_WALL_S_MAX, f"the drill took {elapsed:.0f} s"
