@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ from fairgate.gateway.auth import make_on_behalf_of
 from fairgate.gateway.stats import SAMPLE_EVERY_S
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import PriceConfig, PricingConfig
-from tests.gateway.conftest import TENANTS, post, serve_stack
+from tests.gateway.conftest import TENANTS, Stack, post, serve_stack
 from tests.gateway.test_metrics import ADMIN_KEY, admin_stack
 
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -187,6 +188,90 @@ PER_TENANT_CHARTS = {
 }
 
 
+def see_the_admin_view(page: Any, stack: Stack, folder: Path) -> None:
+    """Signed in with the admin key: every tenant, by name, in every per-tenant chart; all demand-limited."""
+    from playwright.sync_api import expect
+
+    page.fill("#key", ADMIN_KEY)
+    page.click("#signin")
+    expect(page.locator("#status")).to_have_attribute("data-scope", "admin", timeout=20_000)
+    for chart, label in PER_TENANT_CHARTS.items():
+        wanted = sorted(label.format(t) for t in TENANTS)
+        page.wait_for_function(
+            f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); "
+            f"return l && wanted.every(w => l.includes(w)); }}",
+            arg=wanted,
+            timeout=30_000,
+        )
+    page.wait_for_function(f"() => ({LABELS_WITH_DATA})('slo').includes('emu TTFT p99 (queue incl.)')", timeout=30_000)
+    page.wait_for_function(f"() => ({LABELS_WITH_DATA})('fairness').includes('emu Jain')", timeout=30_000)
+    page.wait_for_function(f"() => ({LABELS_WITH_DATA})('busy').includes('emu-0')", timeout=30_000)
+    # Wait for a few samples so the screenshot shows lines, not dots.
+    page.wait_for_function(
+        "() => window.fairgateCharts.gpu.data.datasets.every(d => d.data.filter(p => p.y !== null).length >= 3)",
+        timeout=30_000,
+    )
+    expect(page.locator("#totals tbody tr")).to_have_count(3)
+    marked = [f"{t} (demand-limited)" for t in sorted(TENANTS)]
+    page.wait_for_function(f"(marked) => JSON.stringify(({FIRST_CELLS})()) === JSON.stringify(marked)", arg=marked)
+    flags = {t: x["demand_limited"] for t, x in get_data(stack.url, ADMIN_KEY).json()["totals"].items()}
+    assert flags == dict.fromkeys(TENANTS, True), flags
+    spend = page.locator("#totals tbody tr td:last-child").all_inner_texts()
+    assert all(re.fullmatch(r"\d+\.\d{2,4} EUR", cell) for cell in spend), spend
+    assert any(float(cell.split()[0]) > 0 for cell in spend), spend  # what finished requests cost
+    expect(page.locator("#fairness")).to_be_visible()
+    page.screenshot(path=str(folder / "dashboard_admin.png"), full_page=True)
+    assert page.evaluate("() => sessionStorage.getItem('fairgate.dashboard.key')") == ADMIN_KEY
+
+
+def see_the_tenant_view(page: Any, stack: Stack, folder: Path) -> None:
+    """Signed in with beta's key: only its own series, as "you"; no other tenant anywhere on the page."""
+    from playwright.sync_api import expect
+
+    page.fill("#key", stack.keys["beta"])
+    page.click("#signin")
+    expect(page.locator("#status")).to_have_attribute("data-scope", "tenant", timeout=20_000)
+    for chart, label in PER_TENANT_CHARTS.items():
+        page.wait_for_function(
+            f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); return l && l.includes(wanted); }}",
+            arg=label.format("you"),
+            timeout=30_000,
+        )
+    labels = page.evaluate(ALL_LABELS)
+    assert labels and all(label.startswith(("you", "emu", "target")) for label in labels), labels
+    text = page.inner_text("body")
+    for tenant in TENANTS:
+        assert tenant not in text and tenant_tag(tenant) not in text
+    expect(page.locator("#totals tbody tr")).to_have_count(1)
+    expect(page.locator("#fairness")).to_be_hidden()
+    expect(page.locator("#busy")).to_be_hidden()
+    page.screenshot(path=str(folder / "dashboard_tenant.png"), full_page=True)
+    assert page.evaluate(FIRST_CELLS) == ["you (demand-limited)"]
+
+
+def see_a_link_after_an_idle_stretch(page: Any, stack: Stack, folder: Path, problems: list[str]) -> None:
+    """A sign-in link: opened as it is (a headless browser, a bookmark), no key typed; the token leaves the
+    address bar at once. The gateway was idle before: the lines break there."""
+    from playwright.sync_api import expect
+
+    problems.clear()  # the wrong key's 401 above
+    made = httpx.post(f"{stack.url}/admin/dashboard-links", json={"tenant": "gamma"}, headers=ADMIN_HEADERS, timeout=10)
+    assert made.status_code == 201, made.text
+    page.goto(f"{stack.url}{made.json()['url']}")
+    expect(page.locator("#status")).to_have_attribute("data-scope", "tenant", timeout=20_000)
+    page.wait_for_function(f"() => ({LABELS_WITH_DATA})('gpu').includes('you')", timeout=30_000)
+    assert "signin" not in page.url and page.url.endswith("/dashboard")
+    assert page.evaluate("() => window.fairgateCharts.gpu.options.spanGaps") is False
+    page.wait_for_function(f"() => ({BROKEN_LINES})('gpu').includes('you')", timeout=30_000)
+    assert page.evaluate(FIRST_CELLS) == ["you (demand-limited)"]
+    expect(page.locator("#totals tbody tr")).to_have_count(1)
+    page.screenshot(path=str(folder / "dashboard_link.png"), full_page=True)
+    # The charts are drawn, not only filled with data: the GPU chart's canvas holds its line's colour
+    # (the grid, axes and text are grey).
+    assert page.evaluate(COLOURED_PIXELS, "gpu") > 200
+    assert not problems, problems
+
+
 @pytest.mark.skipif(
     not CHROMIUM.exists(),
     reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium; scripts/setup installs it)",
@@ -209,68 +294,14 @@ def test_the_dashboard_in_chromium(tmp_path):
             expect(page.locator("#login")).to_be_visible()
             expect(page.locator("#board")).to_be_hidden()
 
-            # An admin: every tenant, by name, in every per-tenant chart.
-            page.fill("#key", ADMIN_KEY)
-            page.click("#signin")
-            expect(page.locator("#status")).to_have_attribute("data-scope", "admin", timeout=20_000)
-            for chart, label in PER_TENANT_CHARTS.items():
-                wanted = sorted(label.format(t) for t in TENANTS)
-                page.wait_for_function(
-                    f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); "
-                    f"return l && wanted.every(w => l.includes(w)); }}",
-                    arg=wanted,
-                    timeout=30_000,
-                )
-            page.wait_for_function(
-                f"() => ({LABELS_WITH_DATA})('slo').includes('emu TTFT p99 (queue incl.)')", timeout=30_000
-            )
-            page.wait_for_function(f"() => ({LABELS_WITH_DATA})('fairness').includes('emu Jain')", timeout=30_000)
-            page.wait_for_function(f"() => ({LABELS_WITH_DATA})('busy').includes('emu-0')", timeout=30_000)
-            # Wait for a few samples so the screenshot shows lines, not dots.
-            page.wait_for_function(
-                "() => window.fairgateCharts.gpu.data.datasets.every("
-                "d => d.data.filter(p => p.y !== null).length >= 3)",
-                timeout=30_000,
-            )
-            expect(page.locator("#totals tbody tr")).to_have_count(3)
-            marked = [f"{t} (demand-limited)" for t in sorted(TENANTS)]
-            page.wait_for_function(
-                f"(marked) => JSON.stringify(({FIRST_CELLS})()) === JSON.stringify(marked)", arg=marked
-            )
-            flags = {t: x["demand_limited"] for t, x in get_data(stack.url, ADMIN_KEY).json()["totals"].items()}
-            assert flags == dict.fromkeys(TENANTS, True), flags
-            spend = page.locator("#totals tbody tr td:last-child").all_inner_texts()
-            assert all(re.fullmatch(r"\d+\.\d{2,4} EUR", cell) for cell in spend), spend
-            assert any(float(cell.split()[0]) > 0 for cell in spend), spend  # what finished requests cost
-            expect(page.locator("#fairness")).to_be_visible()
-            page.screenshot(path=str(folder / "dashboard_admin.png"), full_page=True)
-            assert page.evaluate("() => sessionStorage.getItem('fairgate.dashboard.key')") == ADMIN_KEY
+            see_the_admin_view(page, stack, folder)
 
             # Sign out: the key leaves the tab.
             page.click("#logout")
             expect(page.locator("#login")).to_be_visible()
             assert page.evaluate("() => sessionStorage.getItem('fairgate.dashboard.key')") is None
 
-            # A tenant: only its own series, as "you"; no other tenant anywhere on the page.
-            page.fill("#key", stack.keys["beta"])
-            page.click("#signin")
-            expect(page.locator("#status")).to_have_attribute("data-scope", "tenant", timeout=20_000)
-            for chart, label in PER_TENANT_CHARTS.items():
-                page.wait_for_function(
-                    f"(wanted) => {{ const l = ({LABELS_WITH_DATA})('{chart}'); return l && l.includes(wanted); }}",
-                    arg=label.format("you"),
-                    timeout=30_000,
-                )
-            labels = page.evaluate(ALL_LABELS)
-            assert labels and all(label.startswith(("you", "emu", "target")) for label in labels), labels
-            text = page.inner_text("body")
-            for tenant in TENANTS:
-                assert tenant not in text and tenant_tag(tenant) not in text
-            expect(page.locator("#totals tbody tr")).to_have_count(1)
-            expect(page.locator("#fairness")).to_be_hidden()
-            expect(page.locator("#busy")).to_be_hidden()
-            page.screenshot(path=str(folder / "dashboard_tenant.png"), full_page=True)
-            assert page.evaluate(FIRST_CELLS) == ["you (demand-limited)"]
+            see_the_tenant_view(page, stack, folder)
             assert not problems, problems  # no script error, no CSP violation, no missing file
 
             # An idle stretch: no request and nobody watching, so no sample is taken; the lines break there.
@@ -284,26 +315,7 @@ def test_the_dashboard_in_chromium(tmp_path):
             expect(page.locator("#error")).to_contain_text("Invalid API key", timeout=20_000)
             expect(page.locator("#board")).to_be_hidden()
 
-            # A sign-in link: opened as it is (a headless browser, a bookmark), no key typed; the token leaves
-            # the address bar at once.
-            problems.clear()  # the wrong key's 401 above
-            made = httpx.post(
-                f"{stack.url}/admin/dashboard-links", json={"tenant": "gamma"}, headers=ADMIN_HEADERS, timeout=10
-            )
-            assert made.status_code == 201, made.text
-            page.goto(f"{stack.url}{made.json()['url']}")
-            expect(page.locator("#status")).to_have_attribute("data-scope", "tenant", timeout=20_000)
-            page.wait_for_function(f"() => ({LABELS_WITH_DATA})('gpu').includes('you')", timeout=30_000)
-            assert "signin" not in page.url and page.url.endswith("/dashboard")
-            assert page.evaluate("() => window.fairgateCharts.gpu.options.spanGaps") is False
-            page.wait_for_function(f"() => ({BROKEN_LINES})('gpu').includes('you')", timeout=30_000)
-            assert page.evaluate(FIRST_CELLS) == ["you (demand-limited)"]
-            expect(page.locator("#totals tbody tr")).to_have_count(1)
-            page.screenshot(path=str(folder / "dashboard_link.png"), full_page=True)
-            # The charts are drawn, not only filled with data: the GPU chart's canvas holds its line's colour
-            # (the grid, axes and text are grey).
-            assert page.evaluate(COLOURED_PIXELS, "gpu") > 200
-            assert not problems, problems
+            see_a_link_after_an_idle_stretch(page, stack, folder, problems)
         finally:
             browser.close()
     assert all(load.done[t] > 0 for t in TENANTS), load.done
