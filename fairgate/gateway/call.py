@@ -160,10 +160,12 @@ class Call:
                 if event is not None:
                     pending.append(event)
                 if pending and (not self.progress.more_buffered or len(pending) >= RELAY_CHUNKS_PER_WRITE_MAX):
+                    await self._record_run()
                     yield _written(pending)
                     sent = self.delivered = True
                     await self._checkpoint()
             if pending:
+                await self._record_run()
                 yield _written(pending)
                 sent = self.delivered = True
             finished = True
@@ -171,6 +173,7 @@ class Call:
             yield (self._usage_event() if include_usage else "") + "data: [DONE]\n\n"
         except BudgetSpent as exc:
             if pending:  # what the upstream sent up to the chunk that ran over is relayed, as it is billed
+                await self._record_run()
                 yield _written(pending)
                 sent = self.delivered = True
             finished = True
@@ -179,6 +182,7 @@ class Call:
         except UpstreamError as exc:
             self.progress.failed, self.progress.failure = True, exc
             if pending:  # the chunks read before the one that broke are the client's (and billed)
+                await self._record_run()
                 yield _written(pending)
                 sent = self.delivered = True
             if not sent and self._another_upstream(exc):
@@ -278,6 +282,17 @@ class Call:
         finally:
             self.state.calls.release(self.admitted.caller.tenant, self.admitted.generation.request_id)
             self.state.events.observe(Settled(self.admitted.generation.request_id, self.state.clock.wall_s()))
+
+    async def _record_run(self) -> None:
+        """Before a stream's first write to its client: settle what it generated so far, so that the ledger knows
+        the request ran before the client sees any of it. A gateway killed after that write leaves a reservation
+        that billed tokens, and a retry of its id on another process is refused (never run twice); were it
+        settled after the write, a kill in between would leave it open and unbilled, and a retry would run it
+        again."""
+        if self.delivered:
+            return
+        self._settled_at = (self.progress.output_tokens, self.state.clock.monotonic_s())
+        await self._settle(final=False, cancelled=False)
 
     async def _checkpoint(self) -> None:
         """After each chunk: stop a request generating past its ``max_tokens``; at its first token and then
