@@ -171,3 +171,42 @@ def test_a_request_whose_final_settlement_failed_is_not_run_again_by_a_retry(tmp
             late = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
         assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 5, served.text
         _assert_run_and_billed_once("lost-1", [early, late], emulator, config)
+
+
+class HeldPartialSettle(DeferredLedger):
+    """The ledger, whose first partial ``settle`` waits ``HOLD_S`` before it is written (a busy ledger)."""
+
+    def __init__(self, quotas: Quotas, url: str) -> None:
+        super().__init__(quotas, lambda: connect(url, quotas))
+        self.written = threading.Event()
+
+    async def settle(
+        self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
+    ) -> Reservation:
+        if not final and not self.written.is_set():
+            await asyncio.sleep(HOLD_S)
+            try:
+                return await super().settle(reservation_id, input_tokens, output_tokens, gpu_ms, final)
+            finally:
+                self.written.set()
+        return await super().settle(reservation_id, input_tokens, output_tokens, gpu_ms, final)
+
+
+def test_a_streams_first_token_reaches_its_client_only_once_the_ledger_holds_it(tmp_path: Path) -> None:
+    """The ledger learns a stream ran before its client sees a token, so a gateway killed at any point after
+    that leaves a reservation billed, whose retry on another process is refused: with the ledger slow to
+    write, the first token waits for it (and is billed by the time the client has it)."""
+    with _replica_and_ledger(tmp_path, HeldPartialSettle) as (_, keys, config, held):
+        headers = {"Authorization": f"Bearer {keys['alpha']}", "X-Request-Id": "first-1"}
+        body = {**BODY, "stream": True}
+        with (
+            serve_in_thread(create_gateway(config, held)) as gateway,
+            httpx.stream("POST", f"{gateway}/v1/completions", json=body, headers=headers, timeout=30) as reply,
+        ):
+            lines = reply.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            ledger_had = held.written.is_set()
+            [r] = ledger_call(config, lambda ledger: ledger.reservations("alpha"))
+            rest = [line for line in lines if line]
+    assert '"text"' in first and rest[-1] == "data: [DONE]", (first, rest[-3:])
+    assert ledger_had and r.billed.output_tokens >= 1 and r.status == "open", r
