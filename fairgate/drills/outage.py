@@ -46,6 +46,7 @@ from fairgate.harness.redis import redis_server, redis_url
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.run import poll
 from fairgate.harness.stack import Stack, StackSpec, replicas, start_stack, temporary_folder
+from fairgate.ledger import Usage
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import EmergencyConfig, TierConfig
 
@@ -140,6 +141,9 @@ class TenantOutage:
     ledger_gpu_ms: float
     metered_gpu_ms: float  # the gateway's request log (finished records)
     gpu_mismatches: int  # requests whose billed GPU ms differs from the request log's by more than 1 us
+    # reservations of requests their clients saw refused, closed billing nothing: made by a ledger call that
+    # timed out (the client got 503) and completed once the ledger answered, then cancelled by request id
+    phantoms: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,7 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
             ),
             "every request is billed exactly what its client received (or nothing, if refused)": not f.mismatches,
             "ledger totals == what the clients received (requests, input and output tokens)": all(
-                (t.ledger_requests, t.ledger_input, t.ledger_output)
+                (t.ledger_requests - t.phantoms, t.ledger_input, t.ledger_output)
                 == (t.client_requests, t.client_input, t.client_output)
                 for t in f.tenants.values()
             ),
@@ -260,7 +264,7 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
         rows = [
             (
                 t.tenant,
-                f"{t.client_requests} / {t.ledger_requests}",
+                f"{t.client_requests} / {t.ledger_requests}" + (f" ({t.phantoms} billing 0)" if t.phantoms else ""),
                 f"{t.client_input:,} / {t.ledger_input:,}",
                 f"{t.client_output:,} / {t.ledger_output:,}",
                 f"{t.metered_gpu_ms:,.1f} / {t.ledger_gpu_ms:,.1f}",
@@ -380,6 +384,12 @@ async def _reconciled(ledger: Any, records: list[RequestRecord], before_s: float
     return True
 
 
+def _phantom(r: Any) -> bool:
+    """A reservation closed billing nothing: for a request its client saw refused, one a timed-out ledger call
+    made after all, cancelled by request id once the ledger answered (``ResilientLedger.doubt``)."""
+    return bool(r.is_final and r.billed == Usage())
+
+
 def _mismatches(records: list[RequestRecord], reservations: list[Any]) -> list[str]:
     """Every request whose reservation does not bill exactly what its client received (each a sentence)."""
     by_request = grouped(reservations, lambda r: r.request_id)
@@ -389,7 +399,7 @@ def _mismatches(records: list[RequestRecord], reservations: list[Any]) -> list[s
         if len(found) > 1:
             out.append(f"{rid}: {len(found)} reservations")
         elif not call.admitted:
-            if found:
+            if found and not _phantom(found[0]):
                 out.append(
                     f"{rid}: refused ({_key(call)}) but the ledger holds a {found[0].status} reservation billing "
                     f"{found[0].billed.output_tokens} tokens"
@@ -564,6 +574,7 @@ def tenant_figures(
             phase = "edge"  # reserved in the ledger once it was back (a slow request, not a leak)
         by_phase[phase].append(r)
     ran = [r for r in mine if r.admitted]
+    refused_ids = {r.request_id for r in mine if not r.admitted}
     billed = {(r.tenant, r.request_id): r.billed.gpu_ms for r in o.reservations if r.tenant == spec.name}
     mine_metered = {k: v for k, v in metered.items() if k[0] == spec.name}
     u = o.usage[spec.name]
@@ -583,4 +594,5 @@ def tenant_figures(
         u.gpu_ms,
         sum(mine_metered.values()),
         sum(1 for k in set(mine_metered) | set(billed) if abs(mine_metered.get(k, 0.0) - billed.get(k, 0.0)) > 0.001),
+        sum(1 for r in o.reservations if r.tenant == spec.name and r.request_id in refused_ids and _phantom(r)),
     )
