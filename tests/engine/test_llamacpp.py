@@ -13,7 +13,8 @@
   equal (max/min <= 1.10) and adds up to the engine's busy time within 10 %; by an engine-side measure
   computed here (``engine_gpu_ms``: each prefill at the engine's own cost per token, decode time split
   ``1/B`` among the sequences decoding) it is far fairer than ``fcfs`` (under which the long-output tenants
-  take three to four times the others' share, as seed 002 predicts) but not yet equal (see the last test).
+  take three to four times the others' share, as seed 002 predicts); measured 1.09, bounded loosely (see the last
+  test).
 """
 
 from __future__ import annotations
@@ -223,10 +224,9 @@ def test_gpu_fair_evens_gpu_time_on_the_engine_and_fcfs_does_not(calibrated, eng
     print(f"fcfs: billed {_rounded(billed_fcfs)} engine {_rounded(engine_fcfs)}")
     assert _ratio(billed_fcfs) >= 1.5 and _ratio(engine_fcfs) >= 1.8, (billed_fcfs, engine_fcfs)
     assert engine_fcfs["agent"] > 1.5 * engine_fcfs["classify"]  # seed 002: long outputs take the GPU
-    # By the engine-side measure gpu_fair is far fairer than fcfs, but not yet equal: measured 1.24 against
-    # fcfs 4.0 (40 s, 8 clients a tenant) - the live meter bills a short, prefill-heavy request here ~15-20 %
-    # more than the engine-side measure finds (186 ms against ~157 ms for 101 prompt and 12 output tokens),
-    # so evening the billed shares leaves short-output tenants under their share. Open: docs/engines.md.
+    # By the engine-side measure: 1.09 against fcfs 3.3 (40 s, 8 clients a tenant, one run on a lightly loaded
+    # 2-core machine). One run is no bound: on a loaded machine the engine-side measure itself breaks (fcfs
+    # came out 1.46), so the bound stays loose until more runs show 1.10 holds.
     assert _ratio(engine) <= 1.6 and _ratio(engine) < 0.8 * _ratio(engine_fcfs), (engine, engine_fcfs)
 
 
