@@ -22,7 +22,7 @@ that ended in it) was not in the iteration the rest of the burst ends. The defau
 model's shortest iteration (``iter_base_ms / 2``): closer than that, two tokens cannot end two different
 iterations. Without this, a request sent during a long prefill-heavy iteration would be charged for an
 iteration it is not in (bench/live_fairness.py's Azure replay measured prompt-heavy tenants over-billed by
-10-18 % that way). Two exceptions, both found on llama-server (issue 13):
+10-18 % that way). Two exceptions, both measured on llama-server:
 
 - A request sent to an idle upstream starts at once, and so does every request sent before any token
   comes back from it (this process alone on it): an idle engine takes in whatever reaches it before its
@@ -148,7 +148,7 @@ def joins_first_iteration(window: MeterWindow) -> bool:
     """Whether a request sent now joins the iteration running at once: the upstream's first since it went
     idle has not ended (no token came back), and no other process's sequences keep it running. An idle
     engine takes in every request that reaches it before its first step starts (llama-server prefilled a
-    request and seven sent 2 ms after it in one 1,345-ms step: issue 13)."""
+    request and seven sent 2 ms after it in one 1,345-ms step)."""
     return window.first_iteration and window.remote.sequences == 0
 
 
