@@ -31,3 +31,12 @@ def timed_run(run: Callable[..., R], *args: Any) -> TimedRun[R]:
     result = run(*args)
     elapsed_s = time.monotonic() - start
     return TimedRun(result, elapsed_s, result.summary())
+
+
+def assert_closed_loop_history(history: Any, sent: int) -> None:
+    """The history checker's verdict on a closed-loop load of ``sent`` requests (each sent once, no retries):
+    every request checked, at most one reservation each, no discrepancy."""
+    assert history is not None
+    assert history.requests == history.attempts == sent > 100, history.table()
+    assert 0 < history.reservations <= sent, history.table()
+    assert history.discrepancies == (), history.table()

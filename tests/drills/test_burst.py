@@ -12,7 +12,7 @@ import pytest
 from fairgate.drills import DrillOptions
 from fairgate.drills.burst import BurstConfig, PolicyFigures, run
 from tests.conftest import fairgate, timing_claims_hold_here
-from tests.drills.conftest import timed_run
+from tests.drills.conftest import assert_closed_loop_history, timed_run
 
 WALL_S_MAX = 45.0
 
@@ -53,12 +53,7 @@ def assert_history_clean(main: PolicyFigures) -> None:
     """The history checker ran over every request the tenants' clients sent and found nothing: no id
     reserved, run or billed twice, billed = received (each request the load's end hung up on read at most 8
     tokens short), nothing open, every account's concurrent and queued 0."""
-    history = main.history
-    assert history is not None
-    sent = sum(t.clients.requests for t in main.tenants.values())
-    assert history.requests == history.attempts == sent > 100, history.table()
-    assert 0 < history.reservations <= sent, history.table()
-    assert history.discrepancies == (), history.table()
+    assert_closed_loop_history(main.history, sum(t.clients.requests for t in main.tenants.values()))
 
 
 def test_unknown_drill_is_a_usage_error():

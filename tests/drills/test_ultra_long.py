@@ -15,7 +15,7 @@ import pytest
 from fairgate.drills import DrillOptions
 from fairgate.drills.ultra_long import UltraLongConfig, run
 from tests.conftest import timing_claims_hold_here
-from tests.drills.conftest import timed_run
+from tests.drills.conftest import assert_closed_loop_history, timed_run
 
 WALL_S_MAX = 45.0
 
@@ -37,12 +37,7 @@ def test_agent_with_8k_outputs_gets_no_more_than_its_share_and_its_run_limits_ho
     # The history checker, over every request the clients sent: no id reserved, run or billed twice, billed =
     # received (each stream the load's end hung up on read at most 8 tokens short of what was billed), the
     # replicas generated what was billed (plus at most 64 per stream cut), nothing open or running.
-    history = figs.history
-    assert history is not None
-    sent = sum(t.clients.requests for t in figs.tenants.values())
-    assert history.requests == history.attempts == sent > 100, history.table()
-    assert 0 < history.reservations <= sent, history.table()
-    assert history.discrepancies == (), history.table()
+    assert_closed_loop_history(figs.history, sum(t.clients.requests for t in figs.tenants.values()))
     assert checks[next(k for k in checks if k.startswith("history checker"))], summary
     # That a run reached its limit and was refused the rest depends on how far the load got.
     timing_claims_hold_here("that the run limit was reached, the share claim and the wall time")
