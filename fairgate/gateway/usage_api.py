@@ -277,17 +277,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
     async def tenant_usage(request: Request, state: Gateway, caller: Tenant) -> JSONResponse:
         params = _query(request, ("window", "tenant"))
         window_s = _window(params)
-        for header in TENANT_HEADERS:
-            if len(request.headers.getlist(header)) > 1:
-                raise Rejection(Outcome.INVALID_REQUEST, f"Send {header} at most once.", header)
-        named = [params.get("tenant")] + [request.headers.get(h) for h in TENANT_HEADERS]
-        if any(name is not None and name != caller.tenant for name in named):
-            raise Rejection(
-                Outcome.TENANT_MISMATCH,
-                "This key can only read its own tenant's usage; the tenant comes from the "
-                "credential, not from a parameter or header.",
-                "tenant",
-            )
+        _check_own_tenant(request, params, caller)
         wait_s = limit.take(f"{caller.tenant}\n{caller.delegate or ''}")
         if wait_s > 0:
             raise Rejection(
@@ -339,15 +329,7 @@ def install(app: FastAPI, config: GatewayConfig, events: Fanout) -> RejectionLog
         document = await reconciler.report(state.backend, refresh in ("true", "1"))
         parked = state.ledger.parked()  # emergency grants the ledger would not take: usage not billed
         document |= {"clean": document["clean"] and not parked, "parked_grants": parked}
-        # Refunds are by design (the platform's failure is not the tenant's to pay), so they leave it clean;
-        # listed so that what the replicas ran unbilled adds up against their own counts.
-        refunded = refunds.recent(refunds.retention_s)
-        document["refunded_platform_failures"] = {
-            "total": len(refunded),
-            "gpu_seconds": sum(r.gpu_ms for r in refunded) / 1000.0,
-            "window_s": refunds.retention_s,
-            "recent": [asdict(r) for r in refunded[-REFUNDS_LISTED_MAX:]],
-        }
+        document["refunded_platform_failures"] = _refunds_document(refunds)
         return _answer(request, document)
 
     return rejections
@@ -398,6 +380,35 @@ def _tenants_document(config: GatewayConfig, frozen: dict[str, str]) -> dict[str
         for name, quota in sorted(config.quotas.tenants.items())
     ]
     return {"object": "list", "data": data, "pricing": pricing_document(config.quotas)}
+
+
+def _check_own_tenant(request: Request, params: dict[str, str], caller: Caller) -> None:
+    """Refuse a usage read that names a tenant other than the caller's (module docstring). Raises
+    ``Rejection`` 400 (a tenant header sent twice) or 403 ``tenant_mismatch``."""
+    for header in TENANT_HEADERS:
+        if len(request.headers.getlist(header)) > 1:
+            raise Rejection(Outcome.INVALID_REQUEST, f"Send {header} at most once.", header)
+    named = [params.get("tenant")] + [request.headers.get(h) for h in TENANT_HEADERS]
+    if any(name is not None and name != caller.tenant for name in named):
+        raise Rejection(
+            Outcome.TENANT_MISMATCH,
+            "This key can only read its own tenant's usage; the tenant comes from the "
+            "credential, not from a parameter or header.",
+            "tenant",
+        )
+
+
+def _refunds_document(refunds: RefundLog) -> dict[str, Any]:
+    """The reconciliation's ``refunded_platform_failures``. Refunds are by design (the platform's failure is not
+    the tenant's to pay), so they leave the report clean; listed so that what the replicas ran unbilled adds up
+    against their own counts."""
+    refunded = refunds.recent(refunds.retention_s)
+    return {
+        "total": len(refunded),
+        "gpu_seconds": sum(r.gpu_ms for r in refunded) / 1000.0,
+        "window_s": refunds.retention_s,
+        "recent": [asdict(r) for r in refunded[-REFUNDS_LISTED_MAX:]],
+    }
 
 
 def _set(limits: Limits) -> dict[str, Any]:

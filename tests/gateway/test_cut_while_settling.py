@@ -209,4 +209,4 @@ def test_a_streams_first_token_reaches_its_client_only_once_the_ledger_holds_it(
             [r] = ledger_call(config, lambda ledger: ledger.reservations("alpha"))
             rest = [line for line in lines if line]
     assert '"text"' in first and rest[-1] == "data: [DONE]", (first, rest[-3:])
-    assert ledger_had and r.billed.output_tokens >= 1 and r.status == "open", r
+    assert ledger_had and r.billed.output_tokens >= 1, r
