@@ -405,7 +405,7 @@ class ResilientLedger(RequestPath):
         ``LedgerUnavailable``."""
         args = ReserveArgs.of(self._grant_reservation(grant))
         try:
-            r = await self.ledger.reserve_args(args)
+            r: Reservation | None = await self.ledger.reserve_args(args)
         except IdempotencyConflict:  # the id ran elsewhere with other arguments: this run is billed on its own
             r = None
         except LedgerUnavailable:
@@ -416,12 +416,36 @@ class ResilientLedger(RequestPath):
             report.grants_settled += 1
             return False
         if r is None or _ran_elsewhere(r, grant):
-            try:
-                r = await self.ledger.reserve_args(replace(args, request_id=duplicate_id(grant)))
-            except LedgerUnavailable:
-                raise
-            except LedgerError as exc:
-                return self._park(grant, f"request id {grant['request_id']!r} ran elsewhere too; {exc}", report)
+            r = await self._reserve_duplicate(grant, args, report)
+            if r is None:
+                return False
+        try:
+            return await self._bill_grant(grant, r, report)
+        except ReservationFinal as exc:
+            if r.request_id != grant["request_id"]:
+                return self._park(grant, f"the ledger closed its reservation meanwhile: {exc}", report)
+            # Another process replaying its own grant of this request id closed the reservation between this
+            # reserve and this settlement: both runs were delivered, so this one is billed as a duplicate.
+            r = await self._reserve_duplicate(grant, args, report)
+            return False if r is None else await self._bill_grant(grant, r, report)
+
+    async def _reserve_duplicate(
+        self, grant: dict[str, Any], args: ReserveArgs, report: RecoveryReport
+    ) -> Reservation | None:
+        """The reservation ``grant`` is billed under when its request id ran elsewhere too (``duplicate_id``);
+        None: the ledger refused it and the grant is parked. Raises ``LedgerUnavailable``."""
+        try:
+            return await self.ledger.reserve_args(replace(args, request_id=duplicate_id(grant)))
+        except LedgerUnavailable:
+            raise
+        except LedgerError as exc:
+            self._park(grant, f"request id {grant['request_id']!r} ran elsewhere too; {exc}", report)
+            return None
+
+    async def _bill_grant(self, grant: dict[str, Any], r: Reservation, report: RecoveryReport) -> bool:
+        """Bill ``grant``'s usage to its reservation ``r``; True: keep it in the journal (still running). A
+        usage the ledger refuses parks it. Raises ``LedgerUnavailable``, and ``ReservationFinal`` when ``r``
+        was closed by someone else (the caller decides)."""
         usage = Usage(*grant["usage"]) if grant["usage"] else Usage(grant["input_tokens"], 0, 0.0)
         if grant.get("ledger_id") != r.id:  # journalled before it is closed: a replay again knows it as its own
             grant["ledger_id"] = r.id
@@ -434,7 +458,7 @@ class ResilientLedger(RequestPath):
                 await self.ledger.cancel(r.id, usage)
             else:
                 await self.ledger.settle(r.id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final=True)
-        except LedgerUnavailable:
+        except (LedgerUnavailable, ReservationFinal):
             raise
         except LedgerError as exc:
             # The reservation now in the ledger expires at its TTL, billing what was settled.

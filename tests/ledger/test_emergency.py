@@ -289,3 +289,47 @@ async def test_a_replay_cut_after_its_first_grant_counts_it_once_when_run_again(
     assert (report.grants_settled, report.left, again.outstanding(), again.parked()) == (2, [], 0, [])
     rows = {r.request_id: r for r in await ledger.reservations("bank")}
     assert rows["c1"].billed == Usage(10, 20, 1.0) and rows["c2"].billed == Usage(10, 40, 1.0)
+
+
+class _OtherReplaysFirst:
+    """The ledger, but the first ``reserve_args`` lets another process's replay (``other``) run to its end
+    before it returns: the race of two processes replaying grants of one request id at once."""
+
+    def __init__(self, ledger, other) -> None:  # type: ignore[no-untyped-def]
+        self.ledger, self.quotas, self.other, self.raced = ledger, ledger.quotas, other, False
+
+    def limits(self, tenant: str, model_class: str):  # type: ignore[no-untyped-def]
+        return self.ledger.limits(tenant, model_class)
+
+    async def reserve_args(self, args):  # type: ignore[no-untyped-def]
+        r = await self.ledger.reserve_args(args)
+        if not self.raced:
+            self.raced = True
+            await self.other.recover()  # reserves the same id (the same open reservation) and closes it
+        return r
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.ledger, name)
+
+
+async def test_two_processes_replaying_one_request_id_at_once_bill_both_runs(cut_ledger, tmp_path):
+    """During an outage processes A and B each granted request "both" (a client retried it on the other) and
+    each delivered it. Their replays race: B reserves, A reserves the same open reservation and closes it,
+    then B's settlement finds it closed. Both runs are billed - A's under the id, B's as its duplicate - and
+    nothing is parked."""
+    ledger, proxy, _ = cut_ledger
+    proxy.cut()
+    front_a, front_b = ResilientLedger(ledger, tmp_path / "a.jsonl"), ResilientLedger(ledger, tmp_path / "b.jsonl")
+    grant_a = await front_a.reserve("bank", "both", 10, 100, 1.0)
+    grant_b = await front_b.reserve("bank", "both", 10, 100, 1.0)
+    await front_a.settle(grant_a.id, 10, 30, 2.0, final=True)
+    await front_b.settle(grant_b.id, 10, 25, 1.5, final=True)
+    proxy.restore()
+    await _recover_when_back(ResilientLedger(ledger, tmp_path / "warm-up.jsonl"))  # the pool has reconnected
+    racing_b = ResilientLedger(_OtherReplaysFirst(ledger, front_a), tmp_path / "b.jsonl")  # type: ignore[arg-type]
+    report = await racing_b.recover()
+    assert (report.grants_settled, report.left, racing_b.outstanding(), racing_b.parked()) == (1, [], 0, [])
+    assert front_a.outstanding() == 0 and front_a.parked() == []
+    rows = {r.request_id: r for r in await ledger.reservations("bank")}
+    assert rows["both"].billed == Usage(10, 30, 2.0), rows
+    assert rows[duplicate_id({"id": grant_b.id, "request_id": "both"})].billed == Usage(10, 25, 1.5), rows
