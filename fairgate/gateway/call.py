@@ -365,8 +365,8 @@ class Call:
         self._billed = Usage(input_tokens, output_tokens, gpu_ms)
         if final:
             self._log_final(billed, gpu_ms)
-            if billed.contradicted:  # a collected call's document shows what is billed, not what was not believed
-                call.usage = {**billed.usage(), "total_tokens": input_tokens + output_tokens}
+            # A collected call's document shows what is billed, never the upstream's count where it differs.
+            call.usage = {**(call.usage or {}), **billed.usage(), "total_tokens": input_tokens + output_tokens}
             outcome = "cancelled" if cancelled else "completed"
             self.state.events.observe(self._finished(outcome, input_tokens, output_tokens, gpu_ms))
         try:

@@ -10,7 +10,8 @@ believed when it contradicts what the gateway relayed:
   seen (content, reasoning, refusal, tool-call names and arguments: every token of a byte-level tokenizer
   decodes to at least one byte, besides the special ones the slack covers): the pieces relayed are billed;
 - ``prompt_tokens`` below the gateway's admission estimate divided by ``PROMPT_UNDER_RATIO`` (the estimate
-  counts words or one token per 8 bytes, which no tokenizer undercuts 8-fold even for an image's data), or
+  counts words or one token per 8 bytes, which no tokenizer undercuts 8-fold even for an image's data; and a
+  prompt is at least one token), or
   above the most the serving upstreams' context lets them read (``Generation.prompt_tokens_max``): the
   estimate is billed.
 
@@ -51,7 +52,8 @@ def billed_tokens(call: CallState, max_output: int, prompt_tokens_max: int) -> B
     usage = billable_usage(call.usage) or {}
     contradicted: dict[str, Any] = {}
     reported_input = usage.get("prompt_tokens", call.prompt_tokens)
-    if not call.prompt_tokens // PROMPT_UNDER_RATIO - USAGE_SLACK_TOKENS <= reported_input <= prompt_tokens_max:
+    prompt_tokens_min = max(1, call.prompt_tokens // PROMPT_UNDER_RATIO - USAGE_SLACK_TOKENS)  # no prompt reads as 0
+    if not prompt_tokens_min <= reported_input <= prompt_tokens_max:
         contradicted["prompt_tokens"] = reported_input
         reported_input = call.prompt_tokens
     output = usage.get("completion_tokens", call.output_tokens)
