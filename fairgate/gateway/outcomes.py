@@ -25,7 +25,7 @@ from fairgate.api import error_body
 from fairgate.gateway.observe import Rejected, reason_for_dimension
 
 # Statuses at which a retry of the same request gets the same answer.
-_FINAL_STATUSES = frozenset((400, 401, 403, 404, 409, 413))
+_FINAL_STATUSES = frozenset((400, 401, 403, 404, 409, 413, 429))
 _BY_DIMENSION = "by_dimension"  # the reason of a quota outcome is the dimension's (``reason_for_dimension``)
 
 

@@ -1,10 +1,15 @@
 """The one table from outcome to HTTP answer (``fairgate.gateway.outcomes``)."""
 
 import random
+from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from fairgate.gateway.outcomes import ANSWERS, JITTER_MAX_S, Outcome, Rejection, respond
+from fairgate.ledger.config import LimitsConfig
+from tests.gateway.conftest import serve_stack
 
 
 def test_every_outcome_has_one_answer():
@@ -66,3 +71,18 @@ def test_a_long_wait_gets_at_most_a_minute_of_jitter():
     waits = [int(respond(rejection, "r", random.Random(seed)).headers["retry-after"]) for seed in range(50)]
     assert all(month_s <= wait <= month_s + JITTER_MAX_S for wait in waits), (min(waits), max(waits))
     assert max(waits) - min(waits) > JITTER_MAX_S / 2  # still spread
+
+
+def test_a_quota_no_wait_can_meet_is_a_429_the_openai_client_does_not_retry(tmp_path: Path) -> None:
+    """``max_tokens`` above the tenant's ``max_tokens_per_request`` cannot succeed however long the client
+    waits: 429 ``insufficient_quota`` with no ``Retry-After`` and ``x-should-retry: false``, so the OpenAI SDK
+    (which retries a 429 twice by default) sends it once."""
+    with serve_stack(tmp_path, limits={"alpha": LimitsConfig(max_tokens_per_request=8)}) as stack:
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["alpha"], max_retries=2)
+        with pytest.raises(openai.RateLimitError) as raised:
+            client.completions.create(model="emu", prompt="x", max_tokens=9)
+        reply = raised.value.response
+        usage = httpx.get(f"{stack.url}/v1/usage", headers={"Authorization": f"Bearer {stack.keys['alpha']}"}).json()
+    assert reply.status_code == 429 and reply.json()["error"]["code"] == "insufficient_quota", reply.text
+    assert reply.headers["x-should-retry"] == "false" and "retry-after" not in reply.headers, reply.headers
+    assert usage["rejections"]["total"] == 1 and usage["requests"] == 0, usage
