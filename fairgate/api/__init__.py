@@ -22,6 +22,7 @@ from fairgate.api.tokens import (
     estimate_prompt_tokens,
     estimate_tokens,
     prompt_extras,
+    prompt_tokens_floor,
 )
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "estimate_tokens",
     "openapi_request_body",
     "prompt_extras",
+    "prompt_tokens_floor",
 ]

@@ -1,20 +1,22 @@
 """Prompt-token counts: the emulated replica's exact count, and the gateway's estimate for admission.
 
 The emulated replica's tokenizer is one token per whitespace-separated word, plus
-``CHAT_MESSAGE_OVERHEAD_TOKENS`` per chat message (the role and template markers). The gateway has no
-tokenizer of the upstream's model, so it estimates: the same count, but at least one token per
-``BYTES_PER_TOKEN_MAX`` bytes of UTF-8 text, and counting everything else the upstream receives as prompt
-(tool definitions, tool calls, names, a response schema, content parts that are not text - an image's
-data - and fields the gateway does not know, which it passes on). The estimate bounds the reservation and
-the context check; the upstream's reported usage settles the exact count (billed as reported up to the
-serving engines' context; past ``rules.input_allowance`` of the estimate it is flagged, so an estimate must
-not leave anything out).
+``CHAT_MESSAGE_OVERHEAD_TOKENS`` per chat message (the role and template markers). The gateway holds no
+tokenizer of an upstream's model; where the engine cannot count a prompt for it (``fairgate.gateway.
+tokenizer``), it estimates: the same count, but at least one token per ``BYTES_PER_TOKEN_MAX`` bytes of
+UTF-8 text, and counting everything else the upstream receives as prompt (tool definitions, tool calls,
+names, a response schema, content parts that are not text - an image's data - and fields the gateway does
+not know, which it passes on). The count bounds the reservation and the context check (an engine's own
+count no lower than ``prompt_tokens_floor``); the upstream's reported usage settles the exact count (billed
+as reported up to the serving engines' context; past ``rules.input_allowance`` of the estimate it is
+flagged, so an estimate must not leave anything out).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 from fairgate.api.schema import ChatMessage, ChatRequest, CompletionRequest, EmbeddingRequest
 
@@ -46,15 +48,29 @@ def estimate_tokens(text: str) -> int:
 
 def estimate_prompt_tokens(body: ChatRequest | CompletionRequest) -> int:
     """The gateway's admission estimate of ``body``'s prompt tokens (see module docstring)."""
-    unknown = estimate_tokens(json.dumps(body.model_extra)) if body.model_extra else 0
+    return _prompt_count(body, estimate_tokens, CHAT_MESSAGE_OVERHEAD_TOKENS)
+
+
+def bytes_floor(text: str) -> int:
+    """The fewest tokens any tokenizer in use gives ``text``: one per ``BYTES_PER_TOKEN_MAX`` UTF-8 bytes."""
+    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_MAX)
+
+
+def prompt_tokens_floor(body: ChatRequest | CompletionRequest) -> int:
+    """The fewest prompt tokens ``body`` can be, whoever counts it: ``bytes_floor`` of everything the
+    estimate counts, no chat-template overhead (token ids: one each). An engine's own count is held to at
+    least this, so an engine that answers too little cannot size a request below what its bytes are."""
+    return _prompt_count(body, bytes_floor, 0)
+
+
+def _prompt_count(body: ChatRequest | CompletionRequest, count: Callable[[str], int], per_message: int) -> int:
+    """``count`` of each text of ``body`` the upstream reads as prompt, plus ``per_message`` per chat message."""
+    unknown = count(json.dumps(body.model_extra)) if body.model_extra else 0
     if isinstance(body, ChatRequest):
-        tokens = sum(
-            estimate_tokens(m.text()) + estimate_tokens(other_parts(m)) + CHAT_MESSAGE_OVERHEAD_TOKENS
-            for m in body.messages
-        )
-        return tokens + estimate_tokens(prompt_extras(body)) + unknown
+        tokens = sum(count(m.text()) + count(other_parts(m)) + per_message for m in body.messages)
+        return tokens + count(prompt_extras(body)) + unknown
     text = body.prompt_text()
-    return (estimate_tokens(text) if text is not None else len(body.prompt_token_ids())) + unknown
+    return (count(text) if text is not None else len(body.prompt_token_ids())) + unknown
 
 
 def other_parts(message: ChatMessage) -> str:

@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from fairgate.api import ChatRequest, CompletionRequest, EmbeddingRequest, openapi_request_body
-from fairgate.gateway import admission, intake
+from fairgate.gateway import admission, intake, tokenizer
 from fairgate.gateway.call import Call, TryAnotherUpstream
 from fairgate.gateway.embeddings import EmbeddingCall
 from fairgate.gateway.identity import Caller, require_tenant
@@ -97,7 +97,9 @@ async def serve(
         if isinstance(body, EmbeddingRequest):
             generation = intake.size_up_embedding(state.config, body, request_id(request), run)
         else:
-            generation = intake.size_up(state.config, body, isinstance(body, ChatRequest), request_id(request), run)
+            counted = await tokenizer.engine_prompt_tokens(state, body)
+            chat = isinstance(body, ChatRequest)
+            generation = intake.size_up(state.config, body, chat, request_id(request), run, counted)
         note_admission(state.clock.wall_s())
         admitted = await admission.admit(state, caller, generation)
     except Rejection as rejection:

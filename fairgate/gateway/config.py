@@ -252,6 +252,11 @@ class UpstreamConfig(_Strict):
     # this long is failed, so a stalled engine cannot hold a slot until request_timeout_s.
     # At least 0.05 s, as the gateway's other waits: a smaller one fails every stream as stalled.
     stream_idle_timeout_s: Annotated[float, Field(ge=0.05, le=86_400)] = 60.0
+    # Size each request by the engine's own count of its prompt (chat template included) where its kind
+    # has a tokenizer endpoint (``fairgate.gateway.tokenizer``); false, or no answer within
+    # ``tokenize_timeout_s``: the gateway's estimate.
+    tokenize: bool = True
+    tokenize_timeout_s: Annotated[float, Field(ge=0.05, le=10)] = 0.5
 
     @field_validator("headers")
     @classmethod

@@ -7,9 +7,11 @@ Reads the request id (``X-Request-Id`` or ``Idempotency-Key``; generated when ab
 upstreams of all its pools (413; a fallback pool must be able to take it too), ``max_tokens`` plus the prompt
 too (400), and every field must be one its upstreams' kind forwards (400 naming the field:
 ``fairgate.gateway.kinds``, e.g. llama.cpp's ``n_predict``, which would bypass ``max_tokens``); the prompt is
-estimated (``fairgate.api.estimate_prompt_tokens``) and the GPU time reserved for it is the most any of those
-upstreams' cost models can charge it (``CostModel.worst_case_ms``: prefill, and ``max_tokens`` decoded at a
-batch of one), so that a GPU budget is a bound, not a hope. Every refusal is a ``Rejection`` naming the field.
+counted by an engine of the model where one can (``fairgate.gateway.tokenizer``: its tokenizer and chat
+template), else estimated (``fairgate.api.estimate_prompt_tokens``), and the GPU time reserved for it is the
+most any of those upstreams' cost models can charge it (``CostModel.worst_case_ms``: prefill, and
+``max_tokens`` decoded at a batch of one), so that a GPU budget is a bound, not a hope. Every refusal is a
+``Rejection`` naming the field.
 
 ``n`` choices (``n`` > 1) are ``n`` sequences: ``n`` slots (refused, 400 ``n``, above the smallest
 ``max_batch`` of the model's upstreams: they must fit one upstream at once), ``n * max_tokens`` output
@@ -38,6 +40,7 @@ from fairgate.api import (
     GenerationRequest,
     estimate_embedding_tokens,
     estimate_prompt_tokens,
+    prompt_tokens_floor,
 )
 from fairgate.core.cost import CostModel
 from fairgate.gateway import jsonbody, kinds
@@ -69,7 +72,8 @@ class Generation:
         body: the validated body.
         model: the model asked for (an alias or a plain model; the name answers carry).
         run: its agent run.
-        prompt_tokens: the estimated prompt (an embeddings request: its inputs).
+        prompt_tokens: the prompt, as an engine counted it or estimated (an embeddings request: its inputs,
+            estimated).
         max_tokens: the output cap over all its sequences (the client's per choice, or the default within
             the context, times ``sequences``); 0 for embeddings.
         gpu_ms_estimate: GPU ms reserved for it.
@@ -219,11 +223,18 @@ def _is_type_tag(part: object) -> bool:
 
 
 def size_up(
-    config: GatewayConfig, body: ChatRequest | CompletionRequest, chat: bool, request_id: str, run: Run
+    config: GatewayConfig,
+    body: ChatRequest | CompletionRequest,
+    chat: bool,
+    request_id: str,
+    run: Run,
+    counted: int | None = None,
 ) -> Generation:
-    """``body`` against its model's upstreams (see module docstring). Raises ``Rejection`` 400/404/413."""
+    """``body`` against its model's upstreams (see module docstring); ``counted``: its prompt tokens as an
+    engine of the model counted them (``fairgate.gateway.tokenizer``), held to at least
+    ``prompt_tokens_floor``; None: estimated. Raises ``Rejection`` 400/404/413."""
     served, serving, context = _serving(config, body.model)
-    prompt_tokens = estimate_prompt_tokens(body)
+    prompt_tokens = estimate_prompt_tokens(body) if counted is None else max(counted, prompt_tokens_floor(body))
     if prompt_tokens >= context:
         raise Rejection(
             Outcome.PROMPT_TOO_LONG,

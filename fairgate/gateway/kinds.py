@@ -6,8 +6,10 @@ stream of at most ``max_tokens`` tokens); which of the engine's own fields are r
 bypass ``max_tokens``, generate several sequences, pin a slot, ...); how the gateway isolates tenants in
 the engine's prefix cache; whether ``ignore_eos`` is understood; which ``/metrics`` series report its
 running and waiting requests and KV-cache use (data for an engine-aware dispatcher: nothing reads them
-yet); and the wording of its "prompt too long" errors, which the gateway answers as OpenAI's
-``context_length_exceeded`` (400) instead of a 502.
+yet); the wording of its "prompt too long" errors, which the gateway answers as OpenAI's
+``context_length_exceeded`` (400) instead of a 502; whether its server counts a prompt's tokens (vLLM's and
+llama.cpp's ``/tokenize``: the gateway sizes a request by that count, ``fairgate.gateway.tokenizer``); and
+how a stream's tokens are counted (llama.cpp: its per-chunk ``timings.predicted_n``).
 
 The gateway always asks for usage the OpenAI way (``stream_options.include_usage``: the last chunk of the
 stream carries ``usage``). vLLM, SGLang and llama.cpp's ``llama-server`` send it; a TGI release whose
@@ -17,7 +19,9 @@ prompt estimate, the tokens relayed: ``upstream.billable_usage``).
 Sources (the engines' own documentation of their OpenAI-compatible servers): vLLM "OpenAI-Compatible
 Server", extra parameters and ``SamplingParams``, and its ``cache_salt`` (docs.vllm.ai); SGLang "Sampling
 Parameters" and its OpenAI API (docs.sglang.ai; ``cache_salt`` in ``srt/entrypoints/openai/protocol.py``);
-llama.cpp ``tools/server/README.md`` (``POST /completion`` options, ``/metrics``, ``/slots``); TGI "Messages
+llama.cpp ``tools/server/README.md`` (``POST /completion`` options incl. ``timings_per_token``, ``POST
+/tokenize`` and ``POST /apply-template``, ``/metrics``, ``/slots``); vLLM's ``/tokenize``
+(``TokenizeChatRequest`` / ``TokenizeCompletionRequest`` -> ``count``); TGI "Messages
 API" and "Metrics" (huggingface.co/docs/text-generation-inference).
 """
 
@@ -70,9 +74,19 @@ OPENAI_COMPLETIONS = frozenset({"prompt", "echo", "suffix"})
 # are dropped from what a client sends (not refused: OpenAI clients send ``user`` routinely). vLLM's
 # ``priority`` would let a client jump the replica's queue past fair dispatch; ``user`` names a tenant;
 # ``cache_salt`` / ``cache_prompt`` are the gateway's tenant isolation; ``request_id`` / ``rid`` would
-# collide across tenants.
+# collide across tenants; ``timings_per_token`` is how the gateway counts llama.cpp's tokens.
 GATEWAY_FIELDS = frozenset(
-    {"user", "priority", "request_id", "rid", "cache_salt", "cache_prompt", "kv_transfer_params", "vllm_xargs"}
+    {
+        "user",
+        "priority",
+        "request_id",
+        "rid",
+        "cache_salt",
+        "cache_prompt",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "timings_per_token",
+    }
 )
 
 
@@ -103,6 +117,13 @@ class Kind:
         metrics: where its load is reported.
         context_errors: lower-case phrases of its "prompt too long" error answers (HTTP 400/413/422).
         choices_max: the most choices (OpenAI's ``n``) one request may ask of it.
+        tokenizer: how its server counts a prompt's tokens, chat template included
+            (``fairgate.gateway.tokenizer``): ``"vllm"`` (``POST /tokenize``), ``"llamacpp"``
+            (``POST /apply-template`` then ``POST /tokenize``); None: it has no such endpoint.
+        stream_fields: fields the gateway adds to every streamed request of this kind.
+        counts_from_timings: each chunk's ``timings.predicted_n`` (tokens generated so far, llama.cpp's
+            ``timings_per_token``) counts its tokens, so a token that decoded to no text and got no chunk of
+            its own is still counted.
     """
 
     name: KindName
@@ -115,6 +136,9 @@ class Kind:
     choices_max: int = 128
     metrics: Metrics = Metrics()
     context_errors: tuple[str, ...] = ()
+    tokenizer: Literal["vllm", "llamacpp"] | None = None
+    stream_fields: Mapping[str, Any] = field(default_factory=dict)
+    counts_from_timings: bool = False
 
     def forwards(self, name: str, chat: bool) -> bool:
         """Whether a client's field ``name`` reaches this engine on the chat (or completions) endpoint."""
@@ -171,6 +195,7 @@ KINDS: Mapping[str, Kind] = {
         isolation_note="cache_salt = the tenant's tag: no prefix-cache hit across tenants",
         metrics=Metrics("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
         context_errors=_OPENAI_CONTEXT,
+        tokenizer="vllm",
     ),
     "sglang": Kind(
         "sglang",
@@ -256,6 +281,11 @@ KINDS: Mapping[str, Kind] = {
         # llama-server: "the request exceeds the available context size, try increasing it"
         # (error type exceed_context_size_error).
         context_errors=("exceeds the available context size", "exceed_context_size_error"),
+        tokenizer="llamacpp",
+        # A token whose text is empty (half a UTF-8 character, a held-back stop-string prefix) gets no chunk
+        # from llama-server; the running count in each chunk's timings still counts it.
+        stream_fields={"timings_per_token": True},
+        counts_from_timings=True,
     ),
     "tgi": Kind(
         "tgi",

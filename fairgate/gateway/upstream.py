@@ -5,6 +5,11 @@ the client asked: token arrivals drive the live meter (``fairgate.core.meter``),
 a plain response gets one assembled from the stream. Closing the stream (client gone, timeout) is how the
 upstream is told to stop: vLLM and the emulator stop the sequence within one iteration.
 
+Each chunk with generated text is a token; an engine whose chunks carry its running count of generated
+tokens (llama.cpp's ``timings.predicted_n``, asked for with ``timings_per_token``: ``Kind.stream_fields``)
+is counted by it, so that a token decoded to no text, which gets no chunk, is counted, bounded by
+``max_tokens`` and billed like the rest (the meter sees the chunk that follows it as one arrival).
+
 A request of ``n`` choices is metered as ``n`` sequences; its choices' tokens are told apart by their
 ``index``. An embeddings request (``embed``) is not streamed (the API has no stream): it is metered from
 the moment it is sent to its answer, its prompt weighing as prefill (the meter sees no token arrive).
@@ -113,6 +118,8 @@ class CallState:
     reasoning: dict[int, list[str]] = field(default_factory=dict)  # choice index -> its reasoning pieces
     max_output_tokens: int | None = None  # the pieces it may generate in all (``n`` x the per-choice max_tokens)
     tool_calls: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # choice -> tool index -> call
+    # The upstream's chunks carry its running count of generated tokens (``Kind.counts_from_timings``).
+    engine_counts: bool = False
 
 
 def _index(call: CallState, choice: dict[str, Any]) -> int:
@@ -121,14 +128,33 @@ def _index(call: CallState, choice: dict[str, Any]) -> int:
     return index if type(index) is int and 0 <= index < call.sequences else 0
 
 
-def _check_max_tokens(call: CallState, choices: list[dict[str, Any]], generated: list[int]) -> None:
-    """Stop the call before a chunk that would take it past ``max_tokens``, in all or in one of its choices
-    (OpenAI's ``max_tokens`` is per choice): that chunk is not counted, kept, relayed or billed, so the
-    client receives exactly what is billed. Raises ``BudgetSpent``."""
-    if call.max_output_tokens is None or not any(generated):
+def _tokens(call: CallState, chunk: dict[str, Any], choices: list[dict[str, Any]], generated: list[int]) -> list[int]:
+    """The tokens each of ``choices`` (with ``generated`` bytes each) generated: one per choice with
+    generated text; with the engine's running count (``CallState.engine_counts``: a request of one choice),
+    also the tokens it generated that got no chunk (no text), on the chunk's first choice (a chunk without
+    one, a usage chunk, gains an empty one: ``choices`` and ``generated`` are extended). Tokens the engine
+    counted are never dropped, and every piece of text relayed counts at least one."""
+    tokens = [1 if g else 0 for g in generated]
+    timings = chunk.get("timings") if call.engine_counts else None
+    so_far = timings.get("predicted_n") if isinstance(timings, dict) else None
+    if type(so_far) is not int or so_far <= call.output_tokens + sum(tokens):
+        return tokens
+    if not choices:
+        choices.append({})
+        generated.append(0)
+        tokens.append(0)
+    tokens[0] += so_far - call.output_tokens - sum(tokens)
+    return tokens
+
+
+def _check_max_tokens(call: CallState, choices: list[dict[str, Any]], tokens: list[int]) -> None:
+    """Stop the call before a chunk whose ``tokens`` (per choice) would take it past ``max_tokens``, in all
+    or in one of its choices (OpenAI's ``max_tokens`` is per choice): that chunk is not counted, kept,
+    relayed or billed, so the client receives exactly what is billed. Raises ``BudgetSpent``."""
+    if call.max_output_tokens is None or not any(tokens):
         return
     per_choice = call.max_output_tokens // call.sequences
-    pieces = [_index(call, choice) for choice, g in zip(choices, generated, strict=True) if g]
+    pieces = [_index(call, choice) for choice, t in zip(choices, tokens, strict=True) for _ in range(t)]
     over = call.output_tokens + len(pieces) > call.max_output_tokens or any(
         call.choice_tokens.get(index, 0) + pieces.count(index) > per_choice for index in set(pieces)
     )
@@ -268,6 +294,7 @@ class UpstreamClient:
         self.http = upstream_session(*self._session_args)
         self._unpooled: aiohttp.ClientSession | None = None  # made when a pooled connection first fails
         self._draining: dict[aiohttp.ClientResponse, asyncio.Task[None]] = {}  # response -> the task reading its rest
+        self.tokenizer_failing = False  # its engine's tokenizer failed the last count (``fairgate.gateway.tokenizer``)
 
     @property
     def batch_size(self) -> int:
@@ -316,7 +343,8 @@ class UpstreamClient:
         call.policy_charged_ms = prepaid_ms
         self._calls[call.request_id] = call
         self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences)
-        upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
+        upstream_body = dict(body, stream=True, stream_options={"include_usage": True}) | dict(self.kind.stream_fields)
+        call.engine_counts = self.kind.counts_from_timings and call.sequences == 1
         try:
             async with self._post(path, upstream_body) as response:
                 await self._check_head(response)
@@ -336,6 +364,19 @@ class UpstreamClient:
         url = path if path.startswith(("http://", "https://")) else f"{self._url}{path}"
         async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             return response.status, await response.text(errors="replace")
+
+    async def post_json(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[int, Any]:
+        """POST ``body`` to ``path`` at the server's root (not under ``/v1``: the engines' own endpoints,
+        e.g. ``/tokenize``), with the upstream's key and headers; its status and JSON answer (None when the
+        answer is not JSON). Raises ``aiohttp.ClientError`` or ``TimeoutError`` (``timeout_s``, seconds,
+        bounds the whole exchange)."""
+        url = f"{self._url.removesuffix('/v1')}{path}"
+        async with self.http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            raw = await response.read()
+        try:
+            return response.status, json.loads(raw)
+        except ValueError:
+            return response.status, None
 
     @asynccontextmanager
     async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
@@ -521,25 +562,28 @@ class UpstreamClient:
                 f"upstream {self.upstream.name} sent a chunk of {len(choices)} choices for {call.sequences} asked",
                 problem="malformed_stream",
             )
+        choices = list(choices)  # ``_tokens`` may add one
         generated_by_choice = [sse.generated_bytes(choice) for choice in choices]
-        _check_max_tokens(call, choices, generated_by_choice)
-        for choice, generated in zip(choices, generated_by_choice, strict=True):
+        tokens_by_choice = _tokens(call, chunk, choices, generated_by_choice)
+        _check_max_tokens(call, choices, tokens_by_choice)
+        for choice, generated, tokens in zip(choices, generated_by_choice, tokens_by_choice, strict=True):
             call.generated_bytes += generated
             index = _index(call, choice)
             _keep(call, index, choice)
             # Any generated text is a piece, counted against max_tokens and billed: content, and reasoning, a
-            # refusal or tool-call arguments, which an engine streams in deltas of their own.
-            if generated:
-                call.output_tokens += 1  # summed over the choices: the output billed
-                call.choice_tokens[index] = call.choice_tokens.get(index, 0) + 1
-                self._step(call)
+            # refusal or tool-call arguments, which an engine streams in deltas of their own; and the tokens
+            # the engine's running count says it generated without a chunk (``_tokens``).
+            if tokens:
+                call.output_tokens += tokens  # summed over the choices: the output billed
+                call.choice_tokens[index] = call.choice_tokens.get(index, 0) + tokens
+                self._step(call, tokens)
                 call.last_token_s = self._clock()
                 if call.first_token_s is None:
                     call.first_token_s = self._clock()
                     self.meter.first_token(call.request_id, self._now_ms())
                 else:
                     self.meter.token(self._now_ms())
-                call.unbooked_tokens += 1
+                call.unbooked_tokens += tokens
                 call.gpu_ms_at_last_token = self.meter.charged_ms(call.request_id)
                 call.same_read = call.more_buffered  # the next token, if it is of this read, is no step
             if choice.get("finish_reason"):
@@ -549,11 +593,12 @@ class UpstreamClient:
             # instant): one booking and one round of observers for all of them.
             self._book(call, tokens=call.unbooked_tokens)
 
-    def _step(self, call: CallState) -> None:
+    def _step(self, call: CallState, tokens: int = 1) -> None:
         """Feed the drift check one observed step: the gap since this call's previous token, while every
         request in flight here decodes (a prefill lengthens its iteration; a call of several choices gets
-        several tokens an iteration; two tokens of one read are microseconds apart, which is no step)."""
-        if call.last_token_s is None or call.sequences != 1 or self.meter.prefilling or call.same_read:
+        several tokens an iteration; two tokens of one read are microseconds apart, which is no step; a chunk
+        of ``tokens`` > 1 ends several steps, the ones before it unseen)."""
+        if call.last_token_s is None or call.sequences != 1 or self.meter.prefilling or call.same_read or tokens > 1:
             return
         gap_ms = (self._clock() - call.last_token_s) * 1000.0
         crossed = self.drift.observe(gap_ms, self.meter.sequences + round(self.meter.remote.sequences))

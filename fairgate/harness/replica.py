@@ -52,7 +52,8 @@ class ReplicaModel:
         """The gateway's ``[[upstream]]`` for this replica at ``url`` (its base URL, without ``/v1``), of
         whose slots the gateway uses ``max_batch`` (default: all); ``more``: other keys of the table (a cost
         model's keys in it override this replica's). The
-        emulator speaks vLLM's dialect (``cache_salt``, ``ignore_eos``), so the kind is ``vllm`` unless given."""
+        emulator speaks vLLM's dialect (``cache_salt``, ``ignore_eos``), so the kind is ``vllm`` unless given; it
+        serves no ``/tokenize``, so the gateway estimates its prompts (``tokenize = false``)."""
         return UpstreamConfig(
             name=name,
             url=f"{url}/v1",
@@ -64,6 +65,7 @@ class ReplicaModel:
                 "prefill_ms_per_token": self.prefill_ms_per_token,
                 "max_model_len": self.max_model_len,
                 "kind": "vllm",
+                "tokenize": False,
                 **more,
             },
         )

@@ -322,7 +322,11 @@ def _write_config(spec: StackSpec, stack: Stack, index: int) -> GatewayConfig:
 
 
 def _kind(upstream: UpstreamConfig, kind: str | None) -> UpstreamConfig:
-    return upstream if kind is None else UpstreamConfig.model_validate({**upstream.model_dump(), "kind": kind})
+    """``upstream`` as a real engine of ``kind`` (None: the emulator): its tokenizer endpoint asked, as an
+    operator's ``[[upstream]]`` would by default."""
+    if kind is None:
+        return upstream
+    return UpstreamConfig.model_validate({**upstream.model_dump(), "kind": kind, "tokenize": True})
 
 
 def _start_gateways(spec: StackSpec, configs: list[GatewayConfig], servers: ExitStack) -> list[Gateway]:

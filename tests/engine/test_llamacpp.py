@@ -6,7 +6,9 @@
   (the cost model is linear in ``B``; llama.cpp's steps on a CPU are concave in it, e.g. 6.3 / 11.3 / 14.9 /
   21.5 ms at B = 1 / 2 / 4 / 8), the marginal prefill cost per token within 30 %.
 - Streaming through the gateway with the ``openai`` client: the usage the client gets is what the ledger
-  billed, token for token.
+  billed, token for token, and the prompt reserved is the engine's own count of it (``/apply-template`` and
+  ``/tokenize``); a prompt the engine counts past its context is refused by the gateway (413) before
+  anything is reserved.
 - A client that hangs up stops its sequence in the engine (``/slots``: no slot processing) within a second,
   and the ledger bills no less than the client received.
 - Four tenants with different output lengths, all backlogged: under ``gpu_fair`` their billed GPU time is
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -30,10 +33,12 @@ import pytest
 
 from fairgate.core.fit import median
 from fairgate.harness.config import TenantSpec
+from fairgate.harness.llamacpp import ServerFlags, llama_server
 from fairgate.harness.loadgen import TenantLoad
 from fairgate.harness.records import RequestRecord
 from fairgate.harness.run import run_on_stack
 from fairgate.harness.stack import StackSpec, replicas, start_stack
+from fairgate.harness.tinyllama import write_random_gguf
 from fairgate.ledger.config import LimitsConfig
 from tests.conftest import streamed_chat, timing_claims_hold_here
 from tests.engine.conftest import MODEL, cost_model
@@ -43,6 +48,7 @@ pytestmark = pytest.mark.serial  # timing-sensitive: runs alone after the parall
 # Output tokens per request: seed 002's mix (23.7 / 53 / 197 / 353.8) halved, fixed per tenant (ignore_eos).
 MIX = {"classify": 12, "chat": 27, "summarise": 99, "agent": 177}
 FAIR_SECONDS = 40.0
+SMALL_CONTEXT = 2048  # the engine of the context check: one slot of this many tokens
 # The full-batch check needs cores beyond the engine's for the probes' clients (see the test).
 FULL_BATCH_CPUS_MIN = 4
 
@@ -120,8 +126,31 @@ def test_a_stream_through_the_gateway_is_billed_what_the_client_received(calibra
         assert 20 <= chunks <= 24  # a token with empty text (a control token) sends no chunk
         [r] = [r for r in asyncio.run(stack.reservations()) if r.request_id == "stream-1"]
         assert r.status == "settled"
+        assert r.input_tokens == usage.prompt_tokens  # reserved: the engine's own count, chat template included
         assert (r.billed.input_tokens, r.billed.output_tokens) == (usage.prompt_tokens, 24)
         assert r.billed.gpu_ms > 0
+
+
+def test_a_prompt_the_engine_counts_past_its_context_is_refused_by_the_gateway(calibrated, tmp_path):
+    """``"hello" * 1200``: the gateway's estimate (one token per 8 bytes) is ~750 tokens, inside a 2,048-token
+    context; the engine's tokenizer counts thousands. A one-slot engine of that context behind the gateway:
+    413 ``context_length_exceeded`` from the gateway, nothing reserved - not the engine's refusal relayed."""
+    small = replace(cost_model(calibrated), max_batch=1, max_model_len=SMALL_CONTEXT)
+    with llama_server(write_random_gguf(tmp_path / "tiny.gguf"), ServerFlags(1, SMALL_CONTEXT, threads=1)) as url:
+        spec = StackSpec(
+            (TenantSpec("alpha"),), "gpu_fair", replicas(1, MODEL), small, engine_urls=(url,), upstream_kind="llamacpp"
+        )
+        with start_stack(spec) as stack:
+            client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["alpha"], max_retries=0)
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hello" * 1200}], max_tokens=4
+                )
+            assert asyncio.run(stack.reservations()) == []
+        counted = httpx.post(f"{url}/tokenize", json={"content": "hello" * 1200}, timeout=10).json()["tokens"]
+    assert refused.value.status_code == 413 and refused.value.code == "context_length_exceeded"
+    print(f"context: the engine counts 'hello' * 1200 as {len(counted)} tokens; refused: {refused.value.message}")
+    assert len(counted) > SMALL_CONTEXT and f"{SMALL_CONTEXT}" in refused.value.message
 
 
 def _processing(engine_url: str) -> int:

@@ -106,6 +106,7 @@ ISOLATION = {
     "llamacpp": {"cache_prompt": False},
     "tgi": {},
 }
+STREAM_FIELDS: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS} | {"llamacpp": {"timings_per_token": True}}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -129,7 +130,8 @@ def test_each_kind_gets_its_fields_its_isolation_and_the_key(tmp_path: Path, kin
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert not {"user", "priority"} & set(sent)
     vendor = set(sent) - OPENAI_COMMON - OPENAI_CHAT  # nothing the kind does not take
-    assert vendor == set(EXTRAS[kind]) | set(ISOLATION[kind]), vendor
+    assert vendor == set(EXTRAS[kind]) | set(ISOLATION[kind]) | set(STREAM_FIELDS[kind]), vendor
+    assert {k: sent[k] for k in STREAM_FIELDS[kind]} == STREAM_FIELDS[kind]
     [headers] = engine.headers
     assert headers["authorization"] == f"Bearer {KEY}" and headers["x-team"] == "ml"
 
