@@ -251,7 +251,11 @@ def test_gpu_fair_evens_gpu_time_on_the_engine_and_fcfs_does_not(calibrated, eng
     assert sum(billed.values()) == pytest.approx(busy_ms, rel=0.10)  # every ms the engine was busy, billed once
     billed_fcfs, engine_fcfs, _ = _fairness(calibrated, engine_url, "fcfs")
     print(f"fcfs: billed {_rounded(billed_fcfs)} engine {_rounded(engine_fcfs)}")
-    assert _ratio(billed_fcfs) >= 1.5 and _ratio(engine_fcfs) >= 1.8, (billed_fcfs, engine_fcfs)
+    assert _ratio(billed_fcfs) >= 1.5, billed_fcfs
+    # The engine-side measure is rebuilt from when tokens reached the clients, which share the engine's two
+    # cores: a timing claim, checked only where the machine's speed probe allows.
+    timing_claims_hold_here("the engine-side shares, rebuilt from token arrival times")
+    assert _ratio(engine_fcfs) >= 1.8, engine_fcfs
     assert engine_fcfs["agent"] > 1.5 * engine_fcfs["classify"]  # seed 002: long outputs take the GPU
     # By the engine-side measure: 1.09 against fcfs 3.3 (40 s, 8 clients a tenant, one run on a lightly loaded
     # 2-core machine). One run is no bound: on a loaded machine the engine-side measure itself breaks (fcfs
