@@ -61,7 +61,8 @@ def _guard(action: Callable[[], T]) -> T:
 
 
 def _source(log: Path | None, config: Path | None) -> tuple[Path, dict[str, str]]:
-    """The log to read and ``{tenant hash: configured name}`` (empty without ``--config``)."""
+    """The log to read and ``{tenant hash: configured name}``, with ``{key id: the key's label}`` for the
+    configured keys that have one (empty without ``--config``; a key id is never a tenant hash)."""
     if log is not None and config is not None:
         raise OpsError("give --log PATH or --config FILE, not both")
     if log is not None:
@@ -69,12 +70,15 @@ def _source(log: Path | None, config: Path | None) -> tuple[Path, dict[str, str]
     if config is None:
         raise OpsError("give --log PATH (the request log) or --config FILE (a gateway configuration)")
     from fairgate.gateway.config import load_gateway_config
+    from fairgate.gateway.identity import KEY_ID_CHARS
     from fairgate.ledger.base import tenant_tag
 
     loaded = load_gateway_config(config)
     if loaded.event_log_path is None:
         raise OpsError(f"{config}: gateway.event_log: the request log is off in this configuration; pass --log PATH")
-    return loaded.event_log_path, {tenant_tag(name): name for name in loaded.quotas.tenants}
+    names = {tenant_tag(name): name for name in loaded.quotas.tenants}
+    names |= {key.hash[:KEY_ID_CHARS]: key.name for key in loaded.keys if key.name}
+    return loaded.event_log_path, names
 
 
 def _tenant(tag: str | None, names: dict[str, str]) -> str:
@@ -655,6 +659,11 @@ def _money(micros: float) -> str:
     return "0" if value == 0 else f"{value:,.2f}" if value >= 1 else f"{value:.4f}"
 
 
+def _key_label(key_id: str, names: dict[str, str]) -> str:
+    """A key in the report: its id (the stored hash's prefix), with its configured label when it has one."""
+    return f"{names[key_id]} ({key_id}...)" if key_id in names else f"{key_id}..."
+
+
 def _keys_html(run: LiveRun, names: dict[str, str]) -> str:
     """The table of usage by API key inside each tenant (seed 003: secondary dimensions under the billable
     tenant), from the ``key_id`` of ``admitted`` records; empty when the log has none."""
@@ -662,7 +671,7 @@ def _keys_html(run: LiveRun, names: dict[str, str]) -> str:
         return ""
     e = html.escape
     rows = [
-        f"<tr><td>{e(_label(tag, names))}</td><td><code>{e(key)}...</code></td><td>{u.finished}</td>"
+        f"<tr><td>{e(_label(tag, names))}</td><td>{e(_key_label(key, names))}</td><td>{u.finished}</td>"
         f"<td>{u.input_tokens:,}</td><td>{u.output_tokens:,}</td><td>{_fmt(u.gpu_ms)}</td>"
         f"<td>{_money(u.spend_micros)}</td></tr>"
         for (tag, key), u in sorted(run.keys.items(), key=lambda item: (item[0][0], -item[1].gpu_ms))

@@ -66,3 +66,8 @@ def test_each_key_of_a_tenant_is_billed_apart_in_the_logs_and_the_report(tmp_pat
     assert done.returncode == 0, done.stderr
     page = (out / "report.html").read_text()
     assert "Usage by key" in page and f"{ids['laptop']}..." in page and f"{ids['harness']}..." in page
+    # With the configuration, the report names each key by its label as well.
+    named = fairgate("report", "--config", str(stack.config_path), "--out", str(tmp_path / "named"))
+    assert named.returncode == 0, named.stderr
+    page = (tmp_path / "named" / "report.html").read_text()
+    assert f"laptop ({ids['laptop']}...)" in page and f"harness ({ids['harness']}...)" in page, page
