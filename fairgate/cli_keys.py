@@ -4,7 +4,8 @@
 table to the configuration (its comments and layout stay as they are), stamped with its ``created`` time
 (and ``expires``), and prints the new key once on stdout. ``fairgate keys list --config fairgate.toml``
 prints tenants, labels, hash prefixes, created and expiry times, never keys. ``fairgate keys revoke`` removes
-one key, named by a prefix of its hash (as ``list`` shows it) or by its label; ``fairgate keys rotate`` makes
+one key, named by a prefix of its hash (as ``list`` shows it) or by its label; ``fairgate keys revoke-admin
+--hash PREFIX`` removes one hash from ``[admin].key_hashes``; ``fairgate keys rotate`` makes
 a new key for the same tenant and label and lets the old one work ``--grace-hours`` more (0: revoked now).
 The gateway applies the file on ``SIGHUP`` or ``POST /admin/reload`` (``fairgate.gateway.reload``).
 Every user error prints one line on stderr and exits with code 2.
@@ -191,6 +192,20 @@ def revoke(config: ConfigPath, hash_prefix: HashOption = None, name: NameOption 
     _audit(config, "key.revoke", {"hash": hash_prefix, "name": name}, before=_ref(gone))
     whose = f"tenant {gone.tenant!r}" + (f" ({gone.name})" if gone.name else "")
     _say(f"revoked a key of {_printable(whose)} in {config}. {APPLY}")
+
+
+@keys_app.command("revoke-admin")
+def revoke_admin(
+    config: ConfigPath,
+    hash_prefix: Annotated[
+        str, typer.Option("--hash", help="The admin key's hash, or its first 12+ characters (as `keys list` shows).")
+    ],
+) -> None:
+    """Remove one admin key hash from ``\\[admin].key_hashes``; that admin key stops working when the gateway
+    applies the file."""
+    gone = _guard(lambda: config_edit.revoke_admin_key(config, hash_prefix))
+    _audit(config, "admin_key.revoke", {"hash": hash_prefix}, before={"hash": gone[: audit.HASH_PREFIX_CHARS]})
+    _say(f"revoked the admin key {gone[:23]}... in {config}. {APPLY}")
 
 
 @keys_app.command()

@@ -6,6 +6,7 @@ the key tables and moved their comments onto other tables, and an edit replaced 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -138,3 +139,51 @@ def test_keys_not_written_as_tables_are_refused_clearly(tmp_path: Path) -> None:
     done = fairgate("keys", "revoke", "--config", str(path), "--name", "k0")
     assert done.returncode == 2 and "not all [[key]] tables" in done.stderr and str(path) in done.stderr
     assert "Traceback" not in done.stderr and path.read_text() == before
+
+
+def test_the_manifests_placeholder_key_and_admin_hash_are_replaced_by_the_commands_its_comment_names(
+    tmp_path: Path,
+) -> None:
+    """Found by a new user: ``keys add`` / ``add-admin`` append, so the manifest's placeholders stayed, and no
+    command removed an admin hash. The steps deploy/kubernetes/gateway.yaml names leave only the new ones."""
+    import yaml
+
+    from fairgate.gateway.auth import verify_api_key
+    from fairgate.gateway.config import load_gateway_config
+
+    manifest = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "gateway.yaml"
+    comment = manifest.read_text().split("apiVersion:")[0]
+    for step in ("keys add acme", "keys revoke --name example", "keys add-admin", "keys revoke-admin --hash"):
+        assert f"fairgate {step}" in comment
+    config_map = next(d for d in yaml.safe_load_all(manifest.read_text()) if d["kind"] == "ConfigMap")
+    path = tmp_path / "fairgate.toml"
+    text = config_map["data"]["fairgate.toml"].replace("/var/lib/fairgate/", f"{tmp_path}/")
+    path.write_text(text)
+    placeholder_admin = load_gateway_config(path).admin.key_hashes[0]
+
+    tenant_key = fairgate("keys", "add", "acme", "--config", str(path), "--name", "acme-prod")
+    assert tenant_key.returncode == 0, tenant_key.stderr
+    assert fairgate("keys", "revoke", "--config", str(path), "--name", "example").returncode == 0
+    admin_key = fairgate("keys", "add-admin", "--config", str(path))
+    assert admin_key.returncode == 0, admin_key.stderr
+    listed = fairgate("keys", "list", "--config", str(path)).stdout
+    shown = next(line.split()[2] for line in listed.splitlines() if line.startswith("(admin)") and "$1111" in line)
+    gone = fairgate("keys", "revoke-admin", "--config", str(path), "--hash", shown)
+    assert gone.returncode == 0, gone.stderr
+    assert "revoked the admin key sha256$1111111111111111" in gone.stderr
+
+    loaded = load_gateway_config(path)
+    assert [(k.tenant, k.name) for k in loaded.keys] == [("acme", "acme-prod")]
+    assert verify_api_key(tenant_key.stdout.strip(), loaded.keys[0].hash)
+    assert len(loaded.admin.key_hashes) == 1 and verify_api_key(admin_key.stdout.strip(), loaded.admin.key_hashes[0])
+    after = path.read_text()
+    assert placeholder_admin not in after and "sha256$0000" not in after
+    assert "# the emergency journal: per pod (emptyDir)" in after  # the rest of the file as it was
+    assert after.split("[quotas.tenants.acme]")[0] == text.split("[quotas.tenants.acme]")[0]
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert audit[-1]["action"] == "admin_key.revoke" and audit[-1]["before"] == {"hash": placeholder_admin[:19]}
+
+    again = fairgate("keys", "revoke-admin", "--config", str(path), "--hash", shown)
+    assert again.returncode == 2 and "no admin key hash matches" in again.stderr and path.read_text() == after
+    short = fairgate("keys", "revoke-admin", "--config", str(path), "--hash", "sha256$12")
+    assert short.returncode == 2 and "at least 12 characters" in short.stderr

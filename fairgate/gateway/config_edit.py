@@ -9,6 +9,8 @@ change to the running gateway there, so a change the gateway would refuse never 
 
 - Keys (``add_key``, ``revoke_key``, ``rotate_key``): the ``[[key]]`` tables are edited as text, every other
   line kept byte for byte (``fairgate.keyfile``).
+- Admin keys (``revoke_admin_key``): one hash taken out of ``[admin].key_hashes`` with tomlkit, verified to
+  parse to the document expected.
 - Tenants (``put_tenant``): one ``[quotas.tenants.NAME]`` table set whole with tomlkit (comments and the
   layout of the rest kept), verified to parse to the document expected.
 
@@ -248,6 +250,43 @@ def revoke_key(
     return edit(path, key_revoked(path, hash_prefix, name), apply)
 
 
+def admin_key_revoked(path: Path, hash_prefix: str) -> Change[str]:
+    """Remove the one ``[admin].key_hashes`` entry that starts with ``hash_prefix`` (12+ characters after
+    ``sha256$``, as ``fairgate keys list`` shows it): the change; its result is the hash removed. Raises
+    ``ValueError``: a prefix too short, no hash or several match; ``KeyFileError``: the list cannot be edited
+    safely (it is not an array of strings in an ``[admin]`` table)."""
+    prefix = hash_prefix.removesuffix("...")
+    if len(prefix.removeprefix("sha256$")) < 12:
+        raise ValueError(f"hash {hash_prefix!r}: give at least 12 characters of the hash after 'sha256$'")
+
+    def change(text: str) -> tuple[str, str]:
+        document = tomlkit.parse(text)  # comments and layout kept
+        expected = tomllib.loads(text)
+        hashes = expected.get("admin", {}).get("key_hashes", [])
+        matches = [i for i, h in enumerate(hashes) if str(h).startswith(prefix)]
+        if not matches:
+            raise ValueError(f"{path}: hash {hash_prefix!r}: no admin key hash matches (see: fairgate keys list)")
+        if len(matches) > 1:
+            raise ValueError(f"{path}: hash {hash_prefix!r}: {len(matches)} admin hashes match; give a longer prefix")
+        gone = str(hashes[matches[0]])
+        listed = document.get("admin", {}).get("key_hashes")
+        if not isinstance(listed, tomlkit.items.Array):
+            raise keyfile.KeyFileError(f"{path}: admin.key_hashes: not an array here; edit it by hand")
+        del listed[matches[0]]
+        del expected["admin"]["key_hashes"][matches[0]]
+        updated = tomlkit.dumps(document)
+        if tomllib.loads(updated) != expected:
+            raise keyfile.KeyFileError(f"{path}: admin.key_hashes: the hash cannot be removed here safely")
+        return updated, gone
+
+    return change
+
+
+def revoke_admin_key(path: Path, hash_prefix: str, apply: Apply | None = None) -> str:
+    """``admin_key_revoked``, made (``edit``)."""
+    return edit(path, admin_key_revoked(path, hash_prefix), apply)
+
+
 def key_rotated(path: Path, hash_prefix: str | None, name: str | None, grace_hours: float) -> Change[Rotated]:
     """A new key for the tenant and label of the one named (``one_key``); the old one expires after
     ``grace_hours`` (sooner if it was to; 0: removed now): the change; its result is the new key, the old
@@ -348,6 +387,7 @@ __all__ = [
     "NewKey",
     "StagedEdit",
     "add_key",
+    "admin_key_revoked",
     "edit",
     "key_added",
     "key_revoked",
@@ -355,6 +395,7 @@ __all__ = [
     "now_s",
     "one_key",
     "put_tenant",
+    "revoke_admin_key",
     "revoke_key",
     "rotate_key",
     "stage",
