@@ -9,17 +9,20 @@ Keys of every record (UTF-8, one JSON object per line):
 - ``v`` (``1``), ``ts`` (seconds since the epoch), ``time`` (ISO 8601 UTC, ms);
 - ``actor``: who: ``admin:<hash prefix>`` (the admin key's stored hash, first 19 characters: never the
   key), ``signal:SIGHUP``, or ``cli:<user>@<host>``;
-- ``action``: ``tenant.put``, ``key.add``, ``key.revoke``, ``key.rotate``, ``admin_key.add`` or
-  ``config.reload``;
+- ``action``: ``tenant.put``, ``key.add``, ``key.revoke``, ``key.rotate``, ``admin_key.add``,
+  ``admin_key.revoke`` or ``config.reload``;
 - ``target``: what it names (``{"tenant": ...}``; a key's ``tenant``, ``name`` and ``hash`` prefix);
 - ``outcome``: ``applied`` (in force in the running gateway, and in the file), ``refused`` (nothing
   changed: ``error`` says why) or ``written`` (in the file; the gateway applies it at its next reload);
 - ``error``: the one-line reason of a refusal, else ``null``;
 - ``before`` / ``after``: a tenant's table before (as the gateway ran it) and after ``tenant.put``
-  (``null`` for a new tenant); a key's hash prefix for the key actions;
+  (``null`` for a new tenant); a key's hash prefix for the key actions; for ``config.reload``, what the
+  reload changed, by place in the file (``{"quotas.tenants.acme": {...}, "key": [...]}``, each side's
+  value: ``fairgate.gateway.reload_diff``; ``{}`` when nothing changed);
 - ``also``: what else an admin write brought into force, being a whole configuration applied - edits made to
   the file by hand since the last reload: ``{"tenants": [names changed], "keys_added": n, "keys_removed": n}``
-  (``null``: nothing else).
+  (``null``: nothing else); for ``config.reload``, its answer: the keys, admin keys and tenants in force, the
+  tables ``not_applied`` (a restart applies them), the upstreams added and taken out.
 
 A record is appended with one ``write`` on an ``O_APPEND`` descriptor and synced to disk (``fsync``) before
 the change is answered: an audit line is not lost to a crash that the change survives. Changes are rare

@@ -26,7 +26,8 @@ recipe); until then each checks reservations against the limits it holds.
 
 Every reload logs one JSON line on the ``fairgate.gateway`` logger: ``config_reloaded`` (WARNING, the level
 ``fairgate serve`` shows: an operator wants to see that the signal was taken) or ``config_reload_refused``
-(ERROR), and appends one ``config.reload`` record to the audit log (``fairgate.gateway.audit``).
+(ERROR), and appends one ``config.reload`` record to the audit log (``fairgate.gateway.audit``): what changed
+before and after (``fairgate.gateway.reload_diff``), and the answer's summary as ``also``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from fairgate.core.policies.factory import TenantShare, reshare
-from fairgate.gateway import audit, upstream_reload
+from fairgate.gateway import audit, reload_diff, upstream_reload
 from fairgate.gateway.config import GatewayConfig, GatewayConfigError, load_gateway_config
 from fairgate.gateway.identity import Identity, require_admin
 from fairgate.gateway.outcomes import Outcome, Rejection
@@ -215,6 +216,7 @@ def reload_and_log(state: GatewayState, actor: str) -> Reloaded:
     """``reload_config``, logged and audited as done by ``actor`` (module docstring; ``fairgate.gateway.audit``).
     Raises ``GatewayConfigError`` as it does."""
     target = {"path": str(state.config.path)}
+    previous = state.config
     try:
         reloaded = reload_config(state)
     except GatewayConfigError as exc:
@@ -222,7 +224,8 @@ def reload_and_log(state: GatewayState, actor: str) -> Reloaded:
         entry = audit.record("config.reload", actor, target, "refused", error=str(exc))
         audit.append_or_log(state.config.audit_log_path, entry)
         raise
-    entry = audit.record("config.reload", actor, target, "applied", after=asdict(reloaded))
+    before, after = reload_diff.changes(previous, state.config)
+    entry = audit.record("config.reload", actor, target, "applied", before=before, after=after, also=asdict(reloaded))
     audit.append_or_log(state.config.audit_log_path, entry)
     line = {"event": "config_reloaded", "applied": list(APPLIED), **asdict(reloaded)}
     if reloaded.not_applied:

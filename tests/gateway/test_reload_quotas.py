@@ -230,3 +230,41 @@ def test_what_only_a_restart_applies_is_refused_and_the_running_limits_stay(tmp_
         assert post(stack, "alpha", max_tokens=20).status_code == 429  # the limit applied before still holds
         assert post(stack, "gamma").status_code == 200
         assert good != applied and state.config.quotas.tenant("beta").priority == "interactive"
+
+
+def test_the_audit_record_of_a_reload_says_what_changed_before_and_after(tmp_path: Path) -> None:
+    """Found by a new user: a reload that changed a tenant's limits was audited with ``before: null`` and
+    only counts. The record names each changed place with its value before and after; the counts are ``also``."""
+    with served(tmp_path) as (stack, state):
+        before_table = tomlkit.parse(stack.config_path.read_text())["quotas"]["tenants"]["beta"].unwrap()
+        old_keys = {k.hash for k in stack.config.keys}
+
+        def changed(document: Any) -> None:
+            limit("beta", max_concurrent=3)(document["quotas"])
+            document["quotas"]["defaults"]["requests_per_minute"] = 77
+            document["admin"]["key_hashes"].append("sha256$" + "ab" * 32)
+
+        edit(stack.config_path, changed, table=None)
+        assert fairgate("keys", "add", "alpha", "--config", str(stack.config_path), "--name", "ci").returncode == 0
+        assert admin(stack, "POST", "/admin/reload").status_code == 200
+        assert admin(stack, "POST", "/admin/reload").status_code == 200  # nothing changed since
+        after_table = tomlkit.parse(stack.config_path.read_text())["quotas"]["tenants"]["beta"].unwrap()
+        [new_key] = [k for k in state.config.keys if k.hash not in old_keys]
+    records = [json.loads(line) for line in state.config.audit_log_path.read_text().splitlines()]
+    reloads = [r for r in records if r["action"] == "config.reload"]
+    assert [r["outcome"] for r in reloads] == ["applied", "applied"]
+    first, second = reloads
+    assert after_table["limits"]["max_concurrent"] == 3 and before_table != after_table
+    assert first["before"] == {
+        "quotas.tenants.beta": before_table,
+        "quotas.defaults": first["before"]["quotas.defaults"],
+        "admin.key_hashes": [],
+    }
+    assert first["after"]["quotas.tenants.beta"] == after_table
+    assert first["after"]["quotas.defaults"]["requests_per_minute"] == 77
+    assert first["after"]["quotas.defaults"] == {**first["before"]["quotas.defaults"], "requests_per_minute": 77}
+    assert first["after"]["admin.key_hashes"] == ["sha256$" + "ab" * 6]
+    [key] = first["after"]["key"]
+    assert (key["tenant"], key["name"], key["hash"]) == ("alpha", "ci", new_key.hash[:19])
+    assert first["also"]["keys"] == len(state.config.keys) and first["also"]["not_applied"] == []
+    assert (second["before"], second["after"]) == ({}, {})
