@@ -27,6 +27,7 @@ previous sample), ``running``, ``queued`` (now), ``gpu_s`` (cumulative GPU secon
 totals carry ``demand_limited``: its queue p99 over the window is under ``BACKLOG_QUEUE_MS`` (it got every slot
 it asked for, so its share says how much it asked; None: no request of its was dispatched in the window), and
 ``spend``: what its finished requests cost since the start, in ``currency`` (``[quotas.pricing]``; 0 unpriced).
+``priced`` says whether any model class has a price: the page shows no spend column when none has.
 """
 
 from __future__ import annotations
@@ -203,5 +204,7 @@ def install(app: FastAPI, stats: Stats, ttft_target_ms: float) -> None:
         tenant = None if caller is None else caller.tenant
         config = gateway_of(request).config
         pools = None if tenant is None else reachable_pools(config, tenant)
-        document = {**payload(stats, tenant, ttft_target_ms, pools), "currency": config.quotas.currency}
+        quotas = config.quotas
+        document = {**payload(stats, tenant, ttft_target_ms, pools), "currency": quotas.currency}
+        document["priced"] = bool(quotas.prices)
         return JSONResponse(document, headers={"cache-control": "no-store"})

@@ -55,6 +55,7 @@ def test_the_data_endpoint_is_scoped_by_the_key_only(tmp_path, monkeypatch):
 
         admin = get_data(url, ADMIN_KEY).json()
         assert admin["scope"] == "admin" and set(admin["series"]) == set(TENANTS)
+        assert admin["priced"] is False  # no [quotas.pricing]: the page shows no spend column
         assert {t: admin["totals"][t]["admissions"] for t in TENANTS} == sent
         assert admin["totals"]["alpha"]["rejections"] == {"invalid": 1}
         # One request at a time: nobody waited for a slot, so every tenant is marked demand-limited.
@@ -216,7 +217,8 @@ def see_the_admin_view(page: Any, stack: Stack, folder: Path) -> None:
     page.wait_for_function(f"(marked) => JSON.stringify(({FIRST_CELLS})()) === JSON.stringify(marked)", arg=marked)
     flags = {t: x["demand_limited"] for t, x in get_data(stack.url, ADMIN_KEY).json()["totals"].items()}
     assert flags == dict.fromkeys(TENANTS, True), flags
-    spend = page.locator("#totals tbody tr td:last-child").all_inner_texts()
+    expect(page.locator("#spend-head")).to_be_visible()
+    spend = page.locator("#totals tbody tr td:nth-child(9)").all_inner_texts()
     assert all(re.fullmatch(r"\d+\.\d{2,4} EUR", cell) for cell in spend), spend
     assert any(float(cell.split()[0]) > 0 for cell in spend), spend  # what finished requests cost
     expect(page.locator("#fairness")).to_be_visible()
@@ -320,6 +322,33 @@ def test_the_dashboard_in_chromium(tmp_path):
             browser.close()
     assert all(load.done[t] > 0 for t in TENANTS), load.done
     assert (folder / "dashboard_admin.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium")
+def test_the_dashboard_shows_no_spend_without_prices(tmp_path):
+    """Found by a new user: with no [quotas.pricing] every tenant's spend read "0.0000 USD"."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with admin_stack(tmp_path) as stack, sync_playwright() as p:
+        for tenant in TENANTS:
+            assert post(stack.url, stack.keys[tenant], BODY).status_code == 200
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        try:
+            page = browser.new_page()
+            page.goto(f"{stack.url}/dashboard")
+            page.fill("#key", ADMIN_KEY)
+            page.click("#signin")
+            expect(page.locator("#totals tbody tr")).to_have_count(3, timeout=20_000)
+            expect(page.locator("#spend-head")).to_be_hidden()
+            cells = page.evaluate(
+                "() => [...document.querySelectorAll('#totals tbody tr')].map(tr => tr.children.length)"
+            )
+            header = page.locator("#totals thead th:visible").all_inner_texts()
+            text = page.inner_text("#totals")
+        finally:
+            browser.close()
+    assert cells == [8, 8, 8] and len(header) == 8 and "spend" not in header
+    assert "USD" not in text and "0.0000" not in text
 
 
 def test_a_tenant_that_waited_for_slots_is_not_marked_demand_limited() -> None:

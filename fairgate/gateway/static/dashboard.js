@@ -155,6 +155,8 @@
   function renderTotals(data) {
     var body = $("totals").querySelector("tbody");
     while (body.firstChild) { body.removeChild(body.firstChild); }
+    // No [quotas.pricing]: every amount would be a made-up 0, so there is no spend column at all.
+    $("spend-head").hidden = !data.priced;
     Object.keys(data.totals).sort().forEach(function (name) {
       var x = data.totals[name];
       var row = document.createElement("tr");
@@ -168,7 +170,7 @@
       cell(row, x.gpu_s.toFixed(3));
       cell(row, x.reserved_gpu_s.toFixed(3) + " / " + x.settled_gpu_s.toFixed(3));
       cell(row, String(x.reserved_output_tokens));
-      cell(row, money(x.spend, data.currency));
+      if (data.priced) { cell(row, money(x.spend, data.currency)); }
       body.appendChild(row);
     });
   }
