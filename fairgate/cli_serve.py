@@ -10,7 +10,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from rich.console import Console
@@ -21,6 +21,9 @@ from fairgate.cli_common import note as _note
 from fairgate.cli_common import say as _say
 from fairgate.gateway.config import ACCESS_LOG_STDERR, GatewayConfig
 from fairgate.ledger import LedgerError
+
+if TYPE_CHECKING:
+    from fairgate.gateway.demo import PhaseShares
 
 DEMO_GRACE_S = 2  # the demo's servers wait this long for streams still open when they stop
 SETTLED_WAIT_S = 3.0  # at the end of the demo, how long cancelled requests get to settle what they generated
@@ -43,6 +46,7 @@ class Plan:
     port: int
     servers: list[uvicorn.Server] = field(default_factory=list)
     keys: dict[str, str] = field(default_factory=dict)
+    meter: PhaseShares | None = None
 
     @property
     def gateway(self) -> uvicorn.Server:
@@ -61,11 +65,13 @@ def serve(config: Path | None, host: str, port: int, demo_traffic: bool, duratio
     plan = Plan(_load(config), host, port, servers, keys)
     plan.servers.append(_gateway_server(plan))
     _say(f"gateway on http://{host}:{port}/v1 (policy {plan.config.gateway.policy}, ledger {plan.config.ledger_url})")
+    for line in startup_lines(plan.config):
+        (_note if line.startswith("warning:") else _say)(line)
     traffic = bool(keys) and demo_traffic
     if traffic:
         _say(
             "demo traffic: 4 tenants (classify 24, chat 53, summarise 197, agent 354 output tokens on average), "
-            "each keeping as many requests in flight; GPU time should split 25 % each"
+            "each keeping as many requests in flight; in the overload phases GPU time should split 25 % each"
         )
     with asyncio.Runner(loop_factory=fast_loop_factory()) as runner:
         runner.run(_run(plan, traffic, duration))
@@ -154,6 +160,9 @@ async def _run(plan: Plan, traffic: bool, duration: float | None) -> None:
                 driver.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await driver
+            if plan.meter is not None:
+                await plan.meter.mark(None)
+                print_phase_shares(plan.meter)
             try:
                 await print_shares(plan.config)
             except LedgerError as exc:  # an outage at the end: nothing to print, the gateway still stops cleanly
@@ -175,12 +184,39 @@ def _stop_on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, serve
 
 
 async def _start_traffic(plan: Plan, serving: asyncio.Future[Any]) -> asyncio.Task[Any]:
-    from fairgate.gateway.demo import demo_traffic
+    from fairgate.gateway.demo import PhaseShares, demo_traffic
 
     while not plan.gateway.started and not serving.done():  # noqa: ASYNC110 - uvicorn has a flag, no event
         await asyncio.sleep(0.05)
     tenants = {t: k for t, k in plan.keys.items() if t != "admin"}
-    return asyncio.ensure_future(demo_traffic(f"http://{plan.host}:{plan.port}", tenants, announce=_say))
+    url = f"http://{plan.host}:{plan.port}"
+    plan.meter = PhaseShares(url, plan.keys["admin"], tuple(tenants))
+    return asyncio.ensure_future(demo_traffic(url, tenants, announce=_say, meter=plan.meter))
+
+
+def startup_lines(config: GatewayConfig) -> list[str]:
+    """What an operator should see at start besides the address: where traces go when tracing is on (the
+    collector's URL without credentials, query or headers), and a warning when processes share a ledger but
+    no delegation secret, so each signs dashboard links with a secret of its own."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    lines = []
+    collector = config.telemetry.otlp_traces_url
+    if collector is not None:
+        parts = urlsplit(collector)
+        netloc = parts.hostname or ""
+        netloc = f"[{netloc}]" if ":" in netloc else netloc
+        netloc += f":{parts.port}" if parts.port is not None else ""
+        shown = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        lines.append(f"tracing: OTLP/HTTP traces to {shown} (service.name {config.telemetry.service_name!r})")
+    shared = not config.ledger_url.startswith("sqlite")
+    if shared and config.delegation_secret() is None:
+        lines.append(
+            f"warning: ${config.delegation.secret_env} is not set: this process signs dashboard sign-in links "
+            "with a random secret of its own, so a link made here fails (401) on the other processes sharing "
+            "this ledger and after a restart; give every process the same secret"
+        )
+    return lines
 
 
 def startup_problem(config: GatewayConfig, path: Path) -> str | None:
@@ -259,6 +295,26 @@ async def print_shares(config: GatewayConfig) -> None:
             f"{usage.gpu_ms / 1000:.1f}",
             f"{100 * usage.gpu_ms / total_ms:.1f} %",
         )
+    Console().print(table)
+
+
+def print_phase_shares(meter: PhaseShares) -> None:
+    """Each demo phase's GPU share per tenant (the live meter's), so the even split of the overload phases is
+    seen apart from the within-capacity ones, where each tenant gets what it asks."""
+    from fairgate.gateway.demo import DEMO_TENANTS
+
+    phases = meter.phases()
+    seen = {tenant for _, _, spent in phases for tenant in spent}
+    tenants = [t for t in DEMO_TENANTS if t in seen] + sorted(seen - set(DEMO_TENANTS))
+    if not phases or not tenants:
+        return
+    table = Table(title="GPU share per demo phase (live meter)")
+    for column in ("phase", "s", *tenants):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for label, seconds, spent in phases:
+        total = sum(spent.values())
+        shares = [f"{100 * spent.get(t, 0.0) / total:.1f} %" if total > 0 else "-" for t in tenants]
+        table.add_row(label, f"{seconds:.0f}", *shares)
     Console().print(table)
 
 

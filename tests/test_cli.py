@@ -223,10 +223,23 @@ def test_serve_without_config_runs_the_demo_and_prints_each_tenants_share(tmp_pa
     assert "key fg-" not in done.stderr and "dashboard" not in done.stderr
     # The first phase keeps within the replica's slots (the TTFT objective holds); the overload comes labelled.
     assert "demo traffic: within capacity for 30 s - 20 requests in flight on 24 slots" in done.stdout
-    rows = {
-        line.split("│")[1].strip(): line.split("│")[1:-1] for line in done.stdout.splitlines() if line.startswith("│")
-    }
+    phased, billed = done.stdout.split("GPU time billed per tenant")
+    rows = {line.split("│")[1].strip(): line.split("│")[1:-1] for line in billed.splitlines() if line.startswith("│")}
     assert set(rows) == {"classify", "chat", "summarise", "agent"}
+    # Each phase's split, from the live meter, so the overload's even split is not blurred by the others.
+    header = next(line for line in phased.splitlines() if line.startswith("┃"))
+    assert [cell.strip() for cell in header.split("┃")[1:-1]] == [
+        "phase",
+        "s",
+        "classify",
+        "chat",
+        "summarise",
+        "agent",
+    ]
+    [phase] = [line.split("│")[1:-1] for line in phased.splitlines() if line.startswith("│")]
+    assert phase[0].strip() == "within capacity" and 5 <= int(phase[1]) <= 9
+    phase_shares = [float(cell.strip().rstrip(" %")) for cell in phase[2:]]
+    assert abs(sum(phase_shares) - 100.0) < 0.5 and all(share > 0 for share in phase_shares)
     shares = [float(cells[4].strip().rstrip(" %")) for cells in rows.values()]
     assert abs(sum(shares) - 100.0) < 0.5 and all(share > 0 for share in shares)  # every tenant was served
     requests = {tenant: int(cells[1]) for tenant, cells in rows.items()}
@@ -323,8 +336,11 @@ def test_serve_refuses_to_start_with_no_key_at_all(tmp_path):
     )
 
 
-def test_serve_starts_while_its_ledger_server_does_not_answer(tmp_path):
-    """An outage is not a configuration error: the gateway starts and serves each tier's outage policy."""
+def test_serve_starts_while_its_ledger_server_does_not_answer(tmp_path, monkeypatch):
+    """An outage is not a configuration error: the gateway starts and serves each tier's outage policy. A
+    ledger other processes may share, with no delegation secret, is warned of once: each process would sign
+    dashboard links with its own secret (found by a new user: a link made on one pod got 401 on another)."""
+    monkeypatch.delenv("FAIRGATE_DELEGATION_SECRET", raising=False)
     example = example_with_a_key()
     from fairgate.harness.process import free_port
 
@@ -337,6 +353,11 @@ def test_serve_starts_while_its_ledger_server_does_not_answer(tmp_path):
     done = fairgate("serve", "--config", str(ledger), "--port", str(free_port()), "--duration", "3", cwd=tmp_path)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert "the ledger does not answer" in done.stderr + done.stdout
+    warned = [line for line in done.stderr.splitlines() if "FAIRGATE_DELEGATION_SECRET is not set" in line]
+    assert len(warned) == 1 and "fails (401) on the other processes" in warned[0], done.stderr
+    monkeypatch.setenv("FAIRGATE_DELEGATION_SECRET", "k" * 32)
+    shared = fairgate("serve", "--config", str(ledger), "--port", str(free_port()), "--duration", "2", cwd=tmp_path)
+    assert shared.returncode == 0 and "DELEGATION_SECRET" not in shared.stderr + shared.stdout, shared.stderr
 
 
 def test_ledger_commands_take_the_ledger_from_a_gateway_config(tmp_path):

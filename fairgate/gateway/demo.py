@@ -8,7 +8,9 @@ printed once; and, unless turned off, demo traffic: each tenant keeps a few requ
 The traffic runs in labelled phases (``DEMO_PHASES``, announced as each begins): *within capacity*, fewer
 requests in flight than the replica has slots, so nothing queues and TTFT is the prefill (the objective
 holds); then *overload*, twice as many as its slots, where the fair queues decide who runs and TTFT grows
-with the queue, on purpose. GPU time splits evenly in both: each tenant keeps as many sequences running.
+with the queue, on purpose. Within capacity every request runs at once, so a tenant's GPU time is what it
+asks for (short requests pay their prefill more often); in overload the fair policy splits it evenly.
+``PhaseShares`` reads each phase's split from the gateway's live meter, to print at the end.
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ import asyncio
 import math
 import random
 import tempfile
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from fairgate.gateway.auth import new_api_key
 from fairgate.gateway.config import GatewaySection, UpstreamConfig
 from fairgate.gateway.config_writer import GatewayFile, admin_keys, key_entries
+from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import LimitsConfig, QuotaFile, TenantConfig, TierConfig
 
 DEMO_TENANTS = ("classify", "chat", "summarise", "agent")
@@ -48,16 +54,61 @@ def phase_line(label: str, clients_per_tenant: int, seconds: float) -> str:
     return f"demo traffic: {label} for {seconds:g} s - {in_flight} requests in flight on {DEMO_SLOTS} slots: {effect}"
 
 
+@dataclass
+class PhaseShares:
+    """Each demo phase's GPU seconds per tenant, read from the gateway's live meter
+    (``fairgate_gpu_seconds_total``, charged as the time is spent, so a phase's figures are its own and not
+    those of the requests that happened to settle in it). ``mark`` at each phase's start and at the end."""
+
+    url: str
+    admin_key: str
+    tenants: tuple[str, ...] = DEMO_TENANTS  # the meter labels tenants by hash: these are named back
+    marks: list[tuple[str | None, float, dict[str, float]]] = field(default_factory=list)
+
+    async def charged(self) -> dict[str, float]:
+        """GPU seconds charged per tenant since the gateway started."""
+        async with httpx.AsyncClient(base_url=self.url, timeout=10) as http:
+            reply = await http.get("/metrics", headers={"Authorization": f"Bearer {self.admin_key}"})
+        reply.raise_for_status()
+        names = {tenant_tag(tenant): tenant for tenant in self.tenants}
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(reply.text):
+            for sample in family.samples:
+                if sample.name == "fairgate_gpu_seconds_total":
+                    tenant = names.get(sample.labels["tenant"], sample.labels["tenant"])
+                    totals[tenant] = totals.get(tenant, 0.0) + sample.value
+        return totals
+
+    async def mark(self, label: str | None) -> None:
+        """A phase ``label`` starts now (None: the demo ends). A meter that cannot be read skips the mark: the
+        phase is then counted with the one before it."""
+        try:
+            totals = await self.charged()
+        except (httpx.HTTPError, ValueError):
+            return
+        self.marks.append((label, time.monotonic(), totals))
+
+    def phases(self) -> list[tuple[str, float, dict[str, float]]]:
+        """(label, seconds, tenant -> GPU seconds) of each phase marked, in order."""
+        out = []
+        for (label, start, before), (_, end, after) in zip(self.marks, self.marks[1:], strict=False):
+            if label is not None:
+                spent = {tenant: after.get(tenant, 0.0) - before.get(tenant, 0.0) for tenant in after}
+                out.append((label, end - start, spent))
+        return out
+
+
 async def demo_traffic(
     url: str,
     keys: dict[str, str],
     phases: tuple[tuple[str, int, float], ...] = DEMO_PHASES,
     seed: int = 1,
     announce: Callable[[str], None] = lambda line: None,
+    meter: PhaseShares | None = None,
 ) -> None:
     """Run ``phases`` (label, clients per tenant, seconds) over and over against the gateway at ``url`` until
-    cancelled, each announced with ``phase_line``. Errors (a 429, a restart) pause that client for a second;
-    nothing is retried blindly."""
+    cancelled, each announced with ``phase_line`` (and marked on ``meter``). Errors (a 429, a restart) pause
+    that client for a second; nothing is retried blindly."""
     active = [phases[0][1]]  # clients per tenant now: a client of a higher index waits for its phase
 
     async def client(http: httpx.AsyncClient, tenant: str, index: int) -> None:
@@ -88,6 +139,8 @@ async def demo_traffic(
             for label, clients, seconds in phases:
                 active[0] = clients
                 announce(phase_line(label, clients, seconds))
+                if meter is not None:
+                    await meter.mark(label)
                 await asyncio.sleep(seconds)
 
     most = max(clients for _, clients, _ in phases)

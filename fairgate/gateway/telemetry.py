@@ -25,6 +25,8 @@ Needs the ``otel`` extra (``pip install 'fairgate[otel]'``): the config says so 
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +125,18 @@ def _attributes(record: RequestRecord, operation: str) -> dict[str, Any]:
     return attributes | {key: value for key, value in optional.items() if value is not None}
 
 
+def resource_attributes(config: TelemetryConfig) -> dict[str, str | int]:
+    """The trace resource: ``service.name`` as configured, and which process sent it (the gateway's
+    processes share that name, and a trace must lead to the pod or host that served the request)."""
+    host, pid = socket.gethostname(), os.getpid()
+    return {
+        "service.name": config.service_name,
+        "service.instance.id": f"{host}:{pid}",
+        "host.name": host,
+        "process.pid": pid,
+    }
+
+
 def open_tracing(config: TelemetryConfig) -> Tracing | None:
     """The tracing of ``[telemetry]`` (None: off)."""
     if config.otlp_traces_url is None:
@@ -133,11 +147,11 @@ def open_tracing(config: TelemetryConfig) -> Tracing | None:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     # A provider of its own, not the process's global one: several gateway apps may share a process (tests).
-    provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}))
+    provider = TracerProvider(resource=Resource.create(resource_attributes(config)))
     # A collector that hangs costs at most this per export (the SDK's default, 10 s, held a stop for 11 s).
     exporter = OTLPSpanExporter(endpoint=config.otlp_traces_url, headers=dict(config.headers), timeout=EXPORT_TIMEOUT_S)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return Tracing(provider, provider.get_tracer("fairgate.gateway"))
 
 
-__all__ = ["OPERATIONS", "Tracing", "open_tracing"]
+__all__ = ["OPERATIONS", "Tracing", "open_tracing", "resource_attributes"]

@@ -8,7 +8,11 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,8 +32,9 @@ from tests.gateway.conftest import EMULATOR, ledger_call, write_config
 
 
 @contextmanager
-def collector() -> Iterator[tuple[str, list[Any]]]:
-    """An OTLP/HTTP traces endpoint on loopback: its URL and the spans it received (decoded)."""
+def collector(resources: list[dict[str, Any]] | None = None) -> Iterator[tuple[str, list[Any]]]:
+    """An OTLP/HTTP traces endpoint on loopback: its URL and the spans it received (decoded); each export's
+    resource attributes go to ``resources`` when given."""
     spans: list[Any] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -38,6 +43,8 @@ def collector() -> Iterator[tuple[str, list[Any]]]:
             request = ExportTraceServiceRequest.FromString(body)
             for resource in request.resource_spans:
                 service = {a.key: a.value.string_value for a in resource.resource.attributes}["service.name"]
+                if resources is not None:
+                    resources.append(attributes(resource.resource))
                 spans.extend((service, span) for scope in resource.scope_spans for span in scope.spans)
             self.send_response(200)
             self.send_header("content-type", "application/x-protobuf")
@@ -161,3 +168,44 @@ def test_the_access_log_names_each_requests_trace_and_a_callers_traceparent_is_i
     assert roots["in-caller-trace"].parent_span_id.hex() == caller_span
     assert not roots["own-trace"].parent_span_id and not roots["bad-traceparent"].parent_span_id
     assert len({line["trace_id"] for line in lines.values()}) == 3
+
+
+def test_serve_names_the_collector_at_start_and_each_process_is_told_apart_in_its_traces(tmp_path: Path) -> None:
+    """Found by a new user: nothing said tracing was on. ``fairgate serve`` prints where traces go (no
+    credentials, query or headers), and the resource names the host and process beside ``service.name``."""
+    from fairgate.harness.process import free_port
+
+    resources: list[dict[str, Any]] = []
+    with collector(resources) as (url, spans), serve_in_thread(create_app(EMULATOR)) as emulator:
+        path, keys = write_config(tmp_path, [emulator])
+        secret_url = url.replace("http://", "http://user:pw-secret@") + "?token=q-secret"
+        telemetry = f'\n[telemetry]\notlp_traces_url = "{secret_url}"\nheaders = {{ "x-api-key" = "h-secret" }}\n'
+        path.write_text(path.read_text() + telemetry)
+        port = free_port()
+        command = [sys.executable, "-m", "fairgate", "serve", "--config", str(path), "--port", str(port)]
+        process = subprocess.Popen(
+            [*command, "--duration", "20"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            for _ in range(300):
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health/live", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            body = {"model": "emu", "prompt": "a b", "max_tokens": 3, "ignore_eos": True}
+            headers = {"Authorization": f"Bearer {keys['alpha']}"}
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers, timeout=30)
+            process.send_signal(2)  # SIGINT: a graceful stop flushes the traces
+            out, err = process.communicate(timeout=60)
+        finally:
+            process.kill()
+    assert reply.status_code == 200
+    lines = [line for line in out.splitlines() if line.startswith("tracing:")]
+    assert lines == [f"tracing: OTLP/HTTP traces to {url} (service.name 'fairgate')"], out + err
+    assert "secret" not in out + err
+    assert len(spans) >= 2 and resources
+    for resource in resources:
+        assert resource["service.name"] == "fairgate" and resource["process.pid"] == process.pid
+        assert resource["host.name"] == socket.gethostname()
+        assert resource["service.instance.id"] == f"{socket.gethostname()}:{process.pid}"
