@@ -40,30 +40,45 @@ BODY = {"model": "emu", "prompt": "x", "max_tokens": 5, "ignore_eos": True}
 HOLD_S = 1.0
 
 
-class HeldFinalSettle(DeferredLedger):
-    """The ledger, whose first final ``settle`` waits ``HOLD_S`` before it is written; like a call queued for
-    a busy ledger, the wait can be cancelled, and then nothing is written."""
+class HeldSettle(DeferredLedger):
+    """The ledger, whose first final settlement (``FINAL``; else its first partial one) waits ``HOLD_S`` before
+    it is written (``written`` is set once it is); like a call queued for a busy ledger, the wait can be
+    cancelled, and then nothing is written."""
+
+    FINAL = True
 
     def __init__(self, quotas: Quotas, url: str) -> None:
         super().__init__(quotas, lambda: connect(url, quotas))
-        self.holding, self.done = threading.Event(), threading.Event()
+        self.holding, self.done, self.written = threading.Event(), threading.Event(), threading.Event()
         self.held = False
         self.cancelled = False
 
     async def settle(
         self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
     ) -> Reservation:
-        if final and not self.held:
-            self.held = True
-            self.holding.set()
-            try:
-                await asyncio.sleep(HOLD_S)
-            except asyncio.CancelledError:
-                self.cancelled = True
-                raise
-            finally:
-                self.done.set()
-        return await super().settle(reservation_id, input_tokens, output_tokens, gpu_ms, final)
+        if final != self.FINAL or self.held:
+            return await super().settle(reservation_id, input_tokens, output_tokens, gpu_ms, final)
+        self.held = True
+        self.holding.set()
+        try:
+            await asyncio.sleep(HOLD_S)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        finally:
+            self.done.set()
+        try:
+            return await super().settle(reservation_id, input_tokens, output_tokens, gpu_ms, final)
+        finally:
+            self.written.set()
+
+
+class HeldFinalSettle(HeldSettle):
+    FINAL = True
+
+
+class HeldPartialSettle(HeldSettle):
+    FINAL = False
 
 
 def _send(url: str, key: str, request_id: str) -> socket.socket:
@@ -171,25 +186,6 @@ def test_a_request_whose_final_settlement_failed_is_not_run_again_by_a_retry(tmp
             late = httpx.post(f"{gateway}/v1/completions", json=BODY, headers=headers, timeout=30)
         assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 5, served.text
         _assert_run_and_billed_once("lost-1", [early, late], emulator, config)
-
-
-class HeldPartialSettle(DeferredLedger):
-    """The ledger, whose first partial ``settle`` waits ``HOLD_S`` before it is written (a busy ledger)."""
-
-    def __init__(self, quotas: Quotas, url: str) -> None:
-        super().__init__(quotas, lambda: connect(url, quotas))
-        self.written = threading.Event()
-
-    async def settle(
-        self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
-    ) -> Reservation:
-        if not final and not self.written.is_set():
-            await asyncio.sleep(HOLD_S)
-            try:
-                return await super().settle(reservation_id, input_tokens, output_tokens, gpu_ms, final)
-            finally:
-                self.written.set()
-        return await super().settle(reservation_id, input_tokens, output_tokens, gpu_ms, final)
 
 
 def test_a_streams_first_token_reaches_its_client_only_once_the_ledger_holds_it(tmp_path: Path) -> None:
