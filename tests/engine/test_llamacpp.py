@@ -76,6 +76,16 @@ def _engine_timings(engine_url: str, words: int, tokens: int) -> dict[str, float
     return {k: float(v) for k, v in timings.items()}
 
 
+def _std_errors(calibrate_stdout: str) -> dict[str, float]:
+    """The standard error ``fairgate calibrate`` printed for each fitted parameter (its table's third column)."""
+    errors = {}
+    for line in calibrate_stdout.splitlines():
+        cells = [cell.strip() for cell in line.split("│")]
+        if len(cells) > 3 and cells[1] in ("iter_base_ms", "iter_slope_ms", "prefill_ms_per_token"):
+            errors[cells[1]] = float(cells[3])
+    return errors
+
+
 def engine_prefill_ms_per_token(engine_url: str) -> float:
     """The engine's marginal prefill cost per prompt token over the range calibrate probes (~30 to ~1,000
     tokens), by its own clock: two prompts alone, the difference of their ``prompt_ms`` over that of their
@@ -99,8 +109,14 @@ def test_calibrate_fits_the_engine_within_the_stated_error(calibrated, engine_ur
     base, slope = calibrated["iter_base_ms"], calibrated["iter_slope_ms"]
     print(f"calibrate: {calibrated['stdout']}")
     timing_claims_hold_here("the fit against the engine's own timings (a busy slow machine's steps wander)")
-    alone = _engine_timings(engine_url, 32, 64)
-    assert base + slope == pytest.approx(alone["predicted_per_token_ms"], rel=0.40)
+    alone = _engine_timings(engine_url, 32, 64)["predicted_per_token_ms"]
+    # A line through steps that are concave in B misses B = 1 by a machine-dependent amount (40 % on one
+    # machine, 56-60 % on another, its own worst probe 64 % off): the engine's step alone must lie within the
+    # fit's stated standard error there (the two parameters' errors added), and that error below the value.
+    stated = _std_errors(calibrated["stdout"])
+    band_ms = stated["iter_base_ms"] + stated["iter_slope_ms"]
+    assert band_ms < base + slope, stated
+    assert abs(base + slope - alone) <= max(0.40 * alone, band_ms), (base + slope, alone, stated)
     assert calibrated["prefill_ms_per_token"] == pytest.approx(engine_prefill_ms_per_token(engine_url), rel=0.30)
     if (os.cpu_count() or 1) < FULL_BATCH_CPUS_MIN:
         pytest.skip(
