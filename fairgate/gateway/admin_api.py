@@ -243,6 +243,7 @@ def _install_keys(app: FastAPI) -> None:
     @app.post("/admin/keys", dependencies=admin, tags=["admin"])
     async def add_key(request: Request, state: Gateway) -> JSONResponse:
         body = await read_body(request, NewKeyBody, BODY_BYTES_MAX)
+        _no_key_in_label(body.name, state)
         path = state.config.path  # the tenant is looked up in the file: one added by hand is found there
         target = {"tenant": body.tenant, "name": body.name}
         new = await _write(
@@ -286,6 +287,16 @@ def _install_keys(app: FastAPI) -> None:
             ),
         )
         return _answer(request, {**_key_document(new), "replaces": {**_ref(old), "expires": _time(ends)}})
+
+
+def _no_key_in_label(label: str | None, state: GatewayState) -> None:
+    """Refuse a key's label that holds a key this gateway knows, alone or among other words (``Bearer sk-...``,
+    ``my key is sk-...``): a label is written to the file, the audit log and ``GET /admin/keys`` in clear."""
+    words = (label or "").replace('"', " ").replace("'", " ").replace(",", " ").split()
+    if any(state.identity.is_key(word) for word in words):
+        raise Rejection(
+            Outcome.INVALID_REQUEST, "name: it holds an API key; a key's name is a label, written in clear.", "name"
+        )
 
 
 def _one_key(body: T, state: GatewayState) -> T:

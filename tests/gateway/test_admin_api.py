@@ -214,6 +214,11 @@ def test_a_key_pasted_where_its_hash_or_name_belongs_is_refused_and_never_writte
             refused = call(stack, "POST", "/admin/keys/revoke", body)
             assert refused.status_code == 400 and "that is an API key" in refused.text, refused.text
             assert leaked not in refused.text
+        # A new key's label holding a key, alone or among words, would be written in clear: refused too.
+        for label in (leaked, f"Bearer {leaked}", f"my key is '{leaked}',", f" {leaked}\n"):
+            made = call(stack, "POST", "/admin/keys", {"tenant": "alpha", "name": label})
+            assert made.status_code == 400 and "holds an API key" in made.text, made.text
+            assert leaked not in made.text
         # A name with a line separator of Unicode's: the audit log stays one record a line for every reader.
         odd = call(stack, "POST", "/admin/keys/revoke", {"name": "\u2028x\u0085"})
         assert odd.status_code == 404, odd.text
