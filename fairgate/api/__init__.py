@@ -22,6 +22,7 @@ from fairgate.api.tokens import (
     estimate_prompt_tokens,
     estimate_tokens,
     prompt_extras,
+    prompt_tokens_ceiling,
     prompt_tokens_floor,
 )
 
@@ -44,5 +45,6 @@ __all__ = [
     "estimate_tokens",
     "openapi_request_body",
     "prompt_extras",
+    "prompt_tokens_ceiling",
     "prompt_tokens_floor",
 ]

@@ -24,6 +24,10 @@ CHAT_MESSAGE_OVERHEAD_TOKENS = 3
 # BPE tokenizers give one token per ~4 bytes of English; none in use gives fewer than one per 8 bytes, so
 # text without spaces (a 900 KB word would count as 1 word) is not admitted for almost nothing.
 BYTES_PER_TOKEN_MAX = 8
+# What a chat template adds per message, at most, and to the whole prompt (the system prompt a template may
+# insert, a generation prompt, BOS): a ceiling on an engine's count, far above any template in use.
+TEMPLATE_TOKENS_PER_MESSAGE_MAX = 64
+TEMPLATE_TOKENS_MAX = 256
 # A chat body's prompt besides its messages' content.
 PROMPT_FIELDS = ("tools", "functions", "tool_choice", "response_format")
 
@@ -61,6 +65,18 @@ def prompt_tokens_floor(body: ChatRequest | CompletionRequest) -> int:
     estimate counts, no chat-template overhead (token ids: one each). An engine's own count is held to at
     least this, so an engine that answers too little cannot size a request below what its bytes are."""
     return _prompt_count(body, bytes_floor, 0)
+
+
+def prompt_tokens_ceiling(body: ChatRequest | CompletionRequest) -> int:
+    """The most prompt tokens ``body`` can be, whoever counts it: one per UTF-8 byte of everything the estimate
+    counts (a byte-level tokenizer never gives more: its fallback is one token a byte), plus what a chat
+    template adds (``TEMPLATE_TOKENS_PER_MESSAGE_MAX`` a message, ``TEMPLATE_TOKENS_MAX`` in all). An engine
+    count above it is not believed (``fairgate.gateway.tokenizer``)."""
+    return _prompt_count(body, _utf8_bytes, TEMPLATE_TOKENS_PER_MESSAGE_MAX) + TEMPLATE_TOKENS_MAX
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text.encode("utf-8"))
 
 
 def _prompt_count(body: ChatRequest | CompletionRequest, count: Callable[[str], int], per_message: int) -> int:

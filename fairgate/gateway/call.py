@@ -348,7 +348,9 @@ class Call:
             await self._refund()
             return
         generation = self.admitted.generation
-        billed = billed_tokens(call, reservation.max_output_tokens, generation.prompt_tokens_max)
+        billed = billed_tokens(
+            call, reservation.max_output_tokens, generation.prompt_tokens_estimated, generation.prompt_tokens_max
+        )
         # A call the upstream failed is billed the GPU time up to its last token: a stall until the idle
         # timeout, or the wait for bytes that never came, delivered nothing.
         gpu_ms = min(call.gpu_ms_at_last_token if call.failed else call.gpu_ms, GPU_MS_BILLED_MAX)

@@ -85,6 +85,8 @@ class Generation:
         prompt_tokens_max: the most prompt tokens an upstream that serves it can have read: its largest
             context (an embeddings request: times its inputs). An upstream's usage above this is not believed
             (``usage_rule``).
+        prompt_tokens_estimated: the gateway's own estimate of the prompt (``estimate_prompt_tokens``), whoever
+            counted ``prompt_tokens``: an upstream's usage far below it is not believed (``usage_rule``).
     """
 
     request_id: str
@@ -100,12 +102,14 @@ class Generation:
     pools: tuple[str, ...] = ()
     sequences: int = 1
     prompt_tokens_max: int = 0  # never below the estimate (``__post_init__``)
+    prompt_tokens_estimated: int = 0  # 0: ``prompt_tokens`` is the estimate (``__post_init__``)
 
     def __post_init__(self) -> None:
         # A generation built without them (a plain model) is its own class and pool.
         object.__setattr__(self, "model_class", self.model_class or self.model)
         object.__setattr__(self, "pools", self.pools or (self.model,))
         object.__setattr__(self, "prompt_tokens_max", max(self.prompt_tokens_max, self.prompt_tokens))
+        object.__setattr__(self, "prompt_tokens_estimated", self.prompt_tokens_estimated or self.prompt_tokens)
 
     @property
     def stream(self) -> bool:
@@ -234,7 +238,8 @@ def size_up(
     engine of the model counted them (``fairgate.gateway.tokenizer``), held to at least
     ``prompt_tokens_floor``; None: estimated. Raises ``Rejection`` 400/404/413."""
     served, serving, context = _serving(config, body.model)
-    prompt_tokens = estimate_prompt_tokens(body) if counted is None else max(counted, prompt_tokens_floor(body))
+    estimated = estimate_prompt_tokens(body)
+    prompt_tokens = estimated if counted is None else max(counted, prompt_tokens_floor(body))
     if prompt_tokens >= context:
         raise Rejection(
             Outcome.PROMPT_TOO_LONG,
@@ -272,6 +277,7 @@ def size_up(
         served.pools,
         body.n,
         max(u.max_model_len for u in serving),
+        estimated,
     )
 
 

@@ -14,8 +14,11 @@ the engine, with its chat template, before anything is reserved:
   its completion endpoints tokenize it (BOS added); the answer's ``tokens``, counted.
 
 The count asked of the first serving upstream (primary pool first) that can give one, through its own HTTP
-session (its key and headers), within its ``tokenize_timeout_s`` for the whole exchange. No answer in time,
-an error status, an answer without a count, or no such upstream (SGLang, TGI and hosted providers: their
+session (its key and headers), within its ``tokenize_timeout_s`` for the whole exchange. A prompt whose bytes
+alone exceed the context is not sent to be counted (it is refused, 413, whatever the count). No answer in time,
+an error status, an answer without a count, a count above what the prompt can be (``prompt_tokens_ceiling``:
+one token a byte plus any chat template; a tokenizer on the wrong model must not bill a tenant for it), or
+no such upstream (SGLang, TGI and hosted providers: their
 tokenizer endpoints, where they have one, do not apply the chat template) leave the estimate. Nothing is
 cached: each request is counted on its own, whoever sends it. An upstream's tokenizer starting to fail is
 logged once (warning ``tokenizer_unavailable``, naming the upstream and what failed), and coming back once
@@ -36,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from fairgate.api import ChatRequest, CompletionRequest
+from fairgate.api import ChatRequest, CompletionRequest, prompt_tokens_ceiling, prompt_tokens_floor
 from fairgate.gateway.config import UpstreamConfig
 from fairgate.gateway.state import GatewayState
 from fairgate.gateway.upstream import UpstreamClient
@@ -59,15 +62,24 @@ async def engine_prompt_tokens(state: GatewayState, body: ChatRequest | Completi
         return None
     if isinstance(body, CompletionRequest) and body.prompt_text() is None:
         return None  # token ids: the estimate counts them exactly
+    if prompt_tokens_floor(body) >= _context(state, body.model):
+        return None  # too long whatever the engine says: refused (413) without asking it
     settings = client.settings
     try:
         async with asyncio.timeout(settings.tokenize_timeout_s):
             count = await _count(client, settings, body)
+        if count > prompt_tokens_ceiling(body):
+            raise NoCount(f"answered {count} tokens, more than the prompt's bytes and any chat template make")
     except (aiohttp.ClientError, TimeoutError, NoCount) as exc:
         _noted(client, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         return None
     _noted(client, None)
     return count
+
+
+def _context(state: GatewayState, model: str) -> int:
+    """The smallest context among ``model``'s upstreams (the one ``intake.size_up`` checks against)."""
+    return min(u.max_model_len for u in state.config.upstreams_for(model))
 
 
 def _counting_upstream(state: GatewayState, model: str) -> UpstreamClient | None:

@@ -46,13 +46,15 @@ class Billed:
         return {"prompt_tokens": self.input_tokens, "completion_tokens": self.output_tokens}
 
 
-def billed_tokens(call: CallState, max_output: int, prompt_tokens_max: int) -> Billed:
+def billed_tokens(call: CallState, max_output: int, prompt_tokens_estimated: int, prompt_tokens_max: int) -> Billed:
     """The tokens to bill ``call`` (see module docstring): the upstream's usage where it is believed, the
-    gateway's counts (prompt estimate, pieces relayed) elsewhere; output within ``max_output``."""
+    gateway's counts (the prompt as sized, pieces relayed) elsewhere; output within ``max_output``.
+    ``prompt_tokens_estimated``: the gateway's own estimate, the base of the under-report check (an engine's
+    count of the prompt, which sized the request, is the engine's word too)."""
     usage = billable_usage(call.usage) or {}
     contradicted: dict[str, Any] = {}
     reported_input = usage.get("prompt_tokens", call.prompt_tokens)
-    prompt_tokens_min = max(1, call.prompt_tokens // PROMPT_UNDER_RATIO - USAGE_SLACK_TOKENS)  # no prompt reads as 0
+    prompt_tokens_min = max(1, prompt_tokens_estimated // PROMPT_UNDER_RATIO - USAGE_SLACK_TOKENS)  # never 0
     if not prompt_tokens_min <= reported_input <= prompt_tokens_max:
         contradicted["prompt_tokens"] = reported_input
         reported_input = call.prompt_tokens

@@ -237,3 +237,41 @@ def test_llamacpp_running_count_past_max_tokens_stops_the_stream(tmp_path: Path)
         [r] = stack.reservations()
     assert texts == ["a"] and "max_tokens" in str(stopped.value)
     assert r.billed.output_tokens == 1
+
+
+def test_an_engine_count_no_tokenizer_could_give_is_not_believed(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """30,000 tokens for a 26-byte chat is more than one a byte plus any chat template: the estimate sizes it,
+    and the engine's usage (10) is what is billed - the count it answered at first never reaches the bill."""
+    engine = TokenizingEngine("vllm", count=30_000, chunks=[])
+    words = [{"choices": [{"index": 0, "delta": {"content": w}}]} for w in ("one", " two", " three")]
+    engine.chunks = [*words, {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 3}}]
+    chat = [{"role": "user", "content": "hello there general kenobi"}]
+    with gateway(tmp_path, engine) as (stack, client):
+        reply = client.chat.completions.create(model="emu", messages=chat, max_tokens=3)  # type: ignore[arg-type]
+        [r] = stack.reservations()
+    assert r.input_tokens == estimate_prompt_tokens(ChatRequest(model="emu", messages=chat)) < 30_000, r
+    assert r.billed.input_tokens == 10 and reply.usage is not None and reply.usage.prompt_tokens == 10
+    assert any("tokenizer_unavailable" in m and "more than the prompt's bytes" in m for m in caplog.messages)
+
+
+def test_an_engine_whose_count_sized_the_request_is_billed_its_usage_below_that_count(tmp_path: Path) -> None:
+    """The engine counted 200 (within what the prompt can be) and then reported 10 in its usage: the usage is
+    believed (it is above the gateway's own estimate's under-report bound), and billed."""
+    engine = TokenizingEngine("vllm", count=200, chunks=[])
+    words = [{"choices": [{"index": 0, "delta": {"content": w}}]} for w in ("one", " two", " three")]
+    engine.chunks = [*words, {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 3}}]
+    chat = [{"role": "user", "content": "hello there general kenobi " * 6}]
+    with gateway(tmp_path, engine) as (stack, client):
+        client.chat.completions.create(model="emu", messages=chat, max_tokens=3)  # type: ignore[arg-type]
+        [r] = stack.reservations()
+    assert (r.input_tokens, r.billed.input_tokens) == (200, 10), r
+
+
+def test_a_prompt_over_the_context_by_its_bytes_alone_is_refused_without_asking_the_engine(tmp_path: Path) -> None:
+    engine = TokenizingEngine("vllm", count=10)
+    long = [{"role": "user", "content": "x" * (8 * CONTEXT + 8)}]
+    with gateway(tmp_path, engine, max_model_len=CONTEXT) as (stack, client):
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model="emu", messages=long, max_tokens=3)  # type: ignore[arg-type]
+        assert stack.reservations() == []
+    assert refused.value.status_code == 413 and engine.paths() == []
