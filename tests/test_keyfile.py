@@ -187,3 +187,6 @@ def test_the_manifests_placeholder_key_and_admin_hash_are_replaced_by_the_comman
     assert again.returncode == 2 and "no admin key hash matches" in again.stderr and path.read_text() == after
     short = fairgate("keys", "revoke-admin", "--config", str(path), "--hash", "sha256$12")
     assert short.returncode == 2 and "at least 12 characters" in short.stderr
+    last = loaded.admin.key_hashes[0][:19]  # the one left: removing it would lock the admin API for good
+    locked = fairgate("keys", "revoke-admin", "--config", str(path), "--hash", last)
+    assert locked.returncode == 2 and "the last admin key" in locked.stderr and path.read_text() == after

@@ -253,7 +253,8 @@ def revoke_key(
 def admin_key_revoked(path: Path, hash_prefix: str) -> Change[str]:
     """Remove the one ``[admin].key_hashes`` entry that starts with ``hash_prefix`` (12+ characters after
     ``sha256$``, as ``fairgate keys list`` shows it): the change; its result is the hash removed. Raises
-    ``ValueError``: a prefix too short, no hash or several match; ``KeyFileError``: the list cannot be edited
+    ``ValueError``: a prefix too short, no hash or several match, or it is the last one (the admin API would
+    be locked); ``KeyFileError``: the list cannot be edited
     safely (it is not an array of strings in an ``[admin]`` table)."""
     prefix = hash_prefix.removesuffix("...")
     if len(prefix.removeprefix("sha256$")) < 12:
@@ -268,6 +269,10 @@ def admin_key_revoked(path: Path, hash_prefix: str) -> Change[str]:
             raise ValueError(f"{path}: hash {hash_prefix!r}: no admin key hash matches (see: fairgate keys list)")
         if len(matches) > 1:
             raise ValueError(f"{path}: hash {hash_prefix!r}: {len(matches)} admin hashes match; give a longer prefix")
+        if len(hashes) == 1:  # nobody could reach the admin API (writes, reloads, metrics) any more
+            raise ValueError(
+                f"{path}: hash {hash_prefix!r} is the last admin key; add another first (fairgate keys add-admin)"
+            )
         gone = str(hashes[matches[0]])
         listed = document.get("admin", {}).get("key_hashes")
         if not isinstance(listed, tomlkit.items.Array):
