@@ -14,7 +14,9 @@ Format: ``base64url(payload) + "." + base64url(HMAC-SHA256(secret, "fairgate-das
 payload ``{"exp": expiry s, "t": tenant or "", "v": 1}``; the prefix keeps a link's signature from ever
 passing as an on-behalf-of token's, which is signed with the same secret (``fairgate.gateway.auth``).
 The secret is the delegation secret when configured (every process that shares it takes the link),
-else a random one per process (the link works on the process that made it, until it restarts).
+else a random one per process (the link works on the process that made it, until it restarts). A link
+cannot be revoked before it expires, short of a new secret (which voids every link and on-behalf-of token):
+making one is recorded in the audit log (``dashboard_link.make``: who, which view, until when).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from fairgate.gateway import audit
 from fairgate.gateway.identity import Bearer, Caller, admin_or_tenant, require_admin
 from fairgate.gateway.intake import read_body
 from fairgate.gateway.outcomes import Outcome, Rejection
@@ -149,6 +152,11 @@ def install(app: FastAPI) -> None:
             raise Rejection(Outcome.TENANT_NOT_FOUND, f"No tenant {body.tenant!r} is configured.", "tenant")
         expires = state.clock.wall_s() + body.ttl_s
         token = make_token(secret_of(state), body.tenant, expires)
+        # A link cannot be taken back before it expires (only a new delegation secret voids every link), so who
+        # made one, for which view and until when, is on record (never the token).
+        target = {"tenant": body.tenant, "expires_at_s": round(expires, 3)}
+        entry = audit.record("dashboard_link.make", audit.admin_actor(request), target, "applied")
+        audit.append_or_log(state.config.audit_log_path, entry)
         document: dict[str, Any] = {
             "object": "dashboard_link",
             "url": f"/dashboard#signin={PREFIX}{token}",

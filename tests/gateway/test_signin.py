@@ -58,6 +58,13 @@ def test_a_link_opens_its_view_of_the_dashboard_and_nothing_else(tmp_path: Path)
             headers = bearer(key) if key else {}
             answer = httpx.post(f"{url}/admin/dashboard-links", json=body, headers=headers, timeout=10)
             assert answer.status_code == status, (body, answer.text)
+        # A link cannot be taken back before it expires: who made which, until when, is in the audit log.
+        records = httpx.get(f"{url}/admin/audit", headers=ADMIN, timeout=10).json()["data"]
+        made_links = [r for r in records if r["action"] == "dashboard_link.make"]
+        assert [r["target"]["tenant"] for r in made_links] == ["beta", None], made_links
+        assert made_links[0]["target"]["expires_at_s"] == link["expires_at_s"]
+        assert all(r["actor"].startswith("admin:sha256$") for r in made_links)
+        assert token.removeprefix(PREFIX) not in str(records)
 
 
 def test_a_token_is_refused_expired_with_another_secret_or_too_far_ahead() -> None:
