@@ -286,7 +286,8 @@ def _install_keys(app: FastAPI) -> None:
                 {r.hash for r in rotated[:2]},
             ),
         )
-        return _answer(request, {**_key_document(new), "replaces": {**_ref(old), "expires": _time(ends)}})
+        replaced = {**_ref(old), "expires": _time(ends), "removed": ends is None}  # None: gone now, not "never"
+        return _answer(request, {**_key_document(new), "replaces": replaced})
 
 
 def _no_key_in_label(label: str | None, state: GatewayState) -> None:

@@ -57,6 +57,7 @@ def test_keys_made_rotated_and_revoked_over_http_work_at_once_are_in_the_file_an
         assert rotated.json()["replaces"] == {
             **{k: made.json()[k] for k in ("tenant", "name", "hash")},
             "expires": None,
+            "removed": True,  # grace 0: gone now (expires None alone read as "never")
         }
         assert complete(stack, first).status_code == 401 and complete(stack, second).status_code == 200
         listed = call(stack, "GET", "/admin/keys").json()["data"]
