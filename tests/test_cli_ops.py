@@ -113,7 +113,7 @@ def test_a_bad_line_is_named_and_exits_2(served, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--log", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: no such file"),
+        (["--log", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: file not found"),
         ([], "give --log PATH (the request log) or --config FILE"),
         (["--log", "{tmp}/none.jsonl", "--config", "{tmp}/x.toml"], "give --log PATH or --config FILE, not both"),
         (["--config", "{tmp}/x.toml"], "{tmp}/x.toml"),

@@ -19,7 +19,7 @@ demo on a loaded machine logged a drift every half second.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fairgate.core.cost import CostModel
 
@@ -40,16 +40,18 @@ class StepDrift:
         band: the relative drift tolerated (0.25: a ratio in [0.8, 1.25]).
         min_steps: iterations observed before the ratio is reported.
         steps: observations taken.
+        drifted: whether the ratio is out of the band (with hysteresis, below).
     """
 
     cost: CostModel
     alpha: float = 0.02
     band: float = 0.25
     min_steps: int = 50
-    steps: int = 0
-    _iterations: float = 0.0
-    _log_ratio: float = 0.0
-    drifted: bool = False
+    # What it has observed: state, not parameters.
+    steps: int = field(default=0, init=False)
+    drifted: bool = field(default=False, init=False)
+    _iterations: float = field(default=0.0, init=False, repr=False)
+    _log_ratio: float = field(default=0.0, init=False, repr=False)
 
     @property
     def ratio(self) -> float | None:

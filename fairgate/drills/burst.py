@@ -234,17 +234,19 @@ class BurstResult(ComparedResult[BurstConfig, PolicyFigures]):
             and self.main.ratio <= c.ttft_ratio_max,
         } | history_check(self.main.history, "the load's end hangs up on those still running: <= 8 tokens read short")
 
-    def intro(self) -> list[str]:
-        c = self.config
-        return [
-            f"[bold]drill burst[/bold]: {c.burster!r} starts {c.burst_clients} closed-loop clients "
-            f"({c.burst_factor:g}x its share of {c.slots} slots) at {c.seconds:g} s; {', '.join(c.others)} send "
-            f"{c.others_rate_per_s:.2f} req/s each throughout ({c.others_load:.0%} of a share); {fleet(c)}, "
-            f"{c.replica.iter_base_ms:g} ms iterations, outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens.",
-            f"Claim: the others' p99 TTFT during the burst (requests sent {c.burst_window_s[0]:g}-"
-            f"{c.burst_window_s[1]:g} s) <= {c.ttft_ratio_max:g} x their p99 before it "
-            f"({c.baseline_window_s[0]:g}-{c.baseline_window_s[1]:g} s, same load without {c.burster!r}).",
-        ]
+    INTRO = """
+        [bold]drill burst[/bold]: {c.burster!r} starts {c.burst_clients} closed-loop clients ({c.burst_factor:g}x
+        its share of {c.slots} slots) at {c.seconds:g} s; {others} send {c.others_rate_per_s:.2f} req/s each
+        throughout ({c.others_load:.0%} of a share); {fleet}, {c.replica.iter_base_ms:g} ms iterations, outputs
+        {c.output_tokens[0]}-{c.output_tokens[1]} tokens.
+
+        Claim: the others' p99 TTFT during the burst (requests sent {c.burst_window_s[0]:g}-{c.burst_window_s[1]:g}
+        s) <= {c.ttft_ratio_max:g} x their p99 before it ({c.baseline_window_s[0]:g}-{c.baseline_window_s[1]:g} s,
+        same load without {c.burster!r}).
+    """
+
+    def intro_fields(self) -> dict[str, Any]:
+        return super().intro_fields() | {"fleet": fleet(self.config), "others": ", ".join(self.config.others)}
 
     def body(self) -> list[Any]:
         problems = [f"[red]problem[/red]: {problem}" for problem in self.problems]

@@ -393,15 +393,17 @@ class CancellationResult(ConfiguredResult[CancellationConfig, CancellationFigure
             <= f.billed_tokens + bound * cut_running
         }
 
-    def intro(self) -> list[str]:
-        c = self.config
-        return [
-            f"[bold]drill cancellation[/bold]: {c.requests} streamed requests over {len(c.tenants)} tenants, "
-            f"{c.concurrency} at a time, on {fleet(c)} ({c.replica.iter_base_ms:g} ms iterations), policy "
-            f"{self.main.policy}; max_tokens {c.output_tokens[0]}-{c.output_tokens[1]} (log-uniform, ignore_eos); "
-            "each client closes its stream at a random point.",
-            "Claim: every slot released, every reservation final, billed tokens == tokens generated.",
-        ]
+    INTRO = """
+        [bold]drill cancellation[/bold]: {c.requests} streamed requests over {tenants} tenants, {c.concurrency} at
+        a time, on {fleet} ({c.replica.iter_base_ms:g} ms iterations), policy {main.policy}; max_tokens
+        {c.output_tokens[0]}-{c.output_tokens[1]} (log-uniform, ignore_eos); each client closes its stream at a
+        random point.
+
+        Claim: every slot released, every reservation final, billed tokens == tokens generated.
+    """
+
+    def intro_fields(self) -> dict[str, Any]:
+        return super().intro_fields() | {"fleet": fleet(self.config), "tenants": len(self.config.tenants)}
 
     def body(self) -> list[Any]:
         f = self.main

@@ -225,19 +225,24 @@ class OutageResult(ConfiguredResult[OutageConfig, OutageFigures]):
             f"converged within {c.converge_s_max:g} s of the ledger's return": f.converge_s is not None,
         } | history_check(f.history, "emergency grants replayed as reservations of their ids; exact")
 
-    def intro(self) -> list[str]:
-        c, f, t = self.config, self.main, self.main.timeline
-        e = c.emergency
-        return [
-            f"[bold]drill outage[/bold]: ledger = a throwaway redis-server (AOF, fsync always); tenants {c.free!r} "
-            f"(tier reject) and {c.paid!r} (tier emergency: {e.requests} requests, {e.tokens} tokens, {e.seconds:g} "
-            f"s), {c.clients} closed-loop clients each (outputs {c.output_tokens[0]}-{c.output_tokens[1]} tokens), "
-            f"gateway {'process' if self.processes else 'in-process'}, sweep {c.sweep_s:g} s, reservation TTL "
-            f"{c.reservation_ttl_s:g} s.",
-            f"Fault: SIGTERM to the ledger server at {t.stop_at_s:.1f} s (gone at {t.down_at_s:.1f} s), started "
-            f"again at {t.restart_at_s:.1f} s, answering at {t.up_at_s:.1f} s: down {t.down_s:.1f} s. "
-            f"Journal just before the restart: {fmt_counts(f.journal_at_restart) or 'empty'}.",
-        ]
+    INTRO = """
+        [bold]drill outage[/bold]: ledger = a throwaway redis-server (AOF, fsync always); tenants {c.free!r} (tier
+        reject) and {c.paid!r} (tier emergency: {c.emergency.requests} requests, {c.emergency.tokens} tokens,
+        {c.emergency.seconds:g} s), {c.clients} closed-loop clients each (outputs
+        {c.output_tokens[0]}-{c.output_tokens[1]} tokens), gateway {gateway}, sweep {c.sweep_s:g} s, reservation
+        TTL {c.reservation_ttl_s:g} s.
+
+        Fault: SIGTERM to the ledger server at {t.stop_at_s:.1f} s (gone at {t.down_at_s:.1f} s), started again at
+        {t.restart_at_s:.1f} s, answering at {t.up_at_s:.1f} s: down {t.down_s:.1f} s. Journal just before the
+        restart: {journal}.
+    """
+
+    def intro_fields(self) -> dict[str, Any]:
+        return super().intro_fields() | {
+            "t": self.main.timeline,
+            "gateway": "process" if self.processes else "in-process",
+            "journal": fmt_counts(self.main.journal_at_restart) or "empty",
+        }
 
     def body(self) -> list[Any]:
         f = self.main

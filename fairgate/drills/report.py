@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from fairgate.drills import DrillOptions
@@ -83,6 +83,20 @@ class ConfiguredResult(DrillResult, Generic[ConfigT, FiguresT]):
 
     config: ConfigT
     main: FiguresT
+
+    # The setting and the claim: a ``str.format`` template over ``intro_fields()``, a paragraph (lines apart
+    # by a blank one) a line of the intro. A drill whose intro is not a template overrides ``intro()``.
+    INTRO: ClassVar[str] = ""
+
+    def intro_fields(self) -> dict[str, Any]:
+        """The names ``INTRO`` may use: ``c`` (the config) and ``main`` (the figures of the run)."""
+        return {"c": self.config, "main": self.main}
+
+    def intro(self) -> list[str]:
+        if not self.INTRO:
+            raise NotImplementedError(f"{type(self).__name__}: give it an INTRO or an intro()")
+        text = self.INTRO.format(**self.intro_fields())
+        return [" ".join(paragraph.split()) for paragraph in text.split("\n\n")]
 
 
 @dataclass(frozen=True)

@@ -223,22 +223,30 @@ class RestartResult(ConfiguredResult[RestartConfig, RestartFigures]):
             f"history checker: {f.history.summary()}": f.history.ok,
         }
 
-    def intro(self) -> list[str]:
-        c, f = self.config, self.main
-        b, a = f.sent.get("B", Counter()), f.sent.get("A", Counter())
-        return [
-            f"[bold]drill restart[/bold]: two gateway processes (A, B) on one Redis ledger and {c.replicas} emulated "
-            f"replicas ({c.gateway_batch} slots each per gateway); reservation TTL {c.reservation_ttl_s:g} s, sweep "
-            f"{c.sweep_s:g} s. Load: alpha {c.alpha_clients} clients on A (outputs {c.alpha_output[0]}-"
-            f"{c.alpha_output[1]}), long {c.long_clients} on B ({c.long_output[0]}-{c.long_output[1]} tokens, "
-            f"longer than the TTL), beta {c.beta_clients} on B.",
-            f"Fault: SIGKILL to A at {f.kill_at_s:.1f} s with {f.at_kill.get('in flight', 0)} requests in flight and "
-            f"{f.at_kill.get('queued', 0)} queued; A started again {c.restart_after_s:g} s later, answering "
-            f"{f.restart_ready_s:.1f} s after the kill.",
-            f"Load held: B served {b.get('ok', 0)} requests ({f.long_outlived_ttl} of them longer than the TTL) "
-            f"with {sum(n for k, n in b.items() if k != 'ok')} errors; A served {a.get('ok', 0)} "
-            f"({f.a_after_restart_ok} after its restart).",
-        ]
+    INTRO = """
+        [bold]drill restart[/bold]: two gateway processes (A, B) on one Redis ledger and {c.replicas} emulated
+        replicas ({c.gateway_batch} slots each per gateway); reservation TTL {c.reservation_ttl_s:g} s, sweep
+        {c.sweep_s:g} s. Load: alpha {c.alpha_clients} clients on A (outputs
+        {c.alpha_output[0]}-{c.alpha_output[1]}), long {c.long_clients} on B
+        ({c.long_output[0]}-{c.long_output[1]} tokens, longer than the TTL), beta {c.beta_clients} on B.
+
+        Fault: SIGKILL to A at {main.kill_at_s:.1f} s with {at_kill[in flight]} requests in flight and
+        {at_kill[queued]} queued; A started again {c.restart_after_s:g} s later, answering
+        {main.restart_ready_s:.1f} s after the kill.
+
+        Load held: B served {b[ok]} requests ({main.long_outlived_ttl} of them longer than the TTL) with
+        {b_errors} errors; A served {a[ok]} ({main.a_after_restart_ok} after its restart).
+    """
+
+    def intro_fields(self) -> dict[str, Any]:
+        sent = self.main.sent
+        b = sent.get("B", Counter())
+        return super().intro_fields() | {
+            "a": sent.get("A", Counter()),
+            "b": b,
+            "b_errors": b.total() - b["ok"],
+            "at_kill": Counter(self.main.at_kill),
+        }
 
     def body(self) -> list[Any]:
         f = self.main

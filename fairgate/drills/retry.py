@@ -323,15 +323,22 @@ class RetryResult(ConfiguredResult[RetryConfig, RetryFigures]):
             and f.replicas_running_after == 0,
         } | history_check(f.history, f"a timed-out original: <= {c.output_tokens[1]} tokens billed unread")
 
-    def intro(self) -> list[str]:
+    INTRO = """
+        [bold]drill retry[/bold]: {c.ids} request ids over {tenants} in {c.seconds:g} s, each re-sent
+        {c.resends[0]}-{c.resends[1]}x (patterns: {patterns}), half streamed, outputs
+        {c.output_tokens[0]}-{c.output_tokens[1]} tokens; {fleet}, policy {main.policy}; requests_per_minute
+        {c.requests_per_minute}, burst ids+1.
+
+        Claim: the same request id is never run, reserved, billed or deducted twice.
+    """
+
+    def intro_fields(self) -> dict[str, Any]:
         c = self.config
-        return [
-            f"[bold]drill retry[/bold]: {c.ids} request ids over {', '.join(c.tenants)} in {c.seconds:g} s, each "
-            f"re-sent {c.resends[0]}-{c.resends[1]}x (patterns: {', '.join(PATTERNS)}), half streamed, outputs "
-            f"{c.output_tokens[0]}-{c.output_tokens[1]} tokens; {fleet(c)}, policy {self.main.policy}; "
-            f"requests_per_minute {c.requests_per_minute}, burst ids+1.",
-            "Claim: the same request id is never run, reserved, billed or deducted twice.",
-        ]
+        return super().intro_fields() | {
+            "fleet": fleet(c),
+            "tenants": ", ".join(c.tenants),
+            "patterns": ", ".join(PATTERNS),
+        }
 
     def body(self) -> list[Any]:
         f, problems = self.main, self.problems()

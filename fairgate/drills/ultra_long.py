@@ -210,18 +210,20 @@ class UltraLongResult(ComparedResult[UltraLongConfig, PolicyFigures]):
     def body(self) -> list[Any]:
         return super().body() + history_lines(self.main.history)
 
-    def intro(self) -> list[str]:
-        c = self.config
-        return [
-            f"[bold]drill ultra_long[/bold]: {c.agent!r} sends {c.agent_output_tokens}-token requests "
-            f"({c.agent_clients} clients in {c.agent_runs} agent runs, {c.max_model_calls} calls and "
-            f"{c.run_max_tokens:,} tokens per run) beside {', '.join(c.others)} ({c.clients_per_tenant} clients "
-            f"each, outputs {c.other_output_tokens[0]}-{c.other_output_tokens[1]} tokens); all backlogged for "
-            f"{c.seconds:g} s on {fleet(c)}.",
-            f"Claim: GPU shares billed in the ledger from the agent's start ({c.agent_start_s:g} s) on, within "
-            f"{c.share_ratio_max:g}x of each other (weighted), the agent at most its share + {c.agent_margin:.0%}; "
-            "the agent's run limits hold.",
-        ]
+    INTRO = """
+        [bold]drill ultra_long[/bold]: {c.agent!r} sends {c.agent_output_tokens}-token requests ({c.agent_clients}
+        clients in {c.agent_runs} agent runs, {c.max_model_calls} calls and {c.run_max_tokens:,} tokens per run)
+        beside {others} ({c.clients_per_tenant} clients each, outputs
+        {c.other_output_tokens[0]}-{c.other_output_tokens[1]} tokens); all backlogged for {c.seconds:g} s on
+        {fleet}.
+
+        Claim: GPU shares billed in the ledger from the agent's start ({c.agent_start_s:g} s) on, within
+        {c.share_ratio_max:g}x of each other (weighted), the agent at most its share + {c.agent_margin:.0%}; the
+        agent's run limits hold.
+    """
+
+    def intro_fields(self) -> dict[str, Any]:
+        return super().intro_fields() | {"fleet": fleet(self.config), "others": ", ".join(self.config.others)}
 
     def policy_table(self, figs: PolicyFigures) -> Any:
         caption = (

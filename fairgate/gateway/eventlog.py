@@ -88,6 +88,7 @@ from fastapi import FastAPI
 
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Fanout, Finished, Left, Rejected
+from fairgate.inputfile import open_regular
 from fairgate.ledger.base import tenant_tag
 from fairgate.ledger.config import TenantQuota
 
@@ -661,15 +662,7 @@ def read_records(path: Path, rotated: bool = True) -> Iterator[tuple[Path, int, 
             format version, a missing key or a value of the wrong type; the message names the file and line.
     """
     for file in log_files(path) if rotated else [path]:
-        try:
-            handle = open(file, "rb")  # noqa: SIM115 - closed below
-        except FileNotFoundError:
-            raise EventLogError(f"{file}: no such file") from None
-        except IsADirectoryError:
-            raise EventLogError(f"{file}: is a directory, not a request log") from None
-        except OSError as exc:
-            raise EventLogError(f"{file}: cannot read: {exc.strerror or exc}") from None
-        with handle:
+        with open_regular(file, EventLogError, "a request log") as handle:
             number = 0
             try:
                 for number, raw in enumerate(handle, start=1):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
+from fairgate.ledger.model import TenantUsage
+
 if TYPE_CHECKING:
     from fairgate.harness.records import TenantStats
     from fairgate.ledger import Ledger, Reservation
@@ -32,18 +34,6 @@ def bench_quotas(tenants: int) -> dict[str, object]:
     """A quota file (as a dict, for ``quotas_from_dict``) of ``tenants`` tenants ``bench0``, ``bench1``, ...
     under ``UNREACHED_LIMITS``."""
     return {"defaults": UNREACHED_LIMITS, "tenants": {f"bench{i}": {} for i in range(tenants)}}
-
-
-@dataclass(frozen=True)
-class TenantTotals:
-    """One tenant's totals in the ledger: reservations, billed tokens and GPU ms, reservations by status."""
-
-    tenant: str
-    requests: int
-    input_tokens: int
-    output_tokens: int
-    gpu_ms: float
-    by_status: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -80,7 +70,7 @@ class RequestOutcomes:
 class LedgerReport:
     """Every tenant's ledger totals at one moment, and its share of the GPU time billed."""
 
-    totals: dict[str, TenantTotals]
+    totals: dict[str, TenantUsage]  # all time: reservations made, billed tokens and GPU ms, reservations by status
 
     @property
     def gpu_ms(self) -> float:
@@ -90,15 +80,18 @@ class LedgerReport:
         """What was billed since ``before`` (an earlier report of the same ledger)."""
         totals = {}
         for name, now in self.totals.items():
-            then = before.totals.get(name, TenantTotals(name, 0, 0, 0, 0.0, {}))
+            then = before.totals.get(name, TenantUsage(name, now.window_s, 0, 0, 0, 0.0, 0.0, {}))
             statuses = set(now.by_status) | set(then.by_status)
-            totals[name] = TenantTotals(
+            totals[name] = TenantUsage(
                 name,
+                now.window_s,
                 now.requests - then.requests,
                 now.input_tokens - then.input_tokens,
                 now.output_tokens - then.output_tokens,
                 now.gpu_ms - then.gpu_ms,
+                now.overage_gpu_ms - then.overage_gpu_ms,
                 {k: now.by_status.get(k, 0) - then.by_status.get(k, 0) for k in statuses},
+                now.spend_micros - then.spend_micros,
             )
         return LedgerReport(totals)
 
@@ -110,11 +103,7 @@ class LedgerReport:
 
 async def ledger_totals(ledger: Ledger, tenants: Sequence[str]) -> LedgerReport:
     """Each of ``tenants``' totals in ``ledger`` now."""
-    totals = {}
-    for tenant in tenants:
-        u = await ledger.usage(tenant, ALL_TIME_S)
-        totals[tenant] = TenantTotals(tenant, u.requests, u.input_tokens, u.output_tokens, u.gpu_ms, dict(u.by_status))
-    return LedgerReport(totals)
+    return LedgerReport({tenant: await ledger.usage(tenant, ALL_TIME_S) for tenant in tenants})
 
 
 async def wait_settled(ledger: Ledger, limit_s: float) -> float:
@@ -160,7 +149,6 @@ __all__ = [
     "ALL_TIME_S",
     "LedgerReport",
     "RequestOutcomes",
-    "TenantTotals",
     "backend_of",
     "drop_ledger",
     "fresh_ledger_url",

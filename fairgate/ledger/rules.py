@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from fairgate.core import ratelimit
 from fairgate.ledger.config import Limits
@@ -105,13 +105,12 @@ class ReserveArgs:
 
 @dataclass(frozen=True)
 class Delta:
-    """What one call billed (event log row): differences of the cumulative billed usage."""
+    """What one call billed (event log row): differences of the cumulative billed usage (``billed``: the
+    tokens and GPU ms it added), of the overage booked and of the spend."""
 
     kind: str  # reserve | settle | settle_final | cancel | expire
     requests: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    gpu_ms: float = 0.0
+    billed: Usage = field(default_factory=Usage)
     overage_gpu_ms: float = 0.0
     spend_micros: float = 0.0
 
@@ -460,9 +459,11 @@ def settle(
     )
     delta = Delta(
         kind=("settle_final" if kind == "settle" else kind) if final else "settle",
-        input_tokens=billed.input_tokens - before.input_tokens,
-        output_tokens=billed.output_tokens - before.output_tokens,
-        gpu_ms=billed.gpu_ms - before.gpu_ms,
+        billed=Usage(
+            billed.input_tokens - before.input_tokens,
+            billed.output_tokens - before.output_tokens,
+            billed.gpu_ms - before.gpu_ms,
+        ),
         overage_gpu_ms=overage - r.overage_gpu_ms,
         spend_micros=r.price.spend_micros(billed.input_tokens, billed.output_tokens, billed.gpu_ms)
         - r.price.spend_micros(before.input_tokens, before.output_tokens, before.gpu_ms),

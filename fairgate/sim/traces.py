@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import math
 import os
 import re
-import stat
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +57,7 @@ from typing import TextIO
 import numpy as np
 
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
+from fairgate.inputfile import open_regular
 from fairgate.sim.generate import merge
 from fairgate.sim.workload import Workload
 
@@ -262,33 +263,9 @@ def _format(fmt: str, where: str) -> _Format:
 
 
 def _open_text(path: Path, label: str) -> TextIO:
-    """Open a regular file of at most ``MAX_TRACE_BYTES`` as UTF-8 text (BOM dropped, newlines kept).
-
-    The file is opened non-blocking and checked with ``fstat`` on the open descriptor, so a FIFO (which
-    would block ``open``) or a device such as ``/dev/zero`` (which never ends) is refused, even if it
-    replaced a regular file after the first check."""
-    try:
-        st = path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        raise TraceError(f"{label}: file not found") from None
-    except (OSError, ValueError) as e:
-        raise TraceError(f"{label}: cannot read ({_printable(getattr(e, 'strerror', None) or str(e))})") from None
-    if not stat.S_ISREG(st.st_mode):  # what Path.is_file() checks
-        raise TraceError(f"{label}: not a regular file")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except (OSError, ValueError) as e:
-        raise TraceError(f"{label}: cannot read ({_printable(getattr(e, 'strerror', None) or str(e))})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TraceError(f"{label}: not a regular file")
-        if st.st_size > MAX_TRACE_BYTES:
-            raise TraceError(f"{label}: too large ({st.st_size:,} bytes; the cap is {MAX_TRACE_BYTES // 1024**3} GiB)")
-        return open(fd, newline="", encoding="utf-8-sig")
-    except BaseException:
-        os.close(fd)
-        raise
+    """Open a regular file of at most ``MAX_TRACE_BYTES`` as UTF-8 text (BOM dropped, newlines kept)."""
+    binary = open_regular(path, TraceError, "a trace file", MAX_TRACE_BYTES, label)
+    return io.TextIOWrapper(binary, newline="", encoding="utf-8-sig")
 
 
 def _cell(text: str, parse: Callable[[str], int], label: str, line: int, column: str, what: str) -> int:

@@ -257,7 +257,7 @@ def test_a_bad_line_is_named(tmp_path):
     path.write_text('{"v": 1, "event": "later-kind", "ts": 1.0}\n{"v":1,"event":"dispatched"\n')
     with pytest.raises(EventLogError, match=rf"^{path}:2: not a JSON record"):
         list(read_records(path))
-    with pytest.raises(EventLogError, match="no such file"):
+    with pytest.raises(EventLogError, match="file not found"):
         list(read_records(Path(tmp_path / "missing.jsonl")))
 
 

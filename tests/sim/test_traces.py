@@ -376,7 +376,7 @@ def test_empty_trace(tmp_path: Path) -> None:
 def test_unreadable_file(tmp_path: Path) -> None:
     folder = tmp_path / "dir.csv"
     folder.mkdir()
-    assert raises(read_trace, folder, "azure") == f"{folder}: not a regular file"
+    assert raises(read_trace, folder, "azure") == f"{folder}: is a directory, not a trace file"
     binary = tmp_path / "bin.csv"
     binary.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n\xff\xfe,1,1\n")
     assert raises(read_trace, binary, "azure") == f"{binary}: not UTF-8 text"
