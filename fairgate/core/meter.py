@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fairgate.core.cost import CostModel
 
@@ -95,6 +95,34 @@ class _InFlight:
     weight: float = 0.0  # in the current iteration (0 while pending)
     prefill_end: float = math.inf  # the price at which its prefill will have been attributed
     sequences: int = 1  # OpenAI's ``n``: it holds that many places in the batch, its prompt prefilled once
+    prefill_charged_ms: float = 0.0  # charged at its prefill weight, known once its prefill stops
+    # Who ran beside it when its prefill stopped: its own decode weight, each tenant's other requests' weight,
+    # and the other processes' sequences' weight (``MeteredCall``).
+    beside: tuple[float, dict[str, float], float] | None = None
+
+
+@dataclass(frozen=True)
+class MeteredCall:
+    """What the meter charged one request, as it left (``LiveMeter.leave``); ms and weights (ms per unit of the
+    meter's price).
+
+    Attributes:
+        charged_ms: its whole charge.
+        prefill_charged_ms: the part charged at its prefill weight, over the iterations it was prefilled in.
+        prompt_tokens: the prompt the meter sized that weight by.
+        prefill_weight: ``prefill_ms_per_token * prompt_tokens`` (the cost model's).
+        decode_weight: its decode weight (``dt / B`` per sequence) when its prefill stopped.
+        beside: tenant -> the weight of that tenant's other requests in the iteration then.
+        remote_weight: the other gateway processes' sequences' weight then.
+    """
+
+    charged_ms: float
+    prefill_charged_ms: float = 0.0
+    prompt_tokens: int = 0
+    prefill_weight: float = 0.0
+    decode_weight: float = 0.0
+    beside: dict[str, float] = field(default_factory=dict)
+    remote_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -229,9 +257,21 @@ class LiveMeter(MeterWindow):
         request.prefilling = False
         self._unprefilled -= 1
         if not request.pending:
+            self._note_prefill(request)
             self._prefill_rate -= request.prefill_ms
             request.weight -= request.prefill_ms
             self._own_weight -= request.prefill_ms
+
+    def _note_prefill(self, request: _InFlight) -> None:
+        """Keep what ``request`` was charged at its prefill weight (it joined at ``prefill_end - 1``; an interval
+        that ran past the end was charged at that weight whole) and who ran beside it (O(in flight), once a
+        request)."""
+        request.prefill_charged_ms = request.prefill_ms * max(0.0, 1.0 - (request.prefill_end - self._price))
+        beside: dict[str, float] = {}
+        for other in self._requests.values():
+            if other is not request and not other.pending:
+                beside[other.tenant] = beside.get(other.tenant, 0.0) + other.weight
+        request.beside = (request.weight - request.prefill_ms, beside, self._remote_weight)
 
     def _bring_up_to_date(self, request: _InFlight) -> None:
         request.charged_ms += request.weight * (self._price - request.mark)
@@ -341,9 +381,16 @@ class LiveMeter(MeterWindow):
 
     def finish(self, request_id: str, now_ms: float) -> float:
         """It left the upstream (done, failed or cancelled). Returns its total charge (ms)."""
+        return self.leave(request_id, now_ms).charged_ms
+
+    def leave(self, request_id: str, now_ms: float) -> MeteredCall:
+        """It left the upstream (done, failed or cancelled): what it was charged, and how."""
         self.advance(now_ms)
-        request = self._requests.pop(request_id)
+        request = self._requests[request_id]
         self._bring_up_to_date(request)
+        if request.prefilling and not request.pending:
+            self._note_prefill(request)
+        del self._requests[request_id]
         self._sequences -= request.sequences
         self._unprefilled -= request.prefilling
         if request.pending:
@@ -356,4 +403,15 @@ class LiveMeter(MeterWindow):
         if not self._requests:  # idle: no prefill will end, and the next request starts a first iteration
             self._prefill_ends.clear()
             self.first_iteration = True
-        return request.charged_ms
+        if request.beside is None:  # never prefilled in an iteration of its own (pending to the end, or no prompt)
+            return MeteredCall(request.charged_ms)
+        decode, beside, remote = request.beside
+        return MeteredCall(
+            request.charged_ms,
+            request.prefill_charged_ms,
+            request.prompt_tokens,
+            request.prefill_ms,
+            decode,
+            beside,
+            remote,
+        )

@@ -42,7 +42,9 @@ class Policy(Protocol):
 
         ``batch_size`` is the number of running sequences the work was done at. ``remote``: the work was
         done by requests another gateway process dispatched (counters shared through the ledger): it counts
-        in the tenant's usage, not against requests of this policy's.
+        in the tenant's usage, not against requests of this policy's. A negative ``gpu_ms`` (no tokens)
+        takes back GPU time booked too high: a prompt's prefix the engine had cached, learnt at settlement
+        and booked to the tenants that ran beside it instead (``fairgate.core.prefix_cache``).
         """
 
     def finish(self, request: Request, now_ms: float) -> None:

@@ -212,11 +212,13 @@ class Call:
         """The usage event of a stream whose client asked for it (``stream_options.include_usage``): what the
         final settlement billed, in the upstream's last usage chunk's frame (OpenAI's: no choices)."""
         billed = self._billed
-        usage = {
+        usage: dict[str, Any] = {
             "prompt_tokens": billed.input_tokens,
             "completion_tokens": billed.output_tokens,
             "total_tokens": billed.input_tokens + billed.output_tokens,
         }
+        if self.progress.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.progress.cached_tokens}
         generation = self.admitted.generation
         frame: dict[str, Any] = {
             "id": generation.request_id,
@@ -354,6 +356,8 @@ class Call:
         # A call the upstream failed is billed the GPU time up to its last token: a stall until the idle
         # timeout, or the wait for bytes that never came, delivered nothing.
         gpu_ms = min(call.gpu_ms_at_last_token if call.failed else call.gpu_ms, GPU_MS_BILLED_MAX)
+        if not final:  # its prefill is billed at the end, less what the engine's prefix cache spared it
+            gpu_ms = max(0.0, gpu_ms - call.prefill_held_ms)
         # A partial settlement billed the prompt estimate and the pieces relayed before the upstream reported
         # usage; the ledger refuses a lower cumulative amount (which would leave the reservation open to
         # expire), so what was billed stays billed.
@@ -469,6 +473,8 @@ class Call:
             reservation.max_output_tokens,
             self.state.clock.wall_s(),
             reservation.price.spend_micros(input_tokens, output_tokens, gpu_ms),
+            call.cached_tokens,
+            call.cache_credit_ms,
         )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fairgate.core.admit import Admitter
@@ -336,12 +336,29 @@ class Dispatcher:
         if gpu_ms:
             self._on_charge(pool_name, tenant, gpu_ms)
 
+    def correct(self, pool_name: str, moves: Mapping[str, float]) -> None:
+        """Move GPU ms booked with the pool's policy between tenants (tenant -> ms, negative: taken back): a
+        prompt's cached prefix found at settlement (``fairgate.core.prefix_cache``). Shared with the other
+        processes like any charge."""
+        pool = self._pools[pool_name]
+        for tenant, gpu_ms in moves.items():
+            pool.admitter.charge(tenant, gpu_ms, 0, 0, 1)  # no tokens: the batch size is not read
+            _unshared(pool, tenant, gpu_ms, 0, 0)
+        self._dispatch(pool)
+
     def take_local_charges(self, pool_name: str) -> dict[str, tuple[float, int, int]]:
         """The charges booked by this process on the pool since the last call, per tenant:
-        (GPU ms, prompt tokens, output tokens); for sharing with other gateway processes."""
+        (GPU ms, prompt tokens, output tokens); for sharing with other gateway processes. A tenant's GPU ms
+        taken back beyond what it was charged since (``correct``) waits for its next charges: what is shared
+        only ever grows."""
         pool = self._pools[pool_name]
         taken, pool.unshared = pool.unshared, {}
-        return {tenant: (gpu_ms, int(inputs), int(outputs)) for tenant, (gpu_ms, inputs, outputs) in taken.items()}
+        for tenant, totals in taken.items():
+            if totals[0] < 0:
+                pool.unshared[tenant] = [totals[0], 0, 0]
+        return {
+            tenant: (max(0.0, gpu_ms), int(inputs), int(outputs)) for tenant, (gpu_ms, inputs, outputs) in taken.items()
+        }
 
     def charge_remote(self, pool_name: str, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int) -> None:
         """Book work another gateway process charged (to the same upstreams' pool), so this process's

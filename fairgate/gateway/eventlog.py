@@ -36,7 +36,10 @@ tenant name is never written: quoted tenant names in error messages are replaced
                    ``tpot_ms`` (mean ms per output token after the first; ``null``), ``input_tokens``,
                    ``output_tokens`` and ``gpu_ms`` (what was billed), ``gpu_ms_estimate`` and
                    ``max_output_tokens`` (what was reserved), ``spend_micros`` (what the billed usage cost at the
-                   reservation's price, micros of the ``[quotas.pricing]`` currency; absent in older logs).
+                   reservation's price, micros of the ``[quotas.pricing]`` currency; absent in older logs),
+                   ``cached_tokens`` and ``cache_credit_gpu_ms`` (prompt tokens the engine read from its prefix
+                   cache, and the GPU ms of prefill taken off ``gpu_ms`` for them: ``fairgate.core.prefix_cache``;
+                   absent when none, and in older logs).
 ``left``           the client left while the request was queued: ``queue_ms`` (its time in the queue); it never
                    ran, its reservation was released, nothing was billed.
 ``usage``          the GPU time the live meter charged per tenant on one model's upstreams since ``since``
@@ -129,6 +132,13 @@ def iso_time(ts: float) -> str:
 def _iso_second(second: int) -> str:
     # Records of one second share this prefix; strftime was ~15 us of each record's ~45 us (bench/eventlog_loop.py).
     return datetime.fromtimestamp(second, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.")
+
+
+def _cache_fields(event: Finished) -> dict[str, Any]:
+    """A finished record's prefix-cache keys: none when nothing of its prompt was cached."""
+    if not event.cached_tokens:
+        return {}
+    return {"cached_tokens": event.cached_tokens, "cache_credit_gpu_ms": _ms(event.cache_credit_gpu_ms)}
 
 
 def _ms(value: float | None) -> float | None:
@@ -291,6 +301,7 @@ class EventLog:
                 gpu_ms_estimate=_ms(event.gpu_ms_estimate),
                 max_output_tokens=event.max_output_tokens,
                 spend_micros=round(event.spend_micros, 3),
+                **_cache_fields(event),
             )
         return None
 
@@ -632,7 +643,11 @@ _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {  # key -> (type
 _OPTIONAL: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "rejected": {"retry_after_s": (_NUMBER, True), "code": ((str,), True), "key_id": ((str,), True)},
     "admitted": {"key_id": ((str,), True)},
-    "finished": {"spend_micros": (_NUMBER, False)},
+    "finished": {
+        "spend_micros": (_NUMBER, False),
+        "cached_tokens": ((int,), False),
+        "cache_credit_gpu_ms": (_NUMBER, False),
+    },
 }
 _REQUEST_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
     "request_id": ((str,), False),

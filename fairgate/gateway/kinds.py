@@ -124,6 +124,9 @@ class Kind:
         counts_from_timings: each chunk's ``timings.predicted_n`` (tokens generated so far, llama.cpp's
             ``timings_per_token``) counts its tokens, so a token that decoded to no text and got no chunk of
             its own is still counted.
+        prefix_cache: the engine may read part of a prompt from its prefix cache and say so in its usage
+            (``prompt_tokens_details.cached_tokens``): a call's prefill charge is final only at its final
+            settlement, less the cached share (``fairgate.core.prefix_cache``).
     """
 
     name: KindName
@@ -139,6 +142,7 @@ class Kind:
     tokenizer: Literal["vllm", "llamacpp"] | None = None
     stream_fields: Mapping[str, Any] = field(default_factory=dict)
     counts_from_timings: bool = False
+    prefix_cache: bool = True
 
     def forwards(self, name: str, chat: bool) -> bool:
         """Whether a client's field ``name`` reaches this engine on the chat (or completions) endpoint."""
@@ -286,6 +290,7 @@ KINDS: Mapping[str, Kind] = {
         # from llama-server; the running count in each chunk's timings still counts it.
         stream_fields={"timings_per_token": True},
         counts_from_timings=True,
+        prefix_cache=False,  # cache_prompt = false (above)
     ),
     "tgi": Kind(
         "tgi",

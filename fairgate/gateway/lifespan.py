@@ -4,6 +4,7 @@ background work), kept apart from the wiring in ``fairgate.gateway.app``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -47,6 +48,7 @@ def lifespan(state: GatewayState, ledger: Ledger | None, keys: Mapping[str, Secr
                 on_down=state.dispatcher.mark_down,
                 settings=settings,
                 api_key=api_key,
+                correct=functools.partial(state.dispatcher.correct, upstream.pool),
             )
 
         state.set_upstream_opener(open_upstream)

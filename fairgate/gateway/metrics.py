@@ -36,6 +36,10 @@ Per tenant (counters and histograms from events, cumulative since start)
   the part billed above the estimate; ``fairgate_reserved_output_tokens_total{tenant}`` the ``max_tokens``
   reserved. Reservation-vs-settlement difference = reserved - settled (GPU s), reserved output tokens -
   ``fairgate_output_tokens_total`` (tokens).
+- ``fairgate_cached_input_tokens_total{tenant}``: prompt tokens the engine read from its prefix cache (its
+  usage's ``prompt_tokens_details.cached_tokens``); ``fairgate_prefix_cache_credit_gpu_seconds_total{tenant}``:
+  the GPU seconds the meter had charged for their prefill, taken off the tenant's bills and booked in the
+  policy to the tenants that ran beside them (``fairgate.core.prefix_cache``). Billed + credited = busy.
 - ``fairgate_active_sequences{tenant}``, ``fairgate_queued_requests{tenant}``: gauges, now (dispatcher).
 - ``fairgate_gpu_share_ratio{tenant,model}``: gauge, the tenant's share (0-1) of the GPU time charged in
   the model's pool over the sliding window (``stats.WINDOW_S``, 60 s).
@@ -159,6 +163,13 @@ class MetricsObserver:
         self.reserved_output = counter(
             "fairgate_reserved_output_tokens", "Output tokens reserved (max_tokens) by finished requests."
         )
+        self.cached_input = counter(
+            "fairgate_cached_input_tokens", "Prompt tokens the engine read from its prefix cache (its usage)."
+        )
+        self.cache_credit = counter(
+            "fairgate_prefix_cache_credit_gpu_seconds",
+            "GPU seconds of prefill the engine's prefix cache spared, taken off the tenant's bills.",
+        )
         self._gpu_children: dict[tuple[str, str], Any] = {}
         self.window: WindowCollector | None = None  # set by ``build``
         self._handlers = {
@@ -202,6 +213,9 @@ class MetricsObserver:
         self.reserved_gpu.labels(label).inc(e.gpu_ms_estimate / 1000.0)
         self.overage_gpu.labels(label).inc(max(0.0, e.gpu_ms - e.gpu_ms_estimate) / 1000.0)
         self.reserved_output.labels(label).inc(e.max_output_tokens)
+        if e.cached_tokens:
+            self.cached_input.labels(label).inc(e.cached_tokens)
+            self.cache_credit.labels(label).inc(e.cache_credit_gpu_ms / 1000.0)
 
 
 class WindowCollector(Collector):

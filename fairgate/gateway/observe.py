@@ -130,6 +130,8 @@ class Finished:
     max_output_tokens: int
     time_s: float
     spend_micros: float = 0.0  # what the billed usage cost at the reservation's price (``ledger.model.Price``)
+    cached_tokens: int = 0  # of the prompt, read from the engine's prefix cache
+    cache_credit_gpu_ms: float = 0.0  # taken off ``gpu_ms`` for them (``fairgate.core.prefix_cache``)
 
 
 @dataclass(frozen=True)

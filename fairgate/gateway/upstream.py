@@ -32,7 +32,8 @@ from aiohttp.http_exceptions import LineTooLong
 from pydantic import SecretStr
 
 from fairgate.core.drift import StepDrift
-from fairgate.core.meter import LiveMeter, Occupancy
+from fairgate.core.meter import LiveMeter, MeteredCall, Occupancy
+from fairgate.core.prefix_cache import cached_fraction, prefix_cache_credit
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway import sse
 from fairgate.gateway.config import UpstreamConfig
@@ -43,6 +44,8 @@ log = logging.getLogger("fairgate.gateway")
 
 # Charges to the policy, per request: (tenant, gpu_ms, output_tokens, batch size).
 ChargeSink = Callable[[str, float, int, int], None]
+# GPU ms moved between tenants in the policy's counters, summing to at most 0 (``fairgate.core.prefix_cache``).
+CorrectionSink = Callable[[dict[str, float]], None]
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
 
 
@@ -120,6 +123,11 @@ class CallState:
     tool_calls: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # choice -> tool index -> call
     # The upstream's chunks carry its running count of generated tokens (``Kind.counts_from_timings``).
     engine_counts: bool = False
+    # The part of ``gpu_ms`` a partial settlement leaves out: its prompt's prefill at the cost model's rate,
+    # which a prefix-cache hit reported at the end may cut (``Kind.prefix_cache``).
+    prefill_held_ms: float = 0.0
+    cached_tokens: int = 0  # of its prompt, read from the engine's prefix cache (its usage)
+    cache_credit_ms: float = 0.0  # GPU ms taken off its charge for them (``fairgate.core.prefix_cache``)
 
 
 def _index(call: CallState, choice: dict[str, Any]) -> int:
@@ -278,8 +286,10 @@ class UpstreamClient:
         on_down: Callable[[Upstream], None] | None = None,
         settings: UpstreamConfig | None = None,
         api_key: SecretStr | None = None,
+        correct: CorrectionSink | None = None,
     ) -> None:
         self.upstream = upstream
+        self._correct = correct or (lambda moves: None)
         self.settings = settings  # its [[upstream]] table (None: a bare client, tests): what a reload compares
         self.kind: Kind = settings.engine if settings is not None else KINDS["openai"]
         self._on_down = on_down or (lambda upstream: None)
@@ -341,6 +351,7 @@ class UpstreamClient:
         stream that ended without ``[DONE]``.
         """
         call.policy_charged_ms = prepaid_ms
+        call.prefill_held_ms = self.upstream.cost.prefill_ms(call.prompt_tokens) if self.kind.prefix_cache else 0.0
         self._calls[call.request_id] = call
         self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences)
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True}) | dict(self.kind.stream_fields)
@@ -355,8 +366,24 @@ class UpstreamClient:
         except aiohttp.ClientError as exc:
             raise self._transport_error(exc) from None
         finally:
-            self._book(call, self.meter.finish(call.request_id, self._now_ms()), call.unbooked_tokens)
+            self._leave(call, self.meter.leave(call.request_id, self._now_ms()))
             del self._calls[call.request_id]
+
+    def _leave(self, call: CallState, metered: MeteredCall) -> None:
+        """Book ``call``'s charge as it left, less what its prompt's cached prefix takes off it (the engine's
+        usage says how much was cached); the policy moves that much to the tenants that ran beside it."""
+        usage = call.usage if isinstance(call.usage, dict) else {}
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) and self.kind.prefix_cache else None
+        prompt_tokens = usage.get("prompt_tokens")
+        fraction = cached_fraction(cached, prompt_tokens if type(prompt_tokens) is int else call.prompt_tokens)
+        credit_ms, moves = prefix_cache_credit(metered, fraction)
+        call.cached_tokens = cached if fraction > 0 and type(cached) is int else 0
+        call.cache_credit_ms = credit_ms
+        self._book(call, metered.charged_ms - credit_ms, call.unbooked_tokens)
+        if credit_ms > 0:
+            moves[call.tenant] = moves.get(call.tenant, 0.0) - credit_ms
+            self._correct(moves)
 
     async def get(self, path: str, timeout_s: float) -> tuple[int, str]:
         """GET ``path`` (probes, the engine's ``/metrics``): its status and text. Raises ``aiohttp.ClientError``

@@ -156,3 +156,23 @@ async def test_a_held_request_no_upstream_left_can_fit_fails_and_frees_the_pool(
     with pytest.raises(NoUpstream):
         await asyncio.wait_for(triple, 1)
     assert (await asyncio.wait_for(single, 1)).upstream is u0
+
+
+async def test_a_correction_moves_gpu_time_between_tenants_counters_and_shares_only_what_grew():
+    dispatcher, _ = build()
+    dispatcher.charge("m", "a", 100.0, 0, 1)
+    dispatcher.charge("m", "b", 10.0, 0, 1)
+    assert dispatcher.take_local_charges("m") == {"a": (100.0, 0, 0), "b": (10.0, 0, 0)}
+    policy = dispatcher._pools["m"].admitter.policy  # type: ignore[attr-defined]
+    before = dict(policy.counters)
+    # a's cached prompt: 30 ms taken back from a, booked to b who ran beside it.
+    dispatcher.correct("m", {"a": -30.0, "b": 30.0})
+    assert policy.counters["a"] == pytest.approx(before["a"] - 30.0)
+    assert policy.counters["b"] == pytest.approx(before["b"] + 30.0)
+    # Shared totals only grow: a's -30 waits for a's next charges, b's +30 goes out at once.
+    assert dispatcher.take_local_charges("m") == {"a": (0.0, 0, 0), "b": (30.0, 0, 0)}
+    dispatcher.charge("m", "a", 20.0, 0, 1)
+    assert dispatcher.take_local_charges("m") == {"a": (0.0, 0, 0)}  # -30 + 20: still owed
+    dispatcher.charge("m", "a", 25.0, 0, 1)
+    assert dispatcher.take_local_charges("m") == {"a": (pytest.approx(15.0), 0, 0)}
+    assert dispatcher.take_local_charges("m") == {}
