@@ -338,6 +338,12 @@ def emulate(
         bool, typer.Option("--require-tenant-context", help="Refuse (400) generation requests without a cache_salt.")
     ] = False,
     embedding_dimensions: Annotated[int, typer.Option(help="Length of the vectors of /v1/embeddings.")] = 64,
+    prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--prefix-caching", help="Reuse cached prompt prefixes per cache_salt; usage reports cached_tokens."
+        ),
+    ] = False,
 ) -> None:
     """Serve an OpenAI-compatible emulated replica: continuous batching on a real clock with the cost model."""
     import uvicorn
@@ -357,6 +363,7 @@ def emulate(
             max_model_len=max_model_len,
             require_tenant_context=require_tenant_context,
             embedding_dimensions=embedding_dimensions,
+            prefix_caching=prefix_caching,
         )
     except ValidationError as exc:
         first = exc.errors()[0]

@@ -20,6 +20,13 @@ With ``require_tenant_context`` the emulator stands in for an upstream that refu
 tenant context (seed 003, "each hop in the backend receives trusted tenant context and rejects when
 missing"): a generation request without a non-empty string ``cache_salt`` (vLLM's per-tenant prefix-cache
 salt, which the gateway always sets) is answered 400 with ``param`` ``cache_salt``.
+
+With ``prefix_caching`` the replica reuses cached prompt blocks as vLLM's automatic prefix caching does
+(https://docs.vllm.ai/en/latest/design/prefix_caching.html; ``fairgate.emulator.replica``), scoped by
+``cache_salt``: the prompt is rendered as the tokens ``count_prompt_tokens`` counts (``prompt_token_list``),
+hashed a block at a time, and the usage reports the tokens found cached as OpenAI's API and vLLM (with
+``--enable-prompt-tokens-details``) do: ``"prompt_tokens_details": {"cached_tokens": N}``. Without it the
+usage has no ``prompt_tokens_details``.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fairgate.api import ChatRequest, CompletionRequest, GenerationRequest, count_prompt_tokens, error_body
 from fairgate.core.cost import CostModel
 from fairgate.emulator import embeddings
-from fairgate.emulator.replica import EmulatedReplica, Sequence
+from fairgate.emulator.replica import EmulatedReplica, Sequence, block_hashes
 
 
 class EmulatorSettings(BaseModel):
@@ -61,9 +68,29 @@ class EmulatorSettings(BaseModel):
     max_model_len: Annotated[int, Field(ge=2, le=10_000_000)] = 32_768
     require_tenant_context: bool = False  # refuse generation requests without a cache_salt (400)
     embedding_dimensions: Annotated[int, Field(ge=1, le=65_536)] = 64  # length of its embedding vectors
+    prefix_caching: bool = False  # reuse cached prompt blocks per cache_salt and report cached_tokens
 
     def cost(self) -> CostModel:
         return CostModel(self.iter_base_ms, self.iter_slope_ms, self.prefill_ms_per_token, self.max_batch)
+
+
+# A chat message's template markers (ChatML's): with its role, the CHAT_MESSAGE_OVERHEAD_TOKENS (3) tokens
+# ``count_prompt_tokens`` adds a message.
+_CHAT_START, _CHAT_END = "<|im_start|>", "<|im_end|>"
+
+
+def prompt_token_list(body: ChatRequest | CompletionRequest) -> list[str | int]:
+    """The prompt as the emulated replica's tokens, exactly those ``count_prompt_tokens`` counts (one per
+    whitespace-separated word; a chat message adds its template markers: start, role, end; a prompt of
+    token ids is those ids), so ``len(prompt_token_list(body)) == count_prompt_tokens(body)``. The prefix
+    cache hashes these (``block_hashes``)."""
+    if isinstance(body, ChatRequest):
+        tokens: list[str | int] = []
+        for message in body.messages:
+            tokens += [_CHAT_START, message.role, *message.text().split(), _CHAT_END]
+        return tokens
+    text = body.prompt_text()
+    return list(text.split()) if text is not None else list(body.prompt_token_ids())
 
 
 def _error(status: int, message: str, param: str | None, code: str = "invalid_request_error") -> JSONResponse:
@@ -97,7 +124,7 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.replica = EmulatedReplica(state.settings.cost())
+        state.replica = EmulatedReplica(state.settings.cost(), prefix_caching=state.settings.prefix_caching)
         state.replica.start()
         yield
         await state.replica.stop()
@@ -229,14 +256,22 @@ async def _generate(
     if len(lengths) < len(decided):
         return next(d for d in decided if isinstance(d, JSONResponse))
     replica = state.running()
+    caching = state.settings.prefix_caching
+    blocks: tuple[int, ...] = ()
+    if caching and isinstance(body, ChatRequest | CompletionRequest):
+        blocks = block_hashes(prompt_token_list(body))
     # The prompt is shared: the first sequence prefills it, the others join it unprefilled.
-    seqs = [replica.submit(prompt_tokens if i == 0 else 0, n, salt) for i, (n, _) in enumerate(lengths)]
+    seqs = [
+        replica.submit(prompt_tokens, n, salt, blocks) if i == 0 else replica.submit(0, n, salt)
+        for i, (n, _) in enumerate(lengths)
+    ]
     reasons = [reason for _, reason in lengths]
     reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), body.model, chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _stream(replica, seqs, reply, prompt_tokens, reasons, include_usage), media_type="text/event-stream"
+            _stream(replica, seqs, reply, prompt_tokens, reasons, include_usage, caching),
+            media_type="text/event-stream",
         )
     watcher = asyncio.create_task(_cancel_on_disconnect(request, replica, seqs))
     try:
@@ -255,7 +290,7 @@ async def _generate(
         else:
             choice["text"] = text
         choices.append(choice)
-    return {**reply.head(), "choices": choices, "usage": _usage(prompt_tokens, seqs)}
+    return {**reply.head(), "choices": choices, "usage": _usage(prompt_tokens, seqs, caching)}
 
 
 async def _merged(seqs: list[Sequence]) -> AsyncIterator[tuple[int, int | None]]:
@@ -289,9 +324,19 @@ class _Reply:
         return {"id": self.ident, "object": kind, "created": self.created, "model": self.model}
 
 
-def _usage(prompt_tokens: int, seqs: list[Sequence]) -> dict[str, int]:
+def _usage(prompt_tokens: int, seqs: list[Sequence], cache_details: bool) -> dict[str, Any]:
+    """The usage of a reply (tokens); with ``cache_details``, the prompt tokens found in the prefix cache as
+    OpenAI's API reports them (``prompt_tokens_details.cached_tokens``: the first sequence carries the
+    prompt)."""
     generated = sum(seq.generated for seq in seqs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": prompt_tokens + generated,
+    }
+    if cache_details:
+        usage["prompt_tokens_details"] = {"cached_tokens": seqs[0].cached_tokens}
+    return usage
 
 
 async def _cancel_on_disconnect(request: Request, replica: EmulatedReplica, seqs: list[Sequence]) -> None:
@@ -310,6 +355,7 @@ async def _stream(
     prompt_tokens: int,
     reasons: list[str],
     include_usage: bool,
+    cache_details: bool,
 ) -> AsyncIterator[str]:
     chat = reply.chat
 
@@ -338,7 +384,7 @@ async def _stream(
             elif not seqs[index].cancelled:
                 yield chunk(index, None if chat else "", reasons[index])
         if include_usage:
-            body = {**reply.head(chunk=True), "choices": [], "usage": _usage(prompt_tokens, seqs)}
+            body = {**reply.head(chunk=True), "choices": [], "usage": _usage(prompt_tokens, seqs, cache_details)}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:

@@ -17,7 +17,9 @@ from fairgate.gateway.config import UpstreamConfig
 @dataclass(frozen=True)
 class ReplicaModel:
     """An emulated replica's cost model (``dt = base + slope * B + prefill * tokens``, ms), slots, context
-    length (tokens) and mean output length (tokens, for requests that do not fix theirs)."""
+    length (tokens), mean output length (tokens, for requests that do not fix theirs), and whether it reuses
+    cached prompt prefixes per ``cache_salt`` (vLLM's automatic prefix caching,
+    https://docs.vllm.ai/en/latest/design/prefix_caching.html; off by default)."""
 
     iter_base_ms: float = 100.0
     iter_slope_ms: float = 0.5
@@ -25,6 +27,7 @@ class ReplicaModel:
     max_batch: int = 12
     max_model_len: int = 16_384
     output_mean_tokens: float = 128.0
+    prefix_caching: bool = False
 
     def iteration_ms(self, batch: int, prefill_tokens: int = 0) -> float:
         return self.iter_base_ms + self.iter_slope_ms * batch + self.prefill_ms_per_token * prefill_tokens
@@ -39,13 +42,18 @@ class ReplicaModel:
             max_batch=self.max_batch + extra_slots,
             output_mean_tokens=self.output_mean_tokens,
             max_model_len=self.max_model_len,
+            prefix_caching=self.prefix_caching,
         )
 
     def emulate_args(self, port: int, model: str, extra_slots: int = 0) -> list[str]:
         """``fairgate emulate`` arguments for the same replica on ``port``."""
         out = ["emulate", "--port", str(port)]
         for name, value in self.settings(model, extra_slots).model_dump(exclude={"require_tenant_context"}).items():
-            out += [f"--{name.replace('_', '-')}", str(value)]
+            flag = f"--{name.replace('_', '-')}"
+            if isinstance(value, bool):  # a switch: named when on, absent when off
+                out += [flag] if value else []
+            else:
+                out += [flag, str(value)]
         return out
 
     def upstream(self, name: str, url: str, model: str, max_batch: int | None = None, **more: Any) -> UpstreamConfig:

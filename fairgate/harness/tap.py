@@ -60,8 +60,10 @@ class EmulatorTap:
         replica = replica_of(self.app)
         original = replica.submit
 
-        def submit(prompt_tokens: int, output_tokens: int, cache_salt: str | None = None) -> Any:
-            seq = original(prompt_tokens, output_tokens, cache_salt)
+        def submit(
+            prompt_tokens: int, output_tokens: int, cache_salt: str | None = None, prompt_blocks: tuple[int, ...] = ()
+        ) -> Any:
+            seq = original(prompt_tokens, output_tokens, cache_salt, prompt_blocks)
             seq.events = _TimedQueue()  # nothing is in it yet: records when each token is generated
             tag = _TAG.get()
             if tag is None:
