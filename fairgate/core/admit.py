@@ -71,6 +71,28 @@ class Admitter:
         policy.charge(tenant, prefill_ms, request.prompt_tokens, 0, batch_size)
         return request, prefill_ms
 
+    def fill(self, now_ms: float, free_slots: int, running_now: int, cost: CostModel) -> list[tuple[Request, float]]:
+        """``admit`` for up to ``free_slots`` slots of one replica running ``running_now`` sequences, each
+        request joining the batch the ones before it made; ``(request, prefill_ms)`` of each admitted, in order.
+
+        The simulator's admit step: one call per scheduling point rather than one per slot (every call and
+        look-up here runs once per admission of a grid of thousands of runs). ``pick`` on an empty queue is
+        ``None`` and changes nothing (``Policy``'s contract), so no ``queued()`` is asked before it.
+        """
+        policy, view = self.policy, self.view
+        pick, charge, by_tenant = policy.pick, policy.charge, view.by_tenant
+        admitted: list[tuple[Request, float]] = []
+        while len(admitted) < free_slots:
+            request = pick(now_ms, view)
+            if request is None:
+                break
+            tenant, prompt_tokens = request.tenant, request.prompt_tokens
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + request.sequences
+            prefill_ms = cost.prefill_ms(prompt_tokens)
+            charge(tenant, prefill_ms, prompt_tokens, 0, running_now + len(admitted) + 1)
+            admitted.append((request, prefill_ms))
+        return admitted
+
     def finish(self, request: Request, now_ms: float, generated_tokens: int | None = None) -> None:
         """``request`` left its slot after generating ``generated_tokens`` (None: as recorded on it)."""
         if generated_tokens is not None:

@@ -31,12 +31,13 @@ class Admission:
         self.result = result
         self.delivered = 0  # requests [0, delivered) have been handed to the policy
         self.requests: list[Request] = workload.requests()
+        self.admitted = 0  # requests picked
         self.finished = 0  # requests that left their slot
 
     @property
     def epoch(self) -> int:
         """Changes whenever the policy's state may have changed (a delivery, an admission, a finish)."""
-        return self.delivered + len(self.result.admissions) + self.finished
+        return self.delivered + self.admitted + self.finished
 
     def has_undelivered_until(self, t_ns: int) -> bool:
         """Has a request arrived by ``t_ns`` that the policy has not seen yet?"""
@@ -66,23 +67,27 @@ class Admission:
         if free_slots <= 0:
             return []
         self.deliver(t_ns)
-        policy, admit, cost, result, workload = self.policy, self.admitter.admit, self.cost, self.result, self.workload
-        now_ms = t_ns / NS_PER_MS
+        if not self.policy.queued():
+            return []
+        picked = self.admitter.fill(t_ns / NS_PER_MS, free_slots, running_now, self.cost)
+        result, tenant_index = self.result, self.workload.tenant_index
+        tenant_gpu_ms, tenant_prefill_ms, request_gpu_ms = (
+            result.tenant_gpu_ms,
+            result.tenant_prefill_ms,
+            result.request_gpu_ms,
+        )
+        admit_ns, admissions = result.admit_ns, result.admissions
         admitted: list[int] = []
-        while free_slots > 0 and policy.queued():
-            picked = admit(now_ms, running_now + len(admitted) + 1, cost)
-            if picked is None:
-                break
-            request, prefill_ms = picked
+        for request, prefill_ms in picked:
             i = request.request_id
-            k = workload.tenant_index[i]
-            result.tenant_gpu_ms[k] += prefill_ms
-            result.tenant_prefill_ms[k] += prefill_ms
-            result.request_gpu_ms[i] += prefill_ms
-            result.admit_ns[i] = t_ns
-            result.admissions.append((i, replica, t_ns))
+            k = tenant_index[i]
+            tenant_gpu_ms[k] += prefill_ms
+            tenant_prefill_ms[k] += prefill_ms
+            request_gpu_ms[i] += prefill_ms
+            admit_ns[i] = t_ns
+            admissions.append((i, replica, t_ns))
             admitted.append(i)
-            free_slots -= 1
+        self.admitted += len(admitted)
         return admitted
 
     def finish(self, request_id: int, t_ns: int) -> None:

@@ -38,6 +38,7 @@ class _Replica:
         "accounted_iterations",
         "busy",
         "dt",
+        "end_boundary",
         "epoch_seen",
         "finishes",
         "head_end",
@@ -59,6 +60,7 @@ class _Replica:
         self.per_sequence_ms = 0.0
         self.head_end = 0  # end of the segment's first iteration, ns
         self.head_iteration = 0  # index of that iteration on this replica (1-based)
+        self.end_boundary = 0  # the segment's first boundary at or after the run's end, ns
         self.accounted_end = 0  # end of the last iteration whose charges are booked, ns
         self.accounted_iterations = 0
         self.slot_charge_ms = 0.0  # cumulative charge of one slot over the booked iterations
@@ -102,40 +104,52 @@ def run_compressed(
     duration_ns = stop_ns(workload, drain)
     reps = [_Replica(r) for r in range(replicas)]
     requests = _Requests([0] * len(workload), [0.0] * len(workload))
-    book, finish_due, settle_request = _booking(workload, admission, result, requests)
     admit_and_start, next_event = _starting(workload, cost, admission, result, requests, duration_ns)
+    book, boundary, settle_request = _booking(workload, admission, result, requests, admit_and_start, duration_ns)
+    lone = reps[0] if replicas == 1 else None
     now = -1
     wake: int | None = None
     next_sample = 0
     while True:
-        candidates = [next_event(rep, now, wake) for rep in reps if rep.busy]
-        if any(not rep.busy and not rep.stopped for rep in reps):
+        best = _NEVER
+        idle = False
+        for rep in reps:
+            if rep.busy:
+                t = next_event(rep, now, wake)
+                if t < best:
+                    best = t
+            elif not rep.stopped:
+                idle = True
+        if idle:
             arrival = admission.next_undelivered_ns()
             if arrival is not None:
-                candidates.append(max(arrival, now + 1))
+                best = min(best, max(arrival, now + 1))
             if wake is not None and wake < duration_ns:
-                candidates.append(wake)
-        if not candidates:
+                best = min(best, wake)
+        if best == _NEVER:
             break
-        now = min(candidates)
-        at_boundary = [rep for rep in reps if rep.busy and rep.is_boundary(now)]
-        for rep in reps:
-            # A lone replica at its boundary books everything up to it in one go below; otherwise
-            # iterations before `now` must be booked before any replica picks at `now`.
-            if len(at_boundary) != 1 or rep is not at_boundary[0]:
-                book(rep, now, False)
-        for rep in at_boundary:
-            book(rep, now, True)
-            finish_due(rep, now)
-            if now < duration_ns:
-                admit_and_start(rep, now)
-            else:
-                rep.busy, rep.stopped = False, True
+        now = best
+        if lone is not None:
+            # One replica: when it is busy the instant is its boundary (nothing else makes one), booked in one go.
+            if lone.busy:
+                boundary(lone, now, True)
+        else:
+            at_boundary = [rep for rep in reps if rep.busy and rep.is_boundary(now)]
+            for rep in reps:
+                # A lone replica at its boundary books everything up to it in one go below; otherwise
+                # iterations before `now` must be booked before any replica picks at `now`.
+                if len(at_boundary) != 1 or rep is not at_boundary[0]:
+                    book(rep, now, False)
+            for rep in at_boundary:
+                boundary(rep, now, True)
         if now < duration_ns:
             for rep in reps:
                 if not rep.busy and not rep.stopped and (admission.has_undelivered_until(now) or policy.queued()):
                     admit_and_start(rep, now)
-        wake = admission.wake_ns(now)
+        # When the policy may next let a held request through: read only by a replica with a free slot
+        # (busy or idle) while requests are queued, so asked only then (a quota policy's wake-up costs a
+        # bucket refill per tenant; the state it reads is the same until the next event).
+        wake = admission.wake_ns(now) if _free_slot(reps, cost.max_batch) and policy.queued() else None
         if now >= next_sample:
             admission.sample(now)
             next_sample = now + SAMPLE_EVERY_NS
@@ -146,26 +160,50 @@ def run_compressed(
     return result
 
 
+_NEVER = 1 << 80  # later than any instant: a draining run's end is 2**62 ns
+
+
+def _free_slot(reps: list[_Replica], max_batch: int) -> bool:
+    """Does a replica that may still start iterations have a free slot?"""
+    return any(not rep.stopped and rep.size < max_batch for rep in reps)
+
+
 def _booking(
-    workload: Workload, admission: Admission, result: SimResult, requests: _Requests
-) -> tuple[Callable[[_Replica, int, bool], None], Callable[[_Replica, int], None], Callable[[_Replica, int], None]]:
+    workload: Workload,
+    admission: Admission,
+    result: SimResult,
+    requests: _Requests,
+    admit_and_start: Callable[[_Replica, int], None],
+    duration_ns: int,
+) -> tuple[
+    Callable[[_Replica, int, bool], None], Callable[[_Replica, int, bool], None], Callable[[_Replica, int], None]
+]:
     """The engine's booking steps, as closures over the run's arrays (the hot path: no attribute look-ups):
-    ``book(rep, upto, inclusive)``, ``finish_due(rep, t)``, ``settle_request(rep, i)``."""
+    ``book(rep, upto, inclusive)``, ``boundary(rep, t, inclusive)`` (book, then settle the finishes due and
+    start the next segment), ``settle_request(rep, i)``."""
     tenants, tenant_index = workload.tenants, workload.tenant_index
     tenant_gpu_ms, tenant_decode_tokens = result.tenant_gpu_ms, result.tenant_decode_tokens
-    charge = admission.admitter.charge
+    busy_ns, iterations, request_gpu_ms, generated_tokens = (
+        result.busy_ns,
+        result.iterations,
+        result.request_gpu_ms,
+        result.generated_tokens,
+    )
+    charge, finish = admission.admitter.charge, admission.finish
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
+    heappop = heapq.heappop
 
     def book(rep: _Replica, upto: int, inclusive: bool) -> None:
         """Book every iteration of ``rep`` ending before ``upto`` (or at it, if ``inclusive``)."""
         if not rep.busy:
             return
-        first = rep.head_end if rep.accounted_iterations < rep.head_iteration else rep.accounted_end + rep.dt
+        dt = rep.dt
+        first = rep.head_end if rep.accounted_iterations < rep.head_iteration else rep.accounted_end + dt
         if upto < first or (upto == first and not inclusive):
             return
         span = upto - first
-        k = span // rep.dt + 1
-        if not inclusive and span % rep.dt == 0:
+        k = span // dt + 1
+        if not inclusive and span % dt == 0:
             k -= 1
         size, per = rep.size, rep.per_sequence_ms
         for k_tenant, running in rep.tenant_running.items():
@@ -176,30 +214,40 @@ def _booking(
             tenant_decode_tokens[k_tenant] += tokens
         rep.slot_charge_ms += k * per
         rep.accounted_iterations += k
-        rep.accounted_end = first + (k - 1) * rep.dt
-        result.busy_ns[rep.index] += k * rep.dt
-        result.iterations[rep.index] += k
+        rep.accounted_end = first + (k - 1) * dt
+        busy_ns[rep.index] += k * dt
+        iterations[rep.index] += k
 
-    def finish_due(rep: _Replica, t: int) -> None:
-        finishes = rep.finishes
-        while finishes and finishes[0][0] == rep.accounted_iterations:
-            _, i = heapq.heappop(finishes)
-            settle_request(rep, i)
-            k_tenant = tenant_index[i]
-            left = rep.tenant_running[k_tenant] - 1
-            if left:
-                rep.tenant_running[k_tenant] = left
-            else:
-                del rep.tenant_running[k_tenant]
-            rep.size -= 1
-            admission.finish(i, t)
-        assert not finishes or finishes[0][0] > rep.accounted_iterations, "a finish was skipped"
+    def boundary(rep: _Replica, t: int, inclusive: bool) -> None:
+        """``rep`` reached a boundary at ``t``: book up to it, settle the sequences finishing there (in request
+        id order), then start its next segment (or stop it at the run's end)."""
+        book(rep, t, inclusive)
+        finishes, done = rep.finishes, rep.accounted_iterations
+        if finishes and finishes[0][0] == done:
+            running, charged = rep.tenant_running, rep.slot_charge_ms
+            while finishes and finishes[0][0] == done:
+                i = heappop(finishes)[1]
+                request_gpu_ms[i] += charged - slot_charge_at_admit[i]
+                generated_tokens[i] = done - admitted_iteration[i]
+                k_tenant = tenant_index[i]
+                left = running[k_tenant] - 1
+                if left:
+                    running[k_tenant] = left
+                else:
+                    del running[k_tenant]
+                rep.size -= 1
+                finish(i, t)
+        assert not finishes or finishes[0][0] > done, "a finish was skipped"
+        if t < duration_ns:
+            admit_and_start(rep, t)
+        else:
+            rep.busy, rep.stopped = False, True
 
     def settle_request(rep: _Replica, i: int) -> None:
-        result.request_gpu_ms[i] += rep.slot_charge_ms - slot_charge_at_admit[i]
-        result.generated_tokens[i] = rep.accounted_iterations - admitted_iteration[i]
+        request_gpu_ms[i] += rep.slot_charge_ms - slot_charge_at_admit[i]
+        generated_tokens[i] = rep.accounted_iterations - admitted_iteration[i]
 
-    return book, finish_due, settle_request
+    return book, boundary, settle_request
 
 
 def _starting(
@@ -209,48 +257,69 @@ def _starting(
     segment) and ``next_event(rep, now, wake)`` (the next boundary of ``rep`` where something can change)."""
     tenant_index, prompt_tokens, output_tokens = workload.tenant_index, workload.prompt_tokens, workload.output_tokens
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
-    max_batch, policy = cost.max_batch, admission.policy
+    first_token_ns, busy_ns = result.first_token_ns, result.busy_ns
+    max_batch, policy, admit = cost.max_batch, admission.policy, admission.admit
+    decode_ns, prefill_ns = cost.decode_ns, cost.prefill_ns
+    heappush = heapq.heappush
 
     def admit_and_start(rep: _Replica, t: int) -> None:
-        admitted = admission.admit(t, rep.index, max_batch - rep.size, rep.size)
+        size = rep.size
+        admitted = admit(t, rep.index, max_batch - size, size)
         rep.epoch_seen = admission.epoch
-        prefill_tokens = 0
-        for i in admitted:
-            k_tenant = tenant_index[i]
-            rep.tenant_running[k_tenant] = rep.tenant_running.get(k_tenant, 0) + 1
-            prefill_tokens += prompt_tokens[i]
-            admitted_iteration[i] = rep.accounted_iterations
-            slot_charge_at_admit[i] = rep.slot_charge_ms
-            heapq.heappush(rep.finishes, (rep.accounted_iterations + output_tokens[i], i))
-        rep.size += len(admitted)
-        if rep.size == 0:
+        if admitted:
+            running, done, charged, finishes = (
+                rep.tenant_running,
+                rep.accounted_iterations,
+                rep.slot_charge_ms,
+                rep.finishes,
+            )
+            prefill_tokens = 0
+            for i in admitted:
+                k_tenant = tenant_index[i]
+                running[k_tenant] = running.get(k_tenant, 0) + 1
+                prefill_tokens += prompt_tokens[i]
+                admitted_iteration[i] = done
+                slot_charge_at_admit[i] = charged
+                heappush(finishes, (done + output_tokens[i], i))
+            size += len(admitted)
+            rep.size = size
+        elif size == 0:
             rep.busy = False
             return
+        else:
+            prefill_tokens = 0
         rep.busy = True
-        rep.dt = cost.decode_ns(rep.size)
-        rep.per_sequence_ms = rep.dt / rep.size / NS_PER_MS
-        prefill_ns = cost.prefill_ns(prefill_tokens)
-        rep.head_end = t + rep.dt + prefill_ns
+        dt = rep.dt = decode_ns(size)
+        rep.per_sequence_ms = dt / size / NS_PER_MS
+        prefill = prefill_ns(prefill_tokens)
+        head_end = rep.head_end = t + dt + prefill
         rep.head_iteration = rep.accounted_iterations + 1
         rep.accounted_end = t
-        result.busy_ns[rep.index] += prefill_ns
+        rep.end_boundary = rep.boundary_at_or_after(duration_ns)
+        busy_ns[rep.index] += prefill
         for i in admitted:
-            result.first_token_ns[i] = rep.head_end
+            first_token_ns[i] = head_end
 
     def next_event(rep: _Replica, now: int, wake: int | None) -> int:
-        dt, head_end, head_iteration = rep.dt, rep.head_end, rep.head_iteration
-        best = rep.boundary_at_or_after(duration_ns)
+        dt, head_end = rep.dt, rep.head_end
+        best = rep.end_boundary
         if rep.finishes:
-            best = min(best, head_end + (rep.finishes[0][0] - head_iteration) * dt)
+            finish = head_end + (rep.finishes[0][0] - rep.head_iteration) * dt
+            if finish < best:
+                best = finish
         if rep.size < max_batch:
+            # the first boundary at or after ``t`` (> now), for each instant a free slot may be filled
             arrival = admission.next_undelivered_ns()
             if arrival is not None:
-                best = min(best, rep.boundary_at_or_after(max(arrival, now + 1)))
+                t = max(arrival, now + 1)
+                best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
             if policy.queued():
                 if rep.epoch_seen != admission.epoch:
-                    best = min(best, rep.boundary_at_or_after(now + 1))
+                    t = now + 1
+                    best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
                 if wake is not None:
-                    best = min(best, rep.boundary_at_or_after(max(wake, now + 1)))
+                    t = max(wake, now + 1)
+                    best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
         return best
 
     return admit_and_start, next_event
