@@ -111,11 +111,16 @@ class CounterPolicy(QueuedPolicy):
     def _on_pick(self, request: Request, now_ms: float) -> None:
         self.virtual_time = max(self.virtual_time, self._key(request.tenant))
 
+    def _keys(self) -> list[float]:
+        """``_key`` of every queued tenant, in queue order (one pass: picks read them all)."""
+        counters = self.counters
+        return [counters.get(t, 0.0) for t in self._queues]
+
     def _select(self, now_ms: float, running: RunningView) -> str | None:
-        key = {t: self._key(t) for t in self._queues}
-        lowest = min(key.values())
+        keys = self._keys()
+        lowest = min(keys)
         limit = lowest + TIE_RELATIVE * max(1.0, abs(lowest))
-        tied = [t for t in self._queues if key[t] <= limit]
+        tied = [t for t, key in zip(self._queues, keys, strict=True) if key <= limit]
         return tied[0] if len(tied) == 1 else self._earliest(tied)
 
     def charge(
@@ -236,6 +241,10 @@ class GPUFair(CounterPolicy):
 
     def _key(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0) + self.committed.get(tenant, 0.0) / self._weights.get(tenant, 1.0)
+
+    def _keys(self) -> list[float]:
+        counters, committed, weights = self.counters, self.committed, self._weights
+        return [counters.get(t, 0.0) + committed.get(t, 0.0) / weights.get(t, 1.0) for t in self._queues]
 
     def _on_pick(self, request: Request, now_ms: float) -> None:
         super()._on_pick(request, now_ms)
