@@ -114,6 +114,7 @@ class MeteredCall:
         decode_weight: its decode weight (``dt / B`` per sequence) when its prefill stopped.
         beside: tenant -> the weight of that tenant's other requests in the iteration then.
         remote_weight: the other gateway processes' sequences' weight then.
+        tenant: its tenant.
     """
 
     charged_ms: float
@@ -123,6 +124,7 @@ class MeteredCall:
     decode_weight: float = 0.0
     beside: dict[str, float] = field(default_factory=dict)
     remote_weight: float = 0.0
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -404,7 +406,7 @@ class LiveMeter(MeterWindow):
             self._prefill_ends.clear()
             self.first_iteration = True
         if request.beside is None:  # never prefilled in an iteration of its own (pending to the end, or no prompt)
-            return MeteredCall(request.charged_ms)
+            return MeteredCall(request.charged_ms, tenant=request.tenant)
         decode, beside, remote = request.beside
         return MeteredCall(
             request.charged_ms,
@@ -414,4 +416,5 @@ class LiveMeter(MeterWindow):
             decode,
             beside,
             remote,
+            request.tenant,
         )

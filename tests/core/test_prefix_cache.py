@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from fairgate.core.cost import CostModel
 from fairgate.core.meter import LiveMeter, MeteredCall
-from fairgate.core.prefix_cache import cached_fraction, prefix_cache_credit
+from fairgate.core.prefix_cache import BLOCK_CHARS, PrefixGuess, cached_fraction, prefix_cache_credit, prompt_text
 
 COST = CostModel(iter_base_ms=20.0, iter_slope_ms=1.0, prefill_ms_per_token=0.1, max_batch=8)
 
@@ -45,7 +45,7 @@ def test_the_credit_is_what_the_meter_would_not_have_charged_had_it_sized_the_pr
     prompt_tokens, cached_tokens
 ):
     call, right_ms = _prefill_beside(prompt_tokens, cached_tokens)
-    credit_ms, moves = prefix_cache_credit(call, cached_fraction(cached_tokens, prompt_tokens))
+    credit_ms, moves = prefix_cache_credit(call, 1 - cached_fraction(cached_tokens, prompt_tokens))
     assert call.charged_ms - credit_ms == pytest.approx(right_ms, rel=1e-9)
     # What it is credited goes to the tenant beside it: the iterations' time is all still charged.
     assert moves == ({"b": pytest.approx(credit_ms)} if cached_tokens else {})
@@ -58,7 +58,7 @@ def test_a_request_that_ran_alone_keeps_its_charge_whatever_was_cached():
     meter.first_token("a", COST.iteration_ms(1, 8))
     call = meter.leave("a", 100.0)
     assert call.prefill_charged_ms > 0 and call.beside == {}
-    assert prefix_cache_credit(call, 0.99) == (0.0, {})  # all the busy time was its own either way
+    assert prefix_cache_credit(call, 0.01) == (0.0, {})  # all the busy time was its own either way
 
 
 def test_a_request_cut_while_pending_was_never_prefilled_by_the_meter():
@@ -67,14 +67,14 @@ def test_a_request_cut_while_pending_was_never_prefilled_by_the_meter():
     meter.first_token("b", 21.0)
     meter.start("a", "a", 1000, 25.0)  # sent mid-iteration: pending until the next boundary
     call = meter.leave("a", 30.0)
-    assert call == MeteredCall(0.0)
+    assert call == MeteredCall(0.0, tenant="a")
     assert prefix_cache_credit(call, 0.5) == (0.0, {})
 
 
 @pytest.mark.parametrize(
     ("cached", "prompt", "fraction"),
-    [(0, 100, 0.0), (50, 100, 0.5), (100, 100, 1.0), (101, 100, 0.0), (-1, 100, 0.0), (True, 100, 0.0),
-     (50.0, 100, 0.0), ("50", 100, 0.0), (None, 100, 0.0), (5, 0, 0.0)],
+    [(0, 100, 0.0), (50, 100, 0.5), (100, 100, 1.0), (101, 100, None), (-1, 100, None), (True, 100, None),
+     (50.0, 100, None), ("50", 100, None), (None, 100, None), (5, 0, None)],
 )  # fmt: skip
 def test_an_engines_cached_count_is_believed_only_as_a_whole_number_within_the_prompt(cached, prompt, fraction):
     assert cached_fraction(cached, prompt) == fraction
@@ -95,10 +95,81 @@ def test_the_credit_is_bounded_by_the_cached_share_of_the_prefill_and_moves_no_m
     prefill, decode, charged, beside, remote, fraction
 ):
     call = MeteredCall(charged + decode, charged, 100, prefill, decode, beside, remote)
-    credit_ms, moves = prefix_cache_credit(call, fraction)
+    credit_ms, moves = prefix_cache_credit(call, 1 - fraction)
     assert 0.0 <= credit_ms <= charged * fraction * (1 + 1e-12)
     assert sum(moves.values()) <= credit_ms * (1 + 1e-9)
     if remote == 0.0 and sum(beside.values()) > 0:
         assert sum(moves.values()) == pytest.approx(credit_ms, rel=1e-9, abs=1e-12)
-    more, _ = prefix_cache_credit(call, min(1.0, fraction + 0.1))
+    more, _ = prefix_cache_credit(call, max(0.0, 1 - fraction - 0.1))
     assert more >= credit_ms * (1 - 1e-9)  # more cached, never less credit
+
+
+def test_what_would_go_to_its_own_tenants_other_requests_stays_on_it():
+    beside = {"a": 30.0, "b": 10.0}  # its tenant's other requests weigh 3x the other tenant's
+    call = MeteredCall(500.0, 200.0, 1000, 100.0, 11.0, beside, 0.0, tenant="a")
+    full, _ = prefix_cache_credit(MeteredCall(500.0, 200.0, 1000, 100.0, 11.0, beside, 0.0, tenant="z"), 0.5)
+    credit_ms, moves = prefix_cache_credit(call, 0.5)
+    assert full > 0 and credit_ms == pytest.approx(full / 4) and moves == {"b": pytest.approx(full / 4)}
+
+
+@pytest.mark.parametrize(("guessed_uncached", "uncached"), [(100, 500), (500, 100), (1000, 8), (8, 1000)])
+def test_a_guess_too_high_or_too_low_is_settled_to_what_the_engine_prefilled(guessed_uncached, uncached):
+    """The meter sized the prefill by the guess; the engine prefilled ``uncached``: the correction (a credit,
+    or a charge when the guess was too high) brings the charge to what sizing by ``uncached`` gives."""
+    charged = {}
+    for tokens in (guessed_uncached, uncached):
+        meter, now = LiveMeter(COST, 0.0), 0.0
+        meter.start("b", "b", 10, now)
+        now += COST.iteration_ms(1, 10)
+        meter.first_token("b", now)
+        meter.start("a", "a", tokens, now + 5.0)
+        now += COST.iteration_ms(1)
+        meter.token(now)
+        now += COST.iteration_ms(2, uncached)
+        meter.first_token("a", now)
+        meter.token(now)
+        for _ in range(5):
+            now += COST.iteration_ms(2)
+            meter.token(now)
+        charged[tokens] = meter.leave("a", now)
+    credit_ms, moves = prefix_cache_credit(charged[guessed_uncached], uncached / guessed_uncached)
+    assert charged[guessed_uncached].charged_ms - credit_ms == pytest.approx(charged[uncached].charged_ms, rel=1e-9)
+    assert (credit_ms > 0) == (uncached < guessed_uncached) and moves == {"b": pytest.approx(credit_ms)}
+
+
+def test_the_guess_finds_the_leading_blocks_of_prompts_sent_before_in_the_same_scope():
+    guess = PrefixGuess()
+    head = "system: you are a careful agent. " * 40  # 1,320 characters
+    assert guess.send("a", head + "first question") == 0.0  # nothing sent before
+    again = head + "second question, rather longer than the first"
+    found = guess.send("a", again)
+    assert found == (len(head) // BLOCK_CHARS) * BLOCK_CHARS / len(again)  # whole blocks of the shared head
+    assert guess.send("b", again) == 0.0  # another tenant's scope shares nothing
+    assert guess.send("a", again) == (len(again) // BLOCK_CHARS) * BLOCK_CHARS / len(again)
+    short = "x" * BLOCK_CHARS
+    guess.send("a", short)
+    assert guess.send("a", short) == (BLOCK_CHARS - 1) / BLOCK_CHARS  # the last character is computed
+
+
+def test_the_guess_forgets_the_least_recently_used_blocks_first():
+    guess = PrefixGuess(max_blocks=4)
+    one, two = "1" * BLOCK_CHARS * 3, "2" * BLOCK_CHARS * 3
+    guess.send("a", one)
+    guess.send("a", two)  # 6 blocks sent, 4 kept: two's 3 and one's head, the most recently used
+    assert guess.send("a", two) > 0.9
+    assert guess.send("a", one) == pytest.approx(1 / 3)  # its head only (now all of it is back)
+
+
+def test_prompt_text_reads_chat_messages_and_completion_prompts_in_order():
+    chat = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "look: "}, {"type": "image_url", "image_url": {"url": "data:x"}}],
+            },
+        ]
+    }
+    assert prompt_text(chat) == 'system\nbe brief\nuser\nlook: {"type": "image_url", "image_url": {"url": "data:x"}}\n'
+    assert prompt_text({"prompt": "once upon"}) == "once upon"
+    assert prompt_text({"prompt": [1, 2, 3]}) == "[1, 2, 3]"
