@@ -321,6 +321,8 @@ class LoadGenerator:
             timings = (getattr(chunk, "model_extra", None) or {}).get("timings")
             if isinstance(timings, dict) and isinstance(timings.get("prompt_ms"), int | float):
                 record.engine_prompt_ms = float(timings["prompt_ms"])
+            if isinstance(timings, dict) and isinstance(timings.get("predicted_ms"), int | float):
+                record.engine_decode_ms = float(timings["predicted_ms"])
         if chunk.choices and (chunk.choices[0].delta.content if chat else chunk.choices[0].text):
             now = self.now()
             record.first_s = now if record.first_s is None else record.first_s

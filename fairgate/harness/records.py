@@ -39,6 +39,9 @@ class RequestRecord:
         tokens: content tokens received. usage_input / usage_output: the usage the client was sent.
         engine_prompt_ms: the engine's own time for its prefill, ms, where the stream carried it (llama.cpp's
             ``timings.prompt_ms`` beside the usage).
+        engine_decode_ms: the engine's own time from its first token to its last, ms, where the stream carried
+            it (llama.cpp's ``timings.predicted_ms``): the length of its decode on the engine's clock, which a
+            client reading late on a loaded machine does not stretch.
         cut_at / hangup_s: where and when the client hung up (``before_bytes``, ``after_headers``,
             ``after_chunks``, ``timeout``, ``deadline``).
         answers: every HTTP answer when the SDK retried by itself (``Request.sdk_retries``).
@@ -63,6 +66,7 @@ class RequestRecord:
     usage_input: int | None = None
     usage_output: int | None = None
     engine_prompt_ms: float | None = None
+    engine_decode_ms: float | None = None
     cut_at: str | None = None
     hangup_s: float | None = None
     answers: list[HttpAnswer] = field(default_factory=list)
