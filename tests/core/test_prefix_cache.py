@@ -14,30 +14,31 @@ from fairgate.core.prefix_cache import BLOCK_CHARS, PrefixGuess, cached_fraction
 COST = CostModel(iter_base_ms=20.0, iter_slope_ms=1.0, prefill_ms_per_token=0.1, max_batch=8)
 
 
-def _prefill_beside(prompt_tokens: int, cached_tokens: int, sent_ms: float = 5.0) -> tuple[MeteredCall, float]:
-    """Tenant ``b`` decodes alone on an upstream; ``a``'s request of ``prompt_tokens`` is sent ``sent_ms`` into
-    one of its iterations, joins the next, where the engine prefills the uncached part (the cost model's
-    time), then both decode 5 iterations. Returns what the meter charged ``a`` sized by the whole prompt, and
-    its charge on the same token timeline sized by the uncached prompt (what it would have been, had the
-    meter known)."""
-    uncached = prompt_tokens - cached_tokens
-    charged = {}
-    for sized in (prompt_tokens, uncached):
-        meter, now = LiveMeter(COST, 0.0), 0.0
-        meter.start("b", "b", 10, now)
-        now += COST.iteration_ms(1, 10)
-        meter.first_token("b", now)
-        meter.start("a", "a", sized, now + sent_ms)
-        now += COST.iteration_ms(1)
-        meter.token(now)  # b's token: the iteration ``a`` was sent in ended, ``a`` joins the next
-        now += COST.iteration_ms(2, uncached)  # the engine prefills only what it did not cache
-        meter.first_token("a", now)
+def _metered(sized_tokens: int, uncached: int) -> MeteredCall:
+    """Tenant ``b`` decodes alone on an upstream; ``a``'s request, which the meter sizes at ``sized_tokens``,
+    is sent 5 ms into one of its iterations, joins the next, where the engine prefills ``uncached`` tokens
+    (the cost model's time), then both decode 5 iterations. What the meter charged ``a``."""
+    meter, now = LiveMeter(COST, 0.0), 0.0
+    meter.start("b", "b", 10, now)
+    now += COST.iteration_ms(1, 10)
+    meter.first_token("b", now)
+    meter.start("a", "a", sized_tokens, now + 5.0)
+    now += COST.iteration_ms(1)
+    meter.token(now)  # b's token: the iteration ``a`` was sent in ended, ``a`` joins the next
+    now += COST.iteration_ms(2, uncached)  # the engine prefills only what it did not cache
+    meter.first_token("a", now)
+    meter.token(now)
+    for _ in range(5):
+        now += COST.iteration_ms(2)
         meter.token(now)
-        for _ in range(5):
-            now += COST.iteration_ms(2)
-            meter.token(now)
-        charged[sized] = meter.leave("a", now)
-    return charged[prompt_tokens], charged[uncached].charged_ms
+    return meter.leave("a", now)
+
+
+def _prefill_beside(prompt_tokens: int, cached_tokens: int) -> tuple[MeteredCall, float]:
+    """``_metered`` sized by the whole prompt, and its charge on the same token timeline sized by the uncached
+    prompt (what it would have been, had the meter known)."""
+    uncached = prompt_tokens - cached_tokens
+    return _metered(prompt_tokens, uncached), _metered(uncached, uncached).charged_ms
 
 
 @pytest.mark.parametrize(("prompt_tokens", "cached_tokens"), [(1000, 0), (1000, 500), (1000, 992), (64, 48)])
@@ -116,22 +117,7 @@ def test_what_would_go_to_its_own_tenants_other_requests_stays_on_it():
 def test_a_guess_too_high_or_too_low_is_settled_to_what_the_engine_prefilled(guessed_uncached, uncached):
     """The meter sized the prefill by the guess; the engine prefilled ``uncached``: the correction (a credit,
     or a charge when the guess was too high) brings the charge to what sizing by ``uncached`` gives."""
-    charged = {}
-    for tokens in (guessed_uncached, uncached):
-        meter, now = LiveMeter(COST, 0.0), 0.0
-        meter.start("b", "b", 10, now)
-        now += COST.iteration_ms(1, 10)
-        meter.first_token("b", now)
-        meter.start("a", "a", tokens, now + 5.0)
-        now += COST.iteration_ms(1)
-        meter.token(now)
-        now += COST.iteration_ms(2, uncached)
-        meter.first_token("a", now)
-        meter.token(now)
-        for _ in range(5):
-            now += COST.iteration_ms(2)
-            meter.token(now)
-        charged[tokens] = meter.leave("a", now)
+    charged = {tokens: _metered(tokens, uncached) for tokens in (guessed_uncached, uncached)}
     credit_ms, moves = prefix_cache_credit(charged[guessed_uncached], uncached / guessed_uncached)
     assert charged[guessed_uncached].charged_ms - credit_ms == pytest.approx(charged[uncached].charged_ms, rel=1e-9)
     assert (credit_ms > 0) == (uncached < guessed_uncached) and moves == {"b": pytest.approx(credit_ms)}
