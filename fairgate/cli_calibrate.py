@@ -19,6 +19,8 @@ from fairgate.cli_common import console, fail, note
 
 calibrate_app = typer.Typer()  # its one command joins the main app (fairgate.cli.main)
 KINDS = ("vllm", "sglang", "llamacpp", "tgi", "openai")
+# --max-batch-limit: a probe of one stream counts nothing; each stream is a connection (a file descriptor).
+LIMIT_RANGE = (2, 1024)
 
 
 @calibrate_app.command("calibrate")
@@ -27,8 +29,11 @@ def calibrate(
     model: Annotated[str | None, typer.Option(help="The model to probe (default: the engine's first).")] = None,
     kind: Annotated[str, typer.Option(help=f"The upstream kind: {', '.join(KINDS)}.")] = "openai",
     max_batch: Annotated[
-        int | None, typer.Option(min=1, max=4096, help="Its batch size (default: what the engine reports).")
+        int | None, typer.Option(min=1, max=4096, help="Its batch size (default: fitted from slot probes).")
     ] = None,
+    max_batch_limit: Annotated[
+        int, typer.Option(help=f"The most streams a slot probe sends at once, {LIMIT_RANGE[0]}-{LIMIT_RANGE[1]}.")
+    ] = 256,  # fairgate.gateway.calibrate.MAX_BATCH_LIMIT (imported only when a command runs)
     name: Annotated[str, typer.Option(help="The name of the upstream table to write.")] = "engine-0",
     max_model_len: Annotated[int, typer.Option(min=2, help="Its context length, for the table.")] = 4096,
     api_key_env: Annotated[
@@ -38,17 +43,28 @@ def calibrate(
         Path | None, typer.Option(help="Write the upstream table to this file (its folder must exist).")
     ] = None,
 ) -> None:
-    """Probe a live engine (decode steps at batch sizes 1, 2, 4, ..., max_batch; prefill at several prompt
+    """Probe a live engine (unless --max-batch is given, its slots: 2, 4, 8, ... long streams at once until
+    some wait for a free slot; decode steps at batch sizes 1, 2, 4, ..., max_batch; prefill at several prompt
     lengths), print iter_base_ms, iter_slope_ms, prefill_ms_per_token and max_batch with their standard
-    errors, and write the gateway's upstream table (stdout, or --out). Takes ~10-60 s."""
-    from fairgate.gateway.calibrate import CalibrationError, Engine, report_rows, upstream_table
+    errors (and the fitted slots beside the engine's own count), and write the gateway's upstream table
+    (stdout, or --out). Takes ~10-60 s."""
+    from fairgate.gateway.calibrate import (
+        CalibrationError,
+        Engine,
+        max_batch_note,
+        report_rows,
+        slot_probes,
+        upstream_table,
+    )
     from fairgate.gateway.calibrate import calibrate as run
 
     v1, headers = _checked(url, kind, name, model, api_key_env, out)
+    if not LIMIT_RANGE[0] <= max_batch_limit <= LIMIT_RANGE[1]:
+        raise fail(f"--max-batch-limit {max_batch_limit}: give a number of streams {LIMIT_RANGE[0]}-{LIMIT_RANGE[1]}")
     try:
         engine = Engine(v1, model or _first_model(v1, dict(headers)), kind, headers)
         note(f"calibrating {engine.model} at {v1} ...")
-        result = asyncio.run(run(engine, max_batch))
+        result = asyncio.run(run(engine, max_batch, max_batch_limit))
     except CalibrationError as exc:
         note(f"error: {exc}")
         raise typer.Exit(code=1) from None
@@ -56,6 +72,9 @@ def calibrate(
     for row in report_rows(result):
         table.add_row(*row)
     console.print(table)
+    if result.fitted is not None:
+        note(f"slot probes: {slot_probes(result.fitted)}")
+    note(f"{'warning: ' if result.disagree else ''}max_batch: {max_batch_note(result)}")
     text = upstream_table(result, name, v1, engine.model, kind, max_model_len)
     if out is not None:
         try:
@@ -63,9 +82,9 @@ def calibrate(
             note(f"wrote {out}")
             return
         except OSError as exc:  # the measurement is not lost: the table goes to stdout
-            console.print(text, markup=False, highlight=False)
+            console.print(text, markup=False, highlight=False, soft_wrap=True)
             raise fail(f"--out {out}: cannot write it ({exc.strerror or exc}); the table is above") from None
-    console.print(text, markup=False, highlight=False)
+    console.print(text, markup=False, highlight=False, soft_wrap=True)  # unwrapped: a TOML line is one line
 
 
 def _checked(

@@ -1,7 +1,8 @@
 """The gateway in front of a real continuous-batching engine nobody here wrote: llama.cpp's ``llama-server``
 (8 slots, one CPU thread, a tiny random-weight llama; tests/engine/conftest.py).
 
-- ``fairgate calibrate`` fits the engine's cost model, checked against the engine's own timings
+- ``fairgate calibrate`` fits the engine's slots (its slot probes count the 8 of ``-np``) and its cost
+  model, checked against the engine's own timings
   (``/completion``'s ``timings``): the step time within 20 % at a full batch of 8 and 40 % at a batch of one
   (the cost model is linear in ``B``; llama.cpp's steps on a CPU are concave in it, e.g. 6.3 / 11.3 / 14.9 /
   21.5 ms at B = 1 / 2 / 4 / 8), the marginal prefill cost per token within 30 %.
@@ -41,7 +42,7 @@ from fairgate.harness.stack import StackSpec, replicas, start_stack
 from fairgate.harness.tinyllama import write_random_gguf
 from fairgate.ledger.config import LimitsConfig
 from tests.conftest import streamed_chat, timing_claims_hold_here
-from tests.engine.conftest import MODEL, cost_model
+from tests.engine.conftest import MODEL, SLOTS, cost_model
 
 pytestmark = pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite
 
@@ -102,7 +103,11 @@ async def _engine_timings_together(engine_url: str, batch: int, words: int, toke
 
 
 def test_calibrate_fits_the_engine_within_the_stated_error(calibrated, engine_url):
-    assert calibrated["max_batch"] == 8  # from the engine's /props
+    assert calibrated["max_batch"] == SLOTS  # from the engine's /props
+    # The slot probes' count, printed beside the engine's own: the sequences it ran at once are its -np slots.
+    cells = [[cell.strip() for cell in line.split("│")] for line in calibrated["stdout"].splitlines()]
+    rows = {row[1]: row[2] for row in cells if len(row) > 3}
+    assert (rows["max_batch_fitted"], rows["max_batch_engine"]) == (str(SLOTS), str(SLOTS)), calibrated["stdout"]
     assert calibrated["kind"] == "llamacpp" and calibrated["url"] == f"{engine_url}/v1"
     for name in ("iter_base_ms", "iter_slope_ms", "prefill_ms_per_token", "max_batch"):
         assert name in calibrated["stdout"]
