@@ -57,6 +57,11 @@ Per upstream
   own counts where its kind reports them (``fairgate.gateway.engine_load``).
 - ``fairgate_upstream_step_drift_ratio{upstream,model}``: observed / cost-model decode step time
   (``fairgate.core.drift``; a ``cost_model_drift`` warning when it leaves [0.8, 1.25], once per excursion).
+- ``fairgate_upstream_batch_mismatch{upstream,model}``: 1 while the engine's running count and the meter's
+  batch size disagree (by more than max(2, 25 %) on 4 reads in a row: another client shares the engine, or
+  ``max_batch`` is above its slots, and the meter's ``dt / B`` shares are off), else 0; where the kind reports
+  its load (``fairgate.gateway.engine_load``, which registers it; a ``batch_size_mismatch`` warning once per
+  episode).
 
 Per policy and model (over the window, among tenants charged GPU time in it)
 
@@ -356,6 +361,29 @@ class WindowCollector(Collector):
             ["upstream", "model"],
             (((u.name, u.model), u.iterations_per_s) for u in ups if u.iterations_per_s is not None),
         )
+
+
+class SnapshotGauge(Collector):
+    """A gauge whose values its owner replaces whole, on the event loop (``values``: a tuple of (label
+    values, value)); a scrape renders it off the loop (``install``), so it reads one snapshot, never a table
+    being changed."""
+
+    def __init__(self, name: str, text: str, labels: list[str]) -> None:
+        self.name, self.text, self.labels = name, text, labels
+        self.values: tuple[tuple[tuple[str, ...], float], ...] = ()
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge(self.name, self.text, self.labels, self.values)
+
+
+def batch_mismatch_gauge() -> SnapshotGauge:
+    """``fairgate_upstream_batch_mismatch{upstream,model}`` (module docstring), for ``engine_load`` to fill."""
+    return SnapshotGauge(
+        "fairgate_upstream_batch_mismatch",
+        "1 while the engine's running count and the gateway's batch size on it disagree (another client shares "
+        "the engine, or max_batch is above its slots: the meter's dt / B shares are off).",
+        ["upstream", "model"],
+    )
 
 
 def _gauge(name: str, text: str, labels: list[str], values: Iterable[tuple[tuple[str, ...], float]]) -> Metric:
