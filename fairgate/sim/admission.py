@@ -21,7 +21,26 @@ from fairgate.sim.workload import Workload
 
 
 class Admission:
-    """Owns the policy-facing side of a run: delivery, picks, the running view, finishes."""
+    """Owns the policy-facing side of a run: delivery, picks, the running view, finishes.
+
+    Attributes read on the engines' hot path, kept current rather than computed per read:
+        epoch: changes whenever the policy's state may have changed (a delivery, an admission, a finish).
+        next_arrival_ns: arrival time of the first request not yet handed to the policy (None: all were).
+    """
+
+    __slots__ = (
+        "admitted",
+        "admitter",
+        "cost",
+        "delivered",
+        "epoch",
+        "finished",
+        "next_arrival_ns",
+        "policy",
+        "requests",
+        "result",
+        "workload",
+    )
 
     def __init__(self, workload: Workload, policy: Policy, cost: CostModel, result: SimResult) -> None:
         self.workload = workload
@@ -33,30 +52,31 @@ class Admission:
         self.requests: list[Request] = workload.requests()
         self.admitted = 0  # requests picked
         self.finished = 0  # requests that left their slot
-
-    @property
-    def epoch(self) -> int:
-        """Changes whenever the policy's state may have changed (a delivery, an admission, a finish)."""
-        return self.delivered + self.admitted + self.finished
+        self.epoch = 0  # delivered + admitted + finished
+        self.next_arrival_ns: int | None = workload.arrival_ns[0] if len(workload) else None
 
     def has_undelivered_until(self, t_ns: int) -> bool:
         """Has a request arrived by ``t_ns`` that the policy has not seen yet?"""
-        return self.delivered < len(self.workload) and self.workload.arrival_ns[self.delivered] <= t_ns
+        return self.next_arrival_ns is not None and self.next_arrival_ns <= t_ns
 
     def next_undelivered_ns(self) -> int | None:
         """Arrival time of the first request not yet handed to the policy."""
-        return self.workload.arrival_ns[self.delivered] if self.delivered < len(self.workload) else None
+        return self.next_arrival_ns
 
     def deliver(self, t_ns: int) -> None:
         """Hand every request that arrived by ``t_ns`` to the policy, in arrival order."""
+        if self.next_arrival_ns is None or self.next_arrival_ns > t_ns:
+            return
         now_ms = t_ns / NS_PER_MS
         arrival_ns, n, requests = self.workload.arrival_ns, len(self.workload), self.requests
         enqueue = self.admitter.enqueue
-        delivered = self.delivered
+        first = delivered = self.delivered
         while delivered < n and arrival_ns[delivered] <= t_ns:
             enqueue(requests[delivered], now_ms)
             delivered += 1
         self.delivered = delivered
+        self.epoch += delivered - first
+        self.next_arrival_ns = arrival_ns[delivered] if delivered < n else None
 
     def admit(self, t_ns: int, replica: int, free_slots: int, running_now: int) -> list[int]:
         """Fill up to ``free_slots`` slots of ``replica`` at ``t_ns``; returns the admitted request ids.
@@ -70,13 +90,11 @@ class Admission:
         if not self.policy.queued():
             return []
         picked = self.admitter.fill(t_ns / NS_PER_MS, free_slots, running_now, self.cost)
+        if not picked:
+            return []
         result, tenant_index = self.result, self.workload.tenant_index
-        tenant_gpu_ms, tenant_prefill_ms, request_gpu_ms = (
-            result.tenant_gpu_ms,
-            result.tenant_prefill_ms,
-            result.request_gpu_ms,
-        )
-        admit_ns, admissions = result.admit_ns, result.admissions
+        tenant_gpu_ms, tenant_prefill_ms = result.tenant_gpu_ms, result.tenant_prefill_ms
+        request_gpu_ms, admit_ns, admissions = result.request_gpu_ms, result.admit_ns, result.admissions
         admitted: list[int] = []
         for request, prefill_ms in picked:
             i = request.request_id
@@ -88,11 +106,13 @@ class Admission:
             admissions.append((i, replica, t_ns))
             admitted.append(i)
         self.admitted += len(admitted)
+        self.epoch += len(admitted)
         return admitted
 
     def finish(self, request_id: int, t_ns: int) -> None:
         """Request ``request_id`` generated its last token at the boundary ``t_ns``."""
         self.finished += 1
+        self.epoch += 1
         self.result.finish_ns[request_id] = t_ns
         self.admitter.finish(self.requests[request_id], t_ns / NS_PER_MS, int(self.workload.output_tokens[request_id]))
 

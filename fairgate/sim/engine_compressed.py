@@ -104,9 +104,80 @@ def run_compressed(
     duration_ns = stop_ns(workload, drain)
     reps = [_Replica(r) for r in range(replicas)]
     requests = _Requests([0] * len(workload), [0.0] * len(workload))
-    admit_and_start, next_event = _starting(workload, cost, admission, result, requests, duration_ns)
+    admit_and_start = _starting(workload, cost, admission, result, requests, duration_ns)
+    next_event = _next_event(admission, cost.max_batch)
     book, boundary, settle_request = _booking(workload, admission, result, requests, admit_and_start, duration_ns)
-    lone = reps[0] if replicas == 1 else None
+    if replicas == 1:
+        now = _run_one(reps[0], admission, cost.max_batch, duration_ns, boundary, admit_and_start, next_event)
+    else:
+        now = _run_many(reps, admission, cost.max_batch, duration_ns, book, boundary, admit_and_start, next_event)
+    for rep in reps:
+        for _, i in rep.finishes:
+            settle_request(rep, i)
+    admission.sample(max(now, 0))
+    return result
+
+
+_NEVER = 1 << 80  # later than any instant: a draining run's end is 2**62 ns
+ASK = -1  # ``next_event``'s wake-up not asked yet (a wake-up is an instant, >= 0)
+
+
+def _run_one(
+    rep: _Replica,
+    admission: Admission,
+    max_batch: int,
+    duration_ns: int,
+    boundary: Callable[[_Replica, int, bool], None],
+    admit_and_start: Callable[[_Replica, int], None],
+    next_event: Callable[[_Replica, int, int | None], int],
+) -> int:
+    """``_run_many``'s loop for a lone replica (most runs): a busy replica's next event is its own boundary,
+    booked in one go; an idle one waits for an arrival or a wake-up. Returns the last instant."""
+    queued, wake_ns, sample = admission.policy.queued, admission.wake_ns, admission.sample
+    now = -1
+    next_sample = 0
+    while True:
+        # The policy's wake-up (a quota's reads every held tenant's bucket) is asked only when it could be the
+        # next event: mostly an arrival or a finish comes first. The state it reads is the one the last event
+        # left, as if asked then.
+        if rep.busy:
+            now = next_event(rep, now, ASK)
+            boundary(rep, now, True)
+        elif rep.stopped:
+            break
+        else:
+            arrival = admission.next_arrival_ns
+            best = _NEVER if arrival is None else max(arrival, now + 1)
+            if best > now + 1 and now >= 0:
+                wake = wake_ns(now)
+                if wake is not None and wake < duration_ns and wake < best:
+                    best = wake
+            if best == _NEVER:
+                break
+            now = best
+        if now < duration_ns and not rep.busy and not rep.stopped:
+            arrival = admission.next_arrival_ns
+            if (arrival is not None and arrival <= now) or queued():
+                admit_and_start(rep, now)
+        if now >= next_sample:
+            sample(now)
+            next_sample = now + SAMPLE_EVERY_NS
+    return now
+
+
+def _run_many(
+    reps: list[_Replica],
+    admission: Admission,
+    max_batch: int,
+    duration_ns: int,
+    book: Callable[[_Replica, int, bool], None],
+    boundary: Callable[[_Replica, int, bool], None],
+    admit_and_start: Callable[[_Replica, int], None],
+    next_event: Callable[[_Replica, int, int | None], int],
+) -> int:
+    """The event loop: jump to the earliest instant anything can change on any replica, book every replica
+    up to it, handle the replicas at a boundary there, then the idle ones. Returns the last instant."""
+    policy = admission.policy
     now = -1
     wake: int | None = None
     next_sample = 0
@@ -121,7 +192,7 @@ def run_compressed(
             elif not rep.stopped:
                 idle = True
         if idle:
-            arrival = admission.next_undelivered_ns()
+            arrival = admission.next_arrival_ns
             if arrival is not None:
                 best = min(best, max(arrival, now + 1))
             if wake is not None and wake < duration_ns:
@@ -129,43 +200,24 @@ def run_compressed(
         if best == _NEVER:
             break
         now = best
-        if lone is not None:
-            # One replica: when it is busy the instant is its boundary (nothing else makes one), booked in one go.
-            if lone.busy:
-                boundary(lone, now, True)
-        else:
-            at_boundary = [rep for rep in reps if rep.busy and rep.is_boundary(now)]
-            for rep in reps:
-                # A lone replica at its boundary books everything up to it in one go below; otherwise
-                # iterations before `now` must be booked before any replica picks at `now`.
-                if len(at_boundary) != 1 or rep is not at_boundary[0]:
-                    book(rep, now, False)
-            for rep in at_boundary:
-                boundary(rep, now, True)
+        at_boundary = [rep for rep in reps if rep.busy and rep.is_boundary(now)]
+        for rep in reps:
+            # A lone replica at its boundary books everything up to it in one go below; otherwise
+            # iterations before `now` must be booked before any replica picks at `now`.
+            if len(at_boundary) != 1 or rep is not at_boundary[0]:
+                book(rep, now, False)
+        for rep in at_boundary:
+            boundary(rep, now, True)
         if now < duration_ns:
             for rep in reps:
                 if not rep.busy and not rep.stopped and (admission.has_undelivered_until(now) or policy.queued()):
                     admit_and_start(rep, now)
-        # When the policy may next let a held request through: read only by a replica with a free slot
-        # (busy or idle) while requests are queued, so asked only then (a quota policy's wake-up costs a
-        # bucket refill per tenant; the state it reads is the same until the next event).
-        wake = admission.wake_ns(now) if _free_slot(reps, cost.max_batch) and policy.queued() else None
+        free = any(not rep.stopped and rep.size < max_batch for rep in reps)
+        wake = admission.wake_ns(now) if free and policy.queued() else None  # as in _run_one
         if now >= next_sample:
             admission.sample(now)
             next_sample = now + SAMPLE_EVERY_NS
-    for rep in reps:
-        for _, i in rep.finishes:
-            settle_request(rep, i)
-    admission.sample(max(now, 0))
-    return result
-
-
-_NEVER = 1 << 80  # later than any instant: a draining run's end is 2**62 ns
-
-
-def _free_slot(reps: list[_Replica], max_batch: int) -> bool:
-    """Does a replica that may still start iterations have a free slot?"""
-    return any(not rep.stopped and rep.size < max_batch for rep in reps)
+    return now
 
 
 def _booking(
@@ -252,13 +304,13 @@ def _booking(
 
 def _starting(
     workload: Workload, cost: CostModel, admission: Admission, result: SimResult, requests: _Requests, duration_ns: int
-) -> tuple[Callable[[_Replica, int], None], Callable[[_Replica, int, int | None], int]]:
-    """The engine's admission steps, as closures: ``admit_and_start(rep, t)`` (fill free slots, start a
-    segment) and ``next_event(rep, now, wake)`` (the next boundary of ``rep`` where something can change)."""
+) -> Callable[[_Replica, int], None]:
+    """The engine's admission step, as a closure: ``admit_and_start(rep, t)`` (fill free slots, start a
+    segment)."""
     tenant_index, prompt_tokens, output_tokens = workload.tenant_index, workload.prompt_tokens, workload.output_tokens
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
     first_token_ns, busy_ns = result.first_token_ns, result.busy_ns
-    max_batch, policy, admit = cost.max_batch, admission.policy, admission.admit
+    max_batch, admit = cost.max_batch, admission.admit
     decode_ns, prefill_ns = cost.decode_ns, cost.prefill_ns
     heappush = heapq.heappush
 
@@ -300,6 +352,14 @@ def _starting(
         for i in admitted:
             first_token_ns[i] = head_end
 
+    return admit_and_start
+
+
+def _next_event(admission: Admission, max_batch: int) -> Callable[[_Replica, int, int | None], int]:
+    """``next_event(rep, now, wake)``: the next boundary of ``rep`` where something can change, given the
+    policy's wake-up asked at ``now`` (or ``ASK``: asked there only if it can come first)."""
+    policy, wake_ns = admission.policy, admission.wake_ns
+
     def next_event(rep: _Replica, now: int, wake: int | None) -> int:
         dt, head_end = rep.dt, rep.head_end
         best = rep.end_boundary
@@ -308,18 +368,25 @@ def _starting(
             if finish < best:
                 best = finish
         if rep.size < max_batch:
-            # the first boundary at or after ``t`` (> now), for each instant a free slot may be filled
-            arrival = admission.next_undelivered_ns()
+            # the first boundary at or after ``t`` (> now), for each instant a free slot may be filled; none
+            # comes before the first boundary after ``now``
+            t = now + 1
+            soonest = head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt
+            if best <= soonest:
+                return best
+            arrival = admission.next_arrival_ns
             if arrival is not None:
                 t = max(arrival, now + 1)
                 best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
             if policy.queued():
                 if rep.epoch_seen != admission.epoch:
-                    t = now + 1
-                    best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
-                if wake is not None:
-                    t = max(wake, now + 1)
-                    best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
+                    best = min(best, soonest)
+                if best > soonest:
+                    if wake == ASK:
+                        wake = wake_ns(now)
+                    if wake is not None:
+                        t = max(wake, now + 1)
+                        best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
         return best
 
-    return admit_and_start, next_event
+    return next_event
