@@ -206,23 +206,26 @@ def engine_gpu_ms(records: list[RequestRecord], prefill_ms_per_token: float) -> 
     """Each tenant's GPU time by the charge rule, measured independently of the gateway's meter: each
     request's prefill at the engine's own marginal cost per prompt token (its clock, a request alone:
     ``engine_prefill_ms_per_token``; the prompt tokens it reported, or its tenant's median for a request cut
-    at the end of the run), decode by the client's token arrivals - a request decodes from its first to its
-    last token, and at every instant each of the ``B`` requests decoding gets ``1/B`` of the engine's decode
-    time (its busy time less every prefill). Also returns the busy time (ms): the union of the requests'
-    spans, each from its prefill's start to its last token. (llama.cpp's per-request ``prompt_ms`` is no
-    measure of a prefill's cost: it spans the whole step, everyone's decode and the other prefills in it.)"""
+    at the end of the run), decode from its first token to its last - the first as its client received it, the
+    decode's length on the engine's clock where its stream said it (llama.cpp's ``predicted_ms``: a client
+    reading late on a loaded machine does not stretch it), else to its last token's arrival - and at every
+    instant each of the ``B`` requests decoding gets ``1/B`` of the engine's decode time (its busy time less
+    every prefill). Also returns the busy time (ms): the union of the requests' spans, each from its
+    prefill's start to its last token. (llama.cpp's per-request ``prompt_ms`` is no measure of a prefill's
+    cost: it spans the whole step, everyone's decode and the other prefills in it.)"""
     started = [r for r in records if r.first_s is not None and r.last_s is not None]
+    last = {r.request_id: r.first_s + r.engine.decode_ms / 1000.0 if r.engine else r.last_s for r in started}
     known: dict[str, list[float]] = {}
     for r in started:
         if r.usage_input is not None:
             known.setdefault(r.tenant, []).append(r.usage_input)
     prefill = {r.request_id: prefill_ms_per_token * (r.usage_input or median(known[r.tenant])) for r in started}
-    spans = sorted((r.first_s - prefill[r.request_id] / 1000.0, r.last_s) for r in started)  # type: ignore[operator]
+    spans = sorted((r.first_s - prefill[r.request_id] / 1000.0, last[r.request_id]) for r in started)  # type: ignore[operator]
     busy_ms, reach = 0.0, float("-inf")
     for begin, end in spans:
         busy_ms += max(0.0, end - max(begin, reach)) * 1000.0
         reach = max(reach, end)
-    share = _decode_shares([(r.first_s, r.last_s, r.tenant) for r in started])  # type: ignore[misc]
+    share = _decode_shares([(r.first_s, last[r.request_id], r.tenant) for r in started])  # type: ignore[misc]
     decode_ms = busy_ms - sum(prefill.values())
     out = {t: decode_ms * s for t, s in share.items()}
     for r in started:
