@@ -53,7 +53,7 @@ class PrefixGuess:
 
     def __init__(self, max_blocks: int = GUESS_BLOCKS_MAX) -> None:
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._blocks: OrderedDict[int, None] = OrderedDict()  # hash((scope, block)): ~100 bytes a block
 
     def send(self, scope: str, text: str) -> float:
         """A prompt of ``text`` is sent in cache scope ``scope``: the share (0-1, less than 1: an engine
@@ -63,11 +63,11 @@ class PrefixGuess:
         for start in range(0, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
             previous = hash((previous, text[start : start + BLOCK_CHARS]))
             hashes.append(previous)
+        keys = [hash((scope, block)) for block in hashes]
         found = 0
-        while found < len(hashes) and (scope, hashes[found]) in self._blocks:
+        while found < len(keys) and keys[found] in self._blocks:
             found += 1
-        for block in reversed(hashes):  # the prompt's head is used last: the tail goes out first
-            key = (scope, block)
+        for key in reversed(keys):  # the prompt's head is used last: the tail goes out first
             self._blocks[key] = None
             self._blocks.move_to_end(key)
         while len(self._blocks) > self.max_blocks:
