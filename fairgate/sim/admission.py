@@ -68,7 +68,8 @@ class Admission:
         if self.next_arrival_ns is None or self.next_arrival_ns > t_ns:
             return
         now_ms = t_ns / NS_PER_MS
-        arrival_ns, n, requests = self.workload.arrival_ns, len(self.workload), self.requests
+        arrival_ns, requests = self.workload.arrival_ns, self.requests
+        n = len(arrival_ns)
         enqueue = self.admitter.enqueue
         first = delivered = self.delivered
         while delivered < n and arrival_ns[delivered] <= t_ns:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fairgate.core.cost import NS_PER_MS, CostModel
-from fairgate.core.policy import Policy
+from fairgate.core.policy import Policy, QueuedPolicy
 from fairgate.sim.admission import Admission
 from fairgate.sim.engine_reference import SAMPLE_EVERY_NS, stop_ns
 from fairgate.sim.result import SimResult
@@ -68,11 +68,6 @@ class _Replica:
         self.finishes: list[tuple[int, int]] = []  # heap of (finishing iteration, request id)
         self.epoch_seen = -1
 
-    def boundary_at_or_after(self, t: int) -> int:
-        if t <= self.head_end:
-            return self.head_end
-        return self.head_end - (-(t - self.head_end) // self.dt) * self.dt
-
     def is_boundary(self, t: int) -> bool:
         return t == self.head_end or (t > self.head_end and (t - self.head_end) % self.dt == 0)
 
@@ -83,6 +78,13 @@ class _Requests:
 
     admitted_iteration: list[int]  # iterations booked on its replica before it joined
     slot_charge_at_admit: list[float]
+
+
+# Fill the free slots of a replica and start its next segment (see ``_starting``); book a replica up to an instant.
+_Start = Callable[
+    [int, int, int, int, float, dict[int, int], list[tuple[int, int]]], tuple[int, int, float, int, int, int]
+]
+_Step = Callable[[_Replica, int, bool], None]
 
 
 def run_compressed(
@@ -102,82 +104,160 @@ def run_compressed(
     result = SimResult.empty(workload, replicas)
     admission = Admission(workload, policy, cost, result)
     duration_ns = stop_ns(workload, drain)
-    reps = [_Replica(r) for r in range(replicas)]
     requests = _Requests([0] * len(workload), [0.0] * len(workload))
-    admit_and_start = _starting(workload, cost, admission, result, requests, duration_ns)
-    next_event = _next_event(admission, cost.max_batch)
-    book, boundary, settle_request = _booking(workload, admission, result, requests, admit_and_start, duration_ns)
+    start = _starting(workload, cost, admission, result, requests, duration_ns)
     if replicas == 1:
-        now = _run_one(reps[0], admission, cost.max_batch, duration_ns, boundary, admit_and_start, next_event)
+        now = _run_one(workload, admission, result, requests, start, duration_ns)
     else:
-        now = _run_many(reps, admission, cost.max_batch, duration_ns, book, boundary, admit_and_start, next_event)
-    for rep in reps:
-        for _, i in rep.finishes:
-            settle_request(rep, i)
+        reps = [_Replica(r) for r in range(replicas)]
+        book, boundary, admit_and_start, settle_request = _booking(
+            workload, admission, result, requests, start, duration_ns
+        )
+        now = _run_many(reps, admission, duration_ns, book, boundary, admit_and_start)
+        for rep in reps:
+            for _, i in rep.finishes:
+                settle_request(rep, i)
     admission.sample(max(now, 0))
     return result
 
 
 _NEVER = 1 << 80  # later than any instant: a draining run's end is 2**62 ns
-ASK = -1  # ``next_event``'s wake-up not asked yet (a wake-up is an instant, >= 0)
+
+
+def _takes_charges(policy: Policy) -> bool:
+    """Whether ``policy`` reads what is charged: first-come-first-served, round robin, the request quota and the
+    slot cap do not (``QueuedPolicy.charge``), and are not called with each booking's."""
+    return getattr(type(policy), "charge", None) is not QueuedPolicy.charge
 
 
 def _run_one(
-    rep: _Replica,
-    admission: Admission,
-    max_batch: int,
-    duration_ns: int,
-    boundary: Callable[[_Replica, int, bool], None],
-    admit_and_start: Callable[[_Replica, int], None],
-    next_event: Callable[[_Replica, int, int | None], int],
+    workload: Workload, admission: Admission, result: SimResult, requests: _Requests, start: _Start, duration_ns: int
 ) -> int:
-    """``_run_many``'s loop for a lone replica (most runs): a busy replica's next event is its own boundary,
-    booked in one go; an idle one waits for an arrival or a wake-up. Returns the last instant."""
-    queued, wake_ns, sample = admission.policy.queued, admission.wake_ns, admission.sample
-    now = -1
-    next_sample = 0
+    """``_run_many`` for a lone replica (most runs), fused into one loop over local variables: the same
+    instants, bookings and calls in the same order, without a call or an attribute look-up per step. A busy
+    replica's instant is its own boundary, booked in one go; an idle one waits for an arrival or a wake-up.
+    Returns the last instant."""
+    tenants, tenant_index, tenant_gpu_ms = workload.tenants, workload.tenant_index, result.tenant_gpu_ms
+    tenant_decode_tokens, request_gpu_ms = result.tenant_decode_tokens, result.request_gpu_ms
+    generated_tokens, busy_ns, iterations = result.generated_tokens, result.busy_ns, result.iterations
+    admitted_iteration = requests.admitted_iteration
+    slot_charge_at_admit, heappop, max_batch = requests.slot_charge_at_admit, heapq.heappop, admission.cost.max_batch
+    queued, sample, finish = admission.policy.queued, admission.sample, admission.finish
+    charge = admission.admitter.charge if _takes_charges(admission.policy) else None
+    running: dict[int, int] = {}  # tenant index -> running sequences
+    finishes: list[tuple[int, int]] = []  # heap of (finishing iteration, request id)
+    busy = stopped = False
+    size = dt = head_end = end = head_iteration = accounted_end = done = epoch_seen = 0  # as in _Replica
+    per = charged = 0.0  # _Replica's per_sequence_ms and slot_charge_ms
+    now, next_sample = -1, 0
     while True:
-        # The policy's wake-up (a quota's reads every held tenant's bucket) is asked only when it could be the
-        # next event: mostly an arrival or a finish comes first. The state it reads is the one the last event
-        # left, as if asked then.
-        if rep.busy:
-            now = next_event(rep, now, ASK)
-            boundary(rep, now, True)
-        elif rep.stopped:
-            break
-        else:
-            arrival = admission.next_arrival_ns
-            best = _NEVER if arrival is None else max(arrival, now + 1)
-            if best > now + 1 and now >= 0:
-                wake = wake_ns(now)
-                if wake is not None and wake < duration_ns and wake < best:
-                    best = wake
-            if best == _NEVER:
-                break
+        if busy:
+            best = end
+            if finishes:
+                best = min(best, head_end + (finishes[0][0] - head_iteration) * dt)
+            if size < max_batch:
+                best = _first_change(admission, now, best, head_end, dt, epoch_seen)
             now = best
-        if now < duration_ns and not rep.busy and not rep.stopped:
+            first = head_end if done < head_iteration else accounted_end + dt
+            if now >= first:  # book every iteration up to `now`, in one go
+                k = (now - first) // dt + 1
+                for k_tenant, n_running in running.items():
+                    tokens = k * n_running
+                    ms = tokens * per
+                    if charge is not None:
+                        charge(tenants[k_tenant], ms, 0, tokens, size)
+                    tenant_gpu_ms[k_tenant] += ms
+                    tenant_decode_tokens[k_tenant] += tokens
+                charged += k * per
+                done += k
+                accounted_end = first + (k - 1) * dt
+                busy_ns[0] += k * dt
+                iterations[0] += k
+            while finishes and finishes[0][0] == done:  # in request id order, as the reference's
+                i = heappop(finishes)[1]
+                request_gpu_ms[i] += charged - slot_charge_at_admit[i]
+                generated_tokens[i] = done - admitted_iteration[i]
+                k_tenant = tenant_index[i]
+                left = running[k_tenant] - 1
+                if left:
+                    running[k_tenant] = left
+                else:
+                    del running[k_tenant]
+                size -= 1
+                finish(i, now)
+            assert not finishes or finishes[0][0] > done, "a finish was skipped"
+            if now < duration_ns:
+                size, dt, per, head_end, end, epoch_seen = start(0, now, size, done, charged, running, finishes)
+                busy, head_iteration, accounted_end = size > 0, done + 1, now
+            else:
+                busy, stopped = False, True
+        else:
+            t = _NEVER if stopped else _idle_until(admission, now, duration_ns)
+            if t == _NEVER:
+                break
+            now = t
+        if now < duration_ns and not busy and not stopped:
             arrival = admission.next_arrival_ns
             if (arrival is not None and arrival <= now) or queued():
-                admit_and_start(rep, now)
+                size, dt, per, head_end, end, epoch_seen = start(0, now, size, done, charged, running, finishes)
+                busy, head_iteration, accounted_end = size > 0, done + 1, now
         if now >= next_sample:
             sample(now)
             next_sample = now + SAMPLE_EVERY_NS
+    for _, i in finishes:
+        request_gpu_ms[i] += charged - slot_charge_at_admit[i]
+        generated_tokens[i] = done - admitted_iteration[i]
     return now
+
+
+def _first_change(admission: Admission, now: int, best: int, head_end: int, dt: int, epoch_seen: int) -> int:
+    """The earlier of ``best`` and the first boundary (segment ``head_end``, ``dt``) after ``now`` where a free
+    slot may be filled: a request the policy has not seen arrived, the policy's state changed since the
+    replica last asked it (``epoch_seen``), or a held request may wake up. None comes before the first boundary
+    after ``now``; the policy's wake-up (a quota's reads every held tenant's bucket) is asked only when it could
+    come first - the state it reads is the one the last event left, as if asked then."""
+    t = now + 1
+    soonest = head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt
+    if best <= soonest:
+        return best
+    arrival = admission.next_arrival_ns
+    if arrival is not None:
+        t = max(arrival, now + 1)
+        best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
+    if admission.policy.queued():
+        if epoch_seen != admission.epoch:
+            best = min(best, soonest)
+        if best > soonest:
+            wake = admission.wake_ns(now)
+            if wake is not None:
+                t = max(wake, now + 1)
+                best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
+    return best
+
+
+def _idle_until(admission: Admission, now: int, duration_ns: int) -> int:
+    """When an idle replica may next admit, after ``now``: an arrival, or a held request's wake-up (asked only if
+    it could come first); ``_NEVER`` if neither will happen."""
+    arrival = admission.next_arrival_ns
+    best = _NEVER if arrival is None else max(arrival, now + 1)
+    if best > now + 1 and now >= 0:
+        wake = admission.wake_ns(now)
+        if wake is not None and wake < duration_ns and wake < best:
+            best = wake
+    return best
 
 
 def _run_many(
     reps: list[_Replica],
     admission: Admission,
-    max_batch: int,
     duration_ns: int,
-    book: Callable[[_Replica, int, bool], None],
-    boundary: Callable[[_Replica, int, bool], None],
+    book: _Step,
+    boundary: _Step,
     admit_and_start: Callable[[_Replica, int], None],
-    next_event: Callable[[_Replica, int, int | None], int],
 ) -> int:
     """The event loop: jump to the earliest instant anything can change on any replica, book every replica
     up to it, handle the replicas at a boundary there, then the idle ones. Returns the last instant."""
-    policy = admission.policy
+    policy, max_batch = admission.policy, admission.cost.max_batch
     now = -1
     wake: int | None = None
     next_sample = 0
@@ -186,9 +266,12 @@ def _run_many(
         idle = False
         for rep in reps:
             if rep.busy:
-                t = next_event(rep, now, wake)
-                if t < best:
-                    best = t
+                t = rep.end_boundary
+                if rep.finishes:
+                    t = min(t, rep.head_end + (rep.finishes[0][0] - rep.head_iteration) * rep.dt)
+                if rep.size < max_batch:
+                    t = _first_change(admission, now, t, rep.head_end, rep.dt, rep.epoch_seen)
+                best = min(best, t)
             elif not rep.stopped:
                 idle = True
         if idle:
@@ -212,8 +295,8 @@ def _run_many(
             for rep in reps:
                 if not rep.busy and not rep.stopped and (admission.has_undelivered_until(now) or policy.queued()):
                     admit_and_start(rep, now)
-        free = any(not rep.stopped and rep.size < max_batch for rep in reps)
-        wake = admission.wake_ns(now) if free and policy.queued() else None  # as in _run_one
+        idle = any(not rep.busy and not rep.stopped for rep in reps)
+        wake = admission.wake_ns(now) if idle and policy.queued() else None  # read by idle replicas only
         if now >= next_sample:
             admission.sample(now)
             next_sample = now + SAMPLE_EVERY_NS
@@ -221,18 +304,11 @@ def _run_many(
 
 
 def _booking(
-    workload: Workload,
-    admission: Admission,
-    result: SimResult,
-    requests: _Requests,
-    admit_and_start: Callable[[_Replica, int], None],
-    duration_ns: int,
-) -> tuple[
-    Callable[[_Replica, int, bool], None], Callable[[_Replica, int, bool], None], Callable[[_Replica, int], None]
-]:
-    """The engine's booking steps, as closures over the run's arrays (the hot path: no attribute look-ups):
-    ``book(rep, upto, inclusive)``, ``boundary(rep, t, inclusive)`` (book, then settle the finishes due and
-    start the next segment), ``settle_request(rep, i)``."""
+    workload: Workload, admission: Admission, result: SimResult, requests: _Requests, start: _Start, duration_ns: int
+) -> tuple[_Step, _Step, Callable[[_Replica, int], None], Callable[[_Replica, int], None]]:
+    """``_run_many``'s steps, as closures over the run's arrays: ``book(rep, upto, inclusive)``,
+    ``boundary(rep, t, inclusive)`` (book, then settle the finishes due and start the next segment),
+    ``admit_and_start(rep, t)`` and ``settle_request(rep, i)``."""
     tenants, tenant_index = workload.tenants, workload.tenant_index
     tenant_gpu_ms, tenant_decode_tokens = result.tenant_gpu_ms, result.tenant_decode_tokens
     busy_ns, iterations, request_gpu_ms, generated_tokens = (
@@ -242,8 +318,8 @@ def _booking(
         result.generated_tokens,
     )
     charge, finish = admission.admitter.charge, admission.finish
+    charged = _takes_charges(admission.policy)
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
-    heappop = heapq.heappop
 
     def book(rep: _Replica, upto: int, inclusive: bool) -> None:
         """Book every iteration of ``rep`` ending before ``upto`` (or at it, if ``inclusive``)."""
@@ -261,7 +337,8 @@ def _booking(
         for k_tenant, running in rep.tenant_running.items():
             tokens = k * running
             ms = tokens * per
-            charge(tenants[k_tenant], ms, 0, tokens, size)
+            if charged:
+                charge(tenants[k_tenant], ms, 0, tokens, size)
             tenant_gpu_ms[k_tenant] += ms
             tenant_decode_tokens[k_tenant] += tokens
         rep.slot_charge_ms += k * per
@@ -271,42 +348,48 @@ def _booking(
         iterations[rep.index] += k
 
     def boundary(rep: _Replica, t: int, inclusive: bool) -> None:
-        """``rep`` reached a boundary at ``t``: book up to it, settle the sequences finishing there (in request
-        id order), then start its next segment (or stop it at the run's end)."""
         book(rep, t, inclusive)
         finishes, done = rep.finishes, rep.accounted_iterations
-        if finishes and finishes[0][0] == done:
-            running, charged = rep.tenant_running, rep.slot_charge_ms
-            while finishes and finishes[0][0] == done:
-                i = heappop(finishes)[1]
-                request_gpu_ms[i] += charged - slot_charge_at_admit[i]
-                generated_tokens[i] = done - admitted_iteration[i]
-                k_tenant = tenant_index[i]
-                left = running[k_tenant] - 1
-                if left:
-                    running[k_tenant] = left
-                else:
-                    del running[k_tenant]
-                rep.size -= 1
-                finish(i, t)
+        while finishes and finishes[0][0] == done:  # in request id order, as the reference's
+            i = heapq.heappop(finishes)[1]
+            settle_request(rep, i)
+            k_tenant = tenant_index[i]
+            left = rep.tenant_running[k_tenant] - 1
+            if left:
+                rep.tenant_running[k_tenant] = left
+            else:
+                del rep.tenant_running[k_tenant]
+            rep.size -= 1
+            finish(i, t)
         assert not finishes or finishes[0][0] > done, "a finish was skipped"
         if t < duration_ns:
             admit_and_start(rep, t)
         else:
             rep.busy, rep.stopped = False, True
 
+    def admit_and_start(rep: _Replica, t: int) -> None:
+        done = rep.accounted_iterations
+        size, dt, per, head_end, end, rep.epoch_seen = start(
+            rep.index, t, rep.size, done, rep.slot_charge_ms, rep.tenant_running, rep.finishes
+        )
+        rep.size, rep.busy = size, size > 0
+        rep.dt, rep.per_sequence_ms, rep.head_end, rep.end_boundary = dt, per, head_end, end
+        rep.head_iteration, rep.accounted_end = done + 1, t
+
     def settle_request(rep: _Replica, i: int) -> None:
         request_gpu_ms[i] += rep.slot_charge_ms - slot_charge_at_admit[i]
         generated_tokens[i] = rep.accounted_iterations - admitted_iteration[i]
 
-    return book, boundary, settle_request
+    return book, boundary, admit_and_start, settle_request
 
 
 def _starting(
     workload: Workload, cost: CostModel, admission: Admission, result: SimResult, requests: _Requests, duration_ns: int
-) -> Callable[[_Replica, int], None]:
-    """The engine's admission step, as a closure: ``admit_and_start(rep, t)`` (fill free slots, start a
-    segment)."""
+) -> _Start:
+    """``start(index, t, size, done, charged, running, finishes)``: fill the free slots of replica ``index`` at
+    ``t`` - ``size`` sequences running (``running``: per tenant; ``finishes``: their heap), ``done`` iterations
+    and ``charged`` ms a slot booked - and start its next segment. Returns the segment: ``(size, dt,
+    per_sequence_ms, head_end, end_boundary, epoch)``; ``size`` 0: the replica idles."""
     tenant_index, prompt_tokens, output_tokens = workload.tenant_index, workload.prompt_tokens, workload.output_tokens
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
     first_token_ns, busy_ns = result.first_token_ns, result.busy_ns
@@ -314,18 +397,18 @@ def _starting(
     decode_ns, prefill_ns = cost.decode_ns, cost.prefill_ns
     heappush = heapq.heappush
 
-    def admit_and_start(rep: _Replica, t: int) -> None:
-        size = rep.size
-        admitted = admit(t, rep.index, max_batch - size, size)
-        rep.epoch_seen = admission.epoch
+    def start(
+        index: int,
+        t: int,
+        size: int,
+        done: int,
+        charged: float,
+        running: dict[int, int],
+        finishes: list[tuple[int, int]],
+    ) -> tuple[int, int, float, int, int, int]:
+        admitted = admit(t, index, max_batch - size, size)
+        prefill_tokens = 0
         if admitted:
-            running, done, charged, finishes = (
-                rep.tenant_running,
-                rep.accounted_iterations,
-                rep.slot_charge_ms,
-                rep.finishes,
-            )
-            prefill_tokens = 0
             for i in admitted:
                 k_tenant = tenant_index[i]
                 running[k_tenant] = running.get(k_tenant, 0) + 1
@@ -334,59 +417,15 @@ def _starting(
                 slot_charge_at_admit[i] = charged
                 heappush(finishes, (done + output_tokens[i], i))
             size += len(admitted)
-            rep.size = size
         elif size == 0:
-            rep.busy = False
-            return
-        else:
-            prefill_tokens = 0
-        rep.busy = True
-        dt = rep.dt = decode_ns(size)
-        rep.per_sequence_ms = dt / size / NS_PER_MS
+            return 0, 0, 0.0, 0, 0, admission.epoch
+        dt = decode_ns(size)
         prefill = prefill_ns(prefill_tokens)
-        head_end = rep.head_end = t + dt + prefill
-        rep.head_iteration = rep.accounted_iterations + 1
-        rep.accounted_end = t
-        rep.end_boundary = rep.boundary_at_or_after(duration_ns)
-        busy_ns[rep.index] += prefill
+        head_end = t + dt + prefill
+        busy_ns[index] += prefill
         for i in admitted:
             first_token_ns[i] = head_end
+        end = head_end if duration_ns <= head_end else head_end - (-(duration_ns - head_end) // dt) * dt
+        return size, dt, dt / size / NS_PER_MS, head_end, end, admission.epoch
 
-    return admit_and_start
-
-
-def _next_event(admission: Admission, max_batch: int) -> Callable[[_Replica, int, int | None], int]:
-    """``next_event(rep, now, wake)``: the next boundary of ``rep`` where something can change, given the
-    policy's wake-up asked at ``now`` (or ``ASK``: asked there only if it can come first)."""
-    policy, wake_ns = admission.policy, admission.wake_ns
-
-    def next_event(rep: _Replica, now: int, wake: int | None) -> int:
-        dt, head_end = rep.dt, rep.head_end
-        best = rep.end_boundary
-        if rep.finishes:
-            finish = head_end + (rep.finishes[0][0] - rep.head_iteration) * dt
-            if finish < best:
-                best = finish
-        if rep.size < max_batch:
-            # the first boundary at or after ``t`` (> now), for each instant a free slot may be filled; none
-            # comes before the first boundary after ``now``
-            t = now + 1
-            soonest = head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt
-            if best <= soonest:
-                return best
-            arrival = admission.next_arrival_ns
-            if arrival is not None:
-                t = max(arrival, now + 1)
-                best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
-            if policy.queued():
-                if rep.epoch_seen != admission.epoch:
-                    best = min(best, soonest)
-                if best > soonest:
-                    if wake == ASK:
-                        wake = wake_ns(now)
-                    if wake is not None:
-                        t = max(wake, now + 1)
-                        best = min(best, head_end if t <= head_end else head_end - (-(t - head_end) // dt) * dt)
-        return best
-
-    return next_event
+    return start

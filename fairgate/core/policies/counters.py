@@ -120,7 +120,7 @@ class CounterPolicy(QueuedPolicy):
         keys = self._keys()
         lowest = min(keys)
         limit = lowest + TIE_RELATIVE * max(1.0, abs(lowest))
-        tied = [t for t, key in zip(self._queues, keys, strict=True) if key <= limit]
+        tied = [t for t, key in zip(self._queues, keys, strict=False) if key <= limit]  # as long: keys of the queues
         return tied[0] if len(tied) == 1 else self._earliest(tied)
 
     def charge(
