@@ -16,8 +16,9 @@ from fairgate.ledger import Ledger, Quotas, connect, quotas_from_dict
 from fairgate.ledger.redis import RedisLedger
 
 # "pgbouncer": PostgreSQL behind PgBouncer in transaction mode (each transaction on any server connection);
-# "redis_cluster": a Redis Cluster of three masters (each tenant's keys on the node of its hash slot).
-BACKENDS = ("sqlite", "postgres", "pgbouncer", "redis", "redis_cluster")
+# "redis_cluster": a Redis Cluster of three masters (each tenant's keys on the node of its hash slot);
+# "redis_eval": Redis running the scripts as EVAL scripts, as on a server without functions (``lua.py``).
+BACKENDS = ("sqlite", "postgres", "pgbouncer", "redis", "redis_cluster", "redis_eval")
 
 
 # The limits most ledger tests start from: small enough that a handful of requests reaches each one.
@@ -53,6 +54,9 @@ async def open_ledger(backend: str, backend_url) -> AsyncIterator[Callable[..., 
         if isinstance(quotas, dict):
             quotas = quotas_from_dict(quotas)
         ledger = await connect(url, quotas, clock)
+        if backend == "redis_eval":
+            assert isinstance(ledger, RedisLedger)
+            ledger._scripts.run_as_eval()
         opened.append(ledger)
         return ledger
 

@@ -396,3 +396,58 @@ async def test_a_cluster_ledger_puts_each_tenant_on_one_node_and_the_tenants_on_
         await ledger.drop_keys()
         await ledger.close()
         await cluster.aclose()
+
+
+async def test_the_scripts_run_as_functions_and_a_lost_library_is_loaded_again(redis_ledger, redis_url, clock):
+    """A server with functions runs the scripts from one library (FCALL); one that lost the library (restarted
+    without persistence, flushed) gets it again on the first call that misses it, and the call goes through."""
+    ledger = await redis_ledger(clock)
+    name = ledger._scripts.library_name
+    assert name is not None and name.startswith("fairgate_")
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        assert await _libraries(client, name) == [name]
+        r = await ledger.reserve("a", "before", 10, 5, 1.0)
+        await client.function_delete(name)
+        claim = await ledger.claim(r.id, "gw-1", 1000.0)
+        assert claim.held_by("gw-1")
+        assert await _libraries(client, name) == [name]
+    await ledger.settle(r.id, 10, 5, 1.0, final=True)
+    assert [e.kind for e in await ledger.events("a")] == ["reserve", "settle_final"]
+    assert ledger._scripts.library_name == name
+
+
+async def test_a_cluster_ledger_runs_the_library_on_every_primary(redis_cluster_url):
+    from redis.asyncio import RedisCluster
+
+    prefix = f"fgc_{uuid.uuid4().hex[:10]}"
+    tenants = [f"t{i}" for i in range(6)]
+    quotas = quotas_from_dict({"defaults": {"max_concurrent": 4}, "tenants": {t: {} for t in tenants}})
+    ledger = await connect(f"{redis_cluster_url}&prefix={prefix}", quotas)
+    cluster = RedisCluster.from_url(redis_cluster_url.split("?")[0], decode_responses=True)
+    try:
+        assert isinstance(ledger, RedisLedger)
+        name = ledger._scripts.library_name
+        assert name is not None
+        await cluster.initialize()
+        for node in cluster.get_primaries():
+            async with Redis(host=node.host, port=node.port, decode_responses=True) as client:
+                assert await _libraries(client, name) == [name]
+        for tenant in tenants:
+            r = await ledger.reserve(tenant, f"{tenant}-1", 10, 5, 1.0)
+            await ledger.settle(r.id, 10, 5, 1.0, final=True)
+        assert [e.kind for e in await ledger.events("t0")] == ["reserve", "settle_final"]
+    finally:
+        await ledger.drop_keys()
+        await ledger.close()
+        await cluster.aclose()
+
+
+async def _libraries(client: Redis, name: str) -> list[str]:
+    """The names of the server's function libraries matching ``name`` (FUNCTION LIST: a flat key-value list
+    per library, or a map)."""
+    entries = await client.function_list(library=name)
+    found = []
+    for entry in entries:
+        fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))
+        found.append(fields["library_name"])
+    return found

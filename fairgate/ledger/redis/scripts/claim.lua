@@ -4,7 +4,7 @@
 local rid, owner, lease = ARGV[3], ARGV[4], tonumber(ARGV[5])
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
-if cjson.decode(raw).status ~= 'open' then return {'final'} end
+if not is_open(raw) then return {'final'} end
 local now = now_ms()
 local held = redis.call('HGET', CLAIMS, rid)
 if held then

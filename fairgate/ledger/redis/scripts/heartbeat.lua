@@ -3,7 +3,7 @@
 local rid = ARGV[3]
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
-if cjson.decode(raw).status ~= 'open' then return {'final'} end
+if not is_open(raw) then return {'final'} end
 hset_kept(HB, rid, fmt(now_ms()))
 touch_all()
 return {'ok'}

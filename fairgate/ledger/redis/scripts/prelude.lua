@@ -1,13 +1,19 @@
--- What every tenant script shares (loaded after bucket.lua, before the script's own body).
--- KEYS are the tenant's keys in keys.TENANT_KEYS order, then, for the scripts that apply limits (reserve, close,
--- queue), the tenant's limits hash (keys.Keys.limits); ARGV[1] is now in ms ("" = the server's TIME), ARGV[2]
--- the retention TTL in ms; a script's own arguments start at ARGV[3].
-if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes (Redis < 5)
-local ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN, CLAIMS, MINUTES =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
+-- What every tenant script shares (loaded after bucket.lua, before the scripts' own bodies: lua.py runs them as
+-- functions of one library, or each as an EVAL script). Every call starts with bind(KEYS, ARGV): KEYS are the
+-- tenant's keys in keys.TENANT_KEYS order, then, for the scripts that apply limits (reserve, close, queue), the
+-- tenant's limits hash (keys.Keys.limits); ARGV[1] is now in ms ("" = the server's TIME), ARGV[2] the retention
+-- TTL in ms; a script's own arguments start at ARGV[3]. The names below are the library's, set afresh by each
+-- call (a server runs one call at a time).
+local KEYS, ARGV
+local ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN, CLAIMS, MINUTES, LIMITS, RETENTION_MS
 local TENANT_KEY_COUNT = 12
-local LIMITS = KEYS[13]
-local RETENTION_MS = tonumber(ARGV[2])
+local function bind(keys, argv)
+  KEYS, ARGV = keys, argv
+  ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN, CLAIMS, MINUTES, LIMITS =
+    keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8], keys[9], keys[10], keys[11], keys[12],
+    keys[13]
+  RETENTION_MS = tonumber(argv[2])
+end
 local MS_PER_MINUTE = 60000.0
 
 -- A number as '%.17g' writes it (it reads back exactly); a whole number below 1e15 (counts, most amounts)
@@ -107,12 +113,24 @@ end
 -- limits are the class's. nil when the limits hash is not there (a server restarted or flushed, or the key
 -- expired): the script then answers {'limits'} before writing anything, and the client writes the hash and
 -- calls once more, so nothing ever runs without limits.
+-- Run as functions, the library keeps the limits it unpacked, by their packed bytes (the same bytes, the same
+-- limits; no script writes a limits table), up to UNPACKED_MAX of them.
 local TENANT_ACCOUNT = '*'
+local unpacked, unpacked_count, UNPACKED_MAX = {}, 0, 4096
+local function limits_of(packed)
+  local lim = unpacked[packed]
+  if lim == nil then
+    if unpacked_count >= UNPACKED_MAX then unpacked, unpacked_count = {}, 0 end
+    lim = unpack_limits(packed)
+    unpacked[packed], unpacked_count = lim, unpacked_count + 1
+  end
+  return lim
+end
 local function books_of(model_class)
   local got = redis.call('HMGET', LIMITS, TENANT_ACCOUNT, model_class)
   if not got[1] then return nil end
-  local books = {{key = TENANT_ACCOUNT, lim = unpack_limits(got[1])}}
-  if got[2] and model_class ~= TENANT_ACCOUNT then books[2] = {key = model_class, lim = unpack_limits(got[2])} end
+  local books = {{key = TENANT_ACCOUNT, lim = limits_of(got[1])}}
+  if got[2] and model_class ~= TENANT_ACCOUNT then books[2] = {key = model_class, lim = limits_of(got[2])} end
   return books
 end
 
@@ -168,14 +186,17 @@ local function spend_of(r, input_tokens, output_tokens, gpu_ms)
 end
 
 -- rules.refreshed: refill the buckets, roll the GPU window and the spend period forward.
-local BUCKETS = {{'requests', 'requests'}, {'input_tokens', 'input'}, {'output_tokens', 'output'}}
+-- Each bucket: its rate, burst, level and updated fields (no names built per call).
+local BUCKETS = {{'requests_per_minute', 'requests_burst', 'requests_level', 'requests_updated_ms'},
+  {'input_tokens_per_minute', 'input_tokens_burst', 'input_level', 'input_updated_ms'},
+  {'output_tokens_per_minute', 'output_tokens_burst', 'output_level', 'output_updated_ms'}}
 local function refresh(acc, lim, now)
-  for _, b in ipairs(BUCKETS) do
-    local rate = lim[b[1] .. '_per_minute']
+  for i = 1, 3 do
+    local b = BUCKETS[i]
+    local rate = lim[b[1]]
     if rate ~= nil then
-      local burst = lim[b[1] .. '_burst'] or 0.0
-      local lk, uk = b[2] .. '_level', b[2] .. '_updated_ms'
-      acc[lk], acc[uk] = bucket_refill(acc[lk], acc[uk], now, rate, burst, MS_PER_MINUTE)
+      local lk, uk = b[3], b[4]
+      acc[lk], acc[uk] = bucket_refill(acc[lk], acc[uk], now, rate, lim[b[2]] or 0.0, MS_PER_MINUTE)
     end
   end
   local window_ms = lim.gpu_window_s * 1000.0
@@ -246,5 +267,9 @@ local function add_event(rid, kind, requests, d_in, d_out, d_gpu, d_over, d_spen
                                fmt(d_over), fmt(now), fmt(d_spend)})
   redis.call('ZADD', EVENTS, fmt(now), member)
 end
+
+-- Whether a stored reservation is open, without decoding it: cjson writes the field as '"status":"open"', and
+-- no string value can hold that text unescaped (its quotes would be written \").
+local function is_open(raw) return string.find(raw, '"status":"open"', 1, true) ~= nil end
 
 local function count_status(status, by) redis.call('HINCRBY', STATUS, status, by) end

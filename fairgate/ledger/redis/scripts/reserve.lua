@@ -54,12 +54,13 @@ local function size_and_rates(acc, l, key)
   if l.requests_per_minute ~= nil and reopen == nil and acc.requests_level < 1.0 then
     return quota('requests_per_minute', wait_s(acc.requests_level, 1.0, l.requests_per_minute), acc.requests_level, key)
   end
-  for _, d in ipairs({{'input_tokens', 'input', input_tokens}, {'output_tokens', 'output', max_output}}) do
-    local rate = l[d[1] .. '_per_minute']
+  for i = 2, 3 do  -- BUCKETS[2], [3]: input, output tokens
+    local b = BUCKETS[i]
+    local rate = l[b[1]]
     if rate ~= nil then
-      local level, burst, need = acc[d[2] .. '_level'], l[d[1] .. '_burst'] or 0.0, d[3]
-      if need > burst then return quota(d[1] .. '_per_minute', nil, level, key) end
-      if level < need then return quota(d[1] .. '_per_minute', wait_s(level, need, rate), level, key) end
+      local level, burst, need = acc[b[3]], l[b[2]] or 0.0, i == 2 and input_tokens or max_output
+      if need > burst then return quota(b[1], nil, level, key) end
+      if level < need then return quota(b[1], wait_s(level, need, rate), level, key) end
     end
   end
   return nil
