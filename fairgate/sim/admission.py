@@ -87,7 +87,8 @@ class Admission:
         """
         if free_slots <= 0:
             return []
-        self.deliver(t_ns)
+        if self.next_arrival_ns is not None and self.next_arrival_ns <= t_ns:
+            self.deliver(t_ns)
         if not self.policy.queued():
             return []
         picked = self.admitter.fill(t_ns / NS_PER_MS, free_slots, running_now, self.cost)

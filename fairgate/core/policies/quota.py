@@ -24,6 +24,8 @@ class _BucketPolicy(QueuedPolicy):
     of a quota policy's time in the simulator).
     """
 
+    _by_prompt = False  # a head request needs its prompt tokens (capped at the burst), else one unit
+
     def __init__(self, rate_per_ms: float, burst: float) -> None:
         super().__init__()
         self._rate_per_ms = rate_per_ms
@@ -39,20 +41,22 @@ class _BucketPolicy(QueuedPolicy):
     def _on_backlogged(self, tenant: str, now_ms: float) -> None:
         self._bucket(tenant)  # a bucket starts full whenever it is made: every queued tenant has one
 
-    def _eligible(self, now_ms: float, needs: list[float]) -> list[str]:
-        """The queued tenants whose bucket holds their need (``needs``, in queue order) at ``now_ms``."""
-        buckets = self._buckets
+    def _eligible(self, now_ms: float) -> list[str]:
+        """The queued tenants whose bucket holds their head request's need at ``now_ms``."""
+        buckets, burst, by_prompt = self._buckets, self._burst, self._by_prompt
         eligible = []
-        for tenant, need in zip(self._queues, needs, strict=True):
+        for tenant, queue in self._queues.items():
+            need = min(float(queue[0].prompt_tokens), burst) - _EPSILON if by_prompt else _ONE_REQUEST
             b = buckets[tenant]
             if refill(b.level, b.updated_ms, now_ms, b.rate_per_ms, b.burst)[0] >= need:
                 eligible.append(tenant)
         return eligible
 
-    def _ready_at(self, now_ms: float, needs: list[float]) -> float:
-        """The earliest instant a queued tenant's bucket holds its need (``TokenBucket.ready_at``)."""
-        buckets, best = self._buckets, float("inf")
-        for tenant, need in zip(self._queues, needs, strict=True):
+    def _ready_at(self, now_ms: float) -> float:
+        """The earliest instant a queued tenant's bucket holds its head request's need (``TokenBucket.ready_at``)."""
+        buckets, burst, by_prompt, best = self._buckets, self._burst, self._by_prompt, float("inf")
+        for tenant, queue in self._queues.items():
+            need = min(float(queue[0].prompt_tokens), burst) - _EPSILON if by_prompt else _ONE_REQUEST
             b = buckets[tenant]
             ready = now_ms + wait(
                 refill(b.level, b.updated_ms, now_ms, b.rate_per_ms, b.burst)[0], min(need, b.burst), b.rate_per_ms
@@ -82,7 +86,7 @@ class RequestQuota(_BucketPolicy):
         super().__init__(requests_per_minute / _MS_PER_MINUTE, float(burst_requests))
 
     def _select(self, now_ms: float, running: RunningView) -> str | None:
-        eligible = self._eligible(now_ms, [_ONE_REQUEST] * len(self._queues))
+        eligible = self._eligible(now_ms)
         return self._earliest(eligible) if eligible else None
 
     def _on_pick(self, request, now_ms: float) -> None:  # type: ignore[no-untyped-def]
@@ -91,7 +95,7 @@ class RequestQuota(_BucketPolicy):
     def wake_at(self, now_ms: float) -> float | None:
         if not self._queues:
             return None
-        return self._ready_at(now_ms, [_ONE_REQUEST] * len(self._queues))
+        return self._ready_at(now_ms)
 
 
 class TokenQuota(_BucketPolicy):
@@ -110,6 +114,7 @@ class TokenQuota(_BucketPolicy):
     """
 
     name = "token_quota"
+    _by_prompt = True
 
     def __init__(self, tokens_per_minute: float, burst_tokens: float | None = None) -> None:
         if not tokens_per_minute > 0:
@@ -119,13 +124,8 @@ class TokenQuota(_BucketPolicy):
             raise ValueError(f"burst_tokens must be > 0, got {burst_tokens}")
         super().__init__(tokens_per_minute / _MS_PER_MINUTE, burst)
 
-    def _needs(self) -> list[float]:
-        """What each queued tenant's head request needs in its bucket, in queue order."""
-        burst = self._burst
-        return [min(float(queue[0].prompt_tokens), burst) - _EPSILON for queue in self._queues.values()]
-
     def _select(self, now_ms: float, running: RunningView) -> str | None:
-        eligible = self._eligible(now_ms, self._needs())
+        eligible = self._eligible(now_ms)
         return self._earliest(eligible) if eligible else None
 
     def _on_pick(self, request, now_ms: float) -> None:  # type: ignore[no-untyped-def]
@@ -140,7 +140,7 @@ class TokenQuota(_BucketPolicy):
     def wake_at(self, now_ms: float) -> float | None:
         if not self._queues:
             return None
-        return self._ready_at(now_ms, self._needs())
+        return self._ready_at(now_ms)
 
 
 class SlotCap(QueuedPolicy):
