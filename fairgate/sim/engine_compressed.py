@@ -81,9 +81,7 @@ class _Requests:
 
 
 # Fill the free slots of a replica and start its next segment (see ``_starting``); book a replica up to an instant.
-_Start = Callable[
-    [int, int, int, int, float, dict[int, int], list[tuple[int, int]]], tuple[int, int, float, int, int, int]
-]
+_Start = Callable[[int, int, int, int, float, dict[int, int], list[tuple[int, int]]], tuple[int, int, float, int, int]]
 _Step = Callable[[_Replica, int, bool], None]
 
 
@@ -147,14 +145,14 @@ def _run_one(
     running: dict[int, int] = {}  # tenant index -> running sequences
     finishes: list[tuple[int, int]] = []  # heap of (finishing iteration, request id)
     busy = stopped = False
-    size = dt = head_end = end = head_iteration = accounted_end = done = epoch_seen = 0  # as in _Replica
+    size = dt = head_end = head_iteration = accounted_end = done = epoch_seen = 0  # as in _Replica
     per = charged = 0.0  # _Replica's per_sequence_ms and slot_charge_ms
     now, next_sample = -1, 0
     while True:
         if busy:
-            best = end
-            if finishes:
-                best = min(best, head_end + (finishes[0][0] - head_iteration) * dt)
+            best = head_end + (finishes[0][0] - head_iteration) * dt if finishes else _NEVER
+            if best >= duration_ns:  # the segment's first boundary at or after the run's end may come first
+                best = min(best, head_end - (-max(duration_ns - head_end, 0) // dt) * dt)
             if size < max_batch:
                 best = _first_change(admission, now, best, head_end, dt, epoch_seen)
             now = best
@@ -187,7 +185,7 @@ def _run_one(
                 finish(i, now)
             assert not finishes or finishes[0][0] > done, "a finish was skipped"
             if now < duration_ns:
-                size, dt, per, head_end, end, epoch_seen = start(0, now, size, done, charged, running, finishes)
+                size, dt, per, head_end, epoch_seen = start(0, now, size, done, charged, running, finishes)
                 busy, head_iteration, accounted_end = size > 0, done + 1, now
             else:
                 busy, stopped = False, True
@@ -199,7 +197,7 @@ def _run_one(
         if now < duration_ns and not busy and not stopped:
             arrival = admission.next_arrival_ns
             if (arrival is not None and arrival <= now) or queued():
-                size, dt, per, head_end, end, epoch_seen = start(0, now, size, done, charged, running, finishes)
+                size, dt, per, head_end, epoch_seen = start(0, now, size, done, charged, running, finishes)
                 busy, head_iteration, accounted_end = size > 0, done + 1, now
         if now >= next_sample:
             sample(now)
@@ -369,11 +367,13 @@ def _booking(
 
     def admit_and_start(rep: _Replica, t: int) -> None:
         done = rep.accounted_iterations
-        size, dt, per, head_end, end, rep.epoch_seen = start(
+        size, dt, per, head_end, rep.epoch_seen = start(
             rep.index, t, rep.size, done, rep.slot_charge_ms, rep.tenant_running, rep.finishes
         )
         rep.size, rep.busy = size, size > 0
-        rep.dt, rep.per_sequence_ms, rep.head_end, rep.end_boundary = dt, per, head_end, end
+        rep.dt, rep.per_sequence_ms, rep.head_end = dt, per, head_end
+        if size:
+            rep.end_boundary = head_end - (-max(duration_ns - head_end, 0) // dt) * dt
         rep.head_iteration, rep.accounted_end = done + 1, t
 
     def settle_request(rep: _Replica, i: int) -> None:
@@ -389,7 +389,7 @@ def _starting(
     """``start(index, t, size, done, charged, running, finishes)``: fill the free slots of replica ``index`` at
     ``t`` - ``size`` sequences running (``running``: per tenant; ``finishes``: their heap), ``done`` iterations
     and ``charged`` ms a slot booked - and start its next segment. Returns the segment: ``(size, dt,
-    per_sequence_ms, head_end, end_boundary, epoch)``; ``size`` 0: the replica idles."""
+    per_sequence_ms, head_end, epoch)``; ``size`` 0: the replica idles."""
     tenant_index, prompt_tokens, output_tokens = workload.tenant_index, workload.prompt_tokens, workload.output_tokens
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
     first_token_ns, busy_ns = result.first_token_ns, result.busy_ns
@@ -405,7 +405,7 @@ def _starting(
         charged: float,
         running: dict[int, int],
         finishes: list[tuple[int, int]],
-    ) -> tuple[int, int, float, int, int, int]:
+    ) -> tuple[int, int, float, int, int]:
         admitted = admit(t, index, max_batch - size, size)
         prefill_tokens = 0
         if admitted:
@@ -418,14 +418,13 @@ def _starting(
                 heappush(finishes, (done + output_tokens[i], i))
             size += len(admitted)
         elif size == 0:
-            return 0, 0, 0.0, 0, 0, admission.epoch
+            return 0, 0, 0.0, 0, admission.epoch
         dt = decode_ns(size)
         prefill = prefill_ns(prefill_tokens)
         head_end = t + dt + prefill
         busy_ns[index] += prefill
         for i in admitted:
             first_token_ns[i] = head_end
-        end = head_end if duration_ns <= head_end else head_end - (-(duration_ns - head_end) // dt) * dt
-        return size, dt, dt / size / NS_PER_MS, head_end, end, admission.epoch
+        return size, dt, dt / size / NS_PER_MS, head_end, admission.epoch
 
     return start
