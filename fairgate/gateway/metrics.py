@@ -220,6 +220,7 @@ class MetricsObserver:
         self.reserved_output.labels(label).inc(e.max_output_tokens)
         if e.cached_tokens:
             self.cached_input.labels(label).inc(e.cached_tokens)
+        if e.cache_credit_gpu_ms > 0:  # a counter: a correction the other way (none today) is not its to show
             self.cache_credit.labels(label).inc(e.cache_credit_gpu_ms / 1000.0)
 
 

@@ -33,7 +33,7 @@ from pydantic import SecretStr
 
 from fairgate.core.drift import StepDrift
 from fairgate.core.meter import LiveMeter, MeteredCall, Occupancy
-from fairgate.core.prefix_cache import PrefixGuess, cached_fraction, prefix_cache_credit, prompt_text
+from fairgate.core.prefix_cache import cached_fraction, prefix_cache_credit
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway import sse
 from fairgate.gateway.config import UpstreamConfig
@@ -127,7 +127,6 @@ class CallState:
     # which a prefix-cache hit reported at the end may cut (``Kind.prefix_cache``).
     prefill_held_ms: float = 0.0
     cached_tokens: int = 0  # of its prompt, read from the engine's prefix cache (its usage)
-    guessed_cached: float = 0.0  # the share of its prompt guessed cached when it was sent (``PrefixGuess``)
     cache_credit_ms: float = 0.0  # GPU ms taken off its charge for them (``fairgate.core.prefix_cache``)
 
 
@@ -298,8 +297,6 @@ class UpstreamClient:
         self._clock = clock
         self.idle_timeout_s = min(settings.stream_idle_timeout_s if settings is not None else 60.0, timeout_s)
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
-        self.prefix_guess = PrefixGuess()
-        self.reports_cached = False  # its usage has said how many prompt tokens it read from its cache
         self.drift = StepDrift(upstream.cost)
         self._calls: dict[str, CallState] = {}
         self._url = upstream.url.rstrip("/")
@@ -356,8 +353,7 @@ class UpstreamClient:
         call.policy_charged_ms = prepaid_ms
         call.prefill_held_ms = self.upstream.cost.prefill_ms(call.prompt_tokens) if self.kind.prefix_cache else 0.0
         self._calls[call.request_id] = call
-        sized_tokens = self._size_prefill(call, body)
-        self.meter.start(call.request_id, call.tenant, sized_tokens, self._now_ms(), call.sequences)
+        self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences)
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True}) | dict(self.kind.stream_fields)
         call.engine_counts = self.kind.counts_from_timings and call.sequences == 1
         try:
@@ -373,31 +369,22 @@ class UpstreamClient:
             self._leave(call, self.meter.leave(call.request_id, self._now_ms()))
             del self._calls[call.request_id]
 
-    def _size_prefill(self, call: CallState, body: dict[str, Any]) -> int:
-        """The prompt tokens the meter weighs ``call``'s prefill by: those its engine's prefix cache is not
-        guessed to hold (``fairgate.core.prefix_cache``; nothing is guessed of an upstream that has not yet
-        said what it reads from its cache)."""
-        if not self.kind.prefix_cache:
-            return call.prompt_tokens
-        scope = call.tenant if self.kind.isolation else ""
-        guessed = self.prefix_guess.send(scope, prompt_text(body))
-        call.guessed_cached = guessed if self.reports_cached else 0.0
-        return round(call.prompt_tokens * (1.0 - call.guessed_cached))
-
     def _leave(self, call: CallState, metered: MeteredCall) -> None:
-        """Book ``call``'s charge as it left, corrected by what its engine's usage says it read from its
-        prefix cache against what the meter was told; the policy books the correction to the tenants that
-        ran beside it (``fairgate.core.prefix_cache``)."""
+        """Book ``call``'s charge as it left, less the share of its prefill its engine's usage says it read
+        from its prefix cache; the policy books that share to the tenants that ran beside it
+        (``fairgate.core.prefix_cache``). Only the engine's word lowers a bill: the meter sized the prefill
+        by the whole prompt, and a call that ends without usage keeps that."""
         usage = call.usage if isinstance(call.usage, dict) else {}
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) and self.kind.prefix_cache else None
         prompt_tokens = usage.get("prompt_tokens")
         fraction = cached_fraction(cached, prompt_tokens if type(prompt_tokens) is int else call.prompt_tokens)
         ratio = 1.0
-        if fraction is not None:
-            self.reports_cached = True
-            ratio = (1.0 - fraction) / (1.0 - call.guessed_cached)
-            call.cached_tokens = cached if type(cached) is int else 0
+        # A count far beyond the prompt the meter sized is not believed (twice it: the gateway's estimate of a
+        # prompt an engine did not count runs a quarter under a real tokenizer's count of English text).
+        if fraction is not None and type(cached) is int and cached <= 2 * call.prompt_tokens:
+            ratio = 1.0 - fraction
+            call.cached_tokens = cached
         credit_ms, moves = prefix_cache_credit(metered, ratio)
         call.cache_credit_ms = credit_ms
         self._book(call, metered.charged_ms - credit_ms, call.unbooked_tokens)

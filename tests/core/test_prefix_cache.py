@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from fairgate.core.cost import CostModel
 from fairgate.core.meter import LiveMeter, MeteredCall
-from fairgate.core.prefix_cache import BLOCK_CHARS, PrefixGuess, cached_fraction, prefix_cache_credit, prompt_text
+from fairgate.core.prefix_cache import cached_fraction, prefix_cache_credit
 
 COST = CostModel(iter_base_ms=20.0, iter_slope_ms=1.0, prefill_ms_per_token=0.1, max_batch=8)
 
@@ -114,48 +114,11 @@ def test_what_would_go_to_its_own_tenants_other_requests_stays_on_it():
 
 
 @pytest.mark.parametrize(("guessed_uncached", "uncached"), [(100, 500), (500, 100), (1000, 8), (8, 1000)])
-def test_a_guess_too_high_or_too_low_is_settled_to_what_the_engine_prefilled(guessed_uncached, uncached):
-    """The meter sized the prefill by the guess; the engine prefilled ``uncached``: the correction (a credit,
-    or a charge when the guess was too high) brings the charge to what sizing by ``uncached`` gives."""
+def test_a_prefill_sized_too_high_or_too_low_is_settled_to_what_the_engine_prefilled(guessed_uncached, uncached):
+    """The meter sized the prefill at ``guessed_uncached`` tokens; the engine prefilled ``uncached``: the
+    correction (a credit, or a charge when sized too low) brings the charge to what sizing by ``uncached``
+    gives."""
     charged = {tokens: _metered(tokens, uncached) for tokens in (guessed_uncached, uncached)}
     credit_ms, moves = prefix_cache_credit(charged[guessed_uncached], uncached / guessed_uncached)
     assert charged[guessed_uncached].charged_ms - credit_ms == pytest.approx(charged[uncached].charged_ms, rel=1e-9)
     assert (credit_ms > 0) == (uncached < guessed_uncached) and moves == {"b": pytest.approx(credit_ms)}
-
-
-def test_the_guess_finds_the_leading_blocks_of_prompts_sent_before_in_the_same_scope():
-    guess = PrefixGuess()
-    head = "system: you are a careful agent. " * 40  # 1,320 characters
-    assert guess.send("a", head + "first question") == 0.0  # nothing sent before
-    again = head + "second question, rather longer than the first"
-    found = guess.send("a", again)
-    assert found == (len(head) // BLOCK_CHARS) * BLOCK_CHARS / len(again)  # whole blocks of the shared head
-    assert guess.send("b", again) == 0.0  # another tenant's scope shares nothing
-    assert guess.send("a", again) == (len(again) // BLOCK_CHARS) * BLOCK_CHARS / len(again)
-    short = "x" * BLOCK_CHARS
-    guess.send("a", short)
-    assert guess.send("a", short) == (BLOCK_CHARS - 1) / BLOCK_CHARS  # the last character is computed
-
-
-def test_the_guess_forgets_the_least_recently_used_blocks_first():
-    guess = PrefixGuess(max_blocks=4)
-    one, two = "1" * BLOCK_CHARS * 3, "2" * BLOCK_CHARS * 3
-    guess.send("a", one)
-    guess.send("a", two)  # 6 blocks sent, 4 kept: two's 3 and one's head, the most recently used
-    assert guess.send("a", two) > 0.9
-    assert guess.send("a", one) == pytest.approx(1 / 3)  # its head only (now all of it is back)
-
-
-def test_prompt_text_reads_chat_messages_and_completion_prompts_in_order():
-    chat = {
-        "messages": [
-            {"role": "system", "content": "be brief"},
-            {
-                "role": "user",
-                "content": [{"type": "text", "text": "look: "}, {"type": "image_url", "image_url": {"url": "data:x"}}],
-            },
-        ]
-    }
-    assert prompt_text(chat) == 'system\nbe brief\nuser\nlook: {"type": "image_url", "image_url": {"url": "data:x"}}\n'
-    assert prompt_text({"prompt": "once upon"}) == "once upon"
-    assert prompt_text({"prompt": [1, 2, 3]}) == "[1, 2, 3]"
