@@ -70,52 +70,66 @@ def library(names: tuple[str, ...]) -> tuple[str, str]:
 
 
 @dataclass
+class Library:
+    """The function library on one client: its name once loaded (None: the EVAL scripts run)."""
+
+    client: Redis = field(repr=False)
+    name: str | None = None
+
+    async def load(self, names: tuple[str, ...]) -> None:
+        """FUNCTION LOAD the library of the scripts ``names`` (REPLACE: every process of this version loads the
+        same text); a server that refuses it (no functions: Redis < 7, or no permission) runs the EVAL
+        scripts."""
+        code, name = library(names)
+        try:
+            reply = await self.client.function_load(code, replace=True)
+        except ResponseError as exc:
+            if not any(sign in str(exc) for sign in _NO_FUNCTIONS):
+                raise
+            reply = None
+        self.name = name if _names_library(reply, name) else None
+
+
+@dataclass
 class Script:
     """One script, callable as ``(keys=..., args=...)``: an FCALL when the server has the library, else an
     EVALSHA."""
 
     name: str
     evalsha: AsyncScript
-    owner: Scripts = field(repr=False)
+    library: Library = field(repr=False)
 
     async def __call__(self, keys: Sequence[str], args: Sequence[EncodableT]) -> Any:
-        owner = self.owner
-        if owner.library_name is None:
+        library = self.library
+        if library.name is None:
             return await self.evalsha(keys=keys, args=args)
-        function = f"{owner.library_name}_{self.name}"
         try:
-            return await owner.client.fcall(function, len(keys), *keys, *args)
+            return await library.client.fcall(f"{library.name}_{self.name}", len(keys), *keys, *args)
         except ResponseError as exc:
             if _MISSING_FUNCTION not in str(exc):
                 raise
-        await owner.load_library()  # the server lost it (restarted, flushed): once more, then as it goes
-        if owner.library_name is None:
+        await library.load(Scripts.names())  # the server lost it (restarted, flushed): once more, then as it goes
+        if library.name is None:
             return await self.evalsha(keys=keys, args=args)
-        return await owner.client.fcall(function, len(keys), *keys, *args)
+        return await library.client.fcall(f"{library.name}_{self.name}", len(keys), *keys, *args)
 
 
 @dataclass
 class Scripts:
-    """Every script, registered on one client (each a callable ``(keys=..., args=...)``)."""
+    """Every script, registered on one client (each a callable ``(keys=..., args=...)``), and their library."""
 
-    client: Redis = field(repr=False)
-    reserve: Script = field(init=False)
-    claim: Script = field(init=False)
-    close: Script = field(init=False)
-    extend: Script = field(init=False)
-    heartbeat: Script = field(init=False)
-    queue: Script = field(init=False)
-    freeze: Script = field(init=False)
-    usage: Script = field(init=False)
-    due: Script = field(init=False)
-    beat: Script = field(init=False)
-    register: Script = field(init=False)
-    library_name: str | None = field(init=False, default=None)  # None: EVAL scripts (``load``)
-
-    def __post_init__(self) -> None:
-        for name in self.names():
-            text = source(name) if name == "register" else tenant_script(name)
-            setattr(self, name, Script(name, self.client.register_script(text), self))
+    library: Library
+    reserve: Script
+    claim: Script
+    close: Script
+    extend: Script
+    heartbeat: Script
+    queue: Script
+    freeze: Script
+    usage: Script
+    due: Script
+    beat: Script
+    register: Script
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -124,30 +138,25 @@ class Scripts:
     @classmethod
     def register_on(cls, client: Redis) -> Scripts:
         """Register every script on ``client`` (no round trip: redis-py computes the SHA1s)."""
-        return cls(client)
+        shared = Library(client)
+        texts = {name: source(name) if name == "register" else tenant_script(name) for name in cls.names()}
+        return cls(shared, **{name: Script(name, client.register_script(text), shared) for name, text in texts.items()})
+
+    @property
+    def library_name(self) -> str | None:
+        """The function library's name on the server (None: the EVAL scripts run)."""
+        return self.library.name
 
     async def load(self, client: Redis) -> None:
-        """SCRIPT LOAD every script, then FUNCTION LOAD the library (``load_library``). Raises redis-py's errors
-        (the caller wraps them)."""
+        """SCRIPT LOAD every script, then FUNCTION LOAD the library. Raises redis-py's errors (the caller
+        wraps them)."""
         for name in self.names():
             await client.script_load(getattr(self, name).evalsha.script)
-        await self.load_library()
-
-    async def load_library(self) -> None:
-        """FUNCTION LOAD the library (REPLACE: every process of this version loads the same text); a server
-        that refuses it (no functions: Redis < 7, or no permission) runs the EVAL scripts."""
-        code, name = library(self.names())
-        try:
-            reply = await self.client.function_load(code, replace=True)
-        except ResponseError as exc:
-            if not any(sign in str(exc) for sign in _NO_FUNCTIONS):
-                raise
-            reply = None
-        self.library_name = name if _names_library(reply, name) else None
+        await self.library.load(self.names())
 
     def run_as_eval(self) -> None:
         """Run the EVAL scripts from now on, as on a server without functions (tests)."""
-        self.library_name = None
+        self.library.name = None
 
 
 def _names_library(reply: object, name: str) -> bool:
