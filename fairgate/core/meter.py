@@ -236,16 +236,18 @@ class LiveMeter(MeterWindow):
         self.busy_ms += interval
         if self._own_weight <= 0:  # cannot happen (one is pending only beside an active one); never lose time
             self._boundary()
+        own_weight = self._own_weight  # read into locals: this runs for every token relayed
         self._sequence_ms += self._active_sequences * interval
         # The others' prefill takes its share of the interval; the rest is split by weight, and the remote
         # sequences' part is theirs to charge.
         shared_ms = interval * (1.0 - min(self.remote.prefill_share, MAX_REMOTE_PREFILL_SHARE))
-        own_ms = shared_ms * self._own_weight / (self._own_weight + self._remote_weight)
+        own_ms = shared_ms * own_weight / (own_weight + self._remote_weight)
         self.charged_total_ms += own_ms
-        rise = own_ms / self._own_weight
-        self._price += rise
-        self._prefill_attributed_ms += self._prefill_rate * rise
-        while self._prefill_ends and self._prefill_ends[0][0] <= self._price + PREFILL_END_TOLERANCE:
+        rise = own_ms / own_weight
+        self._price = price = self._price + rise
+        if self._prefill_rate:  # none is prefilling in a plain decode step
+            self._prefill_attributed_ms += self._prefill_rate * rise
+        while self._prefill_ends and self._prefill_ends[0][0] <= price + PREFILL_END_TOLERANCE:
             end, request_id = heapq.heappop(self._prefill_ends)
             request = self._requests.get(request_id)
             if request is not None and request.prefilling and request.prefill_end == end:
@@ -379,7 +381,8 @@ class LiveMeter(MeterWindow):
         """A later token of some request arrived: an iteration ended."""
         self.advance(now_ms)
         self.first_iteration = False
-        self._boundary(now_ms)
+        if self._pending:  # asked here: this runs for every token relayed
+            self._boundary(now_ms)
 
     def finish(self, request_id: str, now_ms: float) -> float:
         """It left the upstream (done, failed or cancelled). Returns its total charge (ms)."""

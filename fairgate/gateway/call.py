@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -160,10 +160,12 @@ class Call:
                 if event is not None:
                     pending.append(event)
                 if pending and (not self.progress.more_buffered or len(pending) >= RELAY_CHUNKS_PER_WRITE_MAX):
-                    await self._record_run()
+                    if not self.delivered:  # checked here, not awaited: this runs once per write
+                        await self._record_run()
                     yield _written(pending)
                     sent = self.delivered = True
-                    await self._checkpoint()
+                    if self._checkpoint_due():
+                        await self._checkpoint()
             if pending:
                 await self._record_run()
                 yield _written(pending)
@@ -302,12 +304,9 @@ class Call:
         has used the GPU time its reservation holds, stop it if its tenant's GPU budget has nothing left.
         Raises ``BudgetSpent``."""
         call, reservation = self.progress, self.admitted.reservation
-        tokens, at_s = self._settled_at
-        now_s = self.state.clock.monotonic_s()
-        first = tokens == 0 < call.output_tokens  # the ledger learns at once that the request has run
-        if not first and call.output_tokens - tokens < SETTLE_EVERY_TOKENS and now_s - at_s < SETTLE_EVERY_S:
+        if not self._checkpoint_due():
             return
-        self._settled_at = (call.output_tokens, now_s)
+        self._settled_at = (call.output_tokens, self.state.clock.monotonic_s())
         if self.admitted.generation.stream:  # a collected call delivers nothing until it ends: not billed
             await self._settle(final=False, cancelled=False)  # before then (a platform failure refunds it all)
         if call.gpu_ms > reservation.gpu_ms_estimate:
@@ -319,6 +318,15 @@ class Call:
                     f"The tenant's {what} budget is spent: the request was stopped after {call.output_tokens} "
                     "tokens (billed as generated).",
                 )
+
+    def _checkpoint_due(self) -> bool:
+        """Whether ``_checkpoint`` has anything to do now: the first token, or ``SETTLE_EVERY_TOKENS`` tokens or
+        ``SETTLE_EVERY_S`` since the last partial settlement (the relay asks before awaiting it, once a write)."""
+        tokens, at_s = self._settled_at
+        output_tokens = self.progress.output_tokens
+        if tokens == 0 < output_tokens:  # the ledger learns at once that the request has run
+            return True
+        return output_tokens - tokens >= SETTLE_EVERY_TOKENS or self.state.clock.monotonic_s() - at_s >= SETTLE_EVERY_S
 
     async def _budgets_left(self) -> tuple[float, float]:
         """GPU ms and spend micros the tenant's budgets leave now (``rules.gpu_left_ms``,
@@ -581,10 +589,26 @@ def _written(pending: list[str]) -> str:
     return text
 
 
-async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
-    async for piece in rest:
-        yield piece
+async def _value(first: str) -> str:
+    return first
+
+
+class _Prepended:
+    """``first``, then the pieces of ``rest``: an async iterator that hands on ``rest``'s own awaitables, with no
+    generator frame of its own to resume between the relay and the response once a write."""
+
+    def __init__(self, first: str, rest: AsyncIterator[str]) -> None:
+        self._first: str | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> _Prepended:
+        return self
+
+    def __anext__(self) -> Awaitable[str]:
+        if self._first is None:
+            return self._rest.__anext__()
+        first, self._first = self._first, None
+        return _value(first)
 
 
 class RelayedStream(StreamingResponse):
@@ -593,7 +617,7 @@ class RelayedStream(StreamingResponse):
     whenever the garbage collector finalizes it."""
 
     def __init__(self, first: str, relay: AsyncIterator[str], headers: dict[str, str]) -> None:
-        super().__init__(_prepend(first, relay), media_type="text/event-stream", headers=headers)
+        super().__init__(_Prepended(first, relay), media_type="text/event-stream", headers=headers)
         self._relay = relay
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
