@@ -6,6 +6,8 @@ change relative to FCFS is the limit (seed 002's "equal requests/min quota" and 
 
 from __future__ import annotations
 
+import math
+
 from fairgate.core.policy import QueuedPolicy
 from fairgate.core.ratelimit import TokenBucket, refill, wait
 from fairgate.core.request import RunningView
@@ -84,13 +86,54 @@ class RequestQuota(_BucketPolicy):
         if not burst_requests >= 1:
             raise ValueError(f"burst_requests must be >= 1, got {burst_requests}")
         super().__init__(requests_per_minute / _MS_PER_MINUTE, float(burst_requests))
+        # tenant -> (lo, hi): its bucket, as it is since its last pick, holds no request at or before lo and holds
+        # one from hi on (see _bracket)
+        self._brackets: dict[str, tuple[float, float]] = {}
 
     def _select(self, now_ms: float, running: RunningView) -> str | None:
-        eligible = self._eligible(now_ms)
+        # A held tenant's bucket is asked at every scheduling point (a third of this policy's time in a
+        # simulation) but changes only when the tenant is picked: where it starts to hold a request is
+        # bracketed once, and the bucket asked only between the bracket's ends.
+        brackets, buckets, eligible = self._brackets, self._buckets, []
+        for tenant in self._queues:
+            bracket = brackets.get(tenant)
+            if bracket is None:
+                bracket = brackets[tenant] = self._bracket(tenant)
+            if now_ms >= bracket[1]:
+                eligible.append(tenant)
+            elif now_ms > bracket[0]:
+                b = buckets[tenant]
+                if refill(b.level, b.updated_ms, now_ms, b.rate_per_ms, b.burst)[0] >= _ONE_REQUEST:
+                    eligible.append(tenant)
         return self._earliest(eligible) if eligible else None
+
+    def _bracket(self, tenant: str) -> tuple[float, float]:
+        """``(lo, hi)``: ``tenant``'s bucket, left as it is, holds a request (``available(now) >= 1 - epsilon``) at
+        no ``now <= lo`` and at every ``now >= hi``. ``refill`` never falls as ``now`` grows (each of its float
+        operations keeps order), so both ends, checked with ``refill`` itself, bound every instant: around the
+        closed-form instant, a margin apart. ``(-inf, inf)`` (ask the bucket every time) if that fails."""
+        b = self._buckets[tenant]
+
+        def holds(t: float) -> bool:
+            return refill(b.level, b.updated_ms, t, b.rate_per_ms, b.burst)[0] >= _ONE_REQUEST
+
+        if holds(-math.inf):
+            return -math.inf, -math.inf
+        if b.burst < _ONE_REQUEST:
+            return math.inf, math.inf
+        t = b.updated_ms + (_ONE_REQUEST - b.level) / b.rate_per_ms
+        if not math.isfinite(t):
+            return -math.inf, math.inf
+        margin = 1e-9 * (1.0 + abs(t))
+        if holds(t):
+            lo, hi, found = t - margin, t, not holds(t - margin)
+        else:
+            lo, hi, found = t, t + margin, holds(t + margin)
+        return (lo, hi) if found else (-math.inf, math.inf)
 
     def _on_pick(self, request, now_ms: float) -> None:  # type: ignore[no-untyped-def]
         self._bucket(request.tenant).spend(1.0, now_ms)
+        self._brackets.pop(request.tenant, None)
 
     def wake_at(self, now_ms: float) -> float | None:
         if not self._queues:
