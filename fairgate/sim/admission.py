@@ -85,13 +85,7 @@ class Admission:
         Arrivals are handed over only when a slot is free (a full replica makes no decision). The admit
         step charges each admitted request's prefill to the policy; it is booked in the result too.
         """
-        if free_slots <= 0:
-            return []
-        if self.next_arrival_ns is not None and self.next_arrival_ns <= t_ns:
-            self.deliver(t_ns)
-        if not self.policy.queued():
-            return []
-        picked = self.admitter.fill(t_ns / NS_PER_MS, free_slots, running_now, self.cost)
+        picked = self.pick(t_ns, free_slots, running_now)
         if not picked:
             return []
         result, tenant_index = self.result, self.workload.tenant_index
@@ -107,9 +101,22 @@ class Admission:
             admit_ns[i] = t_ns
             admissions.append((i, replica, t_ns))
             admitted.append(i)
-        self.admitted += len(admitted)
-        self.epoch += len(admitted)
         return admitted
+
+    def pick(self, t_ns: int, free_slots: int, running_now: int) -> list[tuple[Request, float]]:
+        """``admit``'s policy side alone: the requests picked for up to ``free_slots`` slots at ``t_ns`` and their
+        prefill charges, which the caller books in the result as ``admit`` does (the compressed engine, in the
+        same pass as its replica's)."""
+        if free_slots <= 0:
+            return []
+        if self.next_arrival_ns is not None and self.next_arrival_ns <= t_ns:
+            self.deliver(t_ns)
+        if not self.policy.queued():
+            return []
+        picked = self.admitter.fill(t_ns / NS_PER_MS, free_slots, running_now, self.cost)
+        self.admitted += len(picked)
+        self.epoch += len(picked)
+        return picked
 
     def finish(self, request_id: int, t_ns: int) -> None:
         """Request ``request_id`` generated its last token at the boundary ``t_ns``."""

@@ -390,10 +390,20 @@ def _starting(
     ``t`` - ``size`` sequences running (``running``: per tenant; ``finishes``: their heap), ``done`` iterations
     and ``charged`` ms a slot booked - and start its next segment. Returns the segment: ``(size, dt,
     per_sequence_ms, head_end, epoch)``; ``size`` 0: the replica idles."""
-    tenant_index, prompt_tokens, output_tokens = workload.tenant_index, workload.prompt_tokens, workload.output_tokens
+    tenant_index, output_tokens = workload.tenant_index, workload.output_tokens
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
-    first_token_ns, busy_ns = result.first_token_ns, result.busy_ns
-    max_batch, admit = cost.max_batch, admission.admit
+    first_token_ns, busy_ns, admit_ns, admissions = (
+        result.first_token_ns,
+        result.busy_ns,
+        result.admit_ns,
+        result.admissions,
+    )
+    tenant_gpu_ms, tenant_prefill_ms, request_gpu_ms = (
+        result.tenant_gpu_ms,
+        result.tenant_prefill_ms,
+        result.request_gpu_ms,
+    )
+    max_batch, pick = cost.max_batch, admission.pick
     decode_ns, prefill_ns = cost.decode_ns, cost.prefill_ns
     heappush = heapq.heappush
 
@@ -406,25 +416,31 @@ def _starting(
         running: dict[int, int],
         finishes: list[tuple[int, int]],
     ) -> tuple[int, int, float, int, int]:
-        admitted = admit(t, index, max_batch - size, size)
+        picked = pick(t, max_batch - size, size)
         prefill_tokens = 0
-        if admitted:
-            for i in admitted:
+        if picked:
+            for request, prefill_ms in picked:  # booked in the result as Admission.admit does
+                i = request.request_id
                 k_tenant = tenant_index[i]
+                tenant_gpu_ms[k_tenant] += prefill_ms
+                tenant_prefill_ms[k_tenant] += prefill_ms
+                request_gpu_ms[i] += prefill_ms
+                admit_ns[i] = t
+                admissions.append((i, index, t))
                 running[k_tenant] = running.get(k_tenant, 0) + 1
-                prefill_tokens += prompt_tokens[i]
+                prefill_tokens += request.prompt_tokens
                 admitted_iteration[i] = done
                 slot_charge_at_admit[i] = charged
                 heappush(finishes, (done + output_tokens[i], i))
-            size += len(admitted)
+            size += len(picked)
         elif size == 0:
             return 0, 0, 0.0, 0, admission.epoch
         dt = decode_ns(size)
         prefill = prefill_ns(prefill_tokens)
         head_end = t + dt + prefill
         busy_ns[index] += prefill
-        for i in admitted:
-            first_token_ns[i] = head_end
+        for request, _ in picked:
+            first_token_ns[request.request_id] = head_end
         return size, dt, dt / size / NS_PER_MS, head_end, admission.epoch
 
     return start
