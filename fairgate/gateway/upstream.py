@@ -23,7 +23,7 @@ import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -350,19 +350,26 @@ class UpstreamClient:
         (``fairgate.gateway.sse``), no byte for ``idle_timeout_s`` (504), the connection closed, or a
         stream that ended without ``[DONE]``.
         """
-        call.policy_charged_ms = prepaid_ms
         call.prefill_held_ms = self.upstream.cost.prefill_ms(call.prompt_tokens) if self.kind.prefix_cache else 0.0
-        self._calls[call.request_id] = call
-        self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences)
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True}) | dict(self.kind.stream_fields)
         call.engine_counts = self.kind.counts_from_timings and call.sequences == 1
-        try:
+        with self._metered(call, prepaid_ms):
             async with self._post(path, upstream_body) as response:
                 await self._check_head(response)
                 async for chunk, more in self._chunks(response):
                     call.more_buffered = more
                     self._observe(call, chunk)
                     yield chunk
+
+    @contextmanager
+    def _metered(self, call: CallState, prepaid_ms: float) -> Iterator[None]:
+        """``call`` on the meter for the block: started now (the policy prepaid ``prepaid_ms`` of it), booked
+        as it leaves (``_leave``); a transport error in the block is raised as an ``UpstreamError``."""
+        call.policy_charged_ms = prepaid_ms
+        self._calls[call.request_id] = call
+        self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences)
+        try:
+            yield
         except aiohttp.ClientError as exc:
             raise self._transport_error(exc) from None
         finally:
@@ -567,10 +574,7 @@ class UpstreamClient:
         recorded on ``call``. Metered from the send until the caller stops iterating (see module docstring);
         closing the generator early closes the connection, which tells the upstream to stop. Raises
         ``UpstreamError``."""
-        call.policy_charged_ms = prepaid_ms
-        self._calls[call.request_id] = call
-        self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms())
-        try:
+        with self._metered(call, prepaid_ms):
             async with self.http.post(f"{self._url}/embeddings", json=body) as response:
                 answer = await response.read()
                 if response.status != 200:
@@ -585,11 +589,6 @@ class UpstreamClient:
                 )
             call.usage = document.get("usage")
             yield document
-        except aiohttp.ClientError as exc:
-            raise self._transport_error(exc) from None
-        finally:
-            self._book(call, self.meter.finish(call.request_id, self._now_ms()))
-            del self._calls[call.request_id]
 
     def _observe(self, call: CallState, chunk: dict[str, Any]) -> None:
         """Count, meter and keep what ``chunk`` generated. Raises ``UpstreamError``: more choice entries in one
