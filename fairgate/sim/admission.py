@@ -89,17 +89,10 @@ class Admission:
         if not picked:
             return []
         result, tenant_index = self.result, self.workload.tenant_index
-        tenant_gpu_ms, tenant_prefill_ms = result.tenant_gpu_ms, result.tenant_prefill_ms
-        request_gpu_ms, admit_ns, admissions = result.request_gpu_ms, result.admit_ns, result.admissions
         admitted: list[int] = []
         for request, prefill_ms in picked:
             i = request.request_id
-            k = tenant_index[i]
-            tenant_gpu_ms[k] += prefill_ms
-            tenant_prefill_ms[k] += prefill_ms
-            request_gpu_ms[i] += prefill_ms
-            admit_ns[i] = t_ns
-            admissions.append((i, replica, t_ns))
+            book_admission(result, tenant_index[i], i, prefill_ms, t_ns, replica)
             admitted.append(i)
         return admitted
 
@@ -137,3 +130,13 @@ class Admission:
     def sample(self, t_ns: int) -> None:
         """Append a timeline point (cumulative GPU ms per tenant) at ``t_ns``."""
         self.result.timeline.append((t_ns, list(self.result.tenant_gpu_ms)))
+
+
+def book_admission(result: SimResult, tenant: int, request: int, prefill_ms: float, t_ns: int, replica: int) -> None:
+    """Book in ``result`` request ``request`` (of tenant index ``tenant``) admitted on ``replica`` at ``t_ns``,
+    its prefill charged ``prefill_ms`` (the admit step's charge to the policy, seed 002)."""
+    result.tenant_gpu_ms[tenant] += prefill_ms
+    result.tenant_prefill_ms[tenant] += prefill_ms
+    result.request_gpu_ms[request] += prefill_ms
+    result.admit_ns[request] = t_ns
+    result.admissions.append((request, replica, t_ns))

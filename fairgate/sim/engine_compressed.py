@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from fairgate.core.cost import NS_PER_MS, CostModel
 from fairgate.core.policy import Policy, QueuedPolicy
-from fairgate.sim.admission import Admission
+from fairgate.sim.admission import Admission, book_admission
 from fairgate.sim.engine_reference import SAMPLE_EVERY_NS, stop_ns
 from fairgate.sim.result import SimResult
 from fairgate.sim.workload import Workload
@@ -392,17 +392,7 @@ def _starting(
     per_sequence_ms, head_end, epoch)``; ``size`` 0: the replica idles."""
     tenant_index, output_tokens = workload.tenant_index, workload.output_tokens
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
-    first_token_ns, busy_ns, admit_ns, admissions = (
-        result.first_token_ns,
-        result.busy_ns,
-        result.admit_ns,
-        result.admissions,
-    )
-    tenant_gpu_ms, tenant_prefill_ms, request_gpu_ms = (
-        result.tenant_gpu_ms,
-        result.tenant_prefill_ms,
-        result.request_gpu_ms,
-    )
+    first_token_ns, busy_ns = result.first_token_ns, result.busy_ns
     max_batch, pick = cost.max_batch, admission.pick
     decode_ns, prefill_ns = cost.decode_ns, cost.prefill_ns
     heappush = heapq.heappush
@@ -419,14 +409,10 @@ def _starting(
         picked = pick(t, max_batch - size, size)
         prefill_tokens = 0
         if picked:
-            for request, prefill_ms in picked:  # booked in the result as Admission.admit does
+            for request, prefill_ms in picked:
                 i = request.request_id
                 k_tenant = tenant_index[i]
-                tenant_gpu_ms[k_tenant] += prefill_ms
-                tenant_prefill_ms[k_tenant] += prefill_ms
-                request_gpu_ms[i] += prefill_ms
-                admit_ns[i] = t
-                admissions.append((i, index, t))
+                book_admission(result, k_tenant, i, prefill_ms, t, index)
                 running[k_tenant] = running.get(k_tenant, 0) + 1
                 prefill_tokens += request.prompt_tokens
                 admitted_iteration[i] = done
