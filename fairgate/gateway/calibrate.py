@@ -140,23 +140,35 @@ async def calibrate(
         if max_batch is None:
             reported = await _reported_slots(http, engine)
         await _completion(http, engine, "warm up", 4)  # first-call set-up is not a step
-        if max_batch is None:
+        if max_batch is None and reported is None:  # the batch sizes to probe: the slots, found first
             fitted = await fit_slots(http, engine, max_batch_limit)
         batch = max_batch or reported or (fitted.slots if fitted is not None else 1)
-        decode = []
-        for b in _batch_sizes(batch):
-            streams = await asyncio.gather(*(_completion(http, engine, _words(8), DECODE_TOKENS) for _ in range(b)))
-            step = steady_step_ms([s.arrivals_s for s in streams])
-            if step is not None:
-                decode.append((float(b), step))
-        prefill = []
-        for words in PREFILL_WORDS:
-            runs = [await _completion(http, engine, _words(words), 1) for _ in range(PREFILL_REPEATS)]
-            prefill.append((float(median([r.prompt_tokens for r in runs])), median([r.ttft_ms for r in runs])))
+        decode, prefill = await _timed_probes(http, engine, batch)
+        if max_batch is None and reported is not None:
+            # For the report only, so after the timed probes: a stream of theirs that an engine is still
+            # finishing when the client has moved on must not run beside a timed one.
+            fitted = await fit_slots(http, engine, max_batch_limit)
     try:
         return Calibration(fit_line(decode), fit_line(prefill), batch, fitted, reported)
     except ValueError as exc:
         raise CalibrationError(f"{engine.url}: too few usable probes ({exc})") from None
+
+
+async def _timed_probes(
+    http: httpx.AsyncClient, engine: Engine, batch: int
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The decode probes (batch size, step ms) up to ``batch``, and the prefill probes (prompt tokens, TTFT ms)."""
+    decode = []
+    for b in _batch_sizes(batch):
+        streams = await asyncio.gather(*(_completion(http, engine, _words(8), DECODE_TOKENS) for _ in range(b)))
+        step = steady_step_ms([s.arrivals_s for s in streams])
+        if step is not None:
+            decode.append((float(b), step))
+    prefill = []
+    for words in PREFILL_WORDS:
+        runs = [await _completion(http, engine, _words(words), 1) for _ in range(PREFILL_REPEATS)]
+        prefill.append((float(median([r.prompt_tokens for r in runs])), median([r.ttft_ms for r in runs])))
+    return decode, prefill
 
 
 def _batch_sizes(max_batch: int) -> list[int]:
