@@ -41,6 +41,10 @@ from fairgate.ledger import (
 
 log = logging.getLogger("fairgate.gateway")
 
+# The one refusal whose end the ledger knows for sure: the requests bucket refills at a fixed rate, and what
+# it holds does not depend on the request's size (``rules``).
+REQUEST_RATE = "requests_per_minute"
+
 
 @dataclass(frozen=True)
 class Admitted:
@@ -111,6 +115,8 @@ async def _reserve(state: GatewayState, tenant: str, generation: Generation) -> 
             generation.run.tool_round,
         )
     except QuotaExceeded as exc:
+        if exc.dimension == REQUEST_RATE and exc.retry_after_s is not None:
+            state.request_rate_refused[tenant] = state.clock.monotonic_s() + exc.retry_after_s
         outcome = Outcome.QUOTA_EXHAUSTED if exc.retry_after_s is None else Outcome.RATE_LIMITED
         raise Rejection(
             outcome,
@@ -214,3 +220,15 @@ async def release(state: GatewayState, admitted: Admitted) -> None:
         log.warning(json.dumps({"event": "release_failed", "reservation": admitted.reservation.id, "error": str(exc)}))
     finally:
         state.calls.release(admitted.caller.tenant, admitted.generation.request_id)
+
+
+def request_rate_refused(state: GatewayState, tenant: str | None) -> bool:
+    """Whether the ledger is bound to refuse ``tenant``'s next request by its request rate (its last refusal
+    said when the bucket holds one again, and that time has not come): its prompt need not be counted."""
+    until = state.request_rate_refused.get(tenant or "")
+    if until is None:
+        return False
+    if state.clock.monotonic_s() < until:
+        return True
+    del state.request_rate_refused[tenant or ""]
+    return False

@@ -120,6 +120,9 @@ class GatewayState:
             reload that read the file before a write's change would otherwise undo it.
         process_id: this process's name among the gateway processes sharing the ledger (the owner of its
             run claims and of its shared occupancy): host, pid and a random part, unique per start.
+        request_rate_refused: tenant -> until when (monotonic s) the ledger's request-rate bucket holds no
+            request for it, as its last refusal said (``admission``): till then its requests are not counted
+            by an engine's tokenizer, which the ledger would refuse whatever their size.
     """
 
     config: GatewayConfig
@@ -136,6 +139,7 @@ class GatewayState:
     process_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
     on_reload: list[Callable[[GatewayConfig], None]] = field(default_factory=list)
     apply_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    request_rate_refused: dict[str, float] = field(default_factory=dict)
     _ledger: ResilientLedger | None = None
     _backend: Ledger | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)

@@ -275,3 +275,27 @@ def test_a_prompt_over_the_context_by_its_bytes_alone_is_refused_without_asking_
             client.chat.completions.create(model="emu", messages=long, max_tokens=3)  # type: ignore[arg-type]
         assert stack.reservations() == []
     assert refused.value.status_code == 413 and engine.paths() == []
+
+
+def test_a_tenant_its_request_rate_refuses_is_not_counted_by_the_engine_until_a_request_is_due(tmp_path: Path) -> None:
+    """One request a second, a burst of one: the second request is counted (nothing says yet that the ledger
+    will refuse it) and refused; the ones after it, until the bucket holds a request again, are refused
+    without a tokenize call; once it does, the engine counts again."""
+    engine = TokenizingEngine("vllm", count=49)
+    limits = conftest.LimitsConfig(requests_per_minute=60, requests_burst=1)
+    table = {"kind": "vllm", "tokenize": True}
+    with conftest.serve_stack(tmp_path, engine.app(), upstream_table=table, defaults=limits) as stack:
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["alpha"], max_retries=0, timeout=30)
+        client.chat.completions.create(model="emu", messages=HELLO, max_tokens=3)  # type: ignore[arg-type]
+        refused = []
+        for _ in range(4):
+            with pytest.raises(openai.RateLimitError) as caught:
+                client.chat.completions.create(model="emu", messages=HELLO, max_tokens=3)  # type: ignore[arg-type]
+            refused.append(caught.value.response.headers.get("x-fairgate-quota-dimension"))
+        assert refused == ["requests_per_minute"] * 4
+        assert engine.paths() == ["/tokenize", "/v1/chat/completions", "/tokenize"]
+        time.sleep(1.1)  # the bucket holds a request again
+        client.chat.completions.create(model="emu", messages=HELLO, max_tokens=3)  # type: ignore[arg-type]
+        [*_, counted, sent] = engine.paths()
+        assert (counted, sent) == ("/tokenize", "/v1/chat/completions")
+        assert all(r.input_tokens == 49 for r in stack.reservations())  # every one admitted sized by the count
