@@ -97,8 +97,9 @@ async def serve(
         if isinstance(body, EmbeddingRequest):
             generation = intake.size_up_embedding(state.config, body, request_id(request), run)
         else:
-            # The engine's count sizes a reservation the ledger may grant; not one it is bound to refuse.
-            refused = admission.request_rate_refused(state, caller.tenant)
+            # The engine's count sizes a reservation the ledger may grant; not one it is bound to refuse. A
+            # request with an id of its client's may be a retry of one admitted, sized by the count: counted.
+            refused = admission.request_rate_refused(state, caller.tenant) and not intake.names_its_id(request)
             counted = None if refused else await tokenizer.engine_prompt_tokens(state, body)
             chat = isinstance(body, ChatRequest)
             generation = intake.size_up(state.config, body, chat, request_id(request), run, counted)

@@ -167,6 +167,11 @@ def request_id_of(request: Request) -> str:
     return given
 
 
+def names_its_id(request: Request) -> bool:
+    """Whether the client named the request's id (``X-Request-Id`` or ``Idempotency-Key``): it may be a retry."""
+    return "x-request-id" in request.headers or "idempotency-key" in request.headers
+
+
 def run_of(request: Request) -> Run:
     """The agent run of ``x-fairgate-run-id`` and ``x-fairgate-tool-round: 1``. Raises ``Rejection`` 400."""
     run_id = one_header(request, RUN_ID_HEADER)

@@ -294,6 +294,13 @@ def test_a_tenant_its_request_rate_refuses_is_not_counted_by_the_engine_until_a_
             refused.append(caught.value.response.headers.get("x-fairgate-quota-dimension"))
         assert refused == ["requests_per_minute"] * 4
         assert engine.paths() == ["/tokenize", "/v1/chat/completions", "/tokenize"]
+        # A request naming its id may retry one admitted (sized by the count, which its retry must repeat):
+        # still counted, and refused.
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(  # type: ignore[call-overload]
+                model="emu", messages=HELLO, max_tokens=3, extra_headers={"x-request-id": "mine-1"}
+            )
+        assert engine.paths()[-1] == "/tokenize" and len(engine.paths()) == 4
         time.sleep(1.1)  # the bucket holds a request again
         client.chat.completions.create(model="emu", messages=HELLO, max_tokens=3)  # type: ignore[arg-type]
         [*_, counted, sent] = engine.paths()
