@@ -109,7 +109,6 @@ class MeteredCall:
     Attributes:
         charged_ms: its whole charge.
         prefill_charged_ms: the part charged at its prefill weight, over the iterations it was prefilled in.
-        prompt_tokens: the prompt the meter sized that weight by.
         prefill_weight: ``prefill_ms_per_token * prompt_tokens`` (the cost model's).
         decode_weight: its decode weight (``dt / B`` per sequence) when its prefill stopped.
         beside: tenant -> the weight of that tenant's other requests in the iteration then.
@@ -119,7 +118,6 @@ class MeteredCall:
 
     charged_ms: float
     prefill_charged_ms: float = 0.0
-    prompt_tokens: int = 0
     prefill_weight: float = 0.0
     decode_weight: float = 0.0
     beside: dict[str, float] = field(default_factory=dict)
@@ -412,12 +410,5 @@ class LiveMeter(MeterWindow):
             return MeteredCall(request.charged_ms, tenant=request.tenant)
         decode, beside, remote = request.beside
         return MeteredCall(
-            request.charged_ms,
-            request.prefill_charged_ms,
-            request.prompt_tokens,
-            request.prefill_ms,
-            decode,
-            beside,
-            remote,
-            request.tenant,
+            request.charged_ms, request.prefill_charged_ms, request.prefill_ms, decode, beside, remote, request.tenant
         )

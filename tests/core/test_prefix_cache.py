@@ -95,7 +95,7 @@ weights = st.floats(min_value=0.0, max_value=1e4, allow_nan=False)
 def test_the_credit_is_bounded_by_the_cached_share_of_the_prefill_and_moves_no_more_than_it(
     prefill, decode, charged, beside, remote, fraction
 ):
-    call = MeteredCall(charged + decode, charged, 100, prefill, decode, beside, remote)
+    call = MeteredCall(charged + decode, charged, prefill, decode, beside, remote)
     credit_ms, moves = prefix_cache_credit(call, 1 - fraction)
     assert 0.0 <= credit_ms <= charged * fraction * (1 + 1e-12)
     assert sum(moves.values()) <= credit_ms * (1 + 1e-9)
@@ -107,8 +107,8 @@ def test_the_credit_is_bounded_by_the_cached_share_of_the_prefill_and_moves_no_m
 
 def test_what_would_go_to_its_own_tenants_other_requests_stays_on_it():
     beside = {"a": 30.0, "b": 10.0}  # its tenant's other requests weigh 3x the other tenant's
-    call = MeteredCall(500.0, 200.0, 1000, 100.0, 11.0, beside, 0.0, tenant="a")
-    full, _ = prefix_cache_credit(MeteredCall(500.0, 200.0, 1000, 100.0, 11.0, beside, 0.0, tenant="z"), 0.5)
+    call = MeteredCall(500.0, 200.0, 100.0, 11.0, beside, 0.0, tenant="a")
+    full, _ = prefix_cache_credit(MeteredCall(500.0, 200.0, 100.0, 11.0, beside, 0.0, tenant="z"), 0.5)
     credit_ms, moves = prefix_cache_credit(call, 0.5)
     assert full > 0 and credit_ms == pytest.approx(full / 4) and moves == {"b": pytest.approx(full / 4)}
 
