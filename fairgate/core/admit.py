@@ -61,15 +61,19 @@ class Admitter:
             request = policy.pick(now_ms, self.view)
             if request is None:
                 return None
-            tenant = request.tenant
             if accept is None or accept(request):
                 break
             policy.finish(request, now_ms)
+        return request, self._run(request, batch_size, cost)
+
+    def _run(self, request: Request, batch_size: int, cost: CostModel) -> float:
+        """``request`` picked: counted running (``n`` sequences hold ``n`` slots) and charged its prefill at
+        ``batch_size`` (seed 002). Returns the prefill ms."""
         by_tenant = self.view.by_tenant
-        by_tenant[tenant] = by_tenant.get(tenant, 0) + request.sequences  # n sequences hold n slots
+        by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + request.sequences
         prefill_ms = cost.prefill_ms(request.prompt_tokens)
-        policy.charge(tenant, prefill_ms, request.prompt_tokens, 0, batch_size)
-        return request, prefill_ms
+        self.policy.charge(request.tenant, prefill_ms, request.prompt_tokens, 0, batch_size)
+        return prefill_ms
 
     def fill(self, now_ms: float, free_slots: int, running_now: int, cost: CostModel) -> list[tuple[Request, float]]:
         """``admit`` for up to ``free_slots`` slots of one replica running ``running_now`` sequences, each
@@ -79,18 +83,13 @@ class Admitter:
         look-up here runs once per admission of a grid of thousands of runs). ``pick`` on an empty queue is
         ``None`` and changes nothing (``Policy``'s contract), so no ``queued()`` is asked before it.
         """
-        policy, view = self.policy, self.view
-        pick, charge, by_tenant = policy.pick, policy.charge, view.by_tenant
+        pick, view, run = self.policy.pick, self.view, self._run
         admitted: list[tuple[Request, float]] = []
         while len(admitted) < free_slots:
             request = pick(now_ms, view)
             if request is None:
                 break
-            tenant, prompt_tokens = request.tenant, request.prompt_tokens
-            by_tenant[tenant] = by_tenant.get(tenant, 0) + request.sequences
-            prefill_ms = cost.prefill_ms(prompt_tokens)
-            charge(tenant, prefill_ms, prompt_tokens, 0, running_now + len(admitted) + 1)
-            admitted.append((request, prefill_ms))
+            admitted.append((request, run(request, running_now + len(admitted) + 1, cost)))
         return admitted
 
     def finish(self, request: Request, now_ms: float, generated_tokens: int | None = None) -> None:
