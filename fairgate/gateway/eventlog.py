@@ -141,6 +141,12 @@ def _cache_fields(event: Finished) -> dict[str, Any]:
     return {"cached_tokens": event.cached_tokens, "cache_credit_gpu_ms": _ms(event.cache_credit_gpu_ms)}
 
 
+def _sum_ms(a: float | None, b: float | None) -> float | None:
+    """Two durations as written (``_ms``) added, so that a record's own figures add up to the last µs; None
+    when either is."""
+    return None if a is None or b is None else round(a + b, 3)
+
+
 def _ms(value: float | None) -> float | None:
     """A duration rounded to 1 µs (``None`` stays ``None``; a non-finite value becomes ``None``)."""
     if value is None or not math.isfinite(value):
@@ -292,7 +298,7 @@ class EventLog:
                 upstream=event.upstream,
                 outcome=event.outcome,
                 queue_ms=_ms(event.queue_ms),
-                ttft_incl_queue_ms=None if event.ttft_ms is None else _ms(event.queue_ms + event.ttft_ms),
+                ttft_incl_queue_ms=_sum_ms(_ms(event.queue_ms), _ms(event.ttft_ms)),
                 first_token_after_dispatch_ms=_ms(event.ttft_ms),
                 tpot_ms=_ms(event.tpot_ms),
                 input_tokens=event.input_tokens,
