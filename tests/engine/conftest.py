@@ -34,7 +34,11 @@ def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def calibrated(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``fairgate calibrate`` run against the engine: the ``[[upstream]]`` table it wrote, and its output."""
-    out = tmp_path_factory.mktemp("calibrate") / "upstream.toml"
+    return run_calibrate(engine_url, tmp_path_factory.mktemp("calibrate") / "upstream.toml")
+
+
+def run_calibrate(engine_url: str, out: Path) -> dict[str, Any]:
+    """``fairgate calibrate`` against ``engine_url``, its table written to ``out``: the table and the output."""
     done = subprocess.run(
         [sys.executable, "-m", "fairgate", "calibrate", engine_url, "--kind", "llamacpp", "--model", MODEL,
          "--name", "llama-0", "--max-model-len", str(CONTEXT_TOKENS), "--out", str(out)],
