@@ -49,6 +49,17 @@ class Tx(Protocol):
         ...
 
 
+_SELECT_CLAIM = "SELECT owner, until_ms FROM fg_claims WHERE reservation_id = :id"
+_SAVE_CLAIM = (
+    "INSERT INTO fg_claims (reservation_id, owner, until_ms) VALUES (:id, :owner, :until) "
+    "ON CONFLICT (reservation_id) DO UPDATE SET owner = excluded.owner, until_ms = excluded.until_ms"
+)
+_SAVE_HEARTBEAT = (
+    "INSERT INTO fg_heartbeats (reservation_id, beat_ms) VALUES (:id, :now) ON CONFLICT "
+    "(reservation_id) DO UPDATE SET beat_ms = excluded.beat_ms"
+)
+
+
 def _tag_of(reservation_id: object) -> str:
     """The tenant tag a reservation id starts with. Raises ``InvalidUsage`` (not a non-empty string),
     ``ReservationNotFound`` (a malformed id)."""
@@ -67,6 +78,7 @@ class _Loaded:
     accounts: dict[str, rules.Account]  # the reservation's class's and the tenant-wide (fresh where not stored)
     run_values: tuple[Any, ...]  # the run's counters (all None when the reservation has no run)
     now_ms: float | None  # the backend's clock, if it has one in SQL
+    also: list[list[tuple[Any, ...]]]  # the rows of the caller's further reads, in order
 
 
 class SqlLedger(Backend):
@@ -92,6 +104,11 @@ class SqlLedger(Backend):
     def _now_statement(self) -> Statement | None:
         """A statement returning the clock (ms) as its one value (None: ``_now_ms`` needs no query)."""
         return None
+
+    async def _write(self, tx: Tx, statements: list[Statement]) -> None:
+        """Run the writes ``statements`` (no rows wanted) in ``tx``, in order. A backend may hold them back to send
+        with the commit (PostgreSQL: then the writes and COMMIT are one round trip)."""
+        await tx.batch(statements)
 
     # --- request path --------------------------------------------------------------------------
     async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
@@ -142,16 +159,19 @@ class SqlLedger(Backend):
             writes += schema.event_writes(r, rules.Delta("reserve", requests=int(existing is None)), now_ms)
             if args.run_id is not None and run is not None:
                 writes.append(schema.run_write(args.tenant, args.run_id, run))
-            await tx.batch(writes)
+            await self._write(tx, writes)
             return replace(r, balances=charged[-1])
 
-    async def _load_for_update(self, tx: Tx, reservation_id: str, with_clock: bool) -> _Loaded:
+    async def _load_for_update(
+        self, tx: Tx, reservation_id: str, with_clock: bool, also: tuple[Statement, ...] = ()
+    ) -> _Loaded:
         """One round trip for a call on one reservation: the tenant's lock (if the backend takes one), the
         reservation with its tenant's frozen flag, its class's and the tenant-wide account and its run
-        (``LOAD_FOR_CLOSE``), and the clock. Raises ``ReservationNotFound``."""
+        (``LOAD_FOR_CLOSE``), the statements ``also`` (their rows: ``_Loaded.also``), and the clock. Raises
+        ``ReservationNotFound``."""
         lock = self._lock_statement(_tag_of(reservation_id))
         clock = self._now_statement() if with_clock else None
-        reads = [s for s in (lock, (schema.LOAD_FOR_CLOSE, {"id": reservation_id}), clock) if s is not None]
+        reads = [s for s in (lock, (schema.LOAD_FOR_CLOSE, {"id": reservation_id}), *also, clock) if s is not None]
         rows = await tx.batch(reads)
         rows = rows[1:] if lock is not None else rows
         if not rows[0]:
@@ -162,8 +182,8 @@ class SqlLedger(Backend):
         accounts = {}
         for key, at in ((r.model_class, n + 1), (TENANT_ACCOUNT, n + 2 + m)):  # each: a key column, then fields
             accounts[key] = rules.Account(*row[at + 1 : at + 1 + m]) if row[at] is not None else rules.Account()
-        now_ms = float(rows[1][0][0]) if clock is not None else None
-        return _Loaded(r, bool(row[n]), accounts, row[n + 3 + 2 * m :], now_ms)
+        now_ms = float(rows[-1][0][0]) if clock is not None else None
+        return _Loaded(r, bool(row[n]), accounts, row[n + 3 + 2 * m :], now_ms, rows[1 : 1 + len(also)])
 
     def _books(self, loaded: _Loaded, kind: str = "settle") -> list[rules.Book]:
         """The accounts ``loaded.reservation`` was charged to, as loaded, with their limits; for a tenant no
@@ -202,38 +222,26 @@ class SqlLedger(Backend):
             ]
             if r.run_id is not None and run is not None:
                 writes.append(schema.run_write(r.tenant, r.run_id, run))
-            await tx.batch(writes)
+            await self._write(tx, writes)
             return updated
 
     async def _claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
-        """Under the tenant's lock: the reservation, its claim and the clock; the claim and a heartbeat written
-        when ``owner`` takes it."""
+        """Under the tenant's lock: the reservation, its claim and the clock (one read); the claim and a heartbeat
+        written when ``owner`` takes it."""
         async with self._transaction() as tx:
-            loaded = await self._load_for_update(tx, reservation_id, with_clock=True)
+            loaded = await self._load_for_update(
+                tx, reservation_id, with_clock=True, also=((_SELECT_CLAIM, {"id": reservation_id}),)
+            )
             r = loaded.reservation
             if r.is_final:
                 raise ReservationFinal(f"reservation {r.id!r} is {r.status} already")
             now_ms = loaded.now_ms if loaded.now_ms is not None else await self._now_ms(tx)
-            row = await tx.fetchone("SELECT owner, until_ms FROM fg_claims WHERE reservation_id = :id", {"id": r.id})
-            held = None if row is None else RunClaim(str(row[0]), float(row[1]), now_ms)
+            (claim_rows,) = loaded.also
+            held = RunClaim(str(claim_rows[0][0]), float(claim_rows[0][1]), now_ms) if claim_rows else None
             decided = rules.claim(held, owner, lease_ms, now_ms)
             if decided.held_by(owner):
                 params = {"id": r.id, "owner": owner, "until": decided.until_ms, "now": now_ms}
-                await tx.batch(
-                    [
-                        (
-                            "INSERT INTO fg_claims (reservation_id, owner, until_ms) VALUES (:id, :owner, :until) "
-                            "ON CONFLICT (reservation_id) DO UPDATE SET owner = excluded.owner, "
-                            "until_ms = excluded.until_ms",
-                            params,
-                        ),
-                        (
-                            "INSERT INTO fg_heartbeats (reservation_id, beat_ms) VALUES (:id, :now) ON CONFLICT "
-                            "(reservation_id) DO UPDATE SET beat_ms = excluded.beat_ms",
-                            params,
-                        ),
-                    ]
-                )
+                await self._write(tx, [(_SAVE_CLAIM, params), (_SAVE_HEARTBEAT, params)])
             return decided
 
     async def _queue_step(self, reservation_id: str, enter: bool) -> Reservation:
@@ -249,13 +257,13 @@ class SqlLedger(Backend):
             if changed is None:
                 return r
             updated, accounts = changed
-            await tx.batch([schema.reservation_write(updated), *self._account_writes(r, accounts)])
+            await self._write(tx, [schema.reservation_write(updated), *self._account_writes(r, accounts)])
             return updated
 
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
         check_account_args(tenant, model_class)
         key = self.account_key(tenant, model_class)
-        async with self._transaction() as tx:
+        async with self._read_transaction() as tx:
             row = await tx.fetchone(schema.SELECT_ACCOUNT, {"tenant": tenant, "model_class": key})
         return rules.Account() if row is None else rules.Account(*row)
 
@@ -278,11 +286,7 @@ class SqlLedger(Backend):
             if r.is_final:
                 return
             now_ms = await self._now_ms(tx)
-            await tx.execute(
-                "INSERT INTO fg_heartbeats (reservation_id, beat_ms) VALUES (:id, :now) ON CONFLICT "
-                "(reservation_id) DO UPDATE SET beat_ms = excluded.beat_ms",
-                {"id": r.id, "now": now_ms},
-            )
+            await tx.execute(_SAVE_HEARTBEAT, {"id": r.id, "now": now_ms})
 
     # --- operator --------------------------------------------------------------------------------
     async def reservations(self, tenant: str | None = None, status: str | None = None) -> list[Reservation]:

@@ -1,0 +1,93 @@
+"""The PostgreSQL ledger's request path on the wire (libpq's protocol trace of the pool's connection): each call's
+round trips, and that the writes sent with COMMIT are one atomic whole."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import AsyncIterator, Awaitable
+from itertools import pairwise
+from typing import Any, TypeVar
+
+import pytest
+from psycopg import pq
+
+from fairgate.ledger import connect, quotas_from_dict
+from fairgate.ledger.postgres import PostgresLedger
+from fairgate.ledger.sql_schema import Statement
+from tests.ledger.conftest import LIMITS
+
+T = TypeVar("T")
+QUOTAS = {"tenants": {"acme": {"limits": {**LIMITS, "requests_per_minute": 6000, "requests_burst": 100}}}}
+
+
+@pytest.fixture
+async def ledger(backend_url) -> AsyncIterator[PostgresLedger]:  # type: ignore[no-untyped-def]
+    opened = await connect(backend_url("postgres"), quotas_from_dict(QUOTAS))
+    assert isinstance(opened, PostgresLedger)
+    yield opened
+    await opened.drop_schema()
+    await opened.close()
+
+
+def _round_trips(trace: str) -> int:
+    """Round trips in a libpq trace: each run of the client's messages (F) answered by the server's (B)."""
+    directions = [line.split("\t")[0] for line in trace.splitlines() if line[:2] in ("F\t", "B\t")]
+    return sum(1 for before, now in pairwise(directions) if (before, now) == ("F", "B"))
+
+
+async def _traced(ledger: PostgresLedger, call: Awaitable[T]) -> tuple[T, int]:
+    """``call``'s result and its round trips. Calls one after another use the pool's one connection."""
+    async with ledger._pool.connection() as connection:
+        pgconn = connection.pgconn
+    with tempfile.TemporaryFile("w+") as out:
+        pgconn.trace(os.dup(out.fileno()))
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            result = await call
+        finally:
+            pgconn.untrace()  # flushes the trace
+        out.seek(0)
+        return result, _round_trips(out.read())
+
+
+async def test_each_call_on_the_request_path_is_at_most_two_round_trips(ledger: PostgresLedger) -> None:
+    # First the statements' preparation (psycopg prepares a statement on its sixth run): it adds no round trip.
+    for i in range(6):
+        r = await ledger.reserve("acme", f"warm-{i}", 10, 10, 1.0)
+        await ledger.claim(r.id, "me", 60_000.0)
+        await ledger.settle(r.id, 5, 5, 0.5, final=True)
+    # reserve: BEGIN, the lock and the reads | the writes and COMMIT. Its balances come with it.
+    r, trips = await _traced(ledger, ledger.reserve("acme", "req", 10, 10, 1.0))
+    assert trips == 2
+    assert r.balances is not None and r.balances.concurrent == 1
+    claim, trips = await _traced(ledger, ledger.claim(r.id, "me", 60_000.0))
+    assert (trips, claim.owner) == (2, "me")
+    account, trips = await _traced(ledger, ledger.account("acme"))
+    assert (trips, account.concurrent) == (1, 1)  # no BEGIN, no COMMIT, no lock
+    settled, trips = await _traced(ledger, ledger.settle(r.id, 5, 5, 0.5, final=True))
+    assert (trips, settled.status, settled.billed.output_tokens) == (2, "settled", 5)
+    # The same request id again: the reads find it, the second round trip only commits (nothing written).
+    again, trips = await _traced(ledger, ledger.reserve("acme", "req", 10, 10, 1.0))
+    assert (trips, again.id) == (2, r.id)
+
+
+async def test_a_write_failing_at_commit_leaves_nothing_and_releases_the_lock(
+    ledger: PostgresLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = PostgresLedger._write
+
+    async def failing(self: PostgresLedger, tx: Any, statements: list[Statement]) -> None:
+        # The reservation's writes and, last, one the server refuses: all in the one statement sent with COMMIT.
+        await write(self, tx, [*statements, ("UPDATE fg_accounts SET concurrent = 1 / 0", {})])
+
+    monkeypatch.setattr(PostgresLedger, "_write", failing)
+    with pytest.raises(Exception, match="division by zero"):
+        await ledger.reserve("acme", "doomed", 10, 10, 1.0)
+    monkeypatch.undo()
+    assert await ledger.reservations("acme") == []
+    assert (await ledger.account("acme")).concurrent == 0
+    assert [e.kind for e in await ledger.events("acme")] == []
+    # The tenant's lock went with the rolled-back transaction and the connection is clean: the next call runs.
+    r = await ledger.reserve("acme", "after", 10, 10, 1.0)
+    assert (r.status, r.balances is not None and r.balances.concurrent) == ("open", 1)
