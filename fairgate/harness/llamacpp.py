@@ -127,11 +127,13 @@ def _fetch_source(work: Path) -> Path:
 @dataclass(frozen=True)
 class ServerFlags:
     """How the test engine runs: ``slots`` parallel sequences (its continuous batch's ``max_batch``), a KV
-    cache of ``context_tokens`` shared by them (``-kvu``), ``threads`` CPU threads."""
+    cache of ``context_tokens`` shared by them (``-kvu``), ``threads`` CPU threads; ``log_iterations``: log at
+    debug verbosity (``-lv 5``), which records every iteration (``fairgate.harness.llamacpp_steps``)."""
 
     slots: int = 8
     context_tokens: int = 16384
     threads: int = 1
+    log_iterations: bool = False
 
     def args(self, model: Path, port: int) -> list[str]:
         return [
@@ -139,6 +141,7 @@ class ServerFlags:
             "-np", str(self.slots), "-cb", "-c", str(self.context_tokens), "-kvu",
             "-t", str(self.threads), "-tb", str(self.threads),
             "--metrics", "--slots", "--no-webui", "--chat-template", "chatml", "--no-warmup",
+            *(["-lv", "5"] if self.log_iterations else []),
         ]  # fmt: skip
 
 

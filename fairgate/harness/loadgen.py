@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fairgate.harness.records import EngineTimings, History, HttpAnswer, RequestRecord
+from fairgate.harness.records import History, HttpAnswer, RequestRecord
 
 CHAT_OVERHEAD_TOKENS = 3  # the emulator counts 3 tokens of template per chat message
 DEFAULT_TARGET = "gw"
@@ -318,11 +318,6 @@ class LoadGenerator:
     def _read(self, chunk: Any, record: RequestRecord, chat: bool) -> None:
         if chunk.usage is not None:
             record.usage_input, record.usage_output = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
-            timings = (getattr(chunk, "model_extra", None) or {}).get("timings")
-            if isinstance(timings, dict):
-                prompt_ms, decode_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
-                if isinstance(prompt_ms, int | float) and isinstance(decode_ms, int | float):
-                    record.engine = EngineTimings(float(prompt_ms), float(decode_ms))
         if chunk.choices and (chunk.choices[0].delta.content if chat else chunk.choices[0].text):
             now = self.now()
             record.first_s = now if record.first_s is None else record.first_s

@@ -22,17 +22,6 @@ class HttpAnswer:
     code: str | None
 
 
-@dataclass(frozen=True)
-class EngineTimings:
-    """An engine's own timings of one request, ms, as its stream carried them beside the usage (llama.cpp's
-    ``timings``): ``prompt_ms`` its prefill, ``decode_ms`` from its first token to its last (``predicted_ms``):
-    the length of its decode on the engine's clock, which a client reading late on a loaded machine does not
-    stretch."""
-
-    prompt_ms: float
-    decode_ms: float
-
-
 @dataclass
 class RequestRecord:
     """One request as its client saw it; times in seconds since the load generator started.
@@ -48,7 +37,6 @@ class RequestRecord:
         status / code / dimension / retry_after: HTTP status (200 once the answer began), the error's code,
             the gateway's ``x-fairgate-quota-dimension`` and ``Retry-After`` headers.
         tokens: content tokens received. usage_input / usage_output: the usage the client was sent.
-        engine: the engine's own timings of it, where the stream carried them (``EngineTimings``).
         cut_at / hangup_s: where and when the client hung up (``before_bytes``, ``after_headers``,
             ``after_chunks``, ``timeout``, ``deadline``).
         answers: every HTTP answer when the SDK retried by itself (``Request.sdk_retries``).
@@ -72,7 +60,6 @@ class RequestRecord:
     tokens: int = 0
     usage_input: int | None = None
     usage_output: int | None = None
-    engine: EngineTimings | None = None
     cut_at: str | None = None
     hangup_s: float | None = None
     answers: list[HttpAnswer] = field(default_factory=list)

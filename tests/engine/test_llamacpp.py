@@ -13,11 +13,10 @@
 - A client that hangs up stops its sequence in the engine (``/slots``: no slot processing) within a second,
   and the ledger bills no less than the client received.
 - Four tenants with different output lengths, all backlogged: under ``gpu_fair`` their billed GPU time is
-  equal (max/min <= 1.10) and adds up to the engine's busy time within 10 %; by an engine-side measure
-  computed here (``engine_gpu_ms``: each prefill at the engine's own cost per token, decode time split
-  ``1/B`` among the sequences decoding) it is far fairer than ``fcfs`` (under which the long-output tenants
-  take three to four times the others' share, as seed 002 predicts); measured 1.09-1.67, bounded loosely (see the
-  last test).
+  equal (max/min <= 1.10) and adds up to the engine's busy time within 10 %, and so is their use of the engine
+  by its own clock (``engine_gpu_ms``: the engine's debug log's iterations, each split by the charge rule at
+  the engine's own step times); under ``fcfs`` the long-output tenants take three to four times the others'
+  share, as seed 002 predicts.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import asyncio
 import os
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,14 +35,14 @@ import pytest
 from fairgate.core.fit import median
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.llamacpp import ServerFlags, llama_server
+from fairgate.harness.llamacpp_steps import gpu_ms_by_task, read_engine_log
 from fairgate.harness.loadgen import TenantLoad
-from fairgate.harness.records import RequestRecord
 from fairgate.harness.run import run_on_stack
 from fairgate.harness.stack import StackSpec, replicas, start_stack
 from fairgate.harness.tinyllama import write_random_gguf
 from fairgate.ledger.config import LimitsConfig
 from tests.conftest import streamed_chat, timing_claims_hold_here
-from tests.engine.conftest import MODEL, SLOTS, cost_model, run_calibrate
+from tests.engine.conftest import ENGINE_FLAGS, MODEL, SLOTS, cost_model, run_calibrate
 
 pytestmark = pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite
 
@@ -209,65 +209,36 @@ def test_a_client_that_hangs_up_stops_its_sequence_in_the_engine(calibrated, eng
         assert received <= r.billed.output_tokens <= 4000
 
 
-def engine_gpu_ms(records: list[RequestRecord], prefill_ms_per_token: float) -> tuple[dict[str, float], float]:
-    """Each tenant's GPU time by the charge rule, measured independently of the gateway's meter: each
-    request's prefill at the engine's own marginal cost per prompt token (its clock, a request alone:
-    ``engine_prefill_ms_per_token``; the prompt tokens it reported, or its tenant's median for a request cut
-    at the end of the run), decode from its first token to its last - the first as its client received it, the
-    decode's length on the engine's clock where its stream said it (llama.cpp's ``predicted_ms``: a client
-    reading late on a loaded machine does not stretch it), else to its last token's arrival - and at every
-    instant each of the ``B`` requests decoding gets ``1/B`` of the engine's decode time (its busy time less
-    every prefill). Also returns the busy time (ms): the union of the requests' spans, each from its
-    prefill's start to its last token. (llama.cpp's per-request ``prompt_ms`` is no measure of a prefill's
-    cost: it spans the whole step, everyone's decode and the other prefills in it.)"""
-    started = [r for r in records if r.first_s is not None and r.last_s is not None]
-    last = {r.request_id: r.first_s + r.engine.decode_ms / 1000.0 if r.engine else r.last_s for r in started}
-    known: dict[str, list[float]] = {}
-    for r in started:
-        if r.usage_input is not None:
-            known.setdefault(r.tenant, []).append(r.usage_input)
-    prefill = {r.request_id: prefill_ms_per_token * (r.usage_input or median(known[r.tenant])) for r in started}
-    spans = sorted((r.first_s - prefill[r.request_id] / 1000.0, last[r.request_id]) for r in started)  # type: ignore[operator]
-    busy_ms, reach = 0.0, float("-inf")
-    for begin, end in spans:
-        busy_ms += max(0.0, end - max(begin, reach)) * 1000.0
-        reach = max(reach, end)
-    share = _decode_shares([(r.first_s, last[r.request_id], r.tenant) for r in started])  # type: ignore[misc]
-    decode_ms = busy_ms - sum(prefill.values())
-    out = {t: decode_ms * s for t, s in share.items()}
-    for r in started:
-        out[r.tenant] = out.get(r.tenant, 0.0) + prefill[r.request_id]
-    return out, busy_ms
-
-
-def _decode_shares(spans: list[tuple[float, float, str]]) -> dict[str, float]:
-    """Each tenant's share of the decoding: the integral of (its requests decoding / all decoding) over
-    time, normalised to 1."""
-    events = sorted([(b, 1, t) for b, _, t in spans] + [(e, -1, t) for _, e, t in spans])
-    running: dict[str, int] = {}
-    out: dict[str, float] = {}
-    last = events[0][0] if events else 0.0
-    for at, delta, tenant in events:
-        batch = sum(running.values())
-        for t, n in running.items():
-            if batch:
-                out[t] = out.get(t, 0.0) + (at - last) * n / batch
-        running[tenant] = running.get(tenant, 0) + delta
-        last = at
-    total = sum(out.values()) or 1.0
-    return {t: v / total for t, v in out.items()}
+def engine_gpu_ms(log: Path) -> tuple[dict[str, float], float]:
+    """Each tenant's use of the engine by the engine's own clock, independent of the gateway's meter and of
+    every client's: its debug log's iterations, each split by the charge rule (``gpu_ms_by_task``: decode
+    ``1/B`` per sequence at the engine's own pure-decode step time, the rest of a prefill iteration to the
+    prompts in it), a task's tenant known by its ``n_predict`` (``MIX``: one output length per tenant). Also
+    returns the engine's busy time (ms): its iterations' total length."""
+    engine = read_engine_log(log)
+    tenants = {tokens: tenant for tenant, tokens in MIX.items()}
+    out = dict.fromkeys(MIX, 0.0)
+    for task, ms in gpu_ms_by_task(engine).items():
+        if engine.n_predict.get(task) in tenants:
+            out[tenants[engine.n_predict[task]]] += ms
+    return out, sum(it.ms for it in engine.iterations)
 
 
 def _fairness(
-    calibrated: dict[str, Any], engine_url: str, policy: str
+    calibrated: dict[str, Any], model: Path, policy: str, folder: Path
 ) -> tuple[dict[str, float], dict[str, float], float]:
-    spec = _spec(calibrated, engine_url, tuple(MIX), policy)
-    loads = [TenantLoad(t, clients=8, output_tokens=(n, n), prompt_tokens=64) for t, n in MIX.items()]
-    run = run_on_stack(spec, loads, FAIR_SECONDS, seed=1)
+    """One ``FAIR_SECONDS`` run of the four tenants on a fresh engine (the module's flags: ``ENGINE_FLAGS``):
+    tenant -> GPU ms billed by the ledger and used by the engine's log (``engine_gpu_ms``), and the engine's
+    busy ms."""
+    log = folder / f"{policy}.log"
+    with llama_server(model, ENGINE_FLAGS, log=log) as engine_url:
+        spec = _spec(calibrated, engine_url, tuple(MIX), policy)
+        loads = [TenantLoad(t, clients=8, output_tokens=(n, n), prompt_tokens=64) for t, n in MIX.items()]
+        run = run_on_stack(spec, loads, FAIR_SECONDS, seed=1)
     billed = dict.fromkeys(MIX, 0.0)
     for r in run.reservations:
         billed[r.tenant] += r.billed.gpu_ms
-    engine, busy_ms = engine_gpu_ms(run.history.records, engine_prefill_ms_per_token(engine_url))
+    engine, busy_ms = engine_gpu_ms(log)
     return billed, engine, busy_ms
 
 
@@ -275,25 +246,24 @@ def _ratio(values: dict[str, float]) -> float:
     return max(values.values()) / min(values.values())
 
 
-def test_gpu_fair_evens_gpu_time_on_the_engine_and_fcfs_does_not(calibrated, engine_url):
-    billed, engine, busy_ms = _fairness(calibrated, engine_url, "gpu_fair")
+def test_gpu_fair_evens_gpu_time_on_the_engine_and_fcfs_does_not(calibrated, tmp_path):
+    model = write_random_gguf(tmp_path / "tiny.gguf")
+    billed, engine, busy_ms = _fairness(calibrated, model, "gpu_fair", tmp_path)
     print(f"gpu_fair: billed {_rounded(billed)} engine {_rounded(engine)} busy {busy_ms:.0f} ms")
     assert _ratio(billed) <= 1.10, billed  # the gateway's own books: equal
     assert sum(billed.values()) == pytest.approx(busy_ms, rel=0.10)  # every ms the engine was busy, billed once
-    billed_fcfs, engine_fcfs, _ = _fairness(calibrated, engine_url, "fcfs")
+    billed_fcfs, engine_fcfs, _ = _fairness(calibrated, model, "fcfs", tmp_path)
     print(f"fcfs: billed {_rounded(billed_fcfs)} engine {_rounded(engine_fcfs)}")
     assert _ratio(billed_fcfs) >= 1.5, billed_fcfs
-    # The engine-side measure is rebuilt from when tokens reached the clients, which share the engine's two
-    # cores: a timing claim, checked only where the machine's speed probe allows.
-    timing_claims_hold_here("the engine-side shares, rebuilt from token arrival times")
+    # How well the meter follows the engine depends on the engine's steps keeping to the calibrated cost model,
+    # which a loaded machine stretches: a timing claim, checked only where the machine's speed probe allows.
+    timing_claims_hold_here("the engine-side shares under load")
     assert _ratio(engine_fcfs) >= 1.8, engine_fcfs
     assert engine_fcfs["agent"] > 1.5 * engine_fcfs["classify"]  # seed 002: long outputs take the GPU
-    # By the engine-side measure, decode lengths from the token arrivals: 1.09, 1.34, 1.50, 1.67 against fcfs
-    # 3.3; from the engine's own clock (timings.predicted_ms): 1.31, 1.56 against fcfs 3.76 (40 s, 8 clients a
-    # tenant, 2-core machine). Not the 1.10 the billed shares reach: by this measure the meter bills the
-    # short-output tenants more than the engine spent on them (an open question: the measure gives a request
-    # no decode share of the iteration its prefill ran in), so the claim held here is the contrast with fcfs.
-    assert _ratio(engine) <= 1.8 and _ratio(engine) < 0.8 * _ratio(engine_fcfs), (engine, engine_fcfs)
+    # Measured 1.01, 1.06, 1.09, 1.11 (the last on a machine another job loaded), fcfs 2.7-3.1 (2 cores, 8
+    # clients a tenant, 40 s); a rebuild of the shares from when tokens reached the clients read 1.44-1.66 on
+    # the same runs, its errors being the clients' read lags.
+    assert _ratio(engine) <= 1.10, (engine, engine_fcfs)
 
 
 def _rounded(values: dict[str, float]) -> dict[str, int]:
