@@ -36,6 +36,7 @@ from urllib.parse import urlencode, urlunsplit
 
 import psycopg
 import psycopg_pool
+from psycopg import pq
 from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
@@ -154,21 +155,6 @@ def _convert(sql: str, schema: str) -> str:
     return _NAMED.sub(r"%(\1)s", qualified)
 
 
-def _merged(statements: list[Statement]) -> Statement:
-    """Writes as one statement: all but the last as data-modifying ``WITH`` queries, each one's parameters
-    renamed apart: each statement costs the server its own bind, portal and executor set-up (about 20 µs on a
-    small machine, as much as the ledger's small writes themselves). Safe because the writes of one call touch
-    distinct rows and none reads another's: the order of a statement's parts is unspecified."""
-    if len(statements) == 1:
-        return statements[0]
-    parts, params = [], {}
-    for i, (sql, values) in enumerate(statements):
-        parts.append(_NAMED.sub(rf":w{i}_\1", sql))
-        params.update({f"w{i}_{name}": value for name, value in values.items()})
-    head = ", ".join(f"w{i} AS ({sql})" for i, sql in enumerate(parts[:-1]))
-    return f"WITH {head} {parts[-1]}", params
-
-
 # Transaction control, sent as statements in the pipeline (never prepared: nothing to plan).
 _CONTROL = frozenset({"BEGIN", "COMMIT", "ROLLBACK"})
 
@@ -207,11 +193,12 @@ class _PgTx:
         return [await c.fetchall() if c.description is not None else [] for c in cursors]
 
     def defer(self, statements: list[Statement]) -> None:
-        """Writes (no rows wanted) sent with the next batch or the commit, as one statement (``_merged``)."""
+        """Writes (no rows wanted) sent with the next batch or the commit, in order, each its own statement: one
+        statement of data-modifying ``WITH`` parts would run them in another order, and deleting a reservation's
+        heartbeat and claim in the opposite order to the expiry sweep's deadlocked with it."""
         if not self._explicit:
             raise RuntimeError("postgres ledger: a write outside a write transaction")
-        if statements:
-            self._pending.append(_merged(statements))
+        self._pending.extend(statements)
 
     async def fetchone(self, sql: str, params: dict[str, Any] | None = None) -> tuple[Any, ...] | None:
         (rows,) = await self.batch([(sql, params or {})])
@@ -401,7 +388,13 @@ class PostgresLedger(SqlLedger):
                     yield tx
                     await tx.commit()
                 except BaseException:
-                    await tx.rollback()
+                    if connection.pgconn.pipeline_status != pq.PipelineStatus.OFF:
+                        # Cancelled inside psycopg's pipeline entry (it yields once after turning pipeline mode
+                        # on): the connection's state is unknown, so it is closed (the server rolls back and
+                        # frees the lock) and the pool replaces it.
+                        await connection.close()
+                    else:
+                        await tx.rollback()
                     raise
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None

@@ -3,17 +3,21 @@ round trips, and that the writes sent with COMMIT are one atomic whole."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable
 from itertools import pairwise
 from typing import Any, TypeVar
 
+import psycopg
 import pytest
 from psycopg import pq
 
 from fairgate.ledger import connect, quotas_from_dict
-from fairgate.ledger.postgres import PostgresLedger
+from fairgate.ledger.model import Usage
+from fairgate.ledger.postgres import PostgresLedger, parse_url
 from fairgate.ledger.sql_schema import Statement
 from tests.ledger.conftest import LIMITS
 
@@ -78,7 +82,7 @@ async def test_a_write_failing_at_commit_leaves_nothing_and_releases_the_lock(
     write = PostgresLedger._write
 
     async def failing(self: PostgresLedger, tx: Any, statements: list[Statement]) -> None:
-        # The reservation's writes and, last, one the server refuses: all in the one statement sent with COMMIT.
+        # The reservation's writes and, last, one the server refuses: all sent with COMMIT, in one round trip.
         await write(self, tx, [*statements, ("UPDATE fg_accounts SET concurrent = 1 / 0", {})])
 
     monkeypatch.setattr(PostgresLedger, "_write", failing)
@@ -91,3 +95,46 @@ async def test_a_write_failing_at_commit_leaves_nothing_and_releases_the_lock(
     # The tenant's lock went with the rolled-back transaction and the connection is clean: the next call runs.
     r = await ledger.reserve("acme", "after", 10, 10, 1.0)
     assert (r.status, r.balances is not None and r.balances.concurrent) == ("open", 1)
+
+
+async def test_a_retry_reopening_its_reservation_does_not_deadlock_with_another_process_sweeping(
+    ledger: PostgresLedger,
+    backend_url,  # type: ignore[no-untyped-def]
+) -> None:
+    """A retry of a request cancelled with nothing billed re-opens its reservation and deletes its heartbeat
+    and claim; another gateway process's expiry sweep (``SqlLedger._due``) deletes those of reservations no
+    longer open, heartbeat first. Here the sweep has deleted the heartbeat when the retry comes: the retry waits
+    for the sweep, and both go through. (Writes merged into one statement deleted the claim first: deadlock.)"""
+    r = await ledger.reserve("acme", "job", 10, 10, 1.0)
+    await ledger.claim(r.id, "gw-1", 60_000.0)
+    await ledger.cancel(r.id, Usage())
+    table = f'"{ledger.schema}".fg_{{}} WHERE reservation_id IN (SELECT id FROM "{ledger.schema}".fg_reservations '
+    not_open = "WHERE status <> 'open')"
+    async with await psycopg.AsyncConnection.connect(parse_url(backend_url("postgres")).dsn) as sweeper:
+        await sweeper.execute("BEGIN")
+        await sweeper.execute("DELETE FROM " + table.format("heartbeats") + not_open)
+        retry = asyncio.ensure_future(ledger.reserve("acme", "job", 10, 10, 1.0))
+        await asyncio.sleep(0.3)  # the retry waits on the heartbeat row the sweep holds
+        await sweeper.execute("DELETE FROM " + table.format("claims") + not_open)
+        await sweeper.execute("COMMIT")
+        again = await asyncio.wait_for(retry, 5.0)
+    assert (again.id, again.status) == (r.id, "open")
+
+
+async def test_a_call_cancelled_as_it_starts_leaves_no_pooled_connection_in_pipeline_mode(
+    ledger: PostgresLedger,
+) -> None:
+    """A client hanging up cancels the call at any point, also inside psycopg's pipeline entry (which yields
+    once after turning pipeline mode on): the connection goes back to the pool clean, or not at all."""
+    for n in range(60):
+        call = asyncio.ensure_future(ledger.reserve("acme", f"cut-{n}", 10, 10, 1.0))
+        await asyncio.sleep(n * 40e-6)
+        call.cancel()
+        with contextlib.suppress(BaseException):
+            await call
+        await asyncio.sleep(0.01)  # psycopg's pool puts a returned connection back in a background task
+        assert all(c.pgconn.pipeline_status == pq.PipelineStatus.OFF for c in list(ledger._pool._pool)), n
+        for committed in await ledger.reservations("acme", status="open"):  # cut after its commit: as the gateway
+            await ledger.cancel(committed.id, Usage())
+    later = await ledger.reserve("acme", "later", 1, 1, 0.0)
+    assert (later.status, (await ledger.account("acme")).concurrent) == ("open", 1)
