@@ -35,6 +35,14 @@ iteration it is not in (bench/live_fairness.py's Azure replay measured prompt-he
   taken back, so it keeps its prefill weight from then on until its prefill time has been charged to
   it, and the others are charged that much less meanwhile: its total is its prefill and its decode.
 
+The decode step the weights use is the cost model's times ``decode_scale`` (``set_decode_scale``; 1 by
+default): the gateway sets it to the drift check's observed / predicted decode step (``fairgate.core.drift``).
+In a plain decode step it changes nothing (every sequence weighs alike); in an iteration that also prefills,
+it is what the decoding sequences' part is measured by. On llama-server on a loaded 2-core machine the decode
+steps ran 25-32 % above the calibrated model while the prompts' prefill kept to it, and the unscaled weights
+gave the prompts of every such iteration the decode steps' excess: the short-output tenants, whose requests
+are most of the prefills, were billed more than the engine's own log says they used.
+
 Several gateway processes on one replica (scale-out): each process sees only its own requests, yet
 the replica's iterations hold everyone's. Metering its own requests alone, every process would bill the
 replica's whole busy time (x N with N processes). So each process publishes its meter's *occupancy* over
@@ -74,6 +82,10 @@ from fairgate.core.cost import CostModel
 # The most of an interval the other processes' prefill can take off it: a guard against a share summed
 # from stale or overlapping rounds leaving this process's requests nothing (their prefill and decode run).
 MAX_REMOTE_PREFILL_SHARE = 0.9
+
+# The decode scales a meter takes (``set_decode_scale``): the drift check's ratio, which drops steps five times
+# the model's or more, stays well inside.
+DECODE_SCALE_RANGE = (0.2, 5.0)
 
 # A prefill within this fraction of its time of being attributed counts as attributed. The integral and the
 # per-interval definition round differently: an interval ending exactly where a prefill does (round numbers)
@@ -148,6 +160,7 @@ class MeterWindow:
         self.busy_ms = 0.0  # time with at least one of its requests in flight
         self.charged_total_ms = 0.0  # charged to its requests: busy_ms when no other process shares it
         self.remote = Occupancy()  # the other gateway processes' requests on the same replica
+        self.decode_scale = 1.0  # observed / modelled decode step (``set_decode_scale``)
         # Nothing has come back from the upstream since it went idle: its first iteration has not ended.
         self.first_iteration = True
         self._window_start_ms = now_ms
@@ -178,6 +191,13 @@ def joins_first_iteration(window: MeterWindow) -> bool:
     engine takes in every request that reaches it before its first step starts (llama-server prefilled a
     request and seven sent 2 ms after it in one 1,345-ms step)."""
     return window.first_iteration and window.remote.sequences == 0
+
+
+def check_decode_scale(scale: float) -> None:
+    """Raises ``ValueError``: a decode scale outside ``DECODE_SCALE_RANGE``."""
+    low, high = DECODE_SCALE_RANGE
+    if not low <= scale <= high:
+        raise ValueError(f"decode scale must be within {low}-{high}, got {scale}")
 
 
 def check_remote(remote: Occupancy) -> None:
@@ -297,7 +317,8 @@ class LiveMeter(MeterWindow):
         is brought up to date, so the integral starts again from 0: it never grows large enough to lose
         precision, however long the upstream stays busy."""
         batch = self._active_sequences + self.remote.sequences
-        decode = (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch) / batch if batch > 0 else 0.0
+        step_ms = self.decode_scale * (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch)
+        decode = step_ms / batch if batch > 0 else 0.0
         own = rate = 0.0
         price, self._price = self._price, 0.0
         for request in self._requests.values():
@@ -342,6 +363,16 @@ class LiveMeter(MeterWindow):
         changed = remote.sequences != self.remote.sequences
         self.remote = remote
         if changed:
+            self._reweigh()
+
+    def set_decode_scale(self, scale: float, now_ms: float) -> None:
+        """From ``now_ms`` a decode step weighs ``scale`` times the cost model's (see module docstring); the
+        interval that ended now is charged with the previous scale. Raises ``ValueError``: outside
+        ``DECODE_SCALE_RANGE``."""
+        check_decode_scale(scale)
+        self.advance(now_ms)
+        if scale != self.decode_scale:
+            self.decode_scale = scale
             self._reweigh()
 
     def start(self, request_id: str, tenant: str, prompt_tokens: int, now_ms: float, sequences: int = 1) -> None:

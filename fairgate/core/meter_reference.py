@@ -13,6 +13,7 @@ from fairgate.core.meter import (
     PREFILL_END_TOLERANCE,
     MeterWindow,
     Occupancy,
+    check_decode_scale,
     check_remote,
     joins_first_iteration,
 )
@@ -68,7 +69,7 @@ class ReferenceMeter(MeterWindow):
         if not active:
             return {}, 0.0
         batch = sum(r.sequences for r in active.values()) + self.remote.sequences
-        decode = (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch) / batch
+        decode = self.decode_scale * (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch) / batch
         # Each sequence weighs dt / B; a request of n sequences shares one prompt, prefilled once.
         weights = {
             rid: decode * r.sequences + (self.cost.prefill_ms(r.prompt_tokens) if r.prefilling else 0.0)
@@ -142,6 +143,15 @@ class ReferenceMeter(MeterWindow):
         check_remote(remote)
         charges = self.advance(now_ms)
         self.remote = remote
+        return charges
+
+    def set_decode_scale(self, scale: float, now_ms: float) -> list[MeterCharge]:
+        """From ``now_ms`` a decode step weighs ``scale`` times the cost model's. Returns the charges of the
+        interval that ended now (at the previous scale). Raises ``ValueError``: outside
+        ``DECODE_SCALE_RANGE``."""
+        check_decode_scale(scale)
+        charges = self.advance(now_ms)
+        self.decode_scale = scale
         return charges
 
     def start(

@@ -32,7 +32,7 @@ from aiohttp.http_exceptions import LineTooLong
 from pydantic import SecretStr
 
 from fairgate.core.drift import StepDrift
-from fairgate.core.meter import LiveMeter, MeteredCall, Occupancy
+from fairgate.core.meter import DECODE_SCALE_RANGE, LiveMeter, MeteredCall, Occupancy
 from fairgate.core.prefix_cache import cached_fraction, prefix_cache_credit
 from fairgate.core.request import MAX_TOKENS_PER_REQUEST
 from fairgate.gateway import sse
@@ -47,6 +47,9 @@ ChargeSink = Callable[[str, float, int, int], None]
 # GPU ms moved between tenants in the policy's counters, summing to at most 0 (``fairgate.core.prefix_cache``).
 CorrectionSink = Callable[[dict[str, float]], None]
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
+# The meter's decode scale follows the drift check's ratio once it moves this much (relative): a change of scale
+# brings every charge on the upstream up to date (O(in flight)), which the ratio's every step must not cost.
+DECODE_SCALE_STEP = 0.02
 
 
 class UpstreamError(Exception):
@@ -668,11 +671,16 @@ class UpstreamClient:
         """Feed the drift check one observed step: the gap since this call's previous token, while every
         request in flight here decodes (a prefill lengthens its iteration; a call of several choices gets
         several tokens an iteration; two tokens of one read are microseconds apart, which is no step; a chunk
-        of ``tokens`` > 1 ends several steps, the ones before it unseen)."""
+        of ``tokens`` > 1 ends several steps, the ones before it unseen); the meter's decode step follows its
+        ratio (``LiveMeter.set_decode_scale``)."""
         if call.last_token_s is None or call.sequences != 1 or self.meter.prefilling or call.same_read or tokens > 1:
             return
         gap_ms = (now_s - call.last_token_s) * 1000.0
         crossed = self.drift.observe(gap_ms, self.meter.sequences + round(self.meter.remote.sequences))
+        ratio = self.drift.ratio
+        if ratio is not None and abs(ratio - self.meter.decode_scale) > DECODE_SCALE_STEP * self.meter.decode_scale:
+            low, high = DECODE_SCALE_RANGE
+            self.meter.set_decode_scale(min(high, max(low, ratio)), now_s * 1000.0)
         if crossed is not None:
             line: dict[str, Any] = {"event": "cost_model_drift" if crossed else "cost_model_drift_ended"}
             line |= {"upstream": self.upstream.name, "observed_over_predicted": round(self.drift.ratio or 0.0, 3)}

@@ -83,7 +83,7 @@ def test_charges_sum_to_busy_time(events):
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["start", "first", "token", "finish", "tick", "remote", "occupancy"]),
+            st.sampled_from(["start", "first", "token", "finish", "tick", "remote", "occupancy", "scale"]),
             st.integers(0, 6),
             st.floats(0.0, 60.0),
             st.integers(0, 4000),
@@ -115,6 +115,9 @@ def test_the_integral_charges_what_charging_every_interval_charges(events):
             remote = Occupancy(float(n - 1) * step / 30.0, min(1.0, prompt / 8000.0))
             meter.set_remote(remote, now)
             reference.set_remote(remote, now)
+        elif kind == "scale":  # the drift check's observed / predicted decode step
+            meter.set_decode_scale(0.5 + step / 30.0, now)
+            reference.set_decode_scale(0.5 + step / 30.0, now)
         elif kind == "occupancy":
             meter.advance(now)
             reference.advance(now)
@@ -133,6 +136,24 @@ def test_the_integral_charges_what_charging_every_interval_charges(events):
     assert totals[0] == pytest.approx(totals[1], rel=1e-9, abs=1e-6)
     assert meter.busy_ms == pytest.approx(reference.busy_ms, rel=1e-12)
     assert meter.charged_total_ms == pytest.approx(reference.charged_total_ms, rel=1e-9, abs=1e-6)
+
+
+def test_the_decode_scale_sets_the_decoding_sequences_part_of_an_iteration_that_prefills():
+    """The drift check found decode steps twice the model's: in an iteration that also prefills a prompt of
+    1,000 tokens (60 ms), a decoding sequence weighs 2 x (9 + 0.55 x 2) / 2 ms against the prompt's 60 + that."""
+    meter = LiveMeter(COST, 0.0)
+    meter.start("decoding", "a", 0, 0.0)
+    meter.first_token("decoding", 1.0)
+    meter.start("prefilling", "b", 1000, 10.0)
+    meter.set_decode_scale(2.0, 15.0)
+    meter.token(20.0)  # the boundary: the prompt joins the iteration
+    before = meter.charged_ms("decoding")
+    meter.advance(60.0)
+    decode = 2.0 * (9 + 0.55 * 2) / 2
+    assert meter.charged_ms("decoding") - before == pytest.approx(40.0 * decode / (decode + 60.0 + decode))
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms)
+    with pytest.raises(ValueError, match="decode scale must be within"):
+        meter.set_decode_scale(0.0, 61.0)
 
 
 def test_a_request_sent_mid_iteration_is_charged_only_from_the_next_boundary():

@@ -15,7 +15,7 @@
 - Four tenants with different output lengths, all backlogged: under ``gpu_fair`` their billed GPU time is
   equal (max/min <= 1.10) and adds up to the engine's busy time within 10 %, and their use of the engine by
   its own clock (``engine_gpu_ms``: the engine's debug log's iterations, each split by the charge rule at the
-  engine's own step times) is within max/min 1.15 (measured 1.01-1.11); under ``fcfs`` the long-output
+  engine's own step times) is within max/min 1.10 (measured 1.04-1.06); under ``fcfs`` the long-output
   tenants take about three times the others' share, as seed 002 predicts.
 """
 
@@ -260,11 +260,11 @@ def test_gpu_fair_evens_gpu_time_on_the_engine_and_fcfs_does_not(calibrated, tmp
     timing_claims_hold_here("the engine-side shares under load")
     assert _ratio(engine_fcfs) >= 1.8, engine_fcfs
     assert engine_fcfs["agent"] > 1.5 * engine_fcfs["classify"]  # seed 002: long outputs take the GPU
-    # Measured 1.01, 1.02, 1.03, 1.06, 1.09 on the quiet 2-core machine, 1.10 and 1.11 on it loaded (2.1x
-    # slow), 1.21 at 2.4x (skipped here), fcfs 2.7-3.1; the stalls of a loaded machine in prefill iterations are
-    # what spreads it (README, "A real engine in the tests"). A rebuild of the shares from when tokens reached
-    # the clients read 1.44-1.66 on the same runs, its errors being the clients' read lags.
-    assert _ratio(engine) <= 1.15, (engine, engine_fcfs)
+    # Measured 1.04-1.06 in five runs on the 2-core machine read 2.1-3.8x slow (the claim forced on), fcfs
+    # 2.7-3.9. Without the meter's decode step following the drift check (LiveMeter.set_decode_scale): 1.01-1.09
+    # on the quiet machine, 1.10-1.21 on it slowed. A rebuild of the shares from when tokens reached the clients
+    # read 1.44-1.66 on the same runs, its errors being the clients' read lags.
+    assert _ratio(engine) <= 1.10, (engine, engine_fcfs)
 
 
 def _rounded(values: dict[str, float]) -> dict[str, int]:

@@ -4,13 +4,18 @@ warning naming the upstream; one that matches it shows a ratio near 1 and no war
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import httpx
 import pytest
 
+from fairgate.core.cost import CostModel
 from fairgate.emulator.api import create_app
-from tests.gateway.conftest import BODY, post, serve_stack, slower
+from fairgate.gateway.dispatch import Upstream
+from fairgate.gateway.upstream import CallState, UpstreamClient
+from fairgate.harness.threads import serve_in_thread
+from tests.gateway.conftest import BODY, REPLICA, post, serve_stack, slower
 
 SLOW = slower(3.0)
 # A replica the cost model describes, with steps long enough (~17 ms) that a loaded machine's lateness
@@ -43,3 +48,24 @@ def test_the_drift_of_the_cost_model_is_measured_and_logged(tmp_path, caplog, re
     assert expected * 0.85 <= ratio <= expected * 1.6, ratio
     assert len(drifted) == (1 if replica is SLOW else 0), drifted
     assert all('"emu-0"' in m for m in drifted)
+
+
+async def _stream_once(url: str) -> tuple[float | None, float]:
+    """One stream of 150 tokens through an ``UpstreamClient`` given ``REPLICA``'s cost model: the drift ratio
+    and the meter's decode scale after it."""
+    cost = CostModel(REPLICA.iter_base_ms, REPLICA.iter_slope_ms, REPLICA.prefill_ms_per_token, REPLICA.max_batch)
+    client = UpstreamClient(Upstream("emu-0", "emu", f"{url}/v1", REPLICA.max_batch, cost), lambda *args: None)
+    async for _ in client.stream("/completions", dict(BODY, max_tokens=150), CallState("r", "alpha", 1), 0.0):
+        pass
+    await client.close()
+    return client.drift.ratio, client.meter.decode_scale
+
+
+def test_the_meters_decode_step_follows_the_drift_ratio():
+    """On a replica three times slower than its cost model, the meter weighs a decode step by the observed
+    one (``LiveMeter.set_decode_scale``): what the decoding sequences of an iteration that also prefills are
+    charged by."""
+    with serve_in_thread(create_app(SLOW.settings("emu"))) as url:
+        ratio, scale = asyncio.run(_stream_once(url))
+    assert ratio is not None and 3.0 * 0.85 <= ratio <= 3.0 * 1.6, ratio
+    assert scale == pytest.approx(ratio, rel=0.021)
