@@ -116,8 +116,8 @@ def test_the_integral_charges_what_charging_every_interval_charges(events):
             meter.set_remote(remote, now)
             reference.set_remote(remote, now)
         elif kind == "scale":  # the drift check's observed / predicted decode step
-            meter.set_decode_scale(0.5 + step / 30.0, now)
-            reference.set_decode_scale(0.5 + step / 30.0, now)
+            meter.set_decode_scale(0.5 + step / 40.0, now)
+            reference.set_decode_scale(0.5 + step / 40.0, now)
         elif kind == "occupancy":
             meter.advance(now)
             reference.advance(now)

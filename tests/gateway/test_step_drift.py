@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from fairgate.core.cost import CostModel
+from fairgate.core.meter import DECODE_SCALE_RANGE
 from fairgate.emulator.api import create_app
 from fairgate.gateway.dispatch import Upstream
 from fairgate.gateway.upstream import CallState, UpstreamClient
@@ -63,9 +64,10 @@ async def _stream_once(url: str) -> tuple[float | None, float]:
 
 def test_the_meters_decode_step_follows_the_drift_ratio():
     """On a replica three times slower than its cost model, the meter weighs a decode step by the observed
-    one (``LiveMeter.set_decode_scale``): what the decoding sequences of an iteration that also prefills are
-    charged by."""
+    one (``LiveMeter.set_decode_scale``), up to twice the model's: what the decoding sequences of an iteration
+    that also prefills are charged by."""
     with serve_in_thread(create_app(SLOW.settings("emu"))) as url:
         ratio, scale = asyncio.run(_stream_once(url))
     assert ratio is not None and 3.0 * 0.85 <= ratio <= 3.0 * 1.6, ratio
-    assert scale == pytest.approx(ratio, rel=0.021)
+    low, high = DECODE_SCALE_RANGE  # a model off by more than that is reported, no longer corrected
+    assert scale == pytest.approx(min(high, max(low, ratio)), rel=0.021)
