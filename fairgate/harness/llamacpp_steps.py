@@ -111,21 +111,23 @@ def decode_step_ms(iterations: list[Iteration]) -> dict[int, float]:
 
 def _pure_decode_ms(steps: dict[int, float], batch: int) -> float:
     """``d(batch)``: the median pure decode iteration of that batch size, else that of the nearest one seen."""
-    if batch in steps:
-        return steps[batch]
-    nearest = min(steps, key=lambda b: (abs(b - batch), b)) if steps else None
-    return steps[nearest] if nearest is not None else 0.0
+    if not steps:
+        return 0.0
+    return steps[batch] if batch in steps else steps[min(steps, key=lambda b: (abs(b - batch), b))]
 
 
 def gpu_ms_by_task(log: EngineLog) -> dict[int, float]:
     """Task -> the engine's time it used (ms), every iteration split by the charge rule (module docstring).
-    The values add up to the iterations' total length."""
+    The values add up to the length of the iterations that decoded or prefilled someone."""
     steps = decode_step_ms(log.iterations)
     out: dict[int, float] = {}
     for it in log.iterations:
-        decode_ms = it.ms if not it.prefilled else min(it.ms, _pure_decode_ms(steps, len(it.decoded)))
         if not it.decoded:
             decode_ms = 0.0
+        elif it.prefilled:
+            decode_ms = min(it.ms, _pure_decode_ms(steps, len(it.decoded)))
+        else:
+            decode_ms = it.ms
         for task in it.decoded:
             out[task] = out.get(task, 0.0) + decode_ms / len(it.decoded)
         prompt_tokens = sum(it.prefilled.values())

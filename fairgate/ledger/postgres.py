@@ -1,8 +1,8 @@
 """The ledger on PostgreSQL (psycopg 3, async pool): one transaction per call, a per-tenant advisory lock.
 
 A call on the request path (reserve, claim, settle, cancel, the queue steps) is two round trips (``_PgTx``):
-``BEGIN``, the lock and the reads in one pipeline; the writes, merged into one statement, and ``COMMIT`` in the
-next. A read outside a write (``account``) is one.
+``BEGIN``, the lock and the reads in one pipeline; the writes, in order, and ``COMMIT`` in the next. A read
+outside a write (``account``) is one.
 
 ``pg_advisory_xact_lock(hash(tenant))`` serialises every call on a tenant across all gateway processes
 (limits are global, not per process); the clock is the server's ``clock_timestamp()``, so processes with
