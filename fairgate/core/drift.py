@@ -26,6 +26,11 @@ from fairgate.core.cost import CostModel
 # A gap this many times the prediction or more is no step: the request waited (the engine stalled, the
 # gateway was slow to read); it would drag the mean by its size alone.
 OUTLIER_FACTOR = 5.0
+# A gap that began with the relay held this fraction of a predicted step or more (its client's write blocked
+# before it read on) is no step: it times the client. A reader holding each token 1.5 steps made every other
+# gap 1.5 steps, one token to a read, and the ratio read 1.54 on a replica its model describes
+# (tests/gateway/test_step_drift.py): the decode scale it sets would move charges between tenants.
+HELD_FRACTION = 0.5
 
 
 @dataclass
@@ -58,12 +63,18 @@ class StepDrift:
         """Observed / predicted step time (None until ``min_steps`` iterations)."""
         return math.exp(self._log_ratio) if self._iterations >= self.min_steps - 1e-9 else None
 
-    def observe(self, gap_ms: float, batch: int) -> bool | None:
-        """One observed step of ``gap_ms`` at batch size ``batch`` (>= 1). Returns True when the ratio has
-        just left the band, False when it has just come back, None otherwise (or for an outlier)."""
+    def observe(self, gap_ms: float, batch: int, held_ms: float = 0.0) -> bool | None:
+        """One observed step of ``gap_ms`` at batch size ``batch`` (>= 1), ``held_ms`` of it spent with the
+        relay held by its reader (``HELD_FRACTION``). Returns True when the ratio has just left the band,
+        False when it has just come back, None otherwise (or for a gap that is no step)."""
         batch = max(1, batch)
         predicted = self.cost.iter_base_ms + self.cost.iter_slope_ms * batch
-        if gap_ms <= 0 or predicted <= 0 or gap_ms >= OUTLIER_FACTOR * predicted:
+        if (
+            gap_ms <= 0
+            or predicted <= 0
+            or gap_ms >= OUTLIER_FACTOR * predicted
+            or held_ms >= HELD_FRACTION * predicted
+        ):
             return None
         sample, weight = math.log(gap_ms / predicted), self.alpha / batch
         self._log_ratio = sample if self.steps == 0 else (1 - weight) * self._log_ratio + weight * sample

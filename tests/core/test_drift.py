@@ -67,3 +67,12 @@ def test_a_large_batch_averages_over_iterations_not_over_its_requests():
     crossed = [e for _ in range(2000) for e in iteration(drift, predicted * rng.gauss(1.26, 0.13), 48)]
     assert crossed.count(True) == 1 and crossed.count(False) == 0
     assert drift.ratio == pytest.approx(1.26, rel=0.05)
+
+
+def test_a_gap_begun_with_the_relay_held_half_a_step_or_more_is_no_step():
+    drift = StepDrift(COST, min_steps=1)
+    predicted_ms = COST.iter_base_ms + COST.iter_slope_ms  # 11 ms at B = 1
+    assert drift.observe(16.5, 1, held_ms=0.5 * predicted_ms) is None
+    assert drift.steps == 0 and drift.ratio is None
+    drift.observe(16.5, 1, held_ms=0.49 * predicted_ms)
+    assert drift.steps == 1 and drift.ratio == pytest.approx(1.5)
