@@ -49,14 +49,14 @@ from fairgate.gateway.identity import require_admin
 from fairgate.gateway.intake import lenient_request_id, read_body
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.reload import apply_config, restore
-from fairgate.gateway.state import GatewayState, gateway_of
+from fairgate.gateway.state import GatewayState, gateway_dependency
 from fairgate.ledger.config import TenantConfig
 
 log = logging.getLogger("fairgate.gateway")
 T = TypeVar("T")
 BODY_BYTES_MAX = 64 * 1024
 AUDIT_PAGE_MAX = 1000
-Gateway = Annotated[GatewayState, Depends(gateway_of)]
+Gateway = Annotated[GatewayState, Depends(gateway_dependency)]
 
 
 class _Body(BaseModel):

@@ -30,14 +30,14 @@ from fairgate.gateway.identity import Caller, require_tenant
 from fairgate.gateway.outcomes import Outcome, Rejection, respond
 from fairgate.gateway.queueing import wait_for_slot
 from fairgate.gateway.records import note_admission, open_record
-from fairgate.gateway.state import GatewayState, gateway_of
+from fairgate.gateway.state import GatewayState, gateway_dependency, gateway_of
 
 log = logging.getLogger("fairgate.gateway")
 
 # Upstreams a request is sent to at most, when the ones before refused the connection (each is taken out).
 CONNECT_ATTEMPTS = 3
 
-Gateway = Annotated[GatewayState, Depends(gateway_of)]
+Gateway = Annotated[GatewayState, Depends(gateway_dependency)]
 Tenant = Annotated[Caller, Depends(require_tenant)]
 
 

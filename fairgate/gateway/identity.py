@@ -172,18 +172,21 @@ def _identity(request: Request) -> Identity:
 
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]
 
+# The dependencies are ``async``: FastAPI runs a plain ``def`` dependency on its thread pool, and their work (a
+# SHA-256 and a dictionary probe) is less than the thread hop it would cost each request.
 
-def require_tenant(request: Request, _: Bearer) -> Caller:
+
+async def require_tenant(request: Request, _: Bearer) -> Caller:
     """FastAPI dependency: the request's ``Caller`` (a tenant's key). Raises ``Rejection``."""
     return _identity(request).tenant_of(request)
 
 
-def require_admin(request: Request, _: Bearer) -> None:
+async def require_admin(request: Request, _: Bearer) -> None:
     """FastAPI dependency: an ``[admin]`` key, or a ``Rejection``."""
     _identity(request).check_admin(request)
 
 
-def admin_or_tenant(request: Request, _: Bearer) -> Caller | None:
+async def admin_or_tenant(request: Request, _: Bearer) -> Caller | None:
     """FastAPI dependency: None for an admin key, else the tenant's ``Caller``. Raises ``Rejection``."""
     identity = _identity(request)
     return None if identity.is_admin(request) else identity.tenant_of(request)

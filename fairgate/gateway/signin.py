@@ -118,12 +118,12 @@ def verify_token(secret: bytes, token: str, now_s: float) -> Link:
     return Link(tenant or None, float(expires))
 
 
-def dashboard_caller(request: Request, bearer: Bearer) -> Caller | None:
+async def dashboard_caller(request: Request, bearer: Bearer) -> Caller | None:
     """FastAPI dependency of ``/dashboard/data``: a link token's view (None: the administrator's), else
     ``admin_or_tenant``'s. Raises ``Rejection`` 401 for a token refused."""
     key = request.headers.get("authorization", "").partition(" ")[2].strip()
     if not key.startswith(PREFIX):
-        return admin_or_tenant(request, bearer)
+        return await admin_or_tenant(request, bearer)
     state = gateway_of(request)
     try:
         link = verify_token(secret_of(state), key.removeprefix(PREFIX), state.clock.wall_s())

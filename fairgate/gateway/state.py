@@ -208,6 +208,12 @@ def gateway_of(request: Request) -> GatewayState:
     return state
 
 
+async def gateway_dependency(request: Request) -> GatewayState:
+    """``gateway_of`` as a FastAPI dependency: ``async``, so it runs on the event loop (FastAPI runs a plain
+    ``def`` dependency on its thread pool)."""
+    return gateway_of(request)
+
+
 def state_of(app: FastAPI) -> GatewayState:
     """The state of a gateway app built by ``create_gateway`` (for tests and drills holding the app)."""
     state = app.state.gateway

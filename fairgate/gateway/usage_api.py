@@ -92,7 +92,7 @@ from fairgate.gateway.intake import lenient_request_id
 from fairgate.gateway.observe import REJECT_REASONS, Event, Fanout, Refunded, Rejected
 from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.spend import pricing_document, spend_document
-from fairgate.gateway.state import GatewayState, gateway_of
+from fairgate.gateway.state import GatewayState, gateway_dependency
 from fairgate.ledger import Limits, TenantUsage
 from fairgate.ledger.base import STATUSES, Ledger, tenant_tag
 from fairgate.ledger.reconcile import ReconcileReport, reconcile
@@ -107,7 +107,7 @@ RESERVATIONS_OFFSET_MAX = 10**9
 RECONCILE_REUSE_S = 30.0
 REFUNDS_LISTED_MAX = 100  # /admin/reconcile lists the newest refunds; the totals count them all
 TENANT_HEADERS = ("x-tenant", "x-tenant-id", "x-fairgate-tenant")
-Gateway = Annotated[GatewayState, Depends(gateway_of)]
+Gateway = Annotated[GatewayState, Depends(gateway_dependency)]
 Tenant = Annotated[Caller, Depends(require_tenant)]
 OTHER_REASON = "other"  # a reason outside REJECT_REASONS (kept bounded)
 _WHOLE_NUMBER = re.compile(r"[0-9]{1,12}")

@@ -7,12 +7,12 @@ in ``TABLES`` are the dialect's float and auto-increment key types, ``{minute}``
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import fields
 from typing import Any
 
 from fairgate.ledger import rules
 from fairgate.ledger.config import TENANT_ACCOUNT
-from fairgate.ledger.model import Event, Reservation, reservation_from_record
+from fairgate.ledger.model import Event, Reservation, Usage, reservation_from_record
 from fairgate.ledger.usage_minutes import minute_of
 
 Statement = tuple[str, dict[str, Any]]
@@ -97,7 +97,7 @@ RESERVATION_COLUMNS = (
     "overage_gpu_ms, created_ms, expires_at_ms, final_ms, queued, price_input_micros, price_output_micros, "
     "price_gpu_micros"
 )
-ACCOUNT_FIELDS = tuple(asdict(rules.Account()).keys())
+ACCOUNT_FIELDS = tuple(f.name for f in fields(rules.Account))
 RESERVATION_FIELDS = tuple(c.strip() for c in RESERVATION_COLUMNS.split(","))
 INSERT_RESERVATION = (
     f"INSERT INTO fg_reservations ({RESERVATION_COLUMNS}) VALUES ({', '.join(':' + c for c in RESERVATION_FIELDS)})"
@@ -216,14 +216,24 @@ def event(row: tuple[Any, ...]) -> Event:
     )
 
 
+# Each write's parameters are read field by field: ``dataclasses.asdict`` deep-copies every value (four calls a
+# request on the request path).
+_RUN_FIELDS = tuple(f.name for f in fields(rules.RunUsage))
+_USAGE_FIELDS = tuple(f.name for f in fields(Usage))
+
+
 def account_write(tenant: str, model_class: str, account: rules.Account) -> Statement:
     """The upsert of an account."""
-    return SAVE_ACCOUNT, {"tenant": tenant, "model_class": model_class, **asdict(account)}
+    params: dict[str, Any] = {name: getattr(account, name) for name in ACCOUNT_FIELDS}
+    params["tenant"], params["model_class"] = tenant, model_class
+    return SAVE_ACCOUNT, params
 
 
 def run_write(tenant: str, run_id: str, run: rules.RunUsage) -> Statement:
     """The upsert of an agent run's counters."""
-    return SAVE_RUN, {"tenant": tenant, "run_id": run_id, **asdict(run)}
+    params: dict[str, Any] = {name: getattr(run, name) for name in _RUN_FIELDS}
+    params["tenant"], params["run_id"] = tenant, run_id
+    return SAVE_RUN, params
 
 
 def event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> Statement:
@@ -233,7 +243,7 @@ def event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> Statement:
         "rid": r.id,
         "kind": delta.kind,
         "requests": delta.requests,
-        **asdict(delta.billed),
+        **{name: getattr(delta.billed, name) for name in _USAGE_FIELDS},
         "overage_gpu_ms": delta.overage_gpu_ms,
         "at_ms": now_ms,
         "spend_micros": delta.spend_micros,
