@@ -6,6 +6,10 @@ Per backend:
   output tokens (16): latency p50/p99 direct and through the gateway, the added latency, and the gateway
   process's CPU per request (read from ``/proc``, Linux).
 - Streaming: one request of ``--tokens`` tokens: tokens/s direct and relayed by the gateway.
+- The floor, one request at a time as above: ``bench/bare_relay.py`` (the gateway's HTTP stack, FastAPI on
+  uvicorn with a pooled aiohttp session, relaying with nothing of fairgate's) in front of the same replica, as
+  its own process: its added latency and CPU per request, and the gateway's CPU per request as a multiple of
+  it. Read the goals against it on a slow machine: what the stack alone costs there, the gateway's logic adds.
 - Concurrent streams: ``--streams`` requests of ``--stream-tokens`` tokens at once (a batch of that size on
   the replica), ``--stream-rounds`` times: the gateway process's CPU per relayed token over all rounds (each
   round's beside it: one round of 12,800 tokens took under a second, and on a shared machine two runs of the
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ledger_ops import urls
 from fairgate.harness.config import TenantSpec
+from fairgate.harness.process import ServerProcess, free_port, running
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.stack import StackSpec, replicas, start_stack
 
@@ -131,6 +136,8 @@ class Figures:
 
     direct: list[float]
     via: list[float]
+    bare: list[float]  # through bench/bare_relay.py
+    bare_cpu_ms_per_request: float
     direct_rps: float
     via_rps: float
     cpu_ms_per_request: float
@@ -151,6 +158,7 @@ def measure(ledger_url: str, args: argparse.Namespace) -> Figures:
         pid = process.popen.pid
         asyncio.run(latencies(gateway, key, 20, 1, args.reply_tokens))  # warm: connections, ledger, caches
         direct, direct_rps = asyncio.run(latencies(upstream, key, args.requests, args.concurrency, args.reply_tokens))
+        bare, bare_cpu_ms = bare_relay(upstream, key, args)
         before = cpu_s(pid)
         via, via_rps = asyncio.run(latencies(gateway, key, args.requests, args.concurrency, args.reply_tokens))
         per_request_ms = (cpu_s(pid) - before) * 1000.0 / args.requests
@@ -165,8 +173,33 @@ def measure(ledger_url: str, args: argparse.Namespace) -> Figures:
             rounds.append(used_ms / max(1, seen))
     per_token_ms = cpu_ms / max(1, relayed)
     return Figures(
-        direct, via, direct_rps, via_rps, per_request_ms, direct_tps, via_tps, relayed, streams_s, per_token_ms, rounds
+        direct,
+        via,
+        bare,
+        bare_cpu_ms,
+        direct_rps,
+        via_rps,
+        per_request_ms,
+        direct_tps,
+        via_tps,
+        relayed,
+        streams_s,
+        per_token_ms,
+        rounds,
     )
+
+
+def bare_relay(upstream: str, key: str, args: argparse.Namespace) -> tuple[list[float], float]:
+    """Latencies (ms) one at a time through ``bench/bare_relay.py`` in front of ``upstream``, and its CPU ms
+    per request."""
+    port = free_port()
+    relay = ServerProcess([sys.executable, str(Path(__file__).with_name("bare_relay.py")), upstream, str(port)], port)
+    with running([relay]):
+        assert relay.popen is not None
+        asyncio.run(latencies(relay.url, key, 20, 1, args.reply_tokens))  # warm: its connection upstream
+        before = cpu_s(relay.popen.pid)
+        bare, _ = asyncio.run(latencies(relay.url, key, args.requests, 1, args.reply_tokens))
+        return bare, (cpu_s(relay.popen.pid) - before) * 1000.0 / args.requests
 
 
 def report(name: str, f: Figures, args: argparse.Namespace) -> None:
@@ -176,6 +209,11 @@ def report(name: str, f: Figures, args: argparse.Namespace) -> None:
     print(
         f"  added    p50 {pct(f.via, 50) - pct(f.direct, 50):7.2f} ms  p99 {pct(f.via, 99) - pct(f.direct, 99):7.2f} ms"
         f"  gateway CPU {f.cpu_ms_per_request:.2f} ms per request"
+    )
+    print(
+        f"  floor    bench/bare_relay.py (FastAPI + uvicorn + aiohttp, nothing of fairgate's), one at a time: added "
+        f"p50 {pct(f.bare, 50) - pct(f.direct, 50):.2f} ms, CPU {f.bare_cpu_ms_per_request:.2f} ms per request; "
+        f"the gateway's CPU per request is {f.cpu_ms_per_request / f.bare_cpu_ms_per_request:.1f}x it"
     )
     print(
         f"  one stream of {args.tokens} tokens: direct {f.direct_tps:,.0f} tokens/s, through the gateway "

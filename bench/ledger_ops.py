@@ -19,6 +19,9 @@ time is read before and after each kind:
   backends of its own, so the figure is this ledger's alone.
 - SQLite: no server; the figure is this process's CPU (the gateway's own process pays it: Python included).
 
+The floor (``bench/ledger_floor.py``), in the same run: three of the smallest write calls the server answers (a
+no-op FCALL of a reserve's shape; a one-row UPDATE transaction), and the gateway request as a multiple of it.
+
 The ceiling is 1e6 / µs per request: requests per second one server core sustains (a Redis shard is one core;
 a fleet of gateways sharing one shard cannot go faster, whatever its size). ``--shards``: the same requests
 over 12 tenants on one throwaway Redis server and on a throwaway Redis Cluster of three masters, each node's
@@ -35,6 +38,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -47,6 +51,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import psycopg
 from redis.asyncio import Redis
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.ledger_floor import floor_us
 from fairgate.harness.ledger import bench_quotas, drop_ledger
 from fairgate.ledger import Ledger, Reservation, connect, quotas_from_dict
 from fairgate.ledger.model import RunClaim
@@ -291,6 +298,11 @@ async def report_server_time(name: str, url: str, ops: int, repeat: int) -> None
         f"  {'':9s} pair (reserve + final settle) {pair:.1f} µs -> {1e6 / pair:,.0f} pairs/s per server core; "
         f"gateway request (reserve + claim + final settle) {request:.1f} µs -> {1e6 / request:,.0f} requests/s "
         f"per server core{' [other clients used the server meanwhile: upper bounds]' if foreign else ''}"
+    )
+    floor, what = await floor_us(name, url)
+    print(
+        f"  {'':9s} floor (bench/ledger_floor.py): 3 minimal write calls, each {what}, {3 * floor:.1f} µs; the "
+        f"gateway request is {request / (3 * floor):.1f}x it"
     )
     cpu_ops = [best.per_op(op).cpu_us for op in ("reserve", "claim", "settle")]
     if name == "redis" and all(c is not None for c in cpu_ops):

@@ -1,0 +1,48 @@
+"""The floor under the gateway's overhead: the same HTTP stack (FastAPI on uvicorn with uvloop and httptools, a
+pooled aiohttp session upstream) relaying ``POST /v1/completions`` with nothing of fairgate's (no key check,
+ledger, queue, policy, meter, metrics or logs). ``bench/gateway_overhead.py`` runs it as its own process in front
+of the same replica, so the gateway's CPU per request can be read against what its stack alone costs on the
+same machine, in the same run.
+
+Usage: .venv/bin/python bench/bare_relay.py UPSTREAM_BASE_URL PORT
+"""
+
+from __future__ import annotations
+
+import sys
+
+import aiohttp
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+
+def relay_app(upstream: str) -> FastAPI:
+    """An app relaying ``POST /v1/completions`` (JSON, not streamed) to ``upstream`` unchanged."""
+    app = FastAPI()
+    sessions: list[aiohttp.ClientSession] = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        if not sessions:
+            sessions.append(aiohttp.ClientSession())
+        body = await request.json()
+        headers = {"Authorization": request.headers.get("authorization", "")}
+        async with sessions[0].post(f"{upstream}/v1/completions", json=body, headers=headers) as reply:
+            data = await reply.read()
+        return Response(data, status_code=reply.status, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def main() -> None:
+    upstream, port = sys.argv[1].rstrip("/"), int(sys.argv[2])
+    uvicorn.run(relay_app(upstream), host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
