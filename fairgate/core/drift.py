@@ -26,9 +26,10 @@ from fairgate.core.cost import CostModel
 # A gap this many times the prediction or more is no step: the request waited (the engine stalled, the
 # gateway was slow to read); it would drag the mean by its size alone.
 OUTLIER_FACTOR = 5.0
-# A gap that began with the relay held this fraction of a predicted step or more (its client's write blocked
-# before it read on) is no step: it times the client. A reader holding each token 1.5 steps made every other
-# gap 1.5 steps, one token to a read, and the ratio read 1.54 on a replica its model describes
+# A gap is no step when the relay was held this fraction of a predicted step or more (its client's write
+# blocked) before the read at either end of it: it times the client. On a replica its model describes, a reader
+# holding each token 1.5 steps made every other gap 1.5 steps (one token to a read) and the ratio read 1.54;
+# one holding every other token 1.4 steps made the gap after each late read 0.6 steps, and the ratio read 0.53
 # (tests/gateway/test_step_drift.py): the decode scale it sets would move charges between tenants.
 HELD_FRACTION = 0.5
 
@@ -64,9 +65,10 @@ class StepDrift:
         return math.exp(self._log_ratio) if self._iterations >= self.min_steps - 1e-9 else None
 
     def observe(self, gap_ms: float, batch: int, held_ms: float = 0.0) -> bool | None:
-        """One observed step of ``gap_ms`` at batch size ``batch`` (>= 1), ``held_ms`` of it spent with the
-        relay held by its reader (``HELD_FRACTION``). Returns True when the ratio has just left the band,
-        False when it has just come back, None otherwise (or for a gap that is no step)."""
+        """One observed step of ``gap_ms`` at batch size ``batch`` (>= 1); ``held_ms``: the longest the relay
+        was held by its reader before the read at either end of the gap (``HELD_FRACTION``). Returns True when
+        the ratio has just left the band, False when it has just come back, None otherwise (or for a gap that
+        is no step)."""
         batch = max(1, batch)
         predicted = self.cost.iter_base_ms + self.cost.iter_slope_ms * batch
         if (

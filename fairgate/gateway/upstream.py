@@ -120,7 +120,10 @@ class CallState:
     more_buffered: bool = False
     unbooked_tokens: int = 0  # tokens seen but not yet booked with the policy (booked once per read)
     same_read: bool = False  # the last token was followed by another in the same read (no step between them)
-    held_ms: float = 0.0  # how long the caller held the last chunk yielded before asking for the next
+    # How long the caller held the last chunk yielded before asking for the next, and the one before it: a
+    # gap between two tokens is no step when the read at either end of it came late (``StepDrift.observe``).
+    held_ms: float = 0.0
+    held_before_ms: float = 0.0
     choice_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its pieces (its max_tokens)
     reasoning: dict[int, list[str]] = field(default_factory=dict)  # choice index -> its reasoning pieces
     max_output_tokens: int | None = None  # the pieces it may generate in all (``n`` x the per-choice max_tokens)
@@ -365,7 +368,7 @@ class UpstreamClient:
                     self._observe(call, chunk)
                     yielded_s = self._clock()
                     yield chunk
-                    call.held_ms = (self._clock() - yielded_s) * 1000.0  # a client's blocked write (StepDrift)
+                    call.held_before_ms, call.held_ms = call.held_ms, (self._clock() - yielded_s) * 1000.0
 
     @contextmanager
     def _metered(self, call: CallState, prepaid_ms: float) -> Iterator[None]:
@@ -679,7 +682,8 @@ class UpstreamClient:
         if call.last_token_s is None or call.sequences != 1 or self.meter.prefilling or call.same_read or tokens > 1:
             return
         gap_ms = (now_s - call.last_token_s) * 1000.0
-        crossed = self.drift.observe(gap_ms, self.meter.sequences + round(self.meter.remote.sequences), call.held_ms)
+        batch = self.meter.sequences + round(self.meter.remote.sequences)
+        crossed = self.drift.observe(gap_ms, batch, max(call.held_ms, call.held_before_ms))
         ratio = self.drift.ratio
         if ratio is not None and abs(ratio - self.meter.decode_scale) > DECODE_SCALE_STEP * self.meter.decode_scale:
             low, high = DECODE_SCALE_RANGE

@@ -73,27 +73,38 @@ def test_the_meters_decode_step_follows_the_drift_ratio():
     assert scale == pytest.approx(min(high, max(low, ratio)), rel=0.021)
 
 
-async def _stream_held(url: str, hold_s: float) -> tuple[float | None, float, int]:
-    """One stream of 120 tokens from a replica its cost model describes (``MATCHING``), whose reader holds each
-    chunk ``hold_s`` before asking for the next (a client whose writes block): the drift ratio, the meter's
-    decode scale and the steps the drift check took."""
+async def _stream_held(url: str, holds_s: tuple[float, ...]) -> tuple[float | None, float, int]:
+    """One stream of 120 tokens from a replica its cost model describes (``MATCHING``), whose reader holds the
+    i-th chunk ``holds_s[i % len(holds_s)]`` before asking for the next (a client whose writes block): the
+    drift ratio, the meter's decode scale and the steps the drift check took."""
     cost = CostModel(MATCHING.iter_base_ms, MATCHING.iter_slope_ms, MATCHING.prefill_ms_per_token, MATCHING.max_batch)
     client = UpstreamClient(Upstream("emu-0", "emu", f"{url}/v1", MATCHING.max_batch, cost), lambda *args: None)
     client.drift.min_steps = 10
-    async for _ in client.stream("/completions", dict(BODY, max_tokens=120), CallState("r", "alpha", 1), 0.0):
-        await asyncio.sleep(hold_s)
+    stream = client.stream("/completions", dict(BODY, max_tokens=120), CallState("r", "alpha", 1), 0.0)
+    i = 0
+    async for _ in stream:
+        await asyncio.sleep(holds_s[i % len(holds_s)])
+        i += 1
     await client.close()
     return client.drift.ratio, client.meter.decode_scale, client.drift.steps
 
 
-def test_a_client_that_reads_slowly_moves_neither_the_drift_ratio_nor_the_decode_scale():
-    """A reader that holds each token 1.5 steps makes every other gap 1.5 steps long, one token a read (the
-    tokens between come two to a read and are no step): such gaps time the client, not the engine, and would
-    move money between tenants through the decode scale. A gap after a hold of half a predicted step or more
-    is no sample. Held 1 ms, the gaps are the engine's steps and are sampled."""
-    step_s = (MATCHING.iter_base_ms + MATCHING.iter_slope_ms) / 1000.0
+STEP_S = (MATCHING.iter_base_ms + MATCHING.iter_slope_ms) / 1000.0  # one step at B = 1
+
+
+@pytest.mark.parametrize(
+    "holds_s",
+    [(1.5 * STEP_S,), (1.4 * STEP_S, 0.0)],
+    ids=["every-token-held-1.5-steps", "every-other-token-held-1.4-steps"],
+)
+def test_a_client_that_reads_slowly_moves_neither_the_drift_ratio_nor_the_decode_scale(holds_s):
+    """Held 1.5 steps each, every other gap is 1.5 steps long, one token a read (the tokens between come two
+    to a read and are no step); held 1.4 steps every other token, the gap after the hold reads 1.4 steps and
+    the one after it, begun by that late read, 0.6. Such gaps time the client, not the engine, and would move
+    money between tenants through the decode scale: a gap either end of which the relay was held half a
+    predicted step or more is no sample. Held 1 ms, the gaps are the engine's steps and are sampled."""
     with serve_in_thread(create_app(MATCHING.settings("emu"))) as url:
-        ratio, scale, steps = asyncio.run(_stream_held(url, 1.5 * step_s))
-        quick_ratio, _, quick_steps = asyncio.run(_stream_held(url, 0.001))
+        ratio, scale, steps = asyncio.run(_stream_held(url, holds_s))
+        quick_ratio, _, quick_steps = asyncio.run(_stream_held(url, (0.001,)))
     assert steps == 0 and ratio is None and scale == 1.0, (steps, ratio, scale)
     assert quick_steps >= 60 and quick_ratio is not None and 0.85 <= quick_ratio <= 1.25, (quick_steps, quick_ratio)
