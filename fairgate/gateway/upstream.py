@@ -120,8 +120,9 @@ class CallState:
     more_buffered: bool = False
     unbooked_tokens: int = 0  # tokens seen but not yet booked with the policy (booked once per read)
     same_read: bool = False  # the last token was followed by another in the same read (no step between them)
-    # How long the caller held the last chunk yielded before asking for the next, and the one before it: a
-    # gap between two tokens is no step when the read at either end of it came late (``StepDrift.observe``).
+    # How long the caller held the chunks yielded (before asking for the next) since the last token arrived, and
+    # between that token and the one before it: a gap between two tokens is no step when the read at either end
+    # of it came late (``StepDrift.observe``).
     held_ms: float = 0.0
     held_before_ms: float = 0.0
     choice_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its pieces (its max_tokens)
@@ -368,7 +369,7 @@ class UpstreamClient:
                     self._observe(call, chunk)
                     yielded_s = self._clock()
                     yield chunk
-                    call.held_before_ms, call.held_ms = call.held_ms, (self._clock() - yielded_s) * 1000.0
+                    call.held_ms += (self._clock() - yielded_s) * 1000.0
 
     @contextmanager
     def _metered(self, call: CallState, prepaid_ms: float) -> Iterator[None]:
@@ -663,6 +664,7 @@ class UpstreamClient:
         call.choice_tokens[index] = call.choice_tokens.get(index, 0) + tokens
         now_s = self._clock()
         self._step(call, now_s, tokens)
+        call.held_before_ms, call.held_ms = call.held_ms, 0.0
         call.last_token_s = now_s
         if call.first_token_s is None:
             call.first_token_s = now_s
