@@ -216,24 +216,24 @@ def event(row: tuple[Any, ...]) -> Event:
     )
 
 
-# Each write's parameters are read field by field: ``dataclasses.asdict`` deep-copies every value (four calls a
-# request on the request path).
 _RUN_FIELDS = tuple(f.name for f in fields(rules.RunUsage))
 _USAGE_FIELDS = tuple(f.name for f in fields(Usage))
 
 
+def _values(record: object, names: tuple[str, ...]) -> dict[str, Any]:
+    """``record``'s fields ``names`` as statement parameters: read one by one, as ``dataclasses.asdict`` would
+    deep-copy every value (four calls a request on the request path)."""
+    return {name: getattr(record, name) for name in names}
+
+
 def account_write(tenant: str, model_class: str, account: rules.Account) -> Statement:
     """The upsert of an account."""
-    params: dict[str, Any] = {name: getattr(account, name) for name in ACCOUNT_FIELDS}
-    params["tenant"], params["model_class"] = tenant, model_class
-    return SAVE_ACCOUNT, params
+    return SAVE_ACCOUNT, {"tenant": tenant, "model_class": model_class, **_values(account, ACCOUNT_FIELDS)}
 
 
 def run_write(tenant: str, run_id: str, run: rules.RunUsage) -> Statement:
     """The upsert of an agent run's counters."""
-    params: dict[str, Any] = {name: getattr(run, name) for name in _RUN_FIELDS}
-    params["tenant"], params["run_id"] = tenant, run_id
-    return SAVE_RUN, params
+    return SAVE_RUN, {"tenant": tenant, "run_id": run_id, **_values(run, _RUN_FIELDS)}
 
 
 def event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> Statement:
@@ -243,7 +243,7 @@ def event_write(r: Reservation, delta: rules.Delta, now_ms: float) -> Statement:
         "rid": r.id,
         "kind": delta.kind,
         "requests": delta.requests,
-        **{name: getattr(delta.billed, name) for name in _USAGE_FIELDS},
+        **_values(delta.billed, _USAGE_FIELDS),
         "overage_gpu_ms": delta.overage_gpu_ms,
         "at_ms": now_ms,
         "spend_micros": delta.spend_micros,
