@@ -48,6 +48,7 @@ from fairgate.drills.scale_out import (
     spread,
 )
 from fairgate.gateway.dispatch import Dispatcher, Upstream
+from fairgate.harness.history import Kind
 from fairgate.harness.ledger import fresh_ledger_url
 from fairgate.harness.loadgen import TenantLoad
 from fairgate.ledger import Reservation, Usage
@@ -196,15 +197,20 @@ def test_gpu_shares_stay_fair_when_tenants_traffic_lands_on_different_processes(
     assert all(figs.completed[t] > 10 for t in config.tenants), summary
     assert not any(figs.errors.values()), summary
     assert figs.occupancy_max <= config.replica.max_batch, summary
-    # The history checker over every request id: nothing run, reserved or billed twice, billed = received (the
-    # streams the deadline hung up on all at once read at most 1.5 s of tokens short: 68), the replicas' counts
-    # agree, nothing left open (a client leaving the queue in the instant a slot frees once left one: the
-    # dispatch-race test below).
+    # The history checker over every request id: nothing run, reserved or billed twice, billed = received, the
+    # replicas' counts agree, nothing left open (a client leaving the queue in the instant a slot frees once left
+    # one: the dispatch-race test below). Over-billing a cut stream is a time bound: the streams the deadline hangs
+    # up on all at once may read 1.5 s of tokens short (68), how long the gateways take to notice, which grows
+    # with the machine's slowness (a fresh-clone CI read 2.7x slow billed 27 of 522 cut streams 73-132 over).
     history = figs.history
     assert history is not None and config.history_bounds.overbilled_per_cut == 68
     assert history.requests == history.attempts == sum(figs.sent.values()), history.table()
+    assert {d.kind for d in history.discrepancies} <= {Kind.OVERBILLED}, history.table()
+    timing_claims_hold_here(
+        f"billed = received within {config.unread_ms_max:g} ms of tokens per cut stream, the shares' max/min bound "
+        f"({config.ratio_max:g}) and the wall time"
+    )
     assert history.discrepancies == (), history.table()
-    timing_claims_hold_here(f"the shares' max/min bound ({config.ratio_max:g}) and the wall time")
     assert figs.ratio <= config.ratio_max, summary
     assert elapsed <= FAIRNESS_WALL_S_MAX, f"the drill took {elapsed:.0f} s"
 
