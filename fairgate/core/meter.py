@@ -31,9 +31,20 @@ iteration it is not in (bench/live_fairness.py's Azure replay measured prompt-he
 - A request's own first token is evidence of the iteration it was prefilled in. Arriving while the meter
   still has it pending, or within ``boundary_lag_ms`` of the burst it joined at, it ends the iteration
   *before* the one the meter put it in: it made the very next step after all (llama-server took requests
-  sent up to 15 ms after a step's tokens), and that step was charged to the others. Charges are never
-  taken back, so it keeps its prefill weight from then on until its prefill time has been charged to
-  it, and the others are charged that much less meanwhile: its total is its prefill and its decode.
+  sent up to 15 ms after a step's tokens), and that step was charged to the others.
+
+  Its first token then settles its prefill: the cost model's prefill time not attributed to it yet goes back to
+  it from the requests in the iteration since before that burst, in proportion to their weights
+  (``repaid_prefill``), as that step was split. Charged back over the iterations after instead, the prefill of
+  a request whose first token is its last (max_tokens = 1) was never charged: through an emulated replica
+  such requests were billed 7 % under the replica's own charge rule.
+
+  Otherwise a first token ends the prefill weight with what has been attributed: an early one is the engine's
+  word that the prefill took less than the model says (its prefix cache held part of the prompt). The cost of
+  believing it: when the gateway reads the burst a request joined at late, the interval it is weighed in is
+  shorter than the step, and what it misses is not made up (a long interval is capped at the model's prefill),
+  so jitter in reading bursts bills prefill-heavy requests a little under (through the emulated replica,
+  about 2 % of a tenant of 1-3-token replies).
 
 The decode step the weights use is the cost model's times ``decode_scale`` (``set_decode_scale``; 1 by
 default): the gateway sets it to the drift check's observed / predicted decode step (``fairgate.core.drift``).
@@ -114,6 +125,24 @@ class _InFlight:
     # Who ran beside it when its prefill stopped: its own decode weight, each tenant's other requests' weight,
     # and the other processes' sequences' weight (``MeteredCall``).
     beside: tuple[float, dict[str, float], float] | None = None
+    prefill_repaid_ms: float = 0.0  # given back to it at its first token (``repaid_prefill``)
+
+
+def lends_prefill(weight: float, pending: bool, joined_ms: float, now_ms: float, lag_ms: float) -> bool:
+    """Whether a request in flight gives back its part of another's unattributed prefill at that one's first
+    token (``repaid_prefill``): it was in the iteration the other was prefilled in, as the meter had it - in the
+    iteration (not pending) since before this token burst."""
+    return weight > 0 and not pending and now_ms - joined_ms >= lag_ms
+
+
+def repaid_prefill(owed_ms: float, lenders: list[tuple[float, float]], remote_weight: float) -> list[float]:
+    """What each lender (its weight, its charge so far in ms) gives back of ``owed_ms`` of a request's prefill
+    that went to the others: in proportion to weight, as the intervals were split (the other processes' sequences,
+    ``remote_weight``, took their part and give nothing back here), and never more than it was charged."""
+    total = sum(weight for weight, _ in lenders) + remote_weight
+    if owed_ms <= 0 or total <= 0:
+        return [0.0] * len(lenders)
+    return [min(charged, owed_ms * weight / total) for weight, charged in lenders]
 
 
 @dataclass(frozen=True)
@@ -291,7 +320,8 @@ class LiveMeter(MeterWindow):
         """Keep what ``request`` was charged at its prefill weight (it joined at ``prefill_end - 1``; an interval
         that ran past the end was charged at that weight whole) and who ran beside it (O(in flight), once a
         request)."""
-        request.prefill_charged_ms = request.prefill_ms * max(0.0, 1.0 - (request.prefill_end - self._price))
+        attributed = request.prefill_ms * max(0.0, 1.0 - (request.prefill_end - self._price))
+        request.prefill_charged_ms = attributed + request.prefill_repaid_ms
         beside: dict[str, float] = {}
         for other in self._requests.values():
             if other is not request and not other.pending:
@@ -351,6 +381,28 @@ class LiveMeter(MeterWindow):
         if joined:
             self._reweigh()
 
+    def _repay_prefill(self, request: _InFlight, now_ms: float) -> None:
+        """``request``'s first token came before its prefill was all attributed to it: the rest went to the
+        requests beside it, and moves back to it (``repaid_prefill``; O(in flight), once a request at most)."""
+        owed_ms = request.prefill_ms * min(1.0, max(0.0, request.prefill_end - self._price))
+        if owed_ms <= PREFILL_END_TOLERANCE * request.prefill_ms:
+            return
+        lag_ms = self.boundary_lag_ms
+        lenders = [
+            other
+            for other in self._requests.values()
+            if other is not request and lends_prefill(other.weight, other.pending, other.joined_ms, now_ms, lag_ms)
+        ]
+        for other in lenders:
+            self._bring_up_to_date(other)
+        takes = repaid_prefill(owed_ms, [(o.weight, o.charged_ms) for o in lenders], self._remote_weight)
+        for other, take in zip(lenders, takes, strict=True):
+            other.charged_ms -= take
+        repaid = sum(takes)
+        request.charged_ms += repaid
+        request.prefill_repaid_ms = repaid
+        self._prefill_attributed_ms += repaid
+
     def _iteration_sequences(self) -> int:
         return self._active_sequences
 
@@ -394,18 +446,21 @@ class LiveMeter(MeterWindow):
             self._reweigh()
 
     def first_token(self, request_id: str, now_ms: float) -> None:
-        """Its first token arrived: an iteration ended, and its prefill is over - unless the meter had the
-        request pending, or joined it in this same burst of tokens: then it was prefilled in the iteration
-        that just ended, which was charged to the others, and it keeps its prefill weight until its prefill
-        time has been charged to it (see module docstring)."""
+        """Its first token arrived: an iteration ended, and its prefill is over. Had the meter put it in a later
+        iteration than the one it was prefilled in (pending still, or joined in this burst), the requests beside
+        it were charged its prefill, and they give it back (see module docstring)."""
         self.advance(now_ms)
         self.first_iteration = False
         request = self._requests.get(request_id)
         if request is not None:
+            late = request.pending or now_ms - request.joined_ms < self.boundary_lag_ms
             if request.pending:
                 self._join(request_id, request, now_ms)
                 self._reweigh()
-            elif request.prefilling and now_ms - request.joined_ms >= self.boundary_lag_ms:
+            if request.prefilling:
+                if late:
+                    self._bring_up_to_date(request)
+                    self._repay_prefill(request, now_ms)
                 self._stop_prefilling(request)
         self._boundary(now_ms)
 

@@ -16,6 +16,8 @@ from fairgate.core.meter import (
     check_decode_scale,
     check_remote,
     joins_first_iteration,
+    lends_prefill,
+    repaid_prefill,
 )
 
 
@@ -175,18 +177,46 @@ class ReferenceMeter(MeterWindow):
         return charges
 
     def first_token(self, request_id: str, now_ms: float) -> list[MeterCharge]:
-        """Its first token arrived: an iteration ended, and its prefill is over unless it was pending or joined
-        in this same burst (``LiveMeter.first_token``). Returns the interval's charges."""
+        """Its first token arrived: an iteration ended, and its prefill is over; if it was pending or joined in
+        this same burst, it is given back what of its prefill the others were charged (``LiveMeter.first_token``).
+        Returns the interval's charges and those moves."""
         charges = self.advance(now_ms)
         self.first_iteration = False
         request = self._requests.get(request_id)
         if request is not None:
-            if request.pending:  # prefilled in the iteration that ended (charged to the others): still owes it
+            # Prefilled in the iteration that ended, which the meter charged to the others.
+            late = request.pending or now_ms - request.joined_ms < self.boundary_lag_ms
+            if request.pending:
                 request.pending, request.joined_ms = False, now_ms
-            elif now_ms - request.joined_ms >= self.boundary_lag_ms:
-                request.prefilling = False
+            if request.prefilling:
+                if late:
+                    charges += self._repay_prefill(request_id, now_ms)
+                request.prefilling, request.prefill_left_ms = False, 0.0
         self._boundary(now_ms)
         return charges
+
+    def _repay_prefill(self, request_id: str, now_ms: float) -> list[MeterCharge]:
+        """The prefill time not attributed to ``request_id`` by its first token moves back to it from the
+        requests beside it (``LiveMeter.first_token``). Returns the moves."""
+        request = self._requests[request_id]
+        weights, remote_weight = self._weights()
+        lenders = [
+            (rid, weight)
+            for rid, weight in weights.items()
+            if rid != request_id
+            and lends_prefill(
+                weight, self._requests[rid].pending, self._requests[rid].joined_ms, now_ms, self.boundary_lag_ms
+            )
+        ]
+        owed_ms = request.prefill_left_ms
+        takes = repaid_prefill(owed_ms, [(w, self._requests[rid].charged_ms) for rid, w in lenders], remote_weight)
+        moves = [MeterCharge(request_id, request.tenant, sum(takes))]
+        for (rid, _), take in zip(lenders, takes, strict=True):
+            self._requests[rid].charged_ms -= take
+            moves.append(MeterCharge(rid, self._requests[rid].tenant, -take))
+        request.charged_ms += sum(takes)
+        self._prefill_attributed_ms += sum(takes)
+        return moves
 
     def token(self, now_ms: float) -> list[MeterCharge]:
         """A later token of some request arrived: an iteration ended. Returns the interval's charges."""

@@ -27,9 +27,14 @@ def test_two_decoding_requests_split_evenly_and_prefill_weighs_more():
     meter.advance(50.0)  # b prefilling in the next iteration: it weighs more than a
     a, b = meter.charged_ms("a") - 40.0, meter.charged_ms("b")
     assert a + b == pytest.approx(10.0) and b > a
-    meter.first_token("b", 50.0)
-    meter.advance(70.0)
-    assert meter.charged_ms("a") - 40.0 - a == pytest.approx(10.0)  # both decoding: dt / B each
+    step = COST.iteration_ms(2, 400)  # 9 + 0.55 x 2 ms of decode and b's 24 ms of prefill
+    meter.first_token("b", 40.0 + step)
+    # The step split by the charge rule: b its prefill and half the decode, a the other half.
+    assert meter.charged_ms("b") == pytest.approx(24.0 + 10.1 / 2)
+    assert meter.charged_ms("a") - 40.0 == pytest.approx(10.1 / 2)
+    a, b = meter.charged_ms("a"), meter.charged_ms("b")
+    meter.advance(40.0 + step + 20.0)
+    assert meter.charged_ms("a") - a == pytest.approx(10.0)  # both decoding: dt / B each
     assert meter.charged_ms("b") - b == pytest.approx(10.0)
 
 
@@ -47,7 +52,7 @@ def test_idle_time_is_not_charged_and_backwards_clock_charges_nothing():
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["start", "first", "token", "finish", "tick"]),
+            st.sampled_from(["start", "first", "token", "finish", "tick", "one_token"]),
             st.integers(0, 5),
             st.floats(0.0, 50.0),
             st.integers(0, 3000),
@@ -68,7 +73,10 @@ def test_charges_sum_to_busy_time(events):
             meter.first_token(rid, now)
         elif kind == "token":
             meter.token(now)
-        elif kind == "finish" and rid in live:
+        elif kind in ("finish", "one_token") and rid in live:
+            if kind == "one_token":  # its first token is its last (max_tokens = 1)
+                meter.first_token(rid, now)
+                now += step / 100.0
             finished_totals += meter.finish(rid, now)
             live.discard(rid)
         else:
@@ -83,7 +91,7 @@ def test_charges_sum_to_busy_time(events):
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["start", "first", "token", "finish", "tick", "remote", "occupancy", "scale"]),
+            st.sampled_from(["start", "first", "token", "finish", "one_token", "tick", "remote", "occupancy", "scale"]),
             st.integers(0, 6),
             st.floats(0.0, 60.0),
             st.integers(0, 4000),
@@ -107,7 +115,11 @@ def test_the_integral_charges_what_charging_every_interval_charges(events):
         elif kind == "first" and rid in live:
             meter.first_token(rid, now)
             reference.first_token(rid, now)
-        elif kind == "finish" and rid in live:
+        elif kind in ("finish", "one_token") and rid in live:
+            if kind == "one_token":  # its first token is its last (max_tokens = 1): it may leave owing its prefill
+                meter.first_token(rid, now)
+                reference.first_token(rid, now)
+                now += step / 100.0
             totals[0].append(meter.finish(rid, now))
             totals[1].append(reference.finish(rid, now)[1])
             live.discard(rid)
@@ -330,37 +342,38 @@ def _eight_decoding(meter: LiveMeter) -> None:
 
 
 @pytest.mark.parametrize("own_token_first", [True, False])
-def test_a_request_that_makes_the_very_next_step_is_charged_its_prefill(own_token_first):
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+def test_a_request_that_makes_the_very_next_step_is_charged_its_prefill_at_its_first_token(own_token_first, meter_kind):
     """Found on llama-server: a request sent 0-15 ms after a step's tokens can still join the very next step.
     The meter cannot know at the send; it learns it when the request's first token arrives with that step's
     tokens (before, or among, the burst that ends it). The request was prefilled in a step charged to the
-    others, so from then on it carries its prefill weight until the model's prefill time has been charged
-    to it (the others are charged that much less meanwhile): its total is its prefill and its decode."""
-    meter = LiveMeter(ENGINE, 0.0)
+    others, and they give its prefill back at its first token, in proportion to their weights: it is billed its
+    prefill at once, so a request whose first token is its last (max_tokens = 1) is too. Through an emulated
+    replica, requests of one output token were billed 7 % under the replica's own charge rule when the meter
+    charged the prefill back over the iterations after instead, which such a request is not in."""
+    meter = meter_kind(ENGINE, 0.0)
     _eight_decoding(meter)
     meter.finish("d0", 44.0)  # its slot is free: a new request takes it 5 ms later (more than the 3-ms lag)
     meter.start("late", "b", 150, 49.0)
     end = 44.0 + 22.0 + 165.0  # the engine's next step: seven decoding and late's 165-ms prefill
-    others = [f"d{i}" for i in range(1, 8)]
-    if own_token_first:
+    if own_token_first:  # pending until its own token: it joins then
         meter.first_token("late", end)
-    for _ in others:
+    for _ in range(7):  # else it joins at the burst, and its token read 0.5 ms later is of the same burst
         meter.token(end)
-    before = {rid: meter.charged_ms(rid) for rid in others}
     if not own_token_first:
-        meter.first_token("late", end + 0.5)  # read in the same burst
-    # Nothing of the step it was prefilled in (0.5 ms of the next one, at its prefill weight, if read late).
-    assert meter.charged_ms("late") == pytest.approx((not own_token_first) * 0.5 * (165.0 + 22.0 / 8) / 187.0)
-    # From the burst on, late weighs 22 / 8 + 165 beside seven of 22 / 8: the price rises by one per 187 ms,
-    # so its prefill is charged by end + 187 ms, every step of it a token burst.
-    for step in range(1, 12):
-        meter.token(end + 17.0 * step)
-    meter.advance(end + 187.0)
-    assert meter.charged_ms("late") == pytest.approx(165.0 + 22.0 / 8, rel=1e-6)
-    for rid in others:
-        assert meter.charged_ms(rid) - before[rid] == pytest.approx(22.0 / 8, rel=1e-6)
-    meter.advance(end + 187.0 + 22.0)  # then decode only: 1/8 of a step each
-    assert meter.charged_ms("late") == pytest.approx(165.0 + 2 * 22.0 / 8, rel=1e-6)
+        meter.first_token("late", end + 0.5)
+    now = end if own_token_first else end + 0.5
+    late = meter.charged_ms("late")
+    # Its prefill, and its decode share (22 / 8 of each 187 ms) of the time since it joined.
+    assert late == pytest.approx(165.0 + (now - end) * (22.0 / 8) / 187.0, rel=1e-9)
+    # The seven gave back a seventh of its prefill each: busy time less d0's 44 / 8 and late's, split evenly.
+    others = [meter.charged_ms(f"d{i}") for i in range(1, 8)]
+    assert others == pytest.approx([(now - 44.0 / 8 - late) / 7] * 7, rel=1e-9)
+    # Then decode only: 22 / 8 a step each; it leaves at its first token as well as after.
+    meter.advance(now + 22.0)
+    assert meter.charged_ms("late") - late == pytest.approx(22.0 / 8, rel=1e-9)
+    finished = meter.finish("late", now + 22.0)
+    assert (finished if isinstance(finished, float) else finished[1]) == pytest.approx(late + 22.0 / 8, rel=1e-9)
     assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
 
 
