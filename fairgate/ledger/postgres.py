@@ -1,24 +1,26 @@
 """The ledger on PostgreSQL (psycopg 3, async pool): one transaction per call, a per-tenant advisory lock.
 
-A call on the request path (reserve, claim, settle, cancel, the queue steps) is two round trips (``_PgTx``):
-``BEGIN``, the lock and the reads in one pipeline; the writes, in order, and ``COMMIT`` in the next. A read
-outside a write (``account``) is one.
+A call on the request path (reserve, claim, settle, cancel, an expiry, the queue steps) is one round trip: one
+autocommit statement calling a server-side function (``postgres_functions.sql``, ``postgres_functions.py``) that
+takes the tenant's lock, applies the rules and writes, as its own transaction. A read outside a write
+(``account``) is one round trip too; the operator's and the sweep's other calls run in ``_PgTx`` transactions.
 
 ``pg_advisory_xact_lock(hash(tenant))`` serialises every call on a tenant across all gateway processes
-(limits are global, not per process); the clock is the server's ``clock_timestamp()``, so processes with
-different clocks agree. Tables live in the schema named by the URL's ``schema`` parameter (default
-``public``; not empty, not ``information_schema`` nor ``pg_*``), created if missing unless ``open(...,
-create=False)``. ``timeout_s`` (default 2, in (0, 600]) bounds connecting (libpq's ``connect_timeout``, at
-least 2 s, unless the URL sets ``connect_timeout``) and how long a call waits for a pooled connection before
-raising ``LedgerUnavailable``: on the request path an outage must be noticed fast. Every other query
-parameter goes to libpq (``sslmode``, ``application_name``, ...); one libpq does not know, a bad value of one
-libpq checks, or any repeated parameter is a ``ValueError``. ``open`` first makes one direct connection, so
-a failure to open is a one-line ``LedgerUnavailable`` with libpq's reason (connection refused, database
-"x" does not exist, ...), in about ``timeout_s``.
+(limits are global, not per process), held only while the server runs the call's function; the clock is the
+server's ``clock_timestamp()``, so processes with different clocks agree. Tables and functions live in the
+schema named by the URL's ``schema`` parameter (default ``public``; not empty, not ``information_schema`` nor
+``pg_*``), created if missing (the functions replaced) unless ``open(..., create=False)``. ``timeout_s``
+(default 2, in (0, 600]) bounds connecting (libpq's ``connect_timeout``, at least 2 s, unless the URL sets
+``connect_timeout``) and how long a call waits for a pooled connection before raising ``LedgerUnavailable``:
+on the request path an outage must be noticed fast. Every other query parameter goes to libpq (``sslmode``,
+``application_name``, ...); one libpq does not know, a bad value of one libpq checks, or any repeated
+parameter is a ``ValueError``. ``open`` first makes one direct connection, so a failure to open is a one-line
+``LedgerUnavailable`` with libpq's reason (connection refused, database "x" does not exist, ...), in about
+``timeout_s``.
 
 Behind a transaction-mode pooler (PgBouncer ``pool_mode = transaction``) give ``pooler=transaction``: no
 statement is prepared on the server then. Nothing else depends on the session: the lock is
-transaction-scoped and every statement names its tables with the schema (no ``search_path``).
+transaction-scoped and every statement names its tables and functions with the schema (no ``search_path``).
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
-from fairgate.ledger import urls
-from fairgate.ledger.base import Ledger
-from fairgate.ledger.config import Quotas
-from fairgate.ledger.model import LedgerUnavailable
-from fairgate.ledger.sql import TABLES, SqlLedger, Tx
+from fairgate.ledger import postgres_functions as fn
+from fairgate.ledger import rules, sql_schema, urls
+from fairgate.ledger.base import Ledger, new_reservation_id
+from fairgate.ledger.config import Limits, Quotas
+from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, RunClaim, Usage
+from fairgate.ledger.sql import TABLES, SqlLedger, Tx, tag_of
 from fairgate.ledger.sql_schema import ADDED_COLUMNS, Statement, add_column
 from fairgate.ledger.text import one_line as _one_line
 from fairgate.ledger.text import redacted as _redacted
@@ -161,17 +164,15 @@ _CONTROL = frozenset({"BEGIN", "COMMIT", "ROLLBACK"})
 
 class _PgTx:
     """One transaction on a pooled autocommit connection, its ``BEGIN`` and ``COMMIT`` sent as statements in the
-    pipeline so neither costs a round trip of its own: ``BEGIN`` goes with the first batch, deferred writes
-    (``defer``) with ``COMMIT``. A call that reads, decides and writes is two round trips, the tenant lock held
-    from the first's to the second's end. ``explicit=False``: no ``BEGIN``/``COMMIT``, each batch its own
-    implicit transaction (reads)."""
+    pipeline so neither costs a round trip of its own: ``BEGIN`` goes with the first batch, ``COMMIT`` alone at
+    the end (the operator's and the sweep's calls; the request path runs in server-side functions instead).
+    ``explicit=False``: no ``BEGIN``/``COMMIT``, each batch its own implicit transaction (reads)."""
 
     def __init__(self, connection: psycopg.AsyncConnection[Any], schema: str, explicit: bool) -> None:
         self._connection = connection
         self._schema = schema
         self._pending: list[Statement] = [("BEGIN", {})] if explicit else []
-        self._explicit = explicit
-        self._open = False  # BEGIN sent: the server holds a transaction (and maybe the tenant lock)
+        self._open = False  # BEGIN sent: the server holds a transaction
 
     async def _send(self, statements: list[Statement]) -> list[psycopg.AsyncCursor[Any]]:
         """The pending statements, then ``statements``, in one round trip (libpq pipeline mode: leaving the
@@ -192,14 +193,6 @@ class _PgTx:
         cursors = await self._send(statements)
         return [await c.fetchall() if c.description is not None else [] for c in cursors]
 
-    def defer(self, statements: list[Statement]) -> None:
-        """Writes (no rows wanted) sent with the next batch or the commit, in order, each its own statement: one
-        statement of data-modifying ``WITH`` parts would run them in another order, and deleting a reservation's
-        heartbeat and claim in the opposite order to the expiry sweep's deadlocked with it."""
-        if not self._explicit:
-            raise RuntimeError("postgres ledger: a write outside a write transaction")
-        self._pending.extend(statements)
-
     async def fetchone(self, sql: str, params: dict[str, Any] | None = None) -> tuple[Any, ...] | None:
         (rows,) = await self.batch([(sql, params or {})])
         return rows[0] if rows else None
@@ -212,7 +205,7 @@ class _PgTx:
         await self.batch([(sql, params or {})])
 
     async def commit(self) -> None:
-        """The pending writes and ``COMMIT``, one round trip; none when nothing was sent or is pending."""
+        """``COMMIT``, one round trip; none when nothing was sent."""
         if self._open or any(sql != "BEGIN" for sql, _ in self._pending):
             await self._send([("COMMIT", {})])
             self._open = False
@@ -272,8 +265,24 @@ async def _add_columns(connection: psycopg.AsyncConnection[Any], schema: str) ->
             await connection.execute(add_column(table, column, "DOUBLE PRECISION"))
 
 
+async def _require_functions(connection: psycopg.AsyncConnection[Any], schema: str, url: str) -> None:
+    """Raise ``LedgerUnavailable`` unless the request path's functions are in ``schema`` (``create=False``)."""
+    cursor = await connection.execute(
+        "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = %(schema)s AND p.proname = ANY(%(names)s)",
+        {"schema": schema, "names": list(fn.FUNCTIONS)},
+    )
+    missing = sorted(set(fn.FUNCTIONS) - {name for (name,) in await cursor.fetchall()})
+    if missing:
+        raise LedgerUnavailable(
+            f"postgres ledger: the ledger at {_redacted(url)} (create=False) lacks the functions {', '.join(missing)} "
+            f"in schema {schema}: open it once with create=True (as the gateway does) to install them"
+        )
+
+
 async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
-    """On one direct connection: create the schema and tables (``create``) or check they exist.
+    """On one direct connection: create the schema and tables and (re)place the request path's functions
+    (``create``), or check they exist.
 
     A direct connection fails fast and with libpq's reason, where the pool would retry quietly until its
     timeout and say only "pool initialization incomplete". Raises ``LedgerUnavailable``, ``ValueError``.
@@ -300,6 +309,8 @@ async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
                     if statement.strip():
                         await connection.execute(statement)
                 await _add_columns(connection, schema)
+                for definition in fn.definitions(schema):
+                    await connection.execute(definition)
             else:
                 cursor = await connection.execute(
                     "SELECT to_regclass(format('%%I.fg_reservations', %(schema)s::text)) IS NOT NULL",
@@ -311,6 +322,7 @@ async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
                         f"postgres ledger: no ledger at {_redacted(url)} (create=False): "
                         f"no table {schema}.fg_reservations"
                     )
+                await _require_functions(connection, schema, url)
             await connection.commit()
     except (psycopg.Error, OSError) as exc:
         raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
@@ -357,6 +369,7 @@ class PostgresLedger(SqlLedger):
         self._pool = pool
         self.schema = schema
         self._clock = clock
+        self._books_by_tag: tuple[Quotas | None, dict[str, fn.TenantBooks]] = (None, {})
 
     @classmethod
     async def open(
@@ -407,17 +420,92 @@ class PostgresLedger(SqlLedger):
         # No BEGIN ... COMMIT: a read is one round trip, its batch's statements one implicit transaction.
         return self._transaction(explicit=False)
 
-    async def _write(self, tx: Tx, statements: list[Statement]) -> None:
-        # Sent with COMMIT: the call's last round trip is its writes and the commit together.
-        assert isinstance(tx, _PgTx)
-        tx.defer(statements)
+    # --- request path: one server-side function call each ------------------------------------------
+    async def _call(self, function: str, params: dict[str, Any], refused: fn.Refused) -> tuple[Any, ...]:
+        """``function``'s one row: one autocommit statement, one round trip, its own transaction. Raises what
+        ``refused`` maps a refusal to, ``LedgerUnavailable``."""
+        sql = fn.call(function, self.schema)
+        try:
+            async with self._pool.connection() as connection:
+                cursor = await connection.execute(sql, params)
+                row = await cursor.fetchone()
+        except (TimeoutError, psycopg_pool.PoolTimeout) as exc:
+            raise LedgerUnavailable(
+                f"postgres ledger: no connection within the pool timeout ({_one_line(exc)})"
+            ) from None
+        except psycopg.Error as exc:
+            # A refusal first: psycopg makes an error of an unknown SQLSTATE class an OperationalError.
+            error: LedgerError | None = refused.error(exc.sqlstate, exc.diag.message_detail or "")
+            if error is not None:
+                raise error from None
+            if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+                raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
+            raise
+        assert row is not None
+        return tuple(row)
 
-    def _lock_statement(self, tag: str) -> tuple[str, dict[str, Any]] | None:
-        # The tenant tag's 64 bits, as the signed bigint the advisory lock takes.
-        return "SELECT pg_advisory_xact_lock(:key)", {"key": int(tag, 16) - (1 << 63)}
+    def _fixed_now(self) -> float | None:
+        """The ledger's own clock, if it has one (the functions read the server's otherwise)."""
+        return None if self._clock is None else float(self._clock())
 
-    def _now_statement(self) -> tuple[str, dict[str, Any]] | None:
-        return None if self._clock is not None else ("SELECT extract(epoch from clock_timestamp()) * 1000", {})
+    def _tenant_books(self, tag: str) -> fn.TenantBooks:
+        """The configured tenant whose reservation ids start with ``tag``, with its books (kept per ``quotas``)."""
+        quotas, by_tag = self._books_by_tag
+        if quotas is not self.quotas:
+            self._books_by_tag = quotas, by_tag = self.quotas, fn.books_by_tag(self.quotas)
+        return by_tag.get(tag, fn.UNCONFIGURED)
+
+    async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
+        """``fg_reserve``: the reservation made or re-opened, or the request id's earlier one (its arguments
+        checked here: ``rules.check_retry``), with the binding account's balances."""
+        books = dict(self.books(args.tenant, args.model_class))
+        params = fn.reserve_params(args, new_reservation_id(args.tenant), limits, books, self._fixed_now())
+        row = await self._call("fg_reserve", params, fn.Refused(tenant=args.tenant, books=books))
+        code, r = fn.reserved(row)
+        return rules.check_retry(r, args) if code == "existing" else r
+
+    async def _close(self, reservation_id: str, billed: Usage | None, final: bool, kind: str) -> Reservation:
+        """``fg_close``; ``billed`` None: what the reservation has billed when the function reads it (the sweep's
+        expiry)."""
+        tag = tag_of(reservation_id)
+        params = {
+            "lock": fn.lock_key(tag),
+            "now": self._fixed_now(),
+            "id": reservation_id,
+            "kind": kind,
+            "final": final,
+            "input": None if billed is None else billed.input_tokens,
+            "output": None if billed is None else billed.output_tokens,
+            "gpu_ms": None if billed is None else billed.gpu_ms,
+            **self._tenant_books(tag).params(),
+        }
+        refused = fn.Refused(reservation_id=reservation_id, billed=billed, kind=kind)
+        row = await self._call("fg_close", params, refused)
+        r = sql_schema.reservation(row[1:])
+        if row[0] == "final":
+            return rules.check_final_again(r, r.billed if billed is None else billed, final, kind)
+        return r
+
+    async def _claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
+        """``fg_claim``."""
+        params = {
+            "lock": fn.lock_key(tag_of(reservation_id)),
+            "now": self._fixed_now(),
+            "id": reservation_id,
+            "owner": owner,
+            "lease_ms": lease_ms,
+        }
+        holder, until_ms, now_ms = await self._call("fg_claim", params, fn.Refused(reservation_id=reservation_id))
+        return RunClaim(str(holder), float(until_ms), float(now_ms))
+
+    async def _queue_step(self, reservation_id: str, enter: bool) -> Reservation:
+        """``fg_queue_step``."""
+        tag = tag_of(reservation_id)
+        books = self._tenant_books(tag)
+        params = {"lock": fn.lock_key(tag), "id": reservation_id, "enter": enter, **books.params()}
+        refused = fn.Refused(reservation_id=reservation_id, tenant=books.tenant or "", books=books.by_key)
+        row = await self._call("fg_queue_step", params, refused)
+        return sql_schema.reservation(row[1:])
 
     async def _now_ms(self, tx: Tx) -> float:
         if self._clock is not None:

@@ -1,7 +1,8 @@
 """The ledger's semantics as pure functions over plain state (no I/O, no clock: ``now_ms`` is passed in).
 
-SQLite and PostgreSQL run these inside one transaction per call; the Redis backend's Lua scripts
-implement the same rules (``redis/scripts/*.lua``) and the conformance suite holds all three to them.
+SQLite runs these inside one transaction per call; PostgreSQL's server-side functions
+(``postgres_functions.sql``) and the Redis backend's Lua scripts (``redis/scripts/*.lua``) implement the same
+rules, operation for operation, and the conformance suite holds all three to them.
 
 Semantics (``shared/DESIGN.md`` "Ledger semantics"; seed 003; two-phase transfers as in TigerBeetle,
 idempotency keys as in Stripe's API):
@@ -336,13 +337,17 @@ def _held(r: Reservation, billed: Usage, final: bool) -> tuple[int, int, float]:
 def check_billing(reservation: Reservation, billed: Usage, kind: str) -> None:
     """Raise ``InvalidUsage`` unless cumulative usage ``billed`` fits the open ``reservation``: output at
     most ``max_output_tokens``, nothing below what was billed already. Checked in that order (the Redis
-    scripts too). Input above the reservation is billed as it is: what the engine read is what the tenant
-    used (``input_allowance`` says when it is flagged)."""
-    r, before = reservation, reservation.billed
-    if billed.output_tokens > r.max_output_tokens:
+    scripts and the PostgreSQL functions too). Input above the reservation is billed as it is: what the engine
+    read is what the tenant used (``input_allowance`` says when it is flagged)."""
+    check_billed(reservation.max_output_tokens, reservation.billed, billed, kind)
+
+
+def check_billed(max_output_tokens: int, before: Usage, billed: Usage, kind: str) -> None:
+    """``check_billing`` of a reservation of ``max_output_tokens`` that has billed ``before``."""
+    if billed.output_tokens > max_output_tokens:
         raise InvalidUsage(
             f"{kind}: output_tokens {billed.output_tokens} is above the reservation's "
-            f"max_output_tokens {r.max_output_tokens}"
+            f"max_output_tokens {max_output_tokens}"
         )
     for name in ("input_tokens", "output_tokens", "gpu_ms"):
         if getattr(billed, name) < getattr(before, name):

@@ -1,7 +1,9 @@
 """The ledger on a SQL database: the rules of ``rules.py`` applied inside one transaction per call.
 
 Dialects (``sqlite.py``, ``postgres.py``) supply the transaction, the tenant lock and the clock; the tables,
-statements and row codecs are in ``sql_schema.py``.
+statements and row codecs are in ``sql_schema.py``. PostgreSQL replaces the request path's steps (``_reserve``,
+``_close``, ``_claim``, ``_queue_step``) by calls of server-side functions that apply the same rules
+(``postgres_functions.sql``); SQLite runs them here.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ _SAVE_HEARTBEAT = (
 )
 
 
-def _tag_of(reservation_id: object) -> str:
+def tag_of(reservation_id: object) -> str:
     """The tenant tag a reservation id starts with. Raises ``InvalidUsage`` (not a non-empty string),
     ``ReservationNotFound`` (a malformed id)."""
     tag = check_reservation_id(reservation_id).split("-", 1)[0]
@@ -106,8 +108,7 @@ class SqlLedger(Backend):
         return None
 
     async def _write(self, tx: Tx, statements: list[Statement]) -> None:
-        """Run the writes ``statements`` (no rows wanted) in ``tx``, in order. A backend may hold them back to send
-        with the commit (PostgreSQL: then the writes and COMMIT are one round trip)."""
+        """Run the writes ``statements`` (no rows wanted) in ``tx``, in order."""
         await tx.batch(statements)
 
     # --- request path --------------------------------------------------------------------------
@@ -169,7 +170,7 @@ class SqlLedger(Backend):
         reservation with its tenant's frozen flag, its class's and the tenant-wide account and its run
         (``LOAD_FOR_CLOSE``), the statements ``also`` (their rows: ``_Loaded.also``), and the clock. Raises
         ``ReservationNotFound``."""
-        lock = self._lock_statement(_tag_of(reservation_id))
+        lock = self._lock_statement(tag_of(reservation_id))
         clock = self._now_statement() if with_clock else None
         reads = [s for s in (lock, (schema.LOAD_FOR_CLOSE, {"id": reservation_id}), *also, clock) if s is not None]
         rows = await tx.batch(reads)
@@ -477,4 +478,4 @@ def _new_reservation(args: rules.ReserveArgs, limits: Limits, now_ms: float) -> 
     )
 
 
-__all__ = ["TABLES", "SqlLedger", "Tx"]
+__all__ = ["TABLES", "SqlLedger", "Tx", "tag_of"]

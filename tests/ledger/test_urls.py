@@ -635,3 +635,21 @@ async def test_postgres_create_false_refuses_a_schema_without_the_tables(postgre
             )
         finally:
             await connection.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+async def test_postgres_create_false_refuses_a_ledger_without_its_functions(postgres_url):
+    """The request path runs in the ledger's server-side functions: tables without them are no ledger to serve."""
+    schema = token()
+    url = f"{postgres_url}?schema={schema}"
+    made = await PostgresLedger.open(url, QUOTAS)
+    try:
+        async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as connection:
+            await connection.execute(f"DROP FUNCTION {schema}.fg_claim")
+        await fails(PostgresLedger.open(url, QUOTAS, create=False), LedgerUnavailable, "fg_claim", "create=True")
+        again = await PostgresLedger.open(url, QUOTAS)  # create=True installs them again
+        await again.close()
+        ledger = await PostgresLedger.open(url, QUOTAS, create=False)
+        await ledger.close()
+    finally:
+        await made.drop_schema()
+        await made.close()
