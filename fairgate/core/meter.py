@@ -33,11 +33,16 @@ iteration it is not in (bench/live_fairness.py's Azure replay measured prompt-he
   *before* the one the meter put it in: it made the very next step after all (llama-server took requests
   sent up to 15 ms after a step's tokens), and that step was charged to the others.
 
-  Its first token then settles its prefill: the cost model's prefill time not attributed to it yet goes back to
-  it from the requests in the iteration since before that burst, in proportion to their weights
-  (``repaid_prefill``), as that step was split. Charged back over the iterations after instead, the prefill of
-  a request whose first token is its last (max_tokens = 1) was never charged: through an emulated replica
-  such requests were billed 7 % under the replica's own charge rule.
+  Its first token then settles its prefill: the requests charged for that step give back its part of it
+  (``repaid_prefill``). The step is the window from the first token of the burst that began it (each burst's
+  first token marks every charge: O(in flight) once an iteration); its part is what it would have been charged
+  there at its weight, at most the model's prefill and its decode share, and no more than the others were
+  charged in the window at their decode weight, which each gives back in proportion: a prefill, its own or
+  another's, is charged the model's time either way. Charged back over the iterations after instead, the
+  prefill of a request whose first token is its last (max_tokens = 1) was never charged (through an emulated
+  replica, such requests were billed 7 % under the replica's own charge rule); given back by the others'
+  weights at the first token, a request prefilled beside it kept the part of the step the meter gave it and
+  the decoders paid for it (an outside tester: decoders billed 0.07 ms of a truth of 18).
 
   Otherwise a first token ends the prefill weight with what has been attributed: an early one is the engine's
   word that the prefill took less than the model says (its prefix cache held part of the prompt). The cost of
@@ -68,7 +73,8 @@ interval is right on average (tests/core/test_meter.py, the two-process simulati
 charges add up to the replica's busy time as far as last round's averages describe this one. With no
 remote occupancy (one process) the split is the exact one above.
 
-Cost per event: a token that changes nothing but the time (no request pending, no prefill ending) is O(1).
+Cost per event: a token that changes nothing but the time (no request pending, no prefill ending, not the first
+of a burst) is O(1).
 Between changes of the batch every request's weight is fixed, so the meter keeps one running integral, the
 ``price`` (ms charged per unit of weight so far), and each request its weight and the price when its charge
 was last brought up to date: its charge is ``charged + weight * (price - mark)``, read when asked
@@ -126,23 +132,40 @@ class _InFlight:
     # and the other processes' sequences' weight (``MeteredCall``).
     beside: tuple[float, dict[str, float], float] | None = None
     prefill_repaid_ms: float = 0.0  # given back to it at its first token (``repaid_prefill``)
+    prefill_done_ms: float = 0.0  # its prefill attributed, once it stopped (at most prefill_ms, and what was repaid)
 
 
-def lends_prefill(weight: float, pending: bool, joined_ms: float, now_ms: float, lag_ms: float) -> bool:
-    """Whether a request in flight gives back its part of another's unattributed prefill at that one's first
-    token (``repaid_prefill``): it was in the iteration the other was prefilled in, as the meter had it - in the
-    iteration (not pending) since before this token burst."""
-    return weight > 0 and not pending and now_ms - joined_ms >= lag_ms
+@dataclass(frozen=True)
+class BurstMark:
+    """What a meter had at the first token of a burst (tokens less than ``boundary_lag_ms`` apart): its price
+    integral so far (never reset; ms per unit of weight), its charges' total, and each request's charge less its
+    prefill attributed (ms): what it was charged at its decode weight."""
+
+    price_total: float
+    charged_total_ms: float
+    decode_ms: dict[str, float]
 
 
-def repaid_prefill(owed_ms: float, lenders: list[tuple[float, float]], remote_weight: float) -> list[float]:
-    """What each lender (its weight, its charge so far in ms) gives back of ``owed_ms`` of a request's prefill
-    that went to the others: in proportion to weight, as the intervals were split (the other processes' sequences,
-    ``remote_weight``, took their part and give nothing back here), and never more than it was charged."""
-    total = sum(weight for weight, _ in lenders) + remote_weight
-    if owed_ms <= 0 or total <= 0:
-        return [0.0] * len(lenders)
-    return [min(charged, owed_ms * weight / total) for weight, charged in lenders]
+def repaid_prefill(
+    owed_ms: float, weight: float, decode_weight: float, window_ms: float, window_price: float, accrued_ms: list[float]
+) -> list[float]:
+    """What each lender gives back to a request the meter left out of the iteration it was prefilled in.
+
+    Over the window (that iteration, from the first token of the burst that began it) the requests were charged
+    ``window_ms`` while the price rose ``window_price``: their average weight was ``window_ms / window_price``.
+    Had the request weighed ``weight`` (its prefill and ``decode_weight``) in it, it would have been charged
+    ``T w p / (T + w p)`` of those ``T`` ms: that, but at most its prefill not yet attributed (``owed_ms``) and its
+    decode part of the share. Bounded by the window: a prompt the engine read from its prefix cache ended its
+    iteration early, and moves only what that took. The lenders are the requests of the window: each gives in
+    proportion to what it was charged there at its decode weight (``accrued_ms``), never more; a prefill, its
+    own or another's, is charged the model's time either way.
+    """
+    total = sum(a for a in accrued_ms if a > 0.0)
+    if owed_ms <= 0.0 or total <= 0.0 or window_price <= 0.0 or window_ms <= 0.0 or weight <= 0.0:
+        return [0.0] * len(accrued_ms)
+    share = window_ms * weight * window_price / (window_ms + weight * window_price)
+    amount = min(share, owed_ms + share * decode_weight / weight, total)
+    return [amount * max(a, 0.0) / total for a in accrued_ms]
 
 
 @dataclass(frozen=True)
@@ -254,6 +277,9 @@ class LiveMeter(MeterWindow):
         self._unprefilled = 0  # requests being prefilled, pending or not
         self._prefill_rate = 0.0  # prefill ms attributed per unit of price: prefill_ms of those in the iteration
         self._prefill_ends: list[tuple[float, str]] = []  # (prefill_end, request id), a heap
+        self._price_total = 0.0  # the price integral, never reset (``BurstMark``)
+        self._last_token_ms = -math.inf
+        self._bursts: tuple[BurstMark | None, BurstMark | None] = (None, None)  # the previous burst's, the current's
 
     @property
     def in_flight(self) -> int:
@@ -295,6 +321,7 @@ class LiveMeter(MeterWindow):
         self.charged_total_ms += own_ms
         rise = own_ms / own_weight
         self._price = price = self._price + rise
+        self._price_total += rise
         if self._prefill_rate:  # none is prefilling in a plain decode step
             self._prefill_attributed_ms += self._prefill_rate * rise
         while self._prefill_ends and self._prefill_ends[0][0] <= price + PREFILL_END_TOLERANCE:
@@ -306,8 +333,15 @@ class LiveMeter(MeterWindow):
                 self._prefill_attributed_ms -= request.prefill_ms * (self._price - end)  # the overshoot (or rest)
                 self._stop_prefilling(request)
 
+    def _prefill_done_ms(self, request: _InFlight) -> float:
+        """Its prefill attributed so far (none while pending; at most the model's, and what was repaid)."""
+        if not request.prefilling:
+            return request.prefill_done_ms
+        return request.prefill_ms * min(1.0, max(0.0, 1.0 - (request.prefill_end - self._price)))
+
     def _stop_prefilling(self, request: _InFlight) -> None:
         self._bring_up_to_date(request)
+        request.prefill_done_ms = self._prefill_done_ms(request) + request.prefill_repaid_ms
         request.prefilling = False
         self._unprefilled -= 1
         if not request.pending:
@@ -381,22 +415,41 @@ class LiveMeter(MeterWindow):
         if joined:
             self._reweigh()
 
-    def _repay_prefill(self, request: _InFlight, now_ms: float) -> None:
-        """``request``'s first token came before its prefill was all attributed to it: the rest went to the
-        requests beside it, and moves back to it (``repaid_prefill``; O(in flight), once a request at most)."""
+    def _note_burst(self, now_ms: float) -> None:
+        """A token arrived: the first of a burst marks every charge (O(in flight) once an iteration; the rest of
+        the burst's tokens are O(1))."""
+        if now_ms - self._last_token_ms >= self.boundary_lag_ms:
+            price = self._price
+            decode = {
+                rid: r.charged_ms + r.weight * (price - r.mark) - self._prefill_done_ms(r)
+                for rid, r in self._requests.items()
+            }
+            self._bursts = (self._bursts[1], BurstMark(self._price_total, self.charged_total_ms, decode))
+        self._last_token_ms = now_ms
+
+    def _repay_prefill(self, request_id: str, request: _InFlight) -> None:
+        """``request`` was prefilled in the iteration that ended at the burst of its first token, which the meter
+        charged to the others: they give back its part of it (``repaid_prefill``; O(in flight), once a request
+        at most). The window is the iteration, from the previous burst's first token."""
+        window = self._bursts[0]
         owed_ms = request.prefill_ms * min(1.0, max(0.0, request.prefill_end - self._price))
-        if owed_ms <= PREFILL_END_TOLERANCE * request.prefill_ms:
+        if window is None or owed_ms <= PREFILL_END_TOLERANCE * request.prefill_ms:
             return
-        lag_ms = self.boundary_lag_ms
         lenders = [
-            other
-            for other in self._requests.values()
-            if other is not request and lends_prefill(other.weight, other.pending, other.joined_ms, now_ms, lag_ms)
+            (other, window.decode_ms[rid])
+            for rid, other in self._requests.items()
+            if rid != request_id and rid in window.decode_ms
         ]
-        for other in lenders:
+        for other, _ in lenders:
             self._bring_up_to_date(other)
-        takes = repaid_prefill(owed_ms, [(o.weight, o.charged_ms) for o in lenders], self._remote_weight)
-        for other, take in zip(lenders, takes, strict=True):
+        accrued = [other.charged_ms - self._prefill_done_ms(other) - before for other, before in lenders]
+        window_ms, window_price = (
+            self.charged_total_ms - window.charged_total_ms,
+            self._price_total - window.price_total,
+        )
+        decode = request.weight - request.prefill_ms
+        takes = repaid_prefill(owed_ms, request.weight, decode, window_ms, window_price, accrued)
+        for (other, _), take in zip(lenders, takes, strict=True):
             other.charged_ms -= take
         repaid = sum(takes)
         request.charged_ms += repaid
@@ -452,6 +505,7 @@ class LiveMeter(MeterWindow):
         self.advance(now_ms)
         self.first_iteration = False
         request = self._requests.get(request_id)
+        self._note_burst(now_ms)
         if request is not None:
             late = request.pending or now_ms - request.joined_ms < self.boundary_lag_ms
             if request.pending:
@@ -460,7 +514,7 @@ class LiveMeter(MeterWindow):
             if request.prefilling:
                 if late:
                     self._bring_up_to_date(request)
-                    self._repay_prefill(request, now_ms)
+                    self._repay_prefill(request_id, request)
                 self._stop_prefilling(request)
         self._boundary(now_ms)
 
@@ -468,6 +522,7 @@ class LiveMeter(MeterWindow):
         """A later token of some request arrived: an iteration ended."""
         self.advance(now_ms)
         self.first_iteration = False
+        self._note_burst(now_ms)
         if self._pending:  # asked here: this runs for every token relayed
             self._boundary(now_ms)
 

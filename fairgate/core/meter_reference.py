@@ -11,12 +11,12 @@ from fairgate.core.cost import CostModel
 from fairgate.core.meter import (
     MAX_REMOTE_PREFILL_SHARE,
     PREFILL_END_TOLERANCE,
+    BurstMark,
     MeterWindow,
     Occupancy,
     check_decode_scale,
     check_remote,
     joins_first_iteration,
-    lends_prefill,
     repaid_prefill,
 )
 
@@ -32,6 +32,7 @@ class _InFlight:
     joined_ms: float = -math.inf  # the token burst at which it joined the iteration (-inf: at its send)
     charged_ms: float = 0.0
     sequences: int = 1  # OpenAI's ``n``: it holds that many places in the batch, its prompt prefilled once
+    prefill_done_ms: float = 0.0  # its prefill attributed (and given back: ``repaid_prefill``)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class ReferenceMeter(MeterWindow):
     def __init__(self, cost: CostModel, now_ms: float, boundary_lag_ms: float | None = None) -> None:
         super().__init__(cost, now_ms, boundary_lag_ms)
         self._requests: dict[str, _InFlight] = {}
+        self._price_total = 0.0  # ms charged per unit of weight, summed over every interval
+        self._last_token_ms = -math.inf
+        self._bursts: tuple[BurstMark | None, BurstMark | None] = (None, None)  # the previous burst's, the current's
 
     @property
     def in_flight(self) -> int:
@@ -108,6 +112,7 @@ class ReferenceMeter(MeterWindow):
         shared_ms = interval * (1.0 - min(self.remote.prefill_share, MAX_REMOTE_PREFILL_SHARE))
         own_ms = shared_ms * own_weight / (own_weight + remote_weight)
         self.charged_total_ms += own_ms
+        self._price_total += own_ms / own_weight
         charges = []
         remaining = own_ms
         items = list(weights.items())
@@ -124,10 +129,12 @@ class ReferenceMeter(MeterWindow):
                 prefill_part = share * prefill_ms / weight
                 if request.prefill_left_ms - prefill_part <= PREFILL_END_TOLERANCE * prefill_ms:
                     self._prefill_attributed_ms += request.prefill_left_ms  # all of it: attributed
+                    request.prefill_done_ms += request.prefill_left_ms
                     request.prefill_left_ms = 0.0
                     request.prefilling = False
                 else:
                     self._prefill_attributed_ms += prefill_part
+                    request.prefill_done_ms += prefill_part
                     request.prefill_left_ms -= prefill_part
             charges.append(MeterCharge(rid, request.tenant, share))
         return charges
@@ -183,6 +190,7 @@ class ReferenceMeter(MeterWindow):
         charges = self.advance(now_ms)
         self.first_iteration = False
         request = self._requests.get(request_id)
+        self._note_burst(now_ms)
         if request is not None:
             # Prefilled in the iteration that ended, which the meter charged to the others.
             late = request.pending or now_ms - request.joined_ms < self.boundary_lag_ms
@@ -195,26 +203,37 @@ class ReferenceMeter(MeterWindow):
         self._boundary(now_ms)
         return charges
 
+    def _note_burst(self, now_ms: float) -> None:
+        """The first token of a burst marks every charge (``LiveMeter._note_burst``)."""
+        if now_ms - self._last_token_ms >= self.boundary_lag_ms:
+            decode = {rid: r.charged_ms - r.prefill_done_ms for rid, r in self._requests.items()}
+            self._bursts = (self._bursts[1], BurstMark(self._price_total, self.charged_total_ms, decode))
+        self._last_token_ms = now_ms
+
     def _repay_prefill(self, request_id: str, now_ms: float) -> list[MeterCharge]:
-        """The prefill time not attributed to ``request_id`` by its first token moves back to it from the
-        requests beside it (``LiveMeter.first_token``). Returns the moves."""
-        request = self._requests[request_id]
-        weights, remote_weight = self._weights()
-        lenders = [
-            (rid, weight)
-            for rid, weight in weights.items()
-            if rid != request_id
-            and lends_prefill(
-                weight, self._requests[rid].pending, self._requests[rid].joined_ms, now_ms, self.boundary_lag_ms
-            )
+        """What the requests charged for the iteration ``request_id`` was prefilled in give back of it
+        (``LiveMeter._repay_prefill``). Returns the moves."""
+        request, window = self._requests[request_id], self._bursts[0]
+        if window is None:
+            return []
+        lenders = [rid for rid in self._requests if rid != request_id and rid in window.decode_ms]
+        accrued = [
+            self._requests[rid].charged_ms - self._requests[rid].prefill_done_ms - window.decode_ms[rid]
+            for rid in lenders
         ]
-        owed_ms = request.prefill_left_ms
-        takes = repaid_prefill(owed_ms, [(w, self._requests[rid].charged_ms) for rid, w in lenders], remote_weight)
+        weight = self._weights()[0][request_id]
+        decode = weight - self.cost.prefill_ms(request.prompt_tokens)
+        window_ms, window_price = (
+            self.charged_total_ms - window.charged_total_ms,
+            self._price_total - window.price_total,
+        )
+        takes = repaid_prefill(request.prefill_left_ms, weight, decode, window_ms, window_price, accrued)
         moves = [MeterCharge(request_id, request.tenant, sum(takes))]
-        for (rid, _), take in zip(lenders, takes, strict=True):
+        for rid, take in zip(lenders, takes, strict=True):
             self._requests[rid].charged_ms -= take
             moves.append(MeterCharge(rid, self._requests[rid].tenant, -take))
         request.charged_ms += sum(takes)
+        request.prefill_done_ms += sum(takes)
         self._prefill_attributed_ms += sum(takes)
         return moves
 
@@ -222,6 +241,7 @@ class ReferenceMeter(MeterWindow):
         """A later token of some request arrived: an iteration ended. Returns the interval's charges."""
         charges = self.advance(now_ms)
         self.first_iteration = False
+        self._note_burst(now_ms)
         self._boundary(now_ms)
         return charges
 

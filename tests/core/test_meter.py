@@ -341,16 +341,20 @@ def _eight_decoding(meter: LiveMeter) -> None:
         meter.token(44.0)
 
 
+def _charge(finished: float | tuple[object, float]) -> float:
+    return finished if isinstance(finished, float) else finished[1]
+
+
 @pytest.mark.parametrize("own_token_first", [True, False])
 @pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
 def test_a_request_that_makes_the_very_next_step_is_charged_its_prefill_at_its_first_token(own_token_first, meter_kind):
     """Found on llama-server: a request sent 0-15 ms after a step's tokens can still join the very next step.
     The meter cannot know at the send; it learns it when the request's first token arrives with that step's
     tokens (before, or among, the burst that ends it). The request was prefilled in a step charged to the
-    others, and they give its prefill back at its first token, in proportion to their weights: it is billed its
-    prefill at once, so a request whose first token is its last (max_tokens = 1) is too. Through an emulated
-    replica, requests of one output token were billed 7 % under the replica's own charge rule when the meter
-    charged the prefill back over the iterations after instead, which such a request is not in."""
+    others, and at its first token they give back its part of that step: it is billed its prefill at once, so
+    a request whose first token is its last (max_tokens = 1) is too. Through an emulated replica, requests of
+    one output token were billed 7 % under the replica's own charge rule when the meter charged the prefill back
+    over the iterations after instead, which such a request is not in."""
     meter = meter_kind(ENGINE, 0.0)
     _eight_decoding(meter)
     meter.finish("d0", 44.0)  # its slot is free: a new request takes it 5 ms later (more than the 3-ms lag)
@@ -363,17 +367,72 @@ def test_a_request_that_makes_the_very_next_step_is_charged_its_prefill_at_its_f
     if not own_token_first:
         meter.first_token("late", end + 0.5)
     now = end if own_token_first else end + 0.5
+    # By seed 002's rule the step gives late its prefill and 22 / 8, each of the seven 22 / 8 (and 44 / 8 before).
     late = meter.charged_ms("late")
-    # Its prefill, and its decode share (22 / 8 of each 187 ms) of the time since it joined.
-    assert late == pytest.approx(165.0 + (now - end) * (22.0 / 8) / 187.0, rel=1e-9)
-    # The seven gave back a seventh of its prefill each: busy time less d0's 44 / 8 and late's, split evenly.
+    assert late == pytest.approx(165.0 + 22.0 / 8, rel=0.01)
     others = [meter.charged_ms(f"d{i}") for i in range(1, 8)]
-    assert others == pytest.approx([(now - 44.0 / 8 - late) / 7] * 7, rel=1e-9)
+    assert others == pytest.approx([(now - 44.0 / 8 - late) / 7] * 7, rel=1e-9)  # alike, and all the rest
+    assert others[0] == pytest.approx(44.0 / 8 + 22.0 / 8, rel=0.03)
     # Then decode only: 22 / 8 a step each; it leaves at its first token as well as after.
     meter.advance(now + 22.0)
     assert meter.charged_ms("late") - late == pytest.approx(22.0 / 8, rel=1e-9)
-    finished = meter.finish("late", now + 22.0)
-    assert (finished if isinstance(finished, float) else finished[1]) == pytest.approx(late + 22.0 / 8, rel=1e-9)
+    assert _charge(meter.finish("late", now + 22.0)) == pytest.approx(late + 22.0 / 8, rel=1e-9)
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
+
+
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+def test_the_prefill_given_back_comes_from_what_the_others_were_charged_at_their_decode_weight(meter_kind):
+    """An outside tester's case: P joins at a burst, R is sent 2 ms before it (pending), and the engine prefills
+    both in the next step. The meter charged that step to P at its prefill weight until P's prefill was
+    attributed, then to P and the decoders at their decode weight: what R gives back is what they were charged
+    at their decode weight in it, in proportion, so P keeps its own prefill and the decoders are not stripped
+    of steps before it (given back by weight now, d1 and d2 fell from 17.4 to 0.07 ms, P stayed at 298)."""
+    meter = meter_kind(ENGINE, 0.0)
+    for name in ("d1", "d2"):
+        meter.start(name, "v", 0, 0.0)
+    for name in ("d1", "d2"):
+        meter.first_token(name, 10.0)
+    for _ in ("d1", "d2"):
+        meter.token(20.0)
+    meter.start("P", "w", 150, 21.0)
+    meter.start("R", "a", 150, 28.0)
+    for _ in ("d1", "d2"):
+        meter.token(30.0)
+    end = 30.0 + ENGINE.iteration_ms(4, 300)  # 14 ms of decode, 330 of prefill
+    for _ in ("d1", "d2"):
+        meter.token(end)
+    meter.first_token("P", end)
+    meter.first_token("R", end)
+    # The rule: P and R 165 + 14 / 4 each, d1 and d2 15 ms before the step and 14 / 4 in it.
+    assert meter.charged_ms("R") == pytest.approx(168.5, rel=0.01)
+    assert meter.charged_ms("P") == pytest.approx(168.5, rel=0.05)
+    assert meter.charged_ms("d1") == meter.charged_ms("d2") == pytest.approx(18.5, abs=3.5)
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
+
+
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+def test_the_prefill_given_back_is_bounded_by_the_step_it_was_prefilled_in(meter_kind):
+    """An outside tester's case: the engine read a late request's 3,000-token prompt from its prefix cache, and
+    the step it was prefilled in took 18 ms, not the model's 3.3 s. What it is given back comes from that step
+    alone (the model's whole prefill, given back at once, took 84 ms of charges from steps before it)."""
+    meter = meter_kind(ENGINE, 0.0)
+    decoders = ("d1", "d2", "d3")
+    for name in decoders:
+        meter.start(name, "v", 0, 0.0)
+    for name in decoders:
+        meter.first_token(name, 12.0)
+    for _ in decoders:
+        meter.token(24.0)
+    meter.start("R", "a", 3000, 34.0)  # 2 ms before the burst that begins its step: pending at it
+    for _ in decoders:
+        meter.token(36.0)
+    before = [meter.charged_ms(name) for name in decoders]
+    end = 36.0 + ENGINE.iteration_ms(4) + 4.0  # 4 ms of its prompt not cached
+    for _ in decoders:
+        meter.token(end)
+    meter.first_token("R", end)
+    assert 0.0 < meter.charged_ms("R") <= end - 36.0
+    assert all(meter.charged_ms(name) >= charged for name, charged in zip(decoders, before, strict=True))
     assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
 
 
