@@ -419,9 +419,9 @@ class LiveMeter(MeterWindow):
         """A token arrived: the first of a burst marks every charge (O(in flight) once an iteration; the rest of
         the burst's tokens are O(1))."""
         if now_ms - self._last_token_ms >= self.boundary_lag_ms:
-            price = self._price
+            price, done = self._price, self._prefill_done_ms
             decode = {
-                rid: r.charged_ms + r.weight * (price - r.mark) - self._prefill_done_ms(r)
+                rid: r.charged_ms + r.weight * (price - r.mark) - (done(r) if r.prefilling else r.prefill_done_ms)
                 for rid, r in self._requests.items()
             }
             self._bursts = (self._bursts[1], BurstMark(self._price_total, self.charged_total_ms, decode))
