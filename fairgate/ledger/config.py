@@ -79,8 +79,21 @@ class QuotaConfigError(ValueError):
     """An invalid quota configuration; ``str()`` is one line naming the file and key."""
 
 
-Positive = Annotated[float, Field(gt=0, le=1e15)]
+# Bounds that keep every product and sum of the ledger's arithmetic a normal double: PostgreSQL's float8 raises
+# where Python rounds to 0 or inf (an outside tester: a rate of 1e-320 a minute, a GPU budget of 1e306 s), and a
+# backend must not refuse what another admits. Far outside any real quota: a rate of once in 2,000 years.
+Positive = Annotated[float, Field(ge=1e-9, le=1e15)]
 Count = Annotated[int, Field(ge=0, le=10**12)]
+Budget = Annotated[float, Field(ge=0, le=1e15)]
+
+
+def _zero_or_at_least_a_billionth(value: float) -> float:
+    if 0.0 < value < 1e-9:
+        raise ValueError(f"a price is 0 or at least 1e-9, got {value!r}")
+    return value
+
+
+PriceRate = Annotated[float, Field(ge=0, le=1e6), AfterValidator(_zero_or_at_least_a_billionth)]
 
 
 class _Strict(BaseModel):
@@ -127,17 +140,17 @@ class LimitsConfig(_Strict):
     """A table of limits (``[defaults]``, a tenant's ``limits``, a model class): ``None`` inherits."""
 
     requests_per_minute: Positive | None = None
-    requests_burst: Annotated[float, Field(ge=1)] | None = None
+    requests_burst: Annotated[float, Field(ge=1, le=1e15)] | None = None
     input_tokens_per_minute: Positive | None = None
     input_tokens_burst: Positive | None = None
     output_tokens_per_minute: Positive | None = None
     output_tokens_burst: Positive | None = None
-    max_tokens_per_request: Annotated[int, Field(ge=1)] | None = None
+    max_tokens_per_request: Annotated[int, Field(ge=1, le=10**12)] | None = None
     max_concurrent: Count | None = None
     max_queued: Count | None = None
-    gpu_seconds: Annotated[float, Field(ge=0)] | None = None
+    gpu_seconds: Budget | None = None
     gpu_window_s: Positive | None = None
-    gpu_seconds_total: Annotated[float, Field(ge=0)] | None = None
+    gpu_seconds_total: Budget | None = None
     max_model_calls: Count | None = None
     max_tool_rounds: Count | None = None
     max_tokens: Count | None = None
@@ -149,9 +162,9 @@ class LimitsConfig(_Strict):
 class PriceConfig(_Strict):
     """``[pricing.model_class.NAME]``: prices in the pricing currency, per million tokens or per GPU-second."""
 
-    input_per_mtok: Annotated[float, Field(ge=0, le=1e6)] = 0.0
-    output_per_mtok: Annotated[float, Field(ge=0, le=1e6)] = 0.0
-    gpu_per_s: Annotated[float, Field(ge=0, le=1e6)] = 0.0
+    input_per_mtok: PriceRate = 0.0
+    output_per_mtok: PriceRate = 0.0
+    gpu_per_s: PriceRate = 0.0
 
     def price(self) -> Price:
         """As a ``Price`` in micros: per million tokens is micros per token; per second, 1,000 per ms."""

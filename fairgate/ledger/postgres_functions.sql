@@ -427,8 +427,10 @@ END $$;
 -- rules.settle's account step (_settled_account, _used_after) on one refreshed account.
 CREATE OR REPLACE FUNCTION fg_settled_account(
   a fg_accounts, lim float8[], o integer, r fg_reservations, returned_in bigint, returned_out bigint,
-  gpu_change float8, spend_change float8, is_final boolean) RETURNS fg_accounts
+  old_gpu float8, new_gpu float8, spend_change float8, is_final boolean) RETURNS fg_accounts
 LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+  gpu_change float8 := new_gpu - old_gpu;
 BEGIN
   IF a.input_level IS NOT NULL AND returned_in <> 0 THEN
     a.input_level := least(coalesce(lim[o + 5], 0.0), a.input_level + returned_in::float8);
@@ -442,7 +444,8 @@ BEGIN
   ELSE
     a.gpu_window_used_ms := greatest(0.0::float8, a.gpu_window_used_ms + gpu_change);
   END IF;
-  a.gpu_total_used_ms := greatest(0.0::float8, a.gpu_total_used_ms + gpu_change);
+  -- (used + new) - old, as rules.settle adds them: another order rounds differently at a budget's edge
+  a.gpu_total_used_ms := greatest(0.0::float8, a.gpu_total_used_ms + new_gpu - old_gpu);
   IF r.created_ms < a.spend_period_start_ms THEN
     a.spend_used_micros := a.spend_used_micros + greatest(0.0::float8, spend_change);
   ELSE
@@ -555,7 +558,7 @@ BEGIN
   FOR i IN 1..array_length(v_keys, 1) LOOP
     v_ok := fg_save_account(fg_settled_account(
       fg_refreshed(fg_account(r.tenant, v_keys[i]), v_lim, (i - 1) * 18, v_now), v_lim, (i - 1) * 18, r,
-      v_old_in - v_new_in, r.max_output_tokens - v_new_out, v_new_gpu - v_old_gpu, v_spend_change, p_final));
+      v_old_in - v_new_in, r.max_output_tokens - v_new_out, v_old_gpu, v_new_gpu, v_spend_change, p_final));
   END LOOP;
   v_ok := fg_add_event(r.tenant, p_id, v_kind, 0, v_b_in - r.billed_input_tokens,
     v_b_out - r.billed_output_tokens, v_b_gpu - r.billed_gpu_ms, v_overage - r.overage_gpu_ms,

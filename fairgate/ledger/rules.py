@@ -120,19 +120,30 @@ class Delta:
 # numbers lose precision (Redis keeps doubles: integers are exact below 2**53).
 MAX_TOKENS_PER_CALL = 10_000_000
 MAX_GPU_MS_PER_CALL = 86_400_000.0
+# The least GPU time that is not 0: times any price (0 or at least 1e-9 a unit) it stays a normal double, which
+# PostgreSQL's float8 needs (it raises on a product that underflows to 0, where Python rounds; an outside tester
+# passed 5e-324). Far below anything a meter charges.
+MIN_GPU_MS_PER_CALL = 1e-300
 
 
 def check_amounts(input_tokens: object, output_tokens: object, gpu_ms: object, what: str) -> None:
-    """Raise ``InvalidUsage`` unless the token counts are ints in [0, MAX_TOKENS_PER_CALL] and ``gpu_ms`` a
-    number in [0, MAX_GPU_MS_PER_CALL]."""
+    """Raise ``InvalidUsage`` unless the token counts are ints in [0, MAX_TOKENS_PER_CALL] and ``gpu_ms`` 0 or a
+    number in [MIN_GPU_MS_PER_CALL, MAX_GPU_MS_PER_CALL]."""
     for name, value in (
         ("input_tokens", input_tokens),
         (f"{'max_' if what == 'reserve' else ''}output_tokens", output_tokens),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS_PER_CALL:
             raise InvalidUsage(f"{what}: {name} must be an integer from 0 to {MAX_TOKENS_PER_CALL:,}, got {value!r}")
-    if isinstance(gpu_ms, bool) or not isinstance(gpu_ms, int | float) or not 0 <= gpu_ms <= MAX_GPU_MS_PER_CALL:
-        raise InvalidUsage(f"{what}: gpu_ms must be a number from 0 to {MAX_GPU_MS_PER_CALL:,.0f}, got {gpu_ms!r}")
+    if (
+        isinstance(gpu_ms, bool)
+        or not isinstance(gpu_ms, int | float)
+        or not (gpu_ms == 0 or MIN_GPU_MS_PER_CALL <= gpu_ms <= MAX_GPU_MS_PER_CALL)
+    ):
+        raise InvalidUsage(
+            f"{what}: gpu_ms must be 0 or a number from {MIN_GPU_MS_PER_CALL:g} to {MAX_GPU_MS_PER_CALL:,.0f}, "
+            f"got {gpu_ms!r}"
+        )
 
 
 def input_allowance(reserved_input_tokens: int) -> int:

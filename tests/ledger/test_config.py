@@ -27,7 +27,18 @@ def test_example_loads_with_overrides_per_tenant_and_model_class():
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"defaults": {"requests_per_minute": -5}}, "defaults.requests_per_minute: Input should be greater than 0"),
+        (
+            {"defaults": {"requests_per_minute": -5}},
+            "defaults.requests_per_minute: Input should be greater than or equal to 0.000000001",
+        ),
+        # Bounds that keep the ledger's arithmetic in normal doubles (PostgreSQL's float8 raises beyond them).
+        ({"defaults": {"requests_per_minute": 1e-320}}, "defaults.requests_per_minute: Input should be greater"),
+        (
+            {"defaults": {"gpu_seconds": 1e306}},
+            "defaults.gpu_seconds: Input should be less than or equal to 1000000000000000",
+        ),
+        ({"defaults": {"max_tokens_per_request": 10**13}}, "defaults.max_tokens_per_request: Input should be less"),
+        ({"pricing": {"model_class": {"m": {"gpu_per_s": 1e-320}}}}, "a price is 0 or at least 1e-9, got 1e-320"),
         ({"defaults": {"max_concurent": 3}}, "defaults.max_concurent: unknown key"),
         ({"defaults": {"max_concurrent": "many"}}, "defaults.max_concurrent"),
         ({"defaults": {"requests_burst": 0.5, "requests_per_minute": 10}}, "defaults.requests_burst"),

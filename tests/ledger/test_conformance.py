@@ -736,3 +736,28 @@ async def test_a_reservation_closed_in_the_next_gpu_window_gives_its_hold_back_t
         await ledger.reserve("a", "more", 1, 1, 4000.0)
     await ledger.settle(new.id, 1, 1, 3000.0, final=True)
     assert (await ledger.account("a", "*")).gpu_window_used_ms == 3000.0
+
+
+async def test_the_lifetime_gpu_total_is_summed_in_one_order_on_every_backend(open_ledger, clock):
+    """An outside tester's case: a settlement adds what it billed to the lifetime total and takes off what it held
+    in that order, ``(used + billed) - held``; PostgreSQL's function once took off ``billed - held``, which
+    rounds otherwise, and admitted at the budget's edge what the others refuse."""
+    ledger = await open_ledger({"defaults": {"gpu_seconds_total": 0.125}, "tenants": {"a": {}}}, clock)
+    await ledger.reserve("a", "r1", 1, 1, 0.2)
+    r2 = await ledger.reserve("a", "r2", 1, 1, 123.456)
+    await ledger.settle(r2.id, 1, 1, 5.55, final=True)
+    assert (await ledger.account("a")).gpu_total_used_ms == (0.2 + 123.456 + 5.55) - 123.456  # 5.750000000000014
+    with pytest.raises(QuotaExceeded) as refused:
+        await ledger.reserve("a", "r3", 1, 1, 119.25)
+    assert refused.value.dimension == "gpu_seconds_total"
+
+
+@pytest.mark.parametrize("gpu_ms", [5e-324, 1e-310, -0.5, float("nan")])
+async def test_a_gpu_time_below_the_least_is_refused_by_every_backend(ledger, gpu_ms):
+    """Not 0 and below 1e-300 ms: a product with a price underflows, which PostgreSQL's float8 raises on."""
+    with pytest.raises(InvalidUsage, match="gpu_ms must be 0 or a number from 1e-300"):
+        await ledger.reserve("a", "tiny", 1, 1, gpu_ms)
+    r = await ledger.reserve("a", "ok", 1, 1, 1e-300)
+    with pytest.raises(InvalidUsage, match="gpu_ms"):
+        await ledger.settle(r.id, 1, 1, gpu_ms, final=True)
+    assert (await ledger.settle(r.id, 1, 1, 0.0, final=True)).billed == Usage(1, 1, 0.0)
