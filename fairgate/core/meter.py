@@ -15,7 +15,7 @@ to the interval exactly, so the charges on an upstream add up to its measured bu
 Iteration boundaries: a replica admits new sequences only between iterations (continuous batching), so a
 request sent while an iteration runs is *pending* - it weighs nothing and is not counted in ``B`` - until
 the next boundary, which the meter sees as the next token to arrive from any request in flight (every
-running sequence emits one per iteration) or a request leaving - but not a token that arrives less than
+running sequence emits one per iteration) - but not a token that arrives less than
 ``boundary_lag_ms`` after the request was sent: the tokens of one iteration arrive as a burst, spread over
 the time the gateway takes to read them, and a request sent amid the burst (its slot freed by a request
 that ended in it) was not in the iteration the rest of the burst ends. The default lag is half the cost
@@ -154,17 +154,18 @@ def repaid_prefill(
     Over the window (that iteration, from the first token of the burst that began it) the requests were charged
     ``window_ms`` while the price rose ``window_price``: their average weight was ``window_ms / window_price``.
     Had the request weighed ``weight`` (its prefill and ``decode_weight``) in it, it would have been charged
-    ``T w p / (T + w p)`` of those ``T`` ms: that, but at most its prefill not yet attributed (``owed_ms``) and its
-    decode part of the share. Bounded by the window: a prompt the engine read from its prefix cache ended its
-    iteration early, and moves only what that took. The lenders are the requests of the window: each gives in
-    proportion to what it was charged there at its decode weight (``accrued_ms``), never more; a prefill, its
-    own or another's, is charged the model's time either way.
+    ``T w p / (T + w p)`` of those ``T`` ms: that, but at most its prefill not yet attributed (``owed_ms``) and one
+    decode step's share (``decode_weight``: the window is one step; a share inflated by the prefill of another
+    request late in the same burst took what that one is owed). Bounded by the window: a prompt the engine read
+    from its prefix cache ended its iteration early, and moves only what that took. The lenders are the requests
+    of the window: each gives in proportion to what it was charged there at its decode weight (``accrued_ms``),
+    never more; a prefill, its own or another's, is charged the model's time either way.
     """
     total = sum(a for a in accrued_ms if a > 0.0)
     if owed_ms <= 0.0 or total <= 0.0 or window_price <= 0.0 or window_ms <= 0.0 or weight <= 0.0:
         return [0.0] * len(accrued_ms)
     share = window_ms * weight * window_price / (window_ms + weight * window_price)
-    amount = min(share, owed_ms + share * decode_weight / weight, total)
+    amount = min(share, owed_ms + decode_weight, total)
     return [amount * max(a, 0.0) / total for a in accrued_ms]
 
 
@@ -545,7 +546,9 @@ class LiveMeter(MeterWindow):
         else:
             self._active_sequences -= request.sequences
             self._prefill_rate -= request.prefill_ms if request.prefilling else 0.0
-        self._boundary(now_ms)
+        # No boundary: a request that ends has had its last token (that was one), and one cut ends at any
+        # instant (an outside tester hung up on a request of its own to make another, pending, join early and
+        # leave its prefill mostly unattributed).
         self._reweigh()
         if not self._requests:  # idle: no prefill will end, and the next request starts a first iteration
             self._prefill_ends.clear()

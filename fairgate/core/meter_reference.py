@@ -249,7 +249,6 @@ class ReferenceMeter(MeterWindow):
         """It left the upstream (done, failed or cancelled). Returns the interval's charges and its total."""
         charges = self.advance(now_ms)
         request = self._requests.pop(request_id)
-        self._boundary(now_ms)
         self.first_iteration = self.first_iteration or not self._requests
         return charges, request.charged_ms
 

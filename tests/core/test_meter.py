@@ -449,3 +449,45 @@ def test_a_first_token_a_whole_step_after_the_join_ends_the_prefill_as_before():
     assert charged == pytest.approx(165.0 + 22.0 / 8, rel=1e-6)  # its step: 187 ms at 167.75 of 187
     meter.advance(66.0 + 187.0 + 22.0)
     assert meter.charged_ms("late") - charged == pytest.approx(22.0 / 8, rel=1e-6)
+
+
+def _one_decoding_then_two_sent_just_before_a_burst(meter: LiveMeter | ReferenceMeter, second_prompt: int) -> float:
+    """``v`` decodes alone in 8-ms steps; ``R`` (150-token prompt) and a second request are sent 1 and 0.5 ms
+    before the burst at 24 ms: pending at it, yet the engine takes both into the step it begins, which prefills
+    them. Returns when that step ends."""
+    meter.start("v", "v", 0, 0.0)
+    meter.first_token("v", 8.0)
+    meter.token(16.0)
+    meter.start("R", "a", 150, 23.0)
+    meter.start("S", "w", second_prompt, 23.5)
+    meter.token(24.0)
+    return 24.0 + ENGINE.iteration_ms(3, 150 + second_prompt)
+
+
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+def test_a_request_cut_mid_step_is_no_boundary(meter_kind):
+    """An outside tester hung up on a request of its own mid-step: had its leaving ended the step, the pending
+    request beside it would have joined there, its first token would not have been late, and its prefill would
+    have stayed mostly with the others (billed 99 ms of 169)."""
+    meter = meter_kind(ENGINE, 0.0)
+    end = _one_decoding_then_two_sent_just_before_a_burst(meter, 1)
+    meter.finish("S", 100.0)
+    meter.token(end)
+    meter.first_token("R", end)
+    assert meter.charged_ms("R") == pytest.approx(165.0 + 12.0 / 3, rel=0.01)  # its prefill, a third of the decode
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
+
+
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+def test_two_requests_late_in_one_burst_are_each_given_back_their_own_part(meter_kind):
+    """An outside tester's case: the first of two late requests read was given a share of the step that the
+    other's prefill swelled (a 1-token prompt billed 55 ms of a truth of 5, the other 123 of 169). Each is given
+    back at most its own prefill and one decode step's share."""
+    meter = meter_kind(ENGINE, 0.0)
+    end = _one_decoding_then_two_sent_just_before_a_burst(meter, 1)
+    meter.token(end)
+    meter.first_token("S", end)
+    meter.first_token("R", end)
+    assert meter.charged_ms("S") == pytest.approx(1.1 + 12.0 / 3, rel=0.01)
+    assert meter.charged_ms("R") == pytest.approx(165.0 + 12.0 / 3, rel=0.01)
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
