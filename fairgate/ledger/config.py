@@ -403,3 +403,26 @@ def load_quotas(path: str | Path) -> Quotas:
 
 
 LIMIT_FIELDS = tuple(f.name for f in fields(Limits))
+# The order in which the server-side code reads a book's limits, packed one after another: the Redis scripts
+# (prelude.lua's unpack_limits) and PostgreSQL's functions (postgres_functions.sql's header). A ``*_burst`` is
+# ``Limits.burst``, ``spend_period`` its code (``periods.PERIOD_CODES``).
+PACKED_LIMITS = (
+    "requests_per_minute",
+    "input_tokens_per_minute",
+    "output_tokens_per_minute",
+    "requests_burst",
+    "input_tokens_burst",
+    "output_tokens_burst",
+    "max_tokens_per_request",
+    "max_concurrent",
+    "max_queued",
+    "gpu_seconds",
+    "gpu_window_s",
+    "gpu_seconds_total",
+    "max_model_calls",
+    "max_tool_rounds",
+    "max_tokens",
+    "reservation_ttl_s",
+    "spend_budget",
+    "spend_period",
+)

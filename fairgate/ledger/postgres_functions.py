@@ -27,7 +27,7 @@ from typing import Any
 from fairgate.ledger import rules
 from fairgate.ledger import sql_schema as schema
 from fairgate.ledger.base import tenant_tag
-from fairgate.ledger.config import TENANT_ACCOUNT, Limits, Quotas, TenantQuota
+from fairgate.ledger.config import PACKED_LIMITS, TENANT_ACCOUNT, Limits, Quotas, TenantQuota
 from fairgate.ledger.model import (
     InvalidUsage,
     LedgerError,
@@ -45,26 +45,7 @@ from fairgate.ledger.periods import PERIOD_CODES
 FUNCTIONS = ("fg_reserve", "fg_close", "fg_claim", "fg_queue_step")
 # A book's limits as the functions read them (``postgres_functions.sql``'s header): a ``*_burst`` is
 # ``Limits.burst``, ``spend_period`` its code; None where there is no limit.
-LIMIT_ORDER = (
-    "requests_per_minute",
-    "input_tokens_per_minute",
-    "output_tokens_per_minute",
-    "requests_burst",
-    "input_tokens_burst",
-    "output_tokens_burst",
-    "max_tokens_per_request",
-    "max_concurrent",
-    "max_queued",
-    "gpu_seconds",
-    "gpu_window_s",
-    "gpu_seconds_total",
-    "max_model_calls",
-    "max_tool_rounds",
-    "max_tokens",
-    "reservation_ttl_s",
-    "spend_budget",
-    "spend_period",
-)
+LIMIT_ORDER = PACKED_LIMITS
 # Limits that are whole numbers: a QuotaExceeded on them reports an int ``remaining``, as ``rules`` does.
 INT_LIMITS = frozenset(
     {"max_tokens_per_request", "max_concurrent", "max_queued", "max_model_calls", "max_tool_rounds", "max_tokens"}

@@ -11,33 +11,14 @@ import struct
 from typing import Any
 
 from fairgate.ledger import rules
-from fairgate.ledger.config import LIMIT_FIELDS, TENANT_ACCOUNT, Limits, TenantQuota
+from fairgate.ledger.config import LIMIT_FIELDS, PACKED_LIMITS, TENANT_ACCOUNT, Limits, TenantQuota
 from fairgate.ledger.model import Event, Reservation, reservation_from_record
 from fairgate.ledger.periods import PERIOD_CODES
 
 # The limits sent to the scripts, as numbers (the bursts are sent as ``Limits.burst()``).
 _LIMIT_NAMES = tuple(name for name in LIMIT_FIELDS if not name.endswith("_burst"))
 # The order of the limits packed in a limits hash's values: the order prelude.lua's unpack_limits names them in.
-LIMIT_ORDER = (
-    "requests_per_minute",
-    "input_tokens_per_minute",
-    "output_tokens_per_minute",
-    "requests_burst",
-    "input_tokens_burst",
-    "output_tokens_burst",
-    "max_tokens_per_request",
-    "max_concurrent",
-    "max_queued",
-    "gpu_seconds",
-    "gpu_window_s",
-    "gpu_seconds_total",
-    "max_model_calls",
-    "max_tool_rounds",
-    "max_tokens",
-    "reservation_ttl_s",
-    "spend_budget",
-    "spend_period",  # as its code (periods.PERIOD_CODES)
-)
+LIMIT_ORDER = PACKED_LIMITS
 # Bumped when the hash's layout changes: it is part of what names a hash (``limits_hash``), so a process with
 # another layout never reads this one.
 LIMITS_LAYOUT = 2
