@@ -71,7 +71,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fairgate.ledger.model import FREE, InvalidUsage, Price, check_name
-from fairgate.ledger.periods import Period
+from fairgate.ledger.periods import PERIOD_CODES, Period
 from fairgate.tomlfile import read_toml
 
 
@@ -426,3 +426,17 @@ PACKED_LIMITS = (
     "spend_budget",
     "spend_period",
 )
+
+
+def packed_limit_values(limits: Limits) -> tuple[float | None, ...]:
+    """``limits`` in ``PACKED_LIMITS`` order, as numbers; None where there is no limit."""
+    values: list[float | None] = []
+    for name in PACKED_LIMITS:
+        if name.endswith("_burst"):
+            value: float | None = limits.burst(name.removesuffix("_burst"))
+        elif name == "spend_period":
+            value = PERIOD_CODES[limits.spend_period]
+        else:
+            value = getattr(limits, name)
+        values.append(None if value is None else float(value))
+    return tuple(values)

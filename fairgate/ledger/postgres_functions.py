@@ -27,7 +27,7 @@ from typing import Any
 from fairgate.ledger import rules
 from fairgate.ledger import sql_schema as schema
 from fairgate.ledger.base import tenant_tag
-from fairgate.ledger.config import PACKED_LIMITS, TENANT_ACCOUNT, Limits, Quotas, TenantQuota
+from fairgate.ledger.config import TENANT_ACCOUNT, Limits, Quotas, TenantQuota, packed_limit_values
 from fairgate.ledger.model import (
     InvalidUsage,
     LedgerError,
@@ -39,13 +39,9 @@ from fairgate.ledger.model import (
     UnknownTenant,
     Usage,
 )
-from fairgate.ledger.periods import PERIOD_CODES
 
 # What ``_prepare`` creates (with their helpers) and, with ``create=False``, requires.
 FUNCTIONS = ("fg_reserve", "fg_close", "fg_claim", "fg_queue_step")
-# A book's limits as the functions read them (``postgres_functions.sql``'s header): a ``*_burst`` is
-# ``Limits.burst``, ``spend_period`` its code; None where there is no limit.
-LIMIT_ORDER = PACKED_LIMITS
 # Limits that are whole numbers: a QuotaExceeded on them reports an int ``remaining``, as ``rules`` does.
 INT_LIMITS = frozenset(
     {"max_tokens_per_request", "max_concurrent", "max_queued", "max_model_calls", "max_tool_rounds", "max_tokens"}
@@ -62,19 +58,8 @@ def definitions(schema_name: str) -> list[str]:
     return [part for part in qualified.split(_STATEMENT_END) if part.strip()]
 
 
-@lru_cache(maxsize=1024)
-def packed(limits: Limits) -> tuple[float | None, ...]:
-    """``limits`` in ``LIMIT_ORDER``."""
-    values: list[float | None] = []
-    for name in LIMIT_ORDER:
-        if name.endswith("_burst"):
-            value: float | None = limits.burst(name.removesuffix("_burst"))
-        elif name == "spend_period":
-            value = PERIOD_CODES[limits.spend_period]
-        else:
-            value = getattr(limits, name)
-        values.append(None if value is None else float(value))
-    return tuple(values)
+# A book's limits as the functions read them (``postgres_functions.sql``'s header), kept per ``Limits``.
+packed = lru_cache(maxsize=1024)(packed_limit_values)
 
 
 def packed_books(books: Mapping[str, Limits]) -> list[float | None]:

@@ -11,7 +11,7 @@ import struct
 from typing import Any
 
 from fairgate.ledger import rules
-from fairgate.ledger.config import LIMIT_FIELDS, PACKED_LIMITS, TENANT_ACCOUNT, Limits, TenantQuota
+from fairgate.ledger.config import LIMIT_FIELDS, PACKED_LIMITS, TENANT_ACCOUNT, Limits, TenantQuota, packed_limit_values
 from fairgate.ledger.model import Event, Reservation, reservation_from_record
 from fairgate.ledger.periods import PERIOD_CODES
 
@@ -60,10 +60,7 @@ def _limit_value(limits: Limits, name: str) -> float | int | None:
 def packed_limits(limits: Limits) -> bytes:
     """``limits`` in ``LIMIT_ORDER`` as little-endian doubles, NaN where there is no limit (a ``*_burst`` is
     ``Limits.burst``, the bucket's capacity): what ``prelude.lua``'s ``unpack_limits`` reads back exactly."""
-    values = []
-    for name in LIMIT_ORDER:
-        value = limits.burst(name.removesuffix("_burst")) if name.endswith("_burst") else _limit_value(limits, name)
-        values.append(math.nan if value is None else float(value))
+    values = [math.nan if value is None else value for value in packed_limit_values(limits)]
     return struct.pack(f"<{len(values)}d", *values)
 
 
