@@ -266,13 +266,15 @@ async def _add_columns(connection: psycopg.AsyncConnection[Any], schema: str) ->
 
 
 async def _require_functions(connection: psycopg.AsyncConnection[Any], schema: str, url: str) -> None:
-    """Raise ``LedgerUnavailable`` unless the request path's functions are in ``schema`` (``create=False``)."""
+    """Raise ``LedgerUnavailable`` unless the request path's functions, helpers included, are in ``schema``
+    (``create=False``)."""
+    names = fn.function_names()
     cursor = await connection.execute(
         "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
         "WHERE n.nspname = %(schema)s AND p.proname = ANY(%(names)s)",
-        {"schema": schema, "names": list(fn.FUNCTIONS)},
+        {"schema": schema, "names": list(names)},
     )
-    missing = sorted(set(fn.FUNCTIONS) - {name for (name,) in await cursor.fetchall()})
+    missing = sorted(set(names) - {name for (name,) in await cursor.fetchall()})
     if missing:
         raise LedgerUnavailable(
             f"postgres ledger: the ledger at {_redacted(url)} (create=False) lacks the functions {', '.join(missing)} "

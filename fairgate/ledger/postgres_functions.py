@@ -40,22 +40,33 @@ from fairgate.ledger.model import (
     Usage,
 )
 
-# What ``_prepare`` creates (with their helpers) and, with ``create=False``, requires.
+# The request path's calls (``call``); ``function_names`` are these and the helpers they call.
 FUNCTIONS = ("fg_reserve", "fg_close", "fg_claim", "fg_queue_step")
 # Limits that are whole numbers: a QuotaExceeded on them reports an int ``remaining``, as ``rules`` does.
 INT_LIMITS = frozenset(
     {"max_tokens_per_request", "max_concurrent", "max_queued", "max_model_calls", "max_tool_rounds", "max_tokens"}
 )
 _LEDGER_NAME = re.compile(r"\bfg_[a-z_]+\b")
+_CREATED = re.compile(r"^CREATE OR REPLACE FUNCTION (fg_[a-z_]+)\b", re.M)
 _STATEMENT_END = "\n-- ;;\n"
+
+
+def _source() -> str:
+    return resources.files("fairgate.ledger").joinpath("postgres_functions.sql").read_text(encoding="utf-8")
 
 
 def definitions(schema_name: str) -> list[str]:
     """The ``CREATE OR REPLACE FUNCTION`` statements, every ledger table, type and function named with its schema
     (no ``search_path``: nothing depends on the session)."""
-    text = resources.files("fairgate.ledger").joinpath("postgres_functions.sql").read_text(encoding="utf-8")
-    qualified = _LEDGER_NAME.sub(lambda m: f'"{schema_name}".{m.group(0)}', text)
+    qualified = _LEDGER_NAME.sub(lambda m: f'"{schema_name}".{m.group(0)}', _source())
     return [part for part in qualified.split(_STATEMENT_END) if part.strip()]
+
+
+@lru_cache(maxsize=1)
+def function_names() -> tuple[str, ...]:
+    """Every function ``definitions`` creates, the calls and their helpers, in the file's order: what ``_prepare``
+    creates and, with ``create=False``, requires (a call finding a helper missing fails only when it runs)."""
+    return tuple(_CREATED.findall(_source()))
 
 
 # A book's limits as the functions read them (``postgres_functions.sql``'s header), kept per ``Limits``.

@@ -311,6 +311,36 @@ BEGIN
   RETURN v_run;
 END $$;
 -- ;;
+-- rules.reserve's checks before the run's: p_tenant's accounts of p_keys refreshed to now_ms, then each check on
+-- every account in turn; the accounts as refreshed, or a refusal (FG001).
+CREATE OR REPLACE FUNCTION fg_checked_accounts(
+  p_tenant text, p_keys text[], p_limits float8[], now_ms float8, again boolean, p_in bigint, p_out bigint,
+  p_estimate float8, p_spend float8) RETURNS fg_accounts[]
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_ok boolean;
+  v_n integer := array_length(p_keys, 1);
+  v_accs fg_accounts[] := '{}';
+BEGIN
+  FOR i IN 1..v_n LOOP
+    v_accs[i] := fg_refreshed(fg_account(p_tenant, p_keys[i]), p_limits, (i - 1) * 18, now_ms);
+  END LOOP;
+  FOR i IN 1..v_n LOOP
+    v_ok := fg_check_rates(v_accs[i], p_limits, (i - 1) * 18, p_keys[i], again, p_in, p_out);
+  END LOOP;
+  FOR i IN 1..v_n LOOP
+    IF p_limits[(i - 1) * 18 + 8] IS NOT NULL AND (v_accs[i]).concurrent::float8 >= p_limits[(i - 1) * 18 + 8] THEN
+      PERFORM fg_refuse('max_concurrent', 1.0, 0, p_keys[i]);  -- 1.0: rules.CONCURRENCY_RETRY_S
+    END IF;
+  END LOOP;
+  FOR which IN 1..2 LOOP
+    FOR i IN 1..v_n LOOP
+      v_ok := fg_check_budgets(v_accs[i], p_limits, (i - 1) * 18, p_keys[i], p_estimate, p_spend, now_ms, which);
+    END LOOP;
+  END LOOP;
+  RETURN v_accs;
+END $$;
+-- ;;
 -- rules.reserve with the retry rules (check_retry, reopens, reopened): the reservation made or re-opened
 -- ('ok'), or the request id's earlier one returned as it is ('existing': the caller checks its arguments),
 -- with the binding account (the last book's) as written, or as stored for 'existing'.
@@ -323,7 +353,7 @@ DECLARE
   v_locked text;  -- pg_advisory_xact_lock returns void
   v_ok boolean;
   v_r fg_reservations;
-  v_accs fg_accounts[] := '{}';
+  v_accs fg_accounts[];
   v_a fg_accounts;
   v_n integer := array_length(p_keys, 1);
   v_again boolean := false;
@@ -346,22 +376,7 @@ BEGIN
     v_again := true;
   END IF;
   v_now := fg_now(p_now);
-  FOR i IN 1..v_n LOOP
-    v_accs[i] := fg_refreshed(fg_account(p_tenant, p_keys[i]), p_limits, (i - 1) * 18, v_now);
-  END LOOP;
-  FOR i IN 1..v_n LOOP  -- the order of rules.reserve: each check on every account in turn
-    v_ok := fg_check_rates(v_accs[i], p_limits, (i - 1) * 18, p_keys[i], v_again, p_in, p_out);
-  END LOOP;
-  FOR i IN 1..v_n LOOP
-    IF p_limits[(i - 1) * 18 + 8] IS NOT NULL AND (v_accs[i]).concurrent::float8 >= p_limits[(i - 1) * 18 + 8] THEN
-      PERFORM fg_refuse('max_concurrent', 1.0, 0, p_keys[i]);  -- 1.0: rules.CONCURRENCY_RETRY_S
-    END IF;
-  END LOOP;
-  FOR which IN 1..2 LOOP
-    FOR i IN 1..v_n LOOP
-      v_ok := fg_check_budgets(v_accs[i], p_limits, (i - 1) * 18, p_keys[i], p_estimate, v_spend, v_now, which);
-    END LOOP;
-  END LOOP;
+  v_accs := fg_checked_accounts(p_tenant, p_keys, p_limits, v_now, v_again, p_in, p_out, p_estimate, v_spend);
   IF p_run_id IS NOT NULL THEN
     v_run := fg_counted_run(fg_run(p_tenant, p_run_id), p_limits, (v_n - 1) * 18, p_keys[v_n], v_again,
       p_tool_round, p_in + p_out);
@@ -460,6 +475,71 @@ BEGIN
   RETURN a;
 END $$;
 -- ;;
+-- rules.settle's writes, for fg_close: reservation r (open, as read) billed b_in, b_out and b_gpu, closed
+-- (p_final) as p_kind says; its books' accounts (keys, lim) refreshed to now_ms and charged or given back, its
+-- event and its run's tokens. The reservation as written.
+CREATE OR REPLACE FUNCTION fg_close_writes(
+  r fg_reservations, p_kind text, p_final boolean, b_in bigint, b_out bigint, b_gpu float8, now_ms float8,
+  keys text[], lim float8[]) RETURNS fg_reservations
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_ok boolean;
+  v_res fg_reservations;
+  v_old_in bigint;
+  v_old_gpu float8;
+  v_new_in bigint;
+  v_new_out bigint;
+  v_new_gpu float8;
+  v_spend_change float8;
+  v_run fg_runs;
+  v_overage float8;
+  v_status text := 'open';
+  v_kind text := 'settle';
+BEGIN
+  -- rules._held: before, and after this call
+  v_old_in := greatest(r.input_tokens, r.billed_input_tokens);
+  v_old_gpu := greatest(r.gpu_ms_estimate, r.billed_gpu_ms);
+  IF p_final THEN
+    v_new_in := b_in;
+    v_new_out := b_out;
+    v_new_gpu := b_gpu;
+  ELSE
+    v_new_in := greatest(r.input_tokens, b_in);
+    v_new_out := r.max_output_tokens;
+    v_new_gpu := greatest(r.gpu_ms_estimate, b_gpu);
+  END IF;
+  v_spend_change := fg_spend(r.price_input_micros, r.price_output_micros, r.price_gpu_micros, v_new_in, v_new_out,
+      v_new_gpu)
+    - fg_spend(r.price_input_micros, r.price_output_micros, r.price_gpu_micros, v_old_in, r.max_output_tokens,
+      v_old_gpu);
+  v_overage := greatest(0.0::float8, b_gpu - r.gpu_ms_estimate);
+  IF p_final THEN
+    v_status := CASE p_kind WHEN 'settle' THEN 'settled' WHEN 'cancel' THEN 'cancelled' ELSE 'expired' END;
+    v_kind := CASE p_kind WHEN 'settle' THEN 'settle_final' ELSE p_kind END;
+  END IF;
+  UPDATE fg_reservations SET status = v_status, billed_input_tokens = b_in, billed_output_tokens = b_out,
+    billed_gpu_ms = b_gpu, overage_gpu_ms = v_overage, final_ms = CASE WHEN p_final THEN now_ms END,
+    queued = CASE WHEN p_final THEN 0 ELSE queued END
+    WHERE id = r.id RETURNING * INTO v_res;
+  FOR i IN 1..array_length(keys, 1) LOOP
+    v_ok := fg_save_account(fg_settled_account(
+      fg_refreshed(fg_account(r.tenant, keys[i]), lim, (i - 1) * 18, now_ms), lim, (i - 1) * 18, r,
+      v_old_in - v_new_in, r.max_output_tokens - v_new_out, v_old_gpu, v_new_gpu, v_spend_change, p_final));
+  END LOOP;
+  v_ok := fg_add_event(r.tenant, r.id, v_kind, 0, b_in - r.billed_input_tokens,
+    b_out - r.billed_output_tokens, b_gpu - r.billed_gpu_ms, v_overage - r.overage_gpu_ms,
+    fg_spend(r.price_input_micros, r.price_output_micros, r.price_gpu_micros, b_in, b_out, b_gpu)
+      - fg_spend(r.price_input_micros, r.price_output_micros, r.price_gpu_micros, r.billed_input_tokens,
+        r.billed_output_tokens, r.billed_gpu_ms),
+    now_ms);
+  IF r.run_id IS NOT NULL THEN
+    v_run := fg_run(r.tenant, r.run_id);
+    v_run.tokens := greatest(0, v_run.tokens + (v_new_in + v_new_out) - (v_old_in + r.max_output_tokens));
+    v_ok := fg_save_run(v_run);
+  END IF;
+  RETURN v_res;
+END $$;
+-- ;;
 -- rules.settle (settle, cancel, expire; p_in NULL: what the reservation has billed, as the sweep's expiry
 -- bills). 'ok', 'unchanged' (a repeated partial settlement) or 'final' (closed already: the caller applies
 -- rules.check_final_again). p_tenant is the configured tenant the id's tag names (NULL: none); a reservation
@@ -471,7 +551,6 @@ CREATE OR REPLACE FUNCTION fg_close(
 LANGUAGE plpgsql AS $$
 DECLARE
   v_locked text;  -- pg_advisory_xact_lock returns void
-  v_ok boolean;
   v_books record;
   r fg_reservations;
   v_b_in bigint;
@@ -480,16 +559,6 @@ DECLARE
   v_now float8;
   v_keys text[] := ARRAY['*'];
   v_lim float8[] := p_fallback;
-  v_old_in bigint;
-  v_old_gpu float8;
-  v_new_in bigint;
-  v_new_out bigint;
-  v_new_gpu float8;
-  v_spend_change float8;
-  v_run fg_runs;
-  v_overage float8;
-  v_status text := 'open';
-  v_kind text := 'settle';
 BEGIN
   v_locked := pg_advisory_xact_lock(p_lock);
   SELECT * INTO r FROM fg_reservations WHERE id = p_id;
@@ -530,47 +599,7 @@ BEGIN
       DETAIL = r.max_output_tokens || ' ' || r.billed_input_tokens || ' ' || r.billed_output_tokens || ' '
         || encode(float8send(r.billed_gpu_ms), 'hex');
   END IF;
-  -- rules._held: before, and after this call
-  v_old_in := greatest(r.input_tokens, r.billed_input_tokens);
-  v_old_gpu := greatest(r.gpu_ms_estimate, r.billed_gpu_ms);
-  IF p_final THEN
-    v_new_in := v_b_in;
-    v_new_out := v_b_out;
-    v_new_gpu := v_b_gpu;
-  ELSE
-    v_new_in := greatest(r.input_tokens, v_b_in);
-    v_new_out := r.max_output_tokens;
-    v_new_gpu := greatest(r.gpu_ms_estimate, v_b_gpu);
-  END IF;
-  v_spend_change := fg_spend(r.price_input_micros, r.price_output_micros, r.price_gpu_micros, v_new_in, v_new_out,
-      v_new_gpu)
-    - fg_spend(r.price_input_micros, r.price_output_micros, r.price_gpu_micros, v_old_in, r.max_output_tokens,
-      v_old_gpu);
-  v_overage := greatest(0.0::float8, v_b_gpu - r.gpu_ms_estimate);
-  IF p_final THEN
-    v_status := CASE p_kind WHEN 'settle' THEN 'settled' WHEN 'cancel' THEN 'cancelled' ELSE 'expired' END;
-    v_kind := CASE p_kind WHEN 'settle' THEN 'settle_final' ELSE p_kind END;
-  END IF;
-  UPDATE fg_reservations SET status = v_status, billed_input_tokens = v_b_in, billed_output_tokens = v_b_out,
-    billed_gpu_ms = v_b_gpu, overage_gpu_ms = v_overage, final_ms = CASE WHEN p_final THEN v_now END,
-    queued = CASE WHEN p_final THEN 0 ELSE queued END
-    WHERE id = p_id RETURNING * INTO res;
-  FOR i IN 1..array_length(v_keys, 1) LOOP
-    v_ok := fg_save_account(fg_settled_account(
-      fg_refreshed(fg_account(r.tenant, v_keys[i]), v_lim, (i - 1) * 18, v_now), v_lim, (i - 1) * 18, r,
-      v_old_in - v_new_in, r.max_output_tokens - v_new_out, v_old_gpu, v_new_gpu, v_spend_change, p_final));
-  END LOOP;
-  v_ok := fg_add_event(r.tenant, p_id, v_kind, 0, v_b_in - r.billed_input_tokens,
-    v_b_out - r.billed_output_tokens, v_b_gpu - r.billed_gpu_ms, v_overage - r.overage_gpu_ms,
-    fg_spend(r.price_input_micros, r.price_output_micros, r.price_gpu_micros, v_b_in, v_b_out, v_b_gpu)
-      - fg_spend(r.price_input_micros, r.price_output_micros, r.price_gpu_micros, r.billed_input_tokens,
-        r.billed_output_tokens, r.billed_gpu_ms),
-    v_now);
-  IF r.run_id IS NOT NULL THEN
-    v_run := fg_run(r.tenant, r.run_id);
-    v_run.tokens := greatest(0, v_run.tokens + (v_new_in + v_new_out) - (v_old_in + r.max_output_tokens));
-    v_ok := fg_save_run(v_run);
-  END IF;
+  res := fg_close_writes(r, p_kind, p_final, v_b_in, v_b_out, v_b_gpu, v_now, v_keys, v_lim);
   code := 'ok';
 END $$;
 -- ;;

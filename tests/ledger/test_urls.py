@@ -24,6 +24,7 @@ import pytest
 from redis.asyncio import Redis
 
 from fairgate.ledger import InvalidUsage, LedgerUnavailable, quotas_from_dict
+from fairgate.ledger import postgres_functions as fn
 from fairgate.ledger.postgres import PostgresLedger
 from fairgate.ledger.redis import RedisLedger
 
@@ -637,15 +638,25 @@ async def test_postgres_create_false_refuses_a_schema_without_the_tables(postgre
             await connection.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
-async def test_postgres_create_false_refuses_a_ledger_without_its_functions(postgres_url):
+def test_postgres_create_false_requires_every_function_the_ledger_creates():
+    """A call's helpers too: a call whose helper is missing fails only when it runs, not when the ledger opens."""
+    names = fn.function_names()
+    assert len(names) == len(set(names)) == len(fn.definitions("s"))  # each statement creates one function
+    assert set(fn.FUNCTIONS) <= set(names)
+    assert {"fg_checked_accounts", "fg_close_writes"} <= set(names)
+
+
+# A call (fg_claim) and a helper of one (fg_close_writes, called by fg_close).
+@pytest.mark.parametrize("function", ["fg_claim", "fg_close_writes"])
+async def test_postgres_create_false_refuses_a_ledger_without_its_functions(postgres_url, function):
     """The request path runs in the ledger's server-side functions: tables without them are no ledger to serve."""
     schema = token()
     url = f"{postgres_url}?schema={schema}"
     made = await PostgresLedger.open(url, QUOTAS)
     try:
         async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as connection:
-            await connection.execute(f"DROP FUNCTION {schema}.fg_claim")
-        await fails(PostgresLedger.open(url, QUOTAS, create=False), LedgerUnavailable, "fg_claim", "create=True")
+            await connection.execute(f"DROP FUNCTION {schema}.{function}")
+        await fails(PostgresLedger.open(url, QUOTAS, create=False), LedgerUnavailable, function, "create=True")
         again = await PostgresLedger.open(url, QUOTAS)  # create=True installs them again
         await again.close()
         ledger = await PostgresLedger.open(url, QUOTAS, create=False)
