@@ -122,38 +122,38 @@ BEGIN
   RETURN true;
 END $$;
 -- ;;
--- rules.refreshed: the book at offset o of lim (its limits) brought up to now; the buckets as
--- ratelimit.refill (a NULL level is a new bucket, full now).
+-- ratelimit.refill at a rate per minute, its two results one function each (one SQL expression each, inlined
+-- where used: a pair as an array costs a PL/pgSQL array per bucket). A NULL level is a new bucket, full now; a
+-- NULL rate, no bucket: the level and its time as they are.
+CREATE OR REPLACE FUNCTION fg_refill_level(level float8, updated_ms float8, now_ms float8, rate float8, burst float8)
+RETURNS float8 LANGUAGE sql IMMUTABLE AS $$
+  SELECT CASE WHEN rate IS NULL THEN level WHEN level IS NULL THEN burst
+    ELSE least(burst, level + greatest(0.0::float8, now_ms - updated_ms) * rate / 60000.0::float8) END
+$$;
+-- ;;
+CREATE OR REPLACE FUNCTION fg_refill_time(level float8, updated_ms float8, now_ms float8, rate float8)
+RETURNS float8 LANGUAGE sql IMMUTABLE AS $$
+  SELECT CASE WHEN rate IS NULL THEN updated_ms WHEN level IS NULL THEN now_ms ELSE greatest(updated_ms, now_ms) END
+$$;
+-- ;;
+-- rules.refreshed: the book at offset o of lim (its limits) brought up to now; both of a bucket's results come
+-- from its level as read (v_level).
 CREATE OR REPLACE FUNCTION fg_refreshed(a fg_accounts, lim float8[], o integer, now_ms float8) RETURNS fg_accounts
 LANGUAGE plpgsql IMMUTABLE AS $$
 DECLARE
   v_window_ms float8 := lim[o + 11] * 1000.0::float8;
   v_start float8;
+  v_level float8;
 BEGIN
-  IF lim[o + 1] IS NOT NULL AND a.requests_level IS NULL THEN
-    a.requests_level := coalesce(lim[o + 4], 0.0);
-    a.requests_updated_ms := now_ms;
-  ELSIF lim[o + 1] IS NOT NULL THEN
-    a.requests_level := least(coalesce(lim[o + 4], 0.0),
-      a.requests_level + greatest(0.0::float8, now_ms - a.requests_updated_ms) * lim[o + 1] / 60000.0::float8);
-    a.requests_updated_ms := greatest(a.requests_updated_ms, now_ms);
-  END IF;
-  IF lim[o + 2] IS NOT NULL AND a.input_level IS NULL THEN
-    a.input_level := coalesce(lim[o + 5], 0.0);
-    a.input_updated_ms := now_ms;
-  ELSIF lim[o + 2] IS NOT NULL THEN
-    a.input_level := least(coalesce(lim[o + 5], 0.0),
-      a.input_level + greatest(0.0::float8, now_ms - a.input_updated_ms) * lim[o + 2] / 60000.0::float8);
-    a.input_updated_ms := greatest(a.input_updated_ms, now_ms);
-  END IF;
-  IF lim[o + 3] IS NOT NULL AND a.output_level IS NULL THEN
-    a.output_level := coalesce(lim[o + 6], 0.0);
-    a.output_updated_ms := now_ms;
-  ELSIF lim[o + 3] IS NOT NULL THEN
-    a.output_level := least(coalesce(lim[o + 6], 0.0),
-      a.output_level + greatest(0.0::float8, now_ms - a.output_updated_ms) * lim[o + 3] / 60000.0::float8);
-    a.output_updated_ms := greatest(a.output_updated_ms, now_ms);
-  END IF;
+  v_level := a.requests_level;
+  a.requests_level := fg_refill_level(v_level, a.requests_updated_ms, now_ms, lim[o + 1], coalesce(lim[o + 4], 0.0));
+  a.requests_updated_ms := fg_refill_time(v_level, a.requests_updated_ms, now_ms, lim[o + 1]);
+  v_level := a.input_level;
+  a.input_level := fg_refill_level(v_level, a.input_updated_ms, now_ms, lim[o + 2], coalesce(lim[o + 5], 0.0));
+  a.input_updated_ms := fg_refill_time(v_level, a.input_updated_ms, now_ms, lim[o + 2]);
+  v_level := a.output_level;
+  a.output_level := fg_refill_level(v_level, a.output_updated_ms, now_ms, lim[o + 3], coalesce(lim[o + 6], 0.0));
+  a.output_updated_ms := fg_refill_time(v_level, a.output_updated_ms, now_ms, lim[o + 3]);
   IF now_ms >= a.gpu_window_start_ms + v_window_ms THEN
     a.gpu_window_start_ms := now_ms - fg_fmod(now_ms, v_window_ms);
     a.gpu_window_used_ms := 0.0;

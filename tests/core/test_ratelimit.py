@@ -1,17 +1,22 @@
 """The token-bucket arithmetic against one table of cases: refill, the burst cap, exact boundaries, the wait
 before a retry, giving units back. Each case runs on the Python implementation (``fairgate.core.ratelimit``)
 and on the Lua one the Redis ledger runs (``fairgate/ledger/redis/scripts/bucket.lua``, on the real
-server): the two must agree bit for bit, so every expected value is a literal double compared with ``==``."""
+server); the refills at a rate per minute also on the PostgreSQL ledger's (``fg_refill_level`` and
+``fg_refill_time`` in ``fairgate/ledger/postgres_functions.sql``). They must agree bit for bit, so every
+expected value is a literal double compared with ``==``."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from redis.asyncio import Redis
 
 from fairgate.core import ratelimit
+from fairgate.ledger import postgres_functions
 from fairgate.ledger.redis.lua import source
 
 MINUTE_MS = 60_000.0
@@ -95,6 +100,49 @@ async def bucket(request: pytest.FixtureRequest) -> AsyncIterator[Bucket]:
 )
 async def test_bucket_arithmetic(bucket, operation, args, expected):
     assert await bucket(operation, args) == expected
+
+
+# The PostgreSQL functions refill at a rate per minute only (every bucket of the ledger's).
+PER_MINUTE_REFILLS = [c for c in BUCKET_CASES if c[1] == "refill" and c[2][-1] == MINUTE_MS]
+
+
+@pytest.fixture(scope="module")
+def postgres_refill(postgres_url: str) -> Iterator[Callable[[tuple[Any, ...]], tuple[float, float]]]:
+    """``refill(args)`` with ``ratelimit.refill``'s arguments, on the two functions in a schema of their own."""
+    schema = f"fgt_refill_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_url, autocommit=True) as connection:
+        connection.execute(f'CREATE SCHEMA "{schema}"')
+        try:
+            for statement in postgres_functions.definitions(schema):
+                if f'FUNCTION "{schema}".fg_refill_' in statement:
+                    connection.execute(statement)
+            query = (
+                f'SELECT "{schema}".fg_refill_level(%s::float8, %s::float8, %s::float8, %s::float8, %s::float8), '
+                f'"{schema}".fg_refill_time(%s::float8, %s::float8, %s::float8, %s::float8)'
+            )
+
+            def refill(args: tuple[Any, ...]) -> tuple[float, float]:
+                level, updated_ms, now_ms, rate, burst, _per_ms = args
+                row = connection.execute(
+                    query, (level, updated_ms, now_ms, rate, burst, level, updated_ms, now_ms, rate)
+                )
+                return tuple(row.fetchone() or ())
+
+            yield refill
+        finally:
+            connection.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"), [c[2:] for c in PER_MINUTE_REFILLS], ids=[c[0] for c in PER_MINUTE_REFILLS]
+)
+def test_refill_on_postgresql(postgres_refill, args, expected):
+    assert postgres_refill(args) == expected
+
+
+def test_postgresql_refill_without_a_rate_leaves_the_bucket_as_it_is(postgres_refill):
+    assert postgres_refill((3.5, 9_000.0, 4_000.0, None, 20.0, MINUTE_MS)) == (3.5, 9_000.0)
+    assert postgres_refill((None, 9_000.0, 4_000.0, None, 20.0, MINUTE_MS)) == (None, 9_000.0)
 
 
 def test_token_bucket_is_the_same_arithmetic_per_ms():

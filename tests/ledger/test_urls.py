@@ -643,7 +643,7 @@ def test_postgres_create_false_requires_every_function_the_ledger_creates():
     names = fn.function_names()
     assert len(names) == len(set(names)) == len(fn.definitions("s"))  # each statement creates one function
     assert set(fn.FUNCTIONS) <= set(names)
-    assert {"fg_checked_accounts", "fg_close_writes"} <= set(names)
+    assert {"fg_checked_accounts", "fg_close_writes", "fg_refill_level", "fg_refill_time"} <= set(names)
 
 
 # A call (fg_claim) and a helper of one (fg_close_writes, called by fg_close).
