@@ -26,6 +26,28 @@ def test_no_function_in_the_package_is_longer_than_80_lines():
     assert not long, "functions over 80 lines:\n" + "\n".join(long)
 
 
+# A SQL function from its CREATE line to the line that closes its body ($$ followed by ;).
+_SQL_FUNCTION = re.compile(r"^CREATE (?:OR REPLACE )?FUNCTION\s+(\w+).*?\$\$;", re.M | re.S)
+
+
+def test_no_sql_function_in_the_package_is_longer_than_80_lines():
+    """The PostgreSQL server-side functions (PL/pgSQL and SQL) keep the same rule as the Python."""
+    long, found = [], 0
+    for path in sorted((REPO / "fairgate").rglob("*.sql")):
+        text = path.read_text(encoding="utf-8")
+        matches = list(_SQL_FUNCTION.finditer(text))
+        # one match a CREATE: a body closed otherwise would run on into the next function uncounted
+        assert len(matches) == len(re.findall(r"^CREATE (?:OR REPLACE )?FUNCTION", text, re.M)), path
+        found += len(matches)
+        for match in matches:
+            lines = match.group(0).count("\n") + 1
+            if lines > FUNCTION_LINES_MAX:
+                line = text.count("\n", 0, match.start()) + 1
+                long.append(f"{path.relative_to(REPO)}:{line} {match.group(1)} ({lines} lines)")
+    assert found, "no SQL functions found: the pattern does not match the files"
+    assert not long, "SQL functions over 80 lines:\n" + "\n".join(long)
+
+
 def test_package_comments_say_why_not_history():
     """History is git's: no issue numbers or bug stories in the package's comments and docstrings."""
     pattern = re.compile(r"\bissue \d+|\(issue|\bfound by (a|the) (helper|drill|tester)|\bused to be\b", re.I)
