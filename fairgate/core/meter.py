@@ -51,6 +51,17 @@ iteration it is not in (bench/live_fairness.py's Azure replay measured prompt-he
   so jitter in reading bursts bills prefill-heavy requests a little under (through the emulated replica,
   about 2 % of a tenant of 1-3-token replies).
 
+A request cut by its caller (the client left, a deadline) leaves as an engine lets it go: between steps (vLLM
+and llama.cpp take aborts then; the emulated replica charges such a sequence its whole step). One in the running
+step stays in it, weighed as before, until the step ends: the next burst's first token, or the cost model's end
+of the step by the caller's clock (``cut``, ``depart``, ``step_left_ms``); it then weighs nothing and leaves
+when that burst is over, lending to a late request's prefill meanwhile. One still pending leaves at once,
+unless it may be in the running step (sent within ``boundary_lag_ms`` of that step's first token): it joins it
+as at its first token. Through the emulated replica, long prompts cut 5-250 ms after their send beside a
+decoding tenant were billed 0.99-1.00 of the replica's charge rule, the decoders 1.01-1.04; let go at the cut
+(billed the part of its prefill step gone by, nothing when pending, the others the rest), 0.56-0.59 and
+1.56-1.66 (tests/gateway/test_meter_truth.py).
+
 The decode step the weights use is the cost model's times ``decode_scale`` (``set_decode_scale``; 1 by
 default): the gateway sets it to the drift check's observed / predicted decode step (``fairgate.core.drift``).
 In a plain decode step it changes nothing (every sequence weighs alike); in an iteration that also prefills,
@@ -120,6 +131,7 @@ class _InFlight:
     prefill_ms: float  # the cost model's prefill time of its prompt
     prefilling: bool = True
     pending: bool = False  # sent, but the replica has not reached an iteration boundary since
+    stopped: bool = False  # ``cut``, and the step it was cut in ended: no weight, a lender until the burst is over
     sent_ms: float = 0.0
     joined_ms: float = -math.inf  # the token burst at which it joined the iteration (-inf: at its send)
     charged_ms: float = 0.0  # as of ``mark`` (the meter's price then)
@@ -219,6 +231,7 @@ class MeterWindow:
         self.decode_scale = 1.0  # observed / modelled decode step (``set_decode_scale``)
         # Nothing has come back from the upstream since it went idle: its first iteration has not ended.
         self.first_iteration = True
+        self.burst_ms = -math.inf  # when the current burst's first token arrived: about when the running step began
         self._window_start_ms = now_ms
         self._sequence_ms = 0.0  # its own requests' occupancy since the window started: sequences x ms
         self._prefill_attributed_ms = 0.0  # and prefill ms attributed
@@ -247,6 +260,16 @@ def joins_first_iteration(window: MeterWindow) -> bool:
     engine takes in every request that reaches it before its first step starts (llama-server prefilled a
     request and seven sent 2 ms after it in one 1,345-ms step)."""
     return window.first_iteration and window.remote.sequences == 0
+
+
+def cut_in_running_step(sent_ms: float, window: MeterWindow) -> bool:
+    """Whether a request cut while pending, its prompt not prefilled, may be in the step the engine is running:
+    it was sent less than ``boundary_lag_ms`` from that step's first token (``burst_ms``), before or after it.
+    Such a request is pending only because the meter cannot tell which side of the boundary it fell on; its
+    first token would have said so (``first_token``). Not charged, a client that timed its hang-ups had long
+    prompts prefilled for nothing (an outside tester: billed 0.61-0.67 of the replica's charge rule). A request
+    sent later in the step waits for the next: aborting it costs nothing."""
+    return sent_ms < window.burst_ms + window.boundary_lag_ms
 
 
 def check_decode_scale(scale: float) -> None:
@@ -281,6 +304,9 @@ class LiveMeter(MeterWindow):
         self._price_total = 0.0  # the price integral, never reset (``BurstMark``)
         self._last_token_ms = -math.inf
         self._bursts: tuple[BurstMark | None, BurstMark | None] = (None, None)  # the previous burst's, the current's
+        self._leaving: dict[str, _InFlight] = {}  # ``cut`` in the running step: they stop when it ends
+        self._stopped: dict[str, _InFlight] = {}  # and stopped: they leave when the burst that ended it is over
+        self.departed: list[tuple[str, MeteredCall]] = []  # left since the caller last took them
 
     @property
     def in_flight(self) -> int:
@@ -290,6 +316,11 @@ class LiveMeter(MeterWindow):
     def prefilling(self) -> bool:
         """Whether a request in flight is pending or being prefilled (the iteration is no plain decode step)."""
         return bool(self._pending) or self._unprefilled > 0
+
+    @property
+    def leaving(self) -> int:
+        """Requests ``cut`` that have not left yet (``departed``)."""
+        return len(self._leaving) + len(self._stopped)
 
     @property
     def sequences(self) -> int:
@@ -308,11 +339,15 @@ class LiveMeter(MeterWindow):
         if interval <= 0:
             return
         self._last_ms = now_ms
+        if self._stopped and now_ms - self.burst_ms >= self.boundary_lag_ms:
+            self._depart_stopped()
         if not self._requests:
             return
-        self.busy_ms += interval
-        if self._own_weight <= 0:  # cannot happen (one is pending only beside an active one); never lose time
+        if self._own_weight <= 0:  # one is pending only beside an active one, or beside requests stopped
             self._boundary()
+            if self._own_weight <= 0:  # only requests stopped: the engine runs none of them
+                return
+        self.busy_ms += interval
         own_weight = self._own_weight  # read into locals: this runs for every token relayed
         self._sequence_ms += self._active_sequences * interval
         # The others' prefill takes its share of the interval; the rest is split by weight, and the remote
@@ -395,8 +430,9 @@ class LiveMeter(MeterWindow):
             request.prefill_end -= price  # the same shift as its heap entry's: still equal
             prefill = request.prefill_ms if request.prefilling else 0.0
             # Each sequence weighs dt / B; a request of n sequences shares one prompt, prefilled once.
-            request.weight = 0.0 if request.pending else decode * request.sequences + prefill
-            rate += 0.0 if request.pending else prefill
+            out = request.pending or request.stopped
+            request.weight = 0.0 if out else decode * request.sequences + prefill
+            rate += 0.0 if out else prefill
             own += request.weight
         self._prefill_ends = [(end - price, rid) for end, rid in self._prefill_ends]  # a uniform shift: still a heap
         self._own_weight, self._remote_weight, self._prefill_rate = own, decode * self.remote.sequences, rate
@@ -416,23 +452,26 @@ class LiveMeter(MeterWindow):
         if joined:
             self._reweigh()
 
-    def _note_burst(self, now_ms: float) -> None:
+    def _note_burst(self, now_ms: float) -> bool:
         """A token arrived: the first of a burst marks every charge (O(in flight) once an iteration; the rest of
-        the burst's tokens are O(1))."""
-        if now_ms - self._last_token_ms >= self.boundary_lag_ms:
+        the burst's tokens are O(1)). Returns whether it was the first."""
+        first = now_ms - self._last_token_ms >= self.boundary_lag_ms
+        if first:
             price, done = self._price, self._prefill_done_ms
             decode = {
                 rid: r.charged_ms + r.weight * (price - r.mark) - (done(r) if r.prefilling else r.prefill_done_ms)
                 for rid, r in self._requests.items()
             }
             self._bursts = (self._bursts[1], BurstMark(self._price_total, self.charged_total_ms, decode))
+            self.burst_ms = now_ms
         self._last_token_ms = now_ms
+        return first
 
-    def _repay_prefill(self, request_id: str, request: _InFlight) -> None:
-        """``request`` was prefilled in the iteration that ended at the burst of its first token, which the meter
-        charged to the others: they give back its part of it (``repaid_prefill``; O(in flight), once a request
-        at most). The window is the iteration, from the previous burst's first token."""
-        window = self._bursts[0]
+    def _repay_prefill(self, request_id: str, request: _InFlight, window: BurstMark | None, step_over: bool) -> None:
+        """``request`` was prefilled in the iteration of ``window`` (from a burst's first token: the one before its
+        first token's burst, or the current one for a request cut in it), which the meter charged to the others:
+        they give back its part of it (``repaid_prefill``; O(in flight), once a request at most). Its decode share
+        of the step is part of it when the ``step_over``; cut in the step, it is charged that share to its end."""
         owed_ms = request.prefill_ms * min(1.0, max(0.0, request.prefill_end - self._price))
         if window is None or owed_ms <= PREFILL_END_TOLERANCE * request.prefill_ms:
             return
@@ -448,7 +487,7 @@ class LiveMeter(MeterWindow):
             self.charged_total_ms - window.charged_total_ms,
             self._price_total - window.price_total,
         )
-        decode = request.weight - request.prefill_ms
+        decode = request.weight - request.prefill_ms if step_over else 0.0
         takes = repaid_prefill(owed_ms, request.weight, decode, window_ms, window_price, accrued)
         for (other, _), take in zip(lenders, takes, strict=True):
             other.charged_ms -= take
@@ -506,7 +545,7 @@ class LiveMeter(MeterWindow):
         self.advance(now_ms)
         self.first_iteration = False
         request = self._requests.get(request_id)
-        self._note_burst(now_ms)
+        step_ended = self._note_burst(now_ms)
         if request is not None:
             late = request.pending or now_ms - request.joined_ms < self.boundary_lag_ms
             if request.pending:
@@ -515,26 +554,85 @@ class LiveMeter(MeterWindow):
             if request.prefilling:
                 if late:
                     self._bring_up_to_date(request)
-                    self._repay_prefill(request_id, request)
+                    self._repay_prefill(request_id, request, self._bursts[0], step_over=True)
                 self._stop_prefilling(request)
+        if step_ended and self._leaving:
+            self._stop_leaving()
         self._boundary(now_ms)
 
     def token(self, now_ms: float) -> None:
         """A later token of some request arrived: an iteration ended."""
         self.advance(now_ms)
         self.first_iteration = False
-        self._note_burst(now_ms)
+        if self._note_burst(now_ms) and self._leaving:
+            self._stop_leaving()
         if self._pending:  # asked here: this runs for every token relayed
             self._boundary(now_ms)
 
     def finish(self, request_id: str, now_ms: float) -> float:
-        """It left the upstream (done, failed or cancelled). Returns its total charge (ms)."""
+        """It left the upstream (done or failed). Returns its total charge (ms)."""
         return self.leave(request_id, now_ms).charged_ms
 
     def leave(self, request_id: str, now_ms: float) -> MeteredCall:
-        """It left the upstream (done, failed or cancelled): what it was charged, and how."""
+        """It left the upstream (done or failed): what it was charged, and how. A request cut by its caller
+        leaves by ``cut``."""
+        self.advance(now_ms)
+        return self._leave(request_id, self._requests[request_id])
+
+    def cut(self, request_id: str, now_ms: float) -> MeteredCall | None:
+        """Its caller stopped it (the client left, a deadline) while the upstream had it. An engine takes an abort
+        between steps (vLLM, llama.cpp; the emulated replica too): a request in the running step stays in it, and
+        is charged, until the step ends - the next burst's first token (``departed``), or ``depart`` when the
+        caller's clock says the step is over. One pending that may be in the running step
+        (``cut_in_running_step``) joins it as at its first token. Returns what it was charged if it leaves now
+        (pending for a later step, which it never runs), else None."""
         self.advance(now_ms)
         request = self._requests[request_id]
+        if request.pending:
+            if not (request.prefilling and cut_in_running_step(request.sent_ms, self)):
+                return self._leave(request_id, request)
+            self._join(request_id, request, now_ms)
+            self._reweigh()
+            self._bring_up_to_date(request)
+            self._repay_prefill(request_id, request, self._bursts[1], step_over=False)
+        self._leaving[request_id] = request
+        return None
+
+    def depart(self, request_id: str, now_ms: float) -> MeteredCall:
+        """A request ``cut`` in a step leaves at ``now_ms``, whatever the tokens said (the caller's deadline:
+        ``step_left_ms``). Raises ``KeyError``: not leaving, or gone already (``departed``)."""
+        self.advance(now_ms)
+        request = self._leaving.pop(request_id, None) or self._stopped.pop(request_id)
+        return self._leave(request_id, request)
+
+    def step_left_ms(self, request_id: str) -> float:
+        """The most of the running step a request ``cut`` in it can still be in by the cost model: its prefill not
+        yet attributed and a decode step (ms). Raises ``KeyError``: not in flight."""
+        request = self._requests[request_id]
+        owed = request.prefill_ms * min(1.0, max(0.0, request.prefill_end - self._price)) if request.prefilling else 0
+        batch = self._active_sequences + self.remote.sequences
+        return owed + self.decode_scale * (self.cost.iter_base_ms + self.cost.iter_slope_ms * batch)
+
+    def _stop_leaving(self) -> None:
+        """The step the leaving requests were cut in ended: they weigh nothing from now, and stay until the burst
+        is over only to give back a late request's prefill (``_repay_prefill``): its first token may be read
+        after the token that ended the step."""
+        for request in self._leaving.values():
+            if request.prefilling:
+                self._stop_prefilling(request)
+            self._bring_up_to_date(request)
+            request.stopped = True
+            self._active_sequences -= request.sequences
+        self._stopped.update(self._leaving)
+        self._leaving.clear()
+        self._reweigh()
+
+    def _depart_stopped(self) -> None:
+        for request_id, request in list(self._stopped.items()):
+            self.departed.append((request_id, self._leave(request_id, request)))
+        self._stopped.clear()
+
+    def _leave(self, request_id: str, request: _InFlight) -> MeteredCall:
         self._bring_up_to_date(request)
         if request.prefilling and not request.pending:
             self._note_prefill(request)
@@ -543,12 +641,12 @@ class LiveMeter(MeterWindow):
         self._unprefilled -= request.prefilling
         if request.pending:
             del self._pending[request_id]
-        else:
+        elif not request.stopped:
             self._active_sequences -= request.sequences
             self._prefill_rate -= request.prefill_ms if request.prefilling else 0.0
-        # No boundary: a request that ends has had its last token (that was one), and one cut ends at any
-        # instant (an outside tester hung up on a request of its own to make another, pending, join early and
-        # leave its prefill mostly unattributed).
+        # No boundary: a request that ends has had its last token (that was one), and a deadline is no token (an
+        # outside tester hung up on a request of its own to make another, pending, join early and leave its
+        # prefill mostly unattributed).
         self._reweigh()
         if not self._requests:  # idle: no prefill will end, and the next request starts a first iteration
             self._prefill_ends.clear()

@@ -16,6 +16,7 @@ from fairgate.core.meter import (
     Occupancy,
     check_decode_scale,
     check_remote,
+    cut_in_running_step,
     joins_first_iteration,
     repaid_prefill,
 )
@@ -28,6 +29,7 @@ class _InFlight:
     prefill_left_ms: float  # the cost model's prefill time not yet attributed to it
     prefilling: bool = True
     pending: bool = False  # sent, but the replica has not reached an iteration boundary since
+    stopped: bool = False  # ``cut``, and the step it was cut in ended (``LiveMeter``)
     sent_ms: float = 0.0
     joined_ms: float = -math.inf  # the token burst at which it joined the iteration (-inf: at its send)
     charged_ms: float = 0.0
@@ -53,6 +55,9 @@ class ReferenceMeter(MeterWindow):
         self._price_total = 0.0  # ms charged per unit of weight, summed over every interval
         self._last_token_ms = -math.inf
         self._bursts: tuple[BurstMark | None, BurstMark | None] = (None, None)  # the previous burst's, the current's
+        self._leaving: set[str] = set()  # ``cut`` in the running step: they stop when it ends
+        self._stopped: set[str] = set()  # and stopped: they leave when the burst that ended it is over
+        self.departed: list[tuple[str, float]] = []  # (request id, total charge) left at a step's end
 
     @property
     def in_flight(self) -> int:
@@ -64,6 +69,11 @@ class ReferenceMeter(MeterWindow):
         return any(r.prefilling or r.pending for r in self._requests.values())
 
     @property
+    def leaving(self) -> int:
+        """Requests ``cut`` that have not left yet (``departed``)."""
+        return len(self._leaving) + len(self._stopped)
+
+    @property
     def sequences(self) -> int:
         """Sequences of its requests in flight (a request of ``n`` counts ``n``)."""
         return sum(r.sequences for r in self._requests.values())
@@ -71,7 +81,7 @@ class ReferenceMeter(MeterWindow):
     def _weights(self) -> tuple[dict[str, float], float]:
         """Weights of this process's requests in the current iteration (the pending ones are not in it), and
         the weight of the other processes' (``remote``) in it."""
-        active = {rid: r for rid, r in self._requests.items() if not r.pending}
+        active = {rid: r for rid, r in self._requests.items() if not (r.pending or r.stopped)}
         if not active:
             return {}, 0.0
         batch = sum(r.sequences for r in active.values()) + self.remote.sequences
@@ -98,13 +108,17 @@ class ReferenceMeter(MeterWindow):
         if interval <= 0:
             return []
         self._last_ms = now_ms
+        if self._stopped and now_ms - self.burst_ms >= self.boundary_lag_ms:
+            self._depart_stopped()
         if not self._requests:
             return []
-        self.busy_ms += interval
         weights, remote_weight = self._weights()
-        if not weights:  # cannot happen (a request is pending only beside an active one); never lose time
+        if not weights:  # one is pending only beside an active one, or beside requests stopped
             self._boundary()
             weights, remote_weight = self._weights()
+            if not weights:  # only requests stopped: the engine runs none of them
+                return []
+        self.busy_ms += interval
         own_weight = sum(weights.values())
         self._sequence_ms += sum(self._requests[rid].sequences for rid in weights) * interval
         # The others' prefill takes its share of the interval; the rest is split by weight, and the remote
@@ -140,7 +154,7 @@ class ReferenceMeter(MeterWindow):
         return charges
 
     def _iteration_sequences(self) -> int:
-        return sum(r.sequences for r in self._requests.values() if not r.pending)
+        return sum(r.sequences for r in self._requests.values() if not (r.pending or r.stopped))
 
     def set_remote(self, remote: Occupancy, now_ms: float) -> list[MeterCharge]:
         """From ``now_ms`` the other processes hold ``remote`` of the upstream (see module docstring).
@@ -171,7 +185,7 @@ class ReferenceMeter(MeterWindow):
         charges = self.advance(now_ms)
         assert request_id not in self._requests, f"request {request_id} metered twice"
         prefill_ms = self.cost.prefill_ms(prompt_tokens)
-        busy = any(not r.pending for r in self._requests.values()) and not joins_first_iteration(self)
+        busy = any(not (r.pending or r.stopped) for r in self._requests.values()) and not joins_first_iteration(self)
         self._requests[request_id] = _InFlight(
             tenant,
             prompt_tokens,
@@ -190,7 +204,7 @@ class ReferenceMeter(MeterWindow):
         charges = self.advance(now_ms)
         self.first_iteration = False
         request = self._requests.get(request_id)
-        self._note_burst(now_ms)
+        step_ended = self._note_burst(now_ms)
         if request is not None:
             # Prefilled in the iteration that ended, which the meter charged to the others.
             late = request.pending or now_ms - request.joined_ms < self.boundary_lag_ms
@@ -198,22 +212,27 @@ class ReferenceMeter(MeterWindow):
                 request.pending, request.joined_ms = False, now_ms
             if request.prefilling:
                 if late:
-                    charges += self._repay_prefill(request_id, now_ms)
+                    charges += self._repay_prefill(request_id, self._bursts[0], step_over=True)
                 request.prefilling, request.prefill_left_ms = False, 0.0
+        if step_ended:
+            self._stop_leaving()
         self._boundary(now_ms)
         return charges
 
-    def _note_burst(self, now_ms: float) -> None:
-        """The first token of a burst marks every charge (``LiveMeter._note_burst``)."""
-        if now_ms - self._last_token_ms >= self.boundary_lag_ms:
+    def _note_burst(self, now_ms: float) -> bool:
+        """The first token of a burst marks every charge (``LiveMeter._note_burst``); returns whether it was."""
+        first = now_ms - self._last_token_ms >= self.boundary_lag_ms
+        if first:
             decode = {rid: r.charged_ms - r.prefill_done_ms for rid, r in self._requests.items()}
             self._bursts = (self._bursts[1], BurstMark(self._price_total, self.charged_total_ms, decode))
+            self.burst_ms = now_ms
         self._last_token_ms = now_ms
+        return first
 
-    def _repay_prefill(self, request_id: str, now_ms: float) -> list[MeterCharge]:
-        """What the requests charged for the iteration ``request_id`` was prefilled in give back of it
-        (``LiveMeter._repay_prefill``). Returns the moves."""
-        request, window = self._requests[request_id], self._bursts[0]
+    def _repay_prefill(self, request_id: str, window: BurstMark | None, step_over: bool) -> list[MeterCharge]:
+        """What the requests charged for the iteration ``request_id`` was prefilled in (from ``window``) give back
+        of it (``LiveMeter._repay_prefill``). Returns the moves."""
+        request = self._requests[request_id]
         if window is None:
             return []
         lenders = [rid for rid in self._requests if rid != request_id and rid in window.decode_ms]
@@ -222,7 +241,7 @@ class ReferenceMeter(MeterWindow):
             for rid in lenders
         ]
         weight = self._weights()[0][request_id]
-        decode = weight - self.cost.prefill_ms(request.prompt_tokens)
+        decode = weight - self.cost.prefill_ms(request.prompt_tokens) if step_over else 0.0
         window_ms, window_price = (
             self.charged_total_ms - window.charged_total_ms,
             self._price_total - window.price_total,
@@ -241,16 +260,51 @@ class ReferenceMeter(MeterWindow):
         """A later token of some request arrived: an iteration ended. Returns the interval's charges."""
         charges = self.advance(now_ms)
         self.first_iteration = False
-        self._note_burst(now_ms)
+        if self._note_burst(now_ms):
+            self._stop_leaving()
         self._boundary(now_ms)
         return charges
 
     def finish(self, request_id: str, now_ms: float) -> tuple[list[MeterCharge], float]:
-        """It left the upstream (done, failed or cancelled). Returns the interval's charges and its total."""
+        """It left the upstream (done or failed). Returns the interval's charges and its total."""
         charges = self.advance(now_ms)
+        return charges, self._leave(request_id)
+
+    def cut(self, request_id: str, now_ms: float) -> tuple[list[MeterCharge], float | None]:
+        """Its caller stopped it (``LiveMeter.cut``). Returns the interval's charges (and the moves of a request
+        pending in the running step, which joins it), and its total if it leaves now, else None."""
+        charges = self.advance(now_ms)
+        request = self._requests[request_id]
+        if request.pending:
+            if not (request.prefilling and cut_in_running_step(request.sent_ms, self)):
+                return charges, self._leave(request_id)
+            request.pending, request.joined_ms = False, now_ms
+            charges += self._repay_prefill(request_id, self._bursts[1], step_over=False)
+        self._leaving.add(request_id)
+        return charges, None
+
+    def depart(self, request_id: str, now_ms: float) -> tuple[list[MeterCharge], float]:
+        """A request ``cut`` in a step leaves it at ``now_ms`` (``LiveMeter.depart``). Raises ``KeyError``: not
+        leaving."""
+        charges = self.advance(now_ms)
+        (self._leaving if request_id in self._leaving else self._stopped).remove(request_id)
+        return charges, self._leave(request_id)
+
+    def _stop_leaving(self) -> None:
+        for request_id in self._leaving:
+            request = self._requests[request_id]
+            request.stopped, request.prefilling, request.prefill_left_ms = True, False, 0.0
+        self._stopped |= self._leaving
+        self._leaving.clear()
+
+    def _depart_stopped(self) -> None:
+        self.departed += [(request_id, self._leave(request_id)) for request_id in sorted(self._stopped)]
+        self._stopped.clear()
+
+    def _leave(self, request_id: str) -> float:
         request = self._requests.pop(request_id)
         self.first_iteration = self.first_iteration or not self._requests
-        return charges, request.charged_ms
+        return request.charged_ms
 
     def charged_ms(self, request_id: str) -> float:
         """GPU ms charged to ``request_id`` so far."""

@@ -280,8 +280,11 @@ class Call:
 
     async def _settle_finally(self, cancelled: bool) -> None:
         """The final settlement, then forget the request: only then may a retry of its id be admitted here
-        (admitted while the reservation is still open and unbilled, it would be run again)."""
+        (admitted while the reservation is still open and unbilled, it would be run again). A call cut in a step
+        is settled once it has left the meter, at that step's end (``CallState.leaving``)."""
         try:
+            if self.progress.leaving is not None:
+                await self.progress.leaving
             await self._settle(final=True, cancelled=cancelled)
         finally:
             self.state.calls.release(self.admitted.caller.tenant, self.admitted.generation.request_id)

@@ -136,6 +136,9 @@ class CallState:
     prefill_held_ms: float = 0.0
     cached_tokens: int = 0  # of its prompt, read from the engine's prefix cache (its usage)
     cache_credit_ms: float = 0.0  # GPU ms taken off its charge for them (``fairgate.core.prefix_cache``)
+    # Cut in a step, it is metered until that step ends (``LiveMeter.cut``): done when it has left the meter and
+    # ``gpu_ms`` is its whole charge (``UpstreamClient.stream``).
+    leaving: asyncio.Future[None] | None = None
 
 
 def _index(call: CallState, choice: dict[str, Any]) -> int:
@@ -306,7 +309,8 @@ class UpstreamClient:
         self.idle_timeout_s = min(settings.stream_idle_timeout_s if settings is not None else 60.0, timeout_s)
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
         self.drift = StepDrift(upstream.cost)
-        self._calls: dict[str, CallState] = {}
+        self._calls: dict[str, CallState] = {}  # on the meter, by request id (those cut in a step included)
+        self._leaving: dict[str, asyncio.TimerHandle] = {}  # cut in a step -> when it leaves at the latest
         self._url = upstream.url.rstrip("/")
         self._session_args = (upstream, settings, api_key, timeout_s)
         self.http = upstream_session(*self._session_args)
@@ -323,6 +327,7 @@ class UpstreamClient:
         """This process's occupancy of the upstream since the last call (``LiveMeter.take_occupancy``); every
         call's charge is booked up to now (the calls whose first token is late included)."""
         self.meter.advance(self._now_ms())
+        self._take_departed()
         for call in self._calls.values():
             self._book(call)
         return self.meter.take_occupancy()
@@ -378,13 +383,55 @@ class UpstreamClient:
         call.policy_charged_ms = prepaid_ms
         self._calls[call.request_id] = call
         self.meter.start(call.request_id, call.tenant, call.prompt_tokens, self._now_ms(), call.sequences)
+        cut = False  # the caller stopped it (its client left, a deadline) while the upstream had it
         try:
             yield
         except aiohttp.ClientError as exc:
             raise self._transport_error(exc) from None
+        except (GeneratorExit, asyncio.CancelledError):
+            cut = True
+            raise
         finally:
-            self._leave(call, self.meter.leave(call.request_id, self._now_ms()))
-            del self._calls[call.request_id]
+            left = (
+                self.meter.cut(call.request_id, self._now_ms())
+                if cut
+                else self.meter.leave(call.request_id, self._now_ms())
+            )
+            if left is None:
+                self._keep_leaving(call)
+            else:
+                self._leave(call, left)
+                del self._calls[call.request_id]
+            self._take_departed()
+
+    def _keep_leaving(self, call: CallState) -> None:
+        """``call`` was cut in the running step and stays on the meter until the step ends (``LiveMeter.cut``):
+        the next burst of tokens, or the cost model's end of the step at the latest (``LiveMeter.step_left_ms``);
+        its settlement waits for ``call.leaving``."""
+        call.leaving = asyncio.get_running_loop().create_future()
+        after_s = self.meter.step_left_ms(call.request_id) / 1000.0
+        self._leaving[call.request_id] = asyncio.get_running_loop().call_later(after_s, self._depart, call.request_id)
+
+    def _depart(self, request_id: str) -> None:
+        """The cost model's end of the step ``request_id`` was cut in came and went: it leaves the meter, if no
+        token has ended that step yet."""
+        self.meter.advance(self._now_ms())
+        self._take_departed()
+        if request_id in self._leaving:
+            self.meter.departed.append((request_id, self.meter.depart(request_id, self._now_ms())))
+            self._take_departed()
+
+    def _take_departed(self) -> None:
+        """Book the calls cut in a step that have left the meter, and let their settlements go on."""
+        departed, self.meter.departed = self.meter.departed, []
+        for request_id, left in departed:
+            call = self._calls.pop(request_id)
+            self._leaving.pop(request_id).cancel()
+            try:
+                self._leave(call, left)
+            finally:
+                if call.leaving is not None and not call.leaving.done():
+                    call.leaving.set_result(None)
 
     def _leave(self, call: CallState, metered: MeteredCall) -> None:
         """Book ``call``'s charge as it left, less the share of its prefill its engine's usage says it read
@@ -671,6 +718,8 @@ class UpstreamClient:
             self.meter.first_token(call.request_id, now_s * 1000.0)
         else:
             self.meter.token(now_s * 1000.0)
+        if self.meter.departed:
+            self._take_departed()
         call.unbooked_tokens += tokens
         call.gpu_ms_at_last_token = self.meter.charged_ms(call.request_id)
         call.same_read = call.more_buffered  # the next token, if it is of this read, is no step
@@ -700,6 +749,8 @@ class UpstreamClient:
         self._draining[response].add_done_callback(lambda _: self._draining.pop(response, None))
 
     async def close(self) -> None:
+        for request_id in list(self._leaving):  # cut in a step: they leave now, their settlements go on
+            self._depart(request_id)
         for task in list(self._draining.values()):
             task.cancel()
         await asyncio.gather(*self._draining.values(), return_exceptions=True)

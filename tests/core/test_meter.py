@@ -52,7 +52,7 @@ def test_idle_time_is_not_charged_and_backwards_clock_charges_nothing():
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["start", "first", "token", "finish", "tick", "one_token"]),
+            st.sampled_from(["start", "first", "token", "finish", "tick", "one_token", "cut", "depart"]),
             st.integers(0, 5),
             st.floats(0.0, 50.0),
             st.integers(0, 3000),
@@ -62,11 +62,11 @@ def test_idle_time_is_not_charged_and_backwards_clock_charges_nothing():
 )
 def test_charges_sum_to_busy_time(events):
     meter = LiveMeter(COST, 0.0)
-    now, live, finished_totals = 0.0, set(), 0.0
+    now, live, leaving, finished_totals = 0.0, set(), set(), 0.0
     for kind, index, step, prompt in events:
         now += step
         rid = f"r{index}"
-        if kind == "start" and rid not in live:
+        if kind == "start" and rid not in live | leaving:
             meter.start(rid, f"t{index % 2}", prompt, now)
             live.add(rid)
         elif kind == "first" and rid in live:
@@ -79,23 +79,35 @@ def test_charges_sum_to_busy_time(events):
                 now += step / 100.0
             finished_totals += meter.finish(rid, now)
             live.discard(rid)
+        elif kind == "cut" and rid in live:
+            left = meter.cut(rid, now)
+            finished_totals += left.charged_ms if left is not None else 0.0
+            (leaving.add if left is None else leaving.discard)(rid)
+            live.discard(rid)
+        elif kind == "depart" and rid in leaving:
+            finished_totals += meter.depart(rid, now).charged_ms
+            leaving.discard(rid)
         else:
             meter.advance(now)
-    in_flight = sum(meter.charged_ms(r) for r in live)
+        for rid, left in meter.departed:
+            finished_totals += left.charged_ms
+            leaving.discard(rid)
+        meter.departed.clear()
+    assert meter.leaving == len(leaving)
+    in_flight = sum(meter.charged_ms(r) for r in live | leaving)
     assert finished_totals + in_flight == pytest.approx(meter.busy_ms, rel=1e-9, abs=1e-9)
     assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-9, abs=1e-9)
     assert all(c >= 0 for c in [finished_totals, in_flight])
+
+
+EVENTS = ("start", "first", "token", "finish", "one_token", "cut", "depart", "tick", "remote", "occupancy", "scale")
 
 
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["start", "first", "token", "finish", "one_token", "tick", "remote", "occupancy", "scale"]),
-            st.integers(0, 6),
-            st.floats(0.0, 60.0),
-            st.integers(0, 4000),
-            st.integers(1, 3),
+            st.sampled_from(EVENTS), st.integers(0, 6), st.floats(0.0, 60.0), st.integers(0, 4000), st.integers(1, 3)
         ),
         max_size=80,
     )
@@ -104,11 +116,11 @@ def test_the_integral_charges_what_charging_every_interval_charges(events):
     """Event by event, every request's charge, the busy and charged totals and the occupancy agree with the
     meter's definition (``fairgate.core.meter_reference``: each interval split by the weights it started with)."""
     meter, reference = LiveMeter(COST, 0.0), ReferenceMeter(COST, 0.0)
-    now, live, totals = 0.0, set(), ([], [])
+    now, live, leaving, totals = 0.0, set(), set(), ([], [])
     for kind, index, step, prompt, n in events:
         now += step
         rid = f"r{index}"
-        if kind == "start" and rid not in live:
+        if kind == "start" and rid not in live | leaving:
             for m in (meter, reference):
                 m.start(rid, f"t{index % 2}", prompt, now, sequences=n)
             live.add(rid)
@@ -123,6 +135,15 @@ def test_the_integral_charges_what_charging_every_interval_charges(events):
             totals[0].append(meter.finish(rid, now))
             totals[1].append(reference.finish(rid, now)[1])
             live.discard(rid)
+        elif kind == "cut" and rid in live:
+            left, (_, expected) = meter.cut(rid, now), reference.cut(rid, now)
+            assert (left is None, left.charged_ms if left else None) == (expected is None, pytest.approx(expected))
+            (leaving.add if left is None else leaving.discard)(rid)
+            live.discard(rid)
+        elif kind == "depart" and rid in leaving:
+            totals[0].append(meter.depart(rid, now).charged_ms)
+            totals[1].append(reference.depart(rid, now)[1])
+            leaving.discard(rid)
         elif kind == "remote":
             remote = Occupancy(float(n - 1) * step / 30.0, min(1.0, prompt / 8000.0))
             meter.set_remote(remote, now)
@@ -142,7 +163,12 @@ def test_the_integral_charges_what_charging_every_interval_charges(events):
                     m.token(now)
                 else:
                     m.advance(now)
-        for r in live:
+        departed = {rid: left.charged_ms for rid, left in meter.departed}
+        assert departed == pytest.approx(dict(reference.departed), rel=1e-9, abs=1e-6)
+        leaving -= set(departed)
+        meter.departed.clear()
+        reference.departed.clear()
+        for r in live | leaving:
             assert meter.charged_ms(r) == pytest.approx(reference.charged_ms(r), rel=1e-9, abs=1e-6), (r, kind)
         assert (meter.prefilling, meter.sequences) == (reference.prefilling, reference.sequences)
     assert totals[0] == pytest.approx(totals[1], rel=1e-9, abs=1e-6)
@@ -471,10 +497,14 @@ def test_a_request_cut_mid_step_is_no_boundary(meter_kind):
     have stayed mostly with the others (billed 99 ms of 169)."""
     meter = meter_kind(ENGINE, 0.0)
     end = _one_decoding_then_two_sent_just_before_a_burst(meter, 1)
-    meter.finish("S", 100.0)
+    assert _cut(meter, "S", 100.0) is None  # in the step: it stays until the step ends
     meter.token(end)
     meter.first_token("R", end)
+    meter.advance(end + 3.0)
     assert meter.charged_ms("R") == pytest.approx(165.0 + 12.0 / 3, rel=0.01)  # its prefill, a third of the decode
+    # S too pays for the step it was cut in (it joins it at the cut); not to the ms: the meter, blind to R in the
+    # step until R's first token, split the step between S and v, and R's prefill came back from both.
+    assert _departed(meter) == {"S": pytest.approx(1.1 + 12.0 / 3, rel=0.15)}
     assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
 
 
@@ -491,3 +521,90 @@ def test_two_requests_late_in_one_burst_are_each_given_back_their_own_part(meter
     assert meter.charged_ms("S") == pytest.approx(1.1 + 12.0 / 3, rel=0.01)
     assert meter.charged_ms("R") == pytest.approx(165.0 + 12.0 / 3, rel=0.01)
     assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
+
+
+def _cut(meter: LiveMeter | ReferenceMeter, request_id: str, now_ms: float) -> float | None:
+    """``cut``: its charge if it left at once, else None."""
+    if isinstance(meter, ReferenceMeter):
+        return meter.cut(request_id, now_ms)[1]
+    left = meter.cut(request_id, now_ms)
+    return None if left is None else left.charged_ms
+
+
+def _departed(meter: LiveMeter | ReferenceMeter) -> dict[str, float]:
+    if isinstance(meter, ReferenceMeter):
+        return dict(meter.departed)
+    return {request_id: left.charged_ms for request_id, left in meter.departed}
+
+
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+@pytest.mark.parametrize("sent_ms", [23.0, 25.0])
+def test_a_request_cut_while_pending_in_the_step_it_may_be_in_pays_for_that_step(meter_kind, sent_ms):
+    """An outside tester sent long prompts 1-2 ms from a burst and hung up before the step they were prefilled
+    in ended: pending at the meter, they were charged nothing (billed 0.61-0.67 of the replica's charge rule).
+    Cut within the lag of the step's first token, before or after it, a request joins the step as at its first
+    token, and stays in it until it ends (an engine takes aborts between steps): its prefill and decode share."""
+    meter = meter_kind(ENGINE, 0.0)
+    meter.start("v", "v", 0, 0.0)
+    meter.first_token("v", 8.0)
+    meter.token(16.0)
+    if sent_ms > 24.0:
+        meter.token(24.0)
+    meter.start("R", "a", 150, sent_ms)  # the step that begins at 24 ms prefills it (165 ms)
+    if sent_ms < 24.0:
+        meter.token(24.0)
+    assert _cut(meter, "R", 64.0) is None
+    # Its weight in the step (165 + 10 / 2) beside what v weighed there (alone, 8): R 170 / 178 of the 40 ms.
+    assert meter.charged_ms("R") == pytest.approx(40.0 * 170.0 / 178.0, rel=1e-9)
+    end = 24.0 + ENGINE.iteration_ms(2, 150)
+    meter.token(end)  # the step ends; R leaves once its burst is over (a late request's first token may follow)
+    assert meter.leaving == 1 and _departed(meter) == {}
+    assert meter.charged_ms("v") == pytest.approx(24.0 + 5.0, rel=0.03)
+    meter.advance(end + 3.0)
+    # The rule gives R 165 + 10 / 2 of the step, v 10 / 2 (and 24 ms alone before it).
+    assert _departed(meter) == {"R": pytest.approx(170.0, rel=0.01)}
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
+
+
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+def test_a_request_cut_while_waiting_for_the_next_step_or_ending_pays_nothing_of_the_step(meter_kind):
+    """Sent well after the running step began, a request waits for the next: aborting it costs the engine
+    nothing, and it leaves at once. One that fails before any token is not charged the step either."""
+    meter = meter_kind(ENGINE, 0.0)
+    meter.start("v", "v", 0, 0.0)
+    meter.first_token("v", 8.0)
+    meter.token(16.0)
+    meter.start("W", "a", 150, 30.0)  # 14 ms into the step that began at 16
+    meter.start("F", "a", 150, 23.0)  # 1 ms before the next burst, as R above
+    meter.token(24.0)
+    assert _cut(meter, "W", 40.0) == 0.0
+    assert _charge(meter.finish("F", 40.0)) == 0.0
+    assert meter.leaving == 0
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
+
+
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+def test_a_request_cut_early_in_its_prefill_pays_the_step_it_was_cut_in(meter_kind):
+    """Cut 2 ms into the step that prefills it, a request was charged 2 ms of it and the others the rest, which
+    the engine spent on its prompt all the same (the emulated replica charges it the step). It stays until the
+    step's end: with a decoding request beside it, their next burst; alone, the caller's deadline
+    (``step_left_ms``), by when the model's prefill has been attributed."""
+    meter = meter_kind(ENGINE, 0.0)
+    meter.start("v", "v", 0, 0.0)
+    meter.first_token("v", 8.0)
+    meter.start("R", "a", 150, 9.0)
+    meter.token(16.0)  # R joins: its step prefills it
+    assert _cut(meter, "R", 18.0) is None
+    end = 16.0 + ENGINE.iteration_ms(2, 150)
+    meter.token(end)
+    meter.token(end + 10.0)
+    assert _departed(meter) == {"R": pytest.approx(165.0 + 5.0, rel=1e-9)}
+
+    alone = meter_kind(ENGINE, 0.0)
+    alone.start("R", "a", 150, 0.0)
+    assert _cut(alone, "R", 2.0) is None
+    if isinstance(alone, LiveMeter):
+        assert alone.step_left_ms("R") == pytest.approx(165.0 * (1 - 2.0 / 173.0) + 8.0, rel=1e-9)
+        assert alone.depart("R", 173.0).charged_ms == pytest.approx(173.0, rel=1e-9)
+    else:
+        assert alone.depart("R", 173.0)[1] == pytest.approx(173.0, rel=1e-9)

@@ -6,7 +6,11 @@ The mix is the hard case for a meter: prompt-heavy requests (1,500-5,000-token p
 tokens) arriving during the iterations of decode-heavy ones, so most of them wait inside the replica for
 an iteration boundary before their prefill; and short requests (50-300-token prompts, 1-3 output tokens),
 some of which make an iteration before the one the meter puts them in and end at their first token
-(``LiveMeter.first_token`` gives their prefill back then)."""
+(``LiveMeter.first_token`` gives their prefill back then).
+
+Requests cut before their first token are the other hard case: the replica spends the step a request is
+prefilled in whether or not its client stays, and a cut request the meter still had pending, or let go at the
+cut, was billed little or nothing of it (``LiveMeter.cut``)."""
 
 from __future__ import annotations
 
@@ -73,3 +77,67 @@ async def _drive(url: str) -> tuple[dict[str, float], dict[str, float], float]:
     billed = {kind: sum(c.gpu_ms for k, c in calls if k == kind) for kind in KINDS}
     truth = {kind: sum(stats[c.request_id] for k, c in calls if k == kind) for kind in billed}
     return billed, truth, client.meter.busy_ms
+
+
+@pytest.mark.serial  # timing-sensitive: runs alone after the parallel part of the suite (scripts/test)
+def test_requests_cut_before_their_first_token_are_billed_what_the_replica_spent():
+    """Long prompts cut 5-250 ms after they were sent, some sent the instant a decoding stream's token arrived
+    (a step boundary: an attacker's timing), beside decoding requests of another tenant; each side is billed
+    the replica's charge rule for its requests to within 5 %."""
+    port = free_port()
+    with fairgate_process(["emulate", "--port", str(port), "--model", "emu", "--max-model-len", "32768"], port) as url:
+        billed, truth, cut_before_first_token = asyncio.run(_drive_cuts(url))
+    assert cut_before_first_token >= 40, cut_before_first_token  # the case under test, not requests that ran
+    for side in ("cutter", "decoder"):
+        assert billed[side] == pytest.approx(truth[side], rel=0.05), (side, billed, truth)
+
+
+async def _drive_cuts(url: str) -> tuple[dict[str, float], dict[str, float], int]:
+    client = UpstreamClient(Upstream("emu-0", "emu", f"{url}/v1", 24, COST), lambda *args: None)
+    calls: list[tuple[str, CallState]] = []
+    boundary = asyncio.Event()  # set at each token of a decoding stream: a step just ended
+    rng, cut_early = random.Random(11), 0
+
+    def body(call: CallState, output_tokens: int) -> dict[str, object]:
+        prompt = "w " * call.prompt_tokens
+        return {
+            "model": "emu",
+            "prompt": prompt,
+            "max_tokens": output_tokens,
+            "ignore_eos": True,
+            "cache_salt": call.request_id,
+        }
+
+    async def decoder(index: int) -> None:
+        call = CallState(f"decoder-{index}", "decoder", rng.randint(200, 400))
+        async for _ in client.stream("/completions", body(call, rng.randint(400, 700)), call, 0.0):
+            boundary.set()
+            boundary.clear()
+        calls.append(("decoder", call))
+
+    async def cutter(index: int, timed: bool) -> None:
+        nonlocal cut_early
+        if timed:
+            await boundary.wait()
+        call = CallState(f"cutter-{index}", "cutter", rng.randint(1500, 4000))
+        stream = client.stream("/completions", body(call, 50), call, 0.0)
+        try:
+            await asyncio.wait_for(stream.__anext__(), rng.uniform(0.005, 0.25))
+        except TimeoutError:
+            cut_early += 1
+        await stream.aclose()  # type: ignore[attr-defined]
+        if call.leaving is not None:
+            await call.leaving
+        calls.append(("cutter", call))
+
+    decoders = [asyncio.ensure_future(decoder(index)) for index in range(6)]
+    await asyncio.sleep(0.3)
+    for index in range(70):
+        await cutter(index, timed=index % 2 == 0)
+        await asyncio.sleep(rng.uniform(0.0, 0.1))
+    await asyncio.gather(*decoders)
+    stats = httpx.get(f"{url}/emulator/stats", timeout=10).json()["charge_rule_ms_by_cache_salt"]
+    await client.close()
+    billed = {side: sum(c.gpu_ms for k, c in calls if k == side) for side in ("cutter", "decoder")}
+    truth = {side: sum(stats.get(c.request_id, 0.0) for k, c in calls if k == side) for side in billed}
+    return billed, truth, cut_early
