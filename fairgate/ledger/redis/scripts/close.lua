@@ -89,7 +89,7 @@ if final then
 end
 r.billed_input_tokens, r.billed_output_tokens, r.billed_gpu_ms = fmt(b_in), fmt(b_out), fmt(b_gpu)
 r.overage_gpu_ms, r.status = fmt(overage), status
-if final then r.final_ms = fmt(now) end
+if final then r.final_ms = fmt_time(now) end
 
 local out = cjson.encode(r)
 hset(RES, rid, out)
