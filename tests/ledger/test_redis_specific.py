@@ -5,6 +5,7 @@ URL validation, the server clock, atomicity across clients, and exact agreement 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import time
@@ -414,6 +415,27 @@ async def test_the_scripts_run_as_functions_and_a_lost_library_is_loaded_again(r
     await ledger.settle(r.id, 10, 5, 1.0, final=True)
     assert [e.kind for e in await ledger.events("a")] == ["reserve", "settle_final"]
     assert ledger._scripts.library_name == name
+
+
+async def test_an_account_written_by_another_hand_is_read_as_stored(redis_ledger, redis_url, clock):
+    """The library keeps the last account it wrote, to copy rather than decode it when it reads that very text
+    back: any other text in the hash (another version's scripts, an operator) is decoded."""
+    ledger = await redis_ledger(clock)
+    first = await ledger.reserve("a", "r1", 10, 5, 1.0)
+    key = ledger._keys.tenant(tenant_tag("a"))[TENANT_KEYS.index("accounts")]
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        raw = await client.hget(key, "*")
+        stored = json.loads(raw)
+        assert stored["concurrent"] == "1"
+        await client.hset(key, "*", json.dumps(dict(stored, concurrent="4")))  # max_concurrent: 4
+        with pytest.raises(QuotaExceeded) as refused:
+            await ledger.reserve("a", "r2", 10, 5, 1.0)
+        assert refused.value.dimension == "max_concurrent"
+        await client.hset(key, "*", raw)  # the text the library wrote, back again
+    second = await ledger.reserve("a", "r3", 10, 5, 1.0)
+    assert second.balances is not None and second.balances.concurrent == 2
+    await ledger.settle(first.id, 10, 5, 1.0, final=True)
+    assert (await ledger.account("a")).concurrent == 1
 
 
 async def test_a_cluster_ledger_runs_the_library_on_every_primary(redis_cluster_url):
