@@ -438,6 +438,21 @@ async def test_an_account_written_by_another_hand_is_read_as_stored(redis_ledger
     assert (await ledger.account("a")).concurrent == 1
 
 
+async def test_a_reservation_written_by_another_hand_is_read_as_stored(redis_ledger, redis_url, clock):
+    """The library keeps the open reservations it wrote, to take rather than decode one when a settlement reads
+    that very text back: any other text (another version's scripts, an operator) is decoded."""
+    ledger = await redis_ledger(clock)
+    r = await ledger.reserve("a", "r1", 10, 5, 1.0)
+    key = ledger._keys.tenant(tenant_tag("a"))[TENANT_KEYS.index("res")]
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        stored = json.loads(await client.hget(key, r.id))
+        await client.hset(key, r.id, json.dumps(dict(stored, max_output_tokens="50")))
+    partial = await ledger.settle(r.id, 10, 20, 1.0)  # above the 5 reserved, within the 50 stored
+    assert partial.max_output_tokens == 50 and partial.billed.output_tokens == 20
+    done = await ledger.settle(r.id, 10, 30, 1.0, final=True)  # the partial settlement's record, kept
+    assert done.status == "settled" and done.billed.output_tokens == 30
+
+
 async def test_a_cluster_ledger_runs_the_library_on_every_primary(redis_cluster_url):
     from redis.asyncio import RedisCluster
 

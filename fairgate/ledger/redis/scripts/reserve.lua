@@ -160,6 +160,7 @@ else
 end
 local raw = cjson.encode(record)
 hset(RES, rid, raw)
+remember_record(rid, raw, record)
 hset(REQS, request_id, rid)
 if redis.call('ZADD', OPEN, expires_text, rid) == 1 then keep(OPEN) end
 count_status('open', 1)
