@@ -453,6 +453,24 @@ async def test_a_reservation_written_by_another_hand_is_read_as_stored(redis_led
     assert done.status == "settled" and done.billed.output_tokens == 30
 
 
+async def test_a_reservation_is_due_at_its_fractional_expiry_and_not_before(redis_ledger, redis_url, clock):
+    """OPEN scores a reservation by its expiry rounded up to a whole ms; the sweep still takes it exactly when
+    the clock reaches expires_at_ms, and one scored with the fraction itself (other versions) as well."""
+    clock.now_ms = 1_700_000_000_000.25
+    ledger = await redis_ledger(clock)
+    r = await ledger.reserve("a", "r1", 10, 5, 1.0)
+    assert r.expires_at_ms == 1_700_000_020_000.25
+    old = await ledger.reserve("a", "r2", 10, 5, 1.0)
+    key = ledger._keys.tenant(tenant_tag("a"))[TENANT_KEYS.index("open")]
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        assert await client.zscore(key, r.id) == 1_700_000_020_001.0
+        await client.zadd(key, {old.id: old.expires_at_ms})
+    clock.now_ms = r.expires_at_ms - 0.125
+    assert await ledger.expire_due(lambda r: const(False)) == []
+    clock.now_ms = r.expires_at_ms
+    assert sorted(e.id for e in await ledger.expire_due(lambda r: const(False))) == sorted([r.id, old.id])
+
+
 async def test_a_cluster_ledger_runs_the_library_on_every_primary(redis_cluster_url):
     from redis.asyncio import RedisCluster
 

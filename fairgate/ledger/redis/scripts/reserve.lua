@@ -162,7 +162,7 @@ local raw = cjson.encode(record)
 hset(RES, rid, raw)
 remember_record(rid, raw, record)
 hset(REQS, request_id, rid)
-if redis.call('ZADD', OPEN, expires_text, rid) == 1 then keep(OPEN) end
+if redis.call('ZADD', OPEN, open_score(expires), rid) == 1 then keep(OPEN) end
 count_status('open', 1)
 local balances
 for _, b in ipairs(books) do balances = save_account(b.key, b.acc) end
