@@ -89,8 +89,9 @@ end
 -- Run as functions, the library keeps the last account it wrote per ACCOUNTS hash and account key, with its
 -- JSON: one read back as written (same text, compared as one interned string) is copied, not decoded (cjson
 -- and 13 tonumber calls, 2.9 us a read on this machine). fmt's text reads back as the very number it wrote,
--- so the copy is what decoding gives. Up to SEEN_MAX hashes, then afresh.
-local seen_accounts, seen_count, SEEN_MAX = {}, 0, 4096
+-- so the copy is what decoding gives. Up to SEEN_MAX hashes (an account kept takes 1.2 KB of the functions'
+-- Lua memory), then afresh.
+local seen_accounts, seen_count, SEEN_MAX = {}, 0, 1024
 local function load_account(model_class)
   local raw = redis.call('HGET', ACCOUNTS, model_class)
   local seen = seen_accounts[ACCOUNTS]
@@ -332,8 +333,9 @@ local function open_score(expires) return fmt(math.ceil(expires)) end
 -- Run as functions, the library keeps the open reservations it wrote, per RES hash and id, with their JSON:
 -- close.lua takes a record out rather than decode it when it reads that very text back (cjson.decode of a
 -- reservation, 1.5 us on this machine). Every field of a record is a string, which cjson reads back unchanged.
--- A record taken is no longer kept (its script changes it); up to RECORDS_MAX kept, then afresh.
-local kept_records, kept_count, RECORDS_MAX = {}, 0, 4096
+-- A record taken is no longer kept (its script changes it); up to RECORDS_MAX kept (2.4 KB each of the
+-- functions' Lua memory, used_memory_vm_functions), then afresh.
+local kept_records, kept_count, RECORDS_MAX = {}, 0, 1024
 local function remember_record(rid, raw, r)
   if kept_count >= RECORDS_MAX then kept_records, kept_count = {}, 0 end
   local kept = kept_records[RES]
