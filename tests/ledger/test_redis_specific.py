@@ -5,6 +5,7 @@ URL validation, the server clock, atomicity across clients, and exact agreement 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import time
@@ -414,6 +415,60 @@ async def test_the_scripts_run_as_functions_and_a_lost_library_is_loaded_again(r
     await ledger.settle(r.id, 10, 5, 1.0, final=True)
     assert [e.kind for e in await ledger.events("a")] == ["reserve", "settle_final"]
     assert ledger._scripts.library_name == name
+
+
+async def test_an_account_written_by_another_hand_is_read_as_stored(redis_ledger, redis_url, clock):
+    """The library keeps the last account it wrote, to copy rather than decode it when it reads that very text
+    back: any other text in the hash (another version's scripts, an operator) is decoded."""
+    ledger = await redis_ledger(clock)
+    first = await ledger.reserve("a", "r1", 10, 5, 1.0)
+    key = ledger._keys.tenant(tenant_tag("a"))[TENANT_KEYS.index("accounts")]
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        raw = await client.hget(key, "*")
+        stored = json.loads(raw)
+        assert stored["concurrent"] == "1"
+        await client.hset(key, "*", json.dumps(dict(stored, concurrent="4")))  # max_concurrent: 4
+        with pytest.raises(QuotaExceeded) as refused:
+            await ledger.reserve("a", "r2", 10, 5, 1.0)
+        assert refused.value.dimension == "max_concurrent"
+        await client.hset(key, "*", raw)  # the text the library wrote, back again
+    second = await ledger.reserve("a", "r3", 10, 5, 1.0)
+    assert second.balances is not None and second.balances.concurrent == 2
+    await ledger.settle(first.id, 10, 5, 1.0, final=True)
+    assert (await ledger.account("a")).concurrent == 1
+
+
+async def test_a_reservation_written_by_another_hand_is_read_as_stored(redis_ledger, redis_url, clock):
+    """The library keeps the open reservations it wrote, to take rather than decode one when a settlement reads
+    that very text back: any other text (another version's scripts, an operator) is decoded."""
+    ledger = await redis_ledger(clock)
+    r = await ledger.reserve("a", "r1", 10, 5, 1.0)
+    key = ledger._keys.tenant(tenant_tag("a"))[TENANT_KEYS.index("res")]
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        stored = json.loads(await client.hget(key, r.id))
+        await client.hset(key, r.id, json.dumps(dict(stored, max_output_tokens="50")))
+    partial = await ledger.settle(r.id, 10, 20, 1.0)  # above the 5 reserved, within the 50 stored
+    assert partial.max_output_tokens == 50 and partial.billed.output_tokens == 20
+    done = await ledger.settle(r.id, 10, 30, 1.0, final=True)  # the partial settlement's record, kept
+    assert done.status == "settled" and done.billed.output_tokens == 30
+
+
+async def test_a_reservation_is_due_at_its_fractional_expiry_and_not_before(redis_ledger, redis_url, clock):
+    """OPEN scores a reservation by its expiry rounded up to a whole ms; the sweep still takes it exactly when
+    the clock reaches expires_at_ms, and one scored with the fraction itself (other versions) as well."""
+    clock.now_ms = 1_700_000_000_000.25
+    ledger = await redis_ledger(clock)
+    r = await ledger.reserve("a", "r1", 10, 5, 1.0)
+    assert r.expires_at_ms == 1_700_000_020_000.25
+    old = await ledger.reserve("a", "r2", 10, 5, 1.0)
+    key = ledger._keys.tenant(tenant_tag("a"))[TENANT_KEYS.index("open")]
+    async with Redis.from_url(redis_url, decode_responses=True) as client:
+        assert await client.zscore(key, r.id) == 1_700_000_020_001.0
+        await client.zadd(key, {old.id: old.expires_at_ms})
+    clock.now_ms = r.expires_at_ms - 0.125
+    assert await ledger.expire_due(lambda r: const(False)) == []
+    clock.now_ms = r.expires_at_ms
+    assert sorted(e.id for e in await ledger.expire_due(lambda r: const(False))) == sorted([r.id, old.id])
 
 
 async def test_a_cluster_ledger_runs_the_library_on_every_primary(redis_cluster_url):

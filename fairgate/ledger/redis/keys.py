@@ -13,7 +13,8 @@ key                         type    content
 ``{P:T}:runs``              hash    run id -> JSON ``{model_calls, tool_rounds, tokens}``
 ``{P:T}:res``               hash    reservation id -> JSON of the reservation (numbers as strings)
 ``{P:T}:reqs``              hash    request id -> reservation id (idempotency index)
-``{P:T}:open``              zset    open reservation ids, scored by ``expires_at_ms`` (the sweeper)
+``{P:T}:open``              zset    open reservation ids, scored by ``expires_at_ms`` rounded up to a
+                                    whole ms (the sweeper, which checks each against its record)
 ``{P:T}:status``            hash    status -> number of reservations (``usage().by_status``)
 ``{P:T}:events``            zset    the event log: JSON ``[seq, kind, id, requests, input, output,
                                     gpu_ms, overage_gpu_ms, at_ms, spend_micros]`` scored by ``at_ms``

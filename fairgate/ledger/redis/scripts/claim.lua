@@ -10,10 +10,11 @@ local held = redis.call('HGET', CLAIMS, rid)
 if held then
   local sep = string.find(held, '\n', 1, true)
   local holder, until_ms = string.sub(held, 1, sep - 1), tonumber(string.sub(held, sep + 1))
-  if holder ~= owner and until_ms > now then return {'ok', holder, fmt(until_ms), fmt(now)} end
+  if holder ~= owner and until_ms > now then return {'ok', holder, fmt(until_ms), fmt_time(now)} end
 end
 local until_ms = now + lease
-hset_kept(CLAIMS, rid, owner .. '\n' .. fmt(until_ms))
-hset_kept(HB, rid, fmt(now))
+local until_text = fmt(until_ms)
+hset_kept(CLAIMS, rid, owner .. '\n' .. until_text)
+hset_kept(HB, rid, fmt_time(now))
 touch_all()
-return {'ok', owner, fmt(until_ms), fmt(now)}
+return {'ok', owner, until_text, fmt_time(now)}

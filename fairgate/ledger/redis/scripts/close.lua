@@ -7,7 +7,7 @@
 local rid, kind, final = ARGV[3], ARGV[4], ARGV[5] == '1'
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
-local r = cjson.decode(raw)
+local r = recall_record(rid, raw)
 if r.status ~= 'open' then return {'final', raw} end
 if redis.call('EXISTS', FROZEN) == 1 then return {'frozen', raw} end
 local now = now_ms()
@@ -89,10 +89,11 @@ if final then
 end
 r.billed_input_tokens, r.billed_output_tokens, r.billed_gpu_ms = fmt(b_in), fmt(b_out), fmt(b_gpu)
 r.overage_gpu_ms, r.status = fmt(overage), status
-if final then r.final_ms = fmt(now) end
+if final then r.final_ms = fmt_time(now) end
 
 local out = cjson.encode(r)
 hset(RES, rid, out)
+if not final then remember_record(rid, out, r) end
 for _, b in ipairs(books) do save_account(b.key, b.acc) end
 if run ~= nil then save_run(r.run_id, run) end
 local d_spend = spend_of(r, b_in, b_out, b_gpu) - spend_of(r, before_in, before_out, before_gpu)

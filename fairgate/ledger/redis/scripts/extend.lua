@@ -9,6 +9,6 @@ local expires = (since or now_ms()) + ttl_s * 1000.0
 r.expires_at_ms = fmt(expires)
 local out = cjson.encode(r)
 hset(RES, rid, out)
-if redis.call('ZADD', OPEN, fmt(expires), rid) == 1 then keep(OPEN) end
+if redis.call('ZADD', OPEN, open_score(expires), rid) == 1 then keep(OPEN) end
 touch_all()
 return {'ok', out}

@@ -137,12 +137,13 @@ end
 
 -- All checks passed: write (nothing was written before this point).
 local expires = now + lim.reservation_ttl_s * 1000.0
+local expires_text = fmt(expires)
 local record
 if reopen ~= nil then  -- rules.reopened: same id and creation time, nothing billed, a new TTL
   record = reopen
   rid = record.id
   record.status, record.billed_input_tokens, record.billed_output_tokens, record.billed_gpu_ms = 'open', '0', '0', '0'
-  record.overage_gpu_ms, record.expires_at_ms, record.final_ms, record.queued = '0', fmt(expires), nil, '0'
+  record.overage_gpu_ms, record.expires_at_ms, record.final_ms, record.queued = '0', expires_text, nil, '0'
   record.price_input_micros, record.price_output_micros = price.price_input_micros, price.price_output_micros
   record.price_gpu_micros = price.price_gpu_micros  -- rules.reopened: the class's price now
   count_status('cancelled', -1)
@@ -152,15 +153,16 @@ else
   record = {id = rid, tenant = tenant, request_id = request_id, model_class = model_class,
     tool_round = tool_round and '1' or '0', input_tokens = fmt(input_tokens), max_output_tokens = fmt(max_output),
     gpu_ms_estimate = fmt(estimate), status = 'open', billed_input_tokens = '0', billed_output_tokens = '0',
-    billed_gpu_ms = '0', overage_gpu_ms = '0', created_ms = fmt(now), expires_at_ms = fmt(expires),
+    billed_gpu_ms = '0', overage_gpu_ms = '0', created_ms = fmt_time(now), expires_at_ms = expires_text,
     price_input_micros = price.price_input_micros, price_output_micros = price.price_output_micros,
     price_gpu_micros = price.price_gpu_micros}
   if has_run then record.run_id = run_id end
 end
 local raw = cjson.encode(record)
 hset(RES, rid, raw)
+remember_record(rid, raw, record)
 hset(REQS, request_id, rid)
-if redis.call('ZADD', OPEN, fmt(expires), rid) == 1 then keep(OPEN) end
+if redis.call('ZADD', OPEN, open_score(expires), rid) == 1 then keep(OPEN) end
 count_status('open', 1)
 local balances
 for _, b in ipairs(books) do balances = save_account(b.key, b.acc) end
