@@ -24,10 +24,10 @@ iterations. Without this, a request sent during a long prefill-heavy iteration w
 iteration it is not in (bench/live_fairness.py's Azure replay measured prompt-heavy tenants over-billed by
 10-18 % that way). Two exceptions, both measured on llama-server:
 
-- A request sent to an idle upstream starts at once, and so does every request sent before any token
-  comes back from it (this process alone on it): an idle engine takes in whatever reaches it before its
-  first step starts (one request and seven sent 2 ms later were prefilled in one 1,345-ms step; the
-  first was billed all of it).
+- A request sent to an idle upstream starts at once, and so does every request sent less than
+  ``boundary_lag_ms`` after it (this process alone on it): an idle engine takes in whatever reaches it before
+  its first step starts (one request and seven sent 2 ms later were prefilled in one 1,345-ms step; the
+  first was billed all of it), and nothing later (``joins_first_iteration``).
 - A request's own first token is evidence of the iteration it was prefilled in. Arriving while the meter
   still has it pending, or within ``boundary_lag_ms`` of the burst it joined at, it ends the iteration
   *before* the one the meter put it in: it made the very next step after all (llama-server took requests
@@ -254,12 +254,17 @@ class MeterWindow:
         return taken
 
 
-def joins_first_iteration(window: MeterWindow) -> bool:
-    """Whether a request sent now joins the iteration running at once: the upstream's first since it went
-    idle has not ended (no token came back), and no other process's sequences keep it running. An idle
-    engine takes in every request that reaches it before its first step starts (llama-server prefilled a
-    request and seven sent 2 ms after it in one 1,345-ms step)."""
-    return window.first_iteration and window.remote.sequences == 0
+def joins_first_iteration(window: MeterWindow, sent_ms: float) -> bool:
+    """Whether a request sent at ``sent_ms`` joins the iteration running at once: the upstream's first since it
+    went idle, begun less than ``boundary_lag_ms`` before (``burst_ms``: the send that found it idle), and no
+    other process's sequences keep it running. An idle engine takes in every request that reaches it before its
+    first step starts (llama-server prefilled a request and seven sent 2 ms after it in one 1,345-ms step), and
+    none that reaches it later: a request sent 100 ms into another's 1.3-s prefill was billed 78.7 ms of its
+    own 67.5 as a share of that step (an outside tester). One the engine took after all has its first token
+    with that step's, and is given its prefill back then (``first_token``)."""
+    return (
+        window.first_iteration and window.remote.sequences == 0 and sent_ms - window.burst_ms < window.boundary_lag_ms
+    )
 
 
 def cut_in_running_step(sent_ms: float, window: MeterWindow) -> bool:
@@ -530,13 +535,18 @@ class LiveMeter(MeterWindow):
         prefill_ms = self.cost.prefill_ms(prompt_tokens)
         request = _InFlight(tenant, prompt_tokens, prefill_ms, prefilling=prefill_ms > 0, pending=True)
         request.sent_ms, request.sequences, request.mark = now_ms, sequences, self._price
+        if not self._requests:  # idle: its first iteration begins, marked as a burst would (``first_token``)
+            self.burst_ms, self._bursts = now_ms, (None, BurstMark(self._price_total, self.charged_total_ms, {}))
         self._requests[request_id] = request
         self._sequences += sequences
         self._pending[request_id] = request
         self._unprefilled += request.prefilling
-        if self._active_sequences == 0 or joins_first_iteration(self):
+        first = joins_first_iteration(self, now_ms)
+        if self._active_sequences == 0 or first:
             self._join(request_id, request)
             self._reweigh()
+            if first and self._bursts[1] is not None:  # a lender to a request late for that iteration
+                self._bursts[1].decode_ms[request_id] = 0.0
 
     def first_token(self, request_id: str, now_ms: float) -> None:
         """Its first token arrived: an iteration ended, and its prefill is over. Had the meter put it in a later

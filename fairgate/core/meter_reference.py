@@ -185,7 +185,12 @@ class ReferenceMeter(MeterWindow):
         charges = self.advance(now_ms)
         assert request_id not in self._requests, f"request {request_id} metered twice"
         prefill_ms = self.cost.prefill_ms(prompt_tokens)
-        busy = any(not (r.pending or r.stopped) for r in self._requests.values()) and not joins_first_iteration(self)
+        if not self._requests:  # idle: its first iteration begins (``LiveMeter.start``)
+            self.burst_ms, self._bursts = now_ms, (None, BurstMark(self._price_total, self.charged_total_ms, {}))
+        first = joins_first_iteration(self, now_ms)
+        busy = any(not (r.pending or r.stopped) for r in self._requests.values()) and not first
+        if first and self._bursts[1] is not None:
+            self._bursts[1].decode_ms[request_id] = 0.0
         self._requests[request_id] = _InFlight(
             tenant,
             prompt_tokens,

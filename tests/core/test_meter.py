@@ -608,3 +608,35 @@ def test_a_request_cut_early_in_its_prefill_pays_the_step_it_was_cut_in(meter_ki
         assert alone.depart("R", 173.0).charged_ms == pytest.approx(173.0, rel=1e-9)
     else:
         assert alone.depart("R", 173.0)[1] == pytest.approx(173.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+def test_a_request_sent_into_an_idle_upstreams_first_step_waits_for_the_next(meter_kind):
+    """An outside tester's case: on an idle upstream, a request sent 100 ms into another's 1.1-s prefill was
+    billed as a share of that step (78.7 ms of its own 67.5): the engine takes only what reaches it before its
+    first step starts. Sent later than the lag, it waits for the next step, and pays the rule's 66 + 10 / 2."""
+    meter = meter_kind(ENGINE, 0.0)
+    meter.start("A", "a", 1000, 0.0)  # 1,100 ms of prefill, alone: its step ends at 1,108
+    meter.start("B", "b", 60, 100.0)  # 66 ms of prefill
+    meter.first_token("A", 1108.0)
+    end = 1108.0 + ENGINE.iteration_ms(2, 60)
+    meter.token(end)
+    meter.first_token("B", end)
+    assert meter.charged_ms("B") == pytest.approx(66.0 + 10.0 / 2, rel=1e-9)
+    assert meter.charged_ms("A") == pytest.approx(1108.0 + 10.0 / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("meter_kind", [LiveMeter, ReferenceMeter])
+def test_a_request_an_idle_upstream_took_into_its_first_step_after_the_lag_is_given_its_prefill_back(meter_kind):
+    """llama-server takes requests up to ~15 ms after a step's start. Sent 10 ms after the request that found the
+    upstream idle (the lag here is 3 ms), it is pending at the meter, but its first token comes with that step's:
+    it is given back its part of the step, from the first request's decode charges there."""
+    meter = meter_kind(ENGINE, 0.0)
+    meter.start("A", "a", 1000, 0.0)
+    meter.start("B", "b", 60, 10.0)
+    end = ENGINE.iteration_ms(2, 1060)  # 10 ms of decode and both prefills
+    meter.first_token("A", end)
+    meter.first_token("B", end)
+    assert meter.charged_ms("B") == pytest.approx(66.0 + 10.0 / 2, rel=0.01)
+    assert meter.charged_ms("A") == pytest.approx(1100.0 + 10.0 / 2, rel=0.01)
+    assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
