@@ -257,7 +257,13 @@ class GPUFair(CounterPolicy):
     def charge(
         self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
     ) -> None:
-        super().charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size, remote)
+        # ``CounterPolicy.charge`` with ``_cost`` (the GPU ms) written out: called for every running tenant at
+        # every event of a simulation
+        if gpu_ms:
+            weighted = gpu_ms / self._weights.get(tenant, 1.0)
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + weighted
+            if not remote:
+                self._charged[tenant] = self._charged.get(tenant, 0.0) + weighted
         if output_tokens and not remote and self.committed.get(tenant):
             self.committed[tenant] = max(0.0, self.committed[tenant] - output_tokens * self._per_token_ms)
 
