@@ -28,7 +28,7 @@ class Admitter:
         policy: the scheduling policy (``fairgate.core.policies.factory.make_policy``).
     """
 
-    __slots__ = ("charge", "enqueue", "policy", "view")
+    __slots__ = ("charge", "enqueue", "enqueue_all", "policy", "view")
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
@@ -37,6 +37,7 @@ class Admitter:
         # and book work spent (``Policy.charge``): the policy's own methods, called once per request and per
         # booked iteration by the simulator, so no layer is added on its hot path.
         self.enqueue = policy.enqueue
+        self.enqueue_all = policy.enqueue_all  # ``enqueue`` of several requests handed over at one instant
         self.charge = policy.charge
 
     def admit(
