@@ -101,11 +101,11 @@ class Admission:
             return []
         if self.next_arrival_ns is not None and self.next_arrival_ns <= t_ns:
             self.deliver(t_ns)
-        if not self.policy.queued():
-            return []
+        # An empty queue's pick is None and changes nothing (``Policy``'s contract): nothing is asked before it.
         picked = self.admitter.fill(t_ns / NS_PER_MS, free_slots, running_now, self.cost)
-        self.admitted += len(picked)
-        self.epoch += len(picked)
+        if picked:
+            self.admitted += len(picked)
+            self.epoch += len(picked)
         return picked
 
     def finish(self, request_id: int, t_ns: int) -> None:
