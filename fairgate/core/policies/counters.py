@@ -120,6 +120,9 @@ class CounterPolicy(QueuedPolicy):
         keys = self._keys()
         lowest = min(keys)
         limit = lowest + TIE_RELATIVE * max(1.0, abs(lowest))
+        if len(keys) == 1 or sorted(keys)[1] > limit:
+            # The lowest alone within the tie (most picks): the tenant at its place, found by built-ins
+            return list(self._queues)[keys.index(lowest)]
         tied = [t for t, key in zip(self._queues, keys, strict=False) if key <= limit]  # as long: keys of the queues
         return tied[0] if len(tied) == 1 else self._earliest(tied)
 
