@@ -31,9 +31,9 @@ class _BucketPolicy(QueuedPolicy):
     """A token bucket per tenant, made on first use.
 
     A held tenant's bucket is read at every scheduling point of a run (whether it is eligible, and when it
-    will be): those reads call ``ratelimit.refill`` and ``ratelimit.wait`` on the bucket's fields directly,
-    the arithmetic ``TokenBucket.available`` and ``ready_at`` do, without their two calls per read (a third
-    of a quota policy's time in the simulator).
+    will be): those reads do the arithmetic of ``TokenBucket.available`` and ``ready_at`` (``ratelimit.refill``
+    and ``ratelimit.wait``) on the bucket's fields, written out float operation for float operation (``_level``),
+    without a call per read (a third of a quota policy's time in the simulator).
     """
 
     _by_prompt = False  # a head request needs its prompt tokens (capped at the burst), else one unit
