@@ -28,7 +28,7 @@ class Admitter:
         policy: the scheduling policy (``fairgate.core.policies.factory.make_policy``).
     """
 
-    __slots__ = ("charge", "enqueue", "policy", "view")
+    __slots__ = ("charge", "enqueue", "enqueue_all", "policy", "view")
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
@@ -37,6 +37,7 @@ class Admitter:
         # and book work spent (``Policy.charge``): the policy's own methods, called once per request and per
         # booked iteration by the simulator, so no layer is added on its hot path.
         self.enqueue = policy.enqueue
+        self.enqueue_all = policy.enqueue_all  # ``enqueue`` of several requests handed over at one instant
         self.charge = policy.charge
 
     def admit(
@@ -83,13 +84,19 @@ class Admitter:
         look-up here runs once per admission of a grid of thousands of runs). ``pick`` on an empty queue is
         ``None`` and changes nothing (``Policy``'s contract), so no ``queued()`` is asked before it.
         """
-        pick, view, run = self.policy.pick, self.view, self._run
+        policy, view = self.policy, self.view
+        pick, by_tenant = policy.pick, view.by_tenant
         admitted: list[tuple[Request, float]] = []
         while len(admitted) < free_slots:
             request = pick(now_ms, view)
             if request is None:
                 break
-            admitted.append((request, run(request, running_now + len(admitted) + 1, cost)))
+            # ``_run``, written out
+            tenant, prompt_tokens = request.tenant, request.prompt_tokens
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + request.sequences
+            prefill_ms = cost.prefill_ms(prompt_tokens)
+            policy.charge(tenant, prefill_ms, prompt_tokens, 0, running_now + len(admitted) + 1)
+            admitted.append((request, prefill_ms))
         return admitted
 
     def finish(self, request: Request, now_ms: float, generated_tokens: int | None = None) -> None:

@@ -11,6 +11,7 @@ keeps the true arrival time, so FCFS order is unaffected.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 
 from fairgate.core.admit import Admitter
 from fairgate.core.cost import NS_PER_MS, CostModel
@@ -67,14 +68,10 @@ class Admission:
         """Hand every request that arrived by ``t_ns`` to the policy, in arrival order."""
         if self.next_arrival_ns is None or self.next_arrival_ns > t_ns:
             return
-        now_ms = t_ns / NS_PER_MS
-        arrival_ns, requests = self.workload.arrival_ns, self.requests
+        arrival_ns, first = self.workload.arrival_ns, self.delivered
         n = len(arrival_ns)
-        enqueue = self.admitter.enqueue
-        first = delivered = self.delivered
-        while delivered < n and arrival_ns[delivered] <= t_ns:
-            enqueue(requests[delivered], now_ms)
-            delivered += 1
+        delivered = bisect_right(arrival_ns, t_ns, first)
+        self.admitter.enqueue_all(self.requests[first:delivered], t_ns / NS_PER_MS)
         self.delivered = delivered
         self.epoch += delivered - first
         self.next_arrival_ns = arrival_ns[delivered] if delivered < n else None
@@ -104,11 +101,11 @@ class Admission:
             return []
         if self.next_arrival_ns is not None and self.next_arrival_ns <= t_ns:
             self.deliver(t_ns)
-        if not self.policy.queued():
-            return []
+        # An empty queue's pick is None and changes nothing (``Policy``'s contract): nothing is asked before it.
         picked = self.admitter.fill(t_ns / NS_PER_MS, free_slots, running_now, self.cost)
-        self.admitted += len(picked)
-        self.epoch += len(picked)
+        if picked:
+            self.admitted += len(picked)
+            self.epoch += len(picked)
         return picked
 
     def finish(self, request_id: int, t_ns: int) -> None:

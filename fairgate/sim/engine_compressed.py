@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from fairgate.core.cost import NS_PER_MS, CostModel
 from fairgate.core.policy import Policy, QueuedPolicy
-from fairgate.sim.admission import Admission, book_admission
+from fairgate.sim.admission import Admission
 from fairgate.sim.engine_reference import SAMPLE_EVERY_NS, stop_ns
 from fairgate.sim.result import SimResult
 from fairgate.sim.workload import Workload
@@ -147,6 +147,7 @@ def _run_one(
     busy = stopped = False
     size = dt = head_end = head_iteration = accounted_end = done = epoch_seen = 0  # as in _Replica
     per = charged = 0.0  # _Replica's per_sequence_ms and slot_charge_ms
+    decode_ns = 0  # busy time of the booked iterations less their prefill (``start`` books that), ns
     now, next_sample = -1, 0
     while True:
         if busy:
@@ -169,8 +170,7 @@ def _run_one(
                 charged += k * per
                 done += k
                 accounted_end = first + (k - 1) * dt
-                busy_ns[0] += k * dt
-                iterations[0] += k
+                decode_ns += k * dt
             while finishes and finishes[0][0] == done:  # in request id order, as the reference's
                 i = heappop(finishes)[1]
                 request_gpu_ms[i] += charged - slot_charge_at_admit[i]
@@ -205,6 +205,8 @@ def _run_one(
     for _, i in finishes:
         request_gpu_ms[i] += charged - slot_charge_at_admit[i]
         generated_tokens[i] = done - admitted_iteration[i]
+    busy_ns[0] += decode_ns  # integers: the same sum booked once
+    iterations[0] = done  # every iteration is booked, and only here
     return now
 
 
@@ -392,7 +394,17 @@ def _starting(
     per_sequence_ms, head_end, epoch)``; ``size`` 0: the replica idles."""
     tenant_index, output_tokens = workload.tenant_index, workload.output_tokens
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
-    first_token_ns, busy_ns = result.first_token_ns, result.busy_ns
+    first_token_ns, busy_ns, admit_ns, admissions = (
+        result.first_token_ns,
+        result.busy_ns,
+        result.admit_ns,
+        result.admissions,
+    )
+    tenant_gpu_ms, tenant_prefill_ms, request_gpu_ms = (
+        result.tenant_gpu_ms,
+        result.tenant_prefill_ms,
+        result.request_gpu_ms,
+    )
     max_batch, pick = cost.max_batch, admission.pick
     decode_ns, prefill_ns = cost.decode_ns, cost.prefill_ns
     heappush = heapq.heappush
@@ -412,7 +424,11 @@ def _starting(
             for request, prefill_ms in picked:
                 i = request.request_id
                 k_tenant = tenant_index[i]
-                book_admission(result, k_tenant, i, prefill_ms, t, index)
+                tenant_gpu_ms[k_tenant] += prefill_ms  # ``book_admission``, written out
+                tenant_prefill_ms[k_tenant] += prefill_ms
+                request_gpu_ms[i] += prefill_ms
+                admit_ns[i] = t
+                admissions.append((i, index, t))
                 running[k_tenant] = running.get(k_tenant, 0) + 1
                 prefill_tokens += request.prompt_tokens
                 admitted_iteration[i] = done

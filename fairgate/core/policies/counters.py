@@ -120,6 +120,9 @@ class CounterPolicy(QueuedPolicy):
         keys = self._keys()
         lowest = min(keys)
         limit = lowest + TIE_RELATIVE * max(1.0, abs(lowest))
+        if len(keys) == 1 or sorted(keys)[1] > limit:
+            # The lowest alone within the tie (most picks): the tenant at its place, found by built-ins
+            return list(self._queues)[keys.index(lowest)]
         tied = [t for t, key in zip(self._queues, keys, strict=False) if key <= limit]  # as long: keys of the queues
         return tied[0] if len(tied) == 1 else self._earliest(tied)
 
@@ -135,7 +138,8 @@ class CounterPolicy(QueuedPolicy):
 
     def finish(self, request: Request, now_ms: float) -> None:
         self._finished[request.tenant] = self._finished.get(request.tenant, 0) + 1
-        super().finish(request, now_ms)
+        # The base named rather than ``super()``, which builds an object per call (CPython 3.11): once per request
+        QueuedPolicy.finish(self, request, now_ms)
 
     def _cost(self, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> float:
         raise NotImplementedError  # abstract: each counter policy defines its unit of work
@@ -247,7 +251,7 @@ class GPUFair(CounterPolicy):
         return [counters.get(t, 0.0) + committed.get(t, 0.0) / weights.get(t, 1.0) for t in self._queues]
 
     def _on_pick(self, request: Request, now_ms: float) -> None:
-        super()._on_pick(request, now_ms)
+        CounterPolicy._on_pick(self, request, now_ms)  # not ``super()``: see ``CounterPolicy.finish``
         if request.max_output_tokens and self._per_token_ms:
             # ``max_output_tokens`` is the total of its ``sequences``; each commits up to the horizon
             declared = min(request.max_output_tokens, self._horizon * request.sequences)
@@ -257,7 +261,13 @@ class GPUFair(CounterPolicy):
     def charge(
         self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
     ) -> None:
-        super().charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size, remote)
+        # ``CounterPolicy.charge`` with ``_cost`` (the GPU ms) written out: called for every running tenant at
+        # every event of a simulation
+        if gpu_ms:
+            weighted = gpu_ms / self._weights.get(tenant, 1.0)
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + weighted
+            if not remote:
+                self._charged[tenant] = self._charged.get(tenant, 0.0) + weighted
         if output_tokens and not remote and self.committed.get(tenant):
             self.committed[tenant] = max(0.0, self.committed[tenant] - output_tokens * self._per_token_ms)
 
@@ -266,4 +276,4 @@ class GPUFair(CounterPolicy):
         if declared is not None and self.committed.get(request.tenant):
             undelivered = max(0, declared - request.generated_tokens) * self._per_token_ms
             self.committed[request.tenant] = max(0.0, self.committed[request.tenant] - undelivered)
-        super().finish(request, now_ms)
+        CounterPolicy.finish(self, request, now_ms)  # not ``super()``: see there

@@ -8,7 +8,7 @@ every higher pool is empty or holds its requests; nothing running is preempted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from fairgate.core.policy import Policy
 from fairgate.core.request import PRIORITIES, Request, RunningView
@@ -60,6 +60,10 @@ class PriorityPools:
 
     def enqueue(self, request: Request, now_ms: float) -> None:
         self._pool(request.tenant).enqueue(request, now_ms)
+
+    def enqueue_all(self, requests: Iterable[Request], now_ms: float) -> None:
+        for request in requests:
+            self._pool(request.tenant).enqueue(request, now_ms)
 
     def pick(self, now_ms: float, running: RunningView) -> Request | None:
         for pool in self._ordered:
