@@ -30,6 +30,7 @@ class _InFlight:
     prefilling: bool = True
     pending: bool = False  # sent, but the replica has not reached an iteration boundary since
     stopped: bool = False  # ``cut``, and the step it was cut in ended (``LiveMeter``)
+    cut_ms: float = math.inf  # when its caller stopped it
     sent_ms: float = 0.0
     joined_ms: float = -math.inf  # the token burst at which it joined the iteration (-inf: at its send)
     charged_ms: float = 0.0
@@ -56,6 +57,7 @@ class ReferenceMeter(MeterWindow):
         self._last_token_ms = -math.inf
         self._bursts: tuple[BurstMark | None, BurstMark | None] = (None, None)  # the previous burst's, the current's
         self._leaving: set[str] = set()  # ``cut`` in the running step: they stop when it ends
+        self._cut_pending: set[str] = set()  # ``cut`` while pending for a later step
         self._stopped: set[str] = set()  # and stopped: they leave when the burst that ended it is over
         self.departed: list[tuple[str, float]] = []  # (request id, total charge) left at a step's end
 
@@ -71,7 +73,7 @@ class ReferenceMeter(MeterWindow):
     @property
     def leaving(self) -> int:
         """Requests ``cut`` that have not left yet (``departed``)."""
-        return len(self._leaving) + len(self._stopped)
+        return len(self._leaving) + len(self._stopped) + len(self._cut_pending)
 
     @property
     def sequences(self) -> int:
@@ -96,10 +98,19 @@ class ReferenceMeter(MeterWindow):
     def _boundary(self, now_ms: float | None = None) -> None:
         """An iteration ended at ``now_ms``: the pending requests sent at least ``boundary_lag_ms`` before
         join the next one (all of them when ``now_ms`` is None)."""
-        for request in self._requests.values():
-            if request.pending and (now_ms is None or now_ms - request.sent_ms >= self.boundary_lag_ms):
-                request.pending = False
-                request.joined_ms = -math.inf if now_ms is None else now_ms
+        for rid, request in list(self._requests.items()):
+            if not request.pending:
+                continue
+            if rid in self._cut_pending:  # ``LiveMeter._boundary``
+                self._cut_pending.remove(rid)
+                if now_ms is not None and now_ms - request.cut_ms >= self.boundary_lag_ms:
+                    self.departed.append((rid, self._leave(rid)))
+                    continue
+                self._leaving.add(rid)
+            elif not (now_ms is None or now_ms - request.sent_ms >= self.boundary_lag_ms):
+                continue
+            request.pending = False
+            request.joined_ms = -math.inf if now_ms is None else now_ms
 
     def advance(self, now_ms: float) -> list[MeterCharge]:
         """Charge the interval since the last call to the requests in flight. A clock that went backwards
@@ -220,7 +231,7 @@ class ReferenceMeter(MeterWindow):
                     charges += self._repay_prefill(request_id, self._bursts[0], step_over=True)
                 request.prefilling, request.prefill_left_ms = False, 0.0
         if step_ended:
-            self._stop_leaving()
+            self._stop_leaving(now_ms)
         self._boundary(now_ms)
         return charges
 
@@ -259,6 +270,8 @@ class ReferenceMeter(MeterWindow):
         request.charged_ms += sum(takes)
         request.prefill_done_ms += sum(takes)
         self._prefill_attributed_ms += sum(takes)
+        if not step_over:  # it goes on prefilling: what it paid of its prefill is attributed
+            request.prefill_left_ms -= sum(takes)
         return moves
 
     def token(self, now_ms: float) -> list[MeterCharge]:
@@ -266,7 +279,7 @@ class ReferenceMeter(MeterWindow):
         charges = self.advance(now_ms)
         self.first_iteration = False
         if self._note_burst(now_ms):
-            self._stop_leaving()
+            self._stop_leaving(now_ms)
         self._boundary(now_ms)
         return charges
 
@@ -280,27 +293,45 @@ class ReferenceMeter(MeterWindow):
         pending in the running step, which joins it), and its total if it leaves now, else None."""
         charges = self.advance(now_ms)
         request = self._requests[request_id]
+        request.cut_ms = now_ms
         if request.pending:
             if not (request.prefilling and cut_in_running_step(request.sent_ms, self)):
-                return charges, self._leave(request_id)
+                self._cut_pending.add(request_id)
+                return charges, None
             request.pending, request.joined_ms = False, now_ms
             charges += self._repay_prefill(request_id, self._bursts[1], step_over=False)
+        elif self.remote.sequences > 0 and self._sequences_not_cut() == request.sequences:
+            return charges, self._leave(request_id)  # no token of its own process can end its step
         self._leaving.add(request_id)
         return charges, None
+
+    def _sequences_not_cut(self) -> int:
+        return sum(
+            r.sequences
+            for rid, r in self._requests.items()
+            if not (r.pending or r.stopped) and rid not in self._leaving
+        )
 
     def depart(self, request_id: str, now_ms: float) -> tuple[list[MeterCharge], float]:
         """A request ``cut`` in a step leaves it at ``now_ms`` (``LiveMeter.depart``). Raises ``KeyError``: not
         leaving."""
         charges = self.advance(now_ms)
-        (self._leaving if request_id in self._leaving else self._stopped).remove(request_id)
+        for cut in (self._leaving, self._stopped, self._cut_pending):
+            if request_id in cut:
+                cut.remove(request_id)
+                break
+        else:
+            raise KeyError(request_id)
         return charges, self._leave(request_id)
 
-    def _stop_leaving(self) -> None:
-        for request_id in self._leaving:
+    def _stop_leaving(self, now_ms: float) -> None:
+        """The requests cut at least ``boundary_lag_ms`` before the step that ended now stop (``LiveMeter``)."""
+        stopping = {rid for rid in self._leaving if now_ms - self._requests[rid].cut_ms >= self.boundary_lag_ms}
+        for request_id in stopping:
             request = self._requests[request_id]
             request.stopped, request.prefilling, request.prefill_left_ms = True, False, 0.0
-        self._stopped |= self._leaving
-        self._leaving.clear()
+        self._stopped |= stopping
+        self._leaving -= stopping
 
     def _depart_stopped(self) -> None:
         self.departed += [(request_id, self._leave(request_id)) for request_id in sorted(self._stopped)]

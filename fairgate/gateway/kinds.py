@@ -127,6 +127,12 @@ class Kind:
         prefix_cache: the engine may read part of a prompt from its prefix cache and say so in its usage
             (``prompt_tokens_details.cached_tokens``): a call's prefill charge is final only at its final
             settlement, less the cached share (``fairgate.core.prefix_cache``).
+        admits_after_tokens: the engine may take a request that reaches it just after a step's tokens into
+            the next step (``LiveMeter.admits_after_burst``): llama-server sends a step's tokens, then reads new
+            tasks, then builds its next batch (requests sent up to 15 ms after took part); vLLM's engine core
+            takes new requests and starts its next step before its API server process sends the tokens
+            (``EngineCore.run_busy_loop``). An engine not known is taken to (a request cut just after is billed
+            a part of that step rather than none).
     """
 
     name: KindName
@@ -143,6 +149,7 @@ class Kind:
     stream_fields: Mapping[str, Any] = field(default_factory=dict)
     counts_from_timings: bool = False
     prefix_cache: bool = True
+    admits_after_tokens: bool = True
 
     def forwards(self, name: str, chat: bool) -> bool:
         """Whether a client's field ``name`` reaches this engine on the chat (or completions) endpoint."""
@@ -200,6 +207,7 @@ KINDS: Mapping[str, Kind] = {
         metrics=Metrics("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
         context_errors=_OPENAI_CONTEXT,
         tokenizer="vllm",
+        admits_after_tokens=False,
     ),
     "sglang": Kind(
         "sglang",

@@ -50,6 +50,10 @@ USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
 # The meter's decode scale follows the drift check's ratio once it moves this much (relative): a change of scale
 # brings every charge on the upstream up to date (O(in flight)), which the ratio's every step must not cost.
 DECODE_SCALE_STEP = 0.02
+# A request cut in a step leaves the meter when that step ends; while other requests of this process run in it,
+# the step's end is their next token, waited for this long at most (a step the cost model puts at seconds is
+# a prefill of tens of thousands of tokens; beyond this the wait is a stalled upstream, not a step).
+LEAVING_WAIT_MAX_S = 30.0
 
 
 class UpstreamError(Exception):
@@ -308,9 +312,11 @@ class UpstreamClient:
         self._clock = clock
         self.idle_timeout_s = min(settings.stream_idle_timeout_s if settings is not None else 60.0, timeout_s)
         self.meter = LiveMeter(upstream.cost, clock() * 1000.0)
+        self.meter.admits_after_burst = self.kind.admits_after_tokens
         self.drift = StepDrift(upstream.cost)
         self._calls: dict[str, CallState] = {}  # on the meter, by request id (those cut in a step included)
-        self._leaving: dict[str, asyncio.TimerHandle] = {}  # cut in a step -> when it leaves at the latest
+        # cut in a step -> the timer of the cost model's end of that step, and the clock by which it leaves
+        self._leaving: dict[str, tuple[asyncio.TimerHandle, float]] = {}
         self._url = upstream.url.rstrip("/")
         self._session_args = (upstream, settings, api_key, timeout_s)
         self.http = upstream_session(*self._session_args)
@@ -406,32 +412,47 @@ class UpstreamClient:
 
     def _keep_leaving(self, call: CallState) -> None:
         """``call`` was cut in the running step and stays on the meter until the step ends (``LiveMeter.cut``):
-        the next burst of tokens, or the cost model's end of the step at the latest (``LiveMeter.step_left_ms``);
-        its settlement waits for ``call.leaving``."""
+        the next burst of tokens, or the cost model's end of the step (``LiveMeter.step_left_ms``) when no token
+        of this process's can end it; its settlement waits for ``call.leaving``."""
         call.leaving = asyncio.get_running_loop().create_future()
-        after_s = self.meter.step_left_ms(call.request_id) / 1000.0
-        self._leaving[call.request_id] = asyncio.get_running_loop().call_later(after_s, self._depart, call.request_id)
+        self._leaving[call.request_id] = (self._depart_later(call.request_id), self._clock() + LEAVING_WAIT_MAX_S)
+
+    def _depart_later(self, request_id: str) -> asyncio.TimerHandle:
+        return asyncio.get_running_loop().call_later(self.meter.step_left_ms() / 1000.0, self._depart, request_id)
 
     def _depart(self, request_id: str) -> None:
-        """The cost model's end of the step ``request_id`` was cut in came and went: it leaves the meter, if no
-        token has ended that step yet."""
-        self.meter.advance(self._now_ms())
+        """The cost model's end of the step ``request_id`` was cut in came: it leaves the meter, unless a request
+        of this process's still runs in that step (its token will end it: the engine's step may run longer than
+        the model's), for ``LEAVING_WAIT_MAX_S`` at most."""
+        now_ms = self._now_ms()
+        self.meter.advance(now_ms)
         self._take_departed()
-        if request_id in self._leaving:
-            self.meter.departed.append((request_id, self.meter.depart(request_id, self._now_ms())))
-            self._take_departed()
+        if request_id not in self._leaving:
+            return
+        _, until_s = self._leaving[request_id]
+        if self.meter.in_step(request_id) and self.meter.tokens_will_end_step and now_ms / 1000.0 < until_s:
+            self._leaving[request_id] = (self._depart_later(request_id), until_s)
+            return
+        self.meter.departed.append((request_id, self.meter.depart(request_id, now_ms)))
+        self._take_departed()
 
     def _take_departed(self) -> None:
-        """Book the calls cut in a step that have left the meter, and let their settlements go on."""
+        """Book the calls cut in a step that have left the meter, and let their settlements go on (all of them,
+        whatever booking one raises)."""
         departed, self.meter.departed = self.meter.departed, []
+        failed: Exception | None = None
         for request_id, left in departed:
             call = self._calls.pop(request_id)
-            self._leaving.pop(request_id).cancel()
+            self._leaving.pop(request_id)[0].cancel()
             try:
                 self._leave(call, left)
+            except Exception as exc:  # the others are booked and settled still; this one is raised after
+                failed = failed or exc
             finally:
                 if call.leaving is not None and not call.leaving.done():
                     call.leaving.set_result(None)
+        if failed is not None:
+            raise failed
 
     def _leave(self, call: CallState, metered: MeteredCall) -> None:
         """Book ``call``'s charge as it left, less the share of its prefill its engine's usage says it read
@@ -749,8 +770,11 @@ class UpstreamClient:
         self._draining[response].add_done_callback(lambda _: self._draining.pop(response, None))
 
     async def close(self) -> None:
-        for request_id in list(self._leaving):  # cut in a step: they leave now, their settlements go on
-            self._depart(request_id)
+        now_ms = self._now_ms()  # the calls cut in a step leave now, and their settlements go on
+        self.meter.advance(now_ms)
+        self._take_departed()
+        self.meter.departed += [(request_id, self.meter.depart(request_id, now_ms)) for request_id in self._leaving]
+        self._take_departed()
         for task in list(self._draining.values()):
             task.cancel()
         await asyncio.gather(*self._draining.values(), return_exceptions=True)
