@@ -141,6 +141,7 @@ class _InFlight:
     pending: bool = False  # sent, but the replica has not reached an iteration boundary since
     stopped: bool = False  # ``cut``, and the step it was cut in ended: no weight, a lender until the burst is over
     cut_ms: float = math.inf  # when its caller stopped it (``cut``)
+    unseen_step: bool = False  # cut alone in its process beside others' requests: no token of its own ends its step
     sent_ms: float = 0.0
     joined_ms: float = -math.inf  # the token burst at which it joined the iteration (-inf: at its send)
     charged_ms: float = 0.0  # as of ``mark`` (the meter's price then)
@@ -637,13 +638,24 @@ class LiveMeter(MeterWindow):
             self._reweigh()
             self._bring_up_to_date(request)
             self._repay_prefill(request_id, request, self._bursts[1], step_over=False)
-        elif self.remote.sequences > 0 and self._sequences_not_cut() == request.sequences:
-            # No token of this process's can end its step, which the other processes' requests hold: the meter
-            # cannot tell it ran at all (an outside tester: quick cancels on such a process billed their whole
-            # prefill, 2.02 of the replica's charge rule, for work mostly never done).
-            return self._leave(request_id, request)
+        else:  # no token of this process's can end its step, which other processes' requests share
+            request.unseen_step = self.remote.sequences > 0 and self._sequences_not_cut() == request.sequences
         self._leaving[request_id] = request
         return None
+
+    def leave_after_ms(self, request_id: str) -> float:
+        """How long after its ``cut`` a request is to leave when no token ends its step first (``depart``), in ms:
+        what is left of the step by the cost model (``step_left_ms``). For one alone in its process beside other
+        processes' requests, whose steps it cannot see, that times the chance that the replica took it in before
+        its abort came: its time from send to cut over a decode step, at most 1. Billed the whole step, quick
+        cancels there paid 2.02 of the replica's charge rule (most never ran); let go at the cut, prompts cut
+        30-300 ms after their send paid 0.69, the other process's tenants 1.30 (outside testers). Raises
+        ``KeyError``: not in flight."""
+        request, left = self._requests[request_id], self.step_left_ms()
+        if not request.unseen_step:
+            return left
+        step_ms = self.decode_scale * (self.cost.iter_base_ms + self.cost.iter_slope_ms * (1 + self.remote.sequences))
+        return left * min(1.0, (request.cut_ms - request.sent_ms) / step_ms)
 
     def _sequences_not_cut(self) -> int:
         """Sequences of this process's requests in the iteration not cut (O(leaving)): their tokens end steps."""

@@ -300,17 +300,8 @@ class ReferenceMeter(MeterWindow):
                 return charges, None
             request.pending, request.joined_ms = False, now_ms
             charges += self._repay_prefill(request_id, self._bursts[1], step_over=False)
-        elif self.remote.sequences > 0 and self._sequences_not_cut() == request.sequences:
-            return charges, self._leave(request_id)  # no token of its own process can end its step
         self._leaving.add(request_id)
         return charges, None
-
-    def _sequences_not_cut(self) -> int:
-        return sum(
-            r.sequences
-            for rid, r in self._requests.items()
-            if not (r.pending or r.stopped) and rid not in self._leaving
-        )
 
     def depart(self, request_id: str, now_ms: float) -> tuple[list[MeterCharge], float]:
         """A request ``cut`` in a step leaves it at ``now_ms`` (``LiveMeter.depart``). Raises ``KeyError``: not

@@ -51,9 +51,10 @@ USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
 # brings every charge on the upstream up to date (O(in flight)), which the ratio's every step must not cost.
 DECODE_SCALE_STEP = 0.02
 # A request cut in a step leaves the meter when that step ends; while other requests of this process run in it,
-# the step's end is their next token, waited for this long at most (a step the cost model puts at seconds is
-# a prefill of tens of thousands of tokens; beyond this the wait is a stalled upstream, not a step).
-LEAVING_WAIT_MAX_S = 30.0
+# the step's end is their next token, waited for up to this many times the cost model's step (a model off by
+# more is no longer corrected: DECODE_SCALE_RANGE). Longer, a stream not read (its client stalled) held cut
+# requests on the meter for 30 s, billed 29-35x what the replica spent on them (an outside tester).
+LEAVING_WAIT_STEPS = 2.0
 
 
 class UpstreamError(Exception):
@@ -415,23 +416,28 @@ class UpstreamClient:
         the next burst of tokens, or the cost model's end of the step (``LiveMeter.step_left_ms``) when no token
         of this process's can end it; its settlement waits for ``call.leaving``."""
         call.leaving = asyncio.get_running_loop().create_future()
-        self._leaving[call.request_id] = (self._depart_later(call.request_id), self._clock() + LEAVING_WAIT_MAX_S)
-
-    def _depart_later(self, request_id: str) -> asyncio.TimerHandle:
-        return asyncio.get_running_loop().call_later(self.meter.step_left_ms() / 1000.0, self._depart, request_id)
+        after_ms = self.meter.leave_after_ms(call.request_id)
+        handle = asyncio.get_running_loop().call_later(after_ms / 1000.0, self._depart, call.request_id)
+        self._leaving[call.request_id] = (handle, self._clock() + LEAVING_WAIT_STEPS * after_ms / 1000.0)
 
     def _depart(self, request_id: str) -> None:
         """The cost model's end of the step ``request_id`` was cut in came: it leaves the meter, unless a request
         of this process's still runs in that step (its token will end it: the engine's step may run longer than
-        the model's), for ``LEAVING_WAIT_MAX_S`` at most."""
+        the model's), up to ``LEAVING_WAIT_STEPS`` times the model's step."""
         now_ms = self._now_ms()
         self.meter.advance(now_ms)
-        self._take_departed()
-        if request_id not in self._leaving:
-            return
+        try:
+            self._take_departed()
+        finally:  # whatever booking another call raised, this one leaves or waits on
+            if request_id in self._leaving:
+                self._depart_or_wait(request_id, now_ms)
+
+    def _depart_or_wait(self, request_id: str, now_ms: float) -> None:
         _, until_s = self._leaving[request_id]
-        if self.meter.in_step(request_id) and self.meter.tokens_will_end_step and now_ms / 1000.0 < until_s:
-            self._leaving[request_id] = (self._depart_later(request_id), until_s)
+        left_ms = min(self.meter.step_left_ms(), until_s * 1000.0 - now_ms)
+        if self.meter.in_step(request_id) and self.meter.tokens_will_end_step and left_ms > 0:
+            handle = asyncio.get_running_loop().call_later(left_ms / 1000.0, self._depart, request_id)
+            self._leaving[request_id] = (handle, until_s)
             return
         self.meter.departed.append((request_id, self.meter.depart(request_id, now_ms)))
         self._take_departed()
