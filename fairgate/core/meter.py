@@ -61,7 +61,8 @@ leaves when that burst is over, lending to a late request's prefill meanwhile. O
 running step (sent within ``boundary_lag_ms`` of that step's first token: before it, or after it where the
 engine takes such requests, ``admits_after_burst``) joins it as at its first token; one pending for a later step
 leaves when that step starts, or joins it when the step starts within the lag of the cut. One alone in its
-process beside other processes' requests leaves at once: no token of its own can tell its step's end. Through
+process beside other processes' requests, whose step's end no token of its own can tell, stays for the model's
+step times the chance the replica took it in (``leave_after_ms``). Through
 the emulated replica (tests/gateway/test_meter_truth.py), long prompts cut 5-250 ms after their send beside a
 decoding tenant were billed 1.004-1.008 of the replica's charge rule, the decoders 0.990-0.996 (three seeds);
 let go at the cut (billed the part of the prefill step gone by, nothing when pending), 0.56-0.59 and 1.56-1.66.
@@ -622,9 +623,9 @@ class LiveMeter(MeterWindow):
         abort may have reached the engine after it took the request into the next step), or ``depart`` when the
         caller's clock says the step is over. One pending that may be in the running step
         (``cut_in_running_step``) joins it as at its first token; one pending for a later step leaves when that
-        step starts, or joins it on the same terms. Returns what it was charged if it leaves now (alone in this
-        process beside other processes' requests: no token of its own can end its step), else None: it leaves
-        later (``departed``)."""
+        step starts, or joins it on the same terms. One alone in this process beside other processes' requests,
+        whose step no token of its own can end, leaves by ``leave_after_ms``. Returns None: it leaves later
+        (``departed``, ``depart``)."""
         self.advance(now_ms)
         request = self._requests[request_id]
         request.cut_ms = now_ms
@@ -662,8 +663,8 @@ class LiveMeter(MeterWindow):
         return self._active_sequences - sum(r.sequences for r in self._leaving.values())
 
     def depart(self, request_id: str, now_ms: float) -> MeteredCall:
-        """A request ``cut`` in a step leaves at ``now_ms``, whatever the tokens said (the caller's deadline:
-        ``step_left_ms``). Raises ``KeyError``: not leaving, or gone already (``departed``)."""
+        """A request ``cut`` leaves at ``now_ms``, whatever the tokens said (the caller's deadline:
+        ``leave_after_ms``). Raises ``KeyError``: not leaving, or gone already (``departed``)."""
         self.advance(now_ms)
         request = self._leaving.pop(request_id, None) or self._stopped.pop(request_id, None)
         return self._leave(request_id, request or self._cut_pending.pop(request_id))

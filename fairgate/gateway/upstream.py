@@ -413,11 +413,12 @@ class UpstreamClient:
 
     def _keep_leaving(self, call: CallState) -> None:
         """``call`` was cut in the running step and stays on the meter until the step ends (``LiveMeter.cut``):
-        the next burst of tokens, or the cost model's end of the step (``LiveMeter.step_left_ms``) when no token
+        the next burst of tokens, or the cost model's end of the step (``LiveMeter.leave_after_ms``) when no token
         of this process's can end it; its settlement waits for ``call.leaving``."""
-        call.leaving = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        call.leaving = loop.create_future()
         after_ms = self.meter.leave_after_ms(call.request_id)
-        handle = asyncio.get_running_loop().call_later(after_ms / 1000.0, self._depart, call.request_id)
+        handle = loop.call_later(after_ms / 1000.0, self._depart, call.request_id)
         self._leaving[call.request_id] = (handle, self._clock() + LEAVING_WAIT_STEPS * after_ms / 1000.0)
 
     def _depart(self, request_id: str) -> None:
@@ -445,6 +446,8 @@ class UpstreamClient:
     def _take_departed(self) -> None:
         """Book the calls cut in a step that have left the meter, and let their settlements go on (all of them,
         whatever booking one raises)."""
+        if not self.meter.departed:  # asked at every call's end
+            return
         departed, self.meter.departed = self.meter.departed, []
         failed: Exception | None = None
         for request_id, left in departed:
