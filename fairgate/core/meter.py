@@ -655,7 +655,10 @@ class LiveMeter(MeterWindow):
         request, left = self._requests[request_id], self.step_left_ms()
         if not request.unseen_step:
             return left
-        step_ms = self.decode_scale * (self.cost.iter_base_ms + self.cost.iter_slope_ms * (1 + self.remote.sequences))
+        decode_ms = self.decode_scale * (self.cost.iter_base_ms + self.cost.iter_slope_ms * (1 + self.remote.sequences))
+        # The replica's mean step is longer than a decode step by the others' prefill: of a window of N steps,
+        # prefill_share = P / (N * decode_ms + P), so the mean step is decode_ms / (1 - prefill_share).
+        step_ms = decode_ms / (1.0 - min(self.remote.prefill_share, MAX_REMOTE_PREFILL_SHARE))
         return left * min(1.0, (request.cut_ms - request.sent_ms) / step_ms)
 
     def _sequences_not_cut(self) -> int:

@@ -715,15 +715,22 @@ def test_a_request_cut_just_before_a_step_ends_stays_for_the_next(meter_kind):
     assert meter.charged_total_ms == pytest.approx(meter.busy_ms, rel=1e-12)
 
 
-@pytest.mark.parametrize("cut_ms", [3.0, 30.0])
-def test_a_request_cut_alone_in_its_process_beside_other_processes_stays_as_long_as_it_likely_ran(cut_ms):
+@pytest.mark.parametrize(
+    ("cut_ms", "remote_prefill_share", "step_ms"), [(3.0, 0.0, 20.0), (30.0, 0.0, 20.0), (3.0, 0.5, 40.0)]
+)
+def test_a_request_cut_alone_in_its_process_beside_other_processes_stays_as_long_as_it_likely_ran(
+    cut_ms, remote_prefill_share, step_ms
+):
     """Outside testers' cases: on a gateway process with nothing else in flight, beside another process's
     requests, no token of its own can end a cut request's step. Kept for the cost model's whole step, quick
     cancels were billed their whole prefill (2.02 of the charge rule; most never ran); let go at the cut, prompts
     cut 30-300 ms after their send paid 0.69 of it. It stays for the step times the chance the replica took it
-    in before its abort came: from send to cut over a decode step (20 ms at B = 7), at most 1."""
+    in before its abort came: from send to cut over the replica's mean step, at most 1. That step is a decode step
+    (20 ms at B = 7) lengthened by the others' prefill: at half the time prefilling, 40 ms. Sized by the decode
+    step alone, cancels 1-5 ms after their send beside another process's prompts paid 2.4-5.1 of the charge rule
+    (three seeds of 40, `bench/meter_cuts.py`), that process's tenants 0.93-0.94."""
     meter = LiveMeter(ENGINE, 0.0)
-    meter.set_remote(Occupancy(6.0, 0.0), 0.0)
+    meter.set_remote(Occupancy(6.0, remote_prefill_share), 0.0)
     meter.start("R", "a", 2000, 0.0)
     assert meter.cut("R", cut_ms) is None and not meter.tokens_will_end_step
-    assert meter.leave_after_ms("R") == pytest.approx(meter.step_left_ms() * min(1.0, cut_ms / 20.0), rel=1e-9)
+    assert meter.leave_after_ms("R") == pytest.approx(meter.step_left_ms() * min(1.0, cut_ms / step_ms), rel=1e-9)
