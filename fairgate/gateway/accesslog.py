@@ -23,8 +23,8 @@ call that ran, once its final settlement was booked; for anything else, when its
 - ``trace_id``: the request's OpenTelemetry trace id, 32 hex digits, when ``[telemetry]`` is on (the caller's
   trace when it sent a W3C ``traceparent``: ``fairgate.gateway.telemetry``); else ``null``.
 
-Lines go through a ``logging.handlers`` queue to a listener thread, so the event loop never waits for the
-terminal or the disk.
+Requests' records go through a queue to a listener thread (``logging.handlers.QueueListener``), which makes
+and writes their lines within 0.05 s: the event loop never waits for the terminal or the disk.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import logging
 import logging.handlers
 import queue
 import sys
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -95,13 +97,50 @@ def open_access_log(target: str | None) -> tuple[Sink, logging.handlers.QueueLis
     else:
         handler = _Quiet(logging.handlers.WatchedFileHandler(Path(target), encoding="utf-8"))  # follows logrotate
     handler.setFormatter(logging.Formatter("%(message)s"))
-    lines: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    into = logging.handlers.QueueHandler(lines)
+    records = _Polled()
+    return records.put, _LineWriter(records, handler)
 
-    def write(record: RequestRecord) -> None:
-        into.handle(logging.makeLogRecord({"name": LOGGER, "msg": line_of(record).decode()}))
 
-    return write, logging.handlers.QueueListener(lines, handler)
+class _Polled:
+    """The queue between the event loop and the access log's thread: a put never wakes the thread, which looks
+    for records every ``POLL_S`` seconds. A blocking queue woke it at every request: the put was 1-2 % of the
+    gateway's CPU per request (py-spy), and the thread then took the GIL from the loop each time."""
+
+    POLL_S = 0.05
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()  # appends and pops of a deque are atomic
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+
+    put_nowait = put
+
+    def get(self, block: bool = True) -> Any:
+        """The oldest item; waits for one when ``block``. Raises ``queue.Empty`` (none, not ``block``)."""
+        while True:
+            try:
+                return self._items.popleft()
+            except IndexError:
+                if not block:
+                    raise queue.Empty from None
+            time.sleep(self.POLL_S)
+
+
+class _LineWriter(logging.handlers.QueueListener):
+    """The listener thread of the access log: it takes the reported ``RequestRecord`` itself (nothing changes
+    it once reported) and makes its line and log record there. A ``QueueHandler`` on the event loop made the
+    log record, formatted and copied it there: 2 % of the gateway's CPU per request (py-spy), and the line's
+    own making 1.3 % more, on every answer's path."""
+
+    def prepare(self, record: Any) -> logging.LogRecord:
+        return logging.makeLogRecord({"name": LOGGER, "msg": line_of(record).decode()})
+
+    def handle(self, record: Any) -> None:
+        try:
+            super().handle(record)
+        except Exception:  # one bad record must not end the thread (every later line would be lost)
+            logging.getLogger("fairgate.gateway").exception("access log line failed: %r", record)
 
 
 class _Quiet(logging.Handler):

@@ -538,9 +538,11 @@ def _message(call: CallState, index: int, text: str) -> dict[str, Any]:
 
 async def while_connected(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """What ``work`` returns, run as a task of its own that is cancelled if the client disconnects first
-    (``watch_disconnect``). Raises ``Rejection`` 499 when the client left."""
+    (``watch_disconnect``, whose first look is one interval in: the queue looked just before the call began,
+    ``queueing.wait_for_slot``, and a look costs ~50 µs, a call of 16 tokens ~1.5 % of its CPU). Raises
+    ``Rejection`` 499 when the client left."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(watch_disconnect(request, task))
+    watcher = asyncio.ensure_future(watch_disconnect(request, task, first_look_now=False))
     try:
         return await task
     except asyncio.CancelledError:
@@ -551,8 +553,13 @@ async def while_connected(request: Request, work: Coroutine[Any, Any, T]) -> T:
         watcher.cancel()
 
 
-async def watch_disconnect(request: Request, work: asyncio.Future[Any], interval_s: float = 0.05) -> None:
-    """Cancel ``work`` when the client disconnects (checked every ``interval_s``)."""
+async def watch_disconnect(
+    request: Request, work: asyncio.Future[Any], interval_s: float = 0.05, first_look_now: bool = True
+) -> None:
+    """Cancel ``work`` when the client disconnects (checked every ``interval_s`` seconds; the first time at once,
+    or after ``interval_s`` when not ``first_look_now``)."""
+    if not first_look_now:
+        await asyncio.sleep(interval_s)
     while not work.done():
         if await request.is_disconnected():
             work.cancel()

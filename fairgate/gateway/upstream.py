@@ -765,10 +765,12 @@ class UpstreamClient:
         gap_ms = (now_s - call.last_token_s) * 1000.0
         batch = self.meter.sequences + round(self.meter.remote.sequences)
         crossed = self.drift.observe(gap_ms, batch, max(call.held_ms, call.held_before_ms))
-        ratio = self.drift.ratio
-        if ratio is not None and abs(ratio - self.meter.decode_scale) > DECODE_SCALE_STEP * self.meter.decode_scale:
+        ratio, scale = self.drift.ratio, self.meter.decode_scale
+        if ratio is not None and abs(ratio - scale) > DECODE_SCALE_STEP * scale:
             low, high = DECODE_SCALE_RANGE
-            self.meter.set_decode_scale(min(high, max(low, ratio)), now_s * 1000.0)
+            # A ratio beyond the range leaves the scale at its bound: no call (the token's own advance follows).
+            if (bounded := min(high, max(low, ratio))) != scale:
+                self.meter.set_decode_scale(bounded, now_s * 1000.0)
         if crossed is not None:
             line: dict[str, Any] = {"event": "cost_model_drift" if crossed else "cost_model_drift_ended"}
             line |= {"upstream": self.upstream.name, "observed_over_predicted": round(self.drift.ratio or 0.0, 3)}
