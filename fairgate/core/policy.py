@@ -17,7 +17,7 @@ Contract every policy keeps, on which the event-compressed engine relies:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
 from fairgate.core.request import Request, RunningView
@@ -50,6 +50,12 @@ class Policy(Protocol):
         takes back GPU time booked too high: a prompt's prefix the engine had cached, learnt at settlement
         and booked to the tenants that ran beside it instead (``fairgate.core.prefix_cache``).
         """
+
+    def charge_decode(self, batch: Mapping[str, int], iterations: int, per_sequence_ms: float, batch_size: int) -> None:
+        """Book ``iterations`` decode iterations of one replica's batch of ``batch_size`` sequences, ``batch[t]``
+        of them tenant ``t``'s, each charged ``per_sequence_ms`` (ms) an iteration: for each ``t``, what
+        ``charge(t, tokens * per_sequence_ms, 0, tokens, batch_size)`` with ``tokens = iterations * batch[t]`` books
+        (the simulator books the iterations between two scheduling events so, in one call)."""
 
     def finish(self, request: Request, now_ms: float) -> None:
         """``request`` left its slot (finished, cancelled or failed)."""
@@ -129,6 +135,12 @@ class QueuedPolicy:
         self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
     ) -> None:
         return None
+
+    def charge_decode(self, batch: Mapping[str, int], iterations: int, per_sequence_ms: float, batch_size: int) -> None:
+        charge = self.charge
+        for tenant, running in batch.items():
+            tokens = iterations * running
+            charge(tenant, tokens * per_sequence_ms, 0, tokens, batch_size)
 
     def finish(self, request: Request, now_ms: float) -> None:
         left = self._in_flight[request.tenant] - 1

@@ -11,14 +11,17 @@ decode iterations. It jumps straight to the next boundary where something can ch
   policy's state changed since this replica last asked it (another replica admitted or finished);
 - the run's end (the workload's window, or none when the run drains).
 
-Charges of skipped iterations are booked in bulk (``k`` iterations x ``n`` sequences of a tenant) just
-before anything reads them, so the policy sees the same counters at every decision. Time is integer
-ns, so boundaries computed as ``head + k * dt`` equal the reference's repeated additions exactly.
+Charges of skipped iterations are booked in bulk (``k`` iterations x ``n`` sequences of a tenant; to the
+policy in one ``Policy.charge_decode`` call) just before anything reads them, so the policy sees the same
+counters at every decision. A request's decode charge is the growth of one cumulative charge per slot while
+it ran. Time is integer ns, so boundaries computed as ``head + k * dt`` equal the reference's repeated
+additions exactly.
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,7 +67,7 @@ class _Replica:
         self.accounted_end = 0  # end of the last iteration whose charges are booked, ns
         self.accounted_iterations = 0
         self.slot_charge_ms = 0.0  # cumulative charge of one slot over the booked iterations
-        self.tenant_running: dict[int, int] = {}  # tenant index -> running sequences here
+        self.tenant_running: dict[str, int] = {}  # tenant -> running sequences here
         self.finishes: list[tuple[int, int]] = []  # heap of (finishing iteration, request id)
         self.epoch_seen = -1
 
@@ -80,8 +83,10 @@ class _Requests:
     slot_charge_at_admit: list[float]
 
 
-# Fill the free slots of a replica and start its next segment (see ``_starting``); book a replica up to an instant.
-_Start = Callable[[int, int, int, int, float, dict[int, int], list[tuple[int, int]]], tuple[int, int, float, int, int]]
+# Fill the free slots of a replica and start its next segment (see ``_starting``); settle the finishes due at a
+# replica's boundary (``_settling``); book a replica up to an instant.
+_Start = Callable[[int, int, int, int, float, dict[str, int], list[tuple[int, int]]], tuple[int, int, float, int, int]]
+_Settle = Callable[[int, int, float, dict[str, int], list[tuple[int, int]]], int]
 _Step = Callable[[_Replica, int, bool], None]
 
 
@@ -104,19 +109,28 @@ def run_compressed(
     duration_ns = stop_ns(workload, drain)
     requests = _Requests([0] * len(workload), [0.0] * len(workload))
     start = _starting(workload, cost, admission, result, requests, duration_ns)
+    settle = _settling(workload, admission, result, requests)
     if replicas == 1:
-        now = _run_one(workload, admission, result, requests, start, duration_ns)
+        now, done, charged, finishes = _run_one(admission, result, start, settle, duration_ns)
+        _settle_unfinished(result, requests, done, charged, finishes)
     else:
         reps = [_Replica(r) for r in range(replicas)]
-        book, boundary, admit_and_start, settle_request = _booking(
-            workload, admission, result, requests, start, duration_ns
-        )
+        book, boundary, admit_and_start = _booking(workload, admission, result, start, settle, duration_ns)
         now = _run_many(reps, admission, duration_ns, book, boundary, admit_and_start)
         for rep in reps:
-            for _, i in rep.finishes:
-                settle_request(rep, i)
+            _settle_unfinished(result, requests, rep.accounted_iterations, rep.slot_charge_ms, rep.finishes)
     admission.sample(max(now, 0))
     return result
+
+
+def _settle_unfinished(
+    result: SimResult, requests: _Requests, done: int, charged: float, finishes: list[tuple[int, int]]
+) -> None:
+    """Book what the requests still running at the run's end (``finishes``) were charged and generated, on a
+    replica that ran ``done`` iterations and charged a slot ``charged`` ms over them."""
+    for _, i in finishes:
+        result.request_gpu_ms[i] += charged - requests.slot_charge_at_admit[i]
+        result.generated_tokens[i] = done - requests.admitted_iteration[i]
 
 
 _NEVER = 1 << 80  # later than any instant: a draining run's end is 2**62 ns
@@ -129,20 +143,18 @@ def _takes_charges(policy: Policy) -> bool:
 
 
 def _run_one(
-    workload: Workload, admission: Admission, result: SimResult, requests: _Requests, start: _Start, duration_ns: int
-) -> int:
+    admission: Admission, result: SimResult, start: _Start, settle: _Settle, duration_ns: int
+) -> tuple[int, int, float, list[tuple[int, int]]]:
     """``_run_many`` for a lone replica (most runs), fused into one loop over local variables: the same
     instants, bookings and calls in the same order, without a call or an attribute look-up per step. A busy
     replica's instant is its own boundary, booked in one go; an idle one waits for an arrival or a wake-up.
-    Returns the last instant."""
-    tenants, tenant_index, tenant_gpu_ms = workload.tenants, workload.tenant_index, result.tenant_gpu_ms
-    tenant_decode_tokens, request_gpu_ms = result.tenant_decode_tokens, result.request_gpu_ms
-    generated_tokens, busy_ns, iterations = result.generated_tokens, result.busy_ns, result.iterations
-    admitted_iteration = requests.admitted_iteration
-    slot_charge_at_admit, heappop, max_batch = requests.slot_charge_at_admit, heapq.heappop, admission.cost.max_batch
-    queued, sample, finish = admission.policy.queued, admission.sample, admission.finish
-    charge = admission.admitter.charge if _takes_charges(admission.policy) else None
-    running: dict[int, int] = {}  # tenant index -> running sequences
+    Returns the last instant, the iterations run, a slot's charge over them (ms) and the requests still running
+    (their heap)."""
+    position = {tenant: k for k, tenant in enumerate(admission.workload.tenants)}
+    tenant_gpu_ms, tenant_decode_tokens = result.tenant_gpu_ms, result.tenant_decode_tokens
+    max_batch, queued, sample = admission.cost.max_batch, admission.policy.queued, admission.sample
+    charge_decode = admission.policy.charge_decode if _takes_charges(admission.policy) else None
+    running: dict[str, int] = {}  # tenant -> running sequences
     finishes: list[tuple[int, int]] = []  # heap of (finishing iteration, request id)
     busy = stopped = False
     size = dt = head_end = head_iteration = accounted_end = done = epoch_seen = 0  # as in _Replica
@@ -160,30 +172,20 @@ def _run_one(
             first = head_end if done < head_iteration else accounted_end + dt
             if now >= first:  # book every iteration up to `now`, in one go
                 k = (now - first) // dt + 1
-                for k_tenant, n_running in running.items():
+                for tenant, n_running in running.items():
                     tokens = k * n_running
-                    ms = tokens * per
-                    if charge is not None:
-                        charge(tenants[k_tenant], ms, 0, tokens, size)
-                    tenant_gpu_ms[k_tenant] += ms
+                    k_tenant = position[tenant]
+                    tenant_gpu_ms[k_tenant] += tokens * per
                     tenant_decode_tokens[k_tenant] += tokens
+                if charge_decode is not None:
+                    charge_decode(running, k, per, size)
                 charged += k * per
                 done += k
                 accounted_end = first + (k - 1) * dt
                 decode_ns += k * dt
-            while finishes and finishes[0][0] == done:  # in request id order, as the reference's
-                i = heappop(finishes)[1]
-                request_gpu_ms[i] += charged - slot_charge_at_admit[i]
-                generated_tokens[i] = done - admitted_iteration[i]
-                k_tenant = tenant_index[i]
-                left = running[k_tenant] - 1
-                if left:
-                    running[k_tenant] = left
-                else:
-                    del running[k_tenant]
-                size -= 1
-                finish(i, now)
-            assert not finishes or finishes[0][0] > done, "a finish was skipped"
+            if finishes and finishes[0][0] <= done:
+                size -= settle(now, done, charged, running, finishes)
+                assert not finishes or finishes[0][0] > done, "a finish was skipped"
             if now < duration_ns:
                 size, dt, per, head_end, epoch_seen = start(0, now, size, done, charged, running, finishes)
                 busy, head_iteration, accounted_end = size > 0, done + 1, now
@@ -202,12 +204,9 @@ def _run_one(
         if now >= next_sample:
             sample(now)
             next_sample = now + SAMPLE_EVERY_NS
-    for _, i in finishes:
-        request_gpu_ms[i] += charged - slot_charge_at_admit[i]
-        generated_tokens[i] = done - admitted_iteration[i]
-    busy_ns[0] += decode_ns  # integers: the same sum booked once
-    iterations[0] = done  # every iteration is booked, and only here
-    return now
+    result.busy_ns[0] += decode_ns  # integers: the same sum booked once
+    result.iterations[0] = done  # every iteration is booked, and only here
+    return now, done, charged, finishes
 
 
 def _first_change(admission: Admission, now: int, best: int, head_end: int, dt: int, epoch_seen: int) -> int:
@@ -304,22 +303,15 @@ def _run_many(
 
 
 def _booking(
-    workload: Workload, admission: Admission, result: SimResult, requests: _Requests, start: _Start, duration_ns: int
-) -> tuple[_Step, _Step, Callable[[_Replica, int], None], Callable[[_Replica, int], None]]:
+    workload: Workload, admission: Admission, result: SimResult, start: _Start, settle: _Settle, duration_ns: int
+) -> tuple[_Step, _Step, Callable[[_Replica, int], None]]:
     """``_run_many``'s steps, as closures over the run's arrays: ``book(rep, upto, inclusive)``,
-    ``boundary(rep, t, inclusive)`` (book, then settle the finishes due and start the next segment),
-    ``admit_and_start(rep, t)`` and ``settle_request(rep, i)``."""
-    tenants, tenant_index = workload.tenants, workload.tenant_index
+    ``boundary(rep, t, inclusive)`` (book, then settle the finishes due and start the next segment) and
+    ``admit_and_start(rep, t)``."""
+    position = {tenant: k for k, tenant in enumerate(workload.tenants)}
     tenant_gpu_ms, tenant_decode_tokens = result.tenant_gpu_ms, result.tenant_decode_tokens
-    busy_ns, iterations, request_gpu_ms, generated_tokens = (
-        result.busy_ns,
-        result.iterations,
-        result.request_gpu_ms,
-        result.generated_tokens,
-    )
-    charge, finish = admission.admitter.charge, admission.finish
-    charged = _takes_charges(admission.policy)
-    admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
+    busy_ns, iterations = result.busy_ns, result.iterations
+    charge_decode = admission.policy.charge_decode if _takes_charges(admission.policy) else None
 
     def book(rep: _Replica, upto: int, inclusive: bool) -> None:
         """Book every iteration of ``rep`` ending before ``upto`` (or at it, if ``inclusive``)."""
@@ -333,14 +325,14 @@ def _booking(
         k = span // dt + 1
         if not inclusive and span % dt == 0:
             k -= 1
-        size, per = rep.size, rep.per_sequence_ms
-        for k_tenant, running in rep.tenant_running.items():
+        per = rep.per_sequence_ms
+        for tenant, running in rep.tenant_running.items():
             tokens = k * running
-            ms = tokens * per
-            if charged:
-                charge(tenants[k_tenant], ms, 0, tokens, size)
-            tenant_gpu_ms[k_tenant] += ms
+            k_tenant = position[tenant]
+            tenant_gpu_ms[k_tenant] += tokens * per
             tenant_decode_tokens[k_tenant] += tokens
+        if charge_decode is not None:
+            charge_decode(rep.tenant_running, k, per, rep.size)
         rep.slot_charge_ms += k * per
         rep.accounted_iterations += k
         rep.accounted_end = first + (k - 1) * dt
@@ -349,19 +341,8 @@ def _booking(
 
     def boundary(rep: _Replica, t: int, inclusive: bool) -> None:
         book(rep, t, inclusive)
-        finishes, done = rep.finishes, rep.accounted_iterations
-        while finishes and finishes[0][0] == done:  # in request id order, as the reference's
-            i = heapq.heappop(finishes)[1]
-            settle_request(rep, i)
-            k_tenant = tenant_index[i]
-            left = rep.tenant_running[k_tenant] - 1
-            if left:
-                rep.tenant_running[k_tenant] = left
-            else:
-                del rep.tenant_running[k_tenant]
-            rep.size -= 1
-            finish(i, t)
-        assert not finishes or finishes[0][0] > done, "a finish was skipped"
+        rep.size -= settle(t, rep.accounted_iterations, rep.slot_charge_ms, rep.tenant_running, rep.finishes)
+        assert not rep.finishes or rep.finishes[0][0] > rep.accounted_iterations, "a finish was skipped"
         if t < duration_ns:
             admit_and_start(rep, t)
         else:
@@ -378,11 +359,42 @@ def _booking(
             rep.end_boundary = head_end - (-max(duration_ns - head_end, 0) // dt) * dt
         rep.head_iteration, rep.accounted_end = done + 1, t
 
-    def settle_request(rep: _Replica, i: int) -> None:
-        request_gpu_ms[i] += rep.slot_charge_ms - slot_charge_at_admit[i]
-        generated_tokens[i] = rep.accounted_iterations - admitted_iteration[i]
+    return book, boundary, admit_and_start
 
-    return book, boundary, admit_and_start, settle_request
+
+def _settling(workload: Workload, admission: Admission, result: SimResult, requests: _Requests) -> _Settle:
+    """``settle(t, done, charged, running, finishes)``: at the boundary ``t`` of a replica that ran ``done``
+    iterations and charged a slot ``charged`` ms over them, settle every request whose last iteration that was
+    (``finishes``: the replica's heap; ``running``: its sequences per tenant), in request id order as the
+    reference's, and tell the policy (``Admission.finish``, written out). Returns the number settled."""
+    request_gpu_ms, generated_tokens, finish_ns = result.request_gpu_ms, result.generated_tokens, result.finish_ns
+    admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
+    by_tenant, finish, all_requests = admission.admitter.view.by_tenant, admission.policy.finish, admission.requests
+    heappop = heapq.heappop
+
+    def settle(t: int, done: int, charged: float, running: dict[str, int], finishes: list[tuple[int, int]]) -> int:
+        now_ms, count = t / NS_PER_MS, 0
+        while finishes and finishes[0][0] == done:
+            i = heappop(finishes)[1]
+            request_gpu_ms[i] += charged - slot_charge_at_admit[i]
+            generated = generated_tokens[i] = done - admitted_iteration[i]
+            request = all_requests[i]
+            tenant = request.tenant
+            left = running[tenant] - 1
+            if left:
+                running[tenant] = left
+            else:
+                del running[tenant]
+            finish_ns[i] = t
+            request.generated_tokens = generated  # its output length: it ran to its end
+            by_tenant[tenant] -= request.sequences
+            finish(request, now_ms)
+            count += 1
+        admission.finished += count
+        admission.epoch += count
+        return count
+
+    return settle
 
 
 def _starting(
@@ -391,23 +403,17 @@ def _starting(
     """``start(index, t, size, done, charged, running, finishes)``: fill the free slots of replica ``index`` at
     ``t`` - ``size`` sequences running (``running``: per tenant; ``finishes``: their heap), ``done`` iterations
     and ``charged`` ms a slot booked - and start its next segment. Returns the segment: ``(size, dt,
-    per_sequence_ms, head_end, epoch)``; ``size`` 0: the replica idles."""
-    tenant_index, output_tokens = workload.tenant_index, workload.output_tokens
+    per_sequence_ms, head_end, epoch)``; ``size`` 0: the replica idles. The admit step (``Admission.pick``,
+    ``Admitter.fill``) is written out in it: it runs at nearly every scheduling event."""
+    tenant_index, output_tokens, arrival_ns = workload.tenant_index, workload.output_tokens, workload.arrival_ns
+    tenant_gpu_ms, tenant_prefill_ms, admissions = result.tenant_gpu_ms, result.tenant_prefill_ms, result.admissions
+    request_gpu_ms, admit_ns, first_token_ns = result.request_gpu_ms, result.admit_ns, result.first_token_ns
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
-    first_token_ns, busy_ns, admit_ns, admissions = (
-        result.first_token_ns,
-        result.busy_ns,
-        result.admit_ns,
-        result.admissions,
-    )
-    tenant_gpu_ms, tenant_prefill_ms, request_gpu_ms = (
-        result.tenant_gpu_ms,
-        result.tenant_prefill_ms,
-        result.request_gpu_ms,
-    )
-    max_batch, pick = cost.max_batch, admission.pick
-    decode_ns, prefill_ns = cost.decode_ns, cost.prefill_ns
-    heappush = heapq.heappush
+    policy, view, all_requests, arrivals = admission.policy, admission.admitter.view, admission.requests, len(workload)
+    pick, enqueue_all, charge = policy.pick, policy.enqueue_all, policy.charge if _takes_charges(policy) else None
+    max_batch, by_tenant, busy_ns, heappush = cost.max_batch, view.by_tenant, result.busy_ns, heapq.heappush
+    base_ns, prefill_ns_per_token = cost.decode_ns(0), cost.prefill_ns(1)
+    slope_ns = cost.decode_ns(1) - base_ns
 
     def start(
         index: int,
@@ -415,34 +421,51 @@ def _starting(
         size: int,
         done: int,
         charged: float,
-        running: dict[int, int],
+        running: dict[str, int],
         finishes: list[tuple[int, int]],
     ) -> tuple[int, int, float, int, int]:
-        picked = pick(t, max_batch - size, size)
-        prefill_tokens = 0
-        if picked:
-            for request, prefill_ms in picked:
-                i = request.request_id
+        free, count, prefill_tokens, picked = max_batch - size, 0, 0, []
+        if free > 0:
+            now_ms, arrival = t / NS_PER_MS, admission.next_arrival_ns
+            if arrival is not None and arrival <= t:  # ``Admission.deliver``, written out
+                first = admission.delivered
+                delivered = admission.delivered = bisect_right(arrival_ns, t, first)
+                enqueue_all(all_requests[first:delivered], now_ms)
+                admission.epoch += delivered - first
+                admission.next_arrival_ns = arrival_ns[delivered] if delivered < arrivals else None
+            while count < free:
+                request = pick(now_ms, view)
+                if request is None:
+                    break
+                count += 1
+                i, tenant, prompt = request.request_id, request.tenant, request.prompt_tokens
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + request.sequences
+                prefill_ms = prefill_ns_per_token * prompt / NS_PER_MS  # ``cost.prefill_ms``
+                if charge is not None:
+                    charge(tenant, prefill_ms, prompt, 0, size + count)  # the batch it joins, itself included
+                running[tenant] = running.get(tenant, 0) + 1
                 k_tenant = tenant_index[i]
                 tenant_gpu_ms[k_tenant] += prefill_ms  # ``book_admission``, written out
                 tenant_prefill_ms[k_tenant] += prefill_ms
                 request_gpu_ms[i] += prefill_ms
                 admit_ns[i] = t
                 admissions.append((i, index, t))
-                running[k_tenant] = running.get(k_tenant, 0) + 1
-                prefill_tokens += request.prompt_tokens
+                prefill_tokens += prompt
                 admitted_iteration[i] = done
                 slot_charge_at_admit[i] = charged
                 heappush(finishes, (done + output_tokens[i], i))
-            size += len(picked)
+                picked.append(i)
+        if count:
+            admission.admitted += count
+            admission.epoch += count
+            size += count
         elif size == 0:
             return 0, 0, 0.0, 0, admission.epoch
-        dt = decode_ns(size)
-        prefill = prefill_ns(prefill_tokens)
-        head_end = t + dt + prefill
-        busy_ns[index] += prefill
-        for request, _ in picked:
-            first_token_ns[request.request_id] = head_end
+        dt = base_ns + slope_ns * size
+        head_end = t + dt + prefill_ns_per_token * prefill_tokens
+        busy_ns[index] += prefill_ns_per_token * prefill_tokens
+        for i in picked:
+            first_token_ns[i] = head_end
         return size, dt, dt / size / NS_PER_MS, head_end, admission.epoch
 
     return start

@@ -108,23 +108,43 @@ class CounterPolicy(QueuedPolicy):
     def _on_inactive(self, tenant: str, now_ms: float) -> None:
         self._last_left = self.counters.get(tenant, 0.0)
 
-    def _on_pick(self, request: Request, now_ms: float) -> None:
-        self.virtual_time = max(self.virtual_time, self._key(request.tenant))
+    def _commit(self, request: Request) -> None:
+        """``request``, picked, declared ``max_output_tokens``: count it as committed work where a subclass does."""
+        return None
+
+    def pick(self, now_ms: float, running: RunningView) -> Request | None:
+        # ``QueuedPolicy.pick`` with the choice (lowest key, ties to the earliest head) and the virtual time's
+        # update written out: a simulation picks at nearly every scheduling event, so each call in between counts
+        queues = self._queues
+        if not queues:
+            return None
+        keys = self._keys()
+        lowest = min(keys)
+        limit = lowest + TIE_RELATIVE * max(1.0, abs(lowest))
+        if len(keys) == 1 or sorted(keys)[1] > limit:
+            tenant, key = list(queues)[keys.index(lowest)], lowest  # ``lowest`` is ``_key(tenant)``, as computed
+        else:
+            tied = [t for t, k in zip(queues, keys, strict=False) if k <= limit]
+            earliest = tied[0] if len(tied) == 1 else self._earliest(tied)
+            assert earliest is not None  # ``tied`` holds the lowest key's tenant at least
+            tenant, key = earliest, self._key(earliest)
+        queue = queues[tenant]
+        request = queue.popleft()
+        self._queued -= 1
+        if not queue:
+            del queues[tenant]
+            self._on_idle(tenant, now_ms)
+        self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
+        if key > self.virtual_time:  # ``max(virtual_time, key)``
+            self.virtual_time = key
+        if request.max_output_tokens:
+            self._commit(request)
+        return request
 
     def _keys(self) -> list[float]:
         """``_key`` of every queued tenant, in queue order (one pass: picks read them all)."""
         counters = self.counters
         return [counters.get(t, 0.0) for t in self._queues]
-
-    def _select(self, now_ms: float, running: RunningView) -> str | None:
-        keys = self._keys()
-        lowest = min(keys)
-        limit = lowest + TIE_RELATIVE * max(1.0, abs(lowest))
-        if len(keys) == 1 or sorted(keys)[1] > limit:
-            # The lowest alone within the tie (most picks): the tenant at its place, found by built-ins
-            return list(self._queues)[keys.index(lowest)]
-        tied = [t for t, key in zip(self._queues, keys, strict=False) if key <= limit]  # as long: keys of the queues
-        return tied[0] if len(tied) == 1 else self._earliest(tied)
 
     def charge(
         self, tenant: str, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int, remote: bool = False
@@ -136,13 +156,34 @@ class CounterPolicy(QueuedPolicy):
             if not remote:  # the mean charge per request of this policy's own finished requests
                 self._charged[tenant] = self._charged.get(tenant, 0.0) + weighted
 
+    def charge_decode(self, batch: Mapping[str, int], iterations: int, per_sequence_ms: float, batch_size: int) -> None:
+        # ``charge`` for each tenant, written out: once per scheduling event of a simulation
+        cost_of, counters, charged, weights = self._cost, self.counters, self._charged, self._weights
+        unit = self._decode_unit(batch_size)
+        for tenant, running in batch.items():
+            tokens = iterations * running
+            cost = cost_of(tokens * per_sequence_ms, 0, tokens, batch_size) if unit is None else unit * tokens
+            if cost:
+                weighted = cost / weights.get(tenant, 1.0)
+                counters[tenant] = counters.get(tenant, 0.0) + weighted
+                charged[tenant] = charged.get(tenant, 0.0) + weighted
+
     def finish(self, request: Request, now_ms: float) -> None:
-        self._finished[request.tenant] = self._finished.get(request.tenant, 0) + 1
-        # The base named rather than ``super()``, which builds an object per call (CPython 3.11): once per request
-        QueuedPolicy.finish(self, request, now_ms)
+        tenant = request.tenant
+        self._finished[tenant] = self._finished.get(tenant, 0) + 1
+        left = self._in_flight[tenant] - 1  # ``QueuedPolicy.finish``, written out: once per request
+        self._in_flight[tenant] = left
+        if not left and tenant not in self._queues:
+            self._on_inactive(tenant, now_ms)
 
     def _cost(self, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> float:
         raise NotImplementedError  # abstract: each counter policy defines its unit of work
+
+    def _decode_unit(self, batch_size: int) -> float | None:
+        """What ``_cost`` gives a generated token at ``batch_size`` when it reads nothing else (``_cost(ms, 0,
+        tokens, B)`` is then exactly ``unit * tokens``), so ``charge_decode`` need not call it per tenant; None:
+        call it."""
+        return None
 
 
 class VTC(CounterPolicy):
@@ -168,6 +209,9 @@ class VTC(CounterPolicy):
     def _cost(self, gpu_ms: float, input_tokens: int, output_tokens: int, batch_size: int) -> float:
         return self._input_weight * input_tokens + self._output_weight * output_tokens
 
+    def _decode_unit(self, batch_size: int) -> float | None:
+        return self._output_weight  # ``input_weight * 0`` is 0.0 (weights >= 0), and 0.0 + x is x
+
 
 class VTCCalibrated(CounterPolicy):
     """VTC whose output weight is ``cost.vtc_exchange_rate(B)`` at the batch size of each token.
@@ -191,6 +235,9 @@ class VTCCalibrated(CounterPolicy):
         if rate is None:
             rate = self._rate_by_batch[batch_size] = self._cost_model.vtc_exchange_rate(max(batch_size, 1))
         return input_tokens + rate * output_tokens
+
+    def _decode_unit(self, batch_size: int) -> float | None:
+        return self._cost(0.0, 0, 1, batch_size)  # the rate: ``0 + rate * tokens`` is ``rate * tokens``
 
 
 class GPUFair(CounterPolicy):
@@ -248,10 +295,11 @@ class GPUFair(CounterPolicy):
 
     def _keys(self) -> list[float]:
         counters, committed, weights = self.counters, self.committed, self._weights
+        if not committed:  # nothing declared (a simulation's requests): ``counter + 0.0``, which is the counter
+            return [counters.get(t, 0.0) for t in self._queues]
         return [counters.get(t, 0.0) + committed.get(t, 0.0) / weights.get(t, 1.0) for t in self._queues]
 
-    def _on_pick(self, request: Request, now_ms: float) -> None:
-        CounterPolicy._on_pick(self, request, now_ms)  # not ``super()``: see ``CounterPolicy.finish``
+    def _commit(self, request: Request) -> None:
         if request.max_output_tokens and self._per_token_ms:
             # ``max_output_tokens`` is the total of its ``sequences``; each commits up to the horizon
             declared = min(request.max_output_tokens, self._horizon * request.sequences)
@@ -271,8 +319,22 @@ class GPUFair(CounterPolicy):
         if output_tokens and not remote and self.committed.get(tenant):
             self.committed[tenant] = max(0.0, self.committed[tenant] - output_tokens * self._per_token_ms)
 
+    def charge_decode(self, batch: Mapping[str, int], iterations: int, per_sequence_ms: float, batch_size: int) -> None:
+        # ``charge`` for each tenant, written out: once per scheduling event of a simulation
+        counters, charged, committed, weights = self.counters, self._charged, self.committed, self._weights
+        per_token_ms = self._per_token_ms
+        for tenant, running in batch.items():
+            tokens = iterations * running
+            gpu_ms = tokens * per_sequence_ms
+            if gpu_ms:
+                weighted = gpu_ms / weights.get(tenant, 1.0)
+                counters[tenant] = counters.get(tenant, 0.0) + weighted
+                charged[tenant] = charged.get(tenant, 0.0) + weighted
+            if committed and tokens and committed.get(tenant):
+                committed[tenant] = max(0.0, committed[tenant] - tokens * per_token_ms)
+
     def finish(self, request: Request, now_ms: float) -> None:
-        declared = self._commits.pop(request.request_id, None)
+        declared = self._commits.pop(request.request_id, None) if self._commits else None
         if declared is not None and self.committed.get(request.tenant):
             undelivered = max(0, declared - request.generated_tokens) * self._per_token_ms
             self.committed[request.tenant] = max(0.0, self.committed[request.tenant] - undelivered)

@@ -75,12 +75,12 @@ class DeficitRoundRobin(QueuedPolicy):
         # i, i + n, i + 2n, ...; the front one at steps n, 2n, ... The first visit that leaves a tenant in
         # credit serves it. Computed in O(n) rather than looping round by round (a deep debt over a small
         # quantum would take millions of rounds).
-        n = len(turns)
+        n, quantum_ms, weight_of = len(turns), self._quantum_ms, self._weights.get
         best_step, best_position = -1, 0
         for position, tenant in enumerate(turns):
-            quantum = self._quantum_ms * self._weights.get(tenant, 1.0)
-            visits = max(1, math.ceil((_TOLERANCE_MS - deficits[tenant]) / quantum))
-            while deficits[tenant] + visits * quantum <= _TOLERANCE_MS:  # float rounding of the division
+            quantum, deficit = quantum_ms * weight_of(tenant, 1.0), deficits[tenant]
+            visits = max(1, math.ceil((_TOLERANCE_MS - deficit) / quantum))
+            while deficit + visits * quantum <= _TOLERANCE_MS:  # float rounding of the division
                 visits += 1
             step = (visits - 1) * n + position if position else visits * n
             if best_step < 0 or step < best_step:
@@ -89,7 +89,7 @@ class DeficitRoundRobin(QueuedPolicy):
             visits = (
                 best_step // n if position == 0 else (best_step - position) // n + 1 if best_step >= position else 0
             )
-            deficits[tenant] += visits * self._quantum_ms * self._weights.get(tenant, 1.0)
+            deficits[tenant] += visits * quantum_ms * weight_of(tenant, 1.0)
         turns.rotate(-best_position)
         return turns[0]
 
@@ -100,3 +100,13 @@ class DeficitRoundRobin(QueuedPolicy):
             self.deficits[tenant] -= gpu_ms
         else:
             self.deficits[tenant] = -gpu_ms
+
+    def charge_decode(self, batch: Mapping[str, int], iterations: int, per_sequence_ms: float, batch_size: int) -> None:
+        # ``charge`` for each tenant, written out: once per scheduling event of a simulation
+        deficits = self.deficits
+        for tenant, running in batch.items():
+            gpu_ms = iterations * running * per_sequence_ms
+            if tenant in deficits:
+                deficits[tenant] -= gpu_ms
+            else:
+                deficits[tenant] = -gpu_ms

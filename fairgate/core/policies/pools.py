@@ -78,6 +78,11 @@ class PriorityPools:
     ) -> None:
         self._pool(tenant).charge(tenant, gpu_ms, input_tokens, output_tokens, batch_size, remote)
 
+    def charge_decode(self, batch: Mapping[str, int], iterations: int, per_sequence_ms: float, batch_size: int) -> None:
+        for tenant, running in batch.items():
+            tokens = iterations * running
+            self._pool(tenant).charge(tenant, tokens * per_sequence_ms, 0, tokens, batch_size)
+
     def finish(self, request: Request, now_ms: float) -> None:
         self._pool(request.tenant).finish(request, now_ms)
 
