@@ -77,6 +77,9 @@ def create_gateway(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # A path with a trailing slash is not found, not redirected: Starlette's redirect builds its Location
+        # from the client's Host header (an outside tester's Host: evil.example came back in it).
+        redirect_slashes=False,
     )
     app.state.gateway = state  # for ``state_of(app)`` only: requests get it from the lifespan
     _install_error_handlers(app, state)

@@ -29,7 +29,7 @@ from fairgate.gateway.embeddings import EmbeddingCall
 from fairgate.gateway.identity import Caller, require_tenant
 from fairgate.gateway.outcomes import Outcome, Rejection, respond
 from fairgate.gateway.queueing import wait_for_slot
-from fairgate.gateway.records import note_admission, open_record
+from fairgate.gateway.records import note_admission, note_requeued, open_record
 from fairgate.gateway.state import GatewayState, gateway_dependency, gateway_of
 
 log = logging.getLogger("fairgate.gateway")
@@ -133,8 +133,8 @@ async def _run(state: GatewayState, request: Request, admitted: admission.Admitt
         lease, queue_ms = await wait_for_slot(state, request, admitted)
         try:
             return await kind(state, admitted, lease, queue_ms, attempt < CONNECT_ATTEMPTS).respond(request)
-        except TryAnotherUpstream:
-            continue  # its upstream refused the connection and is out: back to the queue for another
+        except TryAnotherUpstream:  # its upstream refused the connection and is out: back to the queue for another
+            note_requeued()
     raise AssertionError("unreachable: the last attempt does not ask for another")  # pragma: no cover
 
 

@@ -23,8 +23,13 @@ Per tenant (counters and histograms from events, cumulative since start)
 - ``fairgate_admissions_total{tenant,model}``: reservations made (``Admitted``).
 - ``fairgate_rejections_total{tenant,reason}``: requests turned away, by ``observe.REJECT_REASONS``
   (``Rejected``; one refused after admission - queue full, no upstream - counts in both).
-- ``fairgate_requests_finished_total{tenant,outcome}``: upstream calls ended: completed, cancelled, error.
-- ``fairgate_queue_time_seconds{tenant}``: histogram, time in the tenant's queue before dispatch.
+- ``fairgate_requests_finished_total{tenant,outcome}``: upstream calls ended: completed, cancelled, error
+  (an upstream failure answered 502 counts here as ``error`` and in the rejections as ``upstream_error``).
+- ``fairgate_requests_left_queued_total{tenant}``: admitted requests whose client left while queued (``Left``:
+  never run, nothing billed). Every admission ends in one of these two counters or in a rejection after
+  admission (queue full, no upstream).
+- ``fairgate_queue_time_seconds{tenant}``: histogram, time in the tenant's queue before each dispatch (a request
+  an upstream refused the connection to goes back to the queue, and is dispatched, and counted, again).
 - ``fairgate_ttft_seconds{tenant}``, ``fairgate_tpot_seconds{tenant}``: histograms, admission (queue
   included) to first token, mean time per output token after the first (``Finished``).
 - ``fairgate_input_tokens_total{tenant}``, ``fairgate_output_tokens_total{tenant}``: billed tokens (the
@@ -91,7 +96,7 @@ from prometheus_client.registry import Collector
 
 from fairgate.gateway.config import GatewayConfig
 from fairgate.gateway.identity import require_admin
-from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Fanout, Finished, Rejected
+from fairgate.gateway.observe import Admitted, Charged, Dispatched, Event, Fanout, Finished, Left, Rejected
 from fairgate.gateway.stats import Stats, Window
 from fairgate.ledger.base import tenant_tag
 
@@ -146,6 +151,10 @@ class MetricsObserver:
         self.admissions = counter("fairgate_admissions", "Requests admitted (a ledger reservation was made).", "model")
         self.rejections = counter("fairgate_rejections", "Requests turned away, by reason.", "reason")
         self.finished = counter("fairgate_requests_finished", "Upstream calls ended, by outcome.", "outcome")
+        self.left_queued = counter(
+            "fairgate_requests_left_queued",
+            "Admitted requests whose client left while they were queued: never run, nothing billed.",
+        )
         self.queue_time = histogram(
             "fairgate_queue_time_seconds", "Time in the tenant's queue before dispatch.", QUEUE_BUCKETS_S
         )
@@ -184,6 +193,7 @@ class MetricsObserver:
             Rejected: self._rejected,
             Dispatched: self._dispatched,
             Finished: self._finished,
+            Left: self._left,
         }
 
     def observe(self, event: Event) -> None:
@@ -214,6 +224,9 @@ class MetricsObserver:
 
     def _dispatched(self, e: Dispatched) -> None:
         self._child(self.queue_time, self.labels(e.tenant)).observe(e.queue_ms / 1000.0)
+
+    def _left(self, e: Left) -> None:
+        self._child(self.left_queued, self.labels(e.tenant)).inc()
 
     def _finished(self, e: Finished) -> None:
         label, child = self.labels(e.tenant), self._child

@@ -105,6 +105,15 @@ def note_admission(time_s: float) -> None:
         record.admission_s = time_s
 
 
+def note_requeued() -> None:
+    """The request being served goes back to its queue: the upstream it was dispatched to refused the connection
+    (``completions._run``). Its record is as before that dispatch, so that it is over when answered, and a later
+    dispatch is the one it reports."""
+    record = _current.get()
+    if record is not None:
+        record.dispatched_s = record.queue_ms = record.upstream = None
+
+
 class RequestRecorder:
     """The observer that fills the current request's record and hands it to ``sinks`` when it is over."""
 
@@ -149,4 +158,12 @@ class RequestRecorder:
                 log.exception("request report failed: %r", sink)
 
 
-__all__ = ["TRACE_HEADERS", "RequestRecord", "RequestRecorder", "Sink", "note_admission", "open_record"]
+__all__ = [
+    "TRACE_HEADERS",
+    "RequestRecord",
+    "RequestRecorder",
+    "Sink",
+    "note_admission",
+    "note_requeued",
+    "open_record",
+]
