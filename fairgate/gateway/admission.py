@@ -111,7 +111,7 @@ async def _reserve_and_claim(state: GatewayState, tenant: str, generation: Gener
     The claim is not asked for a request id this process serves now or ran without its final settlement reaching
     the ledger: ``admit`` refuses those, and leaves their claim as it is. A caller cancelled (its client gone)
     while the call runs waits for its answer, shielded: a reservation it claimed is cancelled billing nothing
-    (``_release_unclaimed``), so a retry is served at once, here or on another process."""
+    (``_release_cancelled``), so a retry is served at once, here or on another process."""
     key = (tenant, generation.request_id)
     owner = None if state.calls.serves(*key) or key in state.unsettled_requests else state.process_id
     reserving = asyncio.ensure_future(_reserve(state, tenant, generation, owner))
@@ -134,7 +134,12 @@ async def _release_cancelled(
     except (Exception, asyncio.CancelledError):  # refused or failed: nothing of this request to give back
         return
     claim = reservation.claim
-    if claim is None or not claim.held_by(state.process_id) or reservation.is_final:
+    if (
+        claim is None
+        or not claim.held_by(state.process_id)
+        or reservation.is_final
+        or reservation.id in state.unsettled
+    ):
         return
     if not state.calls.claim(tenant, request_id, reservation.id):
         return
