@@ -17,7 +17,7 @@ Per backend:
   (admission, reservation, settlements): the figure less the CPU per request measured above, per stream,
   estimates the relay's own cost per token.
 The replica is made fast (0.2 ms iterations, no prefill cost), so the figures are the HTTP stack's and the
-gateway's (auth, ledger reserve + claim + settle, queue, policy, meter, relay). Emulator and gateway run as
+gateway's (auth, ledger reserve with the run claim + settle, queue, policy, meter, relay). Emulator and gateway run as
 their own processes (``fairgate emulate``, ``fairgate serve``), as in production; the load comes from this
 process. The last lines set each backend's figures beside the goals: added p50 <= 1.5 ms (SQLite, Redis) or
 3 ms (PostgreSQL), CPU <= 2 ms per request and <= 0.02 ms per relayed token.

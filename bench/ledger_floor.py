@@ -2,7 +2,7 @@
 backend's kind, measured in the same run as the ledger (``bench/ledger_ops.py``), so that figures taken on a
 slow or shared machine read as a multiple of what that machine does at the least.
 
-- Redis: an FCALL of a function that returns at once, given a reserve call's keys and arguments (13 keys, 15
+- Redis: an FCALL of a function that returns at once, given a reserve call's keys and arguments (13 keys, 17
   arguments, one hash slot): ``INFO commandstats`` µs per call.
 - PostgreSQL: ``BEGIN``, an ``UPDATE`` of one row, ``COMMIT`` in one pipeline from one connection: its
   backend's CPU per transaction (``/proc/<pid>/schedstat``; the server runs on this machine).
@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 
 CALLS = 2000  # Redis and SQLite calls timed
 TRANSACTIONS = 500  # PostgreSQL transactions timed (each a WAL flush)
-RESERVE_KEYS, RESERVE_ARGS = 13, 15  # a reserve call's shape (fairgate/ledger/redis/scripts/prelude.lua)
+RESERVE_KEYS, RESERVE_ARGS = 13, 17  # a reserve call's shape (fairgate/ledger/redis/scripts/prelude.lua)
 _LIBRARY = "#!lua name=fgbench_floor\nredis.register_function('fgbench_floor', function(keys, args) return 1 end)\n"
 
 

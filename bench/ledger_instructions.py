@@ -1,13 +1,14 @@
 """Instructions a Redis shard executes per gateway request of the ledger: a throwaway redis-server run under
-valgrind's cachegrind serves the pattern of ``bench/ledger_ops.py``'s server-time run (reserve, claim, final
-settle, ``BATCH`` requests open at once, one tenant) twice, for ``BASE`` requests and for ``BASE`` + ``--requests``;
-the difference of the two totals over ``--requests`` leaves out starting the server and loading the scripts.
+valgrind's cachegrind serves the pattern of ``bench/ledger_ops.py``'s server-time run (the gateway's: a reserve
+that takes the run claim, then a final settle; ``--three-calls``: reserve, claim, final settle as three calls;
+``BATCH`` requests open at once, one tenant) twice, for ``BASE`` requests and for ``BASE`` + ``--requests``; the
+difference of the two totals over ``--requests`` leaves out starting the server and loading the scripts.
 
 Unlike ``INFO commandstats`` µs, an instruction count reads alike however loaded the machine is (it counts the
 server's work, not its cache misses or the other jobs on its cores): two versions of the scripts compare to a few
 tenths of a percent on a shared machine where µs differ by tens of percent between runs.
 
-Usage: .venv/bin/python bench/ledger_instructions.py [--requests 2000] [--repeat 2]
+Usage: .venv/bin/python bench/ledger_instructions.py [--requests 2000] [--repeat 2] [--three-calls]
        (needs valgrind and redis-server on PATH; Debian: apt-get install valgrind redis-server)
 """
 
@@ -38,14 +39,21 @@ BATCH = 250  # requests open at once, as in bench/ledger_ops.py
 STARTUP_S_MAX = 60.0  # redis-server under valgrind starts in a few seconds
 
 
-async def _requests(url: str, count: int) -> None:
-    """``count`` gateway requests on one tenant, ``BATCH`` at a time: reserve them all, claim, final settle."""
+async def _requests(url: str, count: int, three_calls: bool) -> None:
+    """``count`` gateway requests on one tenant, ``BATCH`` at a time: reserve them all with their run claims (or,
+    ``three_calls``, reserve them all, then claim), then final settle."""
     ledger = await connect(f"{url}?prefix=fginstr{uuid.uuid4().hex[:8]}", quotas_from_dict(bench_quotas(1)))
     run = uuid.uuid4().hex[:8]
+    owner = None if three_calls else "bench"
     try:
         for batch in range(count // BATCH):
-            rs = [await ledger.reserve("bench0", f"{run}-{batch}-{i}", 100, 50, 10.0) for i in range(BATCH)]
-            for r in rs:
+            rs = [
+                await ledger.reserve(
+                    "bench0", f"{run}-{batch}-{i}", 100, 50, 10.0, claim_owner=owner, claim_lease_ms=6e4
+                )
+                for i in range(BATCH)
+            ]
+            for r in rs if three_calls else ():
                 await ledger.claim(r.id, "bench", 60_000.0)
             for r in rs:
                 await ledger.settle(r.id, 100, 20, 8.0, final=True)
@@ -67,9 +75,9 @@ def _wait_ready(client: Redis, server: subprocess.Popen[bytes], folder: Path) ->
             time.sleep(0.2)
 
 
-def instructions(count: int, folder: Path) -> int:
+def instructions(count: int, folder: Path, three_calls: bool) -> int:
     """Instructions (cachegrind's Ir) of a fresh redis-server from its start to its shutdown after ``count``
-    gateway requests."""
+    gateway requests (``three_calls``: ``_requests``)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -81,7 +89,7 @@ def instructions(count: int, folder: Path) -> int:
     client = Redis(port=port)
     try:
         _wait_ready(client, server, folder)
-        asyncio.run(_requests(f"redis://127.0.0.1:{port}/0", count))
+        asyncio.run(_requests(f"redis://127.0.0.1:{port}/0", count, three_calls))
         client.shutdown(nosave=True)
     except Exception:
         server.kill()
@@ -99,15 +107,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000, help="requests the longer run adds (BATCH at a time)")
     parser.add_argument("--repeat", type=int, default=2, help="pairs of runs; each pair's figure is printed")
+    parser.add_argument("--three-calls", action="store_true", help="reserve, claim, final settle as three calls")
     args = parser.parse_args()
     for tool in ("valgrind", "redis-server"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} not found on PATH")
     added = max(BATCH, args.requests // BATCH * BATCH)
-    print(f"Redis server instructions per gateway request (reserve + claim + final settle; {added:,} requests)")
+    pattern = "reserve + claim + final settle" if args.three_calls else "reserve with its run claim + final settle"
+    print(f"Redis server instructions per gateway request ({pattern}; {added:,} requests)")
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeat):
-            per_request = (instructions(BASE + added, Path(tmp)) - instructions(BASE, Path(tmp))) / added
+            counts = [instructions(n, Path(tmp), args.three_calls) for n in (BASE + added, BASE)]
+            per_request = (counts[0] - counts[1]) / added
             print(f"  {per_request:,.0f} instructions")
 
 

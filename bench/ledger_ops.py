@@ -7,9 +7,12 @@ tenant: every call takes that tenant's lock, so how long a call holds it bounds 
 backend, so the figures compare (goals on this machine: SQLite >= 5,000/s, PostgreSQL >= 2,000/s, Redis >=
 10,000/s).
 
-Server time: one client runs ``--ops`` requests one after another, in batches of ``BATCH``: each batch reserves,
-claims, reads the account of, and finally settles its requests, one operation kind at a time, and the server's
-time is read before and after each kind:
+Server time: one client runs ``--ops`` requests one after another, in batches of ``BATCH``, each request twice, in
+the two call patterns of a gateway request: the gateway's, a reserve that takes the run claim in the same call
+(``reserve(..., claim_owner=...)``) then a final settle; and, beside it in the same run, reserve, claim, final
+settle as three calls (the account read too: the pattern before the claim joined the reserve). Each batch runs
+both, one operation kind at a time (which pattern first alternates between batches), and the server's time is read
+before and after each kind:
 
 - Redis: ``INFO commandstats`` deltas. A script call's ``usec`` includes the commands it runs, which Redis counts
   under their own names too: the time is that of the calls the client sent (scripts and plain commands), the
@@ -62,7 +65,11 @@ from fairgate.ledger.rules import Account
 
 QUOTAS = bench_quotas(8)
 BATCH = 250  # requests open at once in the server-time run (below max_concurrent)
-OPS = ("reserve", "claim", "account", "settle")
+# The operation kinds timed: the three-call pattern's (reserve, claim, account, settle) and the gateway's
+# (reserve_claim: the reserve that takes the run claim; settle_claimed: its final settle).
+OPS = ("reserve", "claim", "account", "settle", "reserve_claim", "settle_claimed")
+REQUEST = ("reserve_claim", "settle_claimed")  # a gateway request
+THREE_CALLS = ("reserve", "claim", "settle")  # the same request as three calls
 SCRIPT_COMMANDS = frozenset({"eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro"})
 NOT_OURS = frozenset({"info"})  # the sampler's own calls
 T = TypeVar("T")
@@ -258,12 +265,29 @@ async def server_time(ledger: Ledger, sampler: Sampler, ops: int) -> Totals:
     async def settle(r: Reservation) -> Reservation:
         return await ledger.settle(r.id, 100, 20, 8.0, final=True)
 
-    for batch in range(-1, max(1, ops // BATCH)):
-        counted = totals if batch >= 0 else Totals()
+    async def reserve_claim(request_id: str) -> Reservation:
+        return await ledger.reserve(tenant, request_id, 100, 50, 10.0, claim_owner="bench", claim_lease_ms=60_000.0)
+
+    async def three_calls(batch: int, counted: Totals) -> None:
         rs = await _phase(sampler, counted, "reserve", reserve, [f"{run}-{batch}-{i}" for i in range(BATCH)])
         await _phase(sampler, counted, "claim", claim, rs)
         await _phase(sampler, counted, "account", account, rs)
         await _phase(sampler, counted, "settle", settle, rs)
+
+    async def gateway(batch: int, counted: Totals) -> None:
+        ids = [f"{run}-{batch}-c{i}" for i in range(BATCH)]
+        await _phase(
+            sampler,
+            counted,
+            "settle_claimed",
+            settle,
+            await _phase(sampler, counted, "reserve_claim", reserve_claim, ids),
+        )
+
+    for batch in range(-1, max(1, ops // BATCH)):
+        counted = totals if batch >= 0 else Totals()
+        for pattern in (three_calls, gateway) if batch % 2 == 0 else (gateway, three_calls):
+            await pattern(batch, counted)
         counted.ops += BATCH
     return totals
 
@@ -288,7 +312,7 @@ async def report_server_time(name: str, url: str, ops: int, repeat: int) -> None
     finally:
         await ledger.close()
         await sampler.close()
-    best = min(runs, key=lambda t: t.us("reserve", "settle"))
+    best = min(runs, key=lambda t: t.us(*REQUEST))
     where = {"redis": "Redis commandstats", "postgres": "PostgreSQL backend CPU", "sqlite": "in-process CPU"}[name]
     parts = []
     for op in OPS:
@@ -297,24 +321,29 @@ async def report_server_time(name: str, url: str, ops: int, repeat: int) -> None
         cpu = f", server CPU {s.cpu_us:.1f}" if s.cpu_us is not None else ""
         parts.append(f"{op} {s.us:.1f} µs ({s.calls} call{'s' if s.calls != 1 else ''}{inner}{cpu})")
     print(f"  {name:9s} {where}, per operation: " + "; ".join(parts))
-    pair, request = best.us("reserve", "settle"), best.us("reserve", "claim", "settle")
+    pair, request, three = best.us("reserve", "settle"), best.us(*REQUEST), best.us(*THREE_CALLS)
     foreign = any(s.foreign for s in best.samples.values())
     print(
         f"  {'':9s} pair (reserve + final settle) {pair:.1f} µs -> {1e6 / pair:,.0f} pairs/s per server core; "
-        f"gateway request (reserve + claim + final settle) {request:.1f} µs -> {1e6 / request:,.0f} requests/s "
-        f"per server core{' [other clients used the server meanwhile: upper bounds]' if foreign else ''}"
+        f"gateway request (reserve with its run claim + final settle) {request:.1f} µs -> {1e6 / request:,.0f} "
+        f"requests/s per server core{' [other clients used the server meanwhile: upper bounds]' if foreign else ''}"
+    )
+    print(
+        f"  {'':9s} the same request as three calls (reserve + claim + final settle) {three:.1f} µs -> "
+        f"{1e6 / three:,.0f} requests/s per server core; gateway request / three calls: {request / three:.2f}"
     )
     floor, what = await floor_us(name, url)
     print(
         f"  {'':9s} floor (bench/ledger_floor.py): 3 minimal write calls, each {what}, {3 * floor:.1f} µs; the "
         f"gateway request is {request / (3 * floor):.1f}x it"
     )
-    cpu_ops = [best.per_op(op).cpu_us for op in ("reserve", "claim", "settle")]
+    cpu_ops = [best.per_op(op).cpu_us for op in (*REQUEST, *THREE_CALLS)]
     if name == "redis" and all(c is not None for c in cpu_ops):
-        cpu_request = sum(c for c in cpu_ops if c is not None)
+        cpu_request = sum(c for c in cpu_ops[: len(REQUEST)] if c is not None)
+        cpu_three = sum(c for c in cpu_ops[len(REQUEST) :] if c is not None)
         print(
-            f"  {'':9s} Redis process CPU per gateway request {cpu_request:.1f} µs (I/O included) -> "
-            f"{1e6 / cpu_request:,.0f} requests/s per shard: the fleet's ceiling per Redis shard"
+            f"  {'':9s} Redis process CPU per gateway request {cpu_request:.1f} µs (I/O included; three calls "
+            f"{cpu_three:.1f}) -> {1e6 / cpu_request:,.0f} requests/s per shard: the fleet's ceiling per Redis shard"
         )
 
 
@@ -323,8 +352,8 @@ SHARD_TENANTS = 12  # tenants the shard run spreads its requests over (each tena
 
 
 async def _shard_load(url: str, node_urls: list[str], ops: int) -> list[float]:
-    """``ops`` gateway requests (reserve, claim, final settle) round-robin over ``SHARD_TENANTS`` tenants on
-    the ledger at ``url``; the µs of script calls each node served, per request."""
+    """``ops`` gateway requests (reserve with the run claim, final settle) round-robin over ``SHARD_TENANTS``
+    tenants on the ledger at ``url``; the µs of script calls each node served, per request."""
     quotas = dict(QUOTAS, tenants={f"bench{i}": {} for i in range(SHARD_TENANTS)})
     ledger = await connect(url, quotas_from_dict(quotas))
     samplers = [RedisSampler(node) for node in node_urls]
@@ -332,11 +361,11 @@ async def _shard_load(url: str, node_urls: list[str], ops: int) -> list[float]:
     try:
         before = [await sampler.read() for sampler in samplers]
         for i in range(ops):
-            r = await ledger.reserve(f"bench{i % SHARD_TENANTS}", f"{run}-{i}", 100, 50, 10.0)
-            await ledger.claim(r.id, "bench", 60_000.0)
+            tenant = f"bench{i % SHARD_TENANTS}"
+            r = await ledger.reserve(tenant, f"{run}-{i}", 100, 50, 10.0, claim_owner="bench", claim_lease_ms=6e4)
             await ledger.settle(r.id, 100, 20, 8.0, final=True)
         after = [await sampler.read() for sampler in samplers]
-        return [s.between(b, a, 3 * ops).us / ops for s, b, a in zip(samplers, before, after, strict=True)]
+        return [s.between(b, a, 2 * ops).us / ops for s, b, a in zip(samplers, before, after, strict=True)]
     finally:
         await drop_ledger(ledger)
         await ledger.close()

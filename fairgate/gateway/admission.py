@@ -8,13 +8,15 @@ returns its original reservation: a final one is not run or charged again (409),
 request ran in this process but whose final settlement the ledger did not take (``GatewayState.unsettled``),
 and one another request is being served under already is not run twice (409 ``request_in_progress``): in this
 process by its call registry (released only once the call's final settlement has ended), across the
-processes sharing the ledger by the reservation's run claim (``Ledger.claim``), which this process takes
-before it runs the request and its liveness sweep renews. The admitted request is
-registered with this process's calls and announced as ``Admitted``.
+processes sharing the ledger by the reservation's run claim, which this process takes in the reserve's own call
+(``reserve(..., claim_owner=...)``: one ledger call, not two) before it runs the request, and its liveness sweep
+renews (``Ledger.claim``). The admitted request is registered with this process's calls and announced as
+``Admitted``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -64,16 +66,19 @@ class Admitted:
 
 async def admit(state: GatewayState, caller: Caller, generation: Generation) -> Admitted:
     """Reserve and register ``generation`` (see module docstring). Raises ``Rejection`` 403/409/429/503."""
-    reservation = await _reserve(state, caller.tenant, generation)
+    reservation = await _reserve_and_claim(state, caller.tenant, generation)
     if reservation.is_final:
         state.unsettled.discard(reservation.id)
+        state.unsettled_requests.discard((caller.tenant, generation.request_id))
         raise _final(generation.request_id, reservation.status)
     if reservation.id in state.unsettled:  # it ran here; its final settlement has not reached the ledger
         raise _completed(generation.request_id, "has run already (it is billed once the ledger takes its usage).")
     if not state.calls.claim(caller.tenant, generation.request_id, reservation.id):
         raise _in_progress(generation.request_id, None)
     try:
-        await _claim_run(state, generation.request_id, reservation)
+        _check_run_claim(state, generation.request_id, reservation)
+        if reservation.claim is None:  # the reserve could not ask the ledger for it
+            await _claim_run(state, generation.request_id, reservation)
         if reservation.billed != Usage():
             await _close_abandoned(state, generation.request_id, reservation)
     except Rejection:
@@ -101,8 +106,54 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
     return Admitted(generation, caller, reservation)
 
 
-async def _reserve(state: GatewayState, tenant: str, generation: Generation) -> Reservation:
-    """The ledger's reservation, its refusals as ``Rejection``s."""
+async def _reserve_and_claim(state: GatewayState, tenant: str, generation: Generation) -> Reservation:
+    """The ledger's reservation with the run claim for this process, in one call, its refusals as ``Rejection``s.
+    The claim is not asked for a request id this process serves now or ran without its final settlement reaching
+    the ledger: ``admit`` refuses those, and leaves their claim as it is. A caller cancelled (its client gone)
+    while the call runs waits for its answer, shielded: a reservation it claimed is cancelled billing nothing
+    (``_release_cancelled``), so a retry is served at once, here or on another process."""
+    key = (tenant, generation.request_id)
+    owner = None if state.calls.serves(*key) or key in state.unsettled_requests else state.process_id
+    reserving = asyncio.ensure_future(_reserve(state, tenant, generation, owner))
+    try:
+        return await asyncio.shield(reserving)
+    except asyncio.CancelledError:
+        with anyio.CancelScope(shield=True):
+            await _release_cancelled(state, tenant, generation.request_id, reserving)
+        raise
+
+
+async def _release_cancelled(
+    state: GatewayState, tenant: str, request_id: str, reserving: asyncio.Future[Reservation]
+) -> None:
+    """The reserve of a request whose caller was cancelled meanwhile: once it answers, a reservation it claimed
+    for this process, open with nothing billed, is cancelled - unless another call of this process serves the
+    request id (then the claim is that call's). Best effort, as ``_release_unclaimed``."""
+    try:
+        reservation = await reserving
+    except (Exception, asyncio.CancelledError):  # refused or failed: nothing of this request to give back
+        return
+    claim = reservation.claim
+    if (
+        claim is None
+        or not claim.held_by(state.process_id)
+        or reservation.is_final
+        or reservation.id in state.unsettled
+    ):
+        return
+    if not state.calls.claim(tenant, request_id, reservation.id):
+        return
+    try:
+        if reservation.billed == Usage():
+            with contextlib.suppress(LedgerError):
+                await state.ledger.cancel(reservation.id, Usage())
+    finally:
+        state.calls.release(tenant, request_id)
+
+
+async def _reserve(state: GatewayState, tenant: str, generation: Generation, claim_owner: str | None) -> Reservation:
+    """The ledger's reservation (with the run claim for ``claim_owner``, when given), its refusals as
+    ``Rejection``s."""
     try:
         return await state.ledger.reserve(
             tenant,
@@ -113,6 +164,8 @@ async def _reserve(state: GatewayState, tenant: str, generation: Generation) -> 
             generation.model_class,  # an alias's quota class: every pool it falls back to draws on it
             generation.run.run_id,
             generation.run.tool_round,
+            claim_owner,
+            state.claim_lease_ms,
         )
     except QuotaExceeded as exc:
         if exc.dimension == REQUEST_RATE and exc.retry_after_s is not None:
@@ -153,10 +206,18 @@ def _quota_message(exc: QuotaExceeded, currency: str) -> str:
     )
 
 
+def _check_run_claim(state: GatewayState, request_id: str, reservation: Reservation) -> None:
+    """The run claim the reserve took (``Reservation.claim``; None: not asked). Raises ``Rejection`` 409 when
+    another process holds it (``Retry-After``: until its lease lapses)."""
+    claim = reservation.claim
+    if claim is not None and not claim.held_by(state.process_id):
+        raise _in_progress(request_id, claim.remaining_ms / 1000.0)
+
+
 async def _claim_run(state: GatewayState, request_id: str, reservation: Reservation) -> None:
-    """Take the reservation's run claim for this process. Raises ``Rejection``: 409 when another process
-    holds it (``Retry-After``: until its lease lapses) or the reservation closed meanwhile, 503 when the
-    ledger cannot say (running the request then could run it twice)."""
+    """Take the reservation's run claim for this process, on its own (the reserve did not). Raises
+    ``Rejection``: 409 when another process holds it (``Retry-After``: until its lease lapses) or the
+    reservation closed meanwhile, 503 when the ledger cannot say (running the request then could run it twice)."""
     try:
         claim = await state.ledger.claim(reservation.id, state.process_id, state.claim_lease_ms)
     except ReservationFinal:

@@ -394,6 +394,7 @@ class Call:
         except LedgerError as exc:
             if final:  # the ledger does not know this run ended (nor, for a collected call, that it ran)
                 self.state.unsettled.add(reservation.id)
+                self.state.unsettled_requests.add((reservation.tenant, reservation.request_id))
             log.warning(json.dumps({"event": "settle_failed", "reservation": reservation.id, "error": str(exc)}))
 
     def _log_final(self, billed: Billed, gpu_ms: float) -> None:

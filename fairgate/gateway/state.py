@@ -77,6 +77,10 @@ class CallRegistry:
         self._calls[(tenant, request_id)] = reservation_id
         return True
 
+    def serves(self, tenant: str, request_id: str) -> bool:
+        """Whether a request of this id is registered (``claim`` would return ``False``)."""
+        return (tenant, request_id) in self._calls
+
     def release(self, tenant: str, request_id: str) -> None:
         """Forget a request (idempotent)."""
         self._calls.pop((tenant, request_id), None)
@@ -110,6 +114,8 @@ class GatewayState:
         unsettled: reservations whose request ran here but whose final settlement the ledger did not take
             (journalled for replay while it is down, or refused): open and unbilled in the ledger, they look
             never run; a retry of their id is not run again (``admission``). Dropped once seen final.
+        unsettled_requests: the (tenant, request id) of each of ``unsettled``: a retry of one is reserved without
+            asking for the run claim (``admission``: it is refused, and the claim left as it is).
         upstreams: upstream name -> its client and live meter (from start-up).
         metrics_registry: the Prometheus registry of ``/metrics``, once installed.
         request_records: the recorder behind the access log and the traces (``fairgate.gateway.records``),
@@ -133,6 +139,7 @@ class GatewayState:
     dispatcher: Dispatcher
     calls: CallRegistry = field(default_factory=CallRegistry)
     unsettled: set[str] = field(default_factory=set)
+    unsettled_requests: set[tuple[str, str]] = field(default_factory=set)
     upstreams: dict[str, UpstreamClient] = field(default_factory=dict)
     metrics_registry: CollectorRegistry | None = None
     request_records: RequestRecorder | None = None

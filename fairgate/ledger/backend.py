@@ -1,8 +1,9 @@
 """What every backend implements alike: argument checks, then the backend's storage steps.
 
-A backend subclasses ``Backend`` and supplies the steps (``_reserve``, ``_claim``, ``_close``, ``_queue_step``, and
-for the sweep ``_due``, ``_last_beat_ms``, ``_extend``, ``_expire``) plus the rest of ``Ledger``; the checks, the
-order they run in, and the sweep's decision (running or not, extended until when) are written once here.
+A backend subclasses ``Backend`` and supplies the steps (``_reserve``, which takes the run claim too when asked,
+``_claim``, ``_close``, ``_queue_step``, and for the sweep ``_due``, ``_last_beat_ms``, ``_extend``, ``_expire``)
+plus the rest of ``Ledger``; the checks, the order they run in, and the sweep's decision (running or not, extended
+until when) are written once here.
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ from fairgate.ledger.model import Reservation, RunClaim, Usage
 class Backend(Ledger):
     """``Ledger`` with the request path's checks and the sweep's loop written once."""
 
-    async def reserve_args(self, args: rules.ReserveArgs) -> Reservation:
+    async def reserve_args(
+        self, args: rules.ReserveArgs, claim_owner: str | None = None, claim_lease_ms: float = 0.0
+    ) -> Reservation:
         check_reserve_args(args.tenant, args.request_id, args.model_class, args.run_id, args.tool_round)
+        if claim_owner is not None:
+            check_claim_args(claim_owner, claim_lease_ms)
         limits = self.limits(args.tenant, args.model_class)
         rules.check_amounts(args.input_tokens, args.max_output_tokens, args.gpu_ms_estimate, "reserve")
         # The price is the ledger's configuration's, never the caller's: a reservation is priced where its
         # budget is kept.
-        return await self._reserve(replace(args, price=self.quotas.price(args.model_class)), limits)
+        priced = replace(args, price=self.quotas.price(args.model_class))
+        return await self._reserve(priced, limits, claim_owner, float(claim_lease_ms))
 
     async def claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
         check_claim_args(owner, lease_ms)
@@ -66,10 +72,13 @@ class Backend(Ledger):
 
     # --- the backend's steps -------------------------------------------------------------------
     @abstractmethod
-    async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
+    async def _reserve(
+        self, args: rules.ReserveArgs, limits: Limits, claim_owner: str | None, claim_lease_ms: float
+    ) -> Reservation:
         """``reserve`` once its arguments are checked: the reservation made, or the one ``args.request_id``
-        made before (``rules.check_retry``). Raises ``QuotaExceeded``, ``IdempotencyConflict``,
-        ``LedgerUnavailable``."""
+        made before (``rules.check_retry``); with ``claim_owner``, the run claim too, in the same transaction
+        (``rules.claim_on_reserve``, on ``Reservation.claim``). Raises ``QuotaExceeded``,
+        ``IdempotencyConflict``, ``LedgerUnavailable``."""
 
     @abstractmethod
     async def _claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:

@@ -1,8 +1,9 @@
 """The ledger's interfaces, split by who calls them, and the ids every backend makes.
 
 - ``RequestPath``: what serving one request needs - reserve (which also returns the balances behind the
-  rate-limit headers), claim (the run claim: which gateway process runs it), settle, cancel, enqueue, dequeue,
-  get, account (the balances, read on their own) and heartbeat (the request is still running).
+  rate-limit headers, and takes the run claim when asked: which gateway process runs it), claim (the run claim
+  alone: renewed while the request runs), settle, cancel, enqueue, dequeue, get, account (the balances, read on
+  their own) and heartbeat (the request is still running).
   ``ResilientLedger`` (``emergency.py``) implements it too, applying each tier's outage policy.
 - ``Operator``: what an operator (the ``fairgate ledger`` commands, the admin API, reconciliation) asks:
   usage, reservations, events, freeze / unfreeze / frozen.
@@ -58,6 +59,8 @@ class RequestPath(ABC):
         model_class: str = "default",
         run_id: str | None = None,
         tool_round: bool = False,
+        claim_owner: str | None = None,
+        claim_lease_ms: float = 0.0,
     ) -> Reservation:
         """Reserve every dimension for one request, atomically, once per ``(tenant, request_id)``.
 
@@ -77,16 +80,24 @@ class RequestPath(ABC):
         after this call (the binding account as written; a backend's view when it returns an earlier
         reservation), read in the same round trip, so the rate-limit headers need no second call.
 
+        With ``claim_owner``, the same call also takes the run claim for that gateway process, for
+        ``claim_lease_ms`` (as ``claim(reservation.id, claim_owner, claim_lease_ms)`` would right after, in the same
+        transaction: ``rules.claim_on_reserve``), and the reservation carries it as it stands
+        (``Reservation.claim``; None on a final reservation, which is not claimed). A refusal writes no claim.
+
         Raises:
-            QuotaExceeded, IdempotencyConflict, InvalidUsage, UnknownTenant, LedgerUnavailable.
+            QuotaExceeded, IdempotencyConflict, InvalidUsage (also a bad owner or lease), UnknownTenant,
+            LedgerUnavailable.
         """
         args = ReserveArgs(
             tenant, request_id, input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, tool_round
         )
-        return await self.reserve_args(args)
+        return await self.reserve_args(args, claim_owner, claim_lease_ms)
 
     @abstractmethod
-    async def reserve_args(self, args: ReserveArgs) -> Reservation:
+    async def reserve_args(
+        self, args: ReserveArgs, claim_owner: str | None = None, claim_lease_ms: float = 0.0
+    ) -> Reservation:
         """``reserve`` with its arguments in one record (unchecked: the implementation checks them).
         Raises as ``reserve``."""
 

@@ -68,8 +68,10 @@ class DeferredLedger(Ledger):
             raise LedgerUnavailable("the ledger has not been reached since the gateway started")
         return self._backend
 
-    async def reserve_args(self, args: ReserveArgs) -> Reservation:
-        return await self._ledger().reserve_args(args)
+    async def reserve_args(
+        self, args: ReserveArgs, claim_owner: str | None = None, claim_lease_ms: float = 0.0
+    ) -> Reservation:
+        return await self._ledger().reserve_args(args, claim_owner, claim_lease_ms)
 
     async def claim(self, reservation_id: str, owner: str, lease_ms: float) -> RunClaim:
         return await self._ledger().claim(reservation_id, owner, lease_ms)

@@ -106,7 +106,8 @@ class ResilientLedger(RequestPath):
         self.parked_path = self.journal.with_suffix(".parked.jsonl")
         # Request ids whose reserve failed as unavailable and was refused: the ledger may have committed it
         # after the caller stopped waiting (``clear_doubts``).
-        self._doubts: set[tuple[str, str]] = set()
+        # Each with the owner of the run claim its reserve asked for (None: none).
+        self._doubts: dict[tuple[str, str], str | None] = {}
 
     def _remember(self, r: Reservation) -> Reservation:
         """Keep ``r`` (the ledger's latest answer about its request id), the oldest forgotten past the bound."""
@@ -125,8 +126,12 @@ class ResilientLedger(RequestPath):
         return _read_records(self.journal)
 
     # --- API ----------------------------------------------------------------------------------------
-    async def reserve_args(self, args: ReserveArgs) -> Reservation:
-        """``RequestPath.reserve``; when the ledger is down, the tenant's tier decides (module docstring).
+    async def reserve_args(
+        self, args: ReserveArgs, claim_owner: str | None = None, claim_lease_ms: float = 0.0
+    ) -> Reservation:
+        """``RequestPath.reserve``; when the ledger is down, the tenant's tier decides (module docstring). The run
+        claim asked (``claim_owner``) is the ledger's, or an emergency grant's not yet in the ledger, answered
+        here as ``claim`` answers it; a reservation answered from memory carries none (``Reservation.claim``).
 
         Raises:
             LedgerUnavailable: a ``reject`` tier, or an emergency budget exhausted or expired; and every
@@ -134,17 +139,20 @@ class ResilientLedger(RequestPath):
         """
         key = (args.tenant, args.request_id)
         try:
-            reserved = self._remember(await self.ledger.reserve_args(args))
+            reserved = self._remember(await self.ledger.reserve_args(args, claim_owner, claim_lease_ms))
         except LedgerUnavailable:
             known = self._known.get(key)
             if known is not None:  # seen in the ledger: not granted (nor run) again
-                return replace(check_retry(known, args), balances=None)  # those it was returned with are old
+                return replace(check_retry(known, args), balances=None, claim=None)  # those it came with are old
             granted = self._grant(args)
             if granted is None:
-                self.doubt(*key)
+                self.doubt(*key, claim_owner)
                 raise
-            return granted
-        self._doubts.discard(key)  # the caller has it now
+            if claim_owner is None or granted.is_final or self.live_id(granted.id) is not None:
+                return granted
+            now_ms = self._clock()
+            return replace(granted, claim=RunClaim(claim_owner, now_ms + claim_lease_ms, now_ms))
+        self._doubts.pop(key, None)  # the caller has it now
         return reserved
 
     def _grant(self, args: ReserveArgs) -> Reservation | None:
@@ -330,10 +338,11 @@ class ResilientLedger(RequestPath):
             return []
         return await self.ledger.expire_due(is_running)
 
-    def doubt(self, tenant: str, request_id: str) -> None:
+    def doubt(self, tenant: str, request_id: str, claimed_by: str | None = None) -> None:
         """Put a request id in doubt: its reservation may be left open with nobody to run it (a claim that
-        failed, a reserve that timed out); ``clear_doubts`` cancels it if nobody does."""
-        self._doubts.add((tenant, request_id))
+        failed, a reserve that timed out); ``clear_doubts`` cancels it if nobody does. ``claimed_by``: the owner
+        whose run claim the reserve asked for (a reserve that timed out may have taken it with the reservation)."""
+        self._doubts[(tenant, request_id)] = claimed_by
 
     def doubtful(self) -> int:
         """Refused reserves the ledger may have committed after all (``clear_doubts``)."""
@@ -343,20 +352,27 @@ class ResilientLedger(RequestPath):
         """Cancel, billing nothing, the reservations a refused reserve left behind: a reserve that timed out may
         still commit once the ledger answers, and its open reservation would hold a concurrency slot, unseen,
         for a TTL. For each request id in doubt, an open reservation with nothing billed whose run claim
-        ``owner`` can take (nobody runs it: a retry would hold the claim) is cancelled. Returns how many were.
+        ``owner`` can take (nobody runs it: a retry would hold the claim) is cancelled. A request id whose reserve
+        asked for the run claim (``doubt``'s ``claimed_by``) and whose reservation that claim still holds stays in
+        doubt until it lapses: the reserve may have taken it, for a run that never started. Returns how many
+        were cancelled.
 
         Raises:
             LedgerUnavailable: still down (the doubts are kept for the next call).
         """
         cancelled = 0
-        for tenant, request_id in sorted(self._doubts):
+        for (tenant, request_id), claimed_by in sorted(self._doubts.items()):
+            waiting = False
             for r in await self.ledger.reservations(tenant, "open"):
                 if r.request_id != request_id or r.billed != Usage():
                     continue
-                if (await self.ledger.claim(r.id, owner, lease_ms)).held_by(owner):
+                claim = await self.ledger.claim(r.id, owner, lease_ms)
+                if claim.held_by(owner):
                     await self.ledger.cancel(r.id, Usage())
                     cancelled += 1
-            self._doubts.discard((tenant, request_id))
+                waiting = waiting or (claimed_by is not None and claim.held_by(claimed_by))
+            if not waiting:
+                self._doubts.pop((tenant, request_id), None)
         return cancelled
 
     def outstanding(self) -> int:

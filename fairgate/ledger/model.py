@@ -148,6 +148,11 @@ class Reservation:
             (what ``account(tenant, model_class)`` reads then: the rate-limit headers need no second read);
             None on what any other call returns, and on an emergency grant. Not part of the record: left out
             of equality and ``repr``.
+        claim: on what ``reserve(..., claim_owner=...)`` returns, the run claim as it stands after the call
+            (``rules.claim_on_reserve``: taken or renewed for the owner unless another holds it unlapsed);
+            None when no claim was asked, on a final reservation (nothing claimed), and where the call could
+            not ask the ledger (an emergency grant already in the ledger, one answered from memory in an
+            outage): the caller then asks ``claim``. Not part of the record, as ``balances``.
     """
 
     id: str
@@ -168,6 +173,7 @@ class Reservation:
     queued: bool = False  # holds a place in its tenant's queue (``Ledger.enqueue`` .. ``dequeue``)
     price: Price = FREE  # the model class's price when reserved (``Price``): what settlement bills at
     balances: Account | None = field(default=None, compare=False, repr=False)
+    claim: RunClaim | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_final(self) -> bool:

@@ -457,11 +457,15 @@ class PostgresLedger(SqlLedger):
             self._books_by_tag = quotas, by_tag = self.quotas, fn.books_by_tag(self.quotas)
         return by_tag.get(tag, fn.UNCONFIGURED)
 
-    async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
+    async def _reserve(
+        self, args: rules.ReserveArgs, limits: Limits, claim_owner: str | None, claim_lease_ms: float
+    ) -> Reservation:
         """``fg_reserve``: the reservation made or re-opened, or the request id's earlier one (its arguments
-        checked here: ``rules.check_retry``), with the binding account's balances."""
+        checked here: ``rules.check_retry``; the function claims it only when they are the same), with the binding
+        account's balances and the run claim asked (``rules.claim_on_reserve``)."""
         books = dict(self.books(args.tenant, args.model_class))
-        params = fn.reserve_params(args, new_reservation_id(args.tenant), limits, books, self._fixed_now())
+        claim = (claim_owner, claim_lease_ms)
+        params = fn.reserve_params(args, new_reservation_id(args.tenant), limits, books, self._fixed_now(), claim)
         row = await self._call("fg_reserve", params, fn.Refused(tenant=args.tenant, books=books))
         code, r = fn.reserved(row)
         return rules.check_retry(r, args) if code == "existing" else r

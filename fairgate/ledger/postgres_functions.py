@@ -1,12 +1,13 @@
 """The PostgreSQL ledger's request path as server-side functions (``postgres_functions.sql``, PL/pgSQL): what
 each call sends, what it reads back, and how a refusal becomes the exception the SQLite backend raises.
 
-Each call (reserve, claim, settle, cancel, an expiry, enqueue, dequeue) is one statement, ``SELECT ... FROM
-"schema".fg_<call>(...)``, on an autocommit connection: one round trip and its own transaction. The function
-takes the tenant's advisory lock, reads, applies ``rules.py``'s rules and writes; the lock is released when the
-statement ends, so it is never held across a round trip. The ledger's configuration travels with the call: the
-limits of the accounts charged (``TenantQuota.accounts``), the price, the new reservation's id and TTL, and the
-clock when the ledger has a fixed one (``clock``; otherwise the server's ``clock_timestamp()``).
+Each call (reserve, which takes the run claim too when asked; claim, settle, cancel, an expiry, enqueue, dequeue) is
+one statement, ``SELECT ... FROM "schema".fg_<call>(...)``, on an autocommit connection: one round trip and its own
+transaction. The function takes the tenant's advisory lock, reads, applies ``rules.py``'s rules and writes; the
+lock is released when the statement ends, so it is never held across a round trip. The ledger's configuration
+travels with the call: the limits of the accounts charged (``TenantQuota.accounts``), the price, the new
+reservation's id and TTL, and the clock when the ledger has a fixed one (``clock``; otherwise the server's
+``clock_timestamp()``).
 
 A refusal is an error of SQLSTATE class ``FG`` raised before anything stays written (the statement rolls back);
 ``refusal`` maps it to ``QuotaExceeded`` (dimension, retry_after_s, limit, remaining), ``ReservationNotFound``,
@@ -35,6 +36,7 @@ from fairgate.ledger.model import (
     Reservation,
     ReservationFinal,
     ReservationNotFound,
+    RunClaim,
     SettlementFrozen,
     UnknownTenant,
     Usage,
@@ -121,7 +123,8 @@ _BALANCES = ", ".join(f"(o.bal).{c}" for c in schema.ACCOUNT_FIELDS)
 _ARGS = {
     "fg_reserve": "%(lock)s::int8, %(now)s::float8, %(id)s::text, %(tenant)s::text, %(request_id)s::text, "
     "%(model_class)s::text, %(run_id)s::text, %(tool_round)s::bool, %(input)s::int8, %(output)s::int8, "
-    "%(estimate)s::float8, %(price)s::float8[], %(ttl_s)s::float8, %(keys)s::text[], %(limits)s::float8[]",
+    "%(estimate)s::float8, %(price)s::float8[], %(ttl_s)s::float8, %(keys)s::text[], %(limits)s::float8[], "
+    "%(owner)s::text, %(lease_ms)s::float8",
     "fg_close": "%(lock)s::int8, %(now)s::float8, %(id)s::text, %(kind)s::text, %(final)s::bool, %(input)s::int8, "
     "%(output)s::int8, %(gpu_ms)s::float8, %(tenant)s::text, %(keys)s::text[], %(limits)s::float8[], "
     "%(fallback)s::float8[]",
@@ -130,7 +133,7 @@ _ARGS = {
     "%(limits)s::float8[]",
 }
 _COLUMNS = {
-    "fg_reserve": f"o.code, {_RESERVATION}, {_BALANCES}",
+    "fg_reserve": f"o.code, {_RESERVATION}, {_BALANCES}, o.holder, o.lease_until_ms, o.clock_ms",
     "fg_close": f"o.code, {_RESERVATION}",
     "fg_claim": "o.holder, o.lease_until_ms, o.clock_ms",
     "fg_queue_step": f"o.code, {_RESERVATION}",
@@ -144,9 +147,15 @@ def call(function: str, schema_name: str) -> str:
 
 
 def reserve_params(
-    args: rules.ReserveArgs, reservation_id: str, limits: Limits, books: Mapping[str, Limits], now_ms: float | None
+    args: rules.ReserveArgs,
+    reservation_id: str,
+    limits: Limits,
+    books: Mapping[str, Limits],
+    now_ms: float | None,
+    claim: tuple[str | None, float] = (None, 0.0),
 ) -> dict[str, Any]:
-    """``fg_reserve``'s parameters: ``books`` are ``Ledger.books``, ``limits`` the class's (its TTL)."""
+    """``fg_reserve``'s parameters: ``books`` are ``Ledger.books``, ``limits`` the class's (its TTL), ``claim``
+    the run claim's owner (None: none asked) and lease, ms."""
     price = args.price
     return {
         "lock": lock_key(tenant_tag(args.tenant)),
@@ -164,16 +173,20 @@ def reserve_params(
         "ttl_s": float(limits.reservation_ttl_s),
         "keys": list(books),
         "limits": packed_books(books),
+        "owner": claim[0],
+        "lease_ms": claim[1],
     }
 
 
 def reserved(row: tuple[Any, ...]) -> tuple[str, Reservation]:
     """``fg_reserve``'s code and reservation, its ``balances`` the binding account (a new one when none is
-    stored: a stored one has its ``requests_updated_ms``)."""
-    n = len(schema.RESERVATION_FIELDS)
-    account = row[1 + n :]
+    stored: a stored one has its ``requests_updated_ms``) and its ``claim`` (None when none was decided)."""
+    n, m = len(schema.RESERVATION_FIELDS), len(schema.ACCOUNT_FIELDS)
+    account = row[1 + n : 1 + n + m]
     balances = rules.Account() if account[1] is None else rules.Account(*account)
-    return str(row[0]), replace(schema.reservation(row[1 : 1 + n]), balances=balances)
+    holder, until_ms, now_ms = row[1 + n + m :]
+    claim = None if holder is None else RunClaim(str(holder), float(until_ms), float(now_ms))
+    return str(row[0]), replace(schema.reservation(row[1 : 1 + n]), balances=balances, claim=claim)
 
 
 def _double(text: str) -> float:

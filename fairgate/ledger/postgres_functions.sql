@@ -341,51 +341,115 @@ BEGIN
   RETURN v_accs;
 END $$;
 -- ;;
+-- rules.claim on open reservation p_id at now_ms: the run claim taken or renewed for p_owner for p_lease_ms (with
+-- a heartbeat), or its holder's unchanged. p_free: no claim can be held on it (this call made or re-opened it).
+CREATE OR REPLACE FUNCTION fg_take_claim(
+  p_id text, p_owner text, p_lease_ms float8, now_ms float8, p_free boolean,
+  OUT holder text, OUT lease_until_ms float8)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_owner text;
+  v_until float8;
+BEGIN
+  IF NOT p_free THEN
+    SELECT c.owner, c.until_ms INTO v_owner, v_until FROM fg_claims c WHERE c.reservation_id = p_id;
+    IF FOUND AND v_owner <> p_owner AND v_until > now_ms THEN
+      holder := v_owner;
+      lease_until_ms := v_until;
+      RETURN;
+    END IF;
+  END IF;
+  holder := p_owner;
+  lease_until_ms := now_ms + p_lease_ms;
+  INSERT INTO fg_claims AS c (reservation_id, owner, until_ms) VALUES (p_id, p_owner, lease_until_ms)
+    ON CONFLICT (reservation_id) DO UPDATE SET owner = excluded.owner, until_ms = excluded.until_ms;
+  INSERT INTO fg_heartbeats AS h (reservation_id, beat_ms) VALUES (p_id, now_ms)
+    ON CONFLICT (reservation_id) DO UPDATE SET beat_ms = excluded.beat_ms;
+END $$;
+-- ;;
+-- rules.check_retry's fingerprint: whether reservation r was made with these arguments.
+CREATE OR REPLACE FUNCTION fg_same_args(
+  r fg_reservations, p_in bigint, p_out bigint, p_estimate float8, p_model_class text, p_run_id text,
+  p_tool_round boolean) RETURNS boolean LANGUAGE sql IMMUTABLE AS $$
+  SELECT r.input_tokens = p_in AND r.max_output_tokens = p_out AND r.gpu_ms_estimate = p_estimate
+    AND r.model_class = p_model_class AND r.run_id IS NOT DISTINCT FROM p_run_id AND (r.tool_round <> 0) = p_tool_round
+$$;
+-- ;;
+-- rules.reserve's deductions on one checked account (again: a re-open, its request counted already).
+CREATE OR REPLACE FUNCTION fg_charged(
+  a fg_accounts, again boolean, p_in bigint, p_out bigint, p_estimate float8, p_spend float8) RETURNS fg_accounts
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+  IF a.requests_level IS NOT NULL AND NOT again THEN
+    a.requests_level := a.requests_level - 1.0::float8;
+  END IF;
+  IF a.input_level IS NOT NULL THEN
+    a.input_level := a.input_level - p_in::float8;
+  END IF;
+  IF a.output_level IS NOT NULL THEN
+    a.output_level := a.output_level - p_out::float8;
+  END IF;
+  a.concurrent := a.concurrent + 1;
+  a.gpu_window_used_ms := a.gpu_window_used_ms + p_estimate;
+  a.gpu_total_used_ms := a.gpu_total_used_ms + p_estimate;
+  a.spend_used_micros := a.spend_used_micros + p_spend;
+  RETURN a;
+END $$;
+-- ;;
 -- rules.reserve with the retry rules (check_retry, reopens, reopened): the reservation made or re-opened
 -- ('ok'), or the request id's earlier one returned as it is ('existing': the caller checks its arguments),
--- with the binding account (the last book's) as written, or as stored for 'existing'.
+-- with the binding account (the last book's) as written, or as stored for 'existing'. With p_owner, then
+-- rules.claim_on_reserve: the run claim of an open reservation (holder, lease_until_ms at clock_ms; NULL on a
+-- final one), on 'existing' only when its arguments are the same (else the caller raises IdempotencyConflict:
+-- nothing is written).
 CREATE OR REPLACE FUNCTION fg_reserve(
   p_lock bigint, p_now float8, p_id text, p_tenant text, p_request_id text, p_model_class text, p_run_id text,
   p_tool_round boolean, p_in bigint, p_out bigint, p_estimate float8, p_price float8[], p_ttl_s float8,
-  p_keys text[], p_limits float8[], OUT code text, OUT res fg_reservations, OUT bal fg_accounts)
+  p_keys text[], p_limits float8[], p_owner text, p_lease_ms float8, OUT code text, OUT res fg_reservations,
+  OUT bal fg_accounts, OUT holder text, OUT lease_until_ms float8, OUT clock_ms float8)
 LANGUAGE plpgsql AS $$
 DECLARE
   v_locked text;  -- pg_advisory_xact_lock returns void
   v_ok boolean;
   v_r fg_reservations;
   v_accs fg_accounts[];
-  v_a fg_accounts;
   v_n integer := array_length(p_keys, 1);
+  v_same boolean;
   v_again boolean := false;
-  v_now float8;
   v_spend float8 := fg_spend(p_price[1], p_price[2], p_price[3], p_in, p_out, p_estimate);
   v_run fg_runs;
+  v_claim record;
 BEGIN
   v_locked := pg_advisory_xact_lock(p_lock);
   SELECT * INTO v_r FROM fg_reservations WHERE tenant = p_tenant AND request_id = p_request_id;
   IF FOUND THEN
+    v_same := fg_same_args(v_r, p_in, p_out, p_estimate, p_model_class, p_run_id, p_tool_round);
     IF NOT (v_r.status = 'cancelled' AND v_r.billed_input_tokens = 0 AND v_r.billed_output_tokens = 0
-        AND v_r.billed_gpu_ms = 0 AND v_r.input_tokens = p_in AND v_r.max_output_tokens = p_out
-        AND v_r.gpu_ms_estimate = p_estimate AND v_r.model_class = p_model_class
-        AND v_r.run_id IS NOT DISTINCT FROM p_run_id AND (v_r.tool_round <> 0) = p_tool_round) THEN
+        AND v_r.billed_gpu_ms = 0 AND v_same) THEN
       code := 'existing';
       res := v_r;
       SELECT * INTO bal FROM fg_accounts WHERE tenant = p_tenant AND model_class = p_keys[v_n];
+      IF p_owner IS NOT NULL AND v_r.status = 'open' AND v_same THEN
+        clock_ms := fg_now(p_now);
+        v_claim := fg_take_claim(v_r.id, p_owner, p_lease_ms, clock_ms, false);
+        holder := v_claim.holder;
+        lease_until_ms := v_claim.lease_until_ms;
+      END IF;
       RETURN;
     END IF;
     v_again := true;
   END IF;
-  v_now := fg_now(p_now);
-  v_accs := fg_checked_accounts(p_tenant, p_keys, p_limits, v_now, v_again, p_in, p_out, p_estimate, v_spend);
+  clock_ms := fg_now(p_now);
+  v_accs := fg_checked_accounts(p_tenant, p_keys, p_limits, clock_ms, v_again, p_in, p_out, p_estimate, v_spend);
   IF p_run_id IS NOT NULL THEN
     v_run := fg_counted_run(fg_run(p_tenant, p_run_id), p_limits, (v_n - 1) * 18, p_keys[v_n], v_again,
       p_tool_round, p_in + p_out);
   END IF;
   IF v_again THEN  -- rules.reopened: same id and creation time, nothing billed, a new TTL, the price now
     UPDATE fg_reservations SET status = 'open', billed_input_tokens = 0, billed_output_tokens = 0,
-      billed_gpu_ms = 0.0, overage_gpu_ms = 0.0, expires_at_ms = v_now + p_ttl_s * 1000.0::float8, final_ms = NULL,
-      queued = 0, price_input_micros = p_price[1], price_output_micros = p_price[2], price_gpu_micros = p_price[3]
-      WHERE id = v_r.id RETURNING * INTO v_r;
+      billed_gpu_ms = 0.0, overage_gpu_ms = 0.0, expires_at_ms = clock_ms + p_ttl_s * 1000.0::float8,
+      final_ms = NULL, queued = 0, price_input_micros = p_price[1], price_output_micros = p_price[2],
+      price_gpu_micros = p_price[3] WHERE id = v_r.id RETURNING * INTO v_r;
     DELETE FROM fg_heartbeats WHERE reservation_id = v_r.id;  -- the order of the sweep's deletes
     DELETE FROM fg_claims WHERE reservation_id = v_r.id;
   ELSE
@@ -394,33 +458,25 @@ BEGIN
       overage_gpu_ms, created_ms, expires_at_ms, final_ms, queued, price_input_micros, price_output_micros,
       price_gpu_micros)
     VALUES (p_id, p_tenant, p_request_id, p_model_class, p_run_id, p_tool_round::integer, p_in, p_out, p_estimate,
-      'open', 0, 0, 0.0, 0.0, v_now, v_now + p_ttl_s * 1000.0::float8, NULL, 0, p_price[1], p_price[2], p_price[3])
-    RETURNING * INTO v_r;
+      'open', 0, 0, 0.0, 0.0, clock_ms, clock_ms + p_ttl_s * 1000.0::float8, NULL, 0, p_price[1], p_price[2],
+      p_price[3]) RETURNING * INTO v_r;
   END IF;
   FOR i IN 1..v_n LOOP
-    v_a := v_accs[i];
-    IF v_a.requests_level IS NOT NULL AND NOT v_again THEN
-      v_a.requests_level := v_a.requests_level - 1.0::float8;
-    END IF;
-    IF v_a.input_level IS NOT NULL THEN
-      v_a.input_level := v_a.input_level - p_in::float8;
-    END IF;
-    IF v_a.output_level IS NOT NULL THEN
-      v_a.output_level := v_a.output_level - p_out::float8;
-    END IF;
-    v_a.concurrent := v_a.concurrent + 1;
-    v_a.gpu_window_used_ms := v_a.gpu_window_used_ms + p_estimate;
-    v_a.gpu_total_used_ms := v_a.gpu_total_used_ms + p_estimate;
-    v_a.spend_used_micros := v_a.spend_used_micros + v_spend;
-    v_ok := fg_save_account(v_a);
+    bal := fg_charged(v_accs[i], v_again, p_in, p_out, p_estimate, v_spend);
+    v_ok := fg_save_account(bal);
   END LOOP;
-  v_ok := fg_add_event(p_tenant, v_r.id, 'reserve', CASE WHEN v_again THEN 0 ELSE 1 END, 0, 0, 0.0, 0.0, 0.0, v_now);
+  v_ok := fg_add_event(p_tenant, v_r.id, 'reserve', CASE WHEN v_again THEN 0 ELSE 1 END, 0, 0, 0.0, 0.0, 0.0,
+    clock_ms);
   IF p_run_id IS NOT NULL THEN
     v_ok := fg_save_run(v_run);
   END IF;
   code := 'ok';
   res := v_r;
-  bal := v_a;
+  IF p_owner IS NOT NULL THEN  -- nobody holds a claim on a reservation this call made or re-opened
+    v_claim := fg_take_claim(v_r.id, p_owner, p_lease_ms, clock_ms, true);
+    holder := v_claim.holder;
+    lease_until_ms := v_claim.lease_until_ms;
+  END IF;
 END $$;
 -- ;;
 -- The books of a reservation of p_tenant in model_class, from all of p_tenant's (p_keys: '*', then every
@@ -611,8 +667,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
   v_locked text;  -- pg_advisory_xact_lock returns void
   v_status text;
-  v_owner text;
-  v_until float8;
+  v_claim record;
 BEGIN
   v_locked := pg_advisory_xact_lock(p_lock);
   SELECT status INTO v_status FROM fg_reservations WHERE id = p_id;
@@ -623,18 +678,9 @@ BEGIN
     RAISE EXCEPTION USING ERRCODE = 'FG005', MESSAGE = 'reservation final already', DETAIL = v_status;
   END IF;
   clock_ms := fg_now(p_now);
-  SELECT c.owner, c.until_ms INTO v_owner, v_until FROM fg_claims c WHERE c.reservation_id = p_id;
-  IF FOUND AND v_owner <> p_owner AND v_until > clock_ms THEN
-    holder := v_owner;
-    lease_until_ms := v_until;
-    RETURN;
-  END IF;
-  holder := p_owner;
-  lease_until_ms := clock_ms + p_lease_ms;
-  INSERT INTO fg_claims AS c (reservation_id, owner, until_ms) VALUES (p_id, p_owner, lease_until_ms)
-    ON CONFLICT (reservation_id) DO UPDATE SET owner = excluded.owner, until_ms = excluded.until_ms;
-  INSERT INTO fg_heartbeats AS h (reservation_id, beat_ms) VALUES (p_id, clock_ms)
-    ON CONFLICT (reservation_id) DO UPDATE SET beat_ms = excluded.beat_ms;
+  v_claim := fg_take_claim(p_id, p_owner, p_lease_ms, clock_ms, false);
+  holder := v_claim.holder;
+  lease_until_ms := v_claim.lease_until_ms;
 END $$;
 -- ;;
 -- rules.enqueue (p_enter) / rules.dequeue: 'ok', or 'unchanged' (nothing to do). The accounts are not

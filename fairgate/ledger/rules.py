@@ -418,6 +418,20 @@ def claim(current: RunClaim | None, owner: str, lease_ms: float, now_ms: float) 
     return RunClaim(current.owner, current.until_ms, now_ms)
 
 
+def claim_on_reserve(
+    reservation: Reservation, current: RunClaim | None, owner: str, lease_ms: float, now_ms: float
+) -> RunClaim | None:
+    """The run claim ``reserve(..., claim_owner=owner, claim_lease_ms=lease_ms)`` leaves on the reservation it
+    returns, decided in the reserve's own transaction right after the reservation (made, re-opened or returned
+    as it was): ``claim`` of ``current`` (the claim stored on it; None on one this call made or re-opened); None
+    on a final reservation, where ``claim`` would raise ``ReservationFinal`` and nothing is written. A reserve
+    that raises (a quota, ``IdempotencyConflict``) writes no claim either. A claim taken or renewed (``owner``
+    holds it) is written with a heartbeat, as ``claim`` writes it."""
+    if reservation.is_final:
+        return None
+    return claim(current, owner, lease_ms, now_ms)
+
+
 def queue_full(reservation: Reservation, limits: Limits) -> QuotaExceeded:
     """The error of an ``enqueue`` over ``max_queued``."""
     return QuotaExceeded(reservation.tenant, "max_queued", QUEUE_RETRY_S, limits.max_queued, 0)

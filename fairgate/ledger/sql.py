@@ -52,6 +52,11 @@ class Tx(Protocol):
 
 
 _SELECT_CLAIM = "SELECT owner, until_ms FROM fg_claims WHERE reservation_id = :id"
+_BY_REQUEST = "tenant = :tenant AND request_id = :request_id"
+# The run claim on the request id's reservation, read with the reserve's other reads (its id is not known yet).
+_SELECT_CLAIM_BY_REQUEST = (
+    f"SELECT owner, until_ms FROM fg_claims WHERE reservation_id = (SELECT id FROM fg_reservations WHERE {_BY_REQUEST})"
+)
 _SAVE_CLAIM = (
     "INSERT INTO fg_claims (reservation_id, owner, until_ms) VALUES (:id, :owner, :until) "
     "ON CONFLICT (reservation_id) DO UPDATE SET owner = excluded.owner, until_ms = excluded.until_ms"
@@ -112,36 +117,38 @@ class SqlLedger(Backend):
         await tx.batch(statements)
 
     # --- request path --------------------------------------------------------------------------
-    async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
-        """Reads (the tenant lock, an earlier reservation of the request id, the accounts charged, the run, the
-        clock) in one round trip, then writes in one. A reservation the request id made before is returned
-        unless it re-opens (``rules.reopens``). ``balances``: the last account of ``books`` (the binding one)
-        as written, or as read when nothing is."""
+    async def _reserve(
+        self, args: rules.ReserveArgs, limits: Limits, claim_owner: str | None, claim_lease_ms: float
+    ) -> Reservation:
+        """Reads (the tenant lock, an earlier reservation of the request id, the accounts charged, the run, its
+        run claim when one is asked, the clock) in one round trip, then writes in one. A reservation the request
+        id made before is returned unless it re-opens (``rules.reopens``). ``balances``: the last account of
+        ``books`` (the binding one) as written, or as read when nothing is; ``claim``: ``rules.claim_on_reserve``."""
         books = self.books(args.tenant, args.model_class)
         lock, clock = self._lock_statement(tenant_tag(args.tenant)), self._now_statement()
+        by_request = {"tenant": args.tenant, "request_id": args.request_id}
         reads = [s for s in (lock,) if s is not None]
-        reads.append(
-            (
-                f"SELECT {schema.RESERVATION_COLUMNS} FROM fg_reservations "
-                "WHERE tenant = :tenant AND request_id = :request_id",
-                {"tenant": args.tenant, "request_id": args.request_id},
-            )
-        )
+        reads.append((f"SELECT {schema.RESERVATION_COLUMNS} FROM fg_reservations WHERE {_BY_REQUEST}", by_request))
         reads += [(schema.SELECT_ACCOUNT, {"tenant": args.tenant, "model_class": key}) for key, _ in books]
         if args.run_id is not None:
             reads.append((schema.SELECT_RUN, {"tenant": args.tenant, "run_id": args.run_id}))
+        if claim_owner is not None:
+            reads.append((_SELECT_CLAIM_BY_REQUEST, by_request))
         if clock is not None:
             reads.append(clock)
         async with self._transaction() as tx:
             rows = await tx.batch(reads)
             rows = rows[1:] if lock is not None else rows
             existing = rules.check_retry(schema.reservation(rows[0][0]), args) if rows[0] else None
-            account_rows = rows[1 : 1 + len(books)]
-            accounts = [rules.Account(*found[0]) if found else rules.Account() for found in account_rows]
-            if existing is not None and not rules.reopens(existing):
-                return replace(existing, balances=accounts[-1])
-            run_rows = rows[1 + len(books)] if args.run_id is not None else []
+            accounts = [rules.Account(*found[0]) if found else rules.Account() for found in rows[1 : 1 + len(books)]]
             now_ms = float(rows[-1][0][0]) if clock is not None else await self._now_ms(tx)
+            claim_rows = rows[-2 if clock is not None else -1] if claim_owner is not None else []
+            if existing is not None and not rules.reopens(existing):
+                claim, writes = self._claim_step(existing, claim_rows, claim_owner, claim_lease_ms, now_ms)
+                if writes:
+                    await self._write(tx, writes)
+                return replace(existing, balances=accounts[-1], claim=claim)
+            run_rows = rows[1 + len(books)] if args.run_id is not None else []
             run = None if args.run_id is None else (rules.RunUsage(*run_rows[0]) if run_rows else rules.RunUsage())
             charged, run = rules.reserve(
                 [(account, book_limits) for account, (_, book_limits) in zip(accounts, books, strict=True)],
@@ -160,8 +167,25 @@ class SqlLedger(Backend):
             writes += schema.event_writes(r, rules.Delta("reserve", requests=int(existing is None)), now_ms)
             if args.run_id is not None and run is not None:
                 writes.append(schema.run_write(args.tenant, args.run_id, run))
-            await self._write(tx, writes)
-            return replace(r, balances=charged[-1])
+            claim, claim_writes = self._claim_step(r, [], claim_owner, claim_lease_ms, now_ms)  # none held on it
+            await self._write(tx, writes + claim_writes)
+            return replace(r, balances=charged[-1], claim=claim)
+
+    @staticmethod
+    def _claim_step(
+        r: Reservation, claim_rows: list[tuple[Any, ...]], owner: str | None, lease_ms: float, now_ms: float
+    ) -> tuple[RunClaim | None, list[Statement]]:
+        """The run claim ``owner`` asks for on ``r`` at ``now_ms`` (``rules.claim_on_reserve``; ``claim_rows``:
+        the claim stored on it) and its writes (the claim and a heartbeat, when ``owner`` holds it); (None, [])
+        when no claim is asked."""
+        if owner is None:
+            return None, []
+        held = RunClaim(str(claim_rows[0][0]), float(claim_rows[0][1]), now_ms) if claim_rows else None
+        decided = rules.claim_on_reserve(r, held, owner, lease_ms, now_ms)
+        if decided is None or not decided.held_by(owner):
+            return decided, []
+        params = {"id": r.id, "owner": owner, "until": decided.until_ms, "now": now_ms}
+        return decided, [(_SAVE_CLAIM, params), (_SAVE_HEARTBEAT, params)]
 
     async def _load_for_update(
         self, tx: Tx, reservation_id: str, with_clock: bool, also: tuple[Statement, ...] = ()

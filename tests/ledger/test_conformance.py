@@ -761,3 +761,110 @@ async def test_a_gpu_time_below_the_least_is_refused_by_every_backend(ledger, gp
     with pytest.raises(InvalidUsage, match="gpu_ms"):
         await ledger.settle(r.id, 1, 1, gpu_ms, final=True)
     assert (await ledger.settle(r.id, 1, 1, 0.0, final=True)).billed == Usage(1, 1, 0.0)
+
+
+# --- reserve with the run claim: one call, as reserve then claim in one transaction ----------------------------
+async def test_reserve_takes_the_run_claim_with_the_reservation(ledger, clock):
+    r = await ledger.reserve("a", "with-claim", 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    assert r.status == "open" and r.claim is not None and r.claim.held_by("gw-1")
+    assert (r.claim.until_ms, r.claim.now_ms, r.claim.remaining_ms) == (clock.now_ms + 30_000, clock.now_ms, 30_000)
+    assert r.balances is not None and r.balances.concurrent == 1
+    assert r == await ledger.get(r.id)  # the claim is not part of the record
+    clock.advance(10)
+    held = await ledger.claim(r.id, "gw-2", 30_000.0)  # another process: the claim is stored, gw-1's
+    assert (held.owner, held.remaining_ms) == ("gw-1", 20_000.0)
+    assert [e.kind for e in await ledger.events("a")] == ["reserve"]
+    plain = await ledger.reserve("a", "without-claim", 10, 10, 1.0)
+    assert plain.claim is None and (await ledger.claim(plain.id, "gw-2", 30_000.0)).held_by("gw-2")
+
+
+async def test_a_claim_taken_on_a_retry_heartbeats_the_reservation(ledger, clock):
+    r = await ledger.reserve("a", "beaten", 10, 10, 1.0)
+    clock.advance(50)
+    again = await ledger.reserve("a", "beaten", 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    assert again == r and again.claim is not None and again.claim.held_by("gw-1")
+    clock.advance(20)  # past the TTL of 60 s; the claim beat 20 s ago
+    assert await ledger.expire_due() == []
+    assert (await ledger.get(r.id)).expires_at_ms == clock.now_ms - 20_000 + 60_000
+
+
+async def test_a_retry_from_another_process_does_not_take_a_held_claim(ledger, clock):
+    first = await ledger.reserve("a", "twice", 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    clock.advance(10)
+    retry = await ledger.reserve("a", "twice", 10, 10, 1.0, claim_owner="gw-2", claim_lease_ms=30_000.0)
+    assert retry == first and retry.claim is not None and not retry.claim.held_by("gw-2")
+    assert (retry.claim.owner, retry.claim.remaining_ms, retry.claim.now_ms) == ("gw-1", 20_000.0, clock.now_ms)
+    assert (await ledger.account("a")).concurrent == 1  # deducted once
+    assert [e.kind for e in await ledger.events("a")] == ["reserve"]
+    renewed = await ledger.reserve("a", "twice", 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    assert renewed.claim is not None and renewed.claim.held_by("gw-1") and renewed.claim.remaining_ms == 30_000.0
+    assert (await ledger.claim(first.id, "gw-2", 30_000.0)).remaining_ms == 30_000.0  # renewed: stored
+
+
+async def test_a_retry_after_the_claim_lapsed_takes_it(ledger, clock):
+    first = await ledger.reserve("a", "lapsed", 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    clock.advance(30)  # exactly at the lease's end: lapsed
+    retry = await ledger.reserve("a", "lapsed", 10, 10, 1.0, claim_owner="gw-2", claim_lease_ms=5_000.0)
+    assert retry == first and retry.claim is not None and retry.claim.held_by("gw-2")
+    assert retry.claim.until_ms == clock.now_ms + 5_000
+    assert (await ledger.claim(first.id, "gw-1", 30_000.0)).owner == "gw-2"
+
+
+async def test_a_final_reservation_is_returned_without_a_claim(ledger, clock):
+    first = await ledger.reserve("a", "done", 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    done = await ledger.settle(first.id, 10, 5, 1.0, final=True)
+    retry = await ledger.reserve("a", "done", 10, 10, 1.0, claim_owner="gw-2", claim_lease_ms=30_000.0)
+    assert retry == done and retry.status == "settled" and retry.claim is None
+    with pytest.raises(ReservationFinal):
+        await ledger.claim(first.id, "gw-2", 30_000.0)
+    # Cancelled with nothing billed, it re-opens: charged again, and claimed afresh (the old claim went with it).
+    other = await ledger.reserve("a", "left", 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    await ledger.cancel(other.id, Usage())
+    reopened = await ledger.reserve("a", "left", 10, 10, 1.0, claim_owner="gw-2", claim_lease_ms=30_000.0)
+    assert (reopened.id, reopened.status) == (other.id, "open")
+    assert reopened.claim is not None and reopened.claim.held_by("gw-2")
+    assert (await ledger.claim(other.id, "gw-1", 30_000.0)).owner == "gw-2"
+
+
+async def test_an_idempotency_conflict_takes_no_claim(ledger, clock):
+    r = await ledger.reserve("a", "conflict", 10, 10, 1.0)
+    with pytest.raises(IdempotencyConflict):
+        await ledger.reserve("a", "conflict", 10, 11, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    assert (await ledger.claim(r.id, "gw-2", 30_000.0)).held_by("gw-2")  # gw-1 holds nothing
+    with pytest.raises(IdempotencyConflict):
+        await ledger.reserve("a", "conflict", 10, 11, 1.0, claim_owner="gw-2", claim_lease_ms=1.0)
+    assert (await ledger.claim(r.id, "gw-1", 30_000.0)).remaining_ms == 30_000.0  # gw-2's lease unchanged
+
+
+async def test_a_quota_refusal_writes_no_reservation_and_no_claim(ledger, clock):
+    for i in range(3):
+        await ledger.reserve("a", f"busy-{i}", 10, 10, 1.0)
+    with pytest.raises(QuotaExceeded, match="max_concurrent"):
+        await ledger.reserve("a", "refused", 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    assert "refused" not in {r.request_id for r in await ledger.reservations("a")}
+    assert [e.kind for e in await ledger.events("a")] == ["reserve"] * 3
+    # A re-open refused: the reservation stays cancelled, unclaimed.
+    busy = await ledger.reservations("a")
+    await ledger.cancel(busy[0].id, Usage())
+    await ledger.reserve("a", "busy-3", 10, 10, 1.0)
+    with pytest.raises(QuotaExceeded, match="max_concurrent"):
+        await ledger.reserve("a", busy[0].request_id, 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=30_000.0)
+    assert (await ledger.get(busy[0].id)).status == "cancelled"
+    with pytest.raises(ReservationFinal):
+        await ledger.claim(busy[0].id, "gw-1", 30_000.0)
+
+
+@pytest.mark.parametrize(("owner", "lease_ms", "match"), [("", 1000.0, "owner"), ("gw", 0.0, "lease_ms")])
+async def test_a_bad_claim_with_a_reserve_reserves_nothing(ledger, owner, lease_ms, match):
+    with pytest.raises(InvalidUsage, match=match):
+        await ledger.reserve("a", "bad", 10, 10, 1.0, claim_owner=owner, claim_lease_ms=lease_ms)
+    assert await ledger.reservations("a") == []
+
+
+async def test_concurrent_reserves_of_one_request_id_leave_exactly_one_claim_holder(ledger):
+    rs = await asyncio.gather(
+        *(ledger.reserve("a", "raced", 10, 10, 1.0, claim_owner=f"gw-{i}", claim_lease_ms=30_000.0) for i in range(8))
+    )
+    assert len({r.id for r in rs}) == 1 and (await ledger.account("a")).concurrent == 1
+    winners = [f"gw-{i}" for i, r in enumerate(rs) if r.claim is not None and r.claim.held_by(f"gw-{i}")]
+    assert len(winners) == 1 and {r.claim.owner for r in rs if r.claim is not None} == set(winners), rs

@@ -262,11 +262,11 @@ class _FailsAfter:
     def limits(self, tenant: str, model_class: str):  # type: ignore[no-untyped-def]
         return self.ledger.limits(tenant, model_class)
 
-    async def reserve_args(self, args):  # type: ignore[no-untyped-def]
+    async def reserve_args(self, args, *claim):  # type: ignore[no-untyped-def]
         self.calls -= 1
         if self.calls < 0:
             raise LedgerUnavailable("down again")
-        return await self.ledger.reserve_args(args)
+        return await self.ledger.reserve_args(args, *claim)
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self.ledger, name)
@@ -301,8 +301,8 @@ class _OtherReplaysFirst:
     def limits(self, tenant: str, model_class: str):  # type: ignore[no-untyped-def]
         return self.ledger.limits(tenant, model_class)
 
-    async def reserve_args(self, args):  # type: ignore[no-untyped-def]
-        r = await self.ledger.reserve_args(args)
+    async def reserve_args(self, args, *claim):  # type: ignore[no-untyped-def]
+        r = await self.ledger.reserve_args(args, *claim)
         if not self.raced:
             self.raced = True
             await self.other.recover()  # reserves the same id (the same open reservation) and closes it

@@ -4,6 +4,7 @@ it - unless a retry of the request holds it now."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,8 @@ class CommitsThenTimesOut:
     def limits(self, tenant: str, model_class: str) -> Any:
         return self.ledger.limits(tenant, model_class)
 
-    async def reserve_args(self, args: Any) -> Any:
-        reserved = await self.ledger.reserve_args(args)
+    async def reserve_args(self, args: Any, *claim: Any) -> Any:
+        reserved = await self.ledger.reserve_args(args, *claim)
         self.timeouts -= 1
         if self.timeouts >= 0:
             raise LedgerUnavailable("timed out")
@@ -69,3 +70,19 @@ async def test_a_retry_that_holds_the_reservation_keeps_it(ledger, tmp_path: Pat
     again = await late.reserve("sandbox", "retried-here", 10, 10, 1.0)
     assert late.doubtful() == 0 and await late.clear_doubts("gw-1/doubts", 1000.0) == 0
     assert (await ledger.get(again.id)).status == "open"
+
+
+async def test_a_reservation_claimed_by_a_reserve_that_timed_out_is_cancelled_once_its_claim_lapses(
+    ledger, tmp_path: Path
+) -> None:
+    """The gateway reserves with its run claim: a reserve that committed after it timed out holds this process's
+    claim, for a run that never started. It stays in doubt until that claim lapses, then is cancelled."""
+    late = ResilientLedger(CommitsThenTimesOut(ledger), tmp_path / "journal.jsonl")  # type: ignore[arg-type]
+    with pytest.raises(LedgerUnavailable):
+        await late.reserve("sandbox", "claimed", 10, 10, 1.0, claim_owner="gw-1", claim_lease_ms=300.0)
+    [r] = await ledger.reservations("sandbox", "open")
+    assert (await ledger.claim(r.id, "gw-2", 1000.0)).owner == "gw-1"  # taken with the reservation
+    assert await late.clear_doubts("gw-1/doubts", 1000.0) == 0 and late.doubtful() == 1  # held: kept in doubt
+    await asyncio.sleep(0.35)  # the claim lapses (nobody renews it: nothing runs)
+    assert await late.clear_doubts("gw-1/doubts", 1000.0) == 1 and late.doubtful() == 0
+    assert (await ledger.get(r.id)).status == "cancelled" and (await ledger.account("sandbox")).concurrent == 0

@@ -69,6 +69,16 @@ async def test_each_call_on_the_request_path_is_one_round_trip(ledger: PostgresL
     assert r.balances is not None and r.balances.concurrent == 1
     claim, trips = await _traced(ledger, ledger.claim(r.id, "me", 60_000.0))
     assert (trips, claim.owner) == (1, "me")
+    # reserve with the run claim (the gateway's call): one function call too, the claim decided in it.
+    claimed, trips = await _traced(
+        ledger, ledger.reserve("acme", "req-2", 10, 10, 1.0, claim_owner="me", claim_lease_ms=9e3)
+    )
+    assert trips == 1 and claimed.claim is not None and claimed.claim.held_by("me")
+    assert claimed.claim.remaining_ms == 9e3 and claimed.balances is not None and claimed.balances.concurrent == 2
+    retry = ledger.reserve("acme", "req-2", 10, 10, 1.0, claim_owner="you", claim_lease_ms=9e3)
+    retried, trips = await _traced(ledger, retry)
+    assert trips == 1 and retried.id == claimed.id and retried.claim is not None and retried.claim.owner == "me"
+    await ledger.cancel(claimed.id, Usage())
     queued, trips = await _traced(ledger, ledger.enqueue(r.id))
     assert (trips, queued.queued) == (1, True)
     dequeued, trips = await _traced(ledger, ledger.dequeue(r.id))

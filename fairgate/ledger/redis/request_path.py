@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fairgate.ledger import rules
@@ -27,10 +28,13 @@ from fairgate.ledger.redis.store import RedisStore
 class RedisRequestPath(RedisStore):
     """reserve / claim / settle / cancel / enqueue / dequeue / get / account / heartbeat on Redis."""
 
-    async def _reserve(self, args: rules.ReserveArgs, limits: Limits) -> Reservation:
+    async def _reserve(
+        self, args: rules.ReserveArgs, limits: Limits, claim_owner: str | None, claim_lease_ms: float
+    ) -> Reservation:
         """``reserve.lua``: reads the request id's reservation, the accounts charged and the run; writes only if
-        all fit (or returns the earlier reservation, unless it re-opens: ``rules.reopens``). Its reply carries
-        the binding account (``Reservation.balances``)."""
+        all fit (or returns the earlier reservation, unless it re-opens: ``rules.reopens``); then takes the run
+        claim asked (``rules.claim_on_reserve``). Its reply carries the binding account (``Reservation.balances``)
+        and the claim (``Reservation.claim``)."""
         tenant, tag = args.tenant, tenant_tag(args.tenant)
         keys, _ = self._limited_keys(tag)
         script_args = [
@@ -48,6 +52,8 @@ class RedisRequestPath(RedisStore):
             codec.number(float(args.price.input_micros_per_token)),
             codec.number(float(args.price.output_micros_per_token)),
             codec.number(float(args.price.gpu_micros_per_ms)),
+            claim_owner or "",
+            codec.number(claim_lease_ms),
         ]
         with self._unavailable():
             await self._ensure_registered(tenant)
@@ -63,6 +69,8 @@ class RedisRequestPath(RedisStore):
                 int(remaining) if dimension in codec.INT_LIMITS else remaining,
             )
         r = codec.reservation(reply[1], codec.account(reply[2]))
+        if len(reply) > 3:
+            r = replace(r, claim=RunClaim(str(reply[3]), float(reply[4]), float(reply[5])))
         return rules.check_retry(r, args) if code == "existing" else r
 
     async def _close(self, reservation_id: str, billed: Usage, final: bool, kind: str) -> Reservation:

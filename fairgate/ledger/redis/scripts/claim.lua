@@ -5,16 +5,6 @@ local rid, owner, lease = ARGV[3], ARGV[4], tonumber(ARGV[5])
 local raw = redis.call('HGET', RES, rid)
 if not raw then return {'not_found'} end
 if not is_open(raw) then return {'final'} end
-local now = now_ms()
-local held = redis.call('HGET', CLAIMS, rid)
-if held then
-  local sep = string.find(held, '\n', 1, true)
-  local holder, until_ms = string.sub(held, 1, sep - 1), tonumber(string.sub(held, sep + 1))
-  if holder ~= owner and until_ms > now then return {'ok', holder, fmt(until_ms), fmt_time(now)} end
-end
-local until_ms = now + lease
-local until_text = fmt(until_ms)
-hset_kept(CLAIMS, rid, owner .. '\n' .. until_text)
-hset_kept(HB, rid, fmt_time(now))
-touch_all()
-return {'ok', owner, until_text, fmt_time(now)}
+local holder, until_text, now_text = take_claim(rid, owner, lease, now_ms(), false)
+if holder == owner then touch_all() end
+return {'ok', holder, until_text, now_text}

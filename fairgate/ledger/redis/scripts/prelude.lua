@@ -323,6 +323,24 @@ end
 -- no string value can hold that text unescaped (its quotes would be written \").
 local function is_open(raw) return string.find(raw, '"status":"open"', 1, true) ~= nil end
 
+-- rules.claim on open reservation rid at now: the run claim taken or renewed for owner for lease ms (with a
+-- heartbeat), or its holder's unchanged -> holder, until_ms text, now text. free: no claim can be held on it (the
+-- calling script made or re-opened it), so none is read. The caller ends with touch_all().
+local function take_claim(rid, owner, lease, now, free)
+  if not free then
+    local held = redis.call('HGET', CLAIMS, rid)
+    if held then
+      local sep = string.find(held, '\n', 1, true)
+      local holder, until_ms = string.sub(held, 1, sep - 1), tonumber(string.sub(held, sep + 1))
+      if holder ~= owner and until_ms > now then return holder, fmt(until_ms), fmt_time(now) end
+    end
+  end
+  local until_text = fmt(now + lease)
+  hset_kept(CLAIMS, rid, owner .. '\n' .. until_text)
+  hset_kept(HB, rid, fmt_time(now))
+  return owner, until_text, fmt_time(now)
+end
+
 local function count_status(status, by) redis.call('HINCRBY', STATUS, status, by) end
 -- OPEN's score: expires_at_ms rounded up to a whole ms. A tenant's first 128 open reservations are a listpack,
 -- which keeps a whole number as an integer but a fraction as text that every insert parses back (strtod) for

@@ -1,13 +1,18 @@
--- rules.reserve. ARGV[3..]: tenant, request_id, reservation id, input_tokens, max_output_tokens,
--- gpu_ms_estimate, model_class, run_id, has_run (1/0), tool_round (1/0), the class's price (micros per input
--- token, per output token, per GPU-ms: model.Price). KEYS[13]: the tenant's limits hash.
--- -> {'existing', json, binding account json or false} | {'ok', json, binding account json}
+-- rules.reserve, then (claim owner given) rules.claim_on_reserve. ARGV[3..]: tenant, request_id, reservation id,
+-- input_tokens, max_output_tokens, gpu_ms_estimate, model_class, run_id, has_run (1/0), tool_round (1/0), the
+-- class's price (micros per input token, per output token, per GPU-ms: model.Price), the run claim's owner ('':
+-- none asked) and lease ms. KEYS[13]: the tenant's limits hash.
+-- -> {'existing', json, binding account json or false[, holder, until_ms, now]}
+--    | {'ok', json, binding account json[, holder, until_ms, now]}
 --    | {'quota', dimension, retry_after_s or '', remaining, account key} | {'limits'} (no limits hash)
--- The binding account (the last book's) is what account() reads right after: the caller's balances.
+-- The binding account (the last book's) is what account() reads right after: the caller's balances. The claim
+-- (holder, until_ms, now) comes when an owner is given and the reservation is open - on 'existing' only with the
+-- same arguments (else the caller raises IdempotencyConflict, and nothing is written).
 local tenant, request_id, rid = ARGV[3], ARGV[4], ARGV[5]
 local input_tokens, max_output, estimate = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local model_class, run_id, has_run, tool_round = ARGV[9], ARGV[10], ARGV[11] == '1', ARGV[12] == '1'
 local price = {price_input_micros = ARGV[13], price_output_micros = ARGV[14], price_gpu_micros = ARGV[15]}
+local owner, lease = ARGV[16], tonumber(ARGV[17])
 local books = books_of(model_class)
 if books == nil then return {'limits'} end
 local lim = books[#books].lim  -- the class's: run limits and the TTL
@@ -27,7 +32,11 @@ if existing then
     local unbilled = tonumber(old.billed_input_tokens) == 0 and tonumber(old.billed_output_tokens) == 0
       and tonumber(old.billed_gpu_ms) == 0
     if not (same and old.status == 'cancelled' and unbilled) then
-      return {'existing', raw, redis.call('HGET', ACCOUNTS, books[#books].key)}
+      local balances = redis.call('HGET', ACCOUNTS, books[#books].key)
+      if owner == '' or not same or old.status ~= 'open' then return {'existing', raw, balances} end
+      local holder, until_text, now_text = take_claim(existing, owner, lease, now_ms(), false)
+      if holder == owner then touch_all() end
+      return {'existing', raw, balances, holder, until_text, now_text}
     end
     reopen = old
   end
@@ -168,5 +177,10 @@ local balances
 for _, b in ipairs(books) do balances = save_account(b.key, b.acc) end
 if run ~= nil then save_run(run_id, run) end
 add_event(rid, 'reserve', reopen == nil and 1 or 0, 0, 0, 0.0, 0.0, 0.0, now)
+if owner ~= '' then  -- nobody holds a claim on a reservation this call made or re-opened
+  local holder, until_text, now_text = take_claim(rid, owner, lease, now, true)
+  touch_all()
+  return {'ok', raw, balances, holder, until_text, now_text}
+end
 touch_all()
 return {'ok', raw, balances}
