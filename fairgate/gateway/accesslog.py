@@ -1,6 +1,8 @@
 """The access log: one JSON line per request to the generation routes (``/v1/chat/completions``,
 ``/v1/completions``, ``/v1/embeddings``), to stderr by default. (Requests refused by the connection bounds
-before they reach a route - 431, 408, 503 - and the other routes are not in it.)
+before they reach a route - 431, a head's 408, 503 - and the other routes are not in it. A body not complete
+within ``body_timeout_s`` is answered 408 by the server, ``fairgate.gateway.serving``, and its line says 499
+``cancelled``: the route, reading the body, saw its client leave.)
 
 ``[gateway].access_log``: ``"-"`` (the default) writes to stderr, a path to that file (appended; relative to
 the config's folder), ``""`` turns it off. The line is written when the request is over (``records``): for a

@@ -88,6 +88,8 @@ class Identity:
         if caller is None:
             if self._expired_keys.owners_for(key):
                 raise Rejection(Outcome.API_KEY_EXPIRED, "This API key has expired; ask for a new one.")
+            if self._admin_keys.tenant_for(key) == ADMIN:  # the caller holds it: saying so tells them nothing new
+                raise Rejection(Outcome.API_KEY_INVALID, "This is an admin key; this route takes a tenant's key.")
             raise Rejection(Outcome.API_KEY_INVALID, "Invalid API key.")
         tokens = request.headers.getlist(ON_BEHALF_OF_HEADER)
         if len(tokens) > 1:

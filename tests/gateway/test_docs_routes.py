@@ -45,3 +45,17 @@ def test_the_openapi_schema_is_for_admin_keys_only(stack):
     assert schema["info"]["title"] == "fairgate gateway"
     assert {"/v1/chat/completions", "/v1/completions"} <= set(schema["paths"])
     assert "/openapi.json" not in schema["paths"] and "/docs" not in schema["paths"]
+
+
+def test_an_admin_key_on_a_tenant_route_is_told_so_and_no_route_redirects(stack):
+    """An outside tester's findings: an admin key on a generation route was answered "Invalid API key.", and a
+    POST to a path with a trailing slash was redirected to a Location built from the client's Host header."""
+    body = {"model": "emu", "prompt": "hi", "max_tokens": 1}
+    admin = httpx.post(f"{stack.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert admin.status_code == 401 and admin.json()["error"]["code"] == "invalid_api_key", admin.text
+    assert "admin key" in admin.json()["error"]["message"] and "tenant" in admin.json()["error"]["message"]
+    wrong = httpx.post(f"{stack.url}/v1/completions", json=body, headers={"Authorization": "Bearer fg-not-a-key"})
+    assert wrong.json()["error"]["message"] == "Invalid API key."
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}", "Host": "evil.example"}
+    slashed = httpx.post(f"{stack.url}/v1/completions/", json=body, headers=headers)
+    assert slashed.status_code == 404 and "location" not in slashed.headers, slashed.headers
