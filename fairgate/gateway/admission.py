@@ -66,6 +66,7 @@ class Admitted:
 
 async def admit(state: GatewayState, caller: Caller, generation: Generation) -> Admitted:
     """Reserve and register ``generation`` (see module docstring). Raises ``Rejection`` 403/409/429/503."""
+    sent_s = state.clock.monotonic_s()
     reservation = await _reserve_and_claim(state, caller.tenant, generation)
     if reservation.is_final:
         state.unsettled.discard(reservation.id)
@@ -81,6 +82,8 @@ async def admit(state: GatewayState, caller: Caller, generation: Generation) -> 
             await _claim_run(state, generation.request_id, reservation)
         if reservation.billed != Usage():
             await _close_abandoned(state, generation.request_id, reservation)
+        if reservation.claim is not None and reservation.balances is not None:  # the ledger's claim, not a grant's
+            state.calls.run_claim_held(reservation.id, sent_s + state.claim_lease_ms / 1000.0)
     except Rejection:
         state.calls.release(caller.tenant, generation.request_id)
         raise
@@ -212,6 +215,24 @@ def _check_run_claim(state: GatewayState, request_id: str, reservation: Reservat
     claim = reservation.claim
     if claim is not None and not claim.held_by(state.process_id):
         raise _in_progress(request_id, claim.remaining_ms / 1000.0)
+
+
+async def hold_run_claim(state: GatewayState, admitted: Admitted) -> None:
+    """Before the request is sent upstream: its run claim must hold for at least a third of the lease by this
+    process's clock (the sweep renews it every third), or it is renewed now. A process paused or cut off from the
+    ledger while the request was queued may have lost it: a retry on another process ran it meanwhile (an
+    outside tester's SIGSTOP for 4.5 s: run twice, billed once). Raises ``Rejection`` 409 when another process
+    holds it, 503 when the ledger cannot say; the request is then forgotten here, its reservation left to the
+    process that holds it."""
+    reservation, now_s = admitted.reservation, state.clock.monotonic_s()
+    if state.calls.run_claim_left_s(reservation.id, now_s) >= state.claim_lease_ms / 3000.0:
+        return
+    try:
+        await _claim_run(state, admitted.generation.request_id, reservation)
+    except Rejection:
+        state.calls.release(admitted.caller.tenant, admitted.generation.request_id)
+        raise
+    state.calls.run_claim_held(reservation.id, now_s + state.claim_lease_ms / 1000.0)
 
 
 async def _claim_run(state: GatewayState, request_id: str, reservation: Reservation) -> None:

@@ -156,6 +156,7 @@ class Call:
         pending: list[str] = []  # events of chunks from the same upstream read, not yet written
         try:
             async for chunk in stream:
+                self._hold_run_claim()
                 event = self._client_event(chunk)
                 if event is not None:
                     pending.append(event)
@@ -197,6 +198,21 @@ class Call:
         finally:
             await self._end(stream, finished, retrying)
 
+    def _hold_run_claim(self) -> None:
+        """Before a chunk goes on: the request's run claim must still hold by this process's clock
+        (``CallRegistry.run_claim_left_s``). Once it has lapsed unrenewed (the process was paused, or the ledger
+        out of reach or slow for a lease) or was lost, a retry on another process may close the reservation or
+        run the request; this call stops as a platform failure: what the client received is billed, if the
+        ledger still takes it. An outside tester paused a process for 4.5 s mid-stream: the retry closed the
+        reservation and the resumed stream delivered the rest unbilled. Raises ``UpstreamError``."""
+        if self.state.calls.run_claim_left_s(self.admitted.reservation.id, self.state.clock.monotonic_s()) < 0:
+            raise UpstreamError(
+                "The gateway process lost this request's run claim (paused, or cut off from its ledger); it was "
+                "stopped, and may be retried.",
+                status=503,
+                problem="run_claim_lost",
+            )
+
     def _client_event(self, chunk: dict[str, Any]) -> str | None:
         """The event that relays ``chunk`` to the client, or None when nothing of it is the client's (a usage
         chunk: the client gets usage as billed, at the end). The model is the name the client asked for, not
@@ -236,6 +252,7 @@ class Call:
         finished = retrying = False
         try:
             async for _ in stream:
+                self._hold_run_claim()
                 await self._checkpoint()
             finished = True
         except BudgetSpent as exc:

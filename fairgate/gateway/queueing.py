@@ -69,6 +69,11 @@ async def wait_for_slot(state: GatewayState, request: Request, admitted: Admitte
         raise Rejection(Outcome.CLIENT_CLOSED, "client closed the request while it was queued")
     if waited:
         state.spawn(state.ledger.dequeue(admitted.reservation.id))
+    try:
+        await admission.hold_run_claim(state, admitted)
+    except BaseException:
+        state.dispatcher.release(lease, 0)
+        raise
     queue_ms = (state.clock.monotonic_s() - queued_at_s) * 1000.0
     state.events.observe(
         Dispatched(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import socket
@@ -69,6 +70,9 @@ class CallRegistry:
 
     def __init__(self) -> None:
         self._calls: dict[tuple[str, str], str] = {}
+        # reservation id -> when its run claim lapses by this process's monotonic clock (s): the lease from the
+        # moment the call that took or renewed it was sent, so never later than the ledger's own lapse
+        self._claim_until_s: dict[str, float] = {}
 
     def claim(self, tenant: str, request_id: str, reservation_id: str) -> bool:
         """Register a request; ``False`` if this process serves that id already."""
@@ -77,13 +81,32 @@ class CallRegistry:
         self._calls[(tenant, request_id)] = reservation_id
         return True
 
+    def run_claim_held(self, reservation_id: str, until_s: float) -> None:
+        """The ledger took or renewed the run claim of a request served here, this process's until ``until_s``
+        (monotonic s: the call's send time plus the lease). A reservation not registered is ignored."""
+        if reservation_id in self._calls.values():
+            self._claim_until_s[reservation_id] = until_s
+
+    def run_claim_lost(self, reservation_id: str) -> None:
+        """Another process holds the run claim of a request served here: it may run it."""
+        if reservation_id in self._claim_until_s:
+            self._claim_until_s[reservation_id] = -math.inf
+
+    def run_claim_left_s(self, reservation_id: str, now_s: float) -> float:
+        """How long the run claim of a request served here holds by this process's clock (s; negative: lapsed
+        or lost, and another process may run the request; ``inf``: no ledger claim is known, an emergency grant
+        answered here)."""
+        return self._claim_until_s.get(reservation_id, math.inf) - now_s
+
     def serves(self, tenant: str, request_id: str) -> bool:
         """Whether a request of this id is registered (``claim`` would return ``False``)."""
         return (tenant, request_id) in self._calls
 
     def release(self, tenant: str, request_id: str) -> None:
         """Forget a request (idempotent)."""
-        self._calls.pop((tenant, request_id), None)
+        reservation_id = self._calls.pop((tenant, request_id), None)
+        if reservation_id is not None:
+            self._claim_until_s.pop(reservation_id, None)
 
     def reservation_ids(self) -> list[str]:
         """The reservations of every request served now."""
