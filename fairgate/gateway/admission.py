@@ -37,6 +37,7 @@ from fairgate.ledger import (
     QuotaExceeded,
     Reservation,
     ReservationFinal,
+    ReservationNotFound,
     UnknownTenant,
     Usage,
 )
@@ -221,18 +222,41 @@ async def hold_run_claim(state: GatewayState, admitted: Admitted) -> None:
     """Before the request is sent upstream: its run claim must hold for at least a third of the lease by this
     process's clock (the sweep renews it every third), or it is renewed now. A process paused or cut off from the
     ledger while the request was queued may have lost it: a retry on another process ran it meanwhile (an
-    outside tester's SIGSTOP for 4.5 s: run twice, billed once). Raises ``Rejection`` 409 when another process
-    holds it, 503 when the ledger cannot say; the request is then forgotten here, its reservation left to the
-    process that holds it."""
+    outside tester's SIGSTOP for 4.5 s: run twice, billed once). A ledger that cannot say leaves the request to
+    run, as one dispatched during an outage runs (nobody else can take its claim then). Raises ``Rejection`` 409
+    when another process holds the claim or the reservation closed; the request is then forgotten here."""
     reservation, now_s = admitted.reservation, state.clock.monotonic_s()
     if state.calls.run_claim_left_s(reservation.id, now_s) >= state.claim_lease_ms / 3000.0:
         return
     try:
-        await _claim_run(state, admitted.generation.request_id, reservation)
-    except Rejection:
+        held = await renew_run_claim(state, reservation.id)
+    except ReservationFinal:
         state.calls.release(admitted.caller.tenant, admitted.generation.request_id)
-        raise
-    state.calls.run_claim_held(reservation.id, now_s + state.claim_lease_ms / 1000.0)
+        raise _final(admitted.generation.request_id, "closed") from None
+    if held is False:
+        state.calls.release(admitted.caller.tenant, admitted.generation.request_id)
+        raise _in_progress(admitted.generation.request_id, None)
+
+
+async def renew_run_claim(state: GatewayState, reservation_id: str) -> bool | None:
+    """Renew the run claim of a request this process serves, and keep the answer in ``state.calls``: True held,
+    False lost (another process holds it), None the ledger cannot say. Raises ``ReservationFinal``: the
+    reservation closed (kept as lost)."""
+    sent_s = state.clock.monotonic_s()
+    try:
+        claim = await state.ledger.claim(reservation_id, state.process_id, state.claim_lease_ms)
+    except (ReservationFinal, ReservationNotFound) as exc:
+        state.calls.run_claim_lost(reservation_id)
+        if isinstance(exc, ReservationFinal):
+            raise
+        return False
+    except LedgerError:
+        return None
+    if not claim.held_by(state.process_id):
+        state.calls.run_claim_lost(reservation_id)
+        return False
+    state.calls.run_claim_held(reservation_id, sent_s + state.claim_lease_ms / 1000.0)
+    return True
 
 
 async def _claim_run(state: GatewayState, request_id: str, reservation: Reservation) -> None:

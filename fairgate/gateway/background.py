@@ -140,8 +140,9 @@ async def _renew(front: ResilientLedger, claimant: Claimant, reservation_id: str
     sent_s = claimant.clock()
     try:
         claim = await front.claim(reservation_id, claimant.owner, claimant.lease_ms)
-    except (ReservationFinal, ReservationNotFound):
-        return  # closed since it was listed: nothing to keep alive
+    except (ReservationFinal, ReservationNotFound):  # closed since it was listed, by its end or by another process
+        claimant.renewed(reservation_id, None)
+        return
     if claim.held_by(claimant.owner):
         claimant.renewed(reservation_id, sent_s + claimant.lease_ms / 1000.0)
     else:  # this process missed three sweeps: another took the request

@@ -27,6 +27,7 @@ collected answer has one choice per index, and the output billed is the sum over
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -43,7 +44,7 @@ from starlette.types import Receive, Scope, Send
 
 from fairgate.api import GenerationRequest
 from fairgate.gateway import kinds
-from fairgate.gateway.admission import Admitted
+from fairgate.gateway.admission import Admitted, renew_run_claim
 from fairgate.gateway.dispatch import Lease
 from fairgate.gateway.headers import rate_limit_headers
 from fairgate.gateway.observe import Finished, Refunded, Settled
@@ -51,7 +52,7 @@ from fairgate.gateway.outcomes import Outcome, Rejection
 from fairgate.gateway.state import GatewayState
 from fairgate.gateway.upstream import BudgetSpent, CallState, UpstreamError
 from fairgate.gateway.usage_rule import Billed, billed_tokens
-from fairgate.ledger import LedgerError, Usage, rules
+from fairgate.ledger import LedgerError, ReservationFinal, Usage, rules
 from fairgate.ledger.base import tenant_tag
 
 log = logging.getLogger("fairgate.gateway")
@@ -102,6 +103,7 @@ class Call:
         self.delivered = False  # the client has received something of the generation
         self._billed = Usage()  # what the settlements so far billed (the ledger's amounts are cumulative)
         self._usage_chunk: dict[str, Any] | None = None  # the upstream's last usage chunk, less choices and usage
+        self._claim_renewed_s = -math.inf  # when the relay last asked the ledger to renew its lapsed run claim
 
     async def respond(self, request: Request) -> Response:
         """Run the call and answer the client: a relayed stream, or one collected response. Raises
@@ -199,19 +201,28 @@ class Call:
             await self._end(stream, finished, retrying)
 
     def _hold_run_claim(self) -> None:
-        """Before a chunk goes on: the request's run claim must still hold by this process's clock
-        (``CallRegistry.run_claim_left_s``). Once it has lapsed unrenewed (the process was paused, or the ledger
-        out of reach or slow for a lease) or was lost, a retry on another process may close the reservation or
-        run the request; this call stops as a platform failure: what the client received is billed, if the
-        ledger still takes it. An outside tester paused a process for 4.5 s mid-stream: the retry closed the
-        reservation and the resumed stream delivered the rest unbilled. Raises ``UpstreamError``."""
-        if self.state.calls.run_claim_left_s(self.admitted.reservation.id, self.state.clock.monotonic_s()) < 0:
+        """Before a chunk goes on: the request's run claim must not be known lost. One lapsed by this process's
+        clock (``CallRegistry.run_claim_left_s``: paused, or the ledger slow or out of reach for a lease) is
+        renewed in a task of its own, at most once a third of the lease, so the stream goes on meanwhile: a ledger
+        outage must not stop it, and nobody can take its claim then. Once the ledger says another process holds
+        the claim or the reservation closed, a retry elsewhere may run or have closed it: the call stops as a
+        platform failure, billed what the client received if the ledger still takes it. An outside tester paused
+        a process for 4.5 s mid-stream: the retry closed the reservation, and the resumed stream delivered 150
+        tokens billed 1. Raises ``UpstreamError``."""
+        now_s = self.state.clock.monotonic_s()
+        left_s = self.state.calls.run_claim_left_s(self.admitted.reservation.id, now_s)
+        if left_s >= 0:
+            return
+        if left_s == -math.inf:
             raise UpstreamError(
                 "The gateway process lost this request's run claim (paused, or cut off from its ledger); it was "
-                "stopped, and may be retried.",
+                "stopped.",
                 status=503,
                 problem="run_claim_lost",
             )
+        if now_s - self._claim_renewed_s >= self.state.claim_lease_ms / 3000.0:
+            self._claim_renewed_s = now_s
+            self.state.spawn(_renew_quietly(self.state, self.admitted.reservation.id))
 
     def _client_event(self, chunk: dict[str, Any]) -> str | None:
         """The event that relays ``chunk`` to the client, or None when nothing of it is the client's (a usage
@@ -552,6 +563,12 @@ def _message(call: CallState, index: int, text: str) -> dict[str, Any]:
         message["tool_calls"] = [{"type": "function", **tool} for _, tool in sorted(call.tool_calls[index].items())]
         message["content"] = text or None
     return message
+
+
+async def _renew_quietly(state: GatewayState, reservation_id: str) -> None:
+    """``admission.renew_run_claim``, its answer kept in ``state.calls`` (a closed reservation: lost)."""
+    with contextlib.suppress(ReservationFinal):
+        await renew_run_claim(state, reservation_id)
 
 
 async def while_connected(request: Request, work: Coroutine[Any, Any, T]) -> T:
