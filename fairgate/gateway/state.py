@@ -70,6 +70,7 @@ class CallRegistry:
 
     def __init__(self) -> None:
         self._calls: dict[tuple[str, str], str] = {}
+        self._reservation_ids: set[str] = set()  # of ``_calls``: asked at every admission and renewal
         # reservation id -> when its run claim lapses by this process's monotonic clock (s): the lease from the
         # moment the call that took or renewed it was sent, so never later than the ledger's own lapse
         self._claim_until_s: dict[str, float] = {}
@@ -79,12 +80,13 @@ class CallRegistry:
         if (tenant, request_id) in self._calls:
             return False
         self._calls[(tenant, request_id)] = reservation_id
+        self._reservation_ids.add(reservation_id)
         return True
 
     def run_claim_held(self, reservation_id: str, until_s: float) -> None:
         """The ledger took or renewed the run claim of a request served here, this process's until ``until_s``
         (monotonic s: the call's send time plus the lease). A reservation not registered is ignored."""
-        if reservation_id in self._calls.values():
+        if reservation_id in self._reservation_ids:
             self._claim_until_s[reservation_id] = until_s
 
     def run_claim_lost(self, reservation_id: str) -> None:
@@ -106,6 +108,7 @@ class CallRegistry:
         """Forget a request (idempotent)."""
         reservation_id = self._calls.pop((tenant, request_id), None)
         if reservation_id is not None:
+            self._reservation_ids.discard(reservation_id)
             self._claim_until_s.pop(reservation_id, None)
 
     def reservation_ids(self) -> list[str]:

@@ -403,15 +403,15 @@ def _starting(
     """``start(index, t, size, done, charged, running, finishes)``: fill the free slots of replica ``index`` at
     ``t`` - ``size`` sequences running (``running``: per tenant; ``finishes``: their heap), ``done`` iterations
     and ``charged`` ms a slot booked - and start its next segment. Returns the segment: ``(size, dt,
-    per_sequence_ms, head_end, epoch)``; ``size`` 0: the replica idles. The admit step (``Admission.pick``,
-    ``Admitter.fill``) is written out in it: it runs at nearly every scheduling event."""
+    per_sequence_ms, head_end, epoch)``; ``size`` 0: the replica idles. Its admit step is ``Admitter.fill``, the
+    gateway's dispatcher's too; the rest is written out: it runs at nearly every scheduling event."""
     tenant_index, output_tokens, arrival_ns = workload.tenant_index, workload.output_tokens, workload.arrival_ns
     tenant_gpu_ms, tenant_prefill_ms, admissions = result.tenant_gpu_ms, result.tenant_prefill_ms, result.admissions
     request_gpu_ms, admit_ns, first_token_ns = result.request_gpu_ms, result.admit_ns, result.first_token_ns
     admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
-    policy, view, all_requests, arrivals = admission.policy, admission.admitter.view, admission.requests, len(workload)
-    pick, enqueue_all, charge = policy.pick, policy.enqueue_all, policy.charge if _takes_charges(policy) else None
-    max_batch, by_tenant, busy_ns, heappush = cost.max_batch, view.by_tenant, result.busy_ns, heapq.heappush
+    all_requests, arrivals = admission.requests, len(workload)
+    enqueue_all, fill = admission.policy.enqueue_all, admission.admitter.fill
+    max_batch, busy_ns, heappush = cost.max_batch, result.busy_ns, heapq.heappush
     base_ns, prefill_ns_per_token = cost.decode_ns(0), cost.prefill_ns(1)
     slope_ns = cost.decode_ns(1) - base_ns
 
@@ -433,16 +433,9 @@ def _starting(
                 enqueue_all(all_requests[first:delivered], now_ms)
                 admission.epoch += delivered - first
                 admission.next_arrival_ns = arrival_ns[delivered] if delivered < arrivals else None
-            while count < free:
-                request = pick(now_ms, view)
-                if request is None:
-                    break
+            for request, prefill_ms in fill(now_ms, free, size, cost):  # the admit step the gateway runs too
                 count += 1
                 i, tenant, prompt = request.request_id, request.tenant, request.prompt_tokens
-                by_tenant[tenant] = by_tenant.get(tenant, 0) + request.sequences
-                prefill_ms = prefill_ns_per_token * prompt / NS_PER_MS  # ``cost.prefill_ms``
-                if charge is not None:
-                    charge(tenant, prefill_ms, prompt, 0, size + count)  # the batch it joins, itself included
                 running[tenant] = running.get(tenant, 0) + 1
                 k_tenant = tenant_index[i]
                 tenant_gpu_ms[k_tenant] += prefill_ms  # ``book_admission``, written out
