@@ -74,7 +74,7 @@ async def _cut(client: UpstreamClient, name: str, cut_s: float, rng: random.Rand
         await asyncio.wait_for(stream.__anext__(), cut_s)
     except TimeoutError:
         pass
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     if call.leaving is not None:
         await call.leaving
     return call

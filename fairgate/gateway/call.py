@@ -2,7 +2,9 @@
 
 A ``Call`` owns everything a request holds while it runs: the slot (``Lease``), the reservation, and its
 registration with the upstream's live meter (``CallState``). It sends the body upstream (always streamed,
-with usage) and relays the stream to the client (server-sent events) or collects it into one response.
+with usage) and relays the stream to the client (server-sent events) or collects it into one response; the
+upstream is read in a task of its own (``ReadAhead``), so what the relay awaits (the ledger, a slow client) does
+not move the meter's stamps.
 A stream is settled partially at its first token (the ledger then knows the request has run), then every
 ``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S``: a gateway killed mid-stream leaves at most that much
 delivered and unbilled per request. A collected call delivers nothing before it ends, so it settles only
@@ -32,7 +34,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -49,6 +51,7 @@ from fairgate.gateway.dispatch import Lease
 from fairgate.gateway.headers import rate_limit_headers
 from fairgate.gateway.observe import Finished, Refunded, Settled
 from fairgate.gateway.outcomes import Outcome, Rejection
+from fairgate.gateway.readahead import ReadAhead
 from fairgate.gateway.state import GatewayState
 from fairgate.gateway.upstream import BudgetSpent, CallState, UpstreamError
 from fairgate.gateway.usage_rule import Billed, billed_tokens
@@ -112,7 +115,8 @@ class Call:
         generation = self.admitted.generation
         path = "/chat/completions" if generation.chat else "/completions"
         headers = {"x-request-id": generation.request_id, **self._rate_headers()}
-        stream = self.client.stream(path, self._upstream_body(), self.progress, self.lease.prefill_estimate_ms)
+        upstream = self.client.stream(path, self._upstream_body(), self.progress, self.lease.prefill_estimate_ms)
+        stream = ReadAhead(upstream, self.progress)  # the meter stamps tokens as they arrive, whatever the relay awaits
         body = generation.body
         if isinstance(body, GenerationRequest) and body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -151,7 +155,7 @@ class Call:
             return {}
         return rate_limit_headers(limits, self.admitted.reservation.balances, self.state.wall_ms())
 
-    async def _relay(self, stream: AsyncIterator[dict[str, Any]], include_usage: bool) -> AsyncIterator[str]:
+    async def _relay(self, stream: ReadAhead, include_usage: bool) -> AsyncIterator[str]:
         """The client's server-sent events; settles partially while it runs and ends the call on every path.
         A client that asked for usage gets it last, before ``[DONE]``, as billed (``_usage_event``)."""
         finished = sent = retrying = False
@@ -162,7 +166,7 @@ class Call:
                 event = self._client_event(chunk)
                 if event is not None:
                     pending.append(event)
-                if pending and (not self.progress.more_buffered or len(pending) >= RELAY_CHUNKS_PER_WRITE_MAX):
+                if pending and (not stream.more or len(pending) >= RELAY_CHUNKS_PER_WRITE_MAX):
                     if not self.delivered:  # checked here, not awaited: this runs once per write
                         await self._record_run()
                     yield _written(pending)
@@ -258,7 +262,7 @@ class Call:
         frame |= {"model": generation.model, "choices": [], "usage": usage}
         return f"data: {json.dumps(frame)}\n\n"
 
-    async def _collect(self, stream: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    async def _collect(self, stream: ReadAhead) -> dict[str, Any]:
         """Read the whole stream; the client's one response document."""
         finished = retrying = False
         try:
@@ -289,7 +293,7 @@ class Call:
             and any(u.serving for u in self.state.dispatcher.upstreams() if u.pool in pools and u is not mine)
         )
 
-    async def _end(self, stream: AsyncIterator[dict[str, Any]], finished: bool, retrying: bool) -> None:
+    async def _end(self, stream: ReadAhead | AsyncGenerator[Any, None], finished: bool, retrying: bool) -> None:
         """Close the upstream stream, free the slot, settle finally and then forget the request - unless it
         goes on, under the same reservation, on another upstream. Once; runs to the end even if this task is
         cancelled (the client left): the final settlement runs in a task of its own (``run_to_end``)."""
@@ -299,7 +303,7 @@ class Call:
         with anyio.CancelScope(shield=True):
             try:
                 try:
-                    await stream.aclose()  # type: ignore[attr-defined]
+                    await stream.aclose()
                 finally:  # a cancellation (asyncio's own: the shield does not stop it) must not keep the slot
                     self.state.dispatcher.release(self.lease, self.progress.output_tokens)
             finally:  # whatever went wrong above, the request is settled, then forgotten

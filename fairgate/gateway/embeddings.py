@@ -17,7 +17,7 @@ generation that fails before the client received anything.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
@@ -53,7 +53,7 @@ class EmbeddingCall(Call):
         out["model"] = self.lease.upstream.model
         return out
 
-    async def _fetch(self, reply: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    async def _fetch(self, reply: AsyncGenerator[dict[str, Any], None]) -> dict[str, Any]:
         """The upstream's answer; the call ends (slot freed, settled once) on every path."""
         finished = retrying = False
         document: dict[str, Any] = {}

@@ -22,7 +22,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -361,7 +361,7 @@ class UpstreamClient:
 
     async def stream(
         self, path: str, body: dict[str, Any], call: CallState, prepaid_ms: float
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """POST ``body`` (forced to stream with usage) to ``path``; yield each parsed SSE chunk.
 
         The meter starts when the request is sent and stops when the stream ends or the caller stops
@@ -656,7 +656,9 @@ class UpstreamClient:
         message = f"upstream {name} answered {status}{said}"
         return UpstreamError(message, relayed, problem="http_status", sample=detail[: sse.SAMPLE_CHARS])
 
-    async def embed(self, body: dict[str, Any], call: CallState, prepaid_ms: float) -> AsyncIterator[dict[str, Any]]:
+    async def embed(
+        self, body: dict[str, Any], call: CallState, prepaid_ms: float
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """POST ``body`` to ``/embeddings``; yield the upstream's answer (a JSON object) once, its ``usage``
         recorded on ``call``. Metered from the send until the caller stops iterating (see module docstring);
         closing the generator early closes the connection, which tells the upstream to stop. Raises

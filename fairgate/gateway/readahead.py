@@ -1,0 +1,120 @@
+"""An upstream stream read in a task of its own, so that the meter sees each token when it arrives.
+
+The live meter stamps a token, and a call's end, when the upstream stream yields it (``UpstreamClient.stream``).
+Read by the relay itself, a token waiting in the socket while the relay awaited something else - a partial
+settlement on a slow or refusing ledger, a client reading slowly - was stamped late, and the wait was billed as
+GPU time: an outside tester's PostgreSQL refusing connections for 5 s billed a stream 3.3x what the replica spent
+(6,638-6,853 ms of 2,034), a relay held by a slow client 1.4-1.6x. ``ReadAhead`` keeps reading while the relay
+waits, up to ``READ_AHEAD_READS_MAX`` upstream reads; past that the reads wait for the relay (the meter then
+stamps late again, as a bounded buffer must).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fairgate.gateway.upstream import CallState
+
+# 1,024 reads: a read is about one decode step's tokens, so 20 s of a stream at 20 ms a step - longer than the
+# ledger's timeouts (SQLite's busy timeout 2 s, PostgreSQL's and Redis's 5 s) that held the relay in the tester's
+# runs - at a few KB a read.
+READ_AHEAD_READS_MAX = 1024
+
+_END = object()
+
+
+class ReadAhead:
+    """The chunks of ``stream``, read ahead of the caller by a task of its own started at the first ask.
+
+    Iterating it yields the chunks in order; ``more`` tells whether another chunk is already here (the relay
+    writes chunks that came together in one write). What ``stream`` raises (``UpstreamError``,
+    ``BudgetSpent``) is raised to the caller after the chunks read before it. ``aclose`` stops the reading
+    task and closes ``stream`` (the upstream stops the sequence: the meter takes the call as cut there).
+
+    Args:
+        stream: an upstream stream (``UpstreamClient.stream``): parsed SSE chunks.
+        call: its call; ``call.more_buffered`` says whether a chunk just yielded has another in the same read.
+        reads_max: upstream reads held for the caller at most.
+    """
+
+    def __init__(
+        self, stream: AsyncGenerator[dict[str, Any], None], call: CallState, reads_max: int = READ_AHEAD_READS_MAX
+    ) -> None:
+        self._stream, self._call = stream, call
+        self._reads: asyncio.Queue[list[dict[str, Any]] | BaseException | object] = asyncio.Queue(reads_max)
+        self._task: asyncio.Task[None] | None = None
+        self._read: list[dict[str, Any]] = []  # the read being handed out, in order
+        self._next = 0  # the index in ``_read`` of the next chunk to hand out
+        self._queued = 0  # reads in ``_reads`` (beside them, the end or what the stream raised)
+        self._ended = False
+
+    @property
+    def more(self) -> bool:
+        """Another chunk is here already: the rest of the same read, or a read queued behind it."""
+        return self._next < len(self._read) or self._queued > 0
+
+    def __aiter__(self) -> ReadAhead:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._next < len(self._read):
+            self._next += 1
+            return self._read[self._next - 1]
+        if self._ended:
+            raise StopAsyncIteration
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._pump())
+        item = await self._reads.get()
+        if isinstance(item, list):
+            self._queued -= 1
+            self._read, self._next = item, 1
+            return item[0]
+        self._ended = True
+        if isinstance(item, BaseException):
+            raise item
+        raise StopAsyncIteration
+
+    async def _pump(self) -> None:
+        """Read ``stream`` to its end, one queued list per upstream read (``call.more_buffered``); then the end,
+        or what it raised."""
+        read: list[dict[str, Any]] = []
+        try:
+            async for chunk in self._stream:
+                read.append(chunk)
+                if not self._call.more_buffered:
+                    await self._put(read)
+                    read = []
+            end: BaseException | object = _END
+        except Exception as exc:  # the caller's to handle, after the chunks read before it
+            end = exc
+        finally:
+            with contextlib.suppress(Exception):  # cancelled (``aclose``) at a ``put``: the stream stops there
+                await self._stream.aclose()
+        if read:
+            await self._put(read)
+        await self._reads.put(end)
+
+    async def _put(self, read: list[dict[str, Any]]) -> None:
+        self._queued += 1  # before the put: once it is in, the caller may take it before this task runs again
+        await self._reads.put(read)
+
+    async def aclose(self) -> None:
+        """Stop reading and close the upstream stream; at once when nothing was asked yet. A cancellation of
+        the caller meanwhile is raised once the reading task has ended."""
+        self._ended = True
+        task = self._task
+        if task is None:
+            await self._stream.aclose()
+            return
+        task.cancel()
+        cancelled: asyncio.CancelledError | None = None
+        while not task.done():  # the call's settlement reads what the meter booked as the stream closed
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        if cancelled is not None:
+            raise cancelled
