@@ -45,10 +45,12 @@ from fairgate.ledger.base import IsRunning, Ledger, RequestPath
 from fairgate.ledger.checks import check_consumed
 from fairgate.ledger.model import (
     IdempotencyConflict,
+    InvalidUsage,
     LedgerError,
     LedgerUnavailable,
     Reservation,
     ReservationFinal,
+    ReservationNotFound,
     RunClaim,
     Usage,
 )
@@ -67,10 +69,13 @@ class _Budget:
 
 @dataclass
 class RecoveryReport:
-    """What ``recover`` replayed: grants reserved and closed, settlements applied, and failures left."""
+    """What ``recover`` replayed: grants reserved and closed, settlements applied, partial settlements a later
+    one had already billed past (``settlements_superseded``: amounts are cumulative, nothing to apply), and
+    failures left."""
 
     grants_settled: int = 0
     settlements_applied: int = 0
+    settlements_superseded: int = 0
     left: list[str] = field(default_factory=list)
 
 
@@ -509,8 +514,23 @@ class ResilientLedger(RequestPath):
             raise
         except ReservationFinal:
             report.settlements_applied += 1  # applied before (a replay of the replay)
+        except InvalidUsage as exc:
+            if record["final"] or not await self._billed_past(record["id"], usage):
+                report.left.append(f"settlement of {record['id']}: {exc}")
+            else:  # a partial settlement that missed the ledger, then a later one of the same call reached it
+                report.settlements_superseded += 1
         except LedgerError as exc:
             report.left.append(f"settlement of {record['id']}: {exc}")
+
+    async def _billed_past(self, reservation_id: str, usage: Usage) -> bool:
+        """Whether the ledger has billed the open reservation ``reservation_id`` at least ``usage`` in every
+        amount. Raises ``LedgerUnavailable``."""
+        try:
+            billed = (await self.ledger.get(reservation_id)).billed
+        except (ReservationNotFound, InvalidUsage):
+            return False
+        amounts = ("input_tokens", "output_tokens", "gpu_ms")
+        return all(getattr(billed, name) >= getattr(usage, name) for name in amounts)
 
 
 def _fold(

@@ -333,3 +333,26 @@ async def test_two_processes_replaying_one_request_id_at_once_bill_both_runs(cut
     rows = {r.request_id: r for r in await ledger.reservations("bank")}
     assert rows["both"].billed == Usage(10, 30, 2.0), rows
     assert rows[duplicate_id({"id": grant_b.id, "request_id": "both"})].billed == Usage(10, 25, 1.5), rows
+
+
+async def test_a_journalled_partial_settlement_a_later_one_billed_past_is_superseded_not_left(cut_ledger):
+    """A stream's partial settlement that missed the ledger is journalled; the call's next one (cumulative,
+    higher) reaches it. At replay the first is below what is billed: nothing to apply, and not a failure for
+    the operator. One the ledger's amounts do not cover in every field is still left."""
+    ledger, proxy, journal = cut_ledger
+    front = ResilientLedger(ledger, journal)
+    streaming = await front.reserve("bank", "streaming", 100, 200, 10.0)
+    other = await front.reserve("bank", "other", 100, 200, 10.0)
+    await front.settle(other.id, 100, 5, 1.0)
+    proxy.cut()
+    with pytest.raises(LedgerUnavailable):
+        await front.settle(streaming.id, 100, 26, 2.0)
+    with pytest.raises(LedgerUnavailable):
+        await front.settle(other.id, 100, 3, 1.5)  # below what the ledger holds in output, above in GPU ms
+    proxy.restore()
+    await _recover_when_back(ResilientLedger(ledger, journal.with_name("warm-up.jsonl")))  # reconnected
+    await front.settle(streaming.id, 100, 123, 9.0)
+    report = await front.recover()
+    assert (report.settlements_applied, report.settlements_superseded) == (0, 1), report
+    assert len(report.left) == 1 and other.id in report.left[0] and "below what was billed" in report.left[0]
+    assert (await ledger.get(streaming.id)).billed == Usage(100, 123, 9.0)
