@@ -18,10 +18,11 @@ from typing import Any
 
 from fairgate.gateway.upstream import CallState
 
-# 1,024 reads: a read is about one decode step's tokens, so 20 s of a stream at 20 ms a step - longer than the
-# ledger's timeouts (SQLite's busy timeout 2 s, PostgreSQL's and Redis's 5 s) that held the relay in the tester's
-# runs - at a few KB a read.
-READ_AHEAD_READS_MAX = 1024
+# 512 reads: a read is about one decode step's tokens (one chunk a sequence), so 10 s of a stream at 20 ms a step,
+# longer than the ledger's timeouts that held the relay in the tester's runs (SQLite's busy timeout 2 s,
+# PostgreSQL's connect timeout 5 s). A parsed one-token chunk is ~1.5 KB of Python objects (measured,
+# sys.getsizeof over a vLLM completion chunk): at most ~0.75 MB held for a client that stops reading.
+READ_AHEAD_READS_MAX = 512
 
 _END = object()
 
