@@ -512,8 +512,11 @@ class ResilientLedger(RequestPath):
             report.settlements_applied += 1
         except LedgerUnavailable:
             raise
-        except ReservationFinal:
-            report.settlements_applied += 1  # applied before (a replay of the replay)
+        except ReservationFinal as exc:
+            if await self._billed_past(record["id"], usage):
+                report.settlements_applied += 1  # applied before (a replay of the replay), or billed past since
+            else:  # closed meanwhile with less (expired, or by a retry elsewhere): the rest is not billed
+                report.left.append(f"settlement of {record['id']} ({usage}): {exc}; the difference is not billed")
         except InvalidUsage as exc:
             if record["final"] or not await self._billed_past(record["id"], usage):
                 report.left.append(f"settlement of {record['id']}: {exc}")
@@ -523,8 +526,8 @@ class ResilientLedger(RequestPath):
             report.left.append(f"settlement of {record['id']}: {exc}")
 
     async def _billed_past(self, reservation_id: str, usage: Usage) -> bool:
-        """Whether the ledger has billed the open reservation ``reservation_id`` at least ``usage`` in every
-        amount. Raises ``LedgerUnavailable``."""
+        """Whether the ledger has billed the reservation ``reservation_id`` (open or closed) at least ``usage`` in
+        every amount. Raises ``LedgerUnavailable``."""
         try:
             billed = (await self.ledger.get(reservation_id)).billed
         except (ReservationNotFound, InvalidUsage):

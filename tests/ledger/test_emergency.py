@@ -356,3 +356,23 @@ async def test_a_journalled_partial_settlement_a_later_one_billed_past_is_supers
     assert (report.settlements_applied, report.settlements_superseded) == (0, 1), report
     assert len(report.left) == 1 and other.id in report.left[0] and "below what was billed" in report.left[0]
     assert (await ledger.get(streaming.id)).billed == Usage(100, 123, 9.0)
+
+
+async def test_a_journalled_final_settlement_of_a_reservation_closed_meanwhile_with_less_is_reported_left(cut_ledger):
+    """A stream's final settlement missed the ledger and was journalled; before the replay, another process
+    closed the reservation billing only what was settled (expiry, or a retry of the id elsewhere). The replay
+    cannot bill the rest: it is reported as left, with the amounts, never counted as applied."""
+    ledger, proxy, journal = cut_ledger
+    front = ResilientLedger(ledger, journal)
+    streaming = await front.reserve("bank", "closed-meanwhile", 100, 200, 10.0)
+    await front.settle(streaming.id, 100, 14, 1.0)
+    proxy.cut()
+    with pytest.raises(LedgerUnavailable):
+        await front.settle(streaming.id, 100, 36, 3.0, final=True)
+    proxy.restore()
+    await _recover_when_back(ResilientLedger(ledger, journal.with_name("warm-up.jsonl")))  # reconnected
+    await ledger.cancel(streaming.id, Usage(100, 14, 1.0))  # another process closes it with what it knows
+    report = await front.recover()
+    assert report.settlements_applied == 0, report
+    assert len(report.left) == 1 and streaming.id in report.left[0] and "not billed" in report.left[0], report
+    assert "output_tokens=36" in report.left[0]
