@@ -70,12 +70,14 @@ class _Budget:
 @dataclass
 class RecoveryReport:
     """What ``recover`` replayed: grants reserved and closed, settlements applied, partial settlements a later
-    one had already billed past (``settlements_superseded``: amounts are cumulative, nothing to apply), and
-    failures left."""
+    one had already billed past (``settlements_superseded``: amounts are cumulative, nothing to apply),
+    settlements whose reservation had closed with less billed, the rest billed under a reservation of its own
+    (``settlements_late``: ``late_id``), and failures left."""
 
     grants_settled: int = 0
     settlements_applied: int = 0
     settlements_superseded: int = 0
+    settlements_late: int = 0
     left: list[str] = field(default_factory=list)
 
 
@@ -512,11 +514,11 @@ class ResilientLedger(RequestPath):
             report.settlements_applied += 1
         except LedgerUnavailable:
             raise
-        except ReservationFinal as exc:
+        except ReservationFinal:
             if await self._billed_past(record["id"], usage):
                 report.settlements_applied += 1  # applied before (a replay of the replay), or billed past since
-            else:  # closed meanwhile with less (expired, or by a retry elsewhere): the rest is not billed
-                report.left.append(f"settlement of {record['id']} ({usage}): {exc}; the difference is not billed")
+            else:  # closed meanwhile with less billed (expired, or by a retry elsewhere)
+                await self._bill_late(record["id"], usage, report)
         except InvalidUsage as exc:
             if record["final"] or not await self._billed_past(record["id"], usage):
                 report.left.append(f"settlement of {record['id']}: {exc}")
@@ -524,6 +526,27 @@ class ResilientLedger(RequestPath):
                 report.settlements_superseded += 1
         except LedgerError as exc:
             report.left.append(f"settlement of {record['id']}: {exc}")
+
+    async def _bill_late(self, reservation_id: str, usage: Usage, report: RecoveryReport) -> None:
+        """Bill what a journalled settlement holds beyond what the closed reservation ``reservation_id`` billed,
+        as a reservation of its own (``late_id``: reserved for just that, settled at once; a replay again finds
+        it by its id). A process cut off from the ledger longer than a TTL finds its reservations expired by
+        the others, billing only what had reached the ledger. What the ledger refuses (a quota now spent) is
+        reported as left. Raises ``LedgerUnavailable``."""
+        closed = await self.ledger.get(reservation_id)
+        rest = _difference(usage, closed.billed)
+        args = ReserveArgs.of(closed)
+        args = replace(args, request_id=late_id(closed), input_tokens=rest.input_tokens)
+        args = replace(args, max_output_tokens=rest.output_tokens, gpu_ms_estimate=rest.gpu_ms)
+        try:
+            late = await self.ledger.reserve_args(args)
+            if not late.is_final:
+                await self.ledger.settle(late.id, rest.input_tokens, rest.output_tokens, rest.gpu_ms, final=True)
+            report.settlements_late += 1
+        except LedgerUnavailable:
+            raise
+        except LedgerError as exc:
+            report.left.append(f"settlement of {reservation_id}: closed with less billed; {rest} not billed: {exc}")
 
     async def _billed_past(self, reservation_id: str, usage: Usage) -> bool:
         """Whether the ledger has billed the reservation ``reservation_id`` (open or closed) at least ``usage`` in
@@ -593,6 +616,22 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{number}: not a journal record (an object with a type)")
         records.append(record)
     return records
+
+
+def late_id(closed: Reservation) -> str:
+    """The request id the rest of a settlement is billed under when its reservation closed with less billed:
+    ``<request id>#late-<reservation>``, within the 200 characters of an id."""
+    suffix = f"#late-{closed.id[-12:]}"
+    return f"{closed.request_id[: 200 - len(suffix)]}{suffix}"
+
+
+def _difference(usage: Usage, billed: Usage) -> Usage:
+    """What cumulative ``usage`` holds beyond ``billed``, amount by amount (never negative)."""
+    return Usage(
+        max(0, usage.input_tokens - billed.input_tokens),
+        max(0, usage.output_tokens - billed.output_tokens),
+        max(0.0, usage.gpu_ms - billed.gpu_ms),
+    )
 
 
 def duplicate_id(grant: dict[str, Any]) -> str:

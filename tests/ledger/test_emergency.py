@@ -20,7 +20,7 @@ from fairgate.ledger import (
     connect,
     quotas_from_dict,
 )
-from fairgate.ledger.emergency import ResilientLedger, duplicate_id
+from fairgate.ledger.emergency import ResilientLedger, duplicate_id, late_id
 
 QUOTAS = {
     "tiers": {
@@ -358,10 +358,10 @@ async def test_a_journalled_partial_settlement_a_later_one_billed_past_is_supers
     assert (await ledger.get(streaming.id)).billed == Usage(100, 123, 9.0)
 
 
-async def test_a_journalled_final_settlement_of_a_reservation_closed_meanwhile_with_less_is_reported_left(cut_ledger):
+async def test_a_journalled_final_settlement_of_a_reservation_closed_meanwhile_bills_the_rest_late(cut_ledger):
     """A stream's final settlement missed the ledger and was journalled; before the replay, another process
     closed the reservation billing only what was settled (expiry, or a retry of the id elsewhere). The replay
-    cannot bill the rest: it is reported as left, with the amounts, never counted as applied."""
+    bills the rest under a reservation of its own (``late_id``), once: a replay again finds it by its id."""
     ledger, proxy, journal = cut_ledger
     front = ResilientLedger(ledger, journal)
     streaming = await front.reserve("bank", "closed-meanwhile", 100, 200, 10.0)
@@ -369,10 +369,17 @@ async def test_a_journalled_final_settlement_of_a_reservation_closed_meanwhile_w
     proxy.cut()
     with pytest.raises(LedgerUnavailable):
         await front.settle(streaming.id, 100, 36, 3.0, final=True)
+    lines = journal.read_text()
     proxy.restore()
     await _recover_when_back(ResilientLedger(ledger, journal.with_name("warm-up.jsonl")))  # reconnected
     await ledger.cancel(streaming.id, Usage(100, 14, 1.0))  # another process closes it with what it knows
     report = await front.recover()
-    assert report.settlements_applied == 0, report
-    assert len(report.left) == 1 and streaming.id in report.left[0] and "not billed" in report.left[0], report
-    assert "output_tokens=36" in report.left[0]
+    assert (report.settlements_applied, report.settlements_late, report.left) == (0, 1, []), report
+    journal.write_text(lines)  # a replay interrupted before the journal was rewritten runs again
+    again = await ResilientLedger(ledger, journal).recover()
+    assert (again.settlements_late, again.left) == (1, []), again
+    rows = {r.request_id: r for r in await ledger.reservations("bank")}
+    late = rows[late_id(streaming)]
+    assert late.status == "settled" and late.billed == Usage(0, 22, 2.0)
+    assert rows["closed-meanwhile"].billed == Usage(100, 14, 1.0)
+    assert len(rows) == 2
