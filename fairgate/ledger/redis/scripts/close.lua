@@ -47,7 +47,9 @@ if final then
 else
   new_in, new_out, new_gpu = math.max(r_in, b_in), r_max_out, math.max(r_est, b_gpu)
 end
-local spend_change = spend_of(r, new_in, new_out, new_gpu) - spend_of(r, old_in, old_out, old_gpu)
+local p_in, p_out, p_gpu = price_of(r)
+local spend_change = spend_of(p_in, p_out, p_gpu, new_in, new_out, new_gpu)
+  - spend_of(p_in, p_out, p_gpu, old_in, old_out, old_gpu)
 -- rules._used_after: a reservation made before the window or period began is charged only what it bills above
 -- its hold there, and gives back nothing it never took there.
 local created = tonumber(r.created_ms)
@@ -96,13 +98,14 @@ hset(RES, rid, out)
 if not final then remember_record(rid, out, r) end
 for _, b in ipairs(books) do save_account(b.key, b.acc) end
 if run ~= nil then save_run(r.run_id, run) end
-local d_spend = spend_of(r, b_in, b_out, b_gpu) - spend_of(r, before_in, before_out, before_gpu)
+local d_spend = spend_of(p_in, p_out, p_gpu, b_in, b_out, b_gpu)
+  - spend_of(p_in, p_out, p_gpu, before_in, before_out, before_gpu)
 add_event(rid, event_kind, 0, b_in - before_in, b_out - before_out, b_gpu - before_gpu, overage - old_overage,
           d_spend, now)
 if final then
   redis.call('ZREM', OPEN, rid)
-  count_status('open', -1)
-  count_status(status, 1)
+  count_status('open', '-1')
+  count_status(status, '1')
   redis.call('HDEL', HB, rid)
   redis.call('HDEL', CLAIMS, rid)
 end

@@ -90,7 +90,8 @@ local function gpu(acc, l, key)
 end
 
 -- rules._check_spend, on one account: a refusal, or nil.
-local spend = spend_of(price, input_tokens, max_output, estimate)
+local spend = spend_of(tonumber(price.price_input_micros) or 0.0, tonumber(price.price_output_micros) or 0.0,
+  tonumber(price.price_gpu_micros) or 0.0, input_tokens, max_output, estimate)
 local function spend_budget(acc, l, key)
   -- 1e-3: rules.SPEND_SLACK_MICROS
   if l.spend_budget == nil or acc.spend_used_micros + spend <= l.spend_budget * 1e6 + 1e-3 then return nil end
@@ -155,7 +156,7 @@ if reopen ~= nil then  -- rules.reopened: same id and creation time, nothing bil
   record.overage_gpu_ms, record.expires_at_ms, record.final_ms, record.queued = '0', expires_text, nil, '0'
   record.price_input_micros, record.price_output_micros = price.price_input_micros, price.price_output_micros
   record.price_gpu_micros = price.price_gpu_micros  -- rules.reopened: the class's price now
-  count_status('cancelled', -1)
+  count_status('cancelled', '-1')
   redis.call('HDEL', HB, rid)
   redis.call('HDEL', CLAIMS, rid)
 else
@@ -172,7 +173,7 @@ hset(RES, rid, raw)
 remember_record(rid, raw, record)
 hset(REQS, request_id, rid)
 if redis.call('ZADD', OPEN, open_score(expires), rid) == 1 then keep(OPEN) end
-count_status('open', 1)
+count_status('open', '1')
 local balances
 for _, b in ipairs(books) do balances = save_account(b.key, b.acc) end
 if run ~= nil then save_run(run_id, run) end
