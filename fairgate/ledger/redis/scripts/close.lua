@@ -50,25 +50,20 @@ end
 local p_in, p_out, p_gpu = price_of(r)
 local spend_change = spend_of(p_in, p_out, p_gpu, new_in, new_out, new_gpu)
   - spend_of(p_in, p_out, p_gpu, old_in, old_out, old_gpu)
--- rules._used_after: a reservation made before the window or period began is charged only what it bills above
--- its hold there, and gives back nothing it never took there.
 local created = tonumber(r.created_ms)
-local function used_after(used, start, change)
-  if created < start then return used + math.max(0.0, change) end
-  return math.max(0.0, used + change)
-end
+local credit_in, credit_out = old_in - new_in, old_out - new_out  -- what goes back to the token buckets
 for _, b in ipairs(books) do
   local acc, lim = load_account(b.key), b.lim
   refresh(acc, lim, now)
-  for _, d in ipairs({{'input_tokens', 'input', old_in - new_in}, {'output_tokens', 'output', old_out - new_out}}) do
-    local key = d[2] .. '_level'
-    if acc[key] ~= nil and d[3] ~= 0 then
-      acc[key] = bucket_credit(acc[key], d[3], lim[d[1] .. '_burst'] or 0.0)
-    end
+  if acc.input_level ~= nil and credit_in ~= 0 then
+    acc.input_level = bucket_credit(acc.input_level, credit_in, lim.input_tokens_burst or 0.0)
   end
-  acc.gpu_window_used_ms = used_after(acc.gpu_window_used_ms, acc.gpu_window_start_ms, new_gpu - old_gpu)
+  if acc.output_level ~= nil and credit_out ~= 0 then
+    acc.output_level = bucket_credit(acc.output_level, credit_out, lim.output_tokens_burst or 0.0)
+  end
+  acc.gpu_window_used_ms = used_after(created, acc.gpu_window_used_ms, acc.gpu_window_start_ms, new_gpu - old_gpu)
   acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
-  acc.spend_used_micros = used_after(acc.spend_used_micros, acc.spend_period_start_ms, spend_change)
+  acc.spend_used_micros = used_after(created, acc.spend_used_micros, acc.spend_period_start_ms, spend_change)
   if final then
     acc.concurrent = math.max(0, acc.concurrent - 1)
     if r.queued == '1' then acc.queued = math.max(0, acc.queued - 1) end
@@ -85,7 +80,7 @@ local overage = math.max(0.0, b_gpu - r_est)
 local old_overage = tonumber(r.overage_gpu_ms)
 local status, event_kind = 'open', 'settle'
 if final then
-  status = ({settle = 'settled', cancel = 'cancelled', expire = 'expired'})[kind]
+  status = FINAL_STATUS[kind]
   event_kind = kind
   if kind == 'settle' then event_kind = 'settle_final' end
 end
