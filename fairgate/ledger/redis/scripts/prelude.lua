@@ -9,6 +9,7 @@ local ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN, CLAIMS, 
 local TENANT_KEY_COUNT = 12
 local now_value, now_text  -- this call's now_ms() and its text (fmt_time)
 local function bind(keys, argv)
+  bind_globals()
   KEYS, ARGV, now_value, now_text = keys, argv, nil, nil
   ACCOUNTS, RUNS, RES, REQS, OPEN, STATUS, EVENTS, SEQ, HB, FROZEN, CLAIMS, MINUTES, LIMITS =
     keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8], keys[9], keys[10], keys[11], keys[12],
@@ -47,7 +48,7 @@ local function now_ms()
   if ARGV[1] ~= '' then
     now = tonumber(ARGV[1])
   else
-    local t = redis.call('TIME')
+    local t = call('TIME')
     now = tonumber(t[1]) * 1000.0 + tonumber(t[2]) / 1000.0
   end
   if now ~= 0 then now_value = now end  -- 0 == -0, which fmt writes apart
@@ -69,20 +70,20 @@ end
 -- call. A key a script may create later - one emptied meanwhile (OPEN, HB, CLAIMS, FROZEN) or first written
 -- later (RUNS, MINUTES) - gets its TTL when a write may have created it (keep).
 local REFRESH_AFTER_MS = 60000
-local function keep(key) if redis.call('PTTL', key) == -1 then redis.call('PEXPIRE', key, RETENTION_MS) end end
-local function hset(key, field, value) redis.call('HSET', key, field, value) end
+local function keep(key) if call('PTTL', key) == -1 then call('PEXPIRE', key, RETENTION_MS) end end
+local function hset(key, field, value) call('HSET', key, field, value) end
 local function hset_kept(key, field, value)  -- a new field: the key may be new
-  if redis.call('HSET', key, field, value) == 1 then keep(key) end
+  if call('HSET', key, field, value) == 1 then keep(key) end
 end
 local function touch_all()
-  if redis.call('PTTL', ACCOUNTS) > RETENTION_MS - REFRESH_AFTER_MS then return end
-  for i = 1, TENANT_KEY_COUNT do redis.call('PEXPIRE', KEYS[i], RETENTION_MS) end
+  if call('PTTL', ACCOUNTS) > RETENTION_MS - REFRESH_AFTER_MS then return end
+  for i = 1, TENANT_KEY_COUNT do call('PEXPIRE', KEYS[i], RETENTION_MS) end
 end
 
 -- An account as stored: JSON of its fields as number strings, an uninitialised bucket level absent. Each
 -- table is built by one constructor, at its size (no rehash as fields are added).
 local function decode_account(raw)
-  local s = raw and cjson.decode(raw) or {}
+  local s = raw and json_decode(raw) or {}
   return {requests_level = num(s.requests_level), requests_updated_ms = num(s.requests_updated_ms) or 0.0,
           input_level = num(s.input_level), input_updated_ms = num(s.input_updated_ms) or 0.0,
           output_level = num(s.output_level), output_updated_ms = num(s.output_updated_ms) or 0.0,
@@ -99,7 +100,7 @@ end
 -- hashes (an account kept takes 1.2 KB of the functions' Lua memory), then afresh.
 local seen_accounts, seen_count, SEEN_MAX = {}, 0, 1024
 local function load_account(model_class)
-  local raw = redis.call('HGET', ACCOUNTS, model_class)
+  local raw = call('HGET', ACCOUNTS, model_class)
   local seen = seen_accounts[ACCOUNTS]
   local last = raw and seen and seen[model_class]
   if last then
@@ -144,9 +145,9 @@ end
 
 local function load_run(run_id)
   local run = {model_calls = 0, tool_rounds = 0, tokens = 0}
-  local raw = redis.call('HGET', RUNS, run_id)
+  local raw = call('HGET', RUNS, run_id)
   if raw then
-    local stored = cjson.decode(raw)
+    local stored = json_decode(raw)
     run.model_calls, run.tool_rounds, run.tokens =
       tonumber(stored.model_calls), tonumber(stored.tool_rounds), tonumber(stored.tokens)
   end
@@ -154,7 +155,7 @@ local function load_run(run_id)
 end
 
 local function save_run(run_id, run)
-  hset_kept(RUNS, run_id, cjson.encode({model_calls = fmt(run.model_calls), tool_rounds = fmt(run.tool_rounds),
+  hset_kept(RUNS, run_id, json_encode({model_calls = fmt(run.model_calls), tool_rounds = fmt(run.tool_rounds),
                                         tokens = fmt(run.tokens)}))
 end
 
@@ -193,7 +194,7 @@ local function limits_of(packed)
   return lim
 end
 local function books_of(model_class)
-  local got = redis.call('HMGET', LIMITS, TENANT_ACCOUNT, model_class)
+  local got = call('HMGET', LIMITS, TENANT_ACCOUNT, model_class)
   if not got[1] then return nil end
   -- acc: the account, set by the caller (made a field here, so setting it does not grow the table).
   local books = {{key = TENANT_ACCOUNT, lim = limits_of(got[1]), acc = false}}
@@ -206,7 +207,7 @@ end
 -- periods.py, line for line: days since the epoch <-> civil dates (Hinnant), and a spend period's start.
 -- Every value is a whole number well below 2^53, so math.floor of a division is the integer division.
 local DAY_MS = 86400000
-local function idiv(a, b) return math.floor(a / b) end
+local function idiv(a, b) return floor(a / b) end
 local function days_from_civil(y, m, d)
   if m <= 2 then y = y - 1 end
   local era = idiv(y >= 0 and y or y - 399, 400)
@@ -230,7 +231,7 @@ local function civil_from_days(days)
   return y, m, d
 end
 local function day_of(at_ms)  -- the exact floor of at_ms / DAY_MS (the division may round up)
-  local days = math.floor(at_ms / DAY_MS)
+  local days = floor(at_ms / DAY_MS)
   if days * DAY_MS > at_ms then days = days - 1 end
   return days
 end
@@ -281,7 +282,7 @@ local function refresh(acc, lim, now)
   end
   local window_ms = lim.gpu_window_s * 1000.0
   if now >= acc.gpu_window_start_ms + window_ms then
-    acc.gpu_window_start_ms = now - math.fmod(now, window_ms)  -- Python's % for positive operands
+    acc.gpu_window_start_ms = now - fmod(now, window_ms)  -- Python's % for positive operands
     acc.gpu_window_used_ms = 0.0
   end
   local start = period_start_ms(now, lim.spend_period or 'month')
@@ -295,7 +296,7 @@ end
 -- buckets, not every event. minute_of: the exact floor (the division may round up to the next minute).
 local MINUTE_MS = 60000
 local function minute_of(at_ms)
-  local m = math.floor(at_ms / MINUTE_MS)
+  local m = floor(at_ms / MINUTE_MS)
   if m * MINUTE_MS > at_ms then m = m - 1 end
   return m
 end
@@ -312,7 +313,7 @@ local function minute_bucket(field, raw)
     last[2] = nil
     return last
   end
-  local texts = raw and cjson.decode(raw) or {'0', '0', '0', '0', '0', '0'}
+  local texts = raw and json_decode(raw) or {'0', '0', '0', '0', '0', '0'}
   if texts[6] == nil then texts[6] = '0' end  -- a bucket written before spend was booked
   local bucket = {field, nil, texts, {}}
   if last == nil then
@@ -337,17 +338,17 @@ local function add_to_minute(at_ms, amounts, raw)
       sums[i], texts[i] = sum, fmt(sum)
     end
   end
-  local json = cjson.encode(texts)
+  local json = json_encode(texts)
   if raw then
-    redis.call('HSET', MINUTES, field, json)
+    call('HSET', MINUTES, field, json)
     bucket[2] = json
     return
   end
-  local hi = num(redis.call('HGET', MINUTES, 'hi'))
+  local hi = num(call('HGET', MINUTES, 'hi'))
   if hi == nil or minute > hi then
-    redis.call('HSET', MINUTES, field, json, 'hi', field)
+    call('HSET', MINUTES, field, json, 'hi', field)
   else
-    redis.call('HSET', MINUTES, field, json)
+    call('HSET', MINUTES, field, json)
   end
   bucket[2] = json
   keep(MINUTES)
@@ -360,46 +361,46 @@ local MEMBER = {'', '', '', '', '', '', '', '', '', ''}
 
 -- A tenant whose events predate the buckets gets them from its whole log, once, before its next event.
 local function backfill_minutes()
-  for _, member in ipairs(redis.call('ZRANGE', EVENTS, 0, -1)) do
-    local e = cjson.decode(member)
+  for _, member in ipairs(call('ZRANGE', EVENTS, 0, -1)) do
+    local e = json_decode(member)
     local at = tonumber(e[9])
     local amounts = AMOUNTS
     amounts[1], amounts[2], amounts[3], amounts[4], amounts[5], amounts[6] =
       tonumber(e[4]), tonumber(e[5]), tonumber(e[6]), tonumber(e[7]), tonumber(e[8]), tonumber(e[10] or '0')
-    add_to_minute(at, amounts, redis.call('HGET', MINUTES, fmt(minute_of(at))))
+    add_to_minute(at, amounts, call('HGET', MINUTES, fmt(minute_of(at))))
   end
 end
 
 local function add_event(rid, kind, requests, d_in, d_out, d_gpu, d_over, d_spend, now)
   local field = fmt_stable(minute_of(now))
-  local raw = redis.call('HGET', MINUTES, field)
-  if not raw and redis.call('EXISTS', MINUTES) == 0 then
+  local raw = call('HGET', MINUTES, field)
+  if not raw and call('EXISTS', MINUTES) == 0 then
     backfill_minutes()
-    raw = redis.call('HGET', MINUTES, field)
+    raw = call('HGET', MINUTES, field)
   end
   local amounts = AMOUNTS
   amounts[1], amounts[2], amounts[3], amounts[4], amounts[5], amounts[6] = requests, d_in, d_out, d_gpu, d_over, d_spend
   add_to_minute(now, amounts, raw)
-  local seq = redis.call('INCR', SEQ)
+  local seq = call('INCR', SEQ)
   local m = MEMBER
   m[1], m[2], m[3], m[4], m[5], m[6], m[7], m[8], m[9], m[10] = fmt(seq), kind, rid, fmt_stable(requests), fmt(d_in),
     fmt(d_out), fmt(d_gpu), fmt(d_over), fmt_time(now), fmt(d_spend)
-  redis.call('ZADD', EVENTS, fmt_time(now), cjson.encode(m))
+  call('ZADD', EVENTS, fmt_time(now), json_encode(m))
 end
 
 -- Whether a stored reservation is open, without decoding it: cjson writes the field as '"status":"open"', and
 -- no string value can hold that text unescaped (its quotes would be written \").
-local function is_open(raw) return string.find(raw, '"status":"open"', 1, true) ~= nil end
+local function is_open(raw) return find(raw, '"status":"open"', 1, true) ~= nil end
 
 -- rules.claim on open reservation rid at now: the run claim taken or renewed for owner for lease ms (with a
 -- heartbeat), or its holder's unchanged -> holder, until_ms text, now text. free: no claim can be held on it (the
 -- calling script made or re-opened it), so none is read. The caller ends with touch_all().
 local function take_claim(rid, owner, lease, now, free)
   if not free then
-    local held = redis.call('HGET', CLAIMS, rid)
+    local held = call('HGET', CLAIMS, rid)
     if held then
-      local sep = string.find(held, '\n', 1, true)
-      local holder, until_ms = string.sub(held, 1, sep - 1), tonumber(string.sub(held, sep + 1))
+      local sep = find(held, '\n', 1, true)
+      local holder, until_ms = sub(held, 1, sep - 1), tonumber(sub(held, sep + 1))
       if holder ~= owner and until_ms > now then return holder, fmt(until_ms), fmt_time(now) end
     end
   end
@@ -412,18 +413,18 @@ end
 -- rules._used_after, for close.lua: a reservation made (created) before the window or period began (start) is
 -- charged only what it bills above its hold there, and gives back nothing it never took there.
 local function used_after(created, used, start, change)
-  if created < start then return used + math.max(0.0, change) end
-  return math.max(0.0, used + change)
+  if created < start then return used + max(0.0, change) end
+  return max(0.0, used + change)
 end
 -- close.lua: the status a final settlement, cancellation or expiry leaves.
 local FINAL_STATUS = {settle = 'settled', cancel = 'cancelled', expire = 'expired'}
 -- by: '1' or '-1', as text: a number argument of redis.call is formatted by the server ('%.17g').
-local function count_status(status, by) redis.call('HINCRBY', STATUS, status, by) end
+local function count_status(status, by) call('HINCRBY', STATUS, status, by) end
 -- OPEN's score: expires_at_ms rounded up to a whole ms. A tenant's first 128 open reservations are a listpack,
 -- which keeps a whole number as an integer but a fraction as text that every insert parses back (strtod) for
 -- each entry it passes: 85k instructions an insert at 128 entries, against none. due.lua takes the exact time
 -- from the record.
-local function open_score(expires) return fmt(math.ceil(expires)) end
+local function open_score(expires) return fmt(ceil(expires)) end
 
 -- Run as functions, the library keeps the open reservations it wrote, per RES hash and id, with their JSON:
 -- close.lua takes a record out rather than decode it when it reads that very text back (cjson.decode of a
@@ -444,10 +445,10 @@ end
 local function recall_record(rid, raw)
   local kept = kept_records[RES]
   local last = kept and kept[rid]
-  if last == nil then return cjson.decode(raw) end
+  if last == nil then return json_decode(raw) end
   kept[rid], kept_count = nil, kept_count - 1
   if last[1] == raw then return last[2] end
-  return cjson.decode(raw)
+  return json_decode(raw)
 end
 
 -- reserve.lua's checks (rules.reserve), defined once by the library rather than as closures by every call:
@@ -487,11 +488,11 @@ local function gpu(acc, l, key)
   if l.gpu_seconds ~= nil and acc.gpu_window_used_ms + estimate > l.gpu_seconds * 1000.0 then
     local window_end_ms = acc.gpu_window_start_ms + l.gpu_window_s * 1000.0
     local retry = nil
-    if estimate <= l.gpu_seconds * 1000.0 then retry = math.max(0.0, (window_end_ms - req_now) / 1000.0) end
-    return quota('gpu_seconds', retry, math.max(0.0, l.gpu_seconds - acc.gpu_window_used_ms / 1000.0), key)
+    if estimate <= l.gpu_seconds * 1000.0 then retry = max(0.0, (window_end_ms - req_now) / 1000.0) end
+    return quota('gpu_seconds', retry, max(0.0, l.gpu_seconds - acc.gpu_window_used_ms / 1000.0), key)
   end
   if l.gpu_seconds_total ~= nil and acc.gpu_total_used_ms + estimate > l.gpu_seconds_total * 1000.0 then
-    return quota('gpu_seconds_total', nil, math.max(0.0, l.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0), key)
+    return quota('gpu_seconds_total', nil, max(0.0, l.gpu_seconds_total - acc.gpu_total_used_ms / 1000.0), key)
   end
   return nil
 end
@@ -503,9 +504,9 @@ local function spend_budget(acc, l, key)
   if l.spend_budget == nil or acc.spend_used_micros + spend <= l.spend_budget * 1e6 + 1e-3 then return nil end
   local retry = nil
   if spend <= l.spend_budget * 1e6 then
-    retry = math.max(0.0, (next_period_start_ms(acc.spend_period_start_ms, l.spend_period) - req_now) / 1000.0)
+    retry = max(0.0, (next_period_start_ms(acc.spend_period_start_ms, l.spend_period) - req_now) / 1000.0)
   end
-  return quota('spend_budget', retry, math.max(0.0, l.spend_budget - acc.spend_used_micros / 1e6), key)
+  return quota('spend_budget', retry, max(0.0, l.spend_budget - acc.spend_used_micros / 1e6), key)
 end
 
 local function concurrency(acc, l, key)

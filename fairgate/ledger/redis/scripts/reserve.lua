@@ -20,11 +20,11 @@ local lim = books[#books].lim  -- the class's: run limits and the TTL
 -- rules.check_retry + rules.reopens: an earlier reservation of the request id is returned (the caller
 -- checks its arguments), unless it was cancelled with nothing billed and the arguments are the same.
 local reopen = nil
-local existing = redis.call('HGET', REQS, request_id)
+local existing = call('HGET', REQS, request_id)
 if existing then
-  local raw = redis.call('HGET', RES, existing)
+  local raw = call('HGET', RES, existing)
   if raw then
-    local old = cjson.decode(raw)
+    local old = json_decode(raw)
     local same = tonumber(old.input_tokens) == input_tokens and tonumber(old.max_output_tokens) == max_output
       and tonumber(old.gpu_ms_estimate) == estimate and old.model_class == model_class
       and (old.run_id or '') == (has_run and run_id or '') and (old.run_id ~= nil) == has_run
@@ -32,7 +32,7 @@ if existing then
     local unbilled = tonumber(old.billed_input_tokens) == 0 and tonumber(old.billed_output_tokens) == 0
       and tonumber(old.billed_gpu_ms) == 0
     if not (same and old.status == 'cancelled' and unbilled) then
-      local balances = redis.call('HGET', ACCOUNTS, books[#books].key)
+      local balances = call('HGET', ACCOUNTS, books[#books].key)
       if owner == '' or not same or old.status ~= 'open' then return {'existing', raw, balances} end
       local holder, until_text, now_text = take_claim(existing, owner, lease, now_ms(), false)
       if holder == owner then touch_all() end
@@ -63,7 +63,7 @@ if has_run then
     return quota('max_tool_rounds', nil, 0, class_key)
   end
   if lim.max_tokens ~= nil and run.tokens + tokens > lim.max_tokens then
-    return quota('max_tokens', nil, math.max(0, lim.max_tokens - run.tokens), class_key)
+    return quota('max_tokens', nil, max(0, lim.max_tokens - run.tokens), class_key)
   end
   if reopen == nil then  -- rules.reserve(again): a re-open was counted as a call when first reserved
     run.model_calls = run.model_calls + 1
@@ -94,8 +94,8 @@ if reopen ~= nil then  -- rules.reopened: same id and creation time, nothing bil
   record.price_input_micros, record.price_output_micros = price_input, price_output
   record.price_gpu_micros = price_gpu  -- rules.reopened: the class's price now
   count_status('cancelled', '-1')
-  redis.call('HDEL', HB, rid)
-  redis.call('HDEL', CLAIMS, rid)
+  call('HDEL', HB, rid)
+  call('HDEL', CLAIMS, rid)
 else
   record = {id = rid, tenant = tenant, request_id = request_id, model_class = model_class,
     tool_round = tool_round and '1' or '0', input_tokens = fmt(input_tokens), max_output_tokens = fmt(max_output),
@@ -104,11 +104,11 @@ else
     price_input_micros = price_input, price_output_micros = price_output, price_gpu_micros = price_gpu}
   if has_run then record.run_id = run_id end
 end
-local raw = cjson.encode(record)
+local raw = json_encode(record)
 hset(RES, rid, raw)
 remember_record(rid, raw, record)
 hset(REQS, request_id, rid)
-if redis.call('ZADD', OPEN, open_score(expires), rid) == 1 then keep(OPEN) end
+if call('ZADD', OPEN, open_score(expires), rid) == 1 then keep(OPEN) end
 count_status('open', '1')
 local balances
 for _, b in ipairs(books) do balances = save_account(b.key, b.acc) end
