@@ -1,8 +1,8 @@
 """The Redis ledger's Lua scripts, read from the package's ``scripts/*.lua`` and registered on a client.
 
-Each tenant script is ``bucket.lua`` + ``prelude.lua`` + its own file, so it runs as one chunk: every
-mutating call is one call on the server, atomic on the tenant's keys. ``register.lua`` (the tenant registry)
-does not need the library files.
+Each tenant script is ``globals.lua`` + ``bucket.lua`` + ``prelude.lua`` + its own file, so it runs as one
+chunk: every mutating call is one call on the server, atomic on the tenant's keys. ``register.lua`` (the tenant
+registry) does not need the library files (it also runs alone, so it reads the globals as such).
 
 Two ways to run them, the same code either way. On a server with functions (Redis >= 7) ``load`` puts them in
 one function library (``library``: the library files once, each script a function of it) and every call is an
@@ -32,11 +32,11 @@ from redis.exceptions import ResponseError
 from redis.typing import EncodableT
 
 _PACKAGE = "fairgate.ledger.redis"
-_LIBRARY = ("bucket", "prelude")
+_LIBRARY = ("globals", "bucket", "prelude")
 # On Redis < 5 a script must ask for effects replication before it writes after TIME (functions always do).
 # The script's KEYS and ARGV are taken before prelude.lua's names of the library's shadow them.
 _EVAL_TOP = "local EVAL_KEYS, EVAL_ARGV = KEYS, ARGV\n"
-_EVAL_HEAD = "if redis.replicate_commands then redis.replicate_commands() end\nbind(EVAL_KEYS, EVAL_ARGV)\n"
+_EVAL_HEAD = "bind(EVAL_KEYS, EVAL_ARGV)\nif redis.replicate_commands then redis.replicate_commands() end\n"
 _MISSING_FUNCTION = "Function not found"
 # FUNCTION LOAD refused for want of functions or of permission: the EVAL scripts run instead. Any other error
 # (the library's own, an OOM server) is raised.
@@ -63,7 +63,7 @@ def library(names: tuple[str, ...]) -> tuple[str, str]:
     code = "\n".join([*(source(part) for part in _LIBRARY), bodies])
     lib = "fairgate_" + hashlib.sha1(code.encode()).hexdigest()[:16]
     registered = "\n".join(
-        f"redis.register_function('{lib}_{name}', function(keys, args) bind(keys, args) return run_{name}() end)"
+        f"register_function('{lib}_{name}', function(keys, args) bind(keys, args) return run_{name}() end)"
         for name in names
     )
     return f"#!lua name={lib}\n{code}\n{registered}\n", lib

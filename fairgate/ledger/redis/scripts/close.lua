@@ -5,11 +5,11 @@
 --    | {'unchanged', json} | {'above', json} | {'below', name, json} | {'ok', json}
 --    | {'limits'} (no limits hash)
 local rid, kind, final = ARGV[3], ARGV[4], ARGV[5] == '1'
-local raw = redis.call('HGET', RES, rid)
+local raw = call('HGET', RES, rid)
 if not raw then return {'not_found'} end
 local r = recall_record(rid, raw)
 if r.status ~= 'open' then return {'final', raw} end
-if redis.call('EXISTS', FROZEN) == 1 then return {'frozen', raw} end
+if call('EXISTS', FROZEN) == 1 then return {'frozen', raw} end
 local now = now_ms()
 local before_in, before_out, before_gpu =
   tonumber(r.billed_input_tokens), tonumber(r.billed_output_tokens), tonumber(r.billed_gpu_ms)
@@ -40,36 +40,33 @@ if b_out > r_max_out then return {'above', raw} end
 if b_in < before_in then return {'below', 'input_tokens', raw} end
 if b_out < before_out then return {'below', 'output_tokens', raw} end
 if b_gpu < before_gpu then return {'below', 'gpu_ms', raw} end
-local old_in, old_out, old_gpu = math.max(r_in, before_in), r_max_out, math.max(r_est, before_gpu)
+local old_in, old_out, old_gpu = max(r_in, before_in), r_max_out, max(r_est, before_gpu)
 local new_in, new_out, new_gpu
 if final then
   new_in, new_out, new_gpu = b_in, b_out, b_gpu
 else
-  new_in, new_out, new_gpu = math.max(r_in, b_in), r_max_out, math.max(r_est, b_gpu)
+  new_in, new_out, new_gpu = max(r_in, b_in), r_max_out, max(r_est, b_gpu)
 end
-local spend_change = spend_of(r, new_in, new_out, new_gpu) - spend_of(r, old_in, old_out, old_gpu)
--- rules._used_after: a reservation made before the window or period began is charged only what it bills above
--- its hold there, and gives back nothing it never took there.
+local p_in, p_out, p_gpu = price_of(r)
+local spend_change = spend_of(p_in, p_out, p_gpu, new_in, new_out, new_gpu)
+  - spend_of(p_in, p_out, p_gpu, old_in, old_out, old_gpu)
 local created = tonumber(r.created_ms)
-local function used_after(used, start, change)
-  if created < start then return used + math.max(0.0, change) end
-  return math.max(0.0, used + change)
-end
+local credit_in, credit_out = old_in - new_in, old_out - new_out  -- what goes back to the token buckets
 for _, b in ipairs(books) do
   local acc, lim = load_account(b.key), b.lim
   refresh(acc, lim, now)
-  for _, d in ipairs({{'input_tokens', 'input', old_in - new_in}, {'output_tokens', 'output', old_out - new_out}}) do
-    local key = d[2] .. '_level'
-    if acc[key] ~= nil and d[3] ~= 0 then
-      acc[key] = bucket_credit(acc[key], d[3], lim[d[1] .. '_burst'] or 0.0)
-    end
+  if acc.input_level ~= nil and credit_in ~= 0 then
+    acc.input_level = bucket_credit(acc.input_level, credit_in, lim.input_tokens_burst or 0.0)
   end
-  acc.gpu_window_used_ms = used_after(acc.gpu_window_used_ms, acc.gpu_window_start_ms, new_gpu - old_gpu)
-  acc.gpu_total_used_ms = math.max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
-  acc.spend_used_micros = used_after(acc.spend_used_micros, acc.spend_period_start_ms, spend_change)
+  if acc.output_level ~= nil and credit_out ~= 0 then
+    acc.output_level = bucket_credit(acc.output_level, credit_out, lim.output_tokens_burst or 0.0)
+  end
+  acc.gpu_window_used_ms = used_after(created, acc.gpu_window_used_ms, acc.gpu_window_start_ms, new_gpu - old_gpu)
+  acc.gpu_total_used_ms = max(0.0, acc.gpu_total_used_ms + new_gpu - old_gpu)
+  acc.spend_used_micros = used_after(created, acc.spend_used_micros, acc.spend_period_start_ms, spend_change)
   if final then
-    acc.concurrent = math.max(0, acc.concurrent - 1)
-    if r.queued == '1' then acc.queued = math.max(0, acc.queued - 1) end
+    acc.concurrent = max(0, acc.concurrent - 1)
+    if r.queued == '1' then acc.queued = max(0, acc.queued - 1) end
   end
   b.acc = acc
 end
@@ -77,13 +74,13 @@ if final then r.queued = '0' end
 local run = nil
 if r.run_id ~= nil then
   run = load_run(r.run_id)
-  run.tokens = math.max(0, run.tokens + (new_in + new_out) - (old_in + old_out))
+  run.tokens = max(0, run.tokens + (new_in + new_out) - (old_in + old_out))
 end
-local overage = math.max(0.0, b_gpu - r_est)
+local overage = max(0.0, b_gpu - r_est)
 local old_overage = tonumber(r.overage_gpu_ms)
 local status, event_kind = 'open', 'settle'
 if final then
-  status = ({settle = 'settled', cancel = 'cancelled', expire = 'expired'})[kind]
+  status = FINAL_STATUS[kind]
   event_kind = kind
   if kind == 'settle' then event_kind = 'settle_final' end
 end
@@ -91,20 +88,21 @@ r.billed_input_tokens, r.billed_output_tokens, r.billed_gpu_ms = fmt(b_in), fmt(
 r.overage_gpu_ms, r.status = fmt(overage), status
 if final then r.final_ms = fmt_time(now) end
 
-local out = cjson.encode(r)
+local out = json_encode(r)
 hset(RES, rid, out)
 if not final then remember_record(rid, out, r) end
 for _, b in ipairs(books) do save_account(b.key, b.acc) end
 if run ~= nil then save_run(r.run_id, run) end
-local d_spend = spend_of(r, b_in, b_out, b_gpu) - spend_of(r, before_in, before_out, before_gpu)
+local d_spend = spend_of(p_in, p_out, p_gpu, b_in, b_out, b_gpu)
+  - spend_of(p_in, p_out, p_gpu, before_in, before_out, before_gpu)
 add_event(rid, event_kind, 0, b_in - before_in, b_out - before_out, b_gpu - before_gpu, overage - old_overage,
           d_spend, now)
 if final then
-  redis.call('ZREM', OPEN, rid)
-  count_status('open', -1)
-  count_status(status, 1)
-  redis.call('HDEL', HB, rid)
-  redis.call('HDEL', CLAIMS, rid)
+  call('ZREM', OPEN, rid)
+  count_status('open', '-1')
+  count_status(status, '1')
+  call('HDEL', HB, rid)
+  call('HDEL', CLAIMS, rid)
 end
 touch_all()
 return {'ok', out}

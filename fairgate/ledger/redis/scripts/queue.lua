@@ -2,9 +2,9 @@
 -- close.lua's; "" for a tenant no longer configured: the tenant-wide account, no limit).
 -- -> {'not_found'} | {'unchanged', json} | {'quota', json, account key} | {'ok', json} | {'limits'}
 local rid, enter = ARGV[3], ARGV[4] == '1'
-local raw = redis.call('HGET', RES, rid)
+local raw = call('HGET', RES, rid)
 if not raw then return {'not_found'} end
-local r = cjson.decode(raw)
+local r = json_decode(raw)
 local queued = r.queued == '1'
 if r.status ~= 'open' or queued == enter then return {'unchanged', raw} end
 local books = {{key = TENANT_ACCOUNT, lim = {}}}
@@ -15,11 +15,11 @@ for _, b in ipairs(books) do
   if enter and b.lim.max_queued ~= nil and b.acc.queued >= b.lim.max_queued then return {'quota', raw, b.key} end
 end
 for _, b in ipairs(books) do
-  if enter then b.acc.queued = b.acc.queued + 1 else b.acc.queued = math.max(0, b.acc.queued - 1) end
+  if enter then b.acc.queued = b.acc.queued + 1 else b.acc.queued = max(0, b.acc.queued - 1) end
   save_account(b.key, b.acc)
 end
 r.queued = enter and '1' or '0'
-local out = cjson.encode(r)
+local out = json_encode(r)
 hset(RES, rid, out)
 touch_all()
 return {'ok', out}
