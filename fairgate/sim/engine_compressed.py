@@ -14,8 +14,9 @@ decode iterations. It jumps straight to the next boundary where something can ch
 Charges of skipped iterations are booked in bulk (``k`` iterations x ``n`` sequences of a tenant; to the
 policy in one ``Policy.charge_decode`` call) just before anything reads them, so the policy sees the same
 counters at every decision. A request's decode charge is the growth of one cumulative charge per slot while
-it ran. Time is integer ns, so boundaries computed as ``head + k * dt`` equal the reference's repeated
-additions exactly.
+it ran; its decode tokens are booked to its tenant as it leaves (or at the run's end), one per iteration it
+ran, rather than per tenant at every booking. Time is integer ns, so boundaries computed as ``head + k * dt``
+equal the reference's repeated additions exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from fairgate.core.cost import NS_PER_MS, CostModel
 from fairgate.core.policy import Policy, QueuedPolicy
@@ -31,6 +31,10 @@ from fairgate.sim.admission import Admission
 from fairgate.sim.engine_reference import SAMPLE_EVERY_NS, stop_ns
 from fairgate.sim.result import SimResult
 from fairgate.sim.workload import Workload
+
+# A running request on a replica's heap: (the replica's iteration it finishes at, request id, the slot charge
+# booked on the replica when it joined). Ids are unique, so the charge is never compared.
+_Finish = tuple[int, int, float]
 
 
 class _Replica:
@@ -68,25 +72,17 @@ class _Replica:
         self.accounted_iterations = 0
         self.slot_charge_ms = 0.0  # cumulative charge of one slot over the booked iterations
         self.tenant_running: dict[str, int] = {}  # tenant -> running sequences here
-        self.finishes: list[tuple[int, int]] = []  # heap of (finishing iteration, request id)
+        self.finishes: list[_Finish] = []  # heap (see ``_Finish``)
         self.epoch_seen = -1
 
     def is_boundary(self, t: int) -> bool:
         return t == self.head_end or (t > self.head_end and (t - self.head_end) % self.dt == 0)
 
 
-@dataclass(slots=True)
-class _Requests:
-    """Per request, what its settlement needs: the replica's iteration count and slot charge at admission."""
-
-    admitted_iteration: list[int]  # iterations booked on its replica before it joined
-    slot_charge_at_admit: list[float]
-
-
 # Fill the free slots of a replica and start its next segment (see ``_starting``); settle the finishes due at a
 # replica's boundary (``_settling``); book a replica up to an instant.
-_Start = Callable[[int, int, int, int, float, dict[str, int], list[tuple[int, int]]], tuple[int, int, float, int, int]]
-_Settle = Callable[[int, int, float, dict[str, int], list[tuple[int, int]]], int]
+_Start = Callable[[int, int, int, int, float, dict[str, int], list[_Finish]], tuple[int, int, float, int, int]]
+_Settle = Callable[[int, int, float, dict[str, int], list[_Finish]], int]
 _Step = Callable[[_Replica, int, bool], None]
 
 
@@ -107,30 +103,29 @@ def run_compressed(
     result = SimResult.empty(workload, replicas)
     admission = Admission(workload, policy, cost, result)
     duration_ns = stop_ns(workload, drain)
-    requests = _Requests([0] * len(workload), [0.0] * len(workload))
-    start = _starting(workload, cost, admission, result, requests, duration_ns)
-    settle = _settling(workload, admission, result, requests)
+    start = _starting(workload, cost, admission, result, duration_ns)
+    settle = _settling(workload, admission, result)
     if replicas == 1:
         now, done, charged, finishes = _run_one(admission, result, start, settle, duration_ns)
-        _settle_unfinished(result, requests, done, charged, finishes)
+        _settle_unfinished(result, done, charged, finishes)
     else:
         reps = [_Replica(r) for r in range(replicas)]
         book, boundary, admit_and_start = _booking(workload, admission, result, start, settle, duration_ns)
         now = _run_many(reps, admission, duration_ns, book, boundary, admit_and_start)
         for rep in reps:
-            _settle_unfinished(result, requests, rep.accounted_iterations, rep.slot_charge_ms, rep.finishes)
+            _settle_unfinished(result, rep.accounted_iterations, rep.slot_charge_ms, rep.finishes)
     admission.sample(max(now, 0))
     return result
 
 
-def _settle_unfinished(
-    result: SimResult, requests: _Requests, done: int, charged: float, finishes: list[tuple[int, int]]
-) -> None:
+def _settle_unfinished(result: SimResult, done: int, charged: float, finishes: list[_Finish]) -> None:
     """Book what the requests still running at the run's end (``finishes``) were charged and generated, on a
     replica that ran ``done`` iterations and charged a slot ``charged`` ms over them."""
-    for _, i in finishes:
-        result.request_gpu_ms[i] += charged - requests.slot_charge_at_admit[i]
-        result.generated_tokens[i] = done - requests.admitted_iteration[i]
+    output_tokens, tenant_index = result.workload.output_tokens, result.workload.tenant_index
+    for last, i, charged_at_admit in finishes:
+        result.request_gpu_ms[i] += charged - charged_at_admit
+        generated = result.generated_tokens[i] = done - (last - output_tokens[i])
+        result.tenant_decode_tokens[tenant_index[i]] += generated
 
 
 _NEVER = 1 << 80  # later than any instant: a draining run's end is 2**62 ns
@@ -144,18 +139,18 @@ def _takes_charges(policy: Policy) -> bool:
 
 def _run_one(
     admission: Admission, result: SimResult, start: _Start, settle: _Settle, duration_ns: int
-) -> tuple[int, int, float, list[tuple[int, int]]]:
+) -> tuple[int, int, float, list[_Finish]]:
     """``_run_many`` for a lone replica (most runs), fused into one loop over local variables: the same
     instants, bookings and calls in the same order, without a call or an attribute look-up per step. A busy
     replica's instant is its own boundary, booked in one go; an idle one waits for an arrival or a wake-up.
     Returns the last instant, the iterations run, a slot's charge over them (ms) and the requests still running
     (their heap)."""
     position = {tenant: k for k, tenant in enumerate(admission.workload.tenants)}
-    tenant_gpu_ms, tenant_decode_tokens = result.tenant_gpu_ms, result.tenant_decode_tokens
+    tenant_gpu_ms = result.tenant_gpu_ms
     max_batch, queued, sample = admission.cost.max_batch, admission.policy.queued, admission.sample
     charge_decode = admission.policy.charge_decode if _takes_charges(admission.policy) else None
     running: dict[str, int] = {}  # tenant -> running sequences
-    finishes: list[tuple[int, int]] = []  # heap of (finishing iteration, request id)
+    finishes: list[_Finish] = []
     busy = stopped = False
     size = dt = head_end = head_iteration = accounted_end = done = epoch_seen = 0  # as in _Replica
     per = charged = 0.0  # _Replica's per_sequence_ms and slot_charge_ms
@@ -173,10 +168,7 @@ def _run_one(
             if now >= first:  # book every iteration up to `now`, in one go
                 k = (now - first) // dt + 1
                 for tenant, n_running in running.items():
-                    tokens = k * n_running
-                    k_tenant = position[tenant]
-                    tenant_gpu_ms[k_tenant] += tokens * per
-                    tenant_decode_tokens[k_tenant] += tokens
+                    tenant_gpu_ms[position[tenant]] += k * n_running * per
                 if charge_decode is not None:
                     charge_decode(running, k, per, size)
                 charged += k * per
@@ -309,8 +301,7 @@ def _booking(
     ``boundary(rep, t, inclusive)`` (book, then settle the finishes due and start the next segment) and
     ``admit_and_start(rep, t)``."""
     position = {tenant: k for k, tenant in enumerate(workload.tenants)}
-    tenant_gpu_ms, tenant_decode_tokens = result.tenant_gpu_ms, result.tenant_decode_tokens
-    busy_ns, iterations = result.busy_ns, result.iterations
+    tenant_gpu_ms, busy_ns, iterations = result.tenant_gpu_ms, result.busy_ns, result.iterations
     charge_decode = admission.policy.charge_decode if _takes_charges(admission.policy) else None
 
     def book(rep: _Replica, upto: int, inclusive: bool) -> None:
@@ -327,10 +318,7 @@ def _booking(
             k -= 1
         per = rep.per_sequence_ms
         for tenant, running in rep.tenant_running.items():
-            tokens = k * running
-            k_tenant = position[tenant]
-            tenant_gpu_ms[k_tenant] += tokens * per
-            tenant_decode_tokens[k_tenant] += tokens
+            tenant_gpu_ms[position[tenant]] += k * running * per
         if charge_decode is not None:
             charge_decode(rep.tenant_running, k, per, rep.size)
         rep.slot_charge_ms += k * per
@@ -362,22 +350,27 @@ def _booking(
     return book, boundary, admit_and_start
 
 
-def _settling(workload: Workload, admission: Admission, result: SimResult, requests: _Requests) -> _Settle:
+def _settling(workload: Workload, admission: Admission, result: SimResult) -> _Settle:
     """``settle(t, done, charged, running, finishes)``: at the boundary ``t`` of a replica that ran ``done``
     iterations and charged a slot ``charged`` ms over them, settle every request whose last iteration that was
     (``finishes``: the replica's heap; ``running``: its sequences per tenant), in request id order as the
     reference's, and tell the policy (``Admission.finish``, written out). Returns the number settled."""
     request_gpu_ms, generated_tokens, finish_ns = result.request_gpu_ms, result.generated_tokens, result.finish_ns
-    admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
+    output_tokens, tenant_index, tenant_decode_tokens = (
+        workload.output_tokens,
+        workload.tenant_index,
+        result.tenant_decode_tokens,
+    )
     by_tenant, finish, all_requests = admission.admitter.view.by_tenant, admission.policy.finish, admission.requests
     heappop = heapq.heappop
 
-    def settle(t: int, done: int, charged: float, running: dict[str, int], finishes: list[tuple[int, int]]) -> int:
+    def settle(t: int, done: int, charged: float, running: dict[str, int], finishes: list[_Finish]) -> int:
         now_ms, count = t / NS_PER_MS, 0
         while finishes and finishes[0][0] == done:
-            i = heappop(finishes)[1]
-            request_gpu_ms[i] += charged - slot_charge_at_admit[i]
-            generated = generated_tokens[i] = done - admitted_iteration[i]
+            _, i, charged_at_admit = heappop(finishes)
+            request_gpu_ms[i] += charged - charged_at_admit
+            generated = generated_tokens[i] = output_tokens[i]  # it ran one iteration per token
+            tenant_decode_tokens[tenant_index[i]] += generated
             request = all_requests[i]
             tenant = request.tenant
             left = running[tenant] - 1
@@ -397,9 +390,7 @@ def _settling(workload: Workload, admission: Admission, result: SimResult, reque
     return settle
 
 
-def _starting(
-    workload: Workload, cost: CostModel, admission: Admission, result: SimResult, requests: _Requests, duration_ns: int
-) -> _Start:
+def _starting(workload: Workload, cost: CostModel, admission: Admission, result: SimResult, duration_ns: int) -> _Start:
     """``start(index, t, size, done, charged, running, finishes)``: fill the free slots of replica ``index`` at
     ``t`` - ``size`` sequences running (``running``: per tenant; ``finishes``: their heap), ``done`` iterations
     and ``charged`` ms a slot booked - and start its next segment. Returns the segment: ``(size, dt,
@@ -408,7 +399,6 @@ def _starting(
     tenant_index, output_tokens, arrival_ns = workload.tenant_index, workload.output_tokens, workload.arrival_ns
     tenant_gpu_ms, tenant_prefill_ms, admissions = result.tenant_gpu_ms, result.tenant_prefill_ms, result.admissions
     request_gpu_ms, admit_ns, first_token_ns = result.request_gpu_ms, result.admit_ns, result.first_token_ns
-    admitted_iteration, slot_charge_at_admit = requests.admitted_iteration, requests.slot_charge_at_admit
     all_requests, arrivals = admission.requests, len(workload)
     enqueue_all, fill = admission.policy.enqueue_all, admission.admitter.fill
     max_batch, busy_ns, heappush = cost.max_batch, result.busy_ns, heapq.heappush
@@ -416,13 +406,7 @@ def _starting(
     slope_ns = cost.decode_ns(1) - base_ns
 
     def start(
-        index: int,
-        t: int,
-        size: int,
-        done: int,
-        charged: float,
-        running: dict[str, int],
-        finishes: list[tuple[int, int]],
+        index: int, t: int, size: int, done: int, charged: float, running: dict[str, int], finishes: list[_Finish]
     ) -> tuple[int, int, float, int, int]:
         free, count, prefill_tokens, picked = max_batch - size, 0, 0, []
         if free > 0:
@@ -444,9 +428,7 @@ def _starting(
                 admit_ns[i] = t
                 admissions.append((i, index, t))
                 prefill_tokens += prompt
-                admitted_iteration[i] = done
-                slot_charge_at_admit[i] = charged
-                heappush(finishes, (done + output_tokens[i], i))
+                heappush(finishes, (done + output_tokens[i], i, charged))
                 picked.append(i)
         if count:
             admission.admitted += count
