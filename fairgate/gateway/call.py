@@ -6,20 +6,22 @@ with usage) and relays the stream to the client (server-sent events) or collects
 upstream is read in a task of its own (``ReadAhead``), so what the relay awaits (the ledger, a slow client) does
 not move the meter's stamps.
 A stream is settled partially at its first token (the ledger then knows the request has run), then every
-``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S``: a gateway killed mid-stream leaves at most that much
-delivered and unbilled per request. A collected call delivers nothing before it ends, so it settles only
-then. A request that has used the GPU time its reservation holds is stopped once its tenant's GPU budget has
-nothing left (``BudgetSpent``: the overspend is at most one settlement interval's charges per request), and
-so is one generating past its ``max_tokens``. On every path - completed, client gone, upstream failed, this
-task cancelled - the call closes the upstream stream (the replica stops the sequence within an iteration),
-frees the slot, settles the reservation finally (cancelled ones billed for what was generated; nothing, when
-the platform failed before the client received anything) and forgets the request, once: the settlement runs
-to its end even when this task is cancelled, and the request is forgotten only after it, so a retry of its id
-is never admitted while the ledger still holds the reservation open and unbilled (it would run it again); one
-the ledger did not take is remembered (``GatewayState.unsettled``) for the same reason. An upstream failure
-or a usage not believed (``usage_rule``) is logged in one warning line naming the upstream. An upstream that
-refused the connection before anything was relayed raises ``TryAnotherUpstream`` instead, leaving the
-reservation open for the next upstream of the model.
+``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S``: a gateway killed mid-stream leaves at most that much delivered
+and unbilled per request. A collected call delivers nothing before it ends, so it settles only then. A request that
+has used the GPU time its reservation holds is stopped once its tenant's GPU budget has nothing left
+(``BudgetSpent``: the overspend is at most one settlement interval's charges and a ledger round trip per request),
+and so is one generating past its ``max_tokens``; partial settlements and that check run beside the relay, one at a
+time. A client that reads nothing for ``READ_AHEAD_STALL_S`` with the read-ahead full has its request stopped
+(``ClientStalled``), billed as generated. The slot is free once the upstream has ended. On every path - completed,
+client gone, upstream failed, this task cancelled - the call closes the upstream stream (the replica stops the
+sequence within an iteration), frees the slot, settles the reservation finally (cancelled ones billed for what was
+generated; nothing, when the platform failed before the client received anything) and forgets the request, once: the
+settlement runs to its end even when this task is cancelled, and the request is forgotten only after it, so a retry
+of its id is never admitted while the ledger still holds the reservation open and unbilled (it would run it again);
+one the ledger did not take is remembered (``GatewayState.unsettled``) for the same reason. An upstream failure or a
+usage not believed (``usage_rule``) is logged in one warning line naming the upstream. An upstream that refused the
+connection before anything was relayed raises ``TryAnotherUpstream`` instead, leaving the reservation open for the
+next upstream of the model.
 
 A request of ``n`` choices holds ``n`` slots (one ``Lease``) and is sent upstream with ``n`` and the
 per-choice ``max_tokens``; its chunks are relayed as they come (each names its choice's ``index``), a
@@ -51,7 +53,7 @@ from fairgate.gateway.dispatch import Lease
 from fairgate.gateway.headers import rate_limit_headers
 from fairgate.gateway.observe import Finished, Refunded, Settled
 from fairgate.gateway.outcomes import Outcome, Rejection
-from fairgate.gateway.readahead import ReadAhead
+from fairgate.gateway.readahead import ClientStalled, ReadAhead
 from fairgate.gateway.state import GatewayState
 from fairgate.gateway.upstream import BudgetSpent, CallState, UpstreamError
 from fairgate.gateway.usage_rule import Billed, billed_tokens
@@ -107,6 +109,8 @@ class Call:
         self._billed = Usage()  # what the settlements so far billed (the ledger's amounts are cumulative)
         self._usage_chunk: dict[str, Any] | None = None  # the upstream's last usage chunk, less choices and usage
         self._claim_renewed_s = -math.inf  # when the relay last asked the ledger to renew its lapsed run claim
+        self._checking: asyncio.Future[None] | None = None  # the partial settlement and budget check under way
+        self._stop: BudgetSpent | None = None  # what that check found: the request is stopped at its next chunk
 
     async def respond(self, request: Request) -> Response:
         """Run the call and answer the client: a relayed stream, or one collected response. Raises
@@ -116,7 +120,9 @@ class Call:
         path = "/chat/completions" if generation.chat else "/completions"
         headers = {"x-request-id": generation.request_id, **self._rate_headers()}
         upstream = self.client.stream(path, self._upstream_body(), self.progress, self.lease.prefill_estimate_ms)
-        stream = ReadAhead(upstream, self.progress)  # the meter stamps tokens as they arrive, whatever the relay awaits
+        # The meter stamps tokens as they arrive whatever the relay awaits, and the slot is free once the upstream
+        # ended, whenever the client has read it all.
+        stream = ReadAhead(upstream, self.progress, on_end=self._release_slot)
         body = generation.body
         if isinstance(body, GenerationRequest) and body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -171,8 +177,9 @@ class Call:
                         await self._record_run()
                     yield _written(pending)
                     sent = self.delivered = True
-                    if self._checkpoint_due():
-                        await self._checkpoint()
+                    self._checkpoint()
+                if self._stop is not None:  # before the next chunk is taken: what was read is relayed, as billed
+                    raise self._stop
             if pending:
                 await self._record_run()
                 yield _written(pending)
@@ -181,13 +188,22 @@ class Call:
             await self._end(stream, finished, retrying)  # settled before the client reads its usage and [DONE]
             yield (self._usage_event() if include_usage else "") + "data: [DONE]\n\n"
         except BudgetSpent as exc:
-            if pending:  # what the upstream sent up to the chunk that ran over is relayed, as it is billed
+            await stream.aclose()  # the upstream stops; what was read of it is relayed, as it is billed
+            pending += [event for chunk in stream.left() if (event := self._client_event(chunk)) is not None]
+            if pending:
                 await self._record_run()
                 yield _written(pending)
                 sent = self.delivered = True
             finished = True
             await self._end(stream, finished, retrying)  # settled before the client reads why it stopped
             yield (self._usage_event() if include_usage else "") + exc.sse_event()
+        except ClientStalled as exc:  # the upstream was cut: billed as generated, as a client that left
+            if pending:
+                await self._record_run()
+                yield _written(pending)
+                sent = self.delivered = True
+            await self._end(stream, finished, retrying)
+            yield exc.sse_event()
         except UpstreamError as exc:
             self.progress.failed, self.progress.failure = True, exc
             if pending:  # the chunks read before the one that broke are the client's (and billed)
@@ -268,7 +284,9 @@ class Call:
         try:
             async for _ in stream:
                 self._hold_run_claim()
-                await self._checkpoint()
+                if self._stop is not None:
+                    raise self._stop
+                self._checkpoint()
             finished = True
         except BudgetSpent as exc:
             finished, self.stopped, self.progress.finish_reason = True, exc.code, "length"
@@ -315,6 +333,8 @@ class Call:
         (admitted while the reservation is still open and unbilled, it would be run again). A call cut in a step
         is settled once it has left the meter, at that step's end (``CallState.leaving``)."""
         try:
+            if self._checking is not None:  # amounts are cumulative: the partial settlement goes first
+                await asyncio.wait({self._checking})
             if self.progress.leaving is not None:
                 await self.progress.leaving
             await self._settle(final=True, cancelled=cancelled)
@@ -333,26 +353,39 @@ class Call:
         self._settled_at = (self.progress.output_tokens, self.state.clock.monotonic_s())
         await self._settle(final=False, cancelled=False)
 
-    async def _checkpoint(self) -> None:
-        """After each chunk: stop a request generating past its ``max_tokens``; at its first token and then
-        every ``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S``, settle it partially (a stream), and once it
-        has used the GPU time its reservation holds, stop it if its tenant's GPU budget has nothing left.
-        Raises ``BudgetSpent``."""
-        call, reservation = self.progress, self.admitted.reservation
-        if not self._checkpoint_due():
+    def _checkpoint(self) -> None:
+        """After each write (each chunk of a collected call): at its first token and then every
+        ``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S``, settle a stream partially and, once it has used
+        the GPU time its reservation holds, check its tenant's budgets (``_check``) - beside the relay, one check
+        at a time: a relay that awaited them read its upstream late, and a ledger that answered slowly or not at
+        all (timeouts of 1-5 s at every settlement) slowed every stream to a write per timeout."""
+        if not self._checkpoint_due() or (self._checking is not None and not self._checking.done()):
             return
+        call, reservation = self.progress, self.admitted.reservation
         self._settled_at = (call.output_tokens, self.state.clock.monotonic_s())
-        if self.admitted.generation.stream:  # a collected call delivers nothing until it ends: not billed
-            await self._settle(final=False, cancelled=False)  # before then (a platform failure refunds it all)
-        if call.gpu_ms > reservation.gpu_ms_estimate:
+        self._checking = asyncio.ensure_future(self._check(call.gpu_ms > reservation.gpu_ms_estimate))
+
+    async def _check(self, over_estimate: bool) -> None:
+        """A partial settlement (a stream: a collected call delivers nothing until it ends, and is not billed before
+        then: a platform failure refunds it all); then, when the call ran ``over_estimate``, stop it
+        (``self._stop``, raised at its next chunk) if its tenant's GPU or spend budget has nothing left: the
+        overspend is at most one settlement interval's charges and a ledger round trip per request."""
+        call = self.progress
+        if self.admitted.generation.stream:
+            await self._settle(final=False, cancelled=False)
+        if over_estimate:
             gpu_left_ms, spend_left_micros = await self._budgets_left()
             if gpu_left_ms <= 0 or spend_left_micros <= 0:
                 what = "GPU" if gpu_left_ms <= 0 else "spend"
-                raise BudgetSpent(
+                self._stop = BudgetSpent(
                     f"{what.lower()}_budget_exhausted",
                     f"The tenant's {what} budget is spent: the request was stopped after {call.output_tokens} "
                     "tokens (billed as generated).",
                 )
+
+    def _release_slot(self) -> None:
+        """Free the upstream slot (idempotent): the upstream stream has ended."""
+        self.state.dispatcher.release(self.lease, self.progress.output_tokens)
 
     def _checkpoint_due(self) -> bool:
         """Whether ``_checkpoint`` has anything to do now: the first token, or ``SETTLE_EVERY_TOKENS`` tokens or

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+import json
+import logging
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fairgate.gateway.upstream import CallState
@@ -23,8 +25,26 @@ from fairgate.gateway.upstream import CallState
 # PostgreSQL's connect timeout 5 s). A parsed one-token chunk is ~1.5 KB of Python objects (measured,
 # sys.getsizeof over a vLLM completion chunk): at most ~0.75 MB held for a client that stops reading.
 READ_AHEAD_READS_MAX = 512
+# With that many reads waiting, a caller that takes none for this long has a client that stopped reading (the
+# relay waits on nothing else that long: its partial settlements run beside it, its first-token settlement within
+# the ledger's timeout). The upstream is then cut: an outside tester's client that stopped reading kept its call
+# on the meter for the whole stall (55 s billed for 30 s the replica spent, the others under-billed, its slot and
+# budget stop held) - an engine generates on whether or not the client reads, and the meter could not see it end.
+READ_AHEAD_STALL_S = 10.0
 
 _END = object()
+log = logging.getLogger("fairgate.gateway")
+
+
+class ClientStalled(Exception):
+    """The client took nothing for ``READ_AHEAD_STALL_S`` with the read-ahead full: the upstream was cut there."""
+
+    code = "client_too_slow"
+
+    def sse_event(self) -> str:
+        """The terminal server-sent event of the stream it stops (an OpenAI error object)."""
+        error = {"message": str(self), "type": "invalid_request_error", "param": None, "code": self.code}
+        return f"data: {json.dumps({'error': error})}\n\n"
 
 
 class ReadAhead:
@@ -39,12 +59,21 @@ class ReadAhead:
         stream: an upstream stream (``UpstreamClient.stream``): parsed SSE chunks.
         call: its call; ``call.more_buffered`` says whether a chunk just yielded has another in the same read.
         reads_max: upstream reads held for the caller at most.
+        stall_s: how long a full read-ahead waits for the caller before the upstream is cut (``ClientStalled``
+            is raised after the chunks read).
+        on_end: called once the upstream stream has ended (read to its end, failed, cut or closed), in the
+            reading task; what it raises is logged.
     """
 
     def __init__(
-        self, stream: AsyncGenerator[dict[str, Any], None], call: CallState, reads_max: int = READ_AHEAD_READS_MAX
+        self,
+        stream: AsyncGenerator[dict[str, Any], None],
+        call: CallState,
+        reads_max: int = READ_AHEAD_READS_MAX,
+        stall_s: float = READ_AHEAD_STALL_S,
+        on_end: Callable[[], None] | None = None,
     ) -> None:
-        self._stream, self._call = stream, call
+        self._stream, self._call, self._stall_s, self._on_end = stream, call, stall_s, on_end
         self._reads: asyncio.Queue[list[dict[str, Any]] | BaseException | object] = asyncio.Queue(reads_max)
         self._task: asyncio.Task[None] | None = None
         self._read: list[dict[str, Any]] = []  # the read being handed out, in order
@@ -82,25 +111,57 @@ class ReadAhead:
         """Read ``stream`` to its end, one queued list per upstream read (``call.more_buffered``); then the end,
         or what it raised."""
         read: list[dict[str, Any]] = []
+        end: BaseException | object = _END
         try:
             async for chunk in self._stream:
                 read.append(chunk)
                 if not self._call.more_buffered:
-                    await self._put(read)
+                    if not await self._put(read, self._stall_s):
+                        end = ClientStalled(
+                            f"The client read nothing for {self._stall_s:g} s while the model generated; the request "
+                            f"was stopped after {self._call.output_tokens} tokens (billed as generated)."
+                        )
+                        break
                     read = []
-            end: BaseException | object = _END
         except Exception as exc:  # the caller's to handle, after the chunks read before it
             end = exc
         finally:
             with contextlib.suppress(Exception):  # cancelled (``aclose``) at a ``put``: the stream stops there
                 await self._stream.aclose()
+            self._ended_upstream()
         if read:
             await self._put(read)
         await self._reads.put(end)
 
-    async def _put(self, read: list[dict[str, Any]]) -> None:
+    def _ended_upstream(self) -> None:
+        if self._on_end is not None:
+            try:
+                self._on_end()
+            except Exception:  # the caller's clean-up runs again at its end (``aclose``)
+                log.exception("read-ahead: the upstream's end could not be handled")
+
+    async def _put(self, read: list[dict[str, Any]], within_s: float | None = None) -> bool:
+        """Queue ``read``; False (not queued) when it found no room within ``within_s`` (None: waits)."""
         self._queued += 1  # before the put: once it is in, the caller may take it before this task runs again
-        await self._reads.put(read)
+        try:
+            async with asyncio.timeout(within_s):
+                await self._reads.put(read)
+        except TimeoutError:
+            self._queued -= 1
+            return False
+        return True
+
+    def left(self) -> list[dict[str, Any]]:
+        """Once closed (``aclose``): the chunks read and not taken, in order (emptied)."""
+        assert self._task is None or self._task.done()
+        out = self._read[self._next :]
+        self._read, self._next = [], 0
+        while not self._reads.empty():
+            item = self._reads.get_nowait()
+            if isinstance(item, list):
+                out += item
+        self._queued = 0
+        return out
 
     async def aclose(self) -> None:
         """Stop reading and close the upstream stream; at once when nothing was asked yet. A cancellation of
@@ -109,6 +170,7 @@ class ReadAhead:
         task = self._task
         if task is None:
             await self._stream.aclose()
+            self._ended_upstream()
             return
         task.cancel()
         cancelled: asyncio.CancelledError | None = None

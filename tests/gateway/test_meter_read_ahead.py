@@ -6,7 +6,8 @@ meter stamped them - and the call's end - when the relay came back: the stream w
 replica spent. The upstream is now read in a task of its own (``fairgate.gateway.readahead``).
 
 Here the SQLite ledger is locked by another process for ``LOCK_S`` while a lone stream runs (each partial
-settlement waits the busy timeout, 2 s, and fails): the replica's own charge rule is the truth."""
+settlement waits the busy timeout, 2 s, and fails): the replica's own charge rule is the truth. The partial
+settlements run beside the relay, so the tokens reach the client as the replica makes them."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def _spec() -> StackSpec:
     return StackSpec(tenants=(TenantSpec("alpha"),), replicas=(ReplicaSpec("emu", 1),), replica=replica, processes=True)
 
 
-async def _stream(url: str, key: str, lock: threading.Event) -> tuple[int, float]:
-    """One stream of ``TOKENS``; sets ``lock`` at its 20th token. Its tokens received, and when its last came."""
+async def _stream(url: str, key: str, lock: threading.Event) -> tuple[int, float, float]:
+    """One stream of ``TOKENS``; sets ``lock`` at its 20th token. Its tokens received, when the last of them
+    came, and when the stream ended."""
     body = {"model": "emu", "prompt": "count", "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
     received = 0
     async with (
@@ -45,9 +47,10 @@ async def _stream(url: str, key: str, lock: threading.Event) -> tuple[int, float
             choices = json.loads(line[6:]).get("choices") if line.startswith("data: {") else None
             if choices and choices[0].get("text"):
                 received += 1
+                last_token_s = time.monotonic()
                 if received == 20:
                     lock.set()
-    return received, time.monotonic()
+    return received, last_token_s, time.monotonic()
 
 
 def test_a_stream_waiting_for_its_ledger_is_billed_the_replicas_time_not_the_wait() -> None:
@@ -63,13 +66,19 @@ def test_a_stream_waiting_for_its_ledger_is_billed_the_replicas_time_not_the_wai
         holder = threading.Thread(target=hold, daemon=True)
         holder.start()
         started = time.monotonic()
-        received, ended = asyncio.run(_stream(stack.url, stack.keys["alpha"], lock))
+        received, last_token_s, ended = asyncio.run(_stream(stack.url, stack.keys["alpha"], lock))
         holder.join(30)
         truth = sum(asyncio.run(stack.replica_stats())[0].charge_ms_by_salt.values())
         billed = asyncio.run(stack.totals()).totals["alpha"].gpu_ms
-    print(f"billed {billed:.0f} ms, replica {truth:.0f} ms, client {1000 * (ended - started):.0f} ms")
+    print(
+        f"billed {billed:.0f} ms, replica {truth:.0f} ms, client {1000 * (ended - started):.0f} ms, "
+        f"last token at {1000 * (last_token_s - started):.0f} ms"
+    )
     assert held.is_set() and received == TOKENS
-    # The client waited for the ledger: its stream took longer than the replica ran it.
+    # The tokens came as the replica made them: the partial settlements waited on the ledger beside the relay
+    # (awaited, they held it a busy timeout each: the last token came ~4.5 s in). The stream's end waited for the
+    # final settlement, which the client's usage and [DONE] follow.
+    assert (last_token_s - started) * 1000.0 < truth + 1000.0
     assert (ended - started) * 1000.0 > truth + 1000.0
     # Billed as the replica spent it (the meter's tolerance on a lone stream), where the relay's own reads
     # billed the wait too (4,475 ms against 2,050 here).

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fairgate.gateway.readahead import ReadAhead
+from fairgate.gateway.readahead import ClientStalled, ReadAhead
 from fairgate.gateway.upstream import BudgetSpent, CallState
 
 
@@ -125,3 +125,43 @@ def test_aclose_before_anything_was_asked_closes_the_stream_unsent() -> None:
         return upstream.ended, len(upstream.read_at)
 
     assert asyncio.run(run()) == (None, 0)  # never started: nothing sent upstream
+
+
+def test_the_upstreams_end_is_told_when_it_comes_not_when_the_caller_has_taken_it_all() -> None:
+    async def run() -> tuple[list[float], float, float]:
+        loop = asyncio.get_running_loop()
+        upstream, ended_at = Upstream([[1], [2], [3]], gap_s=0.01), []
+        ahead = ReadAhead(upstream.stream(), upstream.call, on_end=lambda: ended_at.append(loop.time()))
+        await ahead.__anext__()
+        await asyncio.sleep(0.3)  # the caller waits: the upstream ends meanwhile (its slot is free from then)
+        taken_at = loop.time()
+        assert [chunk["n"] async for chunk in ahead] == [2, 3]
+        await ahead.aclose()
+        return ended_at, taken_at, upstream.read_at[3]
+
+    ended_at, taken_at, last_read_at = asyncio.run(run())
+    assert len(ended_at) == 1 and last_read_at <= ended_at[0] < taken_at - 0.2
+
+
+def test_a_caller_that_takes_nothing_for_stall_s_with_the_read_ahead_full_has_the_upstream_cut() -> None:
+    """A client that stopped reading: the upstream is cut ``stall_s`` after the read-ahead filled (the meter takes
+    the call off then, and its slot is free); every chunk read is still handed out, then ``ClientStalled``."""
+
+    async def run() -> tuple[list[int], int, str | None, float]:
+        loop = asyncio.get_running_loop()
+        upstream, ended_at = Upstream([[n] for n in range(1, 201)], gap_s=0.002), []
+        on_end = lambda: ended_at.append(loop.time())
+        ahead = ReadAhead(upstream.stream(), upstream.call, reads_max=8, stall_s=0.3, on_end=on_end)
+        await ahead.__anext__()
+        stopped_taking_at = loop.time()
+        await asyncio.sleep(1.0)
+        rest: list[int] = []
+        with pytest.raises(ClientStalled, match=r"read nothing for 0\.3 s"):
+            async for chunk in ahead:
+                rest.append(chunk["n"])
+        return rest, len(upstream.read_at), upstream.ended, ended_at[0] - stopped_taking_at
+
+    rest, read, ended, cut_after_s = asyncio.run(run())
+    assert ended == "cut" and read < 20  # 8 queued, one held, one in the waiting put: the rest never generated
+    assert rest == list(range(2, read + 1))
+    assert 0.3 <= cut_after_s < 0.6
