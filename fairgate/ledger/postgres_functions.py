@@ -120,14 +120,16 @@ def lock_key(tag: str) -> int:
 _RESERVATION = ", ".join(f"(o.res).{c}" for c in schema.RESERVATION_FIELDS)
 _BALANCES = ", ".join(f"(o.bal).{c}" for c in schema.ACCOUNT_FIELDS)
 # Every parameter cast: psycopg types a Python int by its size, and a function is found by its argument types.
+# The arrays go in binary (%b): the server's array_in parses text floats one by one (40,000 of the 2.5 million
+# instructions a gateway request costs the backend, callgrind), and psycopg dumps them in half the time.
 _ARGS = {
     "fg_reserve": "%(lock)s::int8, %(now)s::float8, %(id)s::text, %(tenant)s::text, %(request_id)s::text, "
     "%(model_class)s::text, %(run_id)s::text, %(tool_round)s::bool, %(input)s::int8, %(output)s::int8, "
-    "%(estimate)s::float8, %(price)s::float8[], %(ttl_s)s::float8, %(keys)s::text[], %(limits)s::float8[], "
+    "%(estimate)s::float8, %(price)b::float8[], %(ttl_s)s::float8, %(keys)b::text[], %(limits)b::float8[], "
     "%(owner)s::text, %(lease_ms)s::float8",
     "fg_close": "%(lock)s::int8, %(now)s::float8, %(id)s::text, %(kind)s::text, %(final)s::bool, %(input)s::int8, "
-    "%(output)s::int8, %(gpu_ms)s::float8, %(tenant)s::text, %(keys)s::text[], %(limits)s::float8[], "
-    "%(fallback)s::float8[]",
+    "%(output)s::int8, %(gpu_ms)s::float8, %(tenant)s::text, %(keys)b::text[], %(limits)b::float8[], "
+    "%(fallback)b::float8[]",
     "fg_claim": "%(lock)s::int8, %(now)s::float8, %(id)s::text, %(owner)s::text, %(lease_ms)s::float8",
     "fg_queue_step": "%(lock)s::int8, %(id)s::text, %(enter)s::bool, %(tenant)s::text, %(keys)s::text[], "
     "%(limits)s::float8[]",
