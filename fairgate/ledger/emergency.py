@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -56,7 +57,11 @@ from fairgate.ledger.model import (
 )
 from fairgate.ledger.rules import Account, ReserveArgs, check_billing, check_retry
 
+log = logging.getLogger("fairgate.ledger")
 EMERGENCY_PREFIX = "emg-"
+# Late reservations per closed one: each call's settlements after its reservation closed bill their rest under
+# the next; a stream stops at its next chunk once it knows (``Call._hold_run_claim``), so a few are enough.
+LATE_RESERVATIONS_MAX = 4
 KNOWN_IDS_MAX = 100_000  # reservations remembered per process (~200 bytes each: ~20 MB at most)
 
 
@@ -240,11 +245,18 @@ class ResilientLedger(RequestPath):
             )
             return self._grant_reservation(grant)
         try:
-            if kind == "cancel":
-                return self._remember(await self.ledger.cancel(reservation_id, usage))
-            return self._remember(
-                await self.ledger.settle(reservation_id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final)
-            )
+            try:
+                if kind == "cancel":
+                    return self._remember(await self.ledger.cancel(reservation_id, usage))
+                return self._remember(
+                    await self.ledger.settle(
+                        reservation_id, usage.input_tokens, usage.output_tokens, usage.gpu_ms, final
+                    )
+                )
+            except ReservationFinal:
+                if await self._billed_past(reservation_id, usage):
+                    raise  # a settlement repeated: nothing more to bill
+                return await self._closed_meanwhile(reservation_id, usage)
         except LedgerUnavailable:
             # Usage must not be lost: keep it for recover(). The caller learns the ledger is down.
             self._append(
@@ -257,6 +269,19 @@ class ResilientLedger(RequestPath):
                 }
             )
             raise
+
+    async def _closed_meanwhile(self, reservation_id: str, usage: Usage) -> Reservation:
+        """A settlement of a reservation another process closed with less billed (it expired while this process
+        could not reach the ledger, or a retry elsewhere closed it): the rest is billed late (``_bill_late``), and
+        the closed reservation returned. Raises ``LedgerUnavailable``, ``ReservationFinal`` (refused: logged)."""
+        report = RecoveryReport()
+        await self._bill_late(reservation_id, usage, report)
+        if report.left:
+            log.warning(
+                json.dumps({"event": "late_billing_refused", "reservation": reservation_id, "left": report.left})
+            )
+            raise ReservationFinal(report.left[0])
+        return await self.ledger.get(reservation_id)
 
     async def settle(
         self, reservation_id: str, input_tokens: int, output_tokens: int, gpu_ms: float, final: bool = False
@@ -409,7 +434,7 @@ class ResilientLedger(RequestPath):
         records = self._read_journal()
         grants, pending = _fold(records)
         left = [grant for grant in grants.values() if await self._replay_grant(grant, report)]
-        for record in pending:
+        for record in _latest_per_reservation(pending):
             await self._replay_pending(record, report)
         # Records appended while the replay waited on the ledger (a grant finishing, a settlement that could
         # not reach it) are kept after what is left, for the next replay.
@@ -528,21 +553,27 @@ class ResilientLedger(RequestPath):
             report.left.append(f"settlement of {record['id']}: {exc}")
 
     async def _bill_late(self, reservation_id: str, usage: Usage, report: RecoveryReport) -> None:
-        """Bill what a journalled settlement holds beyond what the closed reservation ``reservation_id`` billed,
-        as a reservation of its own (``late_id``: reserved for just that, settled at once; a replay again finds
-        it by its id). A process cut off from the ledger longer than a TTL finds its reservations expired by
-        the others, billing only what had reached the ledger. What the ledger refuses (a quota now spent) is
-        reported as left. Raises ``LedgerUnavailable``."""
+        """Bill what cumulative ``usage`` holds beyond what the closed reservation ``reservation_id`` billed, as
+        a reservation of its own, settled at once (``late_id``, reserved with the closed one's arguments, so that
+        a replay again finds it and bills nothing twice; what it billed is taken off, and a later, larger
+        settlement of the same call bills its rest under the next one). A process cut off from the ledger longer
+        than a TTL finds its reservations expired by the others, billing only what had reached the ledger. What
+        the ledger refuses (a quota now spent) is reported as left. Raises ``LedgerUnavailable``."""
         closed = await self.ledger.get(reservation_id)
-        rest = _difference(usage, closed.billed)
-        args = ReserveArgs.of(closed)
-        args = replace(args, request_id=late_id(closed), input_tokens=rest.input_tokens)
-        args = replace(args, max_output_tokens=rest.output_tokens, gpu_ms_estimate=rest.gpu_ms)
+        rest, args = _difference(usage, closed.billed), ReserveArgs.of(closed)
         try:
-            late = await self.ledger.reserve_args(args)
-            if not late.is_final:
+            for k in range(1, LATE_RESERVATIONS_MAX + 1):
+                late = await self.ledger.reserve_args(replace(args, request_id=late_id(closed, k)))
+                if late.is_final:
+                    rest = _difference(rest, late.billed)
+                    if rest == Usage():
+                        report.settlements_applied += 1  # billed late before
+                        return
+                    continue
                 await self.ledger.settle(late.id, rest.input_tokens, rest.output_tokens, rest.gpu_ms, final=True)
-            report.settlements_late += 1
+                report.settlements_late += 1
+                return
+            raise ReservationFinal(f"{LATE_RESERVATIONS_MAX} late reservations billed already")
         except LedgerUnavailable:
             raise
         except LedgerError as exc:
@@ -618,11 +649,19 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def late_id(closed: Reservation) -> str:
-    """The request id the rest of a settlement is billed under when its reservation closed with less billed:
-    ``<request id>#late-<reservation>``, within the 200 characters of an id."""
-    suffix = f"#late-{closed.id[-12:]}"
+def late_id(closed: Reservation, k: int = 1) -> str:
+    """The request id the rest of a settlement is billed under when its reservation closed with less billed, the
+    ``k``-th such: ``<request id>#late-<reservation>`` (``#late<k>-`` after the first), within the 200
+    characters of an id."""
+    suffix = f"#late{'' if k == 1 else k}-{closed.id[-12:]}"
     return f"{closed.request_id[: 200 - len(suffix)]}{suffix}"
+
+
+def _latest_per_reservation(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The journalled settlements to replay: each reservation's last (amounts are cumulative, and a call's final
+    settlement is its last), in the order of those."""
+    latest = {record["id"]: record for record in pending}
+    return [record for record in pending if latest[record["id"]] is record]
 
 
 def _difference(usage: Usage, billed: Usage) -> Usage:

@@ -377,9 +377,42 @@ async def test_a_journalled_final_settlement_of_a_reservation_closed_meanwhile_b
     assert (report.settlements_applied, report.settlements_late, report.left) == (0, 1, []), report
     journal.write_text(lines)  # a replay interrupted before the journal was rewritten runs again
     again = await ResilientLedger(ledger, journal).recover()
-    assert (again.settlements_late, again.left) == (1, []), again
+    assert (again.settlements_applied, again.settlements_late, again.left) == (1, 0, []), again  # billed before
     rows = {r.request_id: r for r in await ledger.reservations("bank")}
     late = rows[late_id(streaming)]
     assert late.status == "settled" and late.billed == Usage(0, 22, 2.0)
     assert rows["closed-meanwhile"].billed == Usage(100, 14, 1.0)
     assert len(rows) == 2
+
+
+async def test_several_journalled_settlements_of_a_closed_reservation_bill_the_last_ones_rest_once(cut_ledger):
+    """An outside tester's finding: a stream's partial settlements every 0.5 s and its final one all journalled,
+    the reservation expired meanwhile: the replay billed the first partial's rest and refused the others (their
+    late reserve had other arguments): 40 of 300 tokens billed. The last settlement's rest is billed, once; and a
+    settlement reaching the ledger itself after the close bills its rest too (the next late reservation)."""
+    ledger, proxy, journal = cut_ledger
+    front = ResilientLedger(ledger, journal)
+    streaming = await front.reserve("bank", "expired-meanwhile", 100, 400, 40.0)
+    await front.settle(streaming.id, 100, 10, 1.0)
+    proxy.cut()
+    for tokens in (40, 80, 120):
+        with pytest.raises(LedgerUnavailable):
+            await front.settle(streaming.id, 100, tokens, tokens / 10)
+    with pytest.raises(LedgerUnavailable):
+        await front.settle(streaming.id, 100, 300, 30.0, final=True)
+    proxy.restore()
+    await _recover_when_back(ResilientLedger(ledger, journal.with_name("warm-up.jsonl")))  # reconnected
+    await ledger.cancel(streaming.id, Usage(100, 10, 1.0))  # expired by another process, say
+    report = await front.recover()
+    assert (report.settlements_late, report.left) == (1, []), report
+    rows = {r.request_id: r for r in await ledger.reservations("bank")}
+    assert rows[late_id(streaming)].billed == Usage(0, 290, 29.0)
+    # Another call's settlement reaching the ledger after its reservation closed bills its rest at once.
+    other = await front.reserve("bank", "closed-live", 100, 400, 40.0)
+    await ledger.cancel(other.id, Usage(100, 5, 0.5))
+    await front.settle(other.id, 100, 50, 5.0, final=True)
+    await front.settle(other.id, 100, 50, 5.0, final=True)  # repeated: billed once
+    rows = {r.request_id: r for r in await ledger.reservations("bank")}
+    assert rows[late_id(other)].billed == Usage(0, 45, 4.5) and late_id(other, 2) not in rows
+    total = sum((r.billed.output_tokens for r in rows.values()), 0)
+    assert total == 300 + 50, rows
