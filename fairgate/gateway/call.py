@@ -111,6 +111,7 @@ class Call:
         self._claim_renewed_s = -math.inf  # when the relay last asked the ledger to renew its lapsed run claim
         self._checking: asyncio.Future[None] | None = None  # the partial settlement and budget check under way
         self._stop: BudgetSpent | None = None  # what that check found: the request is stopped at its next chunk
+        self._settle_again = False  # settle once more when the check under way ends (the upstream has ended)
 
     async def respond(self, request: Request) -> Response:
         """Run the call and answer the client: a relayed stream, or one collected response. Raises
@@ -120,9 +121,9 @@ class Call:
         path = "/chat/completions" if generation.chat else "/completions"
         headers = {"x-request-id": generation.request_id, **self._rate_headers()}
         upstream = self.client.stream(path, self._upstream_body(), self.progress, self.lease.prefill_estimate_ms)
-        # The meter stamps tokens as they arrive whatever the relay awaits, and the slot is free once the upstream
-        # ended, whenever the client has read it all.
-        stream = ReadAhead(upstream, self.progress, on_end=self._release_slot)
+        # The meter stamps tokens as they arrive whatever the relay awaits; the call is settled as the upstream
+        # generates and its slot is free once the upstream ended, however fast the client reads.
+        stream = ReadAhead(upstream, self.progress, on_end=self._upstream_ended, on_read=self._upstream_read)
         body = generation.body
         if isinstance(body, GenerationRequest) and body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -177,7 +178,6 @@ class Call:
                         await self._record_run()
                     yield _written(pending)
                     sent = self.delivered = True
-                    self._checkpoint()
                 if self._stop is not None:  # before the next chunk is taken: what was read is relayed, as billed
                     raise self._stop
             if pending:
@@ -353,13 +353,18 @@ class Call:
         self._settled_at = (self.progress.output_tokens, self.state.clock.monotonic_s())
         await self._settle(final=False, cancelled=False)
 
-    def _checkpoint(self) -> None:
-        """After each write (each chunk of a collected call): at its first token and then every
-        ``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S``, settle a stream partially and, once it has used
-        the GPU time its reservation holds, check its tenant's budgets (``_check``) - beside the relay, one check
-        at a time: a relay that awaited them read its upstream late, and a ledger that answered slowly or not at
-        all (timeouts of 1-5 s at every settlement) slowed every stream to a write per timeout."""
-        if not self._checkpoint_due() or (self._checking is not None and not self._checking.done()):
+    def _checkpoint(self, force: bool = False) -> None:
+        """After each upstream read once the client has the first token (each chunk of a collected call): at its
+        first token and then every ``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S`` (or now, ``force``),
+        settle a stream partially and, once it has used the GPU time its reservation holds, check its tenant's
+        budgets (``_check``) - beside the relay, one check at a time, at the pace of the upstream: a relay that
+        awaited them read its upstream late, a ledger that answered slowly or not at all (timeouts of 1-5 s at
+        every settlement) slowed every stream to a write per timeout, and a client that stopped reading stopped
+        them (a kill then left 45 % of its GPU time unbilled)."""
+        if self._checking is not None and not self._checking.done():
+            self._settle_again = self._settle_again or force
+            return
+        if not (force or self._checkpoint_due()):
             return
         call, reservation = self.progress, self.admitted.reservation
         self._settled_at = (call.output_tokens, self.state.clock.monotonic_s())
@@ -373,6 +378,10 @@ class Call:
         call = self.progress
         if self.admitted.generation.stream:
             await self._settle(final=False, cancelled=False)
+            while self._settle_again and not self._ended:
+                self._settle_again = False
+                self._settled_at = (call.output_tokens, self.state.clock.monotonic_s())
+                await self._settle(final=False, cancelled=False)
         if over_estimate:
             gpu_left_ms, spend_left_micros = await self._budgets_left()
             if gpu_left_ms <= 0 or spend_left_micros <= 0:
@@ -383,9 +392,23 @@ class Call:
                     "tokens (billed as generated).",
                 )
 
-    def _release_slot(self) -> None:
-        """Free the upstream slot (idempotent): the upstream stream has ended."""
+    def _upstream_read(self) -> BudgetSpent | None:
+        """After each upstream read (``ReadAhead``): the checkpoint, once the client has the first token; the
+        budget stop, if a check found one (the upstream is cut there, whether or not the client reads)."""
+        if self.delivered:
+            self._checkpoint()
+        return self._stop
+
+    def _upstream_ended(self) -> None:
+        """The upstream stream has ended: free its slot (idempotent); a stream whose client has not read it all
+        by ``SETTLE_EVERY_S`` later is settled partially then, with all it generated."""
         self.state.dispatcher.release(self.lease, self.progress.output_tokens)
+        if self.delivered and not self._ended:
+            asyncio.get_running_loop().call_later(SETTLE_EVERY_S, self._settle_up)
+
+    def _settle_up(self) -> None:
+        if not self._ended:
+            self._checkpoint(force=True)
 
     def _checkpoint_due(self) -> bool:
         """Whether ``_checkpoint`` has anything to do now: the first token, or ``SETTLE_EVERY_TOKENS`` tokens or

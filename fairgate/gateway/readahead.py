@@ -63,6 +63,9 @@ class ReadAhead:
             is raised after the chunks read).
         on_end: called once the upstream stream has ended (read to its end, failed, cut or closed), in the
             reading task; what it raises is logged.
+        on_read: called after each upstream read, in the reading task, before it is queued (whether or not the
+            caller takes anything); an exception it returns stops the stream there, raised to the caller after
+            the chunks read.
     """
 
     def __init__(
@@ -72,8 +75,10 @@ class ReadAhead:
         reads_max: int = READ_AHEAD_READS_MAX,
         stall_s: float = READ_AHEAD_STALL_S,
         on_end: Callable[[], None] | None = None,
+        on_read: Callable[[], BaseException | None] | None = None,
     ) -> None:
-        self._stream, self._call, self._stall_s, self._on_end = stream, call, stall_s, on_end
+        self._stream, self._call, self._stall_s = stream, call, stall_s
+        self._on_end, self._on_read = on_end, on_read
         self._reads: asyncio.Queue[list[dict[str, Any]] | BaseException | object] = asyncio.Queue(reads_max)
         self._task: asyncio.Task[None] | None = None
         self._read: list[dict[str, Any]] = []  # the read being handed out, in order
@@ -116,6 +121,10 @@ class ReadAhead:
             async for chunk in self._stream:
                 read.append(chunk)
                 if not self._call.more_buffered:
+                    stop = self._on_read() if self._on_read is not None else None
+                    if stop is not None:  # the caller stops the request: this read is its last
+                        end = stop
+                        break
                     if not await self._put(read, self._stall_s):
                         end = ClientStalled(
                             f"The client read nothing for {self._stall_s:g} s while the model generated; the request "
