@@ -5,7 +5,8 @@ resumed (once there, once for the retry), billed once; a stream it was relaying 
 
 Now a process holds each claim by its own clock: the lease from the moment the call that took or renewed it was
 sent (``CallRegistry.run_claim_left_s``). A queued request whose claim is near its end is claimed again before it
-is sent upstream (409 when another process holds it); a stream whose claim lapsed stops at its next chunk.
+is sent upstream (409 when another process holds it); a stream whose claim is lost stops at its next chunk once
+the ledger says so, and what it delivered after its reservation closed is billed late (``<id>#late-``).
 
 Two gateway processes (SQLite ledger, sweep 1 s: a 3 s lease) in front of one tapped replica with one slot a
 gateway; every request carries its id as its last word, so the tap counts the times the replica ran it."""
@@ -106,10 +107,12 @@ def test_a_paused_process_runs_nothing_twice_and_delivers_nothing_unbilled_after
     assert (queued_retry["status"], queued_retry["tokens"]) == (200, 60), queued_retry
     assert runs.get("q-1") == 1, runs
     assert reservations["q-1"].billed.output_tokens == 60, reservations["q-1"]
-    # Streaming when paused: the retry is refused (it ran and billed), and the resumed stream stops at once.
+    # Streaming when paused: the retry is refused (it ran and billed: the reservation is closed with what was
+    # settled), and the resumed stream stops once the ledger tells it its claim is lost; what it delivered after
+    # the close is billed late, under a reservation of its own (``ResilientLedger._bill_late``).
     assert (stream_retry["status"], stream_retry["error"]) == (409, "request_already_completed"), stream_retry
     assert stream_first["error"] == "upstream_error" and stream_first["tokens"] < 400, stream_first
     assert runs.get("s-1") == 1, runs
-    billed = reservations["s-1"].billed.output_tokens
+    billed = sum(r.billed.output_tokens for r in reservations.values() if r.request_id.split("#")[0] == "s-1")
     assert stream_first["tokens"] - SETTLE_EVERY_TOKENS <= billed <= stream_first["tokens"] + 4, (billed, stream_first)
     assert not [r for r in reservations.values() if r.status == "open"], reservations
