@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING
 
 from fairgate.gateway.call import SETTLE_EVERY_TOKENS
 from fairgate.harness.records import RequestRecord
+from fairgate.ledger import Event, Ledger, Reservation
+from fairgate.ledger.emergency import late_base
 
 if TYPE_CHECKING:
     from fairgate.harness.stack import Stack
-    from fairgate.ledger import Event, Ledger, Reservation
 
 FINAL_EVENTS = ("settle_final", "cancel", "expire")
 CUT_OUTCOMES = ("cut", "connection", "stream", "client", "running")  # an attempt that ended without a whole answer
@@ -228,17 +229,20 @@ def check_history(
     for record in records:
         attempts[(record.tenant, record.request_id)].append(record)
     by_id: dict[tuple[str, str], list[Reservation]] = defaultdict(list)
+    late: dict[tuple[str, str], list[Reservation]] = defaultdict(list)
     for r in ledger.reservations:
-        by_id[(r.tenant, r.request_id)].append(r)
+        base = late_base(r.request_id)
+        (late if base != r.request_id else by_id)[(r.tenant, base)].append(r)
     events: dict[str, list[Event]] = defaultdict(list)
     for e in ledger.events:
         events[e.reservation_id].append(e)
     out: list[Discrepancy] = []
     for (_, rid), tried in attempts.items():
-        out += _check_id(rid, tried, by_id.get((tried[0].tenant, rid), []), events, bounds)
+        key = (tried[0].tenant, rid)
+        out += _check_id(rid, tried, by_id.get(key, []), events, bounds, late.get(key, []))
     out += [
         Discrepancy(Kind.UNKNOWN, f"{tenant}/{rid}", f"{len(found)} reservation(s) no client sent ({found[0].status})")
-        for (tenant, rid), found in by_id.items()
+        for (tenant, rid), found in [*by_id.items(), *late.items()]
         if (tenant, rid) not in attempts
     ]
     out += [
@@ -257,9 +261,15 @@ def check_history(
 
 
 def _check_id(
-    rid: str, tried: list[RequestRecord], found: list[Reservation], events: dict[str, list[Event]], bounds: Bounds
+    rid: str,
+    tried: list[RequestRecord],
+    found: list[Reservation],
+    events: dict[str, list[Event]],
+    bounds: Bounds,
+    late: Sequence[Reservation] = (),
 ) -> list[Discrepancy]:
-    """One request id: its attempts against its reservations and their events."""
+    """One request id: its attempts against its reservations and their events; ``late``: the reservations that
+    bill what its reservation missed once closed (counted in what it billed)."""
     out: list[Discrepancy] = []
 
     def flag(kind: Kind, detail: str) -> None:
@@ -274,8 +284,10 @@ def _check_id(
         out += [Discrepancy(k, rid, d) for k, d in _check_events(r, events.get(r.id, []))]
         if r.status == "open":
             flag(Kind.OPEN, f"reservation open at the end (billed {r.billed.output_tokens} output tokens)")
+    for r in late:
+        out += [Discrepancy(k, r.request_id, d) for k, d in _check_events(r, events.get(r.id, []))]
     received = sum(a.tokens for a in tried)
-    billed = sum(r.billed.output_tokens for r in found)
+    billed = sum(r.billed.output_tokens for r in [*found, *late])
     if received and not found:
         flag(Kind.UNRESERVED, f"client received {received} tokens, the ledger has no reservation")
         return out

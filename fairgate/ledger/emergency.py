@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -655,6 +656,15 @@ def late_id(closed: Reservation, k: int = 1) -> str:
     characters of an id."""
     suffix = f"#late{'' if k == 1 else k}-{closed.id[-12:]}"
     return f"{closed.request_id[: 200 - len(suffix)]}{suffix}"
+
+
+_LATE_ID = re.compile(r"(.*)#late(?:[2-9][0-9]*)?-[^#]{1,12}")
+
+
+def late_base(request_id: str) -> str:
+    """The request id whose closed reservation a late one bills the rest of (``late_id``); any other id as it is."""
+    match = _LATE_ID.fullmatch(request_id)
+    return match.group(1) if match else request_id
 
 
 def _latest_per_reservation(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ import pytest
 from fairgate.harness.history import Bounds, Kind, LedgerState, ReplicaCounts, check_history, read_ledger_state
 from fairgate.harness.records import RequestRecord
 from fairgate.ledger import Ledger, Usage, connect, quotas_from_dict
+from fairgate.ledger.emergency import late_base, late_id
 
 QUOTAS = {"tenants": {"alpha": {}, "beta": {}}}
 MODEL = "default"
@@ -201,3 +202,19 @@ async def test_a_refunded_call_retried_under_its_reopened_reservation_is_not_a_d
     doubled = dataclasses.replace(held, events=(*held.events, dataclasses.replace(again, seq=10_000)))
     report = check_history([failed("billed-then-again", "stream", tokens=5)], doubled)
     assert ("reserved_twice", "billed-then-again") in kinds(report), report.table()
+
+
+async def test_a_late_reservation_counts_for_the_request_id_whose_closed_reservation_it_bills(ledger):
+    """``<id>#late-<reservation>`` (``ResilientLedger._bill_late``): the rest of what a stream delivered after its
+    reservation closed is billed under it, and the checker counts it for ``<id>``; without it, ``<id>`` is
+    unbilled."""
+    reservation_id = await served(ledger, "r1", 20, final="cancel")  # closed with 20 by another process, say
+    closed = await ledger.get(reservation_id)
+    late = await ledger.reserve("alpha", late_id(closed), 10, 200, 100.0, MODEL)
+    records = [failed("r1", "stream", tokens=150)]
+    before = kinds(check_history(records, await state(ledger)))  # the late one open, nothing billed on it yet
+    assert ("unbilled", "r1") in before and ("reserved_twice", "r1") not in before, before
+    await ledger.settle(late.id, 0, 130, 30.0, final=True)
+    report = check_history(records, await state(ledger))
+    assert report.ok, report.table()
+    assert late_base(late_id(closed, 2)) == "r1" and late_base("r1#late-x#y") == "r1#late-x#y"
