@@ -110,7 +110,7 @@ class Call:
         self._usage_chunk: dict[str, Any] | None = None  # the upstream's last usage chunk, less choices and usage
         self._claim_renewed_s = -math.inf  # when the relay last asked the ledger to renew its lapsed run claim
         self._checking: asyncio.Future[None] | None = None  # the partial settlement and budget check under way
-        self._stop: BudgetSpent | None = None  # what that check found: the request is stopped at its next chunk
+        self._stop: BudgetSpent | None = None  # what that check found: the upstream is cut at its next read
         self._settle_again = False  # settle once more when the check under way ends (the upstream has ended)
 
     async def respond(self, request: Request) -> Response:
@@ -178,8 +178,6 @@ class Call:
                         await self._record_run()
                     yield _written(pending)
                     sent = self.delivered = True
-                if self._stop is not None:  # before the next chunk is taken: what was read is relayed, as billed
-                    raise self._stop
             if pending:
                 await self._record_run()
                 yield _written(pending)
@@ -187,9 +185,7 @@ class Call:
             finished = True
             await self._end(stream, finished, retrying)  # settled before the client reads its usage and [DONE]
             yield (self._usage_event() if include_usage else "") + "data: [DONE]\n\n"
-        except BudgetSpent as exc:
-            await stream.aclose()  # the upstream stops; what was read of it is relayed, as it is billed
-            pending += [event for chunk in stream.left() if (event := self._client_event(chunk)) is not None]
+        except BudgetSpent as exc:  # raised after every chunk read before the stop: relayed, as they are billed
             if pending:
                 await self._record_run()
                 yield _written(pending)
@@ -284,9 +280,6 @@ class Call:
         try:
             async for _ in stream:
                 self._hold_run_claim()
-                if self._stop is not None:
-                    raise self._stop
-                self._checkpoint()
             finished = True
         except BudgetSpent as exc:
             finished, self.stopped, self.progress.finish_reason = True, exc.code, "length"
@@ -354,13 +347,12 @@ class Call:
         await self._settle(final=False, cancelled=False)
 
     def _checkpoint(self, force: bool = False) -> None:
-        """After each upstream read once the client has the first token (each chunk of a collected call): at its
-        first token and then every ``SETTLE_EVERY_TOKENS`` tokens or ``SETTLE_EVERY_S`` (or now, ``force``),
-        settle a stream partially and, once it has used the GPU time its reservation holds, check its tenant's
-        budgets (``_check``) - beside the relay, one check at a time, at the pace of the upstream: a relay that
-        awaited them read its upstream late, a ledger that answered slowly or not at all (timeouts of 1-5 s at
-        every settlement) slowed every stream to a write per timeout, and a client that stopped reading stopped
-        them (a kill then left 45 % of its GPU time unbilled)."""
+        """After each upstream read (``_upstream_read``): at its first token and then every ``SETTLE_EVERY_TOKENS``
+        tokens or ``SETTLE_EVERY_S`` (or now, ``force``), settle a stream partially and, once it has used the GPU
+        time its reservation holds, check its tenant's budgets (``_check``) - beside the relay, one check at a time,
+        at the pace of the upstream: a relay that awaited them read its upstream late, a ledger that answered slowly
+        or not at all (timeouts of 1-5 s at every settlement) slowed every stream to a write per timeout, and a
+        client that stopped reading stopped them (a kill then left 45 % of its GPU time unbilled)."""
         if self._checking is not None and not self._checking.done():
             self._settle_again = self._settle_again or force
             return
@@ -373,8 +365,8 @@ class Call:
     async def _check(self, over_estimate: bool) -> None:
         """A partial settlement (a stream: a collected call delivers nothing until it ends, and is not billed before
         then: a platform failure refunds it all); then, when the call ran ``over_estimate``, stop it
-        (``self._stop``, raised at its next chunk) if its tenant's GPU or spend budget has nothing left: the
-        overspend is at most one settlement interval's charges and a ledger round trip per request."""
+        (``self._stop``: the upstream is cut at its next read) if its tenant's GPU or spend budget has nothing left:
+        the overspend is at most one settlement interval's charges and a ledger round trip per request."""
         call = self.progress
         if self.admitted.generation.stream:
             await self._settle(final=False, cancelled=False)
@@ -393,9 +385,10 @@ class Call:
                 )
 
     def _upstream_read(self) -> BudgetSpent | None:
-        """After each upstream read (``ReadAhead``): the checkpoint, once the client has the first token; the
-        budget stop, if a check found one (the upstream is cut there, whether or not the client reads)."""
-        if self.delivered:
+        """After each upstream read (``ReadAhead``): the checkpoint, once a stream's client has the first token
+        (a collected call's at once); the budget stop, if a check found one (the upstream is cut there, whether or
+        not the client reads, and the stop comes after the chunks read before it)."""
+        if self.delivered or not self.admitted.generation.stream:
             self._checkpoint()
         return self._stop
 
@@ -412,7 +405,7 @@ class Call:
 
     def _checkpoint_due(self) -> bool:
         """Whether ``_checkpoint`` has anything to do now: the first token, or ``SETTLE_EVERY_TOKENS`` tokens or
-        ``SETTLE_EVERY_S`` since the last partial settlement (the relay asks before awaiting it, once a write)."""
+        ``SETTLE_EVERY_S`` since the last partial settlement."""
         tokens, at_s = self._settled_at
         output_tokens = self.progress.output_tokens
         if tokens == 0 < output_tokens:  # the ledger learns at once that the request has run

@@ -160,18 +160,6 @@ class ReadAhead:
             return False
         return True
 
-    def left(self) -> list[dict[str, Any]]:
-        """Once closed (``aclose``): the chunks read and not taken, in order (emptied)."""
-        assert self._task is None or self._task.done()
-        out = self._read[self._next :]
-        self._read, self._next = [], 0
-        while not self._reads.empty():
-            item = self._reads.get_nowait()
-            if isinstance(item, list):
-                out += item
-        self._queued = 0
-        return out
-
     async def aclose(self) -> None:
         """Stop reading and close the upstream stream; at once when nothing was asked yet. A cancellation of
         the caller meanwhile is raised once the reading task has ended."""

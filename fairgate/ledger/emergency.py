@@ -60,8 +60,8 @@ from fairgate.ledger.rules import Account, ReserveArgs, check_billing, check_ret
 
 log = logging.getLogger("fairgate.ledger")
 EMERGENCY_PREFIX = "emg-"
-# Late reservations per closed one: each call's settlements after its reservation closed bill their rest under
-# the next; a stream stops at its next chunk once it knows (``Call._hold_run_claim``), so a few are enough.
+# Late reservations per closed one: its call's final settlement and its journal's last record may each take one
+# (the next when another billed less), so a few are enough.
 LATE_RESERVATIONS_MAX = 4
 KNOWN_IDS_MAX = 100_000  # reservations remembered per process (~200 bytes each: ~20 MB at most)
 
@@ -591,8 +591,7 @@ class ResilientLedger(RequestPath):
             billed = (await self.ledger.get(reservation_id)).billed
         except (ReservationNotFound, InvalidUsage):
             return False
-        amounts = ("input_tokens", "output_tokens", "gpu_ms")
-        return all(getattr(billed, name) >= getattr(usage, name) for name in amounts)
+        return _difference(usage, billed) == Usage()
 
 
 def _fold(
