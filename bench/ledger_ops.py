@@ -59,16 +59,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ledger_floor import floor_us
 from fairgate.harness.ledger import bench_quotas, drop_ledger
-from fairgate.ledger import Ledger, Reservation, connect, quotas_from_dict
+from fairgate.ledger import Ledger, Reservation, connect, postgres, quotas_from_dict
 from fairgate.ledger.model import RunClaim
 from fairgate.ledger.rules import Account
 
 QUOTAS = bench_quotas(8)
 BATCH = 250  # requests open at once in the server-time run (below max_concurrent)
+AT_ONCE_PER_CLIENT = 16  # pairs at once in each client process of the one-tenant throughput run's second figure
 # The operation kinds timed: the three-call pattern's (reserve, claim, account, settle) and the gateway's
 # (reserve_claim: the reserve that takes the run claim; settle_claimed: its final settle).
-OPS = ("reserve", "claim", "account", "settle", "reserve_claim", "settle_claimed")
+OPS = (
+    "reserve",
+    "claim",
+    "account",
+    "settle",
+    "reserve_claim",
+    "settle_claimed",
+    "reserve_claim_at_once",
+    "settle_claimed_at_once",
+)
 REQUEST = ("reserve_claim", "settle_claimed")  # a gateway request
+AT_ONCE = ("reserve_claim_at_once", "settle_claimed_at_once")  # the same, BATCH requests at once (PostgreSQL: batched)
 THREE_CALLS = ("reserve", "claim", "settle")  # the same request as three calls
 SCRIPT_COMMANDS = frozenset({"eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro"})
 NOT_OURS = frozenset({"info"})  # the sampler's own calls
@@ -76,29 +87,52 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def _client(url: str, index: int, seconds: float, start_at: float, out: mp.Queue, one_tenant: bool) -> None:  # type: ignore[type-arg]
-    async def run() -> int:
-        ledger = await connect(url, quotas_from_dict(QUOTAS))
-        tenant, done = f"bench{0 if one_tenant else index}", 0
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        end = time.time() + seconds
+def _client(
+    url: str,
+    index: int,
+    seconds: float,
+    start_at: float,
+    out: mp.Queue,  # type: ignore[type-arg]
+    one_tenant: bool,
+    at_once: int,
+    batching: tuple[int, int],
+) -> None:
+    async def pairs(ledger: Ledger, tenant: str, name: str, end: float) -> int:
+        done = 0
         while time.time() < end:
-            r = await ledger.reserve(tenant, f"{index}-{done}", 100, 50, 10.0)
+            r = await ledger.reserve(tenant, f"{name}-{done}", 100, 50, 10.0)
             await ledger.settle(r.id, 100, 20, 8.0, final=True)
             done += 1
-        await ledger.close()
         return done
+
+    async def run() -> int:
+        # Read when the ledger opens; this process's own copies.
+        postgres.BATCHES_IN_FLIGHT, postgres.BATCH_CALLS_MAX = batching
+        ledger = await connect(url, quotas_from_dict(QUOTAS))
+        tenant = f"bench{0 if one_tenant else index}"
+        run = f"{start_at:.6f}"  # request ids of this measurement's own: a repeated one is a retry, not a request
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        end = time.time() + seconds
+        done = await asyncio.gather(*(pairs(ledger, tenant, f"{run}-{index}-{k}", end) for k in range(at_once)))
+        await ledger.close()
+        return sum(done)
 
     out.put(asyncio.run(run()))
 
 
-def measure(url: str, clients: int, seconds: float, one_tenant: bool = False) -> float:
+def measure(
+    url: str, clients: int, seconds: float, one_tenant: bool = False, at_once: int = 1, batched: bool = True
+) -> float:
     """Pairs per second of ``clients`` processes, each on a tenant of its own or (``one_tenant``) all on one: the
-    tenant's lock, which every call on it takes, then bounds them."""
+    tenant's lock, which every call on it takes, then bounds them. Each process runs ``at_once`` pairs at a time
+    (a gateway process serves many requests at once: PostgreSQL batches their calls, unless not ``batched``)."""
+    # Not batched: every call alone, as many in flight as the pool has connections.
+    batching = (postgres.BATCHES_IN_FLIGHT, postgres.BATCH_CALLS_MAX) if batched else (postgres.POOL_CONNECTIONS, 1)
     queue: mp.Queue = mp.Queue()  # type: ignore[type-arg]
     start_at = time.time() + 1.5  # every client connected before the clock starts
     processes = [
-        mp.Process(target=_client, args=(url, i, seconds, start_at, queue, one_tenant)) for i in range(clients)
+        mp.Process(target=_client, args=(url, i, seconds, start_at, queue, one_tenant, at_once, batching))
+        for i in range(clients)
     ]
     for p in processes:
         p.start()
@@ -240,11 +274,20 @@ class Totals:
 
 
 async def _phase(
-    sampler: Sampler, totals: Totals, op: str, call: Callable[[T], Awaitable[R]], items: Sequence[T]
+    sampler: Sampler,
+    totals: Totals,
+    op: str,
+    call: Callable[[T], Awaitable[R]],
+    items: Sequence[T],
+    at_once: bool = False,
 ) -> list[R]:
-    """``call`` on every item, one after another, with the server's counters read before and after."""
+    """``call`` on every item, one after another (``at_once``: all at once), with the server's counters read
+    before and after."""
     before = await sampler.read()
-    results = [await call(item) for item in items]
+    if at_once:
+        results = list(await asyncio.gather(*(call(item) for item in items)))
+    else:
+        results = [await call(item) for item in items]
     totals.add(op, sampler.between(before, await sampler.read(), len(items)))
     return results
 
@@ -284,10 +327,16 @@ async def server_time(ledger: Ledger, sampler: Sampler, ops: int) -> Totals:
             await _phase(sampler, counted, "reserve_claim", reserve_claim, ids),
         )
 
+    async def gateway_at_once(batch: int, counted: Totals) -> None:
+        ids = [f"{run}-{batch}-a{i}" for i in range(BATCH)]
+        reserved = await _phase(sampler, counted, "reserve_claim_at_once", reserve_claim, ids, at_once=True)
+        await _phase(sampler, counted, "settle_claimed_at_once", settle, reserved, at_once=True)
+
     for batch in range(-1, max(1, ops // BATCH)):
         counted = totals if batch >= 0 else Totals()
         for pattern in (three_calls, gateway) if batch % 2 == 0 else (gateway, three_calls):
             await pattern(batch, counted)
+        await gateway_at_once(batch, counted)
         counted.ops += BATCH
     return totals
 
@@ -331,6 +380,12 @@ async def report_server_time(name: str, url: str, ops: int, repeat: int) -> None
     print(
         f"  {'':9s} the same request as three calls (reserve + claim + final settle) {three:.1f} µs -> "
         f"{1e6 / three:,.0f} requests/s per server core; gateway request / three calls: {request / three:.2f}"
+    )
+    at_once = best.us(*AT_ONCE)
+    print(
+        f"  {'':9s} gateway request, {BATCH} at once{' (calls batched: postgres_batch)' if name == 'postgres' else ''}"
+        f" {at_once:.1f} µs -> {1e6 / at_once:,.0f} requests/s per server core; at once / one at a time: "
+        f"{at_once / request:.2f}"
     )
     floor, what = await floor_us(name, url)
     print(
@@ -437,10 +492,16 @@ def main() -> None:
                 one = measure(url, 1, args.seconds)
                 eight = measure(url, 8, args.seconds)
                 shared = measure(url, 8, args.seconds, one_tenant=True)
+                shared_at_once = measure(url, 8, args.seconds, one_tenant=True, at_once=AT_ONCE_PER_CLIENT)
+                unbatched = ""
+                if name == "postgres":
+                    alone = measure(url, 8, args.seconds, one_tenant=True, at_once=AT_ONCE_PER_CLIENT, batched=False)
+                    unbatched = f" (not batched {alone:,.0f}/s: x{shared_at_once / alone:.2f})"
                 asyncio.run(_prepare_and_clean(url, clean=True))
                 print(
                     f"  {name:9s} 1 client {one:8,.0f}/s   8 clients {eight:8,.0f}/s   (x{eight / one:.2f}; "
-                    f"goal >= {goals[name]:,}/s)   8 clients of one tenant {shared:8,.0f}/s"
+                    f"goal >= {goals[name]:,}/s)   8 clients of one tenant {shared:8,.0f}/s, "
+                    f"{AT_ONCE_PER_CLIENT} pairs at once each {shared_at_once:8,.0f}/s{unbatched}"
                 )
         print(f"server time per operation ({args.ops:,} requests, {BATCH} at a time, one client)")
         for name, url in chosen.items():

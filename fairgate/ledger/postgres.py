@@ -2,11 +2,14 @@
 
 A call on the request path (reserve, claim, settle, cancel, an expiry, the queue steps) is one round trip: one
 autocommit statement calling a server-side function (``postgres_functions.sql``, ``postgres_functions.py``) that
-takes the tenant's lock, applies the rules and writes, as its own transaction. A read outside a write
+takes the tenant's lock, applies the rules and writes, as its own transaction; or, made while the process's
+calls in flight are at their bound, one call of a batch that runs several in one transaction and one commit
+(``postgres_batch``). A read outside a write
 (``account``) is one round trip too; the operator's and the sweep's other calls run in ``_PgTx`` transactions.
 
 ``pg_advisory_xact_lock(hash(tenant))`` serialises every call on a tenant across all gateway processes
-(limits are global, not per process), held only while the server runs the call's function; the clock is the
+(limits are global, not per process), held until its transaction commits (a batch's: after all its calls,
+taken in the order of their keys); the clock is the
 server's ``clock_timestamp()``, so processes with different clocks agree. Tables and functions live in the
 schema named by the URL's ``schema`` parameter (default ``public``; not empty, not ``information_schema`` nor
 ``pg_*``), created if missing (the functions replaced) unless ``open(..., create=False)``. ``timeout_s``
@@ -48,6 +51,7 @@ from fairgate.ledger import rules, sql_schema, urls
 from fairgate.ledger.base import Ledger, new_reservation_id
 from fairgate.ledger.config import Limits, Quotas
 from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, RunClaim, Usage
+from fairgate.ledger.postgres_batch import CallBatches, Refusal
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx, tag_of
 from fairgate.ledger.sql_schema import ADDED_COLUMNS, Statement, add_column
 from fairgate.ledger.text import one_line as _one_line
@@ -64,6 +68,14 @@ _POOL_LOGGER = logging.getLogger("psycopg.pool")
 # Connections in one process's pool. Each call holds one for one transaction (a few ms); several gateway
 # processes of 8 each stay well under PostgreSQL's default max_connections (100).
 POOL_CONNECTIONS = 8
+# Request-path calls or batches of them in flight at once, and calls in one batch (postgres_batch). Fewer in
+# flight make larger batches. Reserve + final settle pairs/s of 8 processes running 16 pairs at once each, on
+# this 2-core machine (bench/ledger_ops.py; its clients share the cores with the server), two runs each - one
+# tenant: not batched (8 in flight, one call each) 374-380, 6 in flight 555-591, 2: 811-988, 1: 1,152-1,175; a
+# tenant each: 536-609, 804-874, 1,303-1,314, 1,313-1,509. Two, so that one slow batch does not hold all of a
+# process's calls.
+BATCHES_IN_FLIGHT = 2
+BATCH_CALLS_MAX = 32
 # A connection lost with the server is retried with a doubling delay (psycopg_pool: 1, 2, 4, 8 s...) until this
 # long, then given up, and the next call that finds no connection connects at once. Left at psycopg_pool's 300 s,
 # a process stayed unusable 3.5-4.2 s after a 10 s PostgreSQL stop (the attempt after the server was back came
@@ -378,6 +390,7 @@ class PostgresLedger(SqlLedger):
         self.schema = schema
         self._clock = clock
         self._books_by_tag: tuple[Quotas | None, dict[str, fn.TenantBooks]] = (None, {})
+        self._batches = CallBatches(pool, schema, self._lone, BATCHES_IN_FLIGHT, BATCH_CALLS_MAX)
 
     @classmethod
     async def open(
@@ -430,13 +443,10 @@ class PostgresLedger(SqlLedger):
 
     # --- request path: one server-side function call each ------------------------------------------
     async def _call(self, function: str, params: dict[str, Any], refused: fn.Refused) -> tuple[Any, ...]:
-        """``function``'s one row: one autocommit statement, one round trip, its own transaction. Raises what
-        ``refused`` maps a refusal to, ``LedgerUnavailable``."""
-        sql = fn.call(function, self.schema)
+        """``function``'s one row: sent alone or in a batch of this process's calls (``CallBatches``). Raises
+        what ``refused`` maps a refusal to, ``LedgerUnavailable``."""
         try:
-            async with self._pool.connection() as connection:
-                cursor = await connection.execute(sql, params)
-                row = await cursor.fetchone()
+            outcome = await self._batches.call(function, params)
         except (TimeoutError, psycopg_pool.PoolTimeout) as exc:
             raise LedgerUnavailable(
                 f"postgres ledger: no connection within the pool timeout ({_one_line(exc)})"
@@ -449,6 +459,18 @@ class PostgresLedger(SqlLedger):
             if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
                 raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
             raise
+        if isinstance(outcome, Refusal):
+            refusal = refused.error(outcome.sqlstate, outcome.detail)
+            if refusal is None:  # a refusal this call cannot make: a defect of the functions
+                raise RuntimeError(f"postgres ledger: {function}: {outcome.sqlstate} {outcome.message}")
+            raise refusal
+        return outcome
+
+    async def _lone(self, function: str, params: dict[str, Any]) -> tuple[Any, ...]:
+        """``function``'s one row: one autocommit statement, one round trip, its own transaction."""
+        async with self._pool.connection() as connection:
+            cursor = await connection.execute(fn.call(function, self.schema), params)
+            row = await cursor.fetchone()
         assert row is not None
         return tuple(row)
 

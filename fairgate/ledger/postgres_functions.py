@@ -148,6 +148,15 @@ def call(function: str, schema_name: str) -> str:
     return f'SELECT {_COLUMNS[function]} FROM "{schema_name}".{function}({_ARGS[function]}) AS o'
 
 
+@lru_cache(maxsize=64)
+def try_call(function: str, schema_name: str) -> str:
+    """The statement calling ``function`` (one of ``FUNCTIONS``) in a batch: its ``fg_try_`` wrapper, which
+    returns the error's SQLSTATE, message and detail (NULL: none), then ``call``'s columns."""
+    wrapper = function.replace("fg_", "fg_try_", 1)
+    columns = f"o.err_state, o.err_message, o.err_detail, {_COLUMNS[function]}"
+    return f'SELECT {columns} FROM "{schema_name}".{wrapper}({_ARGS[function]}) AS o'
+
+
 def reserve_params(
     args: rules.ReserveArgs,
     reservation_id: str,

@@ -766,3 +766,73 @@ BEGIN
   END LOOP;
   code := 'ok';
 END $$;
+-- ;;
+-- The request path's calls as a batch runs them (postgres_batch.py: several calls of one process in one
+-- transaction, one commit): each call in a subtransaction of its own (the EXCEPTION block), so that a refusal
+-- rolls back only what that call wrote and the others commit. The error comes back as columns (err_state NULL:
+-- none), the call's own OUT columns after them.
+CREATE OR REPLACE FUNCTION fg_try_reserve(
+  p_lock bigint, p_now float8, p_id text, p_tenant text, p_request_id text, p_model_class text, p_run_id text,
+  p_tool_round boolean, p_in bigint, p_out bigint, p_estimate float8, p_price float8[], p_ttl_s float8,
+  p_keys text[], p_limits float8[], p_owner text, p_lease_ms float8, OUT err_state text, OUT err_message text,
+  OUT err_detail text, OUT code text, OUT res fg_reservations, OUT bal fg_accounts, OUT holder text,
+  OUT lease_until_ms float8, OUT clock_ms float8)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v record;
+BEGIN
+  v := fg_reserve(p_lock, p_now, p_id, p_tenant, p_request_id, p_model_class, p_run_id, p_tool_round, p_in, p_out,
+    p_estimate, p_price, p_ttl_s, p_keys, p_limits, p_owner, p_lease_ms);
+  code := v.code;
+  res := v.res;
+  bal := v.bal;
+  holder := v.holder;
+  lease_until_ms := v.lease_until_ms;
+  clock_ms := v.clock_ms;
+EXCEPTION WHEN others THEN
+  GET STACKED DIAGNOSTICS err_state = RETURNED_SQLSTATE, err_message = MESSAGE_TEXT, err_detail = PG_EXCEPTION_DETAIL;
+END $$;
+-- ;;
+CREATE OR REPLACE FUNCTION fg_try_close(
+  p_lock bigint, p_now float8, p_id text, p_kind text, p_final boolean, p_in bigint, p_out bigint, p_gpu float8,
+  p_tenant text, p_keys text[], p_limits float8[], p_fallback float8[], OUT err_state text, OUT err_message text,
+  OUT err_detail text, OUT code text, OUT res fg_reservations)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v record;
+BEGIN
+  v := fg_close(p_lock, p_now, p_id, p_kind, p_final, p_in, p_out, p_gpu, p_tenant, p_keys, p_limits, p_fallback);
+  code := v.code;
+  res := v.res;
+EXCEPTION WHEN others THEN
+  GET STACKED DIAGNOSTICS err_state = RETURNED_SQLSTATE, err_message = MESSAGE_TEXT, err_detail = PG_EXCEPTION_DETAIL;
+END $$;
+-- ;;
+CREATE OR REPLACE FUNCTION fg_try_claim(
+  p_lock bigint, p_now float8, p_id text, p_owner text, p_lease_ms float8, OUT err_state text,
+  OUT err_message text, OUT err_detail text, OUT holder text, OUT lease_until_ms float8, OUT clock_ms float8)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v record;
+BEGIN
+  v := fg_claim(p_lock, p_now, p_id, p_owner, p_lease_ms);
+  holder := v.holder;
+  lease_until_ms := v.lease_until_ms;
+  clock_ms := v.clock_ms;
+EXCEPTION WHEN others THEN
+  GET STACKED DIAGNOSTICS err_state = RETURNED_SQLSTATE, err_message = MESSAGE_TEXT, err_detail = PG_EXCEPTION_DETAIL;
+END $$;
+-- ;;
+CREATE OR REPLACE FUNCTION fg_try_queue_step(
+  p_lock bigint, p_id text, p_enter boolean, p_tenant text, p_keys text[], p_limits float8[], OUT err_state text,
+  OUT err_message text, OUT err_detail text, OUT code text, OUT res fg_reservations)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v record;
+BEGIN
+  v := fg_queue_step(p_lock, p_id, p_enter, p_tenant, p_keys, p_limits);
+  code := v.code;
+  res := v.res;
+EXCEPTION WHEN others THEN
+  GET STACKED DIAGNOSTICS err_state = RETURNED_SQLSTATE, err_message = MESSAGE_TEXT, err_detail = PG_EXCEPTION_DETAIL;
+END $$;

@@ -1,0 +1,131 @@
+"""The PostgreSQL ledger's batches (``fairgate.ledger.postgres_batch``): calls made while the process's calls
+in flight are at their bound go as one transaction, each call's refusal its own; a call whose caller left before
+it was sent is not sent; a batch whose connection is lost fails every call in it and writes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import psycopg
+import pytest
+
+from fairgate.ledger import LedgerUnavailable, QuotaExceeded, connect, quotas_from_dict
+from fairgate.ledger import postgres_functions as fn
+from fairgate.ledger.base import new_reservation_id, tenant_tag
+from fairgate.ledger.postgres import PostgresLedger
+from fairgate.ledger.postgres_batch import CallBatches
+from tests.ledger.conftest import LIMITS
+
+LIMITS_BATCH = {**LIMITS, "requests_per_minute": 60_000, "requests_burst": 1_000, "max_concurrent": 10}
+QUOTAS = {"tenants": {"acme": {"limits": LIMITS_BATCH}, "beta": {"limits": LIMITS_BATCH}}}
+
+
+@pytest.fixture
+async def ledger(backend_url) -> AsyncIterator[PostgresLedger]:  # type: ignore[no-untyped-def]
+    opened = await connect(backend_url("postgres"), quotas_from_dict(QUOTAS))
+    assert isinstance(opened, PostgresLedger)
+    # One call or batch in flight: the first call of a burst goes alone, the rest queue behind it as one batch.
+    opened._batches = CallBatches(opened._pool, opened.schema, opened._lone, in_flight_max=1, calls_max=32)
+    yield opened
+    await opened.drop_schema()
+    await opened.close()
+
+
+async def _count(ledger: PostgresLedger, request_ids: list[str]) -> int:
+    async with ledger._pool.connection() as connection:
+        cursor = await connection.execute(
+            f'SELECT count(*) FROM "{ledger.schema}".fg_reservations WHERE request_id = ANY(%s)', [request_ids]
+        )
+        row = await cursor.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_a_burst_is_one_batch_and_each_refusal_is_its_own(ledger: PostgresLedger) -> None:
+    calls = [ledger.reserve("acme" if i % 2 else "beta", f"r{i}", 100, 50, 10.0) for i in range(31)]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    # The first call alone, the other 30 in one batch (in_flight_max=1).
+    assert (ledger._batches.batches, ledger._batches.batched_calls) == (1, 30)
+    granted = [o for o in outcomes if not isinstance(o, BaseException)]
+    refused = [o for o in outcomes if isinstance(o, QuotaExceeded)]
+    assert len(granted) == 20 and len(refused) == 11  # max_concurrent 10 for each tenant, 16 and 15 asked
+    assert {r.dimension for r in refused} == {"max_concurrent"}
+    assert {r.tenant for r in granted} == {"acme", "beta"}
+    for tenant in ("acme", "beta"):
+        assert (await ledger.account(tenant)).concurrent == 10
+    # What the callers got is what the ledger holds: the refused calls wrote nothing.
+    assert await _count(ledger, [f"r{i}" for i in range(31)]) == 20
+    settled = await asyncio.gather(*(ledger.settle(r.id, 100, 20, 8.0, final=True) for r in granted))
+    assert {(s.status, s.billed.output_tokens) for s in settled} == {("settled", 20)}
+    assert ledger._batches.batches == 2
+    for tenant in ("acme", "beta"):
+        account = await ledger.account(tenant)
+        assert account.concurrent == 0
+        assert account.gpu_window_used_ms == pytest.approx(80.0)
+
+
+async def test_an_error_not_a_refusal_is_raised_as_the_call_alone_raises_it(ledger: PostgresLedger) -> None:
+    tag = tenant_tag("acme")
+    good = ledger.reserve("acme", "good", 100, 50, 10.0)
+    bad_params = {
+        "lock": fn.lock_key(tag), "now": None, "id": new_reservation_id("acme"), "tenant": None,
+        "request_id": "bad", "model_class": "default", "run_id": None, "tool_round": False, "input": 1,
+        "output": 1, "estimate": 1.0, "price": [0.0, 0.0, 0.0], "ttl_s": 60.0, "keys": ["*"],
+        "limits": [None] * 18, "owner": None, "lease_ms": 0.0,
+    }  # fmt: skip
+    bad = ledger._call("fg_reserve", bad_params, fn.Refused(tenant="acme"))
+    first = ledger.reserve("beta", "first", 100, 50, 10.0)
+    outcomes = await asyncio.gather(first, good, bad, return_exceptions=True)
+    assert ledger._batches.batches == 1  # good and bad went together, bad failed in it and was sent again alone
+    assert not isinstance(outcomes[1], BaseException) and outcomes[1].status == "open"
+    assert isinstance(outcomes[2], psycopg.errors.NotNullViolation)
+    assert await _count(ledger, ["first", "good", "bad"]) == 2
+
+
+async def test_a_call_whose_caller_left_before_it_was_sent_is_not_sent(ledger: PostgresLedger) -> None:
+    first = asyncio.create_task(ledger.reserve("acme", "first", 100, 50, 10.0))
+    await asyncio.sleep(0)  # first in flight
+    left = asyncio.create_task(ledger.reserve("acme", "left", 100, 50, 10.0))
+    await asyncio.sleep(0)  # left queued behind it
+    left.cancel()
+    await first
+    with pytest.raises(asyncio.CancelledError):
+        await left
+    await ledger.reserve("acme", "after", 100, 50, 10.0)
+    assert await _count(ledger, ["first", "left", "after"]) == 2
+
+
+async def test_a_batch_whose_connection_is_lost_fails_every_call_and_writes_nothing(ledger: PostgresLedger) -> None:
+    lock = fn.lock_key(tenant_tag("acme"))
+    async with await psycopg.AsyncConnection.connect(ledger._pool.conninfo, autocommit=True) as holder:
+        await holder.execute("SELECT pg_advisory_lock(%s)", [lock])  # acme's calls wait for it
+        first = asyncio.create_task(ledger.reserve("beta", "first", 100, 50, 10.0))
+        await asyncio.sleep(0)
+        batch = [asyncio.create_task(ledger.reserve("acme", f"b{i}", 100, 50, 10.0)) for i in range(5)]
+        await first
+        waiting = await _backend_waiting_on(holder, lock)
+        await holder.execute("SELECT pg_terminate_backend(%s)", [waiting])
+        outcomes = await asyncio.gather(*batch, return_exceptions=True)
+        assert all(isinstance(o, LedgerUnavailable) for o in outcomes), outcomes
+        await holder.execute("SELECT pg_advisory_unlock(%s)", [lock])
+    assert await _count(ledger, [f"b{i}" for i in range(5)]) == 0
+    assert (await ledger.account("acme")).concurrent == 0
+    again = await asyncio.gather(*(ledger.reserve("acme", f"b{i}", 100, 50, 10.0) for i in range(5)))
+    assert [r.status for r in again] == ["open"] * 5  # the pool replaced the connection; the retries go through
+
+
+async def _backend_waiting_on(connection: psycopg.AsyncConnection, lock: int) -> int:  # type: ignore[type-arg]
+    """The pid of the backend waiting for advisory lock ``lock`` (polled: the batch is on its way)."""
+    key = lock & 0xFFFF_FFFF_FFFF_FFFF  # a bigint key is shown as its high and low 32 bits, unsigned
+    for _ in range(200):
+        cursor = await connection.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+            "AND classid = %s::int8::oid AND objid = %s::int8::oid AND objsubid = 1",
+            [key >> 32, key & 0xFFFF_FFFF],
+        )
+        row = await cursor.fetchone()
+        if row is not None:
+            return int(row[0])
+        await asyncio.sleep(0.01)
+    raise AssertionError("no backend waits on the lock")
