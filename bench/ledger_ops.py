@@ -59,8 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ledger_floor import floor_us
 from fairgate.harness.ledger import bench_quotas, drop_ledger
-from fairgate.ledger import Ledger, Reservation, connect, postgres, quotas_from_dict
+from fairgate.ledger import Ledger, Reservation, connect, quotas_from_dict
 from fairgate.ledger.model import RunClaim
+from fairgate.ledger.postgres import PostgresLedger
+from fairgate.ledger.postgres_batch import CallBatches, LoneCall, Refusal, Row
 from fairgate.ledger.rules import Account
 
 QUOTAS = bench_quotas(8)
@@ -95,7 +97,7 @@ def _client(
     out: mp.Queue,  # type: ignore[type-arg]
     one_tenant: bool,
     at_once: int,
-    batching: tuple[int, int],
+    batched: bool,
 ) -> None:
     async def pairs(ledger: Ledger, tenant: str, name: str, end: float) -> int:
         done = 0
@@ -106,9 +108,9 @@ def _client(
         return done
 
     async def run() -> int:
-        # Read when the ledger opens; this process's own copies.
-        postgres.BATCHES_IN_FLIGHT, postgres.BATCH_CALLS_MAX = batching
         ledger = await connect(url, quotas_from_dict(QUOTAS))
+        if not batched and isinstance(ledger, PostgresLedger):
+            ledger._batches = _Unbatched(ledger._lone)
         tenant = f"bench{0 if one_tenant else index}"
         run = f"{start_at:.6f}"  # request ids of this measurement's own: a repeated one is a retry, not a request
         await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -120,18 +122,27 @@ def _client(
     out.put(asyncio.run(run()))
 
 
+class _Unbatched(CallBatches):
+    """PostgreSQL's calls as without ``postgres_batch``: each alone, as many in flight as the pool has
+    connections."""
+
+    def __init__(self, lone: LoneCall) -> None:
+        self._lone_call = lone
+
+    async def call(self, function: str, params: dict[str, Any]) -> Row | Refusal:
+        return await self._lone_call(function, params)
+
+
 def measure(
     url: str, clients: int, seconds: float, one_tenant: bool = False, at_once: int = 1, batched: bool = True
 ) -> float:
     """Pairs per second of ``clients`` processes, each on a tenant of its own or (``one_tenant``) all on one: the
     tenant's lock, which every call on it takes, then bounds them. Each process runs ``at_once`` pairs at a time
     (a gateway process serves many requests at once: PostgreSQL batches their calls, unless not ``batched``)."""
-    # Not batched: every call alone, as many in flight as the pool has connections.
-    batching = (postgres.BATCHES_IN_FLIGHT, postgres.BATCH_CALLS_MAX) if batched else (postgres.POOL_CONNECTIONS, 1)
     queue: mp.Queue = mp.Queue()  # type: ignore[type-arg]
     start_at = time.time() + 1.5  # every client connected before the clock starts
     processes = [
-        mp.Process(target=_client, args=(url, i, seconds, start_at, queue, one_tenant, at_once, batching))
+        mp.Process(target=_client, args=(url, i, seconds, start_at, queue, one_tenant, at_once, batched))
         for i in range(clients)
     ]
     for p in processes:

@@ -45,10 +45,11 @@ def check_filters(tenant: object, status: object) -> None:
 
 
 def check_reservation_id(reservation_id: object) -> str:
-    """A reservation id as a backend looks it up: a non-empty string (an unknown one is not found, later)."""
-    if not isinstance(reservation_id, str) or not reservation_id:
-        raise InvalidUsage(f"reservation_id must be a non-empty string, got {reservation_id!r}")
-    return reservation_id
+    """A reservation id as a backend looks it up: a name as ``check_name`` takes one (an unknown one is not
+    found, later). A NUL or a lone surrogate would fail in the database driver, not as the caller's error."""
+    checked = check_name(reservation_id, "reservation_id")
+    assert checked is not None
+    return checked
 
 
 def check_charges(scope: object, deltas: object) -> None:

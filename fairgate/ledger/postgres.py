@@ -2,14 +2,14 @@
 
 A call on the request path (reserve, claim, settle, cancel, an expiry, the queue steps) is one round trip: one
 autocommit statement calling a server-side function (``postgres_functions.sql``, ``postgres_functions.py``) that
-takes the tenant's lock, applies the rules and writes, as its own transaction; or, made while the process's
-calls in flight are at their bound, one call of a batch that runs several in one transaction and one commit
-(``postgres_batch``). A read outside a write
+takes the tenant's lock, applies the rules and writes, as its own transaction; or, made while another call of
+the process on the same tenant is in flight, one call of a batch of that tenant's calls in one transaction and
+one commit (``postgres_batch``). A read outside a write
 (``account``) is one round trip too; the operator's and the sweep's other calls run in ``_PgTx`` transactions.
 
 ``pg_advisory_xact_lock(hash(tenant))`` serialises every call on a tenant across all gateway processes
-(limits are global, not per process), held until its transaction commits (a batch's: after all its calls,
-taken in the order of their keys); the clock is the
+(limits are global, not per process), held until its transaction commits (a batch's: after all its calls);
+the clock is the
 server's ``clock_timestamp()``, so processes with different clocks agree. Tables and functions live in the
 schema named by the URL's ``schema`` parameter (default ``public``; not empty, not ``information_schema`` nor
 ``pg_*``), created if missing (the functions replaced) unless ``open(..., create=False)``. ``timeout_s``
@@ -68,13 +68,7 @@ _POOL_LOGGER = logging.getLogger("psycopg.pool")
 # Connections in one process's pool. Each call holds one for one transaction (a few ms); several gateway
 # processes of 8 each stay well under PostgreSQL's default max_connections (100).
 POOL_CONNECTIONS = 8
-# Request-path calls or batches of them in flight at once, and calls in one batch (postgres_batch). Fewer in
-# flight make larger batches. Reserve + final settle pairs/s of 8 processes running 16 pairs at once each, on
-# this 2-core machine (bench/ledger_ops.py; its clients share the cores with the server), two runs each - one
-# tenant: not batched (8 in flight, one call each) 374-380, 6 in flight 555-591, 2: 811-988, 1: 1,152-1,175; a
-# tenant each: 536-609, 804-874, 1,303-1,314, 1,313-1,509. Two, so that one slow batch does not hold all of a
-# process's calls.
-BATCHES_IN_FLIGHT = 2
+# Calls in one batch of a tenant's calls (postgres_batch).
 BATCH_CALLS_MAX = 32
 # A connection lost with the server is retried with a doubling delay (psycopg_pool: 1, 2, 4, 8 s...) until this
 # long, then given up, and the next call that finds no connection connects at once. Left at psycopg_pool's 300 s,
@@ -390,7 +384,7 @@ class PostgresLedger(SqlLedger):
         self.schema = schema
         self._clock = clock
         self._books_by_tag: tuple[Quotas | None, dict[str, fn.TenantBooks]] = (None, {})
-        self._batches = CallBatches(pool, schema, self._lone, BATCHES_IN_FLIGHT, BATCH_CALLS_MAX)
+        self._batches = CallBatches(pool, schema, self._lone, BATCH_CALLS_MAX)
 
     @classmethod
     async def open(

@@ -6,22 +6,25 @@ the calls on one tenant run one flush at a time whoever sends them, and every co
 as much CPU as a small call's work (``bench/ledger_ops.py``: three one-row ``UPDATE`` transactions ~690 µs of
 backend CPU against ~1,240 µs for a gateway request's two calls). A batch pays one commit for all its calls.
 
-Natural batching, as a database's group commit does it: a call made while fewer than ``in_flight_max`` calls or
-batches of this process are in flight is sent at once, alone, as a statement of its own (a lone call waits for
-nothing); a call made while they are all in flight is queued, and each one that ends sends what has queued, up
-to ``calls_max`` calls, as one batch. The busier the ledger, the larger the batches.
+Natural batching, as a database's group commit does it, per tenant lock: a call on a tenant with no call of
+this process in flight is sent at once, alone, as a statement of its own (it waits for nothing); a call made
+while one is in flight is queued, and when that one ends what has queued, up to ``calls_max`` calls, goes as one
+batch. Calls on one tenant wait for each other on its lock anyway; calls on other tenants never wait for them
+here (a batch of several tenants would hold every lock it took while it waited for the next). The busier a
+tenant, the larger its batches. A queued call not sent within the pool's timeout fails as a lone call that
+finds no connection in it does (``PoolTimeout``), and is never sent; nor is one whose caller has gone.
 
 A batch is one round trip: ``BEGIN``, every call through its ``fg_try_`` wrapper, ``COMMIT``. A wrapper runs
 its call in a subtransaction of its own (a PL/pgSQL ``EXCEPTION`` block), so a refusal rolls back only what
 that call wrote and comes back as columns. ``calls_max`` stays under 64, the subtransactions a backend tracks
 in shared memory before every snapshot elsewhere has to look them up in ``pg_subtrans`` (PostgreSQL's
-``PGPROC_MAX_CACHED_SUBXIDS``). The calls are sent in the order of their tenant locks, so two batches, of this
-process or another, take the locks they share in the same order and do not deadlock each other.
+``PGPROC_MAX_CACHED_SUBXIDS``).
 
 A call whose error in a batch is not a refusal (SQLSTATE class ``FG``) is sent again alone, so it raises what
-a lone call raises; a batch that fails as a whole on the server (rolled back: nothing of it written) sends each
-of its calls again alone; a batch whose connection is lost fails each of its calls with that error, as a lone
-call fails (the outcome unknown: the ledger's calls are idempotent and their callers ready for it).
+a lone call raises; so is every call of a batch that fails as a whole without losing its connection (rolled
+back: nothing of it written; a value the driver cannot send, a cancelled statement); a batch whose connection
+is lost, or that finds none in the pool's timeout, fails each of its calls with that error, as a lone call
+fails (the outcome unknown: the ledger's calls are idempotent and their callers ready for it).
 """
 
 from __future__ import annotations
@@ -33,15 +36,13 @@ from typing import Any
 
 import psycopg
 from psycopg import pq
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from fairgate.ledger import postgres_functions as fn
 
 Row = tuple[Any, ...]
 LoneCall = Callable[[str, dict[str, Any]], Awaitable[Row]]
 REFUSAL_CLASS = "FG"  # the SQLSTATE class of the functions' refusals (postgres_functions.sql's header)
-# Errors of the connection or the pool: a lone call is failed by them too (LedgerUnavailable), never re-sent.
-_LOST = (psycopg.OperationalError, psycopg.InterfaceError, TimeoutError)
 
 
 @dataclass(frozen=True)
@@ -58,63 +59,81 @@ class _Queued:
     function: str
     params: dict[str, Any]
     answer: asyncio.Future[Row | Refusal]
+    sent: bool = False
 
 
 class CallBatches:
-    """One process's request-path calls, sent alone or batched (module docstring).
+    """One process's request-path calls, sent alone or batched per tenant lock (module docstring).
 
     Args:
-        pool: the ledger's connection pool (a batch holds one connection for its round trip).
+        pool: the ledger's connection pool (a batch holds one connection for its round trip); its ``timeout``
+            bounds how long a queued call waits to be sent.
         schema: the ledger's schema.
         lone: sends one call as a statement of its own and returns its one row; raises what the server or the
             pool raise (``psycopg.Error``, ``TimeoutError``).
-        in_flight_max: lone calls and batches in flight at once, at most (below the pool's size, so that the
-            ledger's other transactions still find a connection).
         calls_max: calls in one batch, at most (below 64: see the module docstring).
     """
 
-    def __init__(
-        self, pool: AsyncConnectionPool, schema: str, lone: LoneCall, in_flight_max: int, calls_max: int
-    ) -> None:
-        if not 1 <= calls_max < 64 or in_flight_max < 1:
-            raise ValueError(f"in_flight_max {in_flight_max} (>= 1), calls_max {calls_max} (1..63)")
+    def __init__(self, pool: AsyncConnectionPool, schema: str, lone: LoneCall, calls_max: int) -> None:
+        if not 1 <= calls_max < 64:
+            raise ValueError(f"calls_max {calls_max}: 1..63")
         self._pool = pool
         self._schema = schema
         self._lone = lone
-        self._in_flight_max = in_flight_max
         self._calls_max = calls_max
-        self._in_flight = 0
-        self._queue: list[_Queued] = []
+        # Tenant lock -> the calls queued on it; a lock is a key here while a call or batch on it is in flight.
+        self._queues: dict[int, list[_Queued]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.batches = 0  # batches of two calls or more sent and committed
         self.batched_calls = 0  # the calls in them
 
     async def call(self, function: str, params: dict[str, Any]) -> Row | Refusal:
-        """``function`` (one of ``postgres_functions.FUNCTIONS``) with ``params``: its row, or its refusal when
-        it ran in a batch (sent alone, a refusal is raised as ``lone`` raises it). Raises what ``lone`` raises."""
-        if self._in_flight < self._in_flight_max and not self._queue:
-            self._in_flight += 1
+        """``function`` (one of ``postgres_functions.FUNCTIONS``) with ``params`` (its tenant lock in ``lock``):
+        its row, or its refusal when it ran in a batch (sent alone, a refusal is raised as ``lone`` raises it).
+        Raises what ``lone`` raises, ``PoolTimeout`` (queued, not sent within the pool's timeout)."""
+        lock = int(params["lock"])
+        queue = self._queues.get(lock)
+        if queue is None:
+            self._queues[lock] = []
             try:
                 return await self._lone(function, params)
             finally:
-                self._in_flight -= 1
-                self._send_queued()
-        answer: asyncio.Future[Row | Refusal] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Queued(function, params, answer))
-        self._send_queued()
-        return await answer  # a caller cancelled before its call is sent cancels it: it is not sent
+                self._send_queued(lock)
+        q = _Queued(function, params, asyncio.get_running_loop().create_future())
+        queue.append(q)
+        await self._wait_sent(q)
+        return await q.answer
 
-    def _send_queued(self) -> None:
-        while self._queue and self._in_flight < self._in_flight_max:
-            taken = [q for q in self._queue[: self._calls_max] if not q.answer.done()]
-            del self._queue[: self._calls_max]
+    async def _wait_sent(self, q: _Queued) -> None:
+        """Wait until ``q`` is sent (or answered), at most the pool's timeout, as a lone call waits for a
+        connection: behind a call that hangs (a server that stopped answering, a lock held elsewhere), the
+        calls queued fail fast. A call not sent when it times out or its caller is cancelled is never sent.
+        Raises ``PoolTimeout``."""
+        try:
+            await asyncio.wait([q.answer], timeout=self._pool.timeout)
+        except asyncio.CancelledError:
+            q.answer.cancel()  # not sent: never will be; sent: its answer dropped
+            raise
+        if not q.sent and not q.answer.done():
+            q.answer.cancel()
+            raise PoolTimeout(f"not sent within {self._pool.timeout:g} s: a call on its tenant in flight")
+
+    def _send_queued(self, lock: int) -> None:
+        """The calls queued on ``lock`` (its call in flight just ended), as one batch; or none left."""
+        queue = self._queues[lock]
+        while queue:
+            taken = [q for q in queue[: self._calls_max] if not q.answer.done()]
+            del queue[: self._calls_max]
             if taken:
-                self._in_flight += 1
-                task = asyncio.create_task(self._run(taken))
+                for q in taken:
+                    q.sent = True
+                task = asyncio.create_task(self._run(lock, taken))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                return
+        del self._queues[lock]
 
-    async def _run(self, taken: list[_Queued]) -> None:
+    async def _run(self, lock: int, taken: list[_Queued]) -> None:
         try:
             if len(taken) == 1:
                 await self._alone(taken[0])
@@ -124,10 +143,11 @@ class CallBatches:
             for q in taken:  # the task cancelled (the loop closing): none of its callers is left waiting
                 if not q.answer.done():
                     _answer(q, psycopg.OperationalError("the ledger's batch ended without an answer"))
-            self._in_flight -= 1
-            self._send_queued()
+            self._send_queued(lock)
 
     async def _alone(self, q: _Queued) -> None:
+        if q.answer.done():  # its caller gone: not sent
+            return
         try:
             row = await self._lone(q.function, q.params)
         except Exception as exc:
@@ -136,14 +156,19 @@ class CallBatches:
             _answer(q, row)
 
     async def _batch(self, taken: list[_Queued]) -> None:
-        taken.sort(key=lambda q: int(q.params["lock"]))  # stable: one tenant's calls stay in their order
         try:
             rows = await self._send(taken)
-        except _LOST as exc:
-            for q in taken:
-                _answer(q, exc)
+        except (PoolTimeout, TimeoutError) as exc:  # no connection: nothing sent
+            _fail(taken, exc)
             return
-        except psycopg.Error:  # rolled back as a whole: each call alone, one after another
+        except psycopg.errors.QueryCanceled:  # rolled back as a whole
+            rows = None
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:  # the connection lost
+            _fail(taken, exc)
+            return
+        except Exception:  # rolled back as a whole, or never sent
+            rows = None
+        if rows is None:
             for q in taken:
                 await self._alone(q)
             return
@@ -174,6 +199,11 @@ class CallBatches:
                 await _discard_transaction(connection)
                 raise
         return [_one(row) for row in rows]
+
+
+def _fail(taken: list[_Queued], exc: Exception) -> None:
+    for q in taken:
+        _answer(q, exc)
 
 
 def _one(row: Row | None) -> Row:

@@ -1,6 +1,7 @@
-"""The PostgreSQL ledger's batches (``fairgate.ledger.postgres_batch``): calls made while the process's calls
-in flight are at their bound go as one transaction, each call's refusal its own; a call whose caller left before
-it was sent is not sent; a batch whose connection is lost fails every call in it and writes nothing."""
+"""The PostgreSQL ledger's batches (``fairgate.ledger.postgres_batch``): calls on a tenant made while one of
+the process's is in flight go as one transaction, each call's refusal its own; other tenants' calls do not
+wait for them; a call whose caller left before it was sent is not sent; a batch whose connection is lost fails
+every call in it and writes nothing; a call queued behind one that hangs fails fast and is never sent."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from fairgate.ledger import LedgerUnavailable, QuotaExceeded, connect, quotas_fr
 from fairgate.ledger import postgres_functions as fn
 from fairgate.ledger.base import new_reservation_id, tenant_tag
 from fairgate.ledger.postgres import PostgresLedger
-from fairgate.ledger.postgres_batch import CallBatches
 from tests.ledger.conftest import LIMITS
 
 LIMITS_BATCH = {**LIMITS, "requests_per_minute": 60_000, "requests_burst": 1_000, "max_concurrent": 10}
@@ -25,8 +25,6 @@ QUOTAS = {"tenants": {"acme": {"limits": LIMITS_BATCH}, "beta": {"limits": LIMIT
 async def ledger(backend_url) -> AsyncIterator[PostgresLedger]:  # type: ignore[no-untyped-def]
     opened = await connect(backend_url("postgres"), quotas_from_dict(QUOTAS))
     assert isinstance(opened, PostgresLedger)
-    # One call or batch in flight: the first call of a burst goes alone, the rest queue behind it as one batch.
-    opened._batches = CallBatches(opened._pool, opened.schema, opened._lone, in_flight_max=1, calls_max=32)
     yield opened
     await opened.drop_schema()
     await opened.close()
@@ -45,8 +43,8 @@ async def _count(ledger: PostgresLedger, request_ids: list[str]) -> int:
 async def test_a_burst_is_one_batch_and_each_refusal_is_its_own(ledger: PostgresLedger) -> None:
     calls = [ledger.reserve("acme" if i % 2 else "beta", f"r{i}", 100, 50, 10.0) for i in range(31)]
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
-    # The first call alone, the other 30 in one batch (in_flight_max=1).
-    assert (ledger._batches.batches, ledger._batches.batched_calls) == (1, 30)
+    # Each tenant's first call alone, the others in one batch of that tenant's: beta 1 + 15, acme 1 + 14.
+    assert (ledger._batches.batches, ledger._batches.batched_calls) == (2, 29)
     granted = [o for o in outcomes if not isinstance(o, BaseException)]
     refused = [o for o in outcomes if isinstance(o, QuotaExceeded)]
     assert len(granted) == 20 and len(refused) == 11  # max_concurrent 10 for each tenant, 16 and 15 asked
@@ -58,7 +56,7 @@ async def test_a_burst_is_one_batch_and_each_refusal_is_its_own(ledger: Postgres
     assert await _count(ledger, [f"r{i}" for i in range(31)]) == 20
     settled = await asyncio.gather(*(ledger.settle(r.id, 100, 20, 8.0, final=True) for r in granted))
     assert {(s.status, s.billed.output_tokens) for s in settled} == {("settled", 20)}
-    assert ledger._batches.batches == 2
+    assert (ledger._batches.batches, ledger._batches.batched_calls) == (4, 29 + 18)
     for tenant in ("acme", "beta"):
         account = await ledger.account(tenant)
         assert account.concurrent == 0
@@ -75,7 +73,7 @@ async def test_an_error_not_a_refusal_is_raised_as_the_call_alone_raises_it(ledg
         "limits": [None] * 18, "owner": None, "lease_ms": 0.0,
     }  # fmt: skip
     bad = ledger._call("fg_reserve", bad_params, fn.Refused(tenant="acme"))
-    first = ledger.reserve("beta", "first", 100, 50, 10.0)
+    first = ledger.reserve("acme", "first", 100, 50, 10.0)
     outcomes = await asyncio.gather(first, good, bad, return_exceptions=True)
     assert ledger._batches.batches == 1  # good and bad went together, bad failed in it and was sent again alone
     assert not isinstance(outcomes[1], BaseException) and outcomes[1].status == "open"
@@ -100,19 +98,41 @@ async def test_a_batch_whose_connection_is_lost_fails_every_call_and_writes_noth
     lock = fn.lock_key(tenant_tag("acme"))
     async with await psycopg.AsyncConnection.connect(ledger._pool.conninfo, autocommit=True) as holder:
         await holder.execute("SELECT pg_advisory_lock(%s)", [lock])  # acme's calls wait for it
-        first = asyncio.create_task(ledger.reserve("beta", "first", 100, 50, 10.0))
+        first = asyncio.create_task(ledger.reserve("acme", "first", 100, 50, 10.0))
         await asyncio.sleep(0)
         batch = [asyncio.create_task(ledger.reserve("acme", f"b{i}", 100, 50, 10.0)) for i in range(5)]
-        await first
-        waiting = await _backend_waiting_on(holder, lock)
-        await holder.execute("SELECT pg_terminate_backend(%s)", [waiting])
+        other = await ledger.reserve("beta", "other", 100, 50, 10.0)  # another tenant's call waits for none
+        assert other.status == "open" and not any(t.done() for t in batch)
+        await holder.execute("SELECT pg_terminate_backend(%s)", [await _backend_waiting_on(holder, lock)])
+        with pytest.raises(LedgerUnavailable):
+            await first
+        # Then the five queued behind it go as one batch, which waits on the lock in its turn.
+        await holder.execute("SELECT pg_terminate_backend(%s)", [await _backend_waiting_on(holder, lock)])
         outcomes = await asyncio.gather(*batch, return_exceptions=True)
         assert all(isinstance(o, LedgerUnavailable) for o in outcomes), outcomes
         await holder.execute("SELECT pg_advisory_unlock(%s)", [lock])
-    assert await _count(ledger, [f"b{i}" for i in range(5)]) == 0
+    assert await _count(ledger, ["first"] + [f"b{i}" for i in range(5)]) == 0
     assert (await ledger.account("acme")).concurrent == 0
     again = await asyncio.gather(*(ledger.reserve("acme", f"b{i}", 100, 50, 10.0) for i in range(5)))
-    assert [r.status for r in again] == ["open"] * 5  # the pool replaced the connection; the retries go through
+    assert [r.status for r in again] == ["open"] * 5  # the pool replaced the connections; the retries go through
+
+
+async def test_a_batch_the_driver_cannot_send_sends_each_call_alone(ledger: PostgresLedger) -> None:
+    tag = tenant_tag("acme")
+    params = {
+        "lock": fn.lock_key(tag), "now": None, "id": new_reservation_id("acme"), "tenant": "acme",
+        "request_id": "nul\x00", "model_class": "default", "run_id": None, "tool_round": False, "input": 1,
+        "output": 1, "estimate": 1.0, "price": [0.0, 0.0, 0.0], "ttl_s": 60.0, "keys": ["*"],
+        "limits": [None] * 18, "owner": None, "lease_ms": 0.0,
+    }  # fmt: skip
+    first = ledger.reserve("acme", "first", 100, 50, 10.0)
+    bad = ledger._call("fg_reserve", params, fn.Refused(tenant="acme"))
+    good = [ledger.reserve("acme", f"g{i}", 100, 50, 10.0) for i in range(3)]
+    outcomes = await asyncio.gather(first, bad, *good, return_exceptions=True)
+    assert isinstance(outcomes[1], psycopg.DataError)  # as alone: a NUL cannot be sent
+    assert [o.status for o in outcomes[2:]] == ["open"] * 3  # type: ignore[union-attr]
+    assert ledger._batches.batches == 0
+    assert await _count(ledger, ["first", "g0", "g1", "g2"]) == 4
 
 
 async def _backend_waiting_on(connection: psycopg.AsyncConnection, lock: int) -> int:  # type: ignore[type-arg]
@@ -129,3 +149,20 @@ async def _backend_waiting_on(connection: psycopg.AsyncConnection, lock: int) ->
             return int(row[0])
         await asyncio.sleep(0.01)
     raise AssertionError("no backend waits on the lock")
+
+
+async def test_a_call_queued_behind_calls_that_hang_fails_fast_and_is_never_sent(ledger: PostgresLedger) -> None:
+    lock = fn.lock_key(tenant_tag("acme"))
+    async with await psycopg.AsyncConnection.connect(ledger._pool.conninfo, autocommit=True) as holder:
+        await holder.execute("SELECT pg_advisory_lock(%s)", [lock])
+        hanging = asyncio.create_task(ledger.reserve("acme", "hanging", 100, 50, 10.0))
+        await asyncio.sleep(0)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(LedgerUnavailable, match="pool timeout"):
+            await ledger.reserve("acme", "queued", 100, 50, 10.0)
+        waited_s = asyncio.get_running_loop().time() - started
+        assert ledger._pool.timeout <= waited_s < ledger._pool.timeout + 1.0
+        await holder.execute("SELECT pg_advisory_unlock(%s)", [lock])
+    assert (await hanging).status == "open"
+    await ledger.reserve("acme", "after", 100, 50, 10.0)
+    assert await _count(ledger, ["hanging", "queued", "after"]) == 2
