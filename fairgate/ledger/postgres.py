@@ -51,7 +51,7 @@ from fairgate.ledger import rules, sql_schema, urls
 from fairgate.ledger.base import Ledger, new_reservation_id
 from fairgate.ledger.config import Limits, Quotas
 from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, RunClaim, Usage
-from fairgate.ledger.postgres_batch import CallBatches, Refusal
+from fairgate.ledger.postgres_batch import CallBatches, Refusal, answered
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx, tag_of
 from fairgate.ledger.sql_schema import ADDED_COLUMNS, Statement, add_column
 from fairgate.ledger.text import one_line as _one_line
@@ -461,8 +461,9 @@ class PostgresLedger(SqlLedger):
         return outcome
 
     async def _lone(self, function: str, params: dict[str, Any]) -> tuple[Any, ...]:
-        """``function``'s one row: one autocommit statement, one round trip, its own transaction."""
-        async with self._pool.connection() as connection:
+        """``function``'s one row: one autocommit statement, one round trip, its own transaction. Raises
+        ``psycopg.OperationalError`` when no answer comes within ``ANSWER_TIMEOUT_S`` (``answered``)."""
+        async with self._pool.connection() as connection, answered(connection):
             cursor = await connection.execute(fn.call(function, self.schema), params)
             row = await cursor.fetchone()
         assert row is not None

@@ -30,7 +30,8 @@ fails (the outcome unknown: the ledger's calls are idempotent and their callers 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,12 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from fairgate.ledger import postgres_functions as fn
 
+# How long a request-path call or batch waits for the server's answer before its connection is closed and it
+# fails as a lost connection does (LedgerUnavailable: its outcome unknown, as after any lost connection). A
+# server that accepts connections and answers nothing held each call for as long as it stalled. Longer than any
+# answer seen under load (a call queues on its tenant's lock behind the other processes' batches), shorter than
+# a client's patience.
+ANSWER_TIMEOUT_S = 10.0
 Row = tuple[Any, ...]
 LoneCall = Callable[[str, dict[str, Any]], Awaitable[Row]]
 REFUSAL_CLASS = "FG"  # the SQLSTATE class of the functions' refusals (postgres_functions.sql's header)
@@ -188,7 +195,7 @@ class CallBatches:
 
     async def _send(self, taken: list[_Queued]) -> list[Row]:
         """``BEGIN``, the calls' wrappers, ``COMMIT``: one round trip (libpq's pipeline mode, one Sync)."""
-        async with self._pool.connection() as connection:
+        async with self._pool.connection() as connection, answered(connection):
             try:
                 async with connection.pipeline():
                     await connection.execute("BEGIN", prepare=False)
@@ -199,6 +206,19 @@ class CallBatches:
                 await _discard_transaction(connection)
                 raise
         return [_one(row) for row in rows]
+
+
+@asynccontextmanager
+async def answered(connection: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
+    """The block's round trips on ``connection`` answered within ``ANSWER_TIMEOUT_S``, else ``connection``
+    closed (the pool replaces it; the server rolls back what it has not committed) and
+    ``psycopg.OperationalError`` raised."""
+    try:
+        async with asyncio.timeout(ANSWER_TIMEOUT_S):
+            yield
+    except TimeoutError:
+        await connection.close()
+        raise psycopg.OperationalError(f"no answer within {ANSWER_TIMEOUT_S:g} s (connection closed)") from None
 
 
 def _fail(taken: list[_Queued], exc: Exception) -> None:

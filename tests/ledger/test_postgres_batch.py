@@ -11,14 +11,17 @@ from collections.abc import AsyncIterator
 import psycopg
 import pytest
 
-from fairgate.ledger import LedgerUnavailable, QuotaExceeded, connect, quotas_from_dict
+from fairgate.ledger import LedgerUnavailable, QuotaExceeded, connect, postgres_batch, quotas_from_dict
 from fairgate.ledger import postgres_functions as fn
 from fairgate.ledger.base import new_reservation_id, tenant_tag
 from fairgate.ledger.postgres import PostgresLedger
 from tests.ledger.conftest import LIMITS
 
+# Tenants of these tests' own: an advisory lock's key is its tenant's, whatever the schema, and these tests
+# hold locks for seconds while other tests run on the same database.
+A, B = "batch-test-a", "batch-test-b"
 LIMITS_BATCH = {**LIMITS, "requests_per_minute": 60_000, "requests_burst": 1_000, "max_concurrent": 10}
-QUOTAS = {"tenants": {"acme": {"limits": LIMITS_BATCH}, "beta": {"limits": LIMITS_BATCH}}}
+QUOTAS = {"tenants": {A: {"limits": LIMITS_BATCH}, B: {"limits": LIMITS_BATCH}}}
 
 
 @pytest.fixture
@@ -41,7 +44,7 @@ async def _count(ledger: PostgresLedger, request_ids: list[str]) -> int:
 
 
 async def test_a_burst_is_one_batch_and_each_refusal_is_its_own(ledger: PostgresLedger) -> None:
-    calls = [ledger.reserve("acme" if i % 2 else "beta", f"r{i}", 100, 50, 10.0) for i in range(31)]
+    calls = [ledger.reserve(A if i % 2 else B, f"r{i}", 100, 50, 10.0) for i in range(31)]
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
     # Each tenant's first call alone, the others in one batch of that tenant's: beta 1 + 15, acme 1 + 14.
     assert (ledger._batches.batches, ledger._batches.batched_calls) == (2, 29)
@@ -49,31 +52,31 @@ async def test_a_burst_is_one_batch_and_each_refusal_is_its_own(ledger: Postgres
     refused = [o for o in outcomes if isinstance(o, QuotaExceeded)]
     assert len(granted) == 20 and len(refused) == 11  # max_concurrent 10 for each tenant, 16 and 15 asked
     assert {r.dimension for r in refused} == {"max_concurrent"}
-    assert {r.tenant for r in granted} == {"acme", "beta"}
-    for tenant in ("acme", "beta"):
+    assert {r.tenant for r in granted} == {A, B}
+    for tenant in (A, B):
         assert (await ledger.account(tenant)).concurrent == 10
     # What the callers got is what the ledger holds: the refused calls wrote nothing.
     assert await _count(ledger, [f"r{i}" for i in range(31)]) == 20
     settled = await asyncio.gather(*(ledger.settle(r.id, 100, 20, 8.0, final=True) for r in granted))
     assert {(s.status, s.billed.output_tokens) for s in settled} == {("settled", 20)}
     assert (ledger._batches.batches, ledger._batches.batched_calls) == (4, 29 + 18)
-    for tenant in ("acme", "beta"):
+    for tenant in (A, B):
         account = await ledger.account(tenant)
         assert account.concurrent == 0
         assert account.gpu_window_used_ms == pytest.approx(80.0)
 
 
 async def test_an_error_not_a_refusal_is_raised_as_the_call_alone_raises_it(ledger: PostgresLedger) -> None:
-    tag = tenant_tag("acme")
-    good = ledger.reserve("acme", "good", 100, 50, 10.0)
+    tag = tenant_tag(A)
+    good = ledger.reserve(A, "good", 100, 50, 10.0)
     bad_params = {
-        "lock": fn.lock_key(tag), "now": None, "id": new_reservation_id("acme"), "tenant": None,
+        "lock": fn.lock_key(tag), "now": None, "id": new_reservation_id(A), "tenant": None,
         "request_id": "bad", "model_class": "default", "run_id": None, "tool_round": False, "input": 1,
         "output": 1, "estimate": 1.0, "price": [0.0, 0.0, 0.0], "ttl_s": 60.0, "keys": ["*"],
         "limits": [None] * 18, "owner": None, "lease_ms": 0.0,
     }  # fmt: skip
-    bad = ledger._call("fg_reserve", bad_params, fn.Refused(tenant="acme"))
-    first = ledger.reserve("acme", "first", 100, 50, 10.0)
+    bad = ledger._call("fg_reserve", bad_params, fn.Refused(tenant=A))
+    first = ledger.reserve(A, "first", 100, 50, 10.0)
     outcomes = await asyncio.gather(first, good, bad, return_exceptions=True)
     assert ledger._batches.batches == 1  # good and bad went together, bad failed in it and was sent again alone
     assert not isinstance(outcomes[1], BaseException) and outcomes[1].status == "open"
@@ -82,26 +85,26 @@ async def test_an_error_not_a_refusal_is_raised_as_the_call_alone_raises_it(ledg
 
 
 async def test_a_call_whose_caller_left_before_it_was_sent_is_not_sent(ledger: PostgresLedger) -> None:
-    first = asyncio.create_task(ledger.reserve("acme", "first", 100, 50, 10.0))
+    first = asyncio.create_task(ledger.reserve(A, "first", 100, 50, 10.0))
     await asyncio.sleep(0)  # first in flight
-    left = asyncio.create_task(ledger.reserve("acme", "left", 100, 50, 10.0))
+    left = asyncio.create_task(ledger.reserve(A, "left", 100, 50, 10.0))
     await asyncio.sleep(0)  # left queued behind it
     left.cancel()
     await first
     with pytest.raises(asyncio.CancelledError):
         await left
-    await ledger.reserve("acme", "after", 100, 50, 10.0)
+    await ledger.reserve(A, "after", 100, 50, 10.0)
     assert await _count(ledger, ["first", "left", "after"]) == 2
 
 
 async def test_a_batch_whose_connection_is_lost_fails_every_call_and_writes_nothing(ledger: PostgresLedger) -> None:
-    lock = fn.lock_key(tenant_tag("acme"))
+    lock = fn.lock_key(tenant_tag(A))
     async with await psycopg.AsyncConnection.connect(ledger._pool.conninfo, autocommit=True) as holder:
         await holder.execute("SELECT pg_advisory_lock(%s)", [lock])  # acme's calls wait for it
-        first = asyncio.create_task(ledger.reserve("acme", "first", 100, 50, 10.0))
+        first = asyncio.create_task(ledger.reserve(A, "first", 100, 50, 10.0))
         await asyncio.sleep(0)
-        batch = [asyncio.create_task(ledger.reserve("acme", f"b{i}", 100, 50, 10.0)) for i in range(5)]
-        other = await ledger.reserve("beta", "other", 100, 50, 10.0)  # another tenant's call waits for none
+        batch = [asyncio.create_task(ledger.reserve(A, f"b{i}", 100, 50, 10.0)) for i in range(5)]
+        other = await ledger.reserve(B, "other", 100, 50, 10.0)  # another tenant's call waits for none
         assert other.status == "open" and not any(t.done() for t in batch)
         await holder.execute("SELECT pg_terminate_backend(%s)", [await _backend_waiting_on(holder, lock)])
         with pytest.raises(LedgerUnavailable):
@@ -112,22 +115,22 @@ async def test_a_batch_whose_connection_is_lost_fails_every_call_and_writes_noth
         assert all(isinstance(o, LedgerUnavailable) for o in outcomes), outcomes
         await holder.execute("SELECT pg_advisory_unlock(%s)", [lock])
     assert await _count(ledger, ["first"] + [f"b{i}" for i in range(5)]) == 0
-    assert (await ledger.account("acme")).concurrent == 0
-    again = await asyncio.gather(*(ledger.reserve("acme", f"b{i}", 100, 50, 10.0) for i in range(5)))
+    assert (await ledger.account(A)).concurrent == 0
+    again = await asyncio.gather(*(ledger.reserve(A, f"b{i}", 100, 50, 10.0) for i in range(5)))
     assert [r.status for r in again] == ["open"] * 5  # the pool replaced the connections; the retries go through
 
 
 async def test_a_batch_the_driver_cannot_send_sends_each_call_alone(ledger: PostgresLedger) -> None:
-    tag = tenant_tag("acme")
+    tag = tenant_tag(A)
     params = {
-        "lock": fn.lock_key(tag), "now": None, "id": new_reservation_id("acme"), "tenant": "acme",
+        "lock": fn.lock_key(tag), "now": None, "id": new_reservation_id(A), "tenant": A,
         "request_id": "nul\x00", "model_class": "default", "run_id": None, "tool_round": False, "input": 1,
         "output": 1, "estimate": 1.0, "price": [0.0, 0.0, 0.0], "ttl_s": 60.0, "keys": ["*"],
         "limits": [None] * 18, "owner": None, "lease_ms": 0.0,
     }  # fmt: skip
-    first = ledger.reserve("acme", "first", 100, 50, 10.0)
-    bad = ledger._call("fg_reserve", params, fn.Refused(tenant="acme"))
-    good = [ledger.reserve("acme", f"g{i}", 100, 50, 10.0) for i in range(3)]
+    first = ledger.reserve(A, "first", 100, 50, 10.0)
+    bad = ledger._call("fg_reserve", params, fn.Refused(tenant=A))
+    good = [ledger.reserve(A, f"g{i}", 100, 50, 10.0) for i in range(3)]
     outcomes = await asyncio.gather(first, bad, *good, return_exceptions=True)
     assert isinstance(outcomes[1], psycopg.DataError)  # as alone: a NUL cannot be sent
     assert [o.status for o in outcomes[2:]] == ["open"] * 3  # type: ignore[union-attr]
@@ -152,17 +155,45 @@ async def _backend_waiting_on(connection: psycopg.AsyncConnection, lock: int) ->
 
 
 async def test_a_call_queued_behind_calls_that_hang_fails_fast_and_is_never_sent(ledger: PostgresLedger) -> None:
-    lock = fn.lock_key(tenant_tag("acme"))
+    lock = fn.lock_key(tenant_tag(A))
     async with await psycopg.AsyncConnection.connect(ledger._pool.conninfo, autocommit=True) as holder:
         await holder.execute("SELECT pg_advisory_lock(%s)", [lock])
-        hanging = asyncio.create_task(ledger.reserve("acme", "hanging", 100, 50, 10.0))
+        hanging = asyncio.create_task(ledger.reserve(A, "hanging", 100, 50, 10.0))
         await asyncio.sleep(0)
         started = asyncio.get_running_loop().time()
         with pytest.raises(LedgerUnavailable, match="pool timeout"):
-            await ledger.reserve("acme", "queued", 100, 50, 10.0)
+            await ledger.reserve(A, "queued", 100, 50, 10.0)
         waited_s = asyncio.get_running_loop().time() - started
         assert ledger._pool.timeout <= waited_s < ledger._pool.timeout + 1.0
         await holder.execute("SELECT pg_advisory_unlock(%s)", [lock])
     assert (await hanging).status == "open"
-    await ledger.reserve("acme", "after", 100, 50, 10.0)
+    await ledger.reserve(A, "after", 100, 50, 10.0)
     assert await _count(ledger, ["hanging", "queued", "after"]) == 2
+
+
+async def test_a_call_with_no_answer_fails_after_the_answer_timeout(
+    ledger: PostgresLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A server that takes the call and answers nothing: here acme's lock held by another session.
+    monkeypatch.setattr(postgres_batch, "ANSWER_TIMEOUT_S", 0.5)
+    lock = fn.lock_key(tenant_tag(A))
+    async with await psycopg.AsyncConnection.connect(ledger._pool.conninfo, autocommit=True) as holder:
+        await holder.execute("SELECT pg_advisory_lock(%s)", [lock])
+        lone = asyncio.create_task(ledger.reserve(A, "lone", 100, 50, 10.0))
+        await asyncio.sleep(0)
+        batch = [asyncio.create_task(ledger.reserve(A, f"b{i}", 100, 50, 10.0)) for i in range(3)]
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(LedgerUnavailable, match=r"no answer within 0\.5 s"):
+            await lone
+        outcomes = await asyncio.gather(*batch, return_exceptions=True)  # then sent as a batch, unanswered too
+        waited_s = asyncio.get_running_loop().time() - started
+        assert [str(o) for o in outcomes] == ["postgres ledger: no answer within 0.5 s (connection closed)"] * 3
+        assert 1.0 <= waited_s < 3.0
+        other = await ledger.reserve(B, "other", 100, 50, 10.0)  # another tenant's calls go on meanwhile
+        assert other.status == "open"
+        await holder.execute("SELECT pg_advisory_unlock(%s)", [lock])
+    # The closed connections' calls were on the server already: their outcome is unknown to the caller, as
+    # after any lost connection; whatever the server did with them, the account agrees with the rows.
+    written = await _count(ledger, ["lone", "b0", "b1", "b2"])
+    assert (await ledger.account(A)).concurrent == written
+    assert (await ledger.reserve(A, "after", 100, 50, 10.0)).status == "open"
