@@ -33,6 +33,16 @@ async def ledger(backend_url) -> AsyncIterator[PostgresLedger]:  # type: ignore[
     await opened.close()
 
 
+@pytest.fixture(params=["postgres", "pgbouncer"])
+async def any_ledger(request: pytest.FixtureRequest, backend_url) -> AsyncIterator[PostgresLedger]:  # type: ignore[no-untyped-def]
+    """Straight to PostgreSQL, and behind PgBouncer in transaction mode (a batch is one transaction there too)."""
+    opened = await connect(backend_url(request.param), quotas_from_dict(QUOTAS))
+    assert isinstance(opened, PostgresLedger)
+    yield opened
+    await opened.drop_schema()
+    await opened.close()
+
+
 async def _count(ledger: PostgresLedger, request_ids: list[str]) -> int:
     async with ledger._pool.connection() as connection:
         cursor = await connection.execute(
@@ -43,7 +53,8 @@ async def _count(ledger: PostgresLedger, request_ids: list[str]) -> int:
     return int(row[0])
 
 
-async def test_a_burst_is_one_batch_and_each_refusal_is_its_own(ledger: PostgresLedger) -> None:
+async def test_a_burst_is_one_batch_and_each_refusal_is_its_own(any_ledger: PostgresLedger) -> None:
+    ledger = any_ledger
     calls = [ledger.reserve(A if i % 2 else B, f"r{i}", 100, 50, 10.0) for i in range(31)]
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
     # Each tenant's first call alone, the others in one batch of that tenant's: beta 1 + 15, acme 1 + 14.
