@@ -561,9 +561,11 @@ class ResilientLedger(RequestPath):
         a replay again finds it and bills nothing twice; what it billed is taken off, and a later, larger
         settlement of the same call bills its rest under the next one). A process cut off from the ledger longer
         than a TTL finds its reservations expired by the others, billing only what had reached the ledger. What
-        the ledger refuses (a quota now spent) is reported as left. Raises ``LedgerUnavailable``."""
+        the ledger refuses (a quota now spent) is reported as left and parked for the operator (``_park_late``).
+        Raises ``LedgerUnavailable``."""
         closed = await self.ledger.get(reservation_id)
         rest, args = _difference(usage, closed.billed), ReserveArgs.of(closed)
+        k = 1
         try:
             for k in range(1, LATE_RESERVATIONS_MAX + 1):
                 late = await self.ledger.reserve_args(replace(args, request_id=late_id(closed, k)))
@@ -583,6 +585,27 @@ class ResilientLedger(RequestPath):
             raise
         except LedgerError as exc:
             report.left.append(f"settlement of {reservation_id}: closed with less billed; {rest} not billed: {exc}")
+            self._park_late(closed, late_id(closed, k), rest, f"late billing of reservation {closed.id} refused: {exc}")
+
+    def _park_late(self, closed: Reservation, request_id: str, rest: Usage, reason: str) -> None:
+        """Park usage the ledger would not bill late (``_bill_late``) as a grant the ledger would not take: the
+        operator sees it (``parked``, ``/admin/reconcile``, ``fairgate ledger journal``, exit 1) where a log line
+        alone was missed. Once per late id and usage: a replay refused again adds nothing."""
+        amounts = list(_amounts(rest))
+        if any(r.get("id") == request_id and r.get("usage") == amounts for r in self.parked()):
+            return
+        record = {
+            "type": "parked",
+            "id": request_id,
+            "tenant": closed.tenant,
+            "request_id": request_id,
+            "reservation": closed.id,
+            "usage": amounts,
+            "status": "late",
+            "reason": reason,
+            "parked_at_ms": time.time() * 1000.0,
+        }
+        _append_record(self.parked_path, record)
 
     async def _billed_past(self, reservation_id: str, usage: Usage) -> bool:
         """Whether the ledger has billed the reservation ``reservation_id`` (open or closed) at least ``usage`` in

@@ -416,3 +416,25 @@ async def test_several_journalled_settlements_of_a_closed_reservation_bill_the_l
     assert rows[late_id(other)].billed == Usage(0, 45, 4.5) and late_id(other, 2) not in rows
     total = sum((r.billed.output_tokens for r in rows.values()), 0)
     assert total == 300 + 50, rows
+
+
+async def test_usage_a_late_reservation_cannot_bill_is_parked_for_the_operator_once(cut_ledger):
+    """A final settlement finds its reservation closed with less billed, and the late reservation that would
+    bill the rest is refused (the tenant at its max_concurrent): the rest is parked (``parked``, as a grant the
+    ledger would not take: ``/admin/reconcile``, ``fairgate ledger journal`` exit 1), once however often it is
+    refused again."""
+    ledger, _proxy, journal = cut_ledger
+    front = ResilientLedger(ledger, journal)
+    streaming = await front.reserve("bank", "closed-then-full", 100, 400, 40.0)
+    await ledger.cancel(streaming.id, Usage(100, 5, 0.5))  # another process closes it with what it knew
+    await asyncio.gather(*(ledger.reserve("bank", f"fill-{i}", 10, 10, 1.0) for i in range(50)))  # now full
+    for _ in range(2):
+        with pytest.raises(ReservationFinal, match="max_concurrent"):
+            await front.settle(streaming.id, 100, 60, 6.0, final=True)
+    parked = front.parked()
+    assert [(p["request_id"], p["reservation"], p["usage"], p["status"]) for p in parked] == [
+        (late_id(streaming), streaming.id, [0, 55, 5.5], "late")
+    ]
+    assert "max_concurrent" in parked[0]["reason"] and parked[0]["tenant"] == "bank"
+    rows = {r.request_id for r in await ledger.reservations("bank")}
+    assert late_id(streaming) not in rows
