@@ -92,6 +92,7 @@ async def _stream_held(url: str, holds_s: tuple[float, ...]) -> tuple[float | No
 STEP_S = (MATCHING.iter_base_ms + MATCHING.iter_slope_ms) / 1000.0  # one step at B = 1
 
 
+@pytest.mark.serial  # its quick stream's gaps are the engine's steps only on a machine nothing else loads
 @pytest.mark.parametrize(
     "holds_s",
     [(1.5 * STEP_S,), (1.4 * STEP_S, 0.0)],
