@@ -37,7 +37,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
-from urllib.parse import urlencode, urlunsplit
+from urllib.parse import quote, urlencode, urlunsplit
 
 import psycopg
 import psycopg_pool
@@ -75,6 +75,13 @@ BATCH_CALLS_MAX = 32
 # a process stayed unusable 3.5-4.2 s after a 10 s PostgreSQL stop (the attempt after the server was back came
 # late), long enough for another process to expire its reservations before it replayed its journal.
 RECONNECT_TIMEOUT_S = 2.0
+
+
+def _unavailable(exc: psycopg.Error) -> bool:
+    """Whether ``exc`` is the server's or the connection's state, not the call's: lost or refused connections,
+    cancelled statements, lock and statement timeouts, deadlocks (psycopg's ``OperationalError``), and a server
+    that takes no writes (SQLSTATE class 25: a hot standby after a failover, ``default_transaction_read_only``)."""
+    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or (exc.sqlstate or "").startswith("25")
 
 
 def _libpq_reason(exc: BaseException) -> str:
@@ -132,7 +139,8 @@ def parse_url(url: str) -> PostgresUrl:
     pooler = query.pop("pooler", None)
     if pooler not in (None, "transaction"):
         raise ValueError(f"ledger URL: pooler {pooler!r}: the one value is 'transaction' (PgBouncer pool_mode)")
-    dsn = urlunsplit(parsed.parts._replace(scheme="postgresql", query=urlencode(query)))
+    # Percent-encoded, never '+' for a space: libpq decodes %XX only (application_name=my%20app was my+app).
+    dsn = urlunsplit(parsed.parts._replace(scheme="postgresql", query=urlencode(query, quote_via=quote)))
     try:
         conninfo_to_dict(dsn)  # libpq parses it: an unknown parameter or a malformed URL fails here
     except psycopg.Error as exc:
@@ -424,9 +432,11 @@ class PostgresLedger(SqlLedger):
                     else:
                         await tx.rollback()
                     raise
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
-        except (TimeoutError, psycopg_pool.PoolTimeout) as exc:
+        except psycopg.Error as exc:
+            if _unavailable(exc):
+                raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
+            raise
+        except TimeoutError as exc:
             raise LedgerUnavailable(
                 f"postgres ledger: no connection within the pool timeout ({_one_line(exc)})"
             ) from None
@@ -450,7 +460,7 @@ class PostgresLedger(SqlLedger):
             error: LedgerError | None = refused.error(exc.sqlstate, exc.diag.message_detail or "")
             if error is not None:
                 raise error from None
-            if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            if _unavailable(exc):
                 raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
             raise
         if isinstance(outcome, Refusal):

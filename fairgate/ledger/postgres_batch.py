@@ -21,10 +21,17 @@ in shared memory before every snapshot elsewhere has to look them up in ``pg_sub
 ``PGPROC_MAX_CACHED_SUBXIDS``).
 
 A call whose error in a batch is not a refusal (SQLSTATE class ``FG``) is sent again alone, so it raises what
-a lone call raises; so is every call of a batch that fails as a whole without losing its connection (rolled
-back: nothing of it written; a value the driver cannot send, a cancelled statement); a batch whose connection
-is lost, or that finds none in the pool's timeout, fails each of its calls with that error, as a lone call
-fails (the outcome unknown: the ledger's calls are idempotent and their callers ready for it).
+a lone call raises; so is every call of a batch the driver could not send (a value it cannot encode: nothing
+written). A batch that finds no connection in the pool's timeout, loses its connection, has no answer within
+``ANSWER_TIMEOUT_S`` (its connection closed), or fails on the server's state (its tenant's lock not taken
+within ``lock_timeout``, a cancelled statement, a deadlock) fails each of its calls with that error, as each
+would fail alone (``LedgerUnavailable``; after a lost connection the outcome is unknown: the ledger's calls
+are idempotent and their callers ready for it). A pooled connection the server ended while it was idle fails
+the batch that takes it whole, where each call alone would have failed on one connection each: the pool does
+not check a connection before lending it (a round trip each).
+
+An advisory lock's key is its tenant's in every schema (``postgres_functions.lock_key``): two ledgers in two
+schemas of one database serialise on a tenant name they share.
 """
 
 from __future__ import annotations
@@ -165,22 +172,15 @@ class CallBatches:
     async def _batch(self, taken: list[_Queued]) -> None:
         try:
             rows = await self._send(taken)
-        except (PoolTimeout, TimeoutError) as exc:  # no connection: nothing sent
+        except (psycopg.OperationalError, psycopg.InterfaceError, TimeoutError) as exc:
+            # No connection, the connection lost, or the server's state (the tenant lock not taken within
+            # lock_timeout, a cancelled statement, a deadlock): each call fails as it would alone.
             _fail(taken, exc)
             return
-        except psycopg.errors.QueryCanceled:  # rolled back as a whole
-            rows = None
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:  # the connection lost
-            _fail(taken, exc)
-            return
-        except Exception:  # rolled back as a whole, or never sent
-            rows = None
-        if rows is None:
+        except Exception:  # rolled back as a whole, or never sent: a value the driver cannot send
             for q in taken:
                 await self._alone(q)
             return
-        self.batches += 1
-        self.batched_calls += len(taken)
         again = []
         for q, row in zip(taken, rows, strict=True):
             state = row[0]
@@ -190,15 +190,22 @@ class CallBatches:
                 _answer(q, Refusal(state, row[1] or "", row[2] or ""))
             else:
                 again.append(q)
+        if len(again) < len(taken):
+            self.batches += 1
+            self.batched_calls += len(taken) - len(again)
         for q in again:
             await self._alone(q)
 
     async def _send(self, taken: list[_Queued]) -> list[Row]:
-        """``BEGIN``, the calls' wrappers, ``COMMIT``: one round trip (libpq's pipeline mode, one Sync)."""
+        """``BEGIN``, the tenant's lock, the calls' wrappers, ``COMMIT``: one round trip (libpq's pipeline mode,
+        one Sync)."""
         async with self._pool.connection() as connection, answered(connection):
             try:
                 async with connection.pipeline():
                     await connection.execute("BEGIN", prepare=False)
+                    # The tenant's lock first, once: a lock_timeout then fails the batch once, not each call in
+                    # turn (each call's own take of it is then the transaction's, at once).
+                    await connection.execute("SELECT pg_advisory_xact_lock(%s::int8)", [taken[0].params["lock"]])
                     cursors = [await connection.execute(fn.try_call(q.function, self._schema), q.params) for q in taken]
                     await connection.execute("COMMIT", prepare=False)
                 rows = [await cursor.fetchone() for cursor in cursors]

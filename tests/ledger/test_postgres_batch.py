@@ -208,3 +208,48 @@ async def test_a_call_with_no_answer_fails_after_the_answer_timeout(
     written = await _count(ledger, ["lone", "b0", "b1", "b2"])
     assert (await ledger.account(A)).concurrent == written
     assert (await ledger.reserve(A, "after", 100, 50, 10.0)).status == "open"
+
+
+async def test_a_server_that_takes_no_writes_is_unavailable_alone_and_batched(
+    ledger: PostgresLedger, backend_url
+) -> None:  # type: ignore[no-untyped-def]
+    # A hot standby after a failover answers every write with SQLSTATE 25006; the URL's options (a space in
+    # them percent-encoded, as libpq reads a URL) set the same.
+    url = backend_url("postgres").replace("?", "?options=-c%20default_transaction_read_only%3Don&", 1)
+    url = url.replace(f"schema={_schema_of(url)}", f"schema={ledger.schema}")
+    standby = await PostgresLedger.open(url, quotas_from_dict(QUOTAS), create=False)
+    try:
+        outcomes = await asyncio.gather(
+            *(standby.reserve(A, f"ro{i}", 100, 50, 10.0) for i in range(4)), return_exceptions=True
+        )
+    finally:
+        await standby.close()
+    assert [type(o) for o in outcomes] == [LedgerUnavailable] * 4, outcomes
+    assert all("read-only transaction" in str(o) for o in outcomes), outcomes
+    assert await _count(ledger, [f"ro{i}" for i in range(4)]) == 0
+
+
+async def test_a_lock_timeout_fails_a_batch_once_not_once_a_call(ledger: PostgresLedger, backend_url) -> None:  # type: ignore[no-untyped-def]
+    url = backend_url("postgres").replace("?", "?options=-c%20lock_timeout%3D300&", 1)
+    url = url.replace(f"schema={_schema_of(url)}", f"schema={ledger.schema}")
+    timed = await PostgresLedger.open(url, quotas_from_dict(QUOTAS), create=False)
+    lock = fn.lock_key(tenant_tag(A))
+    try:
+        async with await psycopg.AsyncConnection.connect(ledger._pool.conninfo, autocommit=True) as holder:
+            await holder.execute("SELECT pg_advisory_lock(%s)", [lock])
+            started = asyncio.get_running_loop().time()
+            outcomes = await asyncio.gather(
+                *(timed.reserve(A, f"lt{i}", 100, 50, 10.0) for i in range(8)), return_exceptions=True
+            )
+            waited_s = asyncio.get_running_loop().time() - started
+            await holder.execute("SELECT pg_advisory_unlock(%s)", [lock])
+    finally:
+        await timed.close()
+    assert [type(o) for o in outcomes] == [LedgerUnavailable] * 8, outcomes
+    assert all("lock timeout" in str(o) for o in outcomes), outcomes
+    assert waited_s < 1.5  # the lone call's 0.3 s, then the batch of the other seven's: not 7 x 0.3 s more
+    assert await _count(ledger, [f"lt{i}" for i in range(8)]) == 0
+
+
+def _schema_of(url: str) -> str:
+    return url.split("schema=", 1)[1].split("&", 1)[0]
