@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import psycopg
 import pytest
@@ -24,23 +25,38 @@ LIMITS_BATCH = {**LIMITS, "requests_per_minute": 60_000, "requests_burst": 1_000
 QUOTAS = {"tenants": {A: {"limits": LIMITS_BATCH}, B: {"limits": LIMITS_BATCH}}}
 
 
+@asynccontextmanager
+async def _opened(url: str) -> AsyncIterator[PostgresLedger]:
+    opened = await connect(url, quotas_from_dict(QUOTAS))
+    assert isinstance(opened, PostgresLedger)
+    try:
+        yield opened
+    finally:
+        await opened.drop_schema()
+        await opened.close()
+
+
 @pytest.fixture
 async def ledger(backend_url) -> AsyncIterator[PostgresLedger]:  # type: ignore[no-untyped-def]
-    opened = await connect(backend_url("postgres"), quotas_from_dict(QUOTAS))
-    assert isinstance(opened, PostgresLedger)
-    yield opened
-    await opened.drop_schema()
-    await opened.close()
+    async with _opened(backend_url("postgres")) as opened:
+        yield opened
 
 
 @pytest.fixture(params=["postgres", "pgbouncer"])
 async def any_ledger(request: pytest.FixtureRequest, backend_url) -> AsyncIterator[PostgresLedger]:  # type: ignore[no-untyped-def]
     """Straight to PostgreSQL, and behind PgBouncer in transaction mode (a batch is one transaction there too)."""
-    opened = await connect(backend_url(request.param), quotas_from_dict(QUOTAS))
-    assert isinstance(opened, PostgresLedger)
-    yield opened
-    await opened.drop_schema()
-    await opened.close()
+    async with _opened(backend_url(request.param)) as opened:
+        yield opened
+
+
+def _reserve_params(request_id: str, tenant: str | None) -> dict[str, object]:
+    """``fg_reserve``'s parameters for a reservation of ``A`` under ``request_id``, ``tenant`` as given."""
+    return {
+        "lock": fn.lock_key(tenant_tag(A)), "now": None, "id": new_reservation_id(A), "tenant": tenant,
+        "request_id": request_id, "model_class": "default", "run_id": None, "tool_round": False, "input": 1,
+        "output": 1, "estimate": 1.0, "price": [0.0, 0.0, 0.0], "ttl_s": 60.0, "keys": ["*"],
+        "limits": [None] * 18, "owner": None, "lease_ms": 0.0,
+    }  # fmt: skip
 
 
 async def _count(ledger: PostgresLedger, request_ids: list[str]) -> int:
@@ -78,14 +94,8 @@ async def test_a_burst_is_one_batch_and_each_refusal_is_its_own(any_ledger: Post
 
 
 async def test_an_error_not_a_refusal_is_raised_as_the_call_alone_raises_it(ledger: PostgresLedger) -> None:
-    tag = tenant_tag(A)
     good = ledger.reserve(A, "good", 100, 50, 10.0)
-    bad_params = {
-        "lock": fn.lock_key(tag), "now": None, "id": new_reservation_id(A), "tenant": None,
-        "request_id": "bad", "model_class": "default", "run_id": None, "tool_round": False, "input": 1,
-        "output": 1, "estimate": 1.0, "price": [0.0, 0.0, 0.0], "ttl_s": 60.0, "keys": ["*"],
-        "limits": [None] * 18, "owner": None, "lease_ms": 0.0,
-    }  # fmt: skip
+    bad_params = _reserve_params("bad", None)
     bad = ledger._call("fg_reserve", bad_params, fn.Refused(tenant=A))
     first = ledger.reserve(A, "first", 100, 50, 10.0)
     outcomes = await asyncio.gather(first, good, bad, return_exceptions=True)
@@ -132,13 +142,7 @@ async def test_a_batch_whose_connection_is_lost_fails_every_call_and_writes_noth
 
 
 async def test_a_batch_the_driver_cannot_send_sends_each_call_alone(ledger: PostgresLedger) -> None:
-    tag = tenant_tag(A)
-    params = {
-        "lock": fn.lock_key(tag), "now": None, "id": new_reservation_id(A), "tenant": A,
-        "request_id": "nul\x00", "model_class": "default", "run_id": None, "tool_round": False, "input": 1,
-        "output": 1, "estimate": 1.0, "price": [0.0, 0.0, 0.0], "ttl_s": 60.0, "keys": ["*"],
-        "limits": [None] * 18, "owner": None, "lease_ms": 0.0,
-    }  # fmt: skip
+    params = _reserve_params("nul\x00", A)
     first = ledger.reserve(A, "first", 100, 50, 10.0)
     bad = ledger._call("fg_reserve", params, fn.Refused(tenant=A))
     good = [ledger.reserve(A, f"g{i}", 100, 50, 10.0) for i in range(3)]
