@@ -3,8 +3,10 @@ each call sends, what it reads back, and how a refusal becomes the exception the
 
 Each call (reserve, which takes the run claim too when asked; claim, settle, cancel, an expiry, enqueue, dequeue) is
 one statement, ``SELECT ... FROM "schema".fg_<call>(...)``, on an autocommit connection: one round trip and its own
-transaction. The function takes the tenant's advisory lock, reads, applies ``rules.py``'s rules and writes; the
-lock is released when the statement ends, so it is never held across a round trip. The ledger's configuration
+transaction; or, in a batch of one tenant's calls (``postgres_batch``), one statement of one transaction through
+its ``fg_try_<call>`` wrapper (the call in a subtransaction, its error as columns: ``try_call``). The function
+takes the tenant's advisory lock, reads, applies ``rules.py``'s rules and writes; the lock is released when its
+transaction ends, so it is never held across a round trip. The ledger's configuration
 travels with the call: the limits of the accounts charged (``TenantQuota.accounts``), the price, the new
 reservation's id and TTL, and the clock when the ledger has a fixed one (``clock``; otherwise the server's
 ``clock_timestamp()``).
