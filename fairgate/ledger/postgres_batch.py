@@ -14,11 +14,11 @@ here (a batch of several tenants would hold every lock it took while it waited f
 tenant, the larger its batches. A queued call not sent within the pool's timeout fails as a lone call that
 finds no connection in it does (``PoolTimeout``), and is never sent; nor is one whose caller has gone.
 
-A batch is one round trip: ``BEGIN``, the tenant's lock, every call through its ``fg_try_`` wrapper, ``COMMIT``. A wrapper runs
-its call in a subtransaction of its own (a PL/pgSQL ``EXCEPTION`` block), so a refusal rolls back only what
-that call wrote and comes back as columns. ``calls_max`` stays under 64, the subtransactions a backend tracks
-in shared memory before every snapshot elsewhere has to look them up in ``pg_subtrans`` (PostgreSQL's
-``PGPROC_MAX_CACHED_SUBXIDS``).
+A batch is one round trip: ``BEGIN``, the tenant's lock, every call through its ``fg_try_`` wrapper,
+``COMMIT``. A wrapper runs its call in a subtransaction of its own (a PL/pgSQL ``EXCEPTION`` block), so a
+refusal rolls back only what that call wrote and comes back as columns. ``calls_max`` stays under 64, the
+subtransactions a backend tracks in shared memory before every snapshot elsewhere has to look them up in
+``pg_subtrans`` (PostgreSQL's ``PGPROC_MAX_CACHED_SUBXIDS``).
 
 A call whose error in a batch is not a refusal (SQLSTATE class ``FG``) is sent again alone, so it raises what
 a lone call raises; so is every call of a batch the driver could not send (a value it cannot encode: nothing
