@@ -4,13 +4,12 @@ A call on the request path (reserve, claim, settle, cancel, an expiry, the queue
 autocommit statement calling a server-side function (``postgres_functions.sql``, ``postgres_functions.py``) that
 takes the tenant's lock, applies the rules and writes, as its own transaction; or, made while another call of
 the process on the same tenant is in flight, one call of a batch of that tenant's calls in one transaction and
-one commit (``postgres_batch``). A read outside a write
-(``account``) is one round trip too; the operator's and the sweep's other calls run in ``_PgTx`` transactions.
+one commit (``postgres_batch``). A read outside a write (``account``) is one round trip too; the operator's and
+the sweep's other calls run in ``_PgTx`` transactions.
 
 ``pg_advisory_xact_lock(hash(tenant))`` serialises every call on a tenant across all gateway processes
-(limits are global, not per process), held until its transaction commits (a batch's: after all its calls);
-the clock is the
-server's ``clock_timestamp()``, so processes with different clocks agree. Tables and functions live in the
+(limits are global, not per process), held until its transaction commits (a batch's: after all its calls); the
+clock is the server's ``clock_timestamp()``, so processes with different clocks agree. Tables and functions live in the
 schema named by the URL's ``schema`` parameter (default ``public``; not empty, not ``information_schema`` nor
 ``pg_*``), created if missing (the functions replaced) unless ``open(..., create=False)``. ``timeout_s``
 (default 2, in (0, 600]) bounds connecting (libpq's ``connect_timeout``, at least 2 s, unless the URL sets
