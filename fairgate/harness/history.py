@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 
 from fairgate.gateway.call import SETTLE_EVERY_TOKENS
 from fairgate.harness.records import RequestRecord
-from fairgate.ledger import Event, Ledger, Reservation
 from fairgate.ledger.emergency import late_base
 
 if TYPE_CHECKING:
     from fairgate.harness.stack import Stack
+    from fairgate.ledger import Event, Ledger, Reservation
 
 FINAL_EVENTS = ("settle_final", "cancel", "expire")
 CUT_OUTCOMES = ("cut", "connection", "stream", "client", "running")  # an attempt that ended without a whole answer

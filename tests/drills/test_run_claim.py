@@ -24,6 +24,7 @@ import pytest
 from fairgate.harness.config import TenantSpec
 from fairgate.harness.replica import ReplicaModel
 from fairgate.harness.stack import ReplicaSpec, Stack, StackSpec, start_stack
+from fairgate.ledger.emergency import late_base
 
 PAUSE_S = 6.0  # past the 3 s lease, renewed at most 1 s (a sweep) before the pause
 SETTLE_EVERY_TOKENS = 64  # gateway/call.py: what a killed or paused stream may leave delivered and unbilled
@@ -113,6 +114,6 @@ def test_a_paused_process_runs_nothing_twice_and_delivers_nothing_unbilled_after
     assert (stream_retry["status"], stream_retry["error"]) == (409, "request_already_completed"), stream_retry
     assert stream_first["error"] == "upstream_error" and stream_first["tokens"] < 400, stream_first
     assert runs.get("s-1") == 1, runs
-    billed = sum(r.billed.output_tokens for r in reservations.values() if r.request_id.split("#")[0] == "s-1")
+    billed = sum(r.billed.output_tokens for r in reservations.values() if late_base(r.request_id) == "s-1")
     assert stream_first["tokens"] - SETTLE_EVERY_TOKENS <= billed <= stream_first["tokens"] + 4, (billed, stream_first)
     assert not [r for r in reservations.values() if r.status == "open"], reservations
