@@ -1,8 +1,10 @@
 """The floor under the gateway's overhead: the same HTTP stack (FastAPI on uvicorn with uvloop and httptools, a
 pooled aiohttp session upstream) relaying ``POST /v1/completions`` with nothing of fairgate's (no key check,
-ledger, queue, policy, meter, metrics or logs). ``bench/gateway_overhead.py`` runs it as its own process in front
-of the same replica, so the gateway's CPU per request can be read against what its stack alone costs on the
-same machine, in the same run.
+ledger, queue, policy, meter, metrics or logs). A streamed request is relayed a read at a time, as the
+upstream's bytes come (the least a relay that meters each token as it comes can do: one write to the client per
+read). ``bench/gateway_overhead.py`` runs it as its own process in front of the same replica, so the gateway's
+CPU per request and per relayed token can be read against what its stack alone costs on the same machine, in the
+same run.
 
 Usage: .venv/bin/python bench/bare_relay.py UPSTREAM_BASE_URL PORT
 """
@@ -10,15 +12,17 @@ Usage: .venv/bin/python bench/bare_relay.py UPSTREAM_BASE_URL PORT
 from __future__ import annotations
 
 import sys
+from collections.abc import AsyncIterator
 
 import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 
 def relay_app(upstream: str) -> FastAPI:
-    """An app relaying ``POST /v1/completions`` (JSON, not streamed) to ``upstream`` unchanged."""
+    """An app relaying ``POST /v1/completions`` to ``upstream`` unchanged: a JSON reply whole, a stream (``"stream":
+    true``) one upstream read at a time."""
     app = FastAPI()
     sessions: list[aiohttp.ClientSession] = []
 
@@ -28,9 +32,18 @@ def relay_app(upstream: str) -> FastAPI:
             sessions.append(aiohttp.ClientSession())
         body = await request.json()
         headers = {"Authorization": request.headers.get("authorization", "")}
+        if body.get("stream"):
+            return StreamingResponse(lines(sessions[0], body, headers), media_type="text/event-stream")
         async with sessions[0].post(f"{upstream}/v1/completions", json=body, headers=headers) as reply:
             data = await reply.read()
         return Response(data, status_code=reply.status, media_type="application/json")
+
+    async def lines(
+        session: aiohttp.ClientSession, body: dict[str, object], headers: dict[str, str]
+    ) -> AsyncIterator[bytes]:
+        async with session.post(f"{upstream}/v1/completions", json=body, headers=headers) as reply:
+            async for data in reply.content.iter_any():
+                yield data
 
     @app.get("/health")
     async def health() -> dict[str, str]:

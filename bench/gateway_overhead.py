@@ -10,6 +10,8 @@ Per backend:
   uvicorn with a pooled aiohttp session, relaying with nothing of fairgate's) in front of the same replica, as
   its own process: its added latency and CPU per request, and the gateway's CPU per request as a multiple of
   it. Read the goals against it on a slow machine: what the stack alone costs there, the gateway's logic adds.
+- The floor of streaming: the same concurrent streams as below (one round) through ``bench/bare_relay.py``, which
+  relays each upstream line as it comes: its CPU per relayed token.
 - Concurrent streams: ``--streams`` requests of ``--stream-tokens`` tokens at once (a batch of that size on
   the replica), ``--stream-rounds`` times: the gateway process's CPU per relayed token over all rounds (each
   round's beside it: one round of 12,800 tokens took under a second, and on a shared machine two runs of the
@@ -138,6 +140,7 @@ class Figures:
     via: list[float]
     bare: list[float]  # through bench/bare_relay.py
     bare_cpu_ms_per_request: float
+    bare_cpu_ms_per_token: float
     direct_rps: float
     via_rps: float
     cpu_ms_per_request: float
@@ -158,7 +161,7 @@ def measure(ledger_url: str, args: argparse.Namespace) -> Figures:
         pid = process.popen.pid
         asyncio.run(latencies(gateway, key, 20, 1, args.reply_tokens))  # warm: connections, ledger, caches
         direct, direct_rps = asyncio.run(latencies(upstream, key, args.requests, args.concurrency, args.reply_tokens))
-        bare, bare_cpu_ms = bare_relay(upstream, key, args)
+        bare, bare_cpu_ms, bare_token_ms = bare_relay(upstream, key, args)
         before = cpu_s(pid)
         via, via_rps = asyncio.run(latencies(gateway, key, args.requests, args.concurrency, args.reply_tokens))
         per_request_ms = (cpu_s(pid) - before) * 1000.0 / args.requests
@@ -177,6 +180,7 @@ def measure(ledger_url: str, args: argparse.Namespace) -> Figures:
         via,
         bare,
         bare_cpu_ms,
+        bare_token_ms,
         direct_rps,
         via_rps,
         per_request_ms,
@@ -189,9 +193,9 @@ def measure(ledger_url: str, args: argparse.Namespace) -> Figures:
     )
 
 
-def bare_relay(upstream: str, key: str, args: argparse.Namespace) -> tuple[list[float], float]:
-    """Latencies (ms) one at a time through ``bench/bare_relay.py`` in front of ``upstream``, and its CPU ms
-    per request."""
+def bare_relay(upstream: str, key: str, args: argparse.Namespace) -> tuple[list[float], float, float]:
+    """Latencies (ms) one at a time through ``bench/bare_relay.py`` in front of ``upstream``, its CPU ms per
+    request, and its CPU ms per relayed token over one round of the concurrent streams."""
     port = free_port()
     relay = ServerProcess([sys.executable, str(Path(__file__).with_name("bare_relay.py")), upstream, str(port)], port)
     with running([relay]):
@@ -199,7 +203,10 @@ def bare_relay(upstream: str, key: str, args: argparse.Namespace) -> tuple[list[
         asyncio.run(latencies(relay.url, key, 20, 1, args.reply_tokens))  # warm: its connection upstream
         before = cpu_s(relay.popen.pid)
         bare, _ = asyncio.run(latencies(relay.url, key, args.requests, 1, args.reply_tokens))
-        return bare, (cpu_s(relay.popen.pid) - before) * 1000.0 / args.requests
+        per_request_ms = (cpu_s(relay.popen.pid) - before) * 1000.0 / args.requests
+        before = cpu_s(relay.popen.pid)
+        seen, _ = asyncio.run(concurrent_streams(relay.url, key, args.streams, args.stream_tokens))
+        return bare, per_request_ms, (cpu_s(relay.popen.pid) - before) * 1000.0 / max(1, seen)
 
 
 def report(name: str, f: Figures, args: argparse.Namespace) -> None:
@@ -228,6 +235,10 @@ def report(name: str, f: Figures, args: argparse.Namespace) -> None:
     print(
         f"    rounds {', '.join(f'{ms:.3f}' for ms in f.round_ms_per_token)} ms per token; less the CPU per request: "
         f"{relay_ms:.3f} ms per relayed token"
+    )
+    print(
+        f"  floor    bench/bare_relay.py, the same streams (one round): CPU {f.bare_cpu_ms_per_token:.3f} ms per "
+        f"relayed token; the gateway's is {f.cpu_ms_per_token / f.bare_cpu_ms_per_token:.1f}x it"
     )
 
 
