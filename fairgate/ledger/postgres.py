@@ -50,6 +50,7 @@ from fairgate.ledger import rules, sql_schema, urls
 from fairgate.ledger.base import Ledger, new_reservation_id
 from fairgate.ledger.config import Limits, Quotas
 from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, RunClaim, Usage
+from fairgate.ledger.postgres_alive import AliveCheck
 from fairgate.ledger.postgres_batch import CallBatches, Refusal, answered
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx, tag_of
 from fairgate.ledger.sql_schema import ADDED_COLUMNS, Statement, add_column
@@ -348,9 +349,10 @@ async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
         raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
 
 
-async def _open_pool(settings: PostgresUrl) -> AsyncConnectionPool:
-    """The pool, open, every connection on the ledger's schema. Raises ``LedgerUnavailable``: the direct
-    connection worked but the pool's did not (the reason is the pool's last connection error)."""
+async def _open_pool(settings: PostgresUrl, alive: AliveCheck) -> AsyncConnectionPool:
+    """The pool, open, every connection on the ledger's schema, an idle one checked before it is lent
+    (``alive``). Raises ``LedgerUnavailable``: the direct connection worked but the pool's did not (the reason is
+    the pool's last connection error)."""
     schema, dsn, connect_kwargs = settings.schema, settings.dsn, settings.connect_kwargs
     name = f"fairgate-ledger-{schema}-{uuid.uuid4().hex[:8]}"
     pool = AsyncConnectionPool(
@@ -364,6 +366,8 @@ async def _open_pool(settings: PostgresUrl) -> AsyncConnectionPool:
         # which costs a round trip apiece.
         kwargs={**connect_kwargs, "autocommit": True},
         name=name,
+        configure=alive.made,
+        check=alive.check,
     )
     quiet = _QuietPool(name)
     _POOL_LOGGER.addFilter(quiet)
@@ -384,10 +388,16 @@ class PostgresLedger(SqlLedger):
     """Ledger on PostgreSQL. Build with ``await PostgresLedger.open(url, quotas)``."""
 
     def __init__(
-        self, pool: AsyncConnectionPool, schema: str, quotas: Quotas, clock: Callable[[], float] | None
+        self,
+        pool: AsyncConnectionPool,
+        schema: str,
+        quotas: Quotas,
+        clock: Callable[[], float] | None,
+        alive: AliveCheck | None = None,
     ) -> None:
         super().__init__(quotas)
         self._pool = pool
+        self.alive = alive  # the pool's check of idle connections, when it has one
         self.schema = schema
         self._clock = clock
         self._books_by_tag: tuple[Quotas | None, dict[str, fn.TenantBooks]] = (None, {})
@@ -411,8 +421,9 @@ class PostgresLedger(SqlLedger):
         """
         settings = parse_url(url)
         await _prepare(settings, url, create)
-        pool = await _open_pool(settings)
-        return cls(pool, settings.schema, quotas, clock)
+        alive = AliveCheck()
+        pool = await _open_pool(settings, alive)
+        return cls(pool, settings.schema, quotas, clock, alive)
 
     @asynccontextmanager
     async def _transaction(self, explicit: bool = True) -> AsyncIterator[Tx]:

@@ -26,9 +26,9 @@ written). A batch that finds no connection in the pool's timeout, loses its conn
 ``ANSWER_TIMEOUT_S`` (its connection closed), or fails on the server's state (its tenant's lock not taken
 within ``lock_timeout``, a cancelled statement, a deadlock) fails each of its calls with that error, as each
 would fail alone (``LedgerUnavailable``; after a lost connection the outcome is unknown: the ledger's calls
-are idempotent and their callers ready for it). A pooled connection the server ended while it was idle fails
-the batch that takes it whole, where each call alone would have failed on one connection each: the pool does
-not check a connection before lending it (a round trip each).
+are idempotent and their callers ready for it). A pooled connection idle for half a second or more is checked
+before it is lent (``postgres_alive``), so one the server ended while it sat in the pool fails no batch; one the
+server ends within that window fails the batch that takes it whole.
 
 An advisory lock's key is its tenant's in every schema (``postgres_functions.lock_key``): two ledgers in two
 schemas of one database serialise on a tenant name they share.

@@ -1,0 +1,95 @@
+"""The PostgreSQL ledger's pool checks a connection idle ``ALIVE_BYPASS_S`` or longer before lending it
+(``fairgate.ledger.postgres_alive``): connections the server ended while they sat in the pool are replaced, and
+the calls and batches that come next go through; a connection lent within the window is lent unchecked."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import psycopg
+import pytest
+
+from fairgate.ledger import postgres_alive, quotas_from_dict
+from fairgate.ledger.postgres import PostgresLedger
+from tests.ledger.conftest import LIMITS
+
+# Tenants of these tests' own (an advisory lock's key is its tenant's, whatever the schema).
+A, B = "alive-test-a", "alive-test-b"
+LIMITS_ALIVE = {**LIMITS, "requests_per_minute": 60_000, "requests_burst": 1_000, "max_concurrent": 100}
+QUOTAS = {"tenants": {A: {"limits": LIMITS_ALIVE}, B: {"limits": LIMITS_ALIVE}}}
+
+
+@pytest.fixture
+async def named(backend_url) -> AsyncIterator[tuple[PostgresLedger, str]]:  # type: ignore[no-untyped-def]
+    """A ledger whose connections carry an ``application_name`` of their own, and that name."""
+    name = f"fg-alive-{uuid.uuid4().hex[:8]}"
+    url = backend_url("postgres").replace("?", f"?application_name={name}&", 1)
+    ledger = await PostgresLedger.open(url, quotas_from_dict(QUOTAS))
+    try:
+        yield ledger, name
+    finally:
+        await ledger.drop_schema()
+        await ledger.close()
+
+
+async def _end_connections(ledger: PostgresLedger, name: str) -> int:
+    """End every server connection of ``ledger`` (named ``name``), as a restart or an idle timeout does; wait
+    until they are gone. Returns how many there were."""
+    conninfo = ledger._pool.conninfo
+    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True, application_name="admin") as admin:
+        cursor = await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", [name]
+        )
+        ended = len(await cursor.fetchall())
+        for _ in range(100):
+            cursor = await admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", [name])
+            row = await cursor.fetchone()
+            if row is not None and row[0] == 0:
+                return ended
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"the connections of {name} did not end")
+
+
+async def _rows(ledger: PostgresLedger, request_ids: list[str]) -> set[str]:
+    async with ledger._pool.connection() as connection:
+        cursor = await connection.execute(
+            f'SELECT request_id FROM "{ledger.schema}".fg_reservations WHERE request_id = ANY(%s)', [request_ids]
+        )
+        return {row[0] for row in await cursor.fetchall()}
+
+
+async def test_calls_after_the_server_ended_the_idle_connections_go_through(named: tuple[PostgresLedger, str]) -> None:
+    ledger, name = named
+    # Several connections in the pool: a burst on two tenants (each tenant's lone call, then its batch).
+    await asyncio.gather(*(ledger.reserve(A if i % 2 else B, f"warm{i}", 100, 50, 10.0) for i in range(12)))
+    assert await _end_connections(ledger, name) >= 2
+    await asyncio.sleep(postgres_alive.ALIVE_BYPASS_S + 0.1)
+    ids = [f"after{i}" for i in range(12)]
+    outcomes = await asyncio.gather(
+        *(ledger.reserve(A if i % 2 else B, request_id, 100, 50, 10.0) for i, request_id in enumerate(ids)),
+        return_exceptions=True,
+    )
+    assert [getattr(o, "status", o) for o in outcomes] == ["open"] * 12
+    assert ledger._batches.batches >= 2  # the burst went as batches again, on connections checked first
+    # What the callers were told is what the ledger holds: every reservation once, and each account agrees.
+    assert await _rows(ledger, ids) == set(ids)
+    assert [(await ledger.account(t)).concurrent for t in (A, B)] == [12, 12]
+
+
+async def test_a_connection_lent_within_the_window_is_not_checked(
+    named: tuple[PostgresLedger, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger, _ = named
+    alive = ledger.alive
+    assert alive is not None
+    monkeypatch.setattr(postgres_alive, "ALIVE_BYPASS_S", 3600.0)
+    before = alive.checks
+    for i in range(10):
+        await ledger.reserve(A, f"busy{i}", 100, 50, 10.0)
+    assert alive.checks == before  # lent again and again within the window: no round trip added
+    monkeypatch.setattr(postgres_alive, "ALIVE_BYPASS_S", 0.0)
+    for i in range(3):
+        await ledger.reserve(A, f"idle{i}", 100, 50, 10.0)
+    assert alive.checks == before + 3  # each lend after the window: one check
