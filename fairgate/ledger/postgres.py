@@ -421,7 +421,7 @@ class PostgresLedger(SqlLedger):
         """
         settings = parse_url(url)
         await _prepare(settings, url, create)
-        alive = AliveCheck()
+        alive = AliveCheck(settings.timeout_s)
         pool = await _open_pool(settings, alive)
         return cls(pool, settings.schema, quotas, clock, alive)
 

@@ -10,13 +10,19 @@ query (psycopg_pool's ``check_connection``). One found dead is discarded by the 
 (``AsyncConnectionPool(check=...)``: it tries again at once, then after psycopg_pool's backoff of about 1 s, within
 the pool's timeout). A connection the server ends within the window still fails the call that takes it.
 
-A check the server does not answer (a frozen server) is bounded as a call is (``postgres_batch.answered``): its
-connection closed after ``ANSWER_TIMEOUT_S``, and the caller's wait for a connection then ends as the pool's
-(``PoolTimeout``, a lost connection: ``LedgerUnavailable``).
+A check is part of taking a connection from the pool, so it is bounded by the pool's timeout (the URL's
+``timeout_s``, 2 s by default: on the request path an outage must be noticed fast). A check the server does not
+answer in that time (a paused or partitioned server) has its connection's socket shut down: the empty query fails
+at once as a lost connection, with no cancel request (which psycopg waits up to ~10 s for from a server that
+answers nothing; an empty query has nothing to cancel). The pool's loop gives up after at most one more such
+check (``PoolTimeout``, a lost connection: ``LedgerUnavailable``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,8 +31,6 @@ from weakref import WeakKeyDictionary
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from fairgate.ledger.postgres_batch import answered
-
 # HikariCP's default (com.zaxxer.hikari.aliveBypassWindowMs): under it a connection is taken to be alive.
 ALIVE_BYPASS_S = 0.5
 Connection = psycopg.AsyncConnection[Any]
@@ -34,12 +38,15 @@ Connection = psycopg.AsyncConnection[Any]
 
 class AliveCheck:
     """The pool's ``configure`` (``made``) and ``check`` (``check``) callbacks: when each connection was last
-    lent (monotonic seconds, ``clock``), and a check of one idle ``ALIVE_BYPASS_S`` or longer.
+    lent (monotonic seconds, ``clock``), and a check of one idle ``ALIVE_BYPASS_S`` or longer, answered within
+    ``timeout_s`` seconds.
 
     ``checks`` counts the connections checked. Raises (from ``check``) what the empty query raises on a dead
-    connection (``psycopg.OperationalError``), which the pool takes as "discard it and lend another"."""
+    connection, or on no answer in time (``psycopg.OperationalError``), which the pool takes as "discard it and
+    lend another"."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._timeout_s = timeout_s
         self._clock = clock
         self._lent_s: WeakKeyDictionary[Connection, float] = WeakKeyDictionary()
         self.checks = 0
@@ -56,5 +63,19 @@ class AliveCheck:
         if last_s is not None and now_s - last_s < ALIVE_BYPASS_S:
             return
         self.checks += 1
-        async with answered(connection):
+        timer = asyncio.get_running_loop().call_later(self._timeout_s, _shut_down, connection)
+        try:
             await AsyncConnectionPool.check_connection(connection)
+        finally:
+            timer.cancel()
+
+
+def _shut_down(connection: Connection) -> None:
+    """Shut ``connection``'s socket down both ways (a duplicate of its descriptor, so libpq's stays open): what
+    waits on it fails as a lost connection."""
+    try:
+        descriptor = connection.pgconn.socket
+    except psycopg.OperationalError:  # closed already
+        return
+    with socket.socket(fileno=os.dup(descriptor)) as duplicate:
+        duplicate.shutdown(socket.SHUT_RDWR)

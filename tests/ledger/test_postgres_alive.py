@@ -5,14 +5,18 @@ the calls and batches that come next go through; a connection lent within the wi
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
 
-from fairgate.ledger import postgres_alive, quotas_from_dict
+from fairgate.harness.postgres import throwaway_postgres_server
+from fairgate.ledger import LedgerUnavailable, postgres_alive, quotas_from_dict
 from fairgate.ledger.postgres import PostgresLedger
+from tests.conftest import timing_claims_hold_here
 from tests.ledger.conftest import LIMITS
 
 # Tenants of these tests' own (an advisory lock's key is its tenant's, whatever the schema).
@@ -93,3 +97,36 @@ async def test_a_connection_lent_within_the_window_is_not_checked(
     for i in range(3):
         await ledger.reserve(A, f"idle{i}", 100, 50, 10.0)
     assert alive.checks == before + 3  # each lend after the window: one check
+
+
+@pytest.mark.serial  # a server of its own, paused for seconds: a timing claim
+def test_a_paused_server_fails_a_call_on_an_idle_connection_within_twice_the_pool_timeout() -> None:
+    async def run() -> tuple[BaseException | None, float, str]:
+        with throwaway_postgres_server() as server:
+            ledger = await PostgresLedger.open(f"{server.url}?schema=alive&timeout_s=1", quotas_from_dict(QUOTAS))
+            try:
+                # Several pooled connections, each idle past the window when the server pauses.
+                await asyncio.gather(*(ledger.reserve(A if i % 2 else B, f"warm{i}", 100, 50, 10.0) for i in range(8)))
+                await asyncio.sleep(postgres_alive.ALIVE_BYPASS_S + 0.1)
+                server.send_tree(signal.SIGSTOP)
+                started = time.monotonic()
+                try:
+                    await ledger.reserve(A, "paused", 100, 50, 10.0)
+                    failure: BaseException | None = None
+                except LedgerUnavailable as exc:
+                    failure = exc
+                finally:
+                    waited_s = time.monotonic() - started
+                    server.send_tree(signal.SIGCONT)
+                after = await ledger.reserve(A, "after", 100, 50, 10.0)
+                return failure, waited_s, after.status
+            finally:
+                await ledger.close()
+
+    failure, waited_s, after = asyncio.run(run())
+    # A check of an idle connection waits the pool's timeout (1 s) for an answer, then its socket is shut down; the
+    # pool gives up after at most two. Cancelled instead (psycopg's cancel request, unanswered), it took 11 s.
+    assert isinstance(failure, LedgerUnavailable), failure
+    assert after == "open"
+    timing_claims_hold_here("a paused server's call fails within 3 x the pool timeout")
+    assert waited_s < 3.0, waited_s
