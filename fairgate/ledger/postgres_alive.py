@@ -21,8 +21,6 @@ check (``PoolTimeout``, a lost connection: ``LedgerUnavailable``).
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +28,8 @@ from weakref import WeakKeyDictionary
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
+
+from fairgate.ledger.postgres_batch import shut_down
 
 # HikariCP's default (com.zaxxer.hikari.aliveBypassWindowMs): under it a connection is taken to be alive.
 ALIVE_BYPASS_S = 0.5
@@ -63,19 +63,8 @@ class AliveCheck:
         if last_s is not None and now_s - last_s < ALIVE_BYPASS_S:
             return
         self.checks += 1
-        timer = asyncio.get_running_loop().call_later(self._timeout_s, _shut_down, connection)
+        timer = asyncio.get_running_loop().call_later(self._timeout_s, shut_down, connection)
         try:
             await AsyncConnectionPool.check_connection(connection)
         finally:
             timer.cancel()
-
-
-def _shut_down(connection: Connection) -> None:
-    """Shut ``connection``'s socket down both ways (a duplicate of its descriptor, so libpq's stays open): what
-    waits on it fails as a lost connection."""
-    try:
-        descriptor = connection.pgconn.socket
-    except psycopg.OperationalError:  # closed already
-        return
-    with socket.socket(fileno=os.dup(descriptor)) as duplicate:
-        duplicate.shutdown(socket.SHUT_RDWR)

@@ -23,7 +23,8 @@ subtransactions a backend tracks in shared memory before every snapshot elsewher
 A call whose error in a batch is not a refusal (SQLSTATE class ``FG``) is sent again alone, so it raises what
 a lone call raises; so is every call of a batch the driver could not send (a value it cannot encode: nothing
 written). A batch that finds no connection in the pool's timeout, loses its connection, has no answer within
-``ANSWER_TIMEOUT_S`` (its connection closed), or fails on the server's state (its tenant's lock not taken
+``ANSWER_TIMEOUT_S`` (its statement cancelled, or on a server that takes no cancel its socket shut down, within
+``CANCEL_WAIT_S`` more; its connection closed), or fails on the server's state (its tenant's lock not taken
 within ``lock_timeout``, a cancelled statement, a deadlock) fails each of its calls with that error, as each
 would fail alone (``LedgerUnavailable``; after a lost connection the outcome is unknown: the ledger's calls
 are idempotent and their callers ready for it). A pooled connection idle for half a second or more is checked
@@ -37,6 +38,9 @@ schemas of one database serialise on a tenant name they share.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -54,6 +58,8 @@ from fairgate.ledger import postgres_functions as fn
 # answer seen under load (a call queues on its tenant's lock behind the other processes' batches), shorter than
 # a client's patience.
 ANSWER_TIMEOUT_S = 10.0
+# How long a call past ANSWER_TIMEOUT_S waits for its cancel request to be taken, then for its statement to end.
+CANCEL_WAIT_S = 1.0
 Row = tuple[Any, ...]
 LoneCall = Callable[[str, dict[str, Any]], Awaitable[Row]]
 REFUSAL_CLASS = "FG"  # the SQLSTATE class of the functions' refusals (postgres_functions.sql's header)
@@ -217,15 +223,47 @@ class CallBatches:
 
 @asynccontextmanager
 async def answered(connection: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
-    """The block's round trips on ``connection`` answered within ``ANSWER_TIMEOUT_S``, else ``connection``
-    closed (the pool replaces it; the server rolls back what it has not committed) and
-    ``psycopg.OperationalError`` raised."""
+    """The block's round trips on ``connection`` answered within ``ANSWER_TIMEOUT_S``, else what runs on it
+    stopped (``_stop``), ``connection`` closed (the pool replaces it; the server rolls back what it has not
+    committed) and ``psycopg.OperationalError`` raised. A block that ends well as its time runs out keeps its
+    result, its connection closed all the same (a cancel may be on its way to whatever the backend runs next)."""
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+    timer = loop.call_later(ANSWER_TIMEOUT_S, lambda: stopping.append(loop.create_task(_stop(connection))))
     try:
-        async with asyncio.timeout(ANSWER_TIMEOUT_S):
-            yield
-    except TimeoutError:
-        await connection.close()
+        yield
+    except psycopg.Error:
+        if not stopping:
+            raise
         raise psycopg.OperationalError(f"no answer within {ANSWER_TIMEOUT_S:g} s (connection closed)") from None
+    finally:
+        timer.cancel()
+        for task in stopping:
+            task.cancel()
+            await connection.close()
+
+
+async def _stop(connection: psycopg.AsyncConnection[Any]) -> None:
+    """Stop what runs on ``connection``: a cancel request (a live server ends the statement: a lock wait, say,
+    writes nothing later), then, if the statement has not ended ``CANCEL_WAIT_S`` after it or the request
+    was not taken within that time (a paused server's postmaster takes none), its socket shut down: the
+    block fails at once as a lost connection. Left to asyncio's cancellation, psycopg waited 5 s for the
+    cancel and 5 s more for the statement: a paused server held a call 20 s rather than 10."""
+    with contextlib.suppress(psycopg.Error, OSError):
+        await connection.cancel_safe(timeout=CANCEL_WAIT_S)
+        await asyncio.sleep(CANCEL_WAIT_S)
+    shut_down(connection)
+
+
+def shut_down(connection: psycopg.AsyncConnection[Any]) -> None:
+    """Shut ``connection``'s socket down both ways (a duplicate of its descriptor, so libpq's stays open): what
+    waits on it fails as a lost connection, at once."""
+    try:
+        descriptor = connection.pgconn.socket
+    except psycopg.OperationalError:  # closed already
+        return
+    with socket.socket(fileno=os.dup(descriptor)) as duplicate:
+        duplicate.shutdown(socket.SHUT_RDWR)
 
 
 def _fail(taken: list[_Queued], exc: Exception) -> None:

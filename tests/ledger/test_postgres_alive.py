@@ -1,6 +1,9 @@
 """The PostgreSQL ledger's pool checks a connection idle ``ALIVE_BYPASS_S`` or longer before lending it
 (``fairgate.ledger.postgres_alive``): connections the server ended while they sat in the pool are replaced, and
-the calls and batches that come next go through; a connection lent within the window is lent unchecked."""
+the calls and batches that come next go through; a connection lent within the window is lent unchecked. A paused
+server holds a caller about the pool's timeout when its connection is checked, and about the answer timeout
+(``postgres_batch.answered``) when its call is sent: neither waits on psycopg's cancel of an unanswered
+statement."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import psycopg
 import pytest
 
 from fairgate.harness.postgres import throwaway_postgres_server
-from fairgate.ledger import LedgerUnavailable, postgres_alive, quotas_from_dict
+from fairgate.ledger import LedgerUnavailable, postgres_alive, postgres_batch, quotas_from_dict
 from fairgate.ledger.postgres import PostgresLedger
 from tests.conftest import timing_claims_hold_here
 from tests.ledger.conftest import LIMITS
@@ -141,3 +144,39 @@ def test_a_paused_server_fails_a_call_on_an_idle_connection_within_twice_the_poo
     assert after == "open"
     timing_claims_hold_here("a paused server's call fails within 3 x the pool timeout")
     assert waited_s < 3.0, waited_s
+
+
+@pytest.mark.serial  # a server of its own, paused for seconds: a timing claim
+def test_a_call_a_paused_server_does_not_answer_fails_soon_after_the_answer_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(postgres_batch, "ANSWER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(postgres_alive, "ALIVE_BYPASS_S", 3600.0)  # the call's own statement, no check first
+
+    async def run() -> tuple[BaseException | None, float, str]:
+        with throwaway_postgres_server() as server:
+            ledger = await PostgresLedger.open(f"{server.url}?schema=alive&timeout_s=1", quotas_from_dict(QUOTAS))
+            try:
+                await ledger.reserve(A, "warm", 100, 50, 10.0)
+                server.send_tree(signal.SIGSTOP)
+                started = time.monotonic()
+                try:
+                    await ledger.reserve(A, "paused", 100, 50, 10.0)
+                    failure: BaseException | None = None
+                except LedgerUnavailable as exc:
+                    failure = exc
+                finally:
+                    waited_s = time.monotonic() - started
+                    server.send_tree(signal.SIGCONT)
+                after = await ledger.reserve(A, "after", 100, 50, 10.0)
+                return failure, waited_s, after.status
+            finally:
+                await ledger.close()
+
+    failure, waited_s, after = asyncio.run(run())
+    assert str(failure) == "postgres ledger: no answer within 1 s (connection closed)"
+    assert after == "open"
+    timing_claims_hold_here("a paused server's call fails within 3 s of its 1 s answer timeout")
+    # The cancel request untaken for CANCEL_WAIT_S (1 s), then the socket shut down. Left to asyncio's
+    # cancellation, psycopg waited 5 s for the cancel and 5 s for the statement: 11 s.
+    assert waited_s < 4.0, waited_s
