@@ -50,7 +50,7 @@ from fairgate.ledger import rules, sql_schema, urls
 from fairgate.ledger.base import Ledger, new_reservation_id
 from fairgate.ledger.config import Limits, Quotas
 from fairgate.ledger.model import LedgerError, LedgerUnavailable, Reservation, RunClaim, Usage
-from fairgate.ledger.postgres_alive import AliveCheck
+from fairgate.ledger.postgres_alive import AliveCheck, lent
 from fairgate.ledger.postgres_batch import CallBatches, Refusal, answered
 from fairgate.ledger.sql import TABLES, SqlLedger, Tx, tag_of
 from fairgate.ledger.sql_schema import ADDED_COLUMNS, Statement, add_column
@@ -428,7 +428,7 @@ class PostgresLedger(SqlLedger):
     @asynccontextmanager
     async def _transaction(self, explicit: bool = True) -> AsyncIterator[Tx]:
         try:
-            async with self._pool.connection() as connection:
+            async with lent(self._pool) as connection:
                 tx = _PgTx(connection, self.schema, explicit)
                 try:
                     yield tx
@@ -483,7 +483,7 @@ class PostgresLedger(SqlLedger):
     async def _lone(self, function: str, params: dict[str, Any]) -> tuple[Any, ...]:
         """``function``'s one row: one autocommit statement, one round trip, its own transaction. Raises
         ``psycopg.OperationalError`` when no answer comes within ``ANSWER_TIMEOUT_S`` (``answered``)."""
-        async with self._pool.connection() as connection, answered(connection):
+        async with lent(self._pool) as connection, answered(connection):
             cursor = await connection.execute(fn.call(function, self.schema), params)
             row = await cursor.fetchone()
         assert row is not None
@@ -568,7 +568,7 @@ class PostgresLedger(SqlLedger):
 
     async def drop_schema(self) -> None:
         """Drop this ledger's schema and everything in it (tests)."""
-        async with self._pool.connection(timeout=30.0) as connection:
+        async with lent(self._pool, timeout_s=30.0) as connection:
             await connection.execute(
                 pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(self.schema))
             )

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -51,6 +49,7 @@ from psycopg import pq
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from fairgate.ledger import postgres_functions as fn
+from fairgate.ledger.postgres_alive import lent, shut_down
 
 # How long a request-path call or batch waits for the server's answer before its connection is closed and it
 # fails as a lost connection does (LedgerUnavailable: its outcome unknown, as after any lost connection). A
@@ -205,7 +204,7 @@ class CallBatches:
     async def _send(self, taken: list[_Queued]) -> list[Row]:
         """``BEGIN``, the tenant's lock, the calls' wrappers, ``COMMIT``: one round trip (libpq's pipeline mode,
         one Sync)."""
-        async with self._pool.connection() as connection, answered(connection):
+        async with lent(self._pool) as connection, answered(connection):
             try:
                 async with connection.pipeline():
                     await connection.execute("BEGIN", prepare=False)
@@ -253,17 +252,6 @@ async def _stop(connection: psycopg.AsyncConnection[Any]) -> None:
         await connection.cancel_safe(timeout=CANCEL_WAIT_S)
         await asyncio.sleep(CANCEL_WAIT_S)
     shut_down(connection)
-
-
-def shut_down(connection: psycopg.AsyncConnection[Any]) -> None:
-    """Shut ``connection``'s socket down both ways (a duplicate of its descriptor, so libpq's stays open): what
-    waits on it fails as a lost connection, at once."""
-    try:
-        descriptor = connection.pgconn.socket
-    except psycopg.OperationalError:  # closed already
-        return
-    with socket.socket(fileno=os.dup(descriptor)) as duplicate:
-        duplicate.shutdown(socket.SHUT_RDWR)
 
 
 def _fail(taken: list[_Queued], exc: Exception) -> None:

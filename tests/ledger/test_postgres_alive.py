@@ -18,14 +18,15 @@ import pytest
 
 from fairgate.harness.postgres import throwaway_postgres_server
 from fairgate.ledger import LedgerUnavailable, postgres_alive, postgres_batch, quotas_from_dict
-from fairgate.ledger.postgres import PostgresLedger
+from fairgate.ledger.postgres import POOL_CONNECTIONS, PostgresLedger
 from tests.conftest import timing_claims_hold_here
 from tests.ledger.conftest import LIMITS
 
 # Tenants of these tests' own (an advisory lock's key is its tenant's, whatever the schema).
 A, B = "alive-test-a", "alive-test-b"
+MANY = [f"alive-test-{i}" for i in range(8)]  # calls on as many tenants at once take as many connections
 LIMITS_ALIVE = {**LIMITS, "requests_per_minute": 60_000, "requests_burst": 1_000, "max_concurrent": 100}
-QUOTAS = {"tenants": {A: {"limits": LIMITS_ALIVE}, B: {"limits": LIMITS_ALIVE}}}
+QUOTAS = {"tenants": {t: {"limits": LIMITS_ALIVE} for t in (A, B, *MANY)}}
 
 
 @pytest.fixture
@@ -84,6 +85,26 @@ async def test_calls_after_the_server_ended_the_idle_connections_go_through(name
     # What the callers were told is what the ledger holds: every reservation once, and each account agrees.
     assert await _rows(ledger, ids) == set(ids)
     assert [(await ledger.account(t)).concurrent for t in (A, B)] == [12, 12]
+
+
+async def test_a_pool_of_dead_connections_fails_no_call(named: tuple[PostgresLedger, str]) -> None:
+    ledger, name = named
+    # Every connection of a full pool (8) ended, as a restart does. psycopg_pool's own loop, retrying a failed
+    # check after a backoff, got a caller past at most three of them within the 2 s pool timeout.
+    await ledger._pool.resize(POOL_CONNECTIONS, POOL_CONNECTIONS)
+    await ledger._pool.wait(timeout=10.0)
+    await asyncio.gather(*(ledger.reserve(t, f"warm-{t}", 100, 50, 10.0) for t in MANY))
+    assert await _end_connections(ledger, name) == POOL_CONNECTIONS
+    await asyncio.sleep(postgres_alive.ALIVE_BYPASS_S + 0.1)
+    started = time.monotonic()
+    alive, dead_before = ledger.alive, ledger.alive.dead if ledger.alive else 0
+    ids = [f"one-by-one{i}" for i in range(3)]
+    outcomes = [await ledger.reserve(A, request_id, 100, 50, 10.0) for request_id in ids]
+    assert [o.status for o in outcomes] == ["open"] * 3
+    assert alive is not None and alive.dead - dead_before == POOL_CONNECTIONS  # the first call got past them all
+    assert await _rows(ledger, ids) == set(ids)
+    assert time.monotonic() - started < 2.0  # well within the pool timeout: each dead one cost a round trip
+    assert [(await ledger.account(t)).concurrent for t in MANY] == [1] * 8
 
 
 @pytest.mark.parametrize("server", ["postgres", "pgbouncer"])
