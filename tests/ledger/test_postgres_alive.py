@@ -11,7 +11,7 @@ import asyncio
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import psycopg
 import pytest
@@ -134,15 +134,15 @@ async def _lent_within_the_window_unchecked(ledger: PostgresLedger, monkeypatch:
     assert alive.checks == before + 3  # each lend after the window: one check
 
 
-@pytest.mark.serial  # a server of its own, paused for seconds: a timing claim
-def test_a_paused_server_fails_a_call_on_an_idle_connection_within_twice_the_pool_timeout() -> None:
+def _call_while_paused(warm: Callable[[PostgresLedger], Awaitable[object]]) -> tuple[BaseException | None, float, str]:
+    """On a throwaway server, a ledger with a 1 s pool timeout: ``warm(ledger)``, then the server paused and one
+    call made (what it raised, the seconds it took), then the server resumed and one more call (its status)."""
+
     async def run() -> tuple[BaseException | None, float, str]:
         with throwaway_postgres_server() as server:
             ledger = await PostgresLedger.open(f"{server.url}?schema=alive&timeout_s=1", quotas_from_dict(QUOTAS))
             try:
-                # Several pooled connections, each idle past the window when the server pauses.
-                await asyncio.gather(*(ledger.reserve(A if i % 2 else B, f"warm{i}", 100, 50, 10.0) for i in range(8)))
-                await asyncio.sleep(postgres_alive.ALIVE_BYPASS_S + 0.1)
+                await warm(ledger)
                 server.send_tree(signal.SIGSTOP)
                 started = time.monotonic()
                 try:
@@ -158,7 +158,17 @@ def test_a_paused_server_fails_a_call_on_an_idle_connection_within_twice_the_poo
             finally:
                 await ledger.close()
 
-    failure, waited_s, after = asyncio.run(run())
+    return asyncio.run(run())
+
+
+@pytest.mark.serial  # a server of its own, paused for seconds: a timing claim
+def test_a_paused_server_fails_a_call_on_an_idle_connection_within_twice_the_pool_timeout() -> None:
+    async def warm(ledger: PostgresLedger) -> None:
+        # Several pooled connections, each idle past the window when the server pauses.
+        await asyncio.gather(*(ledger.reserve(A if i % 2 else B, f"warm{i}", 100, 50, 10.0) for i in range(8)))
+        await asyncio.sleep(postgres_alive.ALIVE_BYPASS_S + 0.1)
+
+    failure, waited_s, after = _call_while_paused(warm)
     # A check of an idle connection waits the pool's timeout (1 s) for an answer, then its socket is shut down; the
     # pool gives up after at most two. Cancelled instead (psycopg's cancel request, unanswered), it took 11 s.
     assert isinstance(failure, LedgerUnavailable), failure
@@ -173,28 +183,7 @@ def test_a_call_a_paused_server_does_not_answer_fails_soon_after_the_answer_time
 ) -> None:
     monkeypatch.setattr(postgres_batch, "ANSWER_TIMEOUT_S", 1.0)
     monkeypatch.setattr(postgres_alive, "ALIVE_BYPASS_S", 3600.0)  # the call's own statement, no check first
-
-    async def run() -> tuple[BaseException | None, float, str]:
-        with throwaway_postgres_server() as server:
-            ledger = await PostgresLedger.open(f"{server.url}?schema=alive&timeout_s=1", quotas_from_dict(QUOTAS))
-            try:
-                await ledger.reserve(A, "warm", 100, 50, 10.0)
-                server.send_tree(signal.SIGSTOP)
-                started = time.monotonic()
-                try:
-                    await ledger.reserve(A, "paused", 100, 50, 10.0)
-                    failure: BaseException | None = None
-                except LedgerUnavailable as exc:
-                    failure = exc
-                finally:
-                    waited_s = time.monotonic() - started
-                    server.send_tree(signal.SIGCONT)
-                after = await ledger.reserve(A, "after", 100, 50, 10.0)
-                return failure, waited_s, after.status
-            finally:
-                await ledger.close()
-
-    failure, waited_s, after = asyncio.run(run())
+    failure, waited_s, after = _call_while_paused(lambda ledger: ledger.reserve(A, "warm", 100, 50, 10.0))
     assert str(failure) == "postgres ledger: no answer within 1 s (connection closed)"
     assert after == "open"
     timing_claims_hold_here("a paused server's call fails within 3 s of its 1 s answer timeout")
