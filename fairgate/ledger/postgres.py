@@ -27,6 +27,7 @@ transaction-scoped and every statement names its tables and functions with the s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -122,6 +123,7 @@ class PostgresUrl:
     schema: str
     timeout_s: float
     connect_kwargs: dict[str, Any]  # libpq's connect_timeout, unless the URL sets it; psycopg's prepare_threshold
+    pooled: bool = False  # behind a transaction-mode pooler (``pooler=transaction``)
 
 
 def parse_url(url: str) -> PostgresUrl:
@@ -150,7 +152,7 @@ def parse_url(url: str) -> PostgresUrl:
     if pooler == "transaction":
         # Behind a transaction-mode pooler a statement prepared on one server connection is not on the next.
         kwargs["prepare_threshold"] = None
-    return PostgresUrl(dsn, schema, timeout_s, kwargs)
+    return PostgresUrl(dsn, schema, timeout_s, kwargs, pooled=pooler == "transaction")
 
 
 def check_url(url: str) -> None:
@@ -394,14 +396,19 @@ class PostgresLedger(SqlLedger):
         quotas: Quotas,
         clock: Callable[[], float] | None,
         alive: AliveCheck | None = None,
+        cancel: bool = True,
     ) -> None:
         super().__init__(quotas)
         self._pool = pool
+        # Whether a call past its answer timeout is sent a cancel request (``postgres_batch.answered``): not
+        # behind a transaction-mode pooler, where an outside tester's abandoned cancels crashed PgBouncer 1.18
+        # and one landed on another client's statement.
+        self._cancel = cancel
         self.alive = alive  # the pool's check of idle connections, when it has one
         self.schema = schema
         self._clock = clock
         self._books_by_tag: tuple[Quotas | None, dict[str, fn.TenantBooks]] = (None, {})
-        self._batches = CallBatches(pool, schema, self._lone, BATCH_CALLS_MAX)
+        self._batches = CallBatches(pool, schema, self._lone, BATCH_CALLS_MAX, cancel)
 
     @classmethod
     async def open(
@@ -423,12 +430,12 @@ class PostgresLedger(SqlLedger):
         await _prepare(settings, url, create)
         alive = AliveCheck(settings.timeout_s)
         pool = await _open_pool(settings, alive)
-        return cls(pool, settings.schema, quotas, clock, alive)
+        return cls(pool, settings.schema, quotas, clock, alive, cancel=not settings.pooled)
 
     @asynccontextmanager
     async def _transaction(self, explicit: bool = True) -> AsyncIterator[Tx]:
         try:
-            async with lent(self._pool) as connection:
+            async with lent(self._pool) as connection, self._bounded(connection, explicit):
                 tx = _PgTx(connection, self.schema, explicit)
                 try:
                     yield tx
@@ -450,6 +457,11 @@ class PostgresLedger(SqlLedger):
             raise LedgerUnavailable(
                 f"postgres ledger: no connection within the pool timeout ({_one_line(exc)})"
             ) from None
+
+    def _bounded(self, connection: psycopg.AsyncConnection[Any], explicit: bool) -> AbstractAsyncContextManager[Any]:
+        """A read (``account`` is on the request path) bounded in time as a call is (``answered``); a write
+        transaction (the operator's, the sweep's) not: its work has no bound known here."""
+        return contextlib.nullcontext() if explicit else answered(connection, self._cancel)
 
     def _read_transaction(self) -> AbstractAsyncContextManager[Tx]:
         # No BEGIN ... COMMIT: a read is one round trip, its batch's statements one implicit transaction.
@@ -483,7 +495,7 @@ class PostgresLedger(SqlLedger):
     async def _lone(self, function: str, params: dict[str, Any]) -> tuple[Any, ...]:
         """``function``'s one row: one autocommit statement, one round trip, its own transaction. Raises
         ``psycopg.OperationalError`` when no answer comes within ``ANSWER_TIMEOUT_S`` (``answered``)."""
-        async with lent(self._pool) as connection, answered(connection):
+        async with lent(self._pool) as connection, answered(connection, self._cancel):
             cursor = await connection.execute(fn.call(function, self.schema), params)
             row = await cursor.fetchone()
         assert row is not None

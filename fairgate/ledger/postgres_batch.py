@@ -91,12 +91,16 @@ class CallBatches:
         lone: sends one call as a statement of its own and returns its one row; raises what the server or the
             pool raise (``psycopg.Error``, ``TimeoutError``).
         calls_max: calls in one batch, at most (below 64: see the module docstring).
+        cancel: whether a batch past its answer timeout is sent a cancel request (``answered``).
     """
 
-    def __init__(self, pool: AsyncConnectionPool, schema: str, lone: LoneCall, calls_max: int) -> None:
+    def __init__(
+        self, pool: AsyncConnectionPool, schema: str, lone: LoneCall, calls_max: int, cancel: bool = True
+    ) -> None:
         if not 1 <= calls_max < 64:
             raise ValueError(f"calls_max {calls_max}: 1..63")
         self._pool = pool
+        self._cancel = cancel  # a batch past its answer timeout is sent a cancel request (``answered``)
         self._schema = schema
         self._lone = lone
         self._calls_max = calls_max
@@ -204,7 +208,7 @@ class CallBatches:
     async def _send(self, taken: list[_Queued]) -> list[Row]:
         """``BEGIN``, the tenant's lock, the calls' wrappers, ``COMMIT``: one round trip (libpq's pipeline mode,
         one Sync)."""
-        async with lent(self._pool) as connection, answered(connection):
+        async with lent(self._pool) as connection, answered(connection, self._cancel):
             try:
                 async with connection.pipeline():
                     await connection.execute("BEGIN", prepare=False)
@@ -214,21 +218,26 @@ class CallBatches:
                     cursors = [await connection.execute(fn.try_call(q.function, self._schema), q.params) for q in taken]
                     await connection.execute("COMMIT", prepare=False)
                 rows = [await cursor.fetchone() for cursor in cursors]
-            except BaseException:
+            except BaseException as exc:
                 await _discard_transaction(connection)
+                if isinstance(exc, psycopg.Error) and connection.closed:
+                    # Closed for its unknown state: the COMMIT may have run (a server that ended the connection
+                    # just after it: psycopg reports "cannot exit pipeline mode while busy").
+                    raise psycopg.OperationalError(f"connection lost in a batch, its outcome unknown: {exc}") from exc
                 raise
         return [_one(row) for row in rows]
 
 
 @asynccontextmanager
-async def answered(connection: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
+async def answered(connection: psycopg.AsyncConnection[Any], cancel: bool = True) -> AsyncIterator[None]:
     """The block's round trips on ``connection`` answered within ``ANSWER_TIMEOUT_S``, else what runs on it
-    stopped (``_stop``), ``connection`` closed (the pool replaces it; the server rolls back what it has not
-    committed) and ``psycopg.OperationalError`` raised. A block that ends well as its time runs out keeps its
-    result, its connection closed all the same (a cancel may be on its way to whatever the backend runs next)."""
+    stopped (``_stop``; with ``cancel`` False its socket shut down at once, no cancel request), ``connection``
+    closed (the pool replaces it; the server rolls back what it has not committed) and
+    ``psycopg.OperationalError`` raised. A block that ends well as its time runs out keeps its result, its
+    connection closed all the same (a cancel may be on its way to whatever the backend runs next)."""
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
-    timer = loop.call_later(ANSWER_TIMEOUT_S, lambda: stopping.append(loop.create_task(_stop(connection))))
+    timer = loop.call_later(ANSWER_TIMEOUT_S, lambda: stopping.append(loop.create_task(_stop(connection, cancel))))
     try:
         yield
     except psycopg.Error:
@@ -242,15 +251,16 @@ async def answered(connection: psycopg.AsyncConnection[Any]) -> AsyncIterator[No
             await connection.close()
 
 
-async def _stop(connection: psycopg.AsyncConnection[Any]) -> None:
+async def _stop(connection: psycopg.AsyncConnection[Any], cancel: bool) -> None:
     """Stop what runs on ``connection``: a cancel request (a live server ends the statement: a lock wait, say,
     writes nothing later), then, if the statement has not ended ``CANCEL_WAIT_S`` after it or the request
     was not taken within that time (a paused server's postmaster takes none), its socket shut down: the
     block fails at once as a lost connection. Left to asyncio's cancellation, psycopg waited 5 s for the
     cancel and 5 s more for the statement: a paused server held a call 20 s rather than 10."""
-    with contextlib.suppress(psycopg.Error, OSError):
-        await connection.cancel_safe(timeout=CANCEL_WAIT_S)
-        await asyncio.sleep(CANCEL_WAIT_S)
+    if cancel:
+        with contextlib.suppress(psycopg.Error, OSError):
+            await connection.cancel_safe(timeout=CANCEL_WAIT_S)
+            await asyncio.sleep(CANCEL_WAIT_S)
     shut_down(connection)
 
 

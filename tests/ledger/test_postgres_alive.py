@@ -134,9 +134,13 @@ async def _lent_within_the_window_unchecked(ledger: PostgresLedger, monkeypatch:
     assert alive.checks == before + 3  # each lend after the window: one check
 
 
-def _call_while_paused(warm: Callable[[PostgresLedger], Awaitable[object]]) -> tuple[BaseException | None, float, str]:
-    """On a throwaway server, a ledger with a 1 s pool timeout: ``warm(ledger)``, then the server paused and one
-    call made (what it raised, the seconds it took), then the server resumed and one more call (its status)."""
+Call = Callable[[PostgresLedger], Awaitable[object]]
+
+
+def _call_while_paused(warm: Call, call: Call | None = None) -> tuple[BaseException | None, float, str]:
+    """On a throwaway server, a ledger with a 1 s pool timeout: ``warm(ledger)``, then the server paused and
+    ``call(ledger)`` made (default: a reserve; what it raised, the seconds it took), then the server resumed and
+    one more call (its status)."""
 
     async def run() -> tuple[BaseException | None, float, str]:
         with throwaway_postgres_server() as server:
@@ -146,7 +150,7 @@ def _call_while_paused(warm: Callable[[PostgresLedger], Awaitable[object]]) -> t
                 server.send_tree(signal.SIGSTOP)
                 started = time.monotonic()
                 try:
-                    await ledger.reserve(A, "paused", 100, 50, 10.0)
+                    await (call or (lambda ledger: ledger.reserve(A, "paused", 100, 50, 10.0)))(ledger)
                     failure: BaseException | None = None
                 except LedgerUnavailable as exc:
                     failure = exc
@@ -189,4 +193,21 @@ def test_a_call_a_paused_server_does_not_answer_fails_soon_after_the_answer_time
     timing_claims_hold_here("a paused server's call fails within 3 s of its 1 s answer timeout")
     # The cancel request untaken for CANCEL_WAIT_S (1 s), then the socket shut down. Left to asyncio's
     # cancellation, psycopg waited 5 s for the cancel and 5 s for the statement: 11 s.
+    assert waited_s < 4.0, waited_s
+
+
+@pytest.mark.serial  # a server of its own, paused for seconds: a timing claim
+def test_an_account_read_a_paused_server_does_not_answer_fails_soon_after_the_answer_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A read on the request path (the budgets' account) is bounded as a call is; unbounded, it waited as long as
+    # the server stayed paused (an outside tester's finding).
+    monkeypatch.setattr(postgres_batch, "ANSWER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(postgres_alive, "ALIVE_BYPASS_S", 3600.0)
+    failure, waited_s, after = _call_while_paused(
+        lambda ledger: ledger.reserve(A, "warm", 100, 50, 10.0), lambda ledger: ledger.account(A)
+    )
+    assert str(failure) == "postgres ledger: no answer within 1 s (connection closed)"
+    assert after == "open"
+    timing_claims_hold_here("a paused server's read fails within 3 s of its 1 s answer timeout")
     assert waited_s < 4.0, waited_s
