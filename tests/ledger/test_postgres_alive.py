@@ -182,32 +182,22 @@ def test_a_paused_server_fails_a_call_on_an_idle_connection_within_twice_the_poo
 
 
 @pytest.mark.serial  # a server of its own, paused for seconds: a timing claim
+@pytest.mark.parametrize("what", ["reserve", "account"])
 def test_a_call_a_paused_server_does_not_answer_fails_soon_after_the_answer_timeout(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(postgres_batch, "ANSWER_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(postgres_alive, "ALIVE_BYPASS_S", 3600.0)  # the call's own statement, no check first
-    failure, waited_s, after = _call_while_paused(lambda ledger: ledger.reserve(A, "warm", 100, 50, 10.0))
-    assert str(failure) == "postgres ledger: no answer within 1 s (connection closed)"
-    assert after == "open"
-    timing_claims_hold_here("a paused server's call fails within 3 s of its 1 s answer timeout")
-    # The cancel request untaken for CANCEL_WAIT_S (1 s), then the socket shut down. Left to asyncio's
-    # cancellation, psycopg waited 5 s for the cancel and 5 s for the statement: 11 s.
-    assert waited_s < 4.0, waited_s
-
-
-@pytest.mark.serial  # a server of its own, paused for seconds: a timing claim
-def test_an_account_read_a_paused_server_does_not_answer_fails_soon_after_the_answer_timeout(
-    monkeypatch: pytest.MonkeyPatch,
+    what: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A read on the request path (the budgets' account) is bounded as a call is; unbounded, it waited as long as
     # the server stayed paused (an outside tester's finding).
     monkeypatch.setattr(postgres_batch, "ANSWER_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(postgres_alive, "ALIVE_BYPASS_S", 3600.0)
-    failure, waited_s, after = _call_while_paused(
-        lambda ledger: ledger.reserve(A, "warm", 100, 50, 10.0), lambda ledger: ledger.account(A)
-    )
+    monkeypatch.setattr(postgres_alive, "ALIVE_BYPASS_S", 3600.0)  # the call's own statement, no check first
+    calls: dict[str, Call] = {
+        "reserve": lambda ledger: ledger.reserve(A, "paused", 100, 50, 10.0),
+        "account": lambda ledger: ledger.account(A),
+    }
+    failure, waited_s, after = _call_while_paused(lambda ledger: ledger.reserve(A, "warm", 100, 50, 10.0), calls[what])
     assert str(failure) == "postgres ledger: no answer within 1 s (connection closed)"
     assert after == "open"
-    timing_claims_hold_here("a paused server's read fails within 3 s of its 1 s answer timeout")
+    timing_claims_hold_here(f"a paused server's {what} fails within 3 s of its 1 s answer timeout")
+    # The cancel request untaken for CANCEL_WAIT_S (1 s), then the socket shut down. Left to asyncio's
+    # cancellation, psycopg waited 5 s for the cancel and 5 s for the statement: 11 s.
     assert waited_s < 4.0, waited_s
