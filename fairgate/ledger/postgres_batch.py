@@ -246,8 +246,8 @@ async def answered(connection: psycopg.AsyncConnection[Any], cancel: bool = True
         raise psycopg.OperationalError(f"no answer within {ANSWER_TIMEOUT_S:g} s (connection closed)") from None
     finally:
         timer.cancel()
-        for task in stopping:
-            task.cancel()
+        if stopping:  # the time ran out: the stop ends here, and the connection is not lent again
+            stopping[0].cancel()
             await connection.close()
 
 
