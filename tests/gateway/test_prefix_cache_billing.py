@@ -19,6 +19,7 @@ from fairgate.core.cost import CostModel
 from fairgate.gateway.dispatch import Upstream
 from fairgate.gateway.upstream import CallState, UpstreamClient
 from fairgate.harness.process import fairgate_process, free_port
+from tests.conftest import timing_claims_hold_here
 
 COST = CostModel(9.0, 0.55, 0.06, 24)
 PROMPT_TOKENS = 3000
@@ -49,11 +50,6 @@ def test_a_cached_prompt_is_billed_its_uncached_prefill_and_the_time_goes_to_tho
     for name, r in (("cache accounted", run), ("whole prompts", naive)):
         billed, truth = {t: round(r.billed(t)) for t in TENANTS}, {t: round(v) for t, v in r.truth.items()}
         print(f"{name}: billed {billed} truth {truth}")
-    # Measured on a loaded 2-core machine: whole prompts 33-45 % over (repeat); corrected 8-17 % over (the
-    # requests beside a cached one often hit the cache too, and their weights were inflated as well).
-    assert naive.error("repeat") > 0.15 and naive.error("fresh") > 0.05  # 16x the prefill weighed: far off
-    assert run.billed("repeat") > 0.97 * run.truth["repeat"]  # never billed below what it used
-    assert run.error("repeat") <= 0.25 and run.error("repeat") < naive.error("repeat") / 1.8
     # The replica's cache was hit: after its first, each repeat read the prompt cached; the fresh ones never.
     repeat = run.calls["repeat"]
     assert sum(c.cached_tokens >= 0.9 * PROMPT_TOKENS for c in repeat) >= len(repeat) - 2
@@ -61,12 +57,19 @@ def test_a_cached_prompt_is_billed_its_uncached_prefill_and_the_time_goes_to_tho
     # The policy's counters: the fresh tenant is booked what was taken off the repeater's bills beside it.
     to_fresh = sum(m.get("fresh", 0.0) for m in run.moves)
     assert to_fresh == pytest.approx(sum(c.cache_credit_ms for c in repeat), rel=1e-9)
-    assert abs((run.billed("fresh") + to_fresh) / run.truth["fresh"] - 1) < naive.error("fresh")
     # Each correction moved GPU time between tenants in the policy, none made or lost; billed and corrected,
     # the meter still splits exactly the time the replica was busy.
     credited = sum(c.cache_credit_ms for calls in run.calls.values() for c in calls)
     assert run.moves and all(sum(m.values()) == pytest.approx(0.0, abs=1e-9 * run.busy_ms) for m in run.moves)
     assert sum(run.billed(t) for t in TENANTS) + credited == pytest.approx(run.busy_ms, rel=1e-6)
+    # The errors against the replica's truth depend on when tokens reach the meter: a slow machine stamps them
+    # late. Measured on a loaded 2-core machine: whole prompts 33-45 % over (repeat); corrected 8-17 % over (the
+    # requests beside a cached one often hit the cache too, and their weights were inflated as well).
+    timing_claims_hold_here("billing errors against the replica's own charge rule")
+    assert naive.error("repeat") > 0.15 and naive.error("fresh") > 0.05  # 16x the prefill weighed: far off
+    assert run.billed("repeat") > 0.97 * run.truth["repeat"]  # never billed below what it used
+    assert run.error("repeat") <= 0.25 and run.error("repeat") < naive.error("repeat") / 1.8
+    assert abs((run.billed("fresh") + to_fresh) / run.truth["fresh"] - 1) < naive.error("fresh")
     assert run.busy_ms == pytest.approx(sum(run.truth.values()), rel=0.03)
 
 
