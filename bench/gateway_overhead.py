@@ -9,7 +9,9 @@ Per backend:
 - The floor, one request at a time as above: ``bench/bare_relay.py`` (the gateway's HTTP stack, FastAPI on
   uvicorn with a pooled aiohttp session, relaying with nothing of fairgate's) in front of the same replica, as
   its own process: its added latency and CPU per request, and the gateway's CPU per request as a multiple of
-  it. Read the goals against it on a slow machine: what the stack alone costs there, the gateway's logic adds.
+  it. Twice: relaying the upstream's one JSON reply whole, and collecting the reply from the upstream's stream
+  as a relay that meters must (the gateway asks every upstream to stream: a meter sees each token as it comes).
+  Read the goals against it on a slow machine: what the stack alone costs there, the gateway's logic adds.
 - The floor of streaming: the same concurrent streams as below (one round) through ``bench/bare_relay.py``, which
   relays each upstream line as it comes: its CPU per relayed token.
 - Concurrent streams: ``--streams`` requests of ``--stream-tokens`` tokens at once (a batch of that size on
@@ -133,14 +135,25 @@ def pct(values: list[float], q: float) -> float:
 
 
 @dataclass
+class Floor:
+    """``bench/bare_relay.py``'s figures: latencies (ms) and CPU ms per request one at a time, relayed whole
+    (the upstream asked for one JSON reply) and collected from the upstream's stream (as a relay that meters
+    must); CPU ms per relayed token over one round of the concurrent streams."""
+
+    plain: list[float]
+    plain_cpu_ms_per_request: float
+    collected: list[float]
+    collected_cpu_ms_per_request: float
+    cpu_ms_per_token: float
+
+
+@dataclass
 class Figures:
     """One backend's figures."""
 
     direct: list[float]
     via: list[float]
-    bare: list[float]  # through bench/bare_relay.py
-    bare_cpu_ms_per_request: float
-    bare_cpu_ms_per_token: float
+    bare: Floor  # through bench/bare_relay.py
     direct_rps: float
     via_rps: float
     cpu_ms_per_request: float
@@ -161,7 +174,7 @@ def measure(ledger_url: str, args: argparse.Namespace) -> Figures:
         pid = process.popen.pid
         asyncio.run(latencies(gateway, key, 20, 1, args.reply_tokens))  # warm: connections, ledger, caches
         direct, direct_rps = asyncio.run(latencies(upstream, key, args.requests, args.concurrency, args.reply_tokens))
-        bare, bare_cpu_ms, bare_token_ms = bare_relay(upstream, key, args)
+        bare = bare_relay(upstream, key, args)
         before = cpu_s(pid)
         via, via_rps = asyncio.run(latencies(gateway, key, args.requests, args.concurrency, args.reply_tokens))
         per_request_ms = (cpu_s(pid) - before) * 1000.0 / args.requests
@@ -179,8 +192,6 @@ def measure(ledger_url: str, args: argparse.Namespace) -> Figures:
         direct,
         via,
         bare,
-        bare_cpu_ms,
-        bare_token_ms,
         direct_rps,
         via_rps,
         per_request_ms,
@@ -193,20 +204,24 @@ def measure(ledger_url: str, args: argparse.Namespace) -> Figures:
     )
 
 
-def bare_relay(upstream: str, key: str, args: argparse.Namespace) -> tuple[list[float], float, float]:
-    """Latencies (ms) one at a time through ``bench/bare_relay.py`` in front of ``upstream``, its CPU ms per
-    request, and its CPU ms per relayed token over one round of the concurrent streams."""
+def bare_relay(upstream: str, key: str, args: argparse.Namespace) -> Floor:
+    """``Floor``: ``bench/bare_relay.py`` in front of ``upstream``, one request at a time on each of its two routes,
+    then one round of the concurrent streams."""
     port = free_port()
     relay = ServerProcess([sys.executable, str(Path(__file__).with_name("bare_relay.py")), upstream, str(port)], port)
     with running([relay]):
         assert relay.popen is not None
-        asyncio.run(latencies(relay.url, key, 20, 1, args.reply_tokens))  # warm: its connection upstream
-        before = cpu_s(relay.popen.pid)
-        bare, _ = asyncio.run(latencies(relay.url, key, args.requests, 1, args.reply_tokens))
-        per_request_ms = (cpu_s(relay.popen.pid) - before) * 1000.0 / args.requests
-        before = cpu_s(relay.popen.pid)
+        pid, out = relay.popen.pid, []
+        for base in (relay.url, f"{relay.url}/collect"):
+            asyncio.run(latencies(base, key, 20, 1, args.reply_tokens))  # warm: its connection upstream
+            before = cpu_s(pid)
+            latency_ms, _ = asyncio.run(latencies(base, key, args.requests, 1, args.reply_tokens))
+            out.append((latency_ms, (cpu_s(pid) - before) * 1000.0 / args.requests))
+        before = cpu_s(pid)
         seen, _ = asyncio.run(concurrent_streams(relay.url, key, args.streams, args.stream_tokens))
-        return bare, per_request_ms, (cpu_s(relay.popen.pid) - before) * 1000.0 / max(1, seen)
+        token_ms = (cpu_s(pid) - before) * 1000.0 / max(1, seen)
+    (plain, plain_ms), (collected, collected_ms) = out
+    return Floor(plain, plain_ms, collected, collected_ms, token_ms)
 
 
 def report(name: str, f: Figures, args: argparse.Namespace) -> None:
@@ -217,10 +232,14 @@ def report(name: str, f: Figures, args: argparse.Namespace) -> None:
         f"  added    p50 {pct(f.via, 50) - pct(f.direct, 50):7.2f} ms  p99 {pct(f.via, 99) - pct(f.direct, 99):7.2f} ms"
         f"  gateway CPU {f.cpu_ms_per_request:.2f} ms per request"
     )
+    b = f.bare
     print(
-        f"  floor    bench/bare_relay.py (FastAPI + uvicorn + aiohttp, nothing of fairgate's), one at a time: added "
-        f"p50 {pct(f.bare, 50) - pct(f.direct, 50):.2f} ms, CPU {f.bare_cpu_ms_per_request:.2f} ms per request; "
-        f"the gateway's CPU per request is {f.cpu_ms_per_request / f.bare_cpu_ms_per_request:.1f}x it"
+        f"  floor    bench/bare_relay.py (FastAPI + uvicorn + aiohttp, nothing of fairgate's), one at a time: relayed "
+        f"whole, added p50 {pct(b.plain, 50) - pct(f.direct, 50):.2f} ms, CPU {b.plain_cpu_ms_per_request:.2f} ms per "
+        f"request; collected from the upstream's stream (as a meter needs it), added p50 "
+        f"{pct(b.collected, 50) - pct(f.direct, 50):.2f} ms, CPU {b.collected_cpu_ms_per_request:.2f} ms; the "
+        f"gateway's CPU per request is {f.cpu_ms_per_request / b.plain_cpu_ms_per_request:.1f}x the first, "
+        f"{f.cpu_ms_per_request / b.collected_cpu_ms_per_request:.1f}x the second"
     )
     print(
         f"  one stream of {args.tokens} tokens: direct {f.direct_tps:,.0f} tokens/s, through the gateway "
@@ -237,8 +256,8 @@ def report(name: str, f: Figures, args: argparse.Namespace) -> None:
         f"{relay_ms:.3f} ms per relayed token"
     )
     print(
-        f"  floor    bench/bare_relay.py, the same streams (one round): CPU {f.bare_cpu_ms_per_token:.3f} ms per "
-        f"relayed token; the gateway's is {f.cpu_ms_per_token / f.bare_cpu_ms_per_token:.1f}x it"
+        f"  floor    bench/bare_relay.py, the same streams (one round): CPU {f.bare.cpu_ms_per_token:.3f} ms per "
+        f"relayed token; the gateway's is {f.cpu_ms_per_token / f.bare.cpu_ms_per_token:.1f}x it"
     )
 
 
