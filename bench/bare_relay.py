@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -50,7 +51,7 @@ def relay_app(upstream: str) -> FastAPI:
         body = await request.json()
         headers = {"Authorization": request.headers.get("authorization", "")}
         texts: list[str] = []
-        last: dict[str, object] = {}
+        last: dict[str, Any] = {}
         async with sessions[0].post(
             f"{upstream}/v1/completions", json={**body, "stream": True}, headers=headers
         ) as reply:
