@@ -5,7 +5,10 @@ autocommit statement calling a server-side function (``postgres_functions.sql``,
 takes the tenant's lock, applies the rules and writes, as its own transaction; or, made while another call of
 the process on the same tenant is in flight, one call of a batch of that tenant's calls in one transaction and
 one commit (``postgres_batch``). A read outside a write (``account``) is one round trip too; the operator's and
-the sweep's other calls run in ``_PgTx`` transactions.
+the sweep's other calls run in ``_PgTx`` transactions. Each call, read and small write (a heartbeat, a reservation
+read, the shared counters: ``SqlLedger._small_transaction``) is bounded in time (``postgres_batch.answered``: a
+paused or unreachable server fails it as ``LedgerUnavailable``); the operator's listings and the sweep's search for
+what is due are not.
 
 ``pg_advisory_xact_lock(hash(tenant))`` serialises every call on a tenant across all gateway processes
 (limits are global, not per process), held until its transaction commits (a batch's: after all its calls); the
@@ -433,9 +436,9 @@ class PostgresLedger(SqlLedger):
         return cls(pool, settings.schema, quotas, clock, alive, cancel=not settings.pooled)
 
     @asynccontextmanager
-    async def _transaction(self, explicit: bool = True) -> AsyncIterator[Tx]:
+    async def _transaction(self, explicit: bool = True, bounded: bool = False) -> AsyncIterator[Tx]:
         try:
-            async with lent(self._pool) as connection, self._bounded(connection, explicit):
+            async with lent(self._pool) as connection, self._bounded(connection, bounded):
                 tx = _PgTx(connection, self.schema, explicit)
                 try:
                     yield tx
@@ -458,14 +461,19 @@ class PostgresLedger(SqlLedger):
                 f"postgres ledger: no connection within the pool timeout ({_one_line(exc)})"
             ) from None
 
-    def _bounded(self, connection: psycopg.AsyncConnection[Any], explicit: bool) -> AbstractAsyncContextManager[Any]:
-        """A read (``account`` is on the request path) bounded in time as a call is (``answered``); a write
-        transaction (the operator's, the sweep's) not: its work has no bound known here."""
-        return contextlib.nullcontext() if explicit else answered(connection, self._cancel)
+    def _bounded(self, connection: psycopg.AsyncConnection[Any], bounded: bool) -> AbstractAsyncContextManager[Any]:
+        """A read (``account`` is on the request path) or a small write (``_small_transaction``: ``heartbeat`` and
+        ``get``, which the request path reaches too) bounded in time as a call is (``answered``); a write
+        transaction of unknown size (the operator's listings, the sweep's search for what is due) not: its work
+        has no bound known here."""
+        return answered(connection, self._cancel) if bounded else contextlib.nullcontext()
 
     def _read_transaction(self) -> AbstractAsyncContextManager[Tx]:
         # No BEGIN ... COMMIT: a read is one round trip, its batch's statements one implicit transaction.
-        return self._transaction(explicit=False)
+        return self._transaction(explicit=False, bounded=True)
+
+    def _small_transaction(self) -> AbstractAsyncContextManager[Tx]:
+        return self._transaction(bounded=True)
 
     # --- request path: one server-side function call each ------------------------------------------
     async def _call(self, function: str, params: dict[str, Any], refused: fn.Refused) -> tuple[Any, ...]:

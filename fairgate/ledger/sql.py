@@ -104,6 +104,11 @@ class SqlLedger(Backend):
         """A transaction that only reads (default: ``_transaction``; SQLite's takes no write lock)."""
         return self._transaction()
 
+    def _small_transaction(self) -> AbstractAsyncContextManager[Tx]:
+        """A write transaction of a few rows found by key (a heartbeat, a reservation read, the shared counters), so
+        one the backend may bound in time as it bounds a call (default: ``_transaction``)."""
+        return self._transaction()
+
     def _lock_statement(self, tag: str) -> Statement | None:
         """A statement that takes the tenant lock for tenant tag ``tag`` (None: the transaction is enough)."""
         return None
@@ -302,11 +307,11 @@ class SqlLedger(Backend):
         return schema.reservation(row)
 
     async def get(self, reservation_id: str) -> Reservation:
-        async with self._transaction() as tx:
+        async with self._small_transaction() as tx:
             return await self._load(tx, reservation_id)
 
     async def heartbeat(self, reservation_id: str) -> None:
-        async with self._transaction() as tx:
+        async with self._small_transaction() as tx:
             r = await self._load(tx, reservation_id)
             if r.is_final:
                 return
@@ -356,7 +361,7 @@ class SqlLedger(Backend):
 
     async def freeze(self, tenant: str, reason: str) -> None:
         check_freeze(tenant, reason)
-        async with self._transaction() as tx:
+        async with self._small_transaction() as tx:
             now_ms = await self._now_ms(tx)
             await tx.execute(
                 "INSERT INTO fg_frozen (tenant, reason, at_ms) VALUES (:tenant, :reason, :now) ON CONFLICT "
@@ -366,11 +371,11 @@ class SqlLedger(Backend):
 
     async def unfreeze(self, tenant: str) -> None:
         check_name(tenant, "tenant")
-        async with self._transaction() as tx:
+        async with self._small_transaction() as tx:
             await tx.execute("DELETE FROM fg_frozen WHERE tenant = :tenant", {"tenant": tenant})
 
     async def frozen(self) -> dict[str, str]:
-        async with self._transaction() as tx:
+        async with self._small_transaction() as tx:
             rows = await tx.fetchall("SELECT tenant, reason FROM fg_frozen ORDER BY tenant")
         return dict(rows)
 
@@ -393,13 +398,13 @@ class SqlLedger(Backend):
         return [schema.reservation(row) for row in rows]
 
     async def _last_beat_ms(self, r: Reservation) -> tuple[float | None, float]:
-        async with self._transaction() as tx:
+        async with self._small_transaction() as tx:
             now_ms = await self._now_ms(tx)
             row = await tx.fetchone("SELECT beat_ms FROM fg_heartbeats WHERE reservation_id = :id", {"id": r.id})
         return (float(row[0]) if row is not None else None), now_ms
 
     async def _extend(self, r: Reservation, ttl_s: float, since_ms: float | None) -> None:
-        async with self._transaction() as tx:
+        async with self._small_transaction() as tx:
             base_ms = since_ms if since_ms is not None else await self._now_ms(tx)
             await tx.execute(
                 "UPDATE fg_reservations SET expires_at_ms = :at WHERE id = :id AND status = 'open'",
@@ -437,7 +442,7 @@ class SqlLedger(Backend):
                 {"scope": scope},
             )
         )
-        async with self._transaction() as tx:
+        async with self._small_transaction() as tx:
             rows = (await tx.batch(statements))[-1]
         return {
             tenant: (float(gpu_ms), int(tokens_in), int(tokens_out)) for tenant, gpu_ms, tokens_in, tokens_out in rows
@@ -448,7 +453,7 @@ class SqlLedger(Backend):
     ) -> dict[str, tuple[float, float]]:
         """One row per (process, upstream) in ``fg_occupancy``; expired rows are deleted (a process that
         stopped)."""
-        async with self._transaction() as tx:
+        async with self._small_transaction() as tx:
             now_ms = await self._now_ms(tx)
             statements: list[Statement] = [
                 (
