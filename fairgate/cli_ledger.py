@@ -197,6 +197,8 @@ def journal(
     journal_path = Path(path)
     if journal_path.is_dir():
         raise _fail(f"{path}: a directory, not a journal file")
+    if not journal_path.parent.is_dir():  # a gateway cannot have written there: a wrong path, not a clean one
+        raise _fail(f"{path}: no such directory {str(journal_path.parent)!r}")
     try:
         grants, pending = read_journal(journal_path)
         parked = read_parked(journal_path.with_suffix(".parked.jsonl"))
@@ -205,7 +207,10 @@ def journal(
     if json_out:
         sys.stdout.write(json.dumps({"grants": grants, "pending": pending, "parked": parked}, indent=2) + "\n")
         raise typer.Exit(1 if parked else 0)
-    table = Table(title=f"journal {escape(path)}: {len(grants)} grant(s), {len(pending)} settlement(s) pending")
+    # A gateway writes its journal at its first emergency grant: none there yet is nothing pending, said so.
+    absent = "" if journal_path.exists() else " (no such file yet: no grant was journalled, or the path is wrong)"
+    title = f"journal {escape(path)}{absent}: {len(grants)} grant(s), {len(pending)} settlement(s) pending"
+    table = Table(title=title)
     for column in ("kind", "tenant / request id", "usage in/out/GPU ms", "status or reason"):
         table.add_column(column)
     for record in [*grants, *parked]:

@@ -7,7 +7,9 @@ difference is frozen (``Ledger.freeze``), an alert is logged (JSON line on the `
 and counted (``fairgate_reconciliation_alerts_total``), and the report says what differs.
 
 Metered export: CSV with the header ``tenant,input_tokens,output_tokens,gpu_ms`` (one row per tenant, the
-usage the model service measured over the same period).
+usage the model service measured over the same period). A tenant the ledger billed and the export leaves out is
+compared as metered 0 - the model service saw none of its usage - and its difference says so: an export that
+leaves a tenant out is what reconciliation is there to catch (usage billed that no engine ran).
 """
 
 from __future__ import annotations
@@ -166,7 +168,8 @@ async def reconcile(
             if metered is not None:
                 m = getattr(row.metered or Totals(), name)
                 if _differs(b, m, threshold):
-                    row.differences.append(f"{name}: event log {b:g} vs metered {m:g} (over {threshold:.1%})")
+                    absent = "" if row.metered is not None else ", the tenant not in the export"
+                    row.differences.append(f"{name}: event log {b:g} vs metered {m:g}{absent} (over {threshold:.1%})")
         if row.differences:
             kind = "metered" if any("metered" in d for d in row.differences) else "ledger"
             ALERTS.labels(tenant_tag(tenant), kind).inc()

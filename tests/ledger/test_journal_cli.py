@@ -27,7 +27,10 @@ GRANT = {
 
 def test_the_journal_command_lists_grants_pending_settlements_and_parked_grants(tmp_path: Path) -> None:
     journal = tmp_path / "journal.jsonl"
-    assert fairgate("ledger", "journal", str(journal)).returncode == 0  # none yet: nothing to review
+    none_yet = fairgate("ledger", "journal", str(journal))
+    assert none_yet.returncode == 0 and "no such file yet" in none_yet.stdout, none_yet  # nothing to review, said so
+    wrong = fairgate("ledger", "journal", str(tmp_path / "no-such-dir" / "journal.jsonl"))
+    assert wrong.returncode == 2 and "no such directory" in wrong.stderr and "Traceback" not in wrong.stderr, wrong
     pending = {"type": "pending", "id": "abc-1", "kind": "settle", "final": True, "usage": [5, 6, 7.0]}
     journal.write_text(
         json.dumps({**GRANT, "id": "emg-2", "request_id": "running"}) + "\n" + json.dumps(pending) + "\n"

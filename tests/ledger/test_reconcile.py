@@ -44,6 +44,23 @@ async def test_metered_difference_freezes_and_alerts(open_ledger, clock):
     assert (await ledger.get(rb.id)).billed == Usage(100, 20, 9.0)  # nothing edited
 
 
+async def test_a_billed_tenant_the_export_leaves_out_differs_as_metered_zero_and_says_so(open_ledger, clock):
+    ledger = await open_ledger(QUOTAS, clock)
+    for tenant in ("a", "b"):
+        r = await ledger.reserve(tenant, "1", 100, 50, 10.0)
+        await ledger.settle(r.id, 100, 40, 9.0, final=True)
+    dry = await reconcile(ledger, {"a": Totals(100, 40, 9.0)}, freeze=False)  # b: not in the export
+    row = {t.tenant: t for t in dry.tenants}
+    assert row["a"].differences == []
+    assert row["b"].differences == [
+        f"{name}: event log {b:g} vs metered 0, the tenant not in the export (over 1.0%)"
+        for name, b in (("input_tokens", 100), ("output_tokens", 40), ("gpu_ms", 9.0))
+    ]
+    assert dry.frozen == [] and await ledger.frozen() == {}  # a dry run freezes nobody
+    report = await reconcile(ledger, {"a": Totals(100, 40, 9.0)})
+    assert report.frozen == ["b"] and list(await ledger.frozen()) == ["b"]
+
+
 async def test_clean_ledger_reconciles(open_ledger, clock):
     ledger = await open_ledger(QUOTAS, clock)
     r = await ledger.reserve("a", "1", 10, 10, 1.0)
