@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from fairgate.gateway.dispatch import Upstream
 from fairgate.gateway.engine_load import poll_engine_load
 from fairgate.gateway.sharing import ChargeSync
 from fairgate.gateway.state import GatewayState
@@ -169,18 +170,26 @@ async def recover(front: ResilientLedger, owner: str, lease_ms: float, interval_
 
 
 async def probe(state: GatewayState, interval_s: float = PROBE_EVERY_S) -> None:
-    """Every ``interval_s``, ask each upstream marked down for its models; one that answers is back."""
+    """Every ``interval_s``, ask each upstream for its models (all at once, each bounded by ``PROBE_TIMEOUT_S``):
+    one marked down that answers is back; one marked up that refuses the connection is down. No request has to
+    fail first: a replica that never came up, or went away while idle, is not counted ready (``/health/ready``,
+    ``fairgate_upstream_up``) - a new user's gateway in front of two dead ports read ready with both up. A slow
+    answer or an error status changes nothing (an engine busy, or serving no ``/models``, is not gone)."""
     while True:
         await asyncio.sleep(interval_s)
-        for upstream in state.dispatcher.upstreams():
-            if upstream.healthy:
-                continue
-            client = state.upstreams.get(upstream.name)
-            if client is None or client.upstream is not upstream:  # a reload took it out meanwhile
-                continue
-            try:
-                status, _ = await client.get("/models", PROBE_TIMEOUT_S)
-            except (aiohttp.ClientError, TimeoutError):
-                continue
-            if status == 200:
-                state.dispatcher.mark_up(upstream)  # logs it
+        await asyncio.gather(*(_probe_one(state, upstream) for upstream in state.dispatcher.upstreams()))
+
+
+async def _probe_one(state: GatewayState, upstream: Upstream) -> None:
+    client = state.upstreams.get(upstream.name)
+    if client is None or client.upstream is not upstream:  # a reload took it out meanwhile
+        return
+    try:
+        status, _ = await client.get("/models", PROBE_TIMEOUT_S)
+    except aiohttp.ClientConnectorError:  # refused, unreachable: nothing listens there
+        state.dispatcher.mark_down(upstream)  # logs it
+        return
+    except (aiohttp.ClientError, TimeoutError):
+        return
+    if status == 200:
+        state.dispatcher.mark_up(upstream)  # logs it

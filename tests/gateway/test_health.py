@@ -4,11 +4,13 @@ with the per-upstream ``fairgate_upstream_up`` gauge."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
 
 from fairgate.gateway.app import create_gateway
+from fairgate.gateway.background import PROBE_EVERY_S
 from fairgate.gateway.config import load_gateway_config
 from fairgate.harness.redis import redis_server, redis_url
 from fairgate.harness.threads import serve_in_thread
@@ -46,6 +48,24 @@ def test_a_model_with_every_upstream_down_is_not_ready(tmp_path: Path) -> None:
     assert anonymous.status_code == 503 and "emu" not in anonymous.text, anonymous.text
     assert anonymous.json()["reasons"] == ["1 of 1 models have no upstream up (an admin key shows which)"]
     assert (anonymous.json()["models_ready"], anonymous.json()["models"]) == (0, 1)
+    assert 'fairgate_upstream_up{model="emu",upstream="emu-0"} 0.0' in metrics
+
+
+def test_an_upstream_nothing_listens_at_is_not_ready_without_a_request_failing_first(tmp_path: Path) -> None:
+    # The probe asks every upstream each PROBE_EVERY_S: one that refuses the connection is down at once. Only
+    # marked down by a request that failed, a gateway in front of two dead ports read ready, both up (a new user's
+    # finding), and an orchestrator sent it traffic.
+    path, _ = write_config(tmp_path, ["http://127.0.0.1:9"], admin_key=ADMIN_KEY)  # nothing listens: refused
+    with serve_in_thread(create_gateway(load_gateway_config(path))) as url:
+        deadline, ready = time.monotonic() + 10 * PROBE_EVERY_S, None
+        while time.monotonic() < deadline:
+            ready = httpx.get(f"{url}/health/ready", headers=ADMIN, timeout=5)
+            if ready.status_code == 503:
+                break
+            time.sleep(PROBE_EVERY_S / 4)
+        metrics = httpx.get(f"{url}/metrics", headers=ADMIN, timeout=5).text
+    assert ready is not None and ready.status_code == 503, ready.text if ready is not None else None
+    assert ready.json()["reasons"] == ["no upstream of model 'emu' is up"]
     assert 'fairgate_upstream_up{model="emu",upstream="emu-0"} 0.0' in metrics
 
 
