@@ -106,6 +106,9 @@ async def sweep(
             outage = True
             hold_until = math.inf  # until a sweep goes through again
             log.warning("liveness sweep skipped: %s", exc)
+        except Exception:  # an error no backend mapped: the loop must outlive it, held as after an outage
+            outage, hold_until = True, math.inf
+            log.exception("liveness sweep failed; tried again next round")
 
 
 async def sweep_once(front: ResilientLedger, claimant: Claimant, expire: bool = True) -> list[Reservation]:
@@ -167,6 +170,8 @@ async def recover(front: ResilientLedger, owner: str, lease_ms: float, interval_
                     log.warning("cancelled %d reservation(s) committed after their reserve timed out", cancelled)
         except LedgerError:
             continue  # still down: the journal is kept whole, the doubts too
+        except Exception:  # an error no backend mapped: the journal is kept whole, and the loop goes on
+            log.exception("emergency journal replay failed; tried again next round")
 
 
 async def probe(state: GatewayState, interval_s: float = PROBE_EVERY_S) -> None:
@@ -177,7 +182,10 @@ async def probe(state: GatewayState, interval_s: float = PROBE_EVERY_S) -> None:
     answer or an error status changes nothing (an engine busy, or serving no ``/models``, is not gone)."""
     while True:
         await asyncio.sleep(interval_s)
-        await asyncio.gather(*(_probe_one(state, upstream) for upstream in state.dispatcher.upstreams()))
+        probes = [_probe_one(state, upstream) for upstream in state.dispatcher.upstreams()]
+        for failure in await asyncio.gather(*probes, return_exceptions=True):
+            if isinstance(failure, Exception):  # the loop must outlive it
+                log.error("upstream probe failed: %r", failure)
 
 
 async def _probe_one(state: GatewayState, upstream: Upstream) -> None:

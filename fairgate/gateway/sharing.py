@@ -107,6 +107,8 @@ class ChargeSync:
                 if not down:
                     log.warning("charge sharing paused: %s", exc)
                 down = True
+            except Exception:  # an error no backend mapped: the loop must outlive it (its charges are kept)
+                log.exception("charge sharing round failed; tried again next round")
 
 
 def upstream_key(client: UpstreamClient) -> str:

@@ -506,3 +506,50 @@ async def _libraries(client: Redis, name: str) -> list[str]:
         fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))
         found.append(fields["library_name"])
     return found
+
+
+async def test_a_cluster_ledger_takes_more_calls_at_once_than_a_node_has_connections(redis_cluster_url):
+    # redis-py's cluster client fails a call past a node's max_connections at once, where the single server's pool
+    # waits: an outside tester's 100 calls at once on a healthy cluster failed 36 (``store.CLUSTER_CALLS_MAX``).
+    from fairgate.ledger.redis.store import CLUSTER_CALLS_MAX
+
+    prefix = f"fgc_{uuid.uuid4().hex[:10]}"
+    quotas = quotas_from_dict({"defaults": {"max_concurrent": 1000}, "tenants": {"wide": {}}})
+    ledger = await connect(f"{redis_cluster_url}&prefix={prefix}", quotas)
+    try:
+        calls = 3 * CLUSTER_CALLS_MAX
+        opened = await asyncio.gather(
+            *(ledger.reserve("wide", f"at-once-{i}", 10, 5, 1.0) for i in range(calls)), return_exceptions=True
+        )
+        failed = [r for r in opened if isinstance(r, BaseException)]
+        assert failed == [] and len({r.id for r in opened}) == calls
+        assert (await ledger.account("wide")).concurrent == calls
+    finally:
+        await ledger.drop_keys()
+        await ledger.close()
+
+
+async def test_a_cluster_no_node_answers_is_an_unavailable_ledger(tmp_path):
+    # redis-py 8's RedisClusterUnreachableError is no RedisError: an outside tester's cluster outage escaped as it,
+    # a gateway answered 500 and its liveness sweep died.
+    from fairgate.harness.redis import redis_cluster
+
+    quotas = quotas_from_dict({"tenants": {"t": {}}})
+    with redis_cluster(tmp_path / "cluster") as nodes:
+        url = f"redis://127.0.0.1:{nodes[0].port}/0?cluster=true&timeout_s=1&prefix=fgc_{uuid.uuid4().hex[:8]}"
+        ledger = await connect(url, quotas)
+        try:
+            await ledger.reserve("t", "before", 10, 5, 1.0)
+            for node in nodes:
+                node.stop()
+            calls = (
+                lambda: ledger.reserve("t", "during", 10, 5, 1.0),
+                lambda: ledger.account("t"),
+                lambda: ledger.reservations("t"),
+                lambda: ledger.frozen(),
+            )
+            for i in range(24):  # a few failed calls in, the client looks for the cluster again: unreachable
+                with pytest.raises(LedgerUnavailable, match=r"^redis ledger: "):
+                    await calls[i % len(calls)]()
+        finally:
+            await ledger.close()

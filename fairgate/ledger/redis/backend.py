@@ -18,13 +18,14 @@ from fairgate.ledger.redis.coordination import RedisCoordination
 from fairgate.ledger.redis.errors import FAILURES
 from fairgate.ledger.redis.operator_api import RedisOperator
 from fairgate.ledger.redis.request_path import RedisRequestPath
+from fairgate.ledger.redis.store import CLUSTER_CALLS_MAX, POOL_WAIT_S
 from fairgate.ledger.redis.url import RedisUrl, parse_url
 from fairgate.ledger.text import one_line, redacted
 
-POOL_WAIT_S = 10.0  # how long a call waits for a free pooled connection
-# Connections in one process's pool (per node on a cluster). A call holds one for one script round trip
-# (well under a millisecond), so 64 leave the request path no waiting at the concurrency one process serves.
-POOL_CONNECTIONS = 64
+# Connections in one process's pool (per node on a cluster, where ``store.CLUSTER_CALLS_MAX`` calls at once keep
+# within it). A call holds one for one script round trip (well under a millisecond), so 64 leave the request path
+# no waiting at the concurrency one process serves.
+POOL_CONNECTIONS = CLUSTER_CALLS_MAX
 
 
 class RedisLedger(RedisRequestPath, RedisOperator, RedisCoordination):
@@ -80,7 +81,7 @@ class RedisLedger(RedisRequestPath, RedisOperator, RedisCoordination):
                     f"exist on {settings.where}: {one_line(exc)}"
                 ) from None
             raise
-        with self._unavailable():
+        async with self._unavailable():
             await self._scripts.load(self._client)
             if create:
                 await self._store_limits(self._limits)

@@ -21,7 +21,7 @@ class RedisCoordination(RedisStore):
 
     async def _due(self) -> list[Reservation]:
         """``due.lua`` per registered tenant (none of a frozen one)."""
-        with self._unavailable():
+        async with self._unavailable():
             due: list[Reservation] = []
             for tag in sorted(await self._tenants()):
                 replies = await self._scripts.due(keys=self._keys.tenant(tag), args=self._head())
@@ -31,7 +31,7 @@ class RedisCoordination(RedisStore):
 
     async def _last_beat_ms(self, r: Reservation) -> tuple[float | None, float]:
         """``beat.lua``: the heartbeat and the clock, read at one instant."""
-        with self._unavailable():
+        async with self._unavailable():
             beat, now = await self._scripts.beat(
                 keys=self._keys.tenant(tenant_tag(r.tenant)), args=[*self._head(), r.id]
             )
@@ -39,7 +39,7 @@ class RedisCoordination(RedisStore):
 
     async def _extend(self, r: Reservation, ttl_s: float, since_ms: float | None) -> None:
         """``extend.lua``."""
-        with self._unavailable():
+        async with self._unavailable():
             await self._scripts.extend(
                 keys=self._keys.tenant(tenant_tag(r.tenant)),
                 args=[
@@ -65,14 +65,13 @@ class RedisCoordination(RedisStore):
         """One hash per scope (``keys.py``), updated and read in one MULTI/EXEC."""
         check_charges(scope, deltas)
         key = self._keys.charges(scope)
-        with self._unavailable():
-            async with self._client.pipeline(transaction=True) as pipe:
-                for tenant, (gpu_ms, tokens_in, tokens_out) in sorted(deltas.items()):
-                    pipe.hincrbyfloat(key, f"{tenant}\ngpu_ms", float(gpu_ms))
-                    pipe.hincrby(key, f"{tenant}\ninput", int(tokens_in))
-                    pipe.hincrby(key, f"{tenant}\noutput", int(tokens_out))
-                pipe.hgetall(key)
-                fields = (await pipe.execute())[-1]
+        async with self._unavailable(), self._client.pipeline(transaction=True) as pipe:
+            for tenant, (gpu_ms, tokens_in, tokens_out) in sorted(deltas.items()):
+                pipe.hincrbyfloat(key, f"{tenant}\ngpu_ms", float(gpu_ms))
+                pipe.hincrby(key, f"{tenant}\ninput", int(tokens_in))
+                pipe.hincrby(key, f"{tenant}\noutput", int(tokens_out))
+            pipe.hgetall(key)
+            fields = (await pipe.execute())[-1]
         totals: dict[str, list[float]] = {}
         for field, value in fields.items():
             name, _, part = codec.text(field).rpartition("\n")
@@ -90,7 +89,7 @@ class RedisCoordination(RedisStore):
         injected: then the hash also holds its write time on that clock, and a stale one is not counted."""
         members = self._keys.occupancy
         mine = f"{members}:{process}"
-        with self._unavailable():
+        async with self._unavailable():
             async with self._client.pipeline(transaction=True) as pipe:
                 pipe.delete(mine)
                 if occupancy:

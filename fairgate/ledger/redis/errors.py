@@ -13,7 +13,10 @@ import redis.exceptions
 from fairgate.ledger.model import InvalidUsage, LedgerUnavailable
 from fairgate.ledger.text import one_line
 
-FAILURES = (redis.exceptions.RedisError, OSError)  # what a server or the network can raise
+# What a server or the network can raise. A cluster's own failures (no node reachable: ``RedisClusterUnreachableError``,
+# a slot no node serves) are not ``RedisError``s in redis-py 8: an outside tester's cluster outage escaped as them, a
+# gateway answered 500 and its liveness sweep died.
+FAILURES = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ class RedisOperator(RedisStore):
         (``usage_minutes``) and the status counts, read at one instant."""
         check_name(tenant, "tenant")
         window_s = check_window(window_s)
-        with self._unavailable():
+        async with self._unavailable():
             edge_raw, buckets, flat = await self._scripts.usage(
                 keys=self._keys.tenant(tenant_tag(tenant)), args=[*self._head(), codec.number(window_s)]
             )
@@ -42,7 +42,7 @@ class RedisOperator(RedisStore):
 
     async def reservations(self, tenant: str | None = None, status: str | None = None) -> list[Reservation]:
         check_filters(tenant, status)
-        with self._unavailable():
+        async with self._unavailable():
             tags = [tenant_tag(tenant)] if tenant is not None else sorted(await self._tenants())
             found: list[Reservation] = []
             for tag in tags:
@@ -52,7 +52,7 @@ class RedisOperator(RedisStore):
     async def events(self, tenant: str | None = None) -> list[Event]:
         """One tenant's log by its sequence; all tenants' merged by ``at_ms`` (see the module docstring)."""
         check_name(tenant, "tenant", optional=True)
-        with self._unavailable():
+        async with self._unavailable():
             tenants = {tenant_tag(tenant): tenant} if tenant is not None else await self._tenants()
             logs = []
             for tag in sorted(tenants):
@@ -65,17 +65,17 @@ class RedisOperator(RedisStore):
     async def freeze(self, tenant: str, reason: str) -> None:
         """``freeze.lua`` (registers the tenant, so the sweep and ``frozen()`` find it)."""
         check_freeze(tenant, reason)
-        with self._unavailable():
+        async with self._unavailable():
             await self._ensure_registered(tenant)
             await self._scripts.freeze(keys=self._keys.tenant(tenant_tag(tenant)), args=[*self._head(), tenant, reason])
 
     async def unfreeze(self, tenant: str) -> None:
         check_name(tenant, "tenant")
-        with self._unavailable():
+        async with self._unavailable():
             await self._client.delete(self._keys.tenant(tenant_tag(tenant))[FROZEN])
 
     async def frozen(self) -> dict[str, str]:
-        with self._unavailable():
+        async with self._unavailable():
             found: dict[str, str] = {}
             for tag, name in (await self._tenants()).items():
                 reason = await self._client.hget(self._keys.tenant(tag)[FROZEN], "reason")

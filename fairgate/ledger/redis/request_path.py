@@ -55,7 +55,7 @@ class RedisRequestPath(RedisStore):
             claim_owner or "",
             codec.number(claim_lease_ms),
         ]
-        with self._unavailable():
+        async with self._unavailable():
             await self._ensure_registered(tenant)
             reply = await self._with_limits(tag, lambda: self._scripts.reserve(keys=keys, args=script_args))
         code = reply[0]
@@ -101,7 +101,7 @@ class RedisRequestPath(RedisStore):
                 r = await self.get(reservation_id)
                 self.books(r.tenant, r.model_class)
             args = [*self._head(), reservation_id, "1" if enter else "0", configured]
-            with self._unavailable():
+            async with self._unavailable():
                 reply = await self._with_limits(tag, lambda: self._scripts.queue(keys=keys, args=args))
         if reply[0] == "not_found":
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
@@ -114,7 +114,7 @@ class RedisRequestPath(RedisStore):
         tag = self._tag_of(reservation_id)
         raw = None
         if tag is not None:
-            with self._unavailable():
+            async with self._unavailable():
                 raw = await self._client.hget(self._keys.tenant(tag)[RES], reservation_id)
         if raw is None:
             raise ReservationNotFound(f"no reservation {reservation_id!r}")
@@ -122,7 +122,7 @@ class RedisRequestPath(RedisStore):
 
     async def account(self, tenant: str, model_class: str = "default") -> rules.Account:
         check_account_args(tenant, model_class)
-        with self._unavailable():
+        async with self._unavailable():
             raw = await self._client.hget(
                 self._keys.tenant(tenant_tag(tenant))[ACCOUNTS], self.account_key(tenant, model_class)
             )
@@ -133,7 +133,7 @@ class RedisRequestPath(RedisStore):
         tag = self._tag_of(reservation_id)
         reply = ["not_found"]
         if tag is not None:
-            with self._unavailable():
+            async with self._unavailable():
                 reply = await self._scripts.claim(
                     keys=self._keys.tenant(tag), args=[*self._head(), reservation_id, owner, codec.number(lease_ms)]
                 )
@@ -148,7 +148,7 @@ class RedisRequestPath(RedisStore):
         tag = self._tag_of(reservation_id)
         reply = ["not_found"]
         if tag is not None:
-            with self._unavailable():
+            async with self._unavailable():
                 reply = await self._scripts.heartbeat(keys=self._keys.tenant(tag), args=[*self._head(), reservation_id])
         if reply[0] == "not_found":
             raise ReservationNotFound(f"no reservation {reservation_id!r}")

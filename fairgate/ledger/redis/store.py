@@ -3,9 +3,10 @@ the tenant registry, the tenants' limits hashes, and the one script call that se
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from contextlib import AbstractContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,11 @@ from fairgate.ledger.redis.keys import Keys, tag_of
 from fairgate.ledger.redis.lua import Scripts
 from fairgate.ledger.redis.url import RedisUrl
 
+# On a cluster, calls in flight at once per process (each takes at most one connection of a node): redis-py's
+# cluster client fails a call past a node's ``max_connections`` at once (``MaxConnectionsError``) where the single
+# server's blocking pool waits; an outside tester's 100 calls at once failed 36 of them, on a healthy cluster.
+CLUSTER_CALLS_MAX = 64
+POOL_WAIT_S = 10.0  # how long a call waits for a free pooled connection (on a cluster: for its turn)
 REGISTER_EVERY_S = 600.0  # how often a process re-registers a tenant (refreshing the registry's TTL)
 LIMITS_PER_WRITE = 500  # limits hashes written per MULTI on open (each MULTI holds the server for its length)
 UNCONFIGURED = "-"  # the limits "version" named for a tenant without limits: a key no script reads
@@ -56,6 +62,9 @@ class RedisStore(Backend):
         self._registered: dict[str, float] = {}  # tenant -> time.monotonic() of the last registration
         self._limits = self._limits_hashes(quotas)  # tenant tag -> its limits hash
         self._scripts = Scripts.register_on(client)
+        # On a cluster a call waits its turn here (``CLUSTER_CALLS_MAX``), as long as the single server's pool waits.
+        self._cluster_calls = asyncio.Semaphore(CLUSTER_CALLS_MAX) if settings.cluster else None
+        self._cluster_wait_s = max(POOL_WAIT_S, settings.timeout_s)
 
     def _limits_hashes(self, quotas: Quotas) -> dict[str, TenantLimits]:
         hashes = {}
@@ -72,9 +81,28 @@ class RedisStore(Backend):
         super().apply_quotas(quotas)
         self._limits = self._limits_hashes(quotas)
 
-    def _unavailable(self) -> AbstractContextManager[None]:
-        """Wraps redis-py's errors (``errors.Server.unavailable``)."""
-        return self._server.unavailable()
+    @asynccontextmanager
+    async def _unavailable(self) -> AsyncIterator[None]:
+        """Wraps redis-py's errors (``errors.Server.unavailable``); on a cluster, first waits for one of the
+        ``CLUSTER_CALLS_MAX`` turns (``LedgerUnavailable`` when none is free within the pool's wait)."""
+        turns = self._cluster_calls
+        if turns is None:
+            with self._server.unavailable():
+                yield
+            return
+        try:
+            async with asyncio.timeout(self._cluster_wait_s):
+                await turns.acquire()
+        except TimeoutError:
+            raise LedgerUnavailable(
+                f"redis ledger: {self._server.where}: no turn among {CLUSTER_CALLS_MAX} calls in flight within "
+                f"{self._cluster_wait_s:g} s"
+            ) from None
+        try:
+            with self._server.unavailable():
+                yield
+        finally:
+            turns.release()
 
     def _head(self) -> list[str]:
         """ARGV[1..2] of every tenant script: the clock (empty: the server's TIME) and the retention TTL, ms."""
@@ -153,7 +181,7 @@ class RedisStore(Backend):
         )
         keys, configured = self._limited_keys(tag)
         args = [*self._head(), reservation_id, kind, "1" if final else "0", *amounts, configured]
-        with self._unavailable():
+        async with self._unavailable():
             reply: list[Any] = await self._with_limits(tag, lambda: self._scripts.close(keys=keys, args=args))
         return reply
 
@@ -163,7 +191,7 @@ class RedisStore(Backend):
 
     async def drop_keys(self) -> None:
         """Delete every key of this ledger's prefix (tests). Raises ``LedgerUnavailable``."""
-        with self._unavailable():
+        async with self._unavailable():
             for pattern in self._keys.patterns:
                 batch: list[str] = []
                 async for key in self._client.scan_iter(match=pattern, count=500):
