@@ -39,6 +39,7 @@ from fairgate.gateway import sse
 from fairgate.gateway.config import UpstreamConfig
 from fairgate.gateway.dispatch import Upstream
 from fairgate.gateway.kinds import KINDS, Kind, is_context_error
+from fairgate.gateway.upstream_pool import CleanPoolConnector, read_capped, sending, stale_retry_allowed
 
 log = logging.getLogger("fairgate.gateway")
 
@@ -244,7 +245,9 @@ def upstream_session(
     ``connect_timeout_s`` to connect, ``stream_idle_timeout_s`` between two reads (so a stalled stream
     fails), ``timeout_s`` for the wait for a pooled connection. ``pooled``: keep connections open between
     requests (False: one connection per request). Call it on the event loop that will use it."""
-    headers = dict(settings.headers) if settings is not None else {}
+    # Answers as sent (no gzip to inflate past what is read of them: ``upstream_pool``), unless the operator's
+    # headers ask otherwise.
+    headers = {"accept-encoding": "identity", **(dict(settings.headers) if settings is not None else {})}
     if api_key is not None:
         headers["authorization"] = f"Bearer {api_key.get_secret_value()}"
     verify: ssl.SSLContext | bool = True
@@ -254,10 +257,11 @@ def upstream_session(
         verify = settings.verify_tls
     connect_s = settings.connect_timeout_s if settings is not None else 5.0
     idle_s = settings.stream_idle_timeout_s if settings is not None else timeout_s
-    connector = aiohttp.TCPConnector(limit=upstream.max_batch * 2 + 8, ssl=verify, force_close=not pooled)
+    connector = CleanPoolConnector(limit=upstream.max_batch * 2 + 8, ssl=verify, force_close=not pooled)
     return aiohttp.ClientSession(
         connector=connector,
         headers=headers,
+        auto_decompress=False,
         timeout=aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=connect_s, sock_read=idle_s),
         read_bufsize=READ_BUFSIZE,
         trust_env=False,
@@ -272,13 +276,16 @@ DRAIN_S = 1.0
 
 
 async def _drain(response: aiohttp.ClientResponse) -> None:
-    """Read what is left of ``response`` after its ``[DONE]`` (for at most ``DRAIN_S``), then release its
-    connection to the pool (or close it, when the rest did not come)."""
+    """Read what is left of ``response`` after its ``[DONE]`` (for at most ``DRAIN_S``, at most
+    ``upstream_pool.UNRELAYED_BYTES_MAX``), then release its connection to the pool (or close it, when the rest
+    did not come, or was more than that)."""
     try:
-        async with asyncio.timeout(DRAIN_S):
-            await response.read()
-        response.release()
+        _, whole = await read_capped(response, DRAIN_S)
     except (TimeoutError, aiohttp.ClientError, ValueError):  # the answer is complete; only the connection is lost
+        whole = False
+    if whole:
+        response.release()
+    else:
         response.close()
 
 
@@ -490,7 +497,8 @@ class UpstreamClient:
         """GET ``path`` (probes, the engine's ``/metrics``): its status and text. Raises ``aiohttp.ClientError``
         or ``TimeoutError``."""
         url = path if path.startswith(("http://", "https://")) else f"{self._url}{path}"
-        async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self.http.get(url, timeout=timeout, allow_redirects=False) as response:
             return response.status, await response.text(errors="replace")
 
     async def post_json(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[int, Any]:
@@ -499,7 +507,8 @@ class UpstreamClient:
         answer is not JSON). Raises ``aiohttp.ClientError`` or ``TimeoutError`` (``timeout_s``, seconds,
         bounds the whole exchange)."""
         url = f"{self._url.removesuffix('/v1')}{path}"
-        async with self.http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self.http.post(url, json=body, timeout=timeout, allow_redirects=False) as response:
             raw = await response.read()
         try:
             return response.status, json.loads(raw)
@@ -510,20 +519,25 @@ class UpstreamClient:
     async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST ``body`` to ``path`` on a pooled connection; the response, its head read, its body unread.
 
-        A pooled connection the upstream closed just as it was reused fails before any byte comes back
-        ("Server disconnected without sending a response": llama-server did so to ~12 % of the connections
-        reused right after a stream): that request is sent once more, on a connection of its own. A failure
-        after the head, or of that second send, is not retried (the upstream may have run the request)."""
+        A pooled connection the upstream closed just as it was reused fails as it is written to ("Server
+        disconnected without sending a response": llama-server did so to ~12 % of the connections reused right
+        after a stream): that request is sent once more, on a connection of its own - only that one
+        (``upstream_pool.stale_retry_allowed``: a reused connection, failed within a quarter second). A failure on
+        a fresh connection, a later one, one after the head, or of that second send, is not retried (the upstream
+        may have run the request). A redirect is not followed: the prompt goes to the upstream configured."""
         url, data = f"{self._url}{path}", json.dumps(body).encode()
         headers = {"content-type": "application/json"}
+        sent_s = sending()
         try:
-            response = await self.http.post(url, data=data, headers=headers)
+            response = await self.http.post(url, data=data, headers=headers, allow_redirects=False)
         except aiohttp.ClientConnectorError:
             raise  # never connected: nothing to retry on a fresh connection
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            if not stale_retry_allowed(sent_s):
+                raise
             if self._unpooled is None:
                 self._unpooled = upstream_session(*self._session_args, pooled=False)
-            response = await self._unpooled.post(url, data=data, headers=headers)
+            response = await self._unpooled.post(url, data=data, headers=headers, allow_redirects=False)
         try:
             yield response
         finally:
@@ -535,7 +549,7 @@ class UpstreamClient:
         its status; an error body is quoted only when it is OpenAI's JSON (a proxy's HTML page is not)."""
         name, kind = self.upstream.name, response.headers.get("content-type", "")
         if response.status != 200:
-            raise self._status_error(response, await response.read())
+            raise self._status_error(response, await self._error_body(response))
         if kind and not kind.lower().startswith("text/event-stream"):
             raise UpstreamError(
                 f"upstream {name} answered 200 with {kind}, not an event stream", problem="not_event_stream"
@@ -551,17 +565,20 @@ class UpstreamClient:
         did receive is what is billed."""
         rest: list[bytes] = []  # the line begun and not yet ended, in the pieces it came in
         size = 0  # their bytes
-        # Only data lines are news: comments (a proxy's keep-alive) do not reset the idle clock, or they would
-        # hold the call open for ever.
+        # Only whole data lines are news: comments (a proxy's keep-alive) do not reset the idle clock, nor do the
+        # pieces of a line never ended (an outside tester's upstream trickled one byte a second into a data line and
+        # held the call, metered, for as long as the client waited).
         last_data_s = self._clock()
         try:
             async for data in response.content.iter_any():
-                if data.startswith(b"data") or b"\ndata" in data or (rest and rest[0].startswith(b"data")):
-                    last_data_s = self._clock()  # a data line begun, or one going on
+                if b"\n" in data and (
+                    data.startswith(b"data") or b"\ndata" in data or (rest and rest[0].startswith(b"data"))
+                ):
+                    last_data_s = self._clock()  # a data line ended in this read
                 elif self._clock() - last_data_s > self.idle_timeout_s:
                     waited = round(self._clock() - last_data_s, 1)
                     raise UpstreamError(
-                        f"upstream {self.upstream.name} sent nothing for {waited:g} s (comments only)",
+                        f"upstream {self.upstream.name} sent no whole data line for {waited:g} s",
                         504,
                         problem="stalled",
                     )
@@ -629,6 +646,15 @@ class UpstreamClient:
         said = f"{type(exc).__name__}: {exc}"
         return UpstreamError(f"upstream {name} closed or broke the connection: {said}", problem="connection_closed")
 
+    async def _error_body(self, response: aiohttp.ClientResponse) -> bytes:
+        """What is quoted of an error answer: its first ``upstream_pool.UNRELAYED_BYTES_MAX`` bytes, read within
+        the upstream's idle timeout (nothing, when they do not come: the error is the status)."""
+        try:
+            body, _ = await read_capped(response, self.idle_timeout_s)
+        except (TimeoutError, aiohttp.ClientError):
+            return b""
+        return body
+
     def _status_error(self, response: aiohttp.ClientResponse, body: bytes) -> UpstreamError:
         """The ``UpstreamError`` of an answer with an error status: a refused credential is the operator's
         (502, ``auth_refused``, its body left out: a server may echo the key it refused); a prompt over the
@@ -664,10 +690,10 @@ class UpstreamClient:
         closing the generator early closes the connection, which tells the upstream to stop. Raises
         ``UpstreamError``."""
         with self._metered(call, prepaid_ms):
-            async with self.http.post(f"{self._url}/embeddings", json=body) as response:
-                answer = await response.read()
+            async with self.http.post(f"{self._url}/embeddings", json=body, allow_redirects=False) as response:
                 if response.status != 200:
-                    raise self._status_error(response, answer)
+                    raise self._status_error(response, await self._error_body(response))
+                answer = await response.read()
             try:
                 document = json.loads(answer)
             except ValueError:

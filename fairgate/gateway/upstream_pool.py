@@ -1,0 +1,110 @@
+"""The upstream's pooled HTTP connections, kept honest: a connection is lent again only when it holds nothing
+nobody asked for, a request is sent again only when a reused connection failed at once, and what is read of an
+answer the gateway does not relay is bounded.
+
+An outside tester's misbehaving upstreams, each against aiohttp's defaults:
+
+- An answer written twice on a keep-alive connection: aiohttp parses what arrives on an idle pooled connection and
+  hands it to the next request on it as its answer. The next request - another tenant's - got the first one's
+  tokens, was billed them, and never reached the upstream. ``CleanPoolConnector`` lends no connection that holds
+  bytes (aiohttp's own ``should_close``: buffered data, an unfinished body, an error); it is closed instead.
+- A retry "on a reused connection, before any byte came back" was made after any disconnect: on a fresh connection
+  the upstream had read whole, after the upstream held the request 2 s, after a partial head. Each ran twice. A
+  stale pooled connection (llama-server closes ~12 % of those reused right after a stream) fails the moment it is
+  written to; ``stale_retry_allowed`` takes only a reused connection that failed within ``STALE_RETRY_WINDOW_S``.
+- Error bodies and what followed ``[DONE]`` were read whole: a 500 of 400 KB gzip (400 MB inflated) took the
+  gateway from 88 MB to 899 MB. ``read_capped`` reads at most a bound, within a time; answers are asked
+  uncompressed (``Accept-Encoding: identity``) and read as sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import time
+from typing import Any, cast
+
+import aiohttp
+from aiohttp.client_proto import ResponseHandler
+
+# How soon after it was sent a request on a reused connection may fail and be sent again: a stale connection fails
+# on its first write (the upstream had closed it: its reset or end is already there). Later, the upstream may have
+# read and run it.
+STALE_RETRY_WINDOW_S = 0.25
+# Bytes of an answer read when nothing of it is relayed: an error body (2,000 characters are quoted), what follows
+# ``[DONE]`` (an engine ends the body at once: a few bytes).
+UNRELAYED_BYTES_MAX = 64 * 1024
+
+
+class _CountingHandler(ResponseHandler):
+    """aiohttp's protocol of a connection, counting the bytes it received (``stale_retry_allowed``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.received_bytes = 0
+
+    def data_received(self, data: bytes) -> None:
+        self.received_bytes += len(data)
+        super().data_received(data)
+
+
+# The pooled connection lent to this task's request, and the bytes it had received then (None: a new one).
+_lent: contextvars.ContextVar[tuple[_CountingHandler, int] | None] = contextvars.ContextVar(
+    "fairgate_upstream_lent", default=None
+)
+
+
+class CleanPoolConnector(aiohttp.TCPConnector):
+    """``aiohttp.TCPConnector`` that lends no pooled connection holding bytes nobody asked for (closed instead:
+    see the module's docstring), and notes in the calling task which pooled connection it lends
+    (``stale_retry_allowed``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # aiohttp makes each connection's protocol with its connector's factory (``BaseConnector._factory``).
+        self._factory = cast("functools.partial[ResponseHandler]", functools.partial(_CountingHandler, loop=self._loop))
+
+    async def _get(self, key: Any, traces: Any) -> Any:
+        while True:
+            connection = await super()._get(key, traces)
+            if connection is None:
+                return None
+            protocol = connection.protocol
+            if isinstance(protocol, _CountingHandler) and not protocol.should_close:
+                _lent.set((protocol, protocol.received_bytes))
+                return connection
+            connection.close()  # what it holds is no answer to anything asked: never read as one
+
+
+def sending() -> float:
+    """Call before a request is sent: clears the task's note of a lent connection; returns the send time
+    (monotonic s) for ``stale_retry_allowed``."""
+    _lent.set(None)
+    return time.monotonic()
+
+
+def stale_retry_allowed(sent_s: float) -> bool:
+    """Whether a request sent at ``sent_s`` (``sending``) that failed may be sent again on a fresh connection: it
+    went on a pooled connection, which received no byte since it was lent, and it failed within
+    ``STALE_RETRY_WINDOW_S``."""
+    lent = _lent.get()
+    if lent is None:
+        return False
+    protocol, received_then = lent
+    return protocol.received_bytes == received_then and time.monotonic() - sent_s <= STALE_RETRY_WINDOW_S
+
+
+async def read_capped(response: aiohttp.ClientResponse, timeout_s: float) -> tuple[bytes, bool]:
+    """Up to ``UNRELAYED_BYTES_MAX`` bytes of ``response``'s body, read within ``timeout_s``, and whether that was
+    all of it. Raises ``TimeoutError`` and aiohttp's errors."""
+    pieces: list[bytes] = []
+    left = UNRELAYED_BYTES_MAX
+    async with asyncio.timeout(timeout_s):
+        while left > 0:
+            piece = await response.content.read(left)
+            if not piece:
+                return b"".join(pieces), True
+            pieces.append(piece)
+            left -= len(piece)
+        return b"".join(pieces), response.content.at_eof()
