@@ -179,3 +179,32 @@ def test_a_redirect_is_not_followed_and_an_error_body_is_read_only_so_far() -> N
     redirected, failed, runs = asyncio.run(run())
     assert "307" in redirected and runs == Counter({"redirect": 1, "error": 1}), (redirected, runs)
     assert "500" in failed and len(failed) < 3 * 2000, failed[:200]
+
+
+def test_a_data_line_trickled_in_and_never_ended_stalls_the_call_at_its_idle_timeout() -> None:
+    # Any byte reset the idle clock while a data line was begun: an outside tester's upstream trickled one a second
+    # and held the call, metered, for as long as its client waited.
+    async def trickle(marker: str, index: int, writer: asyncio.StreamWriter) -> bool:
+        writer.write(HEAD + _chunked(b'data: {"id": "x", "object": "text_completion", "choices": [{"index": 0, '))
+        for _ in range(40):
+            await asyncio.sleep(0.1)
+            writer.write(_chunked(b" "))
+            await writer.drain()
+        return False
+
+    async def run() -> tuple[str, float]:
+        async with RawUpstream(trickle) as upstream:
+            client = UpstreamClient(
+                Upstream("raw-0", "m", upstream.url, COST.max_batch, COST), lambda *args: None, timeout_s=1.0
+            )
+            started = asyncio.get_running_loop().time()
+            try:
+                with pytest.raises(UpstreamError) as stalled:
+                    await complete(client, "trickled")
+            finally:
+                await client.close()
+            return str(stalled.value), asyncio.get_running_loop().time() - started
+
+    message, took_s = asyncio.run(run())
+    assert "sent no whole data line for" in message, message
+    assert took_s < 3.0, took_s  # its idle timeout (1 s) and a read; trickled, it ran all 4 s
