@@ -182,3 +182,16 @@ def test_cli_serves_and_rejects_bad_settings():
         process.communicate(timeout=20)  # also closes the stderr pipe
     bad = fairgate("emulate", "--max-batch", "0", timeout=60)
     assert bad.returncode == 2 and "--max-batch" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cli_on_a_port_in_use_says_so_in_one_line_before_its_banner():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = fairgate("emulate", "--port", str(port), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)\n"
+    assert done.stdout == ""  # no banner of a replica that never served
