@@ -15,7 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fairgate.cli_common import console, error_console, output_dir
+from fairgate.cli_common import check_port, console, error_console, output_dir
 from fairgate.cli_common import fail as _fail
 from fairgate.cli_common import note as _note
 from fairgate.core.policies.factory import POLICY_NAMES
@@ -368,6 +368,7 @@ def emulate(
     except ValidationError as exc:
         first = exc.errors()[0]
         raise _fail(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+    check_port(host, port)  # before the banner: a port in use is one line, not the banner and uvicorn's error
     _note(
         f"emulated replica {settings.model}: dt = {settings.iter_base_ms} + {settings.iter_slope_ms}*B + "
         f"{settings.prefill_ms_per_token}*prefill ms, max_batch {settings.max_batch}, on http://{host}:{port}/v1"

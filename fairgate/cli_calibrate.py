@@ -1,7 +1,11 @@
 """``fairgate calibrate URL``: fit an engine's cost model from timed probes (``fairgate.gateway.calibrate``),
 print the fit with its errors and write the ``[[upstream]]`` table.
 
-Exit codes: 0 fitted, 1 the engine could not be probed, 2 a usage error (bad option or output file).
+The engine's ``/v1/models`` is read first: it must list ``--model`` (default: its first), and its entry's
+``max_model_len`` (vLLM reports one per model) is the table's unless ``--max-model-len`` is given.
+
+Exit codes: 0 fitted, 1 the engine could not be probed, 2 a usage error (bad option or output file), or an
+engine that does not answer, does not serve ``--model``, or reports no context length when none is given.
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ def calibrate(
         int, typer.Option(help=f"The most streams a slot probe sends at once, {LIMIT_RANGE[0]}-{LIMIT_RANGE[1]}.")
     ] = 256,  # fairgate.gateway.calibrate.MAX_BATCH_LIMIT (imported only when a command runs)
     name: Annotated[str, typer.Option(help="The name of the upstream table to write.")] = "engine-0",
-    max_model_len: Annotated[int, typer.Option(min=2, help="Its context length, for the table.")] = 4096,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(min=2, help="Its context length, for the table (default: the engine's own, from /v1/models)."),
+    ] = None,
     api_key_env: Annotated[
         str | None, typer.Option(help="Environment variable holding the engine's API key (Bearer).")
     ] = None,
@@ -61,8 +68,9 @@ def calibrate(
     v1, headers = _checked(url, kind, name, model, api_key_env, out)
     if not LIMIT_RANGE[0] <= max_batch_limit <= LIMIT_RANGE[1]:
         raise fail(f"--max-batch-limit {max_batch_limit}: give a number of streams {LIMIT_RANGE[0]}-{LIMIT_RANGE[1]}")
+    served, context, context_note = _served(v1, dict(headers), model, kind, max_model_len)
     try:
-        engine = Engine(v1, model or _first_model(v1, dict(headers)), kind, headers)
+        engine = Engine(v1, served, kind, headers)
         note(f"calibrating {engine.model} at {v1} ...")
         result = asyncio.run(run(engine, max_batch, max_batch_limit))
     except CalibrationError as exc:
@@ -75,7 +83,7 @@ def calibrate(
     if result.fitted is not None:
         note(f"slot probes: {slot_probes(result.fitted)}")
     note(f"{'warning: ' if result.disagree else ''}max_batch: {max_batch_note(result)}")
-    text = upstream_table(result, name, v1, engine.model, kind, max_model_len)
+    text = upstream_table(result, name, v1, engine.model, kind, context, context_note)
     if out is not None:
         try:
             out.write_text(text)
@@ -127,13 +135,32 @@ def _checked(
     return base_url(url), headers
 
 
-def _first_model(v1: str, headers: dict[str, str]) -> str:
-    from fairgate.gateway.calibrate import CalibrationError
-
+def _served(v1: str, headers: dict[str, str], model: str | None, kind: str, given: int | None) -> tuple[str, int, str]:
+    """From the engine's ``/v1/models``: the model to probe (``--model``, else the first listed), its context
+    length in tokens (``--max-model-len``, else the engine's own ``max_model_len`` for it) and where that came
+    from (the table's comment). Raises ``typer.Exit`` (2): the engine does not answer or lists no model, does
+    not list ``--model`` (the line names those it serves; llama-server serves its one model under any name),
+    or reports no context length and none is given."""
     try:
         answer = httpx.get(f"{v1}/models", headers=headers, timeout=10.0)
-        return str(answer.json()["data"][0]["id"])
+        data = answer.json()["data"] if answer.status_code == 200 else None
     except httpx.HTTPError as exc:
-        raise CalibrationError(f"{v1}: cannot reach it ({type(exc).__name__})") from None
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise CalibrationError(f"{v1}/models: no model listed ({type(exc).__name__}); give --model") from None
+        raise fail(f"URL {v1}: cannot reach it ({type(exc).__name__})") from None
+    except (ValueError, KeyError, TypeError):
+        data = None
+    entries = {str(e["id"]): e for e in data if isinstance(e, dict) and "id" in e} if isinstance(data, list) else {}
+    if not entries:
+        key = " (a key? --api-key-env)" if answer.status_code in (401, 403) else ""
+        raise fail(f"{v1}/models: answered {answer.status_code} with no model listed{key}")
+    chosen = model if model is not None else next(iter(entries))
+    if chosen not in entries and kind != "llamacpp":
+        names = ", ".join(repr(name) for name in list(entries)[:10]) + (" ..." if len(entries) > 10 else "")
+        raise fail(f"--model {model!r}: {v1} does not serve it (its /v1/models lists {names})")
+    reported = entries.get(chosen, {}).get("max_model_len")
+    reported = reported if type(reported) is int and reported >= 2 else None
+    if given is not None:
+        differs = f"; the engine reports {reported}" if reported not in (None, given) else ""
+        return chosen, given, f"given (--max-model-len){differs}"
+    if reported is None:
+        raise fail(f"{v1}/models reports no max_model_len for {chosen!r}: give --max-model-len (its context length)")
+    return chosen, reported, "the engine's own (its /v1/models)"

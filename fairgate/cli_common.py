@@ -7,6 +7,7 @@ no rich markup, no emoji codes.
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -22,6 +23,17 @@ def fail(message: str) -> typer.Exit:
     """Print ``error: <message>`` on stderr; the ``typer.Exit(2)`` to raise."""
     error_console.print(f"error: {message}", markup=False, emoji=False, highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
+
+
+def check_port(host: str, port: int) -> None:
+    """A port in use (or an address not of this machine) is a one-line error, before anything is printed or
+    started (``fairgate serve``, ``fairgate emulate``). Raises ``typer.Exit(2)`` naming ``--host`` and ``--port``."""
+    try:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+            probe.bind((host, port))
+    except OSError as exc:
+        raise fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
 
 
 def output_dir(target: str | Path, option: str, error: type[Exception]) -> Path:

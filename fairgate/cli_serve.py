@@ -16,6 +16,7 @@ import uvicorn
 from rich.console import Console
 from rich.table import Table
 
+from fairgate.cli_common import check_port
 from fairgate.cli_common import fail as _fail
 from fairgate.cli_common import note as _note
 from fairgate.cli_common import say as _say
@@ -56,7 +57,7 @@ class Plan:
 def serve(config: Path | None, host: str, port: int, demo_traffic: bool, duration: float | None) -> None:
     """Run the gateway of ``config`` (None: the demo) on ``host:port`` until stopped or ``duration`` s.
     Raises ``typer.Exit(2)`` with one line for a port in use or a config or ledger that cannot be used."""
-    _check_port(host, port)
+    check_port(host, port)
     servers: list[uvicorn.Server] = []
     keys: dict[str, str] = {}
     if config is None:
@@ -75,16 +76,6 @@ def serve(config: Path | None, host: str, port: int, demo_traffic: bool, duratio
         )
     with asyncio.Runner(loop_factory=fast_loop_factory()) as runner:
         runner.run(_run(plan, traffic, duration))
-
-
-def _check_port(host: str, port: int) -> None:
-    """A port in use is a one-line error, before anything is printed or started."""
-    try:
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
-            probe.bind((host, port))
-    except OSError as exc:
-        raise _fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
 
 
 def _demo(host: str, port: int) -> tuple[Path, dict[str, str], uvicorn.Server]:

@@ -1,5 +1,5 @@
 """The emulated replica's OpenAI-compatible HTTP API (FastAPI): chat completions, completions, embeddings
-(``fairgate.emulator.embeddings``), models.
+(``fairgate.emulator.embeddings``), models, and vLLM's tokenize.
 
 Follows the OpenAI API and vLLM's extensions where they matter for scheduling: ``max_tokens`` (or
 ``max_completion_tokens``), ``stream`` with ``stream_options.include_usage``, ``seed``, and vLLM's
@@ -27,11 +27,19 @@ With ``prefix_caching`` the replica reuses cached prompt blocks as vLLM's automa
 hashed a block at a time, and the usage reports the tokens found cached as OpenAI's API and vLLM (with
 ``--enable-prompt-tokens-details``) do: ``"prompt_tokens_details": {"cached_tokens": N}``. Without it the
 usage has no ``prompt_tokens_details``.
+
+``POST /tokenize`` is vLLM's (``TokenizeChatRequest``: ``model``, ``messages``; ``TokenizeCompletionRequest``:
+``model``, ``prompt``), so the gateway can size a request by the replica's own count
+(``fairgate.gateway.tokenizer``): it answers ``{"count", "max_model_len", "tokens", "token_strs"}`` with the
+tokens of ``prompt_token_list``, so its count is the ``prompt_tokens`` of the usage. A word's id is 31 bits of
+its BLAKE2b hash; ``token_strs`` (the words) only when ``return_token_strs`` is true. ``add_generation_prompt``
+and ``add_special_tokens`` change nothing: the replica's usage counts no generation prompt and no BOS.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -46,7 +54,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fairgate.api import ChatRequest, CompletionRequest, GenerationRequest, count_prompt_tokens, error_body
 from fairgate.core.cost import CostModel
@@ -154,8 +162,39 @@ def create_app(settings: EmulatorSettings | None = None) -> FastAPI:
             state.running(), request, body, settings.embedding_dimensions, settings.max_model_len
         )
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await _tokenize(request, state.settings)
+
     _install_info_routes(app, state)
     return app
+
+
+async def _tokenize(request: Request, settings: EmulatorSettings) -> dict[str, Any]:
+    """vLLM's ``POST /tokenize`` of a chat (``messages``) or a prompt (module docstring). Raises
+    ``RequestValidationError`` (400 naming the field)."""
+    try:
+        document = await request.json()
+    except ValueError:
+        document = None
+    if not isinstance(document, dict):
+        raise RequestValidationError([{"loc": ("body",), "msg": "expected a JSON object", "type": "dict_type"}])
+    try:  # the generation endpoints' own models: the same fields, counted the same way
+        body = (ChatRequest if "messages" in document else CompletionRequest).model_validate(document)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    tokens = prompt_token_list(body)
+    return {
+        "count": len(tokens),
+        "max_model_len": settings.max_model_len,
+        "tokens": [t if isinstance(t, int) else _token_id(t) for t in tokens],
+        "token_strs": [str(t) for t in tokens] if document.get("return_token_strs") is True else None,
+    }
+
+
+def _token_id(word: str) -> int:
+    """A word's token id: 31 bits of its BLAKE2b hash, the same in every process."""
+    return int.from_bytes(hashlib.blake2b(word.encode("utf-8", "surrogatepass"), digest_size=4).digest(), "big") >> 1
 
 
 def _install_info_routes(app: FastAPI, state: EmulatorState) -> None:

@@ -328,8 +328,11 @@ def _chunk(line: str) -> dict[str, Any] | None:
         return None
 
 
-def upstream_table(calibration: Calibration, name: str, url: str, model: str, kind: str, max_model_len: int) -> str:
-    """The ``[[upstream]]`` TOML table for the gateway's config."""
+def upstream_table(
+    calibration: Calibration, name: str, url: str, model: str, kind: str, max_model_len: int, max_model_len_note: str
+) -> str:
+    """The ``[[upstream]]`` TOML table for the gateway's config; ``max_model_len_note``: where the context
+    length came from (a comment of the table, as ``max_batch``'s)."""
     return "\n".join(
         [
             "[[upstream]]",
@@ -342,6 +345,7 @@ def upstream_table(calibration: Calibration, name: str, url: str, model: str, ki
             f"iter_base_ms = {calibration.iter_base_ms:.3f}",
             f"iter_slope_ms = {calibration.iter_slope_ms:.4f}",
             f"prefill_ms_per_token = {calibration.prefill_ms_per_token:.4f}",
+            f"# max_model_len: {max_model_len_note}",
             f"max_model_len = {max_model_len}",
             "",
         ]

@@ -60,8 +60,9 @@ class ReplicaModel:
         """The gateway's ``[[upstream]]`` for this replica at ``url`` (its base URL, without ``/v1``), of
         whose slots the gateway uses ``max_batch`` (default: all); ``more``: other keys of the table (a cost
         model's keys in it override this replica's). The
-        emulator speaks vLLM's dialect (``cache_salt``, ``ignore_eos``), so the kind is ``vllm`` unless given; it
-        serves no ``/tokenize``, so the gateway estimates its prompts (``tokenize = false``)."""
+        emulator speaks vLLM's dialect (``cache_salt``, ``ignore_eos``), so the kind is ``vllm`` unless given; the
+        gateway estimates its prompts (``tokenize = false``: no ``/tokenize`` round trip before each request)
+        unless ``more`` sets ``tokenize``."""
         return UpstreamConfig(
             name=name,
             url=f"{url}/v1",

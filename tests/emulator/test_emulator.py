@@ -84,6 +84,27 @@ def test_bad_requests_name_the_field(base_url, body, param):
     assert reply.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("ask", "generate"),
+    [
+        ({"messages": [{"role": "user", "content": "one two three"}], "add_generation_prompt": True}, "chat"),
+        ({"prompt": "a b  c\nd"}, "completions"),
+    ],
+)
+def test_tokenize_counts_the_prompt_tokens_its_usage_reports(base_url, ask, generate):
+    """vLLM's ``POST /tokenize`` (the gateway sizes a request by it): the same count as the usage."""
+    counted = httpx.post(f"{base_url}/tokenize", json={"model": "emu", **ask}, timeout=10)
+    assert counted.status_code == 200, counted.text
+    answer = counted.json()
+    path = "/v1/chat/completions" if generate == "chat" else "/v1/completions"
+    body = {"model": "emu", "max_tokens": 1, **{k: v for k, v in ask.items() if k != "add_generation_prompt"}}
+    usage = httpx.post(f"{base_url}{path}", json=body, timeout=10).json()["usage"]
+    assert answer["count"] == usage["prompt_tokens"] == len(answer["tokens"]) == (6 if generate == "chat" else 4)
+    assert answer["max_model_len"] == 4096 and all(type(t) is int for t in answer["tokens"])
+    refused = httpx.post(f"{base_url}/tokenize", json={"model": "emu", "messages": []}, timeout=10)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+
+
 @pytest.fixture
 def emulator_process():  # type: ignore[no-untyped-def]
     """The emulator as its own process (``fairgate emulate``), as deployed: no interpreter shared with the
@@ -182,3 +203,16 @@ def test_cli_serves_and_rejects_bad_settings():
         process.communicate(timeout=20)  # also closes the stderr pipe
     bad = fairgate("emulate", "--max-batch", "0", timeout=60)
     assert bad.returncode == 2 and "--max-batch" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cli_on_a_port_in_use_says_so_in_one_line_before_its_banner():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = fairgate("emulate", "--port", str(port), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)\n"
+    assert done.stdout == ""  # no banner of a replica that never served

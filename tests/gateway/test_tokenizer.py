@@ -1,7 +1,8 @@
 """The engine's own prompt count sizes a request (``fairgate.gateway.tokenizer``), and llama.cpp's running
 token count counts a stream (``Kind.counts_from_timings``), over real HTTP: the ``openai`` client or httpx ->
 the gateway -> a fake vLLM / llama.cpp engine (a Starlette app) serving its tokenizer endpoints
-(``/tokenize``, ``/apply-template``) beside the chat stream, recording what each receives."""
+(``/tokenize``, ``/apply-template``) beside the chat stream, recording what each receives; and the emulated
+replica's own ``/tokenize``."""
 
 from __future__ import annotations
 
@@ -306,3 +307,15 @@ def test_a_tenant_its_request_rate_refuses_is_not_counted_by_the_engine_until_a_
         [*_, counted, sent] = engine.paths()
         assert (counted, sent) == ("/tokenize", "/v1/chat/completions")
         assert all(r.input_tokens == 49 for r in stack.reservations())  # every one admitted sized by the count
+
+
+def test_the_emulated_replica_counts_with_its_tokenizer_and_agrees_with_its_usage(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "fairgate.gateway")
+    with conftest.serve_stack(tmp_path, upstream_table={"tokenize": True}) as stack:  # the emulated replica
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["alpha"], max_retries=0, timeout=30)
+        reply = client.chat.completions.create(model="emu", messages=HELLO, max_tokens=3)
+        [r] = stack.reservations()
+    assert not [m for m in caplog.messages if "tokenizer_unavailable" in m]  # it was "NoCount: answered 404"
+    assert reply.usage is not None and r.input_tokens == reply.usage.prompt_tokens == 4
