@@ -210,7 +210,7 @@ class Call:
                 retrying = True
                 raise TryAnotherUpstream() from None
             if not sent:  # nothing relayed yet: the client gets a plain HTTP error
-                raise _upstream_failed(exc) from None
+                raise upstream_failed(exc) from None
             error = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "upstream_error"}}
             yield f"data: {json.dumps(error)}\n\n"
         finally:
@@ -288,7 +288,7 @@ class Call:
             if not self.progress.output_tokens and self._another_upstream(exc):
                 retrying = True
                 raise TryAnotherUpstream() from None
-            raise _upstream_failed(exc) from None
+            raise upstream_failed(exc) from None
         finally:
             await self._end(stream, finished, retrying)
         generation = self.admitted.generation
@@ -571,9 +571,22 @@ class Call:
         )
 
 
-def _upstream_failed(exc: UpstreamError) -> Rejection:
+def upstream_failed(exc: UpstreamError) -> Rejection:
+    """The client's answer to an upstream that failed before the client received anything: a prompt over its
+    context is OpenAI's ``context_length_exceeded``; a request it refused with its own OpenAI error is answered
+    with that error's status, message, type, param and code (the client's to fix: a dimension the model does
+    not have, a value the engine holds out of range); the rest are the gateway's ``upstream_error``."""
     if exc.context_exceeded:  # the client's prompt, not the platform: OpenAI's context_length_exceeded
         return Rejection(Outcome.UPSTREAM_CONTEXT_EXCEEDED, str(exc))
+    if exc.refusal is not None:
+        said = exc.refusal
+        return Rejection(
+            Outcome.UPSTREAM_REFUSED,
+            said["message"],
+            said["param"],
+            status=exc.status,
+            relayed=(said["type"], said["code"]),
+        )
     return Rejection(Outcome.UPSTREAM_ERROR, str(exc), status=exc.status)
 
 

@@ -23,8 +23,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from fairgate.gateway.call import Call, TryAnotherUpstream, while_connected
-from fairgate.gateway.outcomes import Outcome, Rejection
+from fairgate.gateway.call import Call, TryAnotherUpstream, upstream_failed, while_connected
 from fairgate.gateway.upstream import UpstreamError
 
 EMBEDDING_FIELDS = ("input", "encoding_format", "dimensions")
@@ -62,11 +61,11 @@ class EmbeddingCall(Call):
                 document = answer
             finished = True
         except UpstreamError as exc:
-            self.progress.failed = True
+            self.progress.failed, self.progress.failure = True, exc  # the refund's log line says how
             if self._another_upstream(exc):
                 retrying = True
                 raise TryAnotherUpstream() from None
-            raise Rejection(Outcome.UPSTREAM_ERROR, str(exc), status=exc.status) from None
+            raise upstream_failed(exc) from None
         finally:
             await self._end(reply, finished, retrying)
         return document

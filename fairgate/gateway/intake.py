@@ -220,9 +220,11 @@ def _invalid(exc: ValidationError) -> Rejection:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p)) or None
     message = first["msg"].removeprefix("Value error, ")
-    named = re.match(r"([a-z_]+): (.*)", message) if param is None else None
-    if named:  # a check across fields names the one at fault first ("top_logprobs: needs logprobs")
-        param, message = named.group(1), named.group(2)
+    named = re.match(r"([^\s:]+): (.*)", message, re.DOTALL) if first["type"] == "value_error" else None
+    if named:  # a check across fields names the one at fault first ("top_logprobs: needs logprobs"), a check
+        # of a nested object the path under it ("tools.0.functon", "content.0.type" under "messages.0")
+        param = f"{param}.{named.group(1)}" if param else named.group(1)
+        message = named.group(2)
     return Rejection(Outcome.INVALID_REQUEST, f"{param or 'body'}: {message}", param)
 
 

@@ -69,6 +69,7 @@ class Outcome(StrEnum):
     NO_UPSTREAM = auto()
     UPSTREAM_ERROR = auto()
     UPSTREAM_CONTEXT_EXCEEDED = auto()
+    UPSTREAM_REFUSED = auto()
     CLIENT_CLOSED = auto()
     INTERNAL_ERROR = auto()
     CONFIG_INVALID = auto()
@@ -81,7 +82,8 @@ class Answer:
     """How one outcome is answered.
 
     Attributes:
-        status: HTTP status; for ``UPSTREAM_ERROR`` and ``HTTP_ERROR`` the default when none is relayed.
+        status: HTTP status; for ``UPSTREAM_ERROR``, ``UPSTREAM_REFUSED`` and ``HTTP_ERROR`` the default when
+            none is relayed.
         kind: OpenAI error ``type``.
         code: OpenAI error ``code``.
         reason: the rejection reason (``fairgate.gateway.observe.REJECT_REASONS``).
@@ -138,6 +140,10 @@ ANSWERS: Mapping[Outcome, Answer] = {
     Outcome.UPSTREAM_ERROR: Answer(502, _SERVER, "upstream_error", "upstream_error"),
     # The upstream counted the prompt over its context (the gateway's estimate fit): the client's to fix.
     Outcome.UPSTREAM_CONTEXT_EXCEEDED: Answer(400, _INVALID, "context_length_exceeded", "invalid"),
+    # The upstream refused the request with its own OpenAI error (a 400 naming a field the gateway does not
+    # check, such as an embedding's dimensions): the client's to fix, answered with the upstream's status,
+    # type, param and code (``Rejection.relayed``); this code is the default and the one recorded.
+    Outcome.UPSTREAM_REFUSED: Answer(400, _INVALID, "upstream_refused", "invalid"),
     Outcome.CLIENT_CLOSED: Answer(499, _INVALID, "client_closed", "invalid", recorded=False),
     Outcome.INTERNAL_ERROR: Answer(500, _SERVER, "internal_error", "upstream_error"),
     # A configuration an operator asked the gateway to reload is refused; the running one stays.
@@ -149,7 +155,7 @@ ANSWERS: Mapping[Outcome, Answer] = {
 }
 
 
-_RELAYED = frozenset((Outcome.UPSTREAM_ERROR, Outcome.HTTP_ERROR))
+_RELAYED = frozenset((Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_REFUSED, Outcome.HTTP_ERROR))
 
 
 class Rejection(Exception):
@@ -162,8 +168,10 @@ class Rejection(Exception):
         retry_after_s: the wait to suggest (default: the outcome's).
         dimension: the ledger's quota dimension, for quota outcomes.
         headers: extra response headers (the quota's ``x-ratelimit-*``).
-        status: a status relayed: the upstream's own for ``UPSTREAM_ERROR`` (a 4xx it gave the request),
-            Starlette's for ``HTTP_ERROR``.
+        status: a status relayed: the upstream's own for ``UPSTREAM_ERROR`` and ``UPSTREAM_REFUSED`` (a 4xx
+            it gave the request), Starlette's for ``HTTP_ERROR``.
+        relayed: the ``type`` and ``code`` of the upstream's own OpenAI error, answered as they are
+            (``UPSTREAM_REFUSED``; the code None when it gave none a client can read).
         tenant: the tenant the request is attributed to (for a refused delegation: the caller whose key
             made it), when known where it is raised; ``about`` fills it in later otherwise.
     """
@@ -179,14 +187,17 @@ class Rejection(Exception):
         headers: Mapping[str, str] | None = None,
         status: int | None = None,
         tenant: str | None = None,
+        relayed: tuple[str, str | None] | None = None,
     ) -> None:
         super().__init__(message)
         assert status is None or outcome in _RELAYED, f"{outcome} has a fixed status"
+        assert relayed is None or outcome is Outcome.UPSTREAM_REFUSED, f"{outcome} has its own type and code"
         self.outcome, self.message, self.param, self.dimension = outcome, message, param, dimension
         self.answer = ANSWERS[outcome]
         self.status = status if status is not None else self.answer.status
         self.retry_after_s = retry_after_s if retry_after_s is not None else self.answer.retry_after_s
         self.headers = dict(headers or {})
+        self.relayed = relayed
         self.tenant: str | None = tenant
         self.delegate: str | None = None
         self.model: str | None = None
@@ -239,5 +250,6 @@ def respond(rejection: Rejection, request_id: str, rng: random.Random) -> JSONRe
     if rejection.retry_after_s is not None:
         wait_s = rejection.retry_after_s
         headers["retry-after"] = str(max(1, math.ceil(wait_s + min(0.25 * wait_s, JITTER_MAX_S) * rng.random())))
-    body = error_body(rejection.message, answer.kind, rejection.param, answer.code)
+    kind, code = rejection.relayed or (answer.kind, answer.code)
+    body = error_body(rejection.message, kind, rejection.param, code)
     return JSONResponse(status_code=rejection.status, content=body, headers=headers)

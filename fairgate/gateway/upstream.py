@@ -62,10 +62,12 @@ class UpstreamError(Exception):
     """The upstream failed (connection, HTTP error status, malformed stream); ``status`` for the client.
     ``unreachable``: the connection was refused or timed out, so the upstream never saw the request (it may
     be sent to another one). ``problem``: what the upstream did wrong, one word for the log (``unreachable``,
-    ``http_status``, ``auth_refused``, ``context_exceeded``, ``not_event_stream``, ``malformed_stream``,
-    ``stalled``, ``connection_closed``, ``stream_unfinished``). ``sample``: some of what it sent, for the log
-    only (never the client's). ``context_exceeded``: the upstream refused the prompt as longer than its
-    context (the client's to fix: a 400 ``context_length_exceeded``, not a 502)."""
+    ``http_status``, ``request_refused``, ``auth_refused``, ``context_exceeded``, ``not_event_stream``,
+    ``malformed_stream``, ``stalled``, ``connection_closed``, ``stream_unfinished``). ``sample``: some of what
+    it sent, for the log only (never the client's). ``context_exceeded``: the upstream refused the prompt as
+    longer than its context (the client's to fix: a 400 ``context_length_exceeded``, not a 502). ``refusal``:
+    the upstream refused the request itself with a 4xx and its own OpenAI error (``request_refused``), as
+    ``{"message", "type", "param", "code"}`` to relay (``UpstreamClient._status_error``)."""
 
     def __init__(
         self,
@@ -75,10 +77,27 @@ class UpstreamError(Exception):
         problem: str = "failed",
         sample: str = "",
         context_exceeded: bool = False,
+        refusal: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.unreachable, self.problem, self.sample = status, unreachable, problem, sample
-        self.context_exceeded = context_exceeded
+        self.context_exceeded, self.refusal = context_exceeded, refusal
+
+
+def _refusal(error: object) -> dict[str, Any] | None:
+    """An upstream's OpenAI error object (``{"error": {...}}``'s, or vLLM's older top-level one) as the fields
+    to relay: its ``message``, ``type`` (``invalid_request_error`` when it gives none), ``param``, and ``code``
+    when it is a string (vLLM's is the HTTP status again, a number: no reason a client can read); None when it
+    is no such object (TGI's ``{"error": "..."}``, a proxy's page)."""
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return None
+    kind, param, code = error.get("type"), error.get("param"), error.get("code")
+    return {
+        "message": error["message"][:2000],
+        "type": kind if isinstance(kind, str) and kind else "invalid_request_error",
+        "param": param[:200] if isinstance(param, str) else None,
+        "code": code[:200] if isinstance(code, str) else None,
+    }
 
 
 class BudgetSpent(Exception):
@@ -660,7 +679,8 @@ class UpstreamClient:
         (502, ``auth_refused``, its body left out: a server may echo the key it refused); a prompt over the
         engine's context is the client's (400, ``context_exceeded``: ``kinds.is_context_error``); another 4xx
         the client can act on keeps its status, the rest are 502. The body is quoted only when it is OpenAI's
-        JSON (a proxy's HTML page is not)."""
+        JSON (a proxy's HTML page is not); a 400, 413 or 422 with OpenAI's error object (``_refusal``) is the
+        client's error (``request_refused``), relayed as the engine said it."""
         name, kind, status = self.upstream.name, response.headers.get("content-type", ""), response.status
         detail = body[:2000].decode(errors="replace")
         if status in (401, 403):
@@ -677,10 +697,13 @@ class UpstreamClient:
             error = document.get("error", document) if isinstance(document, dict) else document
             said = f": {(error.get('message') if isinstance(error, dict) else None) or detail[:500]}"
         except json.JSONDecodeError:
-            said = f" with {kind or 'no content type'}, not an OpenAI error"
+            error, said = None, f" with {kind or 'no content type'}, not an OpenAI error"
         relayed = status if status in (400, 413, 422, 429) else 502
         message = f"upstream {name} answered {status}{said}"
-        return UpstreamError(message, relayed, problem="http_status", sample=detail[: sse.SAMPLE_CHARS])
+        # A 429 is the upstream's load (or the operator's account with a provider), not the client's request.
+        refusal = _refusal(error) if status in (400, 413, 422) else None
+        problem = "http_status" if refusal is None else "request_refused"
+        return UpstreamError(message, relayed, problem=problem, sample=detail[: sse.SAMPLE_CHARS], refusal=refusal)
 
     async def embed(
         self, body: dict[str, Any], call: CallState, prepaid_ms: float

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 from pathlib import Path
 
 import httpx
@@ -124,6 +126,32 @@ def test_bad_bodies_get_400_naming_the_field(stack, body: dict[str, object], par
     error = reply.json()["error"]
     assert error["param"] == param and error["message"].startswith(param), error
     assert stack.reservations() == []
+
+
+def test_a_field_the_replica_refuses_comes_back_as_its_error_and_bills_nothing(
+    stack, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    """Found by a new user: the replica's 400 for ``dimensions`` came back as ``server_error`` / ``upstream_error``
+    with no ``param``, and the ``upstream_failed`` line said ``"error": "None"``."""
+    caplog.set_level(logging.WARNING, logger="fairgate.gateway")
+    too_many = EMULATOR.embedding_dimensions + 1
+    with _client(stack.url, stack.keys["alpha"]) as client, pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(
+            model="emu", input="a b", dimensions=too_many, extra_headers={"x-request-id": "too-wide"}
+        )
+    error = refused.value.body
+    assert refused.value.status_code == 400 and refused.value.response.headers["x-request-id"] == "too-wide"
+    assert error == {  # as the replica answered it
+        "message": f"dimensions: at most {EMULATOR.embedding_dimensions} for this model, got {too_many}.",
+        "type": "invalid_request_error",
+        "param": "dimensions",
+        "code": "invalid_request_error",
+    }, error
+    [r] = stack.reservations()  # billed nothing, as any request the upstream did not run
+    assert r.status == "cancelled" and (r.billed.input_tokens, r.billed.output_tokens, r.billed.gpu_ms) == (0, 0, 0)
+    [line] = [json.loads(m) for m in caplog.messages if '"upstream_failed"' in m]
+    assert line["problem"] == "request_refused" and line["request_id"] == "too-wide", line
+    assert "dimensions: at most" in line["error"] and '"param":"dimensions"' in line["sent"], line
 
 
 def test_unknown_model_and_missing_key(stack) -> None:  # type: ignore[no-untyped-def]

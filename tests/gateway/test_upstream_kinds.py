@@ -3,7 +3,8 @@ fake OpenAI-compatible engine that requires a bearer key and records every body 
 
 Per kind: which fields reach the engine, which are refused (400 naming the field, nothing reserved), the
 tenant's cache isolation (vLLM and SGLang ``cache_salt``, llama.cpp ``cache_prompt: false``, none elsewhere), the
-engine's "prompt too long" answer relayed as ``context_length_exceeded``; per upstream: the key from an
+engine's "prompt too long" answer relayed as ``context_length_exceeded``, and its own OpenAI error refusing a
+request relayed as it is; per upstream: the key from an
 environment variable or a file, extra headers, a refused key answered 502 and billed nothing, the idle
 timeout of a stalled stream, and the configuration errors of a key that cannot be read."""
 
@@ -244,6 +245,88 @@ def test_an_engine_refusing_a_prompt_over_its_context_is_context_length_exceeded
     assert refused.value.status_code == 400 and refused.value.code == "context_length_exceeded"
     assert refused.value.body["type"] == "invalid_request_error"  # type: ignore[index]
     assert r.status == "cancelled" and (r.billed.input_tokens, r.billed.output_tokens, r.billed.gpu_ms) == (0, 0, 0)
+
+
+REFUSALS = {  # an engine's own refusal of a request (not of its context) -> what the client gets
+    "vllm": (  # vLLM's ErrorResponse: its code is the HTTP status again, a number, no reason to relay
+        (
+            400,
+            {
+                "error": {
+                    "message": "top_k must be -1 or at least 1",
+                    "type": "BadRequestError",
+                    "param": "top_k",
+                    "code": 400,
+                }
+            },
+        ),
+        (400, "top_k must be -1 or at least 1", "BadRequestError", "top_k", None),
+    ),
+    "openai": (  # a hosted provider
+        (
+            400,
+            {
+                "error": {
+                    "message": "Invalid value for 'logit_bias'.",
+                    "type": "invalid_request_error",
+                    "param": "logit_bias",
+                    "code": "invalid_value",
+                }
+            },
+        ),
+        (400, "Invalid value for 'logit_bias'.", "invalid_request_error", "logit_bias", "invalid_value"),
+    ),
+    "sglang": (  # vLLM's older top-level error object, no type
+        (422, {"object": "error", "message": "temperature is out of range", "param": "temperature"}),
+        (422, "temperature is out of range", "invalid_request_error", "temperature", None),
+    ),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", list(REFUSALS))
+def test_an_engine_refusing_the_request_with_an_openai_error_is_relayed_and_bills_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str, stream: bool
+) -> None:
+    """Found by a new user: an engine's own 400 came back as ``server_error`` / ``upstream_error``, ``param``
+    null, the field only in the message."""
+    answer, (status, message, kind_said, param, code) = REFUSALS[kind]
+    caplog.set_level(logging.WARNING, logger="fairgate.gateway")
+    with gateway(tmp_path, FakeEngine(error=answer), kind=kind) as (stack, client):
+        raw = client.chat.completions.with_raw_response
+        with pytest.raises(openai.APIStatusError) as refused:
+            raw.create(model="emu", messages=HELLO, max_tokens=3, stream=stream, extra_headers={"x-request-id": "r-1"})
+        [r] = stack.reservations()
+    assert refused.value.status_code == status and refused.value.response.headers["x-request-id"] == "r-1"
+    assert refused.value.body == {"message": message, "type": kind_said, "param": param, "code": code}
+    assert r.status == "cancelled" and (r.billed.input_tokens, r.billed.output_tokens, r.billed.gpu_ms) == (0, 0, 0)
+    [line] = [json.loads(m) for m in caplog.messages if '"upstream_failed"' in m]
+    assert line["problem"] == "request_refused" and message in line["error"], line
+
+
+@pytest.mark.parametrize(
+    ("answer", "status"),
+    [
+        (
+            (422, {"error": "Input validation error: `top_n_tokens` must be > 0", "error_type": "validation"}),
+            422,
+        ),  # TGI
+        ((429, {"error": {"message": "Rate limit reached", "type": "requests", "param": None, "code": "rate"}}), 429),
+        ((400, "<html>bad request</html>"), 400),
+    ],
+)
+def test_an_error_that_is_no_openai_refusal_of_the_request_stays_the_gateways(
+    tmp_path: Path, answer: tuple[int, Any], status: int
+) -> None:
+    """TGI's error (a string, no object), an engine's 429 (its load, not the client's request) and a body that
+    is no error object keep the gateway's ``upstream_error`` with the status relayed."""
+    with gateway(tmp_path, FakeEngine(error=answer), kind="tgi") as (stack, client):
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.chat.completions.create(model="emu", messages=HELLO, max_tokens=3)
+        [r] = stack.reservations()
+    assert failed.value.status_code == status and failed.value.code == "upstream_error"
+    assert failed.value.body["type"] == "server_error" and failed.value.body["param"] is None  # type: ignore[index]
+    assert r.status == "cancelled" and r.billed.gpu_ms == 0
 
 
 def test_another_400_is_not_taken_for_a_context_error() -> None:
