@@ -95,16 +95,20 @@ async def test_every_key_has_a_ttl_after_mixed_operations(redis_ledger, redis_ur
     await _mixed_operations(ledger, clock)
     await ledger.freeze("b", "left frozen")  # the frozen key exists at the end too
     await ledger.claim((await ledger.reserve("a", "still-open", 1, 1, 0.0)).id, "gw-1", 1000.0)  # open, hb, claims
+    await ledger.add_charges("emu", {"a": (1.0, 1, 1)})  # the shared counters and occupancy (an outside tester:
+    await ledger.share_occupancy("gw-1", {"emu-0": (1.0, 0.0)}, 60_000.0)  # no TTL on either)
     async with Redis.from_url(redis_url, decode_responses=True) as client:
         keys = await _keys_of(ledger, client)
         suffixes = {k.rsplit(":", 1)[1] for k in keys}
         assert set(TENANT_KEYS) <= suffixes
         assert f"{ledger.prefix}:tenants" in keys
+        assert any(":charges" in k for k in keys) and any(":occupancy" in k for k in keys), keys
         ttls = {k: await client.pttl(k) for k in keys}
     without = {k: ttl for k, ttl in ttls.items() if ttl <= 0}
     assert not without, f"keys left without a TTL: {without}"
-    # The TTL is the retention (35 days by default), refreshed on write.
-    assert all(35 * 86_400_000 - 600_000 < ttl <= 35 * 86_400_000 for ttl in ttls.values())
+    # The TTL is the retention (35 days by default), refreshed on write; a process's occupancy, its staleness.
+    kept = {k: ttl for k, ttl in ttls.items() if not k.endswith(":gw-1")}
+    assert all(35 * 86_400_000 - 600_000 < ttl <= 35 * 86_400_000 for ttl in kept.values()), kept
 
 
 async def test_retention_days_from_the_url(redis_ledger, redis_url):

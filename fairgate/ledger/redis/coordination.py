@@ -70,6 +70,7 @@ class RedisCoordination(RedisStore):
                 pipe.hincrbyfloat(key, f"{tenant}\ngpu_ms", float(gpu_ms))
                 pipe.hincrby(key, f"{tenant}\ninput", int(tokens_in))
                 pipe.hincrby(key, f"{tenant}\noutput", int(tokens_out))
+            pipe.pexpire(key, self.retention_ms)  # every key carries the retention TTL (``keys.py``)
             pipe.hgetall(key)
             fields = (await pipe.execute())[-1]
         totals: dict[str, list[float]] = {}
@@ -102,6 +103,7 @@ class RedisCoordination(RedisStore):
                     pipe.hset(mine, mapping=mapping)
                     pipe.pexpire(mine, max(1, int(stale_after_ms)))
                 pipe.sadd(members, process)
+                pipe.pexpire(members, self.retention_ms)
                 # Not pipe.smembers: redis-py's cluster MULTI passes it a ``keys`` argument its reply parser
                 # refuses (redis 8.1); the command itself is the same.
                 pipe.execute_command("SMEMBERS", members)
