@@ -298,14 +298,16 @@ async def _drain(response: aiohttp.ClientResponse) -> None:
     """Read what is left of ``response`` after its ``[DONE]`` (for at most ``DRAIN_S``, at most
     ``upstream_pool.UNRELAYED_BYTES_MAX``), then release its connection to the pool (or close it, when the rest
     did not come, or was more than that)."""
+    whole = False
     try:
         _, whole = await read_capped(response, DRAIN_S)
     except (TimeoutError, aiohttp.ClientError, ValueError):  # the answer is complete; only the connection is lost
-        whole = False
-    if whole:
-        response.release()
-    else:
-        response.close()
+        pass
+    finally:  # cancelled too (the client closing): a connection left neither released nor closed is leaked
+        if whole:
+            response.release()
+        else:
+            response.close()
 
 
 class UpstreamClient:

@@ -37,7 +37,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 from urllib.parse import quote, urlencode, urlunsplit
@@ -69,6 +69,7 @@ _BAD_OPTION = re.compile(
     r"^invalid connection option|^invalid URI"
 )
 _POOL_LOGGER = logging.getLogger("psycopg.pool")
+log = logging.getLogger("fairgate.ledger")
 # Connections in one process's pool. Each call holds one for one transaction (a few ms); several gateway
 # processes of 8 each stay well under PostgreSQL's default max_connections (100).
 POOL_CONNECTIONS = 8
@@ -127,6 +128,10 @@ class PostgresUrl:
     timeout_s: float
     connect_kwargs: dict[str, Any]  # libpq's connect_timeout, unless the URL sets it; psycopg's prepare_threshold
     pooled: bool = False  # behind a transaction-mode pooler (``pooler=transaction``)
+
+    def as_pooled(self) -> PostgresUrl:
+        """These settings behind a transaction-mode pooler: no statement prepared, no cancel request."""
+        return replace(self, pooled=True, connect_kwargs={**self.connect_kwargs, "prepare_threshold": None})
 
 
 def parse_url(url: str) -> PostgresUrl:
@@ -306,9 +311,9 @@ async def _require_functions(connection: psycopg.AsyncConnection[Any], schema: s
         )
 
 
-async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
+async def _prepare(settings: PostgresUrl, url: str, create: bool) -> bool:
     """On one direct connection: create the schema and tables and (re)place the request path's functions
-    (``create``), or check they exist.
+    (``create``), or check they exist. Returns whether a pooler or a proxy stands between (``_between``).
 
     A direct connection fails fast and with libpq's reason, where the pool would retry quietly until its
     timeout and say only "pool initialization incomplete". Raises ``LedgerUnavailable``, ``ValueError``.
@@ -322,6 +327,7 @@ async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
     schema = settings.schema
     try:
         async with connection:
+            between = await _between(connection)
             if create:
                 await connection.execute("SELECT pg_advisory_xact_lock(4242)")  # one creator at a time
                 name_sql = pgsql.Identifier(schema)
@@ -352,6 +358,18 @@ async def _prepare(settings: PostgresUrl, url: str, create: bool) -> None:
             await connection.commit()
     except (psycopg.Error, OSError) as exc:
         raise LedgerUnavailable(f"postgres ledger: {_libpq_reason(exc)}") from None
+    return between
+
+
+async def _between(connection: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether something stands between ``connection`` and its server: the backend that runs its statements is not
+    the one the connection was told of at its start (a pooler, PgBouncer's, answers that with a key of its own).
+    Behind a transaction-mode pooler without ``pooler=transaction``, psycopg's prepared statements - named per
+    client connection - met other clients' on the pooler's shared server connections: an outside tester's two
+    ledgers behind one PgBouncer wrote acknowledged reservations into each other's schemas."""
+    cursor = await connection.execute("SELECT pg_backend_pid()")
+    row = await cursor.fetchone()
+    return row is not None and row[0] != connection.info.backend_pid
 
 
 async def _open_pool(settings: PostgresUrl, alive: AliveCheck) -> AsyncConnectionPool:
@@ -430,7 +448,13 @@ class PostgresLedger(SqlLedger):
                 line), or ``create=False`` and there is no ledger at ``url``.
         """
         settings = parse_url(url)
-        await _prepare(settings, url, create)
+        if await _prepare(settings, url, create) and not settings.pooled:
+            log.warning(
+                "postgres ledger: a pooler or proxy stands between this process and the server (the backend "
+                "running the statements is not the one the connection began with): no statement is prepared and "
+                "no cancel request sent, as with pooler=transaction; give it in the URL to say so"
+            )
+            settings = settings.as_pooled()
         alive = AliveCheck(settings.timeout_s)
         pool = await _open_pool(settings, alive)
         return cls(pool, settings.schema, quotas, clock, alive, cancel=not settings.pooled)
