@@ -24,6 +24,7 @@ log = logging.getLogger("fairgate.gateway")
 PROBE_EVERY_S = 1.0
 RECOVER_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 2.0
+PROBE_BYTES_MAX = 64 * 1024  # of a /v1/models answer (only its status counts)
 
 
 def start(state: GatewayState) -> list[asyncio.Task[None]]:
@@ -193,8 +194,9 @@ async def _probe_one(state: GatewayState, upstream: Upstream) -> None:
     if client is None or client.upstream is not upstream:  # a reload took it out meanwhile
         return
     try:
-        status, _ = await client.get("/models", PROBE_TIMEOUT_S)
-    except aiohttp.ClientConnectorError:  # refused, unreachable: nothing listens there
+        status, _ = await client.get("/models", PROBE_TIMEOUT_S, PROBE_BYTES_MAX)
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):  # refused, unreachable, or no answer
+        # to a connect (a host gone without a reset): nothing listens there
         state.dispatcher.mark_down(upstream)  # logs it
         return
     except (aiohttp.ClientError, TimeoutError):

@@ -292,6 +292,9 @@ def upstream_session(
 # in a task of its own: the call ends at [DONE] (a busy emulator took tens of ms to end the body, and calls that
 # waited for it held their slots that long: 55-62 requests/s against 69-70, bench/gateway_overhead.py).
 DRAIN_S = 1.0
+# What a GET of an engine's own endpoint reads at most (``UpstreamClient.get``): vLLM's /metrics is ~100-500 KB
+# with its histograms; a probe reads only the status, and an endless body must not be read whole every second.
+GET_BYTES_MAX = 8 * 1024 * 1024
 
 
 async def _drain(response: aiohttp.ClientResponse) -> None:
@@ -514,13 +517,15 @@ class UpstreamClient:
             moves[call.tenant] = moves.get(call.tenant, 0.0) - credit_ms
             self._correct(moves)
 
-    async def get(self, path: str, timeout_s: float) -> tuple[int, str]:
-        """GET ``path`` (probes, the engine's ``/metrics``): its status and text. Raises ``aiohttp.ClientError``
-        or ``TimeoutError``."""
+    async def get(self, path: str, timeout_s: float, max_bytes: int = GET_BYTES_MAX) -> tuple[int, str]:
+        """GET ``path`` (probes, the engine's ``/metrics``): its status and the first ``max_bytes`` of its text.
+        Raises ``aiohttp.ClientError`` (``aiohttp.ConnectionTimeoutError``: no connection within half of
+        ``timeout_s``) or ``TimeoutError``."""
         url = path if path.startswith(("http://", "https://")) else f"{self._url}{path}"
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=timeout_s / 2)
         async with self.http.get(url, timeout=timeout, allow_redirects=False) as response:
-            return response.status, await response.text(errors="replace")
+            body, _ = await read_capped(response, timeout_s, max_bytes)
+            return response.status, body.decode(errors="replace")
 
     async def post_json(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[int, Any]:
         """POST ``body`` to ``path`` at the server's root (not under ``/v1``: the engines' own endpoints,
@@ -592,10 +597,20 @@ class UpstreamClient:
         last_data_s = self._clock()
         try:
             async for data in response.content.iter_any():
-                if b"\n" in data and (
-                    data.startswith(b"data") or b"\ndata" in data or (rest and rest[0].startswith(b"data"))
-                ):
-                    last_data_s = self._clock()  # a data line ended in this read
+                lines: list[bytes] = []
+                if b"\n" not in data:  # kept in pieces, joined once the line ends: a line trickled in is O(n)
+                    rest.append(data)
+                    size += len(data)
+                    if size > READ_BUFSIZE:
+                        raise LineTooLong(data[:100], str(READ_BUFSIZE))
+                else:
+                    lines = (b"".join(rest) + data if rest else data).split(b"\n")
+                    last = lines.pop()
+                    rest, size = ([last], len(last)) if last else ([], 0)
+                    if size > READ_BUFSIZE or any(len(line) > READ_BUFSIZE for line in lines):
+                        raise LineTooLong(data[:100], str(READ_BUFSIZE))
+                if lines and (lines[0].startswith(b"data") or any(line.startswith(b"data") for line in lines)):
+                    last_data_s = self._clock()  # a data line ended in this read (most often the first)
                 elif self._clock() - last_data_s > self.idle_timeout_s:
                     waited = round(self._clock() - last_data_s, 1)
                     raise UpstreamError(
@@ -603,17 +618,8 @@ class UpstreamClient:
                         504,
                         problem="stalled",
                     )
-                if b"\n" not in data:  # kept in pieces, joined once the line ends: a line trickled in is O(n)
-                    rest.append(data)
-                    size += len(data)
-                    if size > READ_BUFSIZE:
-                        raise LineTooLong(data[:100], str(READ_BUFSIZE))
+                if not lines:
                     continue
-                lines = (b"".join(rest) + data if rest else data).split(b"\n")
-                last = lines.pop()
-                rest, size = ([last], len(last)) if last else ([], 0)
-                if size > READ_BUFSIZE or any(len(line) > READ_BUFSIZE for line in lines):
-                    raise LineTooLong(data[:100], str(READ_BUFSIZE))
                 for item in self._parsed(response, lines):
                     if item[0] is _DONE:
                         return
