@@ -32,29 +32,27 @@ def relay_app(upstream: str) -> FastAPI:
     app = FastAPI()
     sessions: list[aiohttp.ClientSession] = []
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def begun(request: Request) -> tuple[aiohttp.ClientSession, dict[str, Any], dict[str, str]]:
+        """The pooled session (made at the first request, on the server's loop), the body and the key to pass."""
         if not sessions:
             sessions.append(aiohttp.ClientSession())
-        body = await request.json()
-        headers = {"Authorization": request.headers.get("authorization", "")}
+        return sessions[0], await request.json(), {"Authorization": request.headers.get("authorization", "")}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        session, body, headers = await begun(request)
         if body.get("stream"):
-            return StreamingResponse(lines(sessions[0], body, headers), media_type="text/event-stream")
-        async with sessions[0].post(f"{upstream}/v1/completions", json=body, headers=headers) as reply:
+            return StreamingResponse(lines(session, body, headers), media_type="text/event-stream")
+        async with session.post(f"{upstream}/v1/completions", json=body, headers=headers) as reply:
             data = await reply.read()
         return Response(data, status_code=reply.status, media_type="application/json")
 
     @app.post("/collect/v1/completions")
     async def collected(request: Request) -> Response:
-        if not sessions:
-            sessions.append(aiohttp.ClientSession())
-        body = await request.json()
-        headers = {"Authorization": request.headers.get("authorization", "")}
+        session, body, headers = await begun(request)
         texts: list[str] = []
         last: dict[str, Any] = {}
-        async with sessions[0].post(
-            f"{upstream}/v1/completions", json={**body, "stream": True}, headers=headers
-        ) as reply:
+        async with session.post(f"{upstream}/v1/completions", json={**body, "stream": True}, headers=headers) as reply:
             async for line in reply.content:  # one event line at a time
                 if line.startswith(b"data: {"):
                     last = orjson.loads(line[6:])
