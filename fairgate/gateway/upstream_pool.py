@@ -35,6 +35,7 @@ STALE_RETRY_WINDOW_S = 0.25
 # Bytes of an answer read when nothing of it is relayed: an error body (2,000 characters are quoted), what follows
 # ``[DONE]`` (an engine ends the body at once: a few bytes).
 UNRELAYED_BYTES_MAX = 64 * 1024
+CHUNKED_END = b"0\r\n\r\n"  # the last chunk of a chunked body (RFC 9112, 7.1), no trailers
 
 
 class _CountingHandler(ResponseHandler):
@@ -50,7 +51,9 @@ class _CountingHandler(ResponseHandler):
 
     def data_received(self, data: bytes) -> None:
         self.received_bytes += len(data)
-        self.last_bytes = (self.last_bytes + data)[-len(CHUNKED_END) :]
+        # Every read of every stream passes here: its tail is sliced, the read itself not copied.
+        end = len(CHUNKED_END)
+        self.last_bytes = data[-end:] if len(data) >= end else (self.last_bytes + data)[-end:]
         super().data_received(data)
 
     def feed_data(self, data: Any, size: int = 0) -> None:
@@ -60,8 +63,6 @@ class _CountingHandler(ResponseHandler):
 
 
 # The pooled connection lent to this task's request, and the bytes it had received then (None: a new one).
-CHUNKED_END = b"0\r\n\r\n"  # the last chunk of a chunked body (RFC 9112, 7.1), no trailers
-
 _lent: contextvars.ContextVar[tuple[_CountingHandler, int] | None] = contextvars.ContextVar(
     "fairgate_upstream_lent", default=None
 )
